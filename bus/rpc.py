@@ -1,0 +1,237 @@
+"""Request/reply: the dispatcher (shared by both transports) and the ZeroMQ ROUTER/DEALER pair.
+
+Envelope meta: `rid` request id (unique per client), `dl` absolute deadline (epoch seconds).
+Backpressure contract: a server runs at most `max_inflight` handlers at once; beyond that it
+answers `busy` at once instead of queueing. A client's pending calls are bounded by the caller's
+own concurrency; each has a deadline and fails with DeadlineExceeded. A disconnect or failed CURVE
+handshake seen by the client's socket monitor fails every pending call with PeerUnavailable.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from laminar.bus import auth as _auth
+from laminar.bus.codec import decode, encode
+from laminar.bus.errors import (CodecError, DeadlineExceeded, PeerUnavailable, ProtocolMismatch,
+                                remote_error)
+from laminar.bus.transport import Handler, RpcClient, RpcServer
+from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
+
+log = structlog.get_logger("laminar.bus.rpc")
+
+
+class RequestError(Exception):
+    """Raise from a handler to send a typed ErrorReply (code from protocol.ERROR_CODES)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class Dispatcher:
+    """Routes a decoded request to its handler; enforces deadline and in-flight limit."""
+
+    def __init__(self, role: str, id: str, max_inflight: int):
+        self.role, self.id, self.max_inflight = role, id, max_inflight
+        self.handlers: dict[type, Handler] = {}
+        self.inflight = 0
+        self.stats: Counter[str] = Counter()
+
+    def route(self, cls: type, handler: Handler) -> None:
+        self.handlers[cls] = handler
+
+    async def handle(self, req: Any, meta: dict) -> Any:
+        self.stats["requests"] += 1
+        dl = meta.get("dl")
+        if isinstance(dl, (int, float)) and time.time() > dl:
+            self.stats["late"] += 1
+            return ErrorReply("deadline", f"{type(req).kind} arrived after its deadline")
+        if isinstance(req, Hello):
+            if req.protocol != PROTOCOL_VERSION:  # cannot happen after decode, kept for inproc
+                return ErrorReply("protocol_mismatch", str(ProtocolMismatch(req.protocol, PROTOCOL_VERSION)))
+            return Welcome(protocol=PROTOCOL_VERSION, role=self.role, id=self.id)
+        handler = self.handlers.get(type(req))
+        if handler is None:
+            self.stats["unknown_kind"] += 1
+            return ErrorReply("unknown_kind", f"{self.role}.{self.id} has no handler for {type(req).kind!r}")
+        if self.inflight >= self.max_inflight:
+            self.stats["busy"] += 1
+            return ErrorReply("busy", f"{self.role}.{self.id} has {self.inflight} requests in flight")
+        self.inflight += 1
+        try:
+            return await handler(req)
+        except RequestError as exc:
+            self.stats["refused"] += 1
+            return ErrorReply(exc.code, exc.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.stats["internal"] += 1
+            log.exception("handler_failed", role=self.role, id=self.id, kind=type(req).kind)
+            return ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+        finally:
+            self.inflight -= 1
+
+    def codec_error_reply(self, exc: CodecError) -> ErrorReply:
+        self.stats["bad_frames"] += 1
+        code = "protocol_mismatch" if isinstance(exc, ProtocolMismatch) else "bad_request"
+        return ErrorReply(code, str(exc))
+
+
+def _set_common(sock: zmq.Socket, hwm: int, linger_ms: int, max_msg: int) -> None:
+    sock.sndhwm = hwm
+    sock.rcvhwm = hwm
+    sock.linger = linger_ms
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
+
+
+class ZmqRpcServer(RpcServer):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, role: str, id: str, keys,
+                 max_inflight: int = 256, hwm: int = 10000, linger_ms: int = 200,
+                 max_msg: int = 64 << 20):
+        super().__init__(role, id, max_inflight)
+        self.ctx, self.address, self.keys = ctx, address, keys
+        self._opts = (hwm, linger_ms, max_msg)
+        self.sock: zmq.asyncio.Socket | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        sock = self.ctx.socket(zmq.ROUTER)
+        _set_common(sock, *self._opts)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        _auth.make_server(sock, self.keys)
+        sock.bind(self.address)
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sock = sock
+        self._loop_task = asyncio.create_task(self._serve(), name=f"rpc-server:{self.address}")
+
+    async def _serve(self) -> None:
+        assert self.sock is not None
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) < 2:
+                self.dispatcher.stats["bad_frames"] += 1
+                continue
+            ident, rest = frames[0], frames[1:]
+            try:
+                req, meta = decode(rest)
+            except CodecError as exc:
+                reply = self.dispatcher.codec_error_reply(exc)
+                rid = (exc.meta or {}).get("rid")
+                if rid is not None:
+                    await self._send(ident, reply, rid)
+                continue
+            t = asyncio.create_task(self._one(ident, req, meta), name=f"rpc:{type(req).kind}")
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _one(self, ident: bytes, req: Any, meta: dict) -> None:
+        reply = await self.dispatcher.handle(req, meta)
+        await self._send(ident, reply, meta.get("rid"))
+
+    async def _send(self, ident: bytes, reply: Any, rid: Any) -> None:
+        try:
+            await self.sock.send_multipart([ident, *encode(reply, {"rid": rid})])
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or shutting down
+            self.dispatcher.stats["reply_undeliverable"] += 1
+            log.debug("reply_undeliverable", error=str(exc))
+
+    async def close(self) -> None:
+        tasks = [t for t in [self._loop_task, *self._tasks] if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class ZmqRpcClient(RpcClient):
+    _ids = itertools.count(1)
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, keys, hwm: int = 10000,
+                 linger_ms: int = 0, max_msg: int = 64 << 20):
+        self.address = address
+        sock = ctx.socket(zmq.DEALER)
+        _set_common(sock, hwm, linger_ms, max_msg)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests towards a peer not connected
+        _auth.make_client(sock, keys)
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        sock.connect(address)
+        self.sock = sock
+        self.pending: dict[int, asyncio.Future] = {}
+        self.last_failure: str | None = None
+        self.late_replies = 0
+        self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._monitor_loop())]
+
+    async def call(self, req: Any, timeout: float = 5.0) -> Any:
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[rid] = fut
+        deadline = time.time() + timeout
+        try:
+            frames = encode(req, {"rid": rid, "dl": deadline})
+            async with asyncio.timeout(timeout):
+                await self.sock.send_multipart(frames, copy=len(frames) < 3)
+                reply = await fut
+        except TimeoutError:
+            why = f" (last connection failure: {self.last_failure})" if self.last_failure else ""
+            raise DeadlineExceeded(f"{type(req).kind} to {self.address}: no reply within {timeout:.3g}s{why}") from None
+        finally:
+            self.pending.pop(rid, None)
+        if isinstance(reply, ErrorReply):
+            raise remote_error(reply.code, reply.message)
+        return reply
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            try:
+                reply, meta = decode(frames)
+            except CodecError as exc:
+                code = "protocol_mismatch" if isinstance(exc, ProtocolMismatch) else "bad_request"
+                reply, meta = ErrorReply(code, f"reply from {self.address}: {exc}"), exc.meta or {}
+            fut = self.pending.get(meta.get("rid"))
+            if fut is None or fut.done():
+                self.late_replies += 1
+                continue
+            fut.set_result(reply)
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            msg = await recv_monitor_message(self._monitor)
+            ev = msg["event"]
+            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.last_failure = None
+                continue
+            if ev == zmq.EVENT_DISCONNECTED:
+                reason = "peer disconnected"
+            else:
+                reason = "CURVE handshake refused (is this process using the cluster key?)"
+            self.last_failure = reason
+            for fut in list(self.pending.values()):
+                if not fut.done():
+                    fut.set_exception(PeerUnavailable(f"{self.address}: {reason}"))
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(PeerUnavailable(f"{self.address}: client closed"))
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self.sock.close()

@@ -1,0 +1,191 @@
+"""Typed run configuration: one YAML file per run (`configs/`), validated before anything starts.
+
+    run:      name, seed, workdir             what this run is and where it writes
+    cluster:  hosts -> roles placement, broker ports, key folder, heartbeat timing, bus limits
+    roles:    per-role-kind settings, each validated by that role class's own `Config` model
+
+Every error names the file and the field (`configs/x.yaml: cluster.hosts.h0.roles.1.port: ...`).
+Relative paths (workdir, keys_dir) are taken relative to the current directory, which is the
+repository root for `make demo` and the WorkingDirectory of generated systemd units.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RoleSpec(Strict):
+    """One role instance placed on a host."""
+    role: str = Field(description="role kind, e.g. prompt_pool, rollout, relay, trainer, manager, broker")
+    id: str = Field("0", description="instance id, unique per role kind across the cluster")
+    port: int | None = Field(None, ge=1, le=65535, description="request/reply port, for roles that serve one")
+    cores: list[int] | None = Field(None, description="CPU cores to pin this process to (taskset)")
+    options: dict[str, Any] = Field(default_factory=dict, description="per-instance overrides of roles.<kind>")
+
+    @field_validator("id", mode="before")
+    @classmethod
+    def _id_str(cls, v: Any) -> str:
+        return str(v)
+
+    @property
+    def key(self) -> str:
+        return f"{self.role}.{self.id}"
+
+
+class HostSpec(Strict):
+    address: str = Field(description="address other hosts use to reach this one")
+    bind: str = Field("0.0.0.0", description="interface to bind listening sockets on")
+    roles: list[RoleSpec] = Field(default_factory=list)
+
+
+class BrokerSpec(Strict):
+    host: str = Field(description="host id (key of cluster.hosts) running the broker")
+    pub_port: int = Field(5550, ge=1, le=65535, description="XSUB port publishers connect to")
+    sub_port: int = Field(5551, ge=1, le=65535, description="XPUB port subscribers connect to")
+
+
+class BusSettings(Strict):
+    hwm: int = Field(10000, ge=1, description="high-water mark of every socket, in messages")
+    linger_ms: int = Field(200, ge=0, description="how long a closing socket may flush")
+    max_message_mb: int = Field(64, ge=1, description="largest frame a socket accepts")
+
+
+class ClusterSpec(Strict):
+    keys_dir: str | None = Field(".laminar/keys", description="folder of the cluster key (laminar-node keygen); null disables CURVE")
+    heartbeat_s: float = Field(1.0, gt=0, description="heartbeat period of every role")
+    dead_after_s: float = Field(5.0, gt=0, description="silence after which a peer is declared dead")
+    shutdown_s: float = Field(10.0, gt=0, description="deadline for a role's graceful stop")
+    bus: BusSettings = Field(default_factory=BusSettings)
+    broker: BrokerSpec
+    hosts: dict[str, HostSpec]
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterSpec":
+        if self.broker.host not in self.hosts:
+            raise ValueError(f"broker.host {self.broker.host!r} is not one of hosts {sorted(self.hosts)}")
+        seen: dict[str, str] = {}
+        for hid, host in self.hosts.items():
+            ports: dict[int, str] = {}
+            if hid == self.broker.host:
+                ports = {self.broker.pub_port: "broker.pub_port", self.broker.sub_port: "broker.sub_port"}
+            for spec in host.roles:
+                if spec.key in seen:
+                    raise ValueError(f"role {spec.key} placed twice (hosts {seen[spec.key]} and {hid})")
+                seen[spec.key] = hid
+                if spec.port is not None:
+                    if spec.port in ports:
+                        raise ValueError(f"hosts.{hid}: port {spec.port} of {spec.key} already used by {ports[spec.port]}")
+                    ports[spec.port] = spec.key
+        return self
+
+
+class RunSpec(Strict):
+    name: str = Field("run", description="run name; outputs go to <workdir>")
+    seed: int = Field(0, description="global seed")
+    workdir: str = Field("runs/run", description="folder for stores, checkpoints, logs, summaries")
+
+
+class LaminarConfig(Strict):
+    run: RunSpec = Field(default_factory=RunSpec)
+    cluster: ClusterSpec
+    roles: dict[str, dict[str, Any]] = Field(default_factory=dict, description="settings per role kind")
+    source: str = Field("<memory>", exclude=True, description="file this config was read from")
+
+    # -- placement helpers -------------------------------------------------------------
+    def placements(self) -> list[tuple[str, RoleSpec]]:
+        return [(hid, spec) for hid, host in self.cluster.hosts.items() for spec in host.roles]
+
+    def find(self, role: str) -> list[tuple[str, RoleSpec]]:
+        return [(h, s) for h, s in self.placements() if s.role == role]
+
+    def spec(self, role: str, id: str) -> tuple[str, RoleSpec]:
+        for h, s in self.placements():
+            if s.role == role and s.id == str(id):
+                return h, s
+        raise ConfigError(f"{self.source}: no role {role}.{id} in cluster.hosts")
+
+    def endpoint(self, role: str, id: str = "0") -> str:
+        """Address to connect to the request/reply server of role.id."""
+        host, s = self.spec(role, id)
+        if s.port is None:
+            raise ConfigError(f"{self.source}: role {role}.{id} has no port")
+        return f"tcp://{self.cluster.hosts[host].address}:{s.port}"
+
+    def bind_endpoint(self, role: str, id: str = "0") -> str:
+        host, s = self.spec(role, id)
+        if s.port is None:
+            raise ConfigError(f"{self.source}: role {role}.{id} has no port")
+        return f"tcp://{self.cluster.hosts[host].bind}:{s.port}"
+
+    def broker_endpoints(self) -> tuple[str, str]:
+        b = self.cluster.broker
+        addr = self.cluster.hosts[b.host].address
+        return f"tcp://{addr}:{b.pub_port}", f"tcp://{addr}:{b.sub_port}"
+
+    def role_settings(self, role: str, id: str = "0") -> dict[str, Any]:
+        _, s = self.spec(role, id)
+        return {**self.roles.get(role, {}), **s.options}
+
+    def workdir(self) -> Path:
+        return Path(self.run.workdir)
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "<top>"
+
+
+def parse_config(data: Any, source: str = "<memory>") -> LaminarConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping with run/cluster/roles")
+    try:
+        cfg = LaminarConfig.model_validate({**data, "source": source})
+    except ValidationError as exc:
+        lines = [f"{source}: {_loc(e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError("invalid config\n  " + "\n  ".join(lines)) from None
+    _validate_role_settings(cfg)
+    return cfg
+
+
+def _validate_role_settings(cfg: LaminarConfig) -> None:
+    from laminar.roles.registry import REGISTRY, role_config_class
+    for hid, spec in cfg.placements():
+        if spec.role not in REGISTRY:
+            raise ConfigError(f"{cfg.source}: cluster.hosts.{hid}.roles: unknown role {spec.role!r}; known: {sorted(REGISTRY)}")
+    for name, settings in cfg.roles.items():
+        if name not in REGISTRY:
+            raise ConfigError(f"{cfg.source}: roles.{name}: unknown role kind; known: {sorted(REGISTRY)}")
+    for hid, spec in cfg.placements():
+        model = role_config_class(spec.role)
+        try:
+            model.model_validate(cfg.role_settings(spec.role, spec.id))
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            where = f"roles.{spec.role}" if not spec.options else f"roles.{spec.role} (+ options of {spec.key})"
+            raise ConfigError(f"{cfg.source}: {where}.{_loc(e['loc'])}: {e['msg']}") from None
+
+
+def load_config(path: str | os.PathLike) -> LaminarConfig:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ConfigError(f"{p}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    return parse_config(data, str(p))

@@ -1,0 +1,56 @@
+"""The live view of `laminar-node up`: one row per role (supervisor state + its last heartbeat).
+
+Fed by the supervisor's state changes and by heartbeats/metrics read from the bus; rendered with
+rich when stdout is a terminal, else as one plain line per state change (logs, CI, tmux capture).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from laminar.protocol import Heartbeat, Metrics
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+class LiveView:
+    def __init__(self, title: str, plain: bool | None = None):
+        self.title = title
+        self.plain = (not sys.stdout.isatty()) if plain is None else plain
+        self.console = Console()
+        self.children: dict[str, Any] = {}
+        self.beats: dict[str, Heartbeat] = {}
+        self.metrics: dict[str, dict[str, float]] = {}
+
+    def child_changed(self, c) -> None:
+        self.children[c.key] = c
+        if self.plain:
+            print(f"[{time.strftime('%H:%M:%S')}] {c.key:<24} {c.state:<9} pid={c.pid} restarts={c.restarts}"
+                  + (f" last_exit={c.last_exit}" if c.last_exit is not None else ""), flush=True)
+
+    def observe(self, ev: Any) -> None:
+        if isinstance(ev, Heartbeat):
+            self.beats[f"{ev.role}.{ev.id}"] = ev
+        elif isinstance(ev, Metrics):
+            self.metrics.setdefault(f"{ev.role}.{ev.id}", {}).update(ev.values)
+
+    def render(self) -> Table:
+        t = Table(title=self.title, expand=False)
+        for col in ("role", "pid", "state", "restarts", "up s", "heartbeat", "status"):
+            t.add_column(col)
+        now = time.monotonic()
+        for key, c in sorted(self.children.items()):
+            hb = self.beats.get(key)
+            status = " ".join(f"{k}={_fmt(v)}" for k, v in (hb.status if hb else {}).items())
+            up = f"{now - c.started_at:.0f}" if c.pid else "-"
+            t.add_row(key, str(c.pid or "-"), c.state, str(c.restarts), up,
+                      f"#{hb.seq} {hb.state}" if hb else "-", status[:80])
+        return t

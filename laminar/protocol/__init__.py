@@ -1,0 +1,17 @@
+"""The one protocol of Laminar: every event and request that crosses a process boundary.
+
+Each message kind is a frozen dataclass registered with `@event("kind")`; the registry is what the
+codec (bus/codec.py) uses to route a frame before decoding its body. Arrays are numpy arrays in
+fields and travel as raw extra frames (dtype + shape in the header), never as lists.
+
+Rules (STYLE §1): add fields at the end only, with defaults; any incompatible change bumps
+PROTOCOL_VERSION, which every frame carries and every handshake compares.
+
+Submodules group the kinds by area (core: handshakes, errors, heartbeats, logs, metrics; later
+areas add their own files here) but this package is the only place kinds are defined.
+"""
+from laminar.protocol.registry import PROTOCOL_VERSION, event, kind_of, lookup, registered_kinds
+from laminar.protocol.core import *  # noqa: F401,F403  (re-export every kind)
+from laminar.protocol import core as _core
+
+__all__ = ["PROTOCOL_VERSION", "event", "kind_of", "lookup", "registered_kinds", *_core.__all__]

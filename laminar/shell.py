@@ -1,0 +1,176 @@
+"""The process shell shared by every role: config, logging, uvloop, signals, READY, bounded stop.
+
+    laminar-node role NAME --id ID CONFIG      (what `up` spawns and what systemd units run)
+
+Order of events in one role process:
+  1. parse and validate the config (before importing anything heavy);
+  2. configure structlog (component = role.id) and the bus transport (CURVE if keyed);
+  3. start heartbeats (state=starting), `await role.setup()`;
+  4. READY: a line on --ready-fd (the supervisor's handshake) and sd_notify READY=1 (systemd);
+  5. `role.run()` until it returns, raises, or SIGTERM/SIGINT/ctrl Shutdown asks to stop;
+  6. `role.stop()` under cluster.shutdown_s, then cancel what is left, close the transport.
+Exit code: 0 after a requested stop or a finished run, 1 when setup or run failed (systemd's
+Restart=on-failure and the supervisor restart exactly those).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from typing import Any, Callable
+
+import structlog
+
+from laminar import logs
+from laminar.bus.heartbeat import heartbeat_loop
+from laminar.bus.transport import Transport
+from laminar.protocol import Shutdown
+from laminar.roles.base import Role, RoleContext
+
+log = structlog.get_logger("laminar.shell")
+
+
+def make_transport(cfg) -> Transport:
+    from laminar.bus.auth import load_keys
+    from laminar.bus.zmq_transport import ZmqTransport
+    keys = load_keys(cfg.cluster.keys_dir) if cfg.cluster.keys_dir else None
+    pub, sub = cfg.broker_endpoints()
+    b = cfg.cluster.bus
+    return ZmqTransport(pub, sub, keys, hwm=b.hwm, linger_ms=b.linger_ms, max_msg=b.max_message_mb << 20)
+
+
+async def run_role(role: Role, *, heartbeat_s: float = 1.0, shutdown_s: float = 10.0,
+                   on_ready: Callable[[], None] = lambda: None, stop_signals: bool = True) -> int:
+    """Drive one role through its lifecycle on the running loop; returns the exit code."""
+    ctx = role.ctx
+    ctx.publisher = ctx.publisher or ctx.transport.publisher()
+    state = {"s": "starting"}
+    loop = asyncio.get_running_loop()
+    if stop_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, role.stopping.set)
+    hb = asyncio.create_task(heartbeat_loop(
+        ctx.publisher, ctx.role, ctx.id, ctx.host, heartbeat_s, role.status, lambda: state["s"],
+        lambda: _bad_frames(role)), name="heartbeat")
+    ctrl = asyncio.create_task(_follow_ctrl(role), name="ctrl")
+    code = 0
+    try:
+        setup = asyncio.ensure_future(role.setup())
+        stop_wait = asyncio.ensure_future(role.stopping.wait())
+        await asyncio.wait([setup, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if not setup.done():  # asked to stop while still setting up
+            setup.cancel()
+            await asyncio.gather(setup, return_exceptions=True)
+            return 0
+        setup.result()
+        state["s"] = "ready"
+        on_ready()
+        log.info("role_ready", role=ctx.role, id=ctx.id, pid=os.getpid())
+        run = asyncio.ensure_future(role.run())
+        await asyncio.wait([run, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if run.done():
+            run.result()
+            log.info("role_finished", role=ctx.role, id=ctx.id)
+        else:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+        stop_wait.cancel()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.error("role_failed", role=ctx.role, id=ctx.id, error=repr(exc), exc_info=exc)
+        code = 1
+    finally:
+        state["s"] = "stopping"
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(role.stop(), shutdown_s)
+        except TimeoutError:
+            log.error("stop_deadline_exceeded", role=ctx.role, id=ctx.id, deadline_s=shutdown_s)
+            code = code or 1
+        except Exception as exc:
+            log.error("stop_failed", role=ctx.role, id=ctx.id, error=repr(exc), exc_info=exc)
+            code = code or 1
+        for t in (hb, ctrl):
+            t.cancel()
+        await asyncio.gather(hb, ctrl, return_exceptions=True)
+        log.info("role_stopped", role=ctx.role, id=ctx.id, stop_s=round(time.monotonic() - t0, 3), code=code)
+    return code
+
+
+def _bad_frames(role: Role) -> int:
+    server = getattr(role, "server", None)
+    return server.stats.get("bad_frames", 0) if server is not None else 0
+
+
+async def _follow_ctrl(role: Role) -> None:
+    sub = role.ctx.transport.subscriber([f"ctrl.{role.ctx.role}.{role.ctx.id}", "ctrl.all"])
+    try:
+        while True:
+            _, ev = await sub.recv()
+            if isinstance(ev, Shutdown):
+                log.info("shutdown_requested", reason=ev.reason)
+                role.stopping.set()
+    finally:
+        sub.close()
+
+
+def _notify_ready(ready_fd: int | None) -> Callable[[], None]:
+    def ready() -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, b"READY\n")
+            os.close(ready_fd)
+        if os.environ.get("NOTIFY_SOCKET"):
+            import sdnotify
+            sdnotify.SystemdNotifier().notify("READY=1")
+    return ready
+
+
+async def _watchdog() -> None:
+    usec = int(os.environ.get("WATCHDOG_USEC", "0"))
+    if not usec or not os.environ.get("NOTIFY_SOCKET"):
+        return
+    import sdnotify
+    n = sdnotify.SystemdNotifier()
+    while True:  # ping at half the watchdog period, from the loop: a stuck loop gets restarted
+        n.notify("WATCHDOG=1")
+        await asyncio.sleep(usec / 2e6)
+
+
+def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
+              level: str = "info", host: str | None = None) -> int:
+    from laminar.config import load_config
+    from laminar.roles.registry import role_class
+    cfg = load_config(config_path)
+    placed_host, spec = cfg.spec(name, id)
+    mirror = logs.BusMirror(name, str(id))
+    logs.configure(f"{name}.{id}", level, mirror)
+    log.info("config_resolved", config=config_path, role=name, id=id,
+             settings=cfg.role_settings(name, id), run=cfg.run.model_dump())
+    if spec.cores:
+        os.sched_setaffinity(0, spec.cores)
+    cls = role_class(name)
+
+    async def go() -> int:
+        transport = make_transport(cfg)
+        ctx = RoleContext(role=name, id=str(id), host=host or placed_host or socket.gethostname(),
+                          transport=transport, settings=cfg.role_settings(name, id), config=cfg)
+        ctx.publisher = transport.publisher()
+        mirror.publisher = ctx.publisher
+        role = cls(ctx)
+        wd = asyncio.create_task(_watchdog(), name="watchdog")
+        try:
+            return await run_role(role, heartbeat_s=cfg.cluster.heartbeat_s, shutdown_s=cfg.cluster.shutdown_s,
+                                  on_ready=_notify_ready(ready_fd))
+        finally:
+            mirror.publisher = None
+            wd.cancel()
+            await transport.close()
+
+    try:
+        import uvloop
+        return uvloop.run(go())
+    except ImportError:
+        return asyncio.run(go())

@@ -1,0 +1,37 @@
+"""The broker role: hosts bus/broker.py's XSUB<->XPUB forwarder as a supervised process."""
+from __future__ import annotations
+
+import asyncio
+
+from laminar.bus.broker import Broker
+from laminar.roles.base import Role, RoleFailed
+
+
+class BrokerRole(Role):
+    name = "broker"
+
+    async def setup(self) -> None:
+        cfg = self.ctx.config
+        b = cfg.cluster.broker
+        bind = cfg.cluster.hosts[b.host].bind
+        keys = getattr(self.ctx.transport, "keys", None)
+        self.broker = Broker(f"tcp://{bind}:{b.pub_port}", f"tcp://{bind}:{b.sub_port}", keys,
+                             hwm=cfg.cluster.bus.hwm * 10)
+        self.broker.start()
+        self.log.info("broker_listening", pub=self.broker.pub_address, sub=self.broker.sub_address)
+
+    async def run(self) -> None:
+        while not self.stopping.is_set():
+            if not self.broker.is_alive():
+                raise RoleFailed(f"broker forwarder stopped: {self.broker.error!r}")
+            try:
+                await asyncio.wait_for(self.stopping.wait(), 1.0)  # liveness poll of the C thread
+            except TimeoutError:
+                pass
+
+    async def stop(self) -> None:
+        await super().stop()
+        await asyncio.to_thread(self.broker.stop)
+
+    def status(self) -> dict:
+        return {"pub": self.broker.pub_address, "sub": self.broker.sub_address}
