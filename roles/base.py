@@ -74,19 +74,23 @@ class Role:
         assert self.ctx.publisher is not None, "publisher is set by the shell before setup()"
         return self.ctx.publisher
 
-    def spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
+    def spawn(self, coro: Coroutine, name: str, oneshot: bool = False) -> asyncio.Task:
+        """Run `coro` as an owned task. A loop (default) that ends or raises fails the role; a
+        `oneshot` task may end normally, and fails the role only by raising."""
         if self._failure is None:
             self._failure = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(coro, name=f"{self.ctx.role}.{self.ctx.id}:{name}")
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(lambda t: self._task_done(t, oneshot))
         return task
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task, oneshot: bool = False) -> None:
         self._tasks.discard(task)
         if task.cancelled() or self.stopping.is_set():
             return
         exc = task.exception()
+        if exc is None and oneshot:
+            return
         err = RoleFailed(f"background task {task.get_name()} " + (f"raised {exc!r}" if exc else "ended"))
         if exc:
             self.log.error("task_failed", task=task.get_name(), error=repr(exc), exc_info=exc)

@@ -6,6 +6,12 @@ import importlib
 REGISTRY: dict[str, str] = {
     "broker": "laminar.roles.broker:BrokerRole",
     "echo": "laminar.roles.echo:EchoRole",
+    "manager": "laminar.roles.manager.role:ManagerRole",
+    "relay": "laminar.roles.relay.role:RelayRole",
+    "rollout": "laminar.roles.rollout.role:RolloutRole",
+    "prompt_pool": "laminar.roles.prompt_pool.role:PromptPoolRole",
+    "partial_pool": "laminar.roles.partial_pool.role:PartialPoolRole",
+    "experience_buffer": "laminar.roles.experience_buffer.role:ExperienceBufferRole",
 }
 
 

@@ -1,0 +1,230 @@
+"""Weight broadcast benchmark (issue 3): the relay chain vs naive fan-out vs torch.distributed
+(gloo) vs one raw socket transfer, on an emulated cluster network; plus the trainer's publish stall
+and the local pull rate on loopback. Prints tables, writes JSON.
+
+    sudo python bench/broadcast.py --quick --out runs/bench/broadcast.json   # S 64 MiB, K 1 and 8
+    sudo python bench/broadcast.py --out runs/bench/broadcast_full.json      # S 256 MiB + 1 GiB
+
+Network: host 0 (the trainer) and K relay hosts in network namespaces on a bridge, every egress
+shaped to R (laminar/testing/netns.py); one agent process per host (bench/broadcast_agent.py)
+runs the real data-plane code. A transfer of S bytes over one link is limited to S/R, so the raw
+single transfer is the physical limit and every method is reported as a ratio to it:
+  chain   publisher (host 0) -> relay 1 -> ... -> relay K, pipelined in chunks;
+  fanout  host 0 sends the version to each relay itself (its egress R is shared K ways);
+  gloo    torch.distributed.broadcast from rank 0 among the same K+1 hosts;
+  raw     one plain socket transfer host 0 -> host 1.
+Time = from the start on host 0 until the last relay holds the whole version (for the chain and
+fan-out: made visible, i.e. verified and committed). Steady state: one untimed version goes down
+the whole chain first (relays and the publisher allocate their buffers once, then reuse them). CPU use is the machine's busy share during
+each run (/proc/stat), to show the cores were not what limited it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import print_table, write_json  # noqa: E402
+
+import broadcast_local  # noqa: E402
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_ticks() -> tuple[int, int]:
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = f[3] + f[4]
+    return sum(f) - idle, sum(f)
+
+
+class Agents:
+    """One agent per namespace host; `call` sends to several, then gathers their replies."""
+
+    def __init__(self, net, n: int):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.procs = [net.popen(i, [sys.executable, str(ROOT / "bench" / "broadcast_agent.py"), net.address(i)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for i in range(n)]
+
+    def call(self, cmds: dict[int, dict]) -> dict[int, dict]:
+        for i, cmd in cmds.items():
+            self.procs[i].stdin.write(json.dumps(cmd) + "\n")
+            self.procs[i].stdin.flush()
+        out = {}
+        for i in cmds:
+            line = self.procs[i].stdout.readline()
+            if not line:
+                raise RuntimeError(f"agent {i} died (exit {self.procs[i].poll()})")
+            out[i] = json.loads(line)
+            if "error" in out[i]:
+                raise RuntimeError(f"agent {i}: {out[i]['error']}")
+        return out
+
+    def one(self, i: int, **cmd) -> dict:
+        return self.call({i: cmd})[i]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                    p.stdin.flush()
+                except (BrokenPipeError, OSError):
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()  # only the agents this program started
+                p.wait(5)
+
+
+class Bench:
+    def __init__(self, agents: Agents, chunk_mib: int):
+        self.a, self.chunk_mib = agents, chunk_mib
+        self.version = 0
+        self.addresses: dict[int, str] = {}
+
+    def start_relays(self, k_max: int) -> None:
+        got = self.a.call({i: {"op": "relay"} for i in range(1, k_max + 1)})
+        self.addresses = {i: r["address"] for i, r in got.items()}
+
+    def _wait(self, relays: list[int], version: int, timeout: float) -> float:
+        got = self.a.call({i: {"op": "wait_visible", "version": version, "timeout": timeout} for i in relays})
+        missing = [i for i, r in got.items() if not r["ok"]]
+        if missing:
+            raise RuntimeError(f"relays {missing} did not get v{version} within {timeout}s")
+        self.last_times = [got[i]["t"] for i in relays]
+        return max(self.last_times)
+
+    def raw(self, nbytes: int) -> float:
+        addr = self.a.one(1, op="raw_listen", nbytes=nbytes)["address"]
+        t0 = self.a.one(0, op="raw_send", address=addr, nbytes=nbytes)["t0"]
+        return self.a.one(1, op="raw_wait")["t"] - t0
+
+    def chain(self, nbytes: int, k: int, timeout: float) -> float:
+        for i in range(1, k + 1):
+            self.a.one(i, op="link", address=self.addresses[i + 1] if i < k else "")
+        self.a.one(0, op="target", address=self.addresses[1], chunk_mib=self.chunk_mib)
+        if self.version:  # untimed: newly linked relays first catch up with relay 1's version
+            self._wait(list(range(1, k + 1)), self.version, timeout)
+        self.version += 1
+        t0 = self.a.one(0, op="publish", version=self.version, nbytes=nbytes)["t0"]
+        return self._wait(list(range(1, k + 1)), self.version, timeout) - t0
+
+    def fanout(self, nbytes: int, k: int, timeout: float) -> float:
+        for i in range(1, k + 1):
+            self.a.one(i, op="link", address="")
+        self.version += 1
+        t0 = self.a.one(0, op="fanout", version=self.version, nbytes=nbytes, chunk_mib=self.chunk_mib,
+                        addresses=[self.addresses[i] for i in range(1, k + 1)])["t0"]
+        return self._wait(list(range(1, k + 1)), self.version, timeout) - t0
+
+    def gloo(self, nbytes: int, k: int, master: str) -> float:
+        port = random.randint(20000, 60000)
+        got = self.a.call({i: {"op": "gloo", "rank": i, "world": k + 1, "master": master, "port": port,
+                               "nbytes": nbytes} for i in range(k + 1)})
+        return max(r["t1"] for r in got.values()) - got[0]["t0"]
+
+
+def measure(fn, *args) -> tuple[float, float]:
+    b0, t0 = cpu_ticks()
+    secs = fn(*args)
+    b1, t1 = cpu_ticks()
+    return secs, 100.0 * (b1 - b0) / max(1, t1 - t0)
+
+
+def network_part(args, sizes: list[int], ks: list[int]) -> tuple[list[dict], dict]:
+    from laminar.testing.netns import NetnsCluster
+    k_max = max(ks)
+    rows: list[dict] = []
+    with NetnsCluster(k_max + 1, args.rate_mbit) as net:
+        agents = Agents(net, k_max + 1)
+        try:
+            agents.call({i: {"op": "import_torch"} for i in range(k_max + 1)})
+            b = Bench(agents, args.chunk_mib)
+            for s in sizes:
+                b.start_relays(k_max)  # fresh stores: at most two versions per relay in memory
+                limit = s / (args.rate_mbit * 1e6 / 8)
+                timeout = 10 * k_max * limit + 30
+                b.chain(s, k_max, timeout)  # untimed warm-up: buffers allocated, as in steady state
+                raw_s, cpu = measure(b.raw, s)
+                rows.append(dict(size_mib=s // MiB, k=1, method="raw", seconds=raw_s, cpu_pct=cpu))
+                # chain for K descending: every relay stays in sync, so no catch-up is needed
+                plan = [("chain", k, b.chain) for k in sorted(ks, reverse=True)] + \
+                       [("fanout", k, b.fanout) for k in ks] + [("gloo", k, None) for k in ks]
+                for method, k, fn in plan:
+                    if method == "gloo" and b.addresses:  # free the relays' memory for gloo's
+                        agents.call({i: {"op": "reset"} for i in b.addresses})
+                        b.addresses = {}
+                    if fn is None:
+                        secs, cpu = measure(b.gloo, s, k, net.address(0))
+                        rows.append(dict(size_mib=s // MiB, k=k, method=method, seconds=secs, cpu_pct=cpu))
+                        continue
+                    secs, cpu = measure(fn, s, k, timeout)
+                    rows.append(dict(size_mib=s // MiB, k=k, method=method, seconds=secs, cpu_pct=cpu,
+                                     relay_spread_s=max(b.last_times) - min(b.last_times)))
+                for r in rows:
+                    if r["size_mib"] == s // MiB:
+                        r["over_raw"] = r["seconds"] / raw_s
+                        r["over_limit"] = r["seconds"] / limit
+        finally:
+            agents.close()
+    return rows, {"rate_mbit": args.rate_mbit, "namespaces": "cleaned up"}
+
+
+def summary(rows: list[dict], size_mib: int, k: int) -> dict:
+    t = {r["method"]: r["seconds"] for r in rows if r["size_mib"] == size_mib and r["k"] in (k, 1)
+         and (r["k"] == k or r["method"] == "raw")}
+    return {f"chain_over_raw_k{k}": t["chain"] / t["raw"], f"fanout_over_chain_k{k}": t["fanout"] / t["chain"],
+            f"gloo_over_chain_k{k}": t["gloo"] / t["chain"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="S = 64 MiB, K in {1, 8} (under 60 s)")
+    p.add_argument("--out", default=None, help="JSON output file")
+    p.add_argument("--rate-mbit", type=float, default=400.0, help="egress rate R of every emulated host")
+    p.add_argument("--chunk-mib", type=int, default=1, help="chunk size of the chain and fan-out")
+    p.add_argument("--sizes-mib", type=int, nargs="*", default=None, help="override S (MiB)")
+    p.add_argument("--ks", type=int, nargs="*", default=None, help="override K")
+    p.add_argument("--skip-network", action="store_true", help="loopback measurements only (no root)")
+    args = p.parse_args()
+    sizes = [s * MiB for s in (args.sizes_mib or ([64] if args.quick else [256, 1024]))]
+    ks = args.ks or ([1, 8] if args.quick else [1, 2, 4, 8, 16])
+    t_start = time.time()
+
+    local = broadcast_local.run(sizes[0], args.chunk_mib * MiB, reps=3 if args.quick else 7)
+    print_table(f"loopback, unshaped, S = {sizes[0] // MiB} MiB", ["measure", "value"],
+                [[k, v] for k, v in local.items()])
+    out = {"sizes_mib": [s // MiB for s in sizes], "ks": ks, "chunk_mib": args.chunk_mib, "local": local,
+           "publish_stall_over_memcpy": local["publish_stall_over_memcpy"],
+           "pull_over_memcpy": local["pull_over_memcpy"]}
+    if not args.skip_network:
+        rows, net = network_part(args, sizes, ks)
+        out.update(net, rows=rows)
+        print_table(f"broadcast over namespaces, R = {args.rate_mbit:g} Mbit/s, chunk {args.chunk_mib} MiB",
+                    ["S MiB", "K", "method", "seconds", "x raw", "x S/R", "cpu %"],
+                    [[r["size_mib"], r["k"], r["method"], r["seconds"], r["over_raw"], r["over_limit"], r["cpu_pct"]]
+                     for r in rows])
+        k_ref = 8 if 8 in ks else max(ks)
+        for s in sizes:
+            out[f"summary_{s // MiB}mib"] = summary(rows, s // MiB, k_ref)
+        out.update(out[f"summary_{sizes[0] // MiB}mib"])
+    keys = [k for k in ("chain_over_raw_k8", "fanout_over_chain_k8", "gloo_over_chain_k8",
+                        "publish_stall_over_memcpy", "pull_over_memcpy") if k in out]
+    print_table("summary", ["key", "value"], [[k, out[k]] for k in keys])
+    out["wall_s"] = time.time() - t_start
+    print(f"\ntotal {out['wall_s']:.1f} s")
+    write_json(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

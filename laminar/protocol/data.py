@@ -1,0 +1,176 @@
+"""Kinds of the data module (DESIGN §1, §2): prompt pool, partial response pool, experience buffer.
+
+Everything here goes by request/reply and is acknowledged only once durable; every write is
+idempotent (trajectory ids, delta sequence numbers), so a retry after a lost reply does no harm.
+Token ids are int32 arrays, logprobs float32 arrays (raw frames on the wire).
+"""
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+import numpy as np
+
+from laminar.protocol.registry import event
+
+__all__ = [
+    "TrajectorySpec", "TakeBatch", "Batch", "RequeueGroups", "TokenDelta", "AppendDeltas",
+    "DeltaResult", "InFlightOf", "GetPartial", "PartialState", "PartialList", "ReassignPartial",
+    "CompletePartial", "Trajectory", "PutTrajectory", "PutResult", "SampleGroups", "Samples",
+    "BufferStatsRequest", "BufferStats", "PoolCount",
+]
+
+
+@event("data.trajectory_spec")
+class TrajectorySpec:
+    """One trajectory to generate: a member of a GRPO group (provenance travels with it)."""
+    trajectory_id: str
+    prompt_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    prompt_tokens: np.ndarray  # int32
+    answer: str = ""
+    max_tokens: int = 256
+
+
+# -- prompt pool ------------------------------------------------------------------------------
+@event("data.take_batch")
+class TakeBatch:
+    rollout_id: str
+    max_trajectories: int
+
+
+@event("data.batch")
+class Batch:
+    trajectories: list[TrajectorySpec]
+    exhausted: bool = False  # the dataset has no more epochs to hand out
+
+
+@event("data.requeue_groups")
+class RequeueGroups:
+    """Groups whose trajectories were lost before completion: hand them out again first."""
+    group_ids: list[str]
+
+
+# -- partial response pool -----------------------------------------------------------------------
+@event("data.token_delta")
+class TokenDelta:
+    trajectory_id: str
+    seq: int                   # 0, 1, 2, ... per trajectory: exactly-once by this number
+    tokens: np.ndarray         # int32, new tokens since seq-1
+    logprobs: np.ndarray       # float32, behaviour logprob of each new token
+    version: int               # weight version generating this trajectory
+    spec: TrajectorySpec | None = None  # required on seq 0
+
+
+@event("data.append_deltas")
+class AppendDeltas:
+    rollout_id: str
+    deltas: list[TokenDelta]
+
+
+@event("data.delta_result")
+class DeltaResult:
+    applied: int
+    duplicates: int
+    held: int                                   # out of order, waiting for the gap to fill
+    rejected: dict[str, str] = field(default_factory=dict)  # trajectory id -> why
+
+
+@event("data.in_flight_of")
+class InFlightOf:
+    rollout_id: str
+
+
+@event("data.get_partial")
+class GetPartial:
+    trajectory_id: str
+
+
+@event("data.partial_state")
+class PartialState:
+    spec: TrajectorySpec
+    tokens: np.ndarray     # int32, generated so far
+    logprobs: np.ndarray   # float32
+    version: int
+    rollout_id: str
+    next_seq: int
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(0, self.spec.max_tokens - len(self.tokens))
+
+
+@event("data.partial_list")
+class PartialList:
+    partials: list[PartialState]
+
+
+@event("data.reassign_partial")
+class ReassignPartial:
+    trajectory_id: str
+    rollout_id: str
+
+
+@event("data.complete_partial")
+class CompletePartial:
+    trajectory_ids: list[str]
+
+
+# -- experience buffer ----------------------------------------------------------------------------
+@event("data.trajectory")
+class Trajectory:
+    """A finished, scored trajectory with full provenance (STYLE §7)."""
+    spec: TrajectorySpec
+    response_tokens: np.ndarray     # int32
+    logprobs: np.ndarray            # float32, behaviour logprobs
+    version: int
+    rollout_id: str
+    reward: float
+    finish_reason: str = "stop"     # stop | length | abort
+    loss_mask: np.ndarray | None = None  # uint8 per response token (0 = tool output), None = all 1
+    timings: dict[str, float] = field(default_factory=dict)  # phase -> epoch seconds
+
+
+@event("data.put_trajectory")
+class PutTrajectory:
+    trajectory: Trajectory
+
+
+@event("data.put_result")
+class PutResult:
+    status: str  # stored | duplicate | full
+    detail: str = ""
+
+
+@event("data.sample_groups")
+class SampleGroups:
+    num_groups: int
+    trainer_version: int
+
+
+@event("data.samples")
+class Samples:
+    groups: list[list[Trajectory]]
+    cursor: int                     # groups handed out so far (checkpointed by the trainer)
+    dropped_stale: int = 0
+
+
+@event("data.buffer_stats_request")
+class BufferStatsRequest:
+    pass
+
+
+@event("data.buffer_stats")
+class BufferStats:
+    counts: dict[str, int]
+    staleness_histogram: dict[str, int] = field(default_factory=dict)
+
+
+@event("data.pool_count")
+class PoolCount:
+    """Published on `metrics.<pool>` by each pool: its full current counts."""
+    role: str
+    id: str
+    counts: dict[str, Any] = field(default_factory=dict)

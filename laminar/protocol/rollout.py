@@ -1,0 +1,50 @@
+"""Kinds of the rollout role (DESIGN §2, §5): its periodic report and the migration commands.
+
+RolloutStats is pub/sub on `rollout.stats.<id>` (each carries the full current state, so a lost
+one costs nothing); MigrateOut/MigrateIn are request/reply from the manager and must arrive.
+"""
+from __future__ import annotations
+
+from laminar.protocol.data import PartialState
+from laminar.protocol.registry import event
+
+__all__ = ["RolloutStats", "MigrateOut", "MigrateIn", "MigrateInResult"]
+
+
+@event("rollout.stats")
+class RolloutStats:
+    rollout_id: str
+    host: str
+    version: int              # weight version loaded in the engine
+    kv_usage: float           # 0..1, from vLLM's scheduler statistics
+    running: int              # trajectories the engine is decoding
+    waiting: int              # trajectories queued in the engine
+    active: int               # trajectories this rollout owns (running + waiting + finishing)
+    tokens_per_s: float       # generated tokens per second over the last interval
+    state: str                # idle | generating | loading | draining
+    batches: int = 0
+    generated_tokens: int = 0
+    control_address: str = ""  # where MigrateOut/MigrateIn go
+    ts: float = 0.0
+
+
+@event("rollout.migrate_out")
+class MigrateOut:
+    """Abort these trajectories and return their final partial state (durable in the pool first)."""
+    trajectory_ids: list[str]
+    reason: str = "repack"
+
+
+@event("rollout.migrate_in")
+class MigrateIn:
+    """Continue these trajectories here: prompt + generated tokens become the new prefix.
+
+    Refused (code `refused`) unless every partial's version equals this rollout's version.
+    """
+    partials: list[PartialState]
+
+
+@event("rollout.migrate_in_result")
+class MigrateInResult:
+    accepted: list[str]
+    version: int

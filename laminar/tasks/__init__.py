@@ -1,0 +1,17 @@
+"""Tasks: reward functions (verifiers) and, later, multi-turn environments.
+
+A reward is a plain callable `reward(spec: TrajectorySpec, response_tokens: list[int]) -> float`,
+named in the config as "package.module:function".
+"""
+import importlib
+from typing import Callable
+
+
+def load_callable(path: str) -> Callable:
+    module, _, name = path.partition(":")
+    if not name:
+        raise ValueError(f"{path!r}: expected 'package.module:function'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {path!r}: {exc}") from None

@@ -1,0 +1,29 @@
+"""Rule-based rewards over byte-tokenized text (the tiny models' tokenizer: id = byte + 3)."""
+from __future__ import annotations
+
+EOS, OFFSET = 2, 3
+
+
+def decode_bytes(tokens) -> str:
+    out = bytearray()
+    for t in tokens:
+        t = int(t)
+        if t == EOS:
+            break
+        if t >= OFFSET and t - OFFSET < 256:
+            out.append(t - OFFSET)
+    return out.decode("utf-8", errors="replace")
+
+
+def exact_answer(spec, response_tokens) -> float:
+    """1.0 if the response (up to EOS, stripped) equals the reference answer, else 0.0."""
+    return 1.0 if decode_bytes(response_tokens).strip() == spec.answer.strip() else 0.0
+
+
+def answer_prefix(spec, response_tokens) -> float:
+    """1.0 if the response starts with the reference answer (format-free check)."""
+    return 1.0 if decode_bytes(response_tokens).strip().startswith(spec.answer.strip()) else 0.0
+
+
+def zero(spec, response_tokens) -> float:
+    return 0.0

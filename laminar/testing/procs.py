@@ -1,0 +1,113 @@
+"""Role processes for multi-process tests: start with a READY handshake, stop or kill by pid.
+
+    p = RoleProc("relay", "r1", config_path, log_dir).start()
+    p.wait_ready(timeout=30)     # the role wrote READY on its --ready-fd pipe (setup finished)
+    p.kill()                     # SIGKILL this one process (chaos tests)
+    p.stop()                     # SIGTERM, wait, SIGKILL if it overstays
+
+Each process's stdout+stderr go to `<log_dir>/<role>.<id>.log` (JSON log lines), which tests read
+to find events such as `chain_repaired`. Only processes started here are ever signalled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RoleProc:
+    def __init__(self, role: str, id: str, config: str | os.PathLike, log_dir: str | os.PathLike,
+                 env: dict | None = None):
+        self.role, self.id, self.config = role, str(id), str(config)
+        self.log_path = Path(log_dir) / f"{role}.{id}.log"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self._ready_r: int | None = None
+
+    def start(self) -> "RoleProc":
+        r, w = os.pipe()
+        argv = [sys.executable, "-m", "laminar.cli", "--log-level", "info", "role", self.role, self.config,
+                "--id", self.id, "--ready-fd", str(w)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, pass_fds=(w,), stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
+        os.close(w)
+        self._ready_r = r
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline, buf = time.monotonic() + timeout, b""
+        try:
+            while b"READY" not in buf:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.role}.{self.id} not ready within {timeout}s\n{self.tail()}")
+                ready, _, _ = select.select([self._ready_r], [], [], left)
+                if ready:
+                    chunk = os.read(self._ready_r, 64)
+                    if not chunk:
+                        raise RuntimeError(f"{self.role}.{self.id} exited before READY "
+                                           f"(code {self.proc.poll()})\n{self.tail()}")
+                    buf += chunk
+        finally:
+            os.close(self._ready_r)
+            self._ready_r = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self._ready_r is not None:
+            os.close(self._ready_r)
+            self._ready_r = None
+        return self.proc.returncode
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def events(self, name: str) -> list[dict]:
+        """Log events (JSON lines) of this process whose `event` is `name`."""
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if f'"{name}"' in line:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("event") == name:
+                    out.append(ev)
+        return out

@@ -1,0 +1,180 @@
+"""RelayNode: the data plane of one relay, in threads, independent of the bus.
+
+    node = RelayNode("r1", "/dev/shm/laminar-r1", get_transport("tcp"), key)
+    node.start()                       # listener thread; accepts one upstream at a time
+    node.set_downstream("10.0.0.3:7001", "r2")   # connect + authenticate, start forwarding
+    node.stop()
+
+The relay role (roles/relay) wraps it with the bus (join the manager's chain, SetDownstream,
+progress reports); bench/broadcast.py drives it directly inside network namespaces, so what is
+benchmarked is this very code.
+
+Threads: `accept` (listener), one receiver (a newer upstream connection replaces the old one,
+which is closed and joined first, so two upstreams never write the same version), one forwarder
+(Sender). `on_event(kind, **info)` is called from those threads; kinds: offer, progress,
+complete, corrupt (receiver), upstream (a new upstream connected), link_down (forwarder lost its
+downstream: the owner tells the manager), delivered.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import structlog
+
+from laminar.weights import wire
+from laminar.weights.receiver import Receiver
+from laminar.weights.sender import Sender
+from laminar.weights.store import ShmStore
+from laminar.weights.transport import ChunkTransport, LinkError
+
+log = structlog.get_logger("laminar.weights.node")
+
+
+class RelayNode:
+    def __init__(self, relay_id: str, shm_dir: str, transport: ChunkTransport, key: bytes,
+                 bind_host: str = "127.0.0.1", port: int = 0,
+                 on_event: Callable[..., None] = lambda kind, **kw: None,
+                 connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0):
+        self.id, self.transport, self.key = relay_id, transport, key
+        self.store = ShmStore(shm_dir)
+        self.bind_host, self.port = bind_host, port
+        self.on_event = on_event
+        self.connect_timeout_s, self.ack_timeout_s = connect_timeout_s, ack_timeout_s
+        self.lock = threading.Lock()
+        self.link_lock = threading.Lock()  # one set_downstream at a time
+        self.receiver: Receiver | None = None
+        self.receiver_thread: threading.Thread | None = None
+        self.sender: Sender | None = None
+        self.sender_thread: threading.Thread | None = None
+        self.downstream = ""
+        self.upstream = ""
+        self.corrupt = 0
+        self._stop = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return self.listener.address
+
+    def start(self) -> None:
+        self.store.open()
+        self.listener = self.transport.listen(self.bind_host, self.port)
+        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"relay-{self.id}-accept", daemon=True)
+        self._accept_thread.start()
+
+    # -- upstream side ---------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn = self.listener.accept(timeout=0.5)
+            except LinkError:
+                if self._stop.is_set():
+                    return
+                raise
+            if conn is None:
+                continue
+            try:
+                wire.server_handshake(conn, self.key)
+            except (LinkError, OSError) as exc:
+                log.warning("upstream_refused", relay=self.id, peer=conn.peer, error=str(exc))
+                conn.close()
+                continue
+            self._take_upstream(conn)
+
+    def _take_upstream(self, conn) -> None:
+        with self.lock:
+            old, old_thread = self.receiver, self.receiver_thread
+            if old is not None:
+                old.stop()
+        if old_thread is not None:
+            old_thread.join(timeout=10.0)
+        rcv = Receiver(self.store, conn, self._on_receiver_event)
+        t = threading.Thread(target=self._run_receiver, args=(rcv,), name=f"relay-{self.id}-recv", daemon=True)
+        with self.lock:
+            self.receiver, self.receiver_thread, self.upstream = rcv, t, conn.peer
+        t.start()
+        self.on_event("upstream", peer=conn.peer)
+
+    def _run_receiver(self, rcv: Receiver) -> None:
+        try:
+            rcv.run()
+        except LinkError as exc:
+            if not self._stop.is_set():
+                log.info("upstream_closed", relay=self.id, peer=rcv.conn.peer, reason=str(exc))
+        except Exception as exc:  # a bug or a local failure (e.g. /dev/shm full): loud, and the
+            # upstream sees the connection drop, reports it, and the manager re-links us
+            log.error("receiver_failed", relay=self.id, peer=rcv.conn.peer, error=repr(exc), exc_info=exc)
+        finally:
+            rcv.conn.close()
+
+    def _on_receiver_event(self, kind: str, **info) -> None:
+        if kind == "corrupt":
+            self.corrupt += 1
+        self.on_event(kind, **info)
+
+    # -- downstream side -------------------------------------------------------------------
+    def set_downstream(self, address: str, peer_id: str = "") -> None:
+        """Forward to `address` from now on ("" = none). Blocks until connected and
+        authenticated (raises LinkError if that fails); the stream itself runs in a thread."""
+        with self.link_lock:
+            self._set_downstream(address, peer_id)
+
+    def _set_downstream(self, address: str, peer_id: str) -> None:
+        self._drop_sender()
+        if not address:
+            self.downstream = ""
+            return
+        conn = wire.connect(self.transport, address, self.key, self.connect_timeout_s)
+        sender = Sender(self.store, conn, name=f"relay-{self.id}->{peer_id or address}",
+                        ack_timeout_s=self.ack_timeout_s,
+                        on_delivered=lambda v: self.on_event("delivered", peer=peer_id, version=v))
+        t = threading.Thread(target=self._run_sender, args=(sender, peer_id or address),
+                             name=f"relay-{self.id}-send", daemon=True)
+        with self.lock:
+            self.sender, self.sender_thread, self.downstream = sender, t, peer_id or address
+        t.start()
+
+    def _drop_sender(self) -> None:
+        with self.lock:
+            sender, t = self.sender, self.sender_thread
+            self.sender = self.sender_thread = None
+        if sender is not None:
+            sender.stop()
+            t.join(timeout=10.0)
+
+    def _run_sender(self, sender: Sender, peer: str) -> None:
+        try:
+            sender.run()
+        except Exception as exc:  # LinkError, or a bug: either way this downstream link is down
+            if not isinstance(exc, LinkError):
+                log.error("sender_failed", relay=self.id, peer=peer, error=repr(exc), exc_info=exc)
+            with self.lock:
+                current = self.sender is sender
+            if current and not self._stop.is_set():
+                log.warning("downstream_lost", relay=self.id, peer=peer, error=str(exc))
+                self.on_event("link_down", peer=peer, error=str(exc))
+
+    # -- state -----------------------------------------------------------------------------
+    def status(self) -> dict:
+        with self.store.cond:
+            cur, inc = self.store.current, self.store.incoming
+            return {
+                "version": cur.version if cur else -1,
+                "receiving": inc.version if inc else -1,
+                "chunks_have": inc.count if inc else (cur.n if cur else 0),
+                "chunks_total": inc.n if inc else (cur.n if cur else 0),
+                "corrupt_chunks": self.corrupt,
+                "upstream": self.upstream, "downstream": self.downstream,
+            }
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.store.stop()
+        self._drop_sender()
+        with self.lock:
+            rcv, t = self.receiver, self.receiver_thread
+        if rcv is not None:
+            rcv.stop()
+            t.join(timeout=10.0)
+        self.listener.close()
+        self._accept_thread.join(timeout=5.0)

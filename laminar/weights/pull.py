@@ -1,0 +1,133 @@
+"""Local pull: a rollout reads its host relay's newest complete version from shared memory.
+
+    weights = LocalWeights("/dev/shm/laminar-run-relay-h0")
+    with weights.latest() as pulled:          # None until the relay has a version
+        for name, tensor in pulled.tensors():  # read-only views into shared memory, no copy
+            ...load into the engine (vLLM reload_weights / a host-to-device copy)...
+    version = weights.pull_into(state_dict)   # or: copy the newest version into tensors you own
+
+Consistency (laminar/weights/store.py): the relay writes a version into the slot that is not
+current, under an exclusive flock, and names it in `current` only when complete. A pull takes a
+shared flock on the slot `current` names, then checks `current` still names that very inode: from
+then on the relay will not write that file (it receives into a fresh file instead), so the views
+stay a complete, verified version until `close()`. Views used after `close()` are unprotected.
+
+Speed: mappings are cached per slot file and reused while the relay reuses the file, so a pull
+costs no page-table set-up (MAP_POPULATE is paid once per slot, not per version) and reading is
+plain memory access: `pull_into` is one copy from the page cache into the destination.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+from laminar.protocol import Manifest
+from laminar.weights.manifest import verify
+from laminar.weights.store import read_pointer
+
+_RETRIES = 64
+
+
+class PulledVersion:
+    """One complete version, held (shared lock) until close()."""
+
+    def __init__(self, manifest: Manifest, buf: mmap.mmap, fd: int):
+        self.manifest, self.buf, self._fd = manifest, buf, fd
+        self.version = manifest.version
+
+    def tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
+        import torch
+        m = self.manifest
+        with warnings.catch_warnings():  # read-only on purpose: torch warns about that
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for name, dt, shape, off, n in zip(m.names, m.dtypes, m.shapes, m.offsets, m.nbytes):
+                dtype = getattr(torch, dt)
+                if n == 0:
+                    yield name, torch.empty(shape, dtype=dtype)
+                    continue
+                yield name, torch.frombuffer(self.buf, dtype=dtype, count=n // dtype.itemsize, offset=off).view(shape)
+
+    def state_dict(self) -> dict[str, "torch.Tensor"]:
+        return dict(self.tensors())
+
+    def verify(self) -> list[int]:
+        """Indices of chunks whose checksum differs from the manifest (empty: intact)."""
+        return verify(self.manifest, self.buf)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the shared lock; the relay may now reuse the slot
+            self._fd = None
+
+    def __enter__(self) -> "PulledVersion":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LocalWeights:
+    def __init__(self, shm_dir: str | os.PathLike):
+        self.dir = Path(shm_dir)
+        self._maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # slot -> (inode, size, mapping)
+
+    def manifest(self) -> Manifest | None:
+        ptr = read_pointer(self.dir)
+        return None if ptr is None else ptr[2]
+
+    def current_version(self) -> int:
+        m = self.manifest()
+        return -1 if m is None else m.version
+
+    def _mapping(self, slot: int, fd: int, ino: int, size: int) -> mmap.mmap:
+        cached = self._maps.get(slot)
+        if cached and cached[0] == ino and cached[1] == size:
+            return cached[2]
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        # mmap keeps a dup of the descriptor it is given, and a dup shares the flock: map
+        # through a separate open of the same inode, or the cached mapping would hold the lock
+        own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+        try:
+            buf = mmap.mmap(own, size, flags=flags, prot=mmap.PROT_READ)
+        finally:
+            os.close(own)
+        self._maps[slot] = (ino, size, buf)  # the previous mapping goes when its views do
+        return buf
+
+    def latest(self, min_version: int = -1) -> PulledVersion | None:
+        """Hold the newest complete version (None if none, or none newer than min_version)."""
+        for _ in range(_RETRIES):
+            ptr = read_pointer(self.dir)
+            if ptr is None or ptr[2].version <= min_version:
+                return None
+            slot, ino, m = ptr
+            try:
+                fd = os.open(self.dir / f"slot{slot}.bin", os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                if os.fstat(fd).st_ino == ino and read_pointer(self.dir) == ptr:
+                    return PulledVersion(m, self._mapping(slot, fd, ino, m.total_bytes), fd)
+            except BlockingIOError:
+                pass  # the relay is writing that slot: `current` has moved on, read it again
+            os.close(fd)
+        raise RuntimeError(f"{self.dir}: could not get hold of a version in {_RETRIES} tries")
+
+    def pull_into(self, dst: dict, min_version: int = -1) -> int:
+        """Copy the newest complete version into `dst` (same names, dtypes, shapes; any device);
+        returns its version, or -1 if none is newer than `min_version` (dst untouched)."""
+        pulled = self.latest(min_version)
+        if pulled is None:
+            return -1
+        with pulled:
+            for name, t in pulled.tensors():
+                d = dst[name]
+                if d.dtype != t.dtype or d.shape != t.shape:
+                    raise ValueError(f"{name}: destination is {d.dtype}{list(d.shape)}, version has {t.dtype}{list(t.shape)}")
+                d.copy_(t)
+            return pulled.version

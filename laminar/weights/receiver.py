@@ -1,0 +1,100 @@
+"""Receiver: takes versions from one upstream connection into a ShmStore, verifying every chunk.
+
+A chunk is received straight into its place in the incoming version's shared-memory file (no
+copy), then its xxh3 digest is compared with the one the sender put in the header, which is the
+digest the publisher computed from the trainer's own bytes. A mismatch is counted, answered with
+NACK (the sender sends the chunk again) and the chunk stays absent: it is never marked present,
+so it is never forwarded and never becomes visible. Chunks the store already holds (a resend, a
+resumed stream after a repair) are drained into scratch memory and dropped.
+
+`on_event(kind, **info)` is called from this thread: "offer", "progress", "complete", "corrupt".
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from laminar.weights import wire
+from laminar.weights.manifest import chunk_count, checksum, manifest_from_bytes
+from laminar.weights.store import ShmStore, VersionBuffer
+from laminar.weights.transport import Conn, LinkError
+
+
+class Receiver:
+    def __init__(self, store: ShmStore, conn: Conn, on_event: Callable[..., None] = lambda kind, **kw: None):
+        self.store, self.conn, self.on_event = store, conn, on_event
+        self.vb: VersionBuffer | None = None
+        self.scratch: bytearray | None = None
+        self.stats = {"chunks": 0, "bytes": 0, "corrupt": 0, "duplicates": 0, "versions": 0}
+
+    def stop(self) -> None:
+        self.conn.close()
+
+    def run(self) -> None:
+        """Receive until the connection ends (raises LinkError; a closed conn is the normal end)."""
+        while True:
+            h = wire.recv(self.conn)
+            if h.type == wire.OFFER:
+                self._offer(h)
+            elif h.type == wire.CHUNK:
+                self._chunk(h)
+            else:
+                raise LinkError(f"unexpected {wire.NAMES[h.type]} from upstream {self.conn.peer}")
+
+    def _offer(self, h: wire.Header) -> None:
+        try:
+            m = manifest_from_bytes(wire.recv_small(self.conn, h))
+        except ValueError as exc:
+            raise LinkError(f"upstream {self.conn.peer} offered a bad manifest: {exc}") from None
+        if m.version != h.version:
+            raise LinkError(f"OFFER header says v{h.version}, manifest says v{m.version}")
+        with self.store.cond:
+            vb = self.store.begin(m)
+            have = vb.prefix if vb.version == m.version else chunk_count(m)
+        self.vb = vb if vb.version == m.version and not vb.complete else None
+        wire.send(self.conn, wire.WANT, m.version, a=have)
+        self.on_event("offer", version=m.version, first_missing=have, chunks=chunk_count(m))
+
+    def _drain(self, n: int) -> None:
+        if self.scratch is None or len(self.scratch) < n:
+            self.scratch = bytearray(n)
+        self.conn.recv_into(memoryview(self.scratch)[:n])
+
+    def _chunk(self, h: wire.Header) -> None:
+        vb, i = self.vb, h.a
+        if vb is not None and h.version == vb.version and not vb.abandoned and 0 <= i < vb.n:
+            dst = vb.chunk(i)
+            if h.length != len(dst):
+                raise LinkError(f"chunk {i} of v{h.version}: {h.length} bytes, expected {len(dst)}")
+            if not vb.have[i]:
+                self.conn.recv_into(dst)
+                self._verify(vb, i, dst, h.b)
+                return
+        if h.length > (vb.manifest.chunk_bytes if vb is not None else 1 << 30):
+            raise LinkError(f"chunk of {h.length} bytes exceeds the chunk size")
+        self.stats["duplicates"] += 1
+        self._drain(h.length)
+
+    def _verify(self, vb: VersionBuffer, i: int, dst: memoryview, want: int) -> None:
+        digest = checksum(dst)
+        if digest != want:
+            self.stats["corrupt"] += 1
+            wire.send(self.conn, wire.NACK, vb.version, a=i)
+            self.on_event("corrupt", version=vb.version, chunk=i)
+            return
+        self.stats["chunks"] += 1
+        self.stats["bytes"] += len(dst)
+        with self.store.cond:
+            if vb.abandoned:
+                return
+            vb.mark(i, digest)
+            self.store.cond.notify_all()
+            done = vb.complete
+            if done:
+                self.store.commit(vb)
+        if done:
+            self.stats["versions"] += 1
+            self.vb = None
+            wire.send(self.conn, wire.DONE, vb.version)
+            self.on_event("complete", version=vb.version, chunks=vb.n)
+        else:
+            self.on_event("progress", version=vb.version, have=vb.count, chunks=vb.n)

@@ -1,0 +1,256 @@
+"""Versions in memory: `VersionBuffer` (one version being filled or complete) and `ShmStore` (a
+relay's double buffer in /dev/shm, shared with the rollouts of its host).
+
+Layout of a store folder: `slot0.bin`, `slot1.bin` (the two buffers) and `current` (the pointer:
+which slot, which inode, and the manifest with every checksum). Files are reused across versions,
+so neither the relay (writing) nor a rollout (reading through a cached mapping, pull.py) pays for
+page faults or page-table set-up per version; that is what lets a local pull run near memcpy speed.
+
+Visibility and safety contract (what a local reader relies on):
+- a version is received into the slot that is not current, under an exclusive flock(2); it is
+  named by `current` only after every chunk arrived and verified: commit writes
+  `current.tmp` and renames it over `current` (atomic), then drops the exclusive lock;
+- the current slot is never written; a reader takes a shared flock on the slot it reads and
+  checks that `current` still names that inode, so it only ever sees a complete version;
+- when the slot to receive into is still held by a reader (or by this relay's own forwarder
+  streaming an older version), the relay does not wait: it unlinks that file and receives into a
+  fresh one under the same name. The holder keeps its inode, intact, until it lets go;
+- chunks that arrive for a chunk already held are drained to scratch memory by the receiver, so a
+  corrupt duplicate cannot overwrite verified bytes.
+
+Threading: one condition (`cond`) guards all state; receivers mark chunks and forwarders wait on it
+for the next chunk, so forwarding chunk i overlaps receiving chunk i+1.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import msgpack
+
+from laminar.protocol import Manifest
+from laminar.weights.manifest import (chunk_count, chunk_range, manifest_from_bytes,
+                                      manifest_to_bytes, same_layout, verify, with_version)
+
+CURRENT = "current"
+
+
+class VersionBuffer:
+    """A flat buffer for one version plus which chunks of it are present and verified."""
+
+    def __init__(self, manifest: Manifest, buf, path: Path | None = None, slot: int = -1):
+        self.manifest = manifest
+        self.version = manifest.version
+        self.n = chunk_count(manifest)
+        self.buf = buf                      # mmap (relay: a slot file; publisher: anonymous)
+        self.view = memoryview(buf)[: manifest.total_bytes]
+        self.path, self.slot = path, slot
+        self.fd: int | None = None          # the slot file, exclusively locked while filling
+        self.checksums: list[int] = list(manifest.checksums) if manifest.checksums else [0] * self.n
+        self.have = bytearray(self.n)
+        self.count = 0
+        self.prefix = 0                     # chunks [0, prefix) are all present
+        self.abandoned = False              # superseded before completion: stop waiting on it
+        self.readers = 0                    # forwarders streaming from it
+
+    @property
+    def complete(self) -> bool:
+        return self.count == self.n
+
+    def chunk(self, i: int) -> memoryview:
+        s, n = chunk_range(self.manifest, i)
+        return self.view[s:s + n]
+
+    def mark(self, i: int, digest: int) -> None:
+        """Record chunk i as present with `digest` (caller holds the condition)."""
+        if self.have[i]:
+            return
+        self.have[i] = 1
+        self.checksums[i] = digest
+        self.count += 1
+        while self.prefix < self.n and self.have[self.prefix]:
+            self.prefix += 1
+
+    def mark_all(self, checksums: list[int]) -> None:
+        self.checksums = list(checksums)
+        self.have = bytearray(b"\1" * self.n)
+        self.count = self.prefix = self.n
+
+    def full_manifest(self) -> Manifest:
+        return with_version(self.manifest, self.version, self.checksums)
+
+
+def read_pointer(directory: Path) -> tuple[int, int, Manifest] | None:
+    """(slot, inode, manifest) named by `current`, or None (raises ValueError if corrupt)."""
+    try:
+        raw = (directory / CURRENT).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        d = msgpack.unpackb(raw)
+        slot, ino, m = int(d["slot"]), int(d["ino"]), manifest_from_bytes(d["manifest"])
+    except (ValueError, KeyError, TypeError, msgpack.ExtraData) as exc:
+        raise ValueError(f"{directory / CURRENT}: bad pointer: {exc}") from None
+    if slot not in (0, 1) or len(m.checksums) != chunk_count(m):
+        raise ValueError(f"{directory / CURRENT}: bad pointer")
+    return slot, ino, m
+
+
+class ShmStore:
+    """A relay's versions: `current` (newest complete, visible) and `incoming` (being received)."""
+
+    preempt = True  # forwarders switch to a newer version as soon as it starts arriving
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        self.cond = threading.Condition()
+        self.current: VersionBuffer | None = None
+        self.incoming: VersionBuffer | None = None
+        self.previous: VersionBuffer | None = None  # the version `current` replaced
+        self.stopped = False
+        self.maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # slot -> (inode, size, mapping)
+        self.fresh_files = 0  # times a slot was held by a reader and replaced by a new file
+
+    def slot_path(self, slot: int) -> Path:
+        return self.dir / f"slot{slot}.bin"
+
+    def open(self) -> None:
+        """Create the folder; adopt a verified version left by a previous run, drop the rest."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        keep: set[str] = set()
+        try:
+            ptr = read_pointer(self.dir)
+            if ptr is not None:
+                slot, ino, m = ptr
+                buf = self._map(slot, m.total_bytes, create=False)
+                if self.maps[slot][0] == ino and not verify(m, buf):
+                    vb = VersionBuffer(m, buf, self.slot_path(slot), slot)
+                    vb.mark_all(m.checksums)
+                    self.current, keep = vb, {CURRENT, self.slot_path(slot).name}
+        except (OSError, ValueError):
+            self.maps.clear()
+        for p in self.dir.iterdir():
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+
+    def _map(self, slot: int, size: int, create: bool, fresh: bool = False) -> mmap.mmap:
+        """The slot's mapping (reused when the same inode already has the right size)."""
+        path = self.slot_path(slot)
+        if fresh:
+            path.unlink(missing_ok=True)
+        fd = os.open(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDWR, 0o644)
+        try:
+            st = os.fstat(fd)
+            cached = self.maps.get(slot)
+            if cached and cached[0] == st.st_ino and cached[1] == size:
+                return cached[2]
+            populate = getattr(mmap, "MAP_POPULATE", 0)
+            if st.st_size != size:
+                if not create:
+                    raise ValueError(f"{path}: {st.st_size} bytes, manifest says {size}")
+                os.ftruncate(fd, size)
+                # A new file has no pages yet: populating would allocate and zero all of them
+                # before the first chunk is accepted, and in a chain those delays add up hop by
+                # hop (each relay answers its OFFER late). Let chunks fault pages in as they land.
+                populate = 0
+            buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.maps[slot] = (st.st_ino, size, buf)
+            return buf
+        finally:
+            os.close(fd)
+
+    # -- called by receivers / forwarders (threads) ---------------------------------------
+    def newest(self) -> VersionBuffer | None:
+        return self.incoming or self.current
+
+    def pick(self, delivered: int) -> VersionBuffer | None:
+        """Source API for a forwarder: the newest version it has not delivered yet."""
+        vb = self.newest()
+        return vb if vb is not None and vb.version > delivered else None
+
+    def acquire(self, vb: VersionBuffer) -> None:
+        vb.readers += 1
+
+    def release(self, vb: VersionBuffer) -> None:
+        with self.cond:
+            vb.readers = max(0, vb.readers - 1)
+
+    def begin(self, m: Manifest) -> VersionBuffer:
+        """The buffer to receive version m into (the caller holds `cond`). A buffer of another
+        version (newer than m) is returned when m is not worth receiving: the receiver answers
+        such an offer with 'have it all'."""
+        if self.current is not None and m.version <= self.current.version:
+            return self.current
+        inc = self.incoming
+        if inc is not None and inc.version == m.version and same_layout(inc.manifest, m):
+            return inc  # resume after a repair: keep every verified chunk
+        if inc is not None and inc.version > m.version:
+            return inc  # an older offer (a lagging new upstream): answered 'have it', skipped
+        if inc is not None:
+            self._abandon(inc)
+        slot = 1 - self.current.slot if self.current is not None else 0
+        # our own forwarder may still stream the version that slot holds: never write under it
+        busy = any(vb is not None and vb.slot == slot and vb.readers for vb in (inc, self.previous))
+        vb = self._claim(slot, with_version(m, m.version), fresh=busy)
+        self.incoming = vb
+        self.cond.notify_all()
+        return vb
+
+    def _claim(self, slot: int, m: Manifest, fresh: bool) -> VersionBuffer:
+        """Map `slot` for writing under an exclusive lock; a slot a reader holds is replaced."""
+        path = self.slot_path(slot)
+        for attempt in range(2):
+            buf = self._map(slot, m.total_bytes, create=True, fresh=fresh or attempt > 0)
+            fd = os.open(path, os.O_RDWR)
+            if os.fstat(fd).st_ino != self.maps[slot][0]:
+                os.close(fd)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a rollout still reads the old version there
+                os.close(fd)
+                self.fresh_files += 1
+                continue
+            vb = VersionBuffer(m, buf, path, slot)
+            vb.fd = fd
+            return vb
+        raise OSError(f"{path}: could not claim a slot file")
+
+    def _abandon(self, vb: VersionBuffer) -> None:
+        vb.abandoned = True
+        self._unlock(vb)
+        self.incoming = None
+
+    @staticmethod
+    def _unlock(vb: VersionBuffer) -> None:
+        if vb.fd is not None:
+            os.close(vb.fd)  # closing the descriptor drops its flock
+            vb.fd = None
+
+    def commit(self, vb: VersionBuffer) -> None:
+        """Make a complete version visible (caller holds `cond`)."""
+        assert vb.complete and vb is self.incoming
+        tmp = self.dir / (CURRENT + ".tmp")
+        tmp.write_bytes(msgpack.packb({"slot": vb.slot, "ino": self.maps[vb.slot][0],
+                                       "manifest": manifest_to_bytes(vb.full_manifest())}))
+        os.replace(tmp, self.dir / CURRENT)
+        self._unlock(vb)
+        self.previous, self.current, self.incoming = self.current, vb, None
+        self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            if self.incoming is not None:
+                self._unlock(self.incoming)
+            self.cond.notify_all()
+
+    def remove_files(self) -> None:
+        """Delete the folder and its contents (tests, benchmarks; a relay normally keeps them)."""
+        if self.dir.exists():
+            for p in self.dir.iterdir():
+                p.unlink(missing_ok=True)
+            self.dir.rmdir()

@@ -1,0 +1,138 @@
+"""The chunk protocol spoken over a ChunkTransport connection, and its authentication handshake.
+
+Every message is one 40-byte header `!4sB3xqqQQ` = magic, type, version, a, b, length, plus
+`length` payload bytes. Upstream U sends, downstream D answers on the same connection:
+
+    U -> D  OFFER  (version, a=chunks)          payload: manifest (no checksums needed)
+    D -> U  WANT   (version, a=first missing)   U resumes there; a == chunks: D has it already
+    U -> D  CHUNK  (version, a=index, b=xxh3)   payload: the chunk bytes
+    D -> U  NACK   (version, a=index)           checksum mismatch: U sends that chunk again
+    D -> U  DONE   (version)                    every chunk arrived and verified
+
+Authentication (before anything else; mutual, HMAC-SHA256 over fresh nonces with a key derived
+from the cluster secret, so the secret itself never crosses the wire):
+
+    C -> A  HELLO (a=PROTOCOL_VERSION, payload nonce_c)
+    A -> C  HELLO (a=PROTOCOL_VERSION, payload nonce_a + mac(key, "A" + nonce_c))
+    C -> A  PROOF (payload mac(key, "C" + nonce_a))
+    A -> C  WELCOME
+A peer with another protocol version or a wrong proof gets its connection closed with a
+LinkError naming the reason; the handshake runs under a deadline.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from dataclasses import dataclass
+
+from laminar.protocol import PROTOCOL_VERSION
+from laminar.weights.transport import ChunkTransport, Conn, LinkError
+
+HEADER = struct.Struct("!4sB3xqqQQ")
+HEADER_SIZE = HEADER.size
+MAGIC = b"LMW1"
+MAX_CONTROL_PAYLOAD = 16 << 20  # a manifest / handshake payload larger than this is garbage
+
+HELLO, PROOF, WELCOME, OFFER, WANT, CHUNK, NACK, DONE = range(1, 9)
+NAMES = {HELLO: "HELLO", PROOF: "PROOF", WELCOME: "WELCOME", OFFER: "OFFER", WANT: "WANT",
+         CHUNK: "CHUNK", NACK: "NACK", DONE: "DONE"}
+
+
+@dataclass(frozen=True)
+class Header:
+    type: int
+    version: int = 0
+    a: int = 0
+    b: int = 0
+    length: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, self.type, self.version, self.a, self.b, self.length)
+
+
+def unpack(raw: bytes) -> Header:
+    magic, typ, version, a, b, length = HEADER.unpack(raw)
+    if magic != MAGIC or typ not in NAMES:
+        raise LinkError(f"not a Laminar chunk message (magic {magic!r}, type {typ})")
+    return Header(typ, version, a, b, length)
+
+
+def send(conn: Conn, typ: int, version: int = 0, a: int = 0, b: int = 0, payload=None) -> None:
+    n = len(payload) if payload is not None else 0
+    conn.send(Header(typ, version, a, b, n).pack(), payload)
+
+
+def recv(conn: Conn) -> Header:
+    return unpack(conn.recv_header(HEADER_SIZE))
+
+
+def recv_small(conn: Conn, h: Header) -> bytes:
+    """Read the payload of a control message (bounded)."""
+    if h.length > MAX_CONTROL_PAYLOAD:
+        raise LinkError(f"{NAMES[h.type]} payload of {h.length} bytes is too large")
+    buf = bytearray(h.length)
+    if h.length:
+        conn.recv_into(memoryview(buf))
+    return bytes(buf)
+
+
+def expect(conn: Conn, typ: int) -> tuple[Header, bytes]:
+    h = recv(conn)
+    if h.type != typ:
+        raise LinkError(f"expected {NAMES[typ]}, got {NAMES[h.type]}")
+    return h, recv_small(conn, h)
+
+
+def derive_key(secret: bytes | None) -> bytes:
+    """The HMAC key of the data plane, derived from the cluster secret (b'' when auth is off)."""
+    return hashlib.sha256(b"laminar-weights-v1\0" + secret).digest() if secret else b""
+
+
+def _mac(key: bytes, who: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, who + nonce, hashlib.sha256).digest()
+
+
+def _check_protocol(h: Header) -> None:
+    if h.a != PROTOCOL_VERSION:
+        raise LinkError(f"protocol mismatch: peer speaks protocol {h.a}, this side speaks protocol {PROTOCOL_VERSION}")
+
+
+def client_handshake(conn: Conn, key: bytes, timeout: float = 5.0) -> None:
+    conn.set_handshake_timeout(timeout)
+    nonce_c = os.urandom(32)
+    send(conn, HELLO, a=PROTOCOL_VERSION, payload=nonce_c)
+    h, body = expect(conn, HELLO)
+    _check_protocol(h)
+    if len(body) != 64 or not hmac.compare_digest(body[32:], _mac(key, b"A", nonce_c)):
+        raise LinkError("peer failed to prove it holds the cluster key")
+    send(conn, PROOF, payload=_mac(key, b"C", body[:32]))
+    expect(conn, WELCOME)
+    conn.set_handshake_timeout(None)
+
+
+def server_handshake(conn: Conn, key: bytes, timeout: float = 5.0) -> None:
+    conn.set_handshake_timeout(timeout)
+    h, nonce_c = expect(conn, HELLO)
+    _check_protocol(h)
+    if len(nonce_c) != 32:
+        raise LinkError("bad HELLO")
+    nonce_a = os.urandom(32)
+    send(conn, HELLO, a=PROTOCOL_VERSION, payload=nonce_a + _mac(key, b"A", nonce_c))
+    _, proof = expect(conn, PROOF)
+    if not hmac.compare_digest(proof, _mac(key, b"C", nonce_a)):
+        raise LinkError("connection refused: peer does not hold the cluster key")
+    send(conn, WELCOME)
+    conn.set_handshake_timeout(None)
+
+
+def connect(transport: ChunkTransport, address: str, key: bytes, timeout: float) -> Conn:
+    """Connect and authenticate (client side); the connection is closed if the handshake fails."""
+    conn = transport.connect(address, timeout)
+    try:
+        client_handshake(conn, key, timeout)
+    except BaseException:
+        conn.close()
+        raise
+    return conn

@@ -1,0 +1,86 @@
+"""ExperienceBufferRole: PutTrajectory (idempotent), SampleGroups, BufferStatsRequest.
+
+Durability: a stored trajectory is a row (its event as a BLOB); handing out / dropping / evicting
+a group deletes its rows and records the group id with why, in the same transaction, after which
+the reply goes out. A restarted buffer replays the rows (in arrival order) and the removed group
+ids, so nothing acknowledged is lost and nothing handed out is handed out again.
+"""
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.protocol import BufferStats, BufferStatsRequest, PutResult, PutTrajectory, SampleGroups, Samples
+from laminar.roles.experience_buffer.state import BufferBook, Change
+from laminar.roles.pool_base import PoolRole
+from laminar.roles.sqlite_store import pack, unpack
+
+
+class ExperienceBufferConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    capacity: int = Field(100_000, ge=1, description="most trajectories stored (complete groups or not)")
+    eviction: str = Field("drop_oldest", pattern="^(drop_oldest|reject)$", description="what to do when full")
+    sampler: str = Field("fifo", description="fifo | freshest")
+    max_staleness: int | None = Field(None, ge=0, description="drop groups older than this many versions (None: keep all)")
+    store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS trajs (n INTEGER PRIMARY KEY AUTOINCREMENT, tid TEXT UNIQUE, gid TEXT, blob BLOB);
+CREATE TABLE IF NOT EXISTS gone (gid TEXT PRIMARY KEY, why TEXT);
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT);
+"""
+
+
+class ExperienceBufferRole(PoolRole):
+    name = "experience_buffer"
+    Config = ExperienceBufferConfig
+    SCHEMA = SCHEMA
+
+    def recover(self) -> None:
+        c = self.cfg
+        book = BufferBook(c.capacity, c.eviction, c.sampler, c.max_staleness)
+        for gid, why in self.store.read("SELECT gid, why FROM gone"):
+            book.gone[gid] = why
+        for (blob,) in self.store.read("SELECT blob FROM trajs ORDER BY n"):
+            book.put(unpack(blob))
+        meta = dict(self.store.read("SELECT k, v FROM meta"))
+        book.cursor = int(meta.get("cursor", 0))
+        book.staleness.update({int(k): v for k, v in json.loads(meta.get("staleness", "{}")).items()})
+        book.counts.update(json.loads(meta.get("counts", "{}")))
+        self.book = book
+
+    def routes(self) -> None:
+        self.server.route(PutTrajectory, self.on_put)
+        self.server.route(SampleGroups, self.on_sample)
+        self.server.route(BufferStatsRequest, self.on_stats)
+
+    def _statements(self, ch: Change) -> list:
+        st = [("INSERT OR IGNORE INTO trajs (tid, gid, blob) VALUES (?, ?, ?)",
+               (t.spec.trajectory_id, t.spec.group_id, pack(t))) for t in ch.put]
+        for gid, why in ch.removed_groups:
+            st += [("DELETE FROM trajs WHERE gid = ?", (gid,)), ("INSERT OR REPLACE INTO gone VALUES (?, ?)", (gid, why))]
+        if ch.removed_groups:
+            b = self.book
+            st += [("INSERT OR REPLACE INTO meta VALUES ('cursor', ?)", (str(b.cursor),)),
+                   ("INSERT OR REPLACE INTO meta VALUES ('staleness', ?)", (json.dumps(dict(b.staleness)),)),
+                   ("INSERT OR REPLACE INTO meta VALUES ('counts', ?)", (json.dumps(dict(b.counts)),))]
+        return st
+
+    async def on_put(self, req: PutTrajectory) -> PutResult:
+        status, ch = self.book.put(req.trajectory)
+        await self.durable(self._statements(ch))
+        head, _, detail = status.partition(": ")
+        return PutResult(head, detail)
+
+    async def on_sample(self, req: SampleGroups) -> Samples:
+        groups, dropped, ch = self.book.sample(req.num_groups, req.trainer_version)
+        await self.durable(self._statements(ch))
+        return Samples(groups=groups, cursor=self.book.cursor, dropped_stale=dropped)
+
+    async def on_stats(self, req: BufferStatsRequest) -> BufferStats:
+        return BufferStats(self.book.stats(), {str(k): v for k, v in sorted(self.book.staleness.items())})
+
+    def counts(self) -> dict:
+        return self.book.stats()

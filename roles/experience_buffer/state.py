@@ -1,0 +1,120 @@
+"""Experience buffer logic (no I/O): groups, capacity and eviction, sampling, staleness.
+
+- A trajectory joins its group; a group is *complete* (sampleable) when all `group_size`
+  members are in. Completion order is the FIFO order.
+- Capacity counts stored trajectories, complete or not, and is never exceeded: when full, the
+  eviction policy either rejects the new trajectory (`reject`) or drops the oldest group
+  (`drop_oldest`: oldest complete group first, else the oldest incomplete one).
+- `sample(k, trainer_version)` first drops every complete group with a member older than
+  `max_staleness` versions (counted, never handed out), then lets the sampler pick up to k
+  groups; handed-out groups are removed and remembered, so a late duplicate is refused.
+- Staleness of each handed-out sample (trainer_version - its version) goes into a histogram.
+Every mutating call returns the list of changes the role must make durable before replying.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from laminar.protocol import Trajectory
+from laminar.roles.experience_buffer.samplers import Sampler, make_sampler
+
+
+@dataclass
+class Group:
+    group_id: str
+    size: int
+    members: dict[str, Trajectory] = field(default_factory=dict)
+    order: int = -1  # completion order (FIFO key); -1 while incomplete
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) >= self.size
+
+    def min_version(self) -> int:
+        return min(t.version for t in self.members.values())
+
+
+@dataclass
+class Change:
+    put: list[Trajectory] = field(default_factory=list)
+    removed_groups: list[tuple[str, str]] = field(default_factory=list)  # (group_id, why)
+
+
+class BufferBook:
+    def __init__(self, capacity: int, eviction: str = "drop_oldest", sampler: str = "fifo",
+                 max_staleness: int | None = None):
+        if eviction not in ("drop_oldest", "reject"):
+            raise ValueError(f"eviction must be drop_oldest or reject, got {eviction!r}")
+        self.capacity, self.eviction, self.max_staleness = capacity, eviction, max_staleness
+        self.sampler: Sampler = make_sampler(sampler)
+        self.groups: OrderedDict[str, Group] = OrderedDict()  # insertion = arrival of first member
+        self.gone: dict[str, str] = {}   # group id -> handed | stale | evicted
+        self.stored = 0
+        self.completions = 0
+        self.cursor = 0                  # groups handed out so far
+        self.counts: Counter[str] = Counter()
+        self.staleness: Counter[int] = Counter()
+
+    def put(self, t: Trajectory) -> tuple[str, Change]:
+        gid, tid = t.spec.group_id, t.spec.trajectory_id
+        ch = Change()
+        if gid in self.gone:
+            self.counts["duplicates"] += 1
+            return f"duplicate: group {gid} was already {self.gone[gid]}", ch
+        g = self.groups.get(gid)
+        if g is not None and tid in g.members:
+            self.counts["duplicates"] += 1
+            return "duplicate", ch
+        if self.stored >= self.capacity:
+            if self.eviction == "reject":
+                self.counts["rejected_full"] += 1
+                return f"full: {self.stored}/{self.capacity} trajectories stored", ch
+            victim = next((x for x in self.groups.values() if x.complete), None) or next(iter(self.groups.values()))
+            if victim.group_id == gid:
+                self.counts["rejected_full"] += 1
+                return "full: the only evictable group is this trajectory's own", ch
+            self._remove(victim.group_id, "evicted", ch)
+            self.counts["evicted"] += 1
+        if g is None:
+            g = self.groups[gid] = Group(gid, t.spec.group_size)
+        g.members[tid] = t
+        self.stored += 1
+        if g.complete:
+            g.order, self.completions = self.completions, self.completions + 1
+        ch.put.append(t)
+        return "stored", ch
+
+    def _remove(self, gid: str, why: str, ch: Change) -> Group:
+        g = self.groups.pop(gid)
+        self.stored -= len(g.members)
+        self.gone[gid] = why
+        ch.removed_groups.append((gid, why))
+        return g
+
+    def sample(self, k: int, trainer_version: int) -> tuple[list[list[Trajectory]], int, Change]:
+        ch = Change()
+        dropped = 0
+        if self.max_staleness is not None:
+            for g in [g for g in self.groups.values() if g.complete]:
+                if trainer_version - g.min_version() > self.max_staleness:
+                    self._remove(g.group_id, "stale", ch)
+                    dropped += 1
+        self.counts["dropped_stale"] += dropped
+        ready = [g for g in self.groups.values() if g.complete]
+        picked = self.sampler.pick(ready, k)
+        out = []
+        for g in picked:
+            self._remove(g.group_id, "handed", ch)
+            members = sorted(g.members.values(), key=lambda t: t.spec.sample_index)
+            for t in members:
+                self.staleness[trainer_version - t.version] += 1
+            out.append(members)
+        self.cursor += len(out)
+        return out, dropped, ch
+
+    def stats(self) -> dict[str, int]:
+        complete = sum(1 for g in self.groups.values() if g.complete)
+        return {"stored": self.stored, "capacity": self.capacity, "complete_groups": complete,
+                "incomplete_groups": len(self.groups) - complete, "handed_out": self.cursor,
+                **{k: v for k, v in self.counts.items()}}

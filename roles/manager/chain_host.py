@@ -1,0 +1,139 @@
+"""ChainHost: runs the ChainCoordinator against the live cluster over the bus.
+
+Inputs: RelayJoin (a relay starts), LinkDown (a sender lost its downstream: the fast path, a few
+ms after a relay process dies), heartbeat silence (the slow path, `dead_after_s`), MasterQuery.
+Outputs: SetDownstream calls to relays, and ChainState on `weights.chain` (the trainer's
+publisher follows it to learn the master; see laminar/weights/follow.py).
+
+A LinkDown is a suspicion, not a verdict: the manager probes the suspect's data port (a TCP
+connect under `probe_timeout_s`; a dead process's port refuses at once). Dead: remove it and
+re-link. Alive: tell the reporter to reconnect to it. A relay that fails its own SetDownstream
+call (unreachable) is itself removed and the repair continues from there, so a chain with several
+dead relays converges in one pass. Changes are serialized by one lock; repair time (detection ->
+every affected relay connected to its new downstream) is logged as `chain_repaired`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from laminar.bus.errors import RpcError
+from laminar.bus.transport import Publisher, Transport
+from laminar.protocol import (ChainAssignment, ChainState, LinkDown, MasterInfo, RelayJoin,
+                              SetDownstream)
+from laminar.roles.manager.chain import ChainCoordinator, Link, NewMaster, RelayInfo
+from laminar.weights.transport import split_address
+
+
+class ChainHost:
+    def __init__(self, transport: Transport, pub: Publisher, log, probe_timeout_s: float = 0.3,
+                 rpc_timeout_s: float = 5.0):
+        self.transport, self.pub, self.log = transport, pub, log
+        self.probe_timeout_s, self.rpc_timeout_s = probe_timeout_s, rpc_timeout_s
+        self.coord = ChainCoordinator()
+        self.lock = asyncio.Lock()
+        self.clients: dict[str, object] = {}
+        self.last_repair_s = 0.0
+        self.repairs = 0
+
+    # -- request handlers --------------------------------------------------------------------
+    async def on_join(self, req: RelayJoin) -> ChainAssignment:
+        info = RelayInfo(req.relay_id, req.host, req.data_address, req.control_address)
+        async with self.lock:
+            await self._apply(self.coord.join(info), cause=f"join {req.relay_id}")
+            up = self.coord.upstream_of(req.relay_id)
+            self.log.info("relay_joined", relay=req.relay_id, version=req.version, order=self.coord.order())
+            return ChainAssignment(epoch=self.coord.epoch, upstream_id=up or "", is_master=up is None)
+
+    async def on_link_down(self, req: LinkDown) -> MasterInfo:
+        t0 = time.monotonic()
+        async with self.lock:
+            peer = self.coord.relays.get(req.peer)
+            if peer is not None:
+                if await self.probe(peer.data_address):
+                    self.log.info("link_down_peer_alive", reporter=req.reporter, peer=req.peer)
+                    up = self.coord.upstream_of(req.peer)
+                    if up is not None:  # the reporter reconnects to it (a publisher just retries)
+                        await self._apply([Link(up, req.peer, peer.data_address)], cause="reconnect")
+                else:
+                    await self._remove(req.peer, t0, f"link down reported by {req.reporter}")
+            return self.master_info()
+
+    async def on_master_query(self, req) -> MasterInfo:
+        return self.master_info()
+
+    async def on_dead(self, relay_id: str) -> None:
+        """Heartbeat silence: no probe needed, the relay is gone (or partitioned) either way."""
+        t0 = time.monotonic()
+        async with self.lock:
+            if relay_id in self.coord:
+                await self._remove(relay_id, t0, "heartbeat timeout")
+
+    # -- mechanics ---------------------------------------------------------------------------
+    def master_info(self) -> MasterInfo:
+        m = self.coord.master
+        return MasterInfo(epoch=self.coord.epoch, relay_id=m.relay_id if m else "",
+                          address=m.data_address if m else "")
+
+    def state(self) -> ChainState:
+        m = self.coord.master
+        return ChainState(epoch=self.coord.epoch, order=self.coord.order(),
+                          master_id=m.relay_id if m else "", master_address=m.data_address if m else "",
+                          last_repair_s=self.last_repair_s)
+
+    def publish_state(self) -> None:
+        self.pub.publish("weights.chain", self.state())
+
+    async def probe(self, data_address: str) -> bool:
+        host, port = split_address(data_address)
+        try:
+            async with asyncio.timeout(self.probe_timeout_s):
+                _, writer = await asyncio.open_connection(host, port)
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return True
+
+    async def _remove(self, relay_id: str, t0: float, cause: str) -> None:
+        self._drop_client(relay_id)
+        await self._apply(self.coord.remove(relay_id), cause=f"{relay_id} dead ({cause})")
+        self.last_repair_s = time.monotonic() - t0
+        self.repairs += 1
+        self.log.warning("chain_repaired", dead=relay_id, cause=cause, repair_s=round(self.last_repair_s, 4),
+                         order=self.coord.order(), master=self.master_info().relay_id, epoch=self.coord.epoch)
+        self.publish_state()
+
+    async def _apply(self, actions: list, cause: str) -> None:
+        for a in actions:
+            if isinstance(a, NewMaster):
+                self.log.info("master_changed", master=a.relay_id, address=a.address, cause=cause)
+            elif isinstance(a, Link) and a.upstream in self.coord:
+                await self._link(a, cause)
+        self.publish_state()
+
+    async def _link(self, a: Link, cause: str) -> None:
+        up = self.coord.relays[a.upstream]
+        client = self.clients.get(a.upstream)
+        if client is None:
+            client = self.clients[a.upstream] = self.transport.client(up.control_address)
+        try:
+            await client.call(SetDownstream(self.coord.epoch, a.downstream, a.address), timeout=self.rpc_timeout_s)
+            return
+        except RpcError as exc:
+            self.log.warning("set_downstream_failed", relay=a.upstream, downstream=a.downstream, error=str(exc))
+        # Either end may be dead: drop whichever fails its probe; the recursion re-links around it.
+        if not await self.probe(up.data_address):
+            self._drop_client(a.upstream)
+            await self._apply(self.coord.remove(a.upstream), cause=f"{a.upstream} unreachable")
+        elif a.downstream and not await self.probe(a.address):
+            self._drop_client(a.downstream)
+            await self._apply(self.coord.remove(a.downstream), cause=f"{a.downstream} unreachable")
+
+    def _drop_client(self, relay_id: str) -> None:
+        c = self.clients.pop(relay_id, None)
+        if c is not None:
+            c.close()
+
+    def close(self) -> None:
+        for rid in list(self.clients):
+            self._drop_client(rid)

@@ -1,0 +1,104 @@
+"""PartialPoolRole: AppendDeltas (exactly-once by seq), queries for migration and recovery.
+
+Durability: every applied delta is a row (trajectory, seq, tokens and logprobs as BLOBs); the
+reply is sent after those rows commit. Held (out-of-order) deltas are not durable and are counted
+as `held` in the reply. Completing a trajectory deletes its rows and records its id, so a late
+delta for it is rejected instead of resurrecting it. Restart = replay the rows in seq order.
+"""
+from __future__ import annotations
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.bus.rpc import RequestError
+from laminar.protocol import (Ack, AppendDeltas, CompletePartial, DeltaResult, GetPartial, InFlightOf,
+                              PartialList, PartialState, ReassignPartial, TokenDelta)
+from laminar.roles.partial_pool.state import Outcome, PartialBook
+from laminar.roles.pool_base import PoolRole
+from laminar.roles.sqlite_store import pack, unpack
+
+
+class PartialPoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_held: int = Field(256, ge=1, description="out-of-order deltas held per trajectory")
+    store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS deltas (tid TEXT, seq INTEGER, owner TEXT, version INTEGER, spec BLOB,
+                                   tokens BLOB, logprobs BLOB, PRIMARY KEY (tid, seq));
+CREATE TABLE IF NOT EXISTS owners (tid TEXT PRIMARY KEY, owner TEXT);
+CREATE TABLE IF NOT EXISTS completed (tid TEXT PRIMARY KEY);
+"""
+
+
+class PartialPoolRole(PoolRole):
+    name = "partial_pool"
+    Config = PartialPoolConfig
+    SCHEMA = SCHEMA
+
+    def recover(self) -> None:
+        st = PartialBook(self.cfg.max_held)
+        for (tid,) in self.store.read("SELECT tid FROM completed"):
+            st.completed.add(tid)
+        rows = self.store.read("SELECT tid, seq, owner, version, spec, tokens, logprobs FROM deltas ORDER BY tid, seq")
+        for tid, seq, owner, version, spec, toks, lps in rows:
+            d = TokenDelta(trajectory_id=tid, seq=seq, tokens=np.frombuffer(toks, np.int32),
+                           logprobs=np.frombuffer(lps, np.float32), version=version,
+                           spec=unpack(spec) if spec else None)
+            st.apply(owner, [d])
+        for tid, owner in self.store.read("SELECT tid, owner FROM owners"):
+            if tid in st.entries:
+                st.entries[tid].owner = owner
+        self.state = st
+
+    def routes(self) -> None:
+        s = self.server
+        s.route(AppendDeltas, self.on_append)
+        s.route(InFlightOf, self.on_in_flight)
+        s.route(GetPartial, self.on_get)
+        s.route(ReassignPartial, self.on_reassign)
+        s.route(CompletePartial, self.on_complete)
+
+    async def on_append(self, req: AppendDeltas) -> DeltaResult:
+        out: Outcome = self.state.apply(req.rollout_id, list(req.deltas))
+        await self.durable([(
+            "INSERT OR IGNORE INTO deltas VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
+             np.asarray(d.tokens, np.int32).tobytes(), np.asarray(d.logprobs, np.float32).tobytes()))
+            for owner, d in out.applied])
+        return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
+
+    async def on_in_flight(self, req: InFlightOf) -> PartialList:
+        return PartialList([e.state() for e in self.state.live().values()
+                            if req.rollout_id in ("", "*") or e.owner == req.rollout_id])
+
+    def _entry(self, tid: str):
+        e = self.state.live().get(tid)
+        if e is None:
+            why = "completed" if tid in self.state.completed else "unknown"
+            raise RequestError("refused", f"trajectory {tid!r} is {why} in the partial pool")
+        return e
+
+    async def on_get(self, req: GetPartial) -> PartialState:
+        return self._entry(req.trajectory_id).state()
+
+    async def on_reassign(self, req: ReassignPartial) -> Ack:
+        e = self._entry(req.trajectory_id)
+        e.owner = req.rollout_id
+        await self.durable([("INSERT OR REPLACE INTO owners VALUES (?, ?)", (req.trajectory_id, req.rollout_id))])
+        return Ack()
+
+    async def on_complete(self, req: CompletePartial) -> Ack:
+        stmts = []
+        for tid in req.trajectory_ids:
+            self.state.complete(tid)
+            stmts += [("DELETE FROM deltas WHERE tid = ?", (tid,)), ("DELETE FROM owners WHERE tid = ?", (tid,)),
+                      ("INSERT OR IGNORE INTO completed VALUES (?)", (tid,))]
+        await self.durable(stmts)
+        return Ack()
+
+    def counts(self) -> dict:
+        live = self.state.live()
+        return {"in_flight": len(live), "tokens": int(sum(sum(len(t) for t in e.tokens) for e in live.values())),
+                "completed": len(self.state.completed)}

@@ -1,0 +1,123 @@
+"""PromptPoolRole: TakeBatch -> whole GRPO groups; RequeueGroups -> handed out again first.
+
+Order: epoch e visits the prompts in a permutation seeded by (seed, e). The cursor (epoch,
+position) and the requeue list are durable; a TakeBatch is answered only after the cursor move is
+committed, so a restarted pool never hands a group out twice (and a lost reply is covered by the
+manager's requeue of the groups it knows were lost). Whole groups only: a batch holds
+floor(max_trajectories / n) groups, but at least one when asked for fewer than n.
+"""
+from __future__ import annotations
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.protocol import Ack, Batch, RequeueGroups, TakeBatch, TrajectorySpec
+from laminar.roles.pool_base import PoolRole
+
+
+class PromptPoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dataset: str = Field(description="JSONL/Parquet file or folder (relative to the working directory)")
+    prompt_field: str = Field("prompt", description="record field with the prompt text")
+    answer_field: str = Field("answer", description="record field with the reference answer")
+    id_field: str | None = Field(None, description="record field with a stable prompt id (default: row number)")
+    on_bad_row: str = Field("error", pattern="^(error|skip)$", description="malformed row: fail or skip")
+    tokenizer_dir: str | None = Field(None, description="model folder whose tokenizer to use (default: byte tokenizer)")
+    group_size: int = Field(4, ge=1, description="GRPO group size n (responses per prompt)")
+    max_tokens: int = Field(256, ge=1, description="response token budget of each trajectory")
+    max_epochs: int | None = Field(None, ge=1, description="stop handing out after this many epochs (None: forever)")
+    seed: int = Field(0, description="shuffle seed")
+    store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS cursor (k INTEGER PRIMARY KEY CHECK (k = 0), epoch INTEGER, pos INTEGER, handed INTEGER);
+CREATE TABLE IF NOT EXISTS requeued (group_id TEXT PRIMARY KEY, at REAL);
+"""
+
+
+class PromptPoolRole(PoolRole):
+    name = "prompt_pool"
+    Config = PromptPoolConfig
+    SCHEMA = SCHEMA
+
+    async def setup(self) -> None:
+        from laminar.datasets import load_records, load_tokenizer
+        c = self.cfg
+        self.records, self.skipped = load_records(c.dataset, c.prompt_field, c.answer_field, c.id_field, c.on_bad_row)
+        tok = load_tokenizer(c.tokenizer_dir)
+        self.tokens = [np.asarray(tok.encode(r.prompt), dtype=np.int32) for r in self.records]
+        self.index = {r.prompt_id: i for i, r in enumerate(self.records)}
+        await super().setup()
+
+    def recover(self) -> None:
+        row = self.store.read("SELECT epoch, pos, handed FROM cursor WHERE k = 0")
+        self.epoch, self.pos, self.handed = row[0] if row else (0, 0, 0)
+        self.requeued = [g for (g,) in self.store.read("SELECT group_id FROM requeued ORDER BY at")]
+        self._order_epoch = -1
+
+    def routes(self) -> None:
+        self.server.route(TakeBatch, self.on_take)
+        self.server.route(RequeueGroups, self.on_requeue)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            self._perm = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.records))
+            self._order_epoch = epoch
+        return self._perm
+
+    def exhausted(self) -> bool:
+        return self.cfg.max_epochs is not None and self.epoch >= self.cfg.max_epochs and not self.requeued
+
+    def _group(self, epoch: int, idx: int) -> list[TrajectorySpec]:
+        r, n = self.records[idx], self.cfg.group_size
+        gid = f"e{epoch}-p{r.prompt_id}"
+        return [TrajectorySpec(trajectory_id=f"{gid}/{i}", prompt_id=r.prompt_id, group_id=gid, sample_index=i,
+                               group_size=n, prompt_tokens=self.tokens[idx], answer=r.answer,
+                               max_tokens=self.cfg.max_tokens) for i in range(n)]
+
+    async def on_take(self, req: TakeBatch) -> Batch:
+        n = self.cfg.group_size
+        want = max(1, req.max_trajectories // n)
+        out: list[TrajectorySpec] = []
+        took_requeued = []
+        epoch, pos = self.epoch, self.pos
+        while len(out) // n < want:
+            if len(took_requeued) < len(self.requeued):
+                gid = self.requeued[len(took_requeued)]
+                took_requeued.append(gid)
+                e, _, pid = gid[1:].partition("-p")
+                out += self._group(int(e), self.index[pid])
+                continue
+            if self.cfg.max_epochs is not None and epoch >= self.cfg.max_epochs:
+                break
+            out += self._group(epoch, int(self._order(epoch)[pos]))
+            pos += 1
+            if pos == len(self.records):
+                epoch, pos = epoch + 1, 0
+        if not out:
+            return Batch([], exhausted=self.exhausted())
+        # Commit the cursor move before answering; memory follows only after it is durable.
+        stmts = [("INSERT OR REPLACE INTO cursor (k, epoch, pos, handed) VALUES (0, ?, ?, ?)",
+                  (epoch, pos, self.handed + len(out) // n))]
+        stmts += [("DELETE FROM requeued WHERE group_id = ?", (g,)) for g in took_requeued]
+        self.epoch, self.pos, self.handed = epoch, pos, self.handed + len(out) // n
+        self.requeued = self.requeued[len(took_requeued):]
+        await self.durable(stmts)
+        return Batch(out, exhausted=self.exhausted())
+
+    async def on_requeue(self, req: RequeueGroups) -> Ack:
+        new = [g for g in req.group_ids if g not in self.requeued]
+        for g in new:
+            e, sep, pid = g[1:].partition("-p")
+            if not g.startswith("e") or not sep or not e.isdigit() or pid not in self.index:
+                from laminar.bus.rpc import RequestError
+                raise RequestError("refused", f"unknown group id {g!r}")
+        self.requeued += new
+        import time
+        await self.durable([("INSERT OR IGNORE INTO requeued (group_id, at) VALUES (?, ?)", (g, time.time())) for g in new])
+        return Ack(f"requeued {len(new)}")
+
+    def counts(self) -> dict:
+        return {"epoch": self.epoch, "position": self.pos, "groups_handed": self.handed,
+                "requeued": len(self.requeued), "prompts": len(self.records), "skipped_rows": self.skipped}

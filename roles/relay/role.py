@@ -1,0 +1,165 @@
+"""RelayRole: a RelayNode (threads, shared memory, chunk transport) wired to the bus.
+
+setup: open the shared-memory store (adopting a verified version a previous run left), start the
+chunk listener, serve SetDownstream on a request/reply port, and join the manager's chain
+(RelayJoin; the call waits for the manager, it is the READY handshake). The relay is then fed by
+whoever the manager links to it (its predecessor, or the trainer's publisher when it is master).
+
+Reports: heartbeat status (version, progress, links, addresses); `relay.progress.<id>` at most
+every `progress_interval_s` while receiving and at every completion; `weights.version` when a
+version becomes visible (rollouts on this host pull it from `shm_dir`). A lost downstream is
+reported to the manager (LinkDown); reports are coalesced, one in flight at a time.
+
+Thread -> loop: node callbacks run on data-plane threads and only do `call_soon_threadsafe`; the
+loop side is a bounded queue (progress is superseded, so a full queue drops it).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.bus.errors import RpcError
+from laminar.protocol import (Ack, LinkDown, RelayJoin, RelayProgress, SetDownstream, WeightsVersion)
+from laminar.roles.base import Role
+from laminar.weights.node import RelayNode
+from laminar.weights.transport import LinkError, get_transport
+from laminar.weights.wire import derive_key
+
+
+class RelayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    shm_dir: str | None = Field(None, description="shared-memory folder (default /dev/shm/laminar-<run>-relay-<id>)")
+    data_port: int = Field(0, ge=0, le=65535, description="chunk listener port (0: any free port)")
+    transport: str = Field("tcp", description="chunk transport: tcp, ucx, or module:Class")
+    transport_options: dict = Field(default_factory=dict, description="keyword arguments of the transport")
+    manager_id: str = Field("0", description="id of the manager role that owns the chain")
+    join_timeout_s: float = Field(60.0, gt=0, description="how long setup waits for the manager")
+    progress_interval_s: float = Field(0.25, gt=0, description="minimum period of relay.progress events")
+    connect_timeout_s: float = Field(3.0, gt=0, description="deadline to connect+authenticate to a downstream")
+    ack_timeout_s: float = Field(30.0, gt=0, description="silence from a downstream that counts as a dead link")
+    address: str = Field("tcp://127.0.0.1:*", description="control bind address when the config gives no port")
+
+
+class RelayRole(Role):
+    name = "relay"
+    Config = RelayConfig
+
+    async def setup(self) -> None:
+        cfg, rid = self.ctx.config, self.ctx.id
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue(maxsize=4096)
+        host_id, spec = cfg.spec("relay", rid)
+        host = cfg.cluster.hosts[host_id]
+        shm_dir = self.cfg.shm_dir or f"/dev/shm/laminar-{cfg.run.name}-relay-{rid}"
+        keys = getattr(self.ctx.transport, "keys", None)
+        self.node = RelayNode(rid, shm_dir, get_transport(self.cfg.transport, **self.cfg.transport_options), derive_key(keys.secret if keys else None),
+                              bind_host=host.bind, port=self.cfg.data_port, on_event=self._from_thread,
+                              connect_timeout_s=self.cfg.connect_timeout_s, ack_timeout_s=self.cfg.ack_timeout_s)
+        await asyncio.to_thread(self.node.start)
+        self.data_address = f"{host.address}:{self.node.address.rsplit(':', 1)[1]}"
+        control = cfg.bind_endpoint("relay", rid) if spec.port else self.cfg.address
+        self.server = self.ctx.transport.server(control, "relay", rid)
+        self.server.route(SetDownstream, self.on_set_downstream)
+        await self.server.start()
+        self.control_address = self.server.address.replace(f"//{host.bind}:", f"//{host.address}:")
+        self.epoch = 0
+        self.manager = self.ctx.transport.client(cfg.endpoint("manager", self.cfg.manager_id))
+        st = self.node.status()
+        a = await self.manager.call(RelayJoin(rid, self.ctx.host, self.data_address, self.control_address,
+                                              st["version"]), timeout=self.cfg.join_timeout_s)
+        self.epoch = max(self.epoch, a.epoch)
+        self.log.info("relay_joined", data=self.data_address, control=self.control_address, shm_dir=shm_dir,
+                      master=a.is_master, upstream=a.upstream_id, version=st["version"])
+        self._last_progress = 0.0
+        self._pending_down: tuple[str, str] | None = None
+        self._report_task: asyncio.Future | None = None
+
+    async def on_set_downstream(self, req: SetDownstream) -> Ack:
+        if req.epoch < self.epoch:
+            return Ack(detail=f"stale epoch {req.epoch} < {self.epoch}")
+        self.epoch = req.epoch
+        try:
+            await asyncio.to_thread(self.node.set_downstream, req.address, req.downstream_id)
+        except LinkError as exc:
+            from laminar.bus.rpc import RequestError
+            raise RequestError("unavailable", f"relay {self.ctx.id} cannot reach {req.downstream_id}: {exc}") from None
+        self.log.info("downstream_set", downstream=req.downstream_id or "(tail)", epoch=req.epoch)
+        return Ack(detail="linked")
+
+    # -- data-plane thread -> loop -------------------------------------------------------------
+    def _from_thread(self, kind: str, **info) -> None:
+        self.loop.call_soon_threadsafe(self._enqueue, kind, info)
+
+    def _enqueue(self, kind: str, info: dict) -> None:
+        try:
+            self.events.put_nowait((kind, info))
+        except asyncio.QueueFull:
+            if kind != "progress":
+                self.log.error("relay_event_dropped", kind=kind)
+
+    async def run(self) -> None:
+        self.spawn(self._handle_events(), "events")
+        await self.wait_stopped()
+
+    async def _handle_events(self) -> None:
+        while True:
+            kind, info = await self.events.get()
+            if kind == "complete":
+                st = self.node.status()
+                self.log.info("version_visible", version=info["version"], chunks=info["chunks"])
+                self.pub.publish("weights.version", WeightsVersion(self.ctx.id, self.ctx.host, info["version"],
+                                                                   self._total_bytes(), str(self.node.store.dir)))
+                self._progress(force=True)
+            elif kind in ("progress", "offer"):
+                self._progress()
+            elif kind == "corrupt":
+                self.log.warning("chunk_corrupt_resend", version=info["version"], chunk=info["chunk"])
+            elif kind == "link_down":
+                self._report_link_down(info["peer"], info["error"])
+
+    def _total_bytes(self) -> int:
+        cur = self.node.store.current
+        return cur.manifest.total_bytes if cur else 0
+
+    def _progress(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_progress < self.cfg.progress_interval_s:
+            return
+        self._last_progress = now
+        st = self.node.status()
+        self.pub.publish(f"relay.progress.{self.ctx.id}", RelayProgress(
+            relay_id=self.ctx.id, version=max(st["receiving"], st["version"]), chunks_have=st["chunks_have"],
+            chunks_total=st["chunks_total"], complete_version=st["version"], corrupt_chunks=st["corrupt_chunks"],
+            upstream=st["upstream"], downstream=st["downstream"]))
+
+    def _report_link_down(self, peer: str, error: str) -> None:
+        self._pending_down = (peer, error)  # the newest loss supersedes one not yet reported
+        if self._report_task is None or self._report_task.done():
+            self._report_task = asyncio.ensure_future(self._report())  # owned: cancelled in stop()
+
+    async def _report(self) -> None:
+        while self._pending_down is not None:
+            (peer, error), self._pending_down = self._pending_down, None
+            try:
+                await self.manager.call(LinkDown(self.ctx.id, peer, self.epoch, error), timeout=self.cfg.join_timeout_s)
+            except RpcError as exc:
+                self.log.error("link_down_report_failed", peer=peer, error=str(exc))
+
+    async def stop(self) -> None:
+        await super().stop()
+        task = getattr(self, "_report_task", None)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if hasattr(self, "server"):
+            await self.server.close()
+        if hasattr(self, "node"):
+            await asyncio.to_thread(self.node.stop)
+
+    def status(self) -> dict:
+        if not hasattr(self, "node") or not hasattr(self.node, "listener"):
+            return {}
+        return {**self.node.status(), "data_address": getattr(self, "data_address", ""),
+                "control_address": getattr(self, "control_address", "")}

@@ -1,0 +1,1 @@
+"""The rollout role: one vLLM engine, token ids in and out, one weight version at a time."""

@@ -1,0 +1,112 @@
+"""The generation engine behind a rollout: vLLM's AsyncLLM, token ids in and out.
+
+`RolloutEngine` is the small interface the rollout role drives (the simulator's engine implements
+the same one): start, generate (an async stream of (new tokens, their logprobs, finish reason)),
+load weights, scheduler statistics, close. Cancelling the task that consumes `generate` aborts
+the request inside vLLM (AsyncLLM does that on CancelledError), which is how migration stops a
+trajectory mid-way.
+
+vLLM is imported in `start()` only. The async engine spawns its engine-core process, so the
+process hosting it needs the `__main__` guard, which the role shell provides.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+
+@dataclass
+class EngineStats:
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    updated: float = 0.0
+
+
+class RolloutEngine:
+    stats: EngineStats
+
+    async def start(self) -> None: ...
+
+    def generate(self, request_id: str, prompt: list[int], max_tokens: int,
+                 seed: int | None) -> AsyncIterator[tuple[list[int], list[float], str | None]]: ...
+
+    async def load_relay(self, shm_dir: str, min_version: int) -> int: ...
+
+    async def load_file(self, path: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def _stat_logger_class(stats: EngineStats):
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class LaminarStatLogger(StatLoggerBase):
+        """Receives vLLM's scheduler statistics every engine step (the repack inputs)."""
+
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, *args, **kwargs) -> None:
+            if scheduler_stats is not None:
+                stats.kv_usage = float(scheduler_stats.kv_cache_usage)
+                stats.running = int(scheduler_stats.num_running_reqs)
+                stats.waiting = int(scheduler_stats.num_waiting_reqs)
+                stats.updated = time.monotonic()
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LaminarStatLogger
+
+
+class VllmEngine(RolloutEngine):
+    def __init__(self, model_dir: str, *, max_model_len: int, max_num_seqs: int, kv_cache_gib: float,
+                 temperature: float, top_p: float, dtype: str = "float32",
+                 omp_threads_bind: str | None = None):
+        self.model_dir, self.max_model_len, self.max_num_seqs = model_dir, max_model_len, max_num_seqs
+        self.kv_cache_gib, self.temperature, self.top_p, self.dtype = kv_cache_gib, temperature, top_p, dtype
+        self.omp_threads_bind = omp_threads_bind
+        self.stats = EngineStats()
+        self.llm = None
+
+    async def start(self) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(self.kv_cache_gib)))))
+        if self.omp_threads_bind:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_threads_bind
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        args = AsyncEngineArgs(model=self.model_dir, skip_tokenizer_init=True, enforce_eager=True,
+                               dtype=self.dtype, max_model_len=self.max_model_len,
+                               max_num_seqs=self.max_num_seqs,
+                               worker_extension_cls="laminar.roles.rollout.worker_ext.LaminarWorkerExtension")
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_class(self.stats)])
+
+    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        sp = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                            logprobs=0, detokenize=False, seed=seed,
+                            output_kind=RequestOutputKind.DELTA)
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp,
+                                           request_id=request_id):
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [])]
+            yield toks, lps, (c.finish_reason if out.finished else None)
+
+    async def load_relay(self, shm_dir: str, min_version: int) -> int:
+        res = await self.llm.collective_rpc("laminar_load_relay", args=(shm_dir, min_version))
+        return int(res[0])
+
+    async def load_file(self, path: str) -> None:
+        await self.llm.collective_rpc("laminar_load_file", args=(path,))
+
+    async def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None

@@ -1,0 +1,29 @@
+"""vLLM worker extension: methods that run *inside* the engine's worker process.
+
+vLLM's async engine runs the model in another process, and tensors passed through
+`collective_rpc` arrive as lists there (NOTES.md). So the worker reads the weights itself: from
+the host relay's shared memory (zero-copy views, laminar/weights/pull.py) or from a file, and
+hands them to `model_runner.reload_weights`, which repacks them for the CPU kernels.
+"""
+from __future__ import annotations
+
+
+class LaminarWorkerExtension:
+    def laminar_load_relay(self, shm_dir: str, min_version: int) -> int:
+        """Load the relay's newest complete version if it is >= min_version; its number or -1."""
+        from laminar.weights.pull import LocalWeights
+        pulled = LocalWeights(shm_dir).latest(min_version)
+        if pulled is None:
+            return -1
+        try:
+            self.model_runner.reload_weights(weights_iterator=pulled.tensors())
+            return pulled.manifest.version
+        finally:
+            pulled.close()
+
+    def laminar_load_file(self, path: str) -> int:
+        """Load a state dict saved with torch.save (tests, warm starts); number of tensors."""
+        import torch
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        self.model_runner.reload_weights(weights_iterator=iter(sd.items()))
+        return len(sd)

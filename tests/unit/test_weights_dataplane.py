@@ -1,0 +1,296 @@
+"""The data plane in one process (threads, loopback TCP): publisher -> relay nodes -> local pull.
+
+Covers what the multi-process tests cannot pin down cheaply: resume from the first missing chunk,
+a wrong cluster key refused, corrupt chunks never marked present, the store's visibility rules
+(adopting a verified version after a restart, dropping a corrupt one), the publisher's staging
+slots, and zero-copy pull (tensors are views of the shared-memory mapping).
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from laminar.testing.transports import FlipOnceTcp  # noqa: E402
+from laminar.weights import wire  # noqa: E402
+from laminar.weights.manifest import build_manifest, checksum, with_version  # noqa: E402
+from laminar.weights.node import RelayNode  # noqa: E402
+from laminar.weights.publisher import WeightPublisher  # noqa: E402
+from laminar.weights.pull import LocalWeights  # noqa: E402
+from laminar.weights.store import ShmStore  # noqa: E402
+from laminar.weights.transport import LinkError, get_transport  # noqa: E402
+
+KEY = wire.derive_key(b"s" * 32)
+
+
+@pytest.fixture
+def shm_dirs():
+    made = []
+
+    def make() -> str:
+        d = f"/dev/shm/laminar-unit-{uuid.uuid4().hex[:10]}"
+        made.append(d)
+        return d
+    yield make
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def nodes(shm_dirs):
+    started = []
+
+    def make(n: int, transport=None, events=None) -> list[RelayNode]:
+        out = []
+        for i in range(n):
+            node = RelayNode(f"n{i}", shm_dirs(), transport or get_transport("tcp"), KEY,
+                             on_event=(lambda kind, _i=i, **kw: events.append((_i, kind, kw))) if events is not None else (lambda kind, **kw: None))
+            node.start()
+            started.append(node)
+            out.append(node)
+        for a, b in zip(out, out[1:]):
+            a.set_downstream(b.address, b.id)
+        return out
+    yield make
+    for node in started:
+        node.stop()
+
+
+def state(seed: int, mib: int = 4) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(mib << 18, generator=g), "b16": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+            "i": torch.arange(7), "flag": torch.tensor([True, False]), "empty": torch.zeros(0, 3)}
+
+
+def wait_version(node: RelayNode, v: int, timeout: float = 20.0) -> None:
+    with node.store.cond:
+        assert node.store.cond.wait_for(lambda: node.store.current is not None and node.store.current.version >= v, timeout)
+
+
+def test_chain_delivers_and_pull_is_zero_copy_and_equal(nodes):
+    a, b, c = nodes(3)
+    pub = WeightPublisher(chunk_bytes=256 << 10, key=KEY)
+    try:
+        pub.set_target(a.address, a.id)
+        sd = state(0)
+        v = pub.publish(sd)
+        assert pub.wait_delivered(v, 20)
+        wait_version(c, v)
+        pulled = LocalWeights(c.store.dir).latest()
+        got = dict(pulled.tensors())
+        assert list(got) == list(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+        assert pulled.verify() == []
+        del got
+        pulled.close()
+    finally:
+        pub.close()
+
+
+def test_pulled_tensors_alias_shared_memory(nodes):
+    (a,) = nodes(1)
+    pub = WeightPublisher(chunk_bytes=1 << 20, key=KEY)
+    try:
+        pub.set_target(a.address)
+        pub.publish({"x": torch.arange(1 << 16, dtype=torch.float32)})
+        wait_version(a, 0)
+        p1, p2 = LocalWeights(a.store.dir).latest(), LocalWeights(a.store.dir).latest()
+        t1, t2 = dict(p1.tensors())["x"], dict(p2.tensors())["x"]
+        # each tensor points into its own mapping of the one tmpfs file: no copy was made
+        import numpy as np
+        for p, t in ((p1, t1), (p2, t2)):
+            assert t.data_ptr() == np.frombuffer(p.buf, dtype=np.uint8).ctypes.data + p.manifest.offsets[0]
+        assert torch.equal(t1, t2)
+        assert LocalWeights(a.store.dir).latest(min_version=0) is None  # nothing newer than v0
+    finally:
+        pub.close()
+
+
+def test_slots_are_reused_and_a_held_version_is_never_overwritten(nodes):
+    (a,) = nodes(1)
+    pub = WeightPublisher(chunk_bytes=1 << 20, key=KEY)
+    lw = LocalWeights(a.store.dir)
+    try:
+        pub.set_target(a.address)
+        pub.publish(state(5, 1), version=5)
+        wait_version(a, 5)
+        held = lw.latest()                               # v5 in slot 0, shared-locked
+        for v in (6, 7):                                 # v7 would reuse slot 0: held, so a new file
+            pub.publish(state(v, 1), version=v)
+            wait_version(a, v)
+        assert a.store.fresh_files == 1
+        assert sorted(p.name for p in a.store.dir.iterdir()) == ["current", "slot0.bin", "slot1.bin"]
+        assert held.version == 5 and held.verify() == []
+        assert torch.equal(dict(held.tensors())["w"], state(5, 1)["w"])
+        held.close()
+        seen = {}
+        for v in (8, 9, 10, 11):                         # nobody holds anything: files reused
+            pub.publish(state(v, 1), version=v)
+            wait_version(a, v)
+            with lw.latest() as p:
+                assert p.version == v and p.verify() == []
+                assert torch.equal(dict(p.tensors())["w"], state(v, 1)["w"])
+                seen.setdefault(p.buf, []).append(v)
+        assert a.store.fresh_files == 1
+        assert sorted(seen.values()) == [[8, 10], [9, 11]]   # one cached mapping per slot file
+        dst = {k: torch.empty_like(t) for k, t in state(0, 1).items()}
+        assert lw.pull_into(dst) == 11 and all(torch.equal(dst[k], state(11, 1)[k]) for k in dst)
+        assert lw.pull_into(dst, min_version=11) == -1
+    finally:
+        pub.close()
+
+
+def test_corrupt_chunk_is_nacked_resent_and_never_marked(nodes):
+    events: list = []
+    a, b = nodes(2, events=events)
+    a.set_downstream("", "")
+    a.transport = FlipOnceTcp(chunk=3)
+    a.set_downstream(b.address, b.id)
+    pub = WeightPublisher(chunk_bytes=256 << 10, key=KEY, transport=FlipOnceTcp(chunk=0))
+    try:
+        pub.set_target(a.address)
+        sd = state(3)
+        pub.publish(sd)
+        wait_version(b, 0)
+        assert a.corrupt == 1 and b.corrupt == 1
+        assert (0, "corrupt", {"version": 0, "chunk": 0}) in events
+        assert (1, "corrupt", {"version": 0, "chunk": 3}) in events
+        assert LocalWeights(b.store.dir).latest().verify() == []
+    finally:
+        pub.close()
+
+
+def test_resume_starts_at_first_missing_chunk(shm_dirs):
+    """A downstream holding chunks 0..k-1 answers WANT k; the sender sends only k..n-1."""
+    store = ShmStore(shm_dirs())
+    store.open()
+    m = with_version(build_manifest([("x", "uint8", (10 << 10,))], 0, 1 << 10), 4)
+    data = bytes(range(256)) * 40
+    with store.cond:
+        vb = store.begin(m)
+        for i in range(6):
+            vb.chunk(i)[:] = data[i << 10:(i + 1) << 10]
+            vb.mark(i, checksum(vb.chunk(i)))
+    node = RelayNode("down", str(store.dir), get_transport("tcp"), KEY)
+    node.store = store
+    node.start()
+    src = WeightPublisher(chunk_bytes=1 << 10, key=KEY)
+    try:
+        src.set_target(node.address)
+        src.publish({"x": torch.frombuffer(bytearray(data), dtype=torch.uint8)}, version=4)
+        assert src.wait_delivered(4, 20)
+        wait_version(node, 4)
+        assert bytes(node.store.current.view) == data
+        assert node.receiver.stats["chunks"] == 4 and node.receiver.stats["duplicates"] == 0
+    finally:
+        src.close()
+        node.stop()
+
+
+def test_wrong_key_is_refused(nodes):
+    (a,) = nodes(1)
+    conn = get_transport("tcp").connect(a.address, 2.0)
+    with pytest.raises(LinkError):
+        wire.client_handshake(conn, wire.derive_key(b"other secret"), timeout=2.0)
+    conn.close()
+    assert a.store.incoming is None and a.receiver is None
+
+
+def test_store_adopts_verified_version_and_drops_corrupt_one(nodes, shm_dirs):
+    (a,) = nodes(1)
+    pub = WeightPublisher(chunk_bytes=1 << 20, key=KEY)
+    try:
+        pub.set_target(a.address)
+        pub.publish(state(4, 1), version=2)
+        wait_version(a, 2)
+    finally:
+        pub.close()
+    d = a.store.dir
+    again = ShmStore(d)
+    again.open()
+    assert again.current is not None and again.current.version == 2 and again.current.complete
+    from laminar.weights.store import read_pointer
+    slot = read_pointer(d)[0]
+    with open(d / f"slot{slot}.bin", "r+b") as f:  # simulate a corrupted file left behind
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    third = ShmStore(d)
+    third.open()
+    assert third.current is None and list(d.iterdir()) == []
+
+
+def test_publish_overwrites_pending_version_not_the_one_being_sent():
+    pub = WeightPublisher(chunk_bytes=1 << 20, key=KEY)
+    try:
+        pub.publish({"x": torch.zeros(1000)})
+        s0 = pub.newest.slot
+        pub.publish({"x": torch.ones(1000)})            # sender idle: the other slot
+        s1 = pub.newest.slot
+        assert s1 != s0
+        with pub.cond:
+            vb = pub.pick(-1)
+            pub.acquire(vb)                             # sender starts on v1 (slot s1)
+            assert vb.version == 1
+        pub.publish({"x": torch.full((1000,), 2.0)})     # must not touch s1
+        assert pub.newest.slot == s0 and pub.newest.version == 2
+        pub.publish({"x": torch.full((1000,), 3.0)})     # v2 pending, not started: replaced in place
+        assert pub.newest.slot == s0 and pub.newest.version == 3
+        x = torch.frombuffer(pub.slots[s1], dtype=torch.float32, count=1000)
+        assert torch.equal(x, torch.ones(1000))
+        pub.release(pub.newest)  # no-op for a slot not busy
+    finally:
+        pub.close()
+
+
+def test_concurrent_reader_during_many_versions(nodes):
+    (a,) = nodes(1)
+    pub = WeightPublisher(chunk_bytes=64 << 10, key=KEY)
+    stop, errors, seen = threading.Event(), [], set()
+
+    def reader():
+        lw = LocalWeights(a.store.dir)
+        while not stop.is_set():
+            p = lw.latest()
+            if p is None:
+                continue
+            if p.verify():
+                errors.append(p.version)
+            x = dict(p.tensors())["x"]
+            if not torch.all(x == float(p.version)):
+                errors.append(("content", p.version))
+            seen.add(p.version)
+            del x
+            p.close()
+    t = threading.Thread(target=reader, daemon=True)
+    try:
+        pub.set_target(a.address)
+        t.start()
+        for v in range(12):
+            pub.publish({"x": torch.full((1 << 18,), float(v))}, version=v)
+            assert pub.wait_delivered(v, 20)
+        stop.set()
+        t.join(20)
+        assert not errors and seen and max(seen) <= 11
+    finally:
+        stop.set()
+        pub.close()
+
+
+def test_a_stream_longer_than_the_ack_timeout_is_not_a_dead_link(shm_dirs):
+    """The ack deadline measures silence, not the length of a transfer."""
+    from laminar.testing.transports import ThrottledTcp
+    node = RelayNode("slow", shm_dirs(), get_transport("tcp"), KEY)
+    node.start()
+    downs: list = []
+    pub = WeightPublisher(chunk_bytes=256 << 10, key=KEY, transport=ThrottledTcp(rate_mbps=40),
+                          ack_timeout_s=0.5, on_link_down=downs.append)
+    try:
+        pub.set_target(node.address)
+        pub.publish({"x": torch.ones(6 << 20, dtype=torch.uint8)})    # 6 MiB at 5 MB/s: ~1.3 s > 0.5 s
+        assert pub.wait_delivered(0, 30) and not downs
+    finally:
+        pub.close()
+        node.stop()
