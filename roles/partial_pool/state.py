@@ -68,8 +68,8 @@ class PartialBook:
                 e.held[d.seq] = d
                 out.held += 1
                 continue
-            if d.seq == 0 and d.spec is None:
-                out.rejected[tid] = "seq 0 must carry the trajectory spec"
+            if d.seq == 0 and (d.spec is None or d.spec.trajectory_id != tid):
+                out.rejected[tid] = "seq 0 must carry the trajectory's own spec"
                 continue
             self._apply_one(e, owner, d, out)
             while e.next_seq in e.held:
