@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -49,7 +50,9 @@ class Agents:
 
     def __init__(self, net, n: int):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.procs = [net.popen(i, [sys.executable, str(ROOT / "bench" / "broadcast_agent.py"), net.address(i)],
+        self.shm_prefix = f"/dev/shm/laminar-bench-{net.prefix}-h"
+        self.procs = [net.popen(i, [sys.executable, str(ROOT / "bench" / "broadcast_agent.py"), net.address(i),
+                                    f"{self.shm_prefix}{i}"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for i in range(n)]
 
     def call(self, cmds: dict[int, dict]) -> dict[int, dict]:
@@ -83,6 +86,8 @@ class Agents:
             except subprocess.TimeoutExpired:
                 p.kill()  # only the agents this program started
                 p.wait(5)
+        for i in range(len(self.procs)):  # a killed agent cannot clean its store: do it here
+            shutil.rmtree(f"{self.shm_prefix}{i}", ignore_errors=True)
 
 
 class Bench:
@@ -140,7 +145,7 @@ def measure(fn, *args) -> tuple[float, float]:
     return secs, 100.0 * (b1 - b0) / max(1, t1 - t0)
 
 
-def network_part(args, sizes: list[int], ks: list[int]) -> tuple[list[dict], dict]:
+def network_part(args, sizes: list[int], ks: list[int], checkpoint=None) -> tuple[list[dict], dict]:
     from laminar.testing.netns import NetnsCluster
     k_max = max(ks)
     rows: list[dict] = []
@@ -163,15 +168,23 @@ def network_part(args, sizes: list[int], ks: list[int]) -> tuple[list[dict], dic
                     if method == "gloo" and b.addresses:  # free the relays' memory for gloo's
                         agents.call({i: {"op": "reset"} for i in b.addresses})
                         b.addresses = {}
-                    if fn is None:
-                        secs, cpu = measure(b.gloo, s, k, net.address(0))
-                        rows.append(dict(size_mib=s // MiB, k=k, method=method, seconds=secs, cpu_pct=cpu))
-                        continue
-                    secs, cpu = measure(fn, s, k, timeout)
-                    rows.append(dict(size_mib=s // MiB, k=k, method=method, seconds=secs, cpu_pct=cpu,
-                                     relay_spread_s=max(b.last_times) - min(b.last_times)))
+                    row = dict(size_mib=s // MiB, k=k, method=method)
+                    try:
+                        if fn is None:
+                            row["seconds"], row["cpu_pct"] = measure(b.gloo, s, k, net.address(0))
+                        else:
+                            row["seconds"], row["cpu_pct"] = measure(fn, s, k, timeout)
+                            row["relay_spread_s"] = max(b.last_times) - min(b.last_times)
+                    except RuntimeError as exc:  # keep what was measured; say what was not
+                        row["error"] = str(exc)[:300]
+                        print(f"  {method} S={s // MiB} MiB K={k}: FAILED: {row['error']}", flush=True)
+                        if "died" in row["error"]:
+                            raise
+                    rows.append(row)
+                    if checkpoint:
+                        checkpoint(rows)
                 for r in rows:
-                    if r["size_mib"] == s // MiB:
+                    if r["size_mib"] == s // MiB and "seconds" in r:
                         r["over_raw"] = r["seconds"] / raw_s
                         r["over_limit"] = r["seconds"] / limit
         finally:
@@ -207,12 +220,16 @@ def main() -> int:
            "publish_stall_over_memcpy": local["publish_stall_over_memcpy"],
            "pull_over_memcpy": local["pull_over_memcpy"]}
     if not args.skip_network:
-        rows, net = network_part(args, sizes, ks)
+        partial = Path(args.out + ".partial") if args.out else None
+        rows, net = network_part(args, sizes, ks, checkpoint=(lambda rs: partial.write_text(
+            json.dumps({**out, "rows": rs}, indent=1, default=str))) if partial else None)
+        if partial:
+            partial.unlink(missing_ok=True)
         out.update(net, rows=rows)
         print_table(f"broadcast over namespaces, R = {args.rate_mbit:g} Mbit/s, chunk {args.chunk_mib} MiB",
                     ["S MiB", "K", "method", "seconds", "x raw", "x S/R", "cpu %"],
-                    [[r["size_mib"], r["k"], r["method"], r["seconds"], r["over_raw"], r["over_limit"], r["cpu_pct"]]
-                     for r in rows])
+                    [[r["size_mib"], r["k"], r["method"], r.get("seconds", "FAILED"), r.get("over_raw", "-"),
+                      r.get("over_limit", "-"), r.get("cpu_pct", "-")] for r in rows])
         k_ref = 8 if 8 in ks else max(ks)
         for s in sizes:
             out[f"summary_{s // MiB}mib"] = summary(rows, s // MiB, k_ref)

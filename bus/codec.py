@@ -25,7 +25,7 @@ from laminar.protocol.registry import field_errors
 EXT_ARRAY = 1
 EXT_EVENT = 2
 MAX_BODY_BYTES = 16 << 20
-MAX_FRAMES = 1024
+MAX_FRAMES = 1 << 16
 _SAFE_DTYPE_KINDS = set("biuf")
 
 
@@ -60,8 +60,6 @@ def decode(frames: Sequence[bytes], max_body: int = MAX_BODY_BYTES) -> tuple[Any
     """Decode frames into (event, meta). Raises a CodecError subclass on any bad input."""
     if len(frames) < 2:
         raise MalformedFrame(f"expected at least 2 frames (kind, body), got {len(frames)}")
-    if len(frames) > MAX_FRAMES:
-        raise OversizedFrame(f"{len(frames)} frames exceeds the limit of {MAX_FRAMES}")
     kind_raw, body = bytes(frames[0]), frames[1]
     if len(body) > max_body:
         raise OversizedFrame(f"body of {len(body)} bytes exceeds the limit of {max_body}")
@@ -85,6 +83,8 @@ def decode(frames: Sequence[bytes], max_body: int = MAX_BODY_BYTES) -> tuple[Any
     if not isinstance(meta, dict):
         raise MalformedFrame("meta must be a map")
     try:
+        if len(frames) > MAX_FRAMES:
+            raise OversizedFrame(f"{len(frames)} frames exceeds the limit of {MAX_FRAMES}")
         if version != PROTOCOL_VERSION:
             raise ProtocolMismatch(version, PROTOCOL_VERSION)
         used: set[int] = set()
