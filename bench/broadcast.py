@@ -193,10 +193,13 @@ def network_part(args, sizes: list[int], ks: list[int], checkpoint=None) -> tupl
 
 
 def summary(rows: list[dict], size_mib: int, k: int) -> dict:
-    t = {r["method"]: r["seconds"] for r in rows if r["size_mib"] == size_mib and r["k"] in (k, 1)
+    t = {r["method"]: r.get("seconds") for r in rows if r["size_mib"] == size_mib
          and (r["k"] == k or r["method"] == "raw")}
-    return {f"chain_over_raw_k{k}": t["chain"] / t["raw"], f"fanout_over_chain_k{k}": t["fanout"] / t["chain"],
-            f"gloo_over_chain_k{k}": t["gloo"] / t["chain"]}
+
+    def ratio(a: str, b: str) -> float | None:  # None where a measurement failed
+        return t[a] / t[b] if t.get(a) and t.get(b) else None
+    return {f"chain_over_raw_k{k}": ratio("chain", "raw"), f"fanout_over_chain_k{k}": ratio("fanout", "chain"),
+            f"gloo_over_chain_k{k}": ratio("gloo", "chain")}
 
 
 def main() -> int:

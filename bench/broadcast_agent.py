@@ -22,7 +22,7 @@ import time
 from laminar.weights import wire
 from laminar.weights.manifest import build_manifest, with_version
 from laminar.weights.node import RelayNode
-from laminar.weights.publisher import WeightPublisher, alloc_staging
+from laminar.weights.publisher import WeightPublisher
 from laminar.weights.sender import Sender
 from laminar.weights.store import VersionBuffer
 from laminar.weights.transport import get_transport
@@ -71,21 +71,26 @@ class Agent:
         self.pub.set_target(address)
         return {}
 
-    def op_publish(self, version: int, nbytes: int) -> dict:
+    def _state(self, nbytes: int):
         import torch
         sd = getattr(self, "_sd", None)
         if sd is None or sd["w"].numel() != nbytes:
+            self._sd = None  # drop the old one first: memory is tight at 1 GiB x many relays
             self._sd = sd = {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8)}
+        return sd
+
+    def op_publish(self, version: int, nbytes: int) -> dict:
+        sd = self._state(nbytes)
         sd["w"][:8] = version  # a different version each time
         t0 = time.time()
         self.pub.publish(sd, version=version)
         return {"t0": t0, "stall_s": self.pub.last_publish_s}
 
     def op_fanout(self, version: int, nbytes: int, chunk_mib: int, addresses: list[str]) -> dict:
-        """The trainer's host sends the version to every relay itself, all streams at once."""
+        """The trainer's host sends the version to every relay itself, all streams at once
+        (straight from the state dict's memory: no staging copy, the best case for fan-out)."""
         m = build_manifest([("w", "uint8", (nbytes,))], version, chunk_mib << 20)
-        buf = alloc_staging(m.total_bytes)
-        vb = VersionBuffer(with_version(m, version), buf)
+        vb = VersionBuffer(with_version(m, version), self._state(nbytes)["w"].numpy())
         vb.mark_all([0] * vb.n)
         vb.lazy_checksums, vb.hashed = True, bytearray(vb.n)
         src = _OneVersion(vb)
@@ -107,13 +112,16 @@ class Agent:
         lst.bind(("0.0.0.0", 0))
         lst.listen(1)
         self.raw_done = None
-        buf = bytearray(nbytes)
+        ring = memoryview(bytearray(4 << 20))  # the bytes are not kept: this measures the link
 
         def serve():
             c, _ = lst.accept()
-            view, got = memoryview(buf), 0
+            got = 0
             while got < nbytes:
-                got += c.recv_into(view[got:], nbytes - got)
+                k = c.recv_into(ring, min(len(ring), nbytes - got))
+                if not k:
+                    break
+                got += k
             self.raw_done = time.time()
             c.close()
             lst.close()
@@ -122,11 +130,12 @@ class Agent:
         return {"address": f"{ME}:{lst.getsockname()[1]}"}
 
     def op_raw_send(self, address: str, nbytes: int) -> dict:
-        data = bytearray(os.urandom(1 << 20)) * (nbytes >> 20)
+        block = memoryview(os.urandom(4 << 20))
         host, port = address.rsplit(":", 1)
         t0 = time.time()
         s = socket.create_connection((host, int(port)))
-        s.sendall(data)
+        for off in range(0, nbytes, len(block)):
+            s.sendall(block[: min(len(block), nbytes - off)])
         s.close()
         return {"t0": t0}
 

@@ -38,10 +38,11 @@ def _in(ns: str, *argv: str) -> None:
 
 class NetnsCluster:
     def __init__(self, n_hosts: int, rate_mbit: float | None = 400.0, prefix: str | None = None,
-                 subnet: int | None = None):
+                 subnet: int | None = None, mtu: int = 1500):
         if os.geteuid() != 0:
             raise PermissionError("network namespaces need root")
         self.n = n_hosts
+        self.mtu = mtu
         self.rate_mbit = rate_mbit
         self.prefix = prefix or f"lmn{uuid.uuid4().hex[:6]}"
         self.subnet = subnet if subnet is not None else random.randint(1, 254)
@@ -78,8 +79,10 @@ class NetnsCluster:
             _in(self.switch, "ip", "link", "add", port, "type", "veth", "peer", "name", "eth0")
             _in(self.switch, "ip", "link", "set", "eth0", "netns", ns)
             _in(self.switch, "ip", "link", "set", port, "master", "br0")
+            _in(self.switch, "ip", "link", "set", port, "mtu", str(self.mtu))
             _in(self.switch, "ip", "link", "set", port, "up")
             _in(ns, "ip", "link", "set", "lo", "up")
+            _in(ns, "ip", "link", "set", "eth0", "mtu", str(self.mtu))
             _in(ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _in(ns, "ip", "link", "set", "eth0", "up")
         self.shape(self.rate_mbit)

@@ -5,13 +5,15 @@
     v = pub.publish(model.state_dict())            # returns after copying into staging
     pub.wait_delivered(v, timeout=30)              # optional: the master holds all of v
 
-Staging: two buffers (anonymous shared memory, pre-faulted), so publish() never waits for the
+Staging: two buffers (private anonymous memory, pre-faulted), so publish() never waits for the
 network: it writes into the buffer the background sender is *not* reading. If the sender is still
 busy with an older version and another publish() comes, the pending (not yet started) version is
 overwritten in place: the chain always moves to the newest weights and never queues stale ones.
 
-The only work on the caller's thread is the copy (`Tensor.copy_` into a view of the staging
-buffer, which also performs the device-to-host copy for GPU tensors). Checksums are computed by
+The only work on the caller's thread is the copy: a plain memcpy per contiguous CPU tensor
+(measured: torch's 2-thread copy_ was 2-3x slower than one memcpy whenever another process held a
+core), `Tensor.copy_` into a view of the staging buffer otherwise (the device-to-host copy for GPU
+tensors). Checksums are computed by
 the background sender chunk by chunk, just before each chunk goes out (xxh3, ≈ 25 GB/s).
 
 The background thread connects to the target, authenticates, and runs a Sender; when the link
@@ -19,6 +21,7 @@ fails it calls `on_link_down(peer)` and waits for `set_target` (the manager name
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 import time
@@ -36,8 +39,15 @@ log = structlog.get_logger("laminar.weights.publisher")
 
 
 def alloc_staging(size: int) -> mmap.mmap:
-    flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(-1, max(size, 1), flags=flags)
+    """Private anonymous memory, on huge pages where the kernel allows (fewer TLB misses in the
+    copy), touched once now so that no publish pays page faults."""
+    buf = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    view = memoryview(buf)
+    for off in range(0, len(buf), 1 << 21):
+        view[off] = 0  # fault in (a huge page per 2 MiB when granted)
+    return buf
 
 
 class WeightPublisher:
@@ -78,9 +88,15 @@ class WeightPublisher:
                 self._reset_layout(layout)
             slot = self._free_slot()
         flat = torch.frombuffer(self.slots[slot], dtype=torch.uint8)
+        base = flat.data_ptr()
         for (name, t), off, n in zip(items, layout.offsets, layout.nbytes):
-            if n:
-                flat[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach())
+            if not n:
+                continue
+            t = t.detach()
+            if t.device.type == "cpu" and t.is_contiguous():
+                ctypes.memmove(base + off, t.data_ptr(), n)  # one plain memcpy, GIL released
+            else:  # device-to-host (or a strided source): torch does the copy
+                flat[off:off + n].view(t.dtype).view(t.shape).copy_(t)
         vb = VersionBuffer(with_version(layout, version), self.slots[slot], slot=slot)
         vb.mark_all([0] * vb.n)
         vb.lazy_checksums, vb.hashed = True, bytearray(vb.n)

@@ -14,10 +14,12 @@ stay a complete, verified version until `close()`. Views used after `close()` ar
 
 Speed: mappings are cached per slot file and reused while the relay reuses the file, so a pull
 costs no page-table set-up (MAP_POPULATE is paid once per slot, not per version) and reading is
-plain memory access: `pull_into` is one copy from the page cache into the destination.
+plain memory access: `pull_into` is one memcpy per tensor from the page cache into the
+destination (or `Tensor.copy_` for a GPU destination).
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -129,5 +131,8 @@ class LocalWeights:
                 d = dst[name]
                 if d.dtype != t.dtype or d.shape != t.shape:
                     raise ValueError(f"{name}: destination is {d.dtype}{list(d.shape)}, version has {t.dtype}{list(t.shape)}")
-                d.copy_(t)
+                if d.device.type == "cpu" and d.is_contiguous() and t.numel():
+                    ctypes.memmove(d.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+                else:
+                    d.copy_(t)  # host-to-device, or a strided destination
             return pulled.version

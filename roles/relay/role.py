@@ -21,6 +21,7 @@ import time
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.bus.errors import RpcError
+from laminar.bus.rpc import RequestError
 from laminar.protocol import (Ack, LinkDown, RelayJoin, RelayProgress, SetDownstream, WeightsVersion)
 from laminar.roles.base import Role
 from laminar.weights.node import RelayNode
@@ -39,7 +40,7 @@ class RelayConfig(BaseModel):
     progress_interval_s: float = Field(0.25, gt=0, description="minimum period of relay.progress events")
     connect_timeout_s: float = Field(3.0, gt=0, description="deadline to connect+authenticate to a downstream")
     ack_timeout_s: float = Field(30.0, gt=0, description="silence from a downstream that counts as a dead link")
-    address: str = Field("tcp://127.0.0.1:*", description="control bind address when the config gives no port")
+    address: str | None = Field(None, description="control bind address when the config gives no port (default: the host's bind address, any port)")
 
 
 class RelayRole(Role):
@@ -54,12 +55,13 @@ class RelayRole(Role):
         host = cfg.cluster.hosts[host_id]
         shm_dir = self.cfg.shm_dir or f"/dev/shm/laminar-{cfg.run.name}-relay-{rid}"
         keys = getattr(self.ctx.transport, "keys", None)
-        self.node = RelayNode(rid, shm_dir, get_transport(self.cfg.transport, **self.cfg.transport_options), derive_key(keys.secret if keys else None),
+        transport = get_transport(self.cfg.transport, **self.cfg.transport_options)
+        self.node = RelayNode(rid, shm_dir, transport, derive_key(keys.secret if keys else None),
                               bind_host=host.bind, port=self.cfg.data_port, on_event=self._from_thread,
                               connect_timeout_s=self.cfg.connect_timeout_s, ack_timeout_s=self.cfg.ack_timeout_s)
         await asyncio.to_thread(self.node.start)
         self.data_address = f"{host.address}:{self.node.address.rsplit(':', 1)[1]}"
-        control = cfg.bind_endpoint("relay", rid) if spec.port else self.cfg.address
+        control = cfg.bind_endpoint("relay", rid) if spec.port else (self.cfg.address or f"tcp://{host.bind}:*")
         self.server = self.ctx.transport.server(control, "relay", rid)
         self.server.route(SetDownstream, self.on_set_downstream)
         await self.server.start()
@@ -83,7 +85,6 @@ class RelayRole(Role):
         try:
             await asyncio.to_thread(self.node.set_downstream, req.address, req.downstream_id)
         except LinkError as exc:
-            from laminar.bus.rpc import RequestError
             raise RequestError("unavailable", f"relay {self.ctx.id} cannot reach {req.downstream_id}: {exc}") from None
         self.log.info("downstream_set", downstream=req.downstream_id or "(tail)", epoch=req.epoch)
         return Ack(detail="linked")

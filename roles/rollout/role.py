@@ -121,7 +121,7 @@ class RolloutRole(Role):
             return
         self.state = "loading"
         t0 = time.monotonic()
-        v = await self.engine.load_relay(self.weights_dir, self.version + 1)
+        v = await self.engine.load_relay(self.weights_dir, self.version)
         if v > self.version:
             self.log.info("weights_loaded", version=v, previous=self.version, load_s=round(time.monotonic() - t0, 4))
             self.version = v

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 class LaminarWorkerExtension:
     def laminar_load_relay(self, shm_dir: str, min_version: int) -> int:
-        """Load the relay's newest complete version if it is >= min_version; its number or -1."""
+        """Load the relay's newest complete version if it is newer than min_version; its number or -1."""
         from laminar.weights.pull import LocalWeights
         pulled = LocalWeights(shm_dir).latest(min_version)
         if pulled is None:
