@@ -12,6 +12,7 @@ REGISTRY: dict[str, str] = {
     "prompt_pool": "laminar.roles.prompt_pool.role:PromptPoolRole",
     "partial_pool": "laminar.roles.partial_pool.role:PartialPoolRole",
     "experience_buffer": "laminar.roles.experience_buffer.role:ExperienceBufferRole",
+    "trainer": "laminar.roles.trainer.role:TrainerRole",
 }
 
 

@@ -59,8 +59,9 @@ class RolloutRole(Role):
         self.partials = t.client(self._address("partial_pool", c.partial_pool))
         self.buffer = t.client(self._address("experience_buffer", c.experience_buffer))
         self.weights_dir = c.weights_dir
-        if c.relay_id is not None and self.weights_dir is None:
-            self.weights_dir = cfg.role_settings("relay", c.relay_id).get("shm_dir")
+        if c.relay_id is not None and self.weights_dir is None:  # the relay's own default
+            self.weights_dir = (cfg.role_settings("relay", c.relay_id).get("shm_dir")
+                                or f"/dev/shm/laminar-{cfg.run.name}-relay-{c.relay_id}")
         self.engine = self._make_engine()
         await self.engine.start()
         if self.weights_dir:
@@ -244,7 +245,10 @@ class RolloutRole(Role):
                 raise RequestError("busy", f"rollout {self.ctx.id} has {len(self.active)} active "
                                    f"trajectories; {len(req.partials)} more exceed {self.cfg.max_concurrency}")
             for p in req.partials:
-                await self._call(self.partials, ReassignPartial(p.spec.trajectory_id, self.ctx.id))
+                try:
+                    await self._call(self.partials, ReassignPartial(p.spec.trajectory_id, self.ctx.id))
+                except RemoteError as exc:  # e.g. already completed elsewhere: never generate twice
+                    raise RequestError("refused", f"cannot take over {p.spec.trajectory_id}: {exc.message}") from None
                 self._start(Active.resume(p))
             self.state = "generating"
         self.log.info("migrated_in", trajectories=len(req.partials), version=self.version)

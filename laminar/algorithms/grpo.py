@@ -1,0 +1,152 @@
+"""GRPO (DESIGN §6): group-normalized advantages, per-token logprobs, the Clip-Higher loss.
+
+Layout: a batch of B sequences `prompt + response`, right-padded to T tokens. Every per-token
+tensor lives on the T-1 *target* positions: position t holds what the model says about token
+t+1 (logits[:, t] predicts input_ids[:, t+1]), so response token j of a sequence with P prompt
+tokens sits at position P-1+j. `collate()` builds that layout from per-trajectory arrays.
+
+Loss (per valid token, A = the sequence's advantage, r = exp(logp - old)):
+    pg   = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))      (Clip-Higher: eps_high > eps_low)
+    pg  *= w   with off-policy correction, w = exp(old - behaviour) (detached):
+               "tis": w = min(w, is_cap) (truncated importance sampling);
+               "decoupled": clip against the proximal policy `old`, times w (decoupled PPO)
+    kl   = exp(ref - logp) - (ref - logp) - 1                     (k3 estimator, if ref given)
+    loss = (sum pg + kl_coef * sum kl) / N                       N = valid tokens in the mini-batch
+Token-level aggregation: every valid token of the mini-batch weighs the same, whatever its
+sequence's length. Pass `num_tokens` (the mini-batch's count) when a mini-batch is split into
+micro-batches, so the micro-batch losses (and metrics) add up to the mini-batch's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass
+class GRPOSettings:
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    kl_coef: float = 0.0
+    old_logprobs: str = "behaviour"   # behaviour | recompute
+    off_policy: str = "none"          # none | tis | decoupled
+    is_cap: float | None = 2.0        # TIS truncation (decoupled: optional cap, None = none)
+    adv_eps: float = 1e-6
+
+    @property
+    def needs_proximal(self) -> bool:
+        """Whether the policy's logprobs before the update must be recomputed."""
+        return self.old_logprobs == "recompute" or self.off_policy != "none"
+
+
+def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6, std_normalize: bool = True) -> list[np.ndarray]:
+    """Per group: (r - mean) / (std + eps), std unbiased; a group of one, or with equal
+    rewards, gets zero advantages (no signal)."""
+    out = []
+    for g in rewards:
+        r = np.asarray(g, dtype=np.float64)
+        if len(r) < 2:
+            out.append(np.zeros_like(r, dtype=np.float32))
+            continue
+        a = r - r.mean()
+        if std_normalize:
+            a = a / (r.std(ddof=1) + eps)
+        out.append(a.astype(np.float32))
+    return out
+
+
+def collate(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
+            per_token: dict[str, Sequence[np.ndarray | None]] | None = None,
+            loss_masks: Sequence[np.ndarray | None] | None = None, pad_id: int = 0):
+    """Right-pad `prompt + response` sequences; returns (input_ids [B,T], attention_mask [B,T],
+    response_mask [B,T-1] float, {name: [B,T-1] float}) with per-response-token arrays (e.g.
+    behaviour logprobs) placed at their target positions (0 elsewhere)."""
+    import torch
+    B = len(prompts)
+    lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    T = max(lens)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    att = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T - 1), dtype=torch.float32)
+    extra = {k: torch.zeros((B, T - 1), dtype=torch.float32) for k in (per_token or {})}
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        P, R = len(p), len(r)
+        ids[b, :P] = torch.tensor(np.asarray(p, dtype=np.int64))
+        ids[b, P:P + R] = torch.tensor(np.asarray(r, dtype=np.int64))
+        att[b, :P + R] = 1
+        m = np.ones(R, np.float32) if loss_masks is None or loss_masks[b] is None else np.asarray(loss_masks[b], np.float32)
+        mask[b, P - 1:P - 1 + R] = torch.tensor(m)
+        for k, arrs in (per_token or {}).items():
+            if arrs[b] is not None:
+                extra[k][b, P - 1:P - 1 + R] = torch.tensor(np.asarray(arrs[b], np.float32))
+    return ids, att, mask, extra
+
+
+def token_logprobs(model, input_ids, attention_mask, with_entropy: bool = False):
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t < T-1 -> [B, T-1] (and the entropy of
+    each predictive distribution when asked)."""
+    import torch
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent
+
+
+def response_logprobs(logp_targets, prompt_lens: Sequence[int], response_lens: Sequence[int]) -> list[np.ndarray]:
+    """Back from the target layout to one float32 array per response (for caching proximal/ref)."""
+    out = []
+    lp = logp_targets.detach().float().cpu().numpy()
+    for b, (P, R) in enumerate(zip(prompt_lens, response_lens)):
+        out.append(lp[b, P - 1:P - 1 + R].copy())
+    return out
+
+
+def grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
+              behaviour_logp=None, off_policy: str = "none", is_cap: float | None = 2.0,
+              ref_logp=None, kl_coef: float = 0.0, num_tokens: float | None = None, entropy=None):
+    """The GRPO loss of a (micro-)batch; see the module docstring. `advantages` is [B] (one per
+    sequence) or [B, T-1]. Returns (loss, metrics) where each metric is a sum over the valid
+    tokens divided by N (so micro-batch metrics add up to the mini-batch mean)."""
+    import torch
+    mask = mask.float()
+    n = float(num_tokens) if num_tokens is not None else max(float(mask.sum()), 1.0)
+    A = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    pg = torch.maximum(-A * ratio, -A * clipped)
+    w = None
+    if off_policy in ("tis", "decoupled"):
+        if behaviour_logp is None:
+            raise ValueError(f"off_policy={off_policy!r} needs behaviour logprobs")
+        w = torch.exp(old_logp - behaviour_logp).detach()
+        if is_cap is not None:
+            w = torch.clamp(w, max=is_cap)
+        pg = pg * w
+    elif off_policy != "none":
+        raise ValueError(f"off_policy must be none, tis or decoupled, got {off_policy!r}")
+    pg_loss = (pg * mask).sum() / n
+    loss = pg_loss
+    with torch.no_grad():
+        valid = mask > 0
+        metrics = {
+            "pg_loss": float(pg_loss.detach()),
+            "clip_frac_low": float(((ratio < 1.0 - eps_low) & (A < 0) & valid).sum()) / n,
+            "clip_frac_high": float(((ratio > 1.0 + eps_high) & (A > 0) & valid).sum()) / n,
+            "ratio_mean": float((ratio * mask).sum()) / n,
+        }
+        if w is not None:
+            metrics["is_weight_mean"] = float((w * mask).sum()) / n
+        if entropy is not None:
+            metrics["entropy"] = float((entropy * mask).sum()) / n
+    if ref_logp is not None:
+        d = ref_logp - logp
+        kl = ((torch.exp(d) - d - 1.0) * mask).sum() / n
+        loss = loss + kl_coef * kl
+        metrics["kl"] = float(kl.detach())
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics

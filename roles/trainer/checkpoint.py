@@ -1,0 +1,106 @@
+"""Atomic trainer checkpoints: `<root>/v00000012/` holds model.pt, optimizer.pt, rng.pt, state.json
+and a COMPLETE marker; it is written as `<root>/.tmp-v00000012-<pid>/`, every file fsynced, then
+renamed into place (and the folder fsynced), so a reader sees a whole checkpoint or none.
+
+    save(root, version, model, optimizer, state)   -> path; keeps the newest `keep`
+    latest(root)                                   -> newest complete checkpoint folder or None
+    load(path, model, optimizer)                   -> state dict (version, cursor, ...); restores RNGs
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+MARK = "COMPLETE"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _name(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def rng_state() -> dict:
+    import torch
+    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    import torch
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save(root: str | Path, version: int, model, optimizer, state: dict, keep: int = 2) -> Path:
+    import torch
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{_name(version)}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(model.state_dict(), tmp / "model.pt")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({**state, "version": version}))
+    (tmp / MARK).write_text("ok\n")
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fsync(tmp)
+    final = root / _name(version)
+    if final.exists():  # a checkpoint of this version from a run that was killed after writing it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(root)
+    for old in complete(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete(root: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (half-written temp folders are never listed)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        if p.name.startswith("v") and p.name[1:].isdigit() and (p / MARK).exists():
+            out.append(p)
+    return sorted(out, key=lambda p: int(p.name[1:]))
+
+
+def latest(root: str | Path) -> Path | None:
+    found = complete(root)
+    return found[-1] if found else None
+
+
+def clean_temp(root: str | Path) -> None:
+    root = Path(root)
+    if root.is_dir():
+        for p in root.glob(".tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def load(path: str | Path, model, optimizer, map_location="cpu") -> dict:
+    import torch
+    path = Path(path)
+    model.load_state_dict(torch.load(path / "model.pt", map_location=map_location))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "state.json").read_text())

@@ -1,0 +1,42 @@
+"""TrainerConfig: every setting of the trainer role, with its meaning (validated by the config loader)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_dir: str = Field(description="local Hugging Face causal-LM folder (Qwen2/Llama); nothing is downloaded")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (the pre-clip norm is logged)")
+    groups_per_batch: int = Field(8, ge=1, description="whole GRPO groups per global batch (= one version)")
+    minibatch_steps: int = Field(1, ge=1, description="optimizer steps per global batch (the batch is split evenly)")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (gradient accumulation)")
+    algorithm: str = Field("grpo", pattern="^grpo$", description="policy loss (grpo; PPO's GAE/value loss live in laminar.algorithms.ppo)")
+    eps_low: float = Field(0.2, ge=0, description="Clip-Higher lower bound: ratio >= 1 - eps_low")
+    eps_high: float = Field(0.28, ge=0, description="Clip-Higher upper bound: ratio <= 1 + eps_high")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL to a frozen reference (0: no reference model)")
+    adv_std_normalize: bool = Field(True, description="divide group advantages by the group's std")
+    old_logprobs: str = Field("behaviour", pattern="^(behaviour|recompute)$",
+                              description="old policy of the ratio: the rollout's behaviour logprobs or recomputed by the trainer")
+    off_policy: str = Field("none", pattern="^(none|tis|decoupled)$",
+                            description="stale-sample correction: truncated IS or decoupled PPO (both recompute the proximal policy)")
+    is_cap: float | None = Field(2.0, gt=0, description="truncation of the importance weight (tis; optional for decoupled)")
+    entropy_metric: bool = Field(True, description="log the policy entropy on response tokens")
+    checkpoint_every: int = Field(10, ge=1, description="checkpoint every N versions")
+    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept")
+    checkpoint_dir: str | None = Field(None, description="default <workdir>/trainer[-<id>]/checkpoints")
+    resume: bool = Field(True, description="start from the newest complete checkpoint when there is one")
+    device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="auto: cuda when available")
+    seed: int | None = Field(None, description="seed of torch/numpy/python RNGs (default run.seed)")
+    experience_buffer: str = Field("0", description="id of the experience buffer to sample from")
+    sample_wait_s: float = Field(0.05, gt=0, description="wait before asking a short buffer again")
+    max_iterations: int | None = Field(None, ge=1, description="finish (exit 0) after this version (None: run until stopped)")
+    publish: bool = Field(True, description="publish every version to the master relay")
+    relay_id: str | None = Field(None, description="master relay id; its data address is <host address>:<relay data_port>")
+    relay_address: str | None = Field(None, description="explicit host:port of the master relay's data listener")
+    manager_id: str = Field("0", description="manager to follow for the current master (used when a manager is placed and no address is given)")
+    publish_transport: str = Field("tcp", description="chunk transport: tcp, ucx, or module:Class")
+    publish_transport_options: dict = Field(default_factory=dict, description="keyword arguments of the transport")
+    chunk_mb: int = Field(16, ge=1, description="chunk size of the weight stream")

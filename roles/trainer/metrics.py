@@ -1,0 +1,72 @@
+"""Per-iteration trainer metrics: computed from the batch, appended to `<dir>/metrics.jsonl`
+(one JSON object per version, with the trained group ids as the ledger), published as Metrics.
+
+On resume, records of versions after the checkpoint are moved to `metrics.discarded.jsonl`
+(their work was lost with the killed process), so metrics.jsonl always reads as one clean,
+gap-free version sequence; the discarded file keeps the evidence of what the buffer handed out.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+
+def batch_stats(groups, trainer_version: int) -> dict:
+    rewards = np.array([t.reward for g in groups for t in g], dtype=np.float64)
+    lens = np.array([len(t.response_tokens) for g in groups for t in g], dtype=np.float64)
+    stale = Counter(trainer_version - t.version for g in groups for t in g)
+    out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+           "response_len_mean": float(lens.mean()), "response_len_max": float(lens.max()),
+           "samples": float(len(rewards)), "groups": float(len(groups)),
+           "staleness_mean": float(sum(k * v for k, v in stale.items()) / max(1, len(rewards))),
+           "staleness_max": float(max(stale))}
+    for k, v in sorted(stale.items()):
+        out[f"staleness/{k}"] = float(v)
+    return out
+
+
+class MetricsLog:
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.discarded = self.dir / "metrics.discarded.jsonl"
+
+    def append(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+    def records(self) -> list[dict]:
+        return read_jsonl(self.path)
+
+    def truncate_after(self, version: int) -> int:
+        """Keep records with version <= `version`; move the rest to the discarded file."""
+        recs = self.records()
+        keep = [r for r in recs if r.get("version", 0) <= version]
+        drop = [r for r in recs if r.get("version", 0) > version]
+        if drop:
+            with open(self.discarded, "a") as f:
+                for r in drop:
+                    f.write(json.dumps({**r, "discarded": True}) + "\n")
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, self.path)
+        return len(drop)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line torn by a kill
+    return out
