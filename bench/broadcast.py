@@ -21,6 +21,7 @@ each run (/proc/stat), to show the cores were not what limited it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -164,6 +165,7 @@ def network_part(args, sizes: list[int], ks: list[int], checkpoint=None) -> tupl
                 # chain for K descending: every relay stays in sync, so no catch-up is needed
                 plan = [("chain", k, b.chain) for k in sorted(ks, reverse=True)] + \
                        [("fanout", k, b.fanout) for k in ks] + [("gloo", k, None) for k in ks]
+                plan = [p for p in plan if p[0] in args.methods]
                 for method, k, fn in plan:
                     if method == "gloo" and b.addresses:  # free the relays' memory for gloo's
                         agents.call({i: {"op": "reset"} for i in b.addresses})
@@ -210,6 +212,7 @@ def main() -> int:
     p.add_argument("--chunk-mib", type=int, default=1, help="chunk size of the chain and fan-out")
     p.add_argument("--sizes-mib", type=int, nargs="*", default=None, help="override S (MiB)")
     p.add_argument("--ks", type=int, nargs="*", default=None, help="override K")
+    p.add_argument("--methods", nargs="*", default=["chain", "fanout", "gloo"], help="which to measure (raw always)")
     p.add_argument("--skip-network", action="store_true", help="loopback measurements only (no root)")
     args = p.parse_args()
     sizes = [s * MiB for s in (args.sizes_mib or ([64] if args.quick else [256, 1024]))]
@@ -217,6 +220,7 @@ def main() -> int:
     t_start = time.time()
 
     local = broadcast_local.run(sizes[0], args.chunk_mib * MiB, reps=3 if args.quick else 7)
+    gc.collect()  # return the loopback run's buffers before the agents need the memory
     print_table(f"loopback, unshaped, S = {sizes[0] // MiB} MiB", ["measure", "value"],
                 [[k, v] for k, v in local.items()])
     out = {"sizes_mib": [s // MiB for s in sizes], "ks": ks, "chunk_mib": args.chunk_mib, "local": local,

@@ -178,3 +178,4 @@ class RelayNode:
             t.join(timeout=10.0)
         self.listener.close()
         self._accept_thread.join(timeout=5.0)
+        self.store.close()

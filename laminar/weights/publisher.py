@@ -147,6 +147,16 @@ class WeightPublisher:
         if sender is not None:
             sender.stop()
         self._thread.join(timeout=10.0)
+        with self.cond:  # release the staging memory now rather than at garbage collection
+            if self.newest is not None:
+                self.newest.view.release()
+                self.newest = None
+            for buf in self.slots:
+                try:
+                    buf.close()
+                except BufferError:
+                    pass
+            self.slots = []
 
     # -- Source API for the Sender -----------------------------------------------------------
     def pick(self, delivered: int) -> VersionBuffer | None:

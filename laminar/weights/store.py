@@ -248,6 +248,21 @@ class ShmStore:
                 self._unlock(self.incoming)
             self.cond.notify_all()
 
+    def close(self) -> None:
+        """Unmap everything (after every thread using this store has stopped)."""
+        with self.cond:
+            for vb in (self.current, self.incoming, self.previous):
+                if vb is not None:
+                    self._unlock(vb)
+                    vb.view.release()
+            self.current = self.incoming = self.previous = None
+            for _, _, buf in self.maps.values():
+                try:
+                    buf.close()
+                except BufferError:  # a view still exported somewhere: the GC unmaps it later
+                    pass
+            self.maps.clear()
+
     def remove_files(self) -> None:
         """Delete the folder and its contents (tests, benchmarks; a relay normally keeps them)."""
         if self.dir.exists():
