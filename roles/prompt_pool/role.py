@@ -1,12 +1,15 @@
 """PromptPoolRole: TakeBatch -> whole GRPO groups; RequeueGroups -> handed out again first.
 
-Order: epoch e visits the prompts in a permutation seeded by (seed, e). The cursor (epoch,
+Idempotent: a TakeBatch with a `batch_seq` that repeats the rollout's last one (its reply was
+lost) gets the same groups again. Order: epoch e visits the prompts in a permutation seeded by (seed, e). The cursor (epoch,
 position) and the requeue list are durable; a TakeBatch is answered only after the cursor move is
 committed, so a restarted pool never hands a group out twice (and a lost reply is covered by the
 manager's requeue of the groups it knows were lost). Whole groups only: a batch holds
 floor(max_trajectories / n) groups, but at least one when asked for fewer than n.
 """
 from __future__ import annotations
+
+import json
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +36,7 @@ class PromptPoolConfig(BaseModel):
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS cursor (k INTEGER PRIMARY KEY CHECK (k = 0), epoch INTEGER, pos INTEGER, handed INTEGER);
 CREATE TABLE IF NOT EXISTS requeued (group_id TEXT PRIMARY KEY, at REAL);
+CREATE TABLE IF NOT EXISTS last_batch (rollout_id TEXT PRIMARY KEY, seq INTEGER, groups TEXT);
 """
 
 
@@ -54,6 +58,7 @@ class PromptPoolRole(PoolRole):
         row = self.store.read("SELECT epoch, pos, handed FROM cursor WHERE k = 0")
         self.epoch, self.pos, self.handed = row[0] if row else (0, 0, 0)
         self.requeued = [g for (g,) in self.store.read("SELECT group_id FROM requeued ORDER BY at")]
+        self.last = {r: (seq, json.loads(gs)) for r, seq, gs in self.store.read("SELECT rollout_id, seq, groups FROM last_batch")}
         self._order_epoch = -1
 
     def routes(self) -> None:
@@ -71,12 +76,30 @@ class PromptPoolRole(PoolRole):
 
     def _group(self, epoch: int, idx: int) -> list[TrajectorySpec]:
         r, n = self.records[idx], self.cfg.group_size
-        gid = f"e{epoch}-p{r.prompt_id}"
+        gid = f"{self.prefix}e{epoch}-p{r.prompt_id}"
         return [TrajectorySpec(trajectory_id=f"{gid}/{i}", prompt_id=r.prompt_id, group_id=gid, sample_index=i,
                                group_size=n, prompt_tokens=self.tokens[idx], answer=r.answer,
                                max_tokens=self.cfg.max_tokens) for i in range(n)]
 
+    @property
+    def prefix(self) -> str:
+        """Group ids are unique across prompt pools: pools other than "0" prefix their id."""
+        return "" if self.ctx.id == "0" else f"{self.ctx.id}."
+
+    def _parse(self, group_id: str) -> tuple[int, str] | None:
+        if not group_id.startswith(self.prefix + "e"):
+            return None
+        e, sep, pid = group_id[len(self.prefix) + 1:].partition("-p")
+        return (int(e), pid) if sep and e.isdigit() and pid in self.index else None
+
+    def _specs_of(self, group_id: str) -> list[TrajectorySpec]:
+        e, pid = self._parse(group_id)
+        return self._group(e, self.index[pid])
+
     async def on_take(self, req: TakeBatch) -> Batch:
+        last = self.last.get(req.rollout_id)
+        if req.batch_seq >= 0 and last is not None and last[0] == req.batch_seq:  # a retry
+            return Batch([s for g in last[1] for s in self._specs_of(g)], exhausted=self.exhausted())
         n = self.cfg.group_size
         want = max(1, req.max_trajectories // n)
         out: list[TrajectorySpec] = []
@@ -86,8 +109,7 @@ class PromptPoolRole(PoolRole):
             if len(took_requeued) < len(self.requeued):
                 gid = self.requeued[len(took_requeued)]
                 took_requeued.append(gid)
-                e, _, pid = gid[1:].partition("-p")
-                out += self._group(int(e), self.index[pid])
+                out += self._specs_of(gid)
                 continue
             if self.cfg.max_epochs is not None and epoch >= self.cfg.max_epochs:
                 break
@@ -101,6 +123,11 @@ class PromptPoolRole(PoolRole):
         stmts = [("INSERT OR REPLACE INTO cursor (k, epoch, pos, handed) VALUES (0, ?, ?, ?)",
                   (epoch, pos, self.handed + len(out) // n))]
         stmts += [("DELETE FROM requeued WHERE group_id = ?", (g,)) for g in took_requeued]
+        if req.batch_seq >= 0:
+            groups = list(dict.fromkeys(s.group_id for s in out))
+            self.last[req.rollout_id] = (req.batch_seq, groups)
+            stmts.append(("INSERT OR REPLACE INTO last_batch VALUES (?, ?, ?)",
+                          (req.rollout_id, req.batch_seq, json.dumps(groups))))
         self.epoch, self.pos, self.handed = epoch, pos, self.handed + len(out) // n
         self.requeued = self.requeued[len(took_requeued):]
         await self.durable(stmts)
@@ -109,10 +136,9 @@ class PromptPoolRole(PoolRole):
     async def on_requeue(self, req: RequeueGroups) -> Ack:
         new = [g for g in req.group_ids if g not in self.requeued]
         for g in new:
-            e, sep, pid = g[1:].partition("-p")
-            if not g.startswith("e") or not sep or not e.isdigit() or pid not in self.index:
+            if self._parse(g) is None:
                 from laminar.bus.rpc import RequestError
-                raise RequestError("refused", f"unknown group id {g!r}")
+                raise RequestError("refused", f"unknown group id {g!r} for prompt pool {self.ctx.id}")
         self.requeued += new
         import time
         await self.durable([("INSERT OR IGNORE INTO requeued (group_id, at) VALUES (?, ?)", (g, time.time())) for g in new])

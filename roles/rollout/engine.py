@@ -83,6 +83,9 @@ class VllmEngine(RolloutEngine):
                                dtype=self.dtype, max_model_len=self.max_model_len,
                                max_num_seqs=self.max_num_seqs,
                                worker_extension_cls="laminar.roles.rollout.worker_ext.LaminarWorkerExtension")
+        # This blocks the loop for the engine core's start-up (seconds). AsyncLLM must be built on
+        # the loop's thread (built in a worker thread it never delivers outputs); a rollout has
+        # its own process, and peers of an in-process cluster ride it out by retrying.
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_class(self.stats)])
 
     async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None):

@@ -40,6 +40,7 @@ class RolloutRole(Role):
         self.version = 0
         self.state = "idle"
         self.batches = 0
+        self._seq_base = time.time_ns() // 1000  # batch_seq unique across restarts of this rollout
         self.generated = 0
         self._gen_at_last_report = 0
         self.lock = asyncio.Lock()
@@ -91,7 +92,8 @@ class RolloutRole(Role):
             async with self.lock:
                 await self._maybe_update_weights()
                 room = self.cfg.max_concurrency - len(self.active)  # migrated-in work counts
-                batch = await self._call(self.prompts, TakeBatch(self.ctx.id, room)) if room > 0 else None
+                # batch_seq makes a retried TakeBatch (lost reply) return the same groups
+                batch = await self._call(self.prompts, TakeBatch(self.ctx.id, room, self._seq_base + self.batches)) if room > 0 else None
                 for spec in batch.trajectories if batch else []:
                     self._start(Active(spec=spec, version=self.version))
             if batch is not None and not batch.trajectories and not self.active:
@@ -100,9 +102,10 @@ class RolloutRole(Role):
                     return
                 await self._idle_wait()
                 continue
+            if batch is not None and batch.trajectories:
+                self.batches += 1
             if not self.active:
                 continue
-            self.batches += 1
             self.state = "generating"
             await self.batch_done.wait()
             self.state = "idle"

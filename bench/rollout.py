@@ -1,0 +1,168 @@
+"""Rollout benchmark on this machine's vLLM CPU engine (tiny model unless --model-dir).
+
+    python bench/rollout.py [--quick] [--out FILE]
+
+1. inside the rollout role (prompt pool -> generation -> token deltas streamed to the partial
+   pool every 0.25 s -> scoring -> experience buffer, stats reported every second) -> tokens/s
+   of one batch, after a warm-up batch;
+2. engine alone: the same trajectories (same prompts, same per-trajectory seeds, so the same
+   tokens) generated again straight through the same warm engine, all at once -> tokens/s;
+   the ratio is the role's overhead;
+3. weight load: a new version written into the host's shared-memory store, loaded in place
+   (engine.load_relay), per model size;
+4. migration: MigrateOut on one rollout + MigrateIn on another, timed until every moved
+   trajectory has produced a new token on the destination; for 1 and for N trajectories.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import free_port, print_table, write_json  # noqa: E402
+
+SEED = 11
+
+
+def prompts(n: int) -> list[str]:
+    return [f"{i:03d} say something long" for i in range(n)]
+
+
+def cluster_cfg(tmp: Path, model_dir: str, n: int, max_tokens: int, shm: Path):
+    from laminar.config import parse_config
+    data = tmp / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in prompts(n)))
+    one = tmp / "one.jsonl"  # rollout 1 gets one trajectory of its own, then has room for migrants
+    one.write_text(json.dumps({"prompt": "hi", "answer": "x"}) + "\n")
+    roles = [{"role": "prompt_pool", "port": free_port()},
+             {"role": "prompt_pool", "id": "1", "port": free_port(), "options": {"dataset": str(one), "max_epochs": 1}}, {"role": "partial_pool", "port": free_port()},
+             {"role": "experience_buffer", "port": free_port()}, {"role": "rollout", "id": "0", "port": free_port()},
+             {"role": "rollout", "id": "1", "port": free_port(), "options": {"max_concurrency": 2 * n, "prompt_pool": "1"}}]
+    return parse_config({
+        "run": {"workdir": str(tmp / "run")},
+        "cluster": {"keys_dir": None, "shutdown_s": 30, "broker": {"host": "h0"},
+                    "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
+        "roles": {"prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": max_tokens, "max_epochs": 3},
+                  "rollout": {"model_dir": model_dir, "max_concurrency": n, "max_model_len": max_tokens + 64,
+                              "seed": SEED, "weights_dir": str(shm), "stop_when_exhausted": False,
+                              "reward": "laminar.tasks.rewards:zero"}}})
+
+
+async def run_bench(cfg, n: int, migrate_n: int, model_dir: str) -> dict:
+    """Phases on one warm engine: role batch (timed) -> migrations -> same tokens bare -> load."""
+    import torch
+    import transformers
+
+    from laminar.datasets import ByteTokenizer
+    from laminar.protocol import MigrateIn, MigrateOut, SampleGroups
+    from laminar.testing.inproc_cluster import InprocCluster
+    from laminar.weights.local_write import write_version
+    from laminar.weights.store import ShmStore
+    c = InprocCluster(cfg)
+    for r, i in (("prompt_pool", "0"), ("prompt_pool", "1"), ("partial_pool", "0"), ("experience_buffer", "0")):
+        await c.start(r, i)
+    r0 = await c.start("rollout", "0")
+    r1 = await c.start("rollout", "1")
+    buf, got = c.client("experience_buffer"), []
+
+    async def wait_done(total: int) -> None:
+        deadline = time.monotonic() + 120
+        while len(got) < total:
+            if time.monotonic() > deadline:
+                stats = await c.client("experience_buffer").call(__import__("laminar.protocol", fromlist=["x"]).BufferStatsRequest())
+                raise TimeoutError(f"{len(got)}/{total} trajectories; buffer {stats}; r0 {r0.status()} "
+                                   f"r1 {r1.status()} r0 active {list(r0.active)[:5]} r1 active {list(r1.active)[:5]}")
+            s = await buf.call(SampleGroups(total, 0))
+            got.extend(t for g in s.groups for t in g)
+            if not s.groups:
+                await asyncio.sleep(0.02)  # polling the buffer for finished work
+    await wait_done(n + 1)                 # epoch 0 on r0 (engine warm-up) and r1's warm-up
+    t0 = time.perf_counter()
+    await wait_done(2 * n + 1)             # epoch 1 on r0: the timed batch
+    role_s = time.perf_counter() - t0
+    timed = [t for t in got if t.spec.group_id.startswith("e1-")]
+    res = {"role_tokens": sum(len(t.response_tokens) for t in timed), "role_s": role_s}
+    for k in sorted({1, migrate_n}):       # epoch 2 on r0: move k trajectories to r1
+        while len(r0.active) < k or min(len(a.tokens) for a in r0.active.values()) < 4:
+            await asyncio.sleep(0.002)     # watching the role's own state
+        ids = list(r0.active)[:k]
+        t = time.perf_counter()
+        moved = await c.client("rollout", "0").call(MigrateOut(ids), timeout=60)
+        await c.client("rollout", "1").call(MigrateIn(list(moved.partials)), timeout=60)
+        base = {p.spec.trajectory_id: len(p.tokens) for p in moved.partials}
+        while any(tid in r1.active and len(r1.active[tid].tokens) <= base[tid] for tid in base):
+            await asyncio.sleep(0.001)     # watching the role's own state
+        res[f"migration_s_{k}"] = time.perf_counter() - t
+    await wait_done(3 * n + 1)
+    while r0.active or r1.active:
+        await asyncio.sleep(0.01)
+    # the same epoch-1 trajectories (same seeds, so the same tokens) straight through the engine
+    tok, eng = ByteTokenizer(), r0.engine
+
+    async def one(t) -> int:
+        tid, count = t.spec.trajectory_id, 0
+        async for toks, _, _ in eng.generate(f"{tid}#bare", tok.encode(cfg_prompt(t)), t.spec.max_tokens,
+                                             zlib.crc32(f"{SEED}:{tid}".encode())):
+            count += len(toks)
+        return count
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(t) for t in timed))
+    res.update(engine_s=time.perf_counter() - t0, engine_tokens=sum(counts))
+    # weight load: a new version written into the host store, loaded in place
+    store = ShmStore(Path(tempfile.mkdtemp(prefix="laminar-bench-shm-")))
+    store.open()
+    sd = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    write_version(store, sd, 1)
+    t = time.perf_counter()
+    assert await eng.load_relay(str(store.dir), 0) == 1
+    res.update(weight_load_s=time.perf_counter() - t, params=sum(x.numel() for x in sd.values()))
+    await c.close()
+    return res
+
+
+def cfg_prompt(t) -> str:
+    from laminar.datasets import ByteTokenizer
+    return ByteTokenizer().decode([int(x) for x in t.spec.prompt_tokens[1:]])
+
+
+def main() -> int:
+    import faulthandler
+    faulthandler.dump_traceback_later(float(os.environ.get("BENCH_HANG_S", "600")), exit=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer trajectories (under 90 s)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--model-dir", default=None, help="HF model folder (default: build the tiny model)")
+    a = ap.parse_args()
+    n, max_tokens, migrate_n = (32, 64, 16) if a.quick else (64, 192, 64)
+    from laminar.models.tiny import build_tiny_model
+    tmp = Path(tempfile.mkdtemp(prefix="laminar-bench-rollout-"))
+    model_dir = a.model_dir or str(build_tiny_model(tmp / "tiny", init_std=0.1))
+    res = asyncio.run(run_bench(cluster_cfg(tmp, model_dir, n, max_tokens, tmp / "shm"), n, migrate_n, model_dir))
+    engine_rate, engine_tokens = res["engine_tokens"] / res["engine_s"], res["engine_tokens"]
+    res["role_tokens_per_s"] = res["role_tokens"] / res["role_s"]
+    ratio = res["role_tokens_per_s"] / engine_rate
+    print_table(f"rollout on the vLLM CPU engine ({n} trajectories, up to {max_tokens} tokens, temperature 1)",
+                ["measure", "value", "note"],
+                [["engine alone, tokens/s", engine_rate, f"{engine_tokens} tokens"],
+                 ["inside the rollout role, tokens/s", res["role_tokens_per_s"], f"{res['role_tokens']} tokens; pools + streaming + stats on"],
+                 ["role / engine", ratio, "target >= 0.85"],
+                 ["weight load (in place), s", res["weight_load_s"], f"{res['params'] / 1e6:.2f} M parameters"],
+                 ["migration, 1 trajectory, s", res["migration_s_1"], "command -> generating on the destination"],
+                 [f"migration, {migrate_n} trajectories, s", res[f"migration_s_{migrate_n}"], ""]])
+    write_json(a.out, {"quick": a.quick, "engine_tokens_per_s": engine_rate, "role_tokens_per_s": res["role_tokens_per_s"],
+                       "role_over_engine": ratio, "weight_load_s": res["weight_load_s"], "weight_params": res["params"],
+                       "migration_s_per_trajectory": res["migration_s_1"],
+                       f"migration_s_{migrate_n}_trajectories": res[f"migration_s_{migrate_n}"],
+                       "migration_s_per_trajectory_batched": res[f"migration_s_{migrate_n}"] / migrate_n})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Prompt pool semantics over the in-process bus: whole groups, idempotent TakeBatch, requeue,
+epochs, ids unique across pools, cursor kept across a restart."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from laminar.bus.errors import Refused
+from laminar.config import parse_config
+from laminar.protocol import RequeueGroups, TakeBatch
+from laminar.testing.inproc_cluster import InprocCluster
+
+
+def cfg(tmp, n=5):
+    data = tmp / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(n)))
+    return parse_config({"run": {"workdir": str(tmp)}, "cluster": {"keys_dir": None, "broker": {"host": "h0"},
+                         "hosts": {"h0": {"address": "127.0.0.1", "roles": [
+                             {"role": "prompt_pool", "port": 6101},
+                             {"role": "prompt_pool", "id": "b", "port": 6102}]}}},
+                         "roles": {"prompt_pool": {"dataset": str(data), "group_size": 3, "max_epochs": 2}}})
+
+
+def test_prompt_pool_semantics(tmp_path):
+    async def main():
+        c = InprocCluster(cfg(tmp_path))
+        await c.start("prompt_pool")
+        await c.start("prompt_pool", "b")
+        pp = c.client("prompt_pool")
+        b1 = await pp.call(TakeBatch("r", 7, batch_seq=1))
+        assert len(b1.trajectories) == 6  # floor(7 / 3) whole groups
+        assert [t.sample_index for t in b1.trajectories] == [0, 1, 2, 0, 1, 2]
+        again = await pp.call(TakeBatch("r", 7, batch_seq=1))  # lost reply: the same batch
+        assert [t.trajectory_id for t in again.trajectories] == [t.trajectory_id for t in b1.trajectories]
+        one = await pp.call(TakeBatch("r", 1, batch_seq=2))  # fewer than n: one whole group anyway
+        assert len(one.trajectories) == 3
+        other = await c.client("prompt_pool", "b").call(TakeBatch("r", 3))
+        assert other.trajectories[0].group_id.startswith("b.e0-")
+        with pytest.raises(Refused):
+            await pp.call(RequeueGroups(["b.e0-p0"]))
+        await pp.call(RequeueGroups([b1.trajectories[0].group_id]))
+        await c.stop("prompt_pool")
+        await c.start("prompt_pool")
+        rest = []
+        while True:
+            b = await pp.call(TakeBatch("r", 30))
+            rest += b.trajectories
+            if b.exhausted:
+                break
+        groups = [t.group_id for t in rest[::3]]
+        assert groups[0] == b1.trajectories[0].group_id      # requeued first, after the restart
+        handed = {t.group_id for t in b1.trajectories + one.trajectories}
+        assert len(groups) == 10 - 3 + 1 and len(set(groups[1:]) & handed) == 0
+        await c.close()
+    asyncio.run(main())
