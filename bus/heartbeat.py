@@ -21,9 +21,13 @@ async def heartbeat_loop(pub: Publisher, role: str, id: str, host: str, interval
                          dropped: Callable[[], int] = lambda: 0) -> None:
     start, seq = time.monotonic(), 0
     while True:
+        try:  # a role's status() must never silence its heartbeat
+            st, bad = status(), dropped()
+        except Exception as exc:
+            st, bad = {"status_error": repr(exc)[:200]}, 0
         pub.publish(f"hb.{role}.{id}", Heartbeat(
             role=role, id=id, host=host, pid=os.getpid(), seq=seq,
-            uptime_s=time.monotonic() - start, state=state(), status=status(), dropped_frames=dropped()))
+            uptime_s=time.monotonic() - start, state=state(), status=st, dropped_frames=bad))
         seq += 1
         await asyncio.sleep(interval_s)  # a period, not a wait for a peer
 

@@ -107,6 +107,10 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
                 live.update(view.render())
             if deadline and time.monotonic() > deadline:
                 sup.stopping.set()
+            trainers = [c for c in sup.children if c.role == "trainer"]
+            if trainers and all(c.state == "finished" for c in trainers):  # the run is done
+                print("trainer finished: stopping the cluster", flush=True)
+                sup.stopping.set()
     finally:
         await sup.stop()
         if live:

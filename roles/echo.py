@@ -52,4 +52,6 @@ class EchoRole(Role):
         await self.server.close()
 
     def status(self) -> dict:
+        if not hasattr(self, "server"):
+            return {}
         return {"served": self.served, "bad_frames": self.server.stats.get("bad_frames", 0)}

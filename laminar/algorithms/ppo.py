@@ -1,4 +1,5 @@
-"""PPO with a critic (DESIGN §6 option): generalized advantage estimation and the clipped value loss.
+"""PPO with a critic (DESIGN §6 option): generalized advantage estimation, the clipped value loss
+and the critic itself (the policy's transformer body + a linear value head).
 
 Token-level MDP: one reward per token (usually only the last one is non-zero), a value per
 token; `mask` marks valid tokens and the episode ends after the last valid one (bootstrap 0).
@@ -36,3 +37,43 @@ def value_loss(values, old_values, returns, mask, clip: float | None = 0.2, num_
         vc = old_values + torch.clamp(values - old_values, -clip, clip)
         err = torch.maximum(err, (vc - returns) ** 2)
     return 0.5 * (err * mask).sum() / n
+
+
+def sequence_gae(reward: float, values, gamma: float = 1.0, lam: float = 0.95, mask=None):
+    """GAE of one response whose only reward comes at its last token: (advantages, returns), 1-D
+    float32 numpy arrays of the response's length. `values` are the critic's values of the states
+    before each response token; a token with mask 0 (tool output) gets 0 and cuts the recursion."""
+    import numpy as np
+    import torch
+    v = torch.as_tensor(np.asarray(values, np.float32))[None]
+    m = torch.ones_like(v) if mask is None else torch.as_tensor(np.asarray(mask, np.float32))[None]
+    r = torch.zeros_like(v)
+    valid = torch.nonzero(m[0]).flatten()
+    if len(valid):
+        r[0, int(valid[-1])] = float(reward)
+    adv, ret = gae(r, v, m, gamma, lam)
+    return adv[0].numpy(), ret[0].numpy()
+
+
+def load_critic(model_dir, device="cpu", dtype: str = "float32"):
+    """The critic: the policy's transformer body (from the same local folder) + a zero-initialised
+    linear value head; forward(input_ids, attention_mask) -> one value per input position [B, T]."""
+    import torch
+    import transformers
+    from laminar.models.loading import read_config, torch_dtype
+    read_config(model_dir)
+    body = transformers.AutoModel.from_pretrained(str(model_dir), dtype=torch_dtype(dtype), local_files_only=True)
+
+    class Critic(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model  # `.model.layers` is what FSDP2 shards per layer
+            self.value_head = torch.nn.Linear(model.config.hidden_size, 1, dtype=torch_dtype(dtype))
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+
+        def forward(self, input_ids, attention_mask=None):
+            h = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return self.value_head(h).squeeze(-1).float()
+
+    return Critic(body).to(device).train()

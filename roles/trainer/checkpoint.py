@@ -1,10 +1,15 @@
-"""Atomic trainer checkpoints: `<root>/v00000012/` holds model.pt, optimizer.pt, rng.pt, state.json
-and a COMPLETE marker; it is written as `<root>/.tmp-v00000012-<pid>/`, every file fsynced, then
-renamed into place (and the folder fsynced), so a reader sees a whole checkpoint or none.
+"""Atomic trainer checkpoints: `<root>/v00000012/` holds one `<part>.pt` per state dict (model,
+optimizer, and critic, critic_optimizer with PPO), rng.pt, state.json and a COMPLETE marker; it is
+written as `<root>/.tmp-v00000012-<pid>/`, every file fsynced, then renamed into place (and the
+folder fsynced), so a reader sees a whole checkpoint or none.
 
-    save(root, version, model, optimizer, state)   -> path; keeps the newest `keep`
-    latest(root)                                   -> newest complete checkpoint folder or None
-    load(path, model, optimizer)                   -> state dict (version, cursor, ...); restores RNGs
+    save(root, version, parts, state)      -> path; parts = {name: state_dict}; keeps the newest `keep`
+    latest(root)                           -> newest complete checkpoint folder or None
+    load(path)                             -> (parts, state); state has version, cursor, ...
+    set_rng_state(torch.load(path/rng.pt)) restores the RNGs of the process that saved
+
+State dicts are full (unsharded) tensors: a multi-rank trainer gathers them on rank 0 first, so a
+checkpoint can be resumed by any number of ranks.
 """
 from __future__ import annotations
 
@@ -48,17 +53,17 @@ def set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save(root: str | Path, version: int, model, optimizer, state: dict, keep: int = 2) -> Path:
+def save(root: str | Path, version: int, parts: dict, state: dict, keep: int = 2) -> Path:
     import torch
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{_name(version)}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    torch.save(model.state_dict(), tmp / "model.pt")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    for name, sd in parts.items():
+        torch.save(sd, tmp / f"{name}.pt")
     torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({**state, "version": version}))
+    (tmp / "state.json").write_text(json.dumps({**state, "version": version, "parts": sorted(parts)}))
     (tmp / MARK).write_text("ok\n")
     for f in tmp.iterdir():
         _fsync(f)
@@ -97,10 +102,14 @@ def clean_temp(root: str | Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load(path: str | Path, model, optimizer, map_location="cpu") -> dict:
+def load(path: str | Path, map_location="cpu") -> tuple[dict, dict]:
     import torch
     path = Path(path)
-    model.load_state_dict(torch.load(path / "model.pt", map_location=map_location))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    return json.loads((path / "state.json").read_text())
+    state = json.loads((path / "state.json").read_text())
+    parts = {name: torch.load(path / f"{name}.pt", map_location=map_location) for name in state.get("parts", [])}
+    return parts, state
+
+
+def load_rng(path: str | Path) -> None:
+    import torch
+    set_rng_state(torch.load(Path(path) / "rng.pt", weights_only=False))

@@ -1,0 +1,138 @@
+"""Multi-rank trainer plumbing: torch.distributed setup, FSDP2 sharding, and rank 0's commands.
+
+A trainer of `world_size` ranks is `world_size` trainer role processes (ids 0..W-1 by default),
+each started by laminar-node from the cluster file; they meet at `dist_address` (rank 0's host).
+NCCL carries the FSDP2 collectives on GPUs, gloo on CPUs. Only rank 0 talks to the bus: it
+samples the experience buffer, publishes weights, writes metrics and checkpoints. The other
+ranks follow a tiny command stream that rank 0 broadcasts over a separate gloo group:
+
+    header  int64[4] = [op, version, cursor, payload bytes]       op: TRAIN | STOP
+    payload the Samples event, encoded by the bus codec (no pickle), as one uint8 tensor
+
+After a TRAIN every rank runs the same collectives in the same order: the mini-batch steps, the
+full-state-dict gather for publishing, and (every checkpoint_every versions) the checkpoint
+gather. A dead rank turns every other rank's next collective into an error, so the whole trainer
+fails and is restarted together, and resumes from the newest complete checkpoint.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from datetime import timedelta
+
+OP_TRAIN, OP_STOP = 1, 2
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    control: object = None  # the gloo group of the command stream
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init(rank: int, world_size: int, address: str, device, timeout_s: float) -> DistInfo:
+    """Join the process group (blocks until every rank arrived) and make the control group."""
+    import torch.distributed as dist
+    if world_size <= 1:
+        return DistInfo()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        import torch
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend != "gloo" else None
+    return DistInfo(rank, world_size, control)
+
+
+def shutdown(info: DistInfo) -> None:
+    import torch.distributed as dist
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard(model, info: DistInfo, device) -> None:
+    """FSDP2: one shard unit per decoder layer, then the root (embeddings, norm, head)."""
+    if not info.enabled:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (info.world_size,))
+    backbone = getattr(model, "model", model)
+    for layer in getattr(backbone, "layers", []):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+# -- command stream -------------------------------------------------------------------------------
+def _pack(frames) -> bytes:
+    parts = [bytes(f) for f in frames]
+    return struct.pack(f"<I{len(parts)}Q", len(parts), *map(len, parts)) + b"".join(parts)
+
+
+def _unpack(blob: bytes) -> list[bytes]:
+    (n,) = struct.unpack_from("<I", blob)
+    lens = struct.unpack_from(f"<{n}Q", blob, 4)
+    out, off = [], 4 + 8 * n
+    for ln in lens:
+        out.append(blob[off:off + ln])
+        off += ln
+    return out
+
+
+def send_command(info: DistInfo, op: int, version: int = 0, cursor: int = 0, samples=None) -> None:
+    """Rank 0: broadcast one command (and its batch) to the other ranks."""
+    import torch
+    import torch.distributed as dist
+    from laminar.bus.codec import encode
+    blob = _pack(encode(samples)) if samples is not None else b""
+    dist.broadcast(torch.tensor([op, version, cursor, len(blob)], dtype=torch.int64), 0, group=info.control)
+    if blob:
+        dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), 0, group=info.control)
+
+
+def recv_command(info: DistInfo):
+    """Other ranks: (op, version, cursor, Samples | None), blocking until rank 0 sends."""
+    import torch
+    import torch.distributed as dist
+    from laminar.bus.codec import decode
+    head = torch.zeros(4, dtype=torch.int64)
+    dist.broadcast(head, 0, group=info.control)
+    op, version, cursor, n = (int(x) for x in head)
+    samples = None
+    if n:
+        buf = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=info.control)
+        samples, _ = decode(_unpack(buf.numpy().tobytes()), max_body=1 << 40)
+    return op, version, cursor, samples
+
+
+def broadcast_ints(info: DistInfo, values: list[int]) -> list[int]:
+    """Rank 0's values on every rank (e.g. the resumed version and cursor)."""
+    import torch
+    import torch.distributed as dist
+    if not info.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(t, 0, group=info.control)
+    return [int(x) for x in t]
+
+
+def all_reduce_sums(info: DistInfo, values: dict[str, float]) -> dict[str, float]:
+    """Sum each value over the ranks (keys must be the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+    if not info.enabled:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, group=info.control)
+    return dict(zip(keys, t.tolist()))
