@@ -1,4 +1,4 @@
-"""Trainer benchmark: tokens/s of one training iteration (the trainer role's own `_train`, GRPO,
+"""Trainer benchmark: tokens/s of one training iteration (TrainEngine.train, what the trainer role runs: GRPO,
 AdamW step) on the tiny model and on a ~100M-parameter Qwen2, and the publish stall (what the
 training loop waits for in WeightPublisher.publish: the copy into staging) next to one plain
 memcpy of the same bytes.
@@ -25,16 +25,17 @@ MODELS = {"tiny": dict(hidden=128, layers=2, intermediate=256, heads=4, kv_heads
           "qwen2-100m": dict(hidden=768, layers=12, intermediate=3072, heads=12, kv_heads=4)}
 
 
-def make_trainer(model_dir: Path, tmp: Path, device: str, groups: int):
-    from laminar.roles.base import RoleContext
-    from laminar.roles.trainer.role import TrainerRole
-    ctx = RoleContext(role="trainer", id="0", host="bench", transport=None,
-                      settings={"model_dir": str(model_dir), "lr": 1e-5, "groups_per_batch": groups,
-                                "resume": False, "device": device, "publish": False, "micro_batch_size": 16})
-    role = TrainerRole(ctx)
-    role.ckpt_root = tmp / "ckpt"
-    role._load()
-    return role
+def make_engine(model_dir: Path, device: str, groups: int):
+    import torch
+    from laminar.models.loading import pick_device
+    from laminar.roles.trainer.config import TrainerConfig
+    from laminar.roles.trainer.engine import TrainEngine
+    cfg = TrainerConfig(model_dir=str(model_dir), lr=1e-5, groups_per_batch=groups, device=device, publish=False,
+                        micro_batch_size=16, dtype="bfloat16" if pick_device(device).type == "cuda" else "float32")
+    torch.manual_seed(0)
+    eng = TrainEngine(cfg, 0, pick_device(device))
+    eng.load()
+    return eng
 
 
 def bench_model(name: str, tmp: Path, device: str, groups: int, gsize: int, prompt: int, resp: int, iters: int) -> dict:
@@ -43,20 +44,20 @@ def bench_model(name: str, tmp: Path, device: str, groups: int, gsize: int, prom
     from laminar.testing.trainer_task import random_groups
     from laminar.weights.publisher import WeightPublisher
     d = build_tiny_model(tmp / name, **MODELS[name])
-    role = make_trainer(d, tmp, device, groups)
-    params = sum(p.numel() for p in role.model.parameters())
+    eng = make_engine(d, device, groups)
+    params = eng.params
     batch = random_groups(groups, gsize, name, resp_len=resp, prompt_len=prompt)
-    role._train(batch)  # warm-up (allocator, optimizer state)
-    if device == "cuda":
+    eng.train(batch, 1)  # warm-up (allocator, optimizer state)
+    if eng.device.type == "cuda":
         torch.cuda.synchronize()
     rates = []
-    for _ in range(iters):
+    for v in range(iters):
         t0 = time.perf_counter()
-        out = role._train(batch)
-        if role.device.type == "cuda":
+        out = eng.train(batch, v + 2)
+        if eng.device.type == "cuda":
             torch.cuda.synchronize()
         rates.append(out["tokens"] / (time.perf_counter() - t0))
-    sd = role.model.state_dict()
+    sd = eng.full_state()["model"]
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     pub = WeightPublisher()
     try:
@@ -76,7 +77,7 @@ def bench_model(name: str, tmp: Path, device: str, groups: int, gsize: int, prom
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
         memcpys.append(time.perf_counter() - t0)
     stall, memcpy = min(stalls), min(memcpys)
-    return {"model": name, "params": params, "device": str(role.device), "tokens_per_iteration": out["tokens"],
+    return {"model": name, "params": params, "device": str(eng.device), "dtype": eng.cfg.dtype, "tokens_per_iteration": out["tokens"],
             "train_tokens_per_s": max(rates), "weights_mb": nbytes / 1e6, "publish_stall_s": stall,
             "memcpy_s": memcpy, "publish_stall_over_memcpy": stall / memcpy}
 

@@ -13,6 +13,8 @@ violation raises a CodecError subclass that the receiver counts and drops.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Any, Sequence
 
 import msgpack
@@ -27,6 +29,7 @@ EXT_EVENT = 2
 MAX_BODY_BYTES = 16 << 20
 MAX_FRAMES = 1 << 16
 _SAFE_DTYPE_KINDS = set("biuf")
+_DTYPE_RE = re.compile(r"[<>|=]?[biuf][1-9][0-9]?")
 
 
 def _fields(obj: Any) -> dict[str, Any]:
@@ -58,6 +61,15 @@ def encode(obj: Any, meta: dict[str, Any] | None = None, version: int = PROTOCOL
 
 def decode(frames: Sequence[bytes], max_body: int = MAX_BODY_BYTES) -> tuple[Any, dict[str, Any]]:
     """Decode frames into (event, meta). Raises a CodecError subclass on any bad input."""
+    try:
+        return _decode(frames, max_body)
+    except CodecError:
+        raise
+    except Exception as exc:  # a check this codec missed must still never reach a receive loop raw
+        raise MalformedFrame(f"undecodable frames: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _decode(frames: Sequence[bytes], max_body: int) -> tuple[Any, dict[str, Any]]:
     if len(frames) < 2:
         raise MalformedFrame(f"expected at least 2 frames (kind, body), got {len(frames)}")
     kind_raw, body = bytes(frames[0]), frames[1]
@@ -119,17 +131,22 @@ def _resolve(v: Any, buffers: Sequence[bytes], used: set[int]) -> Any:
 def _array(head: bytes, buffers: Sequence[bytes], used: set[int]) -> np.ndarray:
     try:
         index, dtype_str, shape = msgpack.unpackb(head)
-        dtype = np.dtype(dtype_str)
     except Exception:
         raise MalformedFrame("bad array header") from None
-    if dtype.kind not in _SAFE_DTYPE_KINDS or not isinstance(index, int):
-        raise MalformedFrame(f"array dtype {dtype_str!r} not allowed")
+    # Checked as a string before numpy parses it: np.dtype accepts None, sub-array and
+    # deprecated spellings that have no business on the bus.
+    if not (isinstance(dtype_str, str) and _DTYPE_RE.fullmatch(dtype_str)) or not isinstance(index, int):
+        raise MalformedFrame(f"array dtype {str(dtype_str)[:32]!r} not allowed")
+    try:
+        dtype = np.dtype(dtype_str)
+    except TypeError:  # e.g. 'i3'
+        raise MalformedFrame(f"array dtype {dtype_str!r} not allowed") from None
     if not (0 <= index < len(buffers)) or index in used:
         raise MalformedFrame(f"array frame index {index} out of range or reused")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise MalformedFrame("array shape must be a list of non-negative ints")
+    if not isinstance(shape, list) or len(shape) > 32 or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise MalformedFrame("array shape must be a list of at most 32 non-negative ints")
     buf = buffers[index]
-    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(buf):
+    if math.prod(shape) * dtype.itemsize != len(buf):  # exact Python ints: no overflow to lie with
         raise MalformedFrame(f"array frame {index}: {len(buf)} bytes do not match {dtype_str}{shape}")
     used.add(index)
     return np.frombuffer(buf, dtype=dtype).reshape(shape)

@@ -191,7 +191,9 @@ class ZmqRpcClient(RpcClient):
             why = f" (last connection failure: {self.last_failure})" if self.last_failure else ""
             raise DeadlineExceeded(f"{type(req).kind} to {self.address}: no reply within {timeout:.3g}s{why}") from None
         finally:
-            self.pending.pop(rid, None)
+            fut = self.pending.pop(rid, None)
+            if fut is not None and fut.done() and not fut.cancelled():
+                fut.exception()  # failed by the monitor while the send was blocked: retrieved, not leaked
         if isinstance(reply, ErrorReply):
             raise remote_error(reply.code, reply.message)
         return reply

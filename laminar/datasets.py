@@ -1,10 +1,14 @@
 """Datasets for the prompt pool: local JSONL / Parquet files (or a folder of them) and tokenizers.
 
-A record needs a prompt field and a verifier field (the reference answer); names are settings.
-A malformed row raises DatasetError naming the file and the line (1-based; the row index for
-Parquet), or is skipped and counted when `on_bad_row="skip"`. Nothing is downloaded: a model
-folder with tokenizer files uses transformers' AutoTokenizer (local files only); otherwise the
-byte tokenizer of the tiny test models is used.
+A record needs a prompt field and a verifier field (the reference answer); names are settings
+(dotted for nested fields; a chat-layout prompt — a list of messages — uses its last message).
+A malformed row (bad JSON, a missing field, a wrong type) raises DatasetError naming the file and
+the line (1-based; "row i", 0-based, for Parquet), or is skipped and counted when
+`on_bad_row="skip"`. Prompt ids must be unique: group ids are built from them.
+
+Tokenizing is a separate step (`tokenize_records`) so the prompt pool holds token ids only.
+Nothing is downloaded: a model folder with tokenizer files uses transformers' AutoTokenizer
+(local files only, imported lazily); otherwise the byte tokenizer of the tiny test models is used.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import structlog
 
 log = structlog.get_logger("laminar.datasets")
@@ -26,6 +31,14 @@ class DatasetError(ValueError):
 class Record:
     prompt_id: str
     prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """What the prompt pool hands out: a record with its prompt as token ids."""
+    prompt_id: str
+    prompt_tokens: np.ndarray  # int32
     answer: str
 
 
@@ -60,20 +73,33 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(model_dir: str | None):
-    if model_dir and any((Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if model_dir and any((Path(model_dir) / f).exists() for f in TOKENIZER_FILES):
         return HFTokenizer(model_dir)
     return ByteTokenizer()
 
 
+def tokenize_records(records: list[Record], tokenizer) -> list[PromptRecord]:
+    return [PromptRecord(r.prompt_id, np.asarray(tokenizer.encode(r.prompt), dtype=np.int32), r.answer)
+            for r in records]
+
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet"))
+        files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES)
         if not files:
             raise DatasetError(f"{path}: no .jsonl or .parquet files in this folder")
         return files
     if not path.exists():
         raise DatasetError(f"{path}: dataset file not found")
+    if path.suffix not in SUFFIXES:
+        raise DatasetError(f"{path}: unknown dataset format (expected one of {', '.join(SUFFIXES)})")
     return [path]
 
 
@@ -93,7 +119,7 @@ def _rows(path: Path) -> Iterator[tuple[int, object]]:
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
-                yield lineno, DatasetError(f"{path}:{lineno}: not valid JSON: {exc.msg}")
+                yield lineno, DatasetError(f"{path}: line {lineno}: not valid JSON: {exc.msg}")
 
 
 def _field(row: dict, dotted: str):
@@ -105,36 +131,49 @@ def _field(row: dict, dotted: str):
     return v
 
 
+def _record(row: object, here: str, prompt_field: str, answer_field: str, id_field: str | None,
+            default_id: str) -> Record:
+    if isinstance(row, DatasetError):
+        raise row
+    if not isinstance(row, dict):
+        raise DatasetError(f"{here}: expected an object, got {type(row).__name__}")
+    prompt, answer = _field(row, prompt_field), _field(row, answer_field)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        prompt = prompt[-1].get("content")  # chat layout (e.g. DAPO-Math-17k)
+    if not isinstance(prompt, str):
+        raise DatasetError(f"{here}: field {prompt_field!r} missing or not a string")
+    if not isinstance(answer, (str, int, float)):
+        raise DatasetError(f"{here}: field {answer_field!r} missing or not a string/number")
+    pid = _field(row, id_field) if id_field else default_id
+    if pid is None:
+        raise DatasetError(f"{here}: field {id_field!r} missing")
+    return Record(prompt_id=str(pid), prompt=prompt, answer=str(answer))
+
+
 def load_records(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer",
                  id_field: str | None = None, on_bad_row: str = "error") -> tuple[list[Record], int]:
     """All records of a file or folder, and how many bad rows were skipped."""
     if on_bad_row not in ("error", "skip"):
         raise DatasetError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
-    records, skipped = [], 0
+    records: list[Record] = []
+    seen: dict[str, str] = {}  # prompt id -> where it was first seen
+    skipped = 0
     for file in _files(Path(path)):
         where = "row" if file.suffix == ".parquet" else "line"
         for n, row in _rows(file):
-            err = None
-            if isinstance(row, DatasetError):
-                err = str(row)
-            elif not isinstance(row, dict):
-                err = f"{file}:{n}: expected an object, got {type(row).__name__}"
-            else:
-                prompt, answer = _field(row, prompt_field), _field(row, answer_field)
-                if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
-                    prompt = prompt[-1].get("content")  # chat layout (e.g. DAPO-Math-17k)
-                if not isinstance(prompt, str):
-                    err = f"{file}: {where} {n}: field {prompt_field!r} missing or not a string"
-                elif not isinstance(answer, (str, int, float)):
-                    err = f"{file}: {where} {n}: field {answer_field!r} missing or not a string/number"
-            if err:
+            here = f"{file}: {where} {n}"
+            try:
+                rec = _record(row, here, prompt_field, answer_field, id_field, str(len(records)))
+                if rec.prompt_id in seen:
+                    raise DatasetError(f"{here}: prompt id {rec.prompt_id!r} repeats the one at {seen[rec.prompt_id]}")
+            except DatasetError as exc:
                 if on_bad_row == "error":
-                    raise DatasetError(err)
+                    raise
                 skipped += 1
-                log.warning("bad_dataset_row_skipped", error=err)
+                log.warning("bad_dataset_row_skipped", error=str(exc))
                 continue
-            pid = str(_field(row, id_field)) if id_field and _field(row, id_field) is not None else str(len(records))
-            records.append(Record(prompt_id=pid, prompt=prompt, answer=str(answer)))
+            seen[rec.prompt_id] = here
+            records.append(rec)
     if not records:
         raise DatasetError(f"{path}: no usable records")
     return records, skipped

@@ -1,45 +1,77 @@
-"""Durable storage of the data pools: SQLite in WAL mode with group commit.
+"""Durable storage of the data pools: SQLite in WAL mode with group commit, and the base class
+that keeps a pool's in-memory state in step with it.
 
-Each pool keeps its authoritative state in memory (reads never touch disk) and logs every change
-here; a request is acknowledged only after the transaction holding its change has committed
-(synchronous=FULL: fsynced). One writer thread owns the connection and commits everything queued
+Each pool keeps its authoritative working state in memory (queries never touch disk) and logs
+every change here. A write is acknowledged (its future resolves) only after the transaction that
+holds it has committed with synchronous=FULL, i.e. is fsynced: what was acknowledged survives a
+SIGKILL or a power cut. One writer thread owns the write connection and commits everything queued
 since its last commit in one transaction, so many concurrent writes share one fsync.
 
-Backpressure: the job queue is bounded (`max_pending`); beyond it `submit` raises StoreBusy at
-once. A failing transaction (disk full, I/O error) is rolled back and its jobs retried one by one
-so that only the bad one fails, with StoreError; the file stays consistent (SQLite's journal), and
-the pool reloads its memory from disk after such a failure.
+A write is a list of (sql, params) or a callable taking the connection (its return value is the
+future's result). A callable may run twice (see failures below): it must only touch the connection.
+
+Backpressure: at most `max_pending` writes wait; beyond that `submit` raises StoreFull at once,
+nothing queued, rather than letting the queue (and the caller's latency) grow without bound.
+
+Failures (disk full, I/O error, a bad statement): the group's transaction is rolled back and its
+writes retried one transaction each, so only the bad one fails, with StoreError; the file stays
+consistent (SQLite's WAL) and the writer keeps going. If the writer thread itself dies, every
+waiting and later write fails with StoreError instead of hanging.
+
+Reads use their own connection (behind a lock) so they never queue behind a commit's fsync; WAL
+gives them the last committed snapshot. `read` is synchronous (start-up, tests); `aread` runs it
+in a thread. `close(timeout)` drains the queue within the deadline, then fails what is left.
 """
 from __future__ import annotations
 
 import asyncio
-import queue
+import concurrent.futures
 import sqlite3
 import threading
+from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
+
+import structlog
+
+log = structlog.get_logger("laminar.sqlite_store")
 
 Statements = Sequence[tuple[str, Sequence[Any]]]
+Batch = Union[Statements, Callable[[sqlite3.Connection], Any]]
+Resolve = Callable[[Any, "BaseException | None"], None]
 
 
 class StoreError(RuntimeError):
-    pass
+    """A write did not commit: nothing of it is on disk."""
 
 
-class StoreBusy(StoreError):
-    pass
+class StoreFull(StoreError):
+    """Backpressure: too many writes pending. Nothing was queued; retry later."""
+
+
+StoreBusy = StoreFull  # the name the pool roles catch
+
+
+class StoreClosed(StoreError):
+    """The store is closed (or its writer died); the write was not made."""
 
 
 class GroupCommitStore:
-    def __init__(self, path: str | Path, schema: str, max_pending: int = 10000, max_batch: int = 512):
+    def __init__(self, path: str | Path, schema: str = "", max_pending: int = 10_000, max_batch: int = 512):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.max_batch = max_batch
-        self.jobs: queue.Queue = queue.Queue(maxsize=max_pending)
-        self.conn = self._connect()
-        self.conn.executescript(schema)
-        self.conn.commit()
-        self.commits = 0
+        self.max_pending, self.max_batch = max_pending, max_batch
+        self._wconn = self._connect()
+        if schema:
+            self._wconn.executescript(f"BEGIN IMMEDIATE; {schema}; COMMIT;")  # all or nothing, one fsync
+        self._rconn = self._connect()
+        self._rlock = threading.Lock()
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[Batch, Resolve]] = deque()
+        self._closing = False
+        self._dead: str | None = None  # why the writer thread ended early
+        self.commits = 0        # transactions committed (group commit: fewer than writes)
+        self.writes = 0         # writes acknowledged
         self._thread = threading.Thread(target=self._writer, name=f"sqlite:{self.path.name}", daemon=True)
         self._thread.start()
 
@@ -47,76 +79,237 @@ class GroupCommitStore:
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA busy_timeout=10000")  # a checkpoint may briefly hold the other connection
         return conn
 
-    def read(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
-        """Read at start-up (recovery) — before any write is submitted."""
-        return self.conn.execute(sql, params).fetchall()
+    # -- writes ---------------------------------------------------------------------------------
+    def _refuse_if_no_room(self) -> None:  # the caller holds self._cv
+        if self._dead or self._closing:
+            raise StoreClosed(f"{self.path}: {self._dead or 'store is closed'}")
+        if len(self._queue) >= self.max_pending:
+            raise StoreFull(f"{self.path.name}: {self.max_pending} writes pending; retry later")
 
-    def submit(self, statements: Statements) -> asyncio.Future:
+    def check_room(self) -> None:
+        """Raise StoreFull/StoreClosed now if a submit would; lets a caller refuse before it
+        changes any state of its own."""
+        with self._cv:
+            self._refuse_if_no_room()
+
+    def _enqueue(self, batch: Batch, resolve: Resolve) -> None:
+        with self._cv:
+            self._refuse_if_no_room()
+            self._queue.append((batch, resolve))
+            self._cv.notify()
+
+    def submit(self, batch: Batch) -> asyncio.Future:
         """Queue one atomic write; the future resolves once it is committed (durable)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        try:
-            self.jobs.put_nowait((list(statements), fut, loop))
-        except queue.Full:
-            raise StoreBusy(f"{self.path.name}: {self.jobs.maxsize} writes pending; retry later") from None
+
+        def resolve(result: Any, exc: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(_settle, fut, result, exc)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is waiting for this answer any more
+
+        self._enqueue(batch, resolve)
         return fut
 
-    async def write(self, statements: Statements) -> None:
-        await self.submit(statements)
+    async def write(self, batch: Batch) -> Any:
+        return await self.submit(batch)
+
+    def submit_sync(self, batch: Batch) -> concurrent.futures.Future:
+        """As submit, for code without an event loop (tests, start-up, threads)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def resolve(result: Any, exc: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_exception(exc) if exc else fut.set_result(result)
+
+        self._enqueue(batch, resolve)
+        return fut
+
+    def write_sync(self, batch: Batch, timeout: float | None = 30.0) -> Any:
+        return self.submit_sync(batch).result(timeout)
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    # -- the writer thread ----------------------------------------------------------------------
+    def _next_group(self) -> list[tuple[Batch, Resolve]] | None:
+        with self._cv:
+            while not self._queue and not self._closing:
+                self._cv.wait()
+            if not self._queue:
+                return None  # closing and drained
+            return [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch))]
 
     def _writer(self) -> None:
-        while True:
-            first = self.jobs.get()
-            if first is None:
-                return
-            batch = [first]
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self.jobs.put(None)  # stop after this batch
-                    break
-                batch.append(nxt)
-            try:
-                self._commit([s for job in batch for s in job[0]])
-                self._resolve(batch, None)
-            except sqlite3.Error:
-                for job in batch:  # isolate the failing write; the others still commit
-                    try:
-                        self._commit(job[0])
-                        self._resolve([job], None)
-                    except sqlite3.Error as exc:
-                        self._resolve([job], StoreError(f"{self.path}: write failed: {exc}"))
-
-    def _commit(self, statements: Statements) -> None:
-        c = self.conn
+        group: list = []
         try:
-            c.execute("BEGIN IMMEDIATE")
-            for sql, params in statements:
-                c.execute(sql, params)
+            while (group := self._next_group()) is not None:
+                self._commit_group(group)
+                group = []
+        except BaseException as exc:  # a bug or MemoryError: fail every waiter, loudly, never hang
+            log.error("sqlite_writer_died", path=str(self.path), error=repr(exc), exc_info=exc)
+            with self._cv:
+                self._dead = f"writer thread died: {exc!r}"
+                left, self._queue = group + list(self._queue), deque()
+            for _, resolve in left:
+                resolve(None, StoreClosed(f"{self.path}: {self._dead}"))
+
+    def _commit_group(self, group: list[tuple[Batch, Resolve]]) -> None:
+        try:
+            results = self._transaction([b for b, _ in group])
+        except Exception as exc:
+            if len(group) > 1:  # isolate the failing write; the others still commit
+                for job in group:
+                    self._commit_group([job])
+            else:
+                group[0][1](None, self._error(exc))
+            return
+        self.writes += len(group)
+        for (_, resolve), r in zip(group, results):
+            resolve(r, None)
+
+    def _transaction(self, batches: list[Batch]) -> list[Any]:
+        c = self._wconn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            out = [b(c) if callable(b) else _run(c, b) for b in batches]
             c.execute("COMMIT")
-            self.commits += 1
-        except sqlite3.Error:
-            if c.in_transaction:
-                c.execute("ROLLBACK")
+        except BaseException:
+            if c.in_transaction:  # SQLite rolls some errors (disk full, I/O) back by itself
+                try:
+                    c.execute("ROLLBACK")
+                except sqlite3.Error as exc:
+                    log.error("sqlite_rollback_failed", path=str(self.path), error=str(exc))
+            raise
+        self.commits += 1
+        return out
+
+    def _error(self, exc: BaseException) -> StoreError:
+        name = getattr(exc, "sqlite_errorname", type(exc).__name__)
+        err = StoreError(f"{self.path}: write failed and was rolled back ({name}: {exc})")
+        err.__cause__ = exc
+        return err
+
+    # -- reads ----------------------------------------------------------------------------------
+    def read(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        """Rows of the last committed state (blocking: call from a thread or at start-up)."""
+        with self._rlock:
+            return self._rconn.execute(sql, params).fetchall()
+
+    async def aread(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        return await asyncio.to_thread(self.read, sql, params)
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> None:
+        """Commit what is queued within `timeout` s; fail the rest with StoreClosed."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        with self._cv:
+            left, self._queue = list(self._queue), deque()
+        for _, resolve in left:
+            resolve(None, StoreClosed(f"{self.path}: closed before this write was committed"))
+        with self._rlock:
+            self._rconn.close()
+        if self._thread.is_alive():  # stuck in fsync: the thread still owns the connection
+            log.error("sqlite_close_timeout", path=str(self.path), timeout_s=timeout)
+            return
+        self._wconn.close()
+
+
+def _run(conn: sqlite3.Connection, statements: Statements) -> None:
+    for sql, params in statements:
+        conn.execute(sql, params)
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if not fut.done():  # the waiter may have been cancelled
+        fut.set_exception(exc) if exc else fut.set_result(result)
+
+
+class PoolStore:
+    """Base of the pools' stores: memory is the working copy, SQLite the truth.
+
+    A mutation checks for room (StoreFull before anything changes), changes memory at once — so
+    concurrent callers see each other's effect and never hand out the same thing twice — then
+    awaits the commit of its rows. A mutation with no rows (a duplicate, a retried answer) rests
+    on writes already queued, so it waits for the last of them (the writer commits in order).
+    A failed commit leaves memory possibly ahead of disk: the store marks itself stale (whether or
+    not anyone still awaits that write), and the next mutation waits until every commit in flight
+    has settled, then rebuilds memory from disk (`_load`). Queries read memory and never wait.
+    Subclasses keep all memory in `self.mem` (swapped in one assignment) and define SCHEMA, _load.
+    """
+    SCHEMA = ""
+
+    def __init__(self, db: GroupCommitStore):
+        self.db = db
+        self._in_flight = 0
+        self._stale = False
+        self._settled: asyncio.Event | None = None
+        self._reload: asyncio.Lock | None = None
+        self._last: asyncio.Future | None = None  # the write submitted last
+        self.mem = self._load()
+
+    @classmethod
+    def open(cls, path: str | Path, *args: Any, max_pending: int = 10_000, max_batch: int = 512, **kw: Any):
+        """`cls(db, *args, **kw)` on a GroupCommitStore of the file at `path` (closed again if that fails)."""
+        db = GroupCommitStore(path, cls.SCHEMA, max_pending=max_pending, max_batch=max_batch)
+        try:
+            return cls(db, *args, **kw)
+        except BaseException:
+            db.close()
             raise
 
-    @staticmethod
-    def _resolve(batch: list, exc: Exception | None) -> None:
-        for _, fut, loop in batch:
-            def done(f=fut) -> None:
-                if not f.done():
-                    f.set_exception(exc) if exc else f.set_result(None)
-            loop.call_soon_threadsafe(done)
+    def _load(self) -> Any:
+        """Build the in-memory state from the committed rows (blocking)."""
+        raise NotImplementedError
+
+    async def _before_change(self) -> None:
+        if self._stale:
+            self._reload = self._reload or asyncio.Lock()
+            async with self._reload:
+                while self._in_flight:
+                    self._settled = asyncio.Event()
+                    await self._settled.wait()
+                if self._stale:  # not already reloaded by the caller ahead of us
+                    self.mem = await asyncio.to_thread(self._load)
+                    self._stale = False
+                    log.warning("pool_store_reloaded", path=str(self.db.path))
+        self.db.check_room()
+
+    async def _commit(self, batch: Batch) -> Any:
+        """Await the durable commit of the rows of a change already made in memory."""
+        if not batch:
+            if self._last is not None and not self._last.done():
+                await asyncio.shield(self._last)
+            if self._stale:
+                raise StoreError(f"{self.db.path}: an earlier write failed; retry")
+            return None
+        try:
+            fut = self.db.submit(batch)
+        except StoreError:  # memory changed but nothing was queued
+            self._stale = True
+            raise
+        self._in_flight += 1
+        self._last = fut
+        fut.add_done_callback(self._write_settled)
+        return await asyncio.shield(fut)  # a cancelled waiter must not hide the write's outcome
+
+    def _write_settled(self, fut: asyncio.Future) -> None:
+        self._in_flight -= 1
+        if fut.cancelled() or fut.exception() is not None:
+            self._stale = True
+        if not self._in_flight and self._settled is not None:
+            self._settled.set()
 
     def close(self, timeout: float = 10.0) -> None:
-        self.jobs.put(None)
-        self._thread.join(timeout)
-        self.conn.close()
+        self.db.close(timeout)
 
 
 def pack(ev: Any) -> bytes:
@@ -132,6 +325,3 @@ def unpack(blob: bytes) -> Any:
 
     from laminar.bus.codec import decode
     return decode(msgpack.unpackb(blob))[0]
-
-
-Callback = Callable[[], None]

@@ -1,8 +1,10 @@
 """Pluggable samplers: which complete groups a SampleGroups request gets.
 
 A sampler sees the complete groups (each with `.order`, its completion rank, and
-`.min_version()`) and returns up to k of them. Add one by subclassing Sampler and naming it in
-SAMPLERS; the config's `sampler` field selects it.
+`.min_version()`) and returns up to k of them; whole groups only, so GRPO's advantages are always
+computed over all n samples of a prompt. Groups past `max_staleness` were already dropped by the
+buffer before the sampler runs. Add one by subclassing Sampler and naming it in SAMPLERS; the
+config's `sampler` field selects it.
 """
 from __future__ import annotations
 
@@ -19,14 +21,20 @@ class FifoSampler(Sampler):
         return sorted(ready, key=lambda g: g.order)[:k]
 
 
-class FreshestSampler(Sampler):
-    """Newest policy version first (ties by completion order): the least off-policy data."""
+class StalenessAwareSampler(Sampler):
+    """Newest policy version first (ties by completion order): the least off-policy data.
+
+    Older groups wait while fresher ones keep arriving; pair it with `max_staleness` (or a
+    capacity with drop_oldest eviction) so they are dropped rather than kept forever.
+    """
 
     def pick(self, ready: list, k: int) -> list:
         return sorted(ready, key=lambda g: (-g.min_version(), g.order))[:k]
 
 
-SAMPLERS = {"fifo": FifoSampler, "freshest": FreshestSampler}
+FreshestSampler = StalenessAwareSampler  # its earlier name
+
+SAMPLERS = {"fifo": FifoSampler, "freshest": StalenessAwareSampler, "staleness_aware": StalenessAwareSampler}
 
 
 def make_sampler(name: str) -> Sampler:

@@ -106,7 +106,7 @@ def load(path: str | Path, map_location="cpu") -> tuple[dict, dict]:
     import torch
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
-    parts = {name: torch.load(path / f"{name}.pt", map_location=map_location) for name in state.get("parts", [])}
+    parts = {name: torch.load(path / f"{name}.pt", map_location=map_location) for name in state.get("parts", ["model", "optimizer"])}
     return parts, state
 
 

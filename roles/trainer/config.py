@@ -30,7 +30,9 @@ class TrainerConfig(BaseModel):
     critic_lr: float = Field(1e-5, gt=0, description="ppo: AdamW learning rate of the critic")
     value_clip: float | None = Field(0.2, gt=0, description="ppo: clip of the value update around the old values (None: no clip)")
     whiten_advantages: bool = Field(True, description="ppo: normalize GAE advantages over the batch's valid tokens")
-    dtype: str = Field("float32", pattern="^(float32|bfloat16)$", description="parameter dtype of the trained model")
+    dtype: str = Field("float32", pattern="^(float32|bfloat16)$",
+                       description="compute dtype: bfloat16 runs forward/backward under autocast; "
+                                   "parameters, gradients and optimizer states stay float32")
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every N versions")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept")
     checkpoint_dir: str | None = Field(None, description="default <workdir>/trainer[-<id>]/checkpoints")

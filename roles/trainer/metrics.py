@@ -1,5 +1,6 @@
 """Per-iteration trainer metrics: computed from the batch, appended to `<dir>/metrics.jsonl`
-(one JSON object per version, with the trained group ids as the ledger), published as Metrics.
+(one JSON object per version, with the trained group ids as the ledger), written as TensorBoard
+scalars under `<dir>/tb` when tensorboardX is installed (optional), published as Metrics.
 
 On resume, records of versions after the checkpoint are moved to `metrics.discarded.jsonl`
 (their work was lost with the killed process), so metrics.jsonl always reads as one clean,
@@ -36,10 +37,31 @@ class MetricsLog:
         self.path = self.dir / "metrics.jsonl"
         self.discarded = self.dir / "metrics.discarded.jsonl"
 
+        self.tb = None
+
+    def open_tensorboard(self) -> bool:
+        """Start TensorBoard output if tensorboardX is importable; False when it is not."""
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            return False
+        self.tb = SummaryWriter(str(self.dir / "tb"), flush_secs=10)
+        return True
+
     def append(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+        if self.tb is not None:
+            step = int(record.get("version", 0))
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("version", "ts"):
+                    self.tb.add_scalar(f"trainer/{k}", v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
 
     def records(self) -> list[dict]:
         return read_jsonl(self.path)

@@ -3,7 +3,6 @@ deadlines, CURVE refusal, protocol-version refusal, and a fuzz of every kind of 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 
 import numpy as np
@@ -12,10 +11,10 @@ import zmq
 import zmq.asyncio
 
 from laminar.bus import auth
-from laminar.bus.codec import encode
-from laminar.bus.errors import PeerUnavailable, RpcError
+from laminar.bus.codec import decode, encode
+from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.zmq_transport import ZmqTransport
-from laminar.protocol import Heartbeat, Hello, Metrics, Ping, Pong
+from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Heartbeat, Hello, Metrics, Ping, Pong
 from laminar.testing.procs import RoleProc
 from tests.integration.cluster_files import echo_cluster
 
@@ -69,6 +68,22 @@ def test_pubsub_rpc_and_dead_server(cluster):
     asyncio.run(main())
 
 
+async def live(sub, pub, topic: str, timeout: float = 10.0):
+    """Publish probes on `topic` until `sub` receives one: the subscription has reached the broker
+    and the publisher is connected (a PUB drops everything sent before that)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            pub.publish(topic, Ping(seq=-1))
+            try:
+                async with asyncio.timeout(0.2):
+                    while True:
+                        got, ev = await sub.recv()
+                        if got == topic:
+                            return
+            except TimeoutError:
+                continue
+
+
 def test_peer_without_the_cluster_key_is_refused(cluster, tmp_path):
     procs, ports, keys, _ = cluster
     auth.generate_keys(tmp_path / "other")
@@ -77,18 +92,38 @@ def test_peer_without_the_cluster_key_is_refused(cluster, tmp_path):
     async def main():
         good = transport(ports, keys)
         sub = good.subscriber(["intruder."])
+        good_pub = good.publisher()
+        await live(sub, good_pub, "intruder.probe")            # the keyed subscriber is live
         for bad_keys in (None, other):
             bad = transport(ports, bad_keys)
             c = bad.client(f"tcp://127.0.0.1:{ports['echo.0']}")
-            with pytest.raises(PeerUnavailable):
+            with pytest.raises(PeerUnavailable):               # refused handshake or deadline, both typed
                 await c.call(Ping(seq=1), timeout=1.0)
+            bad_sub = bad.subscriber(["metrics.echo"])
+            with pytest.raises(TimeoutError):                  # an unkeyed subscriber hears nothing
+                async with asyncio.timeout(0.5):               # (the echo role publishes every 0.1 s)
+                    await bad_sub.recv()
             pub = bad.publisher()
             for i in range(50):
                 pub.publish("intruder.x", Ping(seq=i))
             await bad.close()
+        # a marker from the keyed publisher arrives; nothing from the intruders came before or after it
+        seen = []
+        async with asyncio.timeout(5):
+            good_pub.publish("intruder.marker", Ping(seq=0))
+            while True:
+                topic, ev = await sub.recv()
+                seen.append(topic)
+                if topic == "intruder.marker":
+                    break
         with pytest.raises(TimeoutError):
-            async with asyncio.timeout(1.0):
-                await sub.recv()
+            async with asyncio.timeout(0.5):
+                while True:
+                    topic, _ = await sub.recv()
+                    seen.append(topic)
+                    if topic == "intruder.x":
+                        break
+        assert "intruder.x" not in seen, seen
         await good.close()
     asyncio.run(main())
 
@@ -105,12 +140,22 @@ def test_other_protocol_version_is_refused_naming_both(cluster):
         async with asyncio.timeout(5):
             frames = await s.recv_multipart()
         ctx.destroy(linger=0)
-        return frames
-    frames = asyncio.run(main())
-    from laminar.bus.codec import decode
+        # and a current-codec client stating another protocol in its Hello
+        t = transport(ports, keys)
+        c = t.client(f"tcp://127.0.0.1:{ports['echo.0']}")
+        with pytest.raises(RemoteError) as e:
+            await c.call(Hello(protocol=PROTOCOL_VERSION + 1, role="new", id="x"), timeout=5)
+        assert (await c.hello("test", "t")).protocol == PROTOCOL_VERSION   # the connection still works
+        await t.close()
+        return frames, e.value
+    frames, hello_err = asyncio.run(main())
     err, meta = decode(frames)
-    assert err.code == "protocol_mismatch" and meta["rid"] == 1
-    assert "peer speaks protocol 2" in err.message and "this side speaks protocol 1" in err.message
+    assert isinstance(err, ErrorReply) and err.code == "protocol_mismatch" and meta["rid"] == 1
+    assert "peer speaks protocol 2" in err.message and f"this side speaks protocol {PROTOCOL_VERSION}" in err.message
+    assert hello_err.code == "protocol_mismatch"
+    assert f"peer speaks protocol {PROTOCOL_VERSION + 1}" in hello_err.message
+    assert f"this side speaks protocol {PROTOCOL_VERSION}" in hello_err.message
+    assert procs[1].alive()
 
 
 def garbage(rng: random.Random, valid: list[bytes]) -> list[bytes]:
@@ -173,4 +218,4 @@ def test_fuzz_every_bound_socket_leaves_roles_serving(cluster):
         return hb
     hb = asyncio.run(main())
     assert procs[0].alive() and procs[1].alive()
-    assert hb.status["bad_frames"] > 1000, hb.status
+    assert hb.status["bad_frames"] > 1000 and hb.dropped_frames == hb.status["bad_frames"], hb

@@ -57,14 +57,14 @@ async def until(pred, timeout: float, what: str) -> None:
 
 
 # -- (a) learning ------------------------------------------------------------------------------
-ITERS, GROUPS, GSIZE, MARGIN = 12, 16, 8, 0.3
+ITERS, GROUPS, GSIZE, MARGIN = 10, 16, 8, 0.3
 
 
-async def learn(tmp: Path, model_dir: Path) -> list[float]:
+async def learn(tmp: Path, model_dir: Path, settings: dict) -> list[float]:
     import transformers
     torch.manual_seed(1234)
     cfg = inproc_cfg(tmp, {"model_dir": str(model_dir), "lr": 3e-3, "groups_per_batch": GROUPS,
-                           "minibatch_steps": 2, "publish": False, "checkpoint_every": 100, "seed": 0})
+                           "minibatch_steps": 2, "publish": False, "checkpoint_every": 100, "seed": 0, **settings})
     cluster = InprocCluster(cfg)
     try:
         await cluster.start("experience_buffer")
@@ -73,7 +73,7 @@ async def learn(tmp: Path, model_dir: Path) -> list[float]:
         gen = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
         rewards = []
         for it in range(ITERS):
-            gen.load_state_dict(trainer.model.state_dict())  # on-policy: the trainer is idle here
+            gen.load_state_dict(trainer.engine.model.state_dict())  # on-policy: the trainer is idle here
             groups = generate_groups(gen, GROUPS, GSIZE, version=trainer.version, tag=f"it{it}")
             rewards.append(sum(t.reward for g in groups for t in g) / (GROUPS * GSIZE))
             await put_all(buf, groups)
@@ -83,30 +83,42 @@ async def learn(tmp: Path, model_dir: Path) -> list[float]:
         await cluster.close()
 
 
-def test_reward_rises_on_verifiable_task(tmp_path, tiny):
+@pytest.mark.parametrize("settings", [{}, {"algorithm": "ppo", "critic_lr": 3e-3}], ids=["grpo", "ppo"])
+def test_reward_rises_on_verifiable_task(tmp_path, tiny, settings):
     t0 = time.monotonic()
-    rewards = asyncio.run(learn(tmp_path, tiny))
+    rewards = asyncio.run(learn(tmp_path, tiny, settings))
     start, end = rewards[0], sum(rewards[-3:]) / 3
-    print(f"\nmean reward per iteration: {[round(r, 3) for r in rewards]} ({time.monotonic() - t0:.1f} s)")
+    print(f"\n{settings.get('algorithm', 'grpo')}: mean reward per iteration: {[round(r, 3) for r in rewards]} "
+          f"({time.monotonic() - t0:.1f} s)")
     assert end - start >= MARGIN, rewards
     recs = read_jsonl(tmp_path / "run" / "trainer" / "metrics.jsonl")
     assert [r["version"] for r in recs] == list(range(1, ITERS + 1))
     for k in ("reward_mean", "reward_std", "response_len_mean", "response_len_max", "staleness/0", "pg_loss",
               "clip_frac_low", "clip_frac_high", "grad_norm", "tokens_per_s", "publish_stall_s", "entropy"):
         assert k in recs[-1], k
+    if settings.get("algorithm") == "ppo":
+        assert "value_loss" in recs[-1] and "critic_grad_norm" in recs[-1]
+    try:
+        import tensorboardX  # noqa: F401
+    except ImportError:
+        return
+    assert list((tmp_path / "run" / "trainer" / "tb").glob("events.out.tfevents.*"))
 
 
 # -- (b) kill -9 and resume --------------------------------------------------------------------
-def proc_cluster(tmp: Path, model_dir: Path) -> Path:
+def proc_cluster(tmp: Path, model_dir: Path, ranks: int = 1, **trainer) -> Path:
+    """A cluster file: an experience buffer and `ranks` trainer processes (ids 0.., one core each)."""
     from laminar.bus.auth import generate_keys
     generate_keys(tmp / "keys")
+    trainers = [{"role": "trainer", "id": str(r), **({"cores": [r % 2]} if ranks > 1 else {})} for r in range(ranks)]
+    settings = {"model_dir": str(model_dir), "lr": 1e-3, "groups_per_batch": 2, "checkpoint_every": 2,
+                "keep_checkpoints": 2, "publish": False, **trainer}
     cfg = {"run": {"workdir": str(tmp / "run"), "seed": 0},
-           "cluster": {"keys_dir": str(tmp / "keys"), "heartbeat_s": 0.5, "shutdown_s": 5.0,
+           "cluster": {"keys_dir": str(tmp / "keys"), "heartbeat_s": 0.5, "shutdown_s": 20.0,
                        "broker": {"host": "h0", "pub_port": free_port(), "sub_port": free_port()},
                        "hosts": {"h0": {"address": "127.0.0.1", "bind": "127.0.0.1", "roles": [
-                           {"role": "experience_buffer", "port": free_port()}, {"role": "trainer"}]}}},
-           "roles": {"trainer": {"model_dir": str(model_dir), "lr": 1e-3, "groups_per_batch": 2,
-                                 "checkpoint_every": 2, "keep_checkpoints": 2, "publish": False}}}
+                           {"role": "experience_buffer", "port": free_port()}, *trainers]}}},
+           "roles": {"trainer": settings}}
     path = tmp / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

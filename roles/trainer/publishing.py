@@ -1,0 +1,80 @@
+"""PublishLink: rank 0's connection to the relay tier (laminar.weights.WeightPublisher).
+
+    link = PublishLink(role, cfg); await link.start()   # target: relay_address, relay_id, or the manager
+    link.publish(state_dict, version)                   # worker thread: returns after the staging copy
+    await link.close()
+
+`publish` costs one copy into a staging buffer; the relay chain is fed by the publisher's own
+background thread, so training never waits for distribution. A watcher thread turns the
+publisher's progress into `publish_delivered` events on the role's loop (in order with the
+role's other events), which is how tests see that the next step started first.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+
+class PublishLink:
+    def __init__(self, role, cfg):
+        self.role, self.cfg = role, cfg
+        self.publisher = None
+        self.follower = None
+        self.last_stall_s = 0.0
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def _relay_address(self) -> str | None:
+        c, cfg = self.cfg, self.role.ctx.config
+        if c.relay_address:
+            return c.relay_address
+        if c.relay_id is not None:
+            host, _ = cfg.spec("relay", c.relay_id)
+            port = cfg.role_settings("relay", c.relay_id).get("data_port", 0)
+            if port:
+                return f"{cfg.cluster.hosts[host].address}:{port}"
+        return None
+
+    async def start(self) -> None:
+        from laminar.weights.publisher import WeightPublisher
+        from laminar.weights.transport import get_transport
+        from laminar.weights.wire import derive_key
+        c, ctx = self.cfg, self.role.ctx
+        keys = getattr(ctx.transport, "keys", None)
+        self.publisher = WeightPublisher(c.chunk_mb << 20, get_transport(c.publish_transport, **c.publish_transport_options),
+                                         derive_key(keys.secret if keys else None))
+        address = self._relay_address()
+        if address:
+            self.publisher.set_target(address, c.relay_id or "")
+        elif ctx.config.find("manager"):
+            from laminar.weights.follow import MasterFollower
+            self.follower = MasterFollower(self.publisher, ctx.transport, ctx.config.endpoint("manager", c.manager_id))
+            await self.follower.start()
+        else:
+            raise ValueError("trainer.publish is on but there is no relay_address, relay_id with a data_port, "
+                             "or manager to name the master relay")
+        loop = asyncio.get_running_loop()
+        self._watcher = threading.Thread(target=self._watch, args=(loop,), name="trainer-delivery", daemon=True)
+        self._watcher.start()
+
+    def publish(self, state_dict, version: int) -> None:
+        self.publisher.publish(state_dict, version)
+
+    def _watch(self, loop) -> None:
+        pub, last = self.publisher, -1
+        while not self._stop.is_set():
+            with pub.cond:
+                pub.cond.wait_for(lambda: pub.delivered > last or pub.stopped or self._stop.is_set(), 0.5)
+                d, stopped = pub.delivered, pub.stopped
+            if stopped:
+                return
+            if d > last:
+                last = d
+                loop.call_soon_threadsafe(lambda v=d: self.role.event("publish_delivered", version=v))
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self.follower is not None:
+            await self.follower.close()
+        if self.publisher is not None:
+            await asyncio.to_thread(self.publisher.close)
