@@ -3,11 +3,14 @@
 Publishers connect to the XSUB port, subscribers to the XPUB port; subscriptions flow upstream so
 a publisher only sends what someone wants. The broker never decodes: a bad frame is forwarded and
 dropped (counted) by the subscribers, so no input can stop it. Runs on its own thread with a sync
-context (the proxy is a blocking C loop); `stop()` sends TERMINATE on the control socket.
+context (the proxy is a blocking C loop); `stop()` sends TERMINATE on the control socket and waits
+for the proxy's reply (libzmq >= 4.3.5 answers TERMINATE and blocks until the answer is taken, so
+closing the control peer at once would leave the proxy stuck in that send).
 """
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import zmq
@@ -28,12 +31,17 @@ class Broker:
         """Bind both ports (errors such as a port in use raise here) and start forwarding."""
         self._auth = _auth.start_authenticator(self.ctx, self.keys, threaded=True)
         xsub, xpub = self.ctx.socket(zmq.XSUB), self.ctx.socket(zmq.XPUB)
-        for s in (xsub, xpub):
-            s.sndhwm = s.rcvhwm = self.hwm
-            s.linger = 0
-            _auth.make_server(s, self.keys)
-        xsub.bind(self.pub_address)
-        xpub.bind(self.sub_address)
+        try:
+            for s in (xsub, xpub):
+                s.sndhwm = s.rcvhwm = self.hwm
+                s.linger = 0
+                _auth.make_server(s, self.keys)
+            xsub.bind(self.pub_address)
+            xpub.bind(self.sub_address)
+        except BaseException:  # e.g. port in use: open sockets would make ctx.term() in stop() hang
+            xsub.close(linger=0)
+            xpub.close(linger=0)
+            raise
         self.pub_address = xsub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sub_address = xpub.getsockopt_string(zmq.LAST_ENDPOINT)
         ctrl = self.ctx.socket(zmq.PAIR)
@@ -61,8 +69,18 @@ class Broker:
             ctl = self.ctx.socket(zmq.PAIR)
             ctl.connect(self._ctrl_addr)
             ctl.send(b"TERMINATE")
-            ctl.close(linger=100)
+            deadline = time.monotonic() + timeout
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                if ctl.poll(50):  # the reply of libzmq >= 4.3.5 (older ones send none)
+                    ctl.recv()
+                    break
+            ctl.close(linger=0)
             self._thread.join(timeout)
         if self._auth is not None:
             self._auth.stop()
-        self.ctx.term() if not (self._thread and self._thread.is_alive()) else self.ctx.destroy(linger=0)
+        if self._thread is not None and self._thread.is_alive():
+            # Closing sockets under a running proxy aborts the process (a libzmq assertion):
+            # leave the daemon thread and its context to process exit instead.
+            self.error = self.error or TimeoutError(f"broker proxy did not stop within {timeout}s")
+            return
+        self.ctx.term()

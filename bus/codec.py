@@ -44,13 +44,13 @@ def encode(obj: Any, meta: dict[str, Any] | None = None, version: int = PROTOCOL
         if isinstance(v, np.ndarray):
             if v.dtype.kind not in _SAFE_DTYPE_KINDS:
                 raise TypeError(f"array dtype {v.dtype} cannot travel on the bus")
-            a = np.ascontiguousarray(v)
-            buffers.append(memoryview(a).cast("B") if a.size else b"")
+            a = v if v.flags.c_contiguous else np.ascontiguousarray(v)  # (which makes 0-d arrays 1-d)
+            buffers.append(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
             head = msgpack.packb([len(buffers) - 1, a.dtype.str, list(a.shape)])
             return msgpack.ExtType(EXT_ARRAY, head)
         if dataclasses.is_dataclass(v) and hasattr(type(v), "kind"):
             return msgpack.ExtType(EXT_EVENT, msgpack.packb([type(v).kind, _fields(v)], default=default))
-        if isinstance(v, (np.integer, np.floating)):
+        if isinstance(v, (np.integer, np.floating, np.bool_)):
             return v.item()
         raise TypeError(f"cannot encode {type(v).__name__} on the bus")
 
@@ -97,7 +97,7 @@ def _decode(frames: Sequence[bytes], max_body: int) -> tuple[Any, dict[str, Any]
     try:
         if len(frames) > MAX_FRAMES:
             raise OversizedFrame(f"{len(frames)} frames exceeds the limit of {MAX_FRAMES}")
-        if version != PROTOCOL_VERSION:
+        if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1.0 == 1 in Python
             raise ProtocolMismatch(version, PROTOCOL_VERSION)
         used: set[int] = set()
         obj = _build(cls, kind, _resolve(fields, buffers, used))

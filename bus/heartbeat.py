@@ -20,14 +20,17 @@ async def heartbeat_loop(pub: Publisher, role: str, id: str, host: str, interval
                          status: Callable[[], dict[str, Any]], state: Callable[[], str],
                          dropped: Callable[[], int] = lambda: 0) -> None:
     start, seq = time.monotonic(), 0
-    while True:
-        try:  # a role's status() must never silence its heartbeat
-            st, bad = status(), dropped()
-        except Exception as exc:
-            st, bad = {"status_error": repr(exc)[:200]}, 0
+
+    def beat(st: dict[str, Any], bad: int) -> None:
         pub.publish(f"hb.{role}.{id}", Heartbeat(
             role=role, id=id, host=host, pid=os.getpid(), seq=seq,
             uptime_s=time.monotonic() - start, state=state(), status=st, dropped_frames=bad))
+
+    while True:
+        try:  # a role's status() must never silence its heartbeat: not by raising, nor by
+            beat(status(), dropped())  # returning what the codec refuses (a set, an object...)
+        except Exception as exc:
+            beat({"status_error": repr(exc)[:200]}, 0)
         seq += 1
         await asyncio.sleep(interval_s)  # a period, not a wait for a peer
 

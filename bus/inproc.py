@@ -77,6 +77,15 @@ class InprocServer(RpcServer):
     def __init__(self, hub: InprocHub, address: str, role: str, id: str, max_inflight: int):
         super().__init__(role, id, max_inflight)
         self.hub, self.address = hub, address
+        self.calls: set[asyncio.Task] = set()
+
+    def handle(self, req: Any, meta: dict) -> asyncio.Task:
+        """Run one request as the server's own task: it outlives a caller that gave up (as over
+        ZeroMQ) and is cancelled by close(), which fails its caller with PeerUnavailable."""
+        t = asyncio.create_task(self.dispatcher.handle(req, meta), name=f"rpc:{type(req).kind}")
+        self.calls.add(t)
+        t.add_done_callback(self.calls.discard)
+        return t
 
     async def start(self) -> None:
         if self.address in self.hub.servers:
@@ -85,13 +94,18 @@ class InprocServer(RpcServer):
         self.hub.bound(self.address).set()
 
     async def close(self) -> None:
-        self.hub.servers.pop(self.address, None)
-        self.hub.bound(self.address).clear()
+        if self.hub.servers.get(self.address) is self:
+            self.hub.servers.pop(self.address)
+            self.hub.bound(self.address).clear()
+        for t in self.calls:
+            t.cancel()
+        await asyncio.gather(*self.calls, return_exceptions=True)
 
 
 class InprocClient(RpcClient):
     def __init__(self, hub: InprocHub, address: str):
         self.hub, self.address = hub, address
+        self._closed = asyncio.Event()
 
     async def call(self, req: Any, timeout: float = 5.0) -> Any:
         deadline = time.time() + timeout
@@ -100,16 +114,26 @@ class InprocClient(RpcClient):
                 await self.hub.bound(self.address).wait()  # like a DEALER with IMMEDIATE
                 server = self.hub.servers[self.address]
                 req2, meta = self.hub.roundtrip(req, {"dl": deadline})
-                reply = await server.dispatcher.handle(req2, meta)
-                reply, _ = self.hub.roundtrip(reply)
+                reply, _ = self.hub.roundtrip(await self._reply(server.handle(req2, meta)))
         except TimeoutError:
             raise DeadlineExceeded(f"{type(req).kind} to {self.address}: no reply within {timeout:.3g}s") from None
         if isinstance(reply, ErrorReply):
             raise remote_error(reply.code, reply.message)
         return reply
 
+    async def _reply(self, handling: asyncio.Task) -> Any:
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait([handling, closed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+        if handling.done() and not handling.cancelled():
+            return handling.result()
+        why = "client closed" if self._closed.is_set() else "server closed"
+        raise PeerUnavailable(f"{self.address}: {why}")
+
     def close(self) -> None:
-        pass
+        self._closed.set()
 
 
 class InprocTransport(Transport):

@@ -206,7 +206,8 @@ class ZmqRpcClient(RpcClient):
             except CodecError as exc:
                 code = "protocol_mismatch" if isinstance(exc, ProtocolMismatch) else "bad_request"
                 reply, meta = ErrorReply(code, f"reply from {self.address}: {exc}"), exc.meta or {}
-            fut = self.pending.get(meta.get("rid"))
+            rid = meta.get("rid")
+            fut = self.pending.get(rid) if isinstance(rid, int) else None  # a peer's rid may be unhashable
             if fut is None or fut.done():
                 self.late_replies += 1
                 continue
@@ -229,6 +230,8 @@ class ZmqRpcClient(RpcClient):
                     fut.set_exception(PeerUnavailable(f"{self.address}: {reason}"))
 
     def close(self) -> None:
+        if self.sock.closed:  # closed by its owner, then again by the transport
+            return
         for t in self._tasks:
             t.cancel()
         for fut in self.pending.values():

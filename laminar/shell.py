@@ -9,8 +9,9 @@ Order of events in one role process:
   4. READY: a line on --ready-fd (the supervisor's handshake) and sd_notify READY=1 (systemd);
   5. `role.run()` until it returns, raises, or SIGTERM/SIGINT/ctrl Shutdown asks to stop;
   6. `role.stop()` under cluster.shutdown_s, then cancel what is left, close the transport.
-Exit code: 0 after a requested stop or a finished run, 1 when setup or run failed (systemd's
-Restart=on-failure and the supervisor restart exactly those).
+Exit code: 0 after a requested stop or a finished run, 1 when setup, run or one of the shell's own
+loops (heartbeat, ctrl) failed, or stop overran its deadline (systemd's Restart=on-failure and
+the supervisor restart exactly those).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from laminar import logs
 from laminar.bus.heartbeat import heartbeat_loop
 from laminar.bus.transport import Transport
 from laminar.protocol import Shutdown
-from laminar.roles.base import Role, RoleContext
+from laminar.roles.base import Role, RoleContext, RoleFailed
 
 log = structlog.get_logger("laminar.shell")
 
@@ -55,28 +56,24 @@ async def run_role(role: Role, *, heartbeat_s: float = 1.0, shutdown_s: float = 
         ctx.publisher, ctx.role, ctx.id, ctx.host, heartbeat_s, role.status, lambda: state["s"],
         lambda: _bad_frames(role)), name="heartbeat")
     ctrl = asyncio.create_task(_follow_ctrl(role), name="ctrl")
-    code = 0
+    shell = (hb, ctrl)  # the shell's own loops: one that ends or raises fails the role loudly
+    code, run = 0, None
+    setup = asyncio.ensure_future(role.setup())
+    stop_wait = asyncio.ensure_future(role.stopping.wait())
     try:
-        setup = asyncio.ensure_future(role.setup())
-        stop_wait = asyncio.ensure_future(role.stopping.wait())
-        await asyncio.wait([setup, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-        if not setup.done():  # asked to stop while still setting up
-            setup.cancel()
-            await asyncio.gather(setup, return_exceptions=True)
-            return 0
-        setup.result()
-        state["s"] = "ready"
-        on_ready()
-        log.info("role_ready", role=ctx.role, id=ctx.id, pid=os.getpid())
-        run = asyncio.ensure_future(role.run())
-        await asyncio.wait([run, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-        if run.done():
-            run.result()
-            log.info("role_finished", role=ctx.role, id=ctx.id)
-        else:
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
-        stop_wait.cancel()
+        await asyncio.wait([setup, stop_wait, *shell], return_when=asyncio.FIRST_COMPLETED)
+        _check_shell(shell)
+        if setup.done():  # else: asked to stop while still setting up
+            setup.result()
+            state["s"] = "ready"
+            on_ready()
+            log.info("role_ready", role=ctx.role, id=ctx.id, pid=os.getpid())
+            run = asyncio.ensure_future(role.run())
+            await asyncio.wait([run, stop_wait, *shell], return_when=asyncio.FIRST_COMPLETED)
+            _check_shell(shell)
+            if run.done():
+                run.result()
+                log.info("role_finished", role=ctx.role, id=ctx.id)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
@@ -84,6 +81,10 @@ async def run_role(role: Role, *, heartbeat_s: float = 1.0, shutdown_s: float = 
         code = 1
     finally:
         state["s"] = "stopping"
+        pending = [t for t in (setup, run, stop_wait) if t is not None and not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         t0 = time.monotonic()
         try:
             await asyncio.wait_for(role.stop(), shutdown_s)
@@ -98,6 +99,13 @@ async def run_role(role: Role, *, heartbeat_s: float = 1.0, shutdown_s: float = 
         await asyncio.gather(hb, ctrl, return_exceptions=True)
         log.info("role_stopped", role=ctx.role, id=ctx.id, stop_s=round(time.monotonic() - t0, 3), code=code)
     return code
+
+
+def _check_shell(tasks: tuple[asyncio.Task, ...]) -> None:
+    for t in tasks:
+        if t.done():
+            exc = None if t.cancelled() else t.exception()
+            raise RoleFailed(f"shell task {t.get_name()} " + (f"raised {exc!r}" if exc else "ended"))
 
 
 def _bad_frames(role: Role) -> int:

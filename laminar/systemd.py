@@ -8,12 +8,26 @@ broker's host order themselves after the broker unit. A `.target` groups the hos
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
 
 def unit_name(run: str, role: str, id: str) -> str:
     return f"laminar-{run}-{role}-{id}.service"
+
+
+def _path(p: str) -> str:
+    """A path as a unit-file value: `%` would start a systemd specifier."""
+    return p.replace("%", "%%")
+
+
+def _arg(a: str) -> str:
+    """One ExecStart argument, quoted when it holds spaces or quotes (systemd splits on them)."""
+    a = _path(a)
+    if not re.search(r"[\s\"'\\]", a):
+        return a
+    return '"' + a.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def render_units(cfg, config_path: str, host: str, python: str | None = None,
@@ -39,8 +53,8 @@ PartOf={target}
 [Service]
 Type=notify
 NotifyAccess=main
-WorkingDirectory={workdir}
-ExecStart={python} -m laminar.cli role {spec.role} --id {spec.id} --host {host} {config_abs}
+WorkingDirectory={_path(workdir)}
+ExecStart={" ".join(map(_arg, [python, "-m", "laminar.cli", "role", spec.role, "--id", spec.id, "--host", host, config_abs]))}
 Restart=on-failure
 RestartSec=2
 WatchdogSec={watchdog_s}

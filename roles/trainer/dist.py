@@ -54,9 +54,15 @@ def init(rank: int, world_size: int, address: str, device, timeout_s: float) -> 
 
 
 def shutdown(info: DistInfo) -> None:
+    """Leave the process group together: without the barrier a rank may tear gloo down while a
+    peer (rank 0 hosts the rendezvous store) is still in its last collective or already gone,
+    and gloo's threads then abort the process ("terminate called without an active exception")."""
     import torch.distributed as dist
     if info.enabled and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def shard(model, info: DistInfo, device) -> None:

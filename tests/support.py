@@ -1,0 +1,197 @@
+"""Helpers shared by the tests (the fixtures that wrap them are in tests/conftest.py).
+
+- `free_port()`: a port below the kernel's ephemeral range (no outgoing connection can take it
+  between the moment it is chosen and the moment a role binds it), never handed out twice;
+- `write_cluster()`: a single-host cluster file (broker + echo roles, free ports, a cluster key);
+- `Procs`: every process a test starts, each ended by its pid at teardown (SIGTERM, then SIGKILL);
+- `same()`: structural equality of events that hold numpy arrays (dataclass == cannot compare them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import select
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from laminar.bus import auth
+from laminar.testing.procs import RoleProc
+
+ROOT = Path(__file__).resolve().parents[1]
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is bindable now, outside the ephemeral range, new this session."""
+    rng = random.Random()
+    hi = min(_ephemeral_low(), 65536) - 1
+    for _ in range(1000):
+        port = rng.randint(min(20000, hi - 1000), hi)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free port found below the ephemeral range")
+
+
+@dataclass
+class Cluster:
+    path: Path
+    ports: dict[str, int]       # pub, sub (the broker's) and "<role>.<id>" of every serving role
+    keys: auth.CurveKeys | None
+    dir: Path
+
+    def endpoint(self, key: str) -> str:
+        return f"tcp://127.0.0.1:{self.ports[key]}"
+
+    def transport(self, keys: Any = "cluster"):
+        """A ZeroMQ transport on this cluster's broker; pass `keys` None or other CurveKeys to be
+        an intruder."""
+        from laminar.bus.zmq_transport import ZmqTransport
+        return ZmqTransport(self.endpoint("pub"), self.endpoint("sub"), self.keys if keys == "cluster" else keys)
+
+
+def write_cluster(tmp: Path, n_echo: int = 1, keys: bool = True, echo_interval_s: float = 0.1) -> Cluster:
+    """A single-host cluster file (broker + `n_echo` echo roles) on free ports, written in `tmp`."""
+    keys_dir = tmp / "keys"
+    if keys and not (keys_dir / "cluster.key_secret").exists():
+        auth.generate_keys(keys_dir)
+    ports = {"pub": free_port(), "sub": free_port(), **{f"echo.{i}": free_port() for i in range(n_echo)}}
+    roles = [{"role": "broker"}] + [{"role": "echo", "id": str(i), "port": ports[f"echo.{i}"]} for i in range(n_echo)]
+    cfg = {"run": {"name": "t", "workdir": str(tmp / "run")},
+           "cluster": {"keys_dir": str(keys_dir) if keys else None, "heartbeat_s": 0.2, "shutdown_s": 5,
+                       "broker": {"host": "h0", "pub_port": ports["pub"], "sub_port": ports["sub"]},
+                       "hosts": {"h0": {"address": "127.0.0.1", "bind": "127.0.0.1", "roles": roles}}},
+           "roles": {"echo": {"interval_s": echo_interval_s}}}
+    path = tmp / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return Cluster(path, ports, auth.load_keys(keys_dir) if keys else None, tmp)
+
+
+def _start_time(pid: int) -> str | None:
+    """Kernel start time of `pid` (field 22 of /proc/PID/stat): tells a reused pid from ours."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_ready(proc: subprocess.Popen, fd: int, timeout: float, what: str) -> None:
+    """Wait for READY on the read end `fd` of a child's --ready-fd pipe (closes `fd`)."""
+    deadline, buf = time.monotonic() + timeout, b""
+    try:
+        while b"READY" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what} not ready within {timeout}s")
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 64)
+                if not chunk:
+                    raise RuntimeError(f"{what} exited before READY (code {proc.wait(10)})")
+                buf += chunk
+    finally:
+        os.close(fd)
+
+
+class Procs:
+    """Every process a test starts; cleanup() ends each one by its pid (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.popens: list[subprocess.Popen] = []
+        self.roles: list[RoleProc] = []
+        self.adopted: list[tuple[int, str | None]] = []
+
+    def role(self, name: str, id: str, config, ready_timeout: float | None = 30.0) -> RoleProc:
+        """`laminar-node role NAME --id ID CONFIG`, READY unless `ready_timeout` is None."""
+        p = RoleProc(name, id, config, self.log_dir)
+        self.roles.append(p)
+        p.start()
+        if ready_timeout is not None:
+            p.wait_ready(ready_timeout)
+        return p
+
+    def popen(self, argv: list[str], ready_timeout: float | None = None, **kw) -> subprocess.Popen:
+        """Any command, in its own session, from the repository root; with `ready_timeout` it gets
+        `--ready-fd N` appended and must write READY there in time."""
+        kw.setdefault("cwd", ROOT)
+        r = w = None
+        if ready_timeout is not None:
+            r, w = os.pipe()
+            argv = [*argv, "--ready-fd", str(w)]
+            kw["pass_fds"] = (*kw.get("pass_fds", ()), w)
+        try:
+            p = subprocess.Popen(argv, start_new_session=True, **kw)
+        finally:
+            if w is not None:
+                os.close(w)
+        self.popens.append(p)
+        if r is not None:
+            wait_ready(p, r, ready_timeout, " ".join(map(str, argv[:4])))
+        return p
+
+    def adopt(self, pid: int) -> None:
+        """Also end `pid` (a grandchild, e.g. a role under `up`) at cleanup if it is still the
+        same process."""
+        self.adopted.append((pid, _start_time(pid)))
+
+    def cleanup(self) -> None:
+        for p in self.roles:
+            p.stop(timeout=10)
+        for p in self.popens:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
+        for pid, started in self.adopted:
+            if pid_alive(pid) and _start_time(pid) == started:
+                os.kill(pid, signal.SIGKILL)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Structural equality: arrays by dtype, shape and values; NaN equals NaN; list == tuple."""
+    if isinstance(a, np.ndarray):
+        return (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+                and np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        return math.isnan(b)
+    return type(a) is type(b) and a == b
