@@ -13,6 +13,7 @@ REGISTRY: dict[str, str] = {
     "partial_pool": "laminar.roles.partial_pool.role:PartialPoolRole",
     "experience_buffer": "laminar.roles.experience_buffer.role:ExperienceBufferRole",
     "trainer": "laminar.roles.trainer.role:TrainerRole",
+    "env": "laminar.roles.env.role:EnvRole",
 }
 
 

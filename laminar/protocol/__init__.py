@@ -19,5 +19,7 @@ from laminar.protocol.rollout import *  # noqa: F401,F403
 from laminar.protocol import rollout as _rollout
 from laminar.protocol.weights import *  # noqa: F401,F403
 from laminar.protocol import weights as _weights
+from laminar.protocol.env import *  # noqa: F401,F403
+from laminar.protocol import env as _env
 
-__all__ = ["PROTOCOL_VERSION", "event", "kind_of", "lookup", "registered_kinds", *_core.__all__, *_data.__all__, *_rollout.__all__, *_weights.__all__]
+__all__ = ["PROTOCOL_VERSION", "event", "kind_of", "lookup", "registered_kinds", *_core.__all__, *_data.__all__, *_rollout.__all__, *_weights.__all__, *_env.__all__]
