@@ -1,0 +1,37 @@
+"""The scale simulator's models (DESIGN §8): hardware and model shapes, decode step latency,
+response lengths, trainer cost. The simulated engine itself is `laminar.roles.rollout.sim_engine`.
+
+Every model here is a pure function of stated constants or of a workload file
+(`shared/workloads/paper.json`: figures read off the Laminar paper). The file is found by
+`workload_path()`: an explicit path, else `$LAMINAR_WORKLOAD`, else `shared/workloads/paper.json`
+in the repository or next to it (a checkout may have `shared/` inside or beside it). Nothing is
+read at import time.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def workload_path(path: str | os.PathLike | None = None) -> Path:
+    """The workload file to read; FileNotFoundError naming every place looked at."""
+    if path is not None:
+        candidates = [Path(path)]
+    else:
+        env = os.environ.get("LAMINAR_WORKLOAD")
+        candidates = ([Path(env)] if env else []) + [
+            _REPO / "shared" / "workloads" / "paper.json",
+            _REPO.parent / "shared" / "workloads" / "paper.json",
+        ]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise FileNotFoundError("no workload file; looked at " + ", ".join(str(c) for c in candidates))
+
+
+def load_workload(path: str | os.PathLike | None = None) -> dict:
+    """The parsed workload file (see `workload_path`)."""
+    return json.loads(workload_path(path).read_text())

@@ -1,0 +1,447 @@
+"""SimEngine: a simulated vLLM behind the `RolloutEngine` interface (DESIGN §8).
+
+    engine = SimEngine.from_workload(model="32B", tp=4, lengths="32B_math", max_num_seqs=1024,
+                                     clock=CompressedClock(speedup=50))
+    await engine.start()
+    async for toks, lps, finish in engine.generate("t0#r0.1", prompt, max_tokens=16384, seed=7):
+        ...                      # cancel the consuming task to abort the request, as with vLLM
+
+What it models, like vLLM v1's scheduler (continuous batching, FCFS):
+- one scheduler loop; every step advances each running request by one token and costs the step
+  curve's time at the current batch size, plus prefill time for the prompt tokens admitted in
+  that step (a per-step budget of `max_batched_tokens` spreads prefill like chunked prefill);
+- a paged KV cache of `kv_capacity_tokens` in blocks of `block_size` tokens; `kv_usage` = blocks
+  held / blocks (what vLLM reports). With prefix caching (vLLM's default) the full blocks of a
+  prompt are shared by every running request with that prompt (a GRPO group);
+- waiting requests are admitted while blocks, `max_num_seqs` and the prefill budget allow;
+  a running request that needs a block when none is free makes the newest running request be
+  preempted (recompute: its blocks are freed, it returns to the head of the queue and prefills
+  prompt + output again when readmitted), as vLLM's default preemption does.
+
+Lengths: a request's total response length comes from the length distribution at a z derived
+from its seed (lengths.z_from_key), so the same seed always means the same length, in any
+process. The engine emits one constant token id; a resumed request (prompt + generated tokens as
+its prompt, the remaining budget, the same seed) is recognised by the trailing run of that id,
+so it stops at the same total length (a prompt that itself ends with that id would be miscounted
+by that many tokens). Finish reason "stop" at the drawn length, "length" at `max_tokens` (or at
+`max_model_len`). Without a seed the length is drawn from the engine's own generator, conditioned
+on being longer than what the request already generated.
+
+Time and cost: the scheduler advances in *macro-steps* of up to `emit_every` steps during which
+the batch composition does not change except for requests finishing (each takes its exact steps;
+the time is summed step by step with the batch shrinking). Admissions, preemptions and emission
+to the streams happen at macro-step boundaries, so Python work is O(running) per `emit_every`
+steps instead of per token; the price is that a new request or a finished one waits up to
+`emit_every` steps (~1 s of simulated time) for its boundary. The loop keeps its own simulated
+timeline and sleeps on a `Clock` until it: `CompressedClock(speedup)` sleeps seconds/speedup of
+real time (overhead is absorbed, not accumulated; `max_lag_s` says when the machine cannot keep
+up), `VirtualClock` advances instantly (only correct with one engine per clock: tests and
+single-engine studies).
+
+Weights: `load_relay` reads the newest version in the relay folder (LocalWeights) if the folder
+exists, else counts versions itself; `load_file` only costs time. Both cost `load_s` of
+simulated time (the bf16 weights of one GPU over PCIe from host memory, see `from_workload`).
+A scheduler that fails fails every stream with `SimEngineDead` (like vLLM's EngineDeadError);
+`close()` fails outstanding streams with `SimEngineClosed`.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import Protocol
+
+import numpy as np
+
+from laminar.roles.rollout.engine import EngineStats, RolloutEngine
+from laminar.sim.latency import StepCurve
+from laminar.sim.lengths import LengthDistribution, z_from_key
+
+_N = NormalDist()
+
+
+class SimEngineClosed(RuntimeError):
+    pass
+
+
+class SimEngineDead(RuntimeError):
+    pass
+
+
+# -- clocks -------------------------------------------------------------------------------------
+class Clock(Protocol):
+    def now(self) -> float: ...                    # simulated seconds
+    async def sleep(self, seconds: float) -> None: ...  # simulated seconds
+
+
+class CompressedClock:
+    """Simulated time = real time × speedup."""
+
+    def __init__(self, speedup: float = 1.0):
+        if speedup <= 0:
+            raise ValueError(f"speedup must be > 0, got {speedup}")
+        self.speedup, self._t0 = speedup, time.monotonic()
+
+    def now(self) -> float:
+        return (time.monotonic() - self._t0) * self.speedup
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds) / self.speedup)  # the simulated step itself
+
+
+class VirtualClock:
+    """Time moves only when its (single) sleeper sleeps; other tasks get one turn per sleep."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
+        await asyncio.sleep(0)  # let consumers run between steps
+
+
+# -- requests -----------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Request:
+    id: str
+    prompt_len: int          # tokens given as the prompt (an original prompt + earlier output)
+    key: int                 # the original prompt (crc32, length): its prefix-cache entry
+    shared_blocks: int       # full blocks of the original prompt (0 without prefix caching)
+    target: int              # tokens this request generates
+    finish: str              # finish reason at target
+    generated: int = 0
+    emitted: int = 0
+    blocks: int = 0          # private blocks held (0 while waiting)
+    in_cache: bool = False   # holds a reference on the shared prefix entry
+    done: bool = False
+    error: BaseException | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def held(self) -> int:
+        return self.prompt_len + self.generated
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+class SimEngine(RolloutEngine):
+    def __init__(self, *, curve: StepCurve, lengths: LengthDistribution, kv_capacity_tokens: int,
+                 prefill_ms_per_token: float, max_num_seqs: int = 1024, max_model_len: int | None = None,
+                 block_size: int = 16, max_batched_tokens: int = 8192, emit_every: int = 32,
+                 prefix_caching: bool = True, group_correlation: float = 0.0, load_s: float = 1.0,
+                 clock: Clock | None = None, token_id: int = 0, logprob: float = -0.5, seed: int = 0):
+        self.curve, self.lengths = curve, lengths
+        self.block_size = block_size
+        self.num_blocks = kv_capacity_tokens // block_size
+        self.max_model_len = max_model_len or self.num_blocks * block_size
+        if self.num_blocks < 1 or self.max_model_len > self.num_blocks * block_size:
+            raise ValueError(f"sim engine: max_model_len {self.max_model_len} exceeds the KV cache "
+                             f"({self.num_blocks} blocks of {block_size} tokens)")  # vLLM refuses too
+        if not 0 <= group_correlation <= 1 or emit_every < 1 or max_num_seqs < 1:
+            raise ValueError("sim engine: need 0 <= group_correlation <= 1, emit_every >= 1, max_num_seqs >= 1")
+        self.prefill_s_per_token = prefill_ms_per_token / 1000.0
+        self.max_num_seqs, self.max_batched_tokens, self.emit_every = max_num_seqs, max_batched_tokens, emit_every
+        self.prefix_caching, self.rho, self.load_s = prefix_caching, group_correlation, load_s
+        self.clock = clock or CompressedClock(1.0)
+        self.token_id, self.logprob, self.seed = token_id, logprob, seed
+        self.stats = EngineStats()
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.free_blocks = self.num_blocks
+        self._cache: dict[int, list[int]] = {}   # prompt key -> [references, blocks]
+        self._ids: set[str] = set()
+        self._rng = np.random.default_rng(seed)
+        self._work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._failure: BaseException | None = None
+        self._versions = 0
+        self._timeline = 0.0
+        self._since_emit = 0
+        self.counters = {"steps": 0, "macro_steps": 0, "tokens": 0, "prefill_tokens": 0, "finished": 0,
+                         "aborted": 0, "preemptions": 0, "peak_kv_usage": 0.0, "max_lag_s": 0.0}
+
+    @classmethod
+    def from_workload(cls, *, model: str, tp: int, lengths: str, gpu: str = "H800",
+                      max_num_seqs: int = 1024, mem_fraction: float = 0.9, curve_path: str | None = None,
+                      workload_path: str | None = None, max_output_tokens: int | None = None,
+                      load_gbps: float = 25.0, **kw) -> "SimEngine":
+        """Build from names: model '7B'/'32B'/'72B', `tp` GPUs of kind `gpu`, the workload's
+        length statistics `lengths` (e.g. '32B_math'), the paper's step curve for <model>_TP<tp>
+        (or one estimated from another model at the same tp, or `curve_path`, a measured curve);
+        lengths are clipped to `max_output_tokens` (default: the workload's run_shape).
+        load_s defaults to one GPU's share of the bf16 weights at `load_gbps` GB/s (PCIe from
+        pageable host memory: ~40% of Gen5 x16). Other keywords go to the constructor."""
+        from laminar.sim import load_workload
+        from laminar.sim.hardware import gpu as gpu_spec, kv_capacity_tokens, model as model_shape
+        from laminar.sim.latency import prefill_ms_per_token, transfer_curve
+        from laminar.sim.lengths import workload_lengths
+        m, g = model_shape(model), gpu_spec(gpu)
+        workload = load_workload(workload_path)
+        if curve_path:
+            curve = StepCurve.load(curve_path)
+        else:
+            size = model.upper().removeprefix("QWEN2.5-").removesuffix("-INSTRUCT")
+            try:
+                curve = StepCurve.from_paper(size, tp, workload)
+            except KeyError:
+                src = next((s for s in ("32B", "7B") if f"{s}_TP{tp}" in workload["decode_step_latency_ms_at_seq4096"]), None)
+                if src is None:
+                    raise
+                curve = transfer_curve(StepCurve.from_paper(src, tp, workload), model_shape(src), m)
+        kw.setdefault("load_s", m.weight_bytes() / tp / (load_gbps * 1e9))
+        return cls(curve=curve, lengths=workload_lengths(lengths, workload, max_output_tokens),
+                   kv_capacity_tokens=kv_capacity_tokens(m, g, tp, mem_fraction),
+                   prefill_ms_per_token=prefill_ms_per_token(m, g, tp), max_num_seqs=max_num_seqs, **kw)
+
+    # -- RolloutEngine ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._timeline = self.clock.now()
+        self._task = asyncio.create_task(self._run(), name="sim-engine-scheduler")
+
+    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None):
+        if self._failure is not None:
+            raise self._failure
+        if self._task is None:
+            raise RuntimeError("sim engine: generate() before start()")
+        if request_id in self._ids:
+            raise ValueError(f"sim engine: request {request_id!r} is already running")
+        r = self._new_request(request_id, prompt, max_tokens, seed)
+        self._ids.add(request_id)
+        self.waiting.append(r)
+        self._work.set()
+        try:
+            while True:
+                await r.wake.wait()
+                r.wake.clear()
+                if r.error is not None:
+                    raise r.error
+                n = r.generated - r.emitted
+                finished = r.done and r.generated >= r.target
+                if n:
+                    r.emitted += n
+                    yield [self.token_id] * n, [self.logprob] * n, (r.finish if finished else None)
+                if finished:
+                    return
+        finally:
+            self._ids.discard(request_id)
+            if not r.done:  # cancelled or closed by the consumer: abort, as vLLM does
+                self._release(r)
+                r.done = True
+                self.counters["aborted"] += 1
+                self._update_stats()
+
+    async def load_relay(self, shm_dir: str, min_version: int) -> int:
+        if os.path.isdir(shm_dir):
+            from laminar.weights.pull import LocalWeights
+            version = await asyncio.to_thread(LocalWeights(shm_dir).current_version)
+            if version <= min_version:
+                return -1
+        else:
+            version = self._versions = max(self._versions, min_version) + 1
+        await self.clock.sleep(self.load_s)
+        return version
+
+    async def load_file(self, path: str) -> None:
+        await self.clock.sleep(self.load_s)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._failure = self._failure or SimEngineClosed("sim engine closed")
+        self._fail_all(self._failure)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _new_request(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None) -> _Request:
+        n = len(prompt)
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"sim engine: request {request_id!r} needs a prompt and max_tokens >= 1")
+        if n >= self.max_model_len:
+            raise ValueError(f"sim engine: prompt of {n} tokens does not fit max_model_len {self.max_model_len}")
+        already = 0  # output of an earlier attempt, resumed as part of the prompt
+        while already < n - 1 and prompt[n - 1 - already] == self.token_id:
+            already += 1
+        # the prefix-cache entry (and group) of the original prompt: its checksum and length
+        key = zlib.crc32(np.asarray(prompt[:n - already], dtype=np.int64).tobytes()) | (n - already) << 32
+        total = self._total_length(seed, key, already)
+        rest = max(1, total - already)
+        target, finish = (rest, "stop") if rest < max_tokens else (max_tokens, "length")
+        if n + target > self.max_model_len:
+            target, finish = self.max_model_len - n, "length"
+        shared = (n - already) // self.block_size if self.prefix_caching else 0
+        return _Request(request_id, n, key, shared, target, finish)
+
+    def _total_length(self, seed: int | None, key: int, already: int) -> int:
+        if seed is not None:
+            z = z_from_key(seed, 2 * self.seed)
+            if self.rho > 0:
+                z = math.sqrt(self.rho) * z_from_key(key, 2 * self.seed + 1) + math.sqrt(1 - self.rho) * z
+            return self.lengths.from_z(z)
+        lo = self.lengths.cdf(already) if already else 0.0  # it was still running at `already`
+        u = min(lo + (1 - lo) * self._rng.random(), 1 - 1e-12)
+        return max(self.lengths.from_z(_N.inv_cdf(max(u, 1e-12))), already + 1)
+
+    def _release(self, r: _Request) -> None:
+        """Take `r` off its queue and free what it holds (O(queue): aborts and preemptions only)."""
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        self._free(r)
+
+    def _free(self, r: _Request) -> None:
+        self.free_blocks += r.blocks
+        r.blocks = 0
+        if r.in_cache:
+            entry = self._cache[r.key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.free_blocks += entry[1]
+                del self._cache[r.key]
+            r.in_cache = False
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for r in list(self.running) + list(self.waiting):
+            self._release(r)
+            r.done, r.error = True, exc
+            r.wake.set()
+
+    # -- scheduler ----------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self.running and not self.waiting:
+                    self._update_stats()
+                    self._work.clear()
+                    await self._work.wait()
+                    self._timeline = max(self._timeline, self.clock.now())  # idle time is no credit
+                    continue
+                prefill = self._admit()
+                k = self._steps_possible()
+                while k == 0 and self.running:  # a running request needs a block: preempt the newest
+                    self._preempt()
+                    k = self._steps_possible()
+                if not self.running:
+                    raise RuntimeError("sim engine: nothing admissible although the cache is empty")
+                self._update_stats()
+                self._timeline += prefill * self.prefill_s_per_token + self._decode_s(k)
+                lag = self.clock.now() - self._timeline
+                self.counters["max_lag_s"] = max(self.counters["max_lag_s"], lag)
+                await self.clock.sleep(-lag)
+                self._advance(k)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._failure = SimEngineDead(f"sim engine scheduler failed: {exc!r}")
+            self._fail_all(self._failure)
+            raise
+
+    def _admit(self) -> int:
+        """Admit waiting requests (FCFS) while blocks, seats and the prefill budget allow."""
+        prefill = 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            cached = r.shared_blocks > 0 and r.key in self._cache
+            new_shared = 0 if cached or not r.shared_blocks else r.shared_blocks
+            private = _ceil_div(r.held, self.block_size) - r.shared_blocks
+            tokens = r.held - (r.shared_blocks * self.block_size if cached else 0)
+            if private + new_shared > self.free_blocks or (prefill and prefill + tokens > self.max_batched_tokens):
+                break
+            self.waiting.popleft()
+            self.free_blocks -= private + new_shared
+            r.blocks = private
+            if r.shared_blocks:
+                entry = self._cache.setdefault(r.key, [0, new_shared])
+                entry[0] += 1
+                r.in_cache = True
+            self.running.append(r)
+            prefill += tokens
+        self.counters["prefill_tokens"] += prefill
+        return prefill
+
+    def _preempt(self) -> None:
+        r = self.running.pop()
+        self._free(r)
+        self.waiting.appendleft(r)  # recomputed (prompt + output) when readmitted
+        self.counters["preemptions"] += 1
+
+    def _steps_possible(self) -> int:
+        """Steps until the next emission boundary, fewer if the free blocks run out before."""
+        k = self.emit_every - self._since_emit
+        held = np.fromiter((r.held for r in self.running), np.int64, len(self.running))
+        rest = np.fromiter((r.target - r.generated for r in self.running), np.int64, len(self.running))
+        base = _ceil_div(held, self.block_size)
+
+        def need(steps: int) -> int:
+            return int((_ceil_div(held + np.minimum(rest, steps), self.block_size) - base).sum())
+
+        if need(k) <= self.free_blocks:
+            return k
+        lo, hi = 0, k  # need(lo) fits, need(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= self.free_blocks else (lo, mid)
+        return lo
+
+    def _decode_s(self, k: int) -> float:
+        """k steps, the batch shrinking as requests reach their target."""
+        rest = sorted(r.target - r.generated for r in self.running)
+        total, i, n = 0.0, 0, len(rest)
+        for step in range(1, k + 1):
+            while i < n and rest[i] < step:
+                i += 1
+            if i == n:
+                break
+            total += self.curve.step_ms(n - i)
+        return total / 1000.0
+
+    def _advance(self, k: int) -> None:
+        self._since_emit += k
+        boundary = self._since_emit >= self.emit_every
+        if boundary:
+            self._since_emit = 0
+        steps, still = 0, []
+        for r in self.running:
+            g = min(k, r.target - r.generated)
+            new_blocks = _ceil_div(r.held + g, self.block_size) - _ceil_div(r.held, self.block_size)
+            self.free_blocks -= new_blocks
+            r.blocks += new_blocks
+            r.generated += g
+            steps = max(steps, g)
+            self.counters["tokens"] += g
+            if r.generated >= r.target:
+                self._free(r)
+                r.done = True
+                self.counters["finished"] += 1
+                r.wake.set()
+                continue
+            still.append(r)
+            if boundary:
+                r.wake.set()
+        self.running = still
+        assert self.free_blocks >= 0, "sim engine: KV blocks over-allocated"
+        self.counters["steps"] += steps
+        self.counters["macro_steps"] += 1
+        self._update_stats()
+
+    def _update_stats(self) -> None:
+        s = self.stats
+        s.kv_usage = (self.num_blocks - self.free_blocks) / self.num_blocks
+        s.running, s.waiting, s.updated = len(self.running), len(self.waiting), time.monotonic()
+        self.counters["peak_kv_usage"] = max(self.counters["peak_kv_usage"], s.kv_usage)
+
+    def sim_stats(self) -> dict:
+        """Counters plus the simulated time the scheduler has reached."""
+        return {**self.counters, "sim_time_s": self._timeline, "kv_usage": self.stats.kv_usage,
+                "running": len(self.running), "waiting": len(self.waiting), "free_blocks": self.free_blocks}
