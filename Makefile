@@ -37,8 +37,11 @@ install: $(STAMP_BASE)
 install-test: $(STAMP_TEST)
 install-cpu: $(STAMP_CPU)
 
+# The demo's policy: the tiny model, SFT-warm-started to reply in long-tailed lengths (~1 minute).
 models/tiny/config.json: | $(STAMP_CPU)
-	$(BIN)/python -m laminar.models.tiny models/tiny
+	$(BIN)/python -m laminar.models.tiny models/tiny.tmp
+	$(BIN)/python -m laminar.tasks.warmstart models/tiny.tmp
+	rm -rf models/tiny && mv models/tiny.tmp models/tiny
 
 runs/local/data/prompts.jsonl: | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.demo_data $@

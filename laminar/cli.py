@@ -86,7 +86,7 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, sup.stopping.set)
     transport = make_transport(cfg)
-    sub = transport.subscriber(["hb.", "metrics."])
+    sub = transport.subscriber(["hb.", "metrics.", "rollout.stats."])
 
     async def feed() -> None:
         while True:
@@ -120,6 +120,11 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
         await asyncio.gather(feeder, return_exceptions=True)
         await transport.close()
     failed = [c.key for c in sup.children if c.state == "failed"]
+    if (cfg.workdir() / "trainer" / "metrics.jsonl").exists():
+        from laminar import summary
+        s = summary.write(cfg.workdir())
+        print(f"\nsummary of {cfg.run.name} ({cfg.run.mode} mode):\n{summary.table(s)}\n"
+              f"written: {cfg.workdir() / 'summary.json'}" + (f", {s['plot']}" if s.get("plot") else ""), flush=True)
     return 1 if failed else 0
 
 

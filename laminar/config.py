@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -95,6 +95,14 @@ class RunSpec(Strict):
     name: str = Field("run", description="run name; outputs go to <workdir>")
     seed: int = Field(0, description="global seed")
     workdir: str = Field("runs/run", description="folder for stores, checkpoints, logs, summaries")
+    mode: Literal["laminar", "laminar_norepack", "sync", "one_step", "stream"] = Field(
+        "laminar", description="scheduling mode (DESIGN §7): laminar (repack on), laminar_norepack, or a "
+        "baseline with a global weight-sync barrier: sync (staleness 0), one_step, stream (staleness <= 1)")
+
+    @property
+    def barrier_lag(self) -> int | None:
+        """Versions a rollout may run ahead of the trainer in a barrier mode (None: no barrier)."""
+        return {"sync": 0, "one_step": 1, "stream": 1}.get(self.mode)
 
 
 class LaminarConfig(Strict):
@@ -176,6 +184,22 @@ def _validate_role_settings(cfg: LaminarConfig) -> None:
             raise ConfigError(f"{cfg.source}: {where}.{_loc(e['loc'])}: {e['msg']}") from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently,
+    so a second `h0:` or `roles:` would quietly replace the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: the base class refuses it with its own message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | os.PathLike) -> LaminarConfig:
     p = Path(path)
     try:
@@ -183,7 +207,7 @@ def load_config(path: str | os.PathLike) -> LaminarConfig:
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read config: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""

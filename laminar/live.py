@@ -1,7 +1,10 @@
-"""The live view of `laminar-node up`: one row per role (supervisor state + its last heartbeat).
+"""The live view of `laminar-node up`: one row per role (supervisor state + its last heartbeat),
+and a training line per version: reward, throughput, versions, staleness, KV usage per rollout,
+repacks.
 
-Fed by the supervisor's state changes and by heartbeats/metrics read from the bus; rendered with
-rich when stdout is a terminal, else as one plain line per state change (logs, CI, tmux capture).
+Fed by the supervisor's state changes and by heartbeats/metrics/rollout stats read from the bus;
+rendered with rich when stdout is a terminal, else as one plain line per state change and per
+trainer version (logs, CI, tmux capture).
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from laminar.protocol import Heartbeat, Metrics
+from laminar.protocol import Heartbeat, Metrics, RolloutStats
 
 
 def _fmt(v: Any) -> str:
@@ -29,6 +32,9 @@ class LiveView:
         self.children: dict[str, Any] = {}
         self.beats: dict[str, Heartbeat] = {}
         self.metrics: dict[str, dict[str, float]] = {}
+        self.rollouts: dict[str, RolloutStats] = {}
+        self._last_update: float | None = None
+        self.throughput: float | None = None
 
     def child_changed(self, c) -> None:
         self.children[c.key] = c
@@ -39,8 +45,29 @@ class LiveView:
     def observe(self, ev: Any) -> None:
         if isinstance(ev, Heartbeat):
             self.beats[f"{ev.role}.{ev.id}"] = ev
+        elif isinstance(ev, RolloutStats):
+            self.rollouts[ev.rollout_id] = ev
         elif isinstance(ev, Metrics):
             self.metrics.setdefault(f"{ev.role}.{ev.id}", {}).update(ev.values)
+            if ev.role == "trainer":
+                if self._last_update is not None and ev.ts > self._last_update:
+                    self.throughput = ev.values.get("batch_tokens", 0.0) / (ev.ts - self._last_update)
+                self._last_update = ev.ts
+                if self.plain:
+                    print(f"[{time.strftime('%H:%M:%S')}] {self.training_line()}", flush=True)
+
+    def training_line(self) -> str:
+        m = self.metrics.get("trainer.0", {})
+        if not m:
+            return "training: waiting for the first version"
+        mgr = self.beats.get("manager.0")
+        repacks = mgr.status.get("repacks", 0) if mgr else 0
+        kv = " ".join(f"{r.rollout_id}:v{r.version}/kv{r.kv_usage:.2f}/{r.state[:3]}" for r in
+                      sorted(self.rollouts.values(), key=lambda r: r.rollout_id))
+        tput = f"{self.throughput:.0f}" if self.throughput is not None else "-"
+        return (f"version {int(m.get('version', 0))}  reward {m.get('reward_mean', 0):.3f}  "
+                f"throughput {tput} tok/s  staleness mean {m.get('staleness_mean', 0):.2f} "
+                f"max {int(m.get('staleness_max', 0))}  repacks {repacks}  rollouts {kv}")
 
     def render(self) -> Table:
         t = Table(title=self.title, expand=False)
@@ -53,4 +80,5 @@ class LiveView:
             up = f"{now - c.started_at:.0f}" if c.pid else "-"
             t.add_row(key, str(c.pid or "-"), c.state, str(c.restarts), up,
                       f"#{hb.seq} {hb.state}" if hb else "-", status[:80])
+        t.caption = self.training_line()
         return t

@@ -38,10 +38,12 @@ class TrajectorySpec:
 @event("data.take_batch")
 class TakeBatch:
     """`batch_seq` makes the call idempotent: asking again with the same (rollout_id, batch_seq)
-    after a lost reply returns the same batch instead of handing out new groups."""
+    after a lost reply returns the same batch instead of handing out new groups. `version` is the
+    asking rollout's weight version: the barrier modes (sync, one_step, stream) gate on it."""
     rollout_id: str
     max_trajectories: int
     batch_seq: int = -1
+    version: int = -1
 
 
 @event("data.batch")

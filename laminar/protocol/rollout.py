@@ -30,9 +30,11 @@ class RolloutStats:
 
 @event("rollout.migrate_out")
 class MigrateOut:
-    """Abort these trajectories and return their final partial state (durable in the pool first)."""
+    """Abort these trajectories and return their final partial state (durable in the pool first).
+    `everything`: all of the rollout's trajectories still generating (a repack empties a source)."""
     trajectory_ids: list[str]
     reason: str = "repack"
+    everything: bool = False
 
 
 @event("rollout.migrate_in")

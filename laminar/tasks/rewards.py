@@ -39,3 +39,12 @@ def starts_upper(spec, response_tokens) -> float:
         return 0.0
     b = int(response_tokens[0]) - OFFSET
     return 1.0 if ord("A") <= b <= ord("Z") else 0.0
+
+
+def upper_fraction(spec, response_tokens) -> float:
+    """Share of uppercase ASCII letters among the reply's letters (0 for a reply without any):
+    the demo's verifiable task ("shout about a topic"). Length-neutral: a longer reply neither
+    earns nor costs more, so RL changes what the model says, not how long it talks."""
+    text = decode_bytes(response_tokens)
+    letters = [c for c in text if c.isascii() and c.isalpha()]
+    return sum(c.isupper() for c in letters) / len(letters) if letters else 0.0

@@ -101,13 +101,21 @@ class RoleProc:
 
     def events(self, name: str) -> list[dict]:
         """Log events (JSON lines) of this process whose `event` is `name`."""
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if f'"{name}"' in line:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("event") == name:
-                    out.append(ev)
+        return log_events(self.log_path, name)
+
+
+def log_events(path: str | os.PathLike, name: str) -> list[dict]:
+    """The JSON-line log events named `name` in a role's log file (other lines are skipped)."""
+    out = []
+    p = Path(path)
+    if not p.exists():
         return out
+    for line in p.read_text(errors="replace").splitlines():
+        if f'"{name}"' in line:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and ev.get("event") == name:
+                out.append(ev)
+    return out

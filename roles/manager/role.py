@@ -1,8 +1,14 @@
-"""ManagerRole: the process that hosts the manager's logic. Today: the relay chain (ChainHost).
+"""ManagerRole: the process that hosts the manager's logic: the relay chain and the rollout fleet.
 
-Serves RelayJoin / LinkDown / MasterQuery on its request/reply port, follows relay heartbeats
-(`hb.relay.`) to declare silent relays dead, and republishes ChainState every `state_interval_s`
-so a subscriber that missed a change (pub/sub may drop) catches up.
+Chain (ChainHost): serves RelayJoin / LinkDown / MasterQuery on its request/reply port, follows
+relay heartbeats (`hb.relay.`) to declare silent relays dead, and republishes ChainState every
+`state_interval_s` so a subscriber that missed a change (pub/sub may drop) catches up.
+
+Fleet (fleet.py): follows `rollout.stats.` and `hb.rollout.`, runs dynamic repack (periodic and
+on every `weights.version`; only in `laminar` mode unless `repack` says otherwise) and recovers
+the in-flight work of dead rollouts from the partial pool. Its view is rebuilt from the rollouts'
+reports after a manager restart (each report carries the full state), and the work of rollouts
+that died while no manager ran is found by their silence once the new manager has seen them.
 """
 from __future__ import annotations
 
@@ -11,9 +17,10 @@ import asyncio
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.bus.heartbeat import HeartbeatMonitor
-from laminar.protocol import LinkDown, MasterQuery, RelayJoin
+from laminar.protocol import Heartbeat, LinkDown, MasterQuery, RelayJoin, RolloutStats, WeightsVersion
 from laminar.roles.base import Role
 from laminar.roles.manager.chain_host import ChainHost
+from laminar.roles.manager.fleet import Fleet, FleetSettings
 
 
 class ManagerConfig(BaseModel):
@@ -23,6 +30,14 @@ class ManagerConfig(BaseModel):
     state_interval_s: float = Field(2.0, gt=0, description="period of the ChainState republication")
     dead_after_s: float | None = Field(None, gt=0, description="heartbeat silence that declares a relay dead (default: cluster.dead_after_s)")
     address: str = Field("tcp://127.0.0.1:0", description="bind address when the config gives no port")
+    repack: bool | None = Field(None, description="dynamic repack (default: on in laminar mode, off otherwise)")
+    repack_interval_s: float = Field(5.0, gt=0, description="period of the repack plan (also run after each new version)")
+    c_max: float = Field(0.99, gt=0, le=1, description="KV-cache fraction a destination may reach (DESIGN §5 C_max)")
+    batch_bound: int = Field(32, ge=1, description="B: largest decode batch whose step time stays near batch 1 "
+                             "(the roofline knee; `python bench/rollout.py --curve` measures it on the real engine)")
+    rollout_dead_after_s: float | None = Field(None, gt=0, description="rollout silence that declares it dead (default: cluster.dead_after_s)")
+    orphan_wait_s: float = Field(30.0, gt=0, description="warn when a dead rollout's trajectories find no rollout of their version this long")
+    partial_pool: str = Field("0", description="id of the partial pool role (in-flight state of dead rollouts)")
 
 
 class ManagerRole(Role):
@@ -37,6 +52,8 @@ class ManagerRole(Role):
         self.monitor = HeartbeatMonitor(dead_after)
         self.dead: asyncio.Queue[str] = asyncio.Queue(maxsize=1024)
         self.hb_sub = self.ctx.transport.subscriber(["hb.relay."])
+        self.fleet = self._make_fleet(dead_after)
+        self.fleet_sub = self.ctx.transport.subscriber(["rollout.stats.", "hb.rollout.", "weights.version"])
         self.server = self.ctx.transport.server(address, "manager", self.ctx.id)
         self.server.route(RelayJoin, self.chain.on_join)
         self.server.route(LinkDown, self.chain.on_link_down)
@@ -48,7 +65,38 @@ class ManagerRole(Role):
         self.spawn(self.monitor.follow(self.hb_sub, self._peer_changed), "heartbeats")
         self.spawn(self._republish(), "chain-state")
         self.spawn(self._reap(), "reap-dead")
+        self.spawn(self._follow_fleet(), "fleet-reports")
+        self.spawn(self.fleet.run(), "fleet")
         await self.wait_stopped()
+
+    def _make_fleet(self, dead_after: float) -> Fleet:
+        c, cfg = self.cfg, self.ctx.config
+        mode = cfg.run.mode if cfg else "laminar"
+        repack = c.repack if c.repack is not None else mode == "laminar"
+        max_conc = 64
+        if cfg is not None and cfg.find("rollout"):
+            from laminar.roles.rollout.config import RolloutConfig
+            max_conc = RolloutConfig(**cfg.roles.get("rollout", {})).max_concurrency
+        settings = FleetSettings(repack=repack, interval_s=c.repack_interval_s, c_max=c.c_max, batch_bound=c.batch_bound,
+                                 max_concurrency=max_conc, dead_after_s=c.rollout_dead_after_s or dead_after,
+                                 rpc_timeout_s=c.rpc_timeout_s, orphan_wait_s=c.orphan_wait_s,
+                                 log_path=(cfg.workdir() / "manager" / "repacks.jsonl") if cfg else None,
+                                 timeline_path=(cfg.workdir() / "manager" / "fleet.jsonl") if cfg else None)
+        self.log.info("fleet_settings", mode=mode, repack=repack, c_max=c.c_max, batch_bound=c.batch_bound,
+                      interval_s=c.repack_interval_s)
+        pool = cfg.endpoint("partial_pool", c.partial_pool) if cfg and cfg.find("partial_pool") else None
+        return Fleet(self.ctx.transport, self.log, settings,
+                     lambda rid: cfg.endpoint("rollout", rid) if cfg else "", pool)
+
+    async def _follow_fleet(self) -> None:
+        while True:
+            _, ev = await self.fleet_sub.recv()
+            if isinstance(ev, RolloutStats):
+                self.fleet.on_stats(ev)
+            elif isinstance(ev, Heartbeat):
+                self.fleet.on_heartbeat(ev)
+            elif isinstance(ev, WeightsVersion):
+                self.fleet.new_version(ev.version)
 
     def _peer_changed(self, key: str, alive: bool) -> None:
         relay_id = key.split(".", 1)[1]
@@ -72,10 +120,15 @@ class ManagerRole(Role):
     async def stop(self) -> None:
         await super().stop()
         self.hb_sub.close()
+        self.fleet_sub.close()
+        self.fleet.close()
         self.chain.close()
         await self.server.close()
 
     def status(self) -> dict:
         c = self.chain.coord
+        f = self.fleet.c
         return {"chain": c.order(), "epoch": c.epoch, "master": self.chain.master_info().relay_id,
-                "repairs": self.chain.repairs, "last_repair_s": round(self.chain.last_repair_s, 4)}
+                "repairs": self.chain.repairs, "last_repair_s": round(self.chain.last_repair_s, 4),
+                "repacks": f.repacks, "moved": f.moved_trajectories, "last_repack_s": round(f.last_repack_s, 4),
+                "dead_rollouts": f.dead, "recovered": f.recovered, "orphans": len(self.fleet.orphans)}

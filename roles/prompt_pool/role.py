@@ -31,6 +31,8 @@ class PromptPoolConfig(BaseModel):
     max_epochs: int | None = Field(None, ge=1, description="stop handing out after this many epochs (None: forever)")
     seed: int = Field(0, description="shuffle seed")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
+    groups_per_version: int | None = Field(None, ge=1, description="barrier modes: groups of one global batch "
+                                           "(default: the trainer's groups_per_batch)")
 
 
 SCHEMA = """
@@ -52,7 +54,27 @@ class PromptPoolRole(PoolRole):
         tok = load_tokenizer(c.tokenizer_dir)
         self.tokens = [np.asarray(tok.encode(r.prompt), dtype=np.int32) for r in self.records]
         self.index = {r.prompt_id: i for i, r in enumerate(self.records)}
+        self.gate = self._barrier()
         await super().setup()
+
+    def _barrier(self) -> tuple[int, int] | None:
+        """(lag, groups per version) in a barrier mode: a rollout holding version v gets groups
+        only while fewer than (v + 1 + lag) global batches were handed out (DESIGN §7)."""
+        cfg = self.ctx.config
+        lag = cfg.run.barrier_lag if cfg is not None else None
+        if lag is None:
+            return None
+        g = self.cfg.groups_per_version
+        if g is None:
+            from laminar.config import ConfigError
+            from laminar.roles.trainer.config import TrainerConfig
+            try:
+                settings = cfg.role_settings("trainer", "0")
+            except ConfigError:  # no trainer placed in this config: the roles.trainer section
+                settings = cfg.roles.get("trainer", {})
+            g = TrainerConfig(**settings).groups_per_batch
+        self.log.info("barrier_gate", mode=cfg.run.mode, lag=lag, groups_per_version=g)
+        return lag, g
 
     def recover(self) -> None:
         row = self.store.read("SELECT epoch, pos, handed FROM cursor WHERE k = 0")
@@ -102,6 +124,11 @@ class PromptPoolRole(PoolRole):
             return Batch([s for g in last[1] for s in self._specs_of(g)], exhausted=self.exhausted())
         n = self.cfg.group_size
         want = max(1, req.max_trajectories // n)
+        if self.gate is not None and req.version >= 0:
+            lag, g = self.gate
+            want = min(want, (req.version + 1 + lag) * g - self.handed)
+            if want <= 0:  # this version's share is out: wait for the next version
+                return Batch([], exhausted=self.exhausted())
         out: list[TrajectorySpec] = []
         took_requeued = []
         epoch, pos = self.epoch, self.pos

@@ -25,4 +25,7 @@ class RolloutConfig(BaseModel):
     experience_buffer: str = Field("0", description="id of the experience buffer role")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of each pool call")
     idle_wait_s: float = Field(0.5, gt=0, description="wait before asking an empty prompt pool again")
+    sim: dict = Field(default_factory=dict, description="engine: sim settings, passed to SimEngine.from_workload "
+                      "(model, tp, lengths, gpu, curve_path, ...) plus `speedup` (compressed time, default 1)")
+    refill: bool | None = Field(None, description="take new groups as trajectories finish, not at batch end (default: on in stream mode only)")
     stop_when_exhausted: bool = Field(True, description="finish (exit 0) when the prompt pool has no more epochs")

@@ -23,6 +23,8 @@ def batch_stats(groups, trainer_version: int) -> dict:
     out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
            "response_len_mean": float(lens.mean()), "response_len_max": float(lens.max()),
            "samples": float(len(rewards)), "groups": float(len(groups)),
+           # the paper's throughput numerator: prompt + response tokens of this global batch
+           "batch_tokens": float(sum(len(t.spec.prompt_tokens) + len(t.response_tokens) for g in groups for t in g)),
            "staleness_mean": float(sum(k * v for k, v in stale.items()) / max(1, len(rewards))),
            "staleness_max": float(max(stale))}
     for k, v in sorted(stale.items()):

@@ -1,0 +1,133 @@
+"""The end-of-run summary: `<workdir>/summary.json`, a table on stdout, and `<workdir>/summary.png`.
+
+Reads only files the roles already write, so it can also be run on a finished (or running) run:
+
+    <workdir>/trainer/metrics.jsonl   one record per version (reward, staleness, batch tokens, ts)
+    <workdir>/manager/repacks.jsonl   one record per executed repack plan
+    <workdir>/manager/fleet.jsonl     every rollout report (state, KV usage) the manager saw
+
+    python -m laminar.summary RUN_DIR      (laminar-node up writes it when the trainer finishes)
+
+Throughput is the paper's metric (DESIGN §8): prompt + response tokens of one global batch ÷ the
+time between two consecutive actor updates, averaged after `warmup` iterations. Rollout idle
+fraction is the share of rollout reports, between the first and the last actor update, in which
+a rollout was idle (neither generating nor loading).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from laminar.roles.trainer.metrics import read_jsonl
+
+
+def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
+    run = Path(run_dir)
+    recs = read_jsonl(run / "trainer" / "metrics.jsonl")
+    repacks = read_jsonl(run / "manager" / "repacks.jsonl")
+    fleet = read_jsonl(run / "manager" / "fleet.jsonl")
+    out: dict = {"run_dir": str(run), "iterations": len(recs)}
+    if recs:
+        rewards = [r["reward_mean"] for r in recs]
+        k = max(1, min(window, len(recs) // 2 or 1))
+        out["reward_first"] = sum(rewards[:k]) / k
+        out["reward_last"] = sum(rewards[-k:]) / k
+        out["reward_window"] = k
+        stale: Counter = Counter()
+        for r in recs:
+            for key, v in r.items():
+                if key.startswith("staleness/"):
+                    stale[int(key.split("/")[1])] += int(v)
+        out["max_staleness"] = max(stale) if stale else 0
+        out["staleness_histogram"] = {str(k): v for k, v in sorted(stale.items())}
+        out["response_len_mean"] = sum(r.get("response_len_mean", 0) for r in recs) / len(recs)
+        out["publish_stall_s_max"] = max(r.get("publish_stall_s", 0.0) for r in recs)
+        tput = [b.get("batch_tokens", 0.0) / (b["ts"] - a["ts"]) for a, b in zip(recs, recs[1:]) if b["ts"] > a["ts"]]
+        tput = tput[warmup:] or tput  # the first intervals include engine and trainer warm-up
+        out["throughput_tokens_per_s"] = sum(tput) / len(tput) if tput else None
+        out["duration_s"] = recs[-1]["ts"] - recs[0]["ts"]
+    out["repacks"] = sum(len(r["moves"]) for r in repacks)
+    out["repack_plans"] = len(repacks)
+    out["repack_s_mean"] = (sum(r["seconds"] for r in repacks) / len(repacks)) if repacks else None
+    out["moved_trajectories"] = sum(m["moved"] for r in repacks for m in r["moves"])
+    # steady state: rollout reports between the first and the last actor update
+    out.update(fleet_stats(fleet, recs[0]["ts"], recs[-1]["ts"]) if len(recs) > 1 else fleet_stats(fleet))
+    return out
+
+
+def fleet_stats(fleet: list[dict], since: float | None = None, until: float | None = None) -> dict:
+    rows = [f for f in fleet if (since is None or f["ts"] >= since) and (until is None or f["ts"] <= until)]
+    if not rows:
+        return {"rollout_idle_fraction": None, "kv_usage_mean": None}
+    idle = sum(1 for f in rows if f["st"] == "idle") / len(rows)
+    busy = [f["kv"] for f in rows if f["st"] != "idle"]
+    return {"rollout_idle_fraction": idle, "kv_usage_mean": sum(f["kv"] for f in rows) / len(rows),
+            "kv_usage_mean_busy": (sum(busy) / len(busy)) if busy else 0.0,
+            "rollouts": sorted({f["id"] for f in rows})}
+
+
+def table(s: dict) -> str:
+    def f(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    keys = ["iterations", "reward_first", "reward_last", "throughput_tokens_per_s", "max_staleness",
+            "staleness_histogram", "repacks", "moved_trajectories", "repack_s_mean", "rollout_idle_fraction",
+            "kv_usage_mean", "publish_stall_s_max", "duration_s"]
+    width = max(map(len, keys))
+    return "\n".join(f"  {k:<{width}}  {f(s.get(k))}" for k in keys)
+
+
+def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
+    """Reward and throughput over time (PNG). None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    run = Path(run_dir)
+    recs = read_jsonl(run / "trainer" / "metrics.jsonl")
+    if not recs:
+        return None
+    t0 = recs[0]["ts"]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax1.plot([r["ts"] - t0 for r in recs], [r["reward_mean"] for r in recs], marker=".")
+    ax1.set_ylabel("reward (batch mean)")
+    ax1.grid(alpha=0.3)
+    tput = [(b["ts"] - t0, b.get("batch_tokens", 0.0) / (b["ts"] - a["ts"])) for a, b in zip(recs, recs[1:]) if b["ts"] > a["ts"]]
+    if tput:
+        ax2.plot(*zip(*tput), marker=".", color="tab:green")
+    ax2.set_ylabel("throughput (tokens/s)")
+    ax2.set_xlabel("seconds since the first update")
+    ax2.grid(alpha=0.3)
+    fig.suptitle(f"{run.name}: reward and throughput per version")
+    fig.tight_layout()
+    path = Path(out) if out else run / "summary.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write(run_dir: str | Path) -> dict:
+    run = Path(run_dir)
+    s = summarize(run)
+    png = plot(run)
+    s["plot"] = str(png) if png else None
+    (run / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m laminar.summary RUN_DIR", file=sys.stderr)
+        return 2
+    s = write(argv[0])
+    print(table(s))
+    print(f"summary: {Path(argv[0]) / 'summary.json'}" + (f"   plot: {s['plot']}" if s["plot"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""Fleet: the manager's view of the rollouts, dynamic repack, and recovery of a dead rollout's work.
+
+Inputs (all pub/sub, each report carries the full current state, so a lost one costs nothing):
+  rollout.stats.<id>  KV usage, running/waiting, active, version, control address (DESIGN §5)
+  hb.rollout.<id>     liveness; silence for dead_after_s, or a new pid, declares the old one dead
+  weights.version     a relay made a new version visible: repack now (draining replicas of the
+                      old version get freed for the new one)
+Outputs (request/reply, must arrive):
+  MigrateOut(everything) to a source, MigrateIn(partials) to its destination (one version);
+  InFlightOf(dead rollout) from the partial pool, then MigrateIn of those partials to live
+  rollouts of the same version (re-prefill from prompt + generated tokens).
+
+Nothing is lost on a failed step: a partial whose MigrateIn is refused (the destination moved to
+another version, is full, or died) joins `orphans`, durable in the partial pool all along, and is
+placed again on every tick. With `orphan_wait_s` set, orphans that found no rollout of their
+version for that long are logged as `orphans_stuck` (relays that retain old versions, issue 9,
+are what lets them resume then). One lock serializes plans, recoveries and placements.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from laminar.bus.errors import RpcError
+from laminar.protocol import Heartbeat, InFlightOf, MigrateIn, MigrateOut, PartialState, RolloutStats
+from laminar.roles.manager.repack import ReplicaLoad, plan_repack
+
+
+@dataclass
+class RolloutView:
+    id: str
+    stats: RolloutStats
+    kv_prev: float
+    seen_at: float
+    pid: int = 0
+    alive: bool = True
+    reported_at: float = 0.0   # when its last RolloutStats arrived
+    received_at: float = 0.0   # last MigrateIn here: until its next report, its load is unknown
+
+    def load(self) -> ReplicaLoad:
+        s = self.stats
+        return ReplicaLoad(self.id, s.version, s.kv_usage, self.kv_prev, s.running, s.waiting)
+
+
+@dataclass
+class FleetSettings:
+    repack: bool = True
+    interval_s: float = 5.0
+    c_max: float = 0.99
+    batch_bound: int = 32
+    max_concurrency: int = 64
+    dead_after_s: float = 5.0
+    rpc_timeout_s: float = 10.0
+    orphan_wait_s: float = 30.0
+    reconcile_s: float = 30.0     # period of the partial-pool scan for work of unknown owners
+    log_path: Path | None = None  # JSONL of every repack (for summaries)
+    timeline_path: Path | None = None  # JSONL of every rollout report (idle fraction, KV usage)
+
+
+@dataclass
+class FleetCounters:
+    repacks: int = 0              # executed moves
+    plans: int = 0                # non-empty plans
+    moved_trajectories: int = 0
+    recovered: int = 0            # trajectories of dead rollouts placed on live ones
+    dead: int = 0
+    last_repack_s: float = 0.0
+    failed_moves: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+class Fleet:
+    def __init__(self, transport, log, settings: FleetSettings, address_of, partial_pool_address: str | None):
+        self.t, self.log, self.s = transport, log, settings
+        self.address_of = address_of           # rollout id -> control address (from config)
+        self.partials = transport.client(partial_pool_address) if partial_pool_address else None
+        self.views: dict[str, RolloutView] = {}
+        self.clients: dict[str, object] = {}
+        self.orphans: dict[str, tuple[PartialState, float]] = {}
+        self.lost: asyncio.Queue[str] = asyncio.Queue(maxsize=1024)
+        self.kick = asyncio.Event()
+        self.lock = asyncio.Lock()
+        self.c = FleetCounters()
+        self._timeline = None
+        if settings.timeline_path is not None:
+            settings.timeline_path.parent.mkdir(parents=True, exist_ok=True)
+            self._timeline = open(settings.timeline_path, "a", buffering=1)  # line-buffered: readable live
+
+    # -- inputs -------------------------------------------------------------------------------
+    def on_stats(self, s: RolloutStats) -> None:
+        v = self.views.get(s.rollout_id)
+        now = time.monotonic()
+        if self._timeline is not None:
+            self._timeline.write(json.dumps({"ts": s.ts, "id": s.rollout_id, "v": s.version, "kv": round(s.kv_usage, 4),
+                                             "run": s.running, "wait": s.waiting, "act": s.active, "st": s.state,
+                                             "tps": round(s.tokens_per_s, 1)}) + "\n")
+        if v is None:
+            self.views[s.rollout_id] = RolloutView(s.rollout_id, s, s.kv_usage, now, reported_at=now)
+            return
+        v.kv_prev, v.stats, v.seen_at, v.reported_at = v.stats.kv_usage, s, now, now
+        if not v.alive:
+            v.alive = True
+            self.log.info("rollout_back", rollout=s.rollout_id, version=s.version)
+
+    def on_heartbeat(self, hb: Heartbeat) -> None:
+        v = self.views.get(hb.id)
+        if v is None:
+            return  # no stats yet: nothing of it to recover either
+        if v.pid and hb.pid != v.pid and v.alive:  # restarted within dead_after_s
+            self._declare_dead(v, f"restarted (pid {v.pid} -> {hb.pid})")
+        v.pid, v.seen_at = hb.pid, max(v.seen_at, time.monotonic())
+        if not v.alive:
+            v.alive = True
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        for v in self.views.values():
+            if v.alive and now - v.seen_at > self.s.dead_after_s:
+                self._declare_dead(v, f"silent for {now - v.seen_at:.1f}s")
+
+    def _declare_dead(self, v: RolloutView, why: str) -> None:
+        v.alive = False
+        self.c.dead += 1
+        self.log.warning("rollout_dead", rollout=v.id, why=why, version=v.stats.version)
+        try:
+            self.lost.put_nowait(v.id)
+        except asyncio.QueueFull:
+            self.log.error("lost_queue_full", rollout=v.id)
+        self.kick.set()
+
+    # -- loops (owned by the manager role) -------------------------------------------------------
+    async def run(self) -> None:
+        """Periodic tick: sweep liveness, recover dead rollouts' work, place orphans, repack."""
+        tick = min(self.s.interval_s, max(self.s.dead_after_s / 2, 0.2))
+        next_repack = time.monotonic() + self.s.interval_s
+        # first reconcile once every live rollout had time to report (a restarted manager)
+        next_reconcile = time.monotonic() + 2 * self.s.dead_after_s
+        while True:
+            try:
+                await asyncio.wait_for(self.kick.wait(), tick)
+            except TimeoutError:
+                pass
+            kicked = self.kick.is_set()
+            self.kick.clear()
+            self.sweep()
+            async with self.lock:
+                lost = [self.lost.get_nowait() for _ in range(self.lost.qsize())]
+                for rid in lost:  # one that fails goes back in the queue for the next tick
+                    await self._recover(rid)
+                if time.monotonic() >= next_reconcile:
+                    next_reconcile = time.monotonic() + self.s.reconcile_s
+                    await self.reconcile()
+                await self._place_orphans()
+                if self.s.repack and (kicked or time.monotonic() >= next_repack):
+                    next_repack = time.monotonic() + self.s.interval_s
+                    await self.repack()
+
+    def new_version(self, version: int) -> None:
+        """weights.version: the paper repacks right after each new version."""
+        self.kick.set()
+
+    # -- repack -----------------------------------------------------------------------------------
+    def _trusted_loads(self) -> list[ReplicaLoad]:
+        """Live rollouts whose latest report postdates any migration into them."""
+        return [v.load() for v in self.views.values()
+                if v.alive and v.stats.state != "loading" and v.reported_at > v.received_at]
+
+    async def repack(self) -> list[dict]:
+        loads = self._trusted_loads()
+        moves = plan_repack(loads, self.s.c_max, self.s.batch_bound)
+        if not moves:
+            return []
+        self.c.plans += 1
+        t0 = time.monotonic()
+        done = []
+        for m in moves:
+            moved = await self._move(m.source, m.dest, m.version)
+            done.append({"source": m.source, "dest": m.dest, "version": m.version, "planned": m.running,
+                         "moved": moved, "kv": round(m.kv, 4)})
+        took = time.monotonic() - t0
+        self.c.last_repack_s = took
+        rec = {"ts": time.time(), "moves": done, "seconds": round(took, 4)}
+        self.c.history = (self.c.history + [rec])[-50:]
+        if self.s.log_path is not None:
+            self.s.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.s.log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        self.log.info("repacked", moves=len(done), trajectories=sum(d["moved"] for d in done), seconds=round(took, 4))
+        return done
+
+    async def _move(self, source: str, dest: str, version: int) -> int:
+        try:
+            out = await self._client(source).call(MigrateOut([], reason="repack", everything=True),
+                                                  timeout=self.s.rpc_timeout_s)
+        except RpcError as exc:
+            self.c.failed_moves += 1
+            self.log.warning("migrate_out_failed", source=source, error=str(exc))
+            return 0
+        parts = list(out.partials)
+        if not parts:
+            return 0
+        self.views[source].stats = _emptied(self.views[source].stats)
+        placed = await self._migrate_in(dest, parts)
+        for p in parts:
+            if p.spec.trajectory_id not in placed:
+                self.orphans[p.spec.trajectory_id] = (p, time.monotonic())
+        if len(placed) < len(parts):
+            self.c.failed_moves += 1
+            await self._place_orphans()
+        self.c.repacks += 1
+        self.c.moved_trajectories += len(placed)
+        return len(placed)
+
+    async def _migrate_in(self, dest: str, parts: list[PartialState]) -> set[str]:
+        try:
+            res = await self._client(dest).call(MigrateIn(parts), timeout=self.s.rpc_timeout_s)
+        except RpcError as exc:
+            self.log.warning("migrate_in_failed", dest=dest, trajectories=len(parts), error=str(exc))
+            return set()
+        v = self.views.get(dest)
+        if v is not None:
+            v.received_at = time.monotonic()
+        return set(res.accepted)
+
+    # -- recovery ---------------------------------------------------------------------------------
+    async def _recover(self, rollout_id: str) -> None:
+        if self.partials is None:  # a cluster without a partial pool keeps no in-flight state
+            self.log.warning("recover_impossible", rollout=rollout_id, why="no partial pool in the config")
+            return
+        try:
+            res = await self.partials.call(InFlightOf(rollout_id), timeout=self.s.rpc_timeout_s)
+        except RpcError as exc:  # the partial pool is down: try again on the next tick
+            self.log.warning("recover_deferred", rollout=rollout_id, error=str(exc))
+            self.lost.put_nowait(rollout_id)
+            return
+        now = time.monotonic()
+        for p in res.partials:
+            self.orphans.setdefault(p.spec.trajectory_id, (p, now))
+        self.log.info("recovering", rollout=rollout_id, trajectories=len(res.partials),
+                      ids=[p.spec.trajectory_id for p in res.partials][:64])
+
+    async def reconcile(self) -> None:
+        """Partials owned by no live rollout become orphans: the work of rollouts that died while
+        no manager was running (or before this one saw them), which no silence would reveal."""
+        if self.partials is None:
+            return
+        try:
+            res = await self.partials.call(InFlightOf("*"), timeout=self.s.rpc_timeout_s)
+        except RpcError as exc:
+            self.log.warning("reconcile_deferred", error=str(exc))
+            return
+        live = {v.id for v in self.views.values() if v.alive}
+        now, found = time.monotonic(), 0
+        for p in res.partials:
+            if p.rollout_id not in live and p.spec.trajectory_id not in self.orphans:
+                self.orphans[p.spec.trajectory_id] = (p, now)
+                found += 1
+        if found:
+            self.log.warning("orphans_found", trajectories=found, owners=sorted({p.rollout_id for p in res.partials} - live))
+
+    async def _place_orphans(self) -> None:
+        if not self.orphans:
+            return
+        by_version: dict[int, list[PartialState]] = {}
+        for p, _ in self.orphans.values():
+            by_version.setdefault(p.version, []).append(p)
+        for version, parts in by_version.items():
+            for dest in self._hosts_of(version):
+                room = 2 * self.s.max_concurrency - dest.stats.active  # MigrateIn's own bound
+                if room <= 0 or not parts:
+                    continue
+                batch, parts = parts[:room], parts[room:]
+                placed = await self._migrate_in(dest.id, batch)
+                for tid in placed:
+                    self.orphans.pop(tid, None)
+                self.c.recovered += len(placed)
+                if placed:
+                    self.log.info("orphans_placed", dest=dest.id, version=version, trajectories=len(placed))
+                parts += [p for p in batch if p.spec.trajectory_id not in placed]
+        now = time.monotonic()
+        stuck = [t for t, (_, since) in self.orphans.items() if now - since > self.s.orphan_wait_s]
+        if stuck:
+            self.log.warning("orphans_stuck", trajectories=len(stuck), waiting_s=self.s.orphan_wait_s)
+
+    def _hosts_of(self, version: int) -> list[RolloutView]:
+        """Live rollouts holding `version`, most room first."""
+        vs = [v for v in self.views.values() if v.alive and v.stats.version == version and v.stats.state != "loading"]
+        return sorted(vs, key=lambda v: v.stats.active)
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _client(self, rollout_id: str):
+        addr = self.views[rollout_id].stats.control_address or self.address_of(rollout_id)
+        c = self.clients.get(rollout_id)
+        if c is None or getattr(c, "address", addr) != addr:
+            if c is not None:
+                c.close()
+            c = self.clients[rollout_id] = self.t.client(addr)
+        return c
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        if self.partials is not None:
+            self.partials.close()
+        if self._timeline is not None:
+            self._timeline.close()
+
+    def view(self) -> dict:
+        return {v.id: {"version": v.stats.version, "kv": round(v.stats.kv_usage, 3), "running": v.stats.running,
+                       "waiting": v.stats.waiting, "active": v.stats.active, "state": v.stats.state,
+                       "alive": v.alive, "tokens_per_s": round(v.stats.tokens_per_s, 1)}
+                for v in sorted(self.views.values(), key=lambda v: v.id)}
+
+
+def _emptied(s: RolloutStats) -> RolloutStats:
+    """The source's view right after MigrateOut: it holds nothing until its next report."""
+    import dataclasses
+    return dataclasses.replace(s, kv_usage=0.0, running=0, waiting=0, active=0)
+
