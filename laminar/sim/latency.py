@@ -55,7 +55,10 @@ class StepCurve:
 
     @classmethod
     def from_measured(cls, data, source: str = "measured") -> "StepCurve":
-        """From a list of [batch, ms], a {"batch": [...], "ms": [...]} table or a {batch: ms} map."""
+        """From a list of [batch, ms], a {"batch": [...], "ms": [...]} table, a {batch: ms} map, or
+        bench/step_curve.py's output ({"points": [[batch, ms], ...], ...})."""
+        if isinstance(data, dict) and "points" in data:
+            return cls.from_points(data["points"], source)
         if isinstance(data, dict) and "batch" in data:
             return cls.from_points(zip(data["batch"], data["ms"]), source)
         if isinstance(data, dict):

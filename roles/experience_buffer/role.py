@@ -39,9 +39,19 @@ class ExperienceBufferRole(PoolRole):
     Config = ExperienceBufferConfig
     SCHEMA = SCHEMA
 
+    def _max_staleness(self) -> int | None:
+        """A barrier mode bounds staleness (sync 0, one_step and stream 1): groups that finish too
+        late for it are dropped (and counted), as those systems' global sync would never train them."""
+        cfg, bound = self.ctx.config, self.cfg.max_staleness
+        lag = cfg.run.barrier_lag if cfg is not None else None
+        if lag is not None and (bound is None or bound > lag):
+            self.log.info("staleness_bound_from_mode", mode=cfg.run.mode, max_staleness=lag, configured=bound)
+            return lag
+        return bound
+
     def recover(self) -> None:
         c = self.cfg
-        book = BufferBook(c.capacity, c.eviction, c.sampler, c.max_staleness)
+        book = BufferBook(c.capacity, c.eviction, c.sampler, self._max_staleness())
         for gid, why in self.store.read("SELECT gid, why FROM gone"):
             book.gone[gid] = why
         for (blob,) in self.store.read("SELECT blob FROM trajs ORDER BY n"):

@@ -34,7 +34,9 @@ class ManagerConfig(BaseModel):
     repack_interval_s: float = Field(5.0, gt=0, description="period of the repack plan (also run after each new version)")
     c_max: float = Field(0.99, gt=0, le=1, description="KV-cache fraction a destination may reach (DESIGN §5 C_max)")
     batch_bound: int = Field(32, ge=1, description="B: largest decode batch whose step time stays near batch 1 "
-                             "(the roofline knee; `python bench/rollout.py --curve` measures it on the real engine)")
+                             "(the roofline knee), used when no curve_path is given")
+    curve_path: str | None = Field(None, description="step-latency curve (JSON of `python bench/step_curve.py --out`, "
+                                   "or [[batch, ms], ...]): B is derived from it (step <= 1.2 x batch 1)")
     rollout_dead_after_s: float | None = Field(None, gt=0, description="rollout silence that declares it dead (default: cluster.dead_after_s)")
     orphan_wait_s: float = Field(30.0, gt=0, description="warn when a dead rollout's trajectories find no rollout of their version this long")
     partial_pool: str = Field("0", description="id of the partial pool role (in-flight state of dead rollouts)")
@@ -77,12 +79,16 @@ class ManagerRole(Role):
         if cfg is not None and cfg.find("rollout"):
             from laminar.roles.rollout.config import RolloutConfig
             max_conc = RolloutConfig(**cfg.roles.get("rollout", {})).max_concurrency
-        settings = FleetSettings(repack=repack, interval_s=c.repack_interval_s, c_max=c.c_max, batch_bound=c.batch_bound,
+        bound = c.batch_bound
+        if c.curve_path:
+            from laminar.sim.latency import StepCurve, roofline_batch_bound
+            bound = roofline_batch_bound(StepCurve.load(c.curve_path))
+        settings = FleetSettings(repack=repack, interval_s=c.repack_interval_s, c_max=c.c_max, batch_bound=bound,
                                  max_concurrency=max_conc, dead_after_s=c.rollout_dead_after_s or dead_after,
                                  rpc_timeout_s=c.rpc_timeout_s, orphan_wait_s=c.orphan_wait_s,
                                  log_path=(cfg.workdir() / "manager" / "repacks.jsonl") if cfg else None,
                                  timeline_path=(cfg.workdir() / "manager" / "fleet.jsonl") if cfg else None)
-        self.log.info("fleet_settings", mode=mode, repack=repack, c_max=c.c_max, batch_bound=c.batch_bound,
+        self.log.info("fleet_settings", mode=mode, repack=repack, c_max=c.c_max, batch_bound=bound, curve=c.curve_path,
                       interval_s=c.repack_interval_s)
         pool = cfg.endpoint("partial_pool", c.partial_pool) if cfg and cfg.find("partial_pool") else None
         return Fleet(self.ctx.transport, self.log, settings,

@@ -55,3 +55,28 @@ def test_prompt_pool_semantics(tmp_path):
         assert len(groups) == 10 - 3 + 1 and len(set(groups[1:]) & handed) == 0
         await c.close()
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode,lag", [("sync", 0), ("one_step", 1), ("laminar", None)])
+def test_barrier_modes_gate_batches_by_version(tmp_path, mode, lag):
+    """sync: a rollout holding version v gets only global batch v's groups; one_step one more
+    batch ahead; laminar no gate. Two groups per version (the pool's groups_per_version)."""
+    async def main():
+        c = cfg(tmp_path, n=20)
+        c = parse_config({**c.model_dump(exclude={"source"}), "run": {"workdir": str(tmp_path), "mode": mode},
+                          "roles": {"prompt_pool": {**c.roles["prompt_pool"], "groups_per_version": 2}}})
+        cl = InprocCluster(c)
+        await cl.start("prompt_pool")
+        pp = cl.client("prompt_pool")
+        got = []
+        for _ in range(4):  # a rollout at version 0 asks for one group at a time
+            b = await pp.call(TakeBatch("r", 3, version=0))
+            got.append(len(b.trajectories) // 3)
+        expect = {0: [1, 1, 0, 0], 1: [1, 1, 1, 1], None: [1, 1, 1, 1]}[lag]
+        assert got == expect
+        if lag == 0:
+            b = await pp.call(TakeBatch("r", 30, version=1))  # the next version: batch 1, exactly
+            assert len(b.trajectories) == 2 * 3
+            assert not (await pp.call(TakeBatch("r", 3, version=1))).trajectories
+        await cl.close()
+    asyncio.run(main())
