@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.bus.errors import RpcError
 from laminar.bus.rpc import RequestError
-from laminar.protocol import (Ack, LinkDown, RelayJoin, RelayProgress, SetDownstream, WeightsVersion)
+from laminar.protocol import (Ack, ChainState, LinkDown, RelayJoin, RelayProgress, SetDownstream,
+                              WeightsVersion)
 from laminar.roles.base import Role
 from laminar.weights.node import RelayNode
 from laminar.weights.transport import LinkError, get_transport
@@ -37,6 +38,7 @@ class RelayConfig(BaseModel):
     transport_options: dict = Field(default_factory=dict, description="keyword arguments of the transport")
     manager_id: str = Field("0", description="id of the manager role that owns the chain")
     join_timeout_s: float = Field(60.0, gt=0, description="how long setup waits for the manager")
+    rejoin_grace_s: float = Field(1.0, gt=0, description="ignore chain states missing this relay for this long after a join")
     progress_interval_s: float = Field(0.25, gt=0, description="minimum period of relay.progress events")
     connect_timeout_s: float = Field(3.0, gt=0, description="deadline to connect+authenticate to a downstream")
     ack_timeout_s: float = Field(30.0, gt=0, description="silence from a downstream that counts as a dead link")
@@ -68,15 +70,37 @@ class RelayRole(Role):
         self.control_address = self.server.address.replace(f"//{host.bind}:", f"//{host.address}:")
         self.epoch = 0
         self.manager = self.ctx.transport.client(cfg.endpoint("manager", self.cfg.manager_id))
-        st = self.node.status()
-        a = await self.manager.call(RelayJoin(rid, self.ctx.host, self.data_address, self.control_address,
-                                              st["version"]), timeout=self.cfg.join_timeout_s)
-        self.epoch = max(self.epoch, a.epoch)
-        self.log.info("relay_joined", data=self.data_address, control=self.control_address, shm_dir=shm_dir,
-                      master=a.is_master, upstream=a.upstream_id, version=st["version"])
+        self.shm_dir = shm_dir
+        self.chain_sub = self.ctx.transport.subscriber(["weights.chain"])
+        await self._join("start")
         self._last_progress = 0.0
         self._pending_down: tuple[str, str] | None = None
         self._report_task: asyncio.Future | None = None
+
+    async def _join(self, why: str) -> None:
+        st = self.node.status()
+        a = await self.manager.call(RelayJoin(self.ctx.id, self.ctx.host, self.data_address, self.control_address,
+                                              st["version"]), timeout=self.cfg.join_timeout_s)
+        self.epoch = a.epoch  # a restarted manager counts epochs from scratch: its word is current
+        self.joined_at = time.monotonic()
+        self.log.info("relay_joined", data=self.data_address, control=self.control_address, shm_dir=self.shm_dir,
+                      master=a.is_master, upstream=a.upstream_id, version=st["version"], why=why)
+
+    async def _follow_chain(self) -> None:
+        """Re-join when the manager's chain no longer lists this relay: the manager restarted (its
+        new view starts empty) or declared this relay dead during a partition. ChainState is
+        republished periodically, so a missed one costs one period; a state older than our own
+        join (still in flight when we joined) is ignored by the grace period."""
+        while True:
+            _, ev = await self.chain_sub.recv()
+            if not isinstance(ev, ChainState) or self.ctx.id in ev.order:
+                continue
+            if time.monotonic() - self.joined_at < self.cfg.rejoin_grace_s:
+                continue
+            try:
+                await self._join(f"absent from chain epoch {ev.epoch}")
+            except RpcError as exc:  # the manager is (still) down: the next ChainState retries
+                self.log.warning("rejoin_failed", error=str(exc))
 
     async def on_set_downstream(self, req: SetDownstream) -> Ack:
         if req.epoch < self.epoch:
@@ -102,6 +126,7 @@ class RelayRole(Role):
 
     async def run(self) -> None:
         self.spawn(self._handle_events(), "events")
+        self.spawn(self._follow_chain(), "chain")
         await self.wait_stopped()
 
     async def _handle_events(self) -> None:
@@ -154,6 +179,8 @@ class RelayRole(Role):
         if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if hasattr(self, "chain_sub"):
+            self.chain_sub.close()
         if hasattr(self, "server"):
             await self.server.close()
         if hasattr(self, "node"):

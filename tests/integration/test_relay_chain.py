@@ -174,3 +174,30 @@ def test_kill_master_next_version_reaches_every_live_relay(tmp_path: Path):
         print(f"\nnew master after {repaired[0]['repair_s']:.4f} s ({repaired[0]['cause']})")
         assert len({relay_digest(c.shm[r]) for r in ("r1", "r2", "r3")}) == 1
         assert_equal_state(c.shm["r1"], s1, 1)
+
+
+def test_restarted_manager_rebuilds_the_chain_from_rejoining_relays(tmp_path: Path):
+    """Kill the manager (SIGKILL) and start a new one: its chain starts empty, every relay sees
+    itself missing from the republished ChainState and re-joins; the next version reaches all."""
+    s0, s1 = make_state(0, 8), make_state(1, 8)
+    with RelayCluster(tmp_path, RELAYS) as c:
+        async def go():
+            async with c.trainer() as t:
+                t.publisher.publish(s0, version=0)
+                await t.wait_versions(0, RELAYS)
+                c.manager.kill()
+                t.chain = None  # from here on, only the new manager's states count
+                c._start("manager", "0")
+                await t.until(lambda: all(len(c.relay(r).events("relay_joined")) == 2 for r in RELAYS), 30,
+                              "every relay re-joined the new manager")
+                await t.until(lambda: t.chain is not None and sorted(t.chain.order) == sorted(RELAYS), 30,
+                              "the new manager's chain lists every relay")
+                t.publisher.publish(s1, version=1)
+                await t.wait_versions(1, RELAYS)
+                return t.chain
+        chain = run(go())
+        assert sorted(chain.order) == sorted(RELAYS)
+        for r in RELAYS:
+            assert any(e.get("why", "").startswith("absent from chain") for e in c.relay(r).events("relay_joined")), r
+        assert len({relay_digest(c.shm[r]) for r in RELAYS}) == 1
+        assert_equal_state(c.shm["r3"], s1, 1)
