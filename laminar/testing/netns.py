@@ -97,6 +97,10 @@ class NetnsCluster:
                 _in(ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", f"{rate_mbit}mbit",
                     "burst", "256kb", "latency", "100ms")
 
+    def set_link(self, i: int, up: bool) -> None:
+        """Cut (or restore) host i's only link: a partition, its processes keep running."""
+        _in(self.hosts[i], "ip", "link", "set", "eth0", "up" if up else "down")
+
     def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.hosts[i], *argv], **kw)
 

@@ -7,6 +7,10 @@ from pydantic import BaseModel, ConfigDict, Field
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model_dir: str = Field(description="local Hugging Face causal-LM folder (Qwen2/Llama); nothing is downloaded")
+    engine: str = Field("torch", pattern="^(torch|sim)$", description="torch (real training) or sim (the scale "
+                        "simulator's trainer: modeled time per iteration, no model; roles/trainer/sim_engine.py)")
+    sim: dict = Field(default_factory=dict, description="engine: sim settings (SimTrainerSettings in "
+                      "roles/trainer/sim_engine.py): model, gpus, gpu, mfu, recompute, speedup, relay, deliver")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (the pre-clip norm is logged)")
@@ -43,7 +47,7 @@ class TrainerConfig(BaseModel):
     sample_wait_s: float = Field(0.05, gt=0, description="wait before asking a short buffer again")
     max_iterations: int | None = Field(None, ge=1, description="finish (exit 0) after this version (None: run until stopped)")
     publish: bool = Field(True, description="publish every version to the master relay")
-    relay_id: str | None = Field(None, description="master relay id; its data address is <host address>:<relay data_port>")
+    relay_id: str | None = Field(None, description="master relay id, used when the cluster has no manager (with one, the trainer follows the manager's master); its data address is <host address>:<relay data_port>")
     relay_address: str | None = Field(None, description="explicit host:port of the master relay's data listener")
     manager_id: str = Field("0", description="manager to follow for the current master (used when a manager is placed and no address is given)")
     publish_transport: str = Field("tcp", description="chunk transport: tcp, ucx, or module:Class")

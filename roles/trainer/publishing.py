@@ -1,6 +1,6 @@
 """PublishLink: rank 0's connection to the relay tier (laminar.weights.WeightPublisher).
 
-    link = PublishLink(role, cfg); await link.start()   # target: relay_address, relay_id, or the manager
+    link = PublishLink(role, cfg); await link.start()   # target: the manager's master, or relay_address/relay_id
     link.publish(state_dict, version)                   # worker thread: returns after the staging copy
     await link.close()
 
@@ -43,10 +43,13 @@ class PublishLink:
         keys = getattr(ctx.transport, "keys", None)
         self.publisher = WeightPublisher(c.chunk_mb << 20, get_transport(c.publish_transport, **c.publish_transport_options),
                                          derive_key(keys.secret if keys else None))
-        address = self._relay_address()
+        # With a manager in the cluster, the master is whoever heads its chain (it changes when a
+        # master dies): follow it. relay_id/relay_address pin a target only in a cluster without one.
+        has_manager = bool(ctx.config.find("manager"))
+        address = c.relay_address or (None if has_manager else self._relay_address())
         if address:
             self.publisher.set_target(address, c.relay_id or "")
-        elif ctx.config.find("manager"):
+        elif has_manager:
             from laminar.weights.follow import MasterFollower
             self.follower = MasterFollower(self.publisher, ctx.transport, ctx.config.endpoint("manager", c.manager_id))
             await self.follower.start()

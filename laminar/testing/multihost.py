@@ -1,0 +1,196 @@
+"""A multi-host Laminar cluster on one machine: network namespaces as hosts (root needed).
+
+    with MultiHost(tmp, model_dir, rollout_hosts=3) as mh:      # h0 + h1..h3 on a bridge
+        mh.start_all()                                          # `laminar-node start --host hX` in each
+        mh.kill_role("rollout", "2")                            # SIGKILL one role process
+        mh.kill_host(2); mh.start_host(2)                       # a whole host dies, comes back
+        mh.wait_version(5, timeout=120)                         # trainer's metrics.jsonl
+
+h0 holds broker, manager, the three pools and the trainer (the tiny model, torch on CPU); each of
+h1..hN holds a relay and `rollouts_per_host` rollouts on the `sim` engine (vLLM CPU engines need a
+core each; pass `engine="vllm"` for a scenario with real ones). Each host runs its roles under its
+own `laminar-node start --host hX` supervisor (which restarts a killed role), in its namespace:
+processes share this machine's filesystem and /dev/shm but talk only over the bridge.
+
+The namespaces, processes and shared memory of the harness are its own: it removes exactly those
+on exit (NetnsCluster deletes its namespaces by name).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from laminar.bus.auth import generate_keys
+from laminar.testing.local_cluster import write_prompts
+from laminar.testing.netns import NetnsCluster
+
+SIM_ROLLOUT = {"engine": "sim", "max_model_len": 4096, "seed": 1,
+               "sim": {"model": "7B", "tp": 1, "lengths": "7B_math", "speedup": 100, "token_id": 100,
+                       "max_output_tokens": 256}}
+
+
+class MultiHost:
+    def __init__(self, tmp: Path, model_dir: Path, rollout_hosts: int = 3, rollouts_per_host: int = 2,
+                 iterations: int = 20, roles: dict | None = None, engine: str = "sim", rate_mbit: float | None = None):
+        self.tmp, self.model_dir = Path(tmp), Path(model_dir)
+        self.n = rollout_hosts + 1
+        self.rollouts_per_host, self.iterations, self.engine = rollouts_per_host, iterations, engine
+        self.extra_roles = roles or {}
+        self.net = NetnsCluster(self.n, rate_mbit=rate_mbit)
+        self.sup: dict[int, subprocess.Popen] = {}
+        self.run_dir = self.tmp / "run"
+        self.name = f"mh{self.net.prefix[-6:]}"
+
+    # -- config ----------------------------------------------------------------------------------
+    def rollout_ids(self, host: int) -> list[str]:
+        return [f"{host}{chr(ord('a') + k)}" for k in range(self.rollouts_per_host)]
+
+    def write_config(self) -> Path:
+        generate_keys(self.tmp / "keys")
+        data = write_prompts(self.tmp / "prompts.jsonl", 256)
+        hosts = {"h0": {"address": self.net.address(0), "bind": self.net.address(0), "roles": [
+            {"role": "broker"}, {"role": "manager", "port": 7000}, {"role": "prompt_pool", "port": 7001},
+            {"role": "partial_pool", "port": 7002}, {"role": "experience_buffer", "port": 7003},
+            {"role": "trainer", "port": 7004}]}}
+        for h in range(1, self.n):
+            roles = [{"role": "relay", "id": f"r{h}", "port": 7100}]
+            roles += [{"role": "rollout", "id": rid, "port": 7200 + k, "options": {"relay_id": f"r{h}"}}
+                      for k, rid in enumerate(self.rollout_ids(h))]
+            hosts[f"h{h}"] = {"address": self.net.address(h), "bind": self.net.address(h), "roles": roles}
+        rollout = dict(SIM_ROLLOUT) if self.engine == "sim" else {"engine": "vllm", "max_model_len": 256}
+        settings = {
+            "manager": {"repack_interval_s": 2.0, "batch_bound": 8, "rollout_dead_after_s": 3.0, "orphan_wait_s": 5.0},
+            "prompt_pool": {"dataset": str(data), "group_size": 4, "max_tokens": 256 if self.engine == "sim" else 48},
+            "experience_buffer": {"capacity": 5000, "max_staleness": 8},
+            "relay": {"data_port": 7101},
+            "rollout": {**rollout, "model_dir": str(self.model_dir), "max_concurrency": 8,
+                        "reward": "laminar.tasks.rewards:upper_fraction", "delta_interval_s": 0.1, "idle_wait_s": 0.2},
+            "trainer": {"model_dir": str(self.model_dir), "lr": 0.001, "groups_per_batch": 4, "minibatch_steps": 1,
+                        "relay_id": "r1", "checkpoint_every": 2, "max_iterations": self.iterations},
+        }
+        for kind, extra in self.extra_roles.items():
+            settings.setdefault(kind, {}).update(extra)
+        cfg = {"run": {"name": self.name, "workdir": str(self.run_dir)},
+               "cluster": {"keys_dir": str(self.tmp / "keys"), "heartbeat_s": 0.5, "dead_after_s": 3.0, "shutdown_s": 10,
+                           "broker": {"host": "h0", "pub_port": 6550, "sub_port": 6551}, "hosts": hosts},
+               "roles": settings}
+        self.config = self.tmp / "cluster.yaml"
+        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return self.config
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> "MultiHost":
+        self.net.__enter__()
+        try:
+            self.write_config()
+        except BaseException:
+            self.net.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start_host(self, i: int) -> None:
+        out = open(self.tmp / f"h{i}.out", "a")
+        self.sup[i] = self.net.popen(i, [sys.executable, "-m", "laminar.cli", "start", "--host", f"h{i}",
+                                         str(self.config), "--plain"], stdout=out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+    def start_all(self) -> None:
+        for i in range(self.n):
+            self.start_host(i)
+
+    def kill_host(self, i: int) -> None:
+        """The host dies: its supervisor and every role on it, at once (SIGKILL to the group)."""
+        p = self.sup.pop(i, None)
+        if p is not None and p.poll() is None:
+            self._kill_tree(p.pid)
+            p.wait(10)
+
+    def _kill_tree(self, pid: int) -> None:
+        # `ip netns exec` execs the supervisor, whose children are in its session: kill them all
+        for child in _descendants(pid):
+            _signal(child, signal.SIGKILL)
+        _signal(pid, signal.SIGKILL)
+
+    def role_pid(self, role: str, id: str) -> int | None:
+        """The pid of a running role process (its argv names it; processes share the pid space)."""
+        out = subprocess.run(["pgrep", "-f", f"laminar.cli .*role {role} --id {id} .*{self.config}"],
+                             capture_output=True, text=True).stdout.split()
+        return int(out[0]) if out else None
+
+    def kill_role(self, role: str, id: str) -> int:
+        pid = self.role_pid(role, id)
+        if pid is None:
+            raise RuntimeError(f"{role}.{id} is not running")
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def close(self) -> None:
+        for i in list(self.sup):
+            p = self.sup.pop(i)
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM) if _alive(p.pid) else None
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    self._kill_tree(p.pid)
+        self.net.cleanup()
+        for h in range(1, self.n):
+            shutil.rmtree(f"/dev/shm/laminar-{self.name}-relay-r{h}", ignore_errors=True)
+
+    # -- observation -------------------------------------------------------------------------------
+    def metrics(self) -> list[dict]:
+        p = self.run_dir / "trainer" / "metrics.jsonl"
+        if not p.exists():
+            return []
+        return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+
+    def version(self) -> int:
+        m = self.metrics()
+        return int(m[-1]["version"]) if m else 0
+
+    def wait_version(self, v: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.version() < v:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainer at version {self.version()}, wanted {v} within {timeout}s;\n"
+                                   + self.tail())
+            time.sleep(0.5)  # polling the trainer's metrics file
+
+    def log(self, role: str, id: str) -> Path:
+        return self.run_dir / "logs" / f"{role}.{id}.log"
+
+    def tail(self, n: int = 20) -> str:
+        return "\n".join(f"--- h{i}.out\n" + "\n".join((self.tmp / f"h{i}.out").read_text(errors="replace").splitlines()[-n:])
+                         for i in range(self.n) if (self.tmp / f"h{i}.out").exists())
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    kids = [int(x) for x in out]
+    return [d for k in kids for d in _descendants(k)] + kids
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
