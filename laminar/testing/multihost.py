@@ -1,7 +1,8 @@
 """A multi-host Laminar cluster on one machine: network namespaces as hosts (root needed).
 
-    with MultiHost(tmp, model_dir, rollout_hosts=3) as mh:      # h0 + h1..h3 on a bridge
+    with MultiHost(tmp, model_dir, rollout_hosts=3, late_hosts=1) as mh:   # h0 + h1..h3 (+ h4 later)
         mh.start_all()                                          # `laminar-node start --host hX` in each
+        mh.join_host(4)                                         # scale-out: a host not in the running config
         mh.kill_role("rollout", "2")                            # SIGKILL one role process
         mh.kill_host(2); mh.start_host(2)                       # a whole host dies, comes back
         mh.wait_version(5, timeout=120)                         # trainer's metrics.jsonl
@@ -11,6 +12,15 @@ h1..hN holds a relay and `rollouts_per_host` rollouts on the `sim` engine (vLLM 
 core each; pass `engine="vllm"` for a scenario with real ones). Each host runs its roles under its
 own `laminar-node start --host hX` supervisor (which restarts a killed role), in its namespace:
 processes share this machine's filesystem and /dev/shm but talk only over the bridge.
+
+Scale-out without a restart: the running cluster was started from `cluster.yaml`, which does not
+name the late hosts; a late host starts from `cluster-joined.yaml` (the same cluster plus itself).
+Nothing running re-reads a config: the new relay joins the manager's chain (RelayJoin), the new
+rollouts pull batches from the pools and report to the manager with their control address.
+
+`ledger()` reads, after the run, what every component recorded: the trainer's versions and the
+groups each trained, every trajectory a rollout stored, what the manager recovered, and what the
+partial pool still holds (its SQLite store), to prove nothing was lost or trained twice.
 
 The namespaces, processes and shared memory of the harness are its own: it removes exactly those
 on exit (NetnsCluster deletes its namespaces by name).
@@ -32,19 +42,24 @@ from laminar.bus.auth import generate_keys
 from laminar.testing.local_cluster import write_prompts
 from laminar.testing.netns import NetnsCluster
 
+# real time (speedup 1): six simulated 7B GPU rollouts then produce about what one CPU trainer of
+# the tiny model consumes (faster ones mostly fill the buffer with groups it must evict)
 SIM_ROLLOUT = {"engine": "sim", "max_model_len": 4096, "seed": 1,
-               "sim": {"model": "7B", "tp": 1, "lengths": "7B_math", "speedup": 100, "token_id": 100,
+               "sim": {"model": "7B", "tp": 1, "lengths": "7B_math", "speedup": 1, "token_id": 100,
                        "max_output_tokens": 256}}
 
 
 class MultiHost:
     def __init__(self, tmp: Path, model_dir: Path, rollout_hosts: int = 3, rollouts_per_host: int = 2,
-                 iterations: int = 20, roles: dict | None = None, engine: str = "sim", rate_mbit: float | None = None):
+                 iterations: int = 20, roles: dict | None = None, engine: str = "sim", rate_mbit: float | None = None,
+                 late_hosts: int = 0):
         self.tmp, self.model_dir = Path(tmp), Path(model_dir)
-        self.n = rollout_hosts + 1
+        self.n = rollout_hosts + 1 + late_hosts
+        self.initial = rollout_hosts + 1
         self.rollouts_per_host, self.iterations, self.engine = rollouts_per_host, iterations, engine
         self.extra_roles = roles or {}
         self.net = NetnsCluster(self.n, rate_mbit=rate_mbit)
+        self.configs: dict[int, Path] = {}
         self.sup: dict[int, subprocess.Popen] = {}
         self.run_dir = self.tmp / "run"
         self.name = f"mh{self.net.prefix[-6:]}"
@@ -78,12 +93,17 @@ class MultiHost:
         }
         for kind, extra in self.extra_roles.items():
             settings.setdefault(kind, {}).update(extra)
-        cfg = {"run": {"name": self.name, "workdir": str(self.run_dir)},
-               "cluster": {"keys_dir": str(self.tmp / "keys"), "heartbeat_s": 0.5, "dead_after_s": 3.0, "shutdown_s": 10,
-                           "broker": {"host": "h0", "pub_port": 6550, "sub_port": 6551}, "hosts": hosts},
-               "roles": settings}
-        self.config = self.tmp / "cluster.yaml"
-        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        def write(path: Path, upto: int) -> Path:
+            cfg = {"run": {"name": self.name, "workdir": str(self.run_dir)},
+                   "cluster": {"keys_dir": str(self.tmp / "keys"), "heartbeat_s": 0.5, "dead_after_s": 3.0,
+                               "shutdown_s": 10, "broker": {"host": "h0", "pub_port": 6550, "sub_port": 6551},
+                               "hosts": {h: v for h, v in hosts.items() if int(h[1:]) < upto}},
+                   "roles": settings}
+            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            return path
+        self.config = write(self.tmp / "cluster.yaml", self.initial)
+        joined = write(self.tmp / "cluster-joined.yaml", self.n) if self.n > self.initial else self.config
+        self.configs = {i: (self.config if i < self.initial else joined) for i in range(self.n)}
         return self.config
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -102,12 +122,17 @@ class MultiHost:
     def start_host(self, i: int) -> None:
         out = open(self.tmp / f"h{i}.out", "a")
         self.sup[i] = self.net.popen(i, [sys.executable, "-m", "laminar.cli", "start", "--host", f"h{i}",
-                                         str(self.config), "--plain"], stdout=out, stderr=subprocess.STDOUT,
+                                         str(self.configs[i]), "--plain"], stdout=out, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
 
     def start_all(self) -> None:
-        for i in range(self.n):
+        for i in range(self.initial):
             self.start_host(i)
+
+    def join_host(self, i: int) -> None:
+        """A host that was not in the running cluster's config joins it (scale-out)."""
+        assert i >= self.initial, f"h{i} is part of the starting cluster"
+        self.start_host(i)
 
     def kill_host(self, i: int) -> None:
         """The host dies: its supervisor and every role on it, at once (SIGKILL to the group)."""
@@ -124,7 +149,7 @@ class MultiHost:
 
     def role_pid(self, role: str, id: str) -> int | None:
         """The pid of a running role process (its argv names it; processes share the pid space)."""
-        out = subprocess.run(["pgrep", "-f", f"laminar.cli .*role {role} --id {id} .*{self.config}"],
+        out = subprocess.run(["pgrep", "-f", f"laminar.cli .*role {role} --id {id} .*{self.tmp}/cluster"],
                              capture_output=True, text=True).stdout.split()
         return int(out[0]) if out else None
 
@@ -166,6 +191,38 @@ class MultiHost:
                 raise TimeoutError(f"trainer at version {self.version()}, wanted {v} within {timeout}s;\n"
                                    + self.tail())
             time.sleep(0.5)  # polling the trainer's metrics file
+
+    def ledger(self) -> dict:
+        """After the run (cluster stopped): the cross-check of every component's own records."""
+        import sqlite3
+        from laminar.testing.procs import log_events
+        metrics = self.metrics()
+        trained = [g for r in metrics for g in r["group_ids"]]
+        stored: dict[str, int] = {}
+        for log in (self.run_dir / "logs").glob("rollout.*.log"):
+            for e in log_events(log, "trajectory_stored"):
+                if e["status"] == "stored":
+                    stored[e["trajectory"]] = stored.get(e["trajectory"], 0) + 1
+        recovered = {t for e in log_events(self.log("manager", "0"), "recovering") for t in e["ids"]}
+        db = self.run_dir / "pools" / "partial_pool-0.sqlite"
+        pending: set[str] = set()
+        if db.exists():
+            with sqlite3.connect(db) as con:
+                pending = {t for (t,) in con.execute("SELECT DISTINCT tid FROM deltas")}
+        dropped: dict[str, str] = {}  # groups the buffer let go by its policy (evicted, stale)
+        db = self.run_dir / "pools" / "experience_buffer-0.sqlite"
+        if db.exists():
+            with sqlite3.connect(db) as con:
+                dropped = {g: why for g, why in con.execute("SELECT gid, why FROM gone WHERE why != 'handed'")}
+        by_policy = {t for t in recovered - set(stored) - pending if t.rsplit("/", 1)[0] in dropped}
+        versions = [int(r["version"]) for r in metrics]
+        return {"versions": versions, "versions_monotone": versions == sorted(set(versions)),
+                "groups_trained": len(trained), "samples_trained_twice": len(trained) - len(set(trained)),
+                "trajectories_stored": len(stored), "stored_twice": sum(1 for n in stored.values() if n > 1),
+                "recovered": len(recovered), "recovered_finished": len(recovered & set(stored)),
+                "recovered_pending": len((recovered - set(stored)) & pending),
+                "recovered_dropped_by_policy": len(by_policy), "groups_dropped_by_policy": len(dropped),
+                "trajectories_lost": len(recovered - set(stored) - pending - by_policy)}
 
     def log(self, role: str, id: str) -> Path:
         return self.run_dir / "logs" / f"{role}.{id}.log"
