@@ -1,0 +1,130 @@
+"""Chaos run (issue 9): random faults on a four-host namespace cluster, then the ledger check.
+
+    python bench/chaos.py [--minutes 10] [--every 8] [--seed 0] [--out runs/bench/chaos.json]   (root)
+
+The cluster is laminar/testing/multihost.py's: h0 (broker, manager, pools, trainer on the tiny
+model), h1..h3 (a relay and two `sim` rollouts each), every host under `laminar-node start`.
+Every `--every` seconds one fault, drawn at random: SIGKILL of a random role (any kind, on any
+host; its supervisor restarts it), a whole host killed and restarted after `--host-down-s`, or a
+host's link cut for `--link-down-s` then restored. A fault counts as recovered when the trainer
+publishes a newer version and the faulted role/host is running again within `--recover-s`.
+
+At the end the cluster stops and the ledger is checked (trainer versions, groups trained, every
+stored trajectory, what the manager recovered, what the partial pool still holds). Printed: the
+table of faults with time to the next version, the chain repairs (the paper's target: < 1 s),
+and the ledger. Recovery is compared with the paper's figures (fault_recovery_s in paper.json)
+only as a reference: these are processes on one machine, not machines being replaced.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import percentile, print_table, write_json  # noqa: E402
+
+KINDS = ["rollout", "relay", "prompt_pool", "partial_pool", "experience_buffer", "manager", "trainer", "broker",
+         "host", "link"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--every", type=float, default=8.0, help="seconds between faults")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--host-down-s", type=float, default=5.0)
+    ap.add_argument("--link-down-s", type=float, default=6.0)
+    ap.add_argument("--recover-s", type=float, default=120.0)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("bench/chaos.py needs root (network namespaces)")
+    from laminar.models.tiny import build_tiny_model
+    from laminar.testing.multihost import MultiHost
+    from laminar.testing.procs import log_events
+
+    rng = random.Random(a.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="laminar-chaos-"))
+    model = build_tiny_model(tmp / "tiny")
+    faults = []
+    with MultiHost(tmp, model, rollout_hosts=3, iterations=100000) as mh:
+        mh.start_all()
+        mh.wait_version(2, 300)
+        start_version, t_end = mh.version(), time.monotonic() + 60 * a.minutes
+        print(f"cluster up at version {start_version}; injecting faults for {a.minutes} min", flush=True)
+        while time.monotonic() < t_end:
+            kind = rng.choice(KINDS)
+            v0, t0 = mh.version(), time.monotonic()
+            what, back = inject(mh, kind, rng, a)
+            recovered = False
+            try:
+                mh.wait_version(v0 + 1, a.recover_s)
+                deadline = time.monotonic() + a.recover_s
+                while not back() and time.monotonic() < deadline:
+                    time.sleep(0.5)  # polling for the supervisor's restart
+                recovered = back()
+            except TimeoutError:
+                pass
+            took = time.monotonic() - t0
+            faults.append({"fault": what, "at_version": v0, "recovered": recovered, "next_version_s": round(took, 2)})
+            print(f"[{time.strftime('%H:%M:%S')}] {what:<26} v{v0}: {'recovered' if recovered else 'NOT RECOVERED'} "
+                  f"in {took:.1f}s", flush=True)
+            time.sleep(max(0.0, a.every - took))  # the chaos schedule's period
+        end_version = mh.version()
+        mh.close()
+        ledger = mh.ledger()
+        repairs = log_events(mh.log("manager", "0"), "chain_repaired")
+        dead = log_events(mh.log("manager", "0"), "rollout_dead")
+    print_table(f"chaos: {len(faults)} faults in {a.minutes} min", ["fault", "at version", "recovered", "s to next version"],
+                [[f["fault"], f["at_version"], f["recovered"], f["next_version_s"]] for f in faults])
+    rep = [r["repair_s"] for r in repairs]
+    print_table("chain repairs", ["count", "p50 s", "max s"], [[len(rep), percentile(rep, 50) if rep else 0.0,
+                                                                 max(rep) if rep else 0.0]])
+    print("\nledger: " + json.dumps(ledger | {"versions": f"{ledger['versions'][0]}..{ledger['versions'][-1]}"
+                                               if ledger["versions"] else "-"}))
+    write_json(a.out, {
+        "bench": "chaos", "minutes": a.minutes, "faults": faults,
+        "faults_injected": len(faults), "faults_recovered": sum(f["recovered"] for f in faults),
+        "trajectories_lost": ledger["trajectories_lost"], "samples_trained_twice": ledger["samples_trained_twice"],
+        "stored_twice": ledger["stored_twice"], "versions_monotone": ledger["versions_monotone"],
+        "chain_repair_s_max": max(rep) if rep else None, "chain_repairs": len(rep), "rollouts_declared_dead": len(dead),
+        "iterations_during_run": end_version - start_version, "ledger": {k: v for k, v in ledger.items() if k != "versions"},
+        "runs": str(tmp)})
+    return 0
+
+
+def inject(mh, kind: str, rng: random.Random, a) -> tuple[str, callable]:
+    """Inject one fault; returns its description and a predicate 'the faulted part is back'."""
+    if kind == "host":
+        h = rng.randrange(1, mh.initial)
+        mh.kill_host(h)
+        time.sleep(a.host_down_s)  # the host's down time (part of the fault)
+        mh.start_host(h)
+        return f"host h{h} down {a.host_down_s:.0f}s", lambda: all(mh.role_pid("rollout", r) for r in mh.rollout_ids(h))
+    if kind == "link":
+        h = rng.randrange(1, mh.initial)
+        mh.net.set_link(h, False)
+        time.sleep(a.link_down_s)  # the partition's length (part of the fault)
+        mh.net.set_link(h, True)
+        return f"link h{h} cut {a.link_down_s:.0f}s", lambda: True
+    if kind == "rollout":
+        rid = rng.choice([r for h in range(1, mh.initial) for r in mh.rollout_ids(h)])
+    elif kind == "relay":
+        rid = f"r{rng.randrange(1, mh.initial)}"
+    else:
+        rid = "0"
+    try:
+        mh.kill_role(kind, rid)
+    except RuntimeError:  # between its death and its restart: count what we asked for anyway
+        pass
+    return f"kill {kind}.{rid}", lambda: mh.role_pid(kind, rid) is not None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
