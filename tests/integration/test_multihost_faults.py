@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(900),
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(600),
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")]
 
 pytest.importorskip("torch")
