@@ -72,26 +72,46 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
 
     from rich.live import Live
 
+    from laminar.health import HealthCollector, MetricsServer
     from laminar.live import LiveView
     from laminar.shell import make_transport
     from laminar.supervisor import Supervisor, children_for_host
 
     view = LiveView(f"laminar {cfg.run.name} on {host}", plain=True if a.plain else None)
+    health = HealthCollector.for_node(cfg, host)
+    spec = cfg.cluster.hosts[host]
+    metrics = None
+    if spec.metrics_port is not None:  # first: a taken port fails before any role starts
+        metrics = MetricsServer(health, spec.bind, spec.metrics_port)
+        try:
+            await metrics.start()
+        except OSError as exc:
+            print(f"error: {cfg.source}: cluster.hosts.{host}.metrics_port: cannot listen on "
+                  f"{spec.bind}:{spec.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"metrics: http://{spec.address}:{metrics.port}/metrics  (and /healthz)", flush=True)
+
+    def child_changed(c) -> None:
+        view.child_changed(c)
+        health.child_changed(c)
+
     log_dir = str(cfg.workdir() / "logs")
     sup = Supervisor(children_for_host(cfg, config_path, host, a.log_level), shutdown_s=cfg.cluster.shutdown_s,
-                     on_change=view.child_changed, log_dir=None if a.foreground_logs else log_dir)
+                     on_change=child_changed, log_dir=None if a.foreground_logs else log_dir)
     if not a.foreground_logs:
         print(f"role logs: {log_dir}/<role>.<id>.log   events: laminar-node tail {config_path}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, sup.stopping.set)
     transport = make_transport(cfg)
-    sub = transport.subscriber(["hb.", "metrics.", "rollout.stats."])
+    sub = transport.subscriber(["hb.", "metrics.", "rollout.stats.", "relay.progress."])
+    health.dropped = lambda: sub.dropped
 
     async def feed() -> None:
         while True:
             _, ev = await sub.recv()
             view.observe(ev)
+            health.observe(ev)
 
     feeder = asyncio.create_task(feed(), name="view-feed")
     live = None if view.plain else Live(view.render(), console=view.console, refresh_per_second=2)
@@ -118,6 +138,8 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
             live.stop()
         feeder.cancel()
         await asyncio.gather(feeder, return_exceptions=True)
+        if metrics is not None:
+            await metrics.close()
         await transport.close()
     failed = [c.key for c in sup.children if c.state == "failed"]
     if (cfg.workdir() / "trainer" / "metrics.jsonl").exists():
@@ -135,13 +157,16 @@ def cmd_status(a) -> int:
 
 async def _status(cfg, a) -> int:
     from rich.console import Console
-    from rich.table import Table
 
-    from laminar.protocol import Heartbeat
+    from laminar.health import HealthCollector, last_trainer_metrics
+    from laminar.protocol import Heartbeat, Metrics
     from laminar.shell import make_transport
+    placed = {s.key: h for h, s in cfg.placements()}
+    health = HealthCollector(cfg.run.name, "", placed, cfg.cluster.dead_after_s, only_placed=False)
     transport = make_transport(cfg)
-    sub = transport.subscriber(["hb."])
-    beats: dict[str, Heartbeat] = {}
+    sub = transport.subscriber(["hb.", "metrics.", "rollout.stats.", "relay.progress."])
+    beats: set[str] = set()
+    trained = False
     wait = a.wait or 2.5 * cfg.cluster.heartbeat_s
     end = time.monotonic() + wait
     try:
@@ -151,28 +176,65 @@ async def _status(cfg, a) -> int:
                     _, ev = await sub.recv()
             except TimeoutError:
                 break
+            health.observe(ev)
             if isinstance(ev, Heartbeat):
-                beats[f"{ev.role}.{ev.id}"] = ev
+                beats.add(f"{ev.role}.{ev.id}")
+            trained |= isinstance(ev, Metrics) and ev.role == "trainer"
     finally:
         await transport.close()
-    placed = {s.key: h for h, s in cfg.placements()}
+    if not trained and cfg.find("trainer"):  # a version may outlast the listen: the trainer's own records
+        for m in last_trainer_metrics(cfg.workdir() / "trainer" / "metrics.jsonl"):
+            health.observe(m)
+    snap = health.snapshot()
+    rows = {k: {"alive": k in beats, "host": placed.get(k, snap[k]["host"]),
+                **({"state": snap[k]["state"], "pid": snap[k]["pid"], "uptime_s": snap[k]["uptime_s"],
+                    "status": snap[k]["status"], "dropped_frames": snap[k]["dropped_frames"]} if k in beats else {}),
+                "metrics": snap[k]["metrics"]}
+            for k in sorted(set(placed) | set(snap))}
     if a.json:
-        print(json.dumps({k: {"alive": k in beats, "host": placed.get(k),
-                              **({"state": beats[k].state, "pid": beats[k].pid, "uptime_s": beats[k].uptime_s,
-                                  "status": beats[k].status} if k in beats else {})}
-                          for k in sorted(set(placed) | set(beats))}, default=str))
+        print(json.dumps(rows, default=str))
     else:
-        t = Table(title=f"laminar {cfg.run.name}")
-        for col in ("role", "host", "alive", "state", "pid", "up s", "status"):
-            t.add_column(col)
-        for k in sorted(set(placed) | set(beats)):
-            hb = beats.get(k)
-            t.add_row(k, placed.get(k, hb.host if hb else "?"), "yes" if hb else "NO",
-                      hb.state if hb else "-", str(hb.pid) if hb else "-",
-                      f"{hb.uptime_s:.0f}" if hb else "-",
-                      " ".join(f"{x}={y}" for x, y in (hb.status if hb else {}).items())[:90])
-        Console().print(t)
+        tty = sys.stdout.isatty()  # piped (logs, watch, grep): wide enough for every column
+        Console(width=None if tty else 160).print(_status_table(cfg, rows))
+        for line in _status_lines(rows):
+            print(line)
     return 0 if all(k in beats for k in placed) else 1
+
+
+def _status_table(cfg, rows: dict[str, dict]):
+    from rich.table import Table
+    t = Table(title=f"laminar {cfg.run.name}")
+    t.add_column("role", no_wrap=True, min_width=max(map(len, rows), default=4))
+    for col in ("host", "alive", "state", "pid", "up s", "version", "kv", "tok/s", "dropped", "status"):
+        t.add_column(col)
+    for k, r in rows.items():
+        m, alive = r["metrics"], r["alive"]
+        num = lambda name, fmt: format(m[name], fmt) if name in m else "-"  # noqa: E731
+        t.add_row(k, r["host"], "yes" if alive else "NO", r.get("state", "-"), str(r.get("pid", "-")),
+                  f"{r['uptime_s']:.0f}" if alive else "-", num("version", ".0f"), num("kv_usage", ".2f"),
+                  num("tokens_per_s", ".0f"), str(r.get("dropped_frames", "-")),
+                  " ".join(f"{x}={y}" for x, y in r.get("status", {}).items())[:70])
+    return t
+
+
+def _status_lines(rows: dict[str, dict]) -> list[str]:
+    """What the table has no column for: trainer staleness/throughput, manager counters, relay progress."""
+    out = []
+    for k, r in rows.items():
+        m = r["metrics"]
+        g = lambda name, fmt=".0f": format(m[name], fmt) if name in m else "-"  # noqa: E731
+        if k.startswith("trainer.") and m:
+            out.append(f"{k}: version {g('version')}  train {g('tokens_per_s')} tok/s  throughput "
+                       f"{g('throughput')} tok/s  staleness mean {g('staleness_mean', '.2f')} max "
+                       f"{g('staleness_max')}  reward {g('reward_mean', '.3f')}  publish stall "
+                       f"{g('publish_stall_s', '.3f')} s")
+        elif k.startswith("manager.") and m:
+            out.append(f"{k}: repacks {g('repacks')}  moved {g('moved')}  dead rollouts {g('dead_rollouts')}  "
+                       f"recovered {g('recovered')}  orphans {g('orphans')}  chain repairs {g('repairs')}")
+        elif k.startswith("relay.") and m:
+            out.append(f"{k}: version {g('version')}  receiving {g('receiving')} "
+                       f"({g('chunks_have')}/{g('chunks_total')} chunks)  corrupt {g('corrupt_chunks')}")
+    return out
 
 
 def cmd_tail(a) -> int:

@@ -48,6 +48,9 @@ class HostSpec(Strict):
     address: str = Field(description="address other hosts use to reach this one")
     bind: str = Field("0.0.0.0", description="interface to bind listening sockets on")
     roles: list[RoleSpec] = Field(default_factory=list)
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="port of this node's Prometheus "
+                                     "endpoint (GET /metrics, /healthz on `bind`), served by `laminar-node "
+                                     "up/start`; null: none")
 
 
 class BrokerSpec(Strict):
@@ -80,6 +83,10 @@ class ClusterSpec(Strict):
             ports: dict[int, str] = {}
             if hid == self.broker.host:
                 ports = {self.broker.pub_port: "broker.pub_port", self.broker.sub_port: "broker.sub_port"}
+            if host.metrics_port is not None:
+                if host.metrics_port in ports:
+                    raise ValueError(f"hosts.{hid}: metrics_port {host.metrics_port} already used by {ports[host.metrics_port]}")
+                ports[host.metrics_port] = "metrics_port"
             for spec in host.roles:
                 if spec.key in seen:
                     raise ValueError(f"role {spec.key} placed twice (hosts {seen[spec.key]} and {hid})")

@@ -1,0 +1,361 @@
+"""Node health: what every role on a node is doing, as Prometheus metrics and as `status` rows.
+
+Sources (DESIGN §3, §9). The supervisor's child states say whether a role's process runs here
+(ready, backoff, finished...); the bus says what the role itself reports: heartbeats (`hb.*`: state,
+status, dropped bad frames), `rollout.stats.*` (version, KV usage, tokens/s), `relay.progress.*`
+(chunks of the version arriving), `metrics.trainer` (tokens/s, staleness). Pub/sub carries only
+superseding state, so the collector keeps the newest fact of each kind per role; nothing is summed.
+
+Scope. `laminar-node up/start` runs one collector per node and keeps only the roles placed on its
+host, so each series comes from exactly one node (scrape every node; nothing is counted twice).
+`laminar-node status` runs one over the whole cluster for a short listen on the bus.
+
+Exposition is hand-written (text format 0.0.4: HELP and TYPE lines, then samples). The collector
+holds snapshots, not instrumented counters, so prometheus_client would need a custom collector
+anyway; the format is a few lines, and writing it keeps the package's dependencies unchanged.
+
+The HTTP server is `asyncio.start_server` on the event loop of `up`: GET /metrics and /healthz,
+nothing else. Bounds: request line + headers at most `max_request` bytes, a deadline per
+connection, at most `max_connections` connections at once (more are closed unanswered), one
+request per connection.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+from laminar.protocol import Heartbeat, Metrics, RelayProgress, RolloutStats
+
+log = structlog.get_logger("laminar.health")
+
+SUPERVISOR_STATES = ("pending", "starting", "ready", "backoff", "finished", "failed", "stopped")
+
+# Facts a role's heartbeat status carries, per role kind: status key -> value name.
+_HB_FACTS = {
+    "rollout": {"version": "version", "kv": "kv_usage", "active": "active", "batches": "batches"},
+    "relay": {"version": "version", "chunks_have": "chunks_have", "chunks_total": "chunks_total",
+              "corrupt_chunks": "corrupt_chunks"},
+    "trainer": {"version": "version", "publish_stall_s": "publish_stall_s"},
+    "manager": {"repacks": "repacks", "moved": "moved", "dead_rollouts": "dead_rollouts", "recovered": "recovered",
+                "orphans": "orphans", "repairs": "repairs", "last_repair_s": "last_repair_s", "epoch": "epoch"},
+}
+_TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s")
+
+# (metric, type, help, role kinds it is reported for, value name); role-level metrics are below.
+FAMILIES = [
+    ("laminar_weight_version", "gauge", "weight version: loaded in the engine (rollout), newest complete "
+     "(relay), last published (trainer)", ("rollout", "relay", "trainer"), "version"),
+    ("laminar_rollout_kv_usage", "gauge", "KV-cache usage of the engine, 0..1", ("rollout",), "kv_usage"),
+    ("laminar_rollout_tokens_per_second", "gauge", "generated tokens per second over the last report "
+     "interval", ("rollout",), "tokens_per_s"),
+    ("laminar_rollout_generated_tokens_total", "counter", "tokens generated since the rollout started",
+     ("rollout",), "generated_tokens"),
+    ("laminar_rollout_running", "gauge", "trajectories the engine is decoding", ("rollout",), "running"),
+    ("laminar_rollout_waiting", "gauge", "trajectories queued in the engine", ("rollout",), "waiting"),
+    ("laminar_rollout_active", "gauge", "trajectories the rollout owns", ("rollout",), "active"),
+    ("laminar_relay_receiving_version", "gauge", "version whose chunks are arriving (the weight version "
+     "when idle)", ("relay",), "receiving"),
+    ("laminar_relay_chunks_have", "gauge", "chunks of the receiving version that arrived and verified",
+     ("relay",), "chunks_have"),
+    ("laminar_relay_chunks_total", "gauge", "chunks of the receiving version", ("relay",), "chunks_total"),
+    ("laminar_relay_corrupt_chunks_total", "counter", "chunks that failed their checksum (resent)",
+     ("relay",), "corrupt_chunks"),
+    ("laminar_trainer_tokens_per_second", "gauge", "training tokens per second of the last iteration",
+     ("trainer",), "tokens_per_s"),
+    ("laminar_trainer_throughput_tokens_per_second", "gauge", "prompt + response tokens of the last global "
+     "batch / time since the previous version (the paper's throughput)", ("trainer",), "throughput"),
+    ("laminar_trainer_staleness_mean", "gauge", "mean staleness of the last batch, in versions", ("trainer",),
+     "staleness_mean"),
+    ("laminar_trainer_staleness_max", "gauge", "max staleness of the last batch, in versions", ("trainer",),
+     "staleness_max"),
+    ("laminar_trainer_reward_mean", "gauge", "mean reward of the last batch", ("trainer",), "reward_mean"),
+    ("laminar_trainer_publish_stall_seconds", "gauge", "training stall of the last weight publish",
+     ("trainer",), "publish_stall_s"),
+    ("laminar_manager_repacks_total", "counter", "repack moves executed", ("manager",), "repacks"),
+    ("laminar_manager_moved_trajectories_total", "counter", "trajectories moved by repacks", ("manager",), "moved"),
+    ("laminar_manager_dead_rollouts_total", "counter", "rollouts declared dead", ("manager",), "dead_rollouts"),
+    ("laminar_manager_recovered_trajectories_total", "counter", "in-flight trajectories of dead rollouts "
+     "resumed elsewhere", ("manager",), "recovered"),
+    ("laminar_manager_orphans", "gauge", "partials whose owner is no live rollout, waiting for a place",
+     ("manager",), "orphans"),
+    ("laminar_manager_chain_repairs_total", "counter", "relay chain repairs", ("manager",), "repairs"),
+    ("laminar_manager_chain_last_repair_seconds", "gauge", "duration of the last chain repair", ("manager",),
+     "last_repair_s"),
+    ("laminar_manager_chain_epoch", "gauge", "epoch of the relay chain", ("manager",), "epoch"),
+]
+
+
+@dataclass
+class RoleHealth:
+    role: str
+    id: str
+    host: str
+    supervised: str | None = None   # the supervisor's child state; None where no supervisor reports
+    restarts: int = 0
+    pid: int | None = None          # the supervisor's child process
+    beat: Heartbeat | None = None
+    beat_at: float | None = None    # clock() when the newest heartbeat arrived
+    state: str = ""                 # what the role says it is doing (rollout: generating, idle...)
+    values: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.role}.{self.id}"
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return v
+
+
+class HealthCollector:
+    """The newest facts about each role. `placed` maps role key -> host; with `only_placed` events
+    of any other role are ignored (a node's exporter), else they are added as they appear."""
+
+    def __init__(self, run: str, host: str, placed: dict[str, str], dead_after_s: float, only_placed: bool = True,
+                 dropped: Callable[[], int] = lambda: 0, clock: Callable[[], float] = time.monotonic):
+        self.run, self.host, self.dead_after_s = run, host, dead_after_s
+        self.only_placed, self.dropped, self.clock = only_placed, dropped, clock
+        self.roles: dict[str, RoleHealth] = {}
+        for key, h in placed.items():
+            role, _, id = key.partition(".")
+            self.roles[key] = RoleHealth(role, id, h)
+        self._last_update: dict[str, float] = {}   # trainer key -> ts of its previous Metrics
+
+    @classmethod
+    def for_node(cls, cfg, host: str, **kw) -> "HealthCollector":
+        return cls(cfg.run.name, host, {s.key: host for s in cfg.cluster.hosts[host].roles},
+                   cfg.cluster.dead_after_s, only_placed=True, **kw)
+
+    def _role(self, role: str, id: str, host: str = "") -> RoleHealth | None:
+        key = f"{role}.{id}"
+        r = self.roles.get(key)
+        if r is None and not self.only_placed:
+            r = self.roles[key] = RoleHealth(role, id, host or "?")
+        return r
+
+    # -- feeding ---------------------------------------------------------------------------
+    def child_changed(self, c) -> None:
+        r = self._role(c.role, c.id)
+        if r is not None:
+            r.supervised, r.restarts, r.pid = c.state, c.restarts, c.pid
+
+    def observe(self, ev: Any) -> None:
+        if isinstance(ev, Heartbeat):
+            r = self._role(ev.role, ev.id, ev.host)
+            if r is None:
+                return
+            r.beat, r.beat_at = ev, self.clock()
+            for skey, name in _HB_FACTS.get(ev.role, {}).items():
+                if (v := _number(ev.status.get(skey))) is not None:
+                    r.values[name] = v
+            if ev.role == "relay" and (v := _number(ev.status.get("receiving"))) is not None:
+                r.values["receiving"] = max(v, r.values.get("version", -1))
+            if isinstance(ev.status.get("state"), str):
+                r.state = ev.status["state"]
+        elif isinstance(ev, RolloutStats):
+            if (r := self._role("rollout", ev.rollout_id, ev.host)) is not None:
+                r.state = ev.state
+                r.values.update(version=ev.version, kv_usage=ev.kv_usage, running=ev.running, waiting=ev.waiting,
+                                active=ev.active, tokens_per_s=ev.tokens_per_s, generated_tokens=ev.generated_tokens,
+                                batches=ev.batches)
+        elif isinstance(ev, RelayProgress):
+            if (r := self._role("relay", ev.relay_id)) is not None:
+                r.values.update(version=ev.complete_version, receiving=ev.version, chunks_have=ev.chunks_have,
+                                chunks_total=ev.chunks_total, corrupt_chunks=ev.corrupt_chunks)
+        elif isinstance(ev, Metrics) and ev.role == "trainer":
+            if (r := self._role("trainer", ev.id)) is None:
+                return
+            r.values.update({k: ev.values[k] for k in _TRAINER_FACTS if _number(ev.values.get(k)) is not None})
+            prev = self._last_update.get(r.key)
+            if prev is not None and ev.ts > prev:   # the same measure as the live view (laminar/live.py)
+                r.values["throughput"] = ev.values.get("batch_tokens", 0.0) / (ev.ts - prev)
+            self._last_update[r.key] = ev.ts
+
+    # -- reading -----------------------------------------------------------------------------
+    def up(self, r: RoleHealth, now: float | None = None) -> bool:
+        """Running (where a supervisor reports) and heard from within `dead_after_s` (from the
+        process running now: a restarted role's last beat before it died does not count)."""
+        now = self.clock() if now is None else now
+        fresh = r.beat_at is not None and now - r.beat_at <= self.dead_after_s
+        return fresh and r.supervised in (None, "ready") and r.pid in (None, r.beat.pid)
+
+    def unhealthy(self) -> list[str]:
+        """Roles of this node that should be up and are not (a finished role is fine)."""
+        return sorted(k for k, r in self.roles.items() if r.supervised != "finished" and not self.up(r))
+
+    def snapshot(self) -> dict[str, dict]:
+        """Per role: liveness, the supervisor's view, the newest heartbeat and every fact (JSON-able)."""
+        now, out = self.clock(), {}
+        for key, r in sorted(self.roles.items()):
+            hb = r.beat
+            out[key] = {"up": self.up(r, now), "host": r.host, "supervised": r.supervised, "restarts": r.restarts,
+                        "heartbeat_age_s": round(now - r.beat_at, 3) if r.beat_at is not None else None,
+                        "state": hb.state if hb else None, "role_state": r.state or None,
+                        "pid": hb.pid if hb else None, "uptime_s": hb.uptime_s if hb else None,
+                        "dropped_frames": hb.dropped_frames if hb else None,
+                        "status": hb.status if hb else {}, "metrics": dict(sorted(r.values.items()))}
+        return out
+
+    def exposition(self) -> str:
+        """Every metric in the Prometheus text format (version 0.0.4)."""
+        now = self.clock()
+        out: list[str] = []
+
+        def family(name: str, kind: str, help: str, samples: list[tuple[dict, float]]) -> None:
+            if not samples:
+                return
+            out.append(f"# HELP {name} {help}")
+            out.append(f"# TYPE {name} {kind}")
+            out.extend(f"{name}{_labels(labels)} {_value(v)}" for labels, v in samples)
+
+        roles = sorted(self.roles.values(), key=lambda r: r.key)
+        lab = lambda r: {"role": r.role, "id": r.id, "host": r.host}  # noqa: E731
+        family("laminar_node_info", "gauge", "this node's run and host", [({"run": self.run, "host": self.host}, 1)])
+        family("laminar_node_dropped_frames_total", "counter", "bad frames the node's own bus subscriber dropped",
+               [({"host": self.host}, self.dropped())])
+        family("laminar_role_up", "gauge", "1 if the role runs and its heartbeat is younger than dead_after_s",
+               [(lab(r), int(self.up(r, now))) for r in roles])
+        family("laminar_role_state", "gauge", "the supervisor's state of the role's process (1 = current)",
+               [({**lab(r), "state": s}, int(r.supervised == s)) for r in roles if r.supervised
+                for s in SUPERVISOR_STATES])
+        family("laminar_role_restarts_total", "counter", "restarts of the role's process by the supervisor",
+               [(lab(r), r.restarts) for r in roles if r.supervised])
+        family("laminar_role_heartbeat_age_seconds", "gauge", "seconds since the role's newest heartbeat",
+               [(lab(r), now - r.beat_at) for r in roles if r.beat_at is not None])
+        family("laminar_role_uptime_seconds", "gauge", "uptime the role reported in its newest heartbeat",
+               [(lab(r), r.beat.uptime_s) for r in roles if r.beat])
+        family("laminar_role_dropped_frames_total", "counter", "malformed, oversized, unknown or wrongly "
+               "versioned frames the role dropped (since its start)",
+               [(lab(r), r.beat.dropped_frames) for r in roles if r.beat])
+        for name, kind, help, kinds, value in FAMILIES:
+            with_role = name == "laminar_weight_version"
+            family(name, kind, help, [(lab(r) if with_role else {"id": r.id, "host": r.host}, r.values[value])
+                                      for r in roles if r.role in kinds and value in r.values])
+        return "\n".join(out) + "\n"
+
+
+def _labels(labels: dict[str, str]) -> str:
+    esc = lambda s: str(s).replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")  # noqa: E731
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in labels.items()) + "}"
+
+
+def _value(v: float) -> str:
+    if isinstance(v, int):
+        return str(v)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v))
+
+
+def last_trainer_metrics(path: Path, n: int = 2, tail_bytes: int = 1 << 16) -> list[Metrics]:
+    """The trainer's newest `n` records of metrics.jsonl as Metrics events (for `status`, which
+    listens for a few seconds only and may see no version finish)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().splitlines()[-n:]
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # the first line of the tail may be cut, the last one half written
+        values = {k: v for k, v in rec.items() if _number(v) is not None}
+        out.append(Metrics(role="trainer", id="0", ts=float(rec.get("ts", 0.0)), values=values))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+class MetricsServer:
+    """GET /metrics (the exposition) and /healthz (200 when every role of the node is up, else 503
+    with the roles that are not) over plain HTTP/1.1, one request per connection."""
+
+    def __init__(self, collector: HealthCollector, host: str, port: int, max_request: int = 8192,
+                 deadline_s: float = 5.0, max_connections: int = 16):
+        self.collector, self.host, self.port = collector, host, port
+        self.max_request, self.deadline_s, self.max_connections = max_request, deadline_s, max_connections
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=self.max_request)
+        self.port = self._server.sockets[0].getsockname()[1]   # the bound one, where port 0 was asked
+
+    async def close(self) -> None:
+        """Stop listening, hang up on every open connection and wait for their handlers."""
+        if self._server is None:
+            return
+        self._server.close()
+        for w in list(self._writers):
+            w.transport.abort()   # a waiting read ends with EOF (cancelling the handler task instead
+        await asyncio.gather(*self._handlers, return_exceptions=True)  # makes 3.11's streams log errors)
+        await self._server.wait_closed()
+
+    def _respond(self, path: str) -> tuple[int, str, str]:
+        if path == "/metrics":
+            return 200, "text/plain; version=0.0.4; charset=utf-8", self.collector.exposition()
+        if path == "/healthz":
+            down = self.collector.unhealthy()
+            return (503, "text/plain; charset=utf-8", "down: " + " ".join(down) + "\n") if down else \
+                (200, "text/plain; charset=utf-8", "ok\n")
+        return 404, "text/plain; charset=utf-8", "not found: GET /metrics or /healthz\n"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._handlers) >= self.max_connections:
+            writer.close()
+            return
+        task = asyncio.current_task()
+        self._handlers.add(task)
+        self._writers.add(writer)
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                code, ctype, body = await self._answer(reader)
+                head = (f"HTTP/1.1 {code} {_REASONS[code]}\r\nContent-Type: {ctype}\r\n"
+                        f"Content-Length: {len(body.encode())}\r\nConnection: close\r\n\r\n")
+                writer.write(head.encode() + body.encode())
+                await writer.drain()
+                if code == 431:  # the rest of the request is unread: closing now would reset the
+                    writer.write_eof()  # connection before the client reads the answer, so let it finish
+                    while await reader.read(self.max_request):
+                        pass
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+            pass  # a slow, vanished or half-sent client: nothing to answer
+        finally:
+            self._handlers.discard(task)
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, str, str]:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            return 431, "text/plain; charset=utf-8", "request too large\n"
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            return 400, "text/plain; charset=utf-8", "bad request line\n"
+        if parts[0] != b"GET":
+            return 405, "text/plain; charset=utf-8", "only GET\n"
+        path = parts[1].decode("latin-1").split("?", 1)[0]
+        try:
+            return self._respond(path)
+        except Exception:
+            log.exception("health_render_failed", path=path)   # loud, but a bad scrape never stops the node
+            return 500, "text/plain; charset=utf-8", "internal error (see the supervisor's log)\n"
