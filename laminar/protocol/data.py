@@ -3,6 +3,15 @@
 Everything here goes by request/reply and is acknowledged only once durable; every write is
 idempotent (trajectory ids, delta sequence numbers), so a retry after a lost reply does no harm.
 Token ids are int32 arrays, logprobs float32 arrays (raw frames on the wire).
+
+Multi-turn trajectories (roles/rollout/multiturn.py) interleave the policy's tokens with
+environment observations. `loss_mask` marks which response tokens the policy generated (1) and
+which an environment wrote (0: trained on by no one, behaviour logprob 0). `obs_spans` lists the
+environment's replies in order, the reset's first, as response-token ranges [start, end) (a reply
+without tokens has start == end): action k is the tokens between reply k-1's end and reply k's
+start, which is what a rollout needs to resume or replay an episode (the final reply, which ends
+the episode, is not appended). Both default to None, which means a single-turn trajectory: all
+tokens are the policy's.
 """
 from __future__ import annotations
 
@@ -67,6 +76,8 @@ class TokenDelta:
     logprobs: np.ndarray       # float32, behaviour logprob of each new token
     version: int               # weight version generating this trajectory
     spec: TrajectorySpec | None = None  # required on seq 0
+    loss_mask: np.ndarray | None = None  # uint8 per token of this delta (0 = observation); None = all 1
+    obs_spans: np.ndarray | None = None  # int32 [n, 2]: environment replies appended in this delta (module docstring)
 
 
 @event("data.append_deltas")
@@ -101,6 +112,8 @@ class PartialState:
     version: int
     rollout_id: str
     next_seq: int
+    loss_mask: np.ndarray | None = None  # uint8 per token so far (0 = observation); None = all 1
+    obs_spans: np.ndarray | None = None  # int32 [n, 2]: every environment reply so far (module docstring)
 
     @property
     def remaining_tokens(self) -> int:
@@ -133,9 +146,10 @@ class Trajectory:
     version: int
     rollout_id: str
     reward: float
-    finish_reason: str = "stop"     # stop | length | abort
+    finish_reason: str = "stop"     # stop | length | abort | env_failed (multi-turn)
     loss_mask: np.ndarray | None = None  # uint8 per response token (0 = tool output), None = all 1
-    timings: dict[str, float] = field(default_factory=dict)  # phase -> epoch seconds
+    timings: dict[str, float] = field(default_factory=dict)  # phase -> epoch seconds (`*_s`: durations)
+    obs_spans: np.ndarray | None = None  # int32 [n, 2]: environment replies (multi-turn); None = none
 
 
 @event("data.put_trajectory")

@@ -4,6 +4,10 @@ Durability: every applied delta is a row (trajectory, seq, tokens and logprobs a
 reply is sent after those rows commit. Held (out-of-order) deltas are not durable and are counted
 as `held` in the reply. Completing a trajectory deletes its rows and records its id, so a late
 delta for it is rejected instead of resurrecting it. Restart = replay the rows in seq order.
+
+A multi-turn delta's loss mask and observation spans are two more BLOB columns, NULL for a
+single-turn delta. They were added after the first stores were written: a store without them gets
+them at start (ALTER TABLE ADD COLUMN, which leaves the old rows NULL = all tokens the policy's).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ class PartialPoolConfig(BaseModel):
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS deltas (tid TEXT, seq INTEGER, owner TEXT, version INTEGER, spec BLOB,
-                                   tokens BLOB, logprobs BLOB, PRIMARY KEY (tid, seq));
+                                   tokens BLOB, logprobs BLOB, mask BLOB, spans BLOB, PRIMARY KEY (tid, seq));
 CREATE TABLE IF NOT EXISTS owners (tid TEXT PRIMARY KEY, owner TEXT);
 CREATE TABLE IF NOT EXISTS completed (tid TEXT PRIMARY KEY);
 """
@@ -37,15 +41,27 @@ class PartialPoolRole(PoolRole):
     Config = PartialPoolConfig
     SCHEMA = SCHEMA
 
+    def _upgrade_schema(self) -> None:
+        """Add the columns a store written before multi-turn lacks (blocking; at start)."""
+        have = {row[1] for row in self.store.read("PRAGMA table_info(deltas)")}
+        missing = [c for c in ("mask", "spans") if c not in have]
+        if missing:
+            self.store.write_sync([(f"ALTER TABLE deltas ADD COLUMN {c} BLOB", ()) for c in missing])
+            self.log.info("partial_store_upgraded", added_columns=missing)
+
     def recover(self) -> None:
+        self._upgrade_schema()
         st = PartialBook(self.cfg.max_held)
         for (tid,) in self.store.read("SELECT tid FROM completed"):
             st.completed.add(tid)
-        rows = self.store.read("SELECT tid, seq, owner, version, spec, tokens, logprobs FROM deltas ORDER BY tid, seq")
-        for tid, seq, owner, version, spec, toks, lps in rows:
+        rows = self.store.read("SELECT tid, seq, owner, version, spec, tokens, logprobs, mask, spans "
+                               "FROM deltas ORDER BY tid, seq")
+        for tid, seq, owner, version, spec, toks, lps, mask, spans in rows:
             d = TokenDelta(trajectory_id=tid, seq=seq, tokens=np.frombuffer(toks, np.int32),
                            logprobs=np.frombuffer(lps, np.float32), version=version,
-                           spec=unpack(spec) if spec else None)
+                           spec=unpack(spec) if spec else None,
+                           loss_mask=None if mask is None else np.frombuffer(mask, np.uint8),
+                           obs_spans=None if spans is None else np.frombuffer(spans, np.int32).reshape(-1, 2))
             st.apply(owner, [d])
         for tid, owner in self.store.read("SELECT tid, owner FROM owners"):
             if tid in st.entries:
@@ -63,9 +79,12 @@ class PartialPoolRole(PoolRole):
     async def on_append(self, req: AppendDeltas) -> DeltaResult:
         out: Outcome = self.state.apply(req.rollout_id, list(req.deltas))
         await self.durable([(
-            "INSERT OR IGNORE INTO deltas VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR IGNORE INTO deltas (tid, seq, owner, version, spec, tokens, logprobs, mask, spans) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
-             np.asarray(d.tokens, np.int32).tobytes(), np.asarray(d.logprobs, np.float32).tobytes()))
+             np.asarray(d.tokens, np.int32).tobytes(), np.asarray(d.logprobs, np.float32).tobytes(),
+             None if d.loss_mask is None else np.asarray(d.loss_mask, np.uint8).tobytes(),
+             None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes()))
             for owner, d in out.applied])
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 

@@ -7,6 +7,10 @@ successors are applied in order; seq > next_seq is held until the gap fills (at 
 which carries the spec; later deltas for a trajectory never seen are held the same way, and a
 delta for a completed trajectory is rejected. The result of any interleaving, duplication or
 reordering of one stream is the state of the in-order stream.
+
+Multi-turn trajectories also carry a loss mask per delta (None = all 1, as in every single-turn
+delta) and the environment replies' spans; both accumulate like the tokens, so a partial state
+handed to a new owner keeps them (a state is masked only if one of its deltas was).
 """
 from __future__ import annotations
 
@@ -26,12 +30,19 @@ class Entry:
     logprobs: list[np.ndarray] = field(default_factory=list)
     next_seq: int = 0
     held: dict[int, TokenDelta] = field(default_factory=dict)
+    masks: list[np.ndarray | None] = field(default_factory=list)  # one per applied delta
+    spans: list[np.ndarray] = field(default_factory=list)
 
     def state(self) -> PartialState:
         cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+        mask = None
+        if any(m is not None for m in self.masks):
+            ones = lambda n: np.ones(n, np.uint8)  # noqa: E731 — a delta without a mask: all policy tokens
+            mask = cat([ones(len(t)) if m is None else m for t, m in zip(self.tokens, self.masks)], np.uint8)
+        spans = np.concatenate(self.spans).astype(np.int32).reshape(-1, 2) if self.spans else None
         return PartialState(spec=self.spec, tokens=cat(self.tokens, np.int32),
                             logprobs=cat(self.logprobs, np.float32), version=self.version,
-                            rollout_id=self.owner, next_seq=self.next_seq)
+                            rollout_id=self.owner, next_seq=self.next_seq, loss_mask=mask, obs_spans=spans)
 
 
 @dataclass
@@ -54,6 +65,9 @@ class PartialBook:
             tid = d.trajectory_id
             if tid in self.completed:
                 out.rejected[tid] = "trajectory already completed"
+                continue
+            if d.loss_mask is not None and len(d.loss_mask) != len(d.tokens):
+                out.rejected[tid] = f"seq {d.seq}: loss mask of {len(d.loss_mask)} for {len(d.tokens)} tokens"
                 continue
             e = self.entries.get(tid)
             if e is None:
@@ -83,6 +97,9 @@ class PartialBook:
         e.owner, e.version = owner, d.version
         e.tokens.append(np.asarray(d.tokens, dtype=np.int32))
         e.logprobs.append(np.asarray(d.logprobs, dtype=np.float32))
+        e.masks.append(None if d.loss_mask is None else np.asarray(d.loss_mask, dtype=np.uint8))
+        if d.obs_spans is not None and len(d.obs_spans):
+            e.spans.append(np.asarray(d.obs_spans, dtype=np.int32).reshape(-1, 2))
         e.next_seq = d.seq + 1
         out.applied.append((owner, d))
 

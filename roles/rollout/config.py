@@ -1,7 +1,40 @@
 """Settings of a rollout replica (`roles.rollout` in the run config)."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from laminar.roles.env.config import EnvRoleConfig
+
+
+class RolloutEnvConfig(BaseModel):
+    """Multi-turn rollouts (`roles.rollout.env`): every trajectory is an episode of an environment,
+    reached over the bus (`role_id`) or run inside the rollout process (`local`). See multiturn.py."""
+    model_config = ConfigDict(extra="forbid")
+    role_id: str | None = Field(None, description="id of the env role that serves the episodes")
+    local: EnvRoleConfig | None = Field(None, description="or: run the environment inside this rollout, with "
+                                        "the env role's settings (tests, light environments; a migrated "
+                                        "trajectory replays its episode on its new rollout)")
+    stop: list[str] = Field(default_factory=lambda: ["</tool>"],
+                            description="text markers that end a model turn (matched as token sequences)")
+    max_turn_tokens: int | None = Field(None, ge=1, description="a model turn also ends after this many tokens")
+    tokenizer_dir: str | None = Field(None, description="model folder whose tokenizer encodes `stop` and "
+                                      "knows EOS (default: the byte tokenizer); the env's must be the same")
+    on_failure: Literal["retry", "fail"] = Field("retry", description="environment lost mid-episode: replay the "
+                                                 "episode on a fresh session (retry), or store the trajectory "
+                                                 "with finish_reason env_failed, reward 0 and no loss (fail)")
+    retries: int = Field(3, ge=0, description="replays of one episode before it fails (on_failure: retry)")
+    retry_backoff_s: float = Field(1.0, gt=0, description="first wait before a replay (doubles, at most 10 s)")
+    rpc_timeout_s: float = Field(90.0, gt=0, description="deadline of one env call (above the env's step_timeout_s)")
+
+    @model_validator(mode="after")
+    def _one_place(self):
+        if (self.role_id is None) == (self.local is None):
+            raise ValueError("roles.rollout.env: give exactly one of role_id (an env role) or local (in-process)")
+        if not self.stop and self.max_turn_tokens is None:
+            raise ValueError("roles.rollout.env: a turn must end somewhere: give stop markers or max_turn_tokens")
+        return self
 
 
 class RolloutConfig(BaseModel):
@@ -29,3 +62,5 @@ class RolloutConfig(BaseModel):
                       "(model, tp, lengths, gpu, curve_path, ...) plus `speedup` (compressed time, default 1)")
     refill: bool | None = Field(None, description="take new groups as trajectories finish, not at batch end (default: on in stream mode only)")
     stop_when_exhausted: bool = Field(True, description="finish (exit 0) when the prompt pool has no more epochs")
+    env: RolloutEnvConfig | None = Field(None, description="multi-turn: the environment of every trajectory "
+                                         "(None: single-turn, scored by `reward`)")

@@ -3,6 +3,11 @@
 Deltas are frozen once cut: a delta with sequence number s always carries the same tokens, so a
 retry after a lost reply is exactly the same write (the partial pool applies each seq once).
 New tokens go into the next seq. The outbox is emptied only by acknowledgements.
+
+A multi-turn trajectory (multiturn.py) also appends environment observations: their tokens get
+loss mask 0 and logprob 0, and each environment reply is recorded as a span [start, end) of the
+response (`obs_spans`, the reset's first). Mask and spans travel in the deltas and in the
+partial state, so a migrated or recovered trajectory resumes its episode where it was.
 """
 from __future__ import annotations
 
@@ -13,6 +18,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from laminar.protocol import PartialState, TokenDelta, TrajectorySpec
+
+
+def _mask_array(mask: list[int]) -> np.ndarray | None:
+    """uint8 array of a mask, None when every token is the policy's (the single-turn case)."""
+    return None if all(mask) else np.asarray(mask, dtype=np.uint8)
+
+
+def _spans_array(spans: list[tuple[int, int]]) -> np.ndarray | None:
+    return np.asarray(spans, dtype=np.int32).reshape(-1, 2) if spans else None
 
 
 @dataclass
@@ -27,6 +41,9 @@ class Active:
     task: asyncio.Task | None = None
     attempt: int = 0
     timings: dict[str, float] = field(default_factory=lambda: {"started": time.time()})
+    mask: list[int] = field(default_factory=list)           # 1 per policy token, 0 per observation token
+    obs_spans: list[tuple[int, int]] = field(default_factory=list)  # environment replies, in order
+    spans_cut: int = 0         # spans already cut into deltas
 
     @property
     def id(self) -> str:
@@ -36,17 +53,61 @@ class Active:
     def remaining(self) -> int:
         return self.spec.max_tokens - len(self.tokens)
 
+    # -- multi-turn bookkeeping ---------------------------------------------------------------
+    @property
+    def env_step(self) -> int:
+        """Environment steps answered so far (-1: no episode started)."""
+        return len(self.obs_spans) - 1
+
+    @property
+    def turn_start(self) -> int:
+        """Where the policy's current action starts (right after the last observation)."""
+        return self.obs_spans[-1][1] if self.obs_spans else 0
+
+    def add_generated(self, toks: list[int], lps: list[float]) -> None:
+        self.tokens += toks
+        self.logprobs += lps
+        self.mask += [1] * len(toks)
+
+    def add_observation(self, toks: list[int]) -> None:
+        """Append an environment reply (possibly empty): masked out, logprob 0, one span."""
+        start = len(self.tokens)
+        self.tokens += toks
+        self.logprobs += [0.0] * len(toks)
+        self.mask += [0] * len(toks)
+        self.obs_spans.append((start, len(self.tokens)))
+
+    def action(self, k: int) -> list[int]:
+        """The policy's k-th action (k >= 1): the tokens between replies k-1 and k."""
+        return self.tokens[self.obs_spans[k - 1][1]:self.obs_spans[k][0]]
+
+    def observation(self, k: int) -> list[int]:
+        s, e = self.obs_spans[k]
+        return self.tokens[s:e]
+
+    def policy_tokens(self) -> list[int]:
+        return [t for t, m in zip(self.tokens, self.mask) if m]
+
+    def loss_mask(self) -> np.ndarray | None:
+        return _mask_array(self.mask)
+
+    def spans(self) -> np.ndarray | None:
+        return _spans_array(self.obs_spans)
+
+    # -- deltas --------------------------------------------------------------------------------
     def cut_delta(self) -> None:
-        """Freeze tokens generated since the last cut into the next delta (seq 0 carries spec)."""
-        if self.cut == len(self.tokens) and self.next_seq > 0:
+        """Freeze tokens and replies since the last cut into the next delta (seq 0 carries spec)."""
+        if self.cut == len(self.tokens) and self.spans_cut == len(self.obs_spans) and self.next_seq > 0:
             return
         self.outbox.append(TokenDelta(
             trajectory_id=self.id, seq=self.next_seq,
             tokens=np.asarray(self.tokens[self.cut:], dtype=np.int32),
             logprobs=np.asarray(self.logprobs[self.cut:], dtype=np.float32),
-            version=self.version, spec=self.spec if self.next_seq == 0 else None))
+            version=self.version, spec=self.spec if self.next_seq == 0 else None,
+            loss_mask=_mask_array(self.mask[self.cut:]), obs_spans=_spans_array(self.obs_spans[self.spans_cut:])))
         self.next_seq += 1
         self.cut = len(self.tokens)
+        self.spans_cut = len(self.obs_spans)
 
     def acked(self, upto_seq: int) -> None:
         self.outbox = [d for d in self.outbox if d.seq > upto_seq]
@@ -54,12 +115,16 @@ class Active:
     def partial(self, rollout_id: str) -> PartialState:
         return PartialState(spec=self.spec, tokens=np.asarray(self.tokens, dtype=np.int32),
                             logprobs=np.asarray(self.logprobs, dtype=np.float32),
-                            version=self.version, rollout_id=rollout_id, next_seq=self.next_seq)
+                            version=self.version, rollout_id=rollout_id, next_seq=self.next_seq,
+                            loss_mask=self.loss_mask(), obs_spans=self.spans())
 
     @classmethod
     def resume(cls, p: PartialState) -> "Active":
         a = cls(spec=p.spec, version=p.version, tokens=[int(t) for t in p.tokens],
                 logprobs=[float(x) for x in p.logprobs], next_seq=p.next_seq)
-        a.cut = len(a.tokens)
+        a.mask = [1] * len(a.tokens) if p.loss_mask is None else [int(m) for m in p.loss_mask]
+        spans = np.zeros((0, 2), np.int32) if p.obs_spans is None else np.asarray(p.obs_spans).reshape(-1, 2)
+        a.obs_spans = [(int(s), int(e)) for s, e in spans]
+        a.cut, a.spans_cut = len(a.tokens), len(a.obs_spans)
         a.timings["migrated_in"] = time.time()
         return a
