@@ -5,6 +5,8 @@ one costs nothing); MigrateOut/MigrateIn are request/reply from the manager and 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from laminar.protocol.data import PartialState
 from laminar.protocol.registry import event
 
@@ -50,3 +52,4 @@ class MigrateIn:
 class MigrateInResult:
     accepted: list[str]
     version: int
+    gone: list[str] = dataclasses.field(default_factory=list)  # no longer in flight (completed elsewhere): drop them

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 import shutil
 import signal
 import subprocess
@@ -203,26 +204,30 @@ class MultiHost:
             for e in log_events(log, "trajectory_stored"):
                 if e["status"] == "stored":
                     stored[e["trajectory"]] = stored.get(e["trajectory"], 0) + 1
-        recovered = {t for e in log_events(self.log("manager", "0"), "recovering") for t in e["ids"]}
+        base = lambda t: t.split("~r")[0]  # noqa: E731  (a restarted orphan keeps its original id before ~r)
+        recovered = {base(t) for e in log_events(self.log("manager", "0"), "recovering") for t in e["ids"]}
+        restarted = {base(t) for e in log_events(self.log("manager", "0"), "orphans_restarted") for t in e["ids"]}
+        stored_ids = {base(t) for t in stored}
         db = self.run_dir / "pools" / "partial_pool-0.sqlite"
         pending: set[str] = set()
         if db.exists():
             with sqlite3.connect(db) as con:
-                pending = {t for (t,) in con.execute("SELECT DISTINCT tid FROM deltas")}
+                pending = {base(t) for (t,) in con.execute("SELECT DISTINCT tid FROM deltas")}
         dropped: dict[str, str] = {}  # groups the buffer let go by its policy (evicted, stale)
         db = self.run_dir / "pools" / "experience_buffer-0.sqlite"
         if db.exists():
             with sqlite3.connect(db) as con:
                 dropped = {g: why for g, why in con.execute("SELECT gid, why FROM gone WHERE why != 'handed'")}
-        by_policy = {t for t in recovered - set(stored) - pending if t.rsplit("/", 1)[0] in dropped}
+        by_policy = {t for t in recovered - stored_ids - pending if t.rsplit("/", 1)[0] in dropped}
         versions = [int(r["version"]) for r in metrics]
         return {"versions": versions, "versions_monotone": versions == sorted(set(versions)),
                 "groups_trained": len(trained), "samples_trained_twice": len(trained) - len(set(trained)),
-                "trajectories_stored": len(stored), "stored_twice": sum(1 for n in stored.values() if n > 1),
-                "recovered": len(recovered), "recovered_finished": len(recovered & set(stored)),
-                "recovered_pending": len((recovered - set(stored)) & pending),
+                "trajectories_stored": len(stored),
+                "stored_twice": sum(1 for n in Counter(base(t) for t, k in stored.items() for _ in range(k)).values() if n > 1),
+                "recovered": len(recovered), "recovered_finished": len(recovered & stored_ids),
+                "recovered_restarted": len(restarted), "recovered_pending": len((recovered - stored_ids) & pending),
                 "recovered_dropped_by_policy": len(by_policy), "groups_dropped_by_policy": len(dropped),
-                "trajectories_lost": len(recovered - set(stored) - pending - by_policy)}
+                "trajectories_lost": len(recovered - stored_ids - pending - by_policy)}
 
     def log(self, role: str, id: str) -> Path:
         return self.run_dir / "logs" / f"{role}.{id}.log"

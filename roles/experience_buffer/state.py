@@ -63,7 +63,9 @@ class BufferBook:
             self.counts["duplicates"] += 1
             return f"duplicate: group {gid} was already {self.gone[gid]}", ch
         g = self.groups.get(gid)
-        if g is not None and tid in g.members:
+        if g is not None and (tid in g.members or any(m.spec.sample_index == t.spec.sample_index
+                                                      for m in g.members.values())):
+            # the same member under another id: a restarted orphan whose original turned up too
             self.counts["duplicates"] += 1
             return "duplicate", ch
         if self.stored >= self.capacity:

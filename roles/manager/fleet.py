@@ -12,20 +12,28 @@ Outputs (request/reply, must arrive):
 
 Nothing is lost on a failed step: a partial whose MigrateIn is refused (the destination moved to
 another version, is full, or died) joins `orphans`, durable in the partial pool all along, and is
-placed again on every tick. With `orphan_wait_s` set, orphans that found no rollout of their
-version for that long are logged as `orphans_stuck` (relays that retain old versions, issue 9,
-are what lets them resume then). One lock serializes plans, recoveries and placements.
+placed again on every tick. An orphan that finds no live rollout of its version for
+`orphan_wait_s` (every rollout moved on to newer weights) is handled by `orphan_policy`:
+`restart` (default) starts it again from its prompt on the live rollout with most room, at that
+rollout's version, under the id `<id>~r<n>` (same group and sample index: the buffer takes
+whichever of the two arrives first), and completes the old partial; `wait` keeps it until a
+rollout of its version appears, warning as `orphans_stuck`. One lock serializes plans,
+recoveries and placements.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from laminar.bus.errors import RpcError
-from laminar.protocol import Heartbeat, InFlightOf, MigrateIn, MigrateOut, PartialState, RolloutStats
+import numpy as np
+
+from laminar.protocol import (CompletePartial, Heartbeat, InFlightOf, MigrateIn, MigrateOut, PartialState,
+                              RolloutStats)
 from laminar.roles.manager.repack import ReplicaLoad, plan_repack
 
 
@@ -55,6 +63,7 @@ class FleetSettings:
     dead_after_s: float = 5.0
     rpc_timeout_s: float = 10.0
     orphan_wait_s: float = 30.0
+    orphan_policy: str = "restart"  # restart | wait
     reconcile_s: float = 30.0     # period of the partial-pool scan for work of unknown owners
     log_path: Path | None = None  # JSONL of every repack (for summaries)
     timeline_path: Path | None = None  # JSONL of every rollout report (idle fraction, KV usage)
@@ -66,6 +75,7 @@ class FleetCounters:
     plans: int = 0                # non-empty plans
     moved_trajectories: int = 0
     recovered: int = 0            # trajectories of dead rollouts placed on live ones
+    restarted: int = 0            # orphans started again from their prompt (orphan_policy restart)
     dead: int = 0
     last_repack_s: float = 0.0
     failed_moves: int = 0
@@ -223,7 +233,9 @@ class Fleet:
         v = self.views.get(dest)
         if v is not None:
             v.received_at = time.monotonic()
-        return set(res.accepted)
+        for tid in res.gone:  # finished elsewhere meanwhile (e.g. its rollout came back): not an orphan
+            self.orphans.pop(tid, None)
+        return set(res.accepted) | set(res.gone)  # gone ones need no placing either
 
     # -- recovery ---------------------------------------------------------------------------------
     async def _recover(self, rollout_id: str) -> None:
@@ -282,8 +294,39 @@ class Fleet:
                 parts += [p for p in batch if p.spec.trajectory_id not in placed]
         now = time.monotonic()
         stuck = [t for t, (_, since) in self.orphans.items() if now - since > self.s.orphan_wait_s]
-        if stuck:
+        if stuck and self.s.orphan_policy == "restart":
+            await self._restart(stuck)
+        elif stuck:
             self.log.warning("orphans_stuck", trajectories=len(stuck), waiting_s=self.s.orphan_wait_s)
+
+    async def _restart(self, tids: list[str]) -> None:
+        """Start stuck orphans again from their prompts on the roomiest live rollout."""
+        live = sorted((v for v in self.views.values() if v.alive and v.stats.state != "loading"),
+                      key=lambda v: v.stats.active)
+        if not live:
+            return
+        dest = live[0]
+        fresh, old = [], {}
+        for tid in tids[:max(0, 2 * self.s.max_concurrency - dest.stats.active)]:
+            p, _ = self.orphans[tid]
+            base, _, n = tid.partition("~r")
+            new_id = f"{base}~r{int(n or 0) + 1}"
+            fresh.append(PartialState(spec=dataclasses.replace(p.spec, trajectory_id=new_id),
+                                      tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
+                                      version=dest.stats.version, rollout_id=dest.id, next_seq=0))
+            old[new_id] = tid
+        placed = await self._migrate_in(dest.id, fresh) if fresh else set()
+        done = [old[n] for n in placed]
+        if done:
+            try:  # the old partial must not be found and resumed again
+                await self.partials.call(CompletePartial(done), timeout=self.s.rpc_timeout_s)
+            except RpcError as exc:
+                self.log.warning("orphan_complete_failed", trajectories=len(done), error=str(exc))
+            for tid in done:
+                self.orphans.pop(tid, None)
+            self.c.restarted += len(done)
+            self.log.warning("orphans_restarted", dest=dest.id, version=dest.stats.version, ids=sorted(placed)[:64],
+                             why=f"no live rollout of their version for {self.s.orphan_wait_s}s")
 
     def _hosts_of(self, version: int) -> list[RolloutView]:
         """Live rollouts holding `version`, most room first."""

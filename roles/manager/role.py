@@ -38,7 +38,9 @@ class ManagerConfig(BaseModel):
     curve_path: str | None = Field(None, description="step-latency curve (JSON of `python bench/step_curve.py --out`, "
                                    "or [[batch, ms], ...]): B is derived from it (step <= 1.2 x batch 1)")
     rollout_dead_after_s: float | None = Field(None, gt=0, description="rollout silence that declares it dead (default: cluster.dead_after_s)")
-    orphan_wait_s: float = Field(30.0, gt=0, description="warn when a dead rollout's trajectories find no rollout of their version this long")
+    orphan_wait_s: float = Field(30.0, gt=0, description="how long a dead rollout's trajectories wait for a live rollout of their version")
+    orphan_policy: str = Field("restart", pattern="^(restart|wait)$", description="then: restart them from their prompts "
+                               "on the newest version (new id <id>~r<n>), or wait (and warn) for a rollout of their version")
     partial_pool: str = Field("0", description="id of the partial pool role (in-flight state of dead rollouts)")
 
 
@@ -85,7 +87,7 @@ class ManagerRole(Role):
             bound = roofline_batch_bound(StepCurve.load(c.curve_path))
         settings = FleetSettings(repack=repack, interval_s=c.repack_interval_s, c_max=c.c_max, batch_bound=bound,
                                  max_concurrency=max_conc, dead_after_s=c.rollout_dead_after_s or dead_after,
-                                 rpc_timeout_s=c.rpc_timeout_s, orphan_wait_s=c.orphan_wait_s,
+                                 rpc_timeout_s=c.rpc_timeout_s, orphan_wait_s=c.orphan_wait_s, orphan_policy=c.orphan_policy,
                                  log_path=(cfg.workdir() / "manager" / "repacks.jsonl") if cfg else None,
                                  timeline_path=(cfg.workdir() / "manager" / "fleet.jsonl") if cfg else None)
         self.log.info("fleet_settings", mode=mode, repack=repack, c_max=c.c_max, batch_bound=bound, curve=c.curve_path,
@@ -137,4 +139,5 @@ class ManagerRole(Role):
         return {"chain": c.order(), "epoch": c.epoch, "master": self.chain.master_info().relay_id,
                 "repairs": self.chain.repairs, "last_repair_s": round(self.chain.last_repair_s, 4),
                 "repacks": f.repacks, "moved": f.moved_trajectories, "last_repack_s": round(f.last_repack_s, 4),
-                "dead_rollouts": f.dead, "recovered": f.recovered, "orphans": len(self.fleet.orphans)}
+                "dead_rollouts": f.dead, "recovered": f.recovered, "restarted": f.restarted,
+                "orphans": len(self.fleet.orphans)}

@@ -323,15 +323,28 @@ class RolloutRole(Role):
             if len(self.active) + len(req.partials) > 2 * self.cfg.max_concurrency:
                 raise RequestError("busy", f"rollout {self.ctx.id} has {len(self.active)} active "
                                    f"trajectories; {len(req.partials)} more exceed 2 x {self.cfg.max_concurrency}")
+            accepted, gone = [], []
             for p in req.partials:
+                tid = p.spec.trajectory_id
+                if tid in self.active:  # already here (a retried MigrateIn whose reply was lost)
+                    accepted.append(tid)
+                    continue
+                if p.next_seq == 0 and not len(p.tokens):  # a fresh start (the manager's orphan restart):
+                    self._start(Active.resume(p))            # its seq 0 delta creates it in the pool
+                    accepted.append(tid)
+                    continue
                 try:
-                    await self._call(self.partials, ReassignPartial(p.spec.trajectory_id, self.ctx.id))
-                except RemoteError as exc:  # e.g. already completed elsewhere: never generate twice
-                    raise RequestError("refused", f"cannot take over {p.spec.trajectory_id}: {exc.message}") from None
+                    await self._call(self.partials, ReassignPartial(tid, self.ctx.id))
+                except RemoteError as exc:  # e.g. completed elsewhere meanwhile: never generate twice
+                    self.log.info("migrate_in_gone", trajectory=tid, why=exc.message)
+                    gone.append(tid)
+                    continue
                 self._start(Active.resume(p))
-            self.state = "generating"
-        self.log.info("migrated_in", trajectories=len(req.partials), version=self.version)
-        return MigrateInResult(accepted=[p.spec.trajectory_id for p in req.partials], version=self.version)
+                accepted.append(tid)
+            if accepted:
+                self.state = "generating"
+        self.log.info("migrated_in", trajectories=len(accepted), gone=len(gone), version=self.version)
+        return MigrateInResult(accepted=accepted, version=self.version, gone=gone)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def stop(self) -> None:

@@ -71,6 +71,10 @@ def test_kill_anything_lose_nothing(tmp_path):
             mh.net.set_link(2, True)
         after("link h2 cut 6s", cut_link)
         after("h4 joins", lambda: mh.join_host(4))
+        deadline = time.monotonic() + 180
+        while not any(log_events(mh.log("rollout", r), "trajectory_stored") for r in ("4a", "4b")):
+            assert time.monotonic() < deadline, "the joined host's rollouts stored nothing\n" + mh.tail()
+            time.sleep(0.5)  # polling the new rollouts' logs
         mh.wait_version(mh.version() + 2, 180)
         end_version = mh.version()
         metrics = mh.metrics()
