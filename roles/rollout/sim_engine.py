@@ -32,7 +32,13 @@ the batch composition does not change except for requests finishing (each takes 
 the time is summed step by step with the batch shrinking). Admissions, preemptions and emission
 to the streams happen at macro-step boundaries, so Python work is O(running) per `emit_every`
 steps instead of per token; the price is that a new request or a finished one waits up to
-`emit_every` steps (~1 s of simulated time) for its boundary. The loop keeps its own simulated
+`emit_every` steps (~1 s of simulated time) for its boundary. With `stream_batch` > 0 the
+running requests' tokens are streamed only every max(1, running // stream_batch) boundaries
+(finished requests still at their own boundary), so a batch of 1,024 costs about `stream_batch`
+wake-ups per boundary instead of 1,024; a small batch (a long tail, what repack moves) still
+streams at every boundary. Tokens not yet streamed when a request is aborted are generated again
+by whoever resumes it (vLLM streams every step; this is the simulator's price for speed). The
+loop keeps its own simulated
 timeline and sleeps on a `Clock` until it: `CompressedClock(speedup)` sleeps seconds/speedup of
 real time (overhead is absorbed, not accumulated; `max_lag_s` says when the machine cannot keep
 up), `VirtualClock` advances instantly (only correct with one engine per clock: tests and
@@ -137,7 +143,7 @@ def _ceil_div(a, b):
 class SimEngine(RolloutEngine):
     def __init__(self, *, curve: StepCurve, lengths: LengthDistribution, kv_capacity_tokens: int,
                  prefill_ms_per_token: float, max_num_seqs: int = 1024, max_model_len: int | None = None,
-                 block_size: int = 16, max_batched_tokens: int = 8192, emit_every: int = 32,
+                 block_size: int = 16, max_batched_tokens: int = 8192, emit_every: int = 32, stream_batch: int = 0,
                  prefix_caching: bool = True, group_correlation: float = 0.0, load_s: float = 1.0,
                  clock: Clock | None = None, token_id: int = 0, logprob: float = -0.5, seed: int = 0):
         self.curve, self.lengths = curve, lengths
@@ -151,6 +157,7 @@ class SimEngine(RolloutEngine):
             raise ValueError("sim engine: need 0 <= group_correlation <= 1, emit_every >= 1, max_num_seqs >= 1")
         self.prefill_s_per_token = prefill_ms_per_token / 1000.0
         self.max_num_seqs, self.max_batched_tokens, self.emit_every = max_num_seqs, max_batched_tokens, emit_every
+        self.stream_batch, self._boundaries = stream_batch, 0
         self.prefix_caching, self.rho, self.load_s = prefix_caching, group_correlation, load_s
         self.clock = clock or CompressedClock(1.0)
         self.token_id, self.logprob, self.seed = token_id, logprob, seed
@@ -411,6 +418,9 @@ class SimEngine(RolloutEngine):
         boundary = self._since_emit >= self.emit_every
         if boundary:
             self._since_emit = 0
+            self._boundaries += 1
+            if self.stream_batch > 0:  # stream running requests only every few boundaries (docstring)
+                boundary = self._boundaries % max(1, len(self.running) // self.stream_batch) == 0
         steps, still = 0, []
         for r in self.running:
             g = min(k, r.target - r.generated)

@@ -99,7 +99,11 @@ class TrainerRole(Role):
         self.dir = self.workdir()
         self.metrics = None
         self.ckpt_root = Path(c.checkpoint_dir) if c.checkpoint_dir else self.dir / "checkpoints"
-        await in_thread(self._load, "trainer-load")
+        if c.engine == "sim":  # the scale simulator's trainer: no torch, no model (sim_engine.py)
+            from laminar.roles.trainer.sim_engine import load_sim
+            load_sim(self)
+        else:
+            await in_thread(self._load, "trainer-load")
         if not self.main:
             self.state = "ready"
             self.event("trainer_ready", rank=self.info.rank, version=self.version, device=str(self.device))
@@ -230,7 +234,7 @@ class TrainerRole(Role):
         self.event("iteration", version=self.version, reward_mean=round(stats["reward_mean"], 4),
                    loss=round(train.get("loss", 0.0), 6), tokens_per_s=round(values["tokens_per_s"], 1),
                    publish_stall_s=round(stall, 6))
-        if self.version % self.cfg.checkpoint_every == 0:
+        if self.version % self.cfg.checkpoint_every == 0 and self.cfg.engine != "sim":  # sim: no state
             path = await in_thread(self._checkpoint, "trainer-checkpoint")
             self.event("checkpoint_saved", version=self.version, path=str(path), cursor=self.cursor)
 

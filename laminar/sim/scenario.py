@@ -1,0 +1,256 @@
+"""Scale scenarios: one of the paper's setups (model, GPU count, mode) as a runnable LaminarConfig.
+
+    setup = load_setups("configs/sim/paper.yaml")            # the sweep's settings (documented there)
+    cfg = build_config(setup, "72B", 1024, "laminar", workdir="runs/sim/72B-1024-laminar")
+    write_prompts(cfg_dict) ...                               # build_config returns a plain dict
+
+What a scenario is made of (everything else is the real roles' code):
+- placement: `[train GPUs, rollout GPUs]` from the workload file (paper.json) — the laminar
+  placement for laminar / laminar_norepack, the one_step-and-stream placement for those two; sync
+  is colocated: every GPU generates, then every GPU trains (trainer GPUs = all GPUs, rollout
+  replicas = all GPUs ÷ TP, and the barrier keeps the rollouts idle while the trainer runs);
+- hosts of `gpus_per_host` GPUs: `rollout GPUs ÷ TP` replicas, `gpus_per_host ÷ TP` per host,
+  one weight folder per host (its relay's shared memory, real relay or modeled delivery);
+- trajectories a rollout takes per batch: `max_concurrency` (the paper's 1,024) in the laminar
+  modes; in the barrier modes the global batch split evenly over the replicas (at most that), as
+  verl does — otherwise the first replicas to ask would take the whole batch and the rest idle;
+- the control host: manager, prompt pool, partial pool, experience buffer, trainer;
+- the roles' periods are given in simulated seconds and divided by the speedup, with real-time
+  floors where a shorter period would only burn CPU (documented in configs/sim/paper.yaml);
+- a synthetic prompt set: `prompt_tokens` tokens per prompt (byte tokenizer), each prompt unique
+  so a GRPO group shares a prefix-cache entry and different groups do not.
+
+Nothing here reads a throughput figure of the paper: the workload file supplies placements, TP,
+step curves and length statistics (inputs), and bench/scale.py shows the paper's throughput
+numbers only beside ours.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+MODES = ("laminar", "laminar_norepack", "sync", "one_step", "stream")
+_PORT0 = 20000
+
+
+def load_setups(path: str | Path) -> dict:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def placement(workload: dict, size: str, gpus: int, mode: str) -> tuple[int, int]:
+    """(train GPUs, rollout GPUs) of a mode at a scale (sync: colocated, both = all GPUs)."""
+    if mode == "sync":
+        return gpus, gpus
+    key = ("placements_train_rollout_gpus_laminar" if mode.startswith("laminar")
+           else "placements_train_rollout_gpus_one_step_and_stream")
+    table = workload[key][size]
+    if str(gpus) not in table:
+        raise KeyError(f"no {mode} placement for {size} at {gpus} GPUs; known: {sorted(table, key=int)}")
+    train, roll = table[str(gpus)]
+    return int(train), int(roll)
+
+
+def scales(workload: dict, size: str) -> list[int]:
+    """GPU counts with a placement for every mode."""
+    a = set(workload["placements_train_rollout_gpus_laminar"][size])
+    b = set(workload["placements_train_rollout_gpus_one_step_and_stream"][size])
+    return sorted((int(g) for g in a & b))
+
+
+def period(setup: dict, name: str, speedup: float) -> float:
+    """A role period in real seconds: the simulated period ÷ speedup, at least its real floor."""
+    sim = setup["periods_sim_s"][name]
+    return max(sim / speedup, setup.get("real_floor_s", {}).get(name, 0.0))
+
+
+def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, speedup: float,
+                 iterations: int, workload: dict, weights_root: str, relays: bool = False,
+                 name: str | None = None) -> dict:
+    """The LaminarConfig (as a dict) of one scenario. `weights_root`: folder under which each
+    rollout host gets its weight folder (shared memory, e.g. /dev/shm/laminar-sim-<tag>)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {MODES}")
+    from laminar.sim.latency import roofline_batch_bound
+    m = setup["models"][size]
+    shape = setup["run_shape"]
+    tp, per_host = int(m["tp"]), int(setup["gpus_per_host"])
+    train_gpus, roll_gpus = placement(workload, size, gpus, mode)
+    replicas = roll_gpus // tp
+    if replicas < 1 or per_host % tp:
+        raise ValueError(f"{size} at TP={tp}: {roll_gpus} rollout GPUs on hosts of {per_host} GPUs")
+    per_host_replicas = per_host // tp
+    n_hosts = math.ceil(replicas / per_host_replicas)
+    hosts_dirs = {f"n{h}": f"{weights_root}/n{h}" for h in range(n_hosts)}
+    port = iter(range(_PORT0, _PORT0 + 10_000))
+
+    ctl_roles = [{"role": "manager", "port": next(port)}, {"role": "prompt_pool", "port": next(port)},
+                 {"role": "partial_pool", "port": next(port)}, {"role": "experience_buffer", "port": next(port)},
+                 {"role": "trainer"}]
+    hosts = {"ctl": {"address": "127.0.0.1", "roles": ctl_roles}}
+    for h in range(n_hosts):
+        roles = []
+        if relays:
+            roles.append({"role": "relay", "id": f"r{h}", "port": next(port),
+                          "options": {"shm_dir": hosts_dirs[f"n{h}"]}})
+        for k in range(per_host_replicas):
+            i = h * per_host_replicas + k
+            if i >= replicas:
+                break
+            opts = {"relay_id": f"r{h}"} if relays else {"weights_dir": hosts_dirs[f"n{h}"]}
+            roles.append({"role": "rollout", "id": str(i), "port": next(port), "options": opts})
+        hosts[f"n{h}"] = {"address": "127.0.0.1", "roles": roles}
+
+    concurrency = int(shape["max_concurrency"])
+    if mode not in ("laminar", "laminar_norepack"):  # a barrier splits the global batch evenly (verl)
+        concurrency = min(concurrency, shape["group_size"] * math.ceil(shape["prompts_per_batch"] / replicas))
+    curve_b = _batch_bound(size, tp, setup, workload, roofline_batch_bound)
+    rs = setup["rollout"]
+    ts = setup["trainer"]
+    rollout_sim = {"model": size, "tp": tp, "lengths": m["lengths"], "gpu": setup["gpu"], "speedup": speedup,
+                   "mem_fraction": rs["mem_fraction"], "emit_every": m.get("emit_every", rs["emit_every"]), "load_gbps": rs["load_gbps"],
+                   "stream_batch": rs.get("stream_batch", 0),
+                   "max_output_tokens": shape["max_output_tokens"],
+                   "group_correlation": rs.get("group_correlation", 0.0)}
+    if setup.get("workload"):
+        rollout_sim["workload_path"] = str(setup["workload"])
+    trainer_sim = {"model": size, "gpus": train_gpus, "gpu": setup["gpu"], "mfu": ts["mfu"],
+                   "recompute": ts["recompute"], "speedup": speedup, "relay": setup["relay"]}
+    if not relays:
+        trainer_sim["deliver"] = [{"host": h, "dir": d} for h, d in hosts_dirs.items()]
+    data = str(Path(workdir) / "data" / "prompts.jsonl")
+    return {
+        "run": {"name": name or f"sim-{size}-{gpus}-{mode}", "seed": 0, "workdir": workdir, "mode": mode},
+        "cluster": {
+            "keys_dir": None,
+            "heartbeat_s": period(setup, "heartbeat", speedup),
+            "dead_after_s": setup["real_s"]["dead_after"],
+            "shutdown_s": setup["real_s"]["shutdown"],
+            "broker": {"host": "ctl"},
+            "hosts": hosts,
+        },
+        "roles": {
+            "manager": {"repack_interval_s": period(setup, "repack", speedup), "batch_bound": curve_b,
+                        "c_max": setup["manager"]["c_max"], "rpc_timeout_s": setup["real_s"]["rpc_timeout"],
+                        "rollout_dead_after_s": setup["real_s"]["dead_after"],
+                        "state_interval_s": period(setup, "heartbeat", speedup)},
+            "prompt_pool": {"dataset": data, "group_size": shape["group_size"],
+                            "max_tokens": shape["max_output_tokens"]},
+            "partial_pool": {},
+            "experience_buffer": {"capacity": 4 * shape["prompts_per_batch"] * shape["group_size"] * 4},
+            "rollout": {"engine": "sim", "model_dir": "sim", "max_concurrency": concurrency,
+                        "max_model_len": shape["max_input_tokens"] + shape["max_output_tokens"], "seed": 0,
+                        "reward": "laminar.tasks.rewards:zero",
+                        "delta_interval_s": period(setup, "delta", speedup),
+                        "report_interval_s": period(setup, "report", speedup),
+                        "idle_wait_s": period(setup, "idle_wait", speedup),
+                        "rpc_timeout_s": setup["real_s"]["rpc_timeout"], "sim": rollout_sim},
+            "trainer": {"engine": "sim", "model_dir": "sim", "groups_per_batch": shape["prompts_per_batch"],
+                        "publish": relays, "tensorboard": False, "checkpoint_every": 1_000_000, "resume": False,
+                        "sample_wait_s": period(setup, "sample_wait", speedup), "max_iterations": iterations,
+                        "sim": trainer_sim},
+            **({"relay": {"progress_interval_s": period(setup, "heartbeat", speedup)}} if relays else {}),
+        },
+    }
+
+
+def _batch_bound(size: str, tp: int, setup: dict, workload: dict, bound) -> int:
+    """The manager's B: the roofline knee of the rollout's step curve (DESIGN §5)."""
+    from laminar.sim.hardware import model as model_shape
+    from laminar.sim.latency import StepCurve, transfer_curve
+    try:
+        curve = StepCurve.from_paper(size, tp, workload)
+    except KeyError:
+        src = next(s for s in ("32B", "7B") if f"{s}_TP{tp}" in workload["decode_step_latency_ms_at_seq4096"])
+        curve = transfer_curve(StepCurve.from_paper(src, tp, workload), model_shape(src), model_shape(size))
+    return bound(curve, setup["manager"]["roofline_tolerance"])
+
+
+def write_prompts(cfg: dict, setup: dict | int, n: int) -> Path:
+    """The synthetic prompt set of a scenario: `n` unique prompts of `prompt_tokens` tokens each
+    (byte tokenizer: BOS + one token per byte), written where the prompt pool reads it.
+    `setup`: the setups dict (its run_shape.prompt_tokens) or the token count itself."""
+    path = Path(cfg["roles"]["prompt_pool"]["dataset"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokens = setup if isinstance(setup, int) else int(setup["run_shape"]["prompt_tokens"])
+    width = tokens - 1
+    with open(path, "w") as f:
+        for i in range(n):
+            head = f"problem {i}: "
+            f.write(json.dumps({"id": str(i), "prompt": (head + "x" * width)[:width], "answer": "0"}) + "\n")
+    return path
+
+
+_LENGTH_STATS: dict = {}
+
+
+def _length_stats(setup: dict, workload: dict, size: str) -> dict:
+    """Mean, E[L²]/(2E[L]) and the expected longest of a global batch, of a model's lengths."""
+    key = (size, setup["run_shape"]["max_output_tokens"], setup["run_shape"]["prompts_per_batch"])
+    if key not in _LENGTH_STATS:
+        from laminar.sim.lengths import workload_lengths
+        shape = setup["run_shape"]
+        dist = workload_lengths(setup["models"][size]["lengths"], workload, shape["max_output_tokens"])
+        x = dist.sample(0, 200_000).astype(float)
+        batch = shape["prompts_per_batch"] * shape["group_size"]
+        _LENGTH_STATS[key] = {"mean": float(x.mean()), "half_second_moment": float((x ** 2).mean() / (2 * x.mean())),
+                              "batch_max": float(dist.quantile(1 - 1 / (2 * batch)))}
+    return _LENGTH_STATS[key]
+
+
+def step_curve(setup: dict, workload: dict, size: str):
+    from laminar.sim.hardware import model as model_shape
+    from laminar.sim.latency import StepCurve, transfer_curve
+    tp = int(setup["models"][size]["tp"])
+    try:
+        return StepCurve.from_paper(size, tp, workload)
+    except KeyError:
+        src = next(s for s in ("32B", "7B") if f"{s}_TP{tp}" in workload["decode_step_latency_ms_at_seq4096"])
+        return transfer_curve(StepCurve.from_paper(src, tp, workload), model_shape(src), model_shape(size))
+
+
+def ideal_replica_tokens_per_s(setup: dict, workload: dict, size: str) -> tuple[float, int]:
+    """(tokens/s, b*) of one replica always at b* = min(max_concurrency, KV capacity ÷ the mean
+    tokens a sequence holds over its life, P + E[L²]/(2E[L])): b* ÷ step(b*)."""
+    from laminar.sim.hardware import gpu as gpu_spec, kv_capacity_tokens, model as model_shape
+    shape, m = setup["run_shape"], setup["models"][size]
+    kv = kv_capacity_tokens(model_shape(size), gpu_spec(setup["gpu"]), int(m["tp"]), setup["rollout"]["mem_fraction"])
+    held = shape["prompt_tokens"] + _length_stats(setup, workload, size)["half_second_moment"]
+    b = max(1, min(int(shape["max_concurrency"]), int(kv // held)))
+    return b / step_curve(setup, workload, size).step_s(b), b
+
+
+def estimate(setup: dict, workload: dict, size: str, gpus: int, mode: str) -> dict:
+    """A back-of-envelope iteration time from the simulator's own cost models — used only to pick
+    a run's speedup and timeout, never reported as a result:
+      train   = TrainerCost(train GPUs).iteration_s(batch tokens)
+      gen     = batch response tokens ÷ (replicas × ideal replica tokens/s)
+      tail    = the batch's expected longest response × the batch-1 step time (barrier modes)
+      laminar modes: max(train, gen); sync: max(gen, tail) + train; one_step/stream: max(gen, tail, train)."""
+    from laminar.sim.trainer_cost import TrainerCost
+    shape, m = setup["run_shape"], setup["models"][size]
+    train_gpus, roll_gpus = placement(workload, size, gpus, mode)
+    replicas = roll_gpus // int(m["tp"])
+    batch = shape["prompts_per_batch"] * shape["group_size"]
+    ls = _length_stats(setup, workload, size)
+    cost = TrainerCost.build(size, setup["gpu"], train_gpus, mfu=setup["trainer"]["mfu"],
+                             recompute=setup["trainer"]["recompute"])
+    train = cost.iteration_s(int(batch * (shape["prompt_tokens"] + ls["mean"])))
+    per_replica, _ = ideal_replica_tokens_per_s(setup, workload, size)
+    gen = batch * ls["mean"] / (replicas * per_replica)
+    tail = ls["batch_max"] * step_curve(setup, workload, size).step_s(1)
+    if mode in ("laminar", "laminar_norepack"):
+        it = max(train, gen)
+    elif mode == "sync":
+        it = max(gen, tail) + train
+    else:
+        it = max(gen, tail, train)
+    ct = setup["compressed_time"]
+    cpu_per_traj = ct["cpu_per_trajectory_s"] + ct["cpu_per_token_s"] * ls["mean"]
+    rate = batch / it
+    speedup = min(ct["max"], max(ct["min"], ct["cpu_share"] / (cpu_per_traj * rate)))
+    return {"iteration_s": it, "train_s": train, "gen_s": gen, "tail_s": tail, "trajectories_per_s": rate,
+            "cpu_per_trajectory_s": cpu_per_traj, "speedup": round(speedup, 2), "replicas": replicas}

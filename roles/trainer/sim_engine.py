@@ -1,0 +1,215 @@
+"""SimTrainEngine: the scale simulator's trainer (DESIGN §8), selected by `roles.trainer.engine: sim`.
+
+It stands in for TrainEngine behind the trainer role: the role still samples whole groups from
+the real experience buffer, counts versions, writes the same metrics records (reward, staleness,
+batch_tokens, version, ts) and publishes every version; only the torch work is replaced by time.
+
+    roles.trainer: {engine: sim, model_dir: sim, publish: false,
+                    sim: {model: 72B, gpus: 768, gpu: H800, mfu: 0.35, recompute: true, speedup: 20,
+                          relay: {bandwidth_gbps: 200, chunk_mib: 64, alpha_s: 0.001},
+                          deliver: [{host: n0, dir: /dev/shm/..-n0}, ...]}}
+
+Time (compressed, like the rollouts' CompressedClock): one iteration sleeps
+`TrainerCost.iteration_s(tokens)` ÷ speedup of real time in the role's worker thread, for the
+batch's actual prompt + response tokens (laminar/sim/trainer_cost.py: 6·P·T, × 4/3 with
+recomputation, at `mfu` of `gpus` × the GPU's bf16 peak). The publish stall (pushing the bf16
+weights into the master relay, S/B) is slept too, so the trainer's update period is
+iteration + stall, as in the paper's design where that copy is the trainer's only stall.
+
+Weights: a version is a few KB (`weight_bytes`), never the model's size. Two ways to deliver it:
+- through the real relay tier (relays placed, `publish: true`): `full_state()` sleeps the stall
+  and returns a tiny state dict that the role's PublishLink streams down the real chain; the
+  relays announce `weights.version` and the rollouts pull from their host's shared memory. This
+  imports torch (the publisher stages torch tensors).
+- modeled, without relays (`sim.deliver` lists the hosts' weight folders in chain order, and
+  `publish: false`): the engine itself writes each version into host i's folder (the same
+  shared-memory store format a relay writes, so the rollouts' LocalWeights reads it) when the
+  relay model says it arrives there — S/B for the master, + (i − 1)(c/B + α) for the i-th host
+  (DESIGN §4), so the last of p hosts has it after `broadcast_s(p)` — and publishes
+  `weights.version` as that host's relay would. No torch, no threads per relay: at the paper's
+  scale (up to 96 rollout hosts) the real chain's Python-side latency, multiplied by the
+  speedup, would dominate the modeled second or so.
+
+There is nothing to checkpoint: the role skips checkpoints for this engine, and a restart starts
+from version 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.sim.trainer_cost import TRAIN_MFU, RelayLink, TrainerCost
+
+
+class RelaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bandwidth_gbps: float = Field(RelayLink.bandwidth_gbps, gt=0, description="one hop's bandwidth, GB/s (trainer_cost.RelayLink)")
+    chunk_mib: float = Field(RelayLink.chunk_mib, gt=0, description="chunk size of the chain, MiB")
+    alpha_s: float = Field(RelayLink.alpha_s, ge=0, description="per-chunk overhead of one hop, s")
+
+
+class DeliverTarget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = Field(description="rollout host whose relay this stands for")
+    dir: str = Field(description="the host's weight folder (the rollouts' weights_dir)")
+
+
+class SimTrainerSettings(BaseModel):
+    """`roles.trainer.sim`: what the simulated trainer costs, and how its versions travel."""
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(description="model shape: 7B, 32B or 72B (laminar/sim/hardware.py)")
+    gpus: int = Field(ge=1, description="training GPUs (for colocated sync: every GPU of the cluster)")
+    gpu: str = Field("H800", description="GPU kind (hardware.GPUS)")
+    mfu: float = Field(TRAIN_MFU, gt=0, le=1, description="model FLOPs utilization of training (trainer_cost.TRAIN_MFU)")
+    recompute: bool = Field(True, description="full activation recomputation: one more forward pass (× 4/3)")
+    extra_forward_passes: int = Field(0, ge=0, description="recomputed old logprobs, KL reference: 2·P·T each")
+    speedup: float = Field(1.0, gt=0, description="simulated seconds per real second (compressed time)")
+    relay: RelaySettings = Field(default_factory=RelaySettings)
+    weight_bytes: int = Field(4096, ge=8, description="bytes of the published stand-in version")
+    deliver: list[DeliverTarget] | None = Field(None, description="modeled delivery without relays: host folders "
+                                                "in chain order (None: publish through the real relay tier)")
+
+
+class SimTrainEngine:
+    """Duck-types TrainEngine (load, params, train, full_state, restore) for the trainer role."""
+
+    def __init__(self, settings: SimTrainerSettings, on_version=None):
+        s = self.s = settings
+        self.cost = TrainerCost.build(s.model, s.gpu, s.gpus, mfu=s.mfu, recompute=s.recompute,
+                                      extra_forward_passes=s.extra_forward_passes,
+                                      link=RelayLink(s.relay.bandwidth_gbps, s.relay.chunk_mib, s.relay.alpha_s))
+        self.params = self.cost.model.params
+        self.stall_s = self.cost.publish_stall_s()
+        self.on_version = on_version  # modeled delivery: called (worker thread) with each new version
+        self.sim_busy_s = 0.0         # simulated seconds spent training + stalled, in total
+
+    # -- TrainEngine interface -------------------------------------------------------------------
+    def load(self) -> None:
+        pass
+
+    def restore(self, parts) -> None:
+        pass
+
+    def train(self, groups, version: int) -> dict:
+        """Sleep one iteration's modeled time (worker thread); in modeled-delivery mode also the
+        publish stall, after which version `version` starts down the modeled chain."""
+        tokens = sum(len(t.spec.prompt_tokens) + len(t.response_tokens) for g in groups for t in g)
+        train_s = self.cost.iteration_s(tokens)
+        stall_s = self.stall_s if self.on_version is not None else 0.0
+        time.sleep((train_s + stall_s) / self.s.speedup)
+        self.sim_busy_s += train_s + stall_s
+        if self.on_version is not None:
+            self.on_version(version)
+        return {"tokens": float(tokens), "loss": 0.0, "sim_train_s": train_s, "sim_stall_s": self.stall_s,
+                "speedup": self.s.speedup}
+
+    def full_state(self, with_optimizer: bool = False) -> dict:
+        """The stand-in weights, after the modeled stall of copying the real ones out (relay mode)."""
+        import torch
+        time.sleep(self.stall_s / self.s.speedup)
+        self.sim_busy_s += self.stall_s
+        return {"model": {"sim.weights": torch.zeros(max(1, self.s.weight_bytes // 4), dtype=torch.float32)}}
+
+
+class ModeledDelivery:
+    """Writes each version into every host's weight folder at its modeled arrival time and
+    announces it on `weights.version` (as that host's relay would). Runs on the role's loop."""
+
+    def __init__(self, role, settings: SimTrainerSettings, cost: TrainerCost, loop: asyncio.AbstractEventLoop):
+        self.role, self.s, self.loop = role, settings, loop
+        link = cost.link
+        hop = link.chunk_mib * 2 ** 20 / link.bytes_per_s + link.alpha_s
+        # host i has it S/B after the stall began, plus (i - 1) hops behind the master (i >= 1)
+        self.offsets = [max(0, i - 1) * hop for i in range(len(settings.deliver or []))]
+        self.stores: dict[str, Any] = {}
+        self.handles: set[asyncio.TimerHandle] = set()
+        self.delivered: dict[str, int] = {}
+
+    def from_thread(self, version: int) -> None:
+        self.loop.call_soon_threadsafe(self.schedule, version)
+
+    def schedule(self, version: int) -> None:
+        """Called when the stall ends (the master relay holds the version)."""
+        for target, off in zip(self.s.deliver or [], self.offsets):
+            if off <= 0:
+                self.deliver(target, version)
+                continue
+            h = self.loop.call_later(off / self.s.speedup, self._fire, target, version)
+            self.handles.add(h)
+
+    def _fire(self, target: DeliverTarget, version: int) -> None:
+        self.handles = {h for h in self.handles if not h.cancelled() and h.when() > self.loop.time()}
+        if not self.role.stopping.is_set():
+            self.deliver(target, version)
+
+    def deliver(self, target: DeliverTarget, version: int) -> None:
+        from laminar.protocol import WeightsVersion
+        if self.delivered.get(target.host, -1) >= version:
+            return  # a later version got there first (never go backwards)
+        write_stand_in(self._store(target.dir), version, self.s.weight_bytes)
+        self.delivered[target.host] = version
+        self.role.pub.publish("weights.version", WeightsVersion(f"sim-{target.host}", target.host, version,
+                                                                self.s.weight_bytes, target.dir))
+
+    def _store(self, directory: str):
+        from laminar.weights.store import ShmStore
+        st = self.stores.get(directory)
+        if st is None:
+            st = self.stores[directory] = ShmStore(directory)
+            st.open()
+        return st
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.cancel()
+        self.handles.clear()
+        for st in self.stores.values():
+            st.close()
+            st.remove_files()
+        self.stores.clear()
+
+
+def write_stand_in(store, version: int, nbytes: int) -> None:
+    """Commit a `nbytes` stand-in version into a ShmStore exactly as a relay commits a received
+    one (double buffer, checksummed chunks, atomic pointer), with numpy instead of torch."""
+    from laminar.weights.manifest import build_manifest, checksum
+    m = build_manifest([("sim.weights", "float32", (max(1, nbytes // 4),))], version, 1 << 20)
+    with store.cond:
+        vb = store.begin(m)
+    if vb.version != version:
+        return  # the store already holds this version or a newer one
+    payload = np.full(max(1, nbytes // 4), float(version), dtype=np.float32).view(np.uint8)
+    vb.view[: payload.size] = payload.tobytes()
+    sums = [checksum(vb.chunk(i)) for i in range(vb.n)]
+    with store.cond:
+        vb.mark_all(sums)
+        store.commit(vb)
+
+
+def load_sim(role) -> None:
+    """The trainer role's sim hook (called on the role's loop in place of the torch load)."""
+    from laminar.roles.trainer import dist
+    s = SimTrainerSettings.model_validate(role.cfg.sim)
+    if s.deliver is not None and role.cfg.publish:
+        raise ValueError("roles.trainer.sim.deliver (modeled delivery) needs roles.trainer.publish: false; "
+                         "with publish: true versions go through the real relay tier")
+    role.device = "sim"
+    role.info = dist.DistInfo()
+    role.resumed_from = None
+    role.version, role.cursor = 0, 0
+    engine = SimTrainEngine(s)
+    if s.deliver is not None:
+        delivery = ModeledDelivery(role, s, engine.cost, asyncio.get_running_loop())
+        engine.on_version = delivery.from_thread
+        engine.delivery = delivery
+        for target in s.deliver:  # version 0 (the initial weights) is on every host at start
+            delivery.deliver(target, 0)
+    role.engine = engine
+    role.log.info("sim_trainer", model=s.model, gpus=s.gpus, gpu=s.gpu, mfu=s.mfu, recompute=s.recompute,
+                  speedup=s.speedup, stall_s=round(engine.stall_s, 4), params=engine.params,
+                  delivery="modeled" if s.deliver is not None else "relay",
+                  broadcast_s=round(engine.cost.broadcast_s(max(1, len(s.deliver or []))), 4))
