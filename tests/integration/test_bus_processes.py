@@ -16,6 +16,7 @@ from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.zmq_transport import ZmqTransport
 from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Heartbeat, Hello, Metrics, Ping, Pong
 from laminar.testing.procs import RoleProc
+from laminar.testing.fuzz_ports import garbage
 from tests.integration.cluster_files import echo_cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -156,23 +157,6 @@ def test_other_protocol_version_is_refused_naming_both(cluster):
     assert f"peer speaks protocol {PROTOCOL_VERSION + 1}" in hello_err.message
     assert f"this side speaks protocol {PROTOCOL_VERSION}" in hello_err.message
     assert procs[1].alive()
-
-
-def garbage(rng: random.Random, valid: list[bytes]) -> list[bytes]:
-    r = rng.random()
-    if r < 0.3:
-        return [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))]
-    frames = [bytearray(f) for f in valid]
-    if r < 0.6:
-        f = frames[rng.randrange(len(frames))]
-        if f:
-            f[rng.randrange(len(f))] ^= 1 << rng.randrange(8)   # bit flip
-    elif r < 0.8:
-        frames = frames[: rng.randint(0, len(frames))]         # truncated frame list
-    else:
-        i = rng.randrange(len(frames))
-        frames[i] = frames[i][: rng.randint(0, len(frames[i]))]  # truncated frame
-    return [bytes(f) for f in frames] or [b""]
 
 
 def test_fuzz_every_bound_socket_leaves_roles_serving(cluster):

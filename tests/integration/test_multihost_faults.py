@@ -16,6 +16,8 @@ followed by two more trainer versions (training goes on):
                            the link is back its relay re-joins the chain, duplicates are refused
   a new host (h4)      ->  joins the running cluster from a config the cluster was not started
                            with: its relay links into the chain, its rollouts take batches
+  bad input            ->  garbage at every listening port of every host (request/reply ports,
+                           the broker, relay data ports): training goes on
 
 At the end: versions are gap-free, no group was trained twice, and every trajectory the manager
 recovered was stored exactly once (or is still safe in the partial pool, owned by a live rollout).
@@ -25,6 +27,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -70,6 +74,14 @@ def test_kill_anything_lose_nothing(tmp_path):
             time.sleep(6)  # the fault's duration: longer than rollout_dead_after_s (3 s)
             mh.net.set_link(2, True)
         after("link h2 cut 6s", cut_link)
+        def fuzz() -> None:
+            for h in range(mh.initial):
+                p = mh.net.popen(h, [sys.executable, "-m", "laminar.testing.fuzz_ports", str(mh.config),
+                                     "--hosts", f"h{h}", "--frames", "500", "--seed", str(h)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                out, _ = p.communicate(timeout=120)
+                assert p.returncode == 0, out
+        after("fuzz all ports", fuzz)
         after("h4 joins", lambda: mh.join_host(4))
         deadline = time.monotonic() + 180
         while not any(log_events(mh.log("rollout", r), "trajectory_stored") for r in ("4a", "4b")):

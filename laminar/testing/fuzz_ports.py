@@ -1,0 +1,99 @@
+"""Bad input at every listening port of a running cluster (issue 9's fuzz check).
+
+    python -m laminar.testing.fuzz_ports CONFIG [--frames 2000] [--seed 0] [--hosts h0,h1]
+
+For every role of the chosen hosts that serves request/reply (a `port`), a DEALER with the
+cluster key sends garbage multipart messages (random frames, bit flips, truncated frame lists
+and frames of a valid request); the broker's XSUB gets garbage events under a random topic; each
+relay's data port gets raw random bytes over TCP (its chunk protocol must refuse them). Run it
+from a place that reaches the hosts' addresses (inside a namespace for the netns harness).
+Prints one line per target; the cluster must keep training (what the caller checks).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import socket
+
+import numpy as np
+
+
+def garbage(rng: random.Random, valid: list[bytes]) -> list[bytes]:
+    """One malformed message: random frames, or a valid one with a bit flipped or cut short."""
+    r = rng.random()
+    if r < 0.3:
+        return [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))]
+    frames = [bytearray(f) for f in valid]
+    if r < 0.6:
+        f = frames[rng.randrange(len(frames))]
+        if f:
+            f[rng.randrange(len(f))] ^= 1 << rng.randrange(8)   # bit flip
+    elif r < 0.8:
+        frames = frames[: rng.randint(0, len(frames))]         # truncated frame list
+    else:
+        i = rng.randrange(len(frames))
+        frames[i] = frames[i][: rng.randint(0, len(frames[i]))]  # truncated frame
+    return [bytes(f) for f in frames] or [b""]
+
+
+def main() -> int:
+    import zmq
+
+    from laminar.bus import auth
+    from laminar.bus.codec import encode
+    from laminar.config import load_config
+    from laminar.protocol import TakeBatch
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("--frames", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hosts", default=None, help="comma-separated host ids (default: all)")
+    a = ap.parse_args()
+    cfg = load_config(a.config)
+    keys = auth.load_keys(cfg.cluster.keys_dir) if cfg.cluster.keys_dir else None
+    hosts = a.hosts.split(",") if a.hosts else list(cfg.cluster.hosts)
+    rng = random.Random(a.seed)
+    valid = [bytes(f) for f in encode(TakeBatch("fuzz", 4, 1, 0), {"rid": 7, "dl": 2e9})]
+    ctx = zmq.Context()
+    for hid in hosts:
+        host = cfg.cluster.hosts[hid]
+        targets = [(f"{s.role}.{s.id}", f"tcp://{host.address}:{s.port}") for s in host.roles if s.port]
+        for name, addr in targets:
+            s = ctx.socket(zmq.DEALER)
+            s.sndhwm, s.linger = 0, 0
+            if keys:
+                auth.make_client(s, keys)
+            s.connect(addr)
+            for _ in range(a.frames):
+                s.send_multipart(garbage(rng, valid))
+            s.close(linger=2000)
+            print(f"{name:<22} {addr:<28} {a.frames} garbage requests", flush=True)
+        if hid == cfg.cluster.broker.host:
+            pub = ctx.socket(zmq.PUB)
+            pub.sndhwm, pub.linger = 0, 0
+            if keys:
+                auth.make_client(pub, keys)
+            pub.connect(f"tcp://{host.address}:{cfg.cluster.broker.pub_port}")
+            for _ in range(a.frames):
+                pub.send_multipart([b"fuzz." + rng.randbytes(4), *garbage(rng, valid)])
+            pub.close(linger=2000)
+            print(f"{'broker.xsub':<22} {host.address}:{cfg.cluster.broker.pub_port:<17} {a.frames} garbage events")
+        for spec in host.roles:
+            if spec.role != "relay":
+                continue
+            port = cfg.role_settings("relay", spec.id).get("data_port")
+            if not port:
+                continue
+            for _ in range(20):
+                try:
+                    with socket.create_connection((host.address, port), timeout=2) as c:
+                        c.sendall(rng.randbytes(rng.randint(1, 4096)) + np.random.bytes(16))
+                except OSError:
+                    pass
+            print(f"relay.{spec.id} data{'':<11} {host.address}:{port:<17} 20 garbage connections", flush=True)
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
