@@ -104,12 +104,31 @@ def interpreter_paths() -> list[str]:
     return sorted(paths)
 
 
+def _under_scratch(paths: list[str]) -> list[str]:
+    """Top-level entries of SCRATCH holding the interpreter (a checkout or venv under /tmp)."""
+    top = set()
+    for p in paths:
+        rel = os.path.relpath(p, SCRATCH)
+        if not rel.startswith("..") and rel != ".":
+            top.add(rel.split(os.sep)[0])
+    return sorted(os.path.join(SCRATCH, t) for t in top if os.path.exists(os.path.join(SCRATCH, t)))
+
+
 def prepare(spec: dict) -> None:
     uid = spec["uid"]
-    expose(interpreter_paths(), uid)
+    paths = interpreter_paths()
+    expose(paths, uid)
     read_only_tree()
+    keep = {p: os.open(p, os.O_PATH) for p in _under_scratch(paths)}  # before the scratch hides them
     mount("tmpfs", SCRATCH, "tmpfs", 0,
           f"size={spec['scratch_bytes']},nr_inodes={spec['scratch_inodes']},mode=0700,uid={uid},gid={uid}")
+    for target, fd in keep.items():  # bound back (read-only, the tree's own permissions apply)
+        os.mkdir(target) if stat.S_ISDIR(os.fstat(fd).st_mode) else open(target, "w").close()
+        mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+        attr = MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+        _check(libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, target.encode(), AT_RECURSIVE, ctypes.byref(attr),
+                            ctypes.sizeof(attr)), f"mount_setattr {target} read-only")
+        os.close(fd)
     for name, text in {**spec["files"], "main.py": spec["code"]}.items():
         path = os.path.join(SCRATCH, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
