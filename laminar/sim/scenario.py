@@ -1,8 +1,10 @@
 """Scale scenarios: one of the paper's setups (model, GPU count, mode) as a runnable LaminarConfig.
 
-    setup = load_setups("configs/sim/paper.yaml")            # the sweep's settings (documented there)
-    cfg = build_config(setup, "72B", 1024, "laminar", workdir="runs/sim/72B-1024-laminar")
-    write_prompts(cfg_dict) ...                               # build_config returns a plain dict
+    setup = load_setups("configs/sim/paper.yaml")      # the sweep's settings (documented there)
+    raw = build_config(setup, "72B", 1024, "laminar", workdir="runs/sim/72B-1024-laminar", speedup=3,
+                       iterations=10, workload=load_workload(), weights_root="/dev/shm/sim-72B")
+    write_prompts(raw, setup, 8192)                     # the synthetic prompts it reads
+    est = estimate(setup, workload, "72B", 1024, "laminar")   # expected iteration time, speedup
 
 What a scenario is made of (everything else is the real roles' code):
 - placement: `[train GPUs, rollout GPUs]` from the workload file (paper.json) — the laminar
@@ -37,6 +39,7 @@ _PORT0 = 20000
 
 
 def load_setups(path: str | Path) -> dict:
+    """The sweep's settings (configs/sim/paper.yaml: run shape, constants, periods, speedups)."""
     with open(path) as f:
         return yaml.safe_load(f)
 
@@ -107,7 +110,7 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
     concurrency = int(shape["max_concurrency"])
     if mode not in ("laminar", "laminar_norepack"):  # a barrier splits the global batch evenly (verl)
         concurrency = min(concurrency, shape["group_size"] * math.ceil(shape["prompts_per_batch"] / replicas))
-    curve_b = _batch_bound(size, tp, setup, workload, roofline_batch_bound)
+    curve_b = roofline_batch_bound(step_curve(setup, workload, size), setup["manager"]["roofline_tolerance"])
     rs = setup["rollout"]
     ts = setup["trainer"]
     rollout_sim = {"model": size, "tp": tp, "lengths": m["lengths"], "gpu": setup["gpu"], "speedup": speedup,
@@ -155,18 +158,6 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
             **({"relay": {"progress_interval_s": period(setup, "heartbeat", speedup)}} if relays else {}),
         },
     }
-
-
-def _batch_bound(size: str, tp: int, setup: dict, workload: dict, bound) -> int:
-    """The manager's B: the roofline knee of the rollout's step curve (DESIGN §5)."""
-    from laminar.sim.hardware import model as model_shape
-    from laminar.sim.latency import StepCurve, transfer_curve
-    try:
-        curve = StepCurve.from_paper(size, tp, workload)
-    except KeyError:
-        src = next(s for s in ("32B", "7B") if f"{s}_TP{tp}" in workload["decode_step_latency_ms_at_seq4096"])
-        curve = transfer_curve(StepCurve.from_paper(src, tp, workload), model_shape(src), model_shape(size))
-    return bound(curve, setup["manager"]["roofline_tolerance"])
 
 
 def write_prompts(cfg: dict, setup: dict | int, n: int) -> Path:
@@ -251,6 +242,7 @@ def estimate(setup: dict, workload: dict, size: str, gpus: int, mode: str) -> di
     ct = setup["compressed_time"]
     cpu_per_traj = ct["cpu_per_trajectory_s"] + ct["cpu_per_token_s"] * ls["mean"]
     rate = batch / it
-    speedup = min(ct["max"], max(ct["min"], ct["cpu_share"] / (cpu_per_traj * rate)))
+    cpu_per_sim_s = cpu_per_traj * rate + ct.get("cpu_per_replica_s", 0.0) * replicas
+    speedup = min(ct["max"], max(ct["min"], ct["cpu_share"] / cpu_per_sim_s))
     return {"iteration_s": it, "train_s": train, "gen_s": gen, "tail_s": tail, "trajectories_per_s": rate,
             "cpu_per_trajectory_s": cpu_per_traj, "speedup": round(speedup, 2), "replicas": replicas}
