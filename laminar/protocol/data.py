@@ -165,8 +165,15 @@ class PutResult:
 
 @event("data.sample_groups")
 class SampleGroups:
+    """Up to `num_groups` complete groups. `cursor`: the caller's position (groups it has received
+    and kept so far); groups handed out at or after it that were not committed are handed again
+    first (a trainer resumed from a checkpoint, or a reply lost). `committed`: positions below it
+    are durable on the caller's side (checkpointed) and may be forgotten; None: a hand-out is final
+    at once (no re-hand possible)."""
     num_groups: int
     trainer_version: int
+    cursor: int | None = None
+    committed: int | None = None
 
 
 @event("data.samples")

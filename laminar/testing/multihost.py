@@ -214,10 +214,14 @@ class MultiHost:
             with sqlite3.connect(db) as con:
                 pending = {base(t) for (t,) in con.execute("SELECT DISTINCT tid FROM deltas")}
         dropped: dict[str, str] = {}  # groups the buffer let go by its policy (evicted, stale)
+        handed: set[str] = set()      # groups the buffer handed to the trainer
+        leased: set[str] = set()      # ... of which still leased (after the trainer's newest checkpoint)
         db = self.run_dir / "pools" / "experience_buffer-0.sqlite"
         if db.exists():
             with sqlite3.connect(db) as con:
                 dropped = {g: why for g, why in con.execute("SELECT gid, why FROM gone WHERE why != 'handed'")}
+                handed = {g for (g,) in con.execute("SELECT gid FROM gone WHERE why = 'handed'")}
+                leased = {g for (g,) in con.execute("SELECT gid FROM handed")}
         by_policy = {t for t in recovered - stored_ids - pending if t.rsplit("/", 1)[0] in dropped}
         versions = [int(r["version"]) for r in metrics]
         return {"versions": versions, "versions_monotone": versions == sorted(set(versions)),
@@ -227,7 +231,9 @@ class MultiHost:
                 "recovered": len(recovered), "recovered_finished": len(recovered & stored_ids),
                 "recovered_restarted": len(restarted), "recovered_pending": len((recovered - stored_ids) & pending),
                 "recovered_dropped_by_policy": len(by_policy), "groups_dropped_by_policy": len(dropped),
-                "trajectories_lost": len(recovered - stored_ids - pending - by_policy)}
+                "trajectories_lost": len(recovered - stored_ids - pending - by_policy),
+                # handed to a trainer, in no version it kept, and not leased for its successor
+                "groups_handed_untrained": len(handed - set(trained) - leased), "groups_leased": len(leased)}
 
     def log(self, role: str, id: str) -> Path:
         return self.run_dir / "logs" / f"{role}.{id}.log"

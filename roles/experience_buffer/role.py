@@ -3,7 +3,10 @@
 Durability: a stored trajectory is a row (its event as a BLOB); handing out / dropping / evicting
 a group deletes its rows and records the group id with why, in the same transaction, after which
 the reply goes out. A restarted buffer replays the rows (in arrival order) and the removed group
-ids, so nothing acknowledged is lost and nothing handed out is handed out again.
+ids, so nothing acknowledged is lost and nothing handed out is handed out again — except on
+purpose: a trainer that checkpoints sends `committed`, and the groups it was handed after that
+stay leased (rows kept, position in `handed`) until a later `committed` passes them; a request
+whose `cursor` is behind gets them again (state.py, Leases).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ CREATE TABLE IF NOT EXISTS trajs (n INTEGER PRIMARY KEY AUTOINCREMENT, tid TEXT 
 CREATE INDEX IF NOT EXISTS trajs_gid ON trajs (gid);
 CREATE TABLE IF NOT EXISTS gone (gid TEXT PRIMARY KEY, why TEXT);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT);
+CREATE TABLE IF NOT EXISTS handed (pos INTEGER PRIMARY KEY, gid TEXT);
 """
 
 
@@ -54,8 +58,10 @@ class ExperienceBufferRole(PoolRole):
         book = BufferBook(c.capacity, c.eviction, c.sampler, self._max_staleness())
         for gid, why in self.store.read("SELECT gid, why FROM gone"):
             book.gone[gid] = why
-        for (blob,) in self.store.read("SELECT blob FROM trajs ORDER BY n"):
-            book.put(unpack(blob))
+        for gid, blob in self.store.read("SELECT gid, blob FROM trajs ORDER BY n"):
+            if gid not in book.gone:  # a leased group's rows: kept for a re-hand, not sampleable
+                book.put(unpack(blob))
+        book.leased.update(self.store.read("SELECT pos, gid FROM handed ORDER BY pos"))
         meta = dict(self.store.read("SELECT k, v FROM meta"))
         book.cursor = int(meta.get("cursor", 0))
         book.staleness.update({int(k): v for k, v in json.loads(meta.get("staleness", "{}")).items()})
@@ -70,8 +76,15 @@ class ExperienceBufferRole(PoolRole):
     def _statements(self, ch: Change) -> list:
         st = [("INSERT OR IGNORE INTO trajs (tid, gid, blob) VALUES (?, ?, ?)",
                (t.spec.trajectory_id, t.spec.group_id, pack(t))) for t in ch.put]
+        leased = {gid for _, gid in ch.leased}
         for gid, why in ch.removed_groups:
-            st += [("DELETE FROM trajs WHERE gid = ?", (gid,)), ("INSERT OR REPLACE INTO gone VALUES (?, ?)", (gid, why))]
+            if gid not in leased:
+                st.append(("DELETE FROM trajs WHERE gid = ?", (gid,)))
+            st.append(("INSERT OR REPLACE INTO gone VALUES (?, ?)", (gid, why)))
+        st += [("INSERT OR REPLACE INTO handed VALUES (?, ?)", lease) for lease in ch.leased]
+        if ch.released_below is not None:
+            st += [("DELETE FROM trajs WHERE gid IN (SELECT gid FROM handed WHERE pos < ?)", (ch.released_below,)),
+                   ("DELETE FROM handed WHERE pos < ?", (ch.released_below,))]
         if ch.removed_groups:
             b = self.book
             st += [("INSERT OR REPLACE INTO meta VALUES ('cursor', ?)", (str(b.cursor),)),
@@ -86,9 +99,28 @@ class ExperienceBufferRole(PoolRole):
         return PutResult(head, detail)
 
     async def on_sample(self, req: SampleGroups) -> Samples:
-        groups, dropped, ch = self.book.sample(req.num_groups, req.trainer_version)
+        b, released = self.book, Change()
+        if req.committed is not None:
+            b.release(req.committed, released)
+        if req.cursor is not None and req.cursor < b.cursor:  # behind us: leased groups again, in order
+            gids, after = b.rehand(req.cursor, req.num_groups)
+            if gids:
+                groups = [await self._leased_group(g) for g in gids]
+                await self.durable(self._statements(released))
+                self.log.info("groups_handed_again", position=req.cursor, groups=len(gids), buffer_cursor=b.cursor)
+                return Samples(groups=[g for g in groups if g], cursor=after)
+        elif req.cursor is not None and req.cursor > b.cursor:
+            self.log.warning("trainer_cursor_ahead", trainer_cursor=req.cursor, buffer_cursor=b.cursor)
+        groups, dropped, ch = b.sample(req.num_groups, req.trainer_version, lease=req.committed is not None)
+        ch.released_below = released.released_below
         await self.durable(self._statements(ch))
-        return Samples(groups=groups, cursor=self.book.cursor, dropped_stale=dropped)
+        return Samples(groups=groups, cursor=b.cursor, dropped_stale=dropped)
+
+    async def _leased_group(self, gid: str) -> list:
+        rows = await self.store.aread("SELECT blob FROM trajs WHERE gid = ? ORDER BY n", (gid,))
+        if not rows:
+            self.log.error("leased_group_missing", group=gid)
+        return sorted((unpack(blob) for (blob,) in rows), key=lambda t: t.spec.sample_index)
 
     async def on_stats(self, req: BufferStatsRequest) -> BufferStats:
         return BufferStats(self.book.stats(), {str(k): v for k, v in sorted(self.book.staleness.items())})

@@ -8,6 +8,11 @@
 - `sample(k, trainer_version)` first drops every complete group with a member older than
   `max_staleness` versions (counted, never handed out), then lets the sampler pick up to k
   groups; handed-out groups are removed and remembered, so a late duplicate is refused.
+- Leases: a hand-out gets positions `cursor, cursor+1, ...`. When the trainer says it commits
+  (checkpoints), handed groups stay *leased* (kept on disk) until a request's `committed` passes
+  their position, and a request whose `cursor` is behind ours gets the leased groups from that
+  position again, in order: a trainer that dies after sampling and resumes from its checkpoint
+  trains every group exactly once in the versions it keeps.
 - Staleness of each handed-out sample (trainer_version - its version) goes into a histogram.
 Every mutating call returns the list of changes the role must make durable before replying.
 """
@@ -39,6 +44,8 @@ class Group:
 class Change:
     put: list[Trajectory] = field(default_factory=list)
     removed_groups: list[tuple[str, str]] = field(default_factory=list)  # (group_id, why)
+    leased: list[tuple[int, str]] = field(default_factory=list)  # (position, group_id): rows kept
+    released_below: int | None = None  # leases below this position end: their rows go
 
 
 class BufferBook:
@@ -52,7 +59,8 @@ class BufferBook:
         self.gone: dict[str, str] = {}   # group id -> handed | stale | evicted
         self.stored = 0
         self.completions = 0
-        self.cursor = 0                  # groups handed out so far
+        self.cursor = 0                  # groups handed out so far (the next position)
+        self.leased: OrderedDict[int, str] = OrderedDict()  # position -> group id, not yet committed
         self.counts: Counter[str] = Counter()
         self.staleness: Counter[int] = Counter()
 
@@ -94,7 +102,26 @@ class BufferBook:
         ch.removed_groups.append((gid, why))
         return g
 
-    def sample(self, k: int, trainer_version: int) -> tuple[list[list[Trajectory]], int, Change]:
+    def release(self, committed: int, ch: Change) -> None:
+        """The trainer made positions below `committed` durable: their leases end."""
+        done = [p for p in self.leased if p < committed]
+        for p in done:
+            del self.leased[p]
+        if done:
+            ch.released_below = committed
+
+    def rehand(self, cursor: int, k: int) -> tuple[list[str], int]:
+        """Leased group ids from position `cursor` (up to k), and the position after them. A position
+        that holds no lease (its hand-out was final) is skipped."""
+        gids, p = [], cursor
+        while p < self.cursor and len(gids) < k:
+            if p in self.leased:
+                gids.append(self.leased[p])
+            p += 1
+        self.counts["rehanded"] += len(gids)
+        return gids, p
+
+    def sample(self, k: int, trainer_version: int, lease: bool = False) -> tuple[list[list[Trajectory]], int, Change]:
         ch = Change()
         dropped = 0
         if self.max_staleness is not None:
@@ -112,11 +139,15 @@ class BufferBook:
             for t in members:
                 self.staleness[trainer_version - t.version] += 1
             out.append(members)
-        self.cursor += len(out)
+            if lease:
+                self.leased[self.cursor] = g.group_id
+                ch.leased.append((self.cursor, g.group_id))
+            self.cursor += 1
         return out, dropped, ch
 
     def stats(self) -> dict[str, int]:
         complete = sum(1 for g in self.groups.values() if g.complete)
         return {"stored": self.stored, "capacity": self.capacity, "complete_groups": complete,
                 "incomplete_groups": len(self.groups) - complete, "handed_out": self.cursor,
+                "leased": len(self.leased),
                 **{k: v for k, v in self.counts.items()}}

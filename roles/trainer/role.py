@@ -3,7 +3,9 @@
     setup: seed, join the other ranks (world_size > 1), load the model (+ reference, + critic) and
            optimizers (TrainEngine); resume from the newest complete checkpoint (model, optimizer,
            RNGs, version, buffer cursor); rank 0 connects to the experience buffer and starts the
-           WeightPublisher towards the master relay
+           WeightPublisher towards the master relay. Each SampleGroups carries our cursor and the
+           newest checkpoint's (`committed`): the buffer keeps what it handed us since that
+           checkpoint and, after a resume, hands it again in the same order
     loop:  SampleGroups until groups_per_batch whole groups are held (a short buffer is asked
            again after sample_wait_s) -> `step_started` -> minibatch_steps optimizer steps (in a
            worker thread, so the loop keeps heartbeating) -> version += 1 -> publish (only the
@@ -57,7 +59,8 @@ class TrainerRole(Role):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.version = 0
-        self.cursor = 0
+        self.cursor = 0        # groups received from the experience buffer (its hand-out position)
+        self.committed = None  # the cursor of the newest checkpoint (None: no checkpoints, hand-outs final)
         self.state = "starting"
         self.events: list[tuple[str, dict]] = []
         self.link: PublishLink | None = None
@@ -111,6 +114,9 @@ class TrainerRole(Role):
                 await in_thread(self.engine.full_state, "trainer-gather")  # rank 0 publishes version 0
             return
         self.metrics = MetricsLog(self.dir)  # rank 0 alone writes metrics and checkpoints
+        # groups handed out after our checkpoint stay leased in the buffer until the next one, so
+        # a trainer killed in between gets them again on resume (trained exactly once in what it keeps)
+        self.committed = self.cursor if c.engine != "sim" else None
         self.metrics.truncate_after(self.version)
         if c.tensorboard:
             self.metrics.open_tensorboard()
@@ -194,7 +200,8 @@ class TrainerRole(Role):
             if self.stopping.is_set():
                 return None
             try:
-                s = await self.buffer.call(SampleGroups(need - len(groups), self.version), timeout=30.0)
+                s = await self.buffer.call(SampleGroups(need - len(groups), self.version, cursor=self.cursor,
+                                                        committed=self.committed), timeout=30.0)
             except RpcError as exc:
                 if time.monotonic() - warned > 10:
                     self.log.warning("buffer_unavailable", error=str(exc))
@@ -236,6 +243,7 @@ class TrainerRole(Role):
                    publish_stall_s=round(stall, 6))
         if self.version % self.cfg.checkpoint_every == 0 and self.cfg.engine != "sim":  # sim: no state
             path = await in_thread(self._checkpoint, "trainer-checkpoint")
+            self.committed = self.cursor  # the buffer may forget the groups before it (next request)
             self.event("checkpoint_saved", version=self.version, path=str(path), cursor=self.cursor)
 
     def _checkpoint(self):

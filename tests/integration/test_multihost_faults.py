@@ -103,6 +103,8 @@ def test_kill_anything_lose_nothing(tmp_path):
     # every trajectory the manager recovered was stored once, or is still safe in the partial pool
     print(json.dumps(ledger | {"versions": f"1..{end_version}"}))
     assert ledger["samples_trained_twice"] == 0 and ledger["stored_twice"] == 0
+    # every group the buffer handed out is in a kept version, or leased for a resumed trainer
+    assert ledger["groups_handed_untrained"] == 0, ledger
     assert ledger["recovered"] > 0, "no rollout work was recovered"
     assert ledger["trajectories_lost"] == 0, ledger
     # the host that came back: its relay got a version newer than the one at its death

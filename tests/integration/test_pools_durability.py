@@ -205,3 +205,41 @@ def test_prompt_pool_survives_sigkill(cluster):
     assert not set(before) & set(rest), "a group was handed out twice across the restart"
     lost = 200 - len(before) - len(rest)
     assert 0 <= lost <= failed, "more groups missing than replies lost at the kill"
+
+
+def test_buffer_hands_leased_groups_again_after_sigkill(cluster):
+    """A trainer that checkpoints (committed=...) and dies after sampling gets the same groups
+    again from its checkpoint's cursor, even across a buffer SIGKILL; committed ones are forgotten."""
+    start, ports, keys = cluster
+    proc = start("experience_buffer")
+
+    async def fill_and_sample():
+        t = transport(keys)
+        c = t.client(f"tcp://127.0.0.1:{ports['experience_buffer']}")
+        for i in range(12):
+            tr = Trajectory(spec=spec(i), response_tokens=np.arange(3, dtype=np.int32),
+                            logprobs=np.zeros(3, np.float32), version=0, rollout_id="r", reward=1.0)
+            assert (await c.call(PutTrajectory(tr), timeout=5)).status == "stored"
+        a = await c.call(SampleGroups(2, 0, cursor=0, committed=0), timeout=5)
+        b = await c.call(SampleGroups(2, 1, cursor=a.cursor, committed=0), timeout=5)
+        await t.close()
+        return a, b
+    a, b = asyncio.run(fill_and_sample())
+    handed = [g[0].spec.group_id for s in (a, b) for g in s.groups]
+    assert len(handed) == 4 and b.cursor == 4
+    proc.kill()
+    start("experience_buffer")
+
+    async def resume():
+        t = transport(keys)
+        c = t.client(f"tcp://127.0.0.1:{ports['experience_buffer']}")
+        again = await c.call(SampleGroups(2, 1, cursor=2, committed=2), timeout=5)  # resumed at position 2
+        fresh = await c.call(SampleGroups(2, 1, cursor=again.cursor, committed=2), timeout=5)
+        behind = await c.call(SampleGroups(2, 1, cursor=0, committed=2), timeout=5)  # 0, 1 were committed
+        await t.close()
+        return again, fresh, behind
+    again, fresh, behind = asyncio.run(resume())
+    assert [g[0].spec.group_id for g in again.groups] == handed[2:] and again.cursor == 4
+    assert [len(g) for g in again.groups] == [2, 2]
+    assert not {g[0].spec.group_id for g in fresh.groups} & set(handed) and fresh.cursor == 6
+    assert [g[0].spec.group_id for g in behind.groups] == handed[2:]

@@ -78,3 +78,24 @@ def test_reject_when_full_names_capacity():
     book.put(traj(1, 1, 4, 0))
     status, _ = book.put(traj(2, 0, 4, 0))
     assert status == "full: 2/2 trajectories stored"
+
+
+def test_leases_rehand_in_order_and_release():
+    book = BufferBook(100)
+    for g in range(5):
+        for i in range(2):
+            book.put(traj(g, i, 2, 0))
+    first, _, ch = book.sample(2, 0, lease=True)
+    assert [g[0].spec.group_id for g in first] == ["g0", "g1"] and ch.leased == [(0, "g0"), (1, "g1")]
+    second, _, _ = book.sample(2, 1, lease=True)
+    assert book.cursor == 4 and list(book.leased) == [0, 1, 2, 3]
+    # a trainer resumed at position 2 (its checkpoint) is handed g2, g3 again, in order
+    assert book.rehand(2, 5) == (["g2", "g3"], 4)
+    assert book.rehand(1, 2) == (["g1", "g2"], 3)
+    ch = type(ch)()
+    book.release(2, ch)
+    assert ch.released_below == 2 and list(book.leased) == [2, 3]
+    assert book.rehand(0, 5) == (["g2", "g3"], 4)  # released positions are skipped
+    # a final (unleased) hand-out is never handed again; duplicates of handed groups are refused
+    book.sample(1, 2)
+    assert book.rehand(4, 3) == ([], 5) and book.put(traj(4, 0, 2, 0))[0].startswith("duplicate")
