@@ -24,6 +24,7 @@ import random
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,7 +61,7 @@ def main() -> int:
         print(f"cluster up at version {start_version}; injecting faults for {a.minutes} min", flush=True)
         while time.monotonic() < t_end:
             kind = rng.choice(KINDS)
-            v0, t0 = mh.version(), time.monotonic()
+            v0, t0, at = mh.version(), time.monotonic(), time.time()
             what, back = inject(mh, kind, rng, a)
             recovered = False
             try:
@@ -72,7 +73,8 @@ def main() -> int:
             except TimeoutError:
                 pass
             took = time.monotonic() - t0
-            faults.append({"fault": what, "at_version": v0, "recovered": recovered, "next_version_s": round(took, 2)})
+            faults.append({"fault": what, "at_version": v0, "recovered": recovered, "next_version_s": round(took, 2),
+                           "at": at, "kind": kind})
             print(f"[{time.strftime('%H:%M:%S')}] {what:<26} v{v0}: {'recovered' if recovered else 'NOT RECOVERED'} "
                   f"in {took:.1f}s", flush=True)
             time.sleep(max(0.0, a.every - took))  # the chaos schedule's period
@@ -81,11 +83,18 @@ def main() -> int:
         ledger = mh.ledger()
         repairs = log_events(mh.log("manager", "0"), "chain_repaired")
         dead = log_events(mh.log("manager", "0"), "rollout_dead")
-    print_table(f"chaos: {len(faults)} faults in {a.minutes} min", ["fault", "at version", "recovered", "s to next version"],
-                [[f["fault"], f["at_version"], f["recovered"], f["next_version_s"]] for f in faults])
+        split_timings(mh, faults, a)
+    print_table(f"chaos: {len(faults)} faults in {a.minutes} min",
+                ["fault", "at version", "recovered", "s to next version", "detect", "chain repaired", "resumed", "rejoined"],
+                [[f["fault"], f["at_version"], f["recovered"], f["next_version_s"],
+                  *("-" if f.get(k) is None else f[k] for k in PHASES)] for f in faults])
     rep = [r["repair_s"] for r in repairs]
     print_table("chain repairs", ["count", "p50 s", "max s"], [[len(rep), percentile(rep, 50) if rep else 0.0,
                                                                  max(rep) if rep else 0.0]])
+    phases = {k: [f[k] for f in faults if f.get(k) is not None] for k in PHASES}
+    print_table("recovery phases, seconds from the fault (paper, reference only: chain repair < 1 s, a full machine "
+                "replacement 252 s)", ["phase", "faults", "p50", "max"],
+                [[k, len(v), percentile(v, 50) if v else "-", max(v) if v else "-"] for k, v in phases.items()])
     print("\nledger: " + json.dumps(ledger | {"versions": f"{ledger['versions'][0]}..{ledger['versions'][-1]}"
                                                if ledger["versions"] else "-"}))
     write_json(a.out, {
@@ -94,9 +103,56 @@ def main() -> int:
         "trajectories_lost": ledger["trajectories_lost"], "samples_trained_twice": ledger["samples_trained_twice"],
         "stored_twice": ledger["stored_twice"], "versions_monotone": ledger["versions_monotone"],
         "chain_repair_s_max": max(rep) if rep else None, "chain_repairs": len(rep), "rollouts_declared_dead": len(dead),
+        "recovery_s": {k: {"n": len(v), "p50": percentile(v, 50) if v else None, "max": max(v) if v else None}
+                       for k, v in phases.items()},
+        "groups_handed_untrained": ledger["groups_handed_untrained"],
         "iterations_during_run": end_version - start_version, "ledger": {k: v for k, v in ledger.items() if k != "versions"},
         "runs": str(tmp)})
     return 0
+
+
+PHASES = ["detect_s", "chain_repaired_s", "resumed_s", "rejoined_s"]
+
+
+def split_timings(mh, faults: list[dict], a) -> None:
+    """Per fault, from the roles' own logs (seconds after the fault was injected): `detect_s` the
+    manager declared a rollout dead or lost a relay, `chain_repaired_s` the chain was re-linked
+    (the manager's chain_repaired, or master_changed when the master relay's host went), `resumed_s` the first trajectory the manager recovered in
+    this fault's window was stored, `rejoined_s` (a host fault) the host's relay made a version
+    visible again after the host restarted."""
+    from laminar.testing.procs import log_events
+
+    def ts(e: dict) -> float:
+        return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+
+    man = mh.log("manager", "0")
+    detect = sorted(ts(e) for name in ("rollout_dead", "relay_silent", "downstream_lost", "chain_repaired",
+                                       "master_changed")
+                    for e in log_events(man, name))
+    repaired = sorted(ts(e) for name in ("chain_repaired", "master_changed") for e in log_events(man, name))
+    recovering = [(ts(e), set(e["ids"])) for e in log_events(man, "recovering")]
+    stored_at: dict[str, float] = {}
+    for log in (mh.run_dir / "logs").glob("rollout.*.log"):
+        for e in log_events(log, "trajectory_stored"):
+            t = e["trajectory"].split("~r")[0]
+            stored_at[t] = min(stored_at.get(t, float("inf")), ts(e))
+    ends = [f["at"] for f in faults[1:]] + [float("inf")]
+    for f, end in zip(faults, ends):
+        t0 = f["at"]
+        first = lambda xs: next((x - t0 for x in xs if t0 <= x < end), None)  # noqa: E731
+        f["detect_s"] = first(detect) if f["kind"] in ("rollout", "relay", "host", "link") else None
+        f["chain_repaired_s"] = first(repaired) if f["kind"] in ("relay", "host", "link") else None
+        ids = set().union(*[i for t, i in recovering if t0 <= t < end]) if recovering else set()
+        done = sorted(stored_at[t.split("~r")[0]] for t in ids if t.split("~r")[0] in stored_at)
+        f["resumed_s"] = round(done[0] - t0, 3) if done else None
+        f["rejoined_s"] = None
+        if f["kind"] == "host":
+            h = f["fault"].split()[1][1:]
+            back = t0 + a.host_down_s
+            vis = sorted(ts(e) for e in log_events(mh.log("relay", f"r{h}"), "version_visible") if ts(e) >= back)
+            f["rejoined_s"] = round(vis[0] - t0, 3) if vis else None  # (may be after the next fault)
+        for k in ("detect_s", "chain_repaired_s"):
+            f[k] = round(f[k], 3) if f[k] is not None else None
 
 
 def inject(mh, kind: str, rng: random.Random, a) -> tuple[str, callable]:
