@@ -43,9 +43,14 @@ class MigrateOut:
 class MigrateIn:
     """Continue these trajectories here: prompt + generated tokens become the new prefix.
 
-    Refused (code `refused`) unless every partial's version equals this rollout's version.
+    Refused (code `refused`) unless every partial's version equals this rollout's version, or
+    `adopt` is set: then the partials (one version) are queued, and when the rollout's current
+    work is done it loads that version from its relay's retained versions, generates them and
+    nothing else, and moves on to the newest version (refused `not_retained` if the relay has
+    no such version, `busy` if it already holds adopted work of another version).
     """
     partials: list[PartialState]
+    adopt: bool = False
 
 
 @event("rollout.migrate_in_result")

@@ -83,10 +83,12 @@ class MultiHost:
             hosts[f"h{h}"] = {"address": self.net.address(h), "bind": self.net.address(h), "roles": roles}
         rollout = dict(SIM_ROLLOUT) if self.engine == "sim" else {"engine": "vllm", "max_model_len": 256}
         settings = {
-            "manager": {"repack_interval_s": 2.0, "batch_bound": 8, "rollout_dead_after_s": 3.0, "orphan_wait_s": 5.0},
+            # orphans whose version no live rollout holds resume on it from a relay's retained copy
+            "manager": {"repack_interval_s": 2.0, "batch_bound": 8, "rollout_dead_after_s": 3.0, "orphan_wait_s": 5.0,
+                        "orphan_policy": "retained"},
             "prompt_pool": {"dataset": str(data), "group_size": 4, "max_tokens": 256 if self.engine == "sim" else 48},
             "experience_buffer": {"capacity": 5000, "max_staleness": 8},
-            "relay": {"data_port": 7101},
+            "relay": {"data_port": 7101, "retain_versions": 48},
             "rollout": {**rollout, "model_dir": str(self.model_dir), "max_concurrency": 8,
                         "reward": "laminar.tasks.rewards:upper_fraction", "delta_interval_s": 0.1, "idle_wait_s": 0.2},
             "trainer": {"model_dir": str(self.model_dir), "lr": 0.001, "groups_per_batch": 4, "minibatch_steps": 1,
@@ -200,13 +202,16 @@ class MultiHost:
         metrics = self.metrics()
         trained = [g for r in metrics for g in r["group_ids"]]
         stored: dict[str, int] = {}
+        stored_version: dict[str, int] = {}
         for log in (self.run_dir / "logs").glob("rollout.*.log"):
             for e in log_events(log, "trajectory_stored"):
                 if e["status"] == "stored":
                     stored[e["trajectory"]] = stored.get(e["trajectory"], 0) + 1
+                    stored_version[e["trajectory"]] = e["version"]
         base = lambda t: t.split("~r")[0]  # noqa: E731  (a restarted orphan keeps its original id before ~r)
         recovered = {base(t) for e in log_events(self.log("manager", "0"), "recovering") for t in e["ids"]}
         restarted = {base(t) for e in log_events(self.log("manager", "0"), "orphans_restarted") for t in e["ids"]}
+        adopted = {t: e["version"] for e in log_events(self.log("manager", "0"), "orphans_adopted") for t in e["ids"]}
         stored_ids = {base(t) for t in stored}
         db = self.run_dir / "pools" / "partial_pool-0.sqlite"
         pending: set[str] = set()
@@ -230,6 +235,9 @@ class MultiHost:
                 "stored_twice": sum(1 for n in Counter(base(t) for t, k in stored.items() for _ in range(k)).values() if n > 1),
                 "recovered": len(recovered), "recovered_finished": len(recovered & stored_ids),
                 "recovered_restarted": len(restarted), "recovered_pending": len((recovered - stored_ids) & pending),
+                # resumed on their own version from a relay's retained copy; stored with another: wrong
+                "recovered_adopted": len(adopted),
+                "adopted_wrong_version": sum(1 for t, v in adopted.items() if t in stored_version and stored_version[t] != v),
                 "recovered_dropped_by_policy": len(by_policy), "groups_dropped_by_policy": len(dropped),
                 "trajectories_lost": len(recovered - stored_ids - pending - by_policy),
                 # handed to a trainer, in no version it kept, and not leased for its successor

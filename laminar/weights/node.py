@@ -35,9 +35,9 @@ class RelayNode:
     def __init__(self, relay_id: str, shm_dir: str, transport: ChunkTransport, key: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
                  on_event: Callable[..., None] = lambda kind, **kw: None,
-                 connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0):
+                 connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0, retain: int = 0):
         self.id, self.transport, self.key = relay_id, transport, key
-        self.store = ShmStore(shm_dir)
+        self.store = ShmStore(shm_dir, retain)
         self.bind_host, self.port = bind_host, port
         self.on_event = on_event
         self.connect_timeout_s, self.ack_timeout_s = connect_timeout_s, ack_timeout_s

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Iterator
 
 from laminar.protocol import Manifest
-from laminar.weights.manifest import verify
-from laminar.weights.store import read_pointer
+from laminar.weights.manifest import manifest_from_bytes, verify
+from laminar.weights.store import read_pointer, retained_versions
 
 _RETRIES = 64
 
@@ -119,6 +119,38 @@ class LocalWeights:
                 pass  # the relay is writing that slot: `current` has moved on, read it again
             os.close(fd)
         raise RuntimeError(f"{self.dir}: could not get hold of a version in {_RETRIES} tries")
+
+    def retained(self) -> list[int]:
+        """Older versions the relay keeps besides its newest (store.py, retained versions)."""
+        return retained_versions(self.dir)
+
+    def has(self, version: int) -> bool:
+        return version == self.current_version() or (self.dir / f"v{version}.manifest").exists()
+
+    def version(self, version: int, verify_chunks: bool = True) -> PulledVersion | None:
+        """Hold exactly `version`: the newest one, or a retained one (None if the relay has neither).
+        A retained file is never written again, so no lock is needed; its checksums are verified
+        (it may come from a previous run of the relay) unless `verify_chunks` is False."""
+        pulled = self.latest(version - 1)
+        if pulled is not None and pulled.version == version:
+            return pulled
+        if pulled is not None:
+            pulled.close()
+        try:
+            m = manifest_from_bytes((self.dir / f"v{version}.manifest").read_bytes())
+            fd = os.open(self.dir / f"v{version}.bin", os.O_RDONLY)
+        except (FileNotFoundError, ValueError):
+            return None
+        try:
+            buf = mmap.mmap(fd, m.total_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError):
+            os.close(fd)
+            return None
+        held = PulledVersion(m, buf, fd)
+        if verify_chunks and held.verify():
+            held.close()
+            raise ValueError(f"{self.dir}/v{version}.bin: checksum mismatch")
+        return held
 
     def pull_into(self, dst: dict, min_version: int = -1) -> int:
         """Copy the newest complete version into `dst` (same names, dtypes, shapes; any device);

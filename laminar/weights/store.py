@@ -18,6 +18,12 @@ Visibility and safety contract (what a local reader relies on):
 - chunks that arrive for a chunk already held are drained to scratch memory by the receiver, so a
   corrupt duplicate cannot overwrite verified bytes.
 
+Retained versions (`retain` > 0): when a version is replaced, its slot file gets a second name,
+`v<version>.bin` (a hard link: no copy), with its manifest in `v<version>.manifest`; a slot file
+with such a name is never written again (the next version goes into a fresh file), and only the
+newest `retain` are kept. A rollout can load one (pull.py `LocalWeights.version`) to resume work
+of an old version that no live rollout holds any more (the manager's orphan_policy `retained`).
+
 Threading: one condition (`cond`) guards all state; receivers mark chunks and forwarders wait on it
 for the next chunk, so forwarding chunk i overlaps receiving chunk i+1.
 """
@@ -83,6 +89,17 @@ class VersionBuffer:
         return with_version(self.manifest, self.version, self.checksums)
 
 
+def retained_versions(directory: Path) -> list[int]:
+    """The retained versions in a relay folder (those with a `v<version>.manifest`), oldest first."""
+    out = []
+    for p in Path(directory).glob("v*.manifest"):
+        try:
+            out.append(int(p.name[1:-len(".manifest")]))
+        except ValueError:
+            continue
+    return sorted(out)
+
+
 def read_pointer(directory: Path) -> tuple[int, int, Manifest] | None:
     """(slot, inode, manifest) named by `current`, or None (raises ValueError if corrupt)."""
     try:
@@ -104,8 +121,9 @@ class ShmStore:
 
     preempt = True  # forwarders switch to a newer version as soon as it starts arriving
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, retain: int = 0):
         self.dir = Path(directory)
+        self.retain = max(0, int(retain))
         self.cond = threading.Condition()
         self.current: VersionBuffer | None = None
         self.incoming: VersionBuffer | None = None
@@ -132,9 +150,12 @@ class ShmStore:
                     self.current, keep = vb, {CURRENT, self.slot_path(slot).name}
         except (OSError, ValueError):
             self.maps.clear()
+        if self.retain:  # retained versions of a previous run stay (a reader verifies what it loads)
+            keep |= {p.name for p in self.dir.glob("v*.bin")} | {p.name for p in self.dir.glob("v*.manifest")}
         for p in self.dir.iterdir():
             if p.name not in keep:
                 p.unlink(missing_ok=True)
+        self._prune()
 
     def _map(self, slot: int, size: int, create: bool, fresh: bool = False) -> mmap.mmap:
         """The slot's mapping (reused when the same inode already has the right size)."""
@@ -194,6 +215,7 @@ class ShmStore:
         slot = 1 - self.current.slot if self.current is not None else 0
         # our own forwarder may still stream the version that slot holds: never write under it
         busy = any(vb is not None and vb.slot == slot and vb.readers for vb in (inc, self.previous))
+        busy = busy or self._linked(slot)  # a retained version lives in that file: never overwrite it
         vb = self._claim(slot, with_version(m, m.version), fresh=busy)
         self.incoming = vb
         self.cond.notify_all()
@@ -238,8 +260,43 @@ class ShmStore:
                                        "manifest": manifest_to_bytes(vb.full_manifest())}))
         os.replace(tmp, self.dir / CURRENT)
         self._unlock(vb)
+        if self.retain and self.current is not None:
+            self._keep(self.current)
         self.previous, self.current, self.incoming = self.current, vb, None
         self.cond.notify_all()
+
+    # -- retained versions ---------------------------------------------------------------------------
+    def _linked(self, slot: int) -> bool:
+        try:
+            return os.stat(self.slot_path(slot)).st_nlink > 1
+        except FileNotFoundError:
+            return False
+
+    def _keep(self, vb: VersionBuffer) -> None:
+        """Give the replaced version's file a second name (its bytes stay where they are)."""
+        name = self.dir / f"v{vb.version}.bin"
+        try:
+            if os.stat(vb.path).st_ino != self.maps.get(vb.slot, (None,))[0]:
+                return  # its file was replaced meanwhile: nothing to keep under that name
+            name.unlink(missing_ok=True)
+            os.link(vb.path, name)
+            tmp = self.dir / f"v{vb.version}.manifest.tmp"
+            tmp.write_bytes(manifest_to_bytes(vb.full_manifest()))
+            os.replace(tmp, self.dir / f"v{vb.version}.manifest")
+        except OSError:  # retention is best effort: the relay goes on without it
+            name.unlink(missing_ok=True)
+            return
+        self._prune()
+
+    def retained(self) -> list[int]:
+        """Versions kept besides `current`, oldest first."""
+        return retained_versions(self.dir)
+
+    def _prune(self) -> None:
+        vs = self.retained()
+        for v in vs[:max(0, len(vs) - self.retain)]:
+            (self.dir / f"v{v}.manifest").unlink(missing_ok=True)  # the manifest first: readers look for it
+            (self.dir / f"v{v}.bin").unlink(missing_ok=True)
 
     def stop(self) -> None:
         with self.cond:

@@ -17,7 +17,10 @@ placed again on every tick. An orphan that finds no live rollout of its version 
 `restart` (default) starts it again from its prompt on the live rollout with most room, at that
 rollout's version, under the id `<id>~r<n>` (same group and sample index: the buffer takes
 whichever of the two arrives first), and completes the old partial; `wait` keeps it until a
-rollout of its version appears, warning as `orphans_stuck`. One lock serializes plans,
+rollout of its version appears, warning as `orphans_stuck`; `retained` offers them (MigrateIn
+with adopt) to live rollouts, fewest active first, until one whose relay retains their version
+takes them: it finishes its current work, loads that version, and resumes them on it (no tokens
+lost, no new id); whatever no rollout adopts is restarted. One lock serializes plans,
 recoveries and placements.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from laminar.bus.errors import RpcError
+from laminar.bus.errors import RemoteError, RpcError
 import numpy as np
 
 from laminar.protocol import (CompletePartial, Heartbeat, InFlightOf, MigrateIn, MigrateOut, PartialState,
@@ -63,7 +66,7 @@ class FleetSettings:
     dead_after_s: float = 5.0
     rpc_timeout_s: float = 10.0
     orphan_wait_s: float = 30.0
-    orphan_policy: str = "restart"  # restart | wait
+    orphan_policy: str = "restart"  # restart | wait | retained
     reconcile_s: float = 30.0     # period of the partial-pool scan for work of unknown owners
     log_path: Path | None = None  # JSONL of every repack (for summaries)
     timeline_path: Path | None = None  # JSONL of every rollout report (idle fraction, KV usage)
@@ -76,6 +79,7 @@ class FleetCounters:
     moved_trajectories: int = 0
     recovered: int = 0            # trajectories of dead rollouts placed on live ones
     restarted: int = 0            # orphans started again from their prompt (orphan_policy restart)
+    adopted: int = 0              # orphans resumed on their own, retained version (orphan_policy retained)
     dead: int = 0
     last_repack_s: float = 0.0
     failed_moves: int = 0
@@ -294,10 +298,50 @@ class Fleet:
                 parts += [p for p in batch if p.spec.trajectory_id not in placed]
         now = time.monotonic()
         stuck = [t for t, (_, since) in self.orphans.items() if now - since > self.s.orphan_wait_s]
-        if stuck and self.s.orphan_policy == "restart":
+        if stuck and self.s.orphan_policy == "retained":
+            stuck = await self._adopt(stuck)
+        if stuck and self.s.orphan_policy in ("restart", "retained"):
             await self._restart(stuck)
         elif stuck:
             self.log.warning("orphans_stuck", trajectories=len(stuck), waiting_s=self.s.orphan_wait_s)
+
+    async def _adopt(self, tids: list[str]) -> list[str]:
+        """Offer stuck orphans, by version, to live rollouts (fewest active first) for adoption on
+        their own version from a retained copy; returns the ids nobody took."""
+        by_version: dict[int, list[PartialState]] = {}
+        for tid in tids:
+            by_version.setdefault(self.orphans[tid][0].version, []).append(self.orphans[tid][0])
+        left: list[str] = []
+        for version, parts in by_version.items():
+            declined: dict[str, str] = {}  # dest -> why (not_retained, busy): logged once per version
+            for dest in sorted((v for v in self.views.values() if v.alive and v.stats.state != "loading"),
+                               key=lambda v: v.stats.active):
+                if not parts:
+                    break
+                batch = parts[:2 * self.s.max_concurrency]
+                try:
+                    res = await self._client(dest.id).call(MigrateIn(batch, adopt=True), timeout=self.s.rpc_timeout_s)
+                except RemoteError as exc:
+                    if exc.code not in ("not_retained", "busy"):
+                        self.log.warning("adopt_refused", dest=dest.id, version=version, error=str(exc))
+                    declined[dest.id] = exc.code
+                    continue
+                except RpcError as exc:
+                    self.log.warning("adopt_failed", dest=dest.id, version=version, error=str(exc))
+                    continue
+                took = set(res.accepted) | set(res.gone)
+                for tid in took:
+                    self.orphans.pop(tid, None)
+                self.c.recovered += len(res.accepted)
+                self.c.adopted += len(res.accepted)
+                if res.accepted:
+                    self.log.info("orphans_adopted", dest=dest.id, version=version, ids=sorted(res.accepted)[:64],
+                                  trajectories=len(res.accepted))
+                parts = [p for p in parts if p.spec.trajectory_id not in took]
+            if parts:
+                self.log.info("orphans_not_adopted", version=version, trajectories=len(parts), declined=declined)
+            left += [p.spec.trajectory_id for p in parts]
+        return left
 
     async def _restart(self, tids: list[str]) -> None:
         """Start stuck orphans again from their prompts on the roomiest live rollout."""

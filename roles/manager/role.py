@@ -39,8 +39,10 @@ class ManagerConfig(BaseModel):
                                    "or [[batch, ms], ...]): B is derived from it (step <= 1.2 x batch 1)")
     rollout_dead_after_s: float | None = Field(None, gt=0, description="rollout silence that declares it dead (default: cluster.dead_after_s)")
     orphan_wait_s: float = Field(30.0, gt=0, description="how long a dead rollout's trajectories wait for a live rollout of their version")
-    orphan_policy: str = Field("restart", pattern="^(restart|wait)$", description="then: restart them from their prompts "
-                               "on the newest version (new id <id>~r<n>), or wait (and warn) for a rollout of their version")
+    orphan_policy: str = Field("restart", pattern="^(restart|wait|retained)$", description="then: restart them from their "
+                               "prompts on the newest version (new id <id>~r<n>); wait (and warn) for a rollout of their "
+                               "version; or retained: a rollout whose relay retains their version (relay "
+                               "retain_versions) adopts them and resumes them on it, else restart")
     partial_pool: str = Field("0", description="id of the partial pool role (in-flight state of dead rollouts)")
 
 
@@ -139,5 +141,5 @@ class ManagerRole(Role):
         return {"chain": c.order(), "epoch": c.epoch, "master": self.chain.master_info().relay_id,
                 "repairs": self.chain.repairs, "last_repair_s": round(self.chain.last_repair_s, 4),
                 "repacks": f.repacks, "moved": f.moved_trajectories, "last_repack_s": round(f.last_repack_s, 4),
-                "dead_rollouts": f.dead, "recovered": f.recovered, "restarted": f.restarted,
+                "dead_rollouts": f.dead, "recovered": f.recovered, "restarted": f.restarted, "adopted": f.adopted,
                 "orphans": len(self.fleet.orphans)}

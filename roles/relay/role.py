@@ -34,6 +34,9 @@ class RelayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     shm_dir: str | None = Field(None, description="shared-memory folder (default /dev/shm/laminar-<run>-relay-<id>)")
     data_port: int = Field(0, ge=0, le=65535, description="chunk listener port (0: any free port)")
+    retain_versions: int = Field(0, ge=0, le=64, description="older complete versions kept in shm_dir besides the newest "
+                                 "(hard links, no copy; each costs one model's bytes of memory), so work of an old "
+                                 "version can resume on it (manager orphan_policy: retained)")
     transport: str = Field("tcp", description="chunk transport: tcp, ucx, or module:Class")
     transport_options: dict = Field(default_factory=dict, description="keyword arguments of the transport")
     manager_id: str = Field("0", description="id of the manager role that owns the chain")
@@ -60,7 +63,8 @@ class RelayRole(Role):
         transport = get_transport(self.cfg.transport, **self.cfg.transport_options)
         self.node = RelayNode(rid, shm_dir, transport, derive_key(keys.secret if keys else None),
                               bind_host=host.bind, port=self.cfg.data_port, on_event=self._from_thread,
-                              connect_timeout_s=self.cfg.connect_timeout_s, ack_timeout_s=self.cfg.ack_timeout_s)
+                              connect_timeout_s=self.cfg.connect_timeout_s, ack_timeout_s=self.cfg.ack_timeout_s,
+                              retain=self.cfg.retain_versions)
         await asyncio.to_thread(self.node.start)
         self.data_address = f"{host.address}:{self.node.address.rsplit(':', 1)[1]}"
         control = cfg.bind_endpoint("relay", rid) if spec.port else (self.cfg.address or f"tcp://{host.bind}:*")

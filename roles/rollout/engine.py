@@ -33,7 +33,9 @@ class RolloutEngine:
     def generate(self, request_id: str, prompt: list[int], max_tokens: int,
                  seed: int | None) -> AsyncIterator[tuple[list[int], list[float], str | None]]: ...
 
-    async def load_relay(self, shm_dir: str, min_version: int) -> int: ...
+    async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
+        """Load the relay's newest version if newer than min_version (or exactly `exact`, newest or
+        retained); its number, or -1 if there is none."""
 
     async def load_file(self, path: str) -> None: ...
 
@@ -102,8 +104,8 @@ class VllmEngine(RolloutEngine):
             lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [])]
             yield toks, lps, (c.finish_reason if out.finished else None)
 
-    async def load_relay(self, shm_dir: str, min_version: int) -> int:
-        res = await self.llm.collective_rpc("laminar_load_relay", args=(shm_dir, min_version))
+    async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
+        res = await self.llm.collective_rpc("laminar_load_relay", args=(shm_dir, min_version, exact))
         return int(res[0])
 
     async def load_file(self, path: str) -> None:

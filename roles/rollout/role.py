@@ -6,7 +6,10 @@
     tasks: one per trajectory (consumes the engine stream), `flush` (token deltas to the partial
            pool every delta_interval_s), `report` (rollout.stats every report_interval_s)
     rpc:   MigrateOut (abort, make durable, hand back partial states), MigrateIn (same version
-           only; continue from prompt + generated tokens with the remaining budget)
+           only; continue from prompt + generated tokens with the remaining budget). MigrateIn
+           with `adopt`: work of an older version, queued; when this rollout's work is done it
+           loads that version from the relay's retained versions, runs only the adopted work
+           (no new prompts), then goes back to the newest version
     modes: TakeBatch carries this rollout's version, so the prompt pool's barrier gate (sync,
            one_step, stream) holds it back until the trainer's next version; `weights.version`
            events wake an idle rollout at once. `refill` (stream mode's default) takes new
@@ -57,6 +60,8 @@ class RolloutRole(Role):
         self.new_weights = asyncio.Event()
         self.engine = None
         self.episodes = None  # the EpisodeRunner of multi-turn rollouts
+        self.adopted: list = []   # PartialStates of an older version, queued (MigrateIn adopt)
+        self.pinned = False       # running adopted work: no new prompts, no weight update
 
     # -- setup ------------------------------------------------------------------------------
     def _address(self, role: str, id: str) -> str:
@@ -117,8 +122,15 @@ class RolloutRole(Role):
         while not self.stopping.is_set():
             self.room_freed.clear()  # before TakeBatch: a finish from here on wakes the refill wait
             async with self.lock:
-                await self._maybe_update_weights()
+                if not self.active:
+                    self.pinned = False
+                if self.adopted and not self.active:
+                    await self._run_adopted()
+                else:
+                    await self._maybe_update_weights()
                 room = self.cfg.max_concurrency - len(self.active)  # migrated-in work counts
+                if self.pinned or self.adopted:
+                    room = 0  # an old version's work runs alone; the queue waits for the batch to end
                 if self.active and room < self._group_size:  # refill takes whole groups only
                     room = 0
                 # batch_seq makes a retried TakeBatch (lost reply) return the same groups
@@ -160,6 +172,30 @@ class RolloutRole(Role):
             _, ev = await self.versions_sub.recv()
             if getattr(ev, "version", 0) > self.version:
                 self.new_weights.set()
+
+    async def _run_adopted(self) -> None:
+        """Load the adopted work's version from the relay (retained) and start that work alone."""
+        version, work = self.adopted[0].version, self.adopted
+        self.adopted = []
+        self.state = "loading"
+        t0 = time.monotonic()
+        why = "version no longer retained"
+        try:
+            got = await self.engine.load_relay(self.weights_dir, -1, exact=version)
+        except (OSError, ValueError, RuntimeError) as exc:
+            why, got = f"load failed: {exc}", -1
+            self.version = -1  # a half-done load is no version: the next loop pulls the newest
+        if got != version:  # pruned meanwhile: give the work up, the manager's scan finds it again
+            self.log.warning("adopt_failed", version=version, trajectories=len(work), why=why)
+            for p in work:
+                await self._call(self.partials, ReassignPartial(p.spec.trajectory_id, ""))
+            return
+        self.log.info("adopted_resumed", version=version, previous=self.version, trajectories=len(work),
+                      load_s=round(time.monotonic() - t0, 4))
+        self.version, self.pinned = version, True
+        for p in work:
+            self._start(Active.resume(p))
+        self.state = "generating"
 
     async def _maybe_update_weights(self) -> None:
         if not self.weights_dir or self.active:
@@ -313,6 +349,8 @@ class RolloutRole(Role):
         return PartialList(out)
 
     async def on_migrate_in(self, req: MigrateIn) -> MigrateInResult:
+        if req.adopt and any(p.version != self.version for p in req.partials):
+            return await self._adopt(req)
         async with self.lock:  # no weight load may slip in between the check and the start
             wrong = [p for p in req.partials if p.version != self.version]
             if wrong:
@@ -345,6 +383,40 @@ class RolloutRole(Role):
                 self.state = "generating"
         self.log.info("migrated_in", trajectories=len(accepted), gone=len(gone), version=self.version)
         return MigrateInResult(accepted=accepted, version=self.version, gone=gone)
+
+    async def _adopt(self, req: MigrateIn) -> MigrateInResult:
+        versions = {p.version for p in req.partials}
+        if len(versions) != 1:
+            raise RequestError("refused", f"adopted work must be of one version, got {sorted(versions)}")
+        (version,) = versions
+        async with self.lock:
+            if self.adopted and self.adopted[0].version != version:
+                raise RequestError("busy", f"rollout {self.ctx.id} already holds adopted work of version "
+                                   f"{self.adopted[0].version}")
+            if len(self.adopted) + len(req.partials) > 2 * self.cfg.max_concurrency:
+                raise RequestError("busy", f"rollout {self.ctx.id} has {len(self.adopted)} adopted trajectories")
+            from laminar.weights.pull import LocalWeights
+            if not self.weights_dir or not await asyncio.to_thread(LocalWeights(self.weights_dir).has, version):
+                raise RequestError("not_retained", f"the relay of rollout {self.ctx.id} does not hold version {version}")
+            accepted, gone = [], []
+            queued = {p.spec.trajectory_id for p in self.adopted}
+            for p in req.partials:
+                tid = p.spec.trajectory_id
+                if tid in queued or tid in self.active:
+                    accepted.append(tid)
+                    continue
+                try:
+                    await self._call(self.partials, ReassignPartial(tid, self.ctx.id))
+                except RemoteError as exc:
+                    self.log.info("migrate_in_gone", trajectory=tid, why=exc.message)
+                    gone.append(tid)
+                    continue
+                self.adopted.append(p)
+                accepted.append(tid)
+        self.log.info("adopted", trajectories=len(accepted), gone=len(gone), version=version, holding=self.version,
+                      active=len(self.active))
+        self.new_weights.set()  # an idle rollout wakes and takes it at once
+        return MigrateInResult(accepted=accepted, version=version, gone=gone)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def stop(self) -> None:

@@ -247,10 +247,16 @@ class SimEngine(RolloutEngine):
                 self.counters["aborted"] += 1
                 self._update_stats()
 
-    async def load_relay(self, shm_dir: str, min_version: int) -> int:
+    async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
         if os.path.isdir(shm_dir):
             from laminar.weights.pull import LocalWeights
-            version = await asyncio.to_thread(LocalWeights(shm_dir).current_version)
+            w = LocalWeights(shm_dir)
+            if exact is not None:
+                if not await asyncio.to_thread(w.has, exact):
+                    return -1
+                await self.clock.sleep(self.load_s)
+                return exact
+            version = await asyncio.to_thread(w.current_version)
             if version <= min_version:
                 return -1
         else:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 
 class LaminarWorkerExtension:
-    def laminar_load_relay(self, shm_dir: str, min_version: int) -> int:
-        """Load the relay's newest complete version if it is newer than min_version; its number or -1."""
+    def laminar_load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
+        """Load the relay's newest complete version if it is newer than min_version (or exactly
+        version `exact`, the newest or a retained one); its number or -1."""
         from laminar.weights.pull import LocalWeights
-        pulled = LocalWeights(shm_dir).latest(min_version)
+        w = LocalWeights(shm_dir)
+        pulled = w.latest(min_version) if exact is None else w.version(exact)
         if pulled is None:
             return -1
         try:

@@ -6,7 +6,11 @@
   same weights and tokens: tolerance 1e-3 (measured here: 5.2e-5 on this random model);
 - publishing a new version while a batch is in flight changes nothing in that batch; the next
   batch uses the new version and its greedy output matches the new weights;
-- a migrate-in with the wrong version is refused with a clear error.
+- a migrate-in with the wrong version is refused with a clear error;
+- adoption (MigrateIn with `adopt`, the manager's orphan_policy `retained`): work of a version the
+  rollout no longer holds waits for its batch to end, then runs on that version loaded from the
+  relay's retained copy (greedy output of the old weights, stored with the old version), and the
+  rollout goes back to the newest version afterwards.
 Two engines share the two cores, so everything runs in one module-scoped cluster.
 """
 from __future__ import annotations
@@ -89,7 +93,7 @@ def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rollout")
     model_dir = build_tiny_model(tmp / "model", seed=1, init_std=0.5)
     shm = tmp / "shm"
-    store = ShmStore(shm)
+    store = ShmStore(shm, retain=4)  # older versions stay readable (adoption test)
     store.open()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     write_version(store, model.state_dict(), 1)
@@ -205,3 +209,40 @@ def test_new_version_waits_for_the_batch_boundary(world):
     for t in in_flight:
         assert_greedy(model, [int(x) for x in t.spec.prompt_tokens], [int(x) for x in t.response_tokens], MAX_TOKENS,
                       t.spec.trajectory_id)
+
+
+def test_adopted_work_resumes_on_its_retained_version(world):
+    loop, cluster, model, store, cfg = world
+    base = model.state_dict()
+    v2_sd = {k: (v * 1.7 if "mlp" in k else v) for k, v in base.items()}  # what the previous test published
+    v2_model = transformers.AutoModelForCausalLM.from_pretrained(cluster.cfg.roles["rollout"]["model_dir"],
+                                                                 torch_dtype=torch.float32).eval()
+    v2_model.load_state_dict(v2_sd)
+    v3_sd = {k: (v * 0.6 if "mlp" in k else v) for k, v in base.items()}
+
+    async def go():
+        r0 = await cluster.start("rollout", "0")
+        async with asyncio.timeout(120):
+            while r0.version != 2 or not r0.active or min(len(a.tokens) for a in r0.active.values()) < MAX_TOKENS // 3:
+                await asyncio.sleep(0.01)  # watching the role's own state
+        write_version(store, v3_sd, 3)  # version 2 is now a retained one
+        moved = await cluster.client("rollout", "0").call(MigrateOut(list(r0.active)), timeout=30)
+        half = {p.spec.trajectory_id: len(p.tokens) for p in moved.partials}
+        assert moved.partials and all(p.version == 2 for p in moved.partials)
+        async with asyncio.timeout(120):  # the emptied rollout moves on to version 3 and a new batch
+            while r0.version != 3 or not r0.active:
+                await asyncio.sleep(0.01)
+        res = await cluster.client("rollout", "0").call(MigrateIn(list(moved.partials), adopt=True), timeout=30)
+        assert sorted(res.accepted) == sorted(half) and res.version == 2
+        done = await drain(cluster, 1, until=lambda ts: set(half) <= {t.spec.trajectory_id for t in ts})
+        async with asyncio.timeout(120):  # and back to the newest version afterwards
+            while r0.version != 3 or r0.adopted or r0.pinned:
+                await asyncio.sleep(0.01)
+        await cluster.stop("rollout", "0")
+        return half, [t for t in done if t.spec.trajectory_id in half]
+    half, adopted = run(world, go())
+    assert adopted and all(t.version == 2 and t.rollout_id == "0" for t in adopted)
+    for t in adopted:  # half generated before, half after the reload of version 2: one greedy run of v2
+        assert half[t.spec.trajectory_id] < len(t.response_tokens) or t.finish_reason == "stop"
+        assert_greedy(v2_model, [int(x) for x in t.spec.prompt_tokens], [int(x) for x in t.response_tokens],
+                      MAX_TOKENS, t.spec.trajectory_id)

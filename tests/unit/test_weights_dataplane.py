@@ -7,6 +7,7 @@ slots, and zero-copy pull (tensors are views of the shared-memory mapping).
 """
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import uuid
@@ -294,3 +295,36 @@ def test_a_stream_longer_than_the_ack_timeout_is_not_a_dead_link(shm_dirs):
     finally:
         pub.close()
         node.stop()
+
+
+def test_retained_versions_are_linked_not_copied_and_pruned(shm_dirs):
+    from laminar.weights.local_write import write_version
+    store = ShmStore(shm_dirs(), retain=2)
+    store.open()
+    states = {v: state(10 + v, 1) for v in range(5)}
+    held = None
+    for v in range(5):
+        write_version(store, states[v], v)
+        if v == 1:
+            held = LocalWeights(store.dir).version(0)  # a rollout loading a retained version
+    w = LocalWeights(store.dir)
+    assert w.current_version() == 4 and w.retained() == [2, 3] and store.retained() == [2, 3]
+    assert not w.has(1) and w.has(3) and w.has(4) and w.version(1) is None
+    for v in (2, 3, 4):  # each retained or newest version reads back exactly
+        with w.version(v) as got:
+            assert got.version == v and not got.verify()
+            for name, t in got.tensors():
+                assert torch.equal(t, states[v][name]), (v, name)
+    # a reader holding a version that was pruned meanwhile keeps its bytes intact
+    with held:
+        assert held.version == 0 and not held.verify()
+        assert torch.equal(dict(held.tensors())["w"], states[0]["w"])
+    # slot files are never written in place while linked: every retained file is its own inode
+    inodes = {os.stat(store.dir / f"v{v}.bin").st_ino for v in (2, 3)} | {os.stat(store.slot_path(s)).st_ino for s in (0, 1)}
+    assert len(inodes) == 3  # v3 is the non-current slot's file itself (linked), v2 its own
+    # a relay restarted on the folder keeps them
+    again = ShmStore(store.dir, retain=2)
+    again.open()
+    assert again.retained() == [2, 3] and again.current.version == 4
+    store.close()
+    again.close()
