@@ -207,8 +207,13 @@ class MultiHost:
         trained = [g for r in metrics for g in r["group_ids"]]
         stored: dict[str, int] = {}
         stored_version: dict[str, int] = {}
+        # refused by the buffer as a duplicate: it already held that sample (stored by a rollout
+        # whose acknowledgement, and so whose log line, was lost with its host or link)
+        held: set[str] = set()
         for log in (self.run_dir / "logs").glob("rollout.*.log"):
             for e in log_events(log, "trajectory_stored"):
+                if str(e["status"]).startswith("duplicate"):
+                    held.add(e["trajectory"].split("~r")[0])
                 if e["status"] == "stored":
                     stored[e["trajectory"]] = stored.get(e["trajectory"], 0) + 1
                     stored_version[e["trajectory"]] = e["version"]
@@ -216,7 +221,7 @@ class MultiHost:
         recovered = {base(t) for e in log_events(self.log("manager", "0"), "recovering") for t in e["ids"]}
         restarted = {base(t) for e in log_events(self.log("manager", "0"), "orphans_restarted") for t in e["ids"]}
         adopted = {t: e["version"] for e in log_events(self.log("manager", "0"), "orphans_adopted") for t in e["ids"]}
-        stored_ids = {base(t) for t in stored}
+        stored_ids = {base(t) for t in stored} | held
         db = self.run_dir / "pools" / "partial_pool-0.sqlite"
         pending: set[str] = set()
         if db.exists():
@@ -238,6 +243,7 @@ class MultiHost:
                 "trajectories_stored": len(stored),
                 "stored_twice": sum(1 for n in Counter(base(t) for t, k in stored.items() for _ in range(k)).values() if n > 1),
                 "recovered": len(recovered), "recovered_finished": len(recovered & stored_ids),
+                "recovered_already_held": len((recovered & held) - {base(t) for t in stored}),
                 "recovered_restarted": len(restarted), "recovered_pending": len((recovered - stored_ids) & pending),
                 # resumed on their own version from a relay's retained copy; stored with another: wrong
                 "recovered_adopted": len(adopted),
