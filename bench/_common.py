@@ -4,16 +4,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from laminar.testing.procs import free_port  # noqa: F401  (re-exported for the benchmarks)
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

@@ -11,10 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import random
 import select
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -25,35 +23,9 @@ import numpy as np
 import yaml
 
 from laminar.bus import auth
-from laminar.testing.procs import RoleProc
+from laminar.testing.procs import RoleProc, free_port  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
-_handed_out: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is bindable now, outside the ephemeral range, new this session."""
-    rng = random.Random()
-    hi = min(_ephemeral_low(), 65536) - 1
-    for _ in range(1000):
-        port = rng.randint(min(20000, hi - 1000), hi)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError("no free port found below the ephemeral range")
 
 
 @dataclass

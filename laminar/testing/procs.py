@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import select
 import signal
 import socket
@@ -21,10 +22,33 @@ import time
 from pathlib import Path
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is bindable now, below the kernel's ephemeral range (no outgoing
+    connection can take it between choosing and binding), and never handed out twice by this process."""
+    rng = random.Random()
+    hi = min(_ephemeral_low(), 65536) - 1
+    for _ in range(1000):
+        port = rng.randint(min(20000, hi - 1000), hi)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free port found below the ephemeral range")
 
 
 class RoleProc:

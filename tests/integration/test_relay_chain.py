@@ -121,7 +121,9 @@ def test_flipped_byte_is_detected_and_resent(tmp_path: Path):
             async with c.trainer(transport=FlipOnceTcp(chunk=1)) as t:
                 t.publisher.publish(sd, version=0)
                 await t.wait_versions(0, RELAYS)
-                await t.until(lambda: all(t.status.get(r, {}).get("corrupt_chunks", 0) >= 1 for r in ("r0", "r2")),
+                # Counters come with heartbeats: wait for one from every relay sent after v0 landed.
+                await t.until(lambda: all(t.status.get(r, {}).get("version", -1) >= 0 for r in RELAYS)
+                              and all(t.status[r].get("corrupt_chunks", 0) >= 1 for r in ("r0", "r2")),
                               20, "corrupt counters")
                 return t.status
         status = run(go())
