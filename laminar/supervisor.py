@@ -8,6 +8,9 @@
 - Children live in their own session (a terminal's Ctrl-C reaches only the supervisor, which then
   stops them in order: roles first, broker last) and get SIGTERM if the supervisor dies
   (PR_SET_PDEATHSIG), so no child outlives it.
+- A child's own children (a rollout's vLLM EngineCore and workers) share its process group; when
+  the child exits, however it exits (SIGKILL included), whatever is left in that group is killed,
+  so an engine never outlives its rollout holding GiBs of memory.
 - Stop: SIGTERM, wait `shutdown_s`, SIGKILL what is left, reap everything.
 """
 from __future__ import annotations
@@ -32,6 +35,17 @@ def _pdeathsig() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
+        pass
+
+
+def sweep_group(pgid: int | None) -> None:
+    """SIGKILL what is left in the process group `pgid` (a child started with start_new_session, now
+    exited): the descendants it did not take down with it. Nothing there is fine."""
+    if not pgid:
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass
 
 
@@ -119,6 +133,7 @@ class Supervisor:
             if not ok and c.proc.returncode is None:
                 c.proc.kill()  # never became ready: treat as a failed start
             code = await c.proc.wait()
+            sweep_group(c.proc.pid)
             c.last_exit, c.pid = code, None
             if self.stopping.is_set():
                 self._set(c, "stopped")

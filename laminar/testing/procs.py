@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from laminar.supervisor import sweep_group
+
 
 _handed_out: set[int] = set()
 
@@ -101,6 +103,12 @@ class RoleProc:
         if self.alive():
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """The role ran in its own session: kill what it left there (a rollout's vLLM engine)."""
+        if self.proc is not None and self.proc.returncode is not None:
+            sweep_group(self.proc.pid)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         if self.proc is None:
@@ -112,6 +120,7 @@ class RoleProc:
             except subprocess.TimeoutExpired:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        self._sweep()
         if self._ready_r is not None:
             os.close(self._ready_r)
             self._ready_r = None
