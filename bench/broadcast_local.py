@@ -10,7 +10,9 @@
   every tensor out of shared memory: what a rollout's load does) vs the same memcpy; the time to
   get hold of the version and walk its zero-copy views without copying is reported too;
 - the transport choice: S bytes over one loopback TCP connection with blocking sockets in
-  threads (recv_into) vs asyncio streams (readexactly), wall time and process CPU time.
+  threads (recv_into) vs asyncio streams (readexactly), wall time and process CPU time;
+- the chunk transports behind laminar/weights/transport (TCP, and UCX when the `ucx` extra is
+  installed): S bytes in `chunk` messages from one Conn to another on loopback, GB/s.
 Medians of `reps` runs. All ratios come from the same run (STYLE §12).
 """
 from __future__ import annotations
@@ -142,9 +144,52 @@ def transport_choice(nbytes: int) -> dict:
            {f"loopback_{k}_gb_per_cpu_s": nbytes / v[1] / 1e9 for k, v in out.items()}
 
 
+def chunk_transport_gbps(name: str, nbytes: int, chunk_bytes: int) -> float | None:
+    """S bytes as header + chunk messages through one of our chunk transports on loopback (GB/s,
+    best of 2: the first carries UCX's connection set-up); None when it is not installed."""
+    from laminar.weights.transport import LinkError, get_transport
+    try:
+        t = get_transport(name)
+        lst = t.listen("127.0.0.1", 0)
+    except (LinkError, ImportError):
+        return None
+    chunk = min(chunk_bytes, nbytes)
+    src, dst = bytearray(b"\x5a" * chunk), bytearray(chunk)
+    best = None
+    try:
+        for _ in range(2):
+            got: list = []
+
+            def serve():
+                conn = None
+                while conn is None:
+                    conn = lst.accept(timeout=5.0)
+                for _ in range(nbytes // chunk):
+                    conn.recv_header(8)
+                    conn.recv_into(memoryview(dst))
+                got.append(conn)
+            th = threading.Thread(target=serve, daemon=True)
+            th.start()
+            t0 = time.perf_counter()
+            conn = t.connect(lst.address, timeout=10.0)
+            for _ in range(nbytes // chunk):
+                conn.send(chunk.to_bytes(8, "little"), memoryview(src))
+            th.join(60)
+            dt = time.perf_counter() - t0
+            conn.close()
+            for c in got:
+                c.close()
+            best = max(best or 0.0, (nbytes // chunk) * chunk / dt / 1e9)
+    finally:
+        lst.close()
+    return best
+
+
 def run(nbytes: int, chunk_bytes: int, reps: int = 5) -> dict:
     res = {"memcpy_s": memcpy_s(nbytes, reps), **publish_and_pull(nbytes, chunk_bytes, reps),
            **transport_choice(nbytes)}
+    for name in ("tcp", "ucx"):
+        res[f"chunk_transport_{name}_gbps"] = chunk_transport_gbps(name, nbytes, chunk_bytes)
     res["publish_stall_over_memcpy"] = res["publish_stall_s"] / res["memcpy_s"]
     res["publish_stall_busy_over_memcpy"] = res["publish_stall_busy_s"] / res["memcpy_s"]
     res["pull_over_memcpy"] = res["memcpy_s"] / res["pull_s"]  # rate ratio: pull rate / memcpy rate

@@ -32,6 +32,8 @@ def _ucx_loop() -> asyncio.AbstractEventLoop:
             os.environ.setdefault("UCX_TLS", "tcp,self,sm")
             os.environ.setdefault("UCX_RNDV_SCHEME", "put_zcopy")
             os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
+            # ucxx's own packages set UCX_MEMTYPE_CACHE, which this UCX build no longer knows
+            os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
             try:
                 import ucxx  # noqa: F401
             except ImportError as exc:
