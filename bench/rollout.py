@@ -4,12 +4,14 @@
 
 1. inside the rollout role (prompt pool -> generation -> token deltas streamed to the partial
    pool every 0.25 s -> scoring -> experience buffer, stats reported every second) -> tokens/s
-   of one batch, after a warm-up batch;
-2. engine alone: the same trajectories (same prompts, same per-trajectory seeds, so the same
-   tokens) generated again straight through the same warm engine, all at once -> tokens/s;
-   the ratio is the role's overhead;
+   of each of TIMED_EPOCHS batches, after a warm-up batch;
+2. engine alone: the first timed batch's trajectories (same prompts, same per-trajectory seeds,
+   so the same tokens) generated again straight through the same warm engine, all at once,
+   TIMED_EPOCHS times -> tokens/s; the ratio of the medians is the role's overhead (a batch
+   lasts well under a second here, so single passes are noisy);
 3. weight load: a new version written into the host's shared-memory store, loaded in place
-   (engine.load_relay), per model size;
+   (engine.load_relay) into the warm engine; then per model size (Qwen2 shapes of ~0.4M to
+   ~100M parameters, one fresh engine each: median of 3 loads) -> seconds and GB/s;
 4. migration: MigrateOut on one rollout + MigrateIn on another, timed until every moved
    trajectory has produced a new token on the destination; for 1 and for N trajectories.
 """
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import free_port, print_table, write_json  # noqa: E402
 
 SEED = 11
+TIMED_EPOCHS = 3
 
 
 def prompts(n: int) -> list[str]:
@@ -49,7 +52,7 @@ def cluster_cfg(tmp: Path, model_dir: str, n: int, max_tokens: int, shm: Path):
         "run": {"workdir": str(tmp / "run")},
         "cluster": {"keys_dir": None, "shutdown_s": 30, "broker": {"host": "h0"},
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
-        "roles": {"prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": max_tokens, "max_epochs": 3},
+        "roles": {"prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": max_tokens, "max_epochs": 2 + TIMED_EPOCHS},
                   "rollout": {"model_dir": model_dir, "max_concurrency": n, "max_model_len": max_tokens + 64,
                               "seed": SEED, "weights_dir": str(shm), "stop_when_exhausted": False,
                               "reward": "laminar.tasks.rewards:zero"}}})
@@ -85,12 +88,20 @@ async def run_bench(cfg, n: int, migrate_n: int, model_dir: str) -> dict:
                 await asyncio.sleep(0.02)  # polling the buffer for finished work
     await wait_done(n + 1)                 # epoch 0 on r0 (engine warm-up) and r1's warm-up
     t0 = time.perf_counter()
-    await wait_done(2 * n + 1)             # epoch 1 on r0: the timed batch
-    role_s = time.perf_counter() - t0
+    role_rates = []
+    for e in range(1, TIMED_EPOCHS + 1):   # epochs 1..TIMED_EPOCHS on r0: the timed batches
+        await wait_done((e + 1) * n + 1)
+        role_s = time.perf_counter() - t0
+        tokens = sum(len(t.response_tokens) for t in got if t.spec.group_id.startswith(f"e{e}-"))
+        role_rates.append(tokens / role_s)
+        t0 = time.perf_counter()
     timed = [t for t in got if t.spec.group_id.startswith("e1-")]
-    res = {"role_tokens": sum(len(t.response_tokens) for t in timed), "role_s": role_s}
-    for k in sorted({1, migrate_n}):       # epoch 2 on r0: move k trajectories to r1
+    res = {"role_rates": role_rates, "role_tokens": sum(len(t.response_tokens) for t in timed)}
+    for k in sorted({1, migrate_n}):       # the next epoch on r0: move k trajectories to r1
+        deadline = time.monotonic() + 60
         while len(r0.active) < k or min(len(a.tokens) for a in r0.active.values()) < 4:
+            if time.monotonic() > deadline:  # n must leave k trajectories on r0 after the earlier moves
+                raise TimeoutError(f"rollout 0 never held {k} trajectories to migrate ({len(r0.active)} active)")
             await asyncio.sleep(0.002)     # watching the role's own state
         ids = list(r0.active)[:k]
         t = time.perf_counter()
@@ -100,21 +111,24 @@ async def run_bench(cfg, n: int, migrate_n: int, model_dir: str) -> dict:
         while any(tid in r1.active and len(r1.active[tid].tokens) <= base[tid] for tid in base):
             await asyncio.sleep(0.001)     # watching the role's own state
         res[f"migration_s_{k}"] = time.perf_counter() - t
-    await wait_done(3 * n + 1)
+    await wait_done((TIMED_EPOCHS + 2) * n + 1)
     while r0.active or r1.active:
         await asyncio.sleep(0.01)
     # the same epoch-1 trajectories (same seeds, so the same tokens) straight through the engine
     tok, eng = ByteTokenizer(), r0.engine
 
-    async def one(t) -> int:
+    async def one(t, rep: int) -> int:
         tid, count = t.spec.trajectory_id, 0
-        async for toks, _, _ in eng.generate(f"{tid}#bare", tok.encode(cfg_prompt(t)), t.spec.max_tokens,
+        async for toks, _, _ in eng.generate(f"{tid}#bare{rep}", tok.encode(cfg_prompt(t)), t.spec.max_tokens,
                                              zlib.crc32(f"{SEED}:{tid}".encode())):
             count += len(toks)
         return count
-    t0 = time.perf_counter()
-    counts = await asyncio.gather(*(one(t) for t in timed))
-    res.update(engine_s=time.perf_counter() - t0, engine_tokens=sum(counts))
+    res["engine_rates"] = []
+    for rep in range(TIMED_EPOCHS):
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(t, rep) for t in timed))
+        res["engine_rates"].append(sum(counts) / (time.perf_counter() - t0))
+        res["engine_tokens"] = sum(counts)
     # weight load: a new version written into the host store, loaded in place
     store = ShmStore(Path(tempfile.mkdtemp(prefix="laminar-bench-shm-")))
     store.open()
@@ -125,6 +139,49 @@ async def run_bench(cfg, n: int, migrate_n: int, model_dir: str) -> dict:
     res.update(weight_load_s=time.perf_counter() - t, params=sum(x.numel() for x in sd.values()))
     await c.close()
     return res
+
+
+# (hidden, layers) of the Qwen2 models whose in-place weight load is timed (params include the
+# 259-token embedding; float32 as the CPU engine runs them)
+LOAD_SIZES_QUICK = [(128, 2), (512, 8)]
+LOAD_SIZES = [(128, 2), (512, 8), (1024, 8)]
+
+
+async def load_by_size(tmp: Path, sizes: list[tuple[int, int]]) -> list[dict]:
+    """For each model shape: a fresh engine, then 3 new versions written to a shared-memory store
+    and loaded in place (what a rollout does between batches); the median load."""
+    import statistics
+
+    import torch
+
+    from laminar.models.tiny import build_tiny_model
+    from laminar.roles.rollout.engine import VllmEngine
+    from laminar.weights.local_write import write_version
+    from laminar.weights.store import ShmStore
+    rows = []
+    for hidden, layers in sizes:
+        d = build_tiny_model(tmp / f"m{hidden}x{layers}", hidden=hidden, layers=layers, intermediate=2 * hidden,
+                             heads=max(4, hidden // 64), kv_heads=2)
+        sd = __import__("transformers").AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).state_dict()
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        eng = VllmEngine(str(d), max_model_len=256, max_num_seqs=8, kv_cache_gib=1, temperature=1.0, top_p=1.0)
+        await eng.start()
+        store = ShmStore(Path(tempfile.mkdtemp(prefix="laminar-bench-shm-", dir="/dev/shm")))
+        store.open()
+        times = []
+        try:
+            for v in range(1, 4):
+                write_version(store, sd, v)
+                t = time.perf_counter()
+                assert await eng.load_relay(str(store.dir), v - 1) == v
+                times.append(time.perf_counter() - t)
+        finally:
+            await eng.close()
+            __import__("shutil").rmtree(store.dir, ignore_errors=True)
+        s = statistics.median(times)
+        rows.append({"hidden": hidden, "layers": layers, "params": sum(t.numel() for t in sd.values()),
+                     "bytes": nbytes, "load_s": s, "load_gb_per_s": nbytes / s / 1e9})
+    return rows
 
 
 def cfg_prompt(t) -> str:
@@ -140,27 +197,35 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--model-dir", default=None, help="HF model folder (default: build the tiny model)")
     a = ap.parse_args()
-    n, max_tokens, migrate_n = (32, 64, 16) if a.quick else (64, 192, 64)
+    n, max_tokens, migrate_n = (32, 64, 16) if a.quick else (128, 192, 100)
     from laminar.models.tiny import build_tiny_model
     tmp = Path(tempfile.mkdtemp(prefix="laminar-bench-rollout-"))
     model_dir = a.model_dir or str(build_tiny_model(tmp / "tiny", init_std=0.1))
     res = asyncio.run(run_bench(cluster_cfg(tmp, model_dir, n, max_tokens, tmp / "shm"), n, migrate_n, model_dir))
-    engine_rate, engine_tokens = res["engine_tokens"] / res["engine_s"], res["engine_tokens"]
-    res["role_tokens_per_s"] = res["role_tokens"] / res["role_s"]
+    by_size = asyncio.run(load_by_size(tmp, LOAD_SIZES_QUICK if a.quick else LOAD_SIZES))
+    import statistics
+    engine_rate, engine_tokens = statistics.median(res["engine_rates"]), res["engine_tokens"]
+    res["role_tokens_per_s"] = statistics.median(res["role_rates"])
     ratio = res["role_tokens_per_s"] / engine_rate
     print_table(f"rollout on the vLLM CPU engine ({n} trajectories, up to {max_tokens} tokens, temperature 1)",
                 ["measure", "value", "note"],
-                [["engine alone, tokens/s", engine_rate, f"{engine_tokens} tokens"],
-                 ["inside the rollout role, tokens/s", res["role_tokens_per_s"], f"{res['role_tokens']} tokens; pools + streaming + stats on"],
+                [["engine alone, tokens/s", engine_rate, f"{engine_tokens} tokens; median of {TIMED_EPOCHS}"],
+                 ["inside the rollout role, tokens/s", res["role_tokens_per_s"],
+                  f"{res['role_tokens']} tokens per batch; median of {TIMED_EPOCHS}; pools + streaming + stats on"],
                  ["role / engine", ratio, "target >= 0.85"],
                  ["weight load (in place), s", res["weight_load_s"], f"{res['params'] / 1e6:.2f} M parameters"],
                  ["migration, 1 trajectory, s", res["migration_s_1"], "command -> generating on the destination"],
                  [f"migration, {migrate_n} trajectories, s", res[f"migration_s_{migrate_n}"], ""]])
+    print_table("in-place weight load vs model size (fresh engine each, median of 3 versions)",
+                ["params", "MB (fp32)", "load s", "GB/s"],
+                [[f"{r['params'] / 1e6:.2f} M", r["bytes"] / 1e6, r["load_s"], r["load_gb_per_s"]] for r in by_size])
     write_json(a.out, {"quick": a.quick, "engine_tokens_per_s": engine_rate, "role_tokens_per_s": res["role_tokens_per_s"],
+                       "engine_tokens_per_s_runs": res["engine_rates"], "role_tokens_per_s_runs": res["role_rates"],
                        "role_over_engine": ratio, "weight_load_s": res["weight_load_s"], "weight_params": res["params"],
                        "migration_s_per_trajectory": res["migration_s_1"],
                        f"migration_s_{migrate_n}_trajectories": res[f"migration_s_{migrate_n}"],
-                       "migration_s_per_trajectory_batched": res[f"migration_s_{migrate_n}"] / migrate_n})
+                       "migration_s_per_trajectory_batched": res[f"migration_s_{migrate_n}"] / migrate_n,
+                       "weight_load_by_size": by_size})
     return 0
 
 

@@ -8,6 +8,13 @@ trajectory mid-way.
 
 vLLM is imported in `start()` only. The async engine spawns its engine-core process, so the
 process hosting it needs the `__main__` guard, which the role shell provides.
+
+Seeded sampling on the CPU build: when vLLM splits a prompt's prefill over several steps
+(chunked prefill: the batch's prompt tokens exceed `max_num_batched_tokens`), it rewinds a seeded
+request's generator with `set_offset`, which torch's CPU generator does not support — the engine
+core dies (EngineDeadError) and takes every request with it. So an engine whose requests carry
+seeds (`seeded=True`) on the CPU runs without chunked prefill, with a step budget of at least one
+whole sequence; a prompt then prefills in one step, and seeds reproduce as they should.
 """
 from __future__ import annotations
 
@@ -67,8 +74,9 @@ def _stat_logger_class(stats: EngineStats):
 class VllmEngine(RolloutEngine):
     def __init__(self, model_dir: str, *, max_model_len: int, max_num_seqs: int, kv_cache_gib: float,
                  temperature: float, top_p: float, dtype: str = "float32",
-                 omp_threads_bind: str | None = None):
+                 omp_threads_bind: str | None = None, seeded: bool = False):
         self.model_dir, self.max_model_len, self.max_num_seqs = model_dir, max_model_len, max_num_seqs
+        self.seeded = seeded
         self.kv_cache_gib, self.temperature, self.top_p, self.dtype = kv_cache_gib, temperature, top_p, dtype
         self.omp_threads_bind = omp_threads_bind
         self.stats = EngineStats()
@@ -80,11 +88,16 @@ class VllmEngine(RolloutEngine):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_threads_bind
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
+        extra = {}
+        if self.seeded and current_platform.is_cpu():  # see the module docstring
+            extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(self.max_model_len, 2048)}
         args = AsyncEngineArgs(model=self.model_dir, skip_tokenizer_init=True, enforce_eager=True,
                                dtype=self.dtype, max_model_len=self.max_model_len,
                                max_num_seqs=self.max_num_seqs,
-                               worker_extension_cls="laminar.roles.rollout.worker_ext.LaminarWorkerExtension")
+                               worker_extension_cls="laminar.roles.rollout.worker_ext.LaminarWorkerExtension",
+                               **extra)
         # This blocks the loop for the engine core's start-up (seconds). AsyncLLM must be built on
         # the loop's thread (built in a worker thread it never delivers outputs); a rollout has
         # its own process, and peers of an in-process cluster ride it out by retrying.
