@@ -1,7 +1,9 @@
 """ZeroMQ publish/subscribe through the broker: PUB connects to the broker's XSUB, SUB to its XPUB.
 
 Frames: [topic, kind, body, *buffers]. Topics are dotted prefixes (DESIGN §3). Publishing never
-blocks (PUB drops at its high-water mark); only superseded state travels here.
+blocks: a PUB socket at its high-water mark drops, silently (libzmq does not report it, so
+`dropped` counts only a send the socket refuses outright, which is rare); that is why only
+superseded state travels here.
 """
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """Request/reply: the dispatcher (shared by both transports) and the ZeroMQ ROUTER/DEALER pair.
 
 Envelope meta: `rid` request id (unique per client), `dl` absolute deadline (epoch seconds).
+A server skips a request that arrives more than LATE_GRACE_S after its deadline (it sat in a
+queue, e.g. across a reconnect; its caller gave up long ago) and answers `deadline`. The grace
+exists because `dl` is the client's clock: hosts whose clocks disagree by less than it are never
+refused a fresh request, and the refusal names both clocks so a larger skew is easy to see.
 Backpressure contract: a server runs at most `max_inflight` handlers at once; beyond that it
 answers `busy` at once instead of queueing. A client's pending calls are bounded by the caller's
 own concurrency; each has a deadline and fails with DeadlineExceeded. A disconnect or failed CURVE
@@ -27,6 +31,7 @@ from laminar.bus.transport import Handler, RpcClient, RpcServer
 from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
 
 log = structlog.get_logger("laminar.bus.rpc")
+LATE_GRACE_S = 30.0
 
 
 class RequestError(Exception):
@@ -52,9 +57,12 @@ class Dispatcher:
     async def handle(self, req: Any, meta: dict) -> Any:
         self.stats["requests"] += 1
         dl = meta.get("dl")
-        if isinstance(dl, (int, float)) and time.time() > dl:
+        now = time.time()
+        if isinstance(dl, (int, float)) and now > dl + LATE_GRACE_S:
             self.stats["late"] += 1
-            return ErrorReply("deadline", f"{type(req).kind} arrived after its deadline")
+            return ErrorReply("deadline", f"{type(req).kind} arrived {now - dl:.1f} s after its deadline "
+                              f"(this server's clock {now:.3f}, the caller's deadline {dl:.3f}: if the request "
+                              f"was fresh, the two hosts' clocks disagree; sync them, e.g. with NTP)")
         if isinstance(req, Hello):
             if req.protocol != PROTOCOL_VERSION:  # cannot happen after decode, kept for inproc
                 return ErrorReply("protocol_mismatch", str(ProtocolMismatch(req.protocol, PROTOCOL_VERSION)))
@@ -141,7 +149,14 @@ class ZmqRpcServer(RpcServer):
 
     async def _send(self, ident: bytes, reply: Any, rid: Any) -> None:
         try:
-            await self.sock.send_multipart([ident, *encode(reply, {"rid": rid})])
+            frames = encode(reply, {"rid": rid})
+        except Exception as exc:  # a handler returned what the codec refuses: the caller still gets an answer
+            self.dispatcher.stats["internal"] += 1
+            log.error("reply_unencodable", role=self.dispatcher.role, id=self.dispatcher.id,
+                      reply=type(reply).__name__, error=repr(exc))
+            frames = encode(ErrorReply("internal", f"the reply could not be encoded: {exc!r}"), {"rid": rid})
+        try:
+            await self.sock.send_multipart([ident, *frames])
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or shutting down
             self.dispatcher.stats["reply_undeliverable"] += 1
             log.debug("reply_undeliverable", error=str(exc))

@@ -253,6 +253,22 @@ def _event_line(topic: str, ev) -> str:
         f"{k}={v}" for k, v in fields.items() if k not in ("role", "id"))
 
 
+# topics whose second word is the publishing role's kind (hb.<role>.<id>, log.<role>, ...)
+_ROLE_SECOND = {"hb", "log", "metrics", "ctrl"}
+# topics named after the publisher's kind (rollout.stats.<id>, relay.progress.<id>) or fixed
+_FIXED_TOPIC_ROLE = {"weights.version": "relay", "weights.chain": "manager"}
+
+
+def topic_role(topic: str) -> str | None:
+    """The role kind that publishes on `topic` (what `tail --role` filters on), None if unknown."""
+    parts = topic.split(".")
+    if parts[0] in _ROLE_SECOND:
+        return parts[1] if len(parts) > 1 else None
+    if topic in _FIXED_TOPIC_ROLE:
+        return _FIXED_TOPIC_ROLE[topic]
+    return parts[0] if len(parts) > 1 else None
+
+
 async def _tail(cfg, a) -> int:
     import dataclasses
 
@@ -268,8 +284,7 @@ async def _tail(cfg, a) -> int:
         async with asyncio.timeout(a.timeout):
             while a.count is None or n < a.count:
                 topic, ev = await sub.recv()
-                parts = topic.split(".")
-                if a.role and (len(parts) < 2 or parts[1] != a.role):
+                if a.role and topic_role(topic) != a.role:
                     continue
                 if min_level and (not isinstance(ev, LogEvent) or _LEVELS.get(ev.level, 0) < min_level):
                     continue
@@ -344,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sp.add_parser("tail", help="follow the live event stream of the cluster")
     s.add_argument("config")
-    s.add_argument("--role", help="only events of this role kind")
+    s.add_argument("--role", help="only events published by roles of this kind (heartbeats, logs, metrics, "
+                   "control, and the kind's own topics such as rollout.stats.* or relay.progress.*)")
     s.add_argument("--topic", action="append", help="topic prefix (repeatable), e.g. log. hb.rollout")
     s.add_argument("--level", choices=["debug", "info", "warning", "error"], help="only log events at or above")
     s.add_argument("--json", action="store_true", help="one JSON object per line")

@@ -1,7 +1,18 @@
 """What the three data pools share: a durable store under the run's workdir, a request/reply
-server on the role's port, a periodic counts event on `metrics.<role>`, and the mapping of store
-failures to typed error replies (`busy` when the write queue is full, `unavailable` when a write
-failed — after which the pool reloads its memory from disk, the source of truth)."""
+server on the role's port, a periodic counts event on `metrics.<role>`, and the discipline that
+makes "acknowledged" mean "on disk".
+
+Memory is the working copy, SQLite the truth. A handler that changes state (`route(...,
+changes=True)`) first checks the write queue has room (`busy` before anything changes), changes
+memory at once — so concurrent callers see each other's effect and never hand out the same thing
+twice — then awaits the commit of its rows (`durable`) and only then replies. A handler whose
+change has no rows (a retried request memory already holds) waits for the last write submitted
+(the writer commits in order), so a retry is never acknowledged before the original is durable.
+A write that fails or is refused after memory changed leaves memory possibly ahead of disk: the
+pool marks itself stale and answers `unavailable`/`busy`; the next request waits until every
+handler and commit in flight has settled, then rebuilds memory from disk (`recover`) before it
+runs. Queries (`changes=False`) read memory and never wait for room.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +25,17 @@ from laminar.roles.base import Role
 from laminar.roles.sqlite_store import GroupCommitStore, StoreBusy, StoreError
 
 
+def _store_refusal(exc: StoreError) -> RequestError:
+    return RequestError("busy" if isinstance(exc, StoreBusy) else "unavailable", str(exc))
+
+
 class PoolRole(Role):
     SCHEMA = ""
     counts_interval_s = 1.0
+    _stale = False                        # memory may be ahead of disk: reload before the next request
+    _in_flight = 0                        # writes submitted and not yet settled
+    _active = 0                           # handlers running
+    _last: asyncio.Future | None = None   # the write submitted last
 
     def store_path(self) -> Path:
         d = getattr(self.cfg, "store_dir", None)
@@ -36,22 +55,73 @@ class PoolRole(Role):
         """Rebuild the in-memory state from the store (start-up and after a failed write)."""
 
     def routes(self) -> None:
+        """Register the handlers with `self.route`."""
         raise NotImplementedError
+
+    def route(self, kind, handler, *, changes: bool = True) -> None:
+        async def guarded(req):
+            if self._stale:
+                await self._reload()
+            if changes:
+                try:
+                    self.store.check_room()
+                except StoreError as exc:
+                    raise _store_refusal(exc) from None
+            self._active += 1
+            try:
+                return await handler(req)
+            finally:
+                self._active -= 1
+                self._maybe_idle()
+        self.server.route(kind, guarded)
+
+    def _maybe_idle(self) -> None:
+        if not self._active and not self._in_flight and getattr(self, "_idle", None) is not None:
+            self._idle.set()
+
+    async def _reload(self) -> None:
+        """Wait for every handler and commit in flight to settle, then rebuild memory from disk."""
+        self._reload_lock = getattr(self, "_reload_lock", None) or asyncio.Lock()
+        async with self._reload_lock:
+            while self._stale:
+                while self._active or self._in_flight:
+                    self._idle = asyncio.Event()
+                    await self._idle.wait()
+                await asyncio.to_thread(self.recover)
+                self._stale = False
+                self.log.warning("pool_reloaded_from_store", store=str(self.store_path()), **self.counts())
 
     def counts(self) -> dict:
         return {}
 
     async def durable(self, statements) -> None:
-        if not statements:
+        """Return once the rows of a change already made in memory are committed (see above)."""
+        if not statements:  # nothing new: rest on the writes already queued
+            last = self._last
+            if last is not None and not last.done():
+                await asyncio.wait([last])
+            if self._stale or (last is not None and (last.cancelled() or last.exception() is not None)):
+                raise RequestError("unavailable", "an earlier write of this pool failed; retry")
             return
         try:
-            await self.store.write(statements)
-        except StoreBusy as exc:
-            raise RequestError("busy", str(exc)) from None
+            fut = self.store.submit(statements)
+        except StoreError as exc:  # memory changed but nothing was queued
+            self._stale = True
+            raise _store_refusal(exc) from None
+        self._in_flight += 1
+        self._last = fut
+        fut.add_done_callback(self._write_settled)
+        try:
+            await asyncio.shield(fut)  # a cancelled waiter must not hide the write's outcome
         except StoreError as exc:
             self.log.error("store_write_failed", error=str(exc))
-            await asyncio.to_thread(self.recover)
             raise RequestError("unavailable", str(exc)) from None
+
+    def _write_settled(self, fut: asyncio.Future) -> None:
+        self._in_flight -= 1
+        if fut.cancelled() or fut.exception() is not None:
+            self._stale = True
+        self._maybe_idle()
 
     async def run(self) -> None:
         self.spawn(self._publish_counts(), "counts")

@@ -1,5 +1,5 @@
-"""Durable storage of the data pools: SQLite in WAL mode with group commit, and the base class
-that keeps a pool's in-memory state in step with it.
+"""Durable storage of the data pools: SQLite in WAL mode with group commit (how a pool keeps its
+in-memory state in step with it is roles/pool_base.py).
 
 Each pool keeps its authoritative working state in memory (queries never touch disk) and logs
 every change here. A write is acknowledged (its future resolves) only after the transaction that
@@ -231,85 +231,6 @@ def _run(conn: sqlite3.Connection, statements: Statements) -> None:
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
     if not fut.done():  # the waiter may have been cancelled
         fut.set_exception(exc) if exc else fut.set_result(result)
-
-
-class PoolStore:
-    """Base of the pools' stores: memory is the working copy, SQLite the truth.
-
-    A mutation checks for room (StoreFull before anything changes), changes memory at once — so
-    concurrent callers see each other's effect and never hand out the same thing twice — then
-    awaits the commit of its rows. A mutation with no rows (a duplicate, a retried answer) rests
-    on writes already queued, so it waits for the last of them (the writer commits in order).
-    A failed commit leaves memory possibly ahead of disk: the store marks itself stale (whether or
-    not anyone still awaits that write), and the next mutation waits until every commit in flight
-    has settled, then rebuilds memory from disk (`_load`). Queries read memory and never wait.
-    Subclasses keep all memory in `self.mem` (swapped in one assignment) and define SCHEMA, _load.
-    """
-    SCHEMA = ""
-
-    def __init__(self, db: GroupCommitStore):
-        self.db = db
-        self._in_flight = 0
-        self._stale = False
-        self._settled: asyncio.Event | None = None
-        self._reload: asyncio.Lock | None = None
-        self._last: asyncio.Future | None = None  # the write submitted last
-        self.mem = self._load()
-
-    @classmethod
-    def open(cls, path: str | Path, *args: Any, max_pending: int = 10_000, max_batch: int = 512, **kw: Any):
-        """`cls(db, *args, **kw)` on a GroupCommitStore of the file at `path` (closed again if that fails)."""
-        db = GroupCommitStore(path, cls.SCHEMA, max_pending=max_pending, max_batch=max_batch)
-        try:
-            return cls(db, *args, **kw)
-        except BaseException:
-            db.close()
-            raise
-
-    def _load(self) -> Any:
-        """Build the in-memory state from the committed rows (blocking)."""
-        raise NotImplementedError
-
-    async def _before_change(self) -> None:
-        if self._stale:
-            self._reload = self._reload or asyncio.Lock()
-            async with self._reload:
-                while self._in_flight:
-                    self._settled = asyncio.Event()
-                    await self._settled.wait()
-                if self._stale:  # not already reloaded by the caller ahead of us
-                    self.mem = await asyncio.to_thread(self._load)
-                    self._stale = False
-                    log.warning("pool_store_reloaded", path=str(self.db.path))
-        self.db.check_room()
-
-    async def _commit(self, batch: Batch) -> Any:
-        """Await the durable commit of the rows of a change already made in memory."""
-        if not batch:
-            if self._last is not None and not self._last.done():
-                await asyncio.shield(self._last)
-            if self._stale:
-                raise StoreError(f"{self.db.path}: an earlier write failed; retry")
-            return None
-        try:
-            fut = self.db.submit(batch)
-        except StoreError:  # memory changed but nothing was queued
-            self._stale = True
-            raise
-        self._in_flight += 1
-        self._last = fut
-        fut.add_done_callback(self._write_settled)
-        return await asyncio.shield(fut)  # a cancelled waiter must not hide the write's outcome
-
-    def _write_settled(self, fut: asyncio.Future) -> None:
-        self._in_flight -= 1
-        if fut.cancelled() or fut.exception() is not None:
-            self._stale = True
-        if not self._in_flight and self._settled is not None:
-            self._settled.set()
-
-    def close(self, timeout: float = 10.0) -> None:
-        self.db.close(timeout)
 
 
 def pack(ev: Any) -> bytes:

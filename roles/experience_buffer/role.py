@@ -69,9 +69,9 @@ class ExperienceBufferRole(PoolRole):
         self.book = book
 
     def routes(self) -> None:
-        self.server.route(PutTrajectory, self.on_put)
-        self.server.route(SampleGroups, self.on_sample)
-        self.server.route(BufferStatsRequest, self.on_stats)
+        self.route(PutTrajectory, self.on_put)
+        self.route(SampleGroups, self.on_sample)
+        self.route(BufferStatsRequest, self.on_stats, changes=False)
 
     def _statements(self, ch: Change) -> list:
         st = [("INSERT OR IGNORE INTO trajs (tid, gid, blob) VALUES (?, ?, ?)",

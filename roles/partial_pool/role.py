@@ -69,12 +69,11 @@ class PartialPoolRole(PoolRole):
         self.state = st
 
     def routes(self) -> None:
-        s = self.server
-        s.route(AppendDeltas, self.on_append)
-        s.route(InFlightOf, self.on_in_flight)
-        s.route(GetPartial, self.on_get)
-        s.route(ReassignPartial, self.on_reassign)
-        s.route(CompletePartial, self.on_complete)
+        self.route(AppendDeltas, self.on_append)
+        self.route(InFlightOf, self.on_in_flight, changes=False)
+        self.route(GetPartial, self.on_get, changes=False)
+        self.route(ReassignPartial, self.on_reassign)
+        self.route(CompletePartial, self.on_complete)
 
     async def on_append(self, req: AppendDeltas) -> DeltaResult:
         out: Outcome = self.state.apply(req.rollout_id, list(req.deltas))

@@ -53,6 +53,27 @@ class Outcome:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
+def malformed(d: TokenDelta) -> str | None:
+    """Why a delta's arrays do not fit together (checked before anything of it is applied, so a
+    bad delta changes nothing), or None."""
+    toks, lps = np.asarray(d.tokens), np.asarray(d.logprobs)
+    if d.seq < 0:
+        return "negative seq"
+    if toks.ndim != 1 or lps.ndim != 1:
+        return "tokens and logprobs must be 1-D arrays"
+    if len(lps) != len(toks):
+        return f"{len(lps)} logprobs for {len(toks)} tokens"
+    if d.loss_mask is not None:
+        mask = np.asarray(d.loss_mask)
+        if mask.ndim != 1 or len(mask) != len(toks):
+            return f"loss mask of shape {mask.shape} for {len(toks)} tokens"
+    if d.obs_spans is not None:
+        spans = np.asarray(d.obs_spans)
+        if spans.size % 2 or (spans.ndim == 2 and spans.shape[1] != 2) or spans.ndim > 2:
+            return f"observation spans of shape {spans.shape} are not (start, end) pairs"
+    return None
+
+
 class PartialBook:
     def __init__(self, max_held: int = 256):
         self.entries: dict[str, Entry] = {}
@@ -66,8 +87,8 @@ class PartialBook:
             if tid in self.completed:
                 out.rejected[tid] = "trajectory already completed"
                 continue
-            if d.loss_mask is not None and len(d.loss_mask) != len(d.tokens):
-                out.rejected[tid] = f"seq {d.seq}: loss mask of {len(d.loss_mask)} for {len(d.tokens)} tokens"
+            if why := malformed(d):
+                out.rejected[tid] = f"seq {d.seq}: {why}"
                 continue
             e = self.entries.get(tid)
             if e is None:

@@ -33,6 +33,8 @@ class PromptPoolConfig(BaseModel):
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
     groups_per_version: int | None = Field(None, ge=1, description="barrier modes: groups of one global batch "
                                            "(default: the trainer's groups_per_batch)")
+    max_batch_trajectories: int = Field(65_536, ge=1, description="most trajectories one TakeBatch gets, "
+                                        "whatever it asks for (a bound on the work and memory of one request)")
 
 
 SCHEMA = """
@@ -84,8 +86,8 @@ class PromptPoolRole(PoolRole):
         self._order_epoch = -1
 
     def routes(self) -> None:
-        self.server.route(TakeBatch, self.on_take)
-        self.server.route(RequeueGroups, self.on_requeue)
+        self.route(TakeBatch, self.on_take)
+        self.route(RequeueGroups, self.on_requeue)
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
@@ -121,9 +123,10 @@ class PromptPoolRole(PoolRole):
     async def on_take(self, req: TakeBatch) -> Batch:
         last = self.last.get(req.rollout_id)
         if req.batch_seq >= 0 and last is not None and last[0] == req.batch_seq:  # a retry
+            await self.durable([])  # its answer stands once the original's cursor move is on disk
             return Batch([s for g in last[1] for s in self._specs_of(g)], exhausted=self.exhausted())
         n = self.cfg.group_size
-        want = max(1, req.max_trajectories // n)
+        want = max(1, min(req.max_trajectories, self.cfg.max_batch_trajectories) // n)
         if self.gate is not None and req.version >= 0:
             lag, g = self.gate
             want = min(want, (req.version + 1 + lag) * g - self.handed)

@@ -56,3 +56,25 @@ def test_unknown_and_completed_trajectories():
     assert out.rejected == {"t": "trajectory already completed"}
     bad = TokenDelta(trajectory_id="u", seq=0, tokens=np.zeros(1, np.int32), logprobs=np.zeros(1, np.float32), version=0)
     assert book.apply("r", [bad]).rejected == {"u": "seq 0 must carry the trajectory's own spec"}
+
+
+def test_malformed_deltas_change_nothing():
+    """Arrays that do not fit together are rejected before any of the delta is applied, so a retry
+    of the same bad request cannot pile up tokens (and a good delta after it still applies)."""
+    import dataclasses
+    book = PartialBook()
+    good = stream("t", [2, 2])
+    book.apply("r", good[:1])
+    bads = [dataclasses.replace(good[1], obs_spans=np.array([1, 2, 3], np.int32)),
+            dataclasses.replace(good[1], logprobs=np.zeros(5, np.float32)),
+            dataclasses.replace(good[1], loss_mask=np.ones((2, 1), np.uint8)),
+            dataclasses.replace(good[1], tokens=np.zeros((1, 2), np.int32)),
+            dataclasses.replace(good[1], seq=-1)]
+    for bad in bads:
+        for _ in range(2):
+            out = book.apply("r", [bad])
+            assert list(out.rejected) == ["t"] and not out.applied
+    s = book.live()["t"].state()
+    assert s.tokens.tolist() == [10, 11] and s.next_seq == 1
+    book.apply("r", good[1:])
+    assert book.live()["t"].state().tokens.tolist() == [10, 11, 12, 13]
