@@ -48,10 +48,12 @@ models/tiny/config.json: | $(STAMP_CPU)
 runs/local/data/prompts.jsonl: | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.demo_data $@
 
-# Each demo is a fresh run: its pools, checkpoints, logs and the relay's shared memory are reset
-# (a relay keeps the newest version across restarts, which a fresh trainer must not meet).
+# Each demo is a fresh run: its pools, checkpoints, logs, the manager's records (the summary counts
+# every repack in them) and the relay's shared memory are reset (a relay keeps the newest version
+# across restarts, which a fresh trainer must not meet).
 demo: $(STAMP_CPU) models/tiny/config.json runs/local/data/prompts.jsonl
-	rm -rf runs/local/pools runs/local/trainer runs/local/logs /dev/shm/laminar-local-relay-*
+	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/summary.* \
+	  /dev/shm/laminar-local-relay-*
 	$(BIN)/laminar-node up configs/local.yaml
 
 test: $(STAMP_TEST)

@@ -48,15 +48,16 @@ def demo_model(root: Path, steps: int) -> Path:
     return out.resolve()
 
 
-def run_mode(mode: str, model: Path, root: Path, iterations: int, timeout: float) -> dict:
+def run_mode(mode: str, model: Path, root: Path, iterations: int, timeout: float, ahead: int | None,
+             kv_tokens: int | None, tag: str = "") -> dict:
     from laminar import summary
     from laminar.testing.local_cluster import write_local_cluster
-    tmp = root / mode
+    tmp = root / (mode + tag)
     path = write_local_cluster(tmp, model, mode=mode, iterations=iterations, name=f"modes-{mode}", roles={
-        "prompt_pool": {"max_tokens": 128, "group_size": 8},
-        "rollout": {"max_concurrency": 32},
+        "prompt_pool": {"max_tokens": 128, "group_size": 8, "max_batches_ahead": ahead},
+        "rollout": {"max_concurrency": 32, "kv_cache_tokens": kv_tokens, "report_interval_s": 0.25},
         "trainer": {"groups_per_batch": 8, "minibatch_steps": 2},
-        "manager": {"repack_interval_s": 2.0, "batch_bound": 16}})
+        "manager": {"repack_interval_s": 0.25, "batch_bound": 16}})
     t0 = time.monotonic()
     with open(tmp / "up.out", "w") as out:
         proc = subprocess.run([sys.executable, "-m", "laminar.cli", "up", str(path), "--plain"], stdout=out,
@@ -76,7 +77,11 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--warm-start-steps", type=int, default=120)
+    ap.add_argument("--ahead", default="1", help="laminar modes: the prompt pool's max_batches_ahead (flow "
+                    "control, as configs/local.yaml; 'none' = no bound); ignored by the barrier modes")
+    ap.add_argument("--kv-tokens", type=int, default=4096, help="each rollout's KV cache in tokens (as configs/local.yaml)")
     a = ap.parse_args()
+    ahead = None if a.ahead.lower() == "none" else int(a.ahead)
     iterations = a.iterations or (6 if a.quick else 15)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -88,20 +93,22 @@ def main() -> int:
     results = {}
     for m in modes:
         print(f"[{time.strftime('%H:%M:%S')}] mode {m}: {iterations} versions...", flush=True)
-        results[m] = run_mode(m, model, root, iterations, timeout=600)
+        results[m] = run_mode(m, model, root, iterations, timeout=600, ahead=ahead, kv_tokens=a.kv_tokens)
         r = results[m]
         print(f"  throughput {r['throughput_tokens_per_s'] or 0:.0f} tok/s, idle {r['rollout_idle_fraction'] or 0:.2f}, "
               f"max staleness {r['max_staleness']}, repacks {r['repacks']}, {r['wall_s']:.0f}s", flush=True)
     rows = [[m, r["throughput_tokens_per_s"] or 0.0, r["rollout_idle_fraction"] or 0.0, r["kv_usage_mean"] or 0.0,
              r["max_staleness"], json.dumps(r["staleness_histogram"]), r["repacks"], r["iterations"]]
             for m, r in results.items()]
-    print_table(f"throughput by mode ({iterations} versions each; tokens/s after the first update)",
+    print_table(f"throughput by mode ({iterations} versions each; tokens/s after the first update; laminar modes: "
+                f"max_batches_ahead {ahead}; KV cache {a.kv_tokens} tokens per rollout)",
                 ["mode", "tokens/s", "idle frac", "kv mean", "max stale", "staleness hist", "repacks", "versions"], rows)
     tput = {m: r["throughput_tokens_per_s"] for m, r in results.items()}
     ratio = (tput["laminar"] / tput["sync"]) if tput.get("laminar") and tput.get("sync") else None
     if ratio:
         print(f"\nlaminar / sync throughput: {ratio:.2f}x")
-    write_json(a.out, {"bench": "modes", "iterations": iterations, "throughput_tokens_per_s": tput,
+    write_json(a.out, {"bench": "modes", "iterations": iterations, "max_batches_ahead": ahead,
+                       "kv_cache_tokens": a.kv_tokens, "throughput_tokens_per_s": tput,
                        "rollout_idle_fraction": {m: r["rollout_idle_fraction"] for m, r in results.items()},
                        "kv_usage_mean": {m: r["kv_usage_mean"] for m, r in results.items()},
                        "staleness_histogram": {m: r["staleness_histogram"] for m, r in results.items()},

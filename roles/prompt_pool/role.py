@@ -31,8 +31,15 @@ class PromptPoolConfig(BaseModel):
     max_epochs: int | None = Field(None, ge=1, description="stop handing out after this many epochs (None: forever)")
     seed: int = Field(0, description="shuffle seed")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
-    groups_per_version: int | None = Field(None, ge=1, description="barrier modes: groups of one global batch "
-                                           "(default: the trainer's groups_per_batch)")
+    groups_per_version: int | None = Field(None, ge=1, description="groups of one global batch, for the barrier "
+                                           "modes' gate and max_batches_ahead (default: the trainer's groups_per_batch)")
+    max_batches_ahead: int | None = Field(None, ge=0, description="laminar modes, flow control: a rollout holding "
+                                          "version v gets groups only while fewer than v + 1 + this many global batches "
+                                          "were handed out, so generation cannot run further ahead of training than "
+                                          "that (when rollouts outpace the trainer, what they make beyond it would only "
+                                          "grow stale in the buffer). None: no bound (the paper's setting). Unlike a "
+                                          "barrier mode's gate this never holds weights back: a rollout still loads the "
+                                          "newest version whenever its own batch ends")
     max_batch_trajectories: int = Field(65_536, ge=1, description="most trajectories one TakeBatch gets, "
                                         "whatever it asks for (a bound on the work and memory of one request)")
 
@@ -56,14 +63,18 @@ class PromptPoolRole(PoolRole):
         tok = load_tokenizer(c.tokenizer_dir)
         self.tokens = [np.asarray(tok.encode(r.prompt), dtype=np.int32) for r in self.records]
         self.index = {r.prompt_id: i for i, r in enumerate(self.records)}
-        self.gate = self._barrier()
+        self.gate = self._gate()
         await super().setup()
 
-    def _barrier(self) -> tuple[int, int] | None:
-        """(lag, groups per version) in a barrier mode: a rollout holding version v gets groups
-        only while fewer than (v + 1 + lag) global batches were handed out (DESIGN §7)."""
+    def _gate(self) -> tuple[int, int] | None:
+        """(lag, groups per version): a rollout holding version v gets groups only while fewer than
+        (v + 1 + lag) global batches were handed out. The barrier modes' lag (DESIGN §7), or in the
+        laminar modes `max_batches_ahead` (flow control), or None (no gate)."""
         cfg = self.ctx.config
         lag = cfg.run.barrier_lag if cfg is not None else None
+        why = "barrier_gate"
+        if lag is None:
+            lag, why = self.cfg.max_batches_ahead, "flow_control_gate"
         if lag is None:
             return None
         g = self.cfg.groups_per_version
@@ -75,7 +86,7 @@ class PromptPoolRole(PoolRole):
             except ConfigError:  # no trainer placed in this config: the roles.trainer section
                 settings = cfg.roles.get("trainer", {})
             g = TrainerConfig(**settings).groups_per_batch
-        self.log.info("barrier_gate", mode=cfg.run.mode, lag=lag, groups_per_version=g)
+        self.log.info(why, mode=cfg.run.mode if cfg is not None else None, lag=lag, groups_per_version=g)
         return lag, g
 
     def recover(self) -> None:
@@ -127,38 +138,40 @@ class PromptPoolRole(PoolRole):
             return Batch([s for g in last[1] for s in self._specs_of(g)], exhausted=self.exhausted())
         n = self.cfg.group_size
         want = max(1, min(req.max_trajectories, self.cfg.max_batch_trajectories) // n)
+        # Requeued groups (work lost with a rollout) go out first and pass the gate: they belong to
+        # batches already counted, which the trainer may be waiting for. The gate bounds the fresh
+        # groups, and `handed` counts only those.
+        fresh_room = want
         if self.gate is not None and req.version >= 0:
             lag, g = self.gate
-            want = min(want, (req.version + 1 + lag) * g - self.handed)
-            if want <= 0:  # this version's share is out: wait for the next version
-                return Batch([], exhausted=self.exhausted())
+            fresh_room = (req.version + 1 + lag) * g - self.handed
         out: list[TrajectorySpec] = []
         took_requeued = []
-        epoch, pos = self.epoch, self.pos
-        while len(out) // n < want:
-            if len(took_requeued) < len(self.requeued):
-                gid = self.requeued[len(took_requeued)]
-                took_requeued.append(gid)
-                out += self._specs_of(gid)
-                continue
+        while len(out) // n < want and len(took_requeued) < len(self.requeued):
+            gid = self.requeued[len(took_requeued)]
+            took_requeued.append(gid)
+            out += self._specs_of(gid)
+        epoch, pos, fresh = self.epoch, self.pos, 0
+        while len(out) // n < want and fresh < fresh_room:
             if self.cfg.max_epochs is not None and epoch >= self.cfg.max_epochs:
                 break
             out += self._group(epoch, int(self._order(epoch)[pos]))
+            fresh += 1
             pos += 1
             if pos == len(self.records):
                 epoch, pos = epoch + 1, 0
-        if not out:
+        if not out:  # exhausted, or (gated) this version's share is out: wait for the next version
             return Batch([], exhausted=self.exhausted())
         # Commit the cursor move before answering; memory follows only after it is durable.
         stmts = [("INSERT OR REPLACE INTO cursor (k, epoch, pos, handed) VALUES (0, ?, ?, ?)",
-                  (epoch, pos, self.handed + len(out) // n))]
+                  (epoch, pos, self.handed + fresh))]
         stmts += [("DELETE FROM requeued WHERE group_id = ?", (g,)) for g in took_requeued]
         if req.batch_seq >= 0:
             groups = list(dict.fromkeys(s.group_id for s in out))
             self.last[req.rollout_id] = (req.batch_seq, groups)
             stmts.append(("INSERT OR REPLACE INTO last_batch VALUES (?, ?, ?)",
                           (req.rollout_id, req.batch_seq, json.dumps(groups))))
-        self.epoch, self.pos, self.handed = epoch, pos, self.handed + len(out) // n
+        self.epoch, self.pos, self.handed = epoch, pos, self.handed + fresh
         self.requeued = self.requeued[len(took_requeued):]
         await self.durable(stmts)
         return Batch(out, exhausted=self.exhausted())

@@ -44,6 +44,11 @@ class RolloutConfig(BaseModel):
     max_concurrency: int = Field(64, ge=1, description="trajectories taken per batch (engine max_num_seqs)")
     max_model_len: int = Field(1024, ge=16, description="prompt + response tokens the engine admits")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache of the vLLM CPU engine (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_tokens: int | None = Field(None, ge=16, description="vLLM only: size the KV cache in tokens instead "
+                                        "(whole blocks of 32, vLLM's num_gpu_blocks_override), at least "
+                                        "max_model_len. A tiny model's 1 GiB cache holds about a million tokens and "
+                                        "reads ~0% used whatever runs; sized to the workload, KV usage (the repack's "
+                                        "input, DESIGN §5) rises and falls as it does on a GPU")
     dtype: str = Field("float32", description="engine dtype")
     temperature: float = Field(1.0, ge=0, description="sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
@@ -64,3 +69,10 @@ class RolloutConfig(BaseModel):
     stop_when_exhausted: bool = Field(True, description="finish (exit 0) when the prompt pool has no more epochs")
     env: RolloutEnvConfig | None = Field(None, description="multi-turn: the environment of every trajectory "
                                          "(None: single-turn, scored by `reward`)")
+
+    @model_validator(mode="after")
+    def _kv_holds_a_sequence(self):
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
+            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one whole sequence "
+                             f"(max_model_len {self.max_model_len})")
+        return self

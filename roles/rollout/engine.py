@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 
+KV_BLOCK = 32  # tokens per KV block when the cache is sized in tokens (kv_cache_tokens)
+
+
 @dataclass
 class EngineStats:
     kv_usage: float = 0.0
@@ -74,9 +77,9 @@ def _stat_logger_class(stats: EngineStats):
 class VllmEngine(RolloutEngine):
     def __init__(self, model_dir: str, *, max_model_len: int, max_num_seqs: int, kv_cache_gib: float,
                  temperature: float, top_p: float, dtype: str = "float32",
-                 omp_threads_bind: str | None = None, seeded: bool = False):
+                 omp_threads_bind: str | None = None, seeded: bool = False, kv_cache_tokens: int | None = None):
         self.model_dir, self.max_model_len, self.max_num_seqs = model_dir, max_model_len, max_num_seqs
-        self.seeded = seeded
+        self.seeded, self.kv_cache_tokens = seeded, kv_cache_tokens
         self.kv_cache_gib, self.temperature, self.top_p, self.dtype = kv_cache_gib, temperature, top_p, dtype
         self.omp_threads_bind = omp_threads_bind
         self.stats = EngineStats()
@@ -93,6 +96,8 @@ class VllmEngine(RolloutEngine):
         extra = {}
         if self.seeded and current_platform.is_cpu():  # see the module docstring
             extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(self.max_model_len, 2048)}
+        if self.kv_cache_tokens is not None:  # blocks of 32 tokens (the CPU attention needs multiples of 32)
+            extra.update(block_size=KV_BLOCK, num_gpu_blocks_override=-(-self.kv_cache_tokens // KV_BLOCK))
         args = AsyncEngineArgs(model=self.model_dir, skip_tokenizer_init=True, enforce_eager=True,
                                dtype=self.dtype, max_model_len=self.max_model_len,
                                max_num_seqs=self.max_num_seqs,

@@ -105,7 +105,8 @@ class RolloutRole(Role):
             bind = ",".join(str(x) for x in spec.cores) if spec.cores else None
             return VllmEngine(c.model_dir, max_model_len=c.max_model_len, max_num_seqs=c.max_concurrency,
                               kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=c.top_p,
-                              dtype=c.dtype, omp_threads_bind=bind, seeded=c.seed is not None)
+                              dtype=c.dtype, omp_threads_bind=bind, seeded=c.seed is not None,
+                              kv_cache_tokens=c.kv_cache_tokens)
         if c.engine == "sim":
             from laminar.roles.rollout.sim_engine import CompressedClock, SimEngine
             opts = dict(c.sim)

@@ -57,26 +57,52 @@ def test_prompt_pool_semantics(tmp_path):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("mode,lag", [("sync", 0), ("one_step", 1), ("laminar", None)])
-def test_barrier_modes_gate_batches_by_version(tmp_path, mode, lag):
+def gated_pool(tmp_path, mode: str, ahead: int | None = None) -> InprocCluster:
+    c = cfg(tmp_path, n=20)
+    return InprocCluster(parse_config({**c.model_dump(exclude={"source"}), "run": {"workdir": str(tmp_path), "mode": mode},
+                                       "roles": {"prompt_pool": {**c.roles["prompt_pool"], "groups_per_version": 2,
+                                                                 "max_batches_ahead": ahead}}}))
+
+
+@pytest.mark.parametrize("mode,lag,ahead", [("sync", 0, None), ("one_step", 1, None), ("laminar", None, None),
+                                            ("laminar", 1, 1), ("laminar_norepack", 0, 0)])
+def test_barrier_modes_gate_batches_by_version(tmp_path, mode, lag, ahead):
     """sync: a rollout holding version v gets only global batch v's groups; one_step one more
-    batch ahead; laminar no gate. Two groups per version (the pool's groups_per_version)."""
+    batch ahead; laminar no gate, unless max_batches_ahead bounds it the same way (flow control).
+    Two groups per version (the pool's groups_per_version)."""
     async def main():
-        c = cfg(tmp_path, n=20)
-        c = parse_config({**c.model_dump(exclude={"source"}), "run": {"workdir": str(tmp_path), "mode": mode},
-                          "roles": {"prompt_pool": {**c.roles["prompt_pool"], "groups_per_version": 2}}})
-        cl = InprocCluster(c)
+        cl = gated_pool(tmp_path, mode, ahead)
         await cl.start("prompt_pool")
         pp = cl.client("prompt_pool")
         got = []
-        for _ in range(4):  # a rollout at version 0 asks for one group at a time
+        for _ in range(6):  # a rollout at version 0 asks for one group at a time
             b = await pp.call(TakeBatch("r", 3, version=0))
             got.append(len(b.trajectories) // 3)
-        expect = {0: [1, 1, 0, 0], 1: [1, 1, 1, 1], None: [1, 1, 1, 1]}[lag]
+        expect = {0: [1, 1, 0, 0, 0, 0], 1: [1, 1, 1, 1, 0, 0], None: [1, 1, 1, 1, 1, 1]}[lag]
         assert got == expect
         if lag == 0:
             b = await pp.call(TakeBatch("r", 30, version=1))  # the next version: batch 1, exactly
             assert len(b.trajectories) == 2 * 3
             assert not (await pp.call(TakeBatch("r", 3, version=1))).trajectories
+        await cl.close()
+    asyncio.run(main())
+
+
+def test_requeued_groups_pass_a_closed_gate_and_do_not_count(tmp_path):
+    """Work lost with a rollout belongs to a batch already counted (the trainer may be waiting for
+    it): once requeued it is handed out even when the gate is closed, and it does not use up the
+    fresh groups the next version may have."""
+    async def main():
+        cl = gated_pool(tmp_path, "sync")
+        await cl.start("prompt_pool")
+        pp = cl.client("prompt_pool")
+        b = await pp.call(TakeBatch("r", 6, version=0))            # batch 0: both groups
+        gids = sorted({s.group_id for s in b.trajectories})
+        assert len(gids) == 2 and not (await pp.call(TakeBatch("r", 3, version=0))).trajectories
+        await pp.call(RequeueGroups([gids[0]]))                       # its rollout died
+        again = await pp.call(TakeBatch("r2", 6, version=0))
+        assert {s.group_id for s in again.trajectories} == {gids[0]}
+        nxt = await pp.call(TakeBatch("r2", 30, version=1))          # batch 1: two fresh groups, exactly
+        assert len({s.group_id for s in nxt.trajectories}) == 2 and not set(gids) & {s.group_id for s in nxt.trajectories}
         await cl.close()
     asyncio.run(main())
