@@ -265,3 +265,59 @@ def test_from_workload_builds_the_paper_setups():
     assert e32.num_blocks == kv_capacity_tokens(model("32B"), gpu("H800"), 4) // 16
     e72 = SimEngine.from_workload(model="72B", tp=8, lengths="72B_math", max_model_len=18432)
     assert e72.curve.source.startswith("estimate") and e72.load_s == pytest.approx(145.4e9 / 8 / 25e9, rel=0.01)
+
+
+async def _three_requests(clock) -> tuple[list[tuple[str, float]], float, list[float]]:
+    """Three requests of one 32-token prompt, capped at 40, 60 and 80 tokens (the 72B lengths are
+    all longer), on a flat 10 ms step curve, prefill 0.5 ms per token, 1,024 tokens of KV in
+    blocks of 16, no prefix caching, a boundary every step. Returns (request, simulated finish
+    time) in completion order, the peak KV usage, and the KV usage seen at every token of r2."""
+    e = SimEngine(curve=StepCurve.from_points([(1, 10.0), (64, 10.0)]), lengths=LENGTHS, kv_capacity_tokens=1024,
+                  prefill_ms_per_token=0.5, max_model_len=512, emit_every=1, prefix_caching=False, clock=clock)
+    await e.start()
+    done: list[tuple[str, float]] = []
+    kv: list[float] = []
+
+    async def one(rid: str, cap: int):
+        n = 0
+        async for toks, _, _ in e.generate(rid, list(range(1, 33)), cap, seed=hash(rid) % 1000):
+            n += len(toks)
+            if rid == "r2":
+                kv.append(e.stats.kv_usage)
+        assert n == cap
+        done.append((rid, round(e.sim_stats()["sim_time_s"], 6)))
+    await asyncio.gather(one("r0", 40), one("r1", 60), one("r2", 80))
+    peak = e.counters["peak_kv_usage"]
+    await e.close()
+    return done, peak, kv
+
+
+def test_hand_checked_step_time_kv_usage_and_completion_order():
+    """By hand: the three prompts' prefill costs 3 x 32 x 0.5 ms = 48 ms (charged to the steps
+    that admit them); every decode step costs 10 ms (flat curve) and yields one token per running
+    request, so a request capped at L tokens ends at 0.048 + L x 0.010 s: 0.448, 0.648, 0.848 s,
+    in that order. Its consumer reads the engine's timeline when it sees the end, and by then the
+    scheduler has already begun the next step while others still run (+10 ms for r0 and r1; r2 is
+    the last, so exact). KV: a request holding 32 + t tokens holds ceil((32 + t) / 16) of the 64
+    blocks; after the first step 3 x 3 blocks; the peak is 3 x 5 blocks (t = 33..40) = 15 / 64."""
+    done, peak, kv = run(_three_requests(VirtualClock()))
+    assert [r for r, _ in done] == ["r0", "r1", "r2"]
+    assert [t for _, t in done] == pytest.approx([0.448 + 0.010, 0.648 + 0.010, 0.848], abs=1e-9)
+    assert peak == pytest.approx(15 / 64)
+    assert kv[0] == pytest.approx(3 * 3 / 64)      # after step 1: three requests of 33 tokens, 3 blocks each
+    assert max(kv) == pytest.approx(15 / 64)
+
+
+def test_virtual_and_compressed_time_give_the_same_run():
+    """The same scenario on the virtual clock and in compressed real time (x20): the same
+    completion order, the same simulated time between completions, the same KV usage (the
+    timeline is the engine's own; a compressed clock only decides how long it sleeps, and where
+    the timeline starts: at the real moment the first request arrived)."""
+    virtual = run(_three_requests(VirtualClock()))
+    compressed = run(_three_requests(CompressedClock(speedup=20)))
+    assert [r for r, _ in compressed[0]] == [r for r, _ in virtual[0]]
+
+    def gaps(done):
+        return [b - a for (_, a), (_, b) in zip(done, done[1:])]
+    assert gaps(compressed[0]) == pytest.approx(gaps(virtual[0]), abs=1e-6)
+    assert compressed[1] == virtual[1] and compressed[2] == virtual[2]
