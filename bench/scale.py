@@ -380,6 +380,8 @@ def main() -> int:
     ap.add_argument("--out", help="write the results as JSON here (plot beside it, .png)")
     ap.add_argument("--workdir", help="keep the runs here (default: a temporary folder in /dev/shm)")
     ap.add_argument("--write-configs", metavar="DIR", help="only write the expanded cluster files of the selection")
+    ap.add_argument("--combine", nargs="+", metavar="FILE", help="no runs: merge the results of earlier --out "
+                    "files (e.g. one model's GPU counts run separately) and print and write them as one sweep")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -407,6 +409,8 @@ def main() -> int:
         if a.warmup:
             return a.warmup
         return it["warmup"] if mode.startswith("laminar") else it.get("warmup_barrier", it["warmup"])
+    if a.combine:
+        return report(combine(a.combine), MODES, workload, a, 0.0)
     if a.write_configs:
         speedups = {(s, g, m): a.speedup or estimate(setup, workload, s, g, m)["speedup"] for s, g in runs for m in modes}
         write_configs(setup, workload, runs, modes, Path(a.write_configs), speedups, a.relays)
@@ -434,6 +438,25 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
     objs = [assemble(size, gpus, {m: results[(size, gpus, m)] for m in modes}, {m: warmup_of(m) for m in modes}, measure)
             for size, gpus in runs]
+    return report(objs, modes, workload, a, round(time.monotonic() - t0, 1))
+
+
+def combine(paths: list[str]) -> list[dict]:
+    """The (model, GPUs) objects of earlier `--out` files, runs of one setup merged (a later file's
+    run of a mode replaces an earlier one). Simulated throughput does not depend on the machine's
+    load unless a run lagged, which every run records, so runs of separate invocations compare."""
+    merged: dict[tuple, dict] = {}
+    for path in paths:
+        for o in json.loads(Path(path).read_text())["runs_by_scale"]:
+            m = merged.setdefault((o["model"], o["gpus"]), {"runs": {}, "warmup": {}, "measure": o["measure"]})
+            m["runs"].update(o["runs"])
+            m["warmup"].update(o["warmup"])
+    order = lambda k: (float(k[0].rstrip("B")), k[1])  # noqa: E731
+    return [assemble(size, gpus, {mode: m["runs"][mode] for mode in MODES if mode in m["runs"]},
+                     m["warmup"], m["measure"]) for (size, gpus), m in sorted(merged.items(), key=lambda kv: order(kv[0]))]
+
+
+def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float) -> int:
     for obj in objs:
         print_scale(obj, workload)
     eff = scaling_efficiency(objs)
@@ -452,7 +475,7 @@ def main() -> int:
             "paper_reference": {**PAPER, "repack_32B_16_rollouts": workload.get("repack_32B_16_rollouts"),
                                 "inherent_staleness_observed_max": workload.get("inherent_staleness_observed_max")},
             "setups": a.setups, "relays": "real" if a.relays else "modeled", "jobs": a.jobs,
-            "wall_s": round(time.monotonic() - t0, 1)}
+            "combined_from": a.combine, "wall_s": wall_s}
     if a.out:
         png = plot(objs, Path(a.out).with_suffix(".png")) if len(objs) > 1 else None
         data["plot"] = str(png) if png else None
