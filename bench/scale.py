@@ -59,7 +59,7 @@ LAG_FLAG_S, LAG_PEAK_FLAG_S = 5.0, 30.0
 
 # -- one run ------------------------------------------------------------------------------------
 def run_mode(setup: dict, workload: dict, size: str, gpus: int, mode: str, *, root: Path, speedup: float,
-             warmup: int, measure: int, relays: bool, timeout_s: float) -> dict:
+             warmup: int, measure: int, relays: bool, timeout_s: float, ahead: int | None = None) -> dict:
     from laminar.config import parse_config
     from laminar.sim.scenario import build_config, write_prompts
     from laminar.testing.sim_cluster import quiet_logs, run_sim
@@ -68,7 +68,7 @@ def run_mode(setup: dict, workload: dict, size: str, gpus: int, mode: str, *, ro
     weights_root = f"/dev/shm/laminar-sim-{uuid.uuid4().hex[:8]}"
     iterations = warmup + measure
     raw = build_config(setup, size, gpus, mode, workdir=str(workdir), speedup=speedup, iterations=iterations,
-                       workload=workload, weights_root=weights_root, relays=relays)
+                       workload=workload, weights_root=weights_root, relays=relays, ahead=ahead)
     shape = setup["run_shape"]
     write_prompts(raw, setup, shape["prompts_per_batch"] * (iterations + 8))  # more than are handed out
     cfg = parse_config(raw, f"<sim {size}-{gpus}-{mode}>")
@@ -174,7 +174,7 @@ def run_child(spec: dict) -> dict:
     workload = load_workload(setup.get("workload"))
     return run_mode(setup, workload, spec["model"], spec["gpus"], spec["mode"], root=Path(spec["root"]),
                     speedup=spec["speedup"], warmup=spec["warmup"], measure=spec["measure"], relays=spec["relays"],
-                    timeout_s=spec["timeout_s"])
+                    timeout_s=spec["timeout_s"], ahead=spec.get("ahead"))
 
 
 def execute(specs: list[dict], jobs: int, root: Path) -> dict[tuple, dict]:
@@ -375,6 +375,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, help="warm-up versions (default: paper.yaml)")
     ap.add_argument("--measure", type=int, help="measured versions (default: paper.yaml)")
     ap.add_argument("--relays", action="store_true", help="weights through the real relay tier (default: modeled chain)")
+    ap.add_argument("--ahead", type=int, default=None, help="laminar modes: the prompt pool's max_batches_ahead "
+                    "(flow control; default: no bound, as in the paper)")
     ap.add_argument("--jobs", type=int, default=min(3, max(1, (os.cpu_count() or 1) + 1)),
                     help="runs at once, one process each (default 3 on 2 cores: each is sized for ~half a core)")
     ap.add_argument("--out", help="write the results as JSON here (plot beside it, .png)")
@@ -426,7 +428,7 @@ def main() -> int:
             warmup = warmup_of(mode)
             timeout = 3 * (warmup + measure + 2) * est["iteration_s"] / speedup + 120
             specs.append({"setups": a.setups, "model": size, "gpus": gpus, "mode": mode, "speedup": speedup,
-                          "warmup": warmup, "measure": measure, "relays": a.relays, "root": str(root),
+                          "warmup": warmup, "measure": measure, "relays": a.relays, "root": str(root), "ahead": a.ahead,
                           "timeout_s": round(timeout), "estimate": est})
     specs.sort(key=lambda sp: -sp["timeout_s"])  # longest first: the last to start is a short one
     t0 = time.monotonic()
@@ -475,7 +477,7 @@ def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float)
             "paper_reference": {**PAPER, "repack_32B_16_rollouts": workload.get("repack_32B_16_rollouts"),
                                 "inherent_staleness_observed_max": workload.get("inherent_staleness_observed_max")},
             "setups": a.setups, "relays": "real" if a.relays else "modeled", "jobs": a.jobs,
-            "combined_from": a.combine, "wall_s": wall_s}
+            "combined_from": a.combine, "max_batches_ahead": a.ahead, "wall_s": wall_s}
     if a.out:
         png = plot(objs, Path(a.out).with_suffix(".png")) if len(objs) > 1 else None
         data["plot"] = str(png) if png else None

@@ -72,9 +72,10 @@ def period(setup: dict, name: str, speedup: float) -> float:
 
 def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, speedup: float,
                  iterations: int, workload: dict, weights_root: str, relays: bool = False,
-                 name: str | None = None) -> dict:
+                 name: str | None = None, ahead: int | None = None) -> dict:
     """The LaminarConfig (as a dict) of one scenario. `weights_root`: folder under which each
-    rollout host gets its weight folder (shared memory, e.g. /dev/shm/laminar-sim-<tag>)."""
+    rollout host gets its weight folder (shared memory, e.g. /dev/shm/laminar-sim-<tag>).
+    `ahead`: the prompt pool's max_batches_ahead in the laminar modes (None: no bound, the paper's)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {MODES}")
     from laminar.sim.latency import roofline_batch_bound
@@ -141,7 +142,8 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
                         "rollout_dead_after_s": setup["real_s"]["dead_after"],
                         "state_interval_s": period(setup, "heartbeat", speedup)},
             "prompt_pool": {"dataset": data, "group_size": shape["group_size"],
-                            "max_tokens": shape["max_output_tokens"]},
+                            "max_tokens": shape["max_output_tokens"],
+                            **({"max_batches_ahead": ahead} if ahead is not None else {})},
             "partial_pool": {},
             "experience_buffer": {"capacity": 4 * shape["prompts_per_batch"] * shape["group_size"] * 4},
             "rollout": {"engine": "sim", "model_dir": "sim", "max_concurrency": concurrency,
