@@ -166,11 +166,20 @@ def _staleness(records: list[dict]) -> dict[str, int]:
 
 
 # -- execution: one process per run, `--jobs` at a time --------------------------------------------
+def with_concurrency(setup: dict, concurrency: int | None) -> dict:
+    """`--concurrency N`: trajectories a laminar rollout takes per batch (and its engine runs at
+    most) instead of paper.yaml's max_concurrency; a barrier mode's share of the global batch is
+    capped by it as well."""
+    if concurrency is not None:
+        setup["run_shape"]["max_concurrency"] = concurrency
+    return setup
+
+
 def run_child(spec: dict) -> dict:
     """The body of a child process: one (model, GPUs, mode) run -> its result dict."""
     from laminar.sim import load_workload
     from laminar.sim.scenario import load_setups
-    setup = load_setups(spec["setups"])
+    setup = with_concurrency(load_setups(spec["setups"]), spec.get("concurrency"))
     workload = load_workload(setup.get("workload"))
     return run_mode(setup, workload, spec["model"], spec["gpus"], spec["mode"], root=Path(spec["root"]),
                     speedup=spec["speedup"], warmup=spec["warmup"], measure=spec["measure"], relays=spec["relays"],
@@ -377,6 +386,8 @@ def main() -> int:
     ap.add_argument("--relays", action="store_true", help="weights through the real relay tier (default: modeled chain)")
     ap.add_argument("--ahead", type=int, default=None, help="laminar modes: the prompt pool's max_batches_ahead "
                     "(flow control; default: no bound, as in the paper)")
+    ap.add_argument("--concurrency", type=int, default=None, help="trajectories a rollout takes per batch "
+                    "(max_concurrency; default: paper.yaml's, the paper's 1,024). Fewer in flight, less staleness")
     ap.add_argument("--jobs", type=int, default=min(3, max(1, (os.cpu_count() or 1) + 1)),
                     help="runs at once, one process each (default 3 on 2 cores: each is sized for ~half a core)")
     ap.add_argument("--out", help="write the results as JSON here (plot beside it, .png)")
@@ -390,7 +401,9 @@ def main() -> int:
     if a.child:
         Path(a.child_out).write_text(json.dumps(run_child(json.loads(a.child))))
         return 0
-    setup = load_setups(a.setups)
+    if a.concurrency is not None and a.concurrency < 1:
+        ap.error("--concurrency must be at least 1")
+    setup = with_concurrency(load_setups(a.setups), a.concurrency)
     workload = load_workload(setup.get("workload"))
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if bad := [m for m in modes if m not in MODES]:
@@ -429,6 +442,7 @@ def main() -> int:
             timeout = 3 * (warmup + measure + 2) * est["iteration_s"] / speedup + 120
             specs.append({"setups": a.setups, "model": size, "gpus": gpus, "mode": mode, "speedup": speedup,
                           "warmup": warmup, "measure": measure, "relays": a.relays, "root": str(root), "ahead": a.ahead,
+                          "concurrency": a.concurrency,
                           "timeout_s": round(timeout), "estimate": est})
     specs.sort(key=lambda sp: -sp["timeout_s"])  # longest first: the last to start is a short one
     t0 = time.monotonic()
@@ -477,7 +491,8 @@ def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float)
             "paper_reference": {**PAPER, "repack_32B_16_rollouts": workload.get("repack_32B_16_rollouts"),
                                 "inherent_staleness_observed_max": workload.get("inherent_staleness_observed_max")},
             "setups": a.setups, "relays": "real" if a.relays else "modeled", "jobs": a.jobs,
-            "combined_from": a.combine, "max_batches_ahead": a.ahead, "wall_s": wall_s}
+            "combined_from": a.combine, "max_batches_ahead": a.ahead,
+            "max_concurrency": a.concurrency, "wall_s": wall_s}
     if a.out:
         png = plot(objs, Path(a.out).with_suffix(".png")) if len(objs) > 1 else None
         data["plot"] = str(png) if png else None
