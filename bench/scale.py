@@ -23,7 +23,10 @@ Per run, in simulated time, over the measured iterations (after the warm-up):
 - how far Python fell behind compressed time: the engines' max_lag_s (simulated seconds, in the
   measured window), how far behind the furthest busy engine is at each measured update (mean),
   and the event loop's lag. A run lagging more than 5 simulated seconds at its updates on
-  average, or 30 at any moment, is flagged (`!`): its numbers understate the modeled hardware.
+  average, or 30 at any moment, is flagged (`!`): its numbers understate the modeled hardware;
+- whether the window was a steady state: response tokens the trainer consumed ÷ tokens the
+  rollouts generated over it. Above 1.05 the trainer was draining a backlog (laminar's first
+  wave) and the throughput overstates the steady state: flagged, warm up longer (`--warmup`).
 Ratios (laminar over each baseline) are taken within one invocation. The paper's figures are
 printed beside ours as a reference only (PAPER below and paper.json); nothing is fitted to them.
 """
@@ -55,6 +58,10 @@ PAPER = {"laminar_over_verl_max": 5.48, "laminar_over_one_step_stream_avg_at_lar
 # engines behind their simulated timeline by more than this (on average at the measured updates,
 # or at any moment): the run's numbers understate what the modeled hardware would do
 LAG_FLAG_S, LAG_PEAK_FLAG_S = 5.0, 30.0
+# the trainer consumed response tokens faster than the rollouts generated them over the measured
+# window by more than this factor: it was draining a backlog (e.g. laminar's first wave), so the
+# throughput is not a steady state one; warm up for more versions (--warmup)
+DRAIN_FLAG = 1.05
 
 
 # -- one run ------------------------------------------------------------------------------------
@@ -131,6 +138,10 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
     ideal = ideal_replica_tokens_per_s(setup, workload, size)[0] * run.rollouts
     out["ideal_generation_tokens_per_s"] = ideal
     g = out["generation_tokens_per_s"]
+    consumed = sum(b["response_len_mean"] * b["samples"] for _, b in gaps) / span if gaps else None
+    out["consumed_response_tokens_per_s"] = consumed
+    out["consumed_over_generated"] = consumed / g if consumed and g else None
+    out["draining"] = bool(out["consumed_over_generated"] and out["consumed_over_generated"] > DRAIN_FLAG)
     out["fraction_of_ideal"] = g / ideal if g else None
     # fleet: idle fraction and KV usage between the window's first and last update
     fleet = read_jsonl(Path(run.workdir) / "manager" / "fleet.jsonl")
@@ -251,6 +262,7 @@ def assemble(size: str, gpus: int, runs: dict[str, dict], warmup: dict[str, int]
            "generation_tokens_per_s_by_mode": {m: r["generation_tokens_per_s"] for m, r in ok.items()},
            "repack_overhead_wall_s": _get(ok, "laminar", "repack", "wall_s_mean"),
            "lagged_or_unfinished": [m for m, r in runs.items() if "error" in r or r["lagged"] or not r["finished"]],
+           "draining_backlog": [m for m, r in ok.items() if r.get("draining")],
            "wall_s": round(sum(r.get("wall_s", 0.0) for r in ok.values()), 1),
            "runs": runs}
     g = obj["generation_tokens_per_s"]
@@ -309,6 +321,9 @@ def print_scale(obj: dict, workload: dict) -> None:
           f"+{rp.get('generation_throughput_gain', 0):.0%}, overhead {rp.get('overhead_s')} s)")
     print(f"  max staleness {obj['max_staleness']} (paper observed <= {workload.get('inherent_staleness_observed_max')})"
           + (f"; lagged or unfinished: {obj['lagged_or_unfinished']}" if obj["lagged_or_unfinished"] else ""))
+    if obj.get("draining_backlog"):
+        print(f"  not a steady state: {obj['draining_backlog']} consumed more than {DRAIN_FLAG}x the tokens generated "
+              "in the measured window (a backlog drained); warm up for more versions (--warmup)")
 
 
 def scaling_efficiency(objs: list[dict], mode: str = "laminar") -> dict:
