@@ -240,7 +240,7 @@ def execute(specs: list[dict], jobs: int, root: Path) -> dict[tuple, dict]:
     return results
 
 
-def assemble(size: str, gpus: int, runs: dict[str, dict], warmup: dict[str, int], measure: int) -> dict:
+def assemble(size: str, gpus: int, runs: dict[str, dict], warmup: dict[str, int], measure: dict[str, int]) -> dict:
     """One object per (model, GPUs): the per-mode results and the comparisons between them."""
     ok = {m: r for m, r in runs.items() if "error" not in r}
     tp = {m: r["throughput_tokens_per_s"] for m, r in ok.items()}
@@ -281,6 +281,14 @@ def _ratio(a, b):
     return a / b if a and b else None
 
 
+def _per_mode(counts: dict[str, int]) -> str:
+    """{"laminar": 8, "sync": 5, ...} -> "8 (laminar), 5 (sync)": the distinct counts and their modes."""
+    by: dict[int, list[str]] = {}
+    for mode, n in counts.items():
+        by.setdefault(n, []).append(mode)
+    return ", ".join(f"{n} ({'/'.join(ms)})" for n, ms in sorted(by.items(), reverse=True))
+
+
 def _f(v, digits: int = 0) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
@@ -304,8 +312,8 @@ def print_scale(obj: dict, workload: dict) -> None:
                      f"{r['wall_s']:.0f}"
                      + ("" if r["finished"] else " (unfinished)")])
     print_table(f"Qwen2.5-{size} on {gpus} simulated H800s: throughput = prompt+response tokens of a global batch / "
-                f"time between updates (simulated), over {obj['measure']} updates after a warm-up of "
-                f"{'/'.join(str(v) for v in sorted(set(obj['warmup'].values()), reverse=True))} (laminar/barrier modes)",
+                f"time between updates (simulated), over {_per_mode(obj['measure'])} updates after a warm-up of "
+                f"{_per_mode(obj['warmup'])}",
                 ["mode", "train/roll GPUs", "replicas", "tokens/s", "laminar x", "iter s", "gen tok/s", "of ideal",
                  "idle", "kv mean", "max stale", "staleness (measured)", "repacks", "preempt", "speedup",
                  "lag mean/max", "wall s"], rows)
@@ -387,7 +395,7 @@ def write_configs(setup: dict, workload: dict, runs: list[tuple[str, int]], mode
 # -- main -----------------------------------------------------------------------------------------
 def main() -> int:
     from laminar.sim import load_workload
-    from laminar.sim.scenario import estimate, load_setups, scales
+    from laminar.sim.scenario import estimate, load_setups, scales, wave_versions
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="7B, 32B or 72B (default: every model)")
     ap.add_argument("--gpus", help="GPU count(s), comma-separated (default: every count with a placement)")
@@ -397,7 +405,8 @@ def main() -> int:
     ap.add_argument("--speedup", type=float, help="simulated seconds per real second for every run "
                     "(default: each run's own, from its expected CPU load; paper.yaml compressed_time)")
     ap.add_argument("--warmup", type=int, help="warm-up versions (default: paper.yaml)")
-    ap.add_argument("--measure", type=int, help="measured versions (default: paper.yaml)")
+    ap.add_argument("--measure", type=int, help="measured versions (default: paper.yaml's, rounded up "
+                    "for the laminar modes to whole waves of updates: scenario.wave_versions)")
     ap.add_argument("--relays", action="store_true", help="weights through the real relay tier (default: modeled chain)")
     ap.add_argument("--ahead", type=int, default=None, help="laminar modes: the prompt pool's max_batches_ahead "
                     "(flow control; default: no bound, as in the paper)")
@@ -433,7 +442,18 @@ def main() -> int:
         sizes = [a.model] if a.model else list(setup["models"])
         counts = [int(g) for g in a.gpus.split(",")] if a.gpus else None
         runs = [(s, g) for s in sizes for g in (counts or scales(workload, s))]
-    measure = a.measure or it["measure"]
+    def measure_of(size: str, gpus: int, mode: str) -> int:
+        """--measure, else paper.yaml's, rounded up for the laminar modes to whole waves: their
+        updates come in waves as long as the global batches the rollouts hold at once (4 at
+        72B/1,024: 25, 25, 148, 59 s, and again), and a window of part of a wave over- or
+        understates the steady state."""
+        if a.measure:
+            return a.measure
+        n = it["measure"]
+        if mode.startswith("laminar"):
+            w = wave_versions(setup, workload, size, gpus)
+            n = -(-n // w) * w
+        return n
 
     def warmup_of(mode: str) -> int:
         if a.warmup:
@@ -453,7 +473,7 @@ def main() -> int:
             est = estimate(setup, workload, size, gpus, mode)
             speedup = a.speedup or est["speedup"]
             # expected wall: the first wave (~2 iterations) + every version, at the speedup; x3 + 2 min
-            warmup = warmup_of(mode)
+            warmup, measure = warmup_of(mode), measure_of(size, gpus, mode)
             timeout = 3 * (warmup + measure + 2) * est["iteration_s"] / speedup + 120
             specs.append({"setups": a.setups, "model": size, "gpus": gpus, "mode": mode, "speedup": speedup,
                           "warmup": warmup, "measure": measure, "relays": a.relays, "root": str(root), "ahead": a.ahead,
@@ -467,7 +487,8 @@ def main() -> int:
     finally:
         if not a.workdir:
             shutil.rmtree(root, ignore_errors=True)
-    objs = [assemble(size, gpus, {m: results[(size, gpus, m)] for m in modes}, {m: warmup_of(m) for m in modes}, measure)
+    objs = [assemble(size, gpus, {m: results[(size, gpus, m)] for m in modes}, {m: warmup_of(m) for m in modes},
+                     {m: measure_of(size, gpus, m) for m in modes})
             for size, gpus in runs]
     return report(objs, modes, workload, a, round(time.monotonic() - t0, 1))
 
@@ -479,9 +500,11 @@ def combine(paths: list[str]) -> list[dict]:
     merged: dict[tuple, dict] = {}
     for path in paths:
         for o in json.loads(Path(path).read_text())["runs_by_scale"]:
-            m = merged.setdefault((o["model"], o["gpus"]), {"runs": {}, "warmup": {}, "measure": o["measure"]})
+            m = merged.setdefault((o["model"], o["gpus"]), {"runs": {}, "warmup": {}, "measure": {}})
             m["runs"].update(o["runs"])
             m["warmup"].update(o["warmup"])
+            per_mode = o["measure"] if isinstance(o["measure"], dict) else {mode: o["measure"] for mode in o["runs"]}
+            m["measure"].update(per_mode)  # files before per-mode windows kept one count for all modes
     order = lambda k: (float(k[0].rstrip("B")), k[1])  # noqa: E731
     return [assemble(size, gpus, {mode: m["runs"][mode] for mode in MODES if mode in m["runs"]},
                      m["warmup"], m["measure"]) for (size, gpus), m in sorted(merged.items(), key=lambda kv: order(kv[0]))]

@@ -44,6 +44,15 @@ def load_setups(path: str | Path) -> dict:
         return yaml.safe_load(f)
 
 
+def wave_versions(setup: dict, workload: dict, size: str, gpus: int) -> int:
+    """Global batches the laminar rollouts hold at once (replicas × max_concurrency ÷ global
+    batch, rounded up). Every rollout's first batch starts together, so laminar's updates come in
+    waves of this many versions (at 72B/1,024: 4), and they stay in step."""
+    shape = setup["run_shape"]
+    replicas = placement(workload, size, gpus, "laminar")[1] // int(setup["models"][size]["tp"])
+    return max(1, math.ceil(replicas * int(shape["max_concurrency"]) / (shape["prompts_per_batch"] * shape["group_size"])))
+
+
 def placement(workload: dict, size: str, gpus: int, mode: str) -> tuple[int, int]:
     """(train GPUs, rollout GPUs) of a mode at a scale (sync: colocated, both = all GPUs)."""
     if mode == "sync":

@@ -16,7 +16,7 @@ from laminar.roles.trainer.sim_engine import ModeledDelivery, SimTrainEngine, Si
 from laminar.sim import load_workload
 from laminar.sim.latency import StepCurve
 from laminar.sim.lengths import LengthDistribution
-from laminar.sim.scenario import estimate, load_setups, placement
+from laminar.sim.scenario import estimate, load_setups, placement, wave_versions
 from laminar.sim.trainer_cost import TrainerCost
 from laminar.weights.pull import LocalWeights
 from laminar.weights.store import ShmStore
@@ -77,6 +77,17 @@ def test_placements_and_estimates_per_mode():
     lam, sync = estimate(setup, w, "72B", 1024, "laminar"), estimate(setup, w, "72B", 1024, "sync")
     assert lam["replicas"] == 32 and sync["replicas"] == 128
     assert sync["iteration_s"] > sync["tail_s"] > lam["gen_s"] > 0 and lam["speedup"] >= 1
+
+
+def test_wave_versions_are_the_global_batches_laminar_rollouts_hold():
+    """32 replicas of 72B (TP 8 on 256 rollout GPUs) × 1,024 = 4 global batches of 8,192; the 4
+    replicas of 32B/32 hold half of one, which is still a wave of 1."""
+    setup, w = load_setups(ROOT / "configs" / "sim" / "paper.yaml"), load_workload()
+    assert wave_versions(setup, w, "72B", 1024) == 4
+    assert wave_versions(setup, w, "7B", 128) == 6  # 48 replicas × 1,024 / 8,192 = 6
+    assert wave_versions(setup, w, "32B", 32) == 1
+    setup["run_shape"]["max_concurrency"] = 256
+    assert wave_versions(setup, w, "72B", 1024) == 1
 
 
 def test_stream_batch_wakes_less_and_changes_no_outcome():
