@@ -24,6 +24,9 @@ Per run, in simulated time, over the measured iterations (after the warm-up):
   measured window), how far behind the furthest busy engine is at each measured update (mean),
   and the event loop's lag. A run lagging more than 5 simulated seconds at its updates on
   average, or 30 at any moment, is flagged (`!`): its numbers understate the modeled hardware;
+- laminar's ceiling on its placement: the lower of every rollout at its roofline batch and the
+  trainer never waiting for data, and that ceiling over each baseline's measured throughput (a
+  speedup above it is out of reach of any scheduler under this cost model);
 - whether the window was a steady state: response tokens the trainer consumed ÷ tokens the
   rollouts generated over it. Above 1.05 the trainer was draining a backlog (laminar's first
   wave) and the throughput overstates the steady state: flagged, warm up longer (`--warmup`).
@@ -141,6 +144,8 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
     consumed = sum(b["response_len_mean"] * b["samples"] for _, b in gaps) / span if gaps else None
     out["consumed_response_tokens_per_s"] = consumed
     out["consumed_over_generated"] = consumed / g if consumed and g else None
+    resp = sum(b["response_len_mean"] * b["samples"] for _, b in gaps)
+    out["batch_tokens_per_response_token"] = sum(b["batch_tokens"] for _, b in gaps) / resp if resp else None
     out["draining"] = bool(out["consumed_over_generated"] and out["consumed_over_generated"] > DRAIN_FLAG)
     out["fraction_of_ideal"] = g / ideal if g else None
     # fleet: idle fraction and KV usage between the window's first and last update
@@ -261,13 +266,33 @@ def assemble(size: str, gpus: int, runs: dict[str, dict], warmup: dict[str, int]
            "kv_usage_mean_by_mode": {m: r["kv_usage_mean"] for m, r in ok.items()},
            "generation_tokens_per_s_by_mode": {m: r["generation_tokens_per_s"] for m, r in ok.items()},
            "repack_overhead_wall_s": _get(ok, "laminar", "repack", "wall_s_mean"),
+           "laminar_ceiling_tokens_per_s": ceiling(ok["laminar"]) if "laminar" in ok else None,
            "lagged_or_unfinished": [m for m, r in runs.items() if "error" in r or r["lagged"] or not r["finished"]],
            "draining_backlog": [m for m, r in ok.items() if r.get("draining")],
            "wall_s": round(sum(r.get("wall_s", 0.0) for r in ok.values()), 1),
            "runs": runs}
+    ceil = _get(obj, "laminar_ceiling_tokens_per_s", "tokens_per_s")
+    obj["ceiling_speedup_over"] = {b: _ratio(ceil, tp.get(b)) for b in BASELINES if b in tp}
     g = obj["generation_tokens_per_s"]
     obj["generation_gain_from_repack"] = _ratio(g["with_repack"], g["without_repack"]) - 1 if _ratio(g["with_repack"], g["without_repack"]) else None
     return obj
+
+
+def ceiling(r: dict) -> dict | None:
+    """The most any scheduler could reach on this run's placement and cost model: the lower of
+    (a) every rollout always at its roofline batch (the ideal generation rate, as prompt + response
+    tokens) and (b) the trainer never waiting for data (a global batch's tokens ÷ its training
+    time). From the run's own measurements (throughput × iteration ÷ training = batch tokens ÷
+    training time), so it applies to files written before it (`combine` fills in their batch
+    tokens per response token from the length fit)."""
+    tp, per_token, ideal = r.get("throughput_tokens_per_s"), r.get("batch_tokens_per_response_token"), \
+        r.get("ideal_generation_tokens_per_s")
+    it, train = r.get("iteration_s_mean"), r.get("train_s_mean")
+    if not (tp and per_token and ideal and it and train):
+        return None
+    gen, trainer = ideal * per_token, tp * it / train
+    return {"tokens_per_s": min(gen, trainer), "generation_bound": gen, "training_bound": trainer,
+            "bound_by": "generation" if gen < trainer else "training"}
 
 
 def _get(runs, mode, *keys):
@@ -321,6 +346,12 @@ def print_scale(obj: dict, workload: dict) -> None:
     print("  laminar over: " + ", ".join(f"{b} {_f(v, 2)}x" for b, v in so.items())
           + f"   (paper, reference only: up to {PAPER['laminar_over_verl_max']}x over verl; "
           f"~{PAPER['laminar_over_one_step_stream_avg_at_largest']}x over one_step/stream at the largest scale)")
+    if c := obj.get("laminar_ceiling_tokens_per_s"):
+        cs = obj["ceiling_speedup_over"]
+        print(f"  laminar's ceiling on its placement: {_f(c['tokens_per_s'])} tok/s ({c['bound_by']}-bound; generation "
+              f"at every rollout's roofline {_f(c['generation_bound'])}, trainer never waiting {_f(c['training_bound'])})"
+              + (" = " + ", ".join(f"{_f(v, 2)}x {b}" for b, v in cs.items() if v) if any(cs.values()) else "")
+              + "; measured laminar is " + _f(_ratio(lam, c["tokens_per_s"]), 2) + " of it")
     rp = workload.get("repack_32B_16_rollouts", {})
     kv, g = obj["kv_usage_mean"], obj["generation_gain_from_repack"]
     print(f"  repack: mean kv {_f(kv['with_repack'], 3)} with / {_f(kv['without_repack'], 3)} without; generation "
@@ -399,7 +430,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="7B, 32B or 72B (default: every model)")
     ap.add_argument("--gpus", help="GPU count(s), comma-separated (default: every count with a placement)")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)} (default: all)")
     ap.add_argument("--quick", action="store_true", help="the subset in paper.yaml `quick` (about 10 minutes)")
     ap.add_argument("--setups", default=str(ROOT / "configs" / "sim" / "paper.yaml"))
     ap.add_argument("--speedup", type=float, help="simulated seconds per real second for every run "
@@ -460,7 +491,7 @@ def main() -> int:
             return a.warmup
         return it["warmup"] if mode.startswith("laminar") else it.get("warmup_barrier", it["warmup"])
     if a.combine:
-        return report(combine(a.combine), MODES, workload, a, 0.0)
+        return report(combine(a.combine, setup, workload), MODES, workload, a, 0.0)
     if a.write_configs:
         speedups = {(s, g, m): a.speedup or estimate(setup, workload, s, g, m)["speedup"] for s, g in runs for m in modes}
         write_configs(setup, workload, runs, modes, Path(a.write_configs), speedups, a.relays)
@@ -493,13 +524,19 @@ def main() -> int:
     return report(objs, modes, workload, a, round(time.monotonic() - t0, 1))
 
 
-def combine(paths: list[str]) -> list[dict]:
+def combine(paths: list[str], setup: dict, workload: dict) -> list[dict]:
     """The (model, GPUs) objects of earlier `--out` files, runs of one setup merged (a later file's
     run of a mode replaces an earlier one). Simulated throughput does not depend on the machine's
-    load unless a run lagged, which every run records, so runs of separate invocations compare."""
+    load unless a run lagged, which every run records, so runs of separate invocations compare.
+    Runs from before `batch_tokens_per_response_token` was recorded get (prompt + E[L]) ÷ E[L] of
+    the model's length fit."""
+    from laminar.sim.scenario import _length_stats
     merged: dict[tuple, dict] = {}
     for path in paths:
         for o in json.loads(Path(path).read_text())["runs_by_scale"]:
+            mean = _length_stats(setup, workload, o["model"])["mean"]
+            for r in o["runs"].values():
+                r.setdefault("batch_tokens_per_response_token", (setup["run_shape"]["prompt_tokens"] + mean) / mean)
             m = merged.setdefault((o["model"], o["gpus"]), {"runs": {}, "warmup": {}, "measure": {}})
             m["runs"].update(o["runs"])
             m["warmup"].update(o["warmup"])
