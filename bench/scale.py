@@ -68,12 +68,17 @@ DRAIN_FLAG = 1.05
 
 
 # -- one run ------------------------------------------------------------------------------------
+def run_dir(root: Path, size: str, gpus: int, mode: str) -> Path:
+    """A run's folder under the sweep's root; its log and result file sit beside it."""
+    return root / f"{size}-{gpus}-{mode}"
+
+
 def run_mode(setup: dict, workload: dict, size: str, gpus: int, mode: str, *, root: Path, speedup: float,
              warmup: int, measure: int, relays: bool, timeout_s: float, ahead: int | None = None) -> dict:
     from laminar.config import parse_config
     from laminar.sim.scenario import build_config, write_prompts
     from laminar.testing.sim_cluster import quiet_logs, run_sim
-    workdir = root / f"{size}-{gpus}-{mode}"
+    workdir = run_dir(root, size, gpus, mode)
     shutil.rmtree(workdir, ignore_errors=True)
     weights_root = f"/dev/shm/laminar-sim-{uuid.uuid4().hex[:8]}"
     iterations = warmup + measure
@@ -141,10 +146,10 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
     ideal = ideal_replica_tokens_per_s(setup, workload, size)[0] * run.rollouts
     out["ideal_generation_tokens_per_s"] = ideal
     g = out["generation_tokens_per_s"]
-    consumed = sum(b["response_len_mean"] * b["samples"] for _, b in gaps) / span if gaps else None
+    resp = sum(b["response_len_mean"] * b["samples"] for _, b in gaps)  # response tokens of the measured batches
+    consumed = resp / span if gaps else None
     out["consumed_response_tokens_per_s"] = consumed
     out["consumed_over_generated"] = consumed / g if consumed and g else None
-    resp = sum(b["response_len_mean"] * b["samples"] for _, b in gaps)
     out["batch_tokens_per_response_token"] = sum(b["batch_tokens"] for _, b in gaps) / resp if resp else None
     out["draining"] = bool(out["consumed_over_generated"] and out["consumed_over_generated"] > DRAIN_FLAG)
     out["fraction_of_ideal"] = g / ideal if g else None
@@ -212,17 +217,18 @@ def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True) -> dict
     while pending or running:
         while pending and len(running) < jobs:
             spec = pending.pop(0)
-            out = root / f"{spec['model']}-{spec['gpus']}-{spec['mode']}.result.json"
-            log = open(root / f"{spec['model']}-{spec['gpus']}-{spec['mode']}.log", "w")
+            folder = run_dir(root, spec["model"], spec["gpus"], spec["mode"])
+            out = folder.with_name(folder.name + ".result.json")
+            log = open(folder.with_name(folder.name + ".log"), "w")
             print(f"[{time.strftime('%H:%M:%S')}] start {spec['model']} @ {spec['gpus']} GPUs, {spec['mode']}: "
                   f"{spec['warmup']}+{spec['measure']} versions, speedup {spec['speedup']:g} "
                   f"(expected iteration {spec['estimate']['iteration_s']:.0f} s simulated)", flush=True)
             proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec), "--child-out", str(out)],
                                     stdout=log, stderr=subprocess.STDOUT)
-            running.append((spec, proc, out, log, time.monotonic()))
+            running.append((spec, proc, folder, out, log, time.monotonic()))
         time.sleep(0.5)  # polling the children (they report by their exit and result file)
         for item in list(running):
-            spec, proc, out, log, t0 = item
+            spec, proc, folder, out, log, t0 = item
             over = time.monotonic() - t0 > spec["timeout_s"] + 300  # the child's own stop hangs
             if proc.poll() is None and not over:
                 continue
@@ -233,7 +239,7 @@ def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True) -> dict
             log.close()
             key = (spec["model"], spec["gpus"], spec["mode"])
             if not keep:
-                shutil.rmtree(root / f"{spec['model']}-{spec['gpus']}-{spec['mode']}", ignore_errors=True)
+                shutil.rmtree(folder, ignore_errors=True)
             if proc.returncode == 0 and out.exists():
                 r = results[key] = json.loads(out.read_text())
                 print(f"[{time.strftime('%H:%M:%S')}] done  {spec['model']} @ {spec['gpus']}, {spec['mode']}: throughput "
@@ -244,7 +250,7 @@ def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True) -> dict
                       f"(max {r['engine_max_lag_s']:.1f}), wall {r['wall_s']:.0f} s"
                       + ("" if r["finished"] else "  [DID NOT FINISH]"), flush=True)
             else:
-                tail = (root / f"{spec['model']}-{spec['gpus']}-{spec['mode']}.log").read_text()[-2000:]
+                tail = Path(log.name).read_text()[-2000:]
                 results[key] = {"error": f"exit {proc.returncode}" + (" (killed: overran)" if over else ""), "log_tail": tail}
                 print(f"[{time.strftime('%H:%M:%S')}] FAILED {key}: exit {proc.returncode}\n{tail}", flush=True)
     return results
