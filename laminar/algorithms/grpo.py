@@ -7,11 +7,15 @@ tokens sits at position P-1+j. `collate()` builds that layout from per-trajector
 
 Loss (per valid token, A = the sequence's advantage, r = exp(logp - old)):
     pg   = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))      (Clip-Higher: eps_high > eps_low)
+    pg   = min(pg, c |A|)  where A < 0, with dual_clip = c > 1 (optional): a stale token whose
+           ratio exploded cannot dominate the batch (without it -A r is unbounded)
     pg  *= w   with off-policy correction, w = exp(old - behaviour) (detached):
                "tis": w = min(w, is_cap) (truncated importance sampling);
                "decoupled": clip against the proximal policy `old`, times w (decoupled PPO)
     kl   = exp(ref - logp) - (ref - logp) - 1                     (k3 estimator, if ref given)
     loss = (sum pg + kl_coef * sum kl) / N                       N = valid tokens in the mini-batch
+Every exponent is masked first (0 at prompt, pad and tool-output positions), so logprobs there,
+however negative (reference logprobs are 0 outside the response), cannot overflow into inf * 0 = NaN.
 Token-level aggregation: every valid token of the mini-batch weighs the same, whatever its
 sequence's length. Pass `num_tokens` (the mini-batch's count) when a mini-batch is split into
 micro-batches, so the micro-batch losses (and metrics) add up to the mini-batch's.
@@ -33,6 +37,7 @@ class GRPOSettings:
     off_policy: str = "none"          # none | tis | decoupled
     is_cap: float | None = 2.0        # TIS truncation (decoupled: optional cap, None = none)
     adv_eps: float = 1e-6
+    dual_clip: float | None = None    # c > 1: bound of the loss of negative-advantage tokens (c |A|)
 
     @property
     def needs_proximal(self) -> bool:
@@ -108,22 +113,35 @@ def response_logprobs(logp_targets, prompt_lens: Sequence[int], response_lens: S
 
 def grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
               behaviour_logp=None, off_policy: str = "none", is_cap: float | None = 2.0,
-              ref_logp=None, kl_coef: float = 0.0, num_tokens: float | None = None, entropy=None):
+              ref_logp=None, kl_coef: float = 0.0, num_tokens: float | None = None, entropy=None,
+              dual_clip: float | None = None):
     """The GRPO loss of a (micro-)batch; see the module docstring. `advantages` is [B] (one per
     sequence) or [B, T-1]. Returns (loss, metrics) where each metric is a sum over the valid
     tokens divided by N (so micro-batch metrics add up to the mini-batch mean)."""
     import torch
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip!r}")
     mask = mask.float()
+    valid = mask > 0
     n = float(num_tokens) if num_tokens is not None else max(float(mask.sum()), 1.0)
     A = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
-    ratio = torch.exp(logp - old_logp)
+
+    def masked(x):  # an exponent, 0 outside the valid tokens (exp -> 1 there, never inf)
+        return torch.where(valid, x, torch.zeros_like(x))
+
+    ratio = torch.exp(masked(logp - old_logp))
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     pg = torch.maximum(-A * ratio, -A * clipped)
+    dual = None
+    if dual_clip is not None:
+        bound = -A * dual_clip
+        dual = (A < 0) & (pg > bound)
+        pg = torch.where(A < 0, torch.minimum(pg, bound), pg)
     w = None
     if off_policy in ("tis", "decoupled"):
         if behaviour_logp is None:
             raise ValueError(f"off_policy={off_policy!r} needs behaviour logprobs")
-        w = torch.exp(old_logp - behaviour_logp).detach()
+        w = torch.exp(masked(old_logp - behaviour_logp)).detach()
         if is_cap is not None:
             w = torch.clamp(w, max=is_cap)
         pg = pg * w
@@ -132,19 +150,20 @@ def grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_hig
     pg_loss = (pg * mask).sum() / n
     loss = pg_loss
     with torch.no_grad():
-        valid = mask > 0
         metrics = {
             "pg_loss": float(pg_loss.detach()),
             "clip_frac_low": float(((ratio < 1.0 - eps_low) & (A < 0) & valid).sum()) / n,
             "clip_frac_high": float(((ratio > 1.0 + eps_high) & (A > 0) & valid).sum()) / n,
             "ratio_mean": float((ratio * mask).sum()) / n,
         }
+        if dual is not None:
+            metrics["clip_frac_dual"] = float((dual & valid).sum()) / n
         if w is not None:
             metrics["is_weight_mean"] = float((w * mask).sum()) / n
         if entropy is not None:
             metrics["entropy"] = float((entropy * mask).sum()) / n
     if ref_logp is not None:
-        d = ref_logp - logp
+        d = masked(ref_logp - logp)
         kl = ((torch.exp(d) - d - 1.0) * mask).sum() / n
         loss = loss + kl_coef * kl
         metrics["kl"] = float(kl.detach())

@@ -2,28 +2,33 @@
 and the critic itself (the policy's transformer body + a linear value head).
 
 Token-level MDP: one reward per token (usually only the last one is non-zero), a value per
-token; `mask` marks valid tokens and the episode ends after the last valid one (bootstrap 0).
+token; `mask` marks the policy's own tokens and the episode ends after the last of them
+(bootstrap 0). A masked token inside a response (a tool's output in a multi-turn episode) is not
+an end: the recursion skips it, carrying the next value and the running advantage across, so
+every turn learns from the outcome reward (as verl does); right padding is skipped the same way.
 """
 from __future__ import annotations
 
 
 def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 0.95):
-    """Advantages and returns [B, T] by GAE(gamma, lambda):
-        delta_t = r_t + gamma V_{t+1} m_{t+1} - V_t,   A_t = delta_t + gamma lam m_{t+1} A_{t+1}
-    computed right to left; invalid positions get 0. returns = A + V."""
+    """Advantages and returns [B, T] by GAE(gamma, lambda) over the valid tokens only:
+        delta_t = r_t + gamma V_n - V_t,   A_t = delta_t + gamma lam A_n
+    where n is the next *valid* token after t (none: V_n = A_n = 0), computed right to left.
+    Masked positions get 0 and neither their values nor their rewards enter the recursion.
+    returns = A + V."""
     import torch
     mask = mask.float()
     B, T = rewards.shape
     adv = torch.zeros_like(rewards, dtype=torch.float32)
-    last = torch.zeros(B, dtype=torch.float32)
-    next_v = torch.zeros(B, dtype=torch.float32)
-    next_m = torch.zeros(B, dtype=torch.float32)
+    last = torch.zeros(B, dtype=torch.float32)    # A_n, carried across masked tokens
+    next_v = torch.zeros(B, dtype=torch.float32)  # V_n, carried across masked tokens
     for t in range(T - 1, -1, -1):
-        delta = rewards[:, t] + gamma * next_v * next_m - values[:, t]
-        last = delta + gamma * lam * next_m * last
-        last = last * mask[:, t]
-        adv[:, t] = last
-        next_v, next_m = values[:, t], mask[:, t]
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        a = delta + gamma * lam * last
+        valid = mask[:, t] > 0
+        adv[:, t] = a * mask[:, t]
+        last = torch.where(valid, a, last)
+        next_v = torch.where(valid, values[:, t].float(), next_v)
     return adv, (adv + values) * mask
 
 
@@ -42,7 +47,8 @@ def value_loss(values, old_values, returns, mask, clip: float | None = 0.2, num_
 def sequence_gae(reward: float, values, gamma: float = 1.0, lam: float = 0.95, mask=None):
     """GAE of one response whose only reward comes at its last token: (advantages, returns), 1-D
     float32 numpy arrays of the response's length. `values` are the critic's values of the states
-    before each response token; a token with mask 0 (tool output) gets 0 and cuts the recursion."""
+    before each response token; a token with mask 0 (tool output) gets 0 and is skipped: the
+    value and the advantage of the next policy token carry across it."""
     import numpy as np
     import torch
     v = torch.as_tensor(np.asarray(values, np.float32))[None]

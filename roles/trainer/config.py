@@ -21,6 +21,9 @@ class TrainerConfig(BaseModel):
                            description="grpo: group-normalized advantages; ppo: a critic (value head) and GAE advantages")
     eps_low: float = Field(0.2, ge=0, description="Clip-Higher lower bound: ratio >= 1 - eps_low")
     eps_high: float = Field(0.28, ge=0, description="Clip-Higher upper bound: ratio <= 1 + eps_high")
+    dual_clip: bool = Field(False, description="dual clip: the loss of a negative-advantage token is at most "
+                            "dual_clip_c * |A| (bounds stale tokens whose ratio exploded)")
+    dual_clip_c: float = Field(3.0, gt=1, description="the dual clip's bound c (used when dual_clip is on)")
     kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL to a frozen reference (0: no reference model)")
     adv_std_normalize: bool = Field(True, description="divide group advantages by the group's std")
     old_logprobs: str = Field("behaviour", pattern="^(behaviour|recompute)$",

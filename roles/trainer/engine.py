@@ -11,7 +11,7 @@ mini-batch's total valid tokens and the gradients are summed over ranks.
     grpo: advantages = group-normalized rewards, one per sequence
     ppo:  advantages = GAE over the critic's values (reward at the last token), whitened over the
           batch; the critic is trained with the clipped value loss by its own AdamW
-Both use the same Clip-Higher policy loss, optional k3 KL, TIS or decoupled-PPO corrections.
+Both use the same Clip-Higher policy loss, optional dual clip, k3 KL, TIS or decoupled-PPO corrections.
 """
 from __future__ import annotations
 
@@ -137,7 +137,8 @@ class TrainEngine:
                 adv = ex["adv"] if seq_adv is None else torch.as_tensor(seq_adv[idx or [0]], device=self.device)
                 loss, m = grpo_loss(logp, old, adv, mask, eps_low=c.eps_low, eps_high=c.eps_high,
                                     behaviour_logp=ex["beh"], off_policy=c.off_policy, is_cap=c.is_cap,
-                                    ref_logp=ex.get("ref"), kl_coef=c.kl_coef, num_tokens=ntok, entropy=ent)
+                                    ref_logp=ex.get("ref"), kl_coef=c.kl_coef, num_tokens=ntok, entropy=ent,
+                                    dual_clip=c.dual_clip_c if c.dual_clip else None)
                 (loss * scale).backward()
                 if self.critic is not None:
                     from laminar.algorithms.ppo import value_loss
