@@ -5,6 +5,11 @@
 - Capacity counts stored trajectories, complete or not, and is never exceeded: when full, the
   eviction policy either rejects the new trajectory (`reject`) or drops the oldest group
   (`drop_oldest`: oldest complete group first, else the oldest incomplete one).
+- With `reject`, a group's first member holds room for the whole group (`reserved` counts the
+  members still missing): a new group starts only if it fits next to the stored trajectories and
+  every held group's missing members, and a member of a held group is never refused. So incomplete
+  groups can never fill the buffer for good: each of them can always complete, be sampled and
+  free its room. A group larger than the capacity is refused (it could never complete).
 - `sample(k, trainer_version)` first drops every complete group with a member older than
   `max_staleness` versions (counted, never handed out), then lets the sampler pick up to k
   groups; handed-out groups are removed and remembered, so a late duplicate is refused.
@@ -58,6 +63,7 @@ class BufferBook:
         self.groups: OrderedDict[str, Group] = OrderedDict()  # insertion = arrival of first member
         self.gone: dict[str, str] = {}   # group id -> handed | stale | evicted
         self.stored = 0
+        self.reserved = 0                # members still missing from the incomplete groups held
         self.completions = 0
         self.cursor = 0                  # groups handed out so far (the next position)
         self.leased: OrderedDict[int, str] = OrderedDict()  # position -> group id, not yet committed
@@ -76,10 +82,16 @@ class BufferBook:
             # the same member under another id: a restarted orphan whose original turned up too
             self.counts["duplicates"] += 1
             return "duplicate", ch
-        if self.stored >= self.capacity:
-            if self.eviction == "reject":
+        if self.eviction == "reject" and g is None:
+            need = t.spec.group_size
+            if need > self.capacity:
                 self.counts["rejected_full"] += 1
-                return f"full: {self.stored}/{self.capacity} trajectories stored", ch
+                return f"full: a group of {need} can never fit capacity {self.capacity}", ch
+            if self.stored + self.reserved + need > self.capacity:
+                self.counts["rejected_full"] += 1
+                return (f"full: {self.stored}/{self.capacity} trajectories stored, room for "
+                        f"{self.reserved} more held for incomplete groups"), ch
+        elif self.stored >= self.capacity and self.eviction == "drop_oldest":
             victim = next((x for x in self.groups.values() if x.complete), None) or next(iter(self.groups.values()))
             if victim.group_id == gid:
                 self.counts["rejected_full"] += 1
@@ -88,8 +100,11 @@ class BufferBook:
             self.counts["evicted"] += 1
         if g is None:
             g = self.groups[gid] = Group(gid, t.spec.group_size)
+            self.reserved += g.size
         g.members[tid] = t
         self.stored += 1
+        if len(g.members) <= g.size:
+            self.reserved -= 1
         if g.complete:
             g.order, self.completions = self.completions, self.completions + 1
         ch.put.append(t)
@@ -98,6 +113,7 @@ class BufferBook:
     def _remove(self, gid: str, why: str, ch: Change) -> Group:
         g = self.groups.pop(gid)
         self.stored -= len(g.members)
+        self.reserved -= max(0, g.size - len(g.members))
         self.gone[gid] = why
         ch.removed_groups.append((gid, why))
         return g

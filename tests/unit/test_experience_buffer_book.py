@@ -73,11 +73,12 @@ def test_duplicate_and_late_member_refused():
 
 
 def test_reject_when_full_names_capacity():
-    book = BufferBook(2, eviction="reject")
-    book.put(traj(1, 0, 4, 0))
-    book.put(traj(1, 1, 4, 0))
-    status, _ = book.put(traj(2, 0, 4, 0))
-    assert status == "full: 2/2 trajectories stored"
+    book = BufferBook(4, eviction="reject")
+    book.put(traj(1, 0, 2, 0))
+    book.put(traj(1, 1, 2, 0))
+    book.put(traj(2, 0, 2, 0))
+    status, _ = book.put(traj(3, 0, 2, 0))
+    assert status == "full: 3/4 trajectories stored, room for 1 more held for incomplete groups"
 
 
 def test_leases_rehand_in_order_and_release():

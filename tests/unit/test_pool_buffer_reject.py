@@ -1,0 +1,41 @@
+"""With `eviction: reject` the buffer must never be blocked for good by incomplete groups: room
+for a group's missing members is held from its first member on, so a member of a group the
+buffer already holds is never refused, and a full buffer still completes (and hands out) groups."""
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from laminar.roles.experience_buffer.state import BufferBook
+from tests.unit.test_experience_buffer_book import traj
+
+
+def test_first_members_cannot_fill_a_rejecting_buffer():
+    book = BufferBook(4, eviction="reject")
+    firsts = [book.put(traj(g, 0, 2, 0))[0] for g in range(4)]   # four groups start, one member each
+    assert firsts[:2] == ["stored", "stored"] and all(s.startswith("full") for s in firsts[2:])
+    for g in range(2):                                            # their second members still fit
+        assert book.put(traj(g, 1, 2, 0))[0] == "stored"
+    groups, _, _ = book.sample(4, 0)
+    assert sorted(grp[0].spec.group_id for grp in groups) == ["g0", "g1"]
+    assert book.put(traj(2, 0, 2, 0))[0] == "stored"              # room again once handed out
+
+
+def test_a_group_larger_than_the_capacity_is_refused_with_a_reason():
+    book = BufferBook(3, eviction="reject")
+    status, _ = book.put(traj(1, 0, 4, 0))
+    assert status.startswith("full") and "capacity 3" in status
+
+
+@settings(max_examples=200, deadline=None)
+@given(order=st.permutations([(g, i) for g in range(8) for i in range(3)]), capacity=st.integers(3, 12))
+def test_members_of_held_groups_are_never_refused(order, capacity):
+    book = BufferBook(capacity, eviction="reject")
+    for g, i in order:
+        held = f"g{g}" in book.groups
+        status, _ = book.put(traj(g, i, 3, 0))
+        if held:
+            assert status == "stored", status
+        assert book.stored <= capacity
+        # room for every missing member of every held group: each of them can still complete
+        missing = sum(grp.size - len(grp.members) for grp in book.groups.values())
+        assert book.stored + missing <= capacity
