@@ -26,7 +26,8 @@ __all__ = [
     "TrajectorySpec", "TakeBatch", "Batch", "RequeueGroups", "TokenDelta", "AppendDeltas",
     "DeltaResult", "InFlightOf", "GetPartial", "PartialState", "PartialList", "ReassignPartial",
     "CompletePartial", "Trajectory", "PutTrajectory", "PutResult", "SampleGroups", "Samples",
-    "BufferStatsRequest", "BufferStats", "PoolCount",
+    "BufferStatsRequest", "BufferStats", "PoolCount", "HandedGroups", "HandedList", "GroupPresence",
+    "GroupPresenceReply",
 ]
 
 
@@ -53,6 +54,7 @@ class TakeBatch:
     max_trajectories: int
     batch_seq: int = -1
     version: int = -1
+    pid: int = 0  # the asking process (its heartbeat's pid): what it is handed is accounted to it; 0 = unknown
 
 
 @event("data.batch")
@@ -63,8 +65,30 @@ class Batch:
 
 @event("data.requeue_groups")
 class RequeueGroups:
-    """Groups whose trajectories were lost before completion: hand them out again first."""
+    """Groups whose trajectories were lost before completion: hand them out again first. An entry
+    is a group id (the whole group) or a member's trajectory id `<group>/<i>` (that member alone).
+    `settled`: entries handed to `rollout_id` that are safe elsewhere (partial pool or buffer): the
+    pool stops accounting them to that rollout."""
     group_ids: list[str]
+    rollout_id: str = ""
+    settled: list[str] = field(default_factory=list)
+
+
+@event("data.handed_groups")
+class HandedGroups:
+    """Prompt pool query: entries handed out and not yet settled or requeued, oldest first.
+    `rollout_id` "*" = every rollout; `pid` != 0: only what that process of it was handed."""
+    rollout_id: str = "*"
+    pid: int = 0
+    limit: int = 4096
+
+
+@event("data.handed_list")
+class HandedList:
+    entries: list[str]       # group ids or member ids `<group>/<i>`
+    rollout_ids: list[str]   # who holds each
+    group_sizes: list[int]
+    more: bool = False       # the limit cut the list: ask again after settling these
 
 
 # -- partial response pool -----------------------------------------------------------------------
@@ -78,6 +102,7 @@ class TokenDelta:
     spec: TrajectorySpec | None = None  # required on seq 0
     loss_mask: np.ndarray | None = None  # uint8 per token of this delta (0 = observation); None = all 1
     obs_spans: np.ndarray | None = None  # int32 [n, 2]: environment replies appended in this delta (module docstring)
+    epoch: int = 0  # ownership epoch the writer holds (PartialState.epoch); older than the pool's = fenced off
 
 
 @event("data.append_deltas")
@@ -114,6 +139,7 @@ class PartialState:
     next_seq: int
     loss_mask: np.ndarray | None = None  # uint8 per token so far (0 = observation); None = all 1
     obs_spans: np.ndarray | None = None  # int32 [n, 2]: every environment reply so far (module docstring)
+    epoch: int = 0  # ownership epoch: a new owner writes with it; writes with an older one are refused
 
     @property
     def remaining_tokens(self) -> int:
@@ -127,8 +153,22 @@ class PartialList:
 
 @event("data.reassign_partial")
 class ReassignPartial:
+    """Give a trajectory to another owner; with `fence` its ownership epoch advances, so the
+    previous owner's later writes are refused (the Ack's detail is `epoch <n>`)."""
     trajectory_id: str
     rollout_id: str
+    fence: bool = False
+
+
+@event("data.group_presence")
+class GroupPresence:
+    """Partial pool or buffer query: which members of these groups does it hold?"""
+    group_ids: list[str]
+
+
+@event("data.group_presence_reply")
+class GroupPresenceReply:
+    present: dict[str, list[int]]  # group id -> sample indices held; [-1] = the whole group is settled here
 
 
 @event("data.complete_partial")
