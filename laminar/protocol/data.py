@@ -81,6 +81,7 @@ class HandedGroups:
     rollout_id: str = "*"
     pid: int = 0
     limit: int = 4096
+    offset: int = 0          # skip this many matching entries (paging)
 
 
 @event("data.handed_list")
@@ -89,6 +90,9 @@ class HandedList:
     rollout_ids: list[str]   # who holds each
     group_sizes: list[int]
     more: bool = False       # the limit cut the list: ask again after settling these
+    group_ids: list[str] = field(default_factory=list)  # the group of each entry
+    members: list[int] = field(default_factory=list)    # the member of each entry; -1 = the whole group
+    pids: list[int] = field(default_factory=list)       # the process each was handed to (0 = unknown)
 
 
 # -- partial response pool -----------------------------------------------------------------------
