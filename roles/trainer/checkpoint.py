@@ -9,7 +9,8 @@ folder fsynced), so a reader sees a whole checkpoint or none.
     set_rng_state(torch.load(path/rng.pt)) restores the RNGs of the process that saved
 
 State dicts are full (unsharded) tensors: a multi-rank trainer gathers them on rank 0 first, so a
-checkpoint can be resumed by any number of ranks.
+checkpoint can be resumed by any number of ranks. A state dict holding a NaN or inf is refused
+(NonFiniteWeightsError) before anything is written: a checkpoint is something to resume from.
 """
 from __future__ import annotations
 
@@ -22,6 +23,35 @@ from pathlib import Path
 import numpy as np
 
 MARK = "COMPLETE"
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """Weights (or optimizer states) hold NaN or inf: they must not be published or checkpointed."""
+
+
+def nonfinite_tensors(tree, prefix: str = "") -> list[str]:
+    """Dotted names of the floating-point tensors in a (nested) state dict with a NaN or inf."""
+    import torch
+    bad = []
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            bad += nonfinite_tensors(v, f"{prefix}{k}.")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            bad += nonfinite_tensors(v, f"{prefix}{i}.")
+    elif isinstance(tree, torch.Tensor) and tree.is_floating_point():
+        t = tree.full_tensor() if hasattr(tree, "full_tensor") else tree
+        if not bool(torch.isfinite(t).all()):
+            bad.append(prefix[:-1])
+    return bad
+
+
+def check_finite(parts: dict, what: str) -> None:
+    """Raise NonFiniteWeightsError naming the tensors of `parts` that hold a NaN or inf."""
+    bad = nonfinite_tensors(parts)
+    if bad:
+        more = f" (+{len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise NonFiniteWeightsError(f"refusing to {what}: non-finite values in {', '.join(bad[:5])}{more}")
 
 
 def _fsync(path: Path) -> None:
@@ -55,6 +85,7 @@ def set_rng_state(st: dict) -> None:
 
 def save(root: str | Path, version: int, parts: dict, state: dict, keep: int = 2) -> Path:
     import torch
+    check_finite(parts, f"checkpoint version {version}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{_name(version)}-{os.getpid()}"

@@ -12,6 +12,11 @@ mini-batch's total valid tokens and the gradients are summed over ranks.
     ppo:  advantages = GAE over the critic's values (reward at the last token), whitened over the
           batch; the critic is trained with the clipped value loss by its own AdamW
 Both use the same Clip-Higher policy loss, optional dual clip, k3 KL, TIS or decoupled-PPO corrections.
+
+A mini-batch whose loss or gradient norm is not finite (on any rank) is skipped: no optimizer
+steps, its gradients dropped, its metrics left out, the step counted in `skipped_nonfinite_steps`
+(per version and in total) and logged as `nonfinite_step_skipped`. full_state(), the path of
+every publish and checkpoint, refuses weights with a NaN or inf (NonFiniteWeightsError).
 """
 from __future__ import annotations
 
@@ -19,14 +24,20 @@ import math
 from collections import defaultdict
 
 import numpy as np
+import structlog
 
+from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
 from laminar.roles.trainer.dist import DistInfo, all_reduce_sums, broadcast_ints, shard
+
+__all__ = ["NonFiniteWeightsError", "TrainEngine"]
+log = structlog.get_logger("laminar.trainer.engine")
 
 
 class TrainEngine:
     def __init__(self, cfg, seed: int, device, info: DistInfo | None = None):
         self.cfg, self.seed, self.device = cfg, seed, device
         self.info = info or DistInfo()
+        self.skipped_nonfinite_steps = 0  # over the engine's life (this process)
 
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
@@ -64,6 +75,7 @@ class TrainEngine:
                 parts[name] = m.state_dict()
                 if with_optimizer:
                     parts[f"{name}_optimizer" if name != "model" else "optimizer"] = o.state_dict()
+            self._check_weights(parts)
             return parts
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
@@ -73,7 +85,14 @@ class TrainEngine:
             parts[name] = get_model_state_dict(m, options=opts)
             if with_optimizer:
                 parts[f"{name}_optimizer" if name != "model" else "optimizer"] = get_optimizer_state_dict(m, o, options=opts)
-        return parts if self.info.is_main else None
+        if not self.info.is_main:
+            return None
+        self._check_weights(parts)
+        return parts
+
+    def _check_weights(self, parts: dict) -> None:
+        """Weights with a NaN or inf never leave the trainer (publish or checkpoint)."""
+        check_finite({n: parts[n] for n in self._pairs() if n in parts}, "publish or checkpoint the weights")
 
     def restore(self, parts: dict | None) -> None:
         """Load full state dicts (read by rank 0; the others receive them by broadcast)."""
@@ -121,14 +140,16 @@ class TrainEngine:
         valid = [int(t.loss_mask.sum()) if t.loss_mask is not None else len(t.response_tokens) for t in trajs]
         scale = float(self.info.world_size)  # FSDP2 averages gradients over ranks; we want their sum
         totals: dict[str, float] = defaultdict(float)
-        norms, vnorms = [], []
+        norms, vnorms, skipped = [], [], 0
+        pairs = list(self._pairs().values())
         for mb in self._minibatches(order):
             ntok = sum(valid[i] for i in mb)
             if not mb or ntok == 0:
                 continue
-            self.opt.zero_grad(set_to_none=True)
-            if self.critic is not None:
-                self.critic_opt.zero_grad(set_to_none=True)
+            for _, o in pairs:
+                o.zero_grad(set_to_none=True)
+            mb_totals: dict[str, float] = defaultdict(float)
+            finite = True
             for idx in self._chunks(mb):
                 ids, att, mask, ex = self._inputs(trajs, idx, per)
                 with self._autocast():
@@ -147,20 +168,30 @@ class TrainEngine:
                     vl = value_loss(values, ex["val"], ex["ret"], mask, c.value_clip, num_tokens=ntok)
                     (vl * scale).backward()
                     m["value_loss"] = float(vl.detach())
+                finite = finite and all(math.isfinite(v) for v in m.values())
                 for k, v in m.items():
-                    totals[k] += v * ntok
+                    mb_totals[k] += v * ntok
                 if idx:
                     totals["tokens"] += float(att.sum())
-            norms.append(self._step(self.model, self.opt))
+            mb_norms, stepped = self._step(pairs, finite)
+            if not stepped:
+                skipped += 1
+                log.warning("nonfinite_step_skipped", version=version, loss_finite=finite,
+                            grad_norms=[round(n, 6) if math.isfinite(n) else str(n) for n in mb_norms],
+                            skipped_total=self.skipped_nonfinite_steps)
+                continue
+            norms.append(mb_norms[0])
             if self.critic is not None:
-                vnorms.append(self._step(self.critic, self.critic_opt))
+                vnorms.append(mb_norms[1])
+            for k, v in mb_totals.items():
+                totals[k] += v
             totals["response_tokens"] += ntok
         totals = all_reduce_sums(self.info, dict(totals))
         tokens, counted = totals.pop("tokens", 0.0), totals.pop("response_tokens", 0.0)
         counted /= self.info.world_size  # every rank added each mini-batch's ntok
         out.update({k: v / max(counted, 1.0) for k, v in totals.items()})
         out.update(grad_norm=float(np.mean(norms)) if norms else 0.0, grad_norm_max=float(max(norms, default=0.0)),
-                   tokens=tokens, response_tokens=counted)
+                   tokens=tokens, response_tokens=counted, skipped_nonfinite_steps=float(skipped))
         if vnorms:
             out["critic_grad_norm"] = float(np.mean(vnorms))
         return out
@@ -234,12 +265,29 @@ class TrainEngine:
     def _minibatches(self, order: list[int]) -> list[list[int]]:
         return [m.tolist() for m in np.array_split(np.array(order, dtype=np.int64), self.cfg.minibatch_steps)]
 
-    def _step(self, module, opt) -> float:
+    def _step(self, pairs, losses_finite: bool) -> tuple[list[float], bool]:
+        """One optimizer step of each (module, optimizer) after clipping its gradients, unless a
+        loss of this mini-batch (on any rank) or a gradient norm is not finite: then no step, the
+        gradients are dropped and the skip counted. Returns (pre-clip norms, stepped)."""
         import torch
-        params = [p for p in module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
-        opt.step()
-        return float(norm)
+        grads, norms = [], []
+        for module, _ in pairs:
+            params = [p for p in module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()  # the global norm: every rank sees the same value
+            grads.append(params)
+            norms.append(norm)
+        values = [float(n) for n in norms]
+        bad = not losses_finite or not all(math.isfinite(v) for v in values)
+        if self.info.enabled:  # a NaN loss on one rank skips the step on all of them
+            bad = all_reduce_sums(self.info, {"nonfinite": float(bad)})["nonfinite"] > 0
+        if bad:
+            for _, opt in pairs:
+                opt.zero_grad(set_to_none=True)
+            self.skipped_nonfinite_steps += 1
+            return values, False
+        for (_, opt), params, norm in zip(pairs, grads, norms):
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
+            opt.step()
+        return values, True
