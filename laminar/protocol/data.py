@@ -194,6 +194,7 @@ class Trajectory:
     loss_mask: np.ndarray | None = None  # uint8 per response token (0 = tool output), None = all 1
     timings: dict[str, float] = field(default_factory=dict)  # phase -> epoch seconds (`*_s`: durations)
     obs_spans: np.ndarray | None = None  # int32 [n, 2]: environment replies (multi-turn); None = none
+    lineage: int = 0                # lineage epoch of the weights `version` names (with version: which weights)
 
 
 @event("data.put_trajectory")

@@ -28,6 +28,9 @@ class RolloutStats:
     generated_tokens: int = 0
     control_address: str = ""  # where MigrateOut/MigrateIn go
     ts: float = 0.0
+    lineage: int = 0          # lineage epoch of the loaded weights (with version: which weights)
+    weight_pull_failures: int = 0  # weight loads that failed (the rollout kept its weights)
+    puts_refused: int = 0     # PutTrajectory answers other than stored/duplicate (retried)
 
 
 @event("rollout.migrate_out")

@@ -25,7 +25,8 @@ __all__ = [
 
 @event("weights.manifest")
 class Manifest:
-    """One weight version: the layout of its flat buffer and a checksum per chunk.
+    """One weight version: the layout of its flat buffer and a checksum per chunk. A version is
+    named by (run_id, lineage, version): a new lineage replaces an older one whatever the numbers.
 
     Tensor i occupies bytes [offsets[i], offsets[i] + nbytes[i]) of the flat buffer, with dtype
     `dtypes[i]` (torch dtype name without the `torch.` prefix) and shape `shapes[i]`. Chunk j is
@@ -41,6 +42,8 @@ class Manifest:
     offsets: list[int]
     nbytes: list[int]
     checksums: list[int] = field(default_factory=list)
+    lineage: int = 0       # the trainer's lineage epoch (advanced by every trainer start or resume)
+    run_id: str = ""       # the run the lineage belongs to (docs/weights.md)
 
 
 @event("relay.join")
@@ -98,6 +101,8 @@ class WeightsVersion:
     version: int
     total_bytes: int
     shm_dir: str
+    lineage: int = 0
+    run_id: str = ""
 
 
 @event("relay.progress")

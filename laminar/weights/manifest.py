@@ -5,6 +5,9 @@ zero-copy view of any dtype is aligned. The buffer is cut into fixed-size chunks
 transfer, verification and resume); the last chunk may be short. A chunk's checksum is xxh3-64
 (≈ 25 GB/s here, far above any link), computed once by the publisher and verified by every relay.
 
+A version is named by its run, its lineage epoch and its number (`ident`); `supersedes` is the
+one ordering relays and rollouts apply (docs/weights.md).
+
 The layout depends only on names, dtypes and shapes, so it is computed from metadata and a
 publisher reuses it (and its staging buffers) for every version of the same model.
 """
@@ -59,6 +62,30 @@ def with_version(m: Manifest, version: int, checksums: list[int] | None = None) 
     return dataclasses.replace(m, version=version, checksums=list(checksums or []))
 
 
+def with_lineage(m: Manifest, run_id: str, lineage: int) -> Manifest:
+    return dataclasses.replace(m, run_id=run_id, lineage=int(lineage))
+
+
+def ident(m: Manifest) -> tuple[str, int, int]:
+    """What names a version: (run, lineage epoch, number). Equal idents are the same bytes."""
+    return m.run_id, m.lineage, m.version
+
+
+def same_lineage(a: Manifest, b: Manifest) -> bool:
+    return (a.run_id, a.lineage) == (b.run_id, b.lineage)
+
+
+def supersedes(new: Manifest, held: Manifest) -> bool:
+    """Whether `new` replaces `held`: a newer lineage of the same run replaces whatever version
+    number `held` has (a trainer resumed from an older checkpoint); another run's lineage is
+    taken at once (a relay never serves two runs); within one lineage, a higher number wins."""
+    if new.run_id != held.run_id:
+        return True
+    if new.lineage != held.lineage:
+        return new.lineage > held.lineage
+    return new.version > held.version
+
+
 def same_layout(a: Manifest, b: Manifest) -> bool:
     return (a.total_bytes, a.chunk_bytes, a.names, a.dtypes, a.shapes, a.offsets) == \
            (b.total_bytes, b.chunk_bytes, b.names, b.dtypes, b.shapes, b.offsets)
@@ -99,8 +126,8 @@ def validate(m: Manifest) -> None:
     k = len(m.names)
     if not (len(m.dtypes) == len(m.shapes) == len(m.offsets) == len(m.nbytes) == k):
         raise ValueError("manifest field lengths differ")
-    if m.chunk_bytes <= 0 or m.total_bytes <= 0 or m.version < 0:
-        raise ValueError("manifest sizes/version must be positive")
+    if m.chunk_bytes <= 0 or m.total_bytes <= 0 or m.version < 0 or m.lineage < 0:
+        raise ValueError("manifest sizes/version/lineage must be positive")
     if m.checksums and len(m.checksums) != chunk_count(m):
         raise ValueError("manifest checksum count does not match its chunk count")
     end = 0

@@ -22,20 +22,27 @@ fails it calls `on_link_down(peer)` and waits for `set_target` (the manager name
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
+import os
 import threading
 import time
+import uuid
+from pathlib import Path
 from typing import Callable, Mapping
 
 import structlog
 
 from laminar.weights import wire
-from laminar.weights.manifest import CHUNK_BYTES_DEFAULT, build_manifest, same_layout, with_version
+from laminar.weights.manifest import (CHUNK_BYTES_DEFAULT, build_manifest, same_layout, with_lineage,
+                                      with_version)
 from laminar.weights.sender import Sender
 from laminar.weights.store import VersionBuffer
 from laminar.weights.transport import LinkError, get_transport
 
 log = structlog.get_logger("laminar.weights.publisher")
+
+LINEAGE_FILE = "lineage.json"  # next to the trainer's checkpoints: the run id and its last epoch
 
 
 def alloc_staging(size: int) -> mmap.mmap:
@@ -66,6 +73,9 @@ class WeightPublisher:
         self.busy_slot: int | None = None
         self.delivered = -1
         self.version = -1
+        # Every version published carries this lineage (set before the first publish; the trainer
+        # takes it from advance_lineage): relays replace any other lineage's weights with it.
+        self.run_id, self.lineage = "", 0
         self.target: tuple[str, str] | None = None
         self._target_seq = 0
         self.last_publish_s = 0.0
@@ -97,7 +107,8 @@ class WeightPublisher:
                 ctypes.memmove(base + off, t.data_ptr(), n)  # one plain memcpy, GIL released
             else:  # device-to-host (or a strided source): torch does the copy
                 flat[off:off + n].view(t.dtype).view(t.shape).copy_(t)
-        vb = VersionBuffer(with_version(layout, version), self.slots[slot], slot=slot)
+        vb = VersionBuffer(with_lineage(with_version(layout, version), self.run_id, self.lineage),
+                           self.slots[slot], slot=slot)
         vb.mark_all([0] * vb.n)
         vb.lazy_checksums, vb.hashed = True, bytearray(vb.n)
         with self.cond:
@@ -159,9 +170,9 @@ class WeightPublisher:
             self.slots = []
 
     # -- Source API for the Sender -----------------------------------------------------------
-    def pick(self, delivered: int) -> VersionBuffer | None:
-        vb = self.newest
-        if vb is None or vb.version <= delivered:
+    def pick(self, delivered: tuple | None) -> VersionBuffer | None:
+        vb = self.newest  # versions of one publisher only grow: anything else is new
+        if vb is None or vb.ident == delivered:
             return None
         return vb
 
@@ -209,3 +220,25 @@ class WeightPublisher:
         if stale:
             sender.stop()
         sender.run()
+
+
+def advance_lineage(folder: str | Path) -> tuple[str, int]:
+    """Start a new lineage: (run id, epoch) for a trainer starting or resuming with its
+    checkpoints in `folder`. The epoch is one more than the last one recorded there (1 for a new
+    run, whose run id is made now); the record is written (atomically, fsynced) before the epoch
+    is used, so epochs only increase across restarts. See docs/weights.md."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LINEAGE_FILE
+    run_id, epoch = uuid.uuid4().hex, 0
+    if path.exists():
+        d = json.loads(path.read_text())
+        run_id, epoch = str(d["run_id"]), int(d["epoch"])
+    epoch += 1
+    tmp = folder / (LINEAGE_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"run_id": run_id, "epoch": epoch}))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return run_id, epoch

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from laminar.weights import wire
-from laminar.weights.manifest import chunk_count, checksum, manifest_from_bytes
+from laminar.weights.manifest import chunk_count, checksum, ident, manifest_from_bytes
 from laminar.weights.store import ShmStore, VersionBuffer
 from laminar.weights.transport import Conn, LinkError
 
@@ -49,10 +49,12 @@ class Receiver:
             raise LinkError(f"OFFER header says v{h.version}, manifest says v{m.version}")
         with self.store.cond:
             vb = self.store.begin(m)
-            have = vb.prefix if vb.version == m.version else chunk_count(m)
-        self.vb = vb if vb.version == m.version and not vb.complete else None
-        wire.send(self.conn, wire.WANT, m.version, a=have)
-        self.on_event("offer", version=m.version, first_missing=have, chunks=chunk_count(m))
+            same = vb.ident == ident(m)
+            have = vb.prefix if same else chunk_count(m)
+        self.vb = vb if same and not vb.complete else None
+        # b = the offer's lineage: the sender tells answers about A:v from answers about B:v
+        wire.send(self.conn, wire.WANT, m.version, a=have, b=m.lineage)
+        self.on_event("offer", version=m.version, first_missing=have, chunks=chunk_count(m), lineage=m.lineage)
 
     def _drain(self, n: int) -> None:
         if self.scratch is None or len(self.scratch) < n:
@@ -78,7 +80,7 @@ class Receiver:
         digest = checksum(dst)
         if digest != want:
             self.stats["corrupt"] += 1
-            wire.send(self.conn, wire.NACK, vb.version, a=i)
+            wire.send(self.conn, wire.NACK, vb.version, a=i, b=vb.manifest.lineage)
             self.on_event("corrupt", version=vb.version, chunk=i)
             return
         self.stats["chunks"] += 1
@@ -94,7 +96,8 @@ class Receiver:
         if done:
             self.stats["versions"] += 1
             self.vb = None
-            wire.send(self.conn, wire.DONE, vb.version)
-            self.on_event("complete", version=vb.version, chunks=vb.n)
+            wire.send(self.conn, wire.DONE, vb.version, b=vb.manifest.lineage)
+            self.on_event("complete", version=vb.version, chunks=vb.n, lineage=vb.manifest.lineage,
+                          run_id=vb.manifest.run_id)
         else:
             self.on_event("progress", version=vb.version, have=vb.count, chunks=vb.n)

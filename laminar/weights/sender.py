@@ -3,11 +3,13 @@ trainer's publisher both use it), pipelined chunk by chunk.
 
 Source API (ShmStore for a relay, the publisher's staging for the trainer): `cond` (a
 threading.Condition that is notified whenever a chunk becomes present or a version appears),
-`pick(delivered)` (the newest version newer than `delivered`, or None), `acquire(vb)` (called
+`pick(delivered)` (the newest version unless it is `delivered`, the ident (run, lineage,
+number) of the version delivered last, or None; a new lineage counts as new whatever its number), `acquire(vb)` (called
 under `cond`) / `release(vb)` around streaming it (so its memory is not reused meanwhile),
 `stopped`.
 
-Per version: OFFER -> the downstream's WANT k (the first chunk it lacks, so a re-linked chain
+Per version: OFFER (b = lineage) -> the downstream's WANT k (b echoes the lineage, as do its
+NACK and DONE: an answer about an abandoned A:v is never taken for one about B:v) (the first chunk it lacks, so a re-linked chain
 resumes there) -> chunks k..n-1, each sent as soon as the source holds the contiguous prefix up to
 it (so a relay forwards chunk i while chunk i+1 is still arriving) -> NACKed chunks again -> DONE.
 A version abandoned by the source (superseded before it completed) is dropped mid-way and the
@@ -41,7 +43,7 @@ class Sender:
         self.events: collections.deque[wire.Header] = collections.deque()
         self.failed: BaseException | None = None
         self.stopping = False
-        self.delivered = -1
+        self.delivered: tuple | None = None  # ident of the version delivered last
         self.stats = {"chunks": 0, "bytes": 0, "resent": 0, "versions": 0}
         # A relay drops an older version mid-stream when a newer one starts arriving (its
         # upstream always completes what it streams, so the chain cannot starve); the publisher
@@ -88,7 +90,7 @@ class Sender:
                     self.source.acquire(vb)
                 try:
                     if self._send_version(vb):
-                        self.delivered = vb.version
+                        self.delivered = vb.ident
                         self.stats["versions"] += 1
                         self.on_delivered(vb.version)
                 finally:
@@ -99,11 +101,11 @@ class Sender:
             self.conn.close()
             reader.join(timeout=5.0)
 
-    def _next_event(self, version: int, deadline: float) -> wire.Header | None:
-        """Pop the next event about `version` (caller holds cond); stale ones are dropped."""
+    def _next_event(self, vb, deadline: float) -> wire.Header | None:
+        """Pop the next event about `vb` (caller holds cond); stale ones are dropped."""
         while self.events:
             h = self.events.popleft()
-            if h.version == version:
+            if h.version == vb.version and h.b == vb.manifest.lineage:
                 return h
         if time.monotonic() > deadline:
             raise LinkError(f"{self.name}: no answer from {self.conn.peer} within {self.ack_timeout_s}s")
@@ -112,12 +114,12 @@ class Sender:
     def _send_version(self, vb) -> bool:
         """Deliver one version; False if the source abandoned it first."""
         layout = with_version(vb.manifest, vb.version)
-        wire.send(self.conn, wire.OFFER, vb.version, a=vb.n, payload=manifest_to_bytes(layout))
+        wire.send(self.conn, wire.OFFER, vb.version, a=vb.n, b=vb.manifest.lineage, payload=manifest_to_bytes(layout))
         deadline = time.monotonic() + self.ack_timeout_s
         with self.cond:
             while True:
                 self._check()
-                h = self._next_event(vb.version, deadline)
+                h = self._next_event(vb, deadline)
                 if h is not None and h.type == wire.WANT:
                     break
                 self.cond.wait(timeout=0.5)
@@ -127,7 +129,7 @@ class Sender:
             with self.cond:
                 while True:
                     self._check()
-                    h = self._next_event(vb.version, deadline)
+                    h = self._next_event(vb, deadline)
                     if h is not None:
                         deadline = time.monotonic() + self.ack_timeout_s
                         if h.type == wire.NACK and 0 <= h.a < vb.n:
@@ -137,7 +139,7 @@ class Sender:
                         continue
                     if done or resend or (nxt < vb.n and vb.prefix > nxt):
                         break
-                    if vb.abandoned or (self.preempt and self.source.pick(vb.version) is not None):
+                    if vb.abandoned or (self.preempt and self.source.pick(vb.ident) is not None):
                         return False
                     if nxt < vb.n:
                         deadline = time.monotonic() + self.ack_timeout_s  # waiting on upstream

@@ -38,8 +38,9 @@ from pathlib import Path
 import msgpack
 
 from laminar.protocol import Manifest
-from laminar.weights.manifest import (chunk_count, chunk_range, manifest_from_bytes,
-                                      manifest_to_bytes, same_layout, verify, with_version)
+from laminar.weights.manifest import (chunk_count, chunk_range, ident, manifest_from_bytes,
+                                      manifest_to_bytes, same_layout, same_lineage, supersedes, verify,
+                                      with_version)
 
 CURRENT = "current"
 
@@ -65,6 +66,10 @@ class VersionBuffer:
     @property
     def complete(self) -> bool:
         return self.count == self.n
+
+    @property
+    def ident(self) -> tuple[str, int, int]:
+        return ident(self.manifest)
 
     def chunk(self, i: int) -> memoryview:
         s, n = chunk_range(self.manifest, i)
@@ -128,6 +133,8 @@ class ShmStore:
         self.current: VersionBuffer | None = None
         self.incoming: VersionBuffer | None = None
         self.previous: VersionBuffer | None = None  # the version `current` replaced
+        self.left: VersionBuffer | None = None      # a verified version a previous process left,
+        # kept out of sight until an offer shows it is of the lineage being served (`begin`)
         self.stopped = False
         self.maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # slot -> (inode, size, mapping)
         self.fresh_files = 0  # times a slot was held by a reader and replaced by a new file
@@ -136,7 +143,10 @@ class ShmStore:
         return self.dir / f"slot{slot}.bin"
 
     def open(self) -> None:
-        """Create the folder; adopt a verified version left by a previous run, drop the rest."""
+        """Create the folder. A verified version a previous process left is not served: its
+        pointer is removed at once (no rollout loads it) and it is kept aside (`left`) until the
+        first offer says whether it belongs to the lineage being served now (`begin`): a relay
+        restarted mid-run resumes on it, a new run or a new trainer lineage never sees it."""
         self.dir.mkdir(parents=True, exist_ok=True)
         keep: set[str] = set()
         try:
@@ -147,15 +157,29 @@ class ShmStore:
                 if self.maps[slot][0] == ino and not verify(m, buf):
                     vb = VersionBuffer(m, buf, self.slot_path(slot), slot)
                     vb.mark_all(m.checksums)
-                    self.current, keep = vb, {CURRENT, self.slot_path(slot).name}
+                    self.left, keep = vb, {self.slot_path(slot).name}
         except (OSError, ValueError):
             self.maps.clear()
-        if self.retain:  # retained versions of a previous run stay (a reader verifies what it loads)
+        if self.retain and self.left is not None:  # the left version's lineage: decided with it
             keep |= {p.name for p in self.dir.glob("v*.bin")} | {p.name for p in self.dir.glob("v*.manifest")}
         for p in self.dir.iterdir():
             if p.name not in keep:
                 p.unlink(missing_ok=True)
         self._prune()
+
+    def _settle_left(self, m: Manifest) -> None:
+        """The first offer decides the left version (caller holds `cond`): of the same run and
+        lineage it becomes current again (visible), of any other it is forgotten."""
+        left, self.left = self.left, None
+        if left is None:
+            return
+        if same_lineage(left.manifest, m):
+            self._write_pointer(left)
+            self.current = left
+            self.cond.notify_all()
+        else:
+            left.view.release()  # its file is reused (or replaced) like any non-current slot
+            self._prune(keep=0)
 
     def _map(self, slot: int, size: int, create: bool, fresh: bool = False) -> mmap.mmap:
         """The slot's mapping (reused when the same inode already has the right size)."""
@@ -187,10 +211,11 @@ class ShmStore:
     def newest(self) -> VersionBuffer | None:
         return self.incoming or self.current
 
-    def pick(self, delivered: int) -> VersionBuffer | None:
-        """Source API for a forwarder: the newest version it has not delivered yet."""
+    def pick(self, delivered: tuple | None) -> VersionBuffer | None:
+        """Source API for a forwarder: the newest version, unless it is the one it delivered
+        last (`delivered`: that version's ident). The store only ever moves forward (`begin`)."""
         vb = self.newest()
-        return vb if vb is not None and vb.version > delivered else None
+        return vb if vb is not None and vb.ident != delivered else None
 
     def acquire(self, vb: VersionBuffer) -> None:
         vb.readers += 1
@@ -201,14 +226,16 @@ class ShmStore:
 
     def begin(self, m: Manifest) -> VersionBuffer:
         """The buffer to receive version m into (the caller holds `cond`). A buffer of another
-        version (newer than m) is returned when m is not worth receiving: the receiver answers
-        such an offer with 'have it all'."""
-        if self.current is not None and m.version <= self.current.version:
+        version (one that m does not supersede) is returned when m is not worth receiving: the
+        receiver answers such an offer with 'have it all'. A new lineage supersedes whatever is
+        held, even under a lower number (manifest.supersedes)."""
+        self._settle_left(m)
+        if self.current is not None and not supersedes(m, self.current.manifest):
             return self.current
         inc = self.incoming
-        if inc is not None and inc.version == m.version and same_layout(inc.manifest, m):
+        if inc is not None and inc.ident == ident(m) and same_layout(inc.manifest, m):
             return inc  # resume after a repair: keep every verified chunk
-        if inc is not None and inc.version > m.version:
+        if inc is not None and not supersedes(m, inc.manifest):
             return inc  # an older offer (a lagging new upstream): answered 'have it', skipped
         if inc is not None:
             self._abandon(inc)
@@ -255,15 +282,20 @@ class ShmStore:
     def commit(self, vb: VersionBuffer) -> None:
         """Make a complete version visible (caller holds `cond`)."""
         assert vb.complete and vb is self.incoming
+        self._write_pointer(vb)
+        self._unlock(vb)
+        if self.current is not None and not same_lineage(self.current.manifest, vb.manifest):
+            self._prune(keep=0)  # retained versions name weights of the lineage just left
+        elif self.retain and self.current is not None:
+            self._keep(self.current)
+        self.previous, self.current, self.incoming = self.current, vb, None
+        self.cond.notify_all()
+
+    def _write_pointer(self, vb: VersionBuffer) -> None:
         tmp = self.dir / (CURRENT + ".tmp")
         tmp.write_bytes(msgpack.packb({"slot": vb.slot, "ino": self.maps[vb.slot][0],
                                        "manifest": manifest_to_bytes(vb.full_manifest())}))
         os.replace(tmp, self.dir / CURRENT)
-        self._unlock(vb)
-        if self.retain and self.current is not None:
-            self._keep(self.current)
-        self.previous, self.current, self.incoming = self.current, vb, None
-        self.cond.notify_all()
 
     # -- retained versions ---------------------------------------------------------------------------
     def _linked(self, slot: int) -> bool:
@@ -292,9 +324,10 @@ class ShmStore:
         """Versions kept besides `current`, oldest first."""
         return retained_versions(self.dir)
 
-    def _prune(self) -> None:
+    def _prune(self, keep: int | None = None) -> None:
         vs = self.retained()
-        for v in vs[:max(0, len(vs) - self.retain)]:
+        keep = self.retain if keep is None else keep
+        for v in vs[:max(0, len(vs) - keep)]:
             (self.dir / f"v{v}.manifest").unlink(missing_ok=True)  # the manifest first: readers look for it
             (self.dir / f"v{v}.bin").unlink(missing_ok=True)
 
@@ -308,11 +341,11 @@ class ShmStore:
     def close(self) -> None:
         """Unmap everything (after every thread using this store has stopped)."""
         with self.cond:
-            for vb in (self.current, self.incoming, self.previous):
+            for vb in (self.current, self.incoming, self.previous, self.left):
                 if vb is not None:
                     self._unlock(vb)
                     vb.view.release()
-            self.current = self.incoming = self.previous = None
+            self.current = self.incoming = self.previous = self.left = None
             for _, _, buf in self.maps.values():
                 try:
                     buf.close()

@@ -210,17 +210,22 @@ def test_store_adopts_verified_version_and_drops_corrupt_one(nodes, shm_dirs):
     finally:
         pub.close()
     d = a.store.dir
-    again = ShmStore(d)
-    again.open()
-    assert again.current is not None and again.current.version == 2 and again.current.complete
     from laminar.weights.store import read_pointer
     slot = read_pointer(d)[0]
+    again = ShmStore(d)
+    again.open()
+    # kept aside, not served, until an offer of its lineage arrives; then visible again at once
+    assert again.current is None and again.left.version == 2 and read_pointer(d) is None
+    with again.cond:
+        assert again.begin(again.left.manifest).version == 2
+    assert again.current.version == 2 and again.current.complete and read_pointer(d)[2].version == 2
+    again.close()
     with open(d / f"slot{slot}.bin", "r+b") as f:  # simulate a corrupted file left behind
         f.seek(100)
         f.write(b"\xff\xfe")
     third = ShmStore(d)
     third.open()
-    assert third.current is None and list(d.iterdir()) == []
+    assert third.current is None and third.left is None and list(d.iterdir()) == []
 
 
 def test_publish_overwrites_pending_version_not_the_one_being_sent():
@@ -322,9 +327,12 @@ def test_retained_versions_are_linked_not_copied_and_pruned(shm_dirs):
     # slot files are never written in place while linked: every retained file is its own inode
     inodes = {os.stat(store.dir / f"v{v}.bin").st_ino for v in (2, 3)} | {os.stat(store.slot_path(s)).st_ino for s in (0, 1)}
     assert len(inodes) == 3  # v3 is the non-current slot's file itself (linked), v2 its own
-    # a relay restarted on the folder keeps them
+    # a relay restarted on the folder keeps them once an offer shows they are of its lineage
     again = ShmStore(store.dir, retain=2)
     again.open()
+    assert again.retained() == [2, 3] and again.current is None and again.left.version == 4
+    with again.cond:
+        again.begin(again.left.manifest)
     assert again.retained() == [2, 3] and again.current.version == 4
     store.close()
     again.close()
