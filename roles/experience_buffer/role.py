@@ -14,7 +14,8 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from laminar.protocol import BufferStats, BufferStatsRequest, PutResult, PutTrajectory, SampleGroups, Samples
+from laminar.protocol import (BufferStats, BufferStatsRequest, GroupPresence, GroupPresenceReply, PutResult,
+                              PutTrajectory, SampleGroups, Samples)
 from laminar.roles.experience_buffer.state import BufferBook, Change
 from laminar.roles.pool_base import PoolRole
 from laminar.roles.sqlite_store import pack, unpack
@@ -72,6 +73,7 @@ class ExperienceBufferRole(PoolRole):
         self.route(PutTrajectory, self.on_put)
         self.route(SampleGroups, self.on_sample)
         self.route(BufferStatsRequest, self.on_stats, changes=False)
+        self.route(GroupPresence, self.on_presence, changes=False)
 
     def _statements(self, ch: Change) -> list:
         st = [("INSERT OR IGNORE INTO trajs (tid, gid, blob) VALUES (?, ?, ?)",
@@ -121,6 +123,16 @@ class ExperienceBufferRole(PoolRole):
         if not rows:
             self.log.error("leased_group_missing", group=gid)
         return sorted((unpack(blob) for (blob,) in rows), key=lambda t: t.spec.sample_index)
+
+    async def on_presence(self, req: GroupPresence) -> GroupPresenceReply:
+        """Members stored here; [-1] for a group already handed out, dropped or evicted."""
+        b, present = self.book, {}
+        for gid in req.group_ids:
+            if gid in b.gone:
+                present[gid] = [-1]
+            elif gid in b.groups:
+                present[gid] = sorted(t.spec.sample_index for t in b.groups[gid].members.values())
+        return GroupPresenceReply(present)
 
     async def on_stats(self, req: BufferStatsRequest) -> BufferStats:
         return BufferStats(self.book.stats(), {str(k): v for k, v in sorted(self.book.staleness.items())})

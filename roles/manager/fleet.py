@@ -22,6 +22,14 @@ with adopt) to live rollouts, fewest active first, until one whose relay retains
 takes them: it finishes its current work, loads that version, and resumes them on it (no tokens
 lost, no new id); whatever no rollout adopts is restarted. One lock serializes plans,
 recoveries and placements.
+
+Group accounting (the prompt pools' side of recovery): a group handed to a rollout lives only in
+its memory until the first delta flush. The prompt pools record what they hand to whom; the fleet
+settles an entry once every member is in the partial pool or the buffer (asked in that order, so
+a trajectory moving from one to the other is seen in one of them), and for a dead rollout (or one
+no live rollout owns once the fleet has heard from everyone) it requeues what is nowhere: the
+whole group, or only its missing members. Live rollouts' entries are settled every `settle_s`,
+which keeps the pools' lists as short as the work in flight.
 """
 from __future__ import annotations
 
@@ -35,8 +43,8 @@ from pathlib import Path
 from laminar.bus.errors import RemoteError, RpcError
 import numpy as np
 
-from laminar.protocol import (CompletePartial, Heartbeat, InFlightOf, MigrateIn, MigrateOut, PartialState,
-                              RolloutStats)
+from laminar.protocol import (CompletePartial, GroupPresence, HandedGroups, Heartbeat, InFlightOf, MigrateIn,
+                              MigrateOut, PartialState, RequeueGroups, RolloutStats)
 from laminar.roles.manager.repack import ReplicaLoad, plan_repack
 
 
@@ -68,6 +76,8 @@ class FleetSettings:
     orphan_wait_s: float = 30.0
     orphan_policy: str = "restart"  # restart | wait | retained
     reconcile_s: float = 30.0     # period of the partial-pool scan for work of unknown owners
+    settle_s: float = 10.0        # period of the prompt pools' accounting pass (settle / requeue)
+    settle_page: int = 4096       # entries asked per request of that pass
     log_path: Path | None = None  # JSONL of every repack (for summaries)
     timeline_path: Path | None = None  # JSONL of every rollout report (idle fraction, KV usage)
 
@@ -79,6 +89,8 @@ class FleetCounters:
     moved_trajectories: int = 0
     recovered: int = 0            # trajectories of dead rollouts placed on live ones
     restarted: int = 0            # orphans started again from their prompt (orphan_policy restart)
+    requeued: int = 0             # prompt-pool entries handed to dead rollouts and found nowhere: handed out again
+    settled: int = 0              # prompt-pool entries found whole in the partial pool or buffer
     adopted: int = 0              # orphans resumed on their own, retained version (orphan_policy retained)
     dead: int = 0
     last_repack_s: float = 0.0
@@ -87,14 +99,17 @@ class FleetCounters:
 
 
 class Fleet:
-    def __init__(self, transport, log, settings: FleetSettings, address_of, partial_pool_address: str | None):
+    def __init__(self, transport, log, settings: FleetSettings, address_of, partial_pool_address: str | None,
+                 prompt_pool_addresses: dict[str, str] | None = None, buffer_address: str | None = None):
         self.t, self.log, self.s = transport, log, settings
         self.address_of = address_of           # rollout id -> control address (from config)
         self.partials = transport.client(partial_pool_address) if partial_pool_address else None
+        self.prompt_pools = {i: transport.client(a) for i, a in (prompt_pool_addresses or {}).items()}
+        self.buffer = transport.client(buffer_address) if buffer_address else None
         self.views: dict[str, RolloutView] = {}
         self.clients: dict[str, object] = {}
         self.orphans: dict[str, tuple[PartialState, float]] = {}
-        self.lost: asyncio.Queue[str] = asyncio.Queue(maxsize=1024)
+        self.lost: asyncio.Queue[tuple[str, int]] = asyncio.Queue(maxsize=1024)  # (rollout id, its dead pid)
         self.kick = asyncio.Event()
         self.lock = asyncio.Lock()
         self.c = FleetCounters()
@@ -140,7 +155,7 @@ class Fleet:
         self.c.dead += 1
         self.log.warning("rollout_dead", rollout=v.id, why=why, version=v.stats.version)
         try:
-            self.lost.put_nowait(v.id)
+            self.lost.put_nowait((v.id, v.pid))
         except asyncio.QueueFull:
             self.log.error("lost_queue_full", rollout=v.id)
         self.kick.set()
@@ -152,6 +167,7 @@ class Fleet:
         next_repack = time.monotonic() + self.s.interval_s
         # first reconcile once every live rollout had time to report (a restarted manager)
         next_reconcile = time.monotonic() + 2 * self.s.dead_after_s
+        next_settle = next_reconcile
         while True:
             try:
                 await asyncio.wait_for(self.kick.wait(), tick)
@@ -162,11 +178,14 @@ class Fleet:
             self.sweep()
             async with self.lock:
                 lost = [self.lost.get_nowait() for _ in range(self.lost.qsize())]
-                for rid in lost:  # one that fails goes back in the queue for the next tick
-                    await self._recover(rid)
+                for rid, pid in lost:  # one that fails goes back in the queue for the next tick
+                    await self._recover(rid, pid)
                 if time.monotonic() >= next_reconcile:
                     next_reconcile = time.monotonic() + self.s.reconcile_s
                     await self.reconcile()
+                if time.monotonic() >= next_settle:
+                    next_settle = time.monotonic() + self.s.settle_s
+                    await self.settle_handed()
                 await self._place_orphans()
                 if self.s.repack and (kicked or time.monotonic() >= next_repack):
                     next_repack = time.monotonic() + self.s.interval_s
@@ -242,7 +261,7 @@ class Fleet:
         return set(res.accepted) | set(res.gone)  # gone ones need no placing either
 
     # -- recovery ---------------------------------------------------------------------------------
-    async def _recover(self, rollout_id: str) -> None:
+    async def _recover(self, rollout_id: str, pid: int = 0) -> None:
         if self.partials is None:  # a cluster without a partial pool keeps no in-flight state
             self.log.warning("recover_impossible", rollout=rollout_id, why="no partial pool in the config")
             return
@@ -250,13 +269,73 @@ class Fleet:
             res = await self.partials.call(InFlightOf(rollout_id), timeout=self.s.rpc_timeout_s)
         except RpcError as exc:  # the partial pool is down: try again on the next tick
             self.log.warning("recover_deferred", rollout=rollout_id, error=str(exc))
-            self.lost.put_nowait(rollout_id)
+            self.lost.put_nowait((rollout_id, pid))
             return
         now = time.monotonic()
         for p in res.partials:
             self.orphans.setdefault(p.spec.trajectory_id, (p, now))
         self.log.info("recovering", rollout=rollout_id, trajectories=len(res.partials),
                       ids=[p.spec.trajectory_id for p in res.partials][:64])
+        if not await self.settle_handed(rollout_id, pid, dead=True):  # its groups not yet anywhere
+            self.lost.put_nowait((rollout_id, pid))
+
+    async def settle_handed(self, rollout_id: str = "*", pid: int = 0, dead: bool = False) -> bool:
+        """Account the prompt pools' outstanding entries of one rollout (or all): settle those whose
+        members are all in the partial pool or the buffer; requeue, for a dead owner, what is
+        nowhere (the whole group, or the missing members alone). False: a pool did not answer
+        (nothing was requeued on a guess; call again)."""
+        if not self.prompt_pools or self.partials is None or self.buffer is None:
+            return True
+        live = {v.id: v.pid for v in self.views.values() if v.alive}
+        ok = True
+        for pool_id, pool in self.prompt_pools.items():
+            offset = 0
+            while True:
+                try:
+                    h = await pool.call(HandedGroups(rollout_id, pid, self.s.settle_page, offset), timeout=self.s.rpc_timeout_s)
+                    gids = sorted(set(h.group_ids))
+                    have: dict[str, set[int]] = {}
+                    for src in (self.partials, self.buffer):  # this order: a moving trajectory is seen once
+                        got = await src.call(GroupPresence(gids), timeout=self.s.rpc_timeout_s)
+                        for g, idx in got.present.items():
+                            have.setdefault(g, set()).update(idx)
+                except RpcError as exc:
+                    self.log.warning("settle_deferred", prompt_pool=pool_id, rollout=rollout_id, error=str(exc))
+                    ok = False
+                    break
+                requeue, settled, kept = [], [], 0
+                for e, owner, size, g, m, p in zip(h.entries, h.rollout_ids, h.group_sizes, h.group_ids, h.members, h.pids):
+                    want = set(range(size)) if m < 0 else {m}
+                    held = have.get(g, set())
+                    missing = set() if -1 in held else want - held
+                    if not missing:
+                        settled.append(e)
+                        continue
+                    owner_dead = dead or owner not in live or bool(p and live[owner] and p != live[owner])
+                    if not owner_dead:
+                        kept += 1
+                    elif missing == want:
+                        requeue.append(e)
+                    else:  # some members got through: only the others run again
+                        requeue += [f"{g}/{i}" for i in sorted(missing)]
+                        settled.append(e)
+                if requeue or settled:
+                    try:
+                        await pool.call(RequeueGroups(requeue, rollout_id if rollout_id != "*" else "", settled),
+                                        timeout=self.s.rpc_timeout_s)
+                    except RpcError as exc:
+                        self.log.warning("settle_deferred", prompt_pool=pool_id, rollout=rollout_id, error=str(exc))
+                        ok = False
+                        break
+                    self.c.requeued += len(requeue)
+                    self.c.settled += len(settled)
+                    if requeue:
+                        self.log.warning("groups_requeued", prompt_pool=pool_id, rollout=rollout_id,
+                                         entries=requeue[:64], count=len(requeue))
+                if not h.more:
+                    break
+                offset += kept  # settled and requeued entries left the list; the kept ones stay ahead
+        return ok
 
     async def reconcile(self) -> None:
         """Partials owned by no live rollout become orphans: the work of rollouts that died while
@@ -392,6 +471,10 @@ class Fleet:
             c.close()
         if self.partials is not None:
             self.partials.close()
+        for c in self.prompt_pools.values():
+            c.close()
+        if self.buffer is not None:
+            self.buffer.close()
         if self._timeline is not None:
             self._timeline.close()
 

@@ -44,6 +44,10 @@ class ManagerConfig(BaseModel):
                                "version; or retained: a rollout whose relay retains their version (relay "
                                "retain_versions) adopts them and resumes them on it, else restart")
     partial_pool: str = Field("0", description="id of the partial pool role (in-flight state of dead rollouts)")
+    experience_buffer: str = Field("0", description="id of the experience buffer (where finished groups are)")
+    settle_interval_s: float = Field(10.0, gt=0, description="period of the prompt pools' accounting: groups "
+                                     "handed out that reached the partial pool or buffer are settled, and those of "
+                                     "dead rollouts that reached neither are requeued")
 
 
 class ManagerRole(Role):
@@ -90,13 +94,17 @@ class ManagerRole(Role):
         settings = FleetSettings(repack=repack, interval_s=c.repack_interval_s, c_max=c.c_max, batch_bound=bound,
                                  max_concurrency=max_conc, dead_after_s=c.rollout_dead_after_s or dead_after,
                                  rpc_timeout_s=c.rpc_timeout_s, orphan_wait_s=c.orphan_wait_s, orphan_policy=c.orphan_policy,
+                                 settle_s=c.settle_interval_s,
                                  log_path=(cfg.workdir() / "manager" / "repacks.jsonl") if cfg else None,
                                  timeline_path=(cfg.workdir() / "manager" / "fleet.jsonl") if cfg else None)
         self.log.info("fleet_settings", mode=mode, repack=repack, c_max=c.c_max, batch_bound=bound, curve=c.curve_path,
                       interval_s=c.repack_interval_s)
         pool = cfg.endpoint("partial_pool", c.partial_pool) if cfg and cfg.find("partial_pool") else None
+        prompts = {s.id: cfg.endpoint("prompt_pool", s.id) for _, s in cfg.find("prompt_pool")} if cfg else {}
+        buffer = (cfg.endpoint("experience_buffer", c.experience_buffer)
+                  if cfg and any(s.id == c.experience_buffer for _, s in cfg.find("experience_buffer")) else None)
         return Fleet(self.ctx.transport, self.log, settings,
-                     lambda rid: cfg.endpoint("rollout", rid) if cfg else "", pool)
+                     lambda rid: cfg.endpoint("rollout", rid) if cfg else "", pool, prompts, buffer)
 
     async def _follow_fleet(self) -> None:
         while True:
@@ -142,4 +150,5 @@ class ManagerRole(Role):
                 "repairs": self.chain.repairs, "last_repair_s": round(self.chain.last_repair_s, 4),
                 "repacks": f.repacks, "moved": f.moved_trajectories, "last_repack_s": round(f.last_repack_s, 4),
                 "dead_rollouts": f.dead, "recovered": f.recovered, "restarted": f.restarted, "adopted": f.adopted,
+                "groups_requeued": f.requeued, "groups_settled": f.settled,
                 "orphans": len(self.fleet.orphans)}

@@ -15,8 +15,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.bus.rpc import RequestError
-from laminar.protocol import (Ack, AppendDeltas, CompletePartial, DeltaResult, GetPartial, InFlightOf,
-                              PartialList, PartialState, ReassignPartial, TokenDelta)
+from laminar.protocol import (Ack, AppendDeltas, CompletePartial, DeltaResult, GetPartial, GroupPresence,
+                              GroupPresenceReply, InFlightOf, PartialList, PartialState, ReassignPartial, TokenDelta)
 from laminar.roles.partial_pool.state import Outcome, PartialBook
 from laminar.roles.pool_base import PoolRole
 from laminar.roles.sqlite_store import pack, unpack
@@ -74,6 +74,7 @@ class PartialPoolRole(PoolRole):
         self.route(GetPartial, self.on_get, changes=False)
         self.route(ReassignPartial, self.on_reassign)
         self.route(CompletePartial, self.on_complete)
+        self.route(GroupPresence, self.on_presence, changes=False)
 
     async def on_append(self, req: AppendDeltas) -> DeltaResult:
         out: Outcome = self.state.apply(req.rollout_id, list(req.deltas))
@@ -100,6 +101,15 @@ class PartialPoolRole(PoolRole):
 
     async def on_get(self, req: GetPartial) -> PartialState:
         return self._entry(req.trajectory_id).state()
+
+    async def on_presence(self, req: GroupPresence) -> GroupPresenceReply:
+        """Members of these groups in flight here (any owner, restarted copies `~r<n>` included)."""
+        want = set(req.group_ids)
+        present: dict[str, list[int]] = {}
+        for e in self.state.live().values():
+            if e.spec.group_id in want:
+                present.setdefault(e.spec.group_id, []).append(e.spec.sample_index)
+        return GroupPresenceReply(present)
 
     async def on_reassign(self, req: ReassignPartial) -> Ack:
         e = self._entry(req.trajectory_id)

@@ -1,20 +1,29 @@
 """PromptPoolRole: TakeBatch -> whole GRPO groups; RequeueGroups -> handed out again first.
 
 Idempotent: a TakeBatch with a `batch_seq` that repeats the rollout's last one (its reply was
-lost) gets the same groups again. Order: epoch e visits the prompts in a permutation seeded by (seed, e). The cursor (epoch,
-position) and the requeue list are durable; a TakeBatch is answered only after the cursor move is
-committed, so a restarted pool never hands a group out twice (and a lost reply is covered by the
-manager's requeue of the groups it knows were lost). Whole groups only: a batch holds
-floor(max_trajectories / n) groups, but at least one when asked for fewer than n.
+lost) gets the same groups again. Order: epoch e visits the prompts in a permutation seeded by
+(seed, e). Whole groups only: a batch holds floor(max_trajectories / n) groups, but at least one
+when asked for fewer than n.
+
+Accounting: every entry handed out (a group, or one member `<group>/<i>` requeued alone) is
+recorded with the rollout (and its pid) that got it, in the same transaction as the cursor move,
+and the reply goes out only after that commit. An entry stays *outstanding* until the manager
+reports it settled (all its members are in the partial pool or the buffer) or requeues it (its
+rollout died before they got there); the manager asks for a rollout's outstanding entries with
+HandedGroups. So a handed-out group is, at every moment, outstanding, requeued or settled, and
+`prompts_skipped` = fresh groups handed - settled - open ones is 0 unless that broke (it is in the
+pool's counts, hence its heartbeat, and survives restarts: all of it is in the store).
 """
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from laminar.protocol import Ack, Batch, RequeueGroups, TakeBatch, TrajectorySpec
+from laminar.bus.rpc import RequestError
+from laminar.protocol import Ack, Batch, HandedGroups, HandedList, RequeueGroups, TakeBatch, TrajectorySpec
 from laminar.roles.pool_base import PoolRole
 
 
@@ -48,6 +57,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS cursor (k INTEGER PRIMARY KEY CHECK (k = 0), epoch INTEGER, pos INTEGER, handed INTEGER);
 CREATE TABLE IF NOT EXISTS requeued (group_id TEXT PRIMARY KEY, at REAL);
 CREATE TABLE IF NOT EXISTS last_batch (rollout_id TEXT PRIMARY KEY, seq INTEGER, groups TEXT);
+CREATE TABLE IF NOT EXISTS handed_to (entry TEXT PRIMARY KEY, rollout_id TEXT, pid INTEGER);
+CREATE TABLE IF NOT EXISTS accounting (k TEXT PRIMARY KEY, v INTEGER);
 """
 
 
@@ -95,10 +106,21 @@ class PromptPoolRole(PoolRole):
         self.requeued = [g for (g,) in self.store.read("SELECT group_id FROM requeued ORDER BY at")]
         self.last = {r: (seq, json.loads(gs)) for r, seq, gs in self.store.read("SELECT rollout_id, seq, groups FROM last_batch")}
         self._order_epoch = -1
+        self.out = {e: (r, pid) for e, r, pid in self.store.read("SELECT entry, rollout_id, pid FROM handed_to ORDER BY rowid")}
+        acc = dict(self.store.read("SELECT k, v FROM accounting"))
+        if "settled" not in acc:  # a store from before the accounting: what it handed out is taken as settled
+            acc["settled"] = self.handed
+            self.store.write_sync([("INSERT OR REPLACE INTO accounting VALUES ('settled', ?)", (self.handed,))])
+        self.settled = acc["settled"]
+        self.open: dict[str, int] = {}  # group id -> its entries outstanding or requeued
+        for e in list(self.out) + self.requeued:
+            g = self._group_of(e)
+            self.open[g] = self.open.get(g, 0) + 1
 
     def routes(self) -> None:
         self.route(TakeBatch, self.on_take)
         self.route(RequeueGroups, self.on_requeue)
+        self.route(HandedGroups, self.on_handed, changes=False)
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
@@ -121,15 +143,31 @@ class PromptPoolRole(PoolRole):
         """Group ids are unique across prompt pools: pools other than "0" prefix their id."""
         return "" if self.ctx.id == "0" else f"{self.ctx.id}."
 
-    def _parse(self, group_id: str) -> tuple[int, str] | None:
+    def _parse(self, entry: str) -> tuple[int, str] | None:
+        """(epoch, prompt id) of a group id or member id this pool made, else None."""
+        group_id, member = self._split(entry)
         if not group_id.startswith(self.prefix + "e"):
             return None
         e, sep, pid = group_id[len(self.prefix) + 1:].partition("-p")
+        if member is not None and not (member.isdigit() and int(member) < self.cfg.group_size):
+            return None
         return (int(e), pid) if sep and e.isdigit() and pid in self.index else None
 
-    def _specs_of(self, group_id: str) -> list[TrajectorySpec]:
-        e, pid = self._parse(group_id)
-        return self._group(e, self.index[pid])
+    def _specs_of(self, entry: str) -> list[TrajectorySpec]:
+        e, pid = self._parse(entry)
+        specs = self._group(e, self.index[pid])
+        _, member = self._split(entry)
+        return specs if member is None else [specs[int(member)]]
+
+    def _was_handed(self, entry: str) -> bool:
+        """Did the cursor pass this group (it was handed out fresh at some point)?"""
+        e, pid = self._parse(entry)
+        if e != self.epoch:
+            return e < self.epoch
+        self._order(e)
+        if getattr(self, "_inv_epoch", None) != e:
+            self._inv, self._inv_epoch = np.argsort(self._perm), e
+        return int(self._inv[self.index[pid]]) < self.pos
 
     async def on_take(self, req: TakeBatch) -> Batch:
         last = self.last.get(req.rollout_id)
@@ -151,6 +189,7 @@ class PromptPoolRole(PoolRole):
             gid = self.requeued[len(took_requeued)]
             took_requeued.append(gid)
             out += self._specs_of(gid)
+        n_requeued = len(out)
         epoch, pos, fresh = self.epoch, self.pos, 0
         while len(out) // n < want and fresh < fresh_room:
             if self.cfg.max_epochs is not None and epoch >= self.cfg.max_epochs:
@@ -166,27 +205,101 @@ class PromptPoolRole(PoolRole):
         stmts = [("INSERT OR REPLACE INTO cursor (k, epoch, pos, handed) VALUES (0, ?, ?, ?)",
                   (epoch, pos, self.handed + fresh))]
         stmts += [("DELETE FROM requeued WHERE group_id = ?", (g,)) for g in took_requeued]
+        entries = took_requeued + list(dict.fromkeys(s.group_id for s in out[n_requeued:]))
         if req.batch_seq >= 0:
-            groups = list(dict.fromkeys(s.group_id for s in out))
-            self.last[req.rollout_id] = (req.batch_seq, groups)
+            self.last[req.rollout_id] = (req.batch_seq, entries)
             stmts.append(("INSERT OR REPLACE INTO last_batch VALUES (?, ?, ?)",
-                          (req.rollout_id, req.batch_seq, json.dumps(groups))))
+                          (req.rollout_id, req.batch_seq, json.dumps(entries))))
+        for e in entries:  # who holds it now: until settled or requeued
+            self.out[e] = (req.rollout_id, req.pid)
+            stmts.append(("INSERT OR REPLACE INTO handed_to VALUES (?, ?, ?)", (e, req.rollout_id, req.pid)))
+        for e in entries[len(took_requeued):]:
+            self.open[e] = self.open.get(e, 0) + 1
         self.epoch, self.pos, self.handed = epoch, pos, self.handed + fresh
         self.requeued = self.requeued[len(took_requeued):]
         await self.durable(stmts)
         return Batch(out, exhausted=self.exhausted())
 
     async def on_requeue(self, req: RequeueGroups) -> Ack:
-        new = [g for g in req.group_ids if g not in self.requeued]
-        for g in new:
+        new = list(dict.fromkeys(g for g in req.group_ids if g not in self.requeued))
+        for g in new + list(req.settled):
             if self._parse(g) is None:
-                from laminar.bus.rpc import RequestError
                 raise RequestError("refused", f"unknown group id {g!r} for prompt pool {self.ctx.id}")
+        for g in new:
+            if not self._was_handed(g):
+                raise RequestError("refused", f"group {g!r} was never handed out by prompt pool {self.ctx.id}")
+        stmts: list = []
+        for g in new:  # outstanding -> requeued; anything else opens again
+            if self.out.pop(g, None) is None:
+                grp = self._group_of(g)
+                if not self.open.get(grp):
+                    self.settled -= 1  # a settled group runs again: it counts once more when it settles
+                self.open[grp] = self.open.get(grp, 0) + 1
+            stmts += [("DELETE FROM handed_to WHERE entry = ?", (g,)),
+                      ("INSERT OR IGNORE INTO requeued (group_id, at) VALUES (?, ?)", (g, time.time()))]
         self.requeued += new
-        import time
-        await self.durable([("INSERT OR IGNORE INTO requeued (group_id, at) VALUES (?, ?)", (g, time.time())) for g in new])
-        return Ack(f"requeued {len(new)}")
+        closed = 0
+        for e in dict.fromkeys(req.settled):
+            held = self.out.get(e)
+            if held is None or (req.rollout_id and held[0] != req.rollout_id):
+                continue  # already settled or requeued, or handed to someone else since
+            del self.out[e]
+            closed += 1
+            grp = self._group_of(e)
+            self.open[grp] -= 1
+            if not self.open[grp]:
+                del self.open[grp]
+                self.settled += 1
+            stmts.append(("DELETE FROM handed_to WHERE entry = ?", (e,)))
+        if new or closed:
+            stmts.append(("INSERT OR REPLACE INTO accounting VALUES ('settled', ?)", (self.settled,)))
+        if new:
+            self.log.warning("groups_requeued", rollout=req.rollout_id, entries=new[:64], count=len(new))
+        await self.durable(stmts)
+        return Ack(f"requeued {len(new)}, settled {closed}")
+
+    async def on_handed(self, req: HandedGroups) -> HandedList:
+        got: list[tuple[str, str, int]] = []
+        skip, more = req.offset, False
+        for e, (r, pid) in self.out.items():
+            if req.rollout_id not in ("", "*") and r != req.rollout_id:
+                continue
+            if req.pid and pid and pid != req.pid:  # another process of that rollout (restarted since)
+                continue
+            if skip:
+                skip -= 1
+                continue
+            if len(got) >= req.limit:
+                more = True
+                break
+            got.append((e, r, pid))
+        split = [self._split(e) for e, _, _ in got]
+        return HandedList([e for e, _, _ in got], [r for _, r, _ in got], [self.cfg.group_size] * len(got), more=more,
+                          group_ids=[g for g, _ in split], members=[-1 if m is None else int(m) for _, m in split],
+                          pids=[pid for _, _, pid in got])
+
+    @property
+    def prompts_skipped(self) -> int:
+        """Fresh groups handed out that are neither settled nor open (outstanding or requeued)."""
+        return self.handed - self.settled - len(self.open)
 
     def counts(self) -> dict:
         return {"epoch": self.epoch, "position": self.pos, "groups_handed": self.handed,
-                "requeued": len(self.requeued), "prompts": len(self.records), "skipped_rows": self.skipped}
+                "requeued": len(self.requeued), "prompts": len(self.records), "skipped_rows": self.skipped,
+                "outstanding": len(self.out), "groups_settled": self.settled,
+                "prompts_skipped": self.prompts_skipped}
+
+    def _split(self, entry: str) -> tuple[str, str | None]:
+        """A group id -> (it, None); a member id `<group>/<i>` -> (group id, "i"). (A prompt id
+        may itself hold a "/": an entry is a member id only if what precedes it is a group.)"""
+        group_id, sep, member = entry.rpartition("/")
+        if sep and member.isdigit() and self._is_group(group_id):
+            return group_id, member
+        return entry, None
+
+    def _is_group(self, group_id: str) -> bool:
+        e, sep, pid = group_id[len(self.prefix) + 1:].partition("-p")
+        return group_id.startswith(self.prefix + "e") and bool(sep) and e.isdigit() and pid in self.index
+
+    def _group_of(self, entry: str) -> str:
+        return self._split(entry)[0]
