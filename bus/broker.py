@@ -6,6 +6,10 @@ dropped (counted) by the subscribers, so no input can stop it. Runs on its own t
 context (the proxy is a blocking C loop); `stop()` sends TERMINATE on the control socket and waits
 for the proxy's reply (libzmq >= 4.3.5 answers TERMINATE and blocks until the answer is taken, so
 closing the control peer at once would leave the proxy stuck in that send).
+
+Size limits: the XSUB side (publishers) refuses a frame above `max_msg` and the XPUB side
+(subscribers, who only send subscriptions) one above MAX_SUBSCRIPTION_BYTES; libzmq drops the
+offending connection, so no input can make the broker buffer more than hwm x max_msg per peer.
 """
 from __future__ import annotations
 
@@ -16,11 +20,15 @@ import uuid
 import zmq
 
 from laminar.bus import auth as _auth
+from laminar.bus.pubsub import MAX_SUBSCRIPTION_BYTES
 
 
 class Broker:
-    def __init__(self, pub_address: str, sub_address: str, keys=None, hwm: int = 100000):
+    def __init__(self, pub_address: str, sub_address: str, keys=None, hwm: int = 100000,
+                 max_msg: int = 64 << 20):
         self.pub_address, self.sub_address, self.keys, self.hwm = pub_address, sub_address, keys, hwm
+        self.max_msg = max_msg
+        self.socket_limits: dict[str, int] = {}
         self.ctx = zmq.Context()
         self._ctrl_addr = f"inproc://broker-ctrl-{uuid.uuid4().hex}"
         self._thread: threading.Thread | None = None
@@ -36,6 +44,9 @@ class Broker:
                 s.sndhwm = s.rcvhwm = self.hwm
                 s.linger = 0
                 _auth.make_server(s, self.keys)
+            xsub.setsockopt(zmq.MAXMSGSIZE, self.max_msg)
+            xpub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+            self.socket_limits = {"xsub": xsub.getsockopt(zmq.MAXMSGSIZE), "xpub": xpub.getsockopt(zmq.MAXMSGSIZE)}
             xsub.bind(self.pub_address)
             xpub.bind(self.sub_address)
         except BaseException:  # e.g. port in use: open sockets would make ctx.term() in stop() hang

@@ -9,6 +9,17 @@ Frame layout: [kind, body, *buffers]
 
 Decoding never trusts the peer: sizes, dtypes, shapes, kinds and field types are checked and any
 violation raises a CodecError subclass that the receiver counts and drops.
+
+Cost of a refusal. A msgpack body can name far more Python objects than it has bytes (0x80, one
+byte, is an empty map: a 64-byte dict), so the body's size alone does not bound what decoding it
+allocates. The decoder therefore bounds, *while unpacking*: the frame count (checked first, before
+the body is read), the length of every array, map, string and extension (msgpack refuses a header
+above its limit before allocating), the number of arrays and maps in one message, nested events
+included (counted as msgpack builds them, so unpacking stops at the budget), and the nesting depth.
+A hostile body therefore costs at most about MAX_CONTAINERS empty dicts plus one maximal list
+(~9 MiB) and a few milliseconds, whatever its size; legitimate messages (a 4,096-trajectory
+batch uses ~20k containers) stay far inside the budget. Trusted internal paths (the trainer's
+own ranks) pass larger limits explicitly.
 """
 from __future__ import annotations
 
@@ -28,6 +39,8 @@ EXT_ARRAY = 1
 EXT_EVENT = 2
 MAX_BODY_BYTES = 16 << 20
 MAX_FRAMES = 1 << 16
+MAX_CONTAINERS = 1 << 17  # arrays + maps in one message (nested events included); also each one's length
+MAX_DEPTH = 32            # nesting of arrays, maps and events (a real message nests < 10 deep)
 _SAFE_DTYPE_KINDS = set("biuf")
 _DTYPE_RE = re.compile(r"[<>|=]?[biuf][1-9][0-9]?")
 
@@ -59,19 +72,52 @@ def encode(obj: Any, meta: dict[str, Any] | None = None, version: int = PROTOCOL
     return [kind.encode("ascii"), body, *buffers]
 
 
-def decode(frames: Sequence[bytes], max_body: int = MAX_BODY_BYTES) -> tuple[Any, dict[str, Any]]:
+def unpack_limits(max_body: int = MAX_BODY_BYTES, max_containers: int = MAX_CONTAINERS) -> dict[str, int]:
+    """msgpack's own per-object limits: a header above them is refused before anything is allocated."""
+    return dict(max_array_len=max_containers, max_map_len=max_containers, max_str_len=max_body,
+                max_bin_len=max_body, max_ext_len=max_body)
+
+
+UNPACK_LIMITS = unpack_limits()
+_ARRAY_HEAD_LIMITS = dict(max_array_len=64, max_map_len=0, max_str_len=64, max_bin_len=0, max_ext_len=0)
+
+
+class _Budget:
+    """Counts arrays and maps as msgpack builds them (its list/object hooks) across every unpack
+    of one message; raising from a hook stops the unpack at once."""
+    __slots__ = ("left", "limit", "kwargs")
+
+    def __init__(self, max_body: int, max_containers: int):
+        self.left = self.limit = max_containers
+        self.kwargs = dict(unpack_limits(max_body, max_containers), strict_map_key=False,
+                           list_hook=self._count, object_hook=self._count)
+
+    def _count(self, v: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise OversizedFrame(f"message holds more than {self.limit} containers (arrays and maps)")
+        return v
+
+    def unpack(self, data: bytes) -> Any:
+        return msgpack.unpackb(data, **self.kwargs)
+
+
+def decode(frames: Sequence[bytes], max_body: int = MAX_BODY_BYTES, max_frames: int = MAX_FRAMES,
+           max_containers: int = MAX_CONTAINERS) -> tuple[Any, dict[str, Any]]:
     """Decode frames into (event, meta). Raises a CodecError subclass on any bad input."""
     try:
-        return _decode(frames, max_body)
+        return _decode(frames, max_body, max_frames, max_containers)
     except CodecError:
         raise
     except Exception as exc:  # a check this codec missed must still never reach a receive loop raw
         raise MalformedFrame(f"undecodable frames: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def _decode(frames: Sequence[bytes], max_body: int) -> tuple[Any, dict[str, Any]]:
+def _decode(frames: Sequence[bytes], max_body: int, max_frames: int, max_containers: int) -> tuple[Any, dict[str, Any]]:
     if len(frames) < 2:
         raise MalformedFrame(f"expected at least 2 frames (kind, body), got {len(frames)}")
+    if len(frames) > max_frames:
+        raise OversizedFrame(f"{len(frames)} frames exceeds the limit of {max_frames}")
     kind_raw, body = bytes(frames[0]), frames[1]
     if len(body) > max_body:
         raise OversizedFrame(f"body of {len(body)} bytes exceeds the limit of {max_body}")
@@ -83,10 +129,17 @@ def _decode(frames: Sequence[bytes], max_body: int) -> tuple[Any, dict[str, Any]
     if cls is None:
         raise UnknownKind(f"unknown message kind {kind[:64]!r}")
     buffers = frames[2:]
+    budget = _Budget(max_body, max_containers)
     # Two phases: unpack with extensions left opaque, read the envelope (so errors can still
     # name the request id), then resolve arrays and nested events with every check applied.
     try:
-        top = msgpack.unpackb(body, strict_map_key=False)
+        top = budget.unpack(body)
+    except CodecError:
+        raise
+    except ValueError as exc:
+        if "exceeds max_" in str(exc):  # a length header above unpack_limits(), refused unallocated
+            raise OversizedFrame(f"body refused: {exc}") from None
+        raise MalformedFrame(f"body is not valid msgpack: {type(exc).__name__}: {exc}") from None
     except Exception as exc:  # msgpack raises a zoo of types on garbage
         raise MalformedFrame(f"body is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if not (isinstance(top, list) and len(top) == 3):
@@ -95,12 +148,10 @@ def _decode(frames: Sequence[bytes], max_body: int) -> tuple[Any, dict[str, Any]
     if not isinstance(meta, dict):
         raise MalformedFrame("meta must be a map")
     try:
-        if len(frames) > MAX_FRAMES:
-            raise OversizedFrame(f"{len(frames)} frames exceeds the limit of {MAX_FRAMES}")
         if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1.0 == 1 in Python
             raise ProtocolMismatch(version, PROTOCOL_VERSION)
         used: set[int] = set()
-        obj = _build(cls, kind, _resolve(fields, buffers, used))
+        obj = _build(cls, kind, _resolve(fields, buffers, used, budget, 2))
         if len(used) != len(buffers):
             raise MalformedFrame(f"{len(buffers) - len(used)} array frames not referenced by the body")
     except CodecError as exc:
@@ -109,28 +160,32 @@ def _decode(frames: Sequence[bytes], max_body: int) -> tuple[Any, dict[str, Any]
     return obj, meta
 
 
-def _resolve(v: Any, buffers: Sequence[bytes], used: set[int]) -> Any:
+def _resolve(v: Any, buffers: Sequence[bytes], used: set[int], budget: _Budget, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise MalformedFrame(f"message nests deeper than {MAX_DEPTH} levels")
     if isinstance(v, msgpack.ExtType):
         if v.code == EXT_ARRAY:
             return _array(v.data, buffers, used)
         if v.code == EXT_EVENT:
             try:
-                inner_kind, inner_fields = msgpack.unpackb(v.data, strict_map_key=False)
+                inner_kind, inner_fields = budget.unpack(v.data)
+            except CodecError:
+                raise
             except Exception:
                 raise MalformedFrame("bad nested event") from None
             cls = lookup(inner_kind) if isinstance(inner_kind, str) else None
-            return _build(cls, inner_kind, _resolve(inner_fields, buffers, used))
+            return _build(cls, inner_kind, _resolve(inner_fields, buffers, used, budget, depth + 2))
         raise MalformedFrame(f"unknown msgpack extension type {v.code}")
     if isinstance(v, list):
-        return [_resolve(x, buffers, used) for x in v]
+        return [_resolve(x, buffers, used, budget, depth + 1) for x in v]
     if isinstance(v, dict):
-        return {k: _resolve(x, buffers, used) for k, x in v.items()}
+        return {k: _resolve(x, buffers, used, budget, depth + 1) for k, x in v.items()}
     return v
 
 
 def _array(head: bytes, buffers: Sequence[bytes], used: set[int]) -> np.ndarray:
     try:
-        index, dtype_str, shape = msgpack.unpackb(head)
+        index, dtype_str, shape = msgpack.unpackb(head, **_ARRAY_HEAD_LIMITS)
     except Exception:
         raise MalformedFrame("bad array header") from None
     # Checked as a string before numpy parses it: np.dtype accepts None, sub-array and

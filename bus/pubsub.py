@@ -14,11 +14,14 @@ import zmq
 import zmq.asyncio
 
 from laminar.bus import auth as _auth
-from laminar.bus.codec import decode, encode
+from laminar.bus.codec import MAX_FRAMES, decode, encode
 from laminar.bus.errors import CodecError
+from laminar.bus.frames import BoundedReceiver
 from laminar.bus.transport import Publisher, Subscriber
 
 log = structlog.get_logger("laminar.bus.pubsub")
+# What a publisher receives is only subscriptions forwarded by the broker (0x01 + topic prefix).
+MAX_SUBSCRIPTION_BYTES = 4096
 
 
 class ZmqPublisher(Publisher):
@@ -28,6 +31,7 @@ class ZmqPublisher(Publisher):
         self.sock = ctx.socket(zmq.PUB)
         self.sock.sndhwm = hwm
         self.sock.linger = linger_ms
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
         _auth.make_client(self.sock, keys)
         self.sock.connect(address)
         self.sent = self.dropped = 0
@@ -47,21 +51,25 @@ class ZmqPublisher(Publisher):
 
 class ZmqSubscriber(Subscriber):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, topics: Iterable[str], keys,
-                 hwm: int = 10000):
+                 hwm: int = 10000, max_msg: int = 64 << 20):
         sock = ctx.socket(zmq.SUB)
         sock.rcvhwm = hwm
         sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg)  # a larger frame drops the connection (it reconnects)
         _auth.make_client(sock, keys)
         for t in topics:
             sock.setsockopt(zmq.SUBSCRIBE, t.encode())
         sock.connect(address)
         self.sock = sock
+        self._recv = BoundedReceiver(sock, MAX_FRAMES + 1)
         self.dropped = 0
 
     async def recv(self) -> tuple[str, Any]:
         while True:
-            frames = await self.sock.recv_multipart()
+            frames, complete = await self._recv.recv()
             try:
+                if not complete:
+                    raise CodecError(f"more than {MAX_FRAMES} frames: dropped unread")
                 topic = frames[0].decode("utf-8")
                 ev, _ = decode(frames[1:])
             except (CodecError, UnicodeDecodeError) as exc:

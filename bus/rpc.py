@@ -24,9 +24,10 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from laminar.bus import auth as _auth
-from laminar.bus.codec import decode, encode
+from laminar.bus.codec import MAX_FRAMES, decode, encode
 from laminar.bus.errors import (CodecError, DeadlineExceeded, PeerUnavailable, ProtocolMismatch,
                                 remote_error)
+from laminar.bus.frames import BoundedReceiver
 from laminar.bus.transport import Handler, RpcClient, RpcServer
 from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
 
@@ -125,9 +126,10 @@ class ZmqRpcServer(RpcServer):
 
     async def _serve(self) -> None:
         assert self.sock is not None
+        receiver = BoundedReceiver(self.sock, MAX_FRAMES + 1)  # + the peer's identity frame
         while True:
-            frames = await self.sock.recv_multipart()
-            if len(frames) < 2:
+            frames, complete = await receiver.recv()
+            if len(frames) < 2 or not complete:
                 self.dispatcher.stats["bad_frames"] += 1
                 continue
             ident, rest = frames[0], frames[1:]
@@ -189,7 +191,7 @@ class ZmqRpcClient(RpcClient):
         self.sock = sock
         self.pending: dict[int, asyncio.Future] = {}
         self.last_failure: str | None = None
-        self.late_replies = 0
+        self.late_replies = self.bad_replies = 0
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._monitor_loop())]
 
     async def call(self, req: Any, timeout: float = 5.0) -> Any:
@@ -214,8 +216,12 @@ class ZmqRpcClient(RpcClient):
         return reply
 
     async def _recv_loop(self) -> None:
+        receiver = BoundedReceiver(self.sock, MAX_FRAMES)
         while True:
-            frames = await self.sock.recv_multipart()
+            frames, complete = await receiver.recv()
+            if not complete:
+                self.bad_replies += 1  # more frames than any reply has: its caller times out
+                continue
             try:
                 reply, meta = decode(frames)
             except CodecError as exc:

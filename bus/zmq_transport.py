@@ -34,7 +34,7 @@ class ZmqTransport(Transport):
         return p
 
     def subscriber(self, topics: Iterable[str]) -> Subscriber:
-        s = ZmqSubscriber(self.ctx, self.sub_address, topics, self.keys, self.hwm)
+        s = ZmqSubscriber(self.ctx, self.sub_address, topics, self.keys, self.hwm, self.max_msg)
         self._closables.append(s)
         return s
 

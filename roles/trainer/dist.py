@@ -117,7 +117,9 @@ def recv_command(info: DistInfo):
     if n:
         buf = torch.empty(n, dtype=torch.uint8)
         dist.broadcast(buf, 0, group=info.control)
-        samples, _ = decode(_unpack(buf.numpy().tobytes()), max_body=1 << 40)
+        # rank 0's own batch, not a peer's input: the bus's per-message limits do not apply
+        samples, _ = decode(_unpack(buf.numpy().tobytes()), max_body=1 << 40, max_frames=1 << 30,
+                            max_containers=1 << 30)
     return op, version, cursor, samples
 
 
