@@ -62,6 +62,11 @@ class RolloutConfig(BaseModel):
     partial_pool: str = Field("0", description="id of the partial pool role")
     experience_buffer: str = Field("0", description="id of the experience buffer role")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of each pool call")
+    pull_retry_s: float = Field(5.0, gt=0, description="after a failed weight load, try that same version again only "
+                                "after this long (a newer version is tried at once); the rollout keeps its weights")
+    put_retry_s: float = Field(0.2, gt=0, description="first wait before offering a refused trajectory (buffer full) "
+                               "again; doubles up to put_retry_max_s. It stays in the partial pool meanwhile")
+    put_retry_max_s: float = Field(5.0, gt=0, description="longest wait between offers of a refused trajectory")
     idle_wait_s: float = Field(0.5, gt=0, description="wait before asking an empty prompt pool again")
     sim: dict = Field(default_factory=dict, description="engine: sim settings, passed to SimEngine.from_workload "
                       "(model, tp, lengths, gpu, curve_path, ...) plus `speedup` (compressed time, default 1)")

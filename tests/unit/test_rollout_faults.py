@@ -1,0 +1,208 @@
+"""The rollout role under faults, one piece of its logic at a time: a weight pull that fails
+(garbage pointer, truncated slot file) keeps the loaded weights; a new lineage is loaded even under
+a lower version number and named in every trajectory; a refused PutTrajectory is offered again
+until stored, the partial-pool copy kept meanwhile; batch_seq stays above every earlier one
+across a restart even when the wall clock steps back.
+
+The engine is a stand-in whose load runs the real worker-side code (the vLLM worker extension's
+`laminar_load_relay`) against a real relay folder in /dev/shm; the pools are recording stubs.
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import types
+import uuid
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from laminar.protocol import CompletePartial, PutResult, PutTrajectory, TrajectorySpec  # noqa: E402
+from laminar.roles.base import RoleContext  # noqa: E402
+from laminar.roles.rollout.role import RolloutRole  # noqa: E402
+from laminar.roles.rollout.trajectory import Active  # noqa: E402
+from laminar.roles.rollout.worker_ext import LaminarWorkerExtension  # noqa: E402
+from laminar.weights.local_write import write_version  # noqa: E402
+from laminar.weights.manifest import with_lineage  # noqa: E402
+from laminar.weights.store import ShmStore, read_pointer  # noqa: E402
+
+
+class Runner:
+    """vLLM's model runner as the worker extension sees it: records what was loaded."""
+
+    def __init__(self):
+        self.loaded: dict[str, torch.Tensor] | None = None
+
+    def reload_weights(self, weights_iterator) -> None:
+        self.loaded = {k: t.clone() for k, t in weights_iterator}
+
+
+class Engine(LaminarWorkerExtension):
+    """The rollout engine API around the real worker-side load."""
+
+    def __init__(self):
+        self.model_runner = Runner()
+        self.stats = types.SimpleNamespace(kv_usage=0.0, running=0, waiting=0)
+
+    async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
+        return await asyncio.to_thread(self.laminar_load_relay, shm_dir, min_version, exact)
+
+
+class Client:
+    """A pool client stub: answers from a list, records every request."""
+
+    def __init__(self, answers=()):
+        self.answers, self.requests = list(answers), []
+
+    async def call(self, req, timeout: float):
+        self.requests.append(req)
+        return self.answers.pop(0) if self.answers else PutResult("stored")
+
+
+def make_role(tmp_path, **settings) -> RolloutRole:
+    config = types.SimpleNamespace(workdir=lambda: tmp_path, endpoint=lambda role, id: f"inproc://{role}.{id}")
+    role = RolloutRole(RoleContext(role="rollout", id="r0", host="h0", transport=None,
+                                   settings={"engine": "sim", **settings}, config=config))
+    role.engine = Engine()
+    role.reward = lambda spec, tokens: 1.0
+    return role
+
+
+@pytest.fixture
+def relay():
+    stores = []
+
+    def make() -> ShmStore:
+        s = ShmStore(f"/dev/shm/laminar-unit-{uuid.uuid4().hex[:10]}")
+        s.open()
+        stores.append(s)
+        return s
+    yield make
+    for s in stores:
+        s.close()
+        shutil.rmtree(s.dir, ignore_errors=True)
+
+
+def weights(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4096, generator=g), "b": torch.randn(3, generator=g)}
+
+
+def publish(store: ShmStore, sd: dict, version: int, lineage: int = 1, run_id: str = "run") -> None:
+    """A relay committing (run_id, lineage, version), as its receiver does."""
+    import laminar.weights.local_write as lw
+    real = lw.build_manifest
+    lw.build_manifest = lambda *a, **k: with_lineage(real(*a, **k), run_id, lineage)
+    try:
+        write_version(store, sd, version, chunk_bytes=4096)
+    finally:
+        lw.build_manifest = real
+
+
+def same(a: dict, b: dict) -> bool:
+    return a is not None and list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_failed_pulls_keep_the_weights_and_are_counted(tmp_path, relay):
+    store = relay()
+    role = make_role(tmp_path, pull_retry_s=60.0)
+    role.weights_dir = str(store.dir)
+    v1, v2, v3 = weights(1), weights(2), weights(3)
+
+    async def go():
+        publish(store, v1, 1)
+        await role._maybe_update_weights()
+        assert role.version == 1 and same(role.engine.model_runner.loaded, v1)
+
+        publish(store, v2, 2)
+        (store.dir / "current").write_bytes(b"\x93garbage")           # a torn pointer
+        await role._maybe_update_weights()                             # must not raise
+        assert role.version == 1 and same(role.engine.model_runner.loaded, v1)
+        assert role.pull_failures == 1
+        await role._maybe_update_weights()                             # same pointer: not retried at once
+        assert role.pull_failures == 1
+
+        publish(store, v3, 3)                                          # the next version: tried at once
+        slot = read_pointer(store.dir)[0]
+        with open(store.slot_path(slot), "r+b") as f:                  # its file cut short
+            f.truncate(100)
+        await role._maybe_update_weights()
+        assert role.version == 1 and same(role.engine.model_runner.loaded, v1)
+        assert role.pull_failures == 2
+
+        publish(store, v2, 4)                                          # a sound version loads again
+        await role._maybe_update_weights()
+        assert role.version == 4 and same(role.engine.model_runner.loaded, v2)
+        st = role.status()
+        assert st["weight_pull_failures"] == 2 and st["version"] == 4
+    asyncio.run(go())
+
+
+def test_a_new_lineage_is_loaded_under_a_lower_number_and_named_in_trajectories(tmp_path, relay):
+    store = relay()
+    role = make_role(tmp_path)
+    role.weights_dir = str(store.dir)
+    a5, b3 = weights(5), weights(103)
+    role.buffer, role.partials = Client(), Client()
+
+    async def go():
+        publish(store, a5, 5, lineage=1)
+        await role._maybe_update_weights()
+        assert role.version == 5 and same(role.engine.model_runner.loaded, a5)
+        publish(store, b3, 3, lineage=2)                               # a resumed trainer's lineage
+        await role._maybe_update_weights()
+        assert role.version == 3 and same(role.engine.model_runner.loaded, b3)
+        assert (role.lineage, role.run_id) == (2, "run")
+        a = Active(spec=spec("t0"), version=role.version)
+        a.add_generated([1, 2], [-0.1, -0.2])
+        a.timings["generated"] = 0.0
+        role.active[a.id] = a
+        await role._finish(a, "stop")
+        (put,) = [r for r in role.buffer.requests if isinstance(r, PutTrajectory)]
+        assert (put.trajectory.version, put.trajectory.lineage) == (3, 2)
+    asyncio.run(go())
+
+
+def spec(tid: str) -> TrajectorySpec:
+    return TrajectorySpec(trajectory_id=tid, prompt_id="p", group_id="g", sample_index=0, group_size=1,
+                          prompt_tokens=np.asarray([1, 2, 3], dtype=np.int32), answer="x", max_tokens=8)
+
+
+def test_a_refused_put_is_offered_again_and_the_partial_kept_until_stored(tmp_path):
+    role = make_role(tmp_path, put_retry_s=0.01, put_retry_max_s=0.02)
+    role.buffer = Client([PutResult("full", "buffer at capacity"), PutResult("full", "buffer at capacity"),
+                          PutResult("stored")])
+    role.partials = Client([None])
+    a = Active(spec=spec("t1"), version=0)
+    a.add_generated([4, 5], [-0.5, -0.25])
+    a.timings["generated"] = 0.0
+    role.active[a.id] = a
+
+    async def go():
+        await role._finish(a, "stop")
+    asyncio.run(go())
+    puts = [r for r in role.buffer.requests if isinstance(r, PutTrajectory)]
+    assert len(puts) == 3 and all(p.trajectory.spec.trajectory_id == "t1" for p in puts)
+    # the partial-pool copy is released once, after the buffer stored it
+    assert [type(r) for r in role.partials.requests] == [CompletePartial]
+    assert role.puts_refused == 2 and a.id not in role.active
+
+
+def test_batch_seq_stays_above_earlier_ones_when_the_clock_steps_back(tmp_path, monkeypatch):
+    import laminar.roles.rollout.role as mod
+    now = [1_800_000_000 * 10**9]
+    monkeypatch.setattr(mod.time, "time_ns", lambda: now[0])
+
+    async def seqs(role, n: int) -> list[int]:
+        role._seq_base = role._seq_reserved = role._batch_seq_start()
+        out = []
+        for _ in range(n):
+            out.append(await role._batch_seq())
+            role.batches += 1
+        return out
+    first = asyncio.run(seqs(make_role(tmp_path), 3))
+    now[0] -= 10 * 10**9                      # restart after the clock was stepped back 10 s
+    second = asyncio.run(seqs(make_role(tmp_path), 3))
+    assert len(set(first)) == 3 and min(second) > max(first), (first, second)
