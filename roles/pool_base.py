@@ -12,6 +12,13 @@ A write that fails or is refused after memory changed leaves memory possibly ahe
 pool marks itself stale and answers `unavailable`/`busy`; the next request waits until every
 handler and commit in flight has settled, then rebuilds memory from disk (`recover`) before it
 runs. Queries (`changes=False`) read memory and never wait for room.
+
+A pool that cannot serve says so instead of failing in a loop: if rebuilding memory from disk
+fails (at start or after a failed write), the pool still runs, heartbeats `serving: false` with
+the reason (`fault`), answers every request `unavailable` with that reason, and tries again on the
+next request. A record that cannot be decoded is moved to the store's `quarantined` table (with
+why) by `quarantine`, so one bad row costs that row, not the pool. Each store has a schema version
+(`SCHEMA_VERSION`, `MIGRATIONS`: roles/sqlite_store.py).
 """
 from __future__ import annotations
 
@@ -24,6 +31,10 @@ from laminar.protocol import PoolCount
 from laminar.roles.base import Role
 from laminar.roles.sqlite_store import GroupCommitStore, StoreBusy, StoreError
 
+QUARANTINE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS quarantined (tbl TEXT, key TEXT, blob BLOB, why TEXT, at REAL);
+"""
+
 
 def _store_refusal(exc: StoreError) -> RequestError:
     return RequestError("busy" if isinstance(exc, StoreBusy) else "unavailable", str(exc))
@@ -31,7 +42,11 @@ def _store_refusal(exc: StoreError) -> RequestError:
 
 class PoolRole(Role):
     SCHEMA = ""
+    SCHEMA_VERSION = 1
+    MIGRATIONS: dict = {}                 # v -> function(connection) bringing a store from v to v+1
     counts_interval_s = 1.0
+    fault: str | None = None              # why the pool cannot serve now (None: it can)
+    quarantined_rows = 0
     _stale = False                        # memory may be ahead of disk: reload before the next request
     _in_flight = 0                        # writes submitted and not yet settled
     _active = 0                           # handlers running
@@ -43,13 +58,34 @@ class PoolRole(Role):
         return base / f"{self.ctx.role}-{self.ctx.id}.sqlite"
 
     async def setup(self) -> None:
-        self.store = GroupCommitStore(self.store_path(), self.SCHEMA)
-        await asyncio.to_thread(self.recover)
+        self.store = await asyncio.to_thread(GroupCommitStore, self.store_path(), self.SCHEMA + QUARANTINE_SCHEMA,
+                                             version=self.SCHEMA_VERSION, migrations=self.MIGRATIONS)
+        try:
+            await asyncio.to_thread(self._recover_counted)
+        except Exception as exc:  # serve nothing, say why, retry on the next request: never a restart loop
+            self._fail(exc)
         self.server = self.ctx.transport.server(self.ctx.config.bind_endpoint(self.ctx.role, self.ctx.id),
                                                 self.ctx.role, self.ctx.id)
         self.routes()
         await self.server.start()
-        self.log.info("pool_ready", store=str(self.store_path()), **self.counts())
+        self.log.info("pool_ready", store=str(self.store_path()), serving=self.fault is None,
+                      **(self.counts() if self.fault is None else {"fault": self.fault}))
+
+    def _recover_counted(self) -> None:
+        self.recover()
+        self.quarantined_rows = self.store.read("SELECT count(*) FROM quarantined")[0][0]
+
+    def _fail(self, exc: BaseException) -> None:
+        self._stale = True
+        self.fault = f"cannot rebuild state from {self.store_path()}: {type(exc).__name__}: {exc}"
+        self.log.error("pool_not_serving", fault=self.fault, way_out="fix or move the store aside and restart; "
+                       "every request retries meanwhile")
+
+    def quarantine(self, table: str, key: str, blob: bytes | None, why: str, deletes: list) -> None:
+        """Set a stored record that cannot be decoded aside (blocking; from `recover`)."""
+        self.store.write_sync([("INSERT INTO quarantined VALUES (?, ?, ?, ?, ?)", (table, key, blob, why, now())),
+                               *deletes])
+        self.log.error("record_quarantined", store=str(self.store_path()), table=table, key=key, why=why)
 
     def recover(self) -> None:
         """Rebuild the in-memory state from the store (start-up and after a failed write)."""
@@ -62,6 +98,8 @@ class PoolRole(Role):
         async def guarded(req):
             if self._stale:
                 await self._reload()
+            if self.fault is not None:
+                raise RequestError("unavailable", self.fault)
             if changes:
                 try:
                     self.store.check_room()
@@ -87,8 +125,12 @@ class PoolRole(Role):
                 while self._active or self._in_flight:
                     self._idle = asyncio.Event()
                     await self._idle.wait()
-                await asyncio.to_thread(self.recover)
-                self._stale = False
+                try:
+                    await asyncio.to_thread(self._recover_counted)
+                except Exception as exc:
+                    self._fail(exc)
+                    raise RequestError("unavailable", self.fault) from None
+                self._stale, self.fault = False, None
                 self.log.warning("pool_reloaded_from_store", store=str(self.store_path()), **self.counts())
 
     def counts(self) -> dict:
@@ -129,7 +171,8 @@ class PoolRole(Role):
 
     async def _publish_counts(self) -> None:
         while True:
-            self.pub.publish(f"metrics.{self.ctx.role}", PoolCount(self.ctx.role, self.ctx.id, self.counts()))
+            if self.fault is None:
+                self.pub.publish(f"metrics.{self.ctx.role}", PoolCount(self.ctx.role, self.ctx.id, self.counts()))
             await asyncio.sleep(self.counts_interval_s)  # the reporting period
 
     async def stop(self) -> None:
@@ -140,7 +183,14 @@ class PoolRole(Role):
             await asyncio.to_thread(self.store.close)
 
     def status(self) -> dict:
-        return self.counts() if getattr(self, "store", None) else {}
+        if not getattr(self, "store", None):
+            return {}
+        health = {"serving": self.fault is None, "quarantined_rows": self.quarantined_rows}
+        if self.fault is not None:
+            return {**health, "fault": self.fault}
+        if self.store.salvaged is not None:
+            health["store_salvaged"] = self.store.salvaged
+        return {**self.counts(), **health}
 
 
 def now() -> float:

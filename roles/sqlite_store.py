@@ -21,13 +21,27 @@ waiting and later write fails with StoreError instead of hanging.
 Reads use their own connection (behind a lock) so they never queue behind a commit's fsync; WAL
 gives them the last committed snapshot. `read` is synchronous (start-up, tests); `aread` runs it
 in a thread. `close(timeout)` drains the queue within the deadline, then fails what is left.
+
+Versions (given `version`): a store's schema has its own version, in SQLite's `user_version`,
+independent of the wire protocol's. A store written before versioning counts as v1; an older
+store is brought forward at open by `migrations[v]` (v -> v+1, each in its own transaction); a
+newer one is refused (StoreVersionError, naming the file). Records packed with `pack` are bus
+frames: `unpack` decodes them whatever protocol version wrote them (fields are only ever added).
+
+Corruption: at open `PRAGMA quick_check` runs. A damaged file is moved aside
+(`<name>.corrupt-<utc time>`, with its WAL) and every row still readable is copied, table by table
+and row by row, into a fresh file under the original name; `salvaged` reports the moved file, the
+problem and the rows copied and lost, and the error is logged. The pool then starts on what could
+be saved instead of failing at every start.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import sqlite3
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Sequence, Union
@@ -56,14 +70,31 @@ class StoreClosed(StoreError):
     """The store is closed (or its writer died); the write was not made."""
 
 
+class StoreVersionError(RuntimeError):
+    """The store's schema is newer than this code knows, or no migration leads from it."""
+
+
+Migration = Callable[[sqlite3.Connection], None]
+
+
 class GroupCommitStore:
-    def __init__(self, path: str | Path, schema: str = "", max_pending: int = 10_000, max_batch: int = 512):
+    def __init__(self, path: str | Path, schema: str = "", max_pending: int = 10_000, max_batch: int = 512,
+                 *, version: int = 0, migrations: dict[int, Migration] | None = None, check: bool = True):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_pending, self.max_batch = max_pending, max_batch
+        self.salvaged: dict | None = None  # what a salvage at open did (None: the file was sound)
+        if check and self.path.exists():
+            problem = _integrity_problem(self.path)
+            if problem is not None:
+                self.salvaged = _salvage(self.path, problem)
         self._wconn = self._connect()
+        if version:
+            self._migrate(version, migrations or {})
         if schema:
             self._wconn.executescript(f"BEGIN IMMEDIATE; {schema}; COMMIT;")  # all or nothing, one fsync
+        if version:
+            self._wconn.execute(f"PRAGMA user_version = {int(version)}")
         self._rconn = self._connect()
         self._rlock = threading.Lock()
         self._cv = threading.Condition()
@@ -74,6 +105,27 @@ class GroupCommitStore:
         self.writes = 0         # writes acknowledged
         self._thread = threading.Thread(target=self._writer, name=f"sqlite:{self.path.name}", daemon=True)
         self._thread.start()
+
+    def _migrate(self, version: int, migrations: dict[int, Migration]) -> None:
+        c = self._wconn
+        have = c.execute("PRAGMA user_version").fetchone()[0]
+        if have == 0 and c.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]:
+            have = 1  # written before stores had versions
+        if have > version:
+            raise StoreVersionError(f"{self.path}: schema v{have} was written by a newer Laminar; this one reads up "
+                                    f"to v{version}. Run the newer version, or move the file aside to start empty")
+        for v in range(have or version, version):
+            step = migrations.get(v)
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                if step is not None:
+                    step(c)
+                c.execute(f"PRAGMA user_version = {v + 1}")
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            log.info("store_migrated", path=str(self.path), to_version=v + 1)
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -242,7 +294,111 @@ def pack(ev: Any) -> bytes:
 
 
 def unpack(blob: bytes) -> Any:
+    """The event of a `pack`ed blob, whatever protocol version wrote it: a stored record is read
+    by a later Laminar, whose kinds only ever gain fields (with defaults) at the end. Raises the
+    codec's errors (or msgpack's) on a damaged blob."""
     import msgpack
 
-    from laminar.bus.codec import decode
-    return decode(msgpack.unpackb(blob))[0]
+    from laminar.bus import codec
+    from laminar.bus.errors import ProtocolMismatch
+    frames = msgpack.unpackb(blob)
+    try:
+        return codec.decode(frames)[0]
+    except ProtocolMismatch:
+        _, meta, fields = msgpack.unpackb(frames[1], strict_map_key=False)
+        frames = [frames[0], msgpack.packb([codec.PROTOCOL_VERSION, meta, fields]), *frames[2:]]
+        return codec.decode(frames)[0]
+
+
+# -- corruption ---------------------------------------------------------------------------------
+def _integrity_problem(path: Path) -> str | None:
+    """None if SQLite's quick check passes, else what it (or opening the file) reported."""
+    try:
+        conn = sqlite3.connect(path, isolation_level=None)
+        try:
+            rows = conn.execute("PRAGMA quick_check").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if rows == [("ok",)]:
+        return None
+    return "; ".join(str(r[0]) for r in rows[:5]) + (f" (+{len(rows) - 5} more)" if len(rows) > 5 else "")
+
+
+def _salvage(path: Path, problem: str) -> dict:
+    """Move a damaged store aside and copy every readable row into a fresh file at `path`."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    for suffix in ("", "-wal", "-shm"):
+        if Path(f"{path}{suffix}").exists():
+            os.replace(f"{path}{suffix}", f"{aside}{suffix}")
+    copied = lost = 0
+    tables: list[str] = []
+    old = sqlite3.connect(aside, isolation_level=None)
+    new = sqlite3.connect(path, isolation_level=None)
+    try:
+        try:
+            objects = old.execute("SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL "
+                                  "AND name NOT LIKE 'sqlite_%' ORDER BY type = 'index'").fetchall()
+            user_version = old.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.DatabaseError:
+            objects, user_version = [], 0  # even the schema is gone: the pool starts empty
+        new.execute("BEGIN")
+        for kind, name, sql in objects:
+            new.execute(sql)
+            if kind != "table":
+                continue
+            tables.append(name)
+            got, ranges = _copy_table(old, new, name)
+            copied, lost = copied + got, lost + ranges
+        new.execute(f"PRAGMA user_version = {int(user_version)}")
+        new.execute("COMMIT")
+    finally:
+        old.close()
+        new.close()
+    report = {"file": str(aside), "problem": problem, "tables": tables, "rows_copied": copied,
+              "damaged_ranges": lost}
+    log.error("store_corrupt_salvaged", path=str(path), **report,
+              way_out=f"the damaged file is kept as {aside}; what was readable now serves from {path}")
+    return report
+
+
+def _copy_table(old: sqlite3.Connection, new: sqlite3.Connection, table: str) -> tuple[int, int]:
+    """Copy every readable row in rowid order; returns (rows copied, damaged rowid ranges skipped).
+    A damaged page stops a scan with an error: the scan resumes at the first rowid from which a
+    seek reads again (found by doubling, then halving, the step past the last good row)."""
+    q = '"' + table.replace('"', '""') + '"'
+    lo, copied, skipped, top = -(2 ** 63), 0, 0, 2 ** 62
+
+    def seeks(x: int) -> bool:
+        try:
+            old.execute(f"SELECT rowid FROM {q} WHERE rowid > ? ORDER BY rowid LIMIT 1", (x,)).fetchone()
+            return True
+        except sqlite3.DatabaseError:
+            return False
+
+    while True:
+        try:
+            for row in old.execute(f"SELECT rowid, * FROM {q} WHERE rowid > ? ORDER BY rowid", (lo,)):
+                _insert(new, q, [row[1:]])
+                lo, copied = row[0], copied + 1
+            return copied, skipped
+        except sqlite3.DatabaseError:
+            skipped += 1
+        step = 1
+        while lo + step < top and not seeks(lo + step):
+            step *= 2
+        if lo + step >= top:
+            return copied, skipped
+        bad, good = lo + step // 2, lo + step  # smallest start that reads lies in (bad, good]
+        while good - bad > 1:
+            mid = (bad + good) // 2
+            bad, good = (bad, mid) if seeks(mid) else (mid, good)
+        lo = good
+
+
+def _insert(conn: sqlite3.Connection, table: str, rows: list[tuple]) -> None:
+    if rows:
+        marks = ",".join("?" * len(rows[0]))
+        conn.executemany(f"INSERT OR IGNORE INTO {table} VALUES ({marks})", rows)

@@ -59,9 +59,15 @@ class ExperienceBufferRole(PoolRole):
         book = BufferBook(c.capacity, c.eviction, c.sampler, self._max_staleness())
         for gid, why in self.store.read("SELECT gid, why FROM gone"):
             book.gone[gid] = why
-        for gid, blob in self.store.read("SELECT gid, blob FROM trajs ORDER BY n"):
+        for n, gid, blob in self.store.read("SELECT n, gid, blob FROM trajs ORDER BY n"):
             if gid not in book.gone:  # a leased group's rows: kept for a re-hand, not sampleable
-                book.put(unpack(blob))
+                try:
+                    t = unpack(blob)
+                except Exception as exc:  # a damaged record: set aside, the rest serves
+                    self.quarantine("trajs", f"{gid}#{n}", blob, f"{type(exc).__name__}: {exc}",
+                                    [("DELETE FROM trajs WHERE n = ?", (n,))])
+                    continue
+                book.put(t)
         book.leased.update(self.store.read("SELECT pos, gid FROM handed ORDER BY pos"))
         meta = dict(self.store.read("SELECT k, v FROM meta"))
         book.cursor = int(meta.get("cursor", 0))

@@ -18,7 +18,7 @@ from laminar.bus.rpc import RequestError
 from laminar.protocol import (Ack, AppendDeltas, CompletePartial, DeltaResult, GetPartial, GroupPresence,
                               GroupPresenceReply, InFlightOf, PartialList, PartialState, ReassignPartial, TokenDelta)
 from laminar.roles.partial_pool.state import Outcome, PartialBook
-from laminar.roles.pool_base import PoolRole
+from laminar.roles.pool_base import PoolRole, now
 from laminar.roles.sqlite_store import pack, unpack
 
 
@@ -41,27 +41,34 @@ class PartialPoolRole(PoolRole):
     Config = PartialPoolConfig
     SCHEMA = SCHEMA
 
-    def _upgrade_schema(self) -> None:
-        """Add the columns a store written before multi-turn lacks (blocking; at start)."""
-        have = {row[1] for row in self.store.read("PRAGMA table_info(deltas)")}
-        missing = [c for c in ("mask", "spans") if c not in have]
-        if missing:
-            self.store.write_sync([(f"ALTER TABLE deltas ADD COLUMN {c} BLOB", ()) for c in missing])
-            self.log.info("partial_store_upgraded", added_columns=missing)
+    SCHEMA_VERSION = 2
+    MIGRATIONS = {1: lambda c: _add_multiturn_columns(c)}
 
     def recover(self) -> None:
-        self._upgrade_schema()
         st = PartialBook(self.cfg.max_held)
         for (tid,) in self.store.read("SELECT tid FROM completed"):
             st.completed.add(tid)
         rows = self.store.read("SELECT tid, seq, owner, version, spec, tokens, logprobs, mask, spans "
                                "FROM deltas ORDER BY tid, seq")
+        bad: set[str] = set()
         for tid, seq, owner, version, spec, toks, lps, mask, spans in rows:
-            d = TokenDelta(trajectory_id=tid, seq=seq, tokens=np.frombuffer(toks, np.int32),
-                           logprobs=np.frombuffer(lps, np.float32), version=version,
-                           spec=unpack(spec) if spec else None,
-                           loss_mask=None if mask is None else np.frombuffer(mask, np.uint8),
-                           obs_spans=None if spans is None else np.frombuffer(spans, np.int32).reshape(-1, 2))
+            if tid in bad:
+                continue
+            try:
+                d = TokenDelta(trajectory_id=tid, seq=seq, tokens=np.frombuffer(toks, np.int32),
+                               logprobs=np.frombuffer(lps, np.float32), version=version,
+                               spec=unpack(spec) if spec else None,
+                               loss_mask=None if mask is None else np.frombuffer(mask, np.uint8),
+                               obs_spans=None if spans is None else np.frombuffer(spans, np.int32).reshape(-1, 2))
+            except Exception as exc:  # a damaged record: the trajectory's rows go aside, the rest serves
+                bad.add(tid)
+                st.entries.pop(tid, None)
+                self.quarantine("deltas", f"{tid}#{seq}", spec, f"{type(exc).__name__}: {exc}",
+                                [("INSERT INTO quarantined SELECT 'deltas', tid || '#' || seq, tokens, "
+                                  "'rest of a quarantined trajectory', ? FROM deltas WHERE tid = ? AND seq != ?",
+                                  (now(), tid, seq)),
+                                 ("DELETE FROM deltas WHERE tid = ?", (tid,)), ("DELETE FROM owners WHERE tid = ?", (tid,))])
+                continue
             st.apply(owner, [d])
         for tid, owner in self.store.read("SELECT tid, owner FROM owners"):
             if tid in st.entries:
@@ -130,3 +137,11 @@ class PartialPoolRole(PoolRole):
         live = self.state.live()
         return {"in_flight": len(live), "tokens": int(sum(sum(len(t) for t in e.tokens) for e in live.values())),
                 "completed": len(self.state.completed)}
+
+
+def _add_multiturn_columns(conn) -> None:
+    """v1 -> v2: the loss mask and observation spans columns (a store from before multi-turn)."""
+    have = {row[1] for row in conn.execute("PRAGMA table_info(deltas)")}
+    for c in ("mask", "spans"):
+        if c not in have:
+            conn.execute(f"ALTER TABLE deltas ADD COLUMN {c} BLOB")
