@@ -19,10 +19,17 @@ the reason (`fault`), answers every request `unavailable` with that reason, and 
 next request. A record that cannot be decoded is moved to the store's `quarantined` table (with
 why) by `quarantine`, so one bad row costs that row, not the pool. Each store has a schema version
 (`SCHEMA_VERSION`, `MIGRATIONS`: roles/sqlite_store.py).
+
+Identity: a store records the run name and the pool's `fingerprint()` (the settings that give its
+rows their meaning: seed, dataset and its size, capacity, ...) when it is made. Started again with
+different ones, the pool refuses to serve (fault naming each setting's stored and configured
+value) rather than repeat or skip prompts, unless the setting is one `migrate_setting` carries out
+(the buffer applies a new capacity on disk), after which the new value is recorded.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -33,6 +40,7 @@ from laminar.roles.sqlite_store import GroupCommitStore, StoreBusy, StoreError
 
 QUARANTINE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS quarantined (tbl TEXT, key TEXT, blob BLOB, why TEXT, at REAL);
+CREATE TABLE IF NOT EXISTS identity (k TEXT PRIMARY KEY, v TEXT);
 """
 
 
@@ -46,6 +54,8 @@ class PoolRole(Role):
     MIGRATIONS: dict = {}                 # v -> function(connection) bringing a store from v to v+1
     counts_interval_s = 1.0
     fault: str | None = None              # why the pool cannot serve now (None: it can)
+    refusal: str | None = None            # the store belongs to other settings: never serve
+    MIGRATABLE: frozenset = frozenset()   # fingerprint keys `migrate_setting` can carry out
     quarantined_rows = 0
     _stale = False                        # memory may be ahead of disk: reload before the next request
     _in_flight = 0                        # writes submitted and not yet settled
@@ -60,16 +70,58 @@ class PoolRole(Role):
     async def setup(self) -> None:
         self.store = await asyncio.to_thread(GroupCommitStore, self.store_path(), self.SCHEMA + QUARANTINE_SCHEMA,
                                              version=self.SCHEMA_VERSION, migrations=self.MIGRATIONS)
-        try:
-            await asyncio.to_thread(self._recover_counted)
-        except Exception as exc:  # serve nothing, say why, retry on the next request: never a restart loop
-            self._fail(exc)
+        self.refusal = await asyncio.to_thread(self._check_identity)
+        if self.refusal is not None:
+            self.log.error("pool_refuses_store", store=str(self.store_path()), why=self.refusal)
+        else:
+            try:
+                await asyncio.to_thread(self._recover_counted)
+                await asyncio.to_thread(self._migrate_settings)
+            except Exception as exc:  # serve nothing, say why, retry on the next request: never a restart loop
+                self._fail(exc)
         self.server = self.ctx.transport.server(self.ctx.config.bind_endpoint(self.ctx.role, self.ctx.id),
                                                 self.ctx.role, self.ctx.id)
         self.routes()
         await self.server.start()
-        self.log.info("pool_ready", store=str(self.store_path()), serving=self.fault is None,
-                      **(self.counts() if self.fault is None else {"fault": self.fault}))
+        self.log.info("pool_ready", store=str(self.store_path()), **self.status())
+
+    def fingerprint(self) -> dict:
+        """Settings the store's contents depend on (JSON values); see the module docstring."""
+        return {}
+
+    def _identity(self) -> dict:
+        cfg = self.ctx.config
+        return {"run": cfg.run.name if cfg is not None else "", **self.fingerprint()}
+
+    def _check_identity(self) -> str | None:
+        """None if the store was made with these settings (recording them in a store that has
+        none); else why not, naming each differing setting's stored and configured values."""
+        want = self._identity()
+        have = {k: json.loads(v) for k, v in self.store.read("SELECT k, v FROM identity")}
+        if not have:
+            self.store.write_sync([("INSERT OR REPLACE INTO identity VALUES (?, ?)", (k, json.dumps(v)))
+                                   for k, v in want.items()])
+            return None
+        differ = [k for k in sorted(set(want) | set(have)) if have.get(k) != want.get(k)]
+        self._pending_migrations = {k: (have.get(k), want.get(k)) for k in differ if k in self.MIGRATABLE}
+        refused = [k for k in differ if k not in self.MIGRATABLE]
+        if not refused:
+            return None
+        what = ", ".join(f"{k}: stored {have.get(k)!r}, configured {want.get(k)!r}" for k in refused)
+        return (f"store {self.store_path()} was made with other settings ({what}); refusing to serve it. "
+                f"Start with the settings it was made with, or give this run another workdir/store_dir "
+                f"(or move the file aside) to start anew")
+
+    def _migrate_settings(self) -> None:
+        for k, (old, new) in getattr(self, "_pending_migrations", {}).items():
+            self.migrate_setting(k, old, new)
+            self.store.write_sync([("INSERT OR REPLACE INTO identity VALUES (?, ?)", (k, json.dumps(new)))])
+            self.log.warning("store_setting_migrated", store=str(self.store_path()), setting=k, old=old, new=new)
+        self._pending_migrations = {}
+
+    def migrate_setting(self, key: str, old, new) -> None:
+        """Carry a changed setting out on the recovered state and the store (blocking)."""
+        raise NotImplementedError(key)
 
     def _recover_counted(self) -> None:
         self.recover()
@@ -98,8 +150,8 @@ class PoolRole(Role):
         async def guarded(req):
             if self._stale:
                 await self._reload()
-            if self.fault is not None:
-                raise RequestError("unavailable", self.fault)
+            if self.refusal is not None or self.fault is not None:
+                raise RequestError("unavailable", self.refusal or self.fault)
             if changes:
                 try:
                     self.store.check_room()
@@ -171,7 +223,7 @@ class PoolRole(Role):
 
     async def _publish_counts(self) -> None:
         while True:
-            if self.fault is None:
+            if self.fault is None and self.refusal is None:
                 self.pub.publish(f"metrics.{self.ctx.role}", PoolCount(self.ctx.role, self.ctx.id, self.counts()))
             await asyncio.sleep(self.counts_interval_s)  # the reporting period
 
@@ -185,9 +237,9 @@ class PoolRole(Role):
     def status(self) -> dict:
         if not getattr(self, "store", None):
             return {}
-        health = {"serving": self.fault is None, "quarantined_rows": self.quarantined_rows}
-        if self.fault is not None:
-            return {**health, "fault": self.fault}
+        health = {"serving": self.fault is None and self.refusal is None, "quarantined_rows": self.quarantined_rows}
+        if self.refusal is not None or self.fault is not None:
+            return {**health, "fault": self.refusal or self.fault}
         if self.store.salvaged is not None:
             health["store_salvaged"] = self.store.salvaged
         return {**self.counts(), **health}

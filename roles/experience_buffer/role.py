@@ -43,6 +43,24 @@ class ExperienceBufferRole(PoolRole):
     name = "experience_buffer"
     Config = ExperienceBufferConfig
     SCHEMA = SCHEMA
+    MIGRATABLE = frozenset({"capacity"})
+
+    def fingerprint(self) -> dict:
+        return {"capacity": self.cfg.capacity}
+
+    def migrate_setting(self, key: str, old, new) -> None:
+        """A new capacity: growing needs nothing; shrinking with drop_oldest evicts the oldest groups
+        now, on disk too (with reject, new groups wait until enough are sampled)."""
+        b, ch = self.book, Change()
+        if self.cfg.eviction == "drop_oldest":
+            while b.stored > b.capacity and b.groups:
+                victim = next((x for x in b.groups.values() if x.complete), None) or next(iter(b.groups.values()))
+                b._remove(victim.group_id, "evicted", ch)
+                b.counts["evicted"] += 1
+        if ch.removed_groups:
+            self.store.write_sync(self._statements(ch))
+        self.log.warning("buffer_capacity_changed", old=old, new=new, evicted_groups=len(ch.removed_groups),
+                         stored=b.stored)
 
     def _max_staleness(self) -> int | None:
         """A barrier mode bounds staleness (sync 0, one_step and stream 1): groups that finish too
@@ -56,7 +74,9 @@ class ExperienceBufferRole(PoolRole):
 
     def recover(self) -> None:
         c = self.cfg
-        book = BufferBook(c.capacity, c.eviction, c.sampler, self._max_staleness())
+        # replayed with room for every stored row, so replay never refuses what was acknowledged (a
+        # capacity that shrank is applied afterwards, on disk too: migrate_setting)
+        book = BufferBook(1 << 62, c.eviction, c.sampler, self._max_staleness())
         for gid, why in self.store.read("SELECT gid, why FROM gone"):
             book.gone[gid] = why
         for n, gid, blob in self.store.read("SELECT n, gid, blob FROM trajs ORDER BY n"):
@@ -73,6 +93,7 @@ class ExperienceBufferRole(PoolRole):
         book.cursor = int(meta.get("cursor", 0))
         book.staleness.update({int(k): v for k, v in json.loads(meta.get("staleness", "{}")).items()})
         book.counts.update(json.loads(meta.get("counts", "{}")))
+        book.capacity = c.capacity
         self.book = book
 
     def routes(self) -> None:

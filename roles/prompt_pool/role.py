@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -66,6 +67,7 @@ class PromptPoolRole(PoolRole):
     name = "prompt_pool"
     Config = PromptPoolConfig
     SCHEMA = SCHEMA
+    SCHEMA_VERSION = 2  # v2: handed_to and accounting (new tables; a v1 store's hand-outs count as settled)
 
     async def setup(self) -> None:
         from laminar.datasets import load_records, load_tokenizer
@@ -76,6 +78,11 @@ class PromptPoolRole(PoolRole):
         self.index = {r.prompt_id: i for i, r in enumerate(self.records)}
         self.gate = self._gate()
         await super().setup()
+
+    def fingerprint(self) -> dict:
+        c = self.cfg
+        return {"seed": c.seed, "dataset": str(Path(c.dataset).resolve()), "prompts": len(self.records),
+                "group_size": c.group_size, "id_field": c.id_field}
 
     def _gate(self) -> tuple[int, int] | None:
         """(lag, groups per version): a rollout holding version v gets groups only while fewer than
