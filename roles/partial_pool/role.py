@@ -5,6 +5,10 @@ reply is sent after those rows commit. Held (out-of-order) deltas are not durabl
 as `held` in the reply. Completing a trajectory deletes its rows and records its id, so a late
 delta for it is rejected instead of resurrecting it. Restart = replay the rows in seq order.
 
+Ownership: ReassignPartial with `fence` advances the trajectory's epoch (durable, in `owners`);
+deltas carrying an older epoch are rejected from then on (state.py), so a cut-off owner that is
+still running cannot write into a trajectory someone else now continues.
+
 A multi-turn delta's loss mask and observation spans are two more BLOB columns, NULL for a
 single-turn delta. They were added after the first stores were written: a store without them gets
 them at start (ALTER TABLE ADD COLUMN, which leaves the old rows NULL = all tokens the policy's).
@@ -31,7 +35,7 @@ class PartialPoolConfig(BaseModel):
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS deltas (tid TEXT, seq INTEGER, owner TEXT, version INTEGER, spec BLOB,
                                    tokens BLOB, logprobs BLOB, mask BLOB, spans BLOB, PRIMARY KEY (tid, seq));
-CREATE TABLE IF NOT EXISTS owners (tid TEXT PRIMARY KEY, owner TEXT);
+CREATE TABLE IF NOT EXISTS owners (tid TEXT PRIMARY KEY, owner TEXT, epoch INTEGER DEFAULT 0);
 CREATE TABLE IF NOT EXISTS completed (tid TEXT PRIMARY KEY);
 """
 
@@ -41,8 +45,8 @@ class PartialPoolRole(PoolRole):
     Config = PartialPoolConfig
     SCHEMA = SCHEMA
 
-    SCHEMA_VERSION = 2
-    MIGRATIONS = {1: lambda c: _add_multiturn_columns(c)}
+    SCHEMA_VERSION = 3
+    MIGRATIONS = {1: lambda c: _add_multiturn_columns(c), 2: lambda c: _add_owner_epochs(c)}
 
     def recover(self) -> None:
         st = PartialBook(self.cfg.max_held)
@@ -70,9 +74,9 @@ class PartialPoolRole(PoolRole):
                                  ("DELETE FROM deltas WHERE tid = ?", (tid,)), ("DELETE FROM owners WHERE tid = ?", (tid,))])
                 continue
             st.apply(owner, [d])
-        for tid, owner in self.store.read("SELECT tid, owner FROM owners"):
+        for tid, owner, epoch in self.store.read("SELECT tid, owner, epoch FROM owners"):
             if tid in st.entries:
-                st.entries[tid].owner = owner
+                st.entries[tid].owner, st.entries[tid].epoch = owner, epoch or 0
         self.state = st
 
     def routes(self) -> None:
@@ -120,9 +124,13 @@ class PartialPoolRole(PoolRole):
 
     async def on_reassign(self, req: ReassignPartial) -> Ack:
         e = self._entry(req.trajectory_id)
-        e.owner = req.rollout_id
-        await self.durable([("INSERT OR REPLACE INTO owners VALUES (?, ?)", (req.trajectory_id, req.rollout_id))])
-        return Ack()
+        if req.fence:
+            self.state.fence(req.trajectory_id, req.rollout_id)
+        else:
+            e.owner = req.rollout_id
+        await self.durable([("INSERT OR REPLACE INTO owners (tid, owner, epoch) VALUES (?, ?, ?)",
+                             (req.trajectory_id, req.rollout_id, e.epoch))])
+        return Ack(f"epoch {e.epoch}" if req.fence else "")
 
     async def on_complete(self, req: CompletePartial) -> Ack:
         stmts = []
@@ -145,3 +153,9 @@ def _add_multiturn_columns(conn) -> None:
     for c in ("mask", "spans"):
         if c not in have:
             conn.execute(f"ALTER TABLE deltas ADD COLUMN {c} BLOB")
+
+
+def _add_owner_epochs(conn) -> None:
+    """v2 -> v3: the ownership epoch of each reassigned trajectory (0 for what was there)."""
+    if "epoch" not in {row[1] for row in conn.execute("PRAGMA table_info(owners)")}:
+        conn.execute("ALTER TABLE owners ADD COLUMN epoch INTEGER DEFAULT 0")

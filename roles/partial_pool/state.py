@@ -8,6 +8,11 @@ which carries the spec; later deltas for a trajectory never seen are held the sa
 delta for a completed trajectory is rejected. The result of any interleaving, duplication or
 reordering of one stream is the state of the in-order stream.
 
+Fencing: each trajectory has an ownership epoch (0 when created). `fence` hands it to a new owner
+and advances the epoch; from then on a delta carrying an older epoch (the previous owner, cut off
+but still running) is rejected, so two writers can never splice their streams under one id. A
+delta held for a gap is checked again when the gap fills.
+
 Multi-turn trajectories also carry a loss mask per delta (None = all 1, as in every single-turn
 delta) and the environment replies' spans; both accumulate like the tokens, so a partial state
 handed to a new owner keeps them (a state is masked only if one of its deltas was).
@@ -32,6 +37,7 @@ class Entry:
     held: dict[int, TokenDelta] = field(default_factory=dict)
     masks: list[np.ndarray | None] = field(default_factory=list)  # one per applied delta
     spans: list[np.ndarray] = field(default_factory=list)
+    epoch: int = 0  # ownership epoch: deltas carrying an older one are refused
 
     def state(self) -> PartialState:
         cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
@@ -42,7 +48,8 @@ class Entry:
         spans = np.concatenate(self.spans).astype(np.int32).reshape(-1, 2) if self.spans else None
         return PartialState(spec=self.spec, tokens=cat(self.tokens, np.int32),
                             logprobs=cat(self.logprobs, np.float32), version=self.version,
-                            rollout_id=self.owner, next_seq=self.next_seq, loss_mask=mask, obs_spans=spans)
+                            rollout_id=self.owner, next_seq=self.next_seq, loss_mask=mask, obs_spans=spans,
+                            epoch=self.epoch)
 
 
 @dataclass
@@ -93,6 +100,9 @@ class PartialBook:
             e = self.entries.get(tid)
             if e is None:
                 e = self.entries[tid] = Entry(spec=None, owner=owner, version=d.version)
+            if d.epoch < e.epoch:
+                out.rejected[tid] = f"fenced off: epoch {d.epoch} < {e.epoch} (owner now {e.owner!r})"
+                continue
             if d.seq < e.next_seq or d.seq in e.held:
                 out.duplicates += 1
                 continue
@@ -109,7 +119,11 @@ class PartialBook:
             self._apply_one(e, owner, d, out)
             while e.next_seq in e.held:
                 out.held -= 1
-                self._apply_one(e, owner, e.held.pop(e.next_seq), out)
+                nxt = e.held.pop(e.next_seq)
+                if nxt.epoch < e.epoch:  # held from before a fence
+                    out.rejected[tid] = f"fenced off: epoch {nxt.epoch} < {e.epoch} (owner now {e.owner!r})"
+                    break
+                self._apply_one(e, owner, nxt, out)
         return out
 
     def _apply_one(self, e: Entry, owner: str, d: TokenDelta, out: Outcome) -> None:
@@ -123,6 +137,13 @@ class PartialBook:
             e.spans.append(np.asarray(d.obs_spans, dtype=np.int32).reshape(-1, 2))
         e.next_seq = d.seq + 1
         out.applied.append((owner, d))
+
+    def fence(self, tid: str, owner: str) -> int:
+        """Hand `tid` to `owner` and fence its previous owners off; returns the new epoch."""
+        e = self.entries[tid]
+        e.owner, e.epoch = owner, e.epoch + 1
+        e.held = {s: d for s, d in e.held.items() if d.epoch >= e.epoch}
+        return e.epoch
 
     def live(self) -> dict[str, Entry]:
         """Trajectories with a spec (seq 0 applied)."""
