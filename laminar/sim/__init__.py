@@ -1,12 +1,10 @@
-"""The scale simulator's models (DESIGN §8): hardware and model shapes, decode step latency,
+"""The scale simulator's models (docs/sim.md): hardware and model shapes, decode step latency,
 response lengths, trainer cost. The simulated engine itself is `laminar.roles.rollout.sim_engine`.
 
 Every model here is a pure function of stated constants or of a workload file
-(`shared/workloads/paper.json`: figures read off the Laminar paper). The file is found by
-`workload_path()`: an explicit path, else `$LAMINAR_WORKLOAD`, else `shared/workloads/paper.json`
-in the repository or next to it (a checkout may have `shared/` inside or beside it), else the
-copy kept in the repository (`configs/workloads/paper.json`, so a fresh clone has it). Nothing
-is read at import time.
+(`configs/workloads/paper.json`: figures read off the Laminar paper). The file is found by
+`workload_path()`: an explicit path, else `$LAMINAR_WORKLOAD`, else the repository's copy.
+Nothing is read at import time.
 """
 from __future__ import annotations
 
@@ -23,11 +21,7 @@ def workload_path(path: str | os.PathLike | None = None) -> Path:
         candidates = [Path(path)]
     else:
         env = os.environ.get("LAMINAR_WORKLOAD")
-        candidates = ([Path(env)] if env else []) + [
-            _REPO / "shared" / "workloads" / "paper.json",
-            _REPO.parent / "shared" / "workloads" / "paper.json",
-            _REPO / "configs" / "workloads" / "paper.json",
-        ]
+        candidates = ([Path(env)] if env else []) + [_REPO / "configs" / "workloads" / "paper.json"]
     for c in candidates:
         if c.is_file():
             return c

@@ -49,8 +49,53 @@ def wave_versions(setup: dict, workload: dict, size: str, gpus: int) -> int:
     batch, rounded up). Every rollout's first batch starts together, so laminar's updates come in
     waves of this many versions (at 72B/1,024: 4), and they stay in step."""
     shape = setup["run_shape"]
-    replicas = placement(workload, size, gpus, "laminar")[1] // int(setup["models"][size]["tp"])
+    replicas = placement(workload, size, gpus, "laminar")[1] // mode_tp(setup, size, "laminar")
     return max(1, math.ceil(replicas * int(shape["max_concurrency"]) / (shape["prompts_per_batch"] * shape["group_size"])))
+
+
+BARRIER_MODES = ("sync", "one_step", "stream")
+
+
+def mode_tp(setup: dict, size: str, mode: str) -> int:
+    """The rollout TP of a mode: the model's `tp`, or its `baseline_tp` in the barrier modes (the
+    paper ran its 7B baselines at TP 2 and laminar at TP 1)."""
+    m = setup["models"][size]
+    return int(m.get("baseline_tp", m["tp"])) if mode in BARRIER_MODES else int(m["tp"])
+
+
+def trainer_terms(setup: dict, workload: dict, size: str, gpus: int, mode: str) -> dict:
+    """The sim trainer's cost terms of a mode (configs/sim/paper.yaml `trainer`, `controller`,
+    `colocated`, `weight_sync`; derivations there and in laminar/sim/trainer_cost.py): FSDP and
+    SP sizes, the old-logprob pass, the single controller (barrier modes), the colocated phase
+    switches (sync), and the blocking NCCL broadcast (where `weight_sync` says nccl)."""
+    from laminar.sim.hardware import model as model_shape
+    from laminar.sim.trainer_cost import colocated_switch_s
+    ts, m = setup["trainer"], setup["models"][size]
+    train_gpus, roll_gpus = placement(workload, size, gpus, mode)
+    out = {"fsdp": int(m.get("fsdp", 0)), "sp": int(m.get("sp", 1)),
+           "optimizer_steps": int(ts.get("optimizer_steps", 16)),
+           "collective_gbps": float(ts.get("collective_gbps", 160.0)), "balance": bool(ts.get("balance", True))}
+    ctl = setup.get("controller")
+    if ctl and mode in ctl.get("modes", BARRIER_MODES):
+        shape = setup["run_shape"]
+        positions = shape["max_input_tokens"] + shape["max_output_tokens"]
+        per_traj = ctl["reward_s_per_trajectory"] + ctl["moves"] * positions * ctl["bytes_per_position"] / (ctl["gbps"] * 1e9)
+        out["controller_s_per_trajectory"] = per_traj
+    col = setup.get("colocated")
+    if col and mode == "sync":
+        out["switch_s"] = colocated_switch_s(model_shape(size), mode_tp(setup, size, mode), out["fsdp"] or 1,
+                                             out["collective_gbps"], col["pcie_gbps"], col["state_bytes_per_param"])
+    sync = (setup.get("weight_sync") or {}).get(mode, "relay")
+    if sync == "nccl":
+        n = setup["nccl"]
+        out["nccl"] = {"bandwidth_gbps": n["bandwidth_gbps"], "per_doubling_gbps": n["per_doubling_gbps"],
+                       "rollout_gpus": roll_gpus}
+    return out
+
+
+def old_logprobs(setup: dict, mode: str) -> str:
+    """behaviour or recompute (the trainer role's old_logprobs): paper.yaml trainer.old_logprobs."""
+    return (setup["trainer"].get("old_logprobs") or {}).get(mode, "behaviour")
 
 
 def placement(workload: dict, size: str, gpus: int, mode: str) -> tuple[int, int]:
@@ -90,7 +135,7 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
     from laminar.sim.latency import roofline_batch_bound
     m = setup["models"][size]
     shape = setup["run_shape"]
-    tp, per_host = int(m["tp"]), int(setup["gpus_per_host"])
+    tp, per_host = mode_tp(setup, size, mode), int(setup["gpus_per_host"])
     train_gpus, roll_gpus = placement(workload, size, gpus, mode)
     replicas = roll_gpus // tp
     if replicas < 1 or per_host % tp:
@@ -120,18 +165,29 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
     concurrency = int(shape["max_concurrency"])
     if mode not in ("laminar", "laminar_norepack"):  # a barrier splits the global batch evenly (verl)
         concurrency = min(concurrency, shape["group_size"] * math.ceil(shape["prompts_per_batch"] / replicas))
-    curve_b = roofline_batch_bound(step_curve(setup, workload, size), setup["manager"]["roofline_tolerance"])
+    curve_b = roofline_batch_bound(step_curve(setup, workload, size, tp), setup["manager"]["roofline_tolerance"])
     rs = setup["rollout"]
     ts = setup["trainer"]
+    terms = trainer_terms(setup, workload, size, gpus, mode)
+    mem = rs.get("mem_fraction_colocated", rs["mem_fraction"]) if mode == "sync" else rs["mem_fraction"]
     rollout_sim = {"model": size, "tp": tp, "lengths": m["lengths"], "gpu": setup["gpu"], "speedup": speedup,
-                   "mem_fraction": rs["mem_fraction"], "emit_every": m.get("emit_every", rs["emit_every"]), "load_gbps": rs["load_gbps"],
+                   "mem_fraction": mem, "emit_every": m.get("emit_every", rs["emit_every"]), "load_gbps": rs["load_gbps"],
+                   "context_dependence": bool(rs.get("context_dependence", True)),
                    "stream_batch": rs.get("stream_batch", 0),
                    "max_output_tokens": shape["max_output_tokens"],
                    "group_correlation": rs.get("group_correlation", 0.0)}
+    if rs.get("host_ms_per_layer") is not None:
+        rollout_sim["host_ms_per_layer"] = rs["host_ms_per_layer"]
+    if "nccl" in terms:  # a blocking broadcast: the rollouts wait it out as they take the version
+        from laminar.sim.hardware import model as model_shape
+        from laminar.sim.trainer_cost import NcclBroadcast
+        n = terms["nccl"]
+        rollout_sim["load_s"] = NcclBroadcast(n["bandwidth_gbps"], n["per_doubling_gbps"]).seconds(
+            model_shape(size).weight_bytes(), n["rollout_gpus"])
     if setup.get("workload"):
         rollout_sim["workload_path"] = str(setup["workload"])
     trainer_sim = {"model": size, "gpus": train_gpus, "gpu": setup["gpu"], "mfu": ts["mfu"],
-                   "recompute": ts["recompute"], "speedup": speedup, "relay": setup["relay"]}
+                   "recompute": ts["recompute"], "speedup": speedup, "relay": setup["relay"], **terms}
     if not relays:
         trainer_sim["deliver"] = [{"host": h, "dir": d} for h, d in hosts_dirs.items()]
     data = str(Path(workdir) / "data" / "prompts.jsonl")
@@ -165,7 +221,7 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
             "trainer": {"engine": "sim", "model_dir": "sim", "groups_per_batch": shape["prompts_per_batch"],
                         "publish": relays, "tensorboard": False, "checkpoint_every": 1_000_000, "resume": False,
                         "sample_wait_s": period(setup, "sample_wait", speedup), "max_iterations": iterations,
-                        "sim": trainer_sim},
+                        "old_logprobs": old_logprobs(setup, mode), "sim": trainer_sim},
             **({"relay": {"progress_interval_s": period(setup, "heartbeat", speedup)}} if relays else {}),
         },
     }
@@ -203,26 +259,47 @@ def _length_stats(setup: dict, workload: dict, size: str) -> dict:
     return _LENGTH_STATS[key]
 
 
-def step_curve(setup: dict, workload: dict, size: str):
-    from laminar.sim.hardware import model as model_shape
-    from laminar.sim.latency import StepCurve, transfer_curve
-    tp = int(setup["models"][size]["tp"])
-    try:
-        return StepCurve.from_paper(size, tp, workload)
-    except KeyError:
-        src = next(s for s in ("32B", "7B") if f"{s}_TP{tp}" in workload["decode_step_latency_ms_at_seq4096"])
-        return transfer_curve(StepCurve.from_paper(src, tp, workload), model_shape(src), model_shape(size))
+def step_curve(setup: dict, workload: dict, size: str, tp: int | None = None):
+    """The decode step curve of a model at `tp` (default: the laminar TP): the paper's, else the
+    fitted roofline's (latency.model_curve)."""
+    from laminar.sim.latency import model_curve
+    return model_curve(size, int(tp or setup["models"][size]["tp"]), workload, setup["gpu"])
 
 
-def ideal_replica_tokens_per_s(setup: dict, workload: dict, size: str) -> tuple[float, int]:
-    """(tokens/s, b*) of one replica always at b* = min(max_concurrency, KV capacity ÷ the mean
-    tokens a sequence holds over its life, P + E[L²]/(2E[L])): b* ÷ step(b*)."""
+def step_ms(setup: dict, workload: dict, size: str, tp: int, batch: int, context: float | None) -> float:
+    """A decode step as the sim engine charges it (latency.decode_step_ms with the engine's
+    context dependence and host time per step)."""
+    from laminar.sim.hardware import gpu as gpu_spec, model as model_shape
+    from laminar.sim.latency import HOST_MS_PER_LAYER, decode_step_ms, kv_ms_per_token
+    rs, m, g = setup["rollout"], model_shape(size), gpu_spec(setup["gpu"])
+    per_layer = rs.get("host_ms_per_layer")
+    per_layer = HOST_MS_PER_LAYER if per_layer is None else per_layer
+    kv = kv_ms_per_token(m, g, tp) if rs.get("context_dependence", True) else 0.0
+    return decode_step_ms(step_curve(setup, workload, size, tp), batch, context, kv_ms_per_token=kv,
+                          host_step_ms=per_layer * m.layers)
+
+
+def ideal_replica_tokens_per_s(setup: dict, workload: dict, size: str, mode: str = "laminar") -> tuple[float, int]:
+    """(tokens/s, b*) of one replica of `mode` always at b* = min(max_concurrency, KV capacity ÷
+    the mean tokens a sequence holds over its life, P + E[L²]/(2E[L])): b* ÷ step(b*), the step
+    at that context (as the sim engine charges it)."""
     from laminar.sim.hardware import gpu as gpu_spec, kv_capacity_tokens, model as model_shape
-    shape, m = setup["run_shape"], setup["models"][size]
-    kv = kv_capacity_tokens(model_shape(size), gpu_spec(setup["gpu"]), int(m["tp"]), setup["rollout"]["mem_fraction"])
+    shape, rs = setup["run_shape"], setup["rollout"]
+    tp = mode_tp(setup, size, mode)
+    mem = rs.get("mem_fraction_colocated", rs["mem_fraction"]) if mode == "sync" else rs["mem_fraction"]
+    kv = kv_capacity_tokens(model_shape(size), gpu_spec(setup["gpu"]), tp, mem)
     held = shape["prompt_tokens"] + _length_stats(setup, workload, size)["half_second_moment"]
     b = max(1, min(int(shape["max_concurrency"]), int(kv // held)))
-    return b / step_curve(setup, workload, size).step_s(b), b
+    return b / (step_ms(setup, workload, size, tp, b, b * held) / 1000.0), b
+
+
+def trainer_cost(setup: dict, workload: dict, size: str, gpus: int, mode: str):
+    """The TrainerCost a mode's sim trainer charges (old-logprob pass included)."""
+    from laminar.sim.trainer_cost import TrainerCost
+    terms = {k: v for k, v in trainer_terms(setup, workload, size, gpus, mode).items() if k not in ("nccl", "balance")}
+    extra = 1 if old_logprobs(setup, mode) == "recompute" else 0
+    return TrainerCost.build(size, setup["gpu"], placement(workload, size, gpus, mode)[0], mfu=setup["trainer"]["mfu"],
+                             recompute=setup["trainer"]["recompute"], extra_forward_passes=extra, **terms)
 
 
 def estimate(setup: dict, workload: dict, size: str, gpus: int, mode: str) -> dict:
@@ -233,17 +310,17 @@ def estimate(setup: dict, workload: dict, size: str, gpus: int, mode: str) -> di
       tail    = the batch's expected longest response × the batch-1 step time (barrier modes)
       laminar modes: max(train, gen); sync: max(gen, tail) + train; one_step/stream: max(gen, tail, train)."""
     from laminar.sim.trainer_cost import TrainerCost
-    shape, m = setup["run_shape"], setup["models"][size]
+    shape = setup["run_shape"]
     train_gpus, roll_gpus = placement(workload, size, gpus, mode)
-    replicas = roll_gpus // int(m["tp"])
+    tp = mode_tp(setup, size, mode)
+    replicas = roll_gpus // tp
     batch = shape["prompts_per_batch"] * shape["group_size"]
     ls = _length_stats(setup, workload, size)
-    cost = TrainerCost.build(size, setup["gpu"], train_gpus, mfu=setup["trainer"]["mfu"],
-                             recompute=setup["trainer"]["recompute"])
-    train = cost.iteration_s(int(batch * (shape["prompt_tokens"] + ls["mean"])))
-    per_replica, _ = ideal_replica_tokens_per_s(setup, workload, size)
+    cost = trainer_cost(setup, workload, size, gpus, mode)
+    train = cost.iteration_s(int(batch * (shape["prompt_tokens"] + ls["mean"])), batch)
+    per_replica, _ = ideal_replica_tokens_per_s(setup, workload, size, mode)
     gen = batch * ls["mean"] / (replicas * per_replica)
-    tail = ls["batch_max"] * step_curve(setup, workload, size).step_s(1)
+    tail = ls["batch_max"] * step_ms(setup, workload, size, tp, 1, None) / 1000.0
     if mode in ("laminar", "laminar_norepack"):
         it = max(train, gen)
     elif mode == "sync":

@@ -14,6 +14,26 @@ Design decisions:
   for fixed 8K sequences; RL training has variable-length packed sequences (up to 18K tokens
   here), an optimizer step per mini-batch (16 per iteration) and, on H800, a reduced NVLink for
   tensor parallelism, so we take a little less.
+- What does not shrink with more GPUs is charged too (each term 0 unless set, so a bare
+  `TrainerCost` is the FLOPs model alone; configs/sim/paper.yaml sets them for every mode):
+  * FSDP traffic (`fsdp` > 1): per optimizer step every GPU all-gathers the bf16 parameters for
+    the forward pass and again for the backward (FULL_SHARD frees them after the forward) and
+    reduce-scatters fp32 gradients: 8 B × params × (f − 1)/f over the collective bandwidth
+    (`collective_gbps`: the H800's NVLink measured at ~160 GB/s per GPU, which bounds a ring that
+    crosses hosts over 8 × 50 GB/s InfiniBand), not overlapped. 72B at FSDP 32: 8 × 72.7e9 ×
+    31/32 ÷ 160e9 = 3.5 s a step, × 16 steps; 32B at 16: 1.5 s; 7B at 8: 0.33 s. A forward-only
+    pass gathers once more (2 B × params). Once per step is a lower bound (FSDP gathers per
+    micro-batch under gradient accumulation); no overlap is an upper bound (its prefetch can hide
+    at most a step's compute, shorter than the traffic at the scales where it matters).
+  * imbalance across data-parallel ranks (`iteration_s_lengths`): a step waits for its slowest
+    rank. The batch's sequences are spread over gpus ÷ sp ranks balancing tokens (verl's
+    balance_batch), each rank's share is cut into `optimizer_steps` mini-batches in order, and a
+    step costs the largest mini-batch's tokens at one rank's FLOPs rate.
+  * the single controller's work per iteration (`controller_s_per_trajectory`,
+    `controller_fixed_s`): reward scoring in the driver, one response after another, and moving
+    the padded batch between the driver and the workers.
+  * colocated phase switches (`switch_s`): resharding, the inference engine's sleep and wake,
+    offload and reload of the training state (`colocated_switch_s`).
 - Publishing and broadcast follow DESIGN §4's relay model with stated link constants
   (`RelayLink`). The trainer's stall is the time to push S bytes into the master relay at the
   link bandwidth; the chain adds (p − 2)(c/B + α) for p relays. The paper's measurements
@@ -60,6 +80,34 @@ def broadcast_s(size_bytes: float, machines: int, link: RelayLink = RelayLink())
     return size_bytes / link.bytes_per_s + max(0, machines - 2) * (c / link.bytes_per_s + link.alpha_s)
 
 
+def fsdp_step_bytes(params: int, fsdp: int) -> float:
+    """Bytes each GPU moves per optimizer step under FSDP FULL_SHARD: bf16 all-gather for the
+    forward and again for the backward, fp32 gradient reduce-scatter: 8 B × params × (f−1)/f."""
+    return 0.0 if fsdp <= 1 else 8.0 * params * (fsdp - 1) / fsdp
+
+
+def balanced_step_tokens(lengths, ranks: int, steps: int) -> list[int]:
+    """Tokens of the slowest rank at each optimizer step: `lengths` (tokens per sequence) spread
+    over `ranks` balancing their totals (longest first onto the lightest rank, as verl's
+    balance_batch balances sequence lengths), each rank's share cut into `steps` mini-batches of
+    equal count in the order received."""
+    import heapq
+    ranks = max(1, min(ranks, len(lengths)))
+    heap = [(0, r) for r in range(ranks)]
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    for n in sorted(lengths, reverse=True):
+        total, r = heapq.heappop(heap)
+        shares[r].append(n)
+        heapq.heappush(heap, (total + n, r))
+    out = [0] * steps
+    for share in shares:
+        share = share[::2] + share[1::2][::-1]  # long and short alternate along a rank's mini-batches
+        k = len(share)
+        for s in range(steps):
+            out[s] = max(out[s], sum(share[s * k // steps:(s + 1) * k // steps]))
+    return out
+
+
 @dataclass(frozen=True)
 class TrainerCost:
     model: ModelShape
@@ -69,15 +117,55 @@ class TrainerCost:
     recompute: bool = True          # full activation recomputation (long sequences need it)
     extra_forward_passes: int = 0   # recomputed old logprobs, KL reference: 1 each
     link: RelayLink = field(default_factory=RelayLink)
+    fsdp: int = 0                   # FSDP group size (0/1: no parameter traffic charged)
+    sp: int = 1                     # sequence-parallel group: a data-parallel rank is `sp` GPUs
+    optimizer_steps: int = 16       # mini-batches per iteration
+    collective_gbps: float = 160.0  # per-GPU bandwidth of a collective (H800 NVLink, measured)
+    controller_s_per_trajectory: float = 0.0
+    controller_fixed_s: float = 0.0
+    switch_s: float = 0.0           # colocated: phase switches per iteration
 
     @classmethod
     def build(cls, model: str, gpu: str, gpus: int, **kw) -> "TrainerCost":
         return cls(model_shape(model), gpu_spec(gpu), gpus, **kw)
 
-    def iteration_s(self, tokens: int) -> float:
-        """Seconds of one RL iteration over `tokens` (prompt + response) tokens."""
-        flops = train_flops(self.model.params, tokens, self.recompute, self.extra_forward_passes)
-        return flops / (self.gpus * self.gpu.peak_flops * self.mfu)
+    @property
+    def fsdp_size(self) -> int:
+        return min(self.fsdp, self.gpus) if self.fsdp > 1 else 1
+
+    def flops_per_token(self) -> float:
+        return train_flops(self.model.params, 1, self.recompute, self.extra_forward_passes)
+
+    def compute_s(self, tokens: int) -> float:
+        """FLOPs of `tokens` on every GPU, perfectly balanced."""
+        return tokens * self.flops_per_token() / (self.gpus * self.gpu.peak_flops * self.mfu)
+
+    def comm_s(self) -> float:
+        """FSDP traffic of one iteration: every optimizer step, plus a gather per forward-only pass."""
+        f = self.fsdp_size
+        if f <= 1:
+            return 0.0
+        per_step = fsdp_step_bytes(self.model.params, f)
+        forward = 2.0 * self.model.params * (f - 1) / f
+        return (self.optimizer_steps * per_step + self.extra_forward_passes * forward) / (self.collective_gbps * 1e9)
+
+    def overhead_s(self, trajectories: int = 0) -> float:
+        """What the iteration pays besides the GPUs' FLOPs: FSDP traffic, controller, switches."""
+        return (self.comm_s() + self.controller_fixed_s + self.controller_s_per_trajectory * trajectories
+                + self.switch_s)
+
+    def iteration_s(self, tokens: int, trajectories: int = 0) -> float:
+        """Seconds of one RL iteration over `tokens` (prompt + response) tokens of `trajectories`
+        sequences, the ranks perfectly balanced."""
+        return self.compute_s(tokens) + self.overhead_s(trajectories)
+
+    def iteration_s_lengths(self, lengths) -> float:
+        """One iteration over sequences of `lengths` tokens (prompt + response each): every
+        optimizer step waits for its slowest data-parallel rank (`balanced_step_tokens`)."""
+        ranks = max(1, self.gpus // max(1, self.sp))
+        worst = balanced_step_tokens(list(lengths), ranks, self.optimizer_steps)
+        per_rank_rate = (self.gpus / ranks) * self.gpu.peak_flops * self.mfu
+        return sum(worst) * self.flops_per_token() / per_rank_rate + self.overhead_s(len(lengths))
 
     def publish_stall_s(self) -> float:
         """The trainer's only stall per version: pushing its bf16 weights into the master relay."""
@@ -85,6 +173,38 @@ class TrainerCost:
 
     def broadcast_s(self, machines: int) -> float:
         return broadcast_s(self.model.weight_bytes(), machines, self.link)
+
+
+def colocated_switch_s(m: ModelShape, tp: int, fsdp: int, collective_gbps: float = 160.0,
+                       pcie_gbps: float = 25.0, state_bytes_per_param: float = 12.0) -> float:
+    """Per iteration of colocated generation and training (verl's hybrid engine), per GPU:
+      resharding: every GPU gathers the full bf16 weights from their FSDP shards to load its
+        vLLM shard (state dict per tensor): 2 B × params × (f−1)/f over the collective;
+      the engine's sleep and wake: its bf16 weight shard to host memory and back, and
+      the training state (fp32 parameters, Adam's two moments: 12 B a parameter, ÷ f) offloaded
+        before generation and reloaded before training, each over PCIe from pageable memory.
+    72B, TP 8, FSDP 32: 0.88 + 2 × 0.73 + 2 × 1.09 = 4.5 s."""
+    f = max(1, fsdp)
+    reshard = 2.0 * m.params * (f - 1) / f / (collective_gbps * 1e9)
+    sleep_wake = 2 * m.weight_bytes() / tp / (pcie_gbps * 1e9)
+    offload = 2 * state_bytes_per_param * m.params / f / (pcie_gbps * 1e9)
+    return reshard + sleep_wake + offload
+
+
+@dataclass(frozen=True)
+class NcclBroadcast:
+    """A blocking weight update by NCCL broadcast from the trainer to every rollout GPU (the
+    one-step and stream baselines): trainer and rollouts all wait t(n) = S/B + S·log2(n)/C for
+    n rollout GPUs, S the bf16 weights. B and C are calibrated on the 72B line of the paper's
+    Fig. 14 (its rollout wait per global sync: 1.85-2.43 s from 32 to 512 rollout GPUs, ~0.145 s
+    per doubling) and checked on its 32B line (`bench/scale.py --components`)."""
+    bandwidth_gbps: float = 129.0
+    per_doubling_gbps: float = 1006.0
+
+    def seconds(self, size_bytes: float, rollout_gpus: int) -> float:
+        import math
+        return (size_bytes / (self.bandwidth_gbps * 1e9)
+                + size_bytes * math.log2(max(1, rollout_gpus)) / (self.per_doubling_gbps * 1e9))
 
 
 def compare_with_paper(workload: dict, link: RelayLink = RelayLink()) -> list[dict]:

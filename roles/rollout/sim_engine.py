@@ -65,7 +65,7 @@ from typing import Protocol
 import numpy as np
 
 from laminar.roles.rollout.engine import EngineStats, RolloutEngine
-from laminar.sim.latency import StepCurve
+from laminar.sim.latency import StepCurve, decode_step_ms
 from laminar.sim.lengths import LengthDistribution, z_from_key
 
 _N = NormalDist()
@@ -145,8 +145,19 @@ class SimEngine(RolloutEngine):
                  prefill_ms_per_token: float, max_num_seqs: int = 1024, max_model_len: int | None = None,
                  block_size: int = 16, max_batched_tokens: int = 8192, emit_every: int = 32, stream_batch: int = 0,
                  prefix_caching: bool = True, group_correlation: float = 0.0, load_s: float = 1.0,
-                 clock: Clock | None = None, token_id: int = 0, logprob: float = -0.5, seed: int = 0):
+                 clock: Clock | None = None, token_id: int = 0, logprob: float = -0.5, seed: int = 0,
+                 kv_ms_per_token: float = 0.0, curve_context: int = 4096, host_step_ms: float = 0.0,
+                 host_ms_per_seq: float = 0.0):
         self.curve, self.lengths = curve, lengths
+        # context dependence: every running sequence's KV is read once per step; the curve was
+        # measured with `curve_context` tokens each, so a step is corrected by the KV bytes its
+        # sequences really hold (`kv_ms_per_token` = one token's KV bytes per GPU ÷ HBM bandwidth),
+        # never below the batch-1 time (the weights read). `host_step_ms`: the runtime's host-side
+        # time per step (kernel dispatch), overlapped with the GPU's: a step takes the longer.
+        # `host_ms_per_seq`: host work per running sequence after each step (sampled token's
+        # logprob, detokenization, streaming to the client), not overlapped.
+        self.kv_ms_per_token, self.curve_context, self.host_step_ms = kv_ms_per_token, curve_context, host_step_ms
+        self.host_ms_per_seq = host_ms_per_seq
         self.block_size = block_size
         self.num_blocks = kv_capacity_tokens // block_size
         self.max_model_len = max_model_len or self.num_blocks * block_size
@@ -181,31 +192,28 @@ class SimEngine(RolloutEngine):
     def from_workload(cls, *, model: str, tp: int, lengths: str, gpu: str = "H800",
                       max_num_seqs: int = 1024, mem_fraction: float = 0.9, curve_path: str | None = None,
                       workload_path: str | None = None, max_output_tokens: int | None = None,
-                      load_gbps: float = 25.0, **kw) -> "SimEngine":
+                      load_gbps: float = 25.0, host_ms_per_layer: float | None = None,
+                      context_dependence: bool = True, **kw) -> "SimEngine":
         """Build from names: model '7B'/'32B'/'72B', `tp` GPUs of kind `gpu`, the workload's
         length statistics `lengths` (e.g. '32B_math'), the paper's step curve for <model>_TP<tp>
-        (or one estimated from another model at the same tp, or `curve_path`, a measured curve);
+        (or the fitted roofline's where the paper has none, or `curve_path`, a measured curve);
         lengths are clipped to `max_output_tokens` (default: the workload's run_shape).
         load_s defaults to one GPU's share of the bf16 weights at `load_gbps` GB/s (PCIe from
-        pageable host memory: ~40% of Gen5 x16). Other keywords go to the constructor."""
+        pageable host memory: ~40% of Gen5 x16). A step is corrected for the context it reads
+        (`context_dependence`) and costs at least layers × `host_ms_per_layer` (default
+        latency.HOST_MS_PER_LAYER; 0 turns it off). Other keywords go to the constructor."""
         from laminar.sim import load_workload
         from laminar.sim.hardware import gpu as gpu_spec, kv_capacity_tokens, model as model_shape
-        from laminar.sim.latency import prefill_ms_per_token, transfer_curve
+        from laminar.sim.latency import HOST_MS_PER_LAYER, kv_ms_per_token, model_curve, prefill_ms_per_token
         from laminar.sim.lengths import workload_lengths
         m, g = model_shape(model), gpu_spec(gpu)
         workload = load_workload(workload_path)
-        if curve_path:
-            curve = StepCurve.load(curve_path)
-        else:
-            size = model.upper().removeprefix("QWEN2.5-").removesuffix("-INSTRUCT")
-            try:
-                curve = StepCurve.from_paper(size, tp, workload)
-            except KeyError:
-                src = next((s for s in ("32B", "7B") if f"{s}_TP{tp}" in workload["decode_step_latency_ms_at_seq4096"]), None)
-                if src is None:
-                    raise
-                curve = transfer_curve(StepCurve.from_paper(src, tp, workload), model_shape(src), m)
+        curve = StepCurve.load(curve_path) if curve_path else model_curve(model, tp, workload, gpu)
         kw.setdefault("load_s", m.weight_bytes() / tp / (load_gbps * 1e9))
+        if context_dependence:
+            kw.setdefault("kv_ms_per_token", kv_ms_per_token(m, g, tp))
+        per_layer = HOST_MS_PER_LAYER if host_ms_per_layer is None else host_ms_per_layer
+        kw.setdefault("host_step_ms", per_layer * m.layers)
         return cls(curve=curve, lengths=workload_lengths(lengths, workload, max_output_tokens),
                    kv_capacity_tokens=kv_capacity_tokens(m, g, tp, mem_fraction),
                    prefill_ms_per_token=prefill_ms_per_token(m, g, tp), max_num_seqs=max_num_seqs, **kw)
@@ -408,16 +416,27 @@ class SimEngine(RolloutEngine):
         return lo
 
     def _decode_s(self, k: int) -> float:
-        """k steps, the batch shrinking as requests reach their target."""
-        rest = sorted(r.target - r.generated for r in self.running)
-        total, i, n = 0.0, 0, len(rest)
+        """k steps, the batch shrinking as requests reach their target; each step at `step_ms`
+        of its batch and the context its sequences hold."""
+        pairs = sorted((r.target - r.generated, r.held) for r in self.running)
+        total, i, n = 0.0, 0, len(pairs)
+        held = sum(h for _, h in pairs)
         for step in range(1, k + 1):
-            while i < n and rest[i] < step:
+            while i < n and pairs[i][0] < step:
+                held -= pairs[i][1]
                 i += 1
             if i == n:
                 break
-            total += self.curve.step_ms(n - i)
+            total += self.step_ms(n - i, held + (n - i) * (step - 1))
         return total / 1000.0
+
+    def step_ms(self, batch: int, context_tokens: float | None = None) -> float:
+        """One decode step of `batch` sequences holding `context_tokens` tokens of KV in all
+        (None: the curve's own context): the curve, corrected for the KV actually read, at least
+        the batch-1 time, and at least the host's time per step."""
+        return decode_step_ms(self.curve, batch, context_tokens, kv_ms_per_token=self.kv_ms_per_token,
+                              curve_context=self.curve_context, host_step_ms=self.host_step_ms,
+                              host_ms_per_seq=self.host_ms_per_seq)
 
     def _advance(self, k: int) -> None:
         self._since_emit += k

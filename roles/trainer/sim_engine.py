@@ -12,9 +12,11 @@ batch_tokens, version, ts) and publishes every version; only the torch work is r
 Time (compressed, like the rollouts' CompressedClock): one iteration sleeps
 `TrainerCost.iteration_s(tokens)` ÷ speedup of real time in the role's worker thread, for the
 batch's actual prompt + response tokens (laminar/sim/trainer_cost.py: 6·P·T, × 4/3 with
-recomputation, at `mfu` of `gpus` × the GPU's bf16 peak). The publish stall (pushing the bf16
-weights into the master relay, S/B) is slept too, so the trainer's update period is
-iteration + stall, as in the paper's design where that copy is the trainer's only stall.
+recomputation, at `mfu` of `gpus` × the GPU's bf16 peak; the slowest data-parallel rank of each
+optimizer step; FSDP traffic, the single controller's work and colocated phase switches where
+set). The publish stall (pushing the bf16 weights into the master relay, S/B; or, with `nccl`, a
+blocking NCCL broadcast that the rollouts wait out too) is slept too, so the trainer's update
+period is iteration + stall.
 
 Weights: a version is a few KB (`weight_bytes`), never the model's size. Two ways to deliver it:
 - through the real relay tier (relays placed, `publish: true`): `full_state()` sleeps the stall
@@ -42,7 +44,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from laminar.sim.trainer_cost import TRAIN_MFU, RelayLink, TrainerCost
+from laminar.sim.trainer_cost import TRAIN_MFU, NcclBroadcast, RelayLink, TrainerCost
 
 
 class RelaySettings(BaseModel):
@@ -58,6 +60,13 @@ class DeliverTarget(BaseModel):
     dir: str = Field(description="the host's weight folder (the rollouts' weights_dir)")
 
 
+class NcclSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bandwidth_gbps: float = Field(NcclBroadcast.bandwidth_gbps, gt=0, description="S/B term (trainer_cost.NcclBroadcast)")
+    per_doubling_gbps: float = Field(NcclBroadcast.per_doubling_gbps, gt=0, description="S·log2(n)/C term")
+    rollout_gpus: int = Field(1, ge=1, description="GPUs the broadcast reaches")
+
+
 class SimTrainerSettings(BaseModel):
     """`roles.trainer.sim`: what the simulated trainer costs, and how its versions travel."""
     model_config = ConfigDict(extra="forbid")
@@ -66,7 +75,18 @@ class SimTrainerSettings(BaseModel):
     gpu: str = Field("H800", description="GPU kind (hardware.GPUS)")
     mfu: float = Field(TRAIN_MFU, gt=0, le=1, description="model FLOPs utilization of training (trainer_cost.TRAIN_MFU)")
     recompute: bool = Field(True, description="full activation recomputation: one more forward pass (× 4/3)")
-    extra_forward_passes: int = Field(0, ge=0, description="recomputed old logprobs, KL reference: 2·P·T each")
+    extra_forward_passes: int = Field(0, ge=0, description="recomputed old logprobs, KL reference: 2·P·T each "
+                                      "(the role's old_logprobs: recompute adds one)")
+    fsdp: int = Field(0, ge=0, description="FSDP group size: parameter traffic per optimizer step (0: none)")
+    sp: int = Field(1, ge=1, description="sequence-parallel group: GPUs per data-parallel rank")
+    optimizer_steps: int = Field(16, ge=1, description="mini-batches per iteration")
+    collective_gbps: float = Field(160.0, gt=0, description="per-GPU collective bandwidth, GB/s")
+    balance: bool = Field(True, description="charge the slowest data-parallel rank of each step")
+    controller_s_per_trajectory: float = Field(0.0, ge=0, description="single controller: s per trajectory")
+    controller_fixed_s: float = Field(0.0, ge=0, description="single controller: s per iteration")
+    switch_s: float = Field(0.0, ge=0, description="colocated phase switches per iteration, s")
+    nccl: NcclSettings | None = Field(None, description="blocking NCCL broadcast instead of the relay stall: "
+                                      "versions reach every host when it begins, trainer and rollouts wait it")
     speedup: float = Field(1.0, gt=0, description="simulated seconds per real second (compressed time)")
     relay: RelaySettings = Field(default_factory=RelaySettings)
     weight_bytes: int = Field(4096, ge=8, description="bytes of the published stand-in version")
@@ -81,9 +101,17 @@ class SimTrainEngine:
         s = self.s = settings
         self.cost = TrainerCost.build(s.model, s.gpu, s.gpus, mfu=s.mfu, recompute=s.recompute,
                                       extra_forward_passes=s.extra_forward_passes,
-                                      link=RelayLink(s.relay.bandwidth_gbps, s.relay.chunk_mib, s.relay.alpha_s))
+                                      link=RelayLink(s.relay.bandwidth_gbps, s.relay.chunk_mib, s.relay.alpha_s),
+                                      fsdp=s.fsdp, sp=s.sp, optimizer_steps=s.optimizer_steps,
+                                      collective_gbps=s.collective_gbps,
+                                      controller_s_per_trajectory=s.controller_s_per_trajectory,
+                                      controller_fixed_s=s.controller_fixed_s, switch_s=s.switch_s)
         self.params = self.cost.model.params
-        self.stall_s = self.cost.publish_stall_s()
+        if s.nccl is not None:
+            self.stall_s = NcclBroadcast(s.nccl.bandwidth_gbps, s.nccl.per_doubling_gbps).seconds(
+                self.cost.model.weight_bytes(), s.nccl.rollout_gpus)
+        else:
+            self.stall_s = self.cost.publish_stall_s()
         self.on_version = on_version  # modeled delivery: called (worker thread) with each new version
         self.sim_busy_s = 0.0         # simulated seconds spent training + stalled, in total
 
@@ -97,12 +125,17 @@ class SimTrainEngine:
     def train(self, groups, version: int) -> dict:
         """Sleep one iteration's modeled time (worker thread); in modeled-delivery mode also the
         publish stall, after which version `version` starts down the modeled chain."""
-        tokens = sum(len(t.spec.prompt_tokens) + len(t.response_tokens) for g in groups for t in g)
-        train_s = self.cost.iteration_s(tokens)
+        lengths = [len(t.spec.prompt_tokens) + len(t.response_tokens) for g in groups for t in g]
+        tokens = sum(lengths)
+        train_s = self.cost.iteration_s_lengths(lengths) if self.s.balance else self.cost.iteration_s(tokens, len(lengths))
         stall_s = self.stall_s if self.on_version is not None else 0.0
-        time.sleep((train_s + stall_s) / self.s.speedup)
+        nccl = self.s.nccl is not None
+        time.sleep(train_s / self.s.speedup)
+        if self.on_version is not None and nccl:  # a blocking broadcast: every host has it as it begins
+            self.on_version(version)
+        time.sleep(stall_s / self.s.speedup)
         self.sim_busy_s += train_s + stall_s
-        if self.on_version is not None:
+        if self.on_version is not None and not nccl:
             self.on_version(version)
         return {"tokens": float(tokens), "loss": 0.0, "sim_train_s": train_s, "sim_stall_s": self.stall_s,
                 "speedup": self.s.speedup}
@@ -122,7 +155,7 @@ class ModeledDelivery:
     def __init__(self, role, settings: SimTrainerSettings, cost: TrainerCost, loop: asyncio.AbstractEventLoop):
         self.role, self.s, self.loop = role, settings, loop
         link = cost.link
-        hop = link.chunk_mib * 2 ** 20 / link.bytes_per_s + link.alpha_s
+        hop = 0.0 if settings.nccl is not None else link.chunk_mib * 2 ** 20 / link.bytes_per_s + link.alpha_s
         # host i has it S/B after the stall began, plus (i - 1) hops behind the master (i >= 1)
         self.offsets = [max(0, i - 1) * hop for i in range(len(settings.deliver or []))]
         self.stores: dict[str, Any] = {}
@@ -201,6 +234,10 @@ def load_sim(role) -> None:
     role.info = dist.DistInfo()
     role.resumed_from = None
     role.version, role.cursor = 0, 0
+    # the old (proximal) policy's logprobs recomputed, as the real engine does for these settings:
+    # one forward pass more
+    if role.cfg.old_logprobs == "recompute" or getattr(role.cfg, "off_policy", "none") != "none":
+        s = s.model_copy(update={"extra_forward_passes": s.extra_forward_passes + 1})
     engine = SimTrainEngine(s)
     if s.deliver is not None:
         delivery = ModeledDelivery(role, s, engine.cost, asyncio.get_running_loop())

@@ -264,7 +264,7 @@ def test_from_workload_builds_the_paper_setups():
     assert e32.curve.source == "paper:32B_TP4" and e32.lengths.cap == 16384
     assert e32.num_blocks == kv_capacity_tokens(model("32B"), gpu("H800"), 4) // 16
     e72 = SimEngine.from_workload(model="72B", tp=8, lengths="72B_math", max_model_len=18432)
-    assert e72.curve.source.startswith("estimate") and e72.load_s == pytest.approx(145.4e9 / 8 / 25e9, rel=0.01)
+    assert e72.curve.source.startswith("roofline") and e72.load_s == pytest.approx(145.4e9 / 8 / 25e9, rel=0.01)
 
 
 async def _three_requests(clock) -> tuple[list[tuple[str, float]], float, list[float]]:

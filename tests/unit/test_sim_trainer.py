@@ -35,7 +35,13 @@ def test_iteration_time_is_the_cost_model_of_the_batch_tokens():
     out = e.train(groups, 1)
     tokens = 4 * 256 + 3030
     assert out["tokens"] == tokens
-    assert out["sim_train_s"] == pytest.approx(TrainerCost.build("72B", "H800", 768).iteration_s(tokens))
+    lengths = [1256, 2256, 266, 276]
+    # each optimizer step waits for its slowest rank: with 4 sequences on 768 ranks, one sequence
+    # on one GPU is the whole step
+    assert out["sim_train_s"] == pytest.approx(TrainerCost.build("72B", "H800", 768).iteration_s_lengths(lengths))
+    assert out["sim_train_s"] == pytest.approx(2256 * TrainerCost.build("72B", "H800", 1).iteration_s(1))
+    flat = SimTrainEngine(SimTrainerSettings(model="72B", gpus=768, speedup=1e9, balance=False)).train(groups, 1)
+    assert flat["sim_train_s"] == pytest.approx(TrainerCost.build("72B", "H800", 768).iteration_s(tokens))
     assert out["sim_stall_s"] == pytest.approx(72_706_203_648 * 2 / 200e9)  # bf16 weights / 200 GB/s
     assert e.params == 72_706_203_648
 

@@ -1,0 +1,116 @@
+"""Component checks: one mechanism of the simulator at a time against a component figure of the
+paper (paper.json `components`), never an end-to-end throughput.
+
+    rows = component_checks(setup, workload)              # fig9, fig14, fig18 (seconds of CPU)
+    rows.update(fig16_rows(laminar_run, norepack_run, workload))   # from two cluster runs
+
+Each row is {sim, paper, rel_error} (+ what it is, and whether a constant was calibrated on it):
+- fig9_batch_s, fig9_tail_s: the single-replica timeline of Fig. 9 replayed on one SimEngine
+  (32B, TP 4, 512 trajectories = 32 prompts × 16, all submitted at once, virtual clock): the
+  time until the last trajectory ends, and how long the phase with fewer than 5 sequences
+  running (or waiting) lasts. The host time per step (latency.HOST_MS_PER_LAYER) was calibrated
+  on the tail; the batch time is a check.
+- fig14_wait_s: the one_step/stream rollouts' wait per global NCCL weight sync, as the simulator
+  charges it (trainer_cost.NcclBroadcast), against Fig. 14's 32B line (its 72B line calibrated
+  the model; both are listed under `points`). The mean over the five rollout GPU counts.
+- fig18_relay_s: the relay chain's broadcast time (trainer_cost.broadcast_s) against the paper's
+  relay latency by machines, mean over both models and six machine counts (no constant fitted).
+- fig16_gen_with_repack, fig16_gen_without_repack: generation tokens/s of 16 rollouts of 32B on
+  128 GPUs, laminar with and without repack (two cluster runs of the harness).
+"""
+from __future__ import annotations
+
+import asyncio
+
+
+def _row(sim: float, paper: float, **extra) -> dict:
+    return {"sim": round(sim, 3), "paper": paper, "rel_error": round(sim / paper - 1, 3), **extra}
+
+
+def fig9_replay(setup: dict, workload: dict) -> dict:
+    """One 32B TP4 replica running 512 trajectories from t = 0 (module docstring)."""
+    from laminar.roles.rollout.sim_engine import SimEngine, VirtualClock
+    shape, m, rs = setup["run_shape"], setup["models"]["32B"], setup["rollout"]
+    trace: list[tuple[float, int]] = []
+
+    class Recording(VirtualClock):
+        engine = None
+
+        async def sleep(self, seconds: float) -> None:
+            await super().sleep(seconds)
+            trace.append((self.t, len(self.engine.running) + len(self.engine.waiting)))
+
+    async def main() -> dict:
+        clock = Recording()
+        kw = {} if rs.get("host_ms_per_layer") is None else {"host_ms_per_layer": rs["host_ms_per_layer"]}
+        e = SimEngine.from_workload(model="32B", tp=int(m["tp"]), lengths=m["lengths"], gpu=setup["gpu"],
+                                    max_num_seqs=int(shape["max_concurrency"]), mem_fraction=rs["mem_fraction"],
+                                    max_output_tokens=shape["max_output_tokens"],
+                                    max_model_len=shape["max_input_tokens"] + shape["max_output_tokens"],
+                                    emit_every=16, context_dependence=bool(rs.get("context_dependence", True)),
+                                    workload_path=setup.get("workload"), clock=clock, **kw)
+        clock.engine = e
+        await e.start()
+
+        async def one(i: int) -> None:
+            prompt = [1000 + i // 16] * int(shape["prompt_tokens"])
+            async for _ in e.generate(f"t{i}", prompt, int(shape["max_output_tokens"]), seed=i):
+                pass
+        await asyncio.gather(*(one(i) for i in range(512)))
+        stats = e.sim_stats()
+        await e.close()
+        end = trace[-1][0]
+        tail_from = next(t for t, n in trace if n < 5)
+        return {"batch_s": end, "tail_from_s": tail_from, "tail_s": end - tail_from,
+                "peak_kv_usage": stats["peak_kv_usage"], "preemptions": stats["preemptions"]}
+    return asyncio.run(main())
+
+
+def component_checks(setup: dict, workload: dict) -> dict:
+    """The rows that need no cluster run: fig9_*, fig14_wait_s, fig18_relay_s."""
+    from laminar.sim.hardware import model as model_shape
+    from laminar.sim.trainer_cost import NcclBroadcast, RelayLink, broadcast_s
+    comp = workload["components"]
+    f9 = comp["fig9_single_replica_32B_TP4_512_trajectories"]
+    r = fig9_replay(setup, workload)
+    paper_tail = f9["batch_ends_s"] - f9["fewer_than_5_running_from_s"]
+    rows = {"fig9_batch_s": _row(r["batch_s"], f9["batch_ends_s"], calibrated=False,
+                                 peak_kv_usage=round(r["peak_kv_usage"], 3), preemptions=r["preemptions"]),
+            "fig9_tail_s": _row(r["tail_s"], paper_tail, calibrated=True, tail_from_s=round(r["tail_from_s"], 1),
+                                paper_tail_from_s=f9["fewer_than_5_running_from_s"])}
+    f14 = comp["fig14_rollout_wait_s_per_update"]
+    n = setup.get("nccl", {})
+    nccl = NcclBroadcast(n.get("bandwidth_gbps", NcclBroadcast.bandwidth_gbps),
+                         n.get("per_doubling_gbps", NcclBroadcast.per_doubling_gbps))
+    points = {}
+    for size in ("32B", "72B"):
+        w = model_shape(size).weight_bytes()
+        points[size] = [{"rollout_gpus": g, "sim": round(nccl.seconds(w, g), 3), "paper": p}
+                        for g, p in zip(f14["rollout_gpus"], f14[f"{size}_global_nccl_sync"])]
+    check = points["32B"]
+    rows["fig14_wait_s"] = _row(sum(p["sim"] for p in check) / len(check), sum(p["paper"] for p in check) / len(check),
+                                calibrated=False, line="32B (the 72B line calibrated the model)",
+                                worst_point_rel_error=round(max((abs(p["sim"] / p["paper"] - 1) for p in check)), 3),
+                                points=points)
+    rl = setup["relay"]
+    link = RelayLink(rl["bandwidth_gbps"], rl["chunk_mib"], rl["alpha_s"])
+    rt = workload["relay_broadcast_latency_s_by_machines"]
+    pts = [{"model": size, "machines": p, "sim": round(broadcast_s(model_shape(size).weight_bytes(), p, link), 3),
+            "paper": t} for size in ("32B", "72B") for p, t in zip(rt["machines"], rt[size])]
+    rows["fig18_relay_s"] = _row(sum(p["sim"] for p in pts) / len(pts), round(sum(p["paper"] for p in pts) / len(pts), 3),
+                                 calibrated=False,
+                                 worst_point_rel_error=round(max(abs(p["sim"] / p["paper"] - 1) for p in pts), 3),
+                                 points=pts)
+    return rows
+
+
+def fig16_rows(with_repack: dict | None, without_repack: dict | None, workload: dict) -> dict:
+    """Generation tokens/s of the two cluster runs (harness results) against Fig. 16."""
+    f16 = workload["components"]["fig16_generation_tokens_per_s_32B_128_gpus_16_rollouts"]
+    rows = {}
+    for key, run, paper in (("fig16_gen_with_repack", with_repack, f16["with_repack"]),
+                            ("fig16_gen_without_repack", without_repack, f16["without_repack"])):
+        g = (run or {}).get("generation_tokens_per_s")
+        rows[key] = _row(g, paper, calibrated=False, kv_usage_mean=(run or {}).get("kv_usage_mean")) if g else \
+            {"sim": None, "paper": paper, "rel_error": None, "error": (run or {}).get("error", "no measurement")}
+    return rows
