@@ -70,6 +70,28 @@ class SimRun:
     max_rss_mb: float = 0.0
 
 
+def sim_folders(cfg) -> list[Path]:
+    """The shared-memory folders a sim cluster writes weights into: the relays' (`shm_dir`) or,
+    with modeled delivery, each host's weight folder (`roles.trainer.sim.deliver`)."""
+    out = [Path(cfg.role_settings("relay", s.id).get("shm_dir")) for _, s in cfg.find("relay")
+           if cfg.role_settings("relay", s.id).get("shm_dir")]
+    out += [Path(t["dir"]) for t in (cfg.roles.get("trainer", {}).get("sim", {}).get("deliver") or [])]
+    return out
+
+
+def remove_folders(cfg) -> None:
+    """Remove the weight folders of `sim_folders` and then their parents where left empty (the
+    run's weights root, e.g. /dev/shm/laminar-sim-<tag>)."""
+    folders = sim_folders(cfg)
+    for f in folders:
+        shutil.rmtree(f, ignore_errors=True)
+    for parent in {f.parent for f in folders}:
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (someone else's), or already gone
+            pass
+
+
 def _engine_tokens(rollouts) -> int:
     return sum(r.engine.counters["tokens"] for r in rollouts if r.engine is not None)
 
@@ -149,10 +171,7 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
         delivery = getattr(getattr(trainer, "engine", None), "delivery", None)
         if delivery is not None:
             delivery.close()
-        for _, s in cfg.find("relay"):
-            shm = cfg.role_settings("relay", s.id).get("shm_dir")
-            if shm:
-                shutil.rmtree(shm, ignore_errors=True)
+        remove_folders(cfg)
         if pause_gc and gc_was_enabled:
             gc.enable()
             gc.collect()
