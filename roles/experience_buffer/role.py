@@ -28,6 +28,8 @@ class ExperienceBufferConfig(BaseModel):
     sampler: str = Field("fifo", description="fifo | freshest")
     max_staleness: int | None = Field(None, ge=0, description="drop groups older than this many versions (None: keep all)")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
+    remember_removed: int = Field(200_000, ge=1, description="removed (handed, stale, evicted) group ids kept to "
+                                  "refuse late duplicates; older ones are forgotten, which bounds memory and start-up")
 
 
 SCHEMA = """
@@ -76,8 +78,8 @@ class ExperienceBufferRole(PoolRole):
         c = self.cfg
         # replayed with room for every stored row, so replay never refuses what was acknowledged (a
         # capacity that shrank is applied afterwards, on disk too: migrate_setting)
-        book = BufferBook(1 << 62, c.eviction, c.sampler, self._max_staleness())
-        for gid, why in self.store.read("SELECT gid, why FROM gone"):
+        book = BufferBook(1 << 62, c.eviction, c.sampler, self._max_staleness(), c.remember_removed)
+        for gid, why in self.store.read("SELECT gid, why FROM gone ORDER BY rowid"):
             book.gone[gid] = why
         for n, gid, blob in self.store.read("SELECT n, gid, blob FROM trajs ORDER BY n"):
             if gid not in book.gone:  # a leased group's rows: kept for a re-hand, not sampleable
@@ -95,6 +97,10 @@ class ExperienceBufferRole(PoolRole):
         book.counts.update(json.loads(meta.get("counts", "{}")))
         book.capacity = c.capacity
         self.book = book
+        ch = Change()
+        book.forget_old(ch)  # a store written with a larger memory (or before it was bounded)
+        if ch.forgotten:
+            self.store.write_sync(self._statements(ch))
 
     def routes(self) -> None:
         self.route(PutTrajectory, self.on_put)
@@ -110,6 +116,7 @@ class ExperienceBufferRole(PoolRole):
             if gid not in leased:
                 st.append(("DELETE FROM trajs WHERE gid = ?", (gid,)))
             st.append(("INSERT OR REPLACE INTO gone VALUES (?, ?)", (gid, why)))
+        st += [("DELETE FROM gone WHERE gid = ?", (gid,)) for gid in ch.forgotten]
         st += [("INSERT OR REPLACE INTO handed VALUES (?, ?)", lease) for lease in ch.leased]
         if ch.released_below is not None:
             st += [("DELETE FROM trajs WHERE gid IN (SELECT gid FROM handed WHERE pos < ?)", (ch.released_below,)),

@@ -19,6 +19,9 @@
   position again, in order: a trainer that dies after sampling and resumes from its checkpoint
   trains every group exactly once in the versions it keeps.
 - Staleness of each handed-out sample (trainer_version - its version) goes into a histogram.
+- Removed group ids (`gone`: handed, stale, evicted) refuse late duplicates. Only the newest
+  `remember_removed` are kept (never a leased one), so memory and the replay at start stay
+  bounded over any run length; a duplicate of a group forgotten that long ago is taken as new.
 Every mutating call returns the list of changes the role must make durable before replying.
 """
 from __future__ import annotations
@@ -51,14 +54,16 @@ class Change:
     removed_groups: list[tuple[str, str]] = field(default_factory=list)  # (group_id, why)
     leased: list[tuple[int, str]] = field(default_factory=list)  # (position, group_id): rows kept
     released_below: int | None = None  # leases below this position end: their rows go
+    forgotten: list[str] = field(default_factory=list)  # removed group ids no longer remembered
 
 
 class BufferBook:
     def __init__(self, capacity: int, eviction: str = "drop_oldest", sampler: str = "fifo",
-                 max_staleness: int | None = None):
+                 max_staleness: int | None = None, remember_removed: int = 200_000):
         if eviction not in ("drop_oldest", "reject"):
             raise ValueError(f"eviction must be drop_oldest or reject, got {eviction!r}")
         self.capacity, self.eviction, self.max_staleness = capacity, eviction, max_staleness
+        self.remember_removed = remember_removed
         self.sampler: Sampler = make_sampler(sampler)
         self.groups: OrderedDict[str, Group] = OrderedDict()  # insertion = arrival of first member
         self.gone: dict[str, str] = {}   # group id -> handed | stale | evicted
@@ -98,6 +103,7 @@ class BufferBook:
                 return "full: the only evictable group is this trajectory's own", ch
             self._remove(victim.group_id, "evicted", ch)
             self.counts["evicted"] += 1
+            self.forget_old(ch)
         if g is None:
             g = self.groups[gid] = Group(gid, t.spec.group_size)
             self.reserved += g.size
@@ -117,6 +123,17 @@ class BufferBook:
         self.gone[gid] = why
         ch.removed_groups.append((gid, why))
         return g
+
+    def forget_old(self, ch: Change) -> None:
+        """Past `remember_removed` (+10%, so the work comes in chunks): forget the oldest removed
+        group ids, except leased ones (their rows are kept and their entry hides them at replay)."""
+        if len(self.gone) - len(self.leased) <= self.remember_removed * 1.1:
+            return
+        leased = set(self.leased.values())
+        old = [gid for gid in self.gone if gid not in leased]
+        for gid in old[:len(old) - self.remember_removed]:
+            del self.gone[gid]
+            ch.forgotten.append(gid)
 
     def release(self, committed: int, ch: Change) -> None:
         """The trainer made positions below `committed` durable: their leases end."""
@@ -159,6 +176,7 @@ class BufferBook:
                 self.leased[self.cursor] = g.group_id
                 ch.leased.append((self.cursor, g.group_id))
             self.cursor += 1
+        self.forget_old(ch)  # after the leases above are taken
         return out, dropped, ch
 
     def stats(self) -> dict[str, int]:

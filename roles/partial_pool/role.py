@@ -30,6 +30,10 @@ class PartialPoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_held: int = Field(256, ge=1, description="out-of-order deltas held per trajectory")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
+    remember_completed: int = Field(200_000, ge=1, description="completed trajectory ids kept to refuse late "
+                                    "deltas; older ones are forgotten, which bounds memory and start-up")
+    max_held_only: int = Field(65_536, ge=1, description="trajectories seen only through out-of-order deltas "
+                               "(no seq 0 yet) held at once; beyond it the oldest are dropped")
 
 
 SCHEMA = """
@@ -49,9 +53,9 @@ class PartialPoolRole(PoolRole):
     MIGRATIONS = {1: lambda c: _add_multiturn_columns(c), 2: lambda c: _add_owner_epochs(c)}
 
     def recover(self) -> None:
-        st = PartialBook(self.cfg.max_held)
-        for (tid,) in self.store.read("SELECT tid FROM completed"):
-            st.completed.add(tid)
+        st = PartialBook(self.cfg.max_held, self.cfg.remember_completed, self.cfg.max_held_only)
+        for (tid,) in self.store.read("SELECT tid FROM completed ORDER BY rowid"):
+            st.completed[tid] = None
         rows = self.store.read("SELECT tid, seq, owner, version, spec, tokens, logprobs, mask, spans "
                                "FROM deltas ORDER BY tid, seq")
         bad: set[str] = set()
@@ -74,6 +78,9 @@ class PartialPoolRole(PoolRole):
                                  ("DELETE FROM deltas WHERE tid = ?", (tid,)), ("DELETE FROM owners WHERE tid = ?", (tid,))])
                 continue
             st.apply(owner, [d])
+        st.forget_old()  # a store written with a larger memory (or before it was bounded)
+        if st.forgotten:
+            self.store.write_sync(self._forget(st))
         for tid, owner, epoch in self.store.read("SELECT tid, owner, epoch FROM owners"):
             if tid in st.entries:
                 st.entries[tid].owner, st.entries[tid].epoch = owner, epoch or 0
@@ -138,8 +145,13 @@ class PartialPoolRole(PoolRole):
             self.state.complete(tid)
             stmts += [("DELETE FROM deltas WHERE tid = ?", (tid,)), ("DELETE FROM owners WHERE tid = ?", (tid,)),
                       ("INSERT OR IGNORE INTO completed VALUES (?)", (tid,))]
-        await self.durable(stmts)
+        await self.durable(stmts + self._forget(self.state))
         return Ack()
+
+    @staticmethod
+    def _forget(st: PartialBook) -> list:
+        gone, st.forgotten = st.forgotten, []
+        return [("DELETE FROM completed WHERE tid = ?", (t,)) for t in gone]
 
     def counts(self) -> dict:
         live = self.state.live()

@@ -8,6 +8,11 @@ which carries the spec; later deltas for a trajectory never seen are held the sa
 delta for a completed trajectory is rejected. The result of any interleaving, duplication or
 reordering of one stream is the state of the in-order stream.
 
+Memory stays bounded over any run length: only the newest `remember_completed` completed ids are
+kept (a late delta comes seconds after completion, not a million trajectories later), and
+trajectories seen only through out-of-order deltas (no seq 0 yet: `held_only`) are capped at
+`max_held_only`, the oldest dropped first (nothing of theirs was acknowledged as applied).
+
 Fencing: each trajectory has an ownership epoch (0 when created). `fence` hands it to a new owner
 and advances the epoch; from then on a delta carrying an older epoch (the previous owner, cut off
 but still running) is rejected, so two writers can never splice their streams under one id. A
@@ -82,10 +87,13 @@ def malformed(d: TokenDelta) -> str | None:
 
 
 class PartialBook:
-    def __init__(self, max_held: int = 256):
+    def __init__(self, max_held: int = 256, remember_completed: int = 200_000, max_held_only: int = 65_536):
         self.entries: dict[str, Entry] = {}
-        self.completed: set[str] = set()
+        self.completed: dict[str, None] = {}  # insertion-ordered set: the oldest are forgotten first
         self.max_held = max_held
+        self.remember_completed, self.max_held_only = remember_completed, max_held_only
+        self.held_only: dict[str, None] = {}  # entries without seq 0 yet, oldest first
+        self.forgotten: list[str] = []        # completed ids forgotten since the role last looked
 
     def apply(self, owner: str, deltas: list[TokenDelta], out: Outcome | None = None) -> Outcome:
         out = out or Outcome()
@@ -100,6 +108,10 @@ class PartialBook:
             e = self.entries.get(tid)
             if e is None:
                 e = self.entries[tid] = Entry(spec=None, owner=owner, version=d.version)
+                self.held_only[tid] = None
+                if len(self.held_only) > self.max_held_only:
+                    self.entries.pop(next(iter(self.held_only)), None)
+                    del self.held_only[next(iter(self.held_only))]
             if d.epoch < e.epoch:
                 out.rejected[tid] = f"fenced off: epoch {d.epoch} < {e.epoch} (owner now {e.owner!r})"
                 continue
@@ -129,6 +141,7 @@ class PartialBook:
     def _apply_one(self, e: Entry, owner: str, d: TokenDelta, out: Outcome) -> None:
         if d.seq == 0:
             e.spec = d.spec
+            self.held_only.pop(d.trajectory_id, None)
         e.owner, e.version = owner, d.version
         e.tokens.append(np.asarray(d.tokens, dtype=np.int32))
         e.logprobs.append(np.asarray(d.logprobs, dtype=np.float32))
@@ -150,5 +163,17 @@ class PartialBook:
         return {t: e for t, e in self.entries.items() if e.spec is not None}
 
     def complete(self, tid: str) -> bool:
-        self.completed.add(tid)
+        self.completed[tid] = None
+        self.held_only.pop(tid, None)
+        self.forget_old()
         return self.entries.pop(tid, None) is not None
+
+    def forget_old(self) -> None:
+        """Past `remember_completed` (+10%, so the work comes in chunks) forget the oldest ids."""
+        if len(self.completed) <= self.remember_completed * 1.1:
+            return
+        drop = len(self.completed) - self.remember_completed
+        old = [t for t, _ in zip(self.completed, range(drop))]
+        for t in old:
+            del self.completed[t]
+        self.forgotten += old
