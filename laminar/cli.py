@@ -44,16 +44,37 @@ def _this_host(cfg, host: str | None) -> str:
                      "use `laminar-node start --host ID CONFIG` on each")
 
 
+def _ensure_key(cfg, keygen: bool) -> None:
+    """A single-host config may make its own key; on several hosts every host must share one, so a
+    missing key there is an error (a new key would lock this host out of the cluster). A key
+    that is present is checked for privacy before any role starts."""
+    d = cfg.cluster.keys_dir
+    if not d:
+        return
+
+    def fail(msg: str):
+        print(f"error: {msg}", file=sys.stderr)
+        return SystemExit(2)
+    from laminar.bus.auth import KeyFileError, check_private, generate_keys
+    if not (Path(d) / "cluster.key_secret").exists():
+        if len(cfg.cluster.hosts) > 1:
+            raise fail(f"no cluster key in {d} and {cfg.source} places roles on {len(cfg.cluster.hosts)} "
+                       f"hosts: run `laminar-node keygen {d}` once and copy that folder (0700, files 0600) "
+                       "to every host")
+        if not keygen:
+            raise fail(f"no cluster key in {d}: run `laminar-node keygen {d}`")
+        generate_keys(d)
+        print(f"generated a cluster key in {d}")
+    try:
+        check_private(d)
+    except KeyFileError as exc:
+        raise fail(str(exc)) from None
+
+
 def cmd_up(a) -> int:
     cfg = _load(a.config)
     host = _this_host(cfg, getattr(a, "host", None))
-    if cfg.cluster.keys_dir and not (Path(cfg.cluster.keys_dir) / "cluster.key_secret").exists():
-        if a.keygen:
-            from laminar.bus.auth import generate_keys
-            generate_keys(cfg.cluster.keys_dir)
-            print(f"generated a cluster key in {cfg.cluster.keys_dir}")
-        else:
-            raise SystemExit(f"error: no cluster key in {cfg.cluster.keys_dir}: run `laminar-node keygen {cfg.cluster.keys_dir}`")
+    _ensure_key(cfg, a.keygen)
     from laminar import logs
     logs.configure("supervisor", a.log_level)
     return _run(_up(cfg, a.config, host, a))
@@ -340,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--foreground-logs", action="store_true",
                        help="let roles log to this terminal instead of <workdir>/logs/")
         s.add_argument("--no-keygen", dest="keygen", action="store_false",
-                       help="fail instead of generating a missing cluster key")
+                       help="fail instead of generating a missing cluster key (a config of several "
+                            "hosts never generates one)")
         s.set_defaults(fn=cmd_up)
 
     s = sp.add_parser("role", help="run one role in the foreground (what systemd units run)")
@@ -390,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError) as exc:
+    except (FileNotFoundError, FileExistsError, PermissionError) as exc:  # PermissionError: auth.KeyFileError
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
