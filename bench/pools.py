@@ -3,13 +3,18 @@ SQLite inserting the same rows directly in this process (same synchronous=FULL W
 
     python bench/pools.py [--quick] [--out FILE]
 
-- partial pool: AppendDeltas batches of `--batch` deltas (one per trajectory, like a rollout's
-  flush), `--callers` rollouts at once; deltas/s acknowledged, against the rate 1,024 concurrent
-  trajectories streaming every 0.5 s need (2,048 deltas/s);
+- partial pool: one columnar AppendDeltaBatch of `--flush` deltas per call (a rollout's whole
+  flush, one delta per trajectory), `--callers` rollouts at once: deltas/s acknowledged
+  (`deltas_per_s`), against the paper's largest fleets (64 replicas x 1,024 trajectories streaming
+  every 0.5 s: 131,072 deltas/s) and one replica's 2,048; next to it the same through AppendDeltas,
+  one event per delta, `--batch` per call (how rollouts sent them before);
 - experience buffer: PutTrajectory (128-token responses) acknowledged/s, then SampleGroups
   samples/s (trajectories handed out per second);
 - direct: the same delta rows inserted by one SQLite connection, one transaction per row and
-  batched 64 rows per transaction.
+  batched 64 rows per transaction;
+- start-up: each pool process restarted on the store a run of `--startup-trajectories` (1M)
+  synthetic trajectories leaves (groups of 8; 1,024 in flight), as the bounded memory keeps it
+  (the newest 200k ids remembered) and as an unbounded one would (every id replayed).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import free_port, print_table, write_json  # noqa: E402
 
 REQUIRED = 1024 / 0.5
+PAPER_SCALE = 131_072  # 64 replicas x 1,024 trajectories in flight, a delta each every 0.5 s
 TOK = 8  # tokens per delta: ~0.5 s of decode at ~16 tokens/s per trajectory
 
 
@@ -74,6 +80,31 @@ async def bench_deltas(client, seconds: float, batch: int, callers: int) -> floa
     return done / (time.perf_counter() - t0)
 
 
+async def bench_columnar(client, seconds: float, flush: int, callers: int) -> float:
+    from laminar.protocol import AppendDeltaBatch
+    toks, lps = np.arange(TOK, dtype=np.int32), np.zeros(TOK, np.float32)
+    done = 0
+    stop = time.perf_counter() + seconds
+    tokens, logprobs = np.tile(toks, flush), np.tile(lps, flush)
+    offsets, versions = np.arange(flush + 1, dtype=np.int64) * TOK, np.zeros(flush, np.int64)
+
+    async def caller(c: int) -> None:
+        nonlocal done
+        seq = 0
+        specs = [spec(f"b{c}t{t}", f"b{c}t{t}", 0, 1) for t in range(flush)]
+        ids = [s.trajectory_id for s in specs]
+        while time.perf_counter() < stop:
+            req = AppendDeltaBatch(f"rb{c}", ids, np.full(flush, seq, np.int64), versions, offsets, tokens, logprobs,
+                                   specs if seq == 0 else [])
+            res = await client.call(req, timeout=30)
+            assert res.applied == flush, res
+            done += flush
+            seq += 1
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller(c) for c in range(callers)))
+    return done / (time.perf_counter() - t0)
+
+
 async def bench_buffer(client, n: int, group: int, callers: int) -> tuple[float, float]:
     from laminar.protocol import PutTrajectory, SampleGroups, Trajectory
     resp, lps = np.arange(128, dtype=np.int32), np.zeros(128, np.float32)
@@ -112,12 +143,53 @@ def direct_sqlite(path: Path, rows: int, per_txn: int) -> float:
     return rows / (time.perf_counter() - t0)
 
 
+def synthesize(tmp: Path, cfg: Path, trajectories: int, group: int = 8, in_flight: int = 1024) -> None:
+    """Fill the partial pool's and the buffer's stores (made by a first start) with what a run of
+    `trajectories` leaves: every trajectory completed (partial pool) and every group handed out
+    (buffer), plus `in_flight` trajectories streaming, 20 deltas each."""
+    pools = tmp / "run" / "pools"
+    with sqlite3.connect(pools / "partial_pool-0.sqlite") as c:
+        c.executemany("INSERT OR IGNORE INTO completed VALUES (?)", ((f"s{i}",) for i in range(trajectories)))
+        from laminar.roles.sqlite_store import pack
+        toks, lps = np.arange(TOK, dtype=np.int32).tobytes(), np.zeros(TOK, np.float32).tobytes()
+        c.executemany("INSERT INTO deltas (tid, seq, owner, version, spec, tokens, logprobs) VALUES (?, ?, 'r', 0, ?, ?, ?)",
+                      ((f"f{t}", q, pack(spec(f"f{t}", f"f{t // group}", t % group, group)) if q == 0 else None, toks, lps)
+                       for t in range(in_flight) for q in range(20)))
+    with sqlite3.connect(pools / "experience_buffer-0.sqlite") as c:
+        c.executemany("INSERT OR IGNORE INTO gone VALUES (?, 'handed')", ((f"sg{g}",) for g in range(trajectories // group)))
+
+
+def startup_times(tmp: Path, cfg_path: Path, unbounded: bool) -> dict[str, float]:
+    """Seconds from process start to READY of each pool on its synthesized store."""
+    import yaml as _yaml
+    from laminar.testing.procs import RoleProc
+    if unbounded:
+        c = _yaml.safe_load(cfg_path.read_text())
+        c["roles"]["partial_pool"] = {"remember_completed": 1 << 40}
+        c["roles"]["experience_buffer"] = {**c["roles"]["experience_buffer"], "remember_removed": 1 << 40}
+        cfg_path = cfg_path.with_name("unbounded.yaml")
+        cfg_path.write_text(_yaml.safe_dump(c))
+    out = {}
+    for role in ("partial_pool", "experience_buffer"):
+        t0 = time.perf_counter()
+        p = RoleProc(role, "0", cfg_path, tmp).start()
+        try:
+            p.wait_ready(600)
+            out[role] = time.perf_counter() - t0
+        finally:
+            p.stop()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short phases (well under 60 s)")
     ap.add_argument("--out", default=None, help="write JSON results here")
     ap.add_argument("--batch", type=int, default=64, help="deltas per AppendDeltas call")
     ap.add_argument("--callers", type=int, default=8, help="concurrent rollouts calling")
+    ap.add_argument("--flush", type=int, default=1024, help="deltas per AppendDeltaBatch call (a rollout's flush)")
+    ap.add_argument("--startup-trajectories", type=int, default=1_000_000,
+                    help="synthetic run length for the start-up measure (0: skip it)")
     a = ap.parse_args()
     secs, n_traj = (4.0, 2000) if a.quick else (15.0, 10000)
     from laminar.bus.auth import load_keys
@@ -129,30 +201,54 @@ def main() -> int:
     for p in procs:
         p.wait_ready(60)
 
-    async def run() -> tuple[float, float, float]:
+    async def run() -> tuple[float, float, float, float]:
         t = ZmqTransport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", load_keys(tmp / "keys"))
-        deltas = await bench_deltas(t.client(f"tcp://127.0.0.1:{ports['partial_pool']}"), secs, a.batch, a.callers)
+        pool = t.client(f"tcp://127.0.0.1:{ports['partial_pool']}")
+        columnar = await bench_columnar(pool, secs, a.flush, a.callers)
+        per_event = await bench_deltas(pool, secs, a.batch, a.callers)
         puts, samples = await bench_buffer(t.client(f"tcp://127.0.0.1:{ports['experience_buffer']}"),
                                            n_traj, 16, a.callers)
         await t.close()
-        return deltas, puts, samples
+        return columnar, per_event, puts, samples
     try:
-        deltas, puts, samples = asyncio.run(run())
+        deltas, per_event, puts, samples = asyncio.run(run())
     finally:
         for p in procs:
             p.stop()
-    rows = int(deltas * min(secs, 4.0))
+    startup: dict[str, dict[str, float]] = {}
+    if a.startup_trajectories:  # a cluster of its own: the throughput phases' stores stay out of it
+        stmp = tmp / "startup"
+        stmp.mkdir()
+        scfg, _ = make_cluster(stmp)
+        startup_times(stmp, scfg, unbounded=False)                         # makes the empty stores
+        synthesize(stmp, scfg, a.startup_trajectories)
+        startup["unbounded"] = startup_times(stmp, scfg, unbounded=True)   # replays every id (as before the bound)
+        startup["bounded"] = startup_times(stmp, scfg, unbounded=False)    # forgets down to the newest 200k, once
+        startup["bounded_again"] = startup_times(stmp, scfg, unbounded=False)  # what every later start costs
+    rows = int(per_event * min(secs, 4.0))
     direct_1 = direct_sqlite(tmp / "direct1.sqlite", min(rows, 3000), 1)
     direct_64 = direct_sqlite(tmp / "direct64.sqlite", rows, 64)
     print_table("data pools, durability on (WAL, synchronous=FULL), acknowledged writes",
                 ["measure", "per second", "note"],
-                [["partial pool: token deltas", deltas, f"{a.callers} callers x {a.batch} deltas/call, {TOK} tokens each"],
+                [["partial pool: token deltas (columnar)", deltas,
+                  f"{a.callers} callers x {a.flush} deltas/AppendDeltaBatch, {TOK} tokens each"],
+                 ["  required at paper scale (64 x 1,024 / 0.5 s)", PAPER_SCALE, f"headroom {deltas / PAPER_SCALE:.2f}x"],
                  ["  required by 1,024 trajectories / 0.5 s", REQUIRED, f"headroom {deltas / REQUIRED:.1f}x"],
+                 ["partial pool: token deltas (one event each)", per_event,
+                  f"{a.callers} callers x {a.batch} deltas/AppendDeltas"],
                  ["experience buffer: trajectory puts", puts, "128-token responses, groups of 16"],
                  ["experience buffer: samples out", samples, "SampleGroups(32 groups)"],
                  ["direct SQLite, 1 row per commit", direct_1, "same rows, this process"],
                  ["direct SQLite, 64 rows per commit", direct_64, "same rows, this process"]])
-    write_json(a.out, {"quick": a.quick, "deltas_per_s": deltas, "required_deltas_per_s": REQUIRED,
+    if startup:
+        print_table(f"pool start-up (s) on the store of {a.startup_trajectories:,} synthetic trajectories",
+                    ["pool", "bounded memory", "same, later starts", "unbounded replay"],
+                    [[r, startup["bounded"][r], startup["bounded_again"][r], startup["unbounded"][r]]
+                     for r in ("partial_pool", "experience_buffer")])
+    write_json(a.out, {"quick": a.quick, "deltas_per_s": deltas, "paper_scale_required_deltas_per_s": PAPER_SCALE,
+                       "deltas_over_paper_scale": deltas / PAPER_SCALE, "deltas_per_s_one_event_each": per_event,
+                       "flush_deltas_per_call": a.flush, "startup_s": startup,
+                       "startup_trajectories": a.startup_trajectories, "required_deltas_per_s": REQUIRED,
                        "trajectory_writes_per_s": puts, "samples_per_s": samples,
                        "sqlite_direct_rows_per_s": direct_64, "sqlite_direct_rows_per_s_1_per_commit": direct_1,
                        "deltas_over_required": deltas / REQUIRED})

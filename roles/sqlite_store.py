@@ -9,6 +9,8 @@ since its last commit in one transaction, so many concurrent writes share one fs
 
 A write is a list of (sql, params) or a callable taking the connection (its return value is the
 future's result). A callable may run twice (see failures below): it must only touch the connection.
+Params given as `Many(rows)` run the statement once per row in one `executemany` call (SQLite's C
+loop: the cheap way to write many rows of one kind).
 
 Backpressure: at most `max_pending` writes wait; beyond that `submit` raises StoreFull at once,
 nothing queued, rather than letting the queue (and the caller's latency) grow without bound.
@@ -53,6 +55,10 @@ log = structlog.get_logger("laminar.sqlite_store")
 Statements = Sequence[tuple[str, Sequence[Any]]]
 Batch = Union[Statements, Callable[[sqlite3.Connection], Any]]
 Resolve = Callable[[Any, "BaseException | None"], None]
+
+
+class Many(list):
+    """Rows for one statement, executed with `executemany`."""
 
 
 class StoreError(RuntimeError):
@@ -277,7 +283,10 @@ class GroupCommitStore:
 
 def _run(conn: sqlite3.Connection, statements: Statements) -> None:
     for sql, params in statements:
-        conn.execute(sql, params)
+        if isinstance(params, Many):
+            conn.executemany(sql, params)
+        else:
+            conn.execute(sql, params)
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -27,7 +27,7 @@ __all__ = [
     "DeltaResult", "InFlightOf", "GetPartial", "PartialState", "PartialList", "ReassignPartial",
     "CompletePartial", "Trajectory", "PutTrajectory", "PutResult", "SampleGroups", "Samples",
     "BufferStatsRequest", "BufferStats", "PoolCount", "HandedGroups", "HandedList", "GroupPresence",
-    "GroupPresenceReply",
+    "GroupPresenceReply", "AppendDeltaBatch",
 ]
 
 
@@ -113,6 +113,25 @@ class TokenDelta:
 class AppendDeltas:
     rollout_id: str
     deltas: list[TokenDelta]
+
+
+@event("data.append_delta_batch")
+class AppendDeltaBatch:
+    """AppendDeltas in columns: one request of a few arrays however many deltas it carries (the
+    codec's cost is per array, not per delta). Delta k is (trajectory_ids[k], seqs[k],
+    versions[k], tokens and logprobs [offsets[k]:offsets[k+1]]); the seq-0 deltas take `specs` in
+    order. Single-turn only (no observation spans): multi-turn deltas go by AppendDeltas. Answered
+    with a DeltaResult, with the same exactly-once semantics."""
+    rollout_id: str
+    trajectory_ids: list[str]
+    seqs: np.ndarray                     # int64, one per delta
+    versions: np.ndarray                 # int64, one per delta
+    offsets: np.ndarray                  # int64, one more than deltas
+    tokens: np.ndarray                   # int32, every delta's tokens, concatenated
+    logprobs: np.ndarray                 # float32, likewise
+    specs: list[TrajectorySpec] = field(default_factory=list)  # of the seq-0 deltas, in their order
+    epochs: np.ndarray | None = None     # int64 ownership epoch per delta (None: all 0)
+    loss_mask: np.ndarray | None = None  # uint8 per token (None: all 1)
 
 
 @event("data.delta_result")

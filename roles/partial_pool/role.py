@@ -19,11 +19,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.bus.rpc import RequestError
-from laminar.protocol import (Ack, AppendDeltas, CompletePartial, DeltaResult, GetPartial, GroupPresence,
+from laminar.protocol import (Ack, AppendDeltaBatch, AppendDeltas, CompletePartial, DeltaResult, GetPartial, GroupPresence,
                               GroupPresenceReply, InFlightOf, PartialList, PartialState, ReassignPartial, TokenDelta)
-from laminar.roles.partial_pool.state import Outcome, PartialBook
+from laminar.roles.partial_pool.state import Delta, Outcome, PartialBook
 from laminar.roles.pool_base import PoolRole, now
-from laminar.roles.sqlite_store import pack, unpack
+from laminar.roles.sqlite_store import Many, pack, unpack
 
 
 class PartialPoolConfig(BaseModel):
@@ -88,6 +88,7 @@ class PartialPoolRole(PoolRole):
 
     def routes(self) -> None:
         self.route(AppendDeltas, self.on_append)
+        self.route(AppendDeltaBatch, self.on_append_batch)
         self.route(InFlightOf, self.on_in_flight, changes=False)
         self.route(GetPartial, self.on_get, changes=False)
         self.route(ReassignPartial, self.on_reassign)
@@ -96,15 +97,32 @@ class PartialPoolRole(PoolRole):
 
     async def on_append(self, req: AppendDeltas) -> DeltaResult:
         out: Outcome = self.state.apply(req.rollout_id, list(req.deltas))
-        await self.durable([(
-            "INSERT OR IGNORE INTO deltas (tid, seq, owner, version, spec, tokens, logprobs, mask, spans) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
-             np.asarray(d.tokens, np.int32).tobytes(), np.asarray(d.logprobs, np.float32).tobytes(),
-             None if d.loss_mask is None else np.asarray(d.loss_mask, np.uint8).tobytes(),
-             None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes()))
-            for owner, d in out.applied])
+        await self.durable(self._rows(out))
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
+
+    async def on_append_batch(self, req: AppendDeltaBatch) -> DeltaResult:
+        """The columnar AppendDeltas: unpacked into deltas (views into the request's arrays)."""
+        deltas = _unbatch(req)
+        out: Outcome = self.state.apply(req.rollout_id, deltas, checked=True)
+        await self.durable(self._rows(out))
+        return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
+
+    @staticmethod
+    def _rows(out: Outcome) -> list:
+        """The applied deltas' rows, as one executemany (nothing if none was applied)."""
+        if not out.applied:
+            return []
+        return [("INSERT OR IGNORE INTO deltas (tid, seq, owner, version, spec, tokens, logprobs, mask, spans) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", Many(
+                     (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
+                      d.tokens.tobytes(), d.logprobs.tobytes(), None if d.loss_mask is None else d.loss_mask.tobytes(),
+                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes())
+                     if type(d) is Delta else
+                     (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
+                      np.asarray(d.tokens, np.int32).tobytes(), np.asarray(d.logprobs, np.float32).tobytes(),
+                      None if d.loss_mask is None else np.asarray(d.loss_mask, np.uint8).tobytes(),
+                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes())
+                     for owner, d in out.applied))]
 
     async def on_in_flight(self, req: InFlightOf) -> PartialList:
         return PartialList([e.state() for e in self.state.live().values()
@@ -171,3 +189,29 @@ def _add_owner_epochs(conn) -> None:
     """v2 -> v3: the ownership epoch of each reassigned trajectory (0 for what was there)."""
     if "epoch" not in {row[1] for row in conn.execute("PRAGMA table_info(owners)")}:
         conn.execute("ALTER TABLE owners ADD COLUMN epoch INTEGER DEFAULT 0")
+
+
+def _unbatch(req: AppendDeltaBatch) -> list[Delta]:
+    n = len(req.trajectory_ids)
+    seqs, versions, off = req.seqs.tolist(), req.versions.tolist(), req.offsets.tolist()
+    epochs = req.epochs.tolist() if req.epochs is not None else [0] * n
+    if not (len(seqs) == len(versions) == len(epochs) == n and len(off) == n + 1):
+        raise RequestError("bad_request", f"{n} trajectory ids but {len(seqs)} seqs, {len(versions)} versions, "
+                           f"{len(epochs)} epochs and {len(off)} offsets")
+    if req.tokens.ndim != 1 or req.logprobs.ndim != 1 or (req.loss_mask is not None and req.loss_mask.ndim != 1):
+        raise RequestError("bad_request", "tokens, logprobs and loss mask must be 1-D arrays")
+    if off and (off[0] != 0 or off[-1] != len(req.tokens) or len(req.logprobs) != len(req.tokens)
+                or any(b < a for a, b in zip(off, off[1:]))):
+        raise RequestError("bad_request", "offsets do not cut tokens and logprobs into deltas")
+    if req.loss_mask is not None and len(req.loss_mask) != len(req.tokens):
+        raise RequestError("bad_request", "loss mask and tokens differ in length")
+    if any(s < 0 for s in seqs):
+        raise RequestError("bad_request", "negative seq")
+    if sum(1 for s in seqs if s == 0) != len(req.specs):
+        raise RequestError("bad_request", f"{len(req.specs)} specs for {sum(1 for s in seqs if s == 0)} seq-0 deltas")
+    specs = iter(req.specs)
+    toks, lps, mask = req.tokens.astype(np.int32, copy=False), req.logprobs.astype(np.float32, copy=False), req.loss_mask
+    mask = None if mask is None else mask.astype(np.uint8, copy=False)
+    return [Delta(tid, seq, toks[a:b], lps[a:b], v, next(specs) if seq == 0 else None,
+                  None if mask is None else mask[a:b], None, ep)
+            for tid, seq, v, ep, a, b in zip(req.trajectory_ids, seqs, versions, epochs, off, off[1:])]

@@ -57,6 +57,17 @@ class Entry:
                             epoch=self.epoch)
 
 
+class Delta:
+    """A TokenDelta's fields without the frozen dataclass's cost: what a columnar request
+    (AppendDeltaBatch) is cut into. Anything with these attributes can be applied."""
+    __slots__ = ("trajectory_id", "seq", "tokens", "logprobs", "version", "spec", "loss_mask", "obs_spans", "epoch")
+
+    def __init__(self, trajectory_id, seq, tokens, logprobs, version, spec=None, loss_mask=None, obs_spans=None,
+                 epoch=0):
+        self.trajectory_id, self.seq, self.tokens, self.logprobs = trajectory_id, seq, tokens, logprobs
+        self.version, self.spec, self.loss_mask, self.obs_spans, self.epoch = version, spec, loss_mask, obs_spans, epoch
+
+
 @dataclass
 class Outcome:
     applied: list[tuple[str, TokenDelta]] = field(default_factory=list)  # to persist, in order
@@ -95,14 +106,16 @@ class PartialBook:
         self.held_only: dict[str, None] = {}  # entries without seq 0 yet, oldest first
         self.forgotten: list[str] = []        # completed ids forgotten since the role last looked
 
-    def apply(self, owner: str, deltas: list[TokenDelta], out: Outcome | None = None) -> Outcome:
+    def apply(self, owner: str, deltas: list[TokenDelta], out: Outcome | None = None,
+              checked: bool = False) -> Outcome:
+        """`checked`: the deltas' shapes were validated already (a columnar request, as a whole)."""
         out = out or Outcome()
         for d in deltas:
             tid = d.trajectory_id
             if tid in self.completed:
                 out.rejected[tid] = "trajectory already completed"
                 continue
-            if why := malformed(d):
+            if not checked and (why := malformed(d)):
                 out.rejected[tid] = f"seq {d.seq}: {why}"
                 continue
             e = self.entries.get(tid)
@@ -143,9 +156,14 @@ class PartialBook:
             e.spec = d.spec
             self.held_only.pop(d.trajectory_id, None)
         e.owner, e.version = owner, d.version
-        e.tokens.append(np.asarray(d.tokens, dtype=np.int32))
-        e.logprobs.append(np.asarray(d.logprobs, dtype=np.float32))
-        e.masks.append(None if d.loss_mask is None else np.asarray(d.loss_mask, dtype=np.uint8))
+        if type(d) is Delta:  # cut from a columnar request: arrays of the right dtypes already
+            e.tokens.append(d.tokens)
+            e.logprobs.append(d.logprobs)
+            e.masks.append(d.loss_mask)
+        else:
+            e.tokens.append(np.asarray(d.tokens, dtype=np.int32))
+            e.logprobs.append(np.asarray(d.logprobs, dtype=np.float32))
+            e.masks.append(None if d.loss_mask is None else np.asarray(d.loss_mask, dtype=np.uint8))
         if d.obs_spans is not None and len(d.obs_spans):
             e.spans.append(np.asarray(d.obs_spans, dtype=np.int32).reshape(-1, 2))
         e.next_seq = d.seq + 1
