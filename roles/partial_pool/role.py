@@ -1,7 +1,10 @@
 """PartialPoolRole: AppendDeltas (exactly-once by seq), queries for migration and recovery.
 
-Durability: every applied delta is a row (trajectory, seq, tokens and logprobs as BLOBs); the
-reply is sent after those rows commit. Held (out-of-order) deltas are not durable and are counted
+Durability: the single-turn deltas one request applied are one row (a chunk: the deltas in
+columns, as AppendDeltaBatch carries them), so a flush of a thousand trajectories costs one row,
+not a thousand; a multi-turn delta (loss mask, observation spans) is a row of its own in `deltas`.
+The reply is sent after those rows commit. A chunk's row goes when the last of its trajectories
+completes (state.py). Held (out-of-order) deltas are not durable and are counted
 as `held` in the reply. Completing a trajectory deletes its rows and records its id, so a late
 delta for it is rejected instead of resurrecting it. Restart = replay the rows in seq order.
 
@@ -41,6 +44,7 @@ CREATE TABLE IF NOT EXISTS deltas (tid TEXT, seq INTEGER, owner TEXT, version IN
                                    tokens BLOB, logprobs BLOB, mask BLOB, spans BLOB, PRIMARY KEY (tid, seq));
 CREATE TABLE IF NOT EXISTS owners (tid TEXT PRIMARY KEY, owner TEXT, epoch INTEGER DEFAULT 0);
 CREATE TABLE IF NOT EXISTS completed (tid TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY, owner TEXT, blob BLOB);
 """
 
 
@@ -49,7 +53,7 @@ class PartialPoolRole(PoolRole):
     Config = PartialPoolConfig
     SCHEMA = SCHEMA
 
-    SCHEMA_VERSION = 3
+    SCHEMA_VERSION = 4  # v4: chunks (a new table)
     MIGRATIONS = {1: lambda c: _add_multiturn_columns(c), 2: lambda c: _add_owner_epochs(c)}
 
     def recover(self) -> None:
@@ -78,6 +82,7 @@ class PartialPoolRole(PoolRole):
                                  ("DELETE FROM deltas WHERE tid = ?", (tid,)), ("DELETE FROM owners WHERE tid = ?", (tid,))])
                 continue
             st.apply(owner, [d])
+        self._replay_chunks(st)
         st.forget_old()  # a store written with a larger memory (or before it was bounded)
         if st.forgotten:
             self.store.write_sync(self._forget(st))
@@ -85,6 +90,29 @@ class PartialPoolRole(PoolRole):
             if tid in st.entries:
                 st.entries[tid].owner, st.entries[tid].epoch = owner, epoch or 0
         self.state = st
+
+    def _replay_chunks(self, st: PartialBook) -> None:
+        held, st.max_held = st.max_held, 1 << 30  # the two tables interleave: nothing may be refused for a gap
+        self.next_chunk = 1
+        for cid, owner, blob in self.store.read("SELECT id, owner, blob FROM chunks ORDER BY id"):
+            self.next_chunk = cid + 1
+            try:
+                req = unpack(blob)
+                deltas = _unbatch(req)
+            except Exception as exc:  # a damaged chunk: set aside (its trajectories lose these deltas)
+                self.quarantine("chunks", str(cid), blob, f"{type(exc).__name__}: {exc}",
+                                [("DELETE FROM chunks WHERE id = ?", (cid,))])
+                continue
+            st.apply(owner, deltas, checked=True)
+            st.add_chunk(cid, req.trajectory_ids)
+        st.max_held = held
+        if st.dead_chunks:
+            self.store.write_sync(self._drop_chunks(st))
+
+    @staticmethod
+    def _drop_chunks(st: PartialBook) -> list:
+        dead, st.dead_chunks = st.dead_chunks, []
+        return [("DELETE FROM chunks WHERE id = ?", Many((c,) for c in dead))] if dead else []
 
     def routes(self) -> None:
         self.route(AppendDeltas, self.on_append)
@@ -97,21 +125,34 @@ class PartialPoolRole(PoolRole):
 
     async def on_append(self, req: AppendDeltas) -> DeltaResult:
         out: Outcome = self.state.apply(req.rollout_id, list(req.deltas))
-        await self.durable(self._rows(out))
+        await self.durable(self._rows(out, req.rollout_id))
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 
     async def on_append_batch(self, req: AppendDeltaBatch) -> DeltaResult:
         """The columnar AppendDeltas: unpacked into deltas (views into the request's arrays)."""
         deltas = _unbatch(req)
         out: Outcome = self.state.apply(req.rollout_id, deltas, checked=True)
-        await self.durable(self._rows(out))
+        await self.durable(self._rows(out, req.rollout_id))
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 
-    @staticmethod
-    def _rows(out: Outcome) -> list:
-        """The applied deltas' rows, as one executemany (nothing if none was applied)."""
+    def _rows(self, out: Outcome, owner: str) -> list:
+        """The applied deltas' rows: one chunk when all are single-turn, else a row each in one
+        executemany (nothing if none was applied)."""
         if not out.applied:
             return []
+        if all(d.loss_mask is None and d.obs_spans is None for _, d in out.applied):
+            ds = [d for _, d in out.applied]
+            tids = [d.trajectory_id for d in ds]
+            toks = [np.asarray(d.tokens, np.int32) for d in ds]
+            cid, self.next_chunk = self.next_chunk, self.next_chunk + 1
+            blob = pack(AppendDeltaBatch(
+                owner, tids, np.fromiter((d.seq for d in ds), np.int64, len(ds)),
+                np.fromiter((d.version for d in ds), np.int64, len(ds)),
+                np.concatenate([[0], np.cumsum([len(t) for t in toks])]).astype(np.int64),
+                np.concatenate(toks), np.concatenate([np.asarray(d.logprobs, np.float32) for d in ds]),
+                [d.spec for d in ds if d.seq == 0], np.fromiter((d.epoch for d in ds), np.int64, len(ds))))
+            self.state.add_chunk(cid, tids)
+            return [("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, owner, blob))]
         return [("INSERT OR IGNORE INTO deltas (tid, seq, owner, version, spec, tokens, logprobs, mask, spans) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", Many(
                      (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
@@ -163,7 +204,7 @@ class PartialPoolRole(PoolRole):
             self.state.complete(tid)
             stmts += [("DELETE FROM deltas WHERE tid = ?", (tid,)), ("DELETE FROM owners WHERE tid = ?", (tid,)),
                       ("INSERT OR IGNORE INTO completed VALUES (?)", (tid,))]
-        await self.durable(stmts + self._forget(self.state))
+        await self.durable(stmts + self._drop_chunks(self.state) + self._forget(self.state))
         return Ack()
 
     @staticmethod
@@ -174,7 +215,7 @@ class PartialPoolRole(PoolRole):
     def counts(self) -> dict:
         live = self.state.live()
         return {"in_flight": len(live), "tokens": int(sum(sum(len(t) for t in e.tokens) for e in live.values())),
-                "completed": len(self.state.completed)}
+                "completed": len(self.state.completed), "chunks": len(self.state.chunk_live)}
 
 
 def _add_multiturn_columns(conn) -> None:

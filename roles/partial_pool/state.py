@@ -13,6 +13,11 @@ kept (a late delta comes seconds after completion, not a million trajectories la
 trajectories seen only through out-of-order deltas (no seq 0 yet: `held_only`) are capped at
 `max_held_only`, the oldest dropped first (nothing of theirs was acknowledged as applied).
 
+Chunks: the role may store the deltas one request applied as one row (a chunk) instead of one row
+each. The book tracks which live trajectories each chunk holds (`add_chunk`); completing the last
+of them lists the chunk in `dead_chunks` (its row can go), and while a chunk lives the ids of its
+completed trajectories are never forgotten (replaying the chunk must still reject them).
+
 Fencing: each trajectory has an ownership epoch (0 when created). `fence` hands it to a new owner
 and advances the epoch; from then on a delta carrying an older epoch (the previous owner, cut off
 but still running) is rejected, so two writers can never splice their streams under one id. A
@@ -43,6 +48,7 @@ class Entry:
     masks: list[np.ndarray | None] = field(default_factory=list)  # one per applied delta
     spans: list[np.ndarray] = field(default_factory=list)
     epoch: int = 0  # ownership epoch: deltas carrying an older one are refused
+    chunks: list[int] = field(default_factory=list)  # stored chunks holding some of its deltas
 
     def state(self) -> PartialState:
         cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
@@ -105,6 +111,10 @@ class PartialBook:
         self.remember_completed, self.max_held_only = remember_completed, max_held_only
         self.held_only: dict[str, None] = {}  # entries without seq 0 yet, oldest first
         self.forgotten: list[str] = []        # completed ids forgotten since the role last looked
+        self.chunk_live: dict[int, set[str]] = {}   # chunk -> its trajectories not completed yet
+        self.chunk_done: dict[int, list[str]] = {}  # chunk -> its completed trajectories (kept in memory)
+        self.pins: dict[str, int] = {}              # completed id -> live chunks holding it
+        self.dead_chunks: list[int] = []            # chunks whose rows can go, since the role last looked
 
     def apply(self, owner: str, deltas: list[TokenDelta], out: Outcome | None = None,
               checked: bool = False) -> Outcome:
@@ -180,18 +190,51 @@ class PartialBook:
         """Trajectories with a spec (seq 0 applied)."""
         return {t: e for t, e in self.entries.items() if e.spec is not None}
 
+    def add_chunk(self, cid: int, tids) -> None:
+        """Chunk `cid` holds deltas of these trajectories (completed ones pin their ids)."""
+        live, done = set(), []
+        for t in tids:
+            if t in self.completed:
+                done.append(t)
+                self.pins[t] = self.pins.get(t, 0) + 1
+            elif t in self.entries:
+                live.add(t)
+                self.entries[t].chunks.append(cid)
+        if not live:
+            self._chunk_dead(cid, done)
+            return
+        self.chunk_live[cid], self.chunk_done[cid] = live, done
+
+    def _chunk_dead(self, cid: int, done: list[str]) -> None:
+        for t in done:
+            self.pins[t] -= 1
+            if not self.pins[t]:
+                del self.pins[t]
+        self.dead_chunks.append(cid)
+
     def complete(self, tid: str) -> bool:
         self.completed[tid] = None
         self.held_only.pop(tid, None)
+        e = self.entries.pop(tid, None)
+        for cid in e.chunks if e is not None else ():
+            live = self.chunk_live.get(cid)
+            if live is None:
+                continue
+            live.discard(tid)
+            self.chunk_done[cid].append(tid)
+            self.pins[tid] = self.pins.get(tid, 0) + 1
+            if not live:
+                del self.chunk_live[cid]
+                self._chunk_dead(cid, self.chunk_done.pop(cid))
         self.forget_old()
-        return self.entries.pop(tid, None) is not None
+        return e is not None
 
     def forget_old(self) -> None:
         """Past `remember_completed` (+10%, so the work comes in chunks) forget the oldest ids."""
         if len(self.completed) <= self.remember_completed * 1.1:
             return
         drop = len(self.completed) - self.remember_completed
-        old = [t for t, _ in zip(self.completed, range(drop))]
+        old = [t for t, _ in zip((t for t in self.completed if t not in self.pins), range(drop))]
         for t in old:
             del self.completed[t]
         self.forgotten += old

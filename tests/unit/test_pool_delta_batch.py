@@ -53,3 +53,38 @@ def test_columnar_deltas_are_applied_exactly_once_and_survive_a_restart(tmp_path
         return states, live
     states, live = asyncio.run(go())
     assert states == {"a": [10, 20, 11, 21, 12, 22], "b": [10, 20, 11, 21, 12, 22]} and live == ["a", "b"]
+
+
+def test_a_chunk_lives_until_its_last_trajectory_completes_and_never_resurrects_one(tmp_path):
+    import sqlite3
+
+    from laminar.config import parse_config
+    conf = parse_config({"run": {"workdir": str(tmp_path / "run")},
+                         "cluster": {"keys_dir": None, "broker": {"host": "h0"},
+                                     "hosts": {"h0": {"address": "127.0.0.1", "roles": [
+                                         {"role": "partial_pool", "port": 7003}]}}},
+                         "roles": {"partial_pool": {"remember_completed": 2}}})
+    db = tmp_path / "run" / "pools" / "partial_pool-0.sqlite"
+
+    def chunks() -> int:
+        with sqlite3.connect(db) as c:
+            return c.execute("SELECT count(*) FROM chunks").fetchone()[0]
+
+    async def go():
+        c = InprocCluster(conf)
+        await c.start("partial_pool")
+        pool = c.client("partial_pool")
+        await pool.call(batch(["a", "b"], 0))                  # one chunk holds both
+        await pool.call(CompletePartial(["a"]))
+        for i in range(10):                                    # enough completions to forget old ids
+            await pool.call(batch([f"x{i}"], 0))
+            await pool.call(CompletePartial([f"x{i}"]))
+        await c.stop("partial_pool")
+        assert chunks() == 1                                   # only a+b's chunk: b is still running
+        await c.start("partial_pool")
+        live = sorted(p.spec.trajectory_id for p in (await pool.call(InFlightOf("*"))).partials)
+        await pool.call(CompletePartial(["b"]))
+        await c.close()
+        return live
+    assert asyncio.run(go()) == ["b"]                          # a, completed long ago, stays completed
+    assert chunks() == 0

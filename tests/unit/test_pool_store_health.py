@@ -5,6 +5,7 @@ record is quarantined, and a pool that cannot serve says so in its status and in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 
 import numpy as np
@@ -72,17 +73,26 @@ def test_a_torn_page_is_found_at_open_and_the_readable_rows_rebuilt(tmp_path):
     s.close()
 
 
-def test_an_undecodable_record_is_quarantined_not_a_restart_loop(tmp_path):
+@pytest.mark.parametrize("turns", ["single", "multi"])
+def test_an_undecodable_record_is_quarantined_not_a_restart_loop(tmp_path, turns):
+    def d(tid):  # single-turn deltas are stored in chunks (one per request), multi-turn ones a row each
+        x = delta(tid, 0)
+        return x if turns == "single" else dataclasses.replace(x, loss_mask=np.ones(len(x.tokens), np.uint8))
+
     async def go():
         c = InprocCluster(cfg(tmp_path))
         await c.start("partial_pool")
         client = c.client("partial_pool")
-        await client.call(AppendDeltas("r0", [delta("good", 0), delta("bad", 0)]))
+        await client.call(AppendDeltas("r0", [d("good")]))
+        await client.call(AppendDeltas("r0", [d("bad")]))
         await c.stop("partial_pool")
         db = tmp_path / "run" / "pools" / "partial_pool-0.sqlite"
         with sqlite3.connect(db) as conn:
-            conn.execute("UPDATE deltas SET spec = ? WHERE tid = 'bad'", (b"\x93garbage",))
-        pool = await c.start("partial_pool")   # starts: the bad row is set aside
+            if turns == "single":
+                conn.execute("UPDATE chunks SET blob = ? WHERE id = (SELECT max(id) FROM chunks)", (b"\x93garbage",))
+            else:
+                conn.execute("UPDATE deltas SET spec = ? WHERE tid = 'bad'", (b"\x93garbage",))
+        pool = await c.start("partial_pool")   # starts: the bad record is set aside
         assert (await client.call(GetPartial("good"))).tokens.tolist() == [10, 20]
         assert [p.spec.trajectory_id for p in (await client.call(InFlightOf("*"))).partials] == ["good"]
         assert pool.status()["quarantined_rows"] == 1
