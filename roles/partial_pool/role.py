@@ -132,14 +132,21 @@ class PartialPoolRole(PoolRole):
         """The columnar AppendDeltas: unpacked into deltas (views into the request's arrays)."""
         deltas = _unbatch(req)
         out: Outcome = self.state.apply(req.rollout_id, deltas, checked=True)
-        await self.durable(self._rows(out, req.rollout_id))
+        whole = len(out.applied) == len(deltas) and req.loss_mask is None and all(
+            d is a for (_, d), a in zip(out.applied, deltas))
+        await self.durable(self._rows(out, req.rollout_id, req if whole else None))
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 
-    def _rows(self, out: Outcome, owner: str) -> list:
+    def _rows(self, out: Outcome, owner: str, whole: AppendDeltaBatch | None = None) -> list:
         """The applied deltas' rows: one chunk when all are single-turn, else a row each in one
-        executemany (nothing if none was applied)."""
+        executemany (nothing if none was applied). `whole`: the request, when exactly its deltas
+        were applied, in its order (the chunk is then the request itself)."""
         if not out.applied:
             return []
+        if whole is not None:
+            cid, self.next_chunk = self.next_chunk, self.next_chunk + 1
+            self.state.add_chunk(cid, whole.trajectory_ids)
+            return [("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, owner, pack(whole)))]
         if all(d.loss_mask is None and d.obs_spans is None for _, d in out.applied):
             ds = [d for _, d in out.applied]
             tids = [d.trajectory_id for d in ds]

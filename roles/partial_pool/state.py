@@ -29,6 +29,7 @@ handed to a new owner keeps them (a state is masked only if one of its deltas wa
 """
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,15 +64,11 @@ class Entry:
                             epoch=self.epoch)
 
 
-class Delta:
-    """A TokenDelta's fields without the frozen dataclass's cost: what a columnar request
-    (AppendDeltaBatch) is cut into. Anything with these attributes can be applied."""
-    __slots__ = ("trajectory_id", "seq", "tokens", "logprobs", "version", "spec", "loss_mask", "obs_spans", "epoch")
-
-    def __init__(self, trajectory_id, seq, tokens, logprobs, version, spec=None, loss_mask=None, obs_spans=None,
-                 epoch=0):
-        self.trajectory_id, self.seq, self.tokens, self.logprobs = trajectory_id, seq, tokens, logprobs
-        self.version, self.spec, self.loss_mask, self.obs_spans, self.epoch = version, spec, loss_mask, obs_spans, epoch
+# A TokenDelta's fields without the frozen dataclass's cost (a tuple): what a columnar request
+# (AppendDeltaBatch) is cut into, its arrays already of the right dtypes. Anything with these
+# attributes can be applied.
+Delta = namedtuple("Delta", ["trajectory_id", "seq", "tokens", "logprobs", "version", "spec", "loss_mask",
+                             "obs_spans", "epoch"], defaults=[None, None, None, 0])
 
 
 @dataclass
