@@ -43,7 +43,7 @@ from pathlib import Path
 from laminar.bus.errors import RemoteError, RpcError
 import numpy as np
 
-from laminar.protocol import (CompletePartial, GroupPresence, HandedGroups, Heartbeat, InFlightOf, MigrateIn,
+from laminar.protocol import (AppendDeltas, CompletePartial, GroupPresence, TokenDelta, HandedGroups, Heartbeat, InFlightOf, MigrateIn,
                               MigrateOut, PartialState, RequeueGroups, RolloutStats)
 from laminar.roles.manager.repack import ReplicaLoad, plan_repack
 
@@ -436,8 +436,16 @@ class Fleet:
             new_id = f"{base}~r{int(n or 0) + 1}"
             fresh.append(PartialState(spec=dataclasses.replace(p.spec, trajectory_id=new_id),
                                       tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
-                                      version=dest.stats.version, rollout_id=dest.id, next_seq=0))
+                                      version=dest.stats.version, rollout_id=dest.id, next_seq=1))
             old[new_id] = tid
+        if fresh:  # the new copies exist in the partial pool (seq 0, no tokens) before the old ones are completed,
+            try:   # so that no moment leaves the work only in one rollout's memory; the rollout resumes at seq 1
+                await self.partials.call(AppendDeltas(dest.id, [
+                    TokenDelta(p.spec.trajectory_id, 0, np.zeros(0, np.int32), np.zeros(0, np.float32), p.version, p.spec)
+                    for p in fresh]), timeout=self.s.rpc_timeout_s)
+            except RpcError as exc:
+                self.log.warning("orphan_restart_deferred", trajectories=len(fresh), error=str(exc))
+                return
         placed = await self._migrate_in(dest.id, fresh) if fresh else set()
         done = [old[n] for n in placed]
         if done:
