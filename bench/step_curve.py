@@ -5,7 +5,7 @@
 For each batch size b, b requests of `--tokens` tokens start together on one engine (the rollout's
 own VllmEngine, one core); step time = wall time of the batch ÷ tokens per request. B is
 `laminar.sim.latency.roofline_batch_bound` of that curve (the largest batch whose step is within
-1.2× the batch-1 step, DESIGN §5). The JSON (`{"points": [[b, ms], ...], "batch_bound": B}`) is what
+1.2× the batch-1 step, the manager's repack bound). The JSON (`{"points": [[b, ms], ...], "batch_bound": B}`) is what
 `roles.manager.curve_path` reads, so the manager takes B from a curve measured on this machine.
 """
 from __future__ import annotations

@@ -156,6 +156,7 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
     out["iteration_s"] = [round((b["ts"] - a["ts"]) * S, 1) for a, b in zip(recs, recs[1:])]
     out["iteration_s_mean"] = (sum((b["ts"] - a["ts"]) * S for a, b in gaps) / len(gaps)) if gaps else None
     out["train_s_mean"] = (sum(b.get("sim_train_s", 0.0) for _, b in gaps) / len(gaps)) if gaps else None
+    out["stall_s_mean"] = (sum(b.get("sim_stall_s", 0.0) for _, b in gaps) / len(gaps)) if gaps else None
     # generation: all engines' tokens over the same versions (marks are taken at each new version)
     marks = {v: (t, tok) for v, t, tok in run.marks}
     v0, v1 = (warmup, warmup + measure) if not short else (window[0]["version"] if window else 0, len(recs))
@@ -315,15 +316,16 @@ def ceiling(r: dict) -> dict | None:
     """The most any scheduler could reach on this run's placement and cost model: the lower of
     (a) every rollout always at its roofline batch (the ideal generation rate, as prompt + response
     tokens) and (b) the trainer never waiting for data (a global batch's tokens ÷ its training
-    time). From the run's own measurements (throughput × iteration ÷ training = batch tokens ÷
-    training time), so it applies to files written before it (`combine` fills in their batch
-    tokens per response token from the length fit)."""
+    time plus its publish stall, which it pays whatever the scheduling). From the run's own
+    measurements (throughput × iteration ÷ (training + stall) = batch tokens ÷ (training +
+    stall)), so it applies to files written before it (`combine` fills in their batch tokens per
+    response token from the length fit; files without the stall get none)."""
     tp, per_token, ideal = r.get("throughput_tokens_per_s"), r.get("batch_tokens_per_response_token"), \
         r.get("ideal_generation_tokens_per_s")
-    it, train = r.get("iteration_s_mean"), r.get("train_s_mean")
+    it, train, stall = r.get("iteration_s_mean"), r.get("train_s_mean"), r.get("stall_s_mean") or 0.0
     if not (tp and per_token and ideal and it and train):
         return None
-    gen, trainer = ideal * per_token, tp * it / train
+    gen, trainer = ideal * per_token, tp * it / (train + stall)
     return {"tokens_per_s": min(gen, trainer), "generation_bound": gen, "training_bound": trainer,
             "bound_by": "generation" if gen < trainer else "training"}
 

@@ -1,4 +1,4 @@
-"""Decode step latency (batch size -> ms), prefill cost, and the roofline batch bound B (DESIGN §5).
+"""Decode step latency (batch size -> ms), prefill cost, and the roofline batch bound B (the manager's repack).
 
 Design decisions:
 - A curve is a list of measured points, interpolated piecewise-linearly. Below the smallest
@@ -132,7 +132,7 @@ class StepCurve:
 
 
 def roofline_batch_bound(curve: StepCurve, tolerance: float = 1.2) -> int:
-    """DESIGN §5's B: the largest batch whose step time is within `tolerance` × the batch-1 time.
+    """Repack's B: the largest batch whose step time is within `tolerance` × the batch-1 time.
     Batches are scanned upwards inside the measured range and the scan stops at the first one over
     the limit, so a noisy dip further out cannot move the knee."""
     limit = tolerance * curve.step_ms(1) * (1 + 1e-9)  # 1.2 × 10.5 must admit a 12.6 point

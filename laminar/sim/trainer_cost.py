@@ -1,5 +1,5 @@
 """What the simulated trainer costs: time per RL iteration, the stall of publishing weights, and
-the time a version takes to reach every relay of the chain (DESIGN §4, §8).
+the time a version takes to reach every relay of the chain (docs/sim.md).
 
 Design decisions:
 - Iteration time = 6 × params × tokens (× 4/3 with full activation recomputation: one more
@@ -34,7 +34,7 @@ Design decisions:
     the padded batch between the driver and the workers.
   * colocated phase switches (`switch_s`): resharding, the inference engine's sleep and wake,
     offload and reload of the training state (`colocated_switch_s`).
-- Publishing and broadcast follow DESIGN §4's relay model with stated link constants
+- Publishing and broadcast follow the relay chain's model with stated link constants
   (`RelayLink`). The trainer's stall is the time to push S bytes into the master relay at the
   link bandwidth; the chain adds (p − 2)(c/B + α) for p relays. The paper's measurements
   (paper.json `relay_broadcast_latency_s_by_machines`, `trainer_stall_on_publish_s`) are only
@@ -57,7 +57,7 @@ class RelayLink:
     bandwidth: an H800 node has 8 × 400 Gb/s NICs (400 GB/s line rate). A relay receives and
     forwards at once out of host memory (inbound DMA writes, outbound DMA reads and the local
     rollouts' reads share one memory system), so we take half the line rate: 200 GB/s.
-    chunk: DESIGN §4's 16-64 MiB range, upper end. alpha: per-chunk overhead (post the transfer,
+    chunk: the relay's 16-64 MiB range, upper end. alpha: per-chunk overhead (post the transfer,
     wait for its completion, verify the checksum, hand it to the forwarder): 1 ms.
     """
     bandwidth_gbps: float = 200.0

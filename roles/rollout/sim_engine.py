@@ -1,4 +1,4 @@
-"""SimEngine: a simulated vLLM behind the `RolloutEngine` interface (DESIGN §8).
+"""SimEngine: a simulated vLLM behind the `RolloutEngine` interface (docs/sim.md).
 
     engine = SimEngine.from_workload(model="32B", tp=4, lengths="32B_math", max_num_seqs=1024,
                                      clock=CompressedClock(speedup=50))

@@ -1,4 +1,4 @@
-"""SimTrainEngine: the scale simulator's trainer (DESIGN §8), selected by `roles.trainer.engine: sim`.
+"""SimTrainEngine: the scale simulator's trainer (docs/sim.md), selected by `roles.trainer.engine: sim`.
 
 It stands in for TrainEngine behind the trainer role: the role still samples whole groups from
 the real experience buffer, counts versions, writes the same metrics records (reward, staleness,
@@ -27,7 +27,7 @@ Weights: a version is a few KB (`weight_bytes`), never the model's size. Two way
   `publish: false`): the engine itself writes each version into host i's folder (the same
   shared-memory store format a relay writes, so the rollouts' LocalWeights reads it) when the
   relay model says it arrives there — S/B for the master, + (i − 1)(c/B + α) for the i-th host
-  (DESIGN §4), so the last of p hosts has it after `broadcast_s(p)` — and publishes
+  (the relay chain), so the last of p hosts has it after `broadcast_s(p)` — and publishes
   `weights.version` as that host's relay would. No torch, no threads per relay: at the paper's
   scale (up to 96 rollout hosts) the real chain's Python-side latency, multiplied by the
   speedup, would dominate the modeled second or so.

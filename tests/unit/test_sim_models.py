@@ -16,7 +16,7 @@ from laminar.sim.latency import StepCurve, prefill_ms_per_token, roofline_batch_
 from laminar.sim.lengths import LengthDistribution, sample_groups, workload_lengths, z_from_key
 from laminar.sim.trainer_cost import RelayLink, TrainerCost, broadcast_s, compare_with_paper
 
-# paper.json's response_length_tokens (copied so these tests do not depend on where shared/ lies)
+# paper.json's response_length_tokens (copied so these tests do not depend on the workload file)
 PAPER_LENGTHS = {
     "7B_math": {"mean": 5530, "p50": 6140, "p90": 9740, "p99": 14000, "note": "bimodal"},
     "32B_math": {"mean": 3330, "p50": 2830, "p90": 5990, "p99": 10480},

@@ -68,7 +68,7 @@ def test_modeled_chain_arrival_offsets():
     d = ModeledDelivery(role=None, settings=s, cost=cost, loop=None)
     hop = 64 * 2 ** 20 / 200e9 + 1e-3
     assert d.offsets == pytest.approx([0, 0, hop, 2 * hop])  # master and its successor at S/B, then per hop
-    assert engine_stall(s) + d.offsets[-1] == pytest.approx(cost.broadcast_s(4))  # DESIGN §4's formula
+    assert engine_stall(s) + d.offsets[-1] == pytest.approx(cost.broadcast_s(4))  # the relay chain's formula
 
 
 def engine_stall(s: SimTrainerSettings) -> float:

@@ -1,0 +1,39 @@
+"""The harness's arithmetic on run results (laminar/sim/harness.py): laminar's ceiling and the
+fraction of it measured, the plateau check. Pure functions on hand-made results."""
+from __future__ import annotations
+
+import pytest
+
+from laminar.sim.harness import assemble, ceiling, plateau
+
+
+def run(tp: float, it: float = 100.0, train: float = 80.0, stall: float = 1.0, ideal: float = 1e6) -> dict:
+    return {"throughput_tokens_per_s": tp, "batch_tokens_per_response_token": 1.25,
+            "ideal_generation_tokens_per_s": ideal, "iteration_s_mean": it, "train_s_mean": train,
+            "stall_s_mean": stall, "max_staleness": 1, "staleness_histogram_all": {}, "fraction_of_ideal": 0.5,
+            "rollout_idle_fraction": 0.0, "kv_usage_mean": 0.5, "generation_tokens_per_s": 1.0, "repack": {},
+            "lagged": False, "finished": True, "speedup": 1.0, "wall_s": 1.0}
+
+
+def test_ceiling_is_the_trainer_never_waiting_stall_included_or_the_roofline():
+    # batch tokens = 1,000 tok/s × 100 s; the trainer alone: 80 s of training + 1 s of stall
+    c = ceiling(run(1000.0))
+    assert c["bound_by"] == "training" and c["tokens_per_s"] == pytest.approx(100_000 / 81)
+    g = ceiling(run(1000.0, ideal=100.0))
+    assert g["bound_by"] == "generation" and g["tokens_per_s"] == pytest.approx(125.0)
+    old = run(1000.0)
+    del old["stall_s_mean"]  # a file from before the stall was recorded
+    assert ceiling(old)["tokens_per_s"] == pytest.approx(100_000 / 80)
+
+
+def test_ceiling_fraction_and_plateau():
+    objs = []
+    for gpus, lam, sync in ((512, 900.0, 400.0), (1024, 1000.0, 420.0)):
+        objs.append(assemble("72B", gpus, {"laminar": run(lam), "sync": run(sync)}, {"laminar": 5, "sync": 2},
+                             {"laminar": 8, "sync": 5}))
+    top = objs[-1]
+    assert top["ceiling_fraction"] == pytest.approx(1000.0 / (1000.0 * 100 / 81))
+    assert top["speedup_over"]["sync"] == pytest.approx(1000 / 420)
+    p = plateau(objs)
+    assert p["72B"]["sync"] == pytest.approx(420 / 400) and p["72B"]["laminar"] == pytest.approx(1000 / 900)
+    assert plateau(objs[:1]) == {}
