@@ -110,8 +110,8 @@ class TrainerRole(Role):
         if not self.main:
             self.state = "ready"
             self.event("trainer_ready", rank=self.info.rank, version=self.version, device=str(self.device))
-            if self._publish_gathers() and self.resumed_from is None and self.version == 0:
-                await in_thread(self.engine.full_state, "trainer-gather")  # rank 0 publishes version 0
+            if self._publish_gathers():  # rank 0 publishes its start version (0, or the checkpoint's)
+                await in_thread(self.engine.full_state, "trainer-gather")
             return
         self.metrics = MetricsLog(self.dir)  # rank 0 alone writes metrics and checkpoints
         # groups handed out after our checkpoint stay leased in the buffer until the next one, so
@@ -131,10 +131,16 @@ class TrainerRole(Role):
             self.event("resumed", version=self.version, checkpoint=str(self.resumed_from), cursor=self.cursor,
                        groups_handed_out_since=lost)
         if c.publish:
+            # Every start or resume is a new lineage (recorded next to the checkpoints first), and
+            # its weights go out at once: version 0 of a new run, or the checkpoint's version,
+            # which relays and rollouts take even over a higher number of the discarded lineage.
+            from laminar.weights.publisher import advance_lineage
+            self.run_id, self.lineage = advance_lineage(self.ckpt_root)
             self.link = PublishLink(self, c)
             await self.link.start()
-            if self.resumed_from is None and self.version == 0:
-                await self._publish()  # the initial weights are version 0
+            self.link.publisher.run_id, self.link.publisher.lineage = self.run_id, self.lineage
+            self.event("lineage", lineage=self.lineage, run_id=self.run_id, version=self.version)
+            await self._publish()
         self.state = "ready"
         self.event("trainer_ready", version=self.version, device=str(self.device), model=c.model_dir,
                    params=self.engine.params, world_size=c.world_size)
@@ -285,6 +291,7 @@ class TrainerRole(Role):
             self.metrics.close()
 
     def status(self) -> dict:
-        return {"version": self.version, "state": self.state, "cursor": self.cursor, "rank": self.info.rank,
+        return {"version": self.version, "lineage": getattr(self, "lineage", 0), "state": self.state,
+                "cursor": self.cursor, "rank": self.info.rank,
                 "publish_stall_s": round(self.link.last_stall_s, 6) if self.link else 0.0,
                 "delivered": self.publisher.delivered if self.publisher is not None else None}
