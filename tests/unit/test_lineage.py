@@ -96,3 +96,54 @@ def test_an_older_lineage_is_not_taken_back(chain):
     finally:
         pub.close()
     assert [ident(n) for n in nodes] == [("run-a", 3, 1)] * 2   # ... and never taken
+
+
+def test_a_folder_left_by_another_run_is_not_served(chain):
+    (old,) = chain(1)
+    pub = WeightPublisher(chunk_bytes=256 << 10, key=KEY)
+    pub.run_id, pub.lineage = "run-old", 4
+    try:
+        pub.set_target(old.address, old.id)
+        pub.publish(weights(60), version=60)
+        assert pub.wait_delivered(60, 20)
+    finally:
+        pub.close()
+    old.stop()                                   # killed: its folder stays behind with v60
+    assert LocalWeights(old.store.dir).current_version() == 60
+    new = RelayNode("n-new", str(old.store.dir), get_transport("tcp"), KEY)
+    new.start()
+    try:
+        assert LocalWeights(new.store.dir).latest() is None      # a rollout finds nothing to load
+        assert new.status()["version"] == -1
+        fresh = weights(0)
+        pub = WeightPublisher(chunk_bytes=256 << 10, key=KEY)
+        pub.run_id, pub.lineage = "run-new", 1
+        try:
+            pub.set_target(new.address, new.id)
+            pub.publish(fresh, version=0)                        # a new run's version 0 ...
+            assert pub.wait_delivered(0, 20)
+        finally:
+            pub.close()
+        wait_for(new, ("run-new", 1, 0))                         # ... is what the relay serves
+        with LocalWeights(new.store.dir).latest() as pulled:
+            got = pulled.state_dict()
+            assert all(torch.equal(got[k], fresh[k]) for k in fresh)
+            del got
+    finally:
+        new.stop()
+
+
+def test_a_restarted_relay_serves_its_left_version_again_once_its_lineage_is_offered(chain):
+    (old,) = chain(1)
+    sd = weights(7)
+    publish([old], lineage=2, version=7, sd=sd)
+    old.stop()
+    again = RelayNode("n-again", str(old.store.dir), get_transport("tcp"), KEY)
+    again.start()
+    try:
+        assert LocalWeights(again.store.dir).latest() is None
+        publish([again], lineage=2, version=7, sd=sd)            # its predecessor offers the same version
+        assert again.receiver.stats["chunks"] == 0                # answered 'have it all': nothing re-sent
+        assert LocalWeights(again.store.dir).current_version() == 7
+    finally:
+        again.stop()
