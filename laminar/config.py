@@ -33,6 +33,9 @@ class RoleSpec(Strict):
     port: int | None = Field(None, ge=1, le=65535, description="request/reply port, for roles that serve one")
     cores: list[int] | None = Field(None, description="CPU cores to pin this process to (taskset)")
     options: dict[str, Any] = Field(default_factory=dict, description="per-instance overrides of roles.<kind>")
+    ready_timeout_s: float | None = Field(None, gt=0, description="seconds the supervisor waits for this role's "
+                                          "READY before it counts as a failed start (null: 1800 for rollouts, "
+                                          "whose model load is long, 300 for the others)")
 
     @field_validator("id", mode="before")
     @classmethod

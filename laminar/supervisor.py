@@ -11,6 +11,13 @@
 - A child's own children (a rollout's vLLM EngineCore and workers) share its process group; when
   the child exits, however it exits (SIGKILL included), whatever is left in that group is killed,
   so an engine never outlives its rollout holding GiBs of memory.
+- The same goes for the group's shared memory: what its processes map or hold open in /dev/shm
+  (vLLM's `psm_*` message queues, multiprocessing semaphores) is noted when the child is READY,
+  every SHM_SCAN_S while it runs, and once more just before the sweep; after the sweep, every
+  noted top-level /dev/shm object that no live process outside the group holds is unlinked
+  (laminar/shm.py). A clean engine shutdown unlinks its own; this catches the rest.
+- READY deadline per child: `ready_timeout_s` of its placement (RoleSpec), else READY_TIMEOUT_S of
+  its role kind (rollouts: long enough for a 70B vLLM start), else DEFAULT_READY_TIMEOUT_S.
 - Stop: SIGTERM, wait `shutdown_s`, SIGKILL what is left, reap everything.
 """
 from __future__ import annotations
@@ -26,9 +33,23 @@ from typing import Callable
 
 import structlog
 
+from laminar.shm import ShmLedger, group_members
+
 log = structlog.get_logger("laminar.supervisor")
 
 BACKOFF_START_S, BACKOFF_MAX_S, HEALTHY_RESET_S = 0.5, 30.0, 60.0
+SHM_SCAN_S = 5.0  # how often a running child's /dev/shm holdings are noted
+DEFAULT_READY_TIMEOUT_S = 300.0
+# a rollout loads its model into vLLM before READY: a 70B start (weights from disk, KV cache
+# allocation, warm-up) takes many minutes on a real node
+READY_TIMEOUT_S = {"rollout": 1800.0}
+
+
+def ready_timeout_for(role: str, configured: float | None = None) -> float:
+    """The READY deadline of a `role` child: its configured value, else its kind's default."""
+    if configured is not None:
+        return float(configured)
+    return READY_TIMEOUT_S.get(role, DEFAULT_READY_TIMEOUT_S)
 
 
 def _pdeathsig() -> None:
@@ -55,12 +76,15 @@ class Child:
     id: str
     argv: list[str]
     state: str = "pending"      # pending | starting | ready | backoff | finished | failed | stopped
+    ready_timeout_s: float | None = None  # None: the supervisor's default for this role kind
     pid: int | None = None
     restarts: int = 0
     started_at: float = 0.0
     last_exit: int | None = None
     proc: asyncio.subprocess.Process | None = field(default=None, repr=False)
     changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    group: int | None = field(default=None, repr=False)  # process group of the run not yet reaped
+    shm: ShmLedger = field(default_factory=ShmLedger, repr=False)
 
     @property
     def key(self) -> str:
@@ -68,15 +92,23 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, children: list[Child], shutdown_s: float = 10.0, ready_timeout_s: float = 300.0,
+    def __init__(self, children: list[Child], shutdown_s: float = 10.0, ready_timeout_s: float | None = None,
                  on_change: Callable[[Child], None] = lambda c: None, env: dict | None = None,
                  log_dir: str | None = None):
+        """`ready_timeout_s`: READY deadline of children that configure none (None: per role kind)."""
         self.children = children
         self.log_dir = log_dir
         self.shutdown_s, self.ready_timeout_s = shutdown_s, ready_timeout_s
         self.on_change, self.env = on_change, env
         self.stopping = asyncio.Event()
         self._watchers: list[asyncio.Task] = []
+        self._reaps: set[asyncio.Future] = set()
+        self._scanner: asyncio.Task | None = None
+
+    def ready_timeout(self, c: Child) -> float:
+        if c.ready_timeout_s is None and self.ready_timeout_s is not None:
+            return self.ready_timeout_s
+        return ready_timeout_for(c.role, c.ready_timeout_s)
 
     def _set(self, c: Child, state: str) -> None:
         c.state = state
@@ -101,14 +133,16 @@ class Supervisor:
             if out is not None:
                 out.close()
         c.pid, c.started_at = c.proc.pid, time.monotonic()
-        line = await self._read_ready(r)
+        c.group, c.shm = c.proc.pid, ShmLedger()  # start_new_session: its pid is its group
+        line = await self._read_ready(r, self.ready_timeout(c))
         if line.startswith(b"READY"):
+            await asyncio.to_thread(self._note, c)  # an engine made its queues during setup
             self._set(c, "ready")
             return True
         log.warning("child_not_ready", child=c.key, pid=c.pid, got=line[:40].decode(errors="replace"))
         return False
 
-    async def _read_ready(self, fd: int) -> bytes:
+    async def _read_ready(self, fd: int, timeout_s: float) -> bytes:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -119,7 +153,7 @@ class Supervisor:
 
         loop.add_reader(fd, readable)
         try:
-            return await asyncio.wait_for(fut, self.ready_timeout_s)
+            return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
             return b"TIMEOUT"
         finally:
@@ -133,7 +167,7 @@ class Supervisor:
             if not ok and c.proc.returncode is None:
                 c.proc.kill()  # never became ready: treat as a failed start
             code = await c.proc.wait()
-            sweep_group(c.proc.pid)
+            await asyncio.shield(self._reap_soon(c))
             c.last_exit, c.pid = code, None
             if self.stopping.is_set():
                 self._set(c, "stopped")
@@ -152,8 +186,43 @@ class Supervisor:
                 pass
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
+    @staticmethod
+    def _note(c: Child) -> None:
+        """Note what the child's group holds in /dev/shm now (blocking: /proc reads)."""
+        if c.group is not None:
+            c.shm.note(group_members(c.group))
+
+    def _reap(self, c: Child) -> None:
+        """After the child exited: note what its survivors hold, kill them, remove the shared
+        memory only they held. Once per run (blocking: /proc reads, unlinks)."""
+        pgid, ledger = c.group, c.shm
+        if pgid is None:
+            return
+        c.group = None
+        ledger.note(group_members(pgid))
+        sweep_group(pgid)
+        removed = ledger.release()
+        if removed:
+            log.info("child_shm_removed", child=c.key, pgid=pgid, removed=removed)
+
+    def _reap_soon(self, c: Child) -> asyncio.Future:
+        fut = asyncio.ensure_future(asyncio.to_thread(self._reap, c))
+        self._reaps.add(fut)
+        fut.add_done_callback(self._reaps.discard)
+        return fut
+
+    async def _scan_shm(self) -> None:
+        """Every SHM_SCAN_S: note what each running child's group holds in /dev/shm."""
+        while True:
+            await asyncio.sleep(SHM_SCAN_S)  # a period, not a synchronization
+            for c in self.children:
+                if c.group is not None:
+                    await asyncio.to_thread(self._note, c)
+
     async def start(self) -> None:
         """Start the broker (if placed here) and wait for READY, then everything else."""
+        if self._scanner is None:
+            self._scanner = asyncio.create_task(self._scan_shm(), name="scan_shm")
         first = [c for c in self.children if c.role == "broker"]
         rest = [c for c in self.children if c.role != "broker"]
         for c in first:
@@ -180,6 +249,13 @@ class Supervisor:
         for t in self._watchers:
             t.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
+        if self._scanner is not None:
+            self._scanner.cancel()
+            await asyncio.gather(self._scanner, return_exceptions=True)
+        for c in self.children:  # a watcher cancelled before it reaped its child's run
+            if c.group is not None and c.proc is not None and c.proc.returncode is not None:
+                self._reap_soon(c)
+        await asyncio.gather(*self._reaps, return_exceptions=True)
 
     async def _terminate(self, group: list[Child]) -> None:
         live = [c for c in group if c.proc is not None and c.proc.returncode is None]
@@ -199,5 +275,6 @@ class Supervisor:
 
 def children_for_host(cfg, config_path: str, host: str, level: str = "info") -> list[Child]:
     py = [sys.executable, "-m", "laminar.cli", "--log-level", level]
-    return [Child(spec.role, spec.id, [*py, "role", spec.role, "--id", spec.id, "--host", host, config_path])
+    return [Child(spec.role, spec.id, [*py, "role", spec.role, "--id", spec.id, "--host", host, config_path],
+                  ready_timeout_s=ready_timeout_for(spec.role, spec.ready_timeout_s))
             for spec in cfg.cluster.hosts[host].roles]

@@ -7,6 +7,10 @@
 
 Each process's stdout+stderr go to `<log_dir>/<role>.<id>.log` (JSON log lines), which tests read
 to find events such as `chain_repaired`. Only processes started here are ever signalled.
+
+Like the supervisor, kill() and stop() leave nothing of the role behind: what is left in its
+process group (a rollout's vLLM engine) is killed, and the /dev/shm objects only that group held
+(vLLM's `psm_*` queues; noted at READY and just before each signal) are removed (laminar/shm.py).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from laminar.shm import ShmLedger, group_members
 from laminar.supervisor import sweep_group
 
 
@@ -61,6 +66,7 @@ class RoleProc:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self._ready_r: int | None = None
+        self.shm = ShmLedger()
 
     def start(self) -> "RoleProc":
         r, w = os.pipe()
@@ -71,6 +77,7 @@ class RoleProc:
                                          env=self.env, start_new_session=True)
         os.close(w)
         self._ready_r = r
+        self.shm = ShmLedger()
         return self
 
     @property
@@ -95,25 +102,36 @@ class RoleProc:
         finally:
             os.close(self._ready_r)
             self._ready_r = None
+        self.note_shm()
+
+    def note_shm(self) -> None:
+        """Note what the role's process group maps or holds open in /dev/shm now."""
+        if self.proc is not None:
+            self.shm.note(group_members(self.proc.pid))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
         if self.alive():
+            self.note_shm()
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         self._sweep()
 
     def _sweep(self) -> None:
-        """The role ran in its own session: kill what it left there (a rollout's vLLM engine)."""
+        """The role ran in its own session: kill what it left there (a rollout's vLLM engine) and
+        remove the shared memory only that group held."""
         if self.proc is not None and self.proc.returncode is not None:
+            self.note_shm()  # survivors still hold what they made
             sweep_group(self.proc.pid)
+            self.shm.release()
 
     def stop(self, timeout: float = 10.0) -> int | None:
         if self.proc is None:
             return None
         if self.alive():
+            self.note_shm()
             os.kill(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
