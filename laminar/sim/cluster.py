@@ -1,0 +1,217 @@
+"""Run one simulator scenario inside this process: every role of a sim config (laminar/sim/
+scenario.py) on the in-process transport, until the sim trainer reaches its last version.
+
+    python bench/scale.py --model 72B --gpus 1024 --write-configs DIR     # the cluster files
+    python -m laminar.sim.cluster DIR/72B-1024-laminar.yaml [--prompt-tokens 256]
+
+    run = asyncio.run(run_sim(parse_config(cfg_dict), timeout_s=600))
+    run.records          # the trainer's metrics.jsonl records (one per version)
+    run.marks            # [(version, real time, generated tokens of all engines)] at each new version
+    run.engines          # each SimEngine's counters (tokens, preemptions, max_lag_s, ...)
+    run.fleet            # the manager's repack counters
+
+Start order: manager, pools, relays (they join the manager's chain), trainer, then the rollouts,
+whose clocks start last and close together. The roles are the real classes driven by the real
+shell (InprocCluster); the codec is skipped (codec=False) because every event already
+round-trips through it in the other tests, and at 10^5 events per second it would be most of the
+simulator's CPU. Stop order is the reverse; a rollout's stop flushes its in-flight work to the
+partial pool, as on a real shutdown.
+
+Also measured, because compressed time is only faithful while Python keeps up: the event loop's
+lag (a 20 ms ticker's overshoot) and each engine's `max_lag_s` (how far its scheduler fell behind
+its simulated timeline, in simulated seconds).
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import resource
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from laminar.bus.inproc import InprocHub, InprocTransport
+from laminar.roles.trainer.metrics import read_jsonl
+from laminar.testing.inproc_cluster import InprocCluster
+
+SIM_MAX_INFLIGHT = 1 << 20
+
+
+class _SimTransport(InprocTransport):
+    def server(self, address: str, role: str, id: str, max_inflight: int = 256):
+        return super().server(address, role, id, max(max_inflight, SIM_MAX_INFLIGHT))
+
+
+class SimHub(InprocHub):
+    """The in-process hub with the servers' in-flight bound lifted. A pool's bound (256 handlers)
+    sheds load for a process of its own; here every client shares the pool's CPU, so a refused
+    call comes back as a retry that costs the pool's CPU again, and a burst of completions (a
+    thousand rollouts' first batches ending together) turns into a retry storm. Lifted, the
+    burst queues once and drains at the pools' speed, which is what the throughput is made of."""
+
+    def transport(self) -> InprocTransport:
+        return _SimTransport(self)
+
+
+@dataclass
+class SimRun:
+    workdir: Path
+    speedup: float
+    rollouts: int
+    finished: bool = False
+    wall_s: float = 0.0
+    records: list[dict] = field(default_factory=list)
+    marks: list[tuple[int, float, int]] = field(default_factory=list)
+    engines: list[dict] = field(default_factory=list)
+    rollout_versions: list[int] = field(default_factory=list)
+    fleet: dict = field(default_factory=dict)
+    loop_lag_ms: list[float] = field(default_factory=list)
+    cpu_s: float = 0.0            # process CPU time (all threads) while the cluster ran
+    max_rss_mb: float = 0.0
+
+
+def sim_folders(cfg) -> list[Path]:
+    """The shared-memory folders a sim cluster writes weights into: the relays' (`shm_dir`) or,
+    with modeled delivery, each host's weight folder (`roles.trainer.sim.deliver`)."""
+    out = [Path(cfg.role_settings("relay", s.id).get("shm_dir")) for _, s in cfg.find("relay")
+           if cfg.role_settings("relay", s.id).get("shm_dir")]
+    out += [Path(t["dir"]) for t in (cfg.roles.get("trainer", {}).get("sim", {}).get("deliver") or [])]
+    return out
+
+
+def remove_folders(cfg) -> None:
+    """Remove the weight folders of `sim_folders` and then their parents where left empty (the
+    run's weights root, e.g. /dev/shm/laminar-sim-<tag>)."""
+    folders = sim_folders(cfg)
+    for f in folders:
+        shutil.rmtree(f, ignore_errors=True)
+    for parent in {f.parent for f in folders}:
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (someone else's), or already gone
+            pass
+
+
+def _engine_tokens(rollouts) -> int:
+    return sum(r.engine.counters["tokens"] for r in rollouts if r.engine is not None)
+
+
+async def _ticker(lags: list[float], period: float = 0.02) -> None:
+    while True:
+        t0 = time.perf_counter()
+        await asyncio.sleep(period)  # measuring the loop's lag: the overshoot of a fixed sleep
+        lags.append((time.perf_counter() - t0 - period) * 1000)
+
+
+def quiet_logs() -> None:
+    """Structured logs at WARNING and above only: at the simulator's event rates the per-trajectory
+    info lines would cost more than the roles themselves (process-wide structlog setting)."""
+    import logging
+
+    import structlog
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_version=None,
+                  pause_gc: bool = True) -> SimRun:
+    """Run `cfg` (a parsed sim LaminarConfig) until the trainer finishes or `timeout_s` passes.
+    `on_version(version, rollouts)` is called at each new trainer version (e.g. to reset counters
+    after a warm-up). `pause_gc`: no cyclic garbage collection while the cluster runs (collected
+    once at the end). The collector's passes visit every item of the young token lists again and
+    again: measured at 72B/1024 (sync), 85 of 119 CPU seconds and pauses of up to 2 s, which
+    compressed time turns into 10+ simulated seconds of lag. The roles' objects are reference-
+    counted away; what cycles remain cost memory until the end of the run (~+40% RSS there)."""
+    trainer_cfg = cfg.roles["trainer"]
+    speedup = float(trainer_cfg.get("sim", {}).get("speedup", 1.0))
+    roll_ids = [s.id for _, s in cfg.find("rollout")]
+    relay_ids = [s.id for _, s in cfg.find("relay")]
+    run = SimRun(cfg.workdir(), speedup, len(roll_ids))
+    cluster = InprocCluster(cfg, codec=False)
+    cluster.hub = SimHub(hwm=cfg.cluster.bus.hwm, codec=False)
+    ticker = asyncio.create_task(_ticker(run.loop_lag_ms), name="sim-loop-lag")
+    t0, cpu0 = time.monotonic(), time.process_time()
+    gc_was_enabled = gc.isenabled()
+    if pause_gc:
+        gc.disable()
+    trainer = None
+    rollouts = []
+    try:
+        for role in ("manager", "prompt_pool", "partial_pool", "experience_buffer"):
+            if cfg.find(role):
+                await cluster.start(role)
+        for rid in relay_ids:
+            await cluster.start("relay", rid)
+        trainer = await cluster.start("trainer")
+        for rid in roll_ids:
+            rollouts.append(await cluster.start("rollout", rid))
+        task = cluster.tasks["trainer.0"]
+        seen = trainer.version
+        run.marks.append((seen, time.monotonic(), _engine_tokens(rollouts)))
+        while not task.done() and time.monotonic() - t0 < timeout_s:
+            await asyncio.sleep(poll_s)  # sampling the trainer's version (a probe, not a wait for a peer)
+            if trainer.version != seen:
+                seen = trainer.version
+                run.marks.append((seen, time.monotonic(), _engine_tokens(rollouts)))
+                if on_version is not None:
+                    on_version(seen, rollouts)
+        run.finished = task.done() and task.result() == 0
+        run.wall_s = time.monotonic() - t0
+        run.cpu_s = time.process_time() - cpu0
+        run.engines = [{**r.engine.sim_stats(), "id": r.ctx.id} for r in rollouts]
+        run.rollout_versions = [r.version for r in rollouts]
+        manager = cluster.roles.get("manager.0")
+        if manager is not None:
+            c = manager.fleet.c
+            run.fleet = {"repacks": c.repacks, "plans": c.plans, "moved": c.moved_trajectories,
+                         "failed_moves": c.failed_moves, "dead": c.dead, "recovered": c.recovered}
+    finally:
+        ticker.cancel()
+        await asyncio.gather(ticker, return_exceptions=True)
+        await cluster.close()
+        delivery = getattr(getattr(trainer, "engine", None), "delivery", None)
+        if delivery is not None:
+            delivery.close()
+        remove_folders(cfg)
+        if pause_gc and gc_was_enabled:
+            gc.enable()
+            gc.collect()
+    run.records = read_jsonl(Path(cfg.workdir()) / "trainer" / "metrics.jsonl")
+    run.max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a sim cluster file (`bench/scale.py --write-configs`) and print the run summary."""
+    import argparse
+    import json
+
+    from laminar import summary
+    from laminar.config import load_config
+    from laminar.sim.scenario import write_prompts
+    ap = argparse.ArgumentParser(description="run a sim cluster file in this process")
+    ap.add_argument("config")
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="length of the synthetic prompts (paper.yaml)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="wall seconds")
+    a = ap.parse_args(argv)
+    cfg = load_config(a.config)
+    raw = {"roles": {"prompt_pool": cfg.roles["prompt_pool"]}}
+    if not Path(cfg.roles["prompt_pool"]["dataset"]).exists():
+        groups = cfg.roles["trainer"]["groups_per_batch"] * (cfg.roles["trainer"].get("max_iterations") or 20) * 4
+        write_prompts(raw, a.prompt_tokens, groups)
+    quiet_logs()
+    run = asyncio.run(run_sim(cfg, timeout_s=a.timeout))
+    s = summary.summarize(cfg.workdir())
+    speedup = run.speedup
+    if s.get("throughput_tokens_per_s"):  # summary.py reads real time: the simulated rate is x speedup
+        s["throughput_tokens_per_s_simulated"] = s["throughput_tokens_per_s"] / speedup
+    print(summary.table(s))
+    print(json.dumps({"finished": run.finished, "wall_s": round(run.wall_s, 1), "speedup": speedup,
+                      "throughput_tokens_per_s_simulated": s.get("throughput_tokens_per_s_simulated"),
+                      "engine_max_lag_s": max((e["max_lag_s"] for e in run.engines), default=0.0),
+                      "fleet": run.fleet}, indent=2))
+    return 0 if run.finished else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
