@@ -86,6 +86,8 @@ def trainer_terms(setup: dict, workload: dict, size: str, gpus: int, mode: str) 
         out["switch_s"] = colocated_switch_s(model_shape(size), mode_tp(setup, size, mode), out["fsdp"] or 1,
                                              out["collective_gbps"], col["pcie_gbps"], col["state_bytes_per_param"])
     sync = (setup.get("weight_sync") or {}).get(mode, "relay")
+    if sync == "colocated":
+        out["colocated"] = True
     if sync == "nccl":
         n = setup["nccl"]
         out["nccl"] = {"bandwidth_gbps": n["bandwidth_gbps"], "per_doubling_gbps": n["per_doubling_gbps"],
@@ -178,6 +180,8 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
                    "group_correlation": rs.get("group_correlation", 0.0)}
     if rs.get("host_ms_per_layer") is not None:
         rollout_sim["host_ms_per_layer"] = rs["host_ms_per_layer"]
+    if terms.get("colocated"):  # resharded in place: the engine's wake is in the trainer's switch_s
+        rollout_sim["load_s"] = 0.0
     if "nccl" in terms:  # a blocking broadcast: the rollouts wait it out as they take the version
         from laminar.sim.hardware import model as model_shape
         from laminar.sim.trainer_cost import NcclBroadcast
@@ -296,7 +300,7 @@ def ideal_replica_tokens_per_s(setup: dict, workload: dict, size: str, mode: str
 def trainer_cost(setup: dict, workload: dict, size: str, gpus: int, mode: str):
     """The TrainerCost a mode's sim trainer charges (old-logprob pass included)."""
     from laminar.sim.trainer_cost import TrainerCost
-    terms = {k: v for k, v in trainer_terms(setup, workload, size, gpus, mode).items() if k not in ("nccl", "balance")}
+    terms = {k: v for k, v in trainer_terms(setup, workload, size, gpus, mode).items() if k not in ("nccl", "balance", "colocated")}
     extra = 1 if old_logprobs(setup, mode) == "recompute" else 0
     return TrainerCost.build(size, setup["gpu"], placement(workload, size, gpus, mode)[0], mfu=setup["trainer"]["mfu"],
                              recompute=setup["trainer"]["recompute"], extra_forward_passes=extra, **terms)

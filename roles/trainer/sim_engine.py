@@ -85,6 +85,8 @@ class SimTrainerSettings(BaseModel):
     controller_s_per_trajectory: float = Field(0.0, ge=0, description="single controller: s per trajectory")
     controller_fixed_s: float = Field(0.0, ge=0, description="single controller: s per iteration")
     switch_s: float = Field(0.0, ge=0, description="colocated phase switches per iteration, s")
+    colocated: bool = Field(False, description="colocated generation and training: the weights are resharded in "
+                            "place (charged in switch_s), no relay stall, every host has a version at once")
     nccl: NcclSettings | None = Field(None, description="blocking NCCL broadcast instead of the relay stall: "
                                       "versions reach every host when it begins, trainer and rollouts wait it")
     speedup: float = Field(1.0, gt=0, description="simulated seconds per real second (compressed time)")
@@ -107,7 +109,9 @@ class SimTrainEngine:
                                       controller_s_per_trajectory=s.controller_s_per_trajectory,
                                       controller_fixed_s=s.controller_fixed_s, switch_s=s.switch_s)
         self.params = self.cost.model.params
-        if s.nccl is not None:
+        if s.colocated:
+            self.stall_s = 0.0
+        elif s.nccl is not None:
             self.stall_s = NcclBroadcast(s.nccl.bandwidth_gbps, s.nccl.per_doubling_gbps).seconds(
                 self.cost.model.weight_bytes(), s.nccl.rollout_gpus)
         else:
@@ -155,7 +159,7 @@ class ModeledDelivery:
     def __init__(self, role, settings: SimTrainerSettings, cost: TrainerCost, loop: asyncio.AbstractEventLoop):
         self.role, self.s, self.loop = role, settings, loop
         link = cost.link
-        hop = 0.0 if settings.nccl is not None else link.chunk_mib * 2 ** 20 / link.bytes_per_s + link.alpha_s
+        hop = 0.0 if settings.nccl is not None or settings.colocated else link.chunk_mib * 2 ** 20 / link.bytes_per_s + link.alpha_s
         # host i has it S/B after the stall began, plus (i - 1) hops behind the master (i >= 1)
         self.offsets = [max(0, i - 1) * hop for i in range(len(settings.deliver or []))]
         self.stores: dict[str, Any] = {}

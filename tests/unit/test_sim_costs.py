@@ -176,6 +176,8 @@ def test_each_mode_pays_what_its_counterpart_pays():
     assert all(tr[m]["sim"]["controller_s_per_trajectory"] > 0 for m in ("sync", "one_step", "stream"))
     assert tr["sync"]["sim"]["switch_s"] == pytest.approx(colocated_switch_s(model("72B"), 8, 32, 160.0))
     assert "switch_s" not in tr["one_step"]["sim"]
+    assert tr["sync"]["sim"]["colocated"] and ro["sync"]["load_s"] == 0.0  # resharded in place, no relay
+    assert SimTrainEngine(SimTrainerSettings(**{**tr["sync"]["sim"], "speedup": 1e9})).stall_s == 0.0
     assert ro["sync"]["mem_fraction"] == 0.5 and ro["laminar"]["mem_fraction"] == 0.9
     assert "nccl" not in tr["laminar"]["sim"] and "load_s" not in ro["laminar"]
     for m in ("one_step", "stream"):
