@@ -9,7 +9,9 @@
   members still missing): a new group starts only if it fits next to the stored trajectories and
   every held group's missing members, and a member of a held group is never refused. So incomplete
   groups can never fill the buffer for good: each of them can always complete, be sampled and
-  free its room. A group larger than the capacity is refused (it could never complete).
+  free its room. A group larger than the capacity is refused (it could never complete), and an
+  incomplete group already past `max_staleness` is dropped at the next sample like a complete one
+  (it could never be trained), so a group whose last members never come holds no room for long.
 - `sample(k, trainer_version)` first drops every complete group with a member older than
   `max_staleness` versions (counted, never handed out), then lets the sampler pick up to k
   groups; handed-out groups are removed and remembered, so a late duplicate is refused.
@@ -158,10 +160,13 @@ class BufferBook:
         ch = Change()
         dropped = 0
         if self.max_staleness is not None:
-            for g in [g for g in self.groups.values() if g.complete]:
+            for g in list(self.groups.values()):
                 if trainer_version - g.min_version() > self.max_staleness:
                     self._remove(g.group_id, "stale", ch)
-                    dropped += 1
+                    if g.complete:
+                        dropped += 1
+                    else:  # already too stale to ever be trained: it must not hold room meanwhile
+                        self.counts["dropped_stale_incomplete"] += 1
         self.counts["dropped_stale"] += dropped
         ready = [g for g in self.groups.values() if g.complete]
         picked = self.sampler.pick(ready, k)

@@ -39,3 +39,14 @@ def test_members_of_held_groups_are_never_refused(order, capacity):
         # room for every missing member of every held group: each of them can still complete
         missing = sum(grp.size - len(grp.members) for grp in book.groups.values())
         assert book.stored + missing <= capacity
+
+
+def test_an_incomplete_group_too_stale_to_train_gives_its_room_back():
+    book = BufferBook(4, eviction="reject", max_staleness=1)
+    assert book.put(traj(0, 0, 2, 0))[0] == "stored"          # its second member never comes
+    assert book.put(traj(1, 0, 2, 3))[0] == "stored"
+    assert book.put(traj(2, 0, 2, 3))[0].startswith("full")
+    book.sample(1, 3)                                          # version 3: g0 can never be trained now
+    assert "g0" not in book.groups and book.counts["dropped_stale_incomplete"] == 1
+    assert book.put(traj(2, 0, 2, 3))[0] == "stored"
+    assert book.put(traj(0, 1, 2, 0))[0].startswith("duplicate")   # a late member is refused, not stored
