@@ -287,6 +287,9 @@ class Fleet:
         if not self.prompt_pools or self.partials is None or self.buffer is None:
             return True
         live = {v.id: v.pid for v in self.views.values() if v.alive}
+        now = time.monotonic()
+        known = set(self.views)
+        self._strangers = {o: t for o, t in getattr(self, "_strangers", {}).items() if o not in known}
         ok = True
         for pool_id, pool in self.prompt_pools.items():
             offset = 0
@@ -311,7 +314,11 @@ class Fleet:
                     if not missing:
                         settled.append(e)
                         continue
-                    owner_dead = dead or owner not in live or bool(p and live[owner] and p != live[owner])
+                    if owner not in known:  # never reported: dead only once it stays silent past its first report
+                        first = self._strangers.setdefault(owner, now)
+                        owner_dead = dead or now - first > 2 * self.s.dead_after_s
+                    else:
+                        owner_dead = dead or owner not in live or bool(p and live[owner] and p != live[owner])
                     if not owner_dead:
                         kept += 1
                     elif missing == want:

@@ -91,3 +91,33 @@ def test_dead_rollouts_unstarted_groups_are_requeued(tmp_path):
         fleet.close()
         await cl.close()
     asyncio.run(main())
+
+
+def test_a_rollout_the_manager_never_heard_from_is_given_time_before_its_groups_are_requeued(tmp_path):
+    """A rollout that took groups and died before its first report is found by the periodic pass;
+    one that just started (no report yet) is not taken for dead at once."""
+    async def main():
+        c = cfg(tmp_path)
+        cl = InprocCluster(c)
+        for role in ("prompt_pool", "partial_pool", "experience_buffer"):
+            await cl.start(role)
+        pp = cl.client("prompt_pool")
+        b = await pp.call(TakeBatch("newcomer", 2, batch_seq=1, pid=333))
+
+        def fleet(dead_after_s):
+            return Fleet(cl.hub.transport(), structlog.get_logger(), FleetSettings(dead_after_s=dead_after_s),
+                         lambda rid: "", c.endpoint("partial_pool"), {"0": c.endpoint("prompt_pool")},
+                         c.endpoint("experience_buffer"))
+        patient = fleet(60.0)
+        assert await patient.settle_handed()
+        assert (await pp.call(HandedGroups("newcomer"))).entries == [b.trajectories[0].group_id]  # still its own
+        strict = fleet(0.0)
+        await strict.settle_handed()                                  # first seen now (grace 0: not yet past it)
+        await strict.settle_handed()                                  # still silent a pass later: requeued
+        assert (await pp.call(HandedGroups("newcomer"))).entries == []
+        again = await pp.call(TakeBatch("r2", 2, batch_seq=1))
+        assert again.trajectories[0].group_id == b.trajectories[0].group_id
+        for f in (patient, strict):
+            f.close()
+        await cl.close()
+    asyncio.run(main())
