@@ -167,7 +167,7 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
     concurrency = int(shape["max_concurrency"])
     if mode not in ("laminar", "laminar_norepack"):  # a barrier splits the global batch evenly (verl)
         concurrency = min(concurrency, shape["group_size"] * math.ceil(shape["prompts_per_batch"] / replicas))
-    curve_b = roofline_batch_bound(step_curve(setup, workload, size, tp), setup["manager"]["roofline_tolerance"])
+    curve_b = roofline_batch_bound(engine_curve(setup, workload, size, tp), setup["manager"]["roofline_tolerance"])
     rs = setup["rollout"]
     ts = setup["trainer"]
     terms = trainer_terms(setup, workload, size, gpus, mode)
@@ -268,6 +268,19 @@ def step_curve(setup: dict, workload: dict, size: str, tp: int | None = None):
     fitted roofline's (latency.model_curve)."""
     from laminar.sim.latency import model_curve
     return model_curve(size, int(tp or setup["models"][size]["tp"]), workload, setup["gpu"])
+
+
+def engine_curve(setup: dict, workload: dict, size: str, tp: int | None = None):
+    """The step curve as the sim engine charges it at the curve's context (the host's dispatch
+    time per step included), on every batch from 1 to 1,024: what repack's bound B is read from.
+    The host floor makes a step's time flat up to the batch where the GPU's time passes it, so B
+    there is far larger than on the microbenchmark alone (32B TP4: 16 on the curve, ~290 in the
+    running engine): below it, another sequence costs a step nothing."""
+    from laminar.sim.latency import StepCurve
+    tp = int(tp or setup["models"][size]["tp"])
+    batches = range(1, 1025)
+    return StepCurve(tuple(float(b) for b in batches), tuple(step_ms(setup, workload, size, tp, b, None) for b in batches),
+                     source=f"engine:{size}_TP{tp}")
 
 
 def step_ms(setup: dict, workload: dict, size: str, tp: int, batch: int, context: float | None) -> float:

@@ -190,6 +190,22 @@ def test_each_mode_pays_what_its_counterpart_pays():
     assert sum(len([r for r in h["roles"] if r["role"] == "rollout"]) for h in c7["cluster"]["hosts"].values()) == 216 // 2
 
 
+def test_repack_bound_is_read_from_the_step_the_engine_charges():
+    """With the host's dispatch time a floor, a step costs the same up to the batch where the GPU
+    passes it: B (within 1.2 × the batch-1 step) is read from that, not from the microbenchmark."""
+    from laminar.sim.latency import roofline_batch_bound
+    from laminar.sim.scenario import engine_curve, step_curve
+    setup, w = load_setups(SETUPS), load_workload()
+    cfg = build_config(setup, "32B", 128, "laminar", workdir="/tmp/unused", speedup=5, iterations=3, workload=w,
+                       weights_root="/dev/shm/unused")
+    b = cfg["roles"]["manager"]["batch_bound"]
+    assert b == roofline_batch_bound(engine_curve(setup, w, "32B", 4), 1.2)
+    assert roofline_batch_bound(step_curve(setup, w, "32B", 4), 1.2) == 16 < b
+    host = 64 * HOST_MS_PER_LAYER
+    curve = step_curve(setup, w, "32B", 4)
+    assert curve.step_ms(b) <= 1.2 * host < curve.step_ms(b + 1)  # where the GPU passes 1.2 × the host floor
+
+
 def test_estimates_use_the_same_cost_model():
     setup, w = load_setups(SETUPS), load_workload()
     cost = trainer_cost(setup, w, "72B", 1024, "sync")
