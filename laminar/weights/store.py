@@ -24,6 +24,10 @@ with such a name is never written again (the next version goes into a fresh file
 newest `retain` are kept. A rollout can load one (pull.py `LocalWeights.version`) to resume work
 of an old version that no live rollout holds any more (the manager's orphan_policy `retained`).
 
+Permissions: the folder is private to the user the relay runs as (0700, files 0600; a folder
+another user owns is refused at open, nothing in it touched): whoever can write there decides
+what weights the rollouts of the host load.
+
 Threading: one condition (`cond`) guards all state; receivers mark chunks and forwarders wait on it
 for the next chunk, so forwarding chunk i overlaps receiving chunk i+1.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -121,6 +126,20 @@ def read_pointer(directory: Path) -> tuple[int, int, Manifest] | None:
     return slot, ino, m
 
 
+def _write_private(path: Path, data: bytes) -> None:
+    """Replace `path` atomically with `data`, in a 0600 file (a temporary one renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
 class ShmStore:
     """A relay's versions: `current` (newest complete, visible) and `incoming` (being received)."""
 
@@ -147,7 +166,7 @@ class ShmStore:
         pointer is removed at once (no rollout loads it) and it is kept aside (`left`) until the
         first offer says whether it belongs to the lineage being served now (`begin`): a relay
         restarted mid-run resumes on it, a new run or a new trainer lineage never sees it."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._own_folder()
         keep: set[str] = set()
         try:
             ptr = read_pointer(self.dir)
@@ -166,6 +185,22 @@ class ShmStore:
             if p.name not in keep:
                 p.unlink(missing_ok=True)
         self._prune()
+
+    def _own_folder(self) -> None:
+        """Create the folder 0700, or refuse one that is not a folder of this process's user."""
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(self.dir)
+        if not stat.S_ISDIR(st.st_mode):
+            raise PermissionError(f"{self.dir}: not a folder (a link or a file is never used as a relay folder)")
+        if st.st_uid != os.geteuid():
+            raise PermissionError(f"{self.dir}: owned by uid {st.st_uid}, but this relay runs as uid {os.geteuid()}; "
+                                  f"a relay only uses a folder of its own user (remove it, or set another shm_dir)")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(self.dir, 0o700)
 
     def _settle_left(self, m: Manifest) -> None:
         """The first offer decides the left version (caller holds `cond`): of the same run and
@@ -186,9 +221,11 @@ class ShmStore:
         path = self.slot_path(slot)
         if fresh:
             path.unlink(missing_ok=True)
-        fd = os.open(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDWR, 0o644)
+        fd = os.open(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDWR, 0o600)
         try:
             st = os.fstat(fd)
+            if stat.S_IMODE(st.st_mode) != 0o600:
+                os.fchmod(fd, 0o600)
             cached = self.maps.get(slot)
             if cached and cached[0] == st.st_ino and cached[1] == size:
                 return cached[2]
@@ -292,10 +329,8 @@ class ShmStore:
         self.cond.notify_all()
 
     def _write_pointer(self, vb: VersionBuffer) -> None:
-        tmp = self.dir / (CURRENT + ".tmp")
-        tmp.write_bytes(msgpack.packb({"slot": vb.slot, "ino": self.maps[vb.slot][0],
-                                       "manifest": manifest_to_bytes(vb.full_manifest())}))
-        os.replace(tmp, self.dir / CURRENT)
+        _write_private(self.dir / CURRENT, msgpack.packb({"slot": vb.slot, "ino": self.maps[vb.slot][0],
+                                                          "manifest": manifest_to_bytes(vb.full_manifest())}))
 
     # -- retained versions ---------------------------------------------------------------------------
     def _linked(self, slot: int) -> bool:
@@ -312,9 +347,7 @@ class ShmStore:
                 return  # its file was replaced meanwhile: nothing to keep under that name
             name.unlink(missing_ok=True)
             os.link(vb.path, name)
-            tmp = self.dir / f"v{vb.version}.manifest.tmp"
-            tmp.write_bytes(manifest_to_bytes(vb.full_manifest()))
-            os.replace(tmp, self.dir / f"v{vb.version}.manifest")
+            _write_private(self.dir / f"v{vb.version}.manifest", manifest_to_bytes(vb.full_manifest()))
         except OSError:  # retention is best effort: the relay goes on without it
             name.unlink(missing_ok=True)
             return
@@ -354,7 +387,7 @@ class ShmStore:
             self.maps.clear()
 
     def remove_files(self) -> None:
-        """Delete the folder and its contents (tests, benchmarks; a relay normally keeps them)."""
+        """Delete the folder and its contents (a relay role at stop unless keep_shm; tests, benchmarks)."""
         if self.dir.exists():
             for p in self.dir.iterdir():
                 p.unlink(missing_ok=True)
