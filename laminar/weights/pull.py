@@ -77,8 +77,20 @@ class LocalWeights:
         self.dir = Path(shm_dir)
         self._maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # slot -> (inode, size, mapping)
 
+    def _pointer(self):
+        """read_pointer, from a folder of this process's user only (another user could plant
+        weights there): PermissionError otherwise."""
+        try:
+            uid = os.stat(self.dir).st_uid
+        except FileNotFoundError:
+            return None
+        if uid != os.geteuid():
+            raise PermissionError(f"{self.dir}: owned by uid {uid}, not by this process's uid {os.geteuid()}: "
+                                  f"weights are only loaded from a relay folder of the same user")
+        return read_pointer(self.dir)
+
     def manifest(self) -> Manifest | None:
-        ptr = read_pointer(self.dir)
+        ptr = self._pointer()
         return None if ptr is None else ptr[2]
 
     def current_version(self) -> int:
@@ -103,7 +115,7 @@ class LocalWeights:
     def latest(self, min_version: int = -1) -> PulledVersion | None:
         """Hold the newest complete version (None if none, or none newer than min_version)."""
         for _ in range(_RETRIES):
-            ptr = read_pointer(self.dir)
+            ptr = self._pointer()
             if ptr is None or ptr[2].version <= min_version:
                 return None
             slot, ino, m = ptr

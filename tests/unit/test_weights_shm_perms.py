@@ -62,3 +62,18 @@ def test_an_open_folder_is_made_private(folder):
         assert mode(folder) == 0o700
     finally:
         store.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the folder to another user")
+def test_weights_are_not_loaded_from_a_folder_of_another_user(folder):
+    from laminar.weights.pull import LocalWeights
+    store = ShmStore(folder)
+    store.open()
+    try:
+        write_version(store, {"w": torch.ones(100)}, 1, chunk_bytes=4096)
+        assert LocalWeights(folder).current_version() == 1
+        os.chown(folder, 4242, 4242)
+        with pytest.raises(PermissionError, match="4242"):
+            LocalWeights(folder).latest()
+    finally:
+        store.close()
