@@ -214,9 +214,8 @@ class RolloutRole(Role):
                 start = max(start, int(json.loads(path.read_text())["reserved"]))
             except FileNotFoundError:
                 pass
-            except (ValueError, KeyError, TypeError) as exc:
-                raise RuntimeError(f"{path}: unreadable batch_seq record ({exc}); remove it to start over "
-                                   f"from the wall clock") from None
+            except (ValueError, KeyError, TypeError) as exc:  # torn: the clock is all that is left
+                self.log.error("batch_seq_record_unreadable", path=str(path), error=str(exc), start=start)
         return start
 
     def _reserve_seqs(self, upto: int) -> None:
