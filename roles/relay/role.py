@@ -1,6 +1,7 @@
 """RelayRole: a RelayNode (threads, shared memory, chunk transport) wired to the bus.
 
-setup: open the shared-memory store (adopting a verified version a previous run left), start the
+setup: open the shared-memory store (a verified version a previous process left is kept out of
+sight until an offer shows it is of the lineage being served; docs/weights.md), start the
 chunk listener, serve SetDownstream on a request/reply port, and join the manager's chain
 (RelayJoin; the call waits for the manager, it is the READY handshake). The relay is then fed by
 whoever the manager links to it (its predecessor, or the trainer's publisher when it is master).
@@ -9,6 +10,10 @@ Reports: heartbeat status (version, progress, links, addresses); `relay.progress
 every `progress_interval_s` while receiving and at every completion; `weights.version` when a
 version becomes visible (rollouts on this host pull it from `shm_dir`). A lost downstream is
 reported to the manager (LinkDown); reports are coalesced, one in flight at a time.
+
+Shared memory: `shm_dir` belongs to this relay's run. It is removed when the relay stops (its
+rollouts keep what they mapped until they let go), unless `keep_shm` is set; a relay that was
+killed leaves it, and the next one to start there serves none of it until its lineage is offered.
 
 Thread -> loop: node callbacks run on data-plane threads and only do `call_soon_threadsafe`; the
 loop side is a bounded queue (progress is superseded, so a full queue drops it).
@@ -46,6 +51,9 @@ class RelayConfig(BaseModel):
     connect_timeout_s: float = Field(3.0, gt=0, description="deadline to connect+authenticate to a downstream")
     ack_timeout_s: float = Field(30.0, gt=0, description="silence from a downstream that counts as a dead link")
     address: str | None = Field(None, description="control bind address when the config gives no port (default: the host's bind address, any port)")
+    keep_shm: bool = Field(False, description="leave shm_dir (its newest version) in place when the relay stops; a "
+                           "relay started there later serves it again only if the trainer's lineage is the same. "
+                           "Default: the folder is removed at stop")
 
 
 class RelayRole(Role):
@@ -139,8 +147,9 @@ class RelayRole(Role):
             if kind == "complete":
                 st = self.node.status()
                 self.log.info("version_visible", version=info["version"], chunks=info["chunks"])
-                self.pub.publish("weights.version", WeightsVersion(self.ctx.id, self.ctx.host, info["version"],
-                                                                   self._total_bytes(), str(self.node.store.dir)))
+                self.pub.publish("weights.version", WeightsVersion(
+                    self.ctx.id, self.ctx.host, info["version"], self._total_bytes(), str(self.node.store.dir),
+                    lineage=info.get("lineage", 0), run_id=info.get("run_id", "")))
                 self._progress(force=True)
             elif kind in ("progress", "offer"):
                 self._progress()
@@ -189,9 +198,21 @@ class RelayRole(Role):
             await self.server.close()
         if hasattr(self, "node"):
             await asyncio.to_thread(self.node.stop)
+            if not self.cfg.keep_shm:
+                await asyncio.to_thread(self._remove_shm)
+
+    def _remove_shm(self) -> None:
+        try:
+            self.node.store.remove_files()
+        except OSError as exc:  # loud, but a stop must finish
+            self.log.error("shm_remove_failed", shm_dir=str(self.node.store.dir), error=str(exc))
+        else:
+            self.log.info("shm_removed", shm_dir=str(self.node.store.dir))
 
     def status(self) -> dict:
         if not hasattr(self, "node") or not hasattr(self.node, "listener"):
             return {}
-        return {**self.node.status(), "data_address": getattr(self, "data_address", ""),
+        cur = self.node.store.current
+        return {**self.node.status(), "lineage": cur.manifest.lineage if cur is not None else -1,
+                "data_address": getattr(self, "data_address", ""),
                 "control_address": getattr(self, "control_address", "")}

@@ -203,3 +203,34 @@ def test_restarted_manager_rebuilds_the_chain_from_rejoining_relays(tmp_path: Pa
             assert any(e.get("why", "").startswith("absent from chain") for e in c.relay(r).events("relay_joined")), r
         assert len({relay_digest(c.shm[r]) for r in RELAYS}) == 1
         assert_equal_state(c.shm["r3"], s1, 1)
+
+
+def test_new_lineage_under_a_lower_number_reaches_every_relay_and_folders_go_at_stop(tmp_path: Path):
+    """A resumed trainer (lineage 2, version 3) after lineage 1 reached version 5: every relay
+    serves 2:3 with its bytes. Relays stopped normally remove their folder unless keep_shm."""
+    relays = ["r0", "r1", "r2"]
+    a5, b3 = make_state(5, 8), make_state(103, 8)
+    with RelayCluster(tmp_path, relays, per_relay={"r2": {"keep_shm": True}}) as c:
+        def held(r):
+            m = LocalWeights(c.shm[r]).manifest()
+            return None if m is None else (m.run_id, m.lineage, m.version)
+
+        async def go():
+            async with c.trainer() as t:
+                t.publisher.run_id, t.publisher.lineage = "run", 1
+                t.publisher.publish(a5, version=5)
+                await t.until(lambda: all(held(r) == ("run", 1, 5) for r in relays), 60, "lineage 1 v5")
+            async with c.trainer() as t:
+                t.publisher.run_id, t.publisher.lineage = "run", 2
+                t.publisher.publish(b3, version=3)
+                await t.until(lambda: all(held(r) == ("run", 2, 3) for r in relays), 60, "lineage 2 v3")
+        try:
+            run(go())
+        except TimeoutError:
+            raise AssertionError({r: held(r) for r in relays}) from None
+        for r in relays:
+            assert_equal_state(c.shm[r], b3, 3)
+        for r in relays:
+            c.relay(r).stop()
+        assert not Path(c.shm["r0"]).exists() and not Path(c.shm["r1"]).exists()
+        assert LocalWeights(c.shm["r2"]).current_version() == 3   # keep_shm: left in place
