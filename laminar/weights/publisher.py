@@ -222,23 +222,32 @@ class WeightPublisher:
         sender.run()
 
 
-def advance_lineage(folder: str | Path) -> tuple[str, int]:
-    """Start a new lineage: (run id, epoch) for a trainer starting or resuming with its
-    checkpoints in `folder`. The epoch is one more than the last one recorded there (1 for a new
-    run, whose run id is made now); the record is written (atomically, fsynced) before the epoch
+def advance_lineage(folder: str | Path, start_version: int = 0) -> tuple[str, int]:
+    """Start a new lineage: (run id, epoch) for a trainer starting or resuming at `start_version`
+    with its checkpoints in `folder`. The epoch is one more than the last one recorded there (1
+    for a new run, whose run id is made now); the record, with the version each epoch started from
+    (`forks`, what manifest.off_lineage needs), is written atomically and fsynced before the epoch
     is used, so epochs only increase across restarts. See docs/weights.md."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LINEAGE_FILE
-    run_id, epoch = uuid.uuid4().hex, 0
-    if path.exists():
-        d = json.loads(path.read_text())
-        run_id, epoch = str(d["run_id"]), int(d["epoch"])
-    epoch += 1
+    d = read_lineage(folder) or {"run_id": uuid.uuid4().hex, "epoch": 0, "forks": {}}
+    epoch = int(d["epoch"]) + 1
+    forks = {**d.get("forks", {}), str(epoch): int(start_version)}
     tmp = folder / (LINEAGE_FILE + ".tmp")
     with open(tmp, "w") as f:
-        f.write(json.dumps({"run_id": run_id, "epoch": epoch}))
+        f.write(json.dumps({"run_id": d["run_id"], "epoch": epoch, "forks": forks}))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return run_id, epoch
+    os.replace(tmp, folder / LINEAGE_FILE)
+    return str(d["run_id"]), epoch
+
+
+def read_lineage(folder: str | Path) -> dict | None:
+    """The lineage record in a checkpoint folder: run_id, epoch (the newest), forks ({epoch: the
+    version it started from}); None if there is none."""
+    path = Path(folder) / LINEAGE_FILE
+    if not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    return {"run_id": str(d["run_id"]), "epoch": int(d["epoch"]),
+            "forks": {str(k): int(v) for k, v in d.get("forks", {}).items()}}

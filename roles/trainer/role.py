@@ -135,7 +135,7 @@ class TrainerRole(Role):
             # its weights go out at once: version 0 of a new run, or the checkpoint's version,
             # which relays and rollouts take even over a higher number of the discarded lineage.
             from laminar.weights.publisher import advance_lineage
-            self.run_id, self.lineage = advance_lineage(self.ckpt_root)
+            self.run_id, self.lineage = advance_lineage(self.ckpt_root, self.version)
             self.link = PublishLink(self, c)
             await self.link.start()
             self.link.publisher.run_id, self.link.publisher.lineage = self.run_id, self.lineage

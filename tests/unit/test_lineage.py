@@ -147,3 +147,18 @@ def test_a_restarted_relay_serves_its_left_version_again_once_its_lineage_is_off
         assert LocalWeights(again.store.dir).current_version() == 7
     finally:
         again.stop()
+
+
+def test_epochs_advance_across_restarts_and_name_which_old_versions_stay_valid(tmp_path):
+    from laminar.weights.manifest import off_lineage
+    from laminar.weights.publisher import advance_lineage, read_lineage
+    run, e1 = advance_lineage(tmp_path, start_version=0)      # a new run
+    run2, e2 = advance_lineage(tmp_path, start_version=4)     # resumed from the v4 checkpoint
+    run3, e3 = advance_lineage(tmp_path, start_version=2)     # killed again before v6; resumed from v2
+    assert (e1, e2, e3) == (1, 2, 3) and run == run2 == run3
+    forks = read_lineage(tmp_path)["forks"]
+    assert forks == {"1": 0, "2": 4, "3": 2}
+    assert not off_lineage(1, 2, 3, forks)       # v2 of lineage 1 is an ancestor of lineage 3
+    assert off_lineage(1, 3, 3, forks)           # v3 of lineage 1 was discarded (lineage 3 forked at v2)
+    assert off_lineage(2, 4, 3, forks)          # even the v4 lineage 2 started from: lineage 3 forked below it
+    assert not off_lineage(3, 9, 3, forks) and off_lineage(4, 0, 3, forks)
