@@ -170,7 +170,7 @@ class WeightPublisher:
             self.slots = []
 
     # -- Source API for the Sender -----------------------------------------------------------
-    def pick(self, delivered: tuple | None) -> VersionBuffer | None:
+    def pick(self, delivered: tuple | int) -> VersionBuffer | None:
         vb = self.newest  # versions of one publisher only grow: anything else is new
         if vb is None or vb.ident == delivered:
             return None

@@ -4,7 +4,7 @@ trainer's publisher both use it), pipelined chunk by chunk.
 Source API (ShmStore for a relay, the publisher's staging for the trainer): `cond` (a
 threading.Condition that is notified whenever a chunk becomes present or a version appears),
 `pick(delivered)` (the newest version unless it is `delivered`, the ident (run, lineage,
-number) of the version delivered last, or None; a new lineage counts as new whatever its number), `acquire(vb)` (called
+number) of the version delivered last (-1 before the first), or None; a new lineage counts as new whatever its number), `acquire(vb)` (called
 under `cond`) / `release(vb)` around streaming it (so its memory is not reused meanwhile),
 `stopped`.
 
@@ -43,7 +43,9 @@ class Sender:
         self.events: collections.deque[wire.Header] = collections.deque()
         self.failed: BaseException | None = None
         self.stopping = False
-        self.delivered: tuple | None = None  # ident of the version delivered last
+        # ident (run, lineage, number) of the version delivered last; -1 before the first, which
+        # a source written for plain numbers (`version > delivered`) still understands
+        self.delivered: tuple | int = -1
         self.stats = {"chunks": 0, "bytes": 0, "resent": 0, "versions": 0}
         # A relay drops an older version mid-stream when a newer one starts arriving (its
         # upstream always completes what it streams, so the chain cannot starve); the publisher

@@ -248,7 +248,7 @@ class ShmStore:
     def newest(self) -> VersionBuffer | None:
         return self.incoming or self.current
 
-    def pick(self, delivered: tuple | None) -> VersionBuffer | None:
+    def pick(self, delivered: tuple | int) -> VersionBuffer | None:
         """Source API for a forwarder: the newest version, unless it is the one it delivered
         last (`delivered`: that version's ident). The store only ever moves forward (`begin`)."""
         vb = self.newest()
