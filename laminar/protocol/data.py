@@ -162,6 +162,7 @@ class PartialState:
     next_seq: int
     loss_mask: np.ndarray | None = None  # uint8 per token so far (0 = observation); None = all 1
     obs_spans: np.ndarray | None = None  # int32 [n, 2]: every environment reply so far (module docstring)
+    lineage: int = -1    # lineage epoch of `version` (-1: not known, e.g. read back from the partial pool)
     epoch: int = 0  # ownership epoch: a new owner writes with it; writes with an older one are refused
 
     @property

@@ -206,3 +206,20 @@ def test_batch_seq_stays_above_earlier_ones_when_the_clock_steps_back(tmp_path, 
     now[0] -= 10 * 10**9                      # restart after the clock was stepped back 10 s
     second = asyncio.run(seqs(make_role(tmp_path), 3))
     assert len(set(first)) == 3 and min(second) > max(first), (first, second)
+
+
+def test_work_of_the_same_number_on_another_lineage_is_not_migrated_in(tmp_path):
+    from laminar.bus.rpc import RequestError
+    from laminar.protocol import MigrateIn, PartialState
+    role = make_role(tmp_path)
+    role.version, role.lineage = 6, 2
+    role.partials = Client([None])
+    role._generate = lambda a: asyncio.sleep(0)          # not generating anything here
+    old = PartialState(spec=spec("t9"), tokens=np.asarray([1], np.int32), logprobs=np.asarray([-0.1], np.float32),
+                       version=6, rollout_id="r1", next_seq=1, lineage=1)   # 6 of the discarded lineage
+
+    async def go():
+        with pytest.raises(RequestError, match="lineage 1"):
+            await role.on_migrate_in(MigrateIn([old]))
+    asyncio.run(go())
+    assert not role.active
