@@ -393,7 +393,8 @@ class RolloutRole(Role):
                           loss_mask=mask, obs_spans=a.spans(), lineage=getattr(a, "lineage", self.lineage))
         put = await self._put(traj)
         # the provenance ledger of the run: one line per trajectory (tests and audits read it)
-        self.log.info("trajectory_stored", trajectory=a.id, version=a.version, tokens=len(a.tokens), status=put.status,
+        self.log.info("trajectory_stored", trajectory=a.id, version=a.version, lineage=traj.lineage,
+                      tokens=len(a.tokens), status=put.status,
                       reward=round(reward, 4), started=a.timings.get("started"), generated=a.timings["generated"],
                       migrated_in=a.timings.get("migrated_in"), finish=reason,
                       **({"env_replies": len(a.obs_spans)} if a.obs_spans else {}))
