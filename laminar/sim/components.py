@@ -25,7 +25,7 @@ import asyncio
 
 
 def _row(sim: float, paper: float, **extra) -> dict:
-    return {"sim": round(sim, 3), "paper": paper, "rel_error": round(sim / paper - 1, 3), **extra}
+    return {"sim": round(sim, 3), "paper": round(paper, 3), "rel_error": round(sim / paper - 1, 3), **extra}
 
 
 def fig9_replay(setup: dict, workload: dict) -> dict:

@@ -180,6 +180,8 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
                    "group_correlation": rs.get("group_correlation", 0.0)}
     if rs.get("host_ms_per_layer") is not None:
         rollout_sim["host_ms_per_layer"] = rs["host_ms_per_layer"]
+    if m.get("curve_path"):  # a measured step curve (bench/step_curve.py's JSON) instead of the paper's
+        rollout_sim["curve_path"] = str(m["curve_path"])
     if terms.get("colocated"):  # resharded in place: the engine's wake is in the trainer's switch_s
         rollout_sim["load_s"] = 0.0
     if "nccl" in terms:  # a blocking broadcast: the rollouts wait it out as they take the version

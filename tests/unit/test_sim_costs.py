@@ -206,6 +206,20 @@ def test_repack_bound_is_read_from_the_step_the_engine_charges():
     assert curve.step_ms(b) <= 1.2 * host < curve.step_ms(b + 1)  # where the GPU passes 1.2 × the host floor
 
 
+def test_a_measured_curve_replaces_the_paper_one(tmp_path):
+    import json
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({"points": [[1, 20.0], [512, 90.0]]}))
+    setup, w = load_setups(SETUPS), load_workload()
+    setup["models"]["72B"]["curve_path"] = str(path)
+    cfg = build_config(setup, "72B", 256, "one_step", workdir="/tmp/unused", speedup=5, iterations=3, workload=w,
+                       weights_root="/dev/shm/unused")
+    sim = {k: v for k, v in cfg["roles"]["rollout"]["sim"].items() if k != "speedup"}
+    assert sim["curve_path"] == str(path)
+    e = SimEngine.from_workload(clock=VirtualClock(), max_num_seqs=16, max_model_len=18432, **sim)
+    assert e.curve.source == str(path) and e.curve.step_ms(1) == 20.0
+
+
 def test_estimates_use_the_same_cost_model():
     setup, w = load_setups(SETUPS), load_workload()
     cost = trainer_cost(setup, w, "72B", 1024, "sync")
