@@ -193,7 +193,8 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
     out["engine_max_lag_s"] = max((e["max_lag_s"] for e in run.engines), default=0.0)
     out["cpu_s"] = round(run.cpu_s, 1)
     lags = sorted(run.loop_lag_ms)
-    out["loop_lag_ms"] = {"p50": lags[len(lags) // 2], "p99": lags[int(len(lags) * 0.99)], "max": lags[-1]} if lags else {}
+    out["loop_lag_ms"] = ({"p50": lags[len(lags) // 2], "p99": lags[int(len(lags) * 0.99)], "max": lags[-1]}
+                          if lags else {})
     out["max_rss_mb"] = round(run.max_rss_mb)
     return out
 
@@ -264,7 +265,8 @@ def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True) -> dict
                 shutil.rmtree(folder, ignore_errors=True)
             if proc.returncode == 0 and out.exists():
                 r = results[key] = json.loads(out.read_text())
-                print(f"[{time.strftime('%H:%M:%S')}] done  {spec['model']} @ {spec['gpus']}, {spec['mode']}: throughput "
+                print(f"[{time.strftime('%H:%M:%S')}] done  {spec['model']} @ {spec['gpus']}, {spec['mode']}: "
+                      "throughput "
                       f"{_f(r['throughput_tokens_per_s'])} tok/s, generation {_f(r['generation_tokens_per_s'])} tok/s "
                       f"({_f(r['fraction_of_ideal'], 2)} of ideal), idle {_f(r['rollout_idle_fraction'], 2)}, kv "
                       f"{_f(r['kv_usage_mean'], 2)}, max staleness {r['max_staleness']}, repack plans "
@@ -273,7 +275,8 @@ def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True) -> dict
                       + ("" if r["finished"] else "  [DID NOT FINISH]"), flush=True)
             else:
                 tail = Path(log.name).read_text()[-2000:]
-                results[key] = {"error": f"exit {proc.returncode}" + (" (killed: overran)" if over else ""), "log_tail": tail}
+                results[key] = {"error": f"exit {proc.returncode}" + (" (killed: overran)" if over else ""),
+                                "log_tail": tail}
                 print(f"[{time.strftime('%H:%M:%S')}] FAILED {key}: exit {proc.returncode}\n{tail}", flush=True)
     return results
 
@@ -291,7 +294,8 @@ def assemble(size: str, gpus: int, runs: dict[str, dict], warmup: dict[str, int]
                              "without_repack": _get(ok, "laminar_norepack", "kv_usage_mean")},
            "generation_tokens_per_s": {"with_repack": _get(ok, "laminar", "generation_tokens_per_s"),
                                        "without_repack": _get(ok, "laminar_norepack", "generation_tokens_per_s")},
-           "max_staleness": max((r["max_staleness"] for r in ok.values() if r["max_staleness"] is not None), default=None),
+           "max_staleness": max((r["max_staleness"] for r in ok.values() if r["max_staleness"] is not None),
+                                default=None),
            "max_staleness_by_mode": {m: r["max_staleness"] for m, r in ok.items()},
            "staleness_histogram": {m: r["staleness_histogram_all"] for m, r in ok.items()},
            "fraction_of_ideal": {m: r["fraction_of_ideal"] for m, r in ok.items()},
@@ -308,7 +312,8 @@ def assemble(size: str, gpus: int, runs: dict[str, dict], warmup: dict[str, int]
     obj["ceiling_speedup_over"] = {b: _ratio(ceil, tp.get(b)) for b in BASELINES if b in tp}
     obj["ceiling_fraction"] = _ratio(lam, ceil)  # laminar ÷ its ceiling on its placement
     g = obj["generation_tokens_per_s"]
-    obj["generation_gain_from_repack"] = _ratio(g["with_repack"], g["without_repack"]) - 1 if _ratio(g["with_repack"], g["without_repack"]) else None
+    gain = _ratio(g["with_repack"], g["without_repack"])
+    obj["generation_gain_from_repack"] = gain - 1 if gain else None
     return obj
 
 
@@ -368,7 +373,8 @@ def print_scale(obj: dict, workload: dict) -> None:
                      _f(r["generation_tokens_per_s"]), _f(r["fraction_of_ideal"], 2), _f(r["rollout_idle_fraction"], 2),
                      _f(r["kv_usage_mean"], 2), r["max_staleness"], json.dumps(r["staleness_histogram"]),
                      r["repack"]["plans"], r["preemptions"], f"{r['speedup']:g}",
-                     f"{_f(r.get('engine_lag_at_updates_s'), 1)}/{r['engine_max_lag_s']:.0f}" + ("!" if r["lagged"] else ""),
+                     f"{_f(r.get('engine_lag_at_updates_s'), 1)}/{r['engine_max_lag_s']:.0f}"
+                     + ("!" if r["lagged"] else ""),
                      f"{r['wall_s']:.0f}"
                      + ("" if r["finished"] else " (unfinished)")])
     print_table(f"Qwen2.5-{size} on {gpus} simulated H800s: throughput = prompt+response tokens of a global batch / "
@@ -384,7 +390,8 @@ def print_scale(obj: dict, workload: dict) -> None:
     if c := obj.get("laminar_ceiling_tokens_per_s"):
         cs = obj["ceiling_speedup_over"]
         print(f"  laminar's ceiling on its placement: {_f(c['tokens_per_s'])} tok/s ({c['bound_by']}-bound; generation "
-              f"at every rollout's roofline {_f(c['generation_bound'])}, trainer never waiting {_f(c['training_bound'])})"
+              f"at every rollout's roofline {_f(c['generation_bound'])}, "
+              f"trainer never waiting {_f(c['training_bound'])})"
               + (" = " + ", ".join(f"{_f(v, 2)}x {b}" for b, v in cs.items() if v) if any(cs.values()) else "")
               + "; measured laminar is " + _f(_ratio(lam, c["tokens_per_s"]), 2) + " of it (ceiling_fraction)")
     rp = workload.get("repack_32B_16_rollouts", {})
@@ -393,7 +400,8 @@ def print_scale(obj: dict, workload: dict) -> None:
           f"tokens/s {'-' if g is None else f'{g:+.1%}'}; wall time per plan {_f(obj['repack_overhead_wall_s'], 4)} s"
           f"   (paper, 32B x16 rollouts, reference: {rp.get('avg_kv_util_with')} / {rp.get('avg_kv_util_without')}, "
           f"+{rp.get('generation_throughput_gain', 0):.0%}, overhead {rp.get('overhead_s')} s)")
-    print(f"  max staleness {obj['max_staleness']} (paper observed <= {workload.get('inherent_staleness_observed_max')})"
+    print(f"  max staleness {obj['max_staleness']} "
+          f"(paper observed <= {workload.get('inherent_staleness_observed_max')})"
           + (f"; lagged or unfinished: {obj['lagged_or_unfinished']}" if obj["lagged_or_unfinished"] else ""))
     if obj.get("draining_backlog"):
         print(f"  not a steady state: {obj['draining_backlog']} consumed more than {DRAIN_FLAG}x the tokens generated "
@@ -463,9 +471,10 @@ def write_configs(setup: dict, workload: dict, runs: list[tuple[str, int]], mode
     for size, gpus in runs:
         for mode in modes:
             name = f"{size}-{gpus}-{mode}"
-            cfg = build_config(setup, size, gpus, mode, workdir=f"runs/sim/{name}", speedup=speedups[(size, gpus, mode)],
-                               iterations=setup["iterations"]["warmup"] + setup["iterations"]["measure"], workload=workload,
-                               weights_root=f"/dev/shm/laminar-sim-{name}", relays=relays)
+            cfg = build_config(setup, size, gpus, mode, workdir=f"runs/sim/{name}",
+                               speedup=speedups[(size, gpus, mode)],
+                               iterations=setup["iterations"]["warmup"] + setup["iterations"]["measure"],
+                               workload=workload, weights_root=f"/dev/shm/laminar-sim-{name}", relays=relays)
             head = (f"# Generated by `python bench/scale.py --write-configs {out} --model {size} --gpus {gpus}` from\n"
                     f"# configs/sim/paper.yaml (the constants and their derivation are there and in docs/sim.md).\n"
                     f"# Qwen2.5-{size} on {gpus} simulated H800s, mode {mode}; every role in one process:\n"
@@ -489,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, help="warm-up versions (default: paper.yaml)")
     ap.add_argument("--measure", type=int, help="measured versions (default: paper.yaml's, rounded up "
                     "for the laminar modes to whole waves of updates: scenario.wave_versions)")
-    ap.add_argument("--relays", action="store_true", help="weights through the real relay tier (default: modeled chain)")
+    ap.add_argument("--relays", action="store_true",
+                    help="weights through the real relay tier (default: modeled chain)")
     ap.add_argument("--ahead", type=int, default=None, help="laminar modes: the prompt pool's max_batches_ahead "
                     "(flow control; default: no bound, as in the paper)")
     ap.add_argument("--concurrency", type=int, default=None, help="trajectories a rollout takes per batch "
@@ -549,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.components:
         return components(setup, workload, a)
     if a.write_configs:
-        speedups = {(s, g, m): a.speedup or estimate(setup, workload, s, g, m)["speedup"] for s, g in runs for m in modes}
+        speedups = {(s, g, m): a.speedup or estimate(setup, workload, s, g, m)["speedup"]
+                    for s, g in runs for m in modes}
         write_configs(setup, workload, runs, modes, Path(a.write_configs), speedups, a.relays)
         return 0
     root = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="laminar-scale-", dir="/dev/shm"))
@@ -606,7 +617,8 @@ def components(setup: dict, workload: dict, a) -> int:
     finally:
         if not a.workdir:
             shutil.rmtree(root, ignore_errors=True)
-    rows.update(fig16_rows(results.get(("32B", 128, "laminar")), results.get(("32B", 128, "laminar_norepack")), workload))
+    rows.update(fig16_rows(results.get(("32B", 128, "laminar")), results.get(("32B", 128, "laminar_norepack")),
+                           workload))
     print_table("component checks (simulated vs the paper's component figures; rel_error = sim / paper - 1)",
                 ["component", "sim", "paper", "rel_error", "calibrated on it"],
                 [[k, _f(r["sim"], 3), r["paper"], "-" if r["rel_error"] is None else f"{r['rel_error']:+.1%}",
@@ -638,7 +650,8 @@ def combine(paths: list[str], setup: dict, workload: dict) -> list[dict]:
             m["measure"].update(per_mode)  # files before per-mode windows kept one count for all modes
     order = lambda k: (float(k[0].rstrip("B")), k[1])  # noqa: E731
     return [assemble(size, gpus, {mode: m["runs"][mode] for mode in MODES if mode in m["runs"]},
-                     m["warmup"], m["measure"]) for (size, gpus), m in sorted(merged.items(), key=lambda kv: order(kv[0]))]
+                     m["warmup"], m["measure"])
+            for (size, gpus), m in sorted(merged.items(), key=lambda kv: order(kv[0]))]
 
 
 def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float) -> int:
@@ -653,11 +666,12 @@ def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float)
         if eff:
             print("\nscaling efficiency of laminar ((throughput largest / smallest) / (GPUs largest / smallest)): "
                   + ", ".join(f"{s} {v:.1%}" for s, v in eff.items())
-                  + f"; mean {sum(eff.values()) / len(eff):.1%}   (paper, reference: {PAPER['scaling_efficiency_avg']:.1%})")
+                  + f"; mean {sum(eff.values()) / len(eff):.1%}   "
+                  f"(paper, reference: {PAPER['scaling_efficiency_avg']:.1%})")
     plat = plateau(objs)
     if plat:
-        print("\nplateau (each mode's throughput at a model's largest scale ÷ its second-largest; the paper's baselines "
-              f"stop scaling: <= {PLATEAU_BOUND}): " + "; ".join(
+        print("\nplateau (each mode's throughput at a model's largest scale ÷ its second-largest; the paper's "
+              f"baselines stop scaling: <= {PLATEAU_BOUND}): " + "; ".join(
                   f"{s} " + ", ".join(f"{m} {_f(v, 2)}" for m, v in by.items()) for s, by in plat.items()))
     primary = max(objs, key=lambda o: (o["gpus"], float(o["model"].rstrip("B"))))
     data = {**primary, "runs_by_scale": objs, "scaling_efficiency": eff, "plateau": plat,

@@ -50,7 +50,8 @@ def wave_versions(setup: dict, workload: dict, size: str, gpus: int) -> int:
     waves of this many versions (at 72B/1,024: 4), and they stay in step."""
     shape = setup["run_shape"]
     replicas = placement(workload, size, gpus, "laminar")[1] // mode_tp(setup, size, "laminar")
-    return max(1, math.ceil(replicas * int(shape["max_concurrency"]) / (shape["prompts_per_batch"] * shape["group_size"])))
+    batch = shape["prompts_per_batch"] * shape["group_size"]
+    return max(1, math.ceil(replicas * int(shape["max_concurrency"]) / batch))
 
 
 BARRIER_MODES = ("sync", "one_step", "stream")
@@ -79,7 +80,8 @@ def trainer_terms(setup: dict, workload: dict, size: str, gpus: int, mode: str) 
     if ctl and mode in ctl.get("modes", BARRIER_MODES):
         shape = setup["run_shape"]
         positions = shape["max_input_tokens"] + shape["max_output_tokens"]
-        per_traj = ctl["reward_s_per_trajectory"] + ctl["moves"] * positions * ctl["bytes_per_position"] / (ctl["gbps"] * 1e9)
+        moved = ctl["moves"] * positions * ctl["bytes_per_position"] / (ctl["gbps"] * 1e9)
+        per_traj = ctl["reward_s_per_trajectory"] + moved
         out["controller_s_per_trajectory"] = per_traj
     col = setup.get("colocated")
     if col and mode == "sync":
@@ -173,7 +175,8 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
     terms = trainer_terms(setup, workload, size, gpus, mode)
     mem = rs.get("mem_fraction_colocated", rs["mem_fraction"]) if mode == "sync" else rs["mem_fraction"]
     rollout_sim = {"model": size, "tp": tp, "lengths": m["lengths"], "gpu": setup["gpu"], "speedup": speedup,
-                   "mem_fraction": mem, "emit_every": m.get("emit_every", rs["emit_every"]), "load_gbps": rs["load_gbps"],
+                   "mem_fraction": mem, "emit_every": m.get("emit_every", rs["emit_every"]),
+                   "load_gbps": rs["load_gbps"],
                    "context_dependence": bool(rs.get("context_dependence", True)),
                    "stream_batch": rs.get("stream_batch", 0),
                    "max_output_tokens": shape["max_output_tokens"],
@@ -281,8 +284,8 @@ def engine_curve(setup: dict, workload: dict, size: str, tp: int | None = None):
     from laminar.sim.latency import StepCurve
     tp = int(tp or setup["models"][size]["tp"])
     batches = range(1, 1025)
-    return StepCurve(tuple(float(b) for b in batches), tuple(step_ms(setup, workload, size, tp, b, None) for b in batches),
-                     source=f"engine:{size}_TP{tp}")
+    return StepCurve(tuple(float(b) for b in batches),
+                     tuple(step_ms(setup, workload, size, tp, b, None) for b in batches), source=f"engine:{size}_TP{tp}")
 
 
 def step_ms(setup: dict, workload: dict, size: str, tp: int, batch: int, context: float | None) -> float:
@@ -315,7 +318,8 @@ def ideal_replica_tokens_per_s(setup: dict, workload: dict, size: str, mode: str
 def trainer_cost(setup: dict, workload: dict, size: str, gpus: int, mode: str):
     """The TrainerCost a mode's sim trainer charges (old-logprob pass included)."""
     from laminar.sim.trainer_cost import TrainerCost
-    terms = {k: v for k, v in trainer_terms(setup, workload, size, gpus, mode).items() if k not in ("nccl", "balance", "colocated")}
+    terms = {k: v for k, v in trainer_terms(setup, workload, size, gpus, mode).items()
+             if k not in ("nccl", "balance", "colocated")}
     extra = 1 if old_logprobs(setup, mode) == "recompute" else 0
     return TrainerCost.build(size, setup["gpu"], placement(workload, size, gpus, mode)[0], mfu=setup["trainer"]["mfu"],
                              recompute=setup["trainer"]["recompute"], extra_forward_passes=extra, **terms)

@@ -49,7 +49,8 @@ from laminar.sim.trainer_cost import TRAIN_MFU, NcclBroadcast, RelayLink, Traine
 
 class RelaySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    bandwidth_gbps: float = Field(RelayLink.bandwidth_gbps, gt=0, description="one hop's bandwidth, GB/s (trainer_cost.RelayLink)")
+    bandwidth_gbps: float = Field(RelayLink.bandwidth_gbps, gt=0,
+                                  description="one hop's bandwidth, GB/s (trainer_cost.RelayLink)")
     chunk_mib: float = Field(RelayLink.chunk_mib, gt=0, description="chunk size of the chain, MiB")
     alpha_s: float = Field(RelayLink.alpha_s, ge=0, description="per-chunk overhead of one hop, s")
 
@@ -62,7 +63,8 @@ class DeliverTarget(BaseModel):
 
 class NcclSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    bandwidth_gbps: float = Field(NcclBroadcast.bandwidth_gbps, gt=0, description="S/B term (trainer_cost.NcclBroadcast)")
+    bandwidth_gbps: float = Field(NcclBroadcast.bandwidth_gbps, gt=0,
+                                  description="S/B term (trainer_cost.NcclBroadcast)")
     per_doubling_gbps: float = Field(NcclBroadcast.per_doubling_gbps, gt=0, description="S·log2(n)/C term")
     rollout_gpus: int = Field(1, ge=1, description="GPUs the broadcast reaches")
 
@@ -73,7 +75,8 @@ class SimTrainerSettings(BaseModel):
     model: str = Field(description="model shape: 7B, 32B or 72B (laminar/sim/hardware.py)")
     gpus: int = Field(ge=1, description="training GPUs (for colocated sync: every GPU of the cluster)")
     gpu: str = Field("H800", description="GPU kind (hardware.GPUS)")
-    mfu: float = Field(TRAIN_MFU, gt=0, le=1, description="model FLOPs utilization of training (trainer_cost.TRAIN_MFU)")
+    mfu: float = Field(TRAIN_MFU, gt=0, le=1,
+                       description="model FLOPs utilization of training (trainer_cost.TRAIN_MFU)")
     recompute: bool = Field(True, description="full activation recomputation: one more forward pass (× 4/3)")
     extra_forward_passes: int = Field(0, ge=0, description="recomputed old logprobs, KL reference: 2·P·T each "
                                       "(the role's old_logprobs: recompute adds one)")
@@ -131,7 +134,10 @@ class SimTrainEngine:
         publish stall, after which version `version` starts down the modeled chain."""
         lengths = [len(t.spec.prompt_tokens) + len(t.response_tokens) for g in groups for t in g]
         tokens = sum(lengths)
-        train_s = self.cost.iteration_s_lengths(lengths) if self.s.balance else self.cost.iteration_s(tokens, len(lengths))
+        if self.s.balance:
+            train_s = self.cost.iteration_s_lengths(lengths)
+        else:
+            train_s = self.cost.iteration_s(tokens, len(lengths))
         stall_s = self.stall_s if self.on_version is not None else 0.0
         nccl = self.s.nccl is not None
         time.sleep(train_s / self.s.speedup)
@@ -159,7 +165,8 @@ class ModeledDelivery:
     def __init__(self, role, settings: SimTrainerSettings, cost: TrainerCost, loop: asyncio.AbstractEventLoop):
         self.role, self.s, self.loop = role, settings, loop
         link = cost.link
-        hop = 0.0 if settings.nccl is not None or settings.colocated else link.chunk_mib * 2 ** 20 / link.bytes_per_s + link.alpha_s
+        at_once = settings.nccl is not None or settings.colocated  # every host has it when it begins
+        hop = 0.0 if at_once else link.chunk_mib * 2 ** 20 / link.bytes_per_s + link.alpha_s
         # host i has it S/B after the stall began, plus (i - 1) hops behind the master (i >= 1)
         self.offsets = [max(0, i - 1) * hop for i in range(len(settings.deliver or []))]
         self.stores: dict[str, Any] = {}

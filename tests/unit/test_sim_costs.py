@@ -145,8 +145,9 @@ def test_nccl_broadcast_calibration_and_check():
 def test_nccl_delivery_reaches_every_host_before_the_stall():
     """With `nccl`, a version is on every host when the broadcast begins (no chain offsets) and the
     trainer then waits the broadcast out."""
+    tag = uuid.uuid4().hex[:6]
     s = SimTrainerSettings(model="32B", gpus=32, speedup=1e9, nccl={"rollout_gpus": 256},
-                           deliver=[{"host": f"n{i}", "dir": f"/dev/shm/unused-{uuid.uuid4().hex[:6]}-{i}"} for i in range(4)])
+                           deliver=[{"host": f"n{i}", "dir": f"/dev/shm/unused-{tag}-{i}"} for i in range(4)])
     e = SimTrainEngine(s)
     assert e.stall_s == pytest.approx(NcclBroadcast().seconds(model("32B").weight_bytes(), 256))
     loop = types.SimpleNamespace()
@@ -187,7 +188,8 @@ def test_each_mode_pays_what_its_counterpart_pays():
     c7 = build_config(setup, "7B", 256, "one_step", workdir="/tmp/unused", speedup=5, iterations=3, workload=w,
                       weights_root="/dev/shm/unused")
     assert c7["roles"]["rollout"]["sim"]["tp"] == 2
-    assert sum(len([r for r in h["roles"] if r["role"] == "rollout"]) for h in c7["cluster"]["hosts"].values()) == 216 // 2
+    hosts = c7["cluster"]["hosts"].values()
+    assert sum(len([r for r in h["roles"] if r["role"] == "rollout"]) for h in hosts) == 216 // 2
 
 
 def test_repack_bound_is_read_from_the_step_the_engine_charges():
