@@ -31,6 +31,9 @@ class TrainerConfig(BaseModel):
     off_policy: str = Field("none", pattern="^(none|tis|decoupled)$",
                             description="stale-sample correction: truncated IS or decoupled PPO (both recompute the proximal policy)")
     is_cap: float | None = Field(2.0, gt=0, description="truncation of the importance weight (tis; optional for decoupled)")
+    mismatch_previous_version: bool = Field(True, description="train-inference mismatch of one-version-stale samples "
+                                            "too: keeps a frozen copy of the weights before the newest update (one "
+                                            "more model in memory, one no-grad forward of those samples)")
     entropy_metric: bool = Field(True, description="log the policy entropy on response tokens")
     gamma: float = Field(1.0, ge=0, le=1, description="ppo: discount of the token-level MDP")
     lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda")
