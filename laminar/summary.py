@@ -5,6 +5,7 @@ Reads only files the roles already write, so it can also be run on a finished (o
     <workdir>/trainer/metrics.jsonl   one record per version (reward, staleness, batch tokens, ts)
     <workdir>/manager/repacks.jsonl   one record per executed repack plan
     <workdir>/manager/fleet.jsonl     every rollout report (state, KV usage) the manager saw
+    <workdir>/logs/rollout.*.log      the `config_resolved` line: the task (run.task, else the reward)
 
     python -m laminar.summary RUN_DIR      (laminar-node up writes it when the trainer finishes)
 
@@ -12,6 +13,13 @@ Throughput is the paper's metric (DESIGN §8): prompt + response tokens of one g
 time between two consecutive actor updates, averaged after `warmup` iterations. Rollout idle
 fraction is the share of rollout reports, between the first and the last actor update, in which
 a rollout was idle (neither generating nor loading).
+
+Learning: `mismatch_mean_abs` is the mean over the versions that measured the train-inference
+mismatch (|trainer - behaviour| logprob of the same tokens under the same weights version) of
+each version's token mean, `mismatch_max_abs` the largest |delta| of the run;
+`skipped_nonfinite_steps` counts the optimizer steps the trainer skipped for a NaN/inf loss or
+gradient; `eval_accuracy_first/last` are the first and last held-out accuracies (`eval/accuracy`
+records), None when the run did not evaluate.
 """
 from __future__ import annotations
 
@@ -28,7 +36,9 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     recs = read_jsonl(run / "trainer" / "metrics.jsonl")
     repacks = read_jsonl(run / "manager" / "repacks.jsonl")
     fleet = read_jsonl(run / "manager" / "fleet.jsonl")
-    out: dict = {"run_dir": str(run), "iterations": len(recs)}
+    out: dict = {"run_dir": str(run), "iterations": len(recs), "task": task_of(run),
+                 "reward_first": None, "reward_last": None, "max_staleness": None}
+    out.update(learning_stats(recs))
     if recs:
         rewards = [r["reward_mean"] for r in recs]
         k = max(1, min(window, len(recs) // 2 or 1))
@@ -57,6 +67,41 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     return out
 
 
+def learning_stats(recs: list[dict]) -> dict:
+    """Mismatch, skipped non-finite steps and eval accuracy over the per-version records."""
+    measured = [r for r in recs if r.get("mismatch_tokens", 0) > 0 and "mismatch_mean_abs" in r]
+    evals = [r[k] for r in recs for k in ("eval/accuracy", "eval_accuracy") if r.get(k) is not None]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {"mismatch_mean_abs": mean([r["mismatch_mean_abs"] for r in measured]),
+            "mismatch_max_abs": max((r["mismatch_max_abs"] for r in measured), default=None),
+            "mismatch_k3_mean": mean([r["mismatch_k3"] for r in measured if "mismatch_k3" in r]),
+            "mismatch_versions": len(measured),
+            "skipped_nonfinite_steps": int(sum(r.get("skipped_nonfinite_steps", 0) for r in recs)),
+            "eval_accuracy_first": evals[0] if evals else None,
+            "eval_accuracy_last": evals[-1] if evals else None}
+
+
+def task_of(run: Path) -> str | None:
+    """The run's task as its rollouts were configured: `run.task` if the config names one, else
+    the rollouts' reward function (from the `config_resolved` line of a rollout's log)."""
+    for path in sorted((run / "logs").glob("rollout.*.log")):
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if '"config_resolved"' not in line:
+                continue
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            task = (ev.get("run") or {}).get("task") or (ev.get("settings") or {}).get("reward")
+            if task:
+                return str(task)
+    return None
+
+
 def fleet_stats(fleet: list[dict], since: float | None = None, until: float | None = None) -> dict:
     rows = [f for f in fleet if (since is None or f["ts"] >= since) and (until is None or f["ts"] <= until)]
     if not rows:
@@ -71,9 +116,10 @@ def fleet_stats(fleet: list[dict], since: float | None = None, until: float | No
 def table(s: dict) -> str:
     def f(v):
         return f"{v:.4g}" if isinstance(v, float) else str(v)
-    keys = ["iterations", "reward_first", "reward_last", "throughput_tokens_per_s", "max_staleness",
-            "staleness_histogram", "repacks", "moved_trajectories", "repack_s_mean", "rollout_idle_fraction",
-            "kv_usage_mean", "publish_stall_s_max", "duration_s"]
+    keys = ["task", "iterations", "reward_first", "reward_last", "eval_accuracy_first", "eval_accuracy_last",
+            "throughput_tokens_per_s", "max_staleness", "staleness_histogram", "mismatch_mean_abs",
+            "mismatch_max_abs", "skipped_nonfinite_steps", "repacks", "moved_trajectories", "repack_s_mean",
+            "rollout_idle_fraction", "kv_usage_mean", "publish_stall_s_max", "duration_s"]
     width = max(map(len, keys))
     return "\n".join(f"  {k:<{width}}  {f(s.get(k))}" for k in keys)
 
