@@ -219,7 +219,7 @@ def test_work_of_the_same_number_on_another_lineage_is_not_migrated_in(tmp_path)
                        version=6, rollout_id="r1", next_seq=1, lineage=1)   # 6 of the discarded lineage
 
     async def go():
-        with pytest.raises(RequestError, match="lineage 1"):
+        with pytest.raises(RequestError, match=r"lineage 1 vs 2"):
             await role.on_migrate_in(MigrateIn([old]))
     asyncio.run(go())
     assert not role.active
