@@ -1,9 +1,20 @@
-"""Shared bits of the benchmark programs: free ports, percentiles, table printing, JSON output."""
+"""Shared bits of the benchmark programs: free ports, percentiles, table printing, JSON output, and
+ending cleanly.
+
+A bench that is stopped (Ctrl-C, `timeout`'s SIGTERM, a closed terminal's SIGHUP) must still remove
+what it made: its clusters, their processes, and their shared memory in /dev/shm. `exit_on_signals()`
+turns SIGTERM and SIGHUP into an exception like Ctrl-C's, so every `with` and `finally` runs;
+`run_child()` runs a cluster command (`laminar-node up`) and, when interrupted or out of time, asks it
+to stop as Ctrl-C would (it then stops its roles, which remove their engines' shared memory) before
+it kills it.
+"""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -36,3 +47,30 @@ def write_json(path: str | None, data: dict) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=2, default=str))
         print(f"\nwrote {path}")
+
+
+def exit_on_signals() -> None:
+    """SIGTERM and SIGHUP raise SystemExit (128 + signal) in the main thread, once: a second one
+    while the bench cleans up is ignored (Ctrl-C still interrupts)."""
+    def handler(sig, frame):
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        raise SystemExit(128 + sig)
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, handler)
+
+
+def run_child(argv: list[str], timeout: float, stop_s: float = 60.0, **kw) -> int:
+    """Run `argv` to its end; its exit code. If it overruns `timeout` (TimeoutExpired) or this
+    program is interrupted, it gets SIGINT (an orderly stop), then SIGKILL after `stop_s`."""
+    proc = subprocess.Popen(argv, **kw)
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(stop_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

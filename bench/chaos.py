@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import percentile, print_table, write_json  # noqa: E402
+from _common import exit_on_signals, percentile, print_table, write_json  # noqa: E402
 
 KINDS = ["rollout", "relay", "prompt_pool", "partial_pool", "experience_buffer", "manager", "trainer", "broker",
          "host", "link"]
@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--recover-s", type=float, default=120.0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    exit_on_signals()  # SIGTERM (e.g. `timeout`) unwinds the `with MultiHost`: hosts, namespaces, /dev/shm
     if os.geteuid() != 0:
         raise SystemExit("bench/chaos.py needs root (network namespaces)")
     from laminar.models.tiny import build_tiny_model

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, write_json  # noqa: E402
+from _common import exit_on_signals, print_table, run_child, write_json  # noqa: E402
 
 MODES = ["laminar", "laminar_norepack", "sync", "one_step", "stream"]
 
@@ -59,11 +59,11 @@ def run_mode(mode: str, model: Path, root: Path, iterations: int, timeout: float
         "trainer": {"groups_per_batch": 8, "minibatch_steps": 2},
         "manager": {"repack_interval_s": 0.25, "batch_bound": 16}})
     t0 = time.monotonic()
-    with open(tmp / "up.out", "w") as out:
-        proc = subprocess.run([sys.executable, "-m", "laminar.cli", "up", str(path), "--plain"], stdout=out,
-                              stderr=subprocess.STDOUT, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        raise SystemExit(f"mode {mode} failed (exit {proc.returncode}); see {tmp / 'up.out'}")
+    with open(tmp / "up.out", "w") as out:  # stopped as Ctrl-C would, if we are (its roles then clean up)
+        code = run_child([sys.executable, "-m", "laminar.cli", "up", str(path), "--plain"], timeout, stdout=out,
+                         stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if code != 0:
+        raise SystemExit(f"mode {mode} failed (exit {code}); see {tmp / 'up.out'}")
     s = summary.summarize(tmp / "run")
     s["wall_s"] = time.monotonic() - t0
     return s
@@ -81,6 +81,7 @@ def main() -> int:
                     "control, as configs/local.yaml; 'none' = no bound); ignored by the barrier modes")
     ap.add_argument("--kv-tokens", type=int, default=4096, help="each rollout's KV cache in tokens (as configs/local.yaml)")
     a = ap.parse_args()
+    exit_on_signals()  # SIGTERM/SIGHUP: stop the running cluster in order, as Ctrl-C does
     ahead = None if a.ahead.lower() == "none" else int(a.ahead)
     iterations = a.iterations or (6 if a.quick else 15)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]

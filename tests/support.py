@@ -4,17 +4,22 @@
   between the moment it is chosen and the moment a role binds it), never handed out twice;
 - `write_cluster()`: a single-host cluster file (broker + echo roles, free ports, a cluster key);
 - `Procs`: every process a test starts, each ended by its pid at teardown (SIGTERM, then SIGKILL);
-- `same()`: structural equality of events that hold numpy arrays (dataclass == cannot compare them).
+- `same()`: structural equality of events that hold numpy arrays (dataclass == cannot compare them);
+- `ShmNames`: /dev/shm names that belong to one test session (`laminar-test-<session>-<tag>-<n>`),
+  so that its finalizer removes exactly those, whatever other sessions on the machine are doing.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import select
+import shutil
 import signal
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,3 +172,31 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
         return math.isnan(b)
     return type(a) is type(b) and a == b
+
+
+class ShmNames:
+    """Names in /dev/shm owned by one test session: `path(tag)` hands out a fresh one (not created),
+    `remove()` deletes some, `remove_all()` every entry that carries this session's prefix."""
+
+    def __init__(self, root: str | os.PathLike = "/dev/shm"):
+        self.root = Path(root)
+        self.prefix = f"laminar-test-{uuid.uuid4().hex[:8]}-"
+        self._n = itertools.count()
+
+    def path(self, tag: str = "shm") -> Path:
+        return self.root / f"{self.prefix}{tag}-{next(self._n)}"
+
+    @staticmethod
+    def remove(paths) -> None:
+        for p in paths:
+            p = Path(p)
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+    def remove_all(self) -> list[str]:
+        """Remove every entry of this session (also ones a test named by `prefix` itself)."""
+        mine = [p for p in self.root.iterdir() if p.name.startswith(self.prefix)] if self.root.exists() else []
+        self.remove(mine)
+        return [p.name for p in mine]

@@ -40,6 +40,7 @@ from pathlib import Path
 import yaml
 
 from laminar.bus.auth import generate_keys
+from laminar.shm import ShmLedger
 from laminar.testing.local_cluster import write_prompts
 from laminar.testing.netns import NetnsCluster
 
@@ -142,11 +143,17 @@ class MultiHost:
         self.start_host(i)
 
     def kill_host(self, i: int) -> None:
-        """The host dies: its supervisor and every role on it, at once (SIGKILL to the group)."""
+        """The host dies: its supervisor and every role on it, at once (SIGKILL to the group).
+        Then the top-level /dev/shm objects only its processes held (a vLLM engine's queues) are
+        removed: on one machine they would outlive the emulated host (a real one reboots); its
+        relay's folder stays for the relay's restart."""
         p = self.sup.pop(i, None)
         if p is not None and p.poll() is None:
+            shm = ShmLedger()
+            shm.note([p.pid, *_descendants(p.pid)])
             self._kill_tree(p.pid)
             p.wait(10)
+            shm.release()
 
     def _kill_tree(self, pid: int) -> None:
         # `ip netns exec` execs the supervisor, whose children are in its session: kill them all

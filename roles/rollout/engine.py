@@ -15,6 +15,13 @@ request's generator with `set_offset`, which torch's CPU generator does not supp
 core dies (EngineDeadError) and takes every request with it. So an engine whose requests carry
 seeds (`seeded=True`) on the CPU runs without chunked prefill, with a step budget of at least one
 whole sequence; a prompt then prefills in one step, and seeds reproduce as they should.
+
+Shared memory: the engine core and its worker create POSIX segments in /dev/shm (`psm_*`, the
+message queues between them, 160 + 240 MiB with vLLM's defaults) and multiprocessing semaphores.
+vLLM unlinks them on a clean shutdown only. The processes that appear while the engine starts are
+this engine's; what they hold in /dev/shm is noted right after start, and `close()` removes what
+is still there and held by no one else (an engine core that died or was killed). A rollout process
+that is killed outright is cleaned up by whoever swept its process group (the supervisor).
 """
 from __future__ import annotations
 
@@ -84,6 +91,7 @@ class VllmEngine(RolloutEngine):
         self.omp_threads_bind = omp_threads_bind
         self.stats = EngineStats()
         self.llm = None
+        self.shm = None
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(self.kv_cache_gib)))))
@@ -98,6 +106,8 @@ class VllmEngine(RolloutEngine):
             extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(self.max_model_len, 2048)}
         if self.kv_cache_tokens is not None:  # blocks of 32 tokens (the CPU attention needs multiples of 32)
             extra.update(block_size=KV_BLOCK, num_gpu_blocks_override=-(-self.kv_cache_tokens // KV_BLOCK))
+        from laminar.shm import ShmLedger, descendants
+        before = set(descendants(os.getpid()))
         args = AsyncEngineArgs(model=self.model_dir, skip_tokenizer_init=True, enforce_eager=True,
                                dtype=self.dtype, max_model_len=self.max_model_len,
                                max_num_seqs=self.max_num_seqs,
@@ -107,6 +117,8 @@ class VllmEngine(RolloutEngine):
         # the loop's thread (built in a worker thread it never delivers outputs); a rollout has
         # its own process, and peers of an in-process cluster ride it out by retrying.
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_class(self.stats)])
+        self.shm = ShmLedger()  # only the processes this start created (other engines may share our process)
+        self.shm.note([p for p in descendants(os.getpid()) if p not in before])
 
     async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None):
         from vllm import SamplingParams
@@ -133,3 +145,20 @@ class VllmEngine(RolloutEngine):
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        if self.shm is not None:
+            _untrack(self.shm.release())  # after shutdown: the engine's processes have exited
+            self.shm = None
+
+
+def _untrack(names: list[str]) -> None:
+    """The engine's processes registered what they created with this process's multiprocessing
+    resource tracker (they share it); forget what was just removed, or the tracker tries to unlink
+    it again when this process exits (a FileNotFoundError traceback)."""
+    from multiprocessing import resource_tracker
+    if not names or getattr(resource_tracker._resource_tracker, "_fd", None) is None:
+        return
+    for n in names:
+        if n.startswith("psm_"):
+            resource_tracker.unregister("/" + n, "shared_memory")
+        elif n.startswith("sem.mp-"):
+            resource_tracker.unregister("/" + n[len("sem."):], "semaphore")

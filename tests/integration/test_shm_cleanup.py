@@ -152,3 +152,48 @@ def test_supervisor_removes_what_a_killed_or_stopped_rollout_left(tmp_path):
         return second
     second = asyncio.run(go())
     assert_left_nothing(before, second, "stop under the supervisor")
+
+
+def test_engine_closed_after_its_core_was_killed_leaves_dev_shm_as_it_was(tmp_path):
+    """In-process engines (InprocCluster, benches): the engine core dies (OOM killer, a crash) while
+    the rollout lives on; closing the engine still removes the queues the core made."""
+    from laminar.roles.rollout.engine import VllmEngine
+    model_dir = build_tiny_model(tmp_path / "model", seed=1)
+    before = listing()
+    mine = set(os.listdir("/proc"))
+
+    async def go():
+        eng = VllmEngine(str(model_dir), max_model_len=256, max_num_seqs=4, kv_cache_gib=1,
+                         temperature=0.0, top_p=1.0)
+        await eng.start()
+        try:
+            procs = [int(p) for p in set(os.listdir("/proc")) - mine if p.isdigit()]
+            cores = [p for p in procs if _comm(p).startswith("VLLM::EngineCor")]
+            assert len(cores) == 1, [_comm(p) for p in procs]
+            ours = group_inodes(os.getpgid(0)) & _held_by(procs)
+            assert any(n.startswith("psm_") for n in held_segments(ours))
+            os.kill(cores[0], signal.SIGKILL)
+        finally:
+            await eng.close()
+        return ours
+    ours = asyncio.run(go())
+    assert_left_nothing(before, ours, "engine core killed, engine closed")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _held_by(pids) -> set[int]:
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                found |= {int(p[4]) for p in (line.split(maxsplit=5) for line in f)
+                          if len(p) == 6 and p[5].startswith(SHM + "/")}
+        except OSError:
+            pass
+    return found
