@@ -28,7 +28,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import free_port, print_table, write_json  # noqa: E402
+from _common import exit_on_signals, free_port, print_table, write_json  # noqa: E402
 
 SEED = 11
 TIMED_EPOCHS = 3
@@ -197,6 +197,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--model-dir", default=None, help="HF model folder (default: build the tiny model)")
     a = ap.parse_args()
+    exit_on_signals()  # SIGTERM/SIGHUP unwind like Ctrl-C: engines closed, the /dev/shm store removed
     n, max_tokens, migrate_n = (32, 64, 16) if a.quick else (128, 192, 100)
     from laminar.models.tiny import build_tiny_model
     tmp = Path(tempfile.mkdtemp(prefix="laminar-bench-rollout-"))
