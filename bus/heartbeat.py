@@ -2,7 +2,10 @@
 
 The heartbeat carries the role's full current status (pub/sub only carries superseding state), so
 a missed one costs nothing; a peer is declared dead after `timeout_s` without one. A dropped
-connection is detected faster by the RPC client's socket monitor (bus/rpc.py).
+connection is detected faster by the RPC client's socket monitor (bus/rpc.py). A role that is
+running but cannot do its job (a relay whose data port no longer accepts) says so with an
+`unhealthy` entry in its status: the monitor treats such a heartbeat like silence, and the next
+heartbeat without it brings the peer back.
 """
 from __future__ import annotations
 
@@ -35,6 +38,12 @@ async def heartbeat_loop(pub: Publisher, role: str, id: str, host: str, interval
         await asyncio.sleep(interval_s)  # a period, not a wait for a peer
 
 
+def unhealthy(hb: Heartbeat) -> str:
+    """Why a live peer says it cannot do its job ("" when it can)."""
+    v = hb.status.get("unhealthy") if isinstance(hb.status, dict) else None
+    return str(v) if v else ""
+
+
 @dataclass
 class PeerView:
     last: Heartbeat
@@ -48,12 +57,23 @@ class HeartbeatMonitor:
     peers: dict[str, PeerView] = field(default_factory=dict)
 
     def observe(self, hb: Heartbeat, now: float | None = None) -> bool:
-        """Record a heartbeat; True if this peer is new or came back."""
+        """Record a heartbeat; True if this peer is new or came back (healthy)."""
         key = f"{hb.role}.{hb.id}"
         now = time.monotonic() if now is None else now
         prev = self.peers.get(key)
-        self.peers[key] = PeerView(hb, now, True)
-        return prev is None or not prev.alive
+        healthy = not unhealthy(hb)
+        self.peers[key] = PeerView(hb, now, healthy)
+        return healthy and (prev is None or not prev.alive)
+
+    def observe_change(self, hb: Heartbeat, now: float | None = None) -> bool | None:
+        """Record a heartbeat; True: came alive, False: was alive and reports itself unhealthy,
+        None: no change."""
+        prev = self.peers.get(f"{hb.role}.{hb.id}")
+        if self.observe(hb, now):
+            return True
+        if unhealthy(hb) and (prev is None or prev.alive):
+            return False
+        return None
 
     def sweep(self, now: float | None = None) -> list[str]:
         """Mark peers silent for longer than timeout_s dead; return the newly dead keys."""
@@ -70,8 +90,9 @@ class HeartbeatMonitor:
             try:
                 async with asyncio.timeout(self.timeout_s / 2):
                     _, ev = await sub.recv()
-                if isinstance(ev, Heartbeat) and self.observe(ev) and on_change:
-                    on_change(f"{ev.role}.{ev.id}", True)
+                change = self.observe_change(ev) if isinstance(ev, Heartbeat) else None
+                if change is not None and on_change:
+                    on_change(f"{ev.role}.{ev.id}", change)
             except TimeoutError:
                 pass
             for key in self.sweep():

@@ -9,15 +9,28 @@ The relay role (roles/relay) wraps it with the bus (join the manager's chain, Se
 progress reports); bench/broadcast.py drives it directly inside network namespaces, so what is
 benchmarked is this very code.
 
-Threads: `accept` (listener), one receiver (a newer upstream connection replaces the old one,
-which is closed and joined first, so two upstreams never write the same version), one forwarder
-(Sender). `on_event(kind, **info)` is called from those threads; kinds: offer, progress,
-complete, corrupt (receiver), upstream (a new upstream connected), link_down (forwarder lost its
-downstream: the owner tells the manager), delivered.
+Threads: `accept` (listener), one short-lived handshake thread per connection being
+authenticated, one receiver (a newer upstream connection replaces the old one, which is closed
+and joined first, so two upstreams never write the same version), one forwarder (Sender).
+`on_event(kind, **info)` is called from those threads; kinds: offer, progress, complete, corrupt
+(receiver), upstream (a new upstream connected), link_down (forwarder lost its downstream: the
+owner tells the manager), delivered.
+
+The data port faces whoever can reach it, so the accepting thread only accepts: the handshake of
+each connection runs on its own thread under `handshake_timeout_s`, at most
+`max_pending_handshakes` at once (beyond that the oldest unauthenticated one is closed, so a flood
+of silent clients cannot keep a real upstream out). An accept() error is logged and retried with
+backoff; after `relisten_after` failures in a row the listener is opened again on the same port,
+and while it keeps failing `status()` carries `unhealthy`, which the manager treats like a
+silent heartbeat (the relay is taken out of the chain and re-joins when healthy). A connection
+whose handshake says it is the manager's probe is answered and closed: it never displaces the
+upstream.
 """
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from typing import Callable
 
 import structlog
@@ -35,7 +48,8 @@ class RelayNode:
     def __init__(self, relay_id: str, shm_dir: str, transport: ChunkTransport, key: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
                  on_event: Callable[..., None] = lambda kind, **kw: None,
-                 connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0, retain: int = 0):
+                 connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0, retain: int = 0,
+                 handshake_timeout_s: float = 5.0, max_pending_handshakes: int = 32, relisten_after: int = 5):
         self.id, self.transport, self.key = relay_id, transport, key
         self.store = ShmStore(shm_dir, retain)
         self.bind_host, self.port = bind_host, port
@@ -43,6 +57,7 @@ class RelayNode:
         self.connect_timeout_s, self.ack_timeout_s = connect_timeout_s, ack_timeout_s
         self.lock = threading.Lock()
         self.link_lock = threading.Lock()  # one set_downstream at a time
+        self.upstream_lock = threading.Lock()  # one upstream swap at a time
         self.receiver: Receiver | None = None
         self.receiver_thread: threading.Thread | None = None
         self.sender: Sender | None = None
@@ -51,6 +66,13 @@ class RelayNode:
         self.upstream = ""
         self.corrupt = 0
         self._stop = threading.Event()
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_pending_handshakes, self.relisten_after = max_pending_handshakes, relisten_after
+        # connections being authenticated, oldest first: id -> (conn, deadline on the monotonic clock)
+        self._pending: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self.accept_errors = self.failing_accepts = 0   # total, and in a row (0 after a success)
+        self.accept_failure = ""
+        self.handshakes_refused = self.handshakes_evicted = self.probes = 0
 
     @property
     def address(self) -> str:
@@ -64,35 +86,107 @@ class RelayNode:
 
     # -- upstream side ---------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        backoff = 0.05
         while not self._stop.is_set():
             try:
                 conn = self.listener.accept(timeout=0.5)
-            except LinkError:
+            except Exception as exc:  # EMFILE, ENOBUFS, a closed listener...: never the end of the port
                 if self._stop.is_set():
                     return
-                raise
-            if conn is None:
+                self._accept_failed(exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 1.0)
                 continue
+            backoff = 0.05
+            self.failing_accepts = 0
+            if conn is not None:
+                self._start_handshake(conn)
+            self._expire_handshakes()
+
+    def _expire_handshakes(self) -> None:
+        """The deadline is on the whole handshake, not per read: a peer dripping a byte at a
+        time is closed here (its thread's read then fails) when its time is up."""
+        now = time.monotonic()
+        with self.lock:
+            late = [c for c, dl in self._pending.values() if dl < now]
+        for c in late:
+            c.close()
+
+    def _accept_failed(self, exc: Exception) -> None:
+        self.accept_errors += 1
+        self.failing_accepts += 1
+        self.accept_failure = str(exc)[:200]
+        if self.failing_accepts & (self.failing_accepts - 1) == 0:  # 1st, 2nd, 4th, 8th... in a row
+            log.error("accept_failed", relay=self.id, error=str(exc), in_a_row=self.failing_accepts)
+        if self.failing_accepts % self.relisten_after == 0:
+            port = int(self.listener.address.rsplit(":", 1)[1])
             try:
-                wire.server_handshake(conn, self.key)
-            except (LinkError, OSError) as exc:
-                log.warning("upstream_refused", relay=self.id, peer=conn.peer, error=str(exc))
-                conn.close()
-                continue
+                fresh = self.transport.listen(self.bind_host, port)
+            except Exception as exc2:
+                log.error("relisten_failed", relay=self.id, port=port, error=str(exc2))
+                return
+            old, self.listener = self.listener, fresh
+            try:
+                old.close()
+            except Exception:
+                pass
+            log.warning("relistened", relay=self.id, address=fresh.address)
+
+    def _start_handshake(self, conn) -> None:
+        with self.lock:
+            while len(self._pending) >= self.max_pending_handshakes:  # evict the oldest stranger
+                _, (oldest, _) = self._pending.popitem(last=False)
+                self.handshakes_evicted += 1
+                oldest.close()  # its thread's recv fails at once and it exits
+            self._pending[id(conn)] = (conn, time.monotonic() + self.handshake_timeout_s)
+        threading.Thread(target=self._handshake, args=(conn,), name=f"relay-{self.id}-hs", daemon=True).start()
+
+    def _handshake(self, conn) -> None:
+        try:
+            purpose = wire.server_handshake(conn, self.key, self.handshake_timeout_s)
+        except (LinkError, OSError) as exc:
+            self.handshakes_refused += 1
+            if self.handshakes_refused & (self.handshakes_refused - 1) == 0:
+                log.warning("upstream_refused", relay=self.id, peer=conn.peer, error=str(exc),
+                            refused=self.handshakes_refused)
+            conn.close()
+            return
+        except Exception as exc:  # a bug: this connection only, never the port
+            log.error("handshake_failed", relay=self.id, peer=conn.peer, error=repr(exc), exc_info=exc)
+            conn.close()
+            return
+        finally:
+            with self.lock:
+                self._pending.pop(id(conn), None)
+        if purpose == wire.PURPOSE_PROBE:
+            self.probes += 1
+            conn.close()
+            return
+        if not self._stop.is_set():
             self._take_upstream(conn)
+        else:
+            conn.close()
+
+    def data_port_ok(self) -> bool:
+        t = getattr(self, "_accept_thread", None)
+        return t is not None and t.is_alive() and self.failing_accepts < self.relisten_after * 2
 
     def _take_upstream(self, conn) -> None:
-        with self.lock:
-            old, old_thread = self.receiver, self.receiver_thread
-            if old is not None:
-                old.stop()
-        if old_thread is not None:
-            old_thread.join(timeout=10.0)
-        rcv = Receiver(self.store, conn, self._on_receiver_event)
-        t = threading.Thread(target=self._run_receiver, args=(rcv,), name=f"relay-{self.id}-recv", daemon=True)
-        with self.lock:
-            self.receiver, self.receiver_thread, self.upstream = rcv, t, conn.peer
-        t.start()
+        with self.upstream_lock:  # handshake threads finish concurrently: one swap at a time
+            if self._stop.is_set():
+                conn.close()
+                return
+            with self.lock:
+                old, old_thread = self.receiver, self.receiver_thread
+                if old is not None:
+                    old.stop()
+            if old_thread is not None:
+                old_thread.join(timeout=10.0)
+            rcv = Receiver(self.store, conn, self._on_receiver_event)
+            t = threading.Thread(target=self._run_receiver, args=(rcv,), name=f"relay-{self.id}-recv", daemon=True)
+            with self.lock:
+                self.receiver, self.receiver_thread, self.upstream = rcv, t, conn.peer
+            t.start()
         self.on_event("upstream", peer=conn.peer)
 
     def _run_receiver(self, rcv: Receiver) -> None:
@@ -165,17 +259,29 @@ class RelayNode:
                 "chunks_total": inc.n if inc else (cur.n if cur else 0),
                 "corrupt_chunks": self.corrupt,
                 "upstream": self.upstream, "downstream": self.downstream,
-            }
+            } | self._port_status()
+
+    def _port_status(self) -> dict:
+        ok = self.data_port_ok()
+        st = {"data_port_ok": ok, "accept_errors": self.accept_errors, "handshakes_pending": len(self._pending),
+              "handshakes_refused": self.handshakes_refused, "probes": self.probes}
+        if not ok and not self._stop.is_set():
+            st["unhealthy"] = f"data port {self.listener.address} not accepting: {self.accept_failure or 'accept thread ended'}"
+        return st
 
     def stop(self) -> None:
         self._stop.set()
         self.store.stop()
         self._drop_sender()
-        with self.lock:
+        with self.upstream_lock, self.lock:  # after a swap in progress: its thread is started
             rcv, t = self.receiver, self.receiver_thread
         if rcv is not None:
             rcv.stop()
             t.join(timeout=10.0)
         self.listener.close()
         self._accept_thread.join(timeout=5.0)
+        with self.lock:
+            pending, self._pending = list(self._pending.values()), collections.OrderedDict()
+        for c, _ in pending:
+            c.close()
         self.store.close()

@@ -12,12 +12,14 @@ Every message is one 40-byte header `!4sB3xqqQQ` = magic, type, version, a, b, l
 Authentication (before anything else; mutual, HMAC-SHA256 over fresh nonces with a key derived
 from the cluster secret, so the secret itself never crosses the wire):
 
-    C -> A  HELLO (a=PROTOCOL_VERSION, payload nonce_c)
+    C -> A  HELLO (a=PROTOCOL_VERSION, b=purpose, payload nonce_c)
     A -> C  HELLO (a=PROTOCOL_VERSION, payload nonce_a + mac(key, "A" + nonce_c))
-    C -> A  PROOF (payload mac(key, "C" + nonce_a))
+    C -> A  PROOF (payload mac(key, "C" + nonce_a), or mac(key, "P" + nonce_a) for a probe)
     A -> C  WELCOME
 A peer with another protocol version or a wrong proof gets its connection closed with a
-LinkError naming the reason; the handshake runs under a deadline.
+LinkError naming the reason; the handshake runs under a deadline. `purpose` is LINK (an upstream
+that will stream versions) or PROBE (the manager checking that the port really serves: the
+relay answers the handshake and closes, leaving its upstream alone); the proof covers it.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ MAGIC = b"LMW1"
 MAX_CONTROL_PAYLOAD = 16 << 20  # a manifest / handshake payload larger than this is garbage
 
 HELLO, PROOF, WELCOME, OFFER, WANT, CHUNK, NACK, DONE = range(1, 9)
+PURPOSE_LINK, PURPOSE_PROBE = 0, 1
+_PROOF_TAG = {PURPOSE_LINK: b"C", PURPOSE_PROBE: b"P"}
 NAMES = {HELLO: "HELLO", PROOF: "PROOF", WELCOME: "WELCOME", OFFER: "OFFER", WANT: "WANT",
          CHUNK: "CHUNK", NACK: "NACK", DONE: "DONE"}
 
@@ -99,32 +103,44 @@ def _check_protocol(h: Header) -> None:
         raise LinkError(f"protocol mismatch: peer speaks protocol {h.a}, this side speaks protocol {PROTOCOL_VERSION}")
 
 
-def client_handshake(conn: Conn, key: bytes, timeout: float = 5.0) -> None:
+def client_handshake(conn: Conn, key: bytes, timeout: float = 5.0, purpose: int = PURPOSE_LINK) -> None:
     conn.set_handshake_timeout(timeout)
     nonce_c = os.urandom(32)
-    send(conn, HELLO, a=PROTOCOL_VERSION, payload=nonce_c)
+    send(conn, HELLO, a=PROTOCOL_VERSION, b=purpose, payload=nonce_c)
     h, body = expect(conn, HELLO)
     _check_protocol(h)
     if len(body) != 64 or not hmac.compare_digest(body[32:], _mac(key, b"A", nonce_c)):
         raise LinkError("peer failed to prove it holds the cluster key")
-    send(conn, PROOF, payload=_mac(key, b"C", body[:32]))
+    send(conn, PROOF, payload=_mac(key, _PROOF_TAG[purpose], body[:32]))
     expect(conn, WELCOME)
     conn.set_handshake_timeout(None)
 
 
-def server_handshake(conn: Conn, key: bytes, timeout: float = 5.0) -> None:
+def server_handshake(conn: Conn, key: bytes, timeout: float = 5.0) -> int:
+    """Authenticate the connecting peer; returns its purpose (PURPOSE_LINK or PURPOSE_PROBE)."""
     conn.set_handshake_timeout(timeout)
     h, nonce_c = expect(conn, HELLO)
     _check_protocol(h)
-    if len(nonce_c) != 32:
+    if len(nonce_c) != 32 or h.b not in _PROOF_TAG:
         raise LinkError("bad HELLO")
     nonce_a = os.urandom(32)
     send(conn, HELLO, a=PROTOCOL_VERSION, payload=nonce_a + _mac(key, b"A", nonce_c))
     _, proof = expect(conn, PROOF)
-    if not hmac.compare_digest(proof, _mac(key, b"C", nonce_a)):
+    if not hmac.compare_digest(proof, _mac(key, _PROOF_TAG[h.b], nonce_a)):
         raise LinkError("connection refused: peer does not hold the cluster key")
     send(conn, WELCOME)
     conn.set_handshake_timeout(None)
+    return h.b
+
+
+def probe(transport: ChunkTransport, address: str, key: bytes, timeout: float) -> None:
+    """Connect, complete a PROBE handshake and close: raises LinkError unless the relay at
+    `address` accepts, answers and proves it holds the key within `timeout`."""
+    conn = transport.connect(address, timeout)
+    try:
+        client_handshake(conn, key, timeout, purpose=PURPOSE_PROBE)
+    finally:
+        conn.close()
 
 
 def connect(transport: ChunkTransport, address: str, key: bytes, timeout: float) -> Conn:

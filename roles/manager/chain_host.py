@@ -5,12 +5,16 @@ ms after a relay process dies), heartbeat silence (the slow path, `dead_after_s`
 Outputs: SetDownstream calls to relays, and ChainState on `weights.chain` (the trainer's
 publisher follows it to learn the master; see laminar/weights/follow.py).
 
-A LinkDown is a suspicion, not a verdict: the manager probes the suspect's data port (a TCP
-connect under `probe_timeout_s`; a dead process's port refuses at once). Dead: remove it and
-re-link. Alive: tell the reporter to reconnect to it. A relay that fails its own SetDownstream
-call (unreachable) is itself removed and the repair continues from there, so a chain with several
-dead relays converges in one pass. Changes are serialized by one lock; repair time (detection ->
-every affected relay connected to its new downstream) is logged as `chain_repaired`.
+A LinkDown is a suspicion, not a verdict: the manager probes the suspect's data port with a real
+authenticated handshake (PROBE purpose: the relay answers and closes, its upstream untouched)
+under `probe_timeout_s`; a dead process's port refuses at once, and a port that only accepts TCP
+(a full backlog, a stalled accept thread) fails the handshake instead of passing for alive.
+Dead: remove it and re-link. Alive: tell the reporter to reconnect to it. A relay that fails its
+own SetDownstream call (unreachable) is itself removed and the repair continues from there, so a
+chain with several dead relays converges in one pass; when both ends pass their probe, the link is
+tried again (`link_attempts` in all, with a short backoff) and then the downstream is taken out
+(it re-joins, and is linked afresh). Changes are serialized by one lock; repair time (detection
+-> every affected relay connected to its new downstream) is logged as `chain_repaired`.
 """
 from __future__ import annotations
 
@@ -22,14 +26,21 @@ from laminar.bus.transport import Publisher, Transport
 from laminar.protocol import (ChainAssignment, ChainState, LinkDown, MasterInfo, RelayJoin,
                               SetDownstream)
 from laminar.roles.manager.chain import ChainCoordinator, Link, NewMaster, RelayInfo
-from laminar.weights.transport import split_address
+from laminar.weights import wire
+from laminar.weights.transport import LinkError, get_transport
 
 
 class ChainHost:
     def __init__(self, transport: Transport, pub: Publisher, log, probe_timeout_s: float = 0.3,
-                 rpc_timeout_s: float = 5.0):
+                 rpc_timeout_s: float = 5.0, data_key: bytes | None = None, probe_transport: str = "tcp",
+                 link_attempts: int = 3):
         self.transport, self.pub, self.log = transport, pub, log
         self.probe_timeout_s, self.rpc_timeout_s = probe_timeout_s, rpc_timeout_s
+        if data_key is None:  # the relays' data-plane key, derived from the cluster key as they do
+            keys = getattr(transport, "keys", None)
+            data_key = wire.derive_key(keys.secret if keys else None)
+        self.data_key, self.probe_transport = data_key, get_transport(probe_transport)
+        self.link_attempts = link_attempts
         self.coord = ChainCoordinator()
         self.lock = asyncio.Lock()
         self.clients: dict[str, object] = {}
@@ -85,13 +96,14 @@ class ChainHost:
         self.pub.publish("weights.chain", self.state())
 
     async def probe(self, data_address: str) -> bool:
-        host, port = split_address(data_address)
+        """True when the relay at `data_address` completes an authenticated handshake in time."""
+        timeout = max(self.probe_timeout_s, 0.1)
         try:
-            async with asyncio.timeout(self.probe_timeout_s):
-                _, writer = await asyncio.open_connection(host, port)
-        except (OSError, TimeoutError):
+            await asyncio.to_thread(wire.probe, self.probe_transport, data_address, self.data_key, timeout)
+        except (LinkError, OSError, ValueError) as exc:
+            if self.log is not None:
+                self.log.info("probe_failed", address=data_address, error=str(exc))
             return False
-        writer.close()
         return True
 
     async def _remove(self, relay_id: str, t0: float, cause: str) -> None:
@@ -116,18 +128,31 @@ class ChainHost:
         client = self.clients.get(a.upstream)
         if client is None:
             client = self.clients[a.upstream] = self.transport.client(up.control_address)
-        try:
-            await client.call(SetDownstream(self.coord.epoch, a.downstream, a.address), timeout=self.rpc_timeout_s)
-            return
-        except RpcError as exc:
-            self.log.warning("set_downstream_failed", relay=a.upstream, downstream=a.downstream, error=str(exc))
-        # Either end may be dead: drop whichever fails its probe; the recursion re-links around it.
-        if not await self.probe(up.data_address):
-            self._drop_client(a.upstream)
-            await self._apply(self.coord.remove(a.upstream), cause=f"{a.upstream} unreachable")
-        elif a.downstream and not await self.probe(a.address):
+        for attempt in range(1, self.link_attempts + 1):
+            try:
+                await client.call(SetDownstream(self.coord.epoch, a.downstream, a.address), timeout=self.rpc_timeout_s)
+                return
+            except RpcError as exc:
+                self.log.warning("set_downstream_failed", relay=a.upstream, downstream=a.downstream, error=str(exc),
+                                 attempt=attempt)
+            # Either end may be dead: drop whichever fails its probe; the recursion re-links around it.
+            if not await self.probe(up.data_address):
+                self._drop_client(a.upstream)
+                await self._apply(self.coord.remove(a.upstream), cause=f"{a.upstream} unreachable")
+                return
+            if a.downstream and not await self.probe(a.address):
+                self._drop_client(a.downstream)
+                await self._apply(self.coord.remove(a.downstream), cause=f"{a.downstream} unreachable")
+                return
+            if not a.downstream or attempt == self.link_attempts:
+                break
+            await asyncio.sleep(0.25 * attempt)  # backoff before the next try, not a wait for a peer
+        if a.downstream and a.downstream in self.coord:
+            # Both answer probes, yet the upstream cannot link: take the downstream out; it sees
+            # itself missing from the chain, re-joins, and gets a fresh link.
+            self.log.error("link_failed", relay=a.upstream, downstream=a.downstream, attempts=self.link_attempts)
             self._drop_client(a.downstream)
-            await self._apply(self.coord.remove(a.downstream), cause=f"{a.downstream} unreachable")
+            await self._apply(self.coord.remove(a.downstream), cause=f"{a.upstream} cannot link to {a.downstream}")
 
     def _drop_client(self, relay_id: str) -> None:
         c = self.clients.pop(relay_id, None)

@@ -80,7 +80,7 @@ class TcpListener(Listener):
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUF_BYTES)
         self.sock.bind((host, port))
-        self.sock.listen(16)
+        self.sock.listen(128)  # the accepting thread only accepts (handshakes run elsewhere): drain fast
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         self.send_timeout_s = send_timeout_s
 
