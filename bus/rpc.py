@@ -1,10 +1,15 @@
 """Request/reply: the dispatcher (shared by both transports) and the ZeroMQ ROUTER/DEALER pair.
 
-Envelope meta: `rid` request id (unique per client), `dl` absolute deadline (epoch seconds).
-A server skips a request that arrives more than LATE_GRACE_S after its deadline (it sat in a
-queue, e.g. across a reconnect; its caller gave up long ago) and answers `deadline`. The grace
-exists because `dl` is the client's clock: hosts whose clocks disagree by less than it are never
-refused a fresh request, and the refusal names both clocks so a larger skew is easy to see.
+Envelope meta: `rid` request id (unique per client), `st` the caller's clock when it sent the
+request, `to` its timeout in seconds, and `dl` = st + to (kept for servers that only know `dl`).
+A server skips a request that sat in a queue long after its caller gave up and answers
+`deadline`. It never compares the two hosts' clocks: per caller connection it keeps the smallest
+`arrival - st` seen lately (skew plus the quickest transit; the minimum over two rotating windows
+of FLOOR_WINDOW_S), and a request is late when its own `arrival - st` exceeds that floor by more
+than its timeout plus LATE_GRACE_S. The skew cancels out, so hosts whose clocks disagree by any
+amount are served; a caller whose clock steps backwards by more than timeout + grace sees at most
+two windows of refusals (each naming the measurement). A request with only `dl` (an older client)
+gets the old check, tolerant of LEGACY_GRACE_S of skew.
 Backpressure contract: a server runs at most `max_inflight` handlers at once; beyond that it
 answers `busy` at once instead of queueing. A client's pending calls are bounded by the caller's
 own concurrency; each has a deadline and fails with DeadlineExceeded. A disconnect or failed CURVE
@@ -14,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 import structlog
@@ -32,7 +38,36 @@ from laminar.bus.transport import Handler, RpcClient, RpcServer
 from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
 
 log = structlog.get_logger("laminar.bus.rpc")
-LATE_GRACE_S = 30.0
+LATE_GRACE_S = 5.0      # beyond the caller's timeout, measured against its own quickest requests
+LEGACY_GRACE_S = 30.0   # for an envelope with an absolute deadline only (compares two clocks)
+FLOOR_WINDOW_S = 60.0
+MAX_CALLERS = 4096      # callers whose floor is remembered (the least recent is forgotten)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class ArrivalFloor:
+    """Per caller, the smallest `arrival - sent` of its recent requests (clock skew + quickest transit)."""
+
+    def __init__(self):
+        self.callers: OrderedDict[Any, list[float]] = OrderedDict()  # key -> [current, previous, window start]
+
+    def delay(self, caller: Any, offset: float, now_mono: float) -> float:
+        """How much longer than this caller's quickest recent request this one took to arrive."""
+        w = self.callers.get(caller)
+        if w is None:
+            w = self.callers[caller] = [offset, math.inf, now_mono]
+            if len(self.callers) > MAX_CALLERS:
+                self.callers.popitem(last=False)
+        else:
+            self.callers.move_to_end(caller)
+            if now_mono - w[2] > FLOOR_WINDOW_S:
+                w[:] = [math.inf, w[0], now_mono]
+        floor = min(w[0], w[1], offset)
+        w[0] = min(w[0], offset)
+        return offset - floor
 
 
 class RequestError(Exception):
@@ -51,19 +86,35 @@ class Dispatcher:
         self.handlers: dict[type, Handler] = {}
         self.inflight = 0
         self.stats: Counter[str] = Counter()
+        self.floor = ArrivalFloor()
+
+    def late(self, req: Any, meta: dict, caller: Any) -> str:
+        """Why `req` is too late to be worth running ("" when it is not)."""
+        now = time.time()
+        st, to = meta.get("st"), meta.get("to")
+        if _number(st) and _number(to):
+            delay = self.floor.delay(caller, now - st, time.monotonic())
+            if delay > to + LATE_GRACE_S:
+                return (f"{type(req).kind} arrived {delay:.1f} s later than this caller's quickest recent request "
+                        f"(its timeout: {to:.3g} s): it sat in a queue after its caller gave up")
+            return ""
+        dl = meta.get("dl")
+        if _number(dl) and now > dl + LEGACY_GRACE_S:
+            return (f"{type(req).kind} arrived {now - dl:.1f} s after its deadline (this server's clock {now:.3f}, "
+                    f"the caller's deadline {dl:.3f}: if the request was fresh, the two hosts' clocks disagree; "
+                    "sync them, e.g. with NTP, or update the caller, whose envelope has no send time)")
+        return ""
 
     def route(self, cls: type, handler: Handler) -> None:
         self.handlers[cls] = handler
 
-    async def handle(self, req: Any, meta: dict) -> Any:
+    async def handle(self, req: Any, meta: dict, caller: Any = None) -> Any:
+        """`caller`: what identifies the sending connection (the ROUTER identity), for lateness."""
         self.stats["requests"] += 1
-        dl = meta.get("dl")
-        now = time.time()
-        if isinstance(dl, (int, float)) and now > dl + LATE_GRACE_S:
+        why = self.late(req, meta, caller)
+        if why:
             self.stats["late"] += 1
-            return ErrorReply("deadline", f"{type(req).kind} arrived {now - dl:.1f} s after its deadline "
-                              f"(this server's clock {now:.3f}, the caller's deadline {dl:.3f}: if the request "
-                              f"was fresh, the two hosts' clocks disagree; sync them, e.g. with NTP)")
+            return ErrorReply("deadline", why)
         if isinstance(req, Hello):
             if req.protocol != PROTOCOL_VERSION:  # cannot happen after decode, kept for inproc
                 return ErrorReply("protocol_mismatch", str(ProtocolMismatch(req.protocol, PROTOCOL_VERSION)))
@@ -146,7 +197,7 @@ class ZmqRpcServer(RpcServer):
             t.add_done_callback(self._tasks.discard)
 
     async def _one(self, ident: bytes, req: Any, meta: dict) -> None:
-        reply = await self.dispatcher.handle(req, meta)
+        reply = await self.dispatcher.handle(req, meta, ident)
         await self._send(ident, reply, meta.get("rid"))
 
     async def _send(self, ident: bytes, reply: Any, rid: Any) -> None:
@@ -198,9 +249,9 @@ class ZmqRpcClient(RpcClient):
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
-        deadline = time.time() + timeout
+        sent = time.time()
         try:
-            frames = encode(req, {"rid": rid, "dl": deadline})
+            frames = encode(req, {"rid": rid, "dl": sent + timeout, "st": sent, "to": float(timeout)})
             async with asyncio.timeout(timeout):
                 await self.sock.send_multipart(frames, copy=len(frames) < 3)
                 reply = await fut

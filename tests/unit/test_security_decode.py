@@ -201,6 +201,6 @@ def test_rpc_server_drops_oversized_messages_and_keeps_serving(tmp_path):
             assert srv.stats.get("requests") == 1, srv.stats      # the 2 MiB frame never reached Python
             many.close(); big.close()
         finally:
-            raw.term()
+            raw.destroy(linger=0)
             await t.close()
     asyncio.run(main())
