@@ -68,12 +68,28 @@ class BusSettings(Strict):
     max_message_mb: int = Field(64, ge=1, description="largest frame a socket accepts")
 
 
+class SystemdSettings(Strict):
+    """What `laminar-node systemd` writes into every unit (see laminar/systemd.py)."""
+    user: str = Field("laminar", description="user every unit runs as: a dedicated system user (`useradd "
+                      "--system laminar`) that owns the key folder and the run's workdir; root only if set here")
+    role_users: dict[str, str] = Field(default_factory=lambda: {"env": "root"}, description="user per role kind, "
+                                       "overriding `user` (the env role's sandbox makes namespaces and mounts, "
+                                       "which needs root)")
+    limit_nofile: int = Field(65536, ge=1024, description="LimitNOFILE of every unit")
+    restart_steps: int = Field(8, ge=1, description="RestartSteps: restarts over which the delay grows from "
+                               "RestartSec to restart_max_delay_s (systemd >= 254)")
+    restart_max_delay_s: int = Field(60, ge=1, description="RestartMaxDelaySec (systemd >= 254)")
+    read_write_paths: list[str] = Field(default_factory=list, description="paths writable besides the run's "
+                                        "workdir and /dev/shm (ProtectSystem=strict makes everything else read-only)")
+
+
 class ClusterSpec(Strict):
     keys_dir: str | None = Field(".laminar/keys", description="folder of the cluster key (laminar-node keygen); null disables CURVE")
     heartbeat_s: float = Field(1.0, gt=0, description="heartbeat period of every role")
     dead_after_s: float = Field(5.0, gt=0, description="silence after which a peer is declared dead")
     shutdown_s: float = Field(10.0, gt=0, description="deadline for a role's graceful stop")
     bus: BusSettings = Field(default_factory=BusSettings)
+    systemd: SystemdSettings = Field(default_factory=SystemdSettings)
     broker: BrokerSpec
     hosts: dict[str, HostSpec]
 

@@ -4,13 +4,44 @@ Each unit runs the role in the foreground (`laminar-node role ...`), `Type=notif
 READY=1 after setup), `WatchdogSec` (the shell pings WATCHDOG=1 from its event loop, so a stuck
 loop is restarted), `Restart=on-failure` (the shell exits 1 only on failure). Roles on the
 broker's host order themselves after the broker unit. A `.target` groups the host's units.
+
+Confinement (cluster.systemd in the config): every unit runs as a dedicated user (`laminar` by
+default; the env role as root, which its namespace sandbox needs, unless configured otherwise)
+with UMask=0077 (stores, checkpoints and logs private to that user), NoNewPrivileges, a read-only
+system (ProtectSystem=strict, home read-only) in which only the run's workdir, /dev/shm (weights)
+and configured paths are writable, a private /tmp, a cache folder of its own (XDG_CACHE_HOME, for
+compiled kernels), LimitNOFILE, restart backoff (RestartSteps/RestartMaxDelaySec where the
+host's systemd has them, >= 254) and a start timeout per role (a rollout loading a large model
+gets 1800 s unless its placement sets ready_timeout_s). Roles other than env also lose kernel
+tunables, modules, logs, cgroups, clock and hostname, set-uid files and realtime scheduling.
+Left open on purpose: devices (GPUs, RDMA) and address families (UCX), which vary by cluster.
 """
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+RESTART_STEPS_SINCE = 254  # systemd version that knows RestartSteps / RestartMaxDelaySec
+
+
+def local_systemd_version() -> int | None:
+    """The systemd version of this host (units are normally generated on the host that runs
+    them), or None when systemd is not installed."""
+    for tool in ("systemctl", "systemd-analyze"):
+        exe = shutil.which(tool)
+        if exe:
+            try:
+                out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.SubprocessError):
+                continue
+            m = re.match(r"systemd (\d+)", out)
+            if m:
+                return int(m.group(1))
+    return None
 
 
 def unit_name(run: str, role: str, id: str) -> str:
@@ -30,10 +61,37 @@ def _arg(a: str) -> str:
     return '"' + a.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _confinement(cfg, role: str, workdir: str, systemd_version: int | None) -> str:
+    sd = cfg.cluster.systemd
+    user = sd.role_users.get(role, sd.user)
+    run_dir = Path(workdir, cfg.run.workdir)  # a relative workdir is relative to WorkingDirectory
+    writable = " ".join("-" + _arg(str(p)) for p in [run_dir, "/dev/shm", *sd.read_write_paths])
+    lines = [f"User={user}", "UMask=0077", "NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=read-only",
+             f"ReadWritePaths={writable}", "PrivateTmp=yes", f"CacheDirectory=laminar-{cfg.run.name}",
+             f"Environment=XDG_CACHE_HOME=%C/laminar-{cfg.run.name}", f"LimitNOFILE={sd.limit_nofile}"]
+    if systemd_version is None or systemd_version >= RESTART_STEPS_SINCE:
+        lines += [f"RestartSteps={sd.restart_steps}", f"RestartMaxDelaySec={sd.restart_max_delay_s}"]
+    else:
+        lines.append(f"# RestartSteps/RestartMaxDelaySec need systemd >= {RESTART_STEPS_SINCE} (this host has "
+                     f"{systemd_version}): restarts wait RestartSec each")
+    if role != "env":  # its sandbox mounts and unshares; everything else needs none of this
+        lines += ["ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
+                  "ProtectControlGroups=yes", "ProtectClock=yes", "ProtectHostname=yes", "RestrictSUIDSGID=yes",
+                  "RestrictRealtime=yes", "LockPersonality=yes", "SystemCallArchitectures=native"]
+        if user != "root":
+            lines.append("CapabilityBoundingSet=")
+    return "\n".join(lines)
+
+
 def render_units(cfg, config_path: str, host: str, python: str | None = None,
-                 workdir: str | None = None, watchdog_s: int = 30) -> dict[str, str]:
+                 workdir: str | None = None, watchdog_s: int = 30,
+                 systemd_version: int | None | str = "local") -> dict[str, str]:
+    """`systemd_version`: of the host that will run the units ("local": this one's)."""
+    from laminar.supervisor import ready_timeout_for
     python = python or sys.executable
     workdir = workdir or os.getcwd()
+    if systemd_version == "local":
+        systemd_version = local_systemd_version()
     config_abs = str(Path(config_path).resolve())
     run = cfg.run.name
     here = cfg.cluster.hosts[host].roles
@@ -44,6 +102,7 @@ def render_units(cfg, config_path: str, host: str, python: str | None = None,
         after = "network-online.target"
         if broker_here and spec.role != "broker":
             after += " " + unit_name(run, "broker", "0")
+        start_s = int(ready_timeout_for(spec.role, spec.ready_timeout_s))
         units[unit_name(run, spec.role, spec.id)] = f"""[Unit]
 Description=Laminar {spec.role}.{spec.id} of run {run} on host {host}
 After={after}
@@ -58,10 +117,11 @@ ExecStart={" ".join(map(_arg, [python, "-m", "laminar.cli", "role", spec.role, "
 Restart=on-failure
 RestartSec=2
 WatchdogSec={watchdog_s}
-TimeoutStartSec=300
+TimeoutStartSec={start_s}
 TimeoutStopSec={int(cfg.cluster.shutdown_s) + 5}
 KillSignal=SIGTERM
 Environment=PYTHONUNBUFFERED=1
+{_confinement(cfg, spec.role, workdir, systemd_version)}
 
 [Install]
 WantedBy={target}
