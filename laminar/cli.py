@@ -93,7 +93,7 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
 
     from rich.live import Live
 
-    from laminar.health import HealthCollector, MetricsServer
+    from laminar.health import HealthCollector, MetricsServer, load_metrics_token, metrics_bind
     from laminar.live import LiveView
     from laminar.shell import make_transport
     from laminar.supervisor import Supervisor, children_for_host
@@ -103,14 +103,21 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
     spec = cfg.cluster.hosts[host]
     metrics = None
     if spec.metrics_port is not None:  # first: a taken port fails before any role starts
-        metrics = MetricsServer(health, spec.bind, spec.metrics_port)
+        bind = metrics_bind(spec)
+        try:
+            token = load_metrics_token(spec.metrics_token_file) if spec.metrics_token_file else None
+        except (OSError, ValueError) as exc:
+            print(f"error: {cfg.source}: cluster.hosts.{host}.metrics_token_file: {exc}", file=sys.stderr)
+            return 2
+        metrics = MetricsServer(health, bind, spec.metrics_port, token=token)
         try:
             await metrics.start()
         except OSError as exc:
             print(f"error: {cfg.source}: cluster.hosts.{host}.metrics_port: cannot listen on "
-                  f"{spec.bind}:{spec.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
+                  f"{bind}:{spec.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
             return 2
-        print(f"metrics: http://{spec.address}:{metrics.port}/metrics  (and /healthz)", flush=True)
+        print(f"metrics: http://{bind}:{metrics.port}/metrics{' (bearer token)' if token else ''}  (and /healthz)",
+              flush=True)
 
     def child_changed(c) -> None:
         view.child_changed(c)

@@ -54,6 +54,10 @@ class HostSpec(Strict):
     metrics_port: int | None = Field(None, ge=1, le=65535, description="port of this node's Prometheus "
                                      "endpoint (GET /metrics, /healthz on `bind`), served by `laminar-node "
                                      "up/start`; null: none")
+    metrics_bind: str | None = Field(None, description="interface of the metrics endpoint (null: `bind` when it "
+                                     "names one interface, else `address`; never every interface unless set here)")
+    metrics_token_file: str | None = Field(None, description="file (mode 0600) holding a bearer token that "
+                                           "GET /metrics must present; null: no token (/healthz is always open)")
 
 
 class BrokerSpec(Strict):

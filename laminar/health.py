@@ -16,14 +16,25 @@ anyway; the format is a few lines, and writing it keeps the package's dependenci
 
 The HTTP server is `asyncio.start_server` on the event loop of `up`: GET /metrics and /healthz,
 nothing else. Bounds: request line + headers at most `max_request` bytes, a deadline per
-connection, at most `max_connections` connections at once (more are closed unanswered), one
-request per connection.
+connection, at most `max_connections` connections at once, one request per connection. When all
+slots are taken, a new connection takes the slot of the oldest one that has not yet sent its
+request (so silent clients cannot starve a scrape, which sends its request at once); only when
+every slot is busy answering is the new one closed unanswered.
+
+Exposure: it listens on `metrics_bind` of the host, by default the host's `bind` when that names
+one interface, else its cluster `address` (never every interface unless configured). /metrics
+may require `Authorization: Bearer <token>` (the host's `metrics_token_file`, a 0600 file);
+/healthz stays open, since it tells only which roles are up.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
+import hmac
 import json
 import math
+import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,7 +290,29 @@ def last_trainer_metrics(path: Path, n: int = 2, tail_bytes: int = 1 << 16) -> l
 
 
 # ---------------------------------------------------------------------------------------
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+def metrics_bind(host_spec) -> str:
+    """Where a host's /metrics listens: `metrics_bind`, else `bind` unless that is a wildcard,
+    else the cluster `address` the other hosts reach it by."""
+    if getattr(host_spec, "metrics_bind", None):
+        return host_spec.metrics_bind
+    if host_spec.bind not in ("0.0.0.0", "::", "", "*"):
+        return host_spec.bind
+    return host_spec.address
+
+
+def load_metrics_token(path: str) -> str:
+    """The bearer token in `path`, which must be a private file of this user."""
+    st = os.stat(path)
+    if stat.S_IMODE(st.st_mode) & 0o077 or st.st_uid != os.geteuid():
+        raise PermissionError(f"metrics token {path} must be owned by uid {os.geteuid()} and private: "
+                              f"`chmod 600 {path}`")
+    token = Path(path).read_text().strip()
+    if len(token) < 8:
+        raise ValueError(f"metrics token in {path} is shorter than 8 characters")
+    return token
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
@@ -288,12 +321,15 @@ class MetricsServer:
     with the roles that are not) over plain HTTP/1.1, one request per connection."""
 
     def __init__(self, collector: HealthCollector, host: str, port: int, max_request: int = 8192,
-                 deadline_s: float = 5.0, max_connections: int = 16):
+                 deadline_s: float = 5.0, max_connections: int = 16, token: str | None = None):
         self.collector, self.host, self.port = collector, host, port
         self.max_request, self.deadline_s, self.max_connections = max_request, deadline_s, max_connections
+        self.token = token
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._waiting: collections.OrderedDict[asyncio.Task, asyncio.StreamWriter] = collections.OrderedDict()
+        self.evicted = 0  # connections closed to make room, before they sent a request
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=self.max_request)
@@ -309,8 +345,12 @@ class MetricsServer:
         await asyncio.gather(*self._handlers, return_exceptions=True)  # makes 3.11's streams log errors)
         await self._server.wait_closed()
 
-    def _respond(self, path: str) -> tuple[int, str, str]:
+    def _respond(self, path: str, headers: dict[bytes, bytes] | None = None) -> tuple[int, str, str]:
         if path == "/metrics":
+            if self.token is not None:
+                given = (headers or {}).get(b"authorization", b"")
+                if not hmac.compare_digest(given, b"Bearer " + self.token.encode()):
+                    return 401, "text/plain; charset=utf-8", "a bearer token is required\n"
             return 200, "text/plain; version=0.0.4; charset=utf-8", self.collector.exposition()
         if path == "/healthz":
             down = self.collector.unhealthy()
@@ -320,15 +360,21 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._handlers) >= self.max_connections:
-            writer.close()
-            return
+            if not self._waiting:  # every slot is answering a request: this one must wait its turn
+                writer.close()
+                return
+            _, oldest = self._waiting.popitem(last=False)  # a client that has sent nothing yet
+            self.evicted += 1
+            oldest.transport.abort()  # its read ends at once and its handler frees the slot
         task = asyncio.current_task()
         self._handlers.add(task)
         self._writers.add(writer)
+        self._waiting[task] = writer
         try:
             async with asyncio.timeout(self.deadline_s):
-                code, ctype, body = await self._answer(reader)
-                head = (f"HTTP/1.1 {code} {_REASONS[code]}\r\nContent-Type: {ctype}\r\n"
+                code, ctype, body = await self._answer(reader, task)
+                extra = "WWW-Authenticate: Bearer realm=\"laminar\"\r\n" if code == 401 else ""
+                head = (f"HTTP/1.1 {code} {_REASONS[code]}\r\nContent-Type: {ctype}\r\n{extra}"
                         f"Content-Length: {len(body.encode())}\r\nConnection: close\r\n\r\n")
                 writer.write(head.encode() + body.encode())
                 await writer.drain()
@@ -341,21 +387,29 @@ class MetricsServer:
         finally:
             self._handlers.discard(task)
             self._writers.discard(writer)
+            self._waiting.pop(task, None)
             writer.close()
 
-    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, str, str]:
+    async def _answer(self, reader: asyncio.StreamReader, task: asyncio.Task | None = None) -> tuple[int, str, str]:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError:
             return 431, "text/plain; charset=utf-8", "request too large\n"
+        finally:
+            self._waiting.pop(task, None)  # a request (or garbage) arrived: no longer evictable
         parts = head.split(b"\r\n", 1)[0].split()
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
             return 400, "text/plain; charset=utf-8", "bad request line\n"
         if parts[0] != b"GET":
             return 405, "text/plain; charset=utf-8", "only GET\n"
         path = parts[1].decode("latin-1").split("?", 1)[0]
+        headers = {}
+        for line in head.split(b"\r\n")[1:]:
+            name, sep, value = line.partition(b":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
         try:
-            return self._respond(path)
+            return self._respond(path, headers)
         except Exception:
             log.exception("health_render_failed", path=path)   # loud, but a bad scrape never stops the node
             return 500, "text/plain; charset=utf-8", "internal error (see the supervisor's log)\n"
