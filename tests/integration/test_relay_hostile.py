@@ -39,7 +39,7 @@ def hold_silent(address: str, n: int) -> list[socket.socket]:
     held = []
     for _ in range(n):
         try:
-            held.append(socket.create_connection((host, int(port)), timeout=2))
+            held.append(socket.create_connection((host, int(port)), timeout=0.5))
         except OSError:
             pass
     return held
