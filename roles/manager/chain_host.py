@@ -97,7 +97,9 @@ class ChainHost:
 
     async def probe(self, data_address: str) -> bool:
         """True when the relay at `data_address` completes an authenticated handshake in time."""
-        timeout = max(self.probe_timeout_s, 0.1)
+        # A dead process refuses at once; the floor only spares a live relay on a loaded host
+        # (its handshake needs a thread scheduled, not just the kernel's backlog) a false verdict.
+        timeout = max(self.probe_timeout_s, 1.0)
         try:
             await asyncio.to_thread(wire.probe, self.probe_transport, data_address, self.data_key, timeout)
         except (LinkError, OSError, ValueError) as exc:
