@@ -31,15 +31,18 @@ SHM_ROOT = Path("/dev/shm")
 
 def group_members(pgid: int | None) -> list[int]:
     """Live pids (zombies excluded) whose process group is `pgid`."""
-    if not pgid:
-        return []
-    out = []
+    return groups_members([pgid]).get(pgid, []) if pgid else []
+
+
+def groups_members(pgids) -> dict[int, list[int]]:
+    """pgid -> live pids of that group, for several groups in one pass over /proc."""
+    want, out = set(pgids), {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         fields = _stat_fields(int(name))
-        if fields is not None and fields[0] != "Z" and int(fields[2]) == pgid:
-            out.append(int(name))
+        if fields is not None and fields[0] != "Z" and int(fields[2]) in want:
+            out.setdefault(int(fields[2]), []).append(int(name))
     return out
 
 

@@ -33,7 +33,7 @@ from typing import Callable
 
 import structlog
 
-from laminar.shm import ShmLedger, group_members
+from laminar.shm import ShmLedger, group_members, groups_members
 
 log = structlog.get_logger("laminar.supervisor")
 
@@ -211,13 +211,17 @@ class Supervisor:
         fut.add_done_callback(self._reaps.discard)
         return fut
 
+    def _note_all(self) -> None:
+        running = [c for c in self.children if c.group is not None]
+        members = groups_members([c.group for c in running])  # one pass over /proc for all
+        for c in running:
+            c.shm.note(members.get(c.group, []))
+
     async def _scan_shm(self) -> None:
         """Every SHM_SCAN_S: note what each running child's group holds in /dev/shm."""
         while True:
             await asyncio.sleep(SHM_SCAN_S)  # a period, not a synchronization
-            for c in self.children:
-                if c.group is not None:
-                    await asyncio.to_thread(self._note, c)
+            await asyncio.to_thread(self._note_all)
 
     async def start(self) -> None:
         """Start the broker (if placed here) and wait for READY, then everything else."""
@@ -256,6 +260,11 @@ class Supervisor:
             if c.group is not None and c.proc is not None and c.proc.returncode is not None:
                 self._reap_soon(c)
         await asyncio.gather(*self._reaps, return_exceptions=True)
+        for c in self.children:  # ... or before it recorded the end
+            if c.pid is not None and c.proc is not None and c.proc.returncode is not None:
+                c.last_exit, c.pid = c.proc.returncode, None
+            if c.state != "finished" and c.state != "stopped":
+                self._set(c, "stopped")
 
     async def _terminate(self, group: list[Child]) -> None:
         live = [c for c in group if c.proc is not None and c.proc.returncode is None]
