@@ -1,6 +1,7 @@
 """Bad input at every listening port of a running cluster (issue 9's fuzz check).
 
     python -m laminar.testing.fuzz_ports CONFIG [--frames 2000] [--seed 0] [--hosts h0,h1]
+                                         [--hostile] [--silent N --hold S]
 
 For every role of the chosen hosts that serves request/reply (a `port`), a DEALER with the
 cluster key sends garbage multipart messages (random frames, bit flips, truncated frame lists
@@ -8,12 +9,19 @@ and frames of a valid request); the broker's XSUB gets garbage events under a ra
 relay's data port gets raw random bytes over TCP (its chunk protocol must refuse them). Run it
 from a place that reaches the hosts' addresses (inside a namespace for the netns harness).
 Prints one line per target; the cluster must keep training (what the caller checks).
+
+`--hostile` adds, to every request/reply port and the broker, messages built to cost memory or
+time: a 2 MB body of empty maps (32 x 65,536), an array header claiming 4G entries, 100,000
+nested arrays, 70,000 frames, and a frame one byte over `max_message_mb`. `--silent N` holds N
+TCP connections that never speak open to every port (bus, relay data, metrics) for `--hold`
+seconds, while the rest runs and after it.
 """
 from __future__ import annotations
 
 import argparse
 import random
 import socket
+import time
 
 import numpy as np
 
@@ -36,6 +44,33 @@ def garbage(rng: random.Random, valid: list[bytes]) -> list[bytes]:
     return [bytes(f) for f in frames] or [b""]
 
 
+def hostile_messages(max_msg_bytes: int) -> list[tuple[str, list[bytes]]]:
+    """(name, frames) of messages built to exhaust a decoder; every one must be refused cheaply."""
+    import msgpack
+
+    from laminar.protocol import PROTOCOL_VERSION
+    v = PROTOCOL_VERSION
+    empty_maps = msgpack.packb([v, {"rid": 1}, {"seq": 1, "x": [[{}] * 65_536 for _ in range(32)]}])
+    return [
+        ("empty_maps_2MB", [b"ping", empty_maps]),
+        ("array_header_4G", [b"ping", b"\x93\x01\x80\xdd\xff\xff\xff\xff"]),
+        ("nested_100k", [b"ping", b"\x93\x01\x80\x81\xa3seq" + b"\x91" * 100_000 + b"\x01"]),
+        ("frames_70k", [b"ping", msgpack.packb([v, {"rid": 2}, {"seq": 1}]), *([b""] * 70_000)]),
+        ("oversized_frame", [b"ping", b"\x00" * (max_msg_bytes + 1)]),
+    ]
+
+
+def hold_silent(addresses: list[tuple[str, int]], n: int) -> list[socket.socket]:
+    held = []
+    for host, port in addresses:
+        for _ in range(n):
+            try:
+                held.append(socket.create_connection((host, port), timeout=1))
+            except OSError:
+                pass
+    return held
+
+
 def main() -> int:
     import zmq
 
@@ -48,12 +83,29 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hosts", default=None, help="comma-separated host ids (default: all)")
+    ap.add_argument("--hostile", action="store_true", help="also send decoder-exhausting messages")
+    ap.add_argument("--silent", type=int, default=0, help="silent TCP connections held open per port")
+    ap.add_argument("--hold", type=float, default=5.0, help="seconds the silent connections stay open after the rest")
     a = ap.parse_args()
     cfg = load_config(a.config)
     keys = auth.load_keys(cfg.cluster.keys_dir) if cfg.cluster.keys_dir else None
     hosts = a.hosts.split(",") if a.hosts else list(cfg.cluster.hosts)
     rng = random.Random(a.seed)
     valid = [bytes(f) for f in encode(TakeBatch("fuzz", 4, 1, 0), {"rid": 7, "dl": 2e9})]
+    hostile = hostile_messages(cfg.cluster.bus.max_message_mb << 20) if a.hostile else []
+    held: list[socket.socket] = []
+    if a.silent:
+        ports: list[tuple[str, int]] = []
+        for hid in hosts:
+            host = cfg.cluster.hosts[hid]
+            ports += [(host.address, s.port) for s in host.roles if s.port]
+            ports += [(host.address, p) for p in (host.metrics_port,) if p]
+            ports += [(host.address, cfg.role_settings("relay", s.id).get("data_port"))
+                      for s in host.roles if s.role == "relay" and cfg.role_settings("relay", s.id).get("data_port")]
+            if hid == cfg.cluster.broker.host:
+                ports += [(host.address, cfg.cluster.broker.pub_port), (host.address, cfg.cluster.broker.sub_port)]
+        held = hold_silent(ports, a.silent)
+        print(f"{'silent':<22} {len(held)} connections held open on {len(ports)} ports", flush=True)
     ctx = zmq.Context()
     for hid in hosts:
         host = cfg.cluster.hosts[hid]
@@ -66,8 +118,11 @@ def main() -> int:
             s.connect(addr)
             for _ in range(a.frames):
                 s.send_multipart(garbage(rng, valid))
+            for _, frames in hostile:
+                s.send_multipart(frames)
             s.close(linger=2000)
-            print(f"{name:<22} {addr:<28} {a.frames} garbage requests", flush=True)
+            print(f"{name:<22} {addr:<28} {a.frames} garbage requests"
+                  + (f", {len(hostile)} hostile" if hostile else ""), flush=True)
         if hid == cfg.cluster.broker.host:
             pub = ctx.socket(zmq.PUB)
             pub.sndhwm, pub.linger = 0, 0
@@ -76,6 +131,9 @@ def main() -> int:
             pub.connect(f"tcp://{host.address}:{cfg.cluster.broker.pub_port}")
             for _ in range(a.frames):
                 pub.send_multipart([b"fuzz." + rng.randbytes(4), *garbage(rng, valid)])
+            for _, frames in hostile:  # under topics a role subscribes to: they reach decoders
+                for topic in (b"hb.fuzz.0", b"metrics.fuzz", b"ctrl.all"):
+                    pub.send_multipart([topic, *frames])
             pub.close(linger=2000)
             print(f"{'broker.xsub':<22} {host.address}:{cfg.cluster.broker.pub_port:<17} {a.frames} garbage events")
         for spec in host.roles:
@@ -92,6 +150,10 @@ def main() -> int:
                     pass
             print(f"relay.{spec.id} data{'':<11} {host.address}:{port:<17} 20 garbage connections", flush=True)
     ctx.term()
+    if held:
+        time.sleep(a.hold)  # the silent clients' duration: the cluster must work meanwhile
+        for c in held:
+            c.close()
     return 0
 
 

@@ -204,3 +204,18 @@ def test_rpc_server_drops_oversized_messages_and_keeps_serving(tmp_path):
             raw.destroy(linger=0)
             await t.close()
     asyncio.run(main())
+
+
+def test_each_fuzz_message_is_refused_quickly_with_a_typed_error():
+    """The fuzz's hostile messages (laminar.testing.fuzz_ports), decoded as a receive loop would on
+    its event loop: each is refused with a CodecError; the time each holds the loop is printed."""
+    import time
+
+    from laminar.testing.fuzz_ports import hostile_messages
+    rows = []
+    for name, frames in hostile_messages(1 << 20):
+        t0 = time.perf_counter()
+        with pytest.raises(CodecError) as e:
+            decode(frames)
+        rows.append(f"{name:<16} {type(e.value).__name__:<15} {1e3 * (time.perf_counter() - t0):7.1f} ms")
+    print("\n" + "\n".join(rows))
