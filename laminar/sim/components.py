@@ -44,6 +44,8 @@ def fig9_replay(setup: dict, workload: dict) -> dict:
     async def main() -> dict:
         clock = Recording()
         kw = {} if rs.get("host_ms_per_layer") is None else {"host_ms_per_layer": rs["host_ms_per_layer"]}
+        if rs.get("host_ms_per_seq"):
+            kw["host_ms_per_seq"] = float(rs["host_ms_per_seq"])
         e = SimEngine.from_workload(model="32B", tp=int(m["tp"]), lengths=m["lengths"], gpu=setup["gpu"],
                                     max_num_seqs=int(shape["max_concurrency"]), mem_fraction=rs["mem_fraction"],
                                     max_output_tokens=shape["max_output_tokens"],

@@ -183,6 +183,8 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
                    "group_correlation": rs.get("group_correlation", 0.0)}
     if rs.get("host_ms_per_layer") is not None:
         rollout_sim["host_ms_per_layer"] = rs["host_ms_per_layer"]
+    if rs.get("host_ms_per_seq"):
+        rollout_sim["host_ms_per_seq"] = float(rs["host_ms_per_seq"])
     if m.get("curve_path"):  # a measured step curve (bench/step_curve.py's JSON) instead of the paper's
         rollout_sim["curve_path"] = str(m["curve_path"])
     if terms.get("colocated"):  # resharded in place: the engine's wake is in the trainer's switch_s
@@ -298,7 +300,7 @@ def step_ms(setup: dict, workload: dict, size: str, tp: int, batch: int, context
     per_layer = HOST_MS_PER_LAYER if per_layer is None else per_layer
     kv = kv_ms_per_token(m, g, tp) if rs.get("context_dependence", True) else 0.0
     return decode_step_ms(step_curve(setup, workload, size, tp), batch, context, kv_ms_per_token=kv,
-                          host_step_ms=per_layer * m.layers)
+                          host_step_ms=per_layer * m.layers, host_ms_per_seq=float(rs.get("host_ms_per_seq") or 0.0))
 
 
 def ideal_replica_tokens_per_s(setup: dict, workload: dict, size: str, mode: str = "laminar") -> tuple[float, int]:
