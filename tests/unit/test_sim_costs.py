@@ -208,6 +208,20 @@ def test_repack_bound_is_read_from_the_step_the_engine_charges():
     assert curve.step_ms(b) <= 1.2 * host < curve.step_ms(b + 1)  # where the GPU passes 1.2 × the host floor
 
 
+def test_per_sequence_host_time_reaches_the_engines_and_the_replay():
+    from laminar.sim.components import fig9_replay
+    from laminar.sim.scenario import step_ms
+    setup, w = load_setups(SETUPS), load_workload()
+    base = fig9_replay(setup, w)
+    setup["rollout"]["host_ms_per_seq"] = 0.075
+    cfg = build_config(setup, "32B", 128, "laminar", workdir="/tmp/unused", speedup=5, iterations=3, workload=w,
+                       weights_root="/dev/shm/unused")
+    assert cfg["roles"]["rollout"]["sim"]["host_ms_per_seq"] == 0.075
+    assert step_ms(setup, w, "32B", 4, 256, None) == pytest.approx(37.0 + 256 * 0.075)
+    slower = fig9_replay(setup, w)
+    assert slower["batch_s"] > base["batch_s"] and slower["tail_s"] == pytest.approx(base["tail_s"], rel=0.02)
+
+
 def test_a_measured_curve_replaces_the_paper_one(tmp_path):
     import json
     path = tmp_path / "curve.json"
