@@ -114,6 +114,18 @@ def top_level_objects(root: Path = SHM_ROOT) -> dict[str, int]:
     return out
 
 
+def wait_gone(pids, timeout_s: float) -> bool:
+    """Wait until none of `pids` is alive (zombies count as gone); False if some outlive
+    `timeout_s`. They are not our children, so there is nothing to wait on but /proc."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while any((_stat_fields(p) or ["Z"])[0] != "Z" for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # polling /proc: no handle on another process's end
+    return True
+
+
 def all_pids() -> list[int]:
     return [int(n) for n in os.listdir("/proc") if n.isdigit()]
 

@@ -221,7 +221,10 @@ class Supervisor:
         """Every SHM_SCAN_S: note what each running child's group holds in /dev/shm."""
         while True:
             await asyncio.sleep(SHM_SCAN_S)  # a period, not a synchronization
-            await asyncio.to_thread(self._note_all)
+            try:
+                await asyncio.to_thread(self._note_all)
+            except Exception as exc:  # a failed scan must not stop supervision: loud, then the next one
+                log.error("shm_scan_failed", error=repr(exc), exc_info=exc)
 
     async def start(self) -> None:
         """Start the broker (if placed here) and wait for READY, then everything else."""

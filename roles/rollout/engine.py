@@ -25,6 +25,7 @@ that is killed outright is cleaned up by whoever swept its process group (the su
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass
@@ -146,7 +147,10 @@ class VllmEngine(RolloutEngine):
             self.llm.shutdown()
             self.llm = None
         if self.shm is not None:
-            _untrack(self.shm.release())  # after shutdown: the engine's processes have exited
+            from laminar.shm import wait_gone
+            # a worker orphaned by a dead core exits on its own, unlinking its own queue: let it
+            await asyncio.to_thread(wait_gone, list(self.shm.owners), 10.0)
+            _untrack(self.shm.release())
             self.shm = None
 
 
