@@ -48,12 +48,11 @@ models/tiny/config.json: | $(STAMP_CPU)
 runs/local/data/prompts.jsonl: | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.demo_data $@
 
-# Each demo is a fresh run: its pools, checkpoints, logs, the manager's records (the summary counts
-# every repack in them) and the relay's shared memory are reset (a relay keeps the newest version
-# across restarts, which a fresh trainer must not meet).
+# Each demo is a fresh run: its pools, checkpoints, logs and the manager's records (the summary counts
+# every repack in them) are reset. Shared memory needs no reset: a relay serves nothing from a folder
+# another run (or another trainer lineage) left, and removes its own folder when it stops.
 demo: $(STAMP_CPU) models/tiny/config.json runs/local/data/prompts.jsonl
-	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/summary.* \
-	  /dev/shm/laminar-local-relay-*
+	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/summary.*
 	$(BIN)/laminar-node up configs/local.yaml
 
 test: $(STAMP_TEST)
