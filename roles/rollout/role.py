@@ -155,7 +155,7 @@ class RolloutRole(Role):
                 if self.weights_dir and self.version < 0:
                     room = 0  # the engine holds weights it cannot name: load first (next loop)
                 # batch_seq makes a retried TakeBatch (lost reply) return the same groups
-                batch = await self._call(self.prompts, TakeBatch(self.ctx.id, room, await self._batch_seq(), self.version)) if room > 0 else None
+                batch = await self._take_batch(room) if room > 0 else None
                 for spec in batch.trajectories if batch else []:
                     self._group_size = max(1, spec.group_size)
                     self._start(Active(spec=spec, version=self.version))
@@ -180,6 +180,13 @@ class RolloutRole(Role):
             if not self.active:
                 self.state = "idle"
         await self.wait_stopped()
+
+    async def _take_batch(self, room: int):
+        """TakeBatch of up to `room` trajectories. It names this process (pid), so what it is handed
+        is accounted to it: a restarted rollout's new groups are never requeued with the dead
+        process's (the manager settles by pid)."""
+        return await self._call(self.prompts, TakeBatch(self.ctx.id, room, await self._batch_seq(), self.version,
+                                                        pid=os.getpid()))
 
     async def _idle_wait(self) -> None:
         """Nothing to do: wait for a new weight version (barrier modes), a stop, or idle_wait_s."""
