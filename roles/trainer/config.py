@@ -65,3 +65,7 @@ class TrainerConfig(BaseModel):
     dist_port: int = Field(29500, ge=1, le=65535, description="rendezvous port on rank 0's host when dist_address is not given")
     dist_timeout_s: float = Field(1800.0, gt=0, description="deadline of one collective (a follower waits this long for a batch)")
     chunk_mb: int = Field(16, ge=1, description="chunk size of the weight stream")
+    publish_dtype: str | None = Field("rollout", pattern="^(rollout|same|float32|bfloat16|float16)$",
+                                      description="dtype of published floating-point weights, cast on the "
+                                      "trainer's device before the copy: rollout (the rollouts' engine dtype when "
+                                      "they all agree, else same), same/None (the parameters' dtype), or a dtype")
