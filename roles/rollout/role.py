@@ -41,7 +41,7 @@ import zlib
 
 from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError
-from laminar.protocol import (AppendDeltas, CompletePartial, MigrateIn, MigrateInResult, MigrateOut,
+from laminar.protocol import (AppendDeltaBatch, AppendDeltas, CompletePartial, MigrateIn, MigrateInResult, MigrateOut,
                               PartialList, PutTrajectory, ReassignPartial, RolloutStats, TakeBatch,
                               Trajectory)
 from laminar.roles.base import Role
@@ -450,22 +450,52 @@ class RolloutRole(Role):
             await asyncio.sleep(self.cfg.delta_interval_s)  # the streaming period
             await self.flush()
 
+    # A flush request's bound (the bus limits a message's frames, containers and body: bus/codec.py):
+    # a larger flush is paged into several requests. A trajectory's deltas never straddle two pages.
+    FLUSH_DELTAS = 4096       # deltas per request (a seq-0 spec is one more frame and a few containers)
+    FLUSH_TOKENS = 1 << 20    # tokens per request (4 MiB of tokens and 4 of logprobs)
+
     async def flush(self, only: list[str] | None = None) -> bool:
+        """Send every unacknowledged delta of `only` (or all active trajectories) to the partial pool:
+        single-turn ones as AppendDeltaBatch (columns), multi-turn ones as AppendDeltas, in pages of
+        at most FLUSH_DELTAS deltas and FLUSH_TOKENS tokens. True when all were acknowledged; a page
+        that fails stops the flush (the rest is sent next time: deltas stay in their outboxes)."""
         items = [self.active[t] for t in only if t in self.active] if only else list(self.active.values())
         for a in items:
             a.cut_delta()
-        deltas = [d for a in items for d in a.outbox]
-        if not deltas:
+        items = [a for a in items if a.outbox]
+        if not items:
             return True
-        try:
-            await self.partials.call(AppendDeltas(self.ctx.id, deltas), timeout=self.cfg.rpc_timeout_s)
-        except (PeerUnavailable, RemoteError) as exc:
-            self.log.warning("flush_failed", deltas=len(deltas), error=str(exc))
-            return False
+        single = [a for a in items if not _multi_turn(a)]
+        multi = [a for a in items if _multi_turn(a)]
+        for group, columnar in ((single, True), (multi, False)):
+            for page in self._pages(group):
+                deltas = [d for a in page for d in a.outbox]
+                req = _columns(self.ctx.id, deltas) if columnar else AppendDeltas(self.ctx.id, deltas)
+                try:
+                    res = await self.partials.call(req, timeout=self.cfg.rpc_timeout_s)
+                except (PeerUnavailable, RemoteError) as exc:
+                    self.log.warning("flush_failed", deltas=len(deltas), error=str(exc))
+                    return False
+                self._flushed(page, res)
+        return True
+
+    def _pages(self, items: list[Active]) -> list[list[Active]]:
+        pages, page, n, toks = [], [], 0, 0
         for a in items:
+            dn, dt = len(a.outbox), sum(len(d.tokens) for d in a.outbox)
+            if page and (n + dn > self.FLUSH_DELTAS or toks + dt > self.FLUSH_TOKENS):
+                pages.append(page)
+                page, n, toks = [], 0, 0
+            page.append(a)
+            n, toks = n + dn, toks + dt
+        return pages + [page] if page else pages
+
+    def _flushed(self, page: list[Active], res) -> None:
+        """A page was answered: its deltas are acknowledged."""
+        for a in page:
             if a.outbox:
                 a.acked(max(d.seq for d in a.outbox))
-        return True
 
     async def _report_loop(self) -> None:
         last = time.monotonic()
@@ -600,3 +630,22 @@ class RolloutRole(Role):
         if self.episodes is not None:
             out.update({f"env_{k}": v for k, v in self.episodes.counts.items()})
         return out
+
+
+def _multi_turn(a: Active) -> bool:
+    """A trajectory whose deltas may carry a loss mask or observation spans (AppendDeltas)."""
+    return bool(a.obs_spans) or any(d.loss_mask is not None or d.obs_spans is not None for d in a.outbox)
+
+
+def _columns(rollout_id: str, deltas: list) -> AppendDeltaBatch:
+    """Single-turn TokenDeltas as one columnar AppendDeltaBatch (the partial pool's chunk format)."""
+    n = len(deltas)
+    lengths = np.fromiter((len(d.tokens) for d in deltas), np.int64, n)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    cat = lambda xs, dt: np.concatenate([np.asarray(x, dt) for x in xs]) if xs else np.zeros(0, dt)  # noqa: E731
+    return AppendDeltaBatch(
+        rollout_id, [d.trajectory_id for d in deltas], np.fromiter((d.seq for d in deltas), np.int64, n),
+        np.fromiter((d.version for d in deltas), np.int64, n), offsets,
+        cat([d.tokens for d in deltas], np.int32), cat([d.logprobs for d in deltas], np.float32),
+        [d.spec for d in deltas if d.seq == 0], epochs=np.fromiter((d.epoch for d in deltas), np.int64, n))
