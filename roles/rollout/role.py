@@ -41,9 +41,9 @@ import zlib
 
 from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError
-from laminar.protocol import (AppendDeltaBatch, AppendDeltas, CompletePartial, MigrateIn, MigrateInResult, MigrateOut,
-                              PartialList, PutTrajectory, ReassignPartial, RolloutStats, TakeBatch,
-                              Trajectory)
+from laminar.protocol import (AppendDeltaBatch, AppendDeltas, CompletePartial, GetPartial, MigrateIn,
+                              MigrateInResult, MigrateOut, PartialList, PartialState, PutTrajectory,
+                              ReassignPartial, RolloutStats, TakeBatch, Trajectory)
 from laminar.roles.base import Role
 from laminar.roles.rollout.config import RolloutConfig
 from laminar.roles.rollout.trajectory import Active
@@ -66,6 +66,7 @@ class RolloutRole(Role):
         self._seq_reserved = 0
         self.pull_failures = 0
         self.puts_refused = 0
+        self.fenced_off = 0       # trajectories dropped because the partial pool fenced this rollout off them
         self._failed_pull: tuple | None = None   # the relay pointer file (inode, mtime) a load failed on
         self._retry_pull_at = 0.0
         self.generated = 0
@@ -392,13 +393,17 @@ class RolloutRole(Role):
                 self.log.error("reward_failed", trajectory=a.id, error=repr(exc))
                 reward = 0.0
         a.timings["scored"] = time.time()
+        if a.fenced:  # another owner continues it: nothing of it is stored from here
+            return
         # env_failed: stored so that its group completes, but nothing in it is trained on
         mask = np.zeros(len(a.tokens), dtype=np.uint8) if reason == "env_failed" else a.loss_mask()
         traj = Trajectory(spec=a.spec, response_tokens=np.asarray(a.tokens, dtype=np.int32),
                           logprobs=np.asarray(a.logprobs, dtype=np.float32), version=a.version,
                           rollout_id=self.ctx.id, reward=reward, finish_reason=reason, timings=a.timings,
                           loss_mask=mask, obs_spans=a.spans(), lineage=getattr(a, "lineage", self.lineage))
-        put = await self._put(traj)
+        put = await self._put(traj, a)
+        if put is None:  # fenced off while the buffer was refusing it
+            return
         # the provenance ledger of the run: one line per trajectory (tests and audits read it)
         self.log.info("trajectory_stored", trajectory=a.id, version=a.version, lineage=traj.lineage,
                       tokens=len(a.tokens), status=put.status,
@@ -416,12 +421,14 @@ class RolloutRole(Role):
         if self.episodes is not None:  # only now: until stored, a resumed trajectory may re-ask it
             await self.episodes.release(a.id)
 
-    async def _put(self, traj: Trajectory):
+    async def _put(self, traj: Trajectory, a: Active | None = None):
         """PutTrajectory until the buffer holds it (stored, or duplicate: it already did). A refusal
         (full, or any other status) is offered again with backoff; meanwhile the trajectory stays
         active here and in the partial pool, so nothing is lost and the batch does not end."""
         delay = self.cfg.put_retry_s
         while True:
+            if a is not None and a.fenced:
+                return None  # its new owner stores it
             put = await self._call(self.buffer, PutTrajectory(traj))
             if put.status in ("stored", "duplicate"):
                 return put
@@ -492,10 +499,31 @@ class RolloutRole(Role):
         return pages + [page] if page else pages
 
     def _flushed(self, page: list[Active], res) -> None:
-        """A page was answered: its deltas are acknowledged."""
+        """A page was answered: its deltas are acknowledged; a trajectory whose writes were refused as
+        fenced off stops here (another owner continues it)."""
+        rejected = getattr(res, "rejected", None) or {}
         for a in page:
-            if a.outbox:
+            why = rejected.get(a.id, "")
+            if why.startswith("fenced off"):
+                self._fenced(a, why)
+            elif a.outbox:
                 a.acked(max(d.seq for d in a.outbox))
+
+    def _fenced(self, a: Active, why: str) -> None:
+        """The partial pool gave `a` to another owner (this rollout was cut off meanwhile): abort it in
+        the engine and drop it; it is never offered to the buffer (its new owner stores it)."""
+        a.fenced = True
+        a.outbox = []
+        self.fenced_off += 1
+        self.log.warning("trajectory_fenced_off", trajectory=a.id, epoch=a.epoch, why=why,
+                         tokens=len(a.tokens), fenced_off=self.fenced_off)
+        if self.active.get(a.id) is a:
+            del self.active[a.id]
+        if a.task is not None and not a.task.done():
+            a.task.cancel()  # cancelling the consumer aborts the request in the engine
+        self.room_freed.set()
+        if not self.active:
+            self.batch_done.set()
 
     async def _report_loop(self) -> None:
         last = time.monotonic()
@@ -558,18 +586,34 @@ class RolloutRole(Role):
                     self._start(Active.resume(p))            # its seq 0 delta creates it in the pool
                     accepted.append(tid)
                     continue
-                try:
-                    await self._call(self.partials, ReassignPartial(tid, self.ctx.id))
-                except RemoteError as exc:  # e.g. completed elsewhere meanwhile: never generate twice
-                    self.log.info("migrate_in_gone", trajectory=tid, why=exc.message)
+                cur = await self._take_over(p)
+                if cur is None:  # e.g. completed elsewhere meanwhile: never generate twice
                     gone.append(tid)
                     continue
-                self._start(Active.resume(p))
+                self._start(Active.resume(cur))
                 accepted.append(tid)
             if accepted:
                 self.state = "generating"
         self.log.info("migrated_in", trajectories=len(accepted), gone=len(gone), version=self.version)
         return MigrateInResult(accepted=accepted, version=self.version, gone=gone)
+
+    async def _take_over(self, p: PartialState) -> PartialState | None:
+        """Make this rollout the owner of `p` in the partial pool, fencing every earlier owner off (a
+        cut-off one may still be running), and read back what the pool holds: an earlier owner may
+        have written more after `p` was read, and continuing from `p` would splice two streams.
+        None when the pool no longer has it in flight (completed elsewhere)."""
+        tid = p.spec.trajectory_id
+        try:
+            ack = await self._call(self.partials, ReassignPartial(tid, self.ctx.id, fence=True))
+            cur = await self._call(self.partials, GetPartial(tid))
+        except RemoteError as exc:
+            self.log.info("migrate_in_gone", trajectory=tid, why=exc.message)
+            return None
+        word = (getattr(ack, "detail", "") or "").split()   # "epoch <n>": the epoch this rollout now holds
+        epoch = int(word[1]) if len(word) == 2 and word[0] == "epoch" and word[1].isdigit() else cur.epoch
+        if cur.next_seq != p.next_seq:
+            self.log.warning("migrate_in_newer", trajectory=tid, handed_seq=p.next_seq, pool_seq=cur.next_seq)
+        return dataclasses.replace(cur, epoch=epoch, lineage=cur.lineage if cur.lineage >= 0 else p.lineage)
 
     async def _adopt(self, req: MigrateIn) -> MigrateInResult:
         versions = {p.version for p in req.partials}
@@ -592,13 +636,11 @@ class RolloutRole(Role):
                 if tid in queued or tid in self.active:
                     accepted.append(tid)
                     continue
-                try:
-                    await self._call(self.partials, ReassignPartial(tid, self.ctx.id))
-                except RemoteError as exc:
-                    self.log.info("migrate_in_gone", trajectory=tid, why=exc.message)
+                cur = await self._take_over(p)
+                if cur is None:
                     gone.append(tid)
                     continue
-                self.adopted.append(p)
+                self.adopted.append(cur)
                 accepted.append(tid)
         self.log.info("adopted", trajectories=len(accepted), gone=len(gone), version=version, holding=self.version,
                       active=len(self.active))
@@ -626,7 +668,8 @@ class RolloutRole(Role):
     def status(self) -> dict:
         out = {"version": self.version, "lineage": self.lineage, "active": len(self.active), "state": self.state,
                "batches": self.batches, "kv": round(self.engine.stats.kv_usage, 3) if self.engine else 0.0,
-               "weight_pull_failures": self.pull_failures, "puts_refused": self.puts_refused}
+               "weight_pull_failures": self.pull_failures, "puts_refused": self.puts_refused,
+               "fenced_off": self.fenced_off}
         if self.episodes is not None:
             out.update({f"env_{k}": v for k, v in self.episodes.counts.items()})
         return out

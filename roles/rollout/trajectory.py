@@ -8,6 +8,10 @@ A multi-turn trajectory (multiturn.py) also appends environment observations: th
 loss mask 0 and logprob 0, and each environment reply is recorded as a span [start, end) of the
 response (`obs_spans`, the reset's first). Mask and spans travel in the deltas and in the
 partial state, so a migrated or recovered trajectory resumes its episode where it was.
+
+Every delta carries the trajectory's ownership epoch (`epoch`, kept from the PartialState it was
+resumed from): a write from an owner the partial pool has fenced off is refused, and the rollout
+then drops the trajectory (`fenced`), since its new owner continues it.
 """
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ class Active:
     mask: list[int] = field(default_factory=list)           # 1 per policy token, 0 per observation token
     obs_spans: list[tuple[int, int]] = field(default_factory=list)  # environment replies, in order
     spans_cut: int = 0         # spans already cut into deltas
+    epoch: int = 0             # ownership epoch in the partial pool (PartialState.epoch): on every delta
+    fenced: bool = False       # the partial pool refused its writes (another owner continues it): never stored
 
     @property
     def id(self) -> str:
@@ -104,7 +110,8 @@ class Active:
             tokens=np.asarray(self.tokens[self.cut:], dtype=np.int32),
             logprobs=np.asarray(self.logprobs[self.cut:], dtype=np.float32),
             version=self.version, spec=self.spec if self.next_seq == 0 else None,
-            loss_mask=_mask_array(self.mask[self.cut:]), obs_spans=_spans_array(self.obs_spans[self.spans_cut:])))
+            loss_mask=_mask_array(self.mask[self.cut:]), obs_spans=_spans_array(self.obs_spans[self.spans_cut:]),
+            epoch=self.epoch))
         self.next_seq += 1
         self.cut = len(self.tokens)
         self.spans_cut = len(self.obs_spans)
@@ -116,12 +123,12 @@ class Active:
         return PartialState(spec=self.spec, tokens=np.asarray(self.tokens, dtype=np.int32),
                             logprobs=np.asarray(self.logprobs, dtype=np.float32),
                             version=self.version, rollout_id=rollout_id, next_seq=self.next_seq,
-                            loss_mask=self.loss_mask(), obs_spans=self.spans())
+                            loss_mask=self.loss_mask(), obs_spans=self.spans(), epoch=self.epoch)
 
     @classmethod
     def resume(cls, p: PartialState) -> "Active":
         a = cls(spec=p.spec, version=p.version, tokens=[int(t) for t in p.tokens],
-                logprobs=[float(x) for x in p.logprobs], next_seq=p.next_seq)
+                logprobs=[float(x) for x in p.logprobs], next_seq=p.next_seq, epoch=p.epoch)
         a.mask = [1] * len(a.tokens) if p.loss_mask is None else [int(m) for m in p.loss_mask]
         spans = np.zeros((0, 2), np.int32) if p.obs_spans is None else np.asarray(p.obs_spans).reshape(-1, 2)
         a.obs_spans = [(int(s), int(e)) for s, e in spans]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from laminar.bus.errors import RemoteError
-from laminar.protocol import (Ack, AppendDeltaBatch, AppendDeltas, Batch, DeltaResult, MigrateIn, PartialState,
+from laminar.protocol import (Ack, AppendDeltaBatch, AppendDeltas, Batch, DeltaResult, GetPartial, MigrateIn, PartialState,
                               PutTrajectory, ReassignPartial, TakeBatch, TrajectorySpec)
 from laminar.roles.base import RoleContext
 from laminar.roles.partial_pool.role import _unbatch
@@ -55,6 +55,8 @@ class Book:
             out = self.book.apply(req.rollout_id, _unbatch(req), checked=True)
         elif isinstance(req, AppendDeltas):
             out = self.book.apply(req.rollout_id, list(req.deltas))
+        elif isinstance(req, GetPartial):
+            return self.book.entries[req.trajectory_id].state()
         elif isinstance(req, ReassignPartial):
             if req.fence:
                 return Ack(f"epoch {self.book.fence(req.trajectory_id, req.rollout_id)}")
@@ -232,6 +234,29 @@ def test_migrated_in_work_is_fenced_to_its_new_owner(tmp_path):
     assert fence.fence and fence.rollout_id == "r0"
     assert role.partials.book.entries["t/0"].state().tokens.tolist() == [1, 2, 3]
     del old
+
+
+def test_migrated_in_work_continues_from_what_the_pool_holds(tmp_path):
+    """The state handed over was read before a cut-off owner wrote one more delta: the new owner
+    continues from the pool's state, never writing its own tokens under the same seqs."""
+    role = make_role(tmp_path)
+    role.partials = Book()
+    role._generate = lambda a: asyncio.sleep(0)
+    old = active(role, "t/0", [1, 2])
+
+    async def go():
+        await role.flush()
+        snapshot = role.partials.book.entries["t/0"].state()        # what the manager read
+        old.add_generated([7], [-0.7])
+        await role.flush()                                          # the old owner, still running
+        role.active.clear()
+        await role.on_migrate_in(MigrateIn([snapshot]))
+        a = role.active["t/0"]
+        assert a.tokens == [1, 2, 7] and a.next_seq == 2
+        a.add_generated([8], [-0.8])
+        await role.flush()
+    asyncio.run(go())
+    assert role.partials.book.entries["t/0"].state().tokens.tolist() == [1, 2, 7, 8]
 
 
 # -- lineage ---------------------------------------------------------------------------------------
