@@ -107,6 +107,7 @@ class TokenDelta:
     loss_mask: np.ndarray | None = None  # uint8 per token of this delta (0 = observation); None = all 1
     obs_spans: np.ndarray | None = None  # int32 [n, 2]: environment replies appended in this delta (module docstring)
     epoch: int = 0  # ownership epoch the writer holds (PartialState.epoch); older than the pool's = fenced off
+    lineage: int = -1  # lineage epoch of `version` (with version: which weights; -1 = not known)
 
 
 @event("data.append_deltas")
@@ -132,6 +133,7 @@ class AppendDeltaBatch:
     specs: list[TrajectorySpec] = field(default_factory=list)  # of the seq-0 deltas, in their order
     epochs: np.ndarray | None = None     # int64 ownership epoch per delta (None: all 0)
     loss_mask: np.ndarray | None = None  # uint8 per token (None: all 1)
+    lineages: np.ndarray | None = None   # int64 lineage epoch of each delta's version (None: all -1, not known)
 
 
 @event("data.delta_result")
@@ -162,7 +164,7 @@ class PartialState:
     next_seq: int
     loss_mask: np.ndarray | None = None  # uint8 per token so far (0 = observation); None = all 1
     obs_spans: np.ndarray | None = None  # int32 [n, 2]: every environment reply so far (module docstring)
-    lineage: int = -1    # lineage epoch of `version` (-1: not known, e.g. read back from the partial pool)
+    lineage: int = -1    # lineage epoch of `version` (-1: not known, e.g. written without one to the partial pool)
     epoch: int = 0  # ownership epoch: a new owner writes with it; writes with an older one are refused
 
     @property
