@@ -12,6 +12,9 @@ Ownership: ReassignPartial with `fence` advances the trajectory's epoch (durable
 deltas carrying an older epoch are rejected from then on (state.py), so a cut-off owner that is
 still running cannot write into a trajectory someone else now continues.
 
+Lineage: a delta names the lineage epoch of its weight version (TokenDelta.lineage, the chunk's
+`lineages`, the `lineage` column, -1 in rows from before it); PartialState.lineage hands it back.
+
 A multi-turn delta's loss mask and observation spans are two more BLOB columns, NULL for a
 single-turn delta. They were added after the first stores were written: a store without them gets
 them at start (ALTER TABLE ADD COLUMN, which leaves the old rows NULL = all tokens the policy's).
@@ -41,7 +44,8 @@ class PartialPoolConfig(BaseModel):
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS deltas (tid TEXT, seq INTEGER, owner TEXT, version INTEGER, spec BLOB,
-                                   tokens BLOB, logprobs BLOB, mask BLOB, spans BLOB, PRIMARY KEY (tid, seq));
+                                   tokens BLOB, logprobs BLOB, mask BLOB, spans BLOB, lineage INTEGER DEFAULT -1,
+                                   PRIMARY KEY (tid, seq));
 CREATE TABLE IF NOT EXISTS owners (tid TEXT PRIMARY KEY, owner TEXT, epoch INTEGER DEFAULT 0);
 CREATE TABLE IF NOT EXISTS completed (tid TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY, owner TEXT, blob BLOB);
@@ -53,17 +57,18 @@ class PartialPoolRole(PoolRole):
     Config = PartialPoolConfig
     SCHEMA = SCHEMA
 
-    SCHEMA_VERSION = 4  # v4: chunks (a new table)
-    MIGRATIONS = {1: lambda c: _add_multiturn_columns(c), 2: lambda c: _add_owner_epochs(c)}
+    SCHEMA_VERSION = 5  # v4: chunks (a new table); v5: deltas.lineage
+    MIGRATIONS = {1: lambda c: _add_multiturn_columns(c), 2: lambda c: _add_owner_epochs(c),
+                  4: lambda c: _add_delta_lineage(c)}
 
     def recover(self) -> None:
         st = PartialBook(self.cfg.max_held, self.cfg.remember_completed, self.cfg.max_held_only)
         for (tid,) in self.store.read("SELECT tid FROM completed ORDER BY rowid"):
             st.completed[tid] = None
-        rows = self.store.read("SELECT tid, seq, owner, version, spec, tokens, logprobs, mask, spans "
+        rows = self.store.read("SELECT tid, seq, owner, version, spec, tokens, logprobs, mask, spans, lineage "
                                "FROM deltas ORDER BY tid, seq")
         bad: set[str] = set()
-        for tid, seq, owner, version, spec, toks, lps, mask, spans in rows:
+        for tid, seq, owner, version, spec, toks, lps, mask, spans, lineage in rows:
             if tid in bad:
                 continue
             try:
@@ -71,7 +76,8 @@ class PartialPoolRole(PoolRole):
                                logprobs=np.frombuffer(lps, np.float32), version=version,
                                spec=unpack(spec) if spec else None,
                                loss_mask=None if mask is None else np.frombuffer(mask, np.uint8),
-                               obs_spans=None if spans is None else np.frombuffer(spans, np.int32).reshape(-1, 2))
+                               obs_spans=None if spans is None else np.frombuffer(spans, np.int32).reshape(-1, 2),
+                               lineage=-1 if lineage is None else int(lineage))
             except Exception as exc:  # a damaged record: the trajectory's rows go aside, the rest serves
                 bad.add(tid)
                 st.entries.pop(tid, None)
@@ -157,19 +163,20 @@ class PartialPoolRole(PoolRole):
                 np.fromiter((d.version for d in ds), np.int64, len(ds)),
                 np.concatenate([[0], np.cumsum([len(t) for t in toks])]).astype(np.int64),
                 np.concatenate(toks), np.concatenate([np.asarray(d.logprobs, np.float32) for d in ds]),
-                [d.spec for d in ds if d.seq == 0], np.fromiter((d.epoch for d in ds), np.int64, len(ds))))
+                [d.spec for d in ds if d.seq == 0], np.fromiter((d.epoch for d in ds), np.int64, len(ds)),
+                lineages=np.fromiter((getattr(d, "lineage", -1) for d in ds), np.int64, len(ds))))
             self.state.add_chunk(cid, tids)
             return [("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, owner, blob))]
-        return [("INSERT OR IGNORE INTO deltas (tid, seq, owner, version, spec, tokens, logprobs, mask, spans) "
-                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", Many(
+        return [("INSERT OR IGNORE INTO deltas (tid, seq, owner, version, spec, tokens, logprobs, mask, spans, lineage) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", Many(
                      (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
                       d.tokens.tobytes(), d.logprobs.tobytes(), None if d.loss_mask is None else d.loss_mask.tobytes(),
-                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes())
+                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes(), getattr(d, "lineage", -1))
                      if type(d) is Delta else
                      (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
                       np.asarray(d.tokens, np.int32).tobytes(), np.asarray(d.logprobs, np.float32).tobytes(),
                       None if d.loss_mask is None else np.asarray(d.loss_mask, np.uint8).tobytes(),
-                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes())
+                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes(), getattr(d, "lineage", -1))
                      for owner, d in out.applied))]
 
     async def on_in_flight(self, req: InFlightOf) -> PartialList:
@@ -239,13 +246,20 @@ def _add_owner_epochs(conn) -> None:
         conn.execute("ALTER TABLE owners ADD COLUMN epoch INTEGER DEFAULT 0")
 
 
+def _add_delta_lineage(conn) -> None:
+    """v4 -> v5: the lineage epoch a delta names (-1, not named, for what was there)."""
+    if "lineage" not in {row[1] for row in conn.execute("PRAGMA table_info(deltas)")}:
+        conn.execute("ALTER TABLE deltas ADD COLUMN lineage INTEGER DEFAULT -1")
+
+
 def _unbatch(req: AppendDeltaBatch) -> list[Delta]:
     n = len(req.trajectory_ids)
     seqs, versions, off = req.seqs.tolist(), req.versions.tolist(), req.offsets.tolist()
     epochs = req.epochs.tolist() if req.epochs is not None else [0] * n
-    if not (len(seqs) == len(versions) == len(epochs) == n and len(off) == n + 1):
+    lineages = req.lineages.tolist() if req.lineages is not None else [-1] * n
+    if not (len(seqs) == len(versions) == len(epochs) == len(lineages) == n and len(off) == n + 1):
         raise RequestError("bad_request", f"{n} trajectory ids but {len(seqs)} seqs, {len(versions)} versions, "
-                           f"{len(epochs)} epochs and {len(off)} offsets")
+                           f"{len(epochs)} epochs, {len(lineages)} lineages and {len(off)} offsets")
     if req.tokens.ndim != 1 or req.logprobs.ndim != 1 or (req.loss_mask is not None and req.loss_mask.ndim != 1):
         raise RequestError("bad_request", "tokens, logprobs and loss mask must be 1-D arrays")
     if off and (off[0] != 0 or off[-1] != len(req.tokens) or len(req.logprobs) != len(req.tokens)
@@ -261,5 +275,5 @@ def _unbatch(req: AppendDeltaBatch) -> list[Delta]:
     toks, lps, mask = req.tokens.astype(np.int32, copy=False), req.logprobs.astype(np.float32, copy=False), req.loss_mask
     mask = None if mask is None else mask.astype(np.uint8, copy=False)
     return [Delta(tid, seq, toks[a:b], lps[a:b], v, next(specs) if seq == 0 else None,
-                  None if mask is None else mask[a:b], None, ep)
-            for tid, seq, v, ep, a, b in zip(req.trajectory_ids, seqs, versions, epochs, off, off[1:])]
+                  None if mask is None else mask[a:b], None, ep, lin)
+            for tid, seq, v, ep, lin, a, b in zip(req.trajectory_ids, seqs, versions, epochs, lineages, off, off[1:])]

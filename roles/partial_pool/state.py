@@ -26,6 +26,10 @@ delta held for a gap is checked again when the gap fills.
 Multi-turn trajectories also carry a loss mask per delta (None = all 1, as in every single-turn
 delta) and the environment replies' spans; both accumulate like the tokens, so a partial state
 handed to a new owner keeps them (a state is masked only if one of its deltas was).
+
+Lineage: a delta may name the lineage epoch of its weight version (rollouts do on every delta);
+the state handed back carries it, so work read back from the pool is checked by (lineage, version)
+and not by version alone. -1: never named (a writer from before lineages).
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class Entry:
     spans: list[np.ndarray] = field(default_factory=list)
     epoch: int = 0  # ownership epoch: deltas carrying an older one are refused
     chunks: list[int] = field(default_factory=list)  # stored chunks holding some of its deltas
+    lineage: int = -1  # lineage epoch of `version`, as its writer named it (-1: not named)
 
     def state(self) -> PartialState:
         cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
@@ -61,14 +66,14 @@ class Entry:
         return PartialState(spec=self.spec, tokens=cat(self.tokens, np.int32),
                             logprobs=cat(self.logprobs, np.float32), version=self.version,
                             rollout_id=self.owner, next_seq=self.next_seq, loss_mask=mask, obs_spans=spans,
-                            epoch=self.epoch)
+                            epoch=self.epoch, lineage=self.lineage)
 
 
 # A TokenDelta's fields without the frozen dataclass's cost (a tuple): what a columnar request
 # (AppendDeltaBatch) is cut into, its arrays already of the right dtypes. Anything with these
 # attributes can be applied.
 Delta = namedtuple("Delta", ["trajectory_id", "seq", "tokens", "logprobs", "version", "spec", "loss_mask",
-                             "obs_spans", "epoch"], defaults=[None, None, None, 0])
+                             "obs_spans", "epoch", "lineage"], defaults=[None, None, None, 0, -1])
 
 
 @dataclass
@@ -163,6 +168,8 @@ class PartialBook:
             e.spec = d.spec
             self.held_only.pop(d.trajectory_id, None)
         e.owner, e.version = owner, d.version
+        if getattr(d, "lineage", -1) >= 0:  # a writer that does not know it sends -1
+            e.lineage = d.lineage
         if type(d) is Delta:  # cut from a columnar request: arrays of the right dtypes already
             e.tokens.append(d.tokens)
             e.logprobs.append(d.logprobs)

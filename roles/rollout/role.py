@@ -348,7 +348,7 @@ class RolloutRole(Role):
                        error=repr(exc), shm_dir=self.weights_dir)
 
     def _start(self, a: Active) -> None:
-        if not hasattr(a, "lineage"):  # a resumed one (failed MigrateOut) keeps its own
+        if a.lineage < 0:  # a resumed one keeps its own (a migrated one: the pool's, when it was named)
             a.lineage = self.lineage
         self.active[a.id] = a
         self.batch_done.clear()
@@ -400,7 +400,7 @@ class RolloutRole(Role):
         traj = Trajectory(spec=a.spec, response_tokens=np.asarray(a.tokens, dtype=np.int32),
                           logprobs=np.asarray(a.logprobs, dtype=np.float32), version=a.version,
                           rollout_id=self.ctx.id, reward=reward, finish_reason=reason, timings=a.timings,
-                          loss_mask=mask, obs_spans=a.spans(), lineage=getattr(a, "lineage", self.lineage))
+                          loss_mask=mask, obs_spans=a.spans(), lineage=a.lineage if a.lineage >= 0 else self.lineage)
         put = await self._put(traj, a)
         if put is None:  # fenced off while the buffer was refusing it
             return
@@ -552,7 +552,7 @@ class RolloutRole(Role):
             for a in moving:
                 self._start(a)
             raise RequestError("unavailable", "partial pool unreachable; trajectories resumed here")
-        out = [dataclasses.replace(a.partial(self.ctx.id), lineage=getattr(a, "lineage", self.lineage)) for a in moving]
+        out = [a.partial(self.ctx.id) for a in moving]
         for a in moving:
             self.active.pop(a.id, None)
         if not self.active:
@@ -691,4 +691,5 @@ def _columns(rollout_id: str, deltas: list) -> AppendDeltaBatch:
         rollout_id, [d.trajectory_id for d in deltas], np.fromiter((d.seq for d in deltas), np.int64, n),
         np.fromiter((d.version for d in deltas), np.int64, n), offsets,
         cat([d.tokens for d in deltas], np.int32), cat([d.logprobs for d in deltas], np.float32),
-        [d.spec for d in deltas if d.seq == 0], epochs=np.fromiter((d.epoch for d in deltas), np.int64, n))
+        [d.spec for d in deltas if d.seq == 0], epochs=np.fromiter((d.epoch for d in deltas), np.int64, n),
+        lineages=np.fromiter((d.lineage for d in deltas), np.int64, n))

@@ -11,7 +11,8 @@ partial state, so a migrated or recovered trajectory resumes its episode where i
 
 Every delta carries the trajectory's ownership epoch (`epoch`, kept from the PartialState it was
 resumed from): a write from an owner the partial pool has fenced off is refused, and the rollout
-then drops the trajectory (`fenced`), since its new owner continues it.
+then drops the trajectory (`fenced`), since its new owner continues it. Each delta also names the
+lineage epoch of its version (`lineage`), which the partial pool hands back in the PartialState.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class Active:
     spans_cut: int = 0         # spans already cut into deltas
     epoch: int = 0             # ownership epoch in the partial pool (PartialState.epoch): on every delta
     fenced: bool = False       # the partial pool refused its writes (another owner continues it): never stored
+    lineage: int = -1          # lineage epoch of `version` (-1: not known yet; the rollout sets its own at start)
 
     @property
     def id(self) -> str:
@@ -111,7 +113,7 @@ class Active:
             logprobs=np.asarray(self.logprobs[self.cut:], dtype=np.float32),
             version=self.version, spec=self.spec if self.next_seq == 0 else None,
             loss_mask=_mask_array(self.mask[self.cut:]), obs_spans=_spans_array(self.obs_spans[self.spans_cut:]),
-            epoch=self.epoch))
+            epoch=self.epoch, lineage=self.lineage))
         self.next_seq += 1
         self.cut = len(self.tokens)
         self.spans_cut = len(self.obs_spans)
@@ -123,12 +125,14 @@ class Active:
         return PartialState(spec=self.spec, tokens=np.asarray(self.tokens, dtype=np.int32),
                             logprobs=np.asarray(self.logprobs, dtype=np.float32),
                             version=self.version, rollout_id=rollout_id, next_seq=self.next_seq,
-                            loss_mask=self.loss_mask(), obs_spans=self.spans(), epoch=self.epoch)
+                            loss_mask=self.loss_mask(), obs_spans=self.spans(), epoch=self.epoch,
+                            lineage=self.lineage)
 
     @classmethod
     def resume(cls, p: PartialState) -> "Active":
         a = cls(spec=p.spec, version=p.version, tokens=[int(t) for t in p.tokens],
-                logprobs=[float(x) for x in p.logprobs], next_seq=p.next_seq, epoch=p.epoch)
+                logprobs=[float(x) for x in p.logprobs], next_seq=p.next_seq, epoch=p.epoch,
+                lineage=p.lineage)
         a.mask = [1] * len(a.tokens) if p.loss_mask is None else [int(m) for m in p.loss_mask]
         spans = np.zeros((0, 2), np.int32) if p.obs_spans is None else np.asarray(p.obs_spans).reshape(-1, 2)
         a.obs_spans = [(int(s), int(e)) for s, e in spans]

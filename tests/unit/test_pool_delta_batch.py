@@ -88,3 +88,63 @@ def test_a_chunk_lives_until_its_last_trajectory_completes_and_never_resurrects_
         return live
     assert asyncio.run(go()) == ["b"]                          # a, completed long ago, stays completed
     assert chunks() == 0
+
+
+def test_the_lineage_a_delta_names_is_handed_back_after_a_restart(tmp_path):
+    """Columnar (a whole chunk, and a chunk rebuilt from part of a request) and row-per-delta
+    (multi-turn) writes alike: PartialState.lineage is what seq 0 named, before and after a restart;
+    a trajectory written without one stays -1 (not known)."""
+    import dataclasses
+
+    async def go():
+        c = InprocCluster(cfg(tmp_path))
+        await c.start("partial_pool")
+        pool = c.client("partial_pool")
+        req = batch(["a", "b"], 0)
+        await pool.call(dataclasses.replace(req, lineages=np.array([3, 3], np.int64)))
+        await pool.call(AppendDeltas("r0", [dataclasses.replace(delta("b", 1), lineage=3)]))
+        part = batch(["a", "c"], 0)                              # a is a duplicate: c alone is stored
+        await pool.call(dataclasses.replace(part, lineages=np.array([3, 4], np.int64)))
+        m = dataclasses.replace(delta("m", 0), lineage=2, loss_mask=np.array([1, 0], np.uint8))
+        await pool.call(AppendDeltas("r0", [m]))
+        await pool.call(batch(["old"], 0))                       # a writer that names no lineage
+        before = {t: (await pool.call(GetPartial(t))).lineage for t in ("a", "b", "c", "m", "old")}
+        await c.stop("partial_pool")
+        await c.start("partial_pool")
+        after = {t: (await pool.call(GetPartial(t))).lineage for t in ("a", "b", "c", "m", "old")}
+        await c.close()
+        return before, after
+    before, after = asyncio.run(go())
+    assert before == after == {"a": 3, "b": 3, "c": 4, "m": 2, "old": -1}
+
+
+def test_a_store_from_before_lineages_is_migrated(tmp_path):
+    """A v4 store (deltas without the lineage column) opens, keeps its rows (lineage -1) and takes new
+    rows with a lineage."""
+    import dataclasses
+    import sqlite3
+
+    async def write(lineage_col: bool):
+        c = InprocCluster(cfg(tmp_path))
+        await c.start("partial_pool")
+        pool = c.client("partial_pool")
+        if lineage_col:
+            await pool.call(AppendDeltas("r0", [dataclasses.replace(delta("n", 0), lineage=5,
+                                                                    loss_mask=np.array([1, 1], np.uint8))]))
+        out = {t: (await pool.call(GetPartial(t))) for t in (["o", "n"] if lineage_col else ["o"])}
+        await c.close()
+        return out
+
+    async def first():
+        c = InprocCluster(cfg(tmp_path))
+        await c.start("partial_pool")
+        await c.client("partial_pool").call(AppendDeltas("r0", [dataclasses.replace(
+            delta("o", 0), loss_mask=np.array([1, 1], np.uint8))]))
+        await c.close()
+    asyncio.run(first())
+    db = tmp_path / "run" / "pools" / "partial_pool-0.sqlite"
+    with sqlite3.connect(db) as conn:                          # as a v4 store left it
+        conn.execute("ALTER TABLE deltas DROP COLUMN lineage")
+        conn.execute("PRAGMA user_version = 4")
+    got = asyncio.run(write(True))
+    assert got["o"].tokens.tolist() == [10, 20] and got["o"].lineage == -1 and got["n"].lineage == 5
