@@ -438,14 +438,17 @@ class RolloutRole(Role):
             await asyncio.sleep(delay)  # backoff: the buffer is full until the trainer samples
             delay = min(delay * 2, self.cfg.put_retry_max_s)
 
+    RETRIED = ("busy", "unavailable", "internal", "deadline")  # RemoteError codes _call retries
+
     async def _call(self, client, req):
-        """Call until acknowledged (writes are idempotent); backoff on an unavailable peer."""
+        """Call until acknowledged (writes are idempotent); backoff on an unavailable peer. A `deadline`
+        answer (the request waited past its deadline in a loaded pool) is retried like `busy`."""
         delay = 0.1
         while True:
             try:
                 return await client.call(req, timeout=self.cfg.rpc_timeout_s)
             except (PeerUnavailable, RemoteError) as exc:
-                if isinstance(exc, RemoteError) and exc.code not in ("busy", "unavailable", "internal"):
+                if isinstance(exc, RemoteError) and exc.code not in self.RETRIED:
                     raise
                 self.log.warning("call_retry", kind=type(req).kind, error=str(exc), retry_in_s=delay)
                 await asyncio.sleep(delay)  # backoff before retrying a peer that is down
