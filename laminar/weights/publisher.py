@@ -31,16 +31,24 @@ import uuid
 from pathlib import Path
 from typing import Callable, Mapping
 
-import structlog
-
 from laminar.weights import wire
 from laminar.weights.manifest import (CHUNK_BYTES_DEFAULT, build_manifest, same_layout, with_lineage,
                                       with_version)
 from laminar.weights.sender import Sender
 from laminar.weights.store import VersionBuffer
+from laminar.weights.pull import copy_kind, cuda_host_register, cuda_host_unregister, torch_dtype
 from laminar.weights.transport import LinkError, get_transport
 
-log = structlog.get_logger("laminar.weights.publisher")
+try:
+    import structlog
+    log = structlog.get_logger("laminar.weights.publisher")
+except ImportError:  # a bare GPU box (bench/gpu.py): only the link-down warning uses it
+    import logging
+
+    class _KwLog:
+        def warning(self, event: str, **kw) -> None:
+            logging.getLogger("laminar.weights.publisher").warning("%s %s", event, kw)
+    log = _KwLog()
 
 LINEAGE_FILE = "lineage.json"  # next to the trainer's checkpoints: the run id and its last epoch
 
@@ -60,8 +68,15 @@ def alloc_staging(size: int) -> mmap.mmap:
 class WeightPublisher:
     def __init__(self, chunk_bytes: int = CHUNK_BYTES_DEFAULT, transport: str = "tcp", key: bytes = b"",
                  on_link_down: Callable[[str], None] = lambda peer: None,
-                 connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0):
+                 connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0,
+                 publish_dtype: str | None = None):
         self.chunk_bytes = chunk_bytes
+        # floating-point tensors are cast to this dtype on their own device before the copy
+        # (None or "same": published as they are); the manifest names each tensor's dtype
+        self.publish_dtype = None if publish_dtype in (None, "", "same") else str(publish_dtype)
+        torch_dtype(self.publish_dtype) if self.publish_dtype else None  # unknown names fail here
+        self._pinned: dict[int, int] = {}  # slot -> address registered with CUDA (page-locked)
+        self._streams: dict = {}           # CUDA device -> the stream publish copies on
         self.transport = get_transport(transport) if isinstance(transport, str) else transport
         self.key, self.on_link_down = key, on_link_down
         self.connect_timeout_s, self.ack_timeout_s = connect_timeout_s, ack_timeout_s
@@ -87,26 +102,26 @@ class WeightPublisher:
     def publish(self, state_dict: Mapping[str, "torch.Tensor"], version: int | None = None) -> int:
         import torch
         t0 = time.perf_counter()
+        cast = torch_dtype(self.publish_dtype) if self.publish_dtype else None
         items = list(state_dict.items())
-        specs = [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in items]
+        out_dtypes = [cast if cast is not None and t.is_floating_point() else t.dtype for _, t in items]
+        specs = [(k, str(d).removeprefix("torch."), tuple(t.shape)) for (k, t), d in zip(items, out_dtypes)]
         version = self.version + 1 if version is None else version
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the last published {self.version}")
         layout = build_manifest(specs, 0, self.chunk_bytes)
         with self.cond:
+            if self.stopped:
+                raise RuntimeError("the publisher is closed")
             if self.layout is None or not same_layout(self.layout, layout):
                 self._reset_layout(layout)
             slot = self._free_slot()
         flat = torch.frombuffer(self.slots[slot], dtype=torch.uint8)
-        base = flat.data_ptr()
-        for (name, t), off, n in zip(items, layout.offsets, layout.nbytes):
-            if not n:
-                continue
-            t = t.detach()
-            if t.device.type == "cpu" and t.is_contiguous():
-                ctypes.memmove(base + off, t.data_ptr(), n)  # one plain memcpy, GIL released
-            else:  # device-to-host (or a strided source): torch does the copy
-                flat[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+        devices = {t.device for _, t in items if t.device.type == "cuda"}
+        if devices:
+            self._copy_cuda(items, out_dtypes, layout, slot, flat, devices)
+        else:
+            self._copy_host(items, out_dtypes, layout, flat)
         vb = VersionBuffer(with_lineage(with_version(layout, version), self.run_id, self.lineage),
                            self.slots[slot], slot=slot)
         vb.mark_all([0] * vb.n)
@@ -117,12 +132,63 @@ class WeightPublisher:
         self.last_publish_s = time.perf_counter() - t0
         return version
 
+    @staticmethod
+    def _copy_host(items, out_dtypes, layout, flat) -> None:
+        """CPU sources: one plain memcpy per contiguous tensor (cast first when asked)."""
+        base = flat.data_ptr()
+        for (name, t), dt, off, n in zip(items, out_dtypes, layout.offsets, layout.nbytes):
+            if not n:
+                continue
+            t = t.detach()
+            if t.dtype == dt and copy_kind(t) == "memcpy":
+                ctypes.memmove(base + off, t.data_ptr(), n)  # one plain memcpy, GIL released
+            else:  # a cast (converted straight into the staging), a strided source: torch copies
+                flat[off:off + n].view(dt).view(t.shape).copy_(t)
+
+    def _copy_cuda(self, items, out_dtypes, layout, slot, flat, devices) -> None:
+        """GPU sources: the staging slot is page-locked (registered once), each tensor is cast on
+        its device and copied asynchronously on a stream of its own; all copies are waited for
+        before the version is handed to the sender."""
+        import torch
+        if slot not in self._pinned:
+            ptr = cuda_host_register(self.slots[slot])
+            if ptr is not None:
+                self._pinned[slot] = ptr
+        pinned = slot in self._pinned
+        streams = {}
+        for dev in devices:
+            s = self._streams.get(dev) or self._streams.setdefault(dev, torch.cuda.Stream(dev))
+            s.wait_stream(torch.cuda.current_stream(dev))  # the optimizer step's writes come first
+            streams[dev] = s
+        host = []
+        for (name, t), dt, off, n in zip(items, out_dtypes, layout.offsets, layout.nbytes):
+            if not n:
+                continue
+            t = t.detach()
+            dst = flat[off:off + n].view(dt).view(t.shape)
+            if t.device.type != "cuda":
+                host.append((t, dst))
+                continue
+            with torch.cuda.stream(streams[t.device]):
+                src = t.to(dt) if t.dtype != dt else t
+                dst.copy_(src, non_blocking=pinned)
+        for s in streams.values():
+            s.synchronize()
+        for t, dst in host:
+            dst.copy_(t.to(dst.dtype) if t.dtype != dst.dtype else t)
+
     def _reset_layout(self, layout) -> None:
         if self.busy_slot is not None:
             raise RuntimeError("model layout changed while a version is being sent")
+        self._unpin()
         self.layout = layout
         self.slots = [alloc_staging(layout.total_bytes), alloc_staging(layout.total_bytes)]
         self.newest = None
+
+    def _unpin(self) -> None:
+        for ptr in self._pinned.values():
+            cuda_host_unregister(ptr)
+        self._pinned = {}
 
     def _free_slot(self) -> int:
         """A slot the sender is not reading (caller holds cond); see the module docstring."""
@@ -159,6 +225,7 @@ class WeightPublisher:
             sender.stop()
         self._thread.join(timeout=10.0)
         with self.cond:  # release the staging memory now rather than at garbage collection
+            self._unpin()
             if self.newest is not None:
                 self.newest.view.release()
                 self.newest = None
@@ -167,7 +234,7 @@ class WeightPublisher:
                     buf.close()
                 except BufferError:
                     pass
-            self.slots = []
+            self.slots, self.layout = [], None
 
     # -- Source API for the Sender -----------------------------------------------------------
     def pick(self, delivered: tuple | int) -> VersionBuffer | None:

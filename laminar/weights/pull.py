@@ -15,7 +15,9 @@ stay a complete, verified version until `close()`. Views used after `close()` ar
 Speed: mappings are cached per slot file and reused while the relay reuses the file, so a pull
 costs no page-table set-up (MAP_POPULATE is paid once per slot, not per version) and reading is
 plain memory access: `pull_into` is one memcpy per tensor from the page cache into the
-destination (or `Tensor.copy_` for a GPU destination).
+destination. For GPU destinations the slot mapping is registered with CUDA (page-locked) once per
+slot file, so each tensor is one asynchronous host-to-device copy at pinned speed; all of them are
+waited for before the version's lock is dropped.
 """
 from __future__ import annotations
 
@@ -32,6 +34,46 @@ from laminar.weights.manifest import manifest_from_bytes, verify
 from laminar.weights.store import read_pointer, retained_versions
 
 _RETRIES = 64
+_CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the rollout maps slots read-only
+
+
+def torch_dtype(name: str):
+    """The torch dtype named `name` ("bfloat16", "torch.float16"...); ValueError if there is none."""
+    import torch
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def copy_kind(t) -> str:
+    """How a tensor is copied to or from a host buffer: "memcpy" (contiguous on the CPU: one
+    plain memcpy), "cuda" (on a GPU: asynchronous, from/to page-locked memory), "torch" (anything
+    else, e.g. strided: Tensor.copy_)."""
+    kind = t.device.type
+    if kind == "cuda":
+        return "cuda"
+    return "memcpy" if kind == "cpu" and t.is_contiguous() else "torch"
+
+
+def cuda_host_register(buf, read_only: bool = False) -> int | None:
+    """Page-lock `buf` (an mmap) for CUDA and return its address, or None when there is no CUDA
+    or the driver refuses (the copies then still work, at pageable speed)."""
+    import torch
+    if not torch.cuda.is_available() or len(buf) == 0:
+        return None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        ptr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    rt = torch.cuda.cudart()
+    err = rt.cudaHostRegister(ptr, len(buf), _CUDA_HOST_REGISTER_READ_ONLY if read_only else 0)
+    return ptr if int(getattr(err, "value", err)) == 0 else None
+
+
+def cuda_host_unregister(ptr: int | None) -> None:
+    if ptr is not None:
+        import torch
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class PulledVersion:
@@ -76,6 +118,7 @@ class LocalWeights:
     def __init__(self, shm_dir: str | os.PathLike):
         self.dir = Path(shm_dir)
         self._maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # slot -> (inode, size, mapping)
+        self._pinned: dict[int, tuple[mmap.mmap, int]] = {}  # slot -> (mapping, address registered with CUDA)
 
     def _pointer(self):
         """read_pointer, from a folder of this process's user only (another user could plant
@@ -109,8 +152,30 @@ class LocalWeights:
             buf = mmap.mmap(own, size, flags=flags, prot=mmap.PROT_READ)
         finally:
             os.close(own)
+        old = self._pinned.pop(slot, None)
+        if old is not None:
+            cuda_host_unregister(old[1])
         self._maps[slot] = (ino, size, buf)  # the previous mapping goes when its views do
         return buf
+
+    def _pin(self, pulled: "PulledVersion") -> bool:
+        """Register the held version's slot mapping with CUDA once (retained files are not)."""
+        for slot, (_, _, buf) in self._maps.items():
+            if buf is pulled.buf:
+                held = self._pinned.get(slot)
+                if held is None or held[0] is not buf:
+                    ptr = cuda_host_register(buf, read_only=True)
+                    if ptr is None:
+                        return False
+                    self._pinned[slot] = (buf, ptr)
+                return True
+        return False
+
+    def close(self) -> None:
+        """Unregister pinned mappings (the mappings themselves go with their views)."""
+        for _, ptr in self._pinned.values():
+            cuda_host_unregister(ptr)
+        self._pinned.clear()
 
     def latest(self, min_version: int = -1) -> PulledVersion | None:
         """Hold the newest complete version (None if none, or none newer than min_version)."""
@@ -171,12 +236,24 @@ class LocalWeights:
         if pulled is None:
             return -1
         with pulled:
+            pairs = []
             for name, t in pulled.tensors():
                 d = dst[name]
                 if d.dtype != t.dtype or d.shape != t.shape:
                     raise ValueError(f"{name}: destination is {d.dtype}{list(d.shape)}, version has {t.dtype}{list(t.shape)}")
-                if d.device.type == "cpu" and d.is_contiguous() and t.numel():
+                pairs.append((d, t))
+            cuda = {d.device for d, _ in pairs if copy_kind(d) == "cuda"}
+            pinned = bool(cuda) and self._pin(pulled)
+            for d, t in pairs:
+                kind = copy_kind(d)
+                if kind == "memcpy" and t.numel():
                     ctypes.memmove(d.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+                elif kind == "cuda":
+                    d.copy_(t, non_blocking=pinned)  # from page-locked memory: asynchronous DMA
                 else:
-                    d.copy_(t)  # host-to-device, or a strided destination
+                    d.copy_(t)  # a strided destination
+            if cuda:
+                import torch
+                for dev in cuda:  # the slot may be rewritten once the lock is dropped
+                    torch.cuda.current_stream(dev).synchronize()
             return pulled.version

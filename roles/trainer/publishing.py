@@ -8,6 +8,10 @@
 background thread, so training never waits for distribution. A watcher thread turns the
 publisher's progress into `publish_delivered` events on the role's loop (in order with the
 role's other events), which is how tests see that the next step started first.
+
+Published dtype (`publish_dtype`): "rollout" (default) publishes floating-point weights in the
+dtype the rollouts' engines run in (when they all agree; otherwise as the parameters are), so a
+bf16 rollout fed by fp32 master weights receives half the bytes, cast on the trainer's device.
 """
 from __future__ import annotations
 
@@ -35,6 +39,13 @@ class PublishLink:
                 return f"{cfg.cluster.hosts[host].address}:{port}"
         return None
 
+    def publish_dtype(self) -> str | None:
+        """The dtype published weights are cast to (None: the parameters' own)."""
+        want = getattr(self.cfg, "publish_dtype", "rollout")
+        if want != "rollout":
+            return None if want in (None, "same") else want
+        return rollout_dtype(self.role.ctx.config)
+
     async def start(self) -> None:
         from laminar.weights.publisher import WeightPublisher
         from laminar.weights.transport import get_transport
@@ -42,7 +53,8 @@ class PublishLink:
         c, ctx = self.cfg, self.role.ctx
         keys = getattr(ctx.transport, "keys", None)
         self.publisher = WeightPublisher(c.chunk_mb << 20, get_transport(c.publish_transport, **c.publish_transport_options),
-                                         derive_key(keys.secret if keys else None))
+                                         derive_key(keys.secret if keys else None),
+                                         publish_dtype=self.publish_dtype())
         # With a manager in the cluster, the master is whoever heads its chain (it changes when a
         # master dies): follow it. relay_id/relay_address pin a target only in a cluster without one.
         has_manager = bool(ctx.config.find("manager"))
@@ -81,3 +93,11 @@ class PublishLink:
             await self.follower.close()
         if self.publisher is not None:
             await asyncio.to_thread(self.publisher.close)
+
+
+def rollout_dtype(config) -> str | None:
+    """The engine dtype every rollout of the cluster config runs in, or None (no rollout, or they
+    differ: the weights are then published as they are)."""
+    names = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+    found = {str(config.role_settings("rollout", spec.id).get("dtype", "float32")) for _, spec in config.find("rollout")}
+    return names.get(found.pop()) if len(found) == 1 else None  # "auto" and the like: as they are
