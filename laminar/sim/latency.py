@@ -25,8 +25,9 @@ Design decisions:
 - In a running system a step costs more than the microbenchmark (`decode_step_ms`): the KV of
   the context the sequences really hold is read (the curves were measured at 4,096 tokens each),
   and the runtime's host side dispatches every layer's kernels one by one (`HOST_MS_PER_LAYER`,
-  the only constant calibrated on the single-replica timeline of the paper's Fig. 9: its last
-  phase runs fewer than 5 sequences, where a step is all host time).
+  calibrated on the single-replica timeline of the paper's Fig. 9: its last phase runs fewer than
+  5 sequences, where a step is all host time) and handles every running sequence after the step
+  (`host_ms_per_seq`, configs/sim/paper.yaml, calibrated on the same figure's batch time).
 """
 from __future__ import annotations
 
