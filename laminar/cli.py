@@ -408,6 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("args", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
+
+    s = sp.add_parser("export", help="write a checkpoint or a relay's newest version as a Hugging Face folder")
+    from laminar import export as export_mod
+    export_mod.add_arguments(s)
+    s.set_defaults(fn=export_mod.run)
     return p
 
 
