@@ -138,3 +138,32 @@ def test_gpu_sources_take_the_cuda_path(monkeypatch):
         assert calls == [{torch.device("cuda", 0)}]
     finally:
         pub.close()
+
+
+class FakeConfig:
+    def __init__(self, rollouts: dict):
+        self.rollouts = rollouts  # id -> settings
+
+    def find(self, role: str):
+        return [("h0", SimpleNamespace(id=i)) for i in self.rollouts] if role == "rollout" else []
+
+    def role_settings(self, role: str, id: str) -> dict:
+        return self.rollouts[id]
+
+
+def test_publish_dtype_follows_the_rollouts_engine_dtype():
+    from laminar.roles.trainer.publishing import PublishLink, rollout_dtype
+    assert rollout_dtype(FakeConfig({"0": {"dtype": "bfloat16"}, "1": {"dtype": "bfloat16"}})) == "bfloat16"
+    assert rollout_dtype(FakeConfig({"0": {}})) == "float32"           # the rollout's default
+    assert rollout_dtype(FakeConfig({"0": {"dtype": "half"}})) == "float16"
+    assert rollout_dtype(FakeConfig({"0": {"dtype": "bfloat16"}, "1": {}})) is None  # they differ: as trained
+    assert rollout_dtype(FakeConfig({"0": {"dtype": "auto"}})) is None
+    assert rollout_dtype(FakeConfig({})) is None
+
+    def link(setting, rollouts):
+        role = SimpleNamespace(ctx=SimpleNamespace(config=FakeConfig(rollouts)))
+        return PublishLink(role, SimpleNamespace(publish_dtype=setting)).publish_dtype()
+    assert link("rollout", {"0": {"dtype": "bfloat16"}}) == "bfloat16"
+    assert link("same", {"0": {"dtype": "bfloat16"}}) is None
+    assert link(None, {"0": {"dtype": "bfloat16"}}) is None
+    assert link("float16", {"0": {"dtype": "bfloat16"}}) == "float16"
