@@ -158,8 +158,11 @@ class LocalWeights:
         self._maps[slot] = (ino, size, buf)  # the previous mapping goes when its views do
         return buf
 
-    def _pin(self, pulled: "PulledVersion") -> bool:
-        """Register the held version's slot mapping with CUDA once (retained files are not)."""
+    def pin(self, pulled: "PulledVersion") -> bool:
+        """Page-lock the held version's slot mapping for CUDA, once per slot file (a retained
+        file is not): its tensors() then copy to a GPU at pinned speed, e.g. in vLLM's
+        reload_weights. Keep this LocalWeights for the next pulls (mappings are cached on it).
+        False without CUDA or when the driver refuses (copies then run at pageable speed)."""
         for slot, (_, _, buf) in self._maps.items():
             if buf is pulled.buf:
                 held = self._pinned.get(slot)
@@ -243,7 +246,7 @@ class LocalWeights:
                     raise ValueError(f"{name}: destination is {d.dtype}{list(d.shape)}, version has {t.dtype}{list(t.shape)}")
                 pairs.append((d, t))
             cuda = {d.device for d, _ in pairs if copy_kind(d) == "cuda"}
-            pinned = bool(cuda) and self._pin(pulled)
+            pinned = bool(cuda) and self.pin(pulled)
             for d, t in pairs:
                 kind = copy_kind(d)
                 if kind == "memcpy" and t.numel():

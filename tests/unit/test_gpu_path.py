@@ -68,9 +68,11 @@ def test_bf16_publish_halves_the_bytes_and_round_trips_exactly(relay):
     float_bytes = sum(t.numel() * 4 for t in sd.values() if t.is_floating_point())
     assert sum(n for n, dt in zip(m.nbytes, m.dtypes) if dt == "bfloat16") * 2 == float_bytes
     assert m.total_bytes < 0.55 * fp32_bytes  # aligned offsets aside, half the slot
-    with LocalWeights(relay.store.dir).latest() as pulled:
+    lw = LocalWeights(relay.store.dir)
+    with lw.latest() as pulled:
         assert pulled.version == v and pulled.verify() == []
         got = {k: t.clone() for k, t in pulled.tensors()}
+        assert lw.pin(pulled) is torch.cuda.is_available()  # page-locked only where CUDA is
     for k, t in sd.items():
         want = t.to(torch.bfloat16) if t.is_floating_point() else t
         assert got[k].dtype == want.dtype and torch.equal(got[k], want), k
