@@ -67,7 +67,19 @@ def cuda_host_register(buf, read_only: bool = False) -> int | None:
         ptr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
     rt = torch.cuda.cudart()
     err = rt.cudaHostRegister(ptr, len(buf), _CUDA_HOST_REGISTER_READ_ONLY if read_only else 0)
-    return ptr if int(getattr(err, "value", err)) == 0 else None
+    if int(getattr(err, "value", err)) == 0:
+        return ptr
+    _clear_cuda_error()
+    return None
+
+
+def _clear_cuda_error() -> None:
+    """A refused registration leaves the error in CUDA's per-thread state, where torch's next
+    kernel-launch check would report it: take it out (torch loads the runtime globally)."""
+    try:
+        ctypes.CDLL(None).cudaGetLastError()
+    except (AttributeError, OSError):
+        pass
 
 
 def cuda_host_unregister(ptr: int | None) -> None:
