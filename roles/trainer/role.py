@@ -136,6 +136,8 @@ class TrainerRole(Role):
             # which relays and rollouts take even over a higher number of the discarded lineage.
             from laminar.weights.publisher import advance_lineage
             self.run_id, self.lineage = advance_lineage(self.ckpt_root, self.version)
+            from laminar.weights.publisher import read_lineage
+            self.forks = (read_lineage(self.ckpt_root) or {}).get("forks", {})
             self.link = PublishLink(self, c)
             await self.link.start()
             self.link.publisher.run_id, self.link.publisher.lineage = self.run_id, self.lineage
@@ -207,7 +209,8 @@ class TrainerRole(Role):
                 return None
             try:
                 s = await self.buffer.call(SampleGroups(need - len(groups), self.version, cursor=self.cursor,
-                                                        committed=self.committed), timeout=30.0)
+                                                        committed=self.committed, lineage=getattr(self, "lineage", -1),
+                                                        forks=getattr(self, "forks", {})), timeout=30.0)
             except RpcError as exc:
                 if time.monotonic() - warned > 10:
                     self.log.warning("buffer_unavailable", error=str(exc))
@@ -234,7 +237,7 @@ class TrainerRole(Role):
 
     async def _iteration(self, groups) -> None:
         self.event("step_started", version=self.version + 1, groups=len(groups))
-        stats = batch_stats(groups, self.version)
+        stats = batch_stats(groups, self.version, getattr(self, "lineage", -1), getattr(self, "forks", {}))
         t0 = time.perf_counter()
         train = await in_thread(lambda: self._train(groups), "trainer-train")
         train_s = time.perf_counter() - t0
