@@ -16,17 +16,22 @@ from pathlib import Path
 import numpy as np
 
 
-def batch_stats(groups, trainer_version: int) -> dict:
+def batch_stats(groups, trainer_version: int, lineage: int = -1, forks: dict | None = None) -> dict:
+    """Staleness is counted over on-lineage samples only (with `lineage` -1, over all): a version
+    number of a discarded lineage names other weights, and its difference means nothing."""
+    from laminar.weights.manifest import off_lineage
     rewards = np.array([t.reward for g in groups for t in g], dtype=np.float64)
     lens = np.array([len(t.response_tokens) for g in groups for t in g], dtype=np.float64)
-    stale = Counter(trainer_version - t.version for g in groups for t in g)
+    forks = forks or {}
+    stale = Counter(trainer_version - t.version for g in groups for t in g
+                    if lineage < 0 or not off_lineage(getattr(t, "lineage", 0), t.version, lineage, forks))
     out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
            "response_len_mean": float(lens.mean()), "response_len_max": float(lens.max()),
            "samples": float(len(rewards)), "groups": float(len(groups)),
            # the paper's throughput numerator: prompt + response tokens of this global batch
            "batch_tokens": float(sum(len(t.spec.prompt_tokens) + len(t.response_tokens) for g in groups for t in g)),
-           "staleness_mean": float(sum(k * v for k, v in stale.items()) / max(1, len(rewards))),
-           "staleness_max": float(max(stale))}
+           "staleness_mean": float(sum(k * v for k, v in stale.items()) / max(1, sum(stale.values()))),
+           "staleness_max": float(max(stale, default=0))}
     for k, v in sorted(stale.items()):
         out[f"staleness/{k}"] = float(v)
     return out
