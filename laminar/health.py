@@ -193,11 +193,13 @@ class HealthCollector:
 
     # -- reading -----------------------------------------------------------------------------
     def up(self, r: RoleHealth, now: float | None = None) -> bool:
-        """Running (where a supervisor reports) and heard from within `dead_after_s` (from the
-        process running now: a restarted role's last beat before it died does not count)."""
+        """Running (where a supervisor reports), heard from within `dead_after_s` (from the
+        process running now: a restarted role's last beat before it died does not count), and not
+        saying it cannot serve (a pool whose store failed heartbeats `serving: false`)."""
         now = self.clock() if now is None else now
         fresh = r.beat_at is not None and now - r.beat_at <= self.dead_after_s
-        return fresh and r.supervised in (None, "ready") and r.pid in (None, r.beat.pid)
+        serving = (r.beat.status or {}).get("serving", True) is not False if r.beat is not None else True
+        return fresh and serving and r.supervised in (None, "ready") and r.pid in (None, r.beat.pid)
 
     def unhealthy(self) -> list[str]:
         """Roles of this node that should be up and are not (a finished role is fine)."""

@@ -303,3 +303,18 @@ def test_close_does_not_wait_for_a_stalled_client():
             await srv.close()
         w.close()
     asyncio.run(main())
+
+
+def test_a_pool_that_heartbeats_serving_false_is_down_and_healthz_names_it():
+    clock = Clock()
+    placed = {"experience_buffer.0": "h0", "prompt_pool.0": "h0"}
+    c = HealthCollector("demo", "h0", placed, dead_after_s=5.0, dropped=lambda: 0, clock=clock)
+    for key in placed:
+        role, _, id = key.partition(".")
+        c.child_changed(child(role, id, "ready"))
+    c.observe(hb("prompt_pool", "0", {"serving": True, "outstanding": 3}))
+    c.observe(hb("experience_buffer", "0", {"serving": False, "fault": "store damaged: quarantine or rebuild"}))
+    assert c.unhealthy() == ["experience_buffer.0"]          # beating on time, yet unable to serve
+    snap = c.snapshot()
+    assert snap["experience_buffer.0"]["up"] is False and snap["prompt_pool.0"]["up"] is True
+    assert get(parse(c.exposition()), "laminar_role_up", role="experience_buffer") == 0
