@@ -14,7 +14,7 @@ hardware's own limit measured in the same run.
   (bf16 autocast on a GPU, fused AdamW), tokens/s and MFU = 6 * params * tokens/s / peak
   (peak bf16 dense FLOP/s by GPU name; null on the CPU or an unknown GPU).
 
-Defaults: a ~1.08B-parameter Qwen2 shape on a GPU, a small one on the CPU. Only torch,
+Defaults: a ~1.2B-parameter Qwen2 shape (1.08B without embeddings) on a GPU, a small one on the CPU. Only torch,
 transformers, numpy, msgpack and xxhash are needed (nothing is imported before it is used), so it
 runs on a bare GPU machine with the repository on PYTHONPATH; see docs/gpu.md.
 """
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = {  # Qwen2 shapes: hidden, layers, intermediate, heads, kv heads
     "1b": dict(hidden_size=2048, num_hidden_layers=24, intermediate_size=5632, num_attention_heads=16,
-               num_key_value_heads=4, vocab_size=151936),
+               num_key_value_heads=4, vocab_size=32000),
     "100m": dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, num_attention_heads=12,
                  num_key_value_heads=4, vocab_size=32000),
     "small": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, num_attention_heads=4,
