@@ -160,10 +160,11 @@ class WeightPublisher:
         its device and copied asynchronously on a stream of its own; all copies are waited for
         before the version is handed to the sender."""
         import torch
-        if slot not in self._pinned:
-            ptr = cuda_host_register(self.slots[slot])
-            if ptr is not None:
-                self._pinned[slot] = ptr
+        if not self._pinned:  # both slots at once: no later publish pays for a registration
+            for i, buf in enumerate(self.slots):
+                ptr = cuda_host_register(buf)
+                if ptr is not None:
+                    self._pinned[i] = ptr
         pinned = slot in self._pinned
         streams = {}
         for dev in devices:
