@@ -76,6 +76,7 @@ class WeightPublisher:
         self.publish_dtype = None if publish_dtype in (None, "", "same") else str(publish_dtype)
         torch_dtype(self.publish_dtype) if self.publish_dtype else None  # unknown names fail here
         self._pinned: dict[int, int] = {}  # slot -> address registered with CUDA (page-locked)
+        self._pin_tried = False
         self._streams: dict = {}           # CUDA device -> the stream publish copies on
         self.transport = get_transport(transport) if isinstance(transport, str) else transport
         self.key, self.on_link_down = key, on_link_down
@@ -160,7 +161,8 @@ class WeightPublisher:
         its device and copied asynchronously on a stream of its own; all copies are waited for
         before the version is handed to the sender."""
         import torch
-        if not self._pinned:  # both slots at once: no later publish pays for a registration
+        if not self._pin_tried:  # both slots at once: no later publish pays for a registration
+            self._pin_tried = True
             for i, buf in enumerate(self.slots):
                 ptr = cuda_host_register(buf)
                 if ptr is not None:
@@ -199,7 +201,7 @@ class WeightPublisher:
     def _unpin(self) -> None:
         for ptr in self._pinned.values():
             cuda_host_unregister(ptr)
-        self._pinned = {}
+        self._pinned, self._pin_tried = {}, False
 
     def _free_slot(self) -> int:
         """A slot the sender is not reading (caller holds cond); see the module docstring."""
