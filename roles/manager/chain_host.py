@@ -33,13 +33,15 @@ from laminar.weights.transport import LinkError, get_transport
 class ChainHost:
     def __init__(self, transport: Transport, pub: Publisher, log, probe_timeout_s: float = 0.3,
                  rpc_timeout_s: float = 5.0, data_key: bytes | None = None, probe_transport: str = "tcp",
-                 link_attempts: int = 3):
+                 link_attempts: int = 3, probe_transport_options: dict | None = None):
         self.transport, self.pub, self.log = transport, pub, log
         self.probe_timeout_s, self.rpc_timeout_s = probe_timeout_s, rpc_timeout_s
         if data_key is None:  # the relays' data-plane key, derived from the cluster key as they do
             keys = getattr(transport, "keys", None)
             data_key = wire.derive_key(keys.secret if keys else None)
-        self.data_key, self.probe_transport = data_key, get_transport(probe_transport)
+        # probes go over the relays' own chunk transport (a TCP probe of a UCX relay always fails)
+        self.data_key = data_key
+        self.probe_transport = get_transport(probe_transport, **(probe_transport_options or {}))
         self.link_attempts = link_attempts
         self.coord = ChainCoordinator()
         self.lock = asyncio.Lock()

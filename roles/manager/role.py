@@ -58,7 +58,9 @@ class ManagerRole(Role):
         cfg = self.ctx.config
         address = cfg.bind_endpoint("manager", self.ctx.id) if cfg else self.cfg.address
         dead_after = self.cfg.dead_after_s or (cfg.cluster.dead_after_s if cfg else 5.0)
-        self.chain = ChainHost(self.ctx.transport, self.pub, self.log, self.cfg.probe_timeout_s, self.cfg.rpc_timeout_s)
+        probe, probe_options = self._relay_transport()
+        self.chain = ChainHost(self.ctx.transport, self.pub, self.log, self.cfg.probe_timeout_s, self.cfg.rpc_timeout_s,
+                               probe_transport=probe, probe_transport_options=probe_options)
         self.monitor = HeartbeatMonitor(dead_after)
         self.dead: asyncio.Queue[str] = asyncio.Queue(maxsize=1024)
         self.hb_sub = self.ctx.transport.subscriber(["hb.relay."])
@@ -78,6 +80,16 @@ class ManagerRole(Role):
         self.spawn(self._follow_fleet(), "fleet-reports")
         self.spawn(self.fleet.run(), "fleet")
         await self.wait_stopped()
+
+    def _relay_transport(self) -> tuple[str, dict]:
+        """The relays' chunk transport and its options (roles.relay, as the first relay placed
+        sees them): the data-port probe must speak it."""
+        cfg = self.ctx.config
+        if cfg is None:
+            return "tcp", {}
+        relays = cfg.find("relay")
+        s = cfg.role_settings("relay", relays[0][1].id) if relays else cfg.roles.get("relay", {})
+        return s.get("transport", "tcp"), dict(s.get("transport_options") or {})
 
     def _make_fleet(self, dead_after: float) -> Fleet:
         c, cfg = self.cfg, self.ctx.config
