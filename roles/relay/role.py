@@ -102,13 +102,21 @@ class RelayRole(Role):
         """Re-join when the manager's chain no longer lists this relay: the manager restarted (its
         new view starts empty) or declared this relay dead during a partition. ChainState is
         republished periodically, so a missed one costs one period; a state older than our own
-        join (still in flight when we joined) is ignored by the grace period."""
+        join (still in flight when we joined) is ignored by the grace period. While the node
+        reports `unhealthy` (its data port is not accepting) it stays out."""
         while True:
             _, ev = await self.chain_sub.recv()
             if not isinstance(ev, ChainState) or self.ctx.id in ev.order:
                 continue
             if time.monotonic() - self.joined_at < self.cfg.rejoin_grace_s:
                 continue
+            sick = self.node.status().get("unhealthy")
+            if sick:  # dropped for a dead data port: joining again would put it back broken
+                if not getattr(self, "_rejoin_held", False):
+                    self.log.warning("rejoin_held", why=sick, epoch=ev.epoch)
+                self._rejoin_held = True
+                continue
+            self._rejoin_held = False
             try:
                 await self._join(f"absent from chain epoch {ev.epoch}")
             except RpcError as exc:  # the manager is (still) down: the next ChainState retries
