@@ -187,7 +187,8 @@ class _OneVersion:
         self.vb, self.cond, self.stopped = vb, threading.Condition(), False
 
     def pick(self, delivered):
-        return self.vb if self.vb.version > delivered else None
+        # the sender passes the ident (run, lineage, number) it delivered last (-1 before the first)
+        return self.vb if delivered != self.vb.ident else None
 
     def acquire(self, vb):
         pass

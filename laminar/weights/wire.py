@@ -3,11 +3,17 @@
 Every message is one 40-byte header `!4sB3xqqQQ` = magic, type, version, a, b, length, plus
 `length` payload bytes. Upstream U sends, downstream D answers on the same connection:
 
-    U -> D  OFFER  (version, a=chunks)          payload: manifest (no checksums needed)
-    D -> U  WANT   (version, a=first missing)   U resumes there; a == chunks: D has it already
-    U -> D  CHUNK  (version, a=index, b=xxh3)   payload: the chunk bytes
-    D -> U  NACK   (version, a=index)           checksum mismatch: U sends that chunk again
-    D -> U  DONE   (version)                    every chunk arrived and verified
+    U -> D  OFFER  (version, a=chunks, b=lineage)        payload: manifest (no checksums needed)
+    D -> U  WANT   (version, a=first missing, b=lineage) U resumes there; a == chunks: D has it already
+    U -> D  CHUNK  (version, a=index, b=xxh3)            payload: the chunk bytes
+    D -> U  NACK   (version, a=index, b=lineage)         checksum mismatch: U sends that chunk again
+    D -> U  DONE   (version, b=lineage)                  every chunk arrived and verified
+
+OFFER carries the lineage epoch of the version in `b`; WANT, NACK and DONE echo it, and the
+sender takes an answer only when its version and lineage both match what it is sending (a late
+answer about an abandoned version of another lineage is never taken for the current one). CHUNK
+keeps `b` for the checksum: an abandoned version's chunks always precede the next OFFER on the
+connection.
 
 Authentication (before anything else; mutual, HMAC-SHA256 over fresh nonces with a key derived
 from the cluster secret, so the secret itself never crosses the wire):
