@@ -107,3 +107,25 @@ def test_the_buffer_requeues_off_lineage_groups_at_the_prompt_pool(tmp_path):
         assert h.entries == [gids[0]]
         await cl.close()
     asyncio.run(go())
+
+
+def test_a_resumed_trainer_gets_its_leased_groups_again_without_the_off_lineage_ones(tmp_path):
+    async def go():
+        cl = InprocCluster(cfg(tmp_path))
+        await cl.start("experience_buffer")
+        bc = cl.client("experience_buffer")
+        await bc.call(PutTrajectory(traj("a", 0, 1, 2, 1)))
+        await bc.call(PutTrajectory(traj("b", 0, 1, 5, 1)))
+        first = await bc.call(SampleGroups(2, 5, cursor=0, committed=0, lineage=1, forks={"1": 0}))
+        assert [g[0].spec.group_id for g in first.groups] == ["a", "b"]
+        # killed before a checkpoint past version 3; resumed there as lineage 2
+        again = await bc.call(SampleGroups(2, 3, cursor=0, committed=0, lineage=2, forks=FORKS))
+        assert [g[0].spec.group_id for g in again.groups] == ["a"] and again.cursor == 2
+        st = await bc.call(BufferStatsRequest())
+        assert st.counts["lineage_dropped"] == 1 and st.counts["leased"] == 1
+        await cl.close()
+        cl = InprocCluster(cfg(tmp_path))                      # what it knows survives a restart
+        buf = await cl.start("experience_buffer")
+        assert buf.book.lineage == 2 and buf.book.forks == FORKS and buf.book.gone.get("b") == "off_lineage"
+        await cl.close()
+    asyncio.run(go())
