@@ -553,8 +553,10 @@ class RolloutRole(Role):
         await asyncio.gather(*(a.task for a in moving), return_exceptions=True)
         if not await self.flush([a.id for a in moving]):  # durable before handing them over
             for a in moving:
-                self._start(a)
+                if not a.fenced:
+                    self._start(a)
             raise RequestError("unavailable", "partial pool unreachable; trajectories resumed here")
+        moving = [a for a in moving if not a.fenced]  # fenced off during that flush: another owner has it
         out = [a.partial(self.ctx.id) for a in moving]
         for a in moving:
             self.active.pop(a.id, None)

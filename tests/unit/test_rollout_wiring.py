@@ -259,6 +259,24 @@ def test_migrated_in_work_continues_from_what_the_pool_holds(tmp_path):
     assert role.partials.book.entries["t/0"].state().tokens.tolist() == [1, 2, 7, 8]
 
 
+def test_migrate_out_hands_over_no_fenced_off_trajectory(tmp_path):
+    from laminar.protocol import MigrateOut
+    role = make_role(tmp_path)
+    role.partials = Book()
+    a, b = active(role, "t/0", [1]), active(role, "u/0", [2])
+
+    async def go():
+        for x in (a, b):
+            x.task = asyncio.ensure_future(asyncio.sleep(30))
+        await role.flush()
+        role.partials.book.fence("t/0", "r9")
+        a.add_generated([3], [-0.3])
+        out = await role.on_migrate_out(MigrateOut([], everything=True))
+        return [p.spec.trajectory_id for p in out.partials]
+    assert asyncio.run(go()) == ["u/0"]
+    assert not role.active and role.fenced_off == 1
+
+
 # -- lineage ---------------------------------------------------------------------------------------
 def test_seq_0_carries_the_lineage_and_the_book_returns_it(tmp_path):
     role = make_role(tmp_path)
