@@ -1,5 +1,5 @@
 """Maps the top-level folders onto one import package: laminar/, bus/ as laminar.bus, roles/ as
-laminar.roles (DESIGN §10 keeps them side by side so the layout shows the roles)."""
+laminar.roles (side by side so the layout shows the roles; docs/architecture.md §1)."""
 import os
 
 from setuptools import setup

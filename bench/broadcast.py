@@ -1,4 +1,4 @@
-"""Weight broadcast benchmark (issue 3): the relay chain vs naive fan-out vs torch.distributed
+"""Weight broadcast benchmark (docs/architecture.md §6): the relay chain vs naive fan-out vs torch.distributed
 (gloo) vs one raw socket transfer, on an emulated cluster network; plus the trainer's publish stall
 and the local pull rate on loopback. Prints tables, writes JSON.
 

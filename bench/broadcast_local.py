@@ -13,7 +13,7 @@
   threads (recv_into) vs asyncio streams (readexactly), wall time and process CPU time;
 - the chunk transports behind laminar/weights/transport (TCP, and UCX when the `ucx` extra is
   installed): S bytes in `chunk` messages from one Conn to another on loopback, GB/s.
-Medians of `reps` runs. All ratios come from the same run (STYLE §12).
+Medians of `reps` runs. All ratios come from the same run (docs/architecture.md §15).
 """
 from __future__ import annotations
 

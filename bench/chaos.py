@@ -1,4 +1,4 @@
-"""Chaos run (issue 9): random faults on a four-host namespace cluster, then the ledger check.
+"""Chaos run (docs/architecture.md §10): random faults on a four-host namespace cluster, then the ledger check.
 
     python bench/chaos.py [--minutes 10] [--every 8] [--seed 0] [--out runs/bench/chaos.json]   (root)
 

@@ -1,4 +1,4 @@
-"""Throughput by mode on this machine (issue 7): the same workload in each of DESIGN §7's modes.
+"""Throughput by mode on this machine : the same workload in each mode of docs/architecture.md §8.
 
     python bench/modes.py [--quick] [--out runs/bench/modes.json] [--modes laminar,sync,...]
 
@@ -7,7 +7,7 @@ relay, two vLLM CPU rollouts (one core each), trainer — the demo's shape — o
 (the SFT-warm-started tiny model replying in long-tailed lengths, p99/p50 ≈ 6). Per mode:
 
 - throughput: prompt + response tokens of a global batch ÷ time between actor updates, after
-  the first update (engine and trainer warm-up excluded) — DESIGN §8's metric;
+  the first update (engine and trainer warm-up excluded) — the metric of docs/architecture.md §8;
 - rollout idle fraction: share of rollout reports, between the first and the last update, in
   which a rollout was idle (waiting for prompts or for the barrier's next version);
 - mean KV usage over the same window, and the staleness histogram of what was trained.

@@ -1,4 +1,4 @@
-"""The broker: a ZeroMQ XSUB<->XPUB forwarder (DESIGN §3), in C via zmq.proxy_steerable.
+"""The broker: a ZeroMQ XSUB<->XPUB forwarder (docs/architecture.md §3), in C via zmq.proxy_steerable.
 
 Publishers connect to the XSUB port, subscribers to the XPUB port; subscriptions flow upstream so
 a publisher only sends what someone wants. The broker never decodes: a bad frame is forwarded and

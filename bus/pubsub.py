@@ -1,6 +1,6 @@
 """ZeroMQ publish/subscribe through the broker: PUB connects to the broker's XSUB, SUB to its XPUB.
 
-Frames: [topic, kind, body, *buffers]. Topics are dotted prefixes (DESIGN §3). Publishing never
+Frames: [topic, kind, body, *buffers]. Topics are dotted prefixes (docs/architecture.md §3). Publishing never
 blocks: a PUB socket at its high-water mark drops, silently (libzmq does not report it, so
 `dropped` counts only a send the socket refuses outright, which is rare); that is why only
 superseded state travels here.

@@ -1,4 +1,4 @@
-"""`laminar-node`: the one command-line interface of Laminar (DESIGN §9).
+"""`laminar-node`: the one command-line interface of Laminar (docs/architecture.md §13).
 
 Subcommands: keygen, up, start, role, status, tail, systemd, bench. Config is parsed and validated
 before anything heavy is imported; errors print one clear line and exit 2.

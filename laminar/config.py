@@ -126,7 +126,7 @@ class RunSpec(Strict):
     seed: int = Field(0, description="global seed")
     workdir: str = Field("runs/run", description="folder for stores, checkpoints, logs, summaries")
     mode: Literal["laminar", "laminar_norepack", "sync", "one_step", "stream"] = Field(
-        "laminar", description="scheduling mode (DESIGN §7): laminar (repack on), laminar_norepack, or a "
+        "laminar", description="scheduling mode (docs/architecture.md §8): laminar (repack on), laminar_norepack, or a "
         "baseline with a global weight-sync barrier: sync (staleness 0), one_step, stream (staleness <= 1)")
 
     @property

@@ -1,6 +1,6 @@
 """Node health: what every role on a node is doing, as Prometheus metrics and as `status` rows.
 
-Sources (DESIGN §3, §9). The supervisor's child states say whether a role's process runs here
+Sources (docs/architecture.md §3, §13). The supervisor's child states say whether a role's process runs here
 (ready, backoff, finished...); the bus says what the role itself reports: heartbeats (`hb.*`: state,
 status, dropped bad frames), `rollout.stats.*` (version, KV usage, tokens/s), `relay.progress.*`
 (chunks of the version arriving), `metrics.trainer` (tokens/s, staleness). Pub/sub carries only

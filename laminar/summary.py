@@ -9,7 +9,7 @@ Reads only files the roles already write, so it can also be run on a finished (o
 
     python -m laminar.summary RUN_DIR      (laminar-node up writes it when the trainer finishes)
 
-Throughput is the paper's metric (DESIGN §8): prompt + response tokens of one global batch ÷ the
+Throughput is the paper's metric (docs/architecture.md §8): prompt + response tokens of one global batch ÷ the
 time between two consecutive actor updates, averaged after `warmup` iterations. Rollout idle
 fraction is the share of rollout reports, between the first and the last actor update, in which
 a rollout was idle (neither generating nor loading).

@@ -8,7 +8,7 @@
     status()       a small dict of current state, carried by every heartbeat
 
 Background work goes through `self.spawn(coro, name)`: every task is named and owned, and one that
-ends or raises stops the role loudly (STYLE §3).
+ends or raises stops the role loudly (docs/architecture.md §15).
 """
 from __future__ import annotations
 

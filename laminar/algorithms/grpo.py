@@ -1,4 +1,4 @@
-"""GRPO (DESIGN §6): group-normalized advantages, per-token logprobs, the Clip-Higher loss.
+"""GRPO (docs/architecture.md §9; docs/learning.md): group-normalized advantages, per-token logprobs, the Clip-Higher loss.
 
 Layout: a batch of B sequences `prompt + response`, right-padded to T tokens. Every per-token
 tensor lives on the T-1 *target* positions: position t holds what the model says about token

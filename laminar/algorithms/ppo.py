@@ -1,4 +1,4 @@
-"""PPO with a critic (DESIGN §6 option): generalized advantage estimation, the clipped value loss
+"""PPO with a critic (an option, docs/architecture.md §9; docs/learning.md): generalized advantage estimation, the clipped value loss
 and the critic itself (the policy's transformer body + a linear value head).
 
 Token-level MDP: one reward per token (usually only the last one is non-zero), a value per

@@ -4,7 +4,7 @@ Each message kind is a frozen dataclass registered with `@event("kind")`; the re
 codec (bus/codec.py) uses to route a frame before decoding its body. Arrays are numpy arrays in
 fields and travel as raw extra frames (dtype + shape in the header), never as lists.
 
-Rules (STYLE §1): add fields at the end only, with defaults; any incompatible change bumps
+Rules (docs/architecture.md §4): add fields at the end only, with defaults; any incompatible change bumps
 PROTOCOL_VERSION, which every frame carries and every handshake compares.
 
 Submodules group the kinds by area (core: handshakes, errors, heartbeats, logs, metrics; later

@@ -1,6 +1,6 @@
 """Core kinds every role speaks: handshake, typed errors, echo, heartbeats, logs, metrics, control.
 
-Topics on the pub/sub bus (DESIGN §3): `hb.<role>.<id>`, `log.<role>`, `metrics.<role>`,
+Topics on the pub/sub bus (docs/architecture.md §3): `hb.<role>.<id>`, `log.<role>`, `metrics.<role>`,
 `ctrl.<role>.<id>`. Pub/sub only carries what a later message supersedes; anything that must
 arrive goes by request/reply.
 """

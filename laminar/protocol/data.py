@@ -1,4 +1,4 @@
-"""Kinds of the data module (DESIGN §1, §2): prompt pool, partial response pool, experience buffer.
+"""Kinds of the data module (docs/architecture.md §2, §5; every kind with its peers: §4): prompt pool, partial response pool, experience buffer.
 
 Everything here goes by request/reply and is acknowledged only once durable; every write is
 idempotent (trajectory ids, delta sequence numbers), so a retry after a lost reply does no harm.
@@ -205,7 +205,7 @@ class CompletePartial:
 # -- experience buffer ----------------------------------------------------------------------------
 @event("data.trajectory")
 class Trajectory:
-    """A finished, scored trajectory with full provenance (STYLE §7)."""
+    """A finished, scored trajectory with full provenance (docs/architecture.md §5)."""
     spec: TrajectorySpec
     response_tokens: np.ndarray     # int32
     logprobs: np.ndarray            # float32, behaviour logprobs

@@ -1,4 +1,4 @@
-"""Kinds of the env role (DESIGN §1): multi-turn episodes served over request/reply.
+"""Kinds of the env role (docs/architecture.md §14): multi-turn episodes served over request/reply.
 
 A rollout drives one episode per trajectory, keyed by an `episode_id` it chooses (the trajectory
 id is the natural one: the session survives a repack that moves the trajectory to another

@@ -1,4 +1,4 @@
-"""Kinds of the rollout role (DESIGN §2, §5): its periodic report and the migration commands.
+"""Kinds of the rollout role (docs/architecture.md §5, §7): its periodic report and the migration commands.
 
 RolloutStats is pub/sub on `rollout.stats.<id>` (each carries the full current state, so a lost
 one costs nothing); MigrateOut/MigrateIn are request/reply from the manager and must arrive.

@@ -1,4 +1,4 @@
-"""Bad input at every listening port of a running cluster (issue 9's fuzz check).
+"""Bad input at every listening port of a running cluster (the bad-input guarantee of docs/architecture.md §3).
 
     python -m laminar.testing.fuzz_ports CONFIG [--frames 2000] [--seed 0] [--hosts h0,h1]
                                          [--hostile] [--silent N --hold S]

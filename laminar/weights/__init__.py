@@ -1,4 +1,4 @@
-"""The weight data plane (DESIGN §4): manifests, flat buffers, shared-memory versions, the chunk
+"""The weight data plane (docs/architecture.md §6; docs/weights.md, docs/shm.md): manifests, flat buffers, shared-memory versions, the chunk
 protocol between relays, the trainer-side publisher and the rollout-side local pull.
 
     trainer: WeightPublisher.publish(state_dict)   one copy into staging, sends in the background

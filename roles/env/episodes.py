@@ -1,6 +1,6 @@
 """EpisodeHost: the episodes of one environment class, keyed by the caller's episode id.
 
-This is the env role's logic without the bus (DESIGN §1 `env`): the role serves it over
+This is the env role's logic without the bus (docs/architecture.md §2, §14): the role serves it over
 request/reply, and a rollout configured with an in-process environment calls it directly
 (roles/rollout/multiturn.py: LocalEnv), so both see the same semantics.
 

@@ -1,4 +1,4 @@
-"""Dynamic repack planning: the paper's Algorithm 1 with Best-Fit consolidation (DESIGN §5).
+"""Dynamic repack planning: the paper's Algorithm 1 with Best-Fit consolidation (docs/architecture.md §7).
 
 Pure logic, no I/O: `plan_repack(loads, c_max, b)` turns one snapshot of the rollouts' reports
 into a list of moves; the manager's fleet (roles/manager/fleet.py) executes them with

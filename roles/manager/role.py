@@ -32,7 +32,7 @@ class ManagerConfig(BaseModel):
     address: str = Field("tcp://127.0.0.1:0", description="bind address when the config gives no port")
     repack: bool | None = Field(None, description="dynamic repack (default: on in laminar mode, off otherwise)")
     repack_interval_s: float = Field(5.0, gt=0, description="period of the repack plan (also run after each new version)")
-    c_max: float = Field(0.99, gt=0, le=1, description="KV-cache fraction a destination may reach (DESIGN §5 C_max)")
+    c_max: float = Field(0.99, gt=0, le=1, description="KV-cache fraction a destination may reach (docs/architecture.md §7, C_max)")
     batch_bound: int = Field(32, ge=1, description="B: largest decode batch whose step time stays near batch 1 "
                              "(the roofline knee), used when no curve_path is given")
     curve_path: str | None = Field(None, description="step-latency curve (JSON of `python bench/step_curve.py --out`, "

@@ -86,7 +86,7 @@ class PromptPoolRole(PoolRole):
 
     def _gate(self) -> tuple[int, int] | None:
         """(lag, groups per version): a rollout holding version v gets groups only while fewer than
-        (v + 1 + lag) global batches were handed out. The barrier modes' lag (DESIGN §7), or in the
+        (v + 1 + lag) global batches were handed out. The barrier modes' lag (docs/architecture.md §8), or in the
         laminar modes `max_batches_ahead` (flow control), or None (no gate)."""
         cfg = self.ctx.config
         lag = cfg.run.barrier_lag if cfg is not None else None

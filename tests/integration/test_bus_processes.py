@@ -1,4 +1,4 @@
-"""The bus across real processes (issue 2): pub/sub through the broker, request/reply with
+"""The bus across real processes (docs/architecture.md §3): pub/sub through the broker, request/reply with
 deadlines, CURVE refusal, protocol-version refusal, and a fuzz of every kind of bound socket."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A short chaos run (issue 9): `bench/chaos.py --minutes 1` on the four-host namespace cluster —
+"""A short chaos run (docs/architecture.md §10): `bench/chaos.py --minutes 1` on the four-host namespace cluster —
 random kills of random roles and hosts, a cut link — then its ledger: every fault recovered, no
 trajectory lost, nothing stored or trained twice, every handed-out group trained or leased,
 versions monotone, training went on. The 10-minute run is `python bench/chaos.py` (see README)."""

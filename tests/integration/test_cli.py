@@ -1,4 +1,4 @@
-"""`laminar-node` end to end (issue 2): up restarts a killed role and Ctrl-C leaves no child;
+"""`laminar-node` end to end (docs/architecture.md §13): up restarts a killed role and Ctrl-C leaves no child;
 status reports liveness; tail prints events from the bus; systemd units verify; keygen refuses
 to overwrite."""
 from __future__ import annotations

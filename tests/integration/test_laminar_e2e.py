@@ -1,4 +1,4 @@
-"""End to end (issue 7): the whole cluster as real processes (`laminar-node up`), vLLM CPU rollouts.
+"""End to end (docs/architecture.md §5, §8): the whole cluster as real processes (`laminar-node up`), vLLM CPU rollouts.
 
 - laminar mode: a few iterations complete; every trajectory's version is recorded; no trajectory
   spans two versions (no weight load on its rollout between its start and its last token);

@@ -1,4 +1,4 @@
-"""Multi-host faults with real vLLM CPU engines (issue 9: at least one scenario on real engines).
+"""Multi-host faults with real vLLM CPU engines (at least one scenario on real engines; docs/architecture.md §10).
 
 Three network namespaces as hosts, each under its own `laminar-node start --host hX`: h0 holds the
 broker, manager, pools and trainer; h1 and h2 each a relay and one vLLM CPU rollout (the tiny

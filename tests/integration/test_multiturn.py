@@ -1,4 +1,4 @@
-"""Multi-turn rollouts end to end (issue 10).
+"""Multi-turn rollouts end to end (docs/architecture.md §14).
 
 With the vLLM CPU engine (one engine, the real pools and an env role, in one process): the tiny
 model, taught in a few seconds of SFT to answer every turn with `ab</tool>`, plays episodes of a

@@ -1,4 +1,4 @@
-"""The relay tier's "must show" (issue 3) with real processes: broker, manager, relays, and the
+"""The relay tier (docs/architecture.md §6) with real processes: broker, manager, relays, and the
 trainer side (publisher + follower) in the test process. 64 MiB of random weights, 4 MiB chunks.
 
 - master + 3 relays: every relay ends byte-identical; a concurrent reader of the tail relay's

@@ -1,4 +1,4 @@
-"""The rollout role on a real vLLM CPU engine (issue 5), with the real pools, in one process.
+"""The rollout role on a real vLLM CPU engine (docs/architecture.md §5), with the real pools, in one process.
 
 - greedy: a trajectory migrated half-way to another rollout of the same version yields exactly
   the tokens of an unmigrated run;

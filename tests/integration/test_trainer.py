@@ -1,4 +1,4 @@
-"""The trainer's "must show" (issue 6): it learns a verifiable task; kill -9 + restart resumes
+"""The trainer (docs/architecture.md §9): it learns a verifiable task; kill -9 + restart resumes
 from the newest checkpoint with a gap-free version sequence, every group trained exactly once in the
 kept versions (the buffer hands the killed trainer's groups again); the next
 step starts before the previous version's broadcast finishes (event order, not timing)."""

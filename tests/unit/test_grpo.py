@@ -1,4 +1,4 @@
-"""GRPO / PPO losses against hand-computed values (issue 6): advantages, both clip bounds,
+"""GRPO / PPO losses against hand-computed values (docs/learning.md): advantages, both clip bounds,
 token-level aggregation, TIS and decoupled-PPO weights, k3 KL, GAE and the value loss."""
 from __future__ import annotations
 

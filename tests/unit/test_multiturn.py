@@ -1,4 +1,4 @@
-"""Multi-turn rollouts without an inference engine (issue 10): the episode loop driven by a scripted
+"""Multi-turn rollouts without an inference engine (docs/architecture.md §14): the episode loop driven by a scripted
 engine against an in-process environment; stop markers cut mid-delta; loss masks and observation
 spans through deltas, the partial pool (and its pre-multi-turn stores) and resumption; the
 environment lost mid-episode (replayed, or failed cleanly); the trainer's loss ignoring masked

@@ -1,5 +1,5 @@
 """Trainer pieces without a cluster: model loading, atomic checkpoints, rank shares, the command
-stream's packing, PPO's per-sequence GAE, metrics files (issue 6)."""
+stream's packing, PPO's per-sequence GAE, metrics files (docs/architecture.md §9)."""
 from __future__ import annotations
 
 import numpy as np

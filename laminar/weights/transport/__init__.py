@@ -6,7 +6,7 @@
     conn.send(header, payload)  /  header = conn.recv_header()  /  conn.recv_into(view)
 
 Why blocking, and used from threads: the data plane must not share the role's event loop with
-heartbeats and RPC (STYLE §9), and blocking sockets let the kernel copy straight into the
+heartbeats and RPC (docs/architecture.md §15), and blocking sockets let the kernel copy straight into the
 shared-memory buffer (`recv_into` a memoryview of the mmap) and send straight out of it, with the
 GIL released for the whole syscall. Measured on loopback (bench/broadcast.py): threads with
 recv_into moved more bytes per CPU-second than asyncio streams, which copy every read into a new
