@@ -22,27 +22,9 @@ micro-batches, so the micro-batch losses (and metrics) add up to the mini-batch'
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-
-
-@dataclass
-class GRPOSettings:
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    kl_coef: float = 0.0
-    old_logprobs: str = "behaviour"   # behaviour | recompute
-    off_policy: str = "none"          # none | tis | decoupled
-    is_cap: float | None = 2.0        # TIS truncation (decoupled: optional cap, None = none)
-    adv_eps: float = 1e-6
-    dual_clip: float | None = None    # c > 1: bound of the loss of negative-advantage tokens (c |A|)
-
-    @property
-    def needs_proximal(self) -> bool:
-        """Whether the policy's logprobs before the update must be recomputed."""
-        return self.old_logprobs == "recompute" or self.off_policy != "none"
 
 
 def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6, std_normalize: bool = True) -> list[np.ndarray]:

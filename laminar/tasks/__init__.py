@@ -1,4 +1,4 @@
-"""Tasks: reward functions (verifiers) and, later, multi-turn environments.
+"""Tasks: reward functions (verifiers) and their datasets; multi-turn environments live in `laminar/envs/`.
 
 A reward is a plain callable `reward(spec: TrajectorySpec, response_tokens: list[int]) -> float`,
 named in the config as "package.module:function".

@@ -20,25 +20,8 @@ def exact_answer(spec, response_tokens) -> float:
     return 1.0 if decode_bytes(response_tokens).strip() == spec.answer.strip() else 0.0
 
 
-def answer_prefix(spec, response_tokens) -> float:
-    """1.0 if the response starts with the reference answer (format-free check)."""
-    return 1.0 if decode_bytes(response_tokens).strip().startswith(spec.answer.strip()) else 0.0
-
-
 def zero(spec, response_tokens) -> float:
     return 0.0
-
-
-def starts_upper(spec, response_tokens) -> float:
-    """1.0 if the response starts with an uppercase ASCII letter: the demo's verifiable task.
-
-    A random tiny model hits it ~10% of the time, so GRPO has signal from the first batch, and its
-    response lengths (EOS has probability ~1/259 per token) are geometric: p99/p50 ≈ 6.6.
-    """
-    if not len(response_tokens):
-        return 0.0
-    b = int(response_tokens[0]) - OFFSET
-    return 1.0 if ord("A") <= b <= ord("Z") else 0.0
 
 
 def upper_fraction(spec, response_tokens) -> float:

@@ -79,5 +79,4 @@ class MasterFollower:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        # The client and subscriber belong to the transport, which closes them with itself
-        # (closing a ZmqRpcClient twice raises today, so we leave that to the transport).
+        # The client and subscriber belong to the transport, which closes them with itself.

@@ -32,8 +32,6 @@ class StalenessAwareSampler(Sampler):
         return sorted(ready, key=lambda g: (-g.min_version(), g.order))[:k]
 
 
-FreshestSampler = StalenessAwareSampler  # its earlier name
-
 SAMPLERS = {"fifo": FifoSampler, "freshest": StalenessAwareSampler, "staleness_aware": StalenessAwareSampler}
 
 
