@@ -1,7 +1,7 @@
 """Fleet: the manager's view of the rollouts, dynamic repack, and recovery of a dead rollout's work.
 
 Inputs (all pub/sub, each report carries the full current state, so a lost one costs nothing):
-  rollout.stats.<id>  KV usage, running/waiting, active, version, control address (DESIGN §5)
+  rollout.stats.<id>  KV usage, running/waiting, active, version, control address (docs/architecture.md §7)
   hb.rollout.<id>     liveness; silence for dead_after_s, or a new pid, declares the old one dead
   weights.version     a relay made a new version visible: repack now (draining replicas of the
                       old version get freed for the new one)

@@ -48,7 +48,7 @@ class RolloutConfig(BaseModel):
                                         "(whole blocks of 32, vLLM's num_gpu_blocks_override), at least "
                                         "max_model_len. A tiny model's 1 GiB cache holds about a million tokens and "
                                         "reads ~0% used whatever runs; sized to the workload, KV usage (the repack's "
-                                        "input, DESIGN §5) rises and falls as it does on a GPU")
+                                        "input, docs/architecture.md §7) rises and falls as it does on a GPU")
     dtype: str = Field("float32", description="engine dtype")
     temperature: float = Field(1.0, ge=0, description="sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")

@@ -1,4 +1,4 @@
-"""RolloutRole: the batch lifecycle of one inference replica (DESIGN §2 steps ①②③⑦, §5 ④).
+"""RolloutRole: the batch lifecycle of one inference replica (docs/architecture.md §5; repack's execution: §7).
 
     loop:  [pull newest weights if newer] -> TakeBatch -> generate all of it with ONE version
            -> each finished trajectory: score -> PutTrajectory (durable) -> CompletePartial

@@ -1,7 +1,7 @@
 """vLLM worker extension: methods that run *inside* the engine's worker process.
 
 vLLM's async engine runs the model in another process, and tensors passed through
-`collective_rpc` arrive as lists there (NOTES.md). So the worker reads the weights itself: from
+`collective_rpc` arrive as lists there (`'list' object has no attribute 'dtype'`). So the worker reads the weights itself: from
 the host relay's shared memory (zero-copy views, laminar/weights/pull.py) or from a file, and
 hands them to `model_runner.reload_weights`, which repacks them for the CPU kernels.
 """
