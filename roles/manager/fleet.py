@@ -366,11 +366,11 @@ class Fleet:
     async def _place_orphans(self) -> None:
         if not self.orphans:
             return
-        by_version: dict[int, list[PartialState]] = {}
+        by_weights: dict[tuple[int, int], list[PartialState]] = {}
         for p, _ in self.orphans.values():
-            by_version.setdefault(p.version, []).append(p)
-        for version, parts in by_version.items():
-            for dest in self._hosts_of(version):
+            by_weights.setdefault((p.lineage, p.version), []).append(p)
+        for (lineage, version), parts in by_weights.items():
+            for dest in self._hosts_of(version, lineage):
                 room = 2 * self.s.max_concurrency - dest.stats.active  # MigrateIn's own bound
                 if room <= 0 or not parts:
                     continue
@@ -466,9 +466,11 @@ class Fleet:
             self.log.warning("orphans_restarted", dest=dest.id, version=dest.stats.version, ids=sorted(placed)[:64],
                              why=f"no live rollout of their version for {self.s.orphan_wait_s}s")
 
-    def _hosts_of(self, version: int) -> list[RolloutView]:
-        """Live rollouts holding `version`, most room first."""
-        vs = [v for v in self.views.values() if v.alive and v.stats.version == version and v.stats.state != "loading"]
+    def _hosts_of(self, version: int, lineage: int = -1) -> list[RolloutView]:
+        """Live rollouts holding `version` (of `lineage`, when the work names one: the same number on
+        another lineage is other weights, which MigrateIn refuses), most room first."""
+        vs = [v for v in self.views.values() if v.alive and v.stats.version == version and v.stats.state != "loading"
+              and (lineage < 0 or v.stats.lineage == lineage)]
         return sorted(vs, key=lambda v: v.stats.active)
 
     # -- plumbing ---------------------------------------------------------------------------------

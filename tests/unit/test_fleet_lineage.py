@@ -1,0 +1,53 @@
+"""Orphan placement matches weights, not just version numbers: after a trainer resume, version 3 of
+lineage 1 and version 3 of lineage 2 are different weights, and a rollout refuses work of the other
+(MigrateIn). The manager must send recovered work only to a rollout holding the same lineage."""
+import asyncio
+import time
+
+import numpy as np
+import structlog
+
+from laminar.protocol.data import PartialState, TrajectorySpec
+from laminar.protocol.rollout import RolloutStats
+from laminar.roles.manager.fleet import Fleet, FleetSettings
+
+
+def stats(rid: str, version: int, lineage: int) -> RolloutStats:
+    return RolloutStats(rid, "h", version, 0.1, 0, 0, 0, 0.0, "generating", lineage=lineage)
+
+
+def orphan(tid: str, version: int, lineage: int) -> PartialState:
+    spec = TrajectorySpec(tid, "p", "g", 0, 1, np.zeros(2, np.int32))
+    return PartialState(spec, np.zeros(0, np.int32), np.zeros(0, np.float32), version, "dead", 0, lineage=lineage)
+
+
+class _NoTransport:
+    def client(self, address):
+        raise AssertionError("no client expected")
+
+
+def test_orphans_go_only_to_a_rollout_of_their_lineage():
+    fleet = Fleet(_NoTransport(), structlog.get_logger("test"), FleetSettings(orphan_wait_s=1e9), lambda r: "",
+                  partial_pool_address=None)
+    fleet.on_stats(stats("other", 3, lineage=1))   # same number, discarded branch
+    fleet.on_stats(stats("same", 3, lineage=2))
+    fleet.on_stats(stats("newer", 4, lineage=2))
+    fleet.orphans = {"t": (orphan("t", 3, lineage=2), time.monotonic())}
+    asked: list[str] = []
+
+    async def migrate_in(dest, batch):
+        asked.append(dest)
+        return [p.spec.trajectory_id for p in batch] if dest == "same" else []
+
+    fleet._migrate_in = migrate_in
+    asyncio.run(fleet._place_orphans())
+    assert asked == ["same"]
+    assert fleet.orphans == {}
+
+
+def test_work_without_a_lineage_is_matched_by_version_as_before():
+    fleet = Fleet(_NoTransport(), structlog.get_logger("test"), FleetSettings(orphan_wait_s=1e9), lambda r: "",
+                  partial_pool_address=None)
+    fleet.on_stats(stats("a", 3, lineage=1))
+    assert [v.id for v in fleet._hosts_of(3, -1)] == ["a"]
+    assert fleet._hosts_of(3, 2) == []
