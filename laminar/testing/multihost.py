@@ -232,8 +232,13 @@ class MultiHost:
         db = self.run_dir / "pools" / "partial_pool-0.sqlite"
         pending: set[str] = set()
         if db.exists():
+            from laminar.roles.sqlite_store import unpack
             with sqlite3.connect(db) as con:
                 pending = {base(t) for (t,) in con.execute("SELECT DISTINCT tid FROM deltas")}
+                # deltas stored in batches (the chunks table): their trajectories not yet completed
+                done = {t for (t,) in con.execute("SELECT tid FROM completed")}
+                pending |= {base(t) for (blob,) in con.execute("SELECT blob FROM chunks")
+                            for t in unpack(blob).trajectory_ids if t not in done}
         dropped: dict[str, str] = {}  # groups the buffer let go by its policy (evicted, stale)
         handed: set[str] = set()      # groups the buffer handed to the trainer
         leased: set[str] = set()      # ... of which still leased (after the trainer's newest checkpoint)
@@ -244,11 +249,18 @@ class MultiHost:
                 handed = {g for (g,) in con.execute("SELECT gid FROM gone WHERE why = 'handed'")}
                 leased = {g for (g,) in con.execute("SELECT gid FROM handed")}
         by_policy = {t for t in recovered - stored_ids - pending if t.rsplit("/", 1)[0] in dropped}
+        # a group the buffer dropped as off-lineage (a trainer restart discarded its weights) has
+        # its prompt requeued and its members stored once more under the same ids: not twice
+        redo = Counter(g for e in log_events(self.log("experience_buffer", "0"), "off_lineage_groups_dropped")
+                       for g in e["groups"])
+        times = Counter(base(t) for t, k in stored.items() for _ in range(k))
         versions = [int(r["version"]) for r in metrics]
         return {"versions": versions, "versions_monotone": versions == sorted(set(versions)),
                 "groups_trained": len(trained), "samples_trained_twice": len(trained) - len(set(trained)),
                 "trajectories_stored": len(stored),
-                "stored_twice": sum(1 for n in Counter(base(t) for t, k in stored.items() for _ in range(k)).values() if n > 1),
+                "stored_twice": sum(1 for t, n in times.items() if n > 1 + redo[t.rsplit("/", 1)[0]]),
+                "stored_again_after_lineage_drop": sum(1 for t, n in times.items() if n > 1) - sum(
+                    1 for t, n in times.items() if n > 1 + redo[t.rsplit("/", 1)[0]]),
                 "recovered": len(recovered), "recovered_finished": len(recovered & stored_ids),
                 "recovered_already_held": len((recovered & held) - {base(t) for t in stored}),
                 "recovered_restarted": len(restarted), "recovered_pending": len((recovered - stored_ids) & pending),
