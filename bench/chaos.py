@@ -6,11 +6,23 @@ The cluster is laminar/testing/multihost.py's: h0 (broker, manager, pools, train
 model), h1..h3 (a relay and two `sim` rollouts each), every host under `laminar-node start`.
 Every `--every` seconds one fault, drawn at random: SIGKILL of a random role (any kind, on any
 host; its supervisor restarts it), a whole host killed and restarted after `--host-down-s`, or a
-host's link cut for `--link-down-s` then restored. A fault counts as recovered when the trainer
-publishes a newer version and the faulted role/host is running again within `--recover-s`.
+host's link cut for `--link-down-s` then restored. Kinds are drawn from a shuffled deck (every kind
+once per round), so a run of a round or more kills the trainer. A fault counts as recovered when
+the trainer publishes a newer version and the faulted role/host is running again within `--recover-s`.
+
+The trainer checkpoints every `--checkpoint-every` versions (4): a trainer kill discards the
+versions it published since its checkpoint, so relays, rollouts and the buffer must move to the
+resumed trainer's new lineage (docs/weights.md). The buffer holds at most `--buffer-capacity`
+trajectories with `eviction: reject` for the whole run, so it is full for much of it: rollouts
+are refused and must retry (`buffer_refusals` counts the refusals their logs report); 0 keeps
+the harness's large drop_oldest buffer.
 
 At the end the cluster stops and the ledger is checked (trainer versions, groups trained, every
-stored trajectory, what the manager recovered, what the partial pool still holds). Printed: the
+stored trajectory, what the manager recovered, what the partial pool still holds), and three more:
+lineage (every trained trajectory's (lineage, version) names weights the trainer published in the
+history of the lineage that trained it: `lineage_violations`), prompts (the prompt pool's own
+`prompts_skipped`, from its store, as its heartbeat counts it) and staleness (samples with
+negative staleness in metrics.jsonl's histogram: `negative_staleness_samples`). Printed: the
 table of faults with time to the next version, the chain repairs (the paper's target: < 1 s),
 and the ledger. Recovery is compared with the paper's figures (fault_recovery_s in paper.json)
 only as a reference: these are processes on one machine, not machines being replaced.
@@ -42,6 +54,9 @@ def main() -> int:
     ap.add_argument("--host-down-s", type=float, default=5.0)
     ap.add_argument("--link-down-s", type=float, default=6.0)
     ap.add_argument("--recover-s", type=float, default=120.0)
+    ap.add_argument("--checkpoint-every", type=int, default=4, help="the trainer's checkpoint period (versions)")
+    ap.add_argument("--buffer-capacity", type=int, default=48,
+                    help="buffer capacity (trajectories) with eviction: reject; 0: the harness's default buffer")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     exit_on_signals()  # SIGTERM (e.g. `timeout`) unwinds the `with MultiHost`: hosts, namespaces, /dev/shm
@@ -55,13 +70,19 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="laminar-chaos-"))
     model = build_tiny_model(tmp / "tiny")
     faults = []
-    with MultiHost(tmp, model, rollout_hosts=3, iterations=100000) as mh:
+    roles = {"trainer": {"checkpoint_every": a.checkpoint_every}}
+    if a.buffer_capacity:
+        roles["experience_buffer"] = {"capacity": a.buffer_capacity, "eviction": "reject"}
+    deck: list[str] = []
+    with MultiHost(tmp, model, rollout_hosts=3, iterations=100000, roles=roles) as mh:
         mh.start_all()
         mh.wait_version(2, 300)
         start_version, t_end = mh.version(), time.monotonic() + 60 * a.minutes
         print(f"cluster up at version {start_version}; injecting faults for {a.minutes} min", flush=True)
         while time.monotonic() < t_end:
-            kind = rng.choice(KINDS)
+            if not deck:
+                deck = rng.sample(KINDS, len(KINDS))
+            kind = deck.pop()
             v0, t0, at = mh.version(), time.monotonic(), time.time()
             what, back = inject(mh, kind, rng, a)
             recovered = False
@@ -82,6 +103,7 @@ def main() -> int:
         end_version = mh.version()
         mh.close()
         ledger = mh.ledger()
+        extra = extra_ledger(mh)
         repairs = log_events(mh.log("manager", "0"), "chain_repaired")
         dead = log_events(mh.log("manager", "0"), "rollout_dead")
         split_timings(mh, faults, a)
@@ -98,6 +120,9 @@ def main() -> int:
                 [[k, len(v), percentile(v, 50) if v else "-", max(v) if v else "-"] for k, v in phases.items()])
     print("\nledger: " + json.dumps(ledger | {"versions": f"{ledger['versions'][0]}..{ledger['versions'][-1]}"
                                                if ledger["versions"] else "-"}))
+    print_table("lineage, prompts, staleness", list(CHECKS), [[extra[k] for k in CHECKS]])
+    for v in extra["lineage_violation_examples"]:
+        print("lineage violation: " + json.dumps(v))
     write_json(a.out, {
         "bench": "chaos", "minutes": a.minutes, "faults": faults,
         "faults_injected": len(faults), "faults_recovered": sum(f["recovered"] for f in faults),
@@ -108,11 +133,88 @@ def main() -> int:
                        for k, v in phases.items()},
         "groups_handed_untrained": ledger["groups_handed_untrained"],
         "iterations_during_run": end_version - start_version, "ledger": {k: v for k, v in ledger.items() if k != "versions"},
+        **extra, "trainer_kills": sum(f["kind"] == "trainer" for f in faults),
+        "checkpoint_every": a.checkpoint_every, "buffer_capacity": a.buffer_capacity or None,
         "runs": str(tmp)})
     return 0
 
 
 PHASES = ["detect_s", "chain_repaired_s", "resumed_s", "rejoined_s"]
+CHECKS = ["trainer_restarts", "lineage_violations", "trained_members_checked", "trained_members_unlabelled",
+          "lineage_dropped", "prompts_skipped", "negative_staleness_samples", "buffer_refusals"]
+
+
+def extra_ledger(mh) -> dict:
+    """After the run: the lineage, prompt and staleness checks (see the module docstring).
+
+    Lineage: metrics.jsonl holds one record per kept version V (records past a resumed checkpoint
+    are moved out), trained by the lineage that started below V last (lineage.json's forks). Each
+    member of each group trained at V is matched to its newest `trajectory_stored` line (status
+    stored) before the record was written: a requeued off-lineage group is stored again under the
+    same ids. Its (lineage l, version v) is a violation when it is outside that lineage's history
+    (manifest.off_lineage: it should have been dropped and requeued, lineage_dropped), when v >= V
+    (the trainer had not published v when it trained V), or when v precedes lineage l's start (the
+    trainer never published v on l). A member with no stored line (its host died before it
+    logged) is counted as unlabelled, not checked."""
+    import sqlite3
+    from laminar.testing.procs import log_events
+    from laminar.weights.manifest import off_lineage
+    from laminar.weights.publisher import read_lineage
+
+    def ts(e: dict) -> float:
+        return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+
+    lin = read_lineage(mh.run_dir / "trainer" / "checkpoints") or {"epoch": 0, "forks": {}}
+    forks = {int(k): int(v) for k, v in lin["forks"].items()}
+    stores: dict[str, list[tuple[float, int, int, str]]] = {}  # group -> [(ts, lineage, version, member id)]
+    refusals = 0
+    for log in (mh.run_dir / "logs").glob("rollout.*.log"):
+        for e in log_events(log, "trajectory_stored"):
+            if e["status"] == "stored":
+                t = e["trajectory"].split("~r")[0]
+                stores.setdefault(t.rsplit("/", 1)[0], []).append(
+                    (ts(e), int(e.get("lineage", -1)), int(e["version"]), t))
+        refusals += sum(1 for e in log_events(log, "put_refused") if str(e.get("status", "")).startswith("full"))
+    violations, checked, unlabelled, negative = [], 0, 0, 0
+    for r in mh.metrics():
+        V = int(r["version"])
+        for k, n in r.items():
+            if k.startswith("staleness/") and int(float(k.split("/", 1)[1])) < 0:
+                negative += int(n)
+        L = max((e for e, f in forks.items() if f < V), default=-1)
+        for g in r["group_ids"]:
+            newest: dict[str, tuple[float, int, int]] = {}
+            for t_, l, v, tid in stores.get(g, []):
+                if t_ <= r["ts"] and (tid not in newest or t_ > newest[tid][0]):
+                    newest[tid] = (t_, l, v)
+            if not newest:
+                unlabelled += 1
+            for tid, (_, l, v) in newest.items():
+                checked += 1
+                why = ("off the trained lineage's history" if L >= 0 and off_lineage(l, v, L, forks) else
+                       "version not yet published" if v >= V else
+                       "before its lineage started" if l in forks and v < forks[l] else None)
+                if why:
+                    violations.append({"trajectory": tid, "lineage": l, "version": v, "trained_version": V,
+                                       "trained_lineage": L, "why": why})
+    skipped = None
+    db = mh.run_dir / "pools" / "prompt_pool-0.sqlite"
+    if db.exists():  # the pool's counts()["prompts_skipped"], from what its store holds (it is stopped)
+        with sqlite3.connect(db) as con:
+            handed = (con.execute("SELECT handed FROM cursor WHERE k = 0").fetchone() or (0,))[0]
+            settled = dict(con.execute("SELECT k, v FROM accounting")).get("settled", handed)
+            entries = [e for (e,) in con.execute("SELECT entry FROM handed_to")]
+            entries += [e for (e,) in con.execute("SELECT group_id FROM requeued")]
+        group_of = lambda e: e.rsplit("/", 1)[0] if e.rsplit("/", 1)[-1].isdigit() else e  # noqa: E731
+        skipped = handed - settled - len({group_of(e) for e in entries})
+    dropped = 0
+    for e in log_events(mh.log("experience_buffer", "0"), "off_lineage_groups_dropped"):
+        dropped += int(e.get("count", 1))
+    return {"trainer_restarts": max(0, int(lin["epoch"]) - 1), "lineage_forks": {str(k): v for k, v in forks.items()},
+            "lineage_violations": len(violations), "lineage_violation_examples": violations[:10],
+            "trained_members_checked": checked, "trained_members_unlabelled": unlabelled,
+            "lineage_dropped": dropped, "prompts_skipped": skipped, "negative_staleness_samples": negative,
+            "buffer_refusals": refusals}
 
 
 def split_timings(mh, faults: list[dict], a) -> None:
