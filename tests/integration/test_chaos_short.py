@@ -1,7 +1,9 @@
 """A short chaos run (docs/architecture.md §10): `bench/chaos.py --minutes 1` on the four-host namespace cluster —
-random kills of random roles and hosts, a cut link — then its ledger: every fault recovered, no
-trajectory lost, nothing stored or trained twice, every handed-out group trained or leased,
-versions monotone, training went on. The 10-minute run is `python bench/chaos.py` (see README)."""
+random kills of random roles and hosts, a cut link, on a full buffer (capacity 48, eviction
+reject) and a trainer that checkpoints every 4 versions — then its ledger: every fault recovered,
+no trajectory lost, nothing stored or trained twice, every handed-out group trained or leased,
+versions monotone, training went on, no prompt skipped, every trained trajectory's (lineage,
+version) in the history of the lineage that trained it, no negative staleness. The 10-minute run is `python bench/chaos.py` (see README)."""
 from __future__ import annotations
 
 import json
@@ -33,5 +35,9 @@ def test_one_minute_of_chaos(tmp_path):
     assert r["trajectories_lost"] == 0 and r["samples_trained_twice"] == 0 and r["stored_twice"] == 0, r["ledger"]
     assert r["groups_handed_untrained"] == 0, r["ledger"]
     assert r["versions_monotone"] and r["iterations_during_run"] >= r["faults_injected"]
+    assert r["prompts_skipped"] == 0, r["ledger"]
+    assert r["lineage_violations"] == 0, r["lineage_violation_examples"]
+    assert r["negative_staleness_samples"] == 0
+    assert r["trainer_restarts"] >= r["trainer_kills"] and r["checkpoint_every"] >= 4
     if r["chain_repairs"]:
         assert r["chain_repair_s_max"] < 1.0  # the paper's target for a chain repair
