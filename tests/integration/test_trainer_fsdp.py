@@ -5,7 +5,8 @@
 - role: trainer.0 + trainer.1 as real role processes with a real experience buffer: rank 0
   samples and broadcasts, both ranks step through the same versions, rank 0 writes metrics and
   an atomic checkpoint, a SIGTERM to rank 0 stops both ranks cleanly (exit 0), and both ranks
-  restarted resume from the newest checkpoint (FSDP2 state broadcast from rank 0).
+  restarted resume from the newest checkpoint (FSDP2 state broadcast from rank 0) and retrain the
+  groups the buffer still leased to the discarded version before any new one.
 """
 from __future__ import annotations
 
@@ -100,12 +101,14 @@ def test_trainer_role_on_two_ranks_stops_and_resumes(tmp_path, tiny):
             wait_events(r, "iteration", lambda e: any(x["version"] == 3 for x in e), timeout=120)
         first = stop_rank0(ranks)
         follower_versions = [e["version"] for e in ranks[1].events("iteration")]
-        # restart both: resume from v2 (v3 was not checkpointed), train 2 new batches -> v3, v4
+        # restart both: resume from v2 (v3 was not checkpointed). v3's groups (d-g4, d-g5) are still
+        # leased in the buffer (handed out after the v2 checkpoint), so the resumed trainer is handed
+        # them again and retrains them as the new v3; then the 2 new batches -> v4, v5
         ranks = start_ranks(path, tmp_path)
         procs += ranks
         asyncio.run(feed(path, tmp_path / "keys", random_groups(4, 4, "e", seed=4)))
         for r in ranks:
-            wait_events(r, "iteration", lambda e: any(x["version"] == 4 for x in e), timeout=120)
+            wait_events(r, "iteration", lambda e: any(x["version"] == 5 for x in e), timeout=120)
         second = stop_rank0(ranks)
         resumed = ranks[0].events("resumed")
     finally:
@@ -115,8 +118,14 @@ def test_trainer_role_on_two_ranks_stops_and_resumes(tmp_path, tiny):
     assert follower_versions == [1, 2, 3]
     assert resumed and resumed[-1]["version"] == 2 and resumed[-1]["cursor"] == 4
     recs = read_jsonl(tmp_path / "run" / "trainer" / "metrics.jsonl")
-    assert [r["version"] for r in recs] == [1, 2, 3, 4]
+    assert [r["version"] for r in recs] == [1, 2, 3, 4, 5]  # no gap, no repeat
+    # every group handed out is trained exactly once in the kept versions: none lost (the discarded
+    # v3's groups are retrained by the resumed trainer, before any new one), none twice
     ids = [g for r in recs for g in r["group_ids"]]
-    assert len(ids) == len(set(ids)) == 8 and all(g.startswith("e-") for g in ids[4:])
+    assert len(ids) == len(set(ids)) == 10, ids
+    assert set(ids[:6]) == {f"d-g{i}" for i in range(6)} and set(ids[4:6]) == {"d-g4", "d-g5"}, ids
+    assert set(ids[6:]) == {f"e-g{i}" for i in range(4)}, ids
+    discarded = read_jsonl(tmp_path / "run" / "trainer" / "metrics.discarded.jsonl")
+    assert [r["version"] for r in discarded] == [3] and set(discarded[0]["group_ids"]) == {"d-g4", "d-g5"}
     assert (tmp_path / "run" / "trainer" / "checkpoints" / "v00000004" / "COMPLETE").exists()
     assert not (tmp_path / "run" / "trainer-1").exists()  # only rank 0 writes metrics and checkpoints
