@@ -78,20 +78,32 @@ def test_resumed_trainer_republishes_its_checkpoint_on_a_new_lineage(tmp_path):
             first = held(node)
         finally:
             await cluster.close()
-        trainer, cluster = await trainer_run(tmp_path, model_dir, node, [])   # resumes from the v2 checkpoint
+        # Resumes from the v2 checkpoint. v3's groups are still leased in the buffer (handed out after
+        # that checkpoint), so the resumed trainer is handed them again and retrains them as the new
+        # lineage's v3 right after republishing v2: watch the relay closely enough to see both.
+        seen: list = []
+
+        def watch():
+            h = held(node)
+            if h is not None and (not seen or seen[-1] != h):
+                seen.append(h)
+            return h == (first[0], first[1] + 1, 3) and trainer.version == 3
+
+        trainer, cluster = await trainer_run(tmp_path, model_dir, node, [])
         try:
-            assert trainer.version == 2
-            await until(lambda: held(node) == (first[0], first[1] + 1, 2), 60,
-                        f"the checkpoint's v2 on a new lineage (relay holds {held(node)}, had {first})")
+            await until(watch, 120, f"the new lineage's v3 at the relay (seen {seen}, had {first})")
             state = {k: v.detach().clone() for k, v in trainer.engine.full_state()["model"].items()}
         finally:
             await cluster.close()
+        new = [h for h in seen if h != first]
+        assert new[0] == (first[0], first[1] + 1, 2), f"the checkpoint's v2 first, on a new lineage: {seen}"
+        assert all(h[1] == first[1] + 1 for h in new), seen   # never back to the discarded lineage
         return state
     try:
         state = asyncio.run(go())
         with LocalWeights(shm).latest() as pulled:
             got = pulled.state_dict()
-            assert pulled.version == 2 and list(got) == list(state)
+            assert pulled.version == 3 and list(got) == list(state)
             assert all(torch.equal(got[k], state[k]) for k in state)
             del got
     finally:
