@@ -10,15 +10,11 @@ it kills it.
 """
 from __future__ import annotations
 
-import json
-import os
-import platform
 import signal
 import subprocess
-import time
-from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Sequence
 
+from laminar.report import print_table, write_json  # noqa: F401  (re-exported for the benchmarks)
 from laminar.testing.procs import free_port  # noqa: F401  (re-exported for the benchmarks)
 
 
@@ -28,25 +24,6 @@ def percentile(xs: Sequence[float], q: float) -> float:
         return float("nan")
     i = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
     return s[i]
-
-
-def print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    rows = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print(f"\n{title}")
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-
-
-def write_json(path: str | None, data: dict) -> None:
-    data = {**data, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                "host": platform.node()}, "written_at": time.time()}
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2, default=str))
-        print(f"\nwrote {path}")
 
 
 def exit_on_signals() -> None:

@@ -48,10 +48,10 @@ import time
 import uuid
 from pathlib import Path
 
-import platform
-from typing import Any, Iterable, Sequence
 
 import yaml
+
+from laminar.report import print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ["laminar", "laminar_norepack", "sync", "one_step", "stream"]
@@ -66,25 +66,6 @@ LAG_FLAG_S, LAG_PEAK_FLAG_S = 5.0, 30.0
 # window by more than this factor: it was draining a backlog (e.g. laminar's first wave), so the
 # throughput is not a steady state one; warm up for more versions (--warmup)
 DRAIN_FLAG = 1.05
-
-
-def print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    rows = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print(f"\n{title}")
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-
-
-def write_json(path: str | None, data: dict) -> None:
-    data = {**data, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                "host": platform.node()}, "written_at": time.time()}
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2, default=str))
-        print(f"\nwrote {path}")
 
 
 # -- one run ------------------------------------------------------------------------------------

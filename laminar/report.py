@@ -1,0 +1,29 @@
+"""Benchmark output shared by bench/ programs and the simulator's harness: an aligned text table and a
+JSON file stamped with the machine it was measured on."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+
+def print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    rows = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def write_json(path: str | None, data: dict) -> None:
+    data = {**data, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                "host": platform.node()}, "written_at": time.time()}
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2, default=str))
+        print(f"\nwrote {path}")
