@@ -148,8 +148,12 @@ class VllmEngine(RolloutEngine):
             self.llm = None
         if self.shm is not None:
             from laminar.shm import wait_gone
-            # a worker orphaned by a dead core exits on its own, unlinking its own queue: let it
-            await asyncio.to_thread(wait_gone, list(self.shm.owners), 10.0)
+            # a worker orphaned by a dead core exits on its own, unlinking its own queue: let it.
+            # Python's resource tracker (a child this start may have spawned) lives until this
+            # process exits: waiting for it would only run out the timeout.
+            from multiprocessing import resource_tracker
+            tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+            await asyncio.to_thread(wait_gone, [p for p in self.shm.owners if p != tracker], 10.0)
             _untrack(self.shm.release())
             self.shm = None
 
