@@ -81,7 +81,7 @@ class MultiHost:
             roles = [{"role": "relay", "id": f"r{h}", "port": 7100}]
             roles += [{"role": "rollout", "id": rid, "port": 7200 + k, "options": {"relay_id": f"r{h}"}}
                       for k, rid in enumerate(self.rollout_ids(h))]
-            if self.engine == "vllm":  # one core per engine (two unpinned CPU engines collapse, NOTES.md)
+            if self.engine == "vllm":  # one core per engine (two unpinned CPU engines fight over OpenMP threads: together ~4x slower)
                 ncores = os.cpu_count() or 1
                 for k, r in enumerate(roles[1:]):
                     r["cores"] = [((h - 1) * self.rollouts_per_host + k) % ncores]

@@ -1,4 +1,4 @@
-"""Fault tolerance across hosts (issue 9): four network namespaces as hosts, kill anything, lose nothing.
+"""Fault tolerance across hosts (docs/architecture.md §10): four network namespaces as hosts, kill anything, lose nothing.
 
 h0: broker, manager, pools, trainer (tiny model); h1..h3: a relay and two `sim` rollouts each,
 every host under its own `laminar-node start --host hX`. One run, one failure after another, each

@@ -1,4 +1,4 @@
-"""Multi-rank trainer (issue 6): two CPU ranks, FSDP2 over gloo.
+"""Multi-rank trainer (docs/architecture.md §9): two CPU ranks, FSDP2 over gloo.
 
 - engine: 2 ranks train the same batches as 1 process -> the same weights and loss metrics
   (token-level losses divide by the whole mini-batch's tokens; gradients are summed over ranks);
