@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -200,3 +201,34 @@ class ShmNames:
         mine = [p for p in self.root.iterdir() if p.name.startswith(self.prefix)] if self.root.exists() else []
         self.remove(mine)
         return [p.name for p in mine]
+
+
+@contextlib.asynccontextmanager
+async def curve_echo_server(keys, dealers: int = 1, **transport_kw):
+    """A real ZeroMQ echo server (Ping -> Pong) behind CURVE, and `dealers` raw DEALER sockets that
+    hold the cluster key and are connected to it (for tests that send hand-made frames).
+    Yields (transport, server, [dealer, ...]); everything is closed on exit."""
+    import zmq
+
+    from laminar.bus.zmq_transport import ZmqTransport
+    from laminar.protocol import Ping, Pong
+    t = ZmqTransport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", keys, **transport_kw)
+    raw = zmq.Context()
+    try:
+        srv = t.server("tcp://127.0.0.1:0", "echo", "0")
+
+        async def pong(req):
+            return Pong(seq=req.seq)
+        srv.route(Ping, pong)
+        await srv.start()
+        socks = []
+        for _ in range(dealers):
+            d = raw.socket(zmq.DEALER)
+            d.linger = 0
+            auth.make_client(d, keys)
+            d.connect(srv.address)
+            socks.append(d)
+        yield t, srv, socks
+    finally:
+        raw.destroy(linger=0)
+        await t.close()

@@ -168,26 +168,12 @@ def test_rpc_server_drops_oversized_messages_and_keeps_serving(tmp_path):
     import asyncio
 
     from laminar.bus import auth
-    from laminar.bus.zmq_transport import ZmqTransport
-    from laminar.protocol import Pong
+    from tests.support import curve_echo_server
     auth.generate_keys(tmp_path / "k")
     keys = auth.load_keys(tmp_path / "k")
 
     async def main():
-        t = ZmqTransport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", keys, max_msg=1 << 20)
-        raw = zmq.Context()
-        try:
-            srv = t.server("tcp://127.0.0.1:0", "echo", "0")
-
-            async def pong(req):
-                return Pong(seq=req.seq)
-            srv.route(Ping, pong)
-            await srv.start()
-            many, big = raw.socket(zmq.DEALER), raw.socket(zmq.DEALER)
-            for s in (many, big):
-                s.linger = 0
-                auth.make_client(s, keys)
-                s.connect(srv.address)
+        async with curve_echo_server(keys, dealers=2, max_msg=1 << 20) as (t, srv, (many, big)):
             many.send_multipart([b"ping", msgpack.packb([PROTOCOL_VERSION, {"rid": 1}, {"seq": 1}]),
                                  *([b""] * 70_000)])
             big.send_multipart([b"ping", b"\x00" * (2 << 20)])
@@ -199,10 +185,6 @@ def test_rpc_server_drops_oversized_messages_and_keeps_serving(tmp_path):
             assert (await cli.call(Ping(seq=5), timeout=5)).seq == 5
             assert srv.stats.get("bad_frames") == 1, srv.stats   # the 70,000-frame message, unread
             assert srv.stats.get("requests") == 1, srv.stats      # the 2 MiB frame never reached Python
-            many.close(); big.close()
-        finally:
-            raw.destroy(linger=0)
-            await t.close()
     asyncio.run(main())
 
 

@@ -18,6 +18,7 @@ from laminar.bus import auth
 from laminar.bus.codec import decode, encode
 from laminar.bus.zmq_transport import ZmqTransport
 from laminar.protocol import ErrorReply, Ping, Pong
+from tests.support import curve_echo_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,20 +34,7 @@ def test_skewed_caller_is_served_and_stale_requests_are_still_skipped(tmp_path, 
     keys = auth.load_keys(tmp_path / "k")
 
     async def main():
-        t = ZmqTransport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", keys)
-        raw = zmq.Context()
-        try:
-            srv = t.server("tcp://127.0.0.1:0", "echo", "0")
-
-            async def pong(req):
-                return Pong(seq=req.seq)
-            srv.route(Ping, pong)
-            await srv.start()
-            d = raw.socket(zmq.DEALER)
-            d.linger = 0
-            auth.make_client(d, keys)
-            d.connect(srv.address)
-
+        async with curve_echo_server(keys) as (t, srv, (d,)):
             async def call(seq: int, stamp_age_s: float = 0.0):
                 clock = time.time() + skew_s - stamp_age_s
                 d.send_multipart(encode(Ping(seq=seq), request_meta(seq, clock, 5.0)))
@@ -65,10 +53,6 @@ def test_skewed_caller_is_served_and_stale_requests_are_still_skipped(tmp_path, 
             r = await call(100)  # and the next fresh one is served again
             assert isinstance(r, Pong) and r.seq == 100
             assert srv.stats.get("late") == 1
-            d.close()
-        finally:
-            raw.destroy(linger=0)
-            await t.close()
     asyncio.run(main())
 
 
