@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
-from typing import Sequence
+from collections.abc import Sequence
 
 from laminar.report import print_table, write_json  # noqa: F401  (re-exported for the benchmarks)
 from laminar.testing.procs import free_port  # noqa: F401  (re-exported for the benchmarks)

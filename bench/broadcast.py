@@ -32,9 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, write_json  # noqa: E402
-
 import broadcast_local  # noqa: E402
+from _common import print_table, write_json  # noqa: E402
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,6 +47,7 @@ def memcpy_s(nbytes: int, reps: int) -> float:
 
 def publish_and_pull(nbytes: int, chunk_bytes: int, reps: int) -> dict:
     import torch
+
     from laminar.weights import wire
     from laminar.weights.node import RelayNode
     from laminar.weights.publisher import WeightPublisher

@@ -34,7 +34,6 @@ def _event(seq: int):
 # -- pub/sub --------------------------------------------------------------------------------
 def _subscriber(sub_addr: str, n: int, raw: bool, keys_dir, ready, primed, out) -> None:
     import zmq
-
     from laminar.bus import auth
     from laminar.bus.codec import decode
     keys = auth.load_keys(keys_dir) if keys_dir else None
@@ -70,7 +69,6 @@ def _subscriber(sub_addr: str, n: int, raw: bool, keys_dir, ready, primed, out) 
 
 def pubsub(pub_addr: str, sub_addr: str, n: int, raw: bool, keys_dir, paced_hz: float = 0) -> dict:
     import zmq
-
     from laminar.bus import auth
     from laminar.bus.codec import encode
     from laminar.bus.pubsub import ZmqPublisher
@@ -112,7 +110,6 @@ def pubsub(pub_addr: str, sub_addr: str, n: int, raw: bool, keys_dir, paced_hz: 
 # -- request/reply ----------------------------------------------------------------------------
 def _rpc_server(addr: str, raw: bool, keys_dir, ready) -> None:
     import zmq
-
     from laminar.bus import auth
     keys = auth.load_keys(keys_dir) if keys_dir else None
     if raw:
@@ -125,6 +122,7 @@ def _rpc_server(addr: str, raw: bool, keys_dir, ready) -> None:
         while True:
             s.send_multipart(s.recv_multipart())
     from laminar.bus.zmq_transport import ZmqTransport
+
     from laminar.protocol import Ping, Pong
 
     async def main() -> None:
@@ -146,7 +144,6 @@ def _rpc_server(addr: str, raw: bool, keys_dir, ready) -> None:
 async def _rpc_client(addr: str, raw: bool, keys_dir, n: int, concurrency: int) -> dict:
     import zmq
     import zmq.asyncio
-
     from laminar.bus import auth
     from laminar.bus.codec import encode
     keys = auth.load_keys(keys_dir) if keys_dir else None

@@ -157,6 +157,7 @@ def extra_ledger(mh) -> dict:
     trainer never published v on l). A member with no stored line (its host died before it
     logged) is counted as unlabelled, not checked."""
     import sqlite3
+
     from laminar.testing.procs import log_events
     from laminar.weights.manifest import off_lineage
     from laminar.weights.publisher import read_lineage
@@ -240,7 +241,7 @@ def split_timings(mh, faults: list[dict], a) -> None:
             t = e["trajectory"].split("~r")[0]
             stored_at[t] = min(stored_at.get(t, float("inf")), ts(e))
     ends = [f["at"] for f in faults[1:]] + [float("inf")]
-    for f, end in zip(faults, ends):
+    for f, end in zip(faults, ends, strict=False):
         t0 = f["at"]
         first = lambda xs: next((x - t0 for x in xs if t0 <= x < end), None)  # noqa: E731
         f["detect_s"] = first(detect) if f["kind"] in ("rollout", "relay", "host", "link") else None

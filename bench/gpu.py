@@ -107,6 +107,7 @@ def bench_publish(model, dev, publish_dtype: str, repeats: int) -> dict:
 
 def bench_pull(model, dev, publish_dtype: str, repeats: int) -> dict:
     import torch
+
     from laminar.weights.local_write import write_version
     from laminar.weights.pull import LocalWeights
     from laminar.weights.store import ShmStore

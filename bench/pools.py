@@ -162,6 +162,7 @@ def synthesize(tmp: Path, cfg: Path, trajectories: int, group: int = 8, in_fligh
 def startup_times(tmp: Path, cfg_path: Path, unbounded: bool) -> dict[str, float]:
     """Seconds from process start to READY of each pool on its synthesized store."""
     import yaml as _yaml
+
     from laminar.testing.procs import RoleProc
     if unbounded:
         c = _yaml.safe_load(cfg_path.read_text())
@@ -194,6 +195,7 @@ def main() -> int:
     secs, n_traj = (4.0, 2000) if a.quick else (15.0, 10000)
     from laminar.bus.auth import load_keys
     from laminar.bus.zmq_transport import ZmqTransport
+
     from laminar.testing.procs import RoleProc
     tmp = Path(tempfile.mkdtemp(prefix="laminar-bench-pools-"))
     cfg, ports = make_cluster(tmp)

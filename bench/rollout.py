@@ -153,9 +153,9 @@ async def load_by_size(tmp: Path, sizes: list[tuple[int, int]]) -> list[dict]:
     import statistics
 
     import torch
+    from laminar.roles.rollout.engine import VllmEngine
 
     from laminar.models.tiny import build_tiny_model
-    from laminar.roles.rollout.engine import VllmEngine
     from laminar.weights.local_write import write_version
     from laminar.weights.store import ShmStore
     rows = []

@@ -27,9 +27,10 @@ MODELS = {"tiny": dict(hidden=128, layers=2, intermediate=256, heads=4, kv_heads
 
 def make_engine(model_dir: Path, device: str, groups: int):
     import torch
-    from laminar.models.loading import pick_device
     from laminar.roles.trainer.config import TrainerConfig
     from laminar.roles.trainer.engine import TrainEngine
+
+    from laminar.models.loading import pick_device
     cfg = TrainerConfig(model_dir=str(model_dir), lr=1e-5, groups_per_batch=groups, device=device, publish=False,
                         micro_batch_size=16, dtype="bfloat16" if pick_device(device).type == "cuda" else "float32")
     torch.manual_seed(0)
@@ -40,6 +41,7 @@ def make_engine(model_dir: Path, device: str, groups: int):
 
 def bench_model(name: str, tmp: Path, device: str, groups: int, gsize: int, prompt: int, resp: int, iters: int) -> dict:
     import torch
+
     from laminar.models.tiny import build_tiny_model
     from laminar.testing.trainer_task import random_groups
     from laminar.weights.publisher import WeightPublisher

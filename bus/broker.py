@@ -18,7 +18,6 @@ import time
 import uuid
 
 import zmq
-
 from laminar.bus import auth as _auth
 from laminar.bus.pubsub import MAX_SUBSCRIPTION_BYTES
 

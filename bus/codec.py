@@ -26,12 +26,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
-
 from laminar.bus.errors import CodecError, MalformedFrame, OversizedFrame, ProtocolMismatch, UnknownKind
+
 from laminar.protocol import PROTOCOL_VERSION, lookup
 from laminar.protocol.registry import field_errors
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from laminar.bus.transport import Publisher, Subscriber
+
 from laminar.protocol import Heartbeat
 
 

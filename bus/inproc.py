@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from laminar.bus.codec import decode, encode
 from laminar.bus.errors import DeadlineExceeded, PeerUnavailable, remote_error
 from laminar.bus.transport import Publisher, RpcClient, RpcServer, Subscriber, Transport
+
 from laminar.protocol import ErrorReply
 
 
@@ -28,7 +30,7 @@ class InprocHub:
         """Set while a server listens on `address` (clients wait on it, as a DEALER would)."""
         return self._bound.setdefault(address, asyncio.Event())
 
-    def transport(self) -> "InprocTransport":
+    def transport(self) -> InprocTransport:
         return InprocTransport(self)
 
     def roundtrip(self, ev: Any, meta: dict | None = None) -> tuple[Any, dict]:

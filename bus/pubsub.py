@@ -7,12 +7,12 @@ superseded state travels here.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import structlog
 import zmq
 import zmq.asyncio
-
 from laminar.bus import auth as _auth
 from laminar.bus.codec import MAX_FRAMES, decode, encode
 from laminar.bus.errors import CodecError

@@ -27,14 +27,13 @@ from typing import Any
 import structlog
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
-
 from laminar.bus import auth as _auth
 from laminar.bus.codec import MAX_FRAMES, decode, encode
-from laminar.bus.errors import (CodecError, DeadlineExceeded, PeerUnavailable, ProtocolMismatch,
-                                remote_error)
+from laminar.bus.errors import CodecError, DeadlineExceeded, PeerUnavailable, ProtocolMismatch, remote_error
 from laminar.bus.frames import BoundedReceiver
 from laminar.bus.transport import Handler, RpcClient, RpcServer
+from zmq.utils.monitor import recv_monitor_message
+
 from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Hello, Welcome
 
 log = structlog.get_logger("laminar.bus.rpc")

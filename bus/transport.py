@@ -15,7 +15,8 @@ Semantics shared by both implementations (and tested against both):
 from __future__ import annotations
 
 import abc
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 Handler = Callable[[Any], Awaitable[Any]]
 

@@ -1,11 +1,10 @@
 """ZeroMQ implementation of Transport: one asyncio context per process, CURVE when keyed."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import zmq
 import zmq.asyncio
-
 from laminar.bus import auth as _auth
 from laminar.bus.pubsub import ZmqPublisher, ZmqSubscriber
 from laminar.bus.rpc import ZmqRpcClient, ZmqRpcServer

@@ -272,6 +272,7 @@ def cmd_tail(a) -> int:
 
 def _event_line(topic: str, ev) -> str:
     import dataclasses
+
     from laminar.protocol import LogEvent
     if isinstance(ev, LogEvent):
         extra = " ".join(f"{k}={v}" for k, v in ev.fields.items() if k not in ("role", "id", "component"))

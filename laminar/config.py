@@ -98,7 +98,7 @@ class ClusterSpec(Strict):
     hosts: dict[str, HostSpec]
 
     @model_validator(mode="after")
-    def _check(self) -> "ClusterSpec":
+    def _check(self) -> ClusterSpec:
         if self.broker.host not in self.hosts:
             raise ValueError(f"broker.host {self.broker.host!r} is not one of hosts {sorted(self.hosts)}")
         seen: dict[str, str] = {}

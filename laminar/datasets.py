@@ -13,9 +13,9 @@ Nothing is downloaded: a model folder with tokenizer files uses transformers' Au
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import structlog

@@ -65,6 +65,7 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, model_dir: str
     """Write the Hugging Face folder; returns its path. dtype None: the base config's dtype."""
     import torch
     import transformers
+
     from laminar.weights.pull import torch_dtype
     sd, got_version = read_weights(source, version)
     cfg = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)

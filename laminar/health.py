@@ -36,9 +36,10 @@ import math
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
@@ -142,7 +143,7 @@ class HealthCollector:
         self._last_update: dict[str, float] = {}   # trainer key -> ts of its previous Metrics
 
     @classmethod
-    def for_node(cls, cfg, host: str, **kw) -> "HealthCollector":
+    def for_node(cls, cfg, host: str, **kw) -> HealthCollector:
         return cls(cfg.run.name, host, {s.key: host for s in cfg.cluster.hosts[host].roles},
                    cfg.cluster.dead_after_s, only_placed=True, **kw)
 

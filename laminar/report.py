@@ -6,18 +6,19 @@ import json
 import os
 import platform
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 
 def print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     rows = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     print(f"\n{title}")
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)))
     print("  ".join("-" * w for w in widths))
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)))
 
 
 def write_json(path: str | None, data: dict) -> None:

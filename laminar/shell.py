@@ -20,7 +20,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
 
 import structlog
 

@@ -54,7 +54,7 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
         out["staleness_histogram"] = {str(k): v for k, v in sorted(stale.items())}
         out["response_len_mean"] = sum(r.get("response_len_mean", 0) for r in recs) / len(recs)
         out["publish_stall_s_max"] = max(r.get("publish_stall_s", 0.0) for r in recs)
-        tput = [b.get("batch_tokens", 0.0) / (b["ts"] - a["ts"]) for a, b in zip(recs, recs[1:]) if b["ts"] > a["ts"]]
+        tput = [b.get("batch_tokens", 0.0) / (b["ts"] - a["ts"]) for a, b in zip(recs, recs[1:], strict=False) if b["ts"] > a["ts"]]
         tput = tput[warmup:] or tput  # the first intervals include engine and trainer warm-up
         out["throughput_tokens_per_s"] = sum(tput) / len(tput) if tput else None
         out["duration_s"] = recs[-1]["ts"] - recs[0]["ts"]
@@ -141,9 +141,9 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     ax1.plot([r["ts"] - t0 for r in recs], [r["reward_mean"] for r in recs], marker=".")
     ax1.set_ylabel("reward (batch mean)")
     ax1.grid(alpha=0.3)
-    tput = [(b["ts"] - t0, b.get("batch_tokens", 0.0) / (b["ts"] - a["ts"])) for a, b in zip(recs, recs[1:]) if b["ts"] > a["ts"]]
+    tput = [(b["ts"] - t0, b.get("batch_tokens", 0.0) / (b["ts"] - a["ts"])) for a, b in zip(recs, recs[1:], strict=False) if b["ts"] > a["ts"]]
     if tput:
-        ax2.plot(*zip(*tput), marker=".", color="tab:green")
+        ax2.plot(*zip(*tput, strict=False), marker=".", color="tab:green")
     ax2.set_ylabel("throughput (tokens/s)")
     ax2.set_xlabel("seconds since the first update")
     ax2.grid(alpha=0.3)

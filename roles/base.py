@@ -13,13 +13,13 @@ ends or raises stops the role loudly (docs/architecture.md §15).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Coroutine
+from typing import Any, ClassVar
 
 import structlog
-from pydantic import BaseModel, ConfigDict
-
 from laminar.bus.transport import Publisher, Transport
+from pydantic import BaseModel, ConfigDict
 
 
 class NoSettings(BaseModel):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from laminar.roles.base import Role
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.protocol import Metrics, Ping, Pong
-from laminar.roles.base import Role
 
 
 class EchoConfig(BaseModel):
@@ -43,7 +43,7 @@ class EchoRole(Role):
 
     async def _metrics(self) -> None:
         while True:
-            self.pub.publish(f"metrics.echo", Metrics(role="echo", id=self.ctx.id, ts=time.time(),
+            self.pub.publish("metrics.echo", Metrics(role="echo", id=self.ctx.id, ts=time.time(),
                                                       values={"served": float(self.served)}))
             await asyncio.sleep(self.cfg.interval_s)
 

@@ -34,9 +34,10 @@ import time
 from pathlib import Path
 
 from laminar.bus.rpc import RequestError
-from laminar.protocol import PoolCount
 from laminar.roles.base import Role
 from laminar.roles.sqlite_store import GroupCommitStore, StoreBusy, StoreError
+
+from laminar.protocol import PoolCount
 
 QUARANTINE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS quarantined (tbl TEXT, key TEXT, blob BLOB, why TEXT, at REAL);

@@ -45,8 +45,9 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Union
 
 import structlog
 
@@ -228,7 +229,7 @@ class GroupCommitStore:
                 group[0][1](None, self._error(exc))
             return
         self.writes += len(group)
-        for (_, resolve), r in zip(group, results):
+        for (_, resolve), r in zip(group, results, strict=False):
             resolve(r, None)
 
     def _transaction(self, batches: list[Batch]) -> list[Any]:
@@ -297,7 +298,6 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
 def pack(ev: Any) -> bytes:
     """An event as one blob (the bus codec's frames, msgpack-framed) for a BLOB column."""
     import msgpack
-
     from laminar.bus.codec import encode
     return msgpack.packb([bytes(f) for f in encode(ev)])
 
@@ -307,7 +307,6 @@ def unpack(blob: bytes) -> Any:
     by a later Laminar, whose kinds only ever gain fields (with defaults) at the end. Raises the
     codec's errors (or msgpack's) on a damaged blob."""
     import msgpack
-
     from laminar.bus import codec
     from laminar.bus.errors import ProtocolMismatch
     frames = msgpack.unpackb(blob)

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 import yaml
-
 from laminar.bus import auth
+
 from laminar.testing.procs import RoleProc, free_port  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def same(a: Any, b: Any) -> bool:
     if dataclasses.is_dataclass(a):
         return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
@@ -209,8 +209,8 @@ async def curve_echo_server(keys, dealers: int = 1, **transport_kw):
     hold the cluster key and are connected to it (for tests that send hand-made frames).
     Yields (transport, server, [dealer, ...]); everything is closed on exit."""
     import zmq
-
     from laminar.bus.zmq_transport import ZmqTransport
+
     from laminar.protocol import Ping, Pong
     t = ZmqTransport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", keys, **transport_kw)
     raw = zmq.Context()

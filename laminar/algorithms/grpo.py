@@ -22,7 +22,7 @@ micro-batches, so the micro-batch losses (and metrics) add up to the mini-batch'
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -51,13 +51,13 @@ def collate(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
     behaviour logprobs) placed at their target positions (0 elsewhere)."""
     import torch
     B = len(prompts)
-    lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    lens = [len(p) + len(r) for p, r in zip(prompts, responses, strict=False)]
     T = max(lens)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     att = torch.zeros((B, T), dtype=torch.long)
     mask = torch.zeros((B, T - 1), dtype=torch.float32)
     extra = {k: torch.zeros((B, T - 1), dtype=torch.float32) for k in (per_token or {})}
-    for b, (p, r) in enumerate(zip(prompts, responses)):
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=False)):
         P, R = len(p), len(r)
         ids[b, :P] = torch.tensor(np.asarray(p, dtype=np.int64))
         ids[b, P:P + R] = torch.tensor(np.asarray(r, dtype=np.int64))
@@ -88,7 +88,7 @@ def response_logprobs(logp_targets, prompt_lens: Sequence[int], response_lens: S
     """Back from the target layout to one float32 array per response (for caching proximal/ref)."""
     out = []
     lp = logp_targets.detach().float().cpu().numpy()
-    for b, (P, R) in enumerate(zip(prompt_lens, response_lens)):
+    for b, (P, R) in enumerate(zip(prompt_lens, response_lens, strict=False)):
         out.append(lp[b, P - 1:P - 1 + R].copy())
     return out
 

@@ -66,6 +66,7 @@ def load_critic(model_dir, device="cpu", dtype: str = "float32"):
     linear value head; forward(input_ids, attention_mask) -> one value per input position [B, T]."""
     import torch
     import transformers
+
     from laminar.models.loading import read_config, torch_dtype
     read_config(model_dir)
     body = transformers.AutoModel.from_pretrained(str(model_dir), dtype=torch_dtype(dtype), local_files_only=True)

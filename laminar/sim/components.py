@@ -90,17 +90,17 @@ def component_checks(setup: dict, workload: dict) -> dict:
     for size in ("32B", "72B"):
         w = model_shape(size).weight_bytes()
         points[size] = [{"rollout_gpus": g, "sim": round(nccl.seconds(w, g), 3), "paper": p}
-                        for g, p in zip(f14["rollout_gpus"], f14[f"{size}_global_nccl_sync"])]
+                        for g, p in zip(f14["rollout_gpus"], f14[f"{size}_global_nccl_sync"], strict=False)]
     check = points["32B"]
     rows["fig14_wait_s"] = _row(sum(p["sim"] for p in check) / len(check), sum(p["paper"] for p in check) / len(check),
                                 calibrated=False, line="32B (the 72B line calibrated the model)",
-                                worst_point_rel_error=round(max((abs(p["sim"] / p["paper"] - 1) for p in check)), 3),
+                                worst_point_rel_error=round(max(abs(p["sim"] / p["paper"] - 1) for p in check), 3),
                                 points=points)
     rl = setup["relay"]
     link = RelayLink(rl["bandwidth_gbps"], rl["chunk_mib"], rl["alpha_s"])
     rt = workload["relay_broadcast_latency_s_by_machines"]
     pts = [{"model": size, "machines": p, "sim": round(broadcast_s(model_shape(size).weight_bytes(), p, link), 3),
-            "paper": t} for size in ("32B", "72B") for p, t in zip(rt["machines"], rt[size])]
+            "paper": t} for size in ("32B", "72B") for p, t in zip(rt["machines"], rt[size], strict=False)]
     rows["fig18_relay_s"] = _row(sum(p["sim"] for p in pts) / len(pts), sum(p["paper"] for p in pts) / len(pts),
                                  calibrated=True,
                                  worst_point_rel_error=round(max(abs(p["sim"] / p["paper"] - 1) for p in pts), 3),

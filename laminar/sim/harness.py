@@ -48,7 +48,6 @@ import time
 import uuid
 from pathlib import Path
 
-
 import yaml
 
 from laminar.report import print_table, write_json
@@ -77,8 +76,8 @@ def run_dir(root: Path, size: str, gpus: int, mode: str) -> Path:
 def run_mode(setup: dict, workload: dict, size: str, gpus: int, mode: str, *, root: Path, speedup: float,
              warmup: int, measure: int, relays: bool, timeout_s: float, ahead: int | None = None) -> dict:
     from laminar.config import parse_config
-    from laminar.sim.scenario import build_config, write_prompts
     from laminar.sim.cluster import quiet_logs, run_sim
+    from laminar.sim.scenario import build_config, write_prompts
     workdir = run_dir(root, size, gpus, mode)
     shutil.rmtree(workdir, ignore_errors=True)
     weights_root = f"/dev/shm/laminar-sim-{uuid.uuid4().hex[:8]}"
@@ -119,7 +118,7 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
     S, recs = run.speedup, run.records
     short = len(recs) < warmup + measure
     window = recs[warmup - 1: warmup + measure] if not short else recs[max(0, len(recs) - measure - 1):]
-    gaps = [(a, b) for a, b in zip(window, window[1:]) if b["ts"] > a["ts"]]
+    gaps = [(a, b) for a, b in zip(window, window[1:], strict=False) if b["ts"] > a["ts"]]
     tput = [b["batch_tokens"] / ((b["ts"] - a["ts"]) * S) for a, b in gaps]
     out: dict = {"model": size, "gpus": gpus, "mode": mode, "speedup": S, "finished": run.finished,
                  "iterations": len(recs), "measured_iterations": len(gaps), "short_run": short,
@@ -134,7 +133,7 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
     span = sum((b["ts"] - a["ts"]) * S for a, b in gaps)
     out["throughput_tokens_per_s"] = sum(b["batch_tokens"] for _, b in gaps) / span if gaps else None
     out["throughput_mean_of_iterations"] = sum(tput) / len(tput) if tput else None
-    out["iteration_s"] = [round((b["ts"] - a["ts"]) * S, 1) for a, b in zip(recs, recs[1:])]
+    out["iteration_s"] = [round((b["ts"] - a["ts"]) * S, 1) for a, b in zip(recs, recs[1:], strict=False)]
     out["iteration_s_mean"] = (sum((b["ts"] - a["ts"]) * S for a, b in gaps) / len(gaps)) if gaps else None
     out["train_s_mean"] = (sum(b.get("sim_train_s", 0.0) for _, b in gaps) / len(gaps)) if gaps else None
     out["stall_s_mean"] = (sum(b.get("sim_stall_s", 0.0) for _, b in gaps) / len(gaps)) if gaps else None
@@ -424,7 +423,7 @@ def plot(objs: list[dict], path: Path) -> Path | None:
         return None
     sizes = sorted({o["model"] for o in objs}, key=lambda s: float(s.rstrip("B")))
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
-    for ax, size in zip(axes[0], sizes):
+    for ax, size in zip(axes[0], sizes, strict=False):
         pts = sorted((o for o in objs if o["model"] == size), key=lambda o: o["gpus"])
         for mode in MODES:
             xs = [o["gpus"] for o in pts if o["throughput_tokens_per_s"].get(mode)]

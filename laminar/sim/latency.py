@@ -36,7 +36,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from laminar.sim.hardware import GPU, ModelShape, model as model_shape
+from laminar.sim.hardware import GPU, ModelShape
+from laminar.sim.hardware import model as model_shape
 
 # Prefill runs large GEMMs (thousands of tokens at once) that reach 60-70% of the bf16 peak on
 # Hopper in isolation; attention, norms, sampling and the tensor-parallel all-reduces (over the
@@ -69,36 +70,36 @@ class StepCurve:
     def __post_init__(self):
         if len(self.batches) != len(self.ms) or not self.batches:
             raise ValueError(f"step curve {self.source!r}: needs matching, non-empty batch and ms lists")
-        if any(b2 <= b1 for b1, b2 in zip(self.batches, self.batches[1:])):
+        if any(b2 <= b1 for b1, b2 in zip(self.batches, self.batches[1:], strict=False)):
             raise ValueError(f"step curve {self.source!r}: batch sizes must be strictly increasing")
         if self.batches[0] < 1 or min(self.ms) <= 0:
             raise ValueError(f"step curve {self.source!r}: batches must be >= 1 and times > 0")
 
     @classmethod
-    def from_points(cls, points, source: str = "measured") -> "StepCurve":
+    def from_points(cls, points, source: str = "measured") -> StepCurve:
         """From [(batch, ms), ...] (any order; points with a null time are skipped)."""
         pts = sorted((float(b), float(ms)) for b, ms in points if ms is not None)
         return cls(tuple(b for b, _ in pts), tuple(ms for _, ms in pts), source)
 
     @classmethod
-    def from_measured(cls, data, source: str = "measured") -> "StepCurve":
+    def from_measured(cls, data, source: str = "measured") -> StepCurve:
         """From a list of [batch, ms], a {"batch": [...], "ms": [...]} table, a {batch: ms} map, or
         bench/step_curve.py's output ({"points": [[batch, ms], ...], ...})."""
         if isinstance(data, dict) and "points" in data:
             return cls.from_points(data["points"], source)
         if isinstance(data, dict) and "batch" in data:
-            return cls.from_points(zip(data["batch"], data["ms"]), source)
+            return cls.from_points(zip(data["batch"], data["ms"], strict=False), source)
         if isinstance(data, dict):
             return cls.from_points(((int(b), ms) for b, ms in data.items()), source)
         return cls.from_points(data, source)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "StepCurve":
+    def load(cls, path: str | os.PathLike) -> StepCurve:
         with open(path) as f:
             return cls.from_measured(json.load(f), source=str(path))
 
     @classmethod
-    def from_paper(cls, size: str, tp: int, workload: dict | None = None) -> "StepCurve":
+    def from_paper(cls, size: str, tp: int, workload: dict | None = None) -> StepCurve:
         """The paper's curve for e.g. ('32B', 4); KeyError listing the available columns."""
         if workload is None:
             from laminar.sim import load_workload
@@ -108,7 +109,7 @@ class StepCurve:
         if key not in table:
             cols = sorted(k for k in table if k != "batch")
             raise KeyError(f"no paper step curve {key!r}; available: {cols}")
-        return cls.from_points(zip(table["batch"], table[key]), source=f"paper:{key}")
+        return cls.from_points(zip(table["batch"], table[key], strict=False), source=f"paper:{key}")
 
     def step_ms(self, batch: float) -> float:
         """Time of one decode step with `batch` running sequences (0 for an empty batch)."""
@@ -187,16 +188,17 @@ class RooflineFit:
     keys: tuple[str, ...] = ()
 
     @classmethod
-    def fit(cls, workload: dict, keys=("32B_TP4", "32B_TP8"), gpu: str = "H800") -> "RooflineFit":
+    def fit(cls, workload: dict, keys=("32B_TP4", "32B_TP8"), gpu: str = "H800") -> RooflineFit:
         """Least squares on the relative error over the paper's curves `keys` (default: 32B)."""
         import numpy as np
+
         from laminar.sim.hardware import gpu as gpu_spec
         g, table = gpu_spec(gpu), workload["decode_step_latency_ms_at_seq4096"]
         roof, meas = [], []
         for key in keys:
             size, tp = key.split("_TP")
             m = model_shape(size)
-            for b, ms in zip(table["batch"], table[key]):
+            for b, ms in zip(table["batch"], table[key], strict=False):
                 if ms is not None:
                     roof.append(roofline_step_ms(m, g, int(tp), b))
                     meas.append(ms)

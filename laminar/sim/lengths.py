@@ -63,11 +63,11 @@ class LengthDistribution:
         if x <= 0:
             return 0.0
         lx = math.log(x)
-        return sum(w * _phi((lx - m) / s) for w, m, s in zip(self.weights, self.mus, self.sigmas))
+        return sum(w * _phi((lx - m) / s) for w, m, s in zip(self.weights, self.mus, self.sigmas, strict=False))
 
     def quantile(self, q: float) -> float:
         """The q-quantile (bisection on log-length; the cap for q at or above P(X < cap))."""
-        lo = min(m - 9 * s for m, s in zip(self.mus, self.sigmas))
+        lo = min(m - 9 * s for m, s in zip(self.mus, self.sigmas, strict=False))
         hi = math.log(self.cap)
         if self.cdf(math.exp(hi) * (1 - 1e-12)) <= q:
             return float(self.cap)
@@ -80,7 +80,7 @@ class LengthDistribution:
         """E[min(X, cap)] = Σ w (e^{μ+σ²/2} Φ((ln c − μ − σ²)/σ) + c (1 − Φ((ln c − μ)/σ)))."""
         lc = math.log(self.cap)
         return sum(w * (math.exp(m + s * s / 2) * _phi((lc - m - s * s) / s) + self.cap * (1 - _phi((lc - m) / s)))
-                   for w, m, s in zip(self.weights, self.mus, self.sigmas))
+                   for w, m, s in zip(self.weights, self.mus, self.sigmas, strict=False))
 
     def stat(self, key: str) -> float:
         return self.mean() if key == "mean" else self.quantile(int(key[1:]) / 100.0)
@@ -93,12 +93,12 @@ class LengthDistribution:
     def _log_quantiles(self) -> np.ndarray:
         """log-length at Φ(z) for every z of the grid (vectorized bisection)."""
         u = np.array([_N.cdf(z) for z in _Z_GRID])
-        lo = np.full_like(u, min(m - 9 * s for m, s in zip(self.mus, self.sigmas)))
+        lo = np.full_like(u, min(m - 9 * s for m, s in zip(self.mus, self.sigmas, strict=False)))
         hi = np.full_like(u, math.log(self.cap))
         for _ in range(60):
             mid = 0.5 * (lo + hi)
             f = sum(w * 0.5 * (1 + _erf((mid - m) / (s * math.sqrt(2))))
-                    for w, m, s in zip(self.weights, self.mus, self.sigmas))
+                    for w, m, s in zip(self.weights, self.mus, self.sigmas, strict=False))
             below = f < u
             lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
         return 0.5 * (lo + hi)
@@ -116,7 +116,7 @@ class LengthDistribution:
     # -- fitting ---------------------------------------------------------------------------------
     @classmethod
     def fit(cls, stats: dict, cap: int, components: int | None = None, name: str = "",
-            short_median: float | None = None) -> "LengthDistribution":
+            short_median: float | None = None) -> LengthDistribution:
         """Fit to {"mean": .., "p50": .., "p90": .., "p99": ..} (any subset with >= 2 entries;
         "note": "bimodal" asks for two components, the short one with median `short_median`,
         default BIMODAL_SHORT_FRACTION × p50)."""
@@ -128,7 +128,7 @@ class LengthDistribution:
         med = targets.get("p50", targets.get("mean"))
         mu_short = math.log(short_median or med * BIMODAL_SHORT_FRACTION)
 
-        def build(theta) -> "LengthDistribution":
+        def build(theta) -> LengthDistribution:
             if components == 1:
                 return cls((1.0,), (theta[0],), (math.exp(theta[1]),), cap, name)
             w, s = 1 / (1 + math.exp(-theta[0])), math.exp(theta[2])

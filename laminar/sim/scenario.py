@@ -119,7 +119,7 @@ def scales(workload: dict, size: str) -> list[int]:
     """GPU counts with a placement for every mode."""
     a = set(workload["placements_train_rollout_gpus_laminar"][size])
     b = set(workload["placements_train_rollout_gpus_one_step_and_stream"][size])
-    return sorted((int(g) for g in a & b))
+    return sorted(int(g) for g in a & b)
 
 
 def period(setup: dict, name: str, speedup: float) -> float:
@@ -293,7 +293,8 @@ def engine_curve(setup: dict, workload: dict, size: str, tp: int | None = None):
 def step_ms(setup: dict, workload: dict, size: str, tp: int, batch: int, context: float | None) -> float:
     """A decode step as the sim engine charges it (latency.decode_step_ms with the engine's
     context dependence and host time per step)."""
-    from laminar.sim.hardware import gpu as gpu_spec, model as model_shape
+    from laminar.sim.hardware import gpu as gpu_spec
+    from laminar.sim.hardware import model as model_shape
     from laminar.sim.latency import HOST_MS_PER_LAYER, decode_step_ms, kv_ms_per_token
     rs, m, g = setup["rollout"], model_shape(size), gpu_spec(setup["gpu"])
     per_layer = rs.get("host_ms_per_layer")
@@ -307,7 +308,9 @@ def ideal_replica_tokens_per_s(setup: dict, workload: dict, size: str, mode: str
     """(tokens/s, b*) of one replica of `mode` always at b* = min(max_concurrency, KV capacity ÷
     the mean tokens a sequence holds over its life, P + E[L²]/(2E[L])): b* ÷ step(b*), the step
     at that context (as the sim engine charges it)."""
-    from laminar.sim.hardware import gpu as gpu_spec, kv_capacity_tokens, model as model_shape
+    from laminar.sim.hardware import gpu as gpu_spec
+    from laminar.sim.hardware import kv_capacity_tokens
+    from laminar.sim.hardware import model as model_shape
     shape, rs = setup["run_shape"], setup["rollout"]
     tp = mode_tp(setup, size, mode)
     mem = rs.get("mem_fraction_colocated", rs["mem_fraction"]) if mode == "sync" else rs["mem_fraction"]
@@ -334,7 +337,6 @@ def estimate(setup: dict, workload: dict, size: str, gpus: int, mode: str) -> di
       gen     = batch response tokens ÷ (replicas × ideal replica tokens/s)
       tail    = the batch's expected longest response × the batch-1 step time (barrier modes)
       laminar modes: max(train, gen); sync: max(gen, tail) + train; one_step/stream: max(gen, tail, train)."""
-    from laminar.sim.trainer_cost import TrainerCost
     shape = setup["run_shape"]
     train_gpus, roll_gpus = placement(workload, size, gpus, mode)
     tp = mode_tp(setup, size, mode)

@@ -44,7 +44,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from laminar.sim.hardware import GPU, ModelShape, gpu as gpu_spec, model as model_shape
+from laminar.sim.hardware import GPU, ModelShape
+from laminar.sim.hardware import gpu as gpu_spec
+from laminar.sim.hardware import model as model_shape
 
 TRAIN_MFU = 0.35
 MiB = 2 ** 20
@@ -126,7 +128,7 @@ class TrainerCost:
     switch_s: float = 0.0           # colocated: phase switches per iteration
 
     @classmethod
-    def build(cls, model: str, gpu: str, gpus: int, **kw) -> "TrainerCost":
+    def build(cls, model: str, gpu: str, gpus: int, **kw) -> TrainerCost:
         return cls(model_shape(model), gpu_spec(gpu), gpus, **kw)
 
     @property
@@ -213,7 +215,7 @@ def compare_with_paper(workload: dict, link: RelayLink = RelayLink()) -> list[di
     table = workload["relay_broadcast_latency_s_by_machines"]
     for size in ("32B", "72B"):
         cost = TrainerCost(model_shape(size), gpu_spec("H800"), 8, link=link)
-        for p, paper_s in zip(table["machines"], table[size]):
+        for p, paper_s in zip(table["machines"], table[size], strict=False):
             rows.append({"what": "broadcast", "model": size, "machines": p,
                          "model_s": round(cost.broadcast_s(p), 3), "paper_s": paper_s})
         stall = workload["trainer_stall_on_publish_s"].get(size)

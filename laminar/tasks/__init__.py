@@ -4,7 +4,7 @@ A reward is a plain callable `reward(spec: TrajectorySpec, response_tokens: list
 named in the config as "package.module:function".
 """
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 
 def load_callable(path: str) -> Callable:

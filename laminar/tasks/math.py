@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from laminar.tasks.rewards import decode_bytes
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -115,7 +115,7 @@ class MultiHost:
         return self.config
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def __enter__(self) -> "MultiHost":
+    def __enter__(self) -> MultiHost:
         self.net.__enter__()
         try:
             self.write_config()
@@ -209,6 +209,7 @@ class MultiHost:
     def ledger(self) -> dict:
         """After the run (cluster stopped): the cross-check of every component's own records."""
         import sqlite3
+
         from laminar.testing.procs import log_events
         metrics = self.metrics()
         trained = [g for r in metrics for g in r["group_ids"]]

@@ -53,7 +53,7 @@ class NetnsCluster:
     def address(self, i: int) -> str:
         return f"10.213.{self.subnet}.{i + 1}"
 
-    def __enter__(self) -> "NetnsCluster":
+    def __enter__(self) -> NetnsCluster:
         atexit.register(self.cleanup)
         try:
             self._build()

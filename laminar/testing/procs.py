@@ -28,7 +28,6 @@ from pathlib import Path
 from laminar.shm import ShmLedger, group_members
 from laminar.supervisor import sweep_group
 
-
 _handed_out: set[int] = set()
 
 
@@ -68,7 +67,7 @@ class RoleProc:
         self._ready_r: int | None = None
         self.shm = ShmLedger()
 
-    def start(self) -> "RoleProc":
+    def start(self) -> RoleProc:
         r, w = os.pipe()
         argv = [sys.executable, "-m", "laminar.cli", "--log-level", "info", "role", self.role, self.config,
                 "--id", self.id, "--ready-fd", str(w)]

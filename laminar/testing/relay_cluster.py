@@ -62,7 +62,7 @@ class RelayCluster:
         p.wait_ready(timeout)
         return p
 
-    def __enter__(self) -> "RelayCluster":
+    def __enter__(self) -> RelayCluster:
         try:
             self._start("broker", "0")
             self._start("manager", "0")

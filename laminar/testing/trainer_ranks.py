@@ -28,6 +28,7 @@ def make_config(model_dir: str, algorithm: str, device: str):
 def train_reference(model_dir: str, algorithm: str = "grpo", versions: int = 2, device: str = "cpu") -> dict:
     """The same run on one rank: {"model": state_dict, "metrics": [per version]}."""
     import torch
+
     from laminar.roles.trainer.engine import TrainEngine
     torch.manual_seed(0)
     eng = TrainEngine(make_config(model_dir, algorithm, device), 0, torch.device(device))
@@ -38,6 +39,7 @@ def train_reference(model_dir: str, algorithm: str = "grpo", versions: int = 2, 
 
 def main() -> None:
     import torch
+
     from laminar.roles.trainer import dist
     from laminar.roles.trainer.engine import TrainEngine
     ap = argparse.ArgumentParser()

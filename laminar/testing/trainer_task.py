@@ -23,6 +23,7 @@ def generate_groups(model, n_groups: int, group_size: int, version: int, max_new
                     tag: str | None = None) -> list:
     """n_groups GRPO groups (list of Trajectory lists), sampled at temperature 1, no top-k/p."""
     import torch
+
     from laminar.protocol import Trajectory, TrajectorySpec
     tag = tag or uuid.uuid4().hex[:6]
     out = []

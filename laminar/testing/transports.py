@@ -39,7 +39,7 @@ class _Wrapped(Conn):
 
 
 class _FlipConn(_Wrapped):
-    def __init__(self, inner, owner: "FlipOnceTcp"):
+    def __init__(self, inner, owner: FlipOnceTcp):
         super().__init__(inner)
         self.owner = owner
 

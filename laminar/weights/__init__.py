@@ -10,9 +10,16 @@ protocol between relays, the trainer-side publisher and the rollout-side local p
 Nothing here imports torch at module import time; the publisher and the pull client import it
 when they touch tensors, so relays stay torch-free.
 """
-from laminar.weights.manifest import (ALIGN, CHUNK_BYTES_DEFAULT, build_manifest, checksum,
-                                      chunk_count, chunk_range, manifest_from_bytes,
-                                      manifest_to_bytes)
+from laminar.weights.manifest import (
+                                      ALIGN,
+                                      CHUNK_BYTES_DEFAULT,
+                                      build_manifest,
+                                      checksum,
+                                      chunk_count,
+                                      chunk_range,
+                                      manifest_from_bytes,
+                                      manifest_to_bytes,
+)
 
 __all__ = ["ALIGN", "CHUNK_BYTES_DEFAULT", "build_manifest", "checksum", "chunk_count",
            "chunk_range", "manifest_from_bytes", "manifest_to_bytes"]

@@ -6,7 +6,7 @@ without running a relay chain.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from laminar.weights.manifest import CHUNK_BYTES_DEFAULT, build_manifest, checksum, chunk_count, chunk_range
 from laminar.weights.store import ShmStore
@@ -19,7 +19,7 @@ def write_version(store: ShmStore, state_dict: Mapping, version: int, chunk_byte
     with store.cond:
         vb = store.begin(m)
     flat = torch.frombuffer(vb.buf, dtype=torch.uint8)
-    for (name, t), off, n in zip(items, m.offsets, m.nbytes):
+    for (name, t), off, n in zip(items, m.offsets, m.nbytes, strict=False):
         flat[off:off + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
     sums = [checksum(vb.view[slice(*chunk_range(m, i))]) for i in range(chunk_count(m))]
     with store.cond:

@@ -14,7 +14,7 @@ publisher reuses it (and its staging buffers) for every version of the same mode
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import msgpack
 import xxhash
@@ -144,7 +144,7 @@ def validate(m: Manifest) -> None:
     if m.checksums and len(m.checksums) != chunk_count(m):
         raise ValueError("manifest checksum count does not match its chunk count")
     end = 0
-    for name, dtype, shape, off, n in zip(m.names, m.dtypes, m.shapes, m.offsets, m.nbytes):
+    for name, dtype, shape, off, n in zip(m.names, m.dtypes, m.shapes, m.offsets, m.nbytes, strict=False):
         size = DTYPE_SIZES.get(dtype)
         if size is None:
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")

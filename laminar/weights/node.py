@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import structlog
 

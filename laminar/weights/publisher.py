@@ -28,15 +28,14 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 from laminar.weights import wire
-from laminar.weights.manifest import (CHUNK_BYTES_DEFAULT, build_manifest, same_layout, with_lineage,
-                                      with_version)
+from laminar.weights.manifest import CHUNK_BYTES_DEFAULT, build_manifest, same_layout, with_lineage, with_version
+from laminar.weights.pull import copy_kind, cuda_host_register, cuda_host_unregister, torch_dtype
 from laminar.weights.sender import Sender
 from laminar.weights.store import VersionBuffer
-from laminar.weights.pull import copy_kind, cuda_host_register, cuda_host_unregister, torch_dtype
 from laminar.weights.transport import LinkError, get_transport
 
 try:
@@ -100,13 +99,13 @@ class WeightPublisher:
         self._thread.start()
 
     # -- trainer API -------------------------------------------------------------------------
-    def publish(self, state_dict: Mapping[str, "torch.Tensor"], version: int | None = None) -> int:
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> int:
         import torch
         t0 = time.perf_counter()
         cast = torch_dtype(self.publish_dtype) if self.publish_dtype else None
         items = list(state_dict.items())
         out_dtypes = [cast if cast is not None and t.is_floating_point() else t.dtype for _, t in items]
-        specs = [(k, str(d).removeprefix("torch."), tuple(t.shape)) for (k, t), d in zip(items, out_dtypes)]
+        specs = [(k, str(d).removeprefix("torch."), tuple(t.shape)) for (k, t), d in zip(items, out_dtypes, strict=False)]
         version = self.version + 1 if version is None else version
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the last published {self.version}")
@@ -142,7 +141,7 @@ class WeightPublisher:
         base = flat.data_ptr()
         threads = torch.get_num_threads()
         try:
-            for (name, t), dt, off, n in zip(items, out_dtypes, layout.offsets, layout.nbytes):
+            for (name, t), dt, off, n in zip(items, out_dtypes, layout.offsets, layout.nbytes, strict=False):
                 if not n:
                     continue
                 t = t.detach()
@@ -174,7 +173,7 @@ class WeightPublisher:
             s.wait_stream(torch.cuda.current_stream(dev))  # the optimizer step's writes come first
             streams[dev] = s
         host = []
-        for (name, t), dt, off, n in zip(items, out_dtypes, layout.offsets, layout.nbytes):
+        for (name, t), dt, off, n in zip(items, out_dtypes, layout.offsets, layout.nbytes, strict=False):
             if not n:
                 continue
             t = t.detach()

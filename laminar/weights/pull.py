@@ -26,8 +26,8 @@ import fcntl
 import mmap
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from laminar.protocol import Manifest
 from laminar.weights.manifest import manifest_from_bytes, verify
@@ -95,19 +95,19 @@ class PulledVersion:
         self.manifest, self.buf, self._fd = manifest, buf, fd
         self.version = manifest.version
 
-    def tensors(self) -> Iterator[tuple[str, "torch.Tensor"]]:
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         import torch
         m = self.manifest
         with warnings.catch_warnings():  # read-only on purpose: torch warns about that
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            for name, dt, shape, off, n in zip(m.names, m.dtypes, m.shapes, m.offsets, m.nbytes):
+            for name, dt, shape, off, n in zip(m.names, m.dtypes, m.shapes, m.offsets, m.nbytes, strict=False):
                 dtype = getattr(torch, dt)
                 if n == 0:
                     yield name, torch.empty(shape, dtype=dtype)
                     continue
                 yield name, torch.frombuffer(self.buf, dtype=dtype, count=n // dtype.itemsize, offset=off).view(shape)
 
-    def state_dict(self) -> dict[str, "torch.Tensor"]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.tensors())
 
     def verify(self) -> list[int]:
@@ -119,7 +119,7 @@ class PulledVersion:
             os.close(self._fd)  # drops the shared lock; the relay may now reuse the slot
             self._fd = None
 
-    def __enter__(self) -> "PulledVersion":
+    def __enter__(self) -> PulledVersion:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -170,7 +170,7 @@ class LocalWeights:
         self._maps[slot] = (ino, size, buf)  # the previous mapping goes when its views do
         return buf
 
-    def pin(self, pulled: "PulledVersion") -> bool:
+    def pin(self, pulled: PulledVersion) -> bool:
         """Page-lock the held version's slot mapping for CUDA, once per slot file (a retained
         file is not): its tensors() then copy to a GPU at pinned speed, e.g. in vLLM's
         reload_weights. Keep this LocalWeights for the next pulls (mappings are cached on it).

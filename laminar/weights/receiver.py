@@ -11,10 +11,10 @@ resumed stream after a repair) are drained into scratch memory and dropped.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from laminar.weights import wire
-from laminar.weights.manifest import chunk_count, checksum, ident, manifest_from_bytes
+from laminar.weights.manifest import checksum, chunk_count, ident, manifest_from_bytes
 from laminar.weights.store import ShmStore, VersionBuffer
 from laminar.weights.transport import Conn, LinkError
 

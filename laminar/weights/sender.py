@@ -26,7 +26,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from laminar.weights import wire
 from laminar.weights.manifest import checksum, manifest_to_bytes, with_version

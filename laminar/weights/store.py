@@ -43,9 +43,18 @@ from pathlib import Path
 import msgpack
 
 from laminar.protocol import Manifest
-from laminar.weights.manifest import (chunk_count, chunk_range, ident, manifest_from_bytes,
-                                      manifest_to_bytes, same_layout, same_lineage, supersedes, verify,
-                                      with_version)
+from laminar.weights.manifest import (
+    chunk_count,
+    chunk_range,
+    ident,
+    manifest_from_bytes,
+    manifest_to_bytes,
+    same_layout,
+    same_lineage,
+    supersedes,
+    verify,
+    with_version,
+)
 
 CURRENT = "current"
 

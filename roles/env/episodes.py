@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from laminar.bus.rpc import RequestError
+
 from laminar.envs.base import EnvError, Prompt, build_environment, load_environment
 from laminar.envs.sandbox import Sandbox
 from laminar.protocol import EnvClose, EnvReply, EnvReset, EnvStep

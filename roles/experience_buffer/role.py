@@ -21,14 +21,23 @@ import asyncio
 import inspect
 import json
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from laminar.bus.errors import RemoteError, RpcError
-from laminar.protocol import (BufferStats, BufferStatsRequest, GroupPresence, GroupPresenceReply, PutResult,
-                              PutTrajectory, RequeueGroups, SampleGroups, Samples)
 from laminar.roles.experience_buffer.state import OFF_LINEAGE, BufferBook, Change
 from laminar.roles.pool_base import PoolRole
 from laminar.roles.sqlite_store import pack, unpack
+from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.protocol import (
+    BufferStats,
+    BufferStatsRequest,
+    GroupPresence,
+    GroupPresenceReply,
+    PutResult,
+    PutTrajectory,
+    RequeueGroups,
+    SampleGroups,
+    Samples,
+)
 
 
 class ExperienceBufferConfig(BaseModel):

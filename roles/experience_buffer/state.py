@@ -38,8 +38,9 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from laminar.protocol import Trajectory
 from laminar.roles.experience_buffer.samplers import Sampler, make_sampler
+
+from laminar.protocol import Trajectory
 from laminar.weights.manifest import off_lineage
 
 OFF_LINEAGE = "off_lineage"

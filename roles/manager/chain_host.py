@@ -23,9 +23,9 @@ import time
 
 from laminar.bus.errors import RpcError
 from laminar.bus.transport import Publisher, Transport
-from laminar.protocol import (ChainAssignment, ChainState, LinkDown, MasterInfo, RelayJoin,
-                              SetDownstream)
 from laminar.roles.manager.chain import ChainCoordinator, Link, NewMaster, RelayInfo
+
+from laminar.protocol import ChainAssignment, ChainState, LinkDown, MasterInfo, RelayJoin, SetDownstream
 from laminar.weights import wire
 from laminar.weights.transport import LinkError, get_transport
 

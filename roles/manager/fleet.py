@@ -40,12 +40,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from laminar.bus.errors import RemoteError, RpcError
 import numpy as np
-
-from laminar.protocol import (AppendDeltas, CompletePartial, GroupPresence, TokenDelta, HandedGroups, Heartbeat, InFlightOf, MigrateIn,
-                              MigrateOut, PartialState, RequeueGroups, RolloutStats)
+from laminar.bus.errors import RemoteError, RpcError
 from laminar.roles.manager.repack import ReplicaLoad, plan_repack
+
+from laminar.protocol import (
+    AppendDeltas,
+    CompletePartial,
+    GroupPresence,
+    HandedGroups,
+    Heartbeat,
+    InFlightOf,
+    MigrateIn,
+    MigrateOut,
+    PartialState,
+    RequeueGroups,
+    RolloutStats,
+    TokenDelta,
+)
 
 
 @dataclass
@@ -307,7 +319,7 @@ class Fleet:
                     ok = False
                     break
                 requeue, settled, kept = [], [], 0
-                for e, owner, size, g, m, p in zip(h.entries, h.rollout_ids, h.group_sizes, h.group_ids, h.members, h.pids):
+                for e, owner, size, g, m, p in zip(h.entries, h.rollout_ids, h.group_sizes, h.group_ids, h.members, h.pids, strict=False):
                     want = set(range(size)) if m < 0 else {m}
                     held = have.get(g, set())
                     missing = set() if -1 in held else want - held

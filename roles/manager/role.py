@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from laminar.bus.heartbeat import HeartbeatMonitor
-from laminar.protocol import Heartbeat, LinkDown, MasterQuery, RelayJoin, RolloutStats, WeightsVersion
 from laminar.roles.base import Role
 from laminar.roles.manager.chain_host import ChainHost
 from laminar.roles.manager.fleet import Fleet, FleetSettings
+from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.protocol import Heartbeat, LinkDown, MasterQuery, RelayJoin, RolloutStats, WeightsVersion
 
 
 class ManagerConfig(BaseModel):

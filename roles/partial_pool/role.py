@@ -22,14 +22,27 @@ them at start (ALTER TABLE ADD COLUMN, which leaves the old rows NULL = all toke
 from __future__ import annotations
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
-
 from laminar.bus.rpc import RequestError
-from laminar.protocol import (Ack, AppendDeltaBatch, AppendDeltas, CompletePartial, DeltaResult, GetPartial, GroupPresence,
-                              GroupPresenceReply, InFlightOf, PartialList, PartialState, ReassignPartial, TokenDelta)
 from laminar.roles.partial_pool.state import Delta, Outcome, PartialBook
 from laminar.roles.pool_base import PoolRole, now
 from laminar.roles.sqlite_store import Many, pack, unpack
+from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.protocol import (
+    Ack,
+    AppendDeltaBatch,
+    AppendDeltas,
+    CompletePartial,
+    DeltaResult,
+    GetPartial,
+    GroupPresence,
+    GroupPresenceReply,
+    InFlightOf,
+    PartialList,
+    PartialState,
+    ReassignPartial,
+    TokenDelta,
+)
 
 
 class PartialPoolConfig(BaseModel):
@@ -139,7 +152,7 @@ class PartialPoolRole(PoolRole):
         deltas = _unbatch(req)
         out: Outcome = self.state.apply(req.rollout_id, deltas, checked=True)
         whole = len(out.applied) == len(deltas) and req.loss_mask is None and all(
-            d is a for (_, d), a in zip(out.applied, deltas))
+            d is a for (_, d), a in zip(out.applied, deltas, strict=False))
         await self.durable(self._rows(out, req.rollout_id, req if whole else None))
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 
@@ -263,7 +276,7 @@ def _unbatch(req: AppendDeltaBatch) -> list[Delta]:
     if req.tokens.ndim != 1 or req.logprobs.ndim != 1 or (req.loss_mask is not None and req.loss_mask.ndim != 1):
         raise RequestError("bad_request", "tokens, logprobs and loss mask must be 1-D arrays")
     if off and (off[0] != 0 or off[-1] != len(req.tokens) or len(req.logprobs) != len(req.tokens)
-                or any(b < a for a, b in zip(off, off[1:]))):
+                or any(b < a for a, b in zip(off, off[1:], strict=False))):
         raise RequestError("bad_request", "offsets do not cut tokens and logprobs into deltas")
     if req.loss_mask is not None and len(req.loss_mask) != len(req.tokens):
         raise RequestError("bad_request", "loss mask and tokens differ in length")
@@ -276,4 +289,4 @@ def _unbatch(req: AppendDeltaBatch) -> list[Delta]:
     mask = None if mask is None else mask.astype(np.uint8, copy=False)
     return [Delta(tid, seq, toks[a:b], lps[a:b], v, next(specs) if seq == 0 else None,
                   None if mask is None else mask[a:b], None, ep, lin)
-            for tid, seq, v, ep, lin, a, b in zip(req.trajectory_ids, seqs, versions, epochs, lineages, off, off[1:])]
+            for tid, seq, v, ep, lin, a, b in zip(req.trajectory_ids, seqs, versions, epochs, lineages, off, off[1:], strict=False)]

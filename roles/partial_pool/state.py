@@ -61,7 +61,7 @@ class Entry:
         mask = None
         if any(m is not None for m in self.masks):
             ones = lambda n: np.ones(n, np.uint8)  # noqa: E731 — a delta without a mask: all policy tokens
-            mask = cat([ones(len(t)) if m is None else m for t, m in zip(self.tokens, self.masks)], np.uint8)
+            mask = cat([ones(len(t)) if m is None else m for t, m in zip(self.tokens, self.masks, strict=False)], np.uint8)
         spans = np.concatenate(self.spans).astype(np.int32).reshape(-1, 2) if self.spans else None
         return PartialState(spec=self.spec, tokens=cat(self.tokens, np.int32),
                             logprobs=cat(self.logprobs, np.float32), version=self.version,
@@ -238,7 +238,7 @@ class PartialBook:
         if len(self.completed) <= self.remember_completed * 1.1:
             return
         drop = len(self.completed) - self.remember_completed
-        old = [t for t, _ in zip((t for t in self.completed if t not in self.pins), range(drop))]
+        old = [t for t, _ in zip((t for t in self.completed if t not in self.pins), range(drop), strict=False)]
         for t in old:
             del self.completed[t]
         self.forgotten += old

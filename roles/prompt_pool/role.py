@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from laminar.bus.rpc import RequestError
+from laminar.roles.pool_base import PoolRole
 from pydantic import BaseModel, ConfigDict, Field
 
-from laminar.bus.rpc import RequestError
 from laminar.protocol import Ack, Batch, HandedGroups, HandedList, RequeueGroups, TakeBatch, TrajectorySpec
-from laminar.roles.pool_base import PoolRole
 
 
 class PromptPoolConfig(BaseModel):
@@ -97,8 +97,9 @@ class PromptPoolRole(PoolRole):
             return None
         g = self.cfg.groups_per_version
         if g is None:
-            from laminar.config import ConfigError
             from laminar.roles.trainer.config import TrainerConfig
+
+            from laminar.config import ConfigError
             try:
                 settings = cfg.role_settings("trainer", "0")
             except ConfigError:  # no trainer placed in this config: the roles.trainer section

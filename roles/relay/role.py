@@ -23,13 +23,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from laminar.bus.errors import RpcError
 from laminar.bus.rpc import RequestError
-from laminar.protocol import (Ack, ChainState, LinkDown, RelayJoin, RelayProgress, SetDownstream,
-                              WeightsVersion)
 from laminar.roles.base import Role
+from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.protocol import Ack, ChainState, LinkDown, RelayJoin, RelayProgress, SetDownstream, WeightsVersion
 from laminar.weights.node import RelayNode
 from laminar.weights.transport import LinkError, get_transport
 from laminar.weights.wire import derive_key

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from laminar.roles.env.config import EnvRoleConfig
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RolloutEnvConfig(BaseModel):

@@ -28,9 +28,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
-
 
 KV_BLOCK = 32  # tokens per KV block when the cache is sized in tokens (kv_cache_tokens)
 
@@ -132,7 +131,7 @@ class VllmEngine(RolloutEngine):
                                            request_id=request_id):
             c = out.outputs[0]
             toks = list(c.token_ids)
-            lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [])]
+            lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
             yield toks, lps, (c.finish_reason if out.finished else None)
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
@@ -147,11 +146,12 @@ class VllmEngine(RolloutEngine):
             self.llm.shutdown()
             self.llm = None
         if self.shm is not None:
-            from laminar.shm import wait_gone
             # a worker orphaned by a dead core exits on its own, unlinking its own queue: let it.
             # Python's resource tracker (a child this start may have spawned) lives until this
             # process exits: waiting for it would only run out the timeout.
             from multiprocessing import resource_tracker
+
+            from laminar.shm import wait_gone
             tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
             await asyncio.to_thread(wait_gone, [p for p in self.shm.owners if p != tracker], 10.0)
             _untrack(self.shm.release())

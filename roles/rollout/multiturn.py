@@ -49,14 +49,14 @@ import asyncio
 import time
 import zlib
 from collections import Counter
-from typing import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
-
 from laminar.bus.errors import Busy, PeerUnavailable, RemoteError, remote_error
 from laminar.bus.rpc import RequestError
-from laminar.protocol import EnvClose, EnvReply, EnvReset, EnvStep, TrajectorySpec
 from laminar.roles.rollout.trajectory import Active
+
+from laminar.protocol import EnvClose, EnvReply, EnvReset, EnvStep, TrajectorySpec
 
 
 class EnvFailed(Exception):
@@ -167,13 +167,12 @@ class EpisodeRunner:
         self.counts: Counter[str] = Counter()
 
     @classmethod
-    def build(cls, cfg, engine, transport, endpoint: str | None, rollout_id: str, **kw) -> "EpisodeRunner":
+    def build(cls, cfg, engine, transport, endpoint: str | None, rollout_id: str, **kw) -> EpisodeRunner:
         """The runner for a RolloutEnvConfig: its env (bus or local), stop sequences and EOS."""
         from laminar.datasets import load_tokenizer
         tok = load_tokenizer(cfg.tokenizer_dir)
         if cfg.local is not None:
             import structlog
-
             from laminar.roles.env.episodes import EpisodeHost
             log = structlog.get_logger("laminar.env.local")
             env = LocalEnv(EpisodeHost(cfg.local, log, f"rollout.{rollout_id}.env"))

@@ -39,16 +39,29 @@ import time
 import types
 import zlib
 
+import numpy as np
 from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError
-from laminar.protocol import (AppendDeltaBatch, AppendDeltas, CompletePartial, GetPartial, MigrateIn,
-                              MigrateInResult, MigrateOut, PartialList, PartialState, PutTrajectory,
-                              ReassignPartial, RolloutStats, TakeBatch, Trajectory)
 from laminar.roles.base import Role
 from laminar.roles.rollout.config import RolloutConfig
 from laminar.roles.rollout.trajectory import Active
 
-import numpy as np
+from laminar.protocol import (
+    AppendDeltaBatch,
+    AppendDeltas,
+    CompletePartial,
+    GetPartial,
+    MigrateIn,
+    MigrateInResult,
+    MigrateOut,
+    PartialList,
+    PartialState,
+    PutTrajectory,
+    ReassignPartial,
+    RolloutStats,
+    TakeBatch,
+    Trajectory,
+)
 
 
 class RolloutRole(Role):

@@ -63,8 +63,8 @@ from statistics import NormalDist
 from typing import Protocol
 
 import numpy as np
-
 from laminar.roles.rollout.engine import EngineStats, RolloutEngine
+
 from laminar.sim.latency import StepCurve, decode_step_ms
 from laminar.sim.lengths import LengthDistribution, z_from_key
 
@@ -193,7 +193,7 @@ class SimEngine(RolloutEngine):
                       max_num_seqs: int = 1024, mem_fraction: float = 0.9, curve_path: str | None = None,
                       workload_path: str | None = None, max_output_tokens: int | None = None,
                       load_gbps: float = 25.0, host_ms_per_layer: float | None = None,
-                      context_dependence: bool = True, **kw) -> "SimEngine":
+                      context_dependence: bool = True, **kw) -> SimEngine:
         """Build from names: model '7B'/'32B'/'72B', `tp` GPUs of kind `gpu`, the workload's
         length statistics `lengths` (e.g. '32B_math'), the paper's step curve for <model>_TP<tp>
         (or the fitted roofline's where the paper has none, or `curve_path`, a measured curve);
@@ -203,7 +203,9 @@ class SimEngine(RolloutEngine):
         (`context_dependence`) and costs at least layers × `host_ms_per_layer` (default
         latency.HOST_MS_PER_LAYER; 0 turns it off). Other keywords go to the constructor."""
         from laminar.sim import load_workload
-        from laminar.sim.hardware import gpu as gpu_spec, kv_capacity_tokens, model as model_shape
+        from laminar.sim.hardware import gpu as gpu_spec
+        from laminar.sim.hardware import kv_capacity_tokens
+        from laminar.sim.hardware import model as model_shape
         from laminar.sim.latency import HOST_MS_PER_LAYER, kv_ms_per_token, model_curve, prefill_ms_per_token
         from laminar.sim.lengths import workload_lengths
         m, g = model_shape(model), gpu_spec(gpu)

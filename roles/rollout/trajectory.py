@@ -94,7 +94,7 @@ class Active:
         return self.tokens[s:e]
 
     def policy_tokens(self) -> list[int]:
-        return [t for t, m in zip(self.tokens, self.mask) if m]
+        return [t for t, m in zip(self.tokens, self.mask, strict=False) if m]
 
     def loss_mask(self) -> np.ndarray | None:
         return _mask_array(self.mask)
@@ -129,7 +129,7 @@ class Active:
                             lineage=self.lineage)
 
     @classmethod
-    def resume(cls, p: PartialState) -> "Active":
+    def resume(cls, p: PartialState) -> Active:
         a = cls(spec=p.spec, version=p.version, tokens=[int(t) for t in p.tokens],
                 logprobs=[float(x) for x in p.logprobs], next_seq=p.next_seq, epoch=p.epoch,
                 lineage=p.lineage)

@@ -143,4 +143,4 @@ def all_reduce_sums(info: DistInfo, values: dict[str, float]) -> dict[str, float
     keys = sorted(values)
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(t, group=info.control)
-    return dict(zip(keys, t.tolist()))
+    return dict(zip(keys, t.tolist(), strict=False))

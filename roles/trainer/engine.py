@@ -32,7 +32,6 @@ from collections import defaultdict
 
 import numpy as np
 import structlog
-
 from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
 from laminar.roles.trainer.dist import DistInfo, all_reduce_sums, broadcast_ints, shard
 
@@ -85,6 +84,7 @@ class TrainEngine:
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
         import torch
+
         from laminar.algorithms.ppo import load_critic
         from laminar.models.loading import load_causal_lm
         c = self.cfg
@@ -125,8 +125,11 @@ class TrainEngine:
                     parts[f"{name}_optimizer" if name != "model" else "optimizer"] = o.state_dict()
             self._check_weights(parts)
             return parts
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         parts = {}
         for name, (m, o) in self._pairs().items():
@@ -152,12 +155,15 @@ class TrainEngine:
                 m.load_state_dict(parts[name])
                 o.load_state_dict(parts["optimizer" if name == "model" else f"{name}_optimizer"])
             return
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)
         parts = parts or {}
         flags = broadcast_ints(self.info, [int(n in parts) for n in self._pairs()])  # rank 0 read the files
-        have = {n for n, flag in zip(self._pairs(), flags) if flag}
+        have = {n for n, flag in zip(self._pairs(), flags, strict=False) if flag}
         for name, (m, o) in self._pairs().items():
             if name != "model" and name not in have:
                 continue
@@ -168,6 +174,7 @@ class TrainEngine:
     def train(self, groups, version: int) -> dict:
         """All updates of one global batch (every rank calls it with the same groups)."""
         import torch
+
         from laminar.algorithms.grpo import group_advantages, grpo_loss, token_logprobs
         c = self.cfg
         trajs = [t for g in groups for t in g]
@@ -276,7 +283,7 @@ class TrainEngine:
                 if hasattr(m, "reshard"):
                     m.reshard()
             with torch.no_grad():
-                for dst, src in zip(self.lag.parameters(), self.model.parameters()):
+                for dst, src in zip(self.lag.parameters(), self.model.parameters(), strict=False):
                     dst.copy_(src.detach())
             self.lag_version = weights_version
         return mm
@@ -341,6 +348,7 @@ class TrainEngine:
         """fn(ids, att) -> [b, T-1] under no_grad, for this rank's sequences of every mini-batch;
         one float32 array per owned response (None for the others)."""
         import torch
+
         from laminar.algorithms.grpo import response_logprobs
         out: list = [None] * len(trajs)
         with torch.no_grad(), self._autocast():
@@ -351,7 +359,7 @@ class TrainEngine:
                     if idx:
                         arrs = response_logprobs(vals, [len(trajs[i].spec.prompt_tokens) for i in idx],
                                                  [len(trajs[i].response_tokens) for i in idx])
-                        for i, a in zip(idx, arrs):
+                        for i, a in zip(idx, arrs, strict=False):
                             out[i] = a
         return out
 
@@ -385,7 +393,7 @@ class TrainEngine:
                 opt.zero_grad(set_to_none=True)
             self.skipped_nonfinite_steps += 1
             return values, False
-        for (_, opt), params, norm in zip(pairs, grads, norms):
+        for (_, opt), params, norm in zip(pairs, grads, norms, strict=False):
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
             opt.step()
         return values, True

@@ -24,12 +24,13 @@ import time
 from pathlib import Path
 
 from laminar.bus.errors import RpcError
-from laminar.protocol import BufferStatsRequest, Metrics, SampleGroups, Samples
 from laminar.roles.base import Role
 from laminar.roles.trainer import checkpoint, dist
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.metrics import MetricsLog, batch_stats
 from laminar.roles.trainer.publishing import PublishLink
+
+from laminar.protocol import BufferStatsRequest, Metrics, SampleGroups, Samples
 
 
 def in_thread(fn, name: str) -> asyncio.Future:
@@ -152,8 +153,9 @@ class TrainerRole(Role):
 
         import numpy as np
         import torch
-        from laminar.models.loading import pick_device
         from laminar.roles.trainer.engine import TrainEngine
+
+        from laminar.models.loading import pick_device
         c = self.cfg
         seed = c.seed if c.seed is not None else (self.ctx.config.run.seed if self.ctx.config else 0)
         rank, address = self._rank_and_address() if c.world_size > 1 else (0, "")

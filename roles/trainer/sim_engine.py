@@ -178,7 +178,7 @@ class ModeledDelivery:
 
     def schedule(self, version: int) -> None:
         """Called when the stall ends (the master relay holds the version)."""
-        for target, off in zip(self.s.deliver or [], self.offsets):
+        for target, off in zip(self.s.deliver or [], self.offsets, strict=False):
             if off <= 0:
                 self.deliver(target, version)
                 continue

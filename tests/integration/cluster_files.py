@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-
 from laminar.bus.auth import generate_keys
+
 from laminar.testing.procs import free_port
 
 

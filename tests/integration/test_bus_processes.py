@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-
 from laminar.bus import auth
 from laminar.bus.codec import decode, encode
 from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.zmq_transport import ZmqTransport
+
 from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Heartbeat, Hello, Metrics, Ping, Pong
-from laminar.testing.procs import RoleProc
 from laminar.testing.fuzz_ports import garbage
+from laminar.testing.procs import RoleProc
 from tests.integration.cluster_files import echo_cluster
 
 pytestmark = pytest.mark.timeout(120)

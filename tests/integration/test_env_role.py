@@ -12,8 +12,8 @@ import asyncio
 import numpy as np
 import pytest
 import yaml
-
 from laminar.bus.errors import Refused, RemoteError
+
 from laminar.config import parse_config
 from laminar.datasets import ByteTokenizer
 from laminar.envs.base import Environment, Prompt

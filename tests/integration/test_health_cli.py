@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 import zmq
-
 from laminar.bus import auth
+
 from tests.unit.test_health import get, parse
 
 pytestmark = pytest.mark.timeout(120)

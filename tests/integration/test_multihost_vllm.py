@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime
 import shutil
 import time
+from datetime import datetime
 
 import pytest
 

@@ -27,13 +27,13 @@ import numpy as np
 import pytest
 import structlog
 import yaml
+from laminar.roles.rollout.config import RolloutEnvConfig
+from laminar.roles.rollout.multiturn import EpisodeRunner
+from laminar.roles.rollout.trajectory import Active
 
 from laminar.config import parse_config
 from laminar.datasets import ByteTokenizer
 from laminar.protocol import SampleGroups
-from laminar.roles.rollout.config import RolloutEnvConfig
-from laminar.roles.rollout.multiturn import EpisodeRunner
-from laminar.roles.rollout.trajectory import Active
 from laminar.testing.inproc_cluster import InprocCluster
 from tests.unit.test_multiturn import ScriptEngine, spec
 

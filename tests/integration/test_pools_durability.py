@@ -8,12 +8,21 @@ import json
 import numpy as np
 import pytest
 import yaml
-
 from laminar.bus.auth import generate_keys, load_keys
 from laminar.bus.errors import RpcError
 from laminar.bus.zmq_transport import ZmqTransport
-from laminar.protocol import (AppendDeltas, BufferStatsRequest, InFlightOf, PutTrajectory, SampleGroups,
-                              TakeBatch, TokenDelta, Trajectory, TrajectorySpec)
+
+from laminar.protocol import (
+    AppendDeltas,
+    BufferStatsRequest,
+    InFlightOf,
+    PutTrajectory,
+    SampleGroups,
+    TakeBatch,
+    TokenDelta,
+    Trajectory,
+    TrajectorySpec,
+)
 from laminar.testing.procs import RoleProc, free_port
 
 pytestmark = pytest.mark.timeout(120)

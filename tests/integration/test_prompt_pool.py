@@ -6,8 +6,8 @@ import asyncio
 import json
 
 import pytest
-
 from laminar.bus.errors import Refused
+
 from laminar.config import parse_config
 from laminar.protocol import RequeueGroups, TakeBatch
 from laminar.testing.inproc_cluster import InprocCluster

@@ -11,11 +11,19 @@ import json
 import numpy as np
 import pytest
 import structlog
+from laminar.roles.manager.fleet import Fleet, FleetSettings
 
 from laminar.config import parse_config
-from laminar.protocol import (AppendDeltas, HandedGroups, Heartbeat, PutTrajectory, RolloutStats, TakeBatch,
-                              TokenDelta, Trajectory)
-from laminar.roles.manager.fleet import Fleet, FleetSettings
+from laminar.protocol import (
+    AppendDeltas,
+    HandedGroups,
+    Heartbeat,
+    PutTrajectory,
+    RolloutStats,
+    TakeBatch,
+    TokenDelta,
+    Trajectory,
+)
 from laminar.testing.inproc_cluster import InprocCluster
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 import structlog
-
-from laminar.protocol import (AppendDeltas, InFlightOf, MigrateIn, MigrateInResult, RolloutStats)
 from laminar.roles.manager.fleet import Fleet, FleetSettings
+
+from laminar.protocol import AppendDeltas, InFlightOf, MigrateIn, MigrateInResult, RolloutStats
 from laminar.testing.inproc_cluster import InprocCluster
 from tests.integration.test_requeue_dead_rollout import cfg, first_delta, stats
 

@@ -27,10 +27,10 @@ pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from laminar.bus.errors import Refused  # noqa: E402
+
 from laminar.config import parse_config  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
-from laminar.protocol import (BufferStatsRequest, MigrateIn, MigrateOut, SampleGroups,  # noqa: E402
-                              PartialState, TrajectorySpec)
+from laminar.protocol import MigrateIn, MigrateOut, PartialState, SampleGroups  # noqa: E402
 from laminar.testing.inproc_cluster import InprocCluster  # noqa: E402
 from laminar.weights.local_write import write_version  # noqa: E402
 from laminar.weights.store import ShmStore  # noqa: E402
@@ -73,7 +73,7 @@ def assert_greedy(model, prompt: list[int], got: list[int], n: int, what: str) -
     expect = greedy_hf(model, prompt, n)
     if got == expect:
         return
-    i = next((k for k, (a, b) in enumerate(zip(got, expect)) if a != b), min(len(got), len(expect)))
+    i = next((k for k, (a, b) in enumerate(zip(got, expect, strict=False)) if a != b), min(len(got), len(expect)))
     with torch.no_grad():
         logits = model(torch.tensor([prompt + got[:i]])).logits[0, -1]
     top2 = torch.topk(logits, 2).values

@@ -18,8 +18,8 @@ import pytest
 
 from laminar.config import parse_config
 from laminar.sim import load_workload
-from laminar.sim.scenario import build_config, load_setups, write_prompts
 from laminar.sim.cluster import run_sim
+from laminar.sim.scenario import build_config, load_setups, write_prompts
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,6 @@ step starts before the previous version's broadcast finishes (event order, not t
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import time
 import uuid
@@ -17,10 +16,11 @@ import yaml
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from laminar.roles.trainer.metrics import read_jsonl  # noqa: E402
+
 from laminar.config import parse_config  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.protocol import PutTrajectory  # noqa: E402
-from laminar.roles.trainer.metrics import read_jsonl  # noqa: E402
 from laminar.testing.inproc_cluster import InprocCluster  # noqa: E402
 from laminar.testing.procs import RoleProc, free_port  # noqa: E402
 from laminar.testing.trainer_task import generate_groups, random_groups  # noqa: E402
@@ -128,6 +128,7 @@ def proc_cluster(tmp: Path, model_dir: Path, ranks: int = 1, **trainer) -> Path:
 async def feed(path: Path, keys_dir: Path, groups) -> None:
     from laminar.bus.auth import load_keys
     from laminar.bus.zmq_transport import ZmqTransport
+
     from laminar.config import load_config
     cfg = load_config(path)
     t = ZmqTransport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", load_keys(keys_dir))

@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from laminar.roles.trainer.metrics import read_jsonl  # noqa: E402
+
 from laminar.testing.procs import RoleProc, free_port  # noqa: E402
 from laminar.testing.trainer_ranks import train_reference  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
@@ -52,7 +53,7 @@ def run_ranks(tmp: Path, model_dir: Path, algorithm: str) -> dict:
 def test_two_gloo_ranks_match_one_process(tmp_path, tiny, algorithm):
     two = run_ranks(tmp_path, tiny, algorithm)
     one = train_reference(str(tiny), algorithm)
-    for m2, m1 in zip(two["metrics"], one["metrics"]):
+    for m2, m1 in zip(two["metrics"], one["metrics"], strict=False):
         for k in ("pg_loss", "loss", "clip_frac_high", "clip_frac_low", "ratio_mean", "response_tokens", "tokens"):
             assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
         assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)

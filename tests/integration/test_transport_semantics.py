@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-
 from laminar.bus import auth
 from laminar.bus.broker import Broker
 from laminar.bus.errors import Busy, DeadlineExceeded, PeerUnavailable, Refused, RemoteError
@@ -17,6 +16,7 @@ from laminar.bus.inproc import InprocHub
 from laminar.bus.rpc import RequestError
 from laminar.bus.transport import Transport
 from laminar.bus.zmq_transport import ZmqTransport
+
 from laminar.protocol import PROTOCOL_VERSION, Hello, Metrics, Ping, Pong, Shutdown, Welcome
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,7 +93,7 @@ class Echo:
             await self.release.wait()
         return Pong(seq=req.seq, payload=req.payload, array=req.array, server="echo.0")
 
-    async def __aenter__(self) -> "Echo":
+    async def __aenter__(self) -> Echo:
         await self.srv.start()
         return self
 

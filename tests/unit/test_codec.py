@@ -9,11 +9,12 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
 from laminar.bus.codec import MAX_BODY_BYTES, decode, encode
 from laminar.bus.errors import CodecError, MalformedFrame, OversizedFrame, ProtocolMismatch, UnknownKind
+
 from laminar.protocol import PROTOCOL_VERSION, Ping, registered_kinds
 
 scalars = st.one_of(st.integers(-2**40, 2**40), st.floats(allow_nan=False), st.text(max_size=8), st.booleans(), st.none())
@@ -27,7 +28,7 @@ def strategy(tp: Any, depth: int = 0) -> st.SearchStrategy:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return scalars
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in (typing.Union, __import__("types").UnionType):
         return st.one_of(*(strategy(a, depth) for a in args))
     if tp is type(None):
         return st.none()
@@ -63,7 +64,7 @@ def same(a: Any, b: Any) -> bool:
     if dataclasses.is_dataclass(a):
         return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return a == b

@@ -3,10 +3,11 @@ drops exactly the stale groups, capacity is never exceeded, nothing is handed ou
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from laminar.roles.experience_buffer.state import BufferBook
 
 from laminar.protocol import Trajectory, TrajectorySpec
-from laminar.roles.experience_buffer.state import BufferBook
 
 
 def traj(g: int, i: int, n: int, version: int) -> Trajectory:

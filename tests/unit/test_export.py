@@ -11,11 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from laminar.export import export, main  # noqa: E402
-from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.roles.trainer import checkpoint  # noqa: E402
 from laminar.roles.trainer.config import TrainerConfig  # noqa: E402
 from laminar.roles.trainer.engine import TrainEngine  # noqa: E402
+
+from laminar.export import export, main  # noqa: E402
+from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
 
 PROMPTS = [[1, 40, 41, 42, 43], [1, 100, 7, 250, 9, 12], [1, 5]]

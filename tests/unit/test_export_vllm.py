@@ -15,10 +15,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from laminar.export import export  # noqa: E402
-from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.roles.trainer.config import TrainerConfig  # noqa: E402
 from laminar.roles.trainer.engine import TrainEngine  # noqa: E402
+
+from laminar.export import export  # noqa: E402
+from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

@@ -6,10 +6,10 @@ import time
 
 import numpy as np
 import structlog
+from laminar.roles.manager.fleet import Fleet, FleetSettings
 
 from laminar.protocol.data import PartialState, TrajectorySpec
 from laminar.protocol.rollout import RolloutStats
-from laminar.roles.manager.fleet import Fleet, FleetSettings
 
 
 def stats(rid: str, version: int, lineage: int) -> RolloutStats:

@@ -63,10 +63,10 @@ def test_bf16_publish_halves_the_bytes_and_round_trips_exactly(relay):
         v, m = delivered(pub, relay, sd)
     finally:
         pub.close()
-    assert dict(zip(m.names, m.dtypes)) == {"embed": "bfloat16", "norm": "bfloat16", "strided": "bfloat16",
+    assert dict(zip(m.names, m.dtypes, strict=False)) == {"embed": "bfloat16", "norm": "bfloat16", "strided": "bfloat16",
                                             "steps": "int64", "empty": "bfloat16"}
     float_bytes = sum(t.numel() * 4 for t in sd.values() if t.is_floating_point())
-    assert sum(n for n, dt in zip(m.nbytes, m.dtypes) if dt == "bfloat16") * 2 == float_bytes
+    assert sum(n for n, dt in zip(m.nbytes, m.dtypes, strict=False) if dt == "bfloat16") * 2 == float_bytes
     assert m.total_bytes < 0.55 * fp32_bytes  # aligned offsets aside, half the slot
     lw = LocalWeights(relay.store.dir)
     with lw.latest() as pulled:
@@ -89,7 +89,7 @@ def test_same_dtype_keeps_the_parameters_bytes(relay):
         _, m = delivered(pub, relay, sd)
     finally:
         pub.close()
-    assert dict(zip(m.names, m.dtypes))["embed"] == "float32"
+    assert dict(zip(m.names, m.dtypes, strict=False))["embed"] == "float32"
     with LocalWeights(relay.store.dir).latest() as pulled:
         assert all(torch.equal(t, sd[k]) for k, t in pulled.tensors())
 

@@ -29,7 +29,7 @@ def chain():
             node = RelayNode(f"n{i}", f"/dev/shm/laminar-unit-{uuid.uuid4().hex[:10]}", get_transport("tcp"), KEY)
             node.start()
             started.append(node)
-        for a, b in zip(started, started[1:]):
+        for a, b in zip(started, started[1:], strict=False):
             a.set_downstream(b.address, b.id)
         return started
     yield make

@@ -10,12 +10,20 @@ import json
 
 import numpy as np
 import pytest
-
-from laminar.config import parse_config
-from laminar.protocol import (BufferStatsRequest, GroupPresence, HandedGroups, PutTrajectory, SampleGroups,
-                              TakeBatch, Trajectory, TrajectorySpec)
 from laminar.roles.experience_buffer.state import BufferBook
 from laminar.roles.trainer.metrics import batch_stats
+
+from laminar.config import parse_config
+from laminar.protocol import (
+    BufferStatsRequest,
+    GroupPresence,
+    HandedGroups,
+    PutTrajectory,
+    SampleGroups,
+    TakeBatch,
+    Trajectory,
+    TrajectorySpec,
+)
 from laminar.testing.inproc_cluster import InprocCluster
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,7 +94,7 @@ def test_the_buffer_requeues_off_lineage_groups_at_the_prompt_pool(tmp_path):
         pp, bc = cl.client("prompt_pool"), cl.client("experience_buffer")
         batch = await pp.call(TakeBatch("r", 2))
         gids = [s.group_id for s in batch.trajectories]
-        for s, (v, lin) in zip(batch.trajectories, [(6, 1), (4, 2)]):
+        for s, (v, lin) in zip(batch.trajectories, [(6, 1), (4, 2)], strict=False):
             t = traj(s.group_id, 0, 1, v, lin)
             await bc.call(PutTrajectory(dataclasses.replace(t, spec=s)))
         from laminar.protocol import RequeueGroups

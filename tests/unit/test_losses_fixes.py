@@ -152,8 +152,8 @@ def test_dual_clip_bounds_negative_advantage_tokens():
 
 
 def test_dual_clip_is_a_trainer_setting_with_c_3():
-    from pydantic import ValidationError
     from laminar.roles.trainer.config import TrainerConfig
+    from pydantic import ValidationError
     c = TrainerConfig(model_dir="m", dual_clip=True)
     assert c.dual_clip and c.dual_clip_c == 3.0
     assert not TrainerConfig(model_dir="m").dual_clip   # off unless asked for

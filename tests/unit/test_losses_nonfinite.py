@@ -12,10 +12,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.roles.trainer import checkpoint  # noqa: E402
 from laminar.roles.trainer.config import TrainerConfig  # noqa: E402
 from laminar.roles.trainer.engine import NonFiniteWeightsError, TrainEngine  # noqa: E402
+
+from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
 
 

@@ -9,8 +9,16 @@ import numpy as np
 import pytest
 
 from laminar.protocol import TrajectorySpec
-from laminar.tasks.math import (dapo_math_reward, extract_answer, grade, is_equivalent, make_math_reward,
-                                math_reward, math_reward_boxed, math_score)
+from laminar.tasks.math import (
+    dapo_math_reward,
+    extract_answer,
+    grade,
+    is_equivalent,
+    make_math_reward,
+    math_reward,
+    math_reward_boxed,
+    math_score,
+)
 
 pytest.importorskip("math_verify")
 

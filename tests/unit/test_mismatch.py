@@ -11,10 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from laminar.models.loading import load_causal_lm  # noqa: E402
-from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.roles.trainer.config import TrainerConfig  # noqa: E402
 from laminar.roles.trainer.engine import TrainEngine  # noqa: E402
+
+from laminar.models.loading import load_causal_lm  # noqa: E402
+from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.trainer_task import generate_groups  # noqa: E402
 
 

@@ -11,17 +11,17 @@ import sqlite3
 import numpy as np
 import pytest
 import structlog
-
 from laminar.bus.codec import decode, encode
-from laminar.config import parse_config
-from laminar.datasets import ByteTokenizer
-from laminar.envs.scripted import ScriptedEnv
-from laminar.protocol import AppendDeltas, GetPartial, TokenDelta, TrajectorySpec
 from laminar.roles.partial_pool.state import PartialBook
 from laminar.roles.rollout.config import RolloutEnvConfig
 from laminar.roles.rollout.multiturn import EpisodeRunner, stop_cut
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.sqlite_store import pack
+
+from laminar.config import parse_config
+from laminar.datasets import ByteTokenizer
+from laminar.envs.scripted import ScriptedEnv
+from laminar.protocol import AppendDeltas, GetPartial, TokenDelta, TrajectorySpec
 from laminar.testing.inproc_cluster import InprocCluster
 
 pytestmark = pytest.mark.timeout(60)
@@ -330,10 +330,11 @@ def test_grpo_loss_ignores_masked_tokens():
 def test_trainer_counts_only_policy_tokens(tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from laminar.models.tiny import build_tiny_model
-    from laminar.protocol import Trajectory
     from laminar.roles.trainer.config import TrainerConfig
     from laminar.roles.trainer.engine import TrainEngine
+
+    from laminar.models.tiny import build_tiny_model
+    from laminar.protocol import Trajectory
     model = build_tiny_model(tmp_path / "m", seed=0)
     e = TrainEngine(TrainerConfig(model_dir=str(model), lr=1e-3, entropy_metric=False), 0, torch.device("cpu"))
     e.load()

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from laminar.roles.partial_pool.state import PartialBook
 
 from laminar.protocol import TokenDelta, TrajectorySpec
-from laminar.roles.partial_pool.state import PartialBook
 
 
 def stream(tid: str, sizes: list[int]) -> list[TokenDelta]:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 
-import numpy as np
 import pytest
-
-from laminar.config import parse_config
-from laminar.protocol import CompletePartial, PutTrajectory, SampleGroups, TokenDelta
 from laminar.roles.experience_buffer.state import BufferBook
 from laminar.roles.partial_pool.state import PartialBook
+
+from laminar.config import parse_config
+from laminar.protocol import CompletePartial, PutTrajectory, SampleGroups
 from laminar.testing.inproc_cluster import InprocCluster
 from tests.unit.test_experience_buffer_book import traj
 from tests.unit.test_pool_write_failures import delta

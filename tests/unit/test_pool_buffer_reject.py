@@ -3,9 +3,10 @@ for a group's missing members is held from its first member on, so a member of a
 buffer already holds is never refused, and a full buffer still completes (and hands out) groups."""
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from laminar.roles.experience_buffer.state import BufferBook
+
 from tests.unit.test_experience_buffer_book import traj
 
 

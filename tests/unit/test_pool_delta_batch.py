@@ -7,8 +7,8 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from laminar.bus.errors import RemoteError
+
 from laminar.protocol import AppendDeltaBatch, AppendDeltas, CompletePartial, GetPartial, InFlightOf
 from laminar.testing.inproc_cluster import InprocCluster
 from tests.unit.test_pool_write_failures import cfg, delta

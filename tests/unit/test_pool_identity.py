@@ -9,8 +9,8 @@ import sqlite3
 
 import numpy as np
 import pytest
-
 from laminar.bus.errors import RemoteError
+
 from laminar.config import parse_config
 from laminar.protocol import PutTrajectory, TakeBatch, Trajectory, TrajectorySpec
 from laminar.testing.inproc_cluster import InprocCluster

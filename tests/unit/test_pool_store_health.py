@@ -10,15 +10,14 @@ import sqlite3
 
 import numpy as np
 import pytest
-
 from laminar.bus import codec
 from laminar.bus.errors import RemoteError
-from laminar.protocol import GetPartial, InFlightOf, Trajectory, TrajectorySpec
 from laminar.roles import sqlite_store
 from laminar.roles.sqlite_store import GroupCommitStore, pack, unpack
-from tests.unit.test_pool_write_failures import cfg, delta
-from laminar.protocol import AppendDeltas
+
+from laminar.protocol import AppendDeltas, GetPartial, InFlightOf, Trajectory, TrajectorySpec
 from laminar.testing.inproc_cluster import InprocCluster
+from tests.unit.test_pool_write_failures import cfg, delta
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,11 +7,11 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from laminar.bus.errors import RemoteError
+from laminar.roles.sqlite_store import StoreError, StoreFull
+
 from laminar.config import parse_config
 from laminar.protocol import AppendDeltas, GetPartial, TokenDelta, TrajectorySpec
-from laminar.roles.sqlite_store import StoreError, StoreFull
 from laminar.testing.inproc_cluster import InprocCluster
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,9 +6,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from laminar.roles.manager.repack import (Move, ReplicaLoad, best_possible_frees, candidates, check_plan,
-                                          plan_repack)
+from laminar.roles.manager.repack import Move, ReplicaLoad, best_possible_frees, candidates, check_plan, plan_repack
 
 
 @st.composite

@@ -7,12 +7,12 @@ import time
 
 import numpy as np
 import pytest
-
 from laminar.bus.errors import Busy, DeadlineExceeded, Refused, RemoteError
 from laminar.bus.inproc import InprocHub
 from laminar.bus.rpc import RequestError
-from laminar.protocol import ErrorReply, Heartbeat, Hello, Ping, Pong, PROTOCOL_VERSION, Shutdown, Welcome
 from laminar.roles.base import Role, RoleContext
+
+from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Heartbeat, Hello, Ping, Pong, Shutdown, Welcome
 from laminar.shell import run_role
 
 pytestmark = pytest.mark.timeout(30)

@@ -19,11 +19,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from laminar.protocol import CompletePartial, PutResult, PutTrajectory, TrajectorySpec  # noqa: E402
 from laminar.roles.base import RoleContext  # noqa: E402
 from laminar.roles.rollout.role import RolloutRole  # noqa: E402
 from laminar.roles.rollout.trajectory import Active  # noqa: E402
 from laminar.roles.rollout.worker_ext import LaminarWorkerExtension  # noqa: E402
+
+from laminar.protocol import CompletePartial, PutResult, PutTrajectory, TrajectorySpec  # noqa: E402
 from laminar.weights.local_write import write_version  # noqa: E402
 from laminar.weights.manifest import with_lineage  # noqa: E402
 from laminar.weights.store import ShmStore, read_pointer  # noqa: E402
@@ -210,6 +211,7 @@ def test_batch_seq_stays_above_earlier_ones_when_the_clock_steps_back(tmp_path, 
 
 def test_work_of_the_same_number_on_another_lineage_is_not_migrated_in(tmp_path):
     from laminar.bus.rpc import RequestError
+
     from laminar.protocol import MigrateIn, PartialState
     role = make_role(tmp_path)
     role.version, role.lineage = 6, 2

@@ -13,15 +13,27 @@ import types
 
 import numpy as np
 import pytest
-
 from laminar.bus.errors import RemoteError
-from laminar.protocol import (Ack, AppendDeltaBatch, AppendDeltas, Batch, DeltaResult, GetPartial, MigrateIn, PartialState,
-                              PutTrajectory, ReassignPartial, TakeBatch, TrajectorySpec)
 from laminar.roles.base import RoleContext
 from laminar.roles.partial_pool.role import _unbatch
 from laminar.roles.partial_pool.state import PartialBook
 from laminar.roles.rollout.role import RolloutRole
 from laminar.roles.rollout.trajectory import Active
+
+from laminar.protocol import (
+    Ack,
+    AppendDeltaBatch,
+    AppendDeltas,
+    Batch,
+    DeltaResult,
+    GetPartial,
+    MigrateIn,
+    PartialState,
+    PutTrajectory,
+    ReassignPartial,
+    TakeBatch,
+    TrajectorySpec,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

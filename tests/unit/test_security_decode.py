@@ -16,10 +16,10 @@ import textwrap
 import msgpack
 import pytest
 import zmq
-
 from laminar.bus import codec
 from laminar.bus.codec import decode
 from laminar.bus.errors import CodecError, MalformedFrame, OversizedFrame
+
 from laminar.protocol import PROTOCOL_VERSION, Ping
 
 PROBE = textwrap.dedent("""
@@ -114,6 +114,7 @@ def test_frame_count_is_checked_before_the_body():
 def test_legit_large_message_still_decodes():
     """A reply of 4,096 trajectories (a large training batch) stays within every limit."""
     import numpy as np
+
     from laminar.protocol import Samples, Trajectory, TrajectorySpec
     spec = TrajectorySpec("t", "p", "g", 0, 16, np.arange(8, dtype=np.int32))
     traj = Trajectory(spec, np.arange(4, dtype=np.int32), np.zeros(4, np.float32), 1, "r", 0.5,
@@ -168,6 +169,7 @@ def test_rpc_server_drops_oversized_messages_and_keeps_serving(tmp_path):
     import asyncio
 
     from laminar.bus import auth
+
     from tests.support import curve_echo_server
     auth.generate_keys(tmp_path / "k")
     keys = auth.load_keys(tmp_path / "k")

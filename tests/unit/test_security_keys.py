@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from laminar.bus import auth
 
 CLI = [sys.executable, "-m", "laminar.cli"]

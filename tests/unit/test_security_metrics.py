@@ -8,7 +8,7 @@ import os
 import pytest
 
 from laminar.config import parse_config
-from laminar.health import HealthCollector, MetricsServer, load_metrics_token, metrics_bind
+from laminar.health import MetricsServer, load_metrics_token, metrics_bind
 from tests.unit.test_health import _request, _split, fed
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,8 +16,8 @@ import time
 import uuid
 
 import pytest
-
 from laminar.bus.heartbeat import HeartbeatMonitor
+
 from laminar.protocol import Heartbeat
 from laminar.weights import wire
 from laminar.weights.node import RelayNode

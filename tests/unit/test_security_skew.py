@@ -13,10 +13,10 @@ import time
 import msgpack
 import pytest
 import zmq
-
 from laminar.bus import auth
 from laminar.bus.codec import decode, encode
 from laminar.bus.zmq_transport import ZmqTransport
+
 from laminar.protocol import ErrorReply, Ping, Pong
 from tests.support import curve_echo_server
 

@@ -11,18 +11,28 @@ import uuid
 
 import numpy as np
 import pytest
-
 from laminar.roles.rollout.sim_engine import SimEngine, VirtualClock
 from laminar.roles.trainer.sim_engine import ModeledDelivery, SimTrainEngine, SimTrainerSettings
+
 from laminar.sim import load_workload
 from laminar.sim.hardware import gpu, model
 from laminar.sim.latency import (
-    HOST_MS_PER_LAYER, RooflineFit, StepCurve, decode_step_ms, kv_ms_per_token, model_curve, roofline_step_ms,
+    HOST_MS_PER_LAYER,
+    RooflineFit,
+    StepCurve,
+    decode_step_ms,
+    kv_ms_per_token,
+    model_curve,
+    roofline_step_ms,
 )
 from laminar.sim.lengths import LengthDistribution
 from laminar.sim.scenario import build_config, estimate, load_setups, mode_tp, trainer_cost
 from laminar.sim.trainer_cost import (
-    NcclBroadcast, TrainerCost, balanced_step_tokens, colocated_switch_s, fsdp_step_bytes,
+    NcclBroadcast,
+    TrainerCost,
+    balanced_step_tokens,
+    colocated_switch_s,
+    fsdp_step_bytes,
 )
 from tests.support import ROOT
 
@@ -51,12 +61,12 @@ def test_roofline_fit_on_32b_and_checked_on_7b():
     table = w["decode_step_latency_ms_at_seq4096"]
     for key, bound in (("32B_TP4", 0.15), ("32B_TP8", 0.15), ("7B_TP1", 0.3), ("7B_TP2", 0.3), ("7B_TP4", 0.3)):
         size, tp = key.split("_TP")
-        for b, ms in zip(table["batch"], table[key]):
+        for b, ms in zip(table["batch"], table[key], strict=False):
             if ms is not None:
                 assert abs(fit.step_ms(model(size), H800, int(tp), b) / ms - 1) < bound, (key, b)
     c72 = model_curve("72B", 8, w)
     assert c72.source.startswith("roofline")
-    assert all(b > a for a, b in zip(c72.ms, c72.ms[1:]))
+    assert all(b > a for a, b in zip(c72.ms, c72.ms[1:], strict=False))
     assert model_curve("32B", 4, w).source == "paper:32B_TP4"
 
 
@@ -108,7 +118,7 @@ def test_the_constant_terms_stop_training_from_scaling():
     16 × 3.5 s at 72B instead of 0."""
     tokens = 8192 * 1286
     t = [TrainerCost.build("72B", "H800", n, fsdp=32).iteration_s(tokens) for n in (256, 512, 1024, 2048)]
-    gains = [a / b for a, b in zip(t, t[1:])]
+    gains = [a / b for a, b in zip(t, t[1:], strict=False)]
     assert all(g < 2 for g in gains) and gains[-1] < gains[0]
     assert t[-1] > 16 * 3.5
 
@@ -138,7 +148,7 @@ def test_nccl_broadcast_calibration_and_check():
     w = load_workload()["components"]["fig14_rollout_wait_s_per_update"]
     n = NcclBroadcast()
     for size, bound in (("72B", 0.02), ("32B", 0.15)):
-        for g, paper in zip(w["rollout_gpus"], w[f"{size}_global_nccl_sync"]):
+        for g, paper in zip(w["rollout_gpus"], w[f"{size}_global_nccl_sync"], strict=False):
             assert abs(n.seconds(model(size).weight_bytes(), g) / paper - 1) < bound, (size, g)
 
 

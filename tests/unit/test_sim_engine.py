@@ -7,8 +7,8 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from laminar.roles.rollout.sim_engine import CompressedClock, SimEngine, SimEngineClosed, VirtualClock
+
 from laminar.sim.latency import StepCurve
 from laminar.sim.lengths import LengthDistribution, z_from_key
 
@@ -318,6 +318,6 @@ def test_virtual_and_compressed_time_give_the_same_run():
     assert [r for r, _ in compressed[0]] == [r for r, _ in virtual[0]]
 
     def gaps(done):
-        return [b - a for (_, a), (_, b) in zip(done, done[1:])]
+        return [b - a for (_, a), (_, b) in zip(done, done[1:], strict=False)]
     assert gaps(compressed[0]) == pytest.approx(gaps(virtual[0]), abs=1e-6)
     assert compressed[1] == virtual[1] and compressed[2] == virtual[2]

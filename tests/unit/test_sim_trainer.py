@@ -10,9 +10,9 @@ import uuid
 
 import numpy as np
 import pytest
-
 from laminar.roles.rollout.sim_engine import SimEngine, VirtualClock
 from laminar.roles.trainer.sim_engine import ModeledDelivery, SimTrainEngine, SimTrainerSettings, write_stand_in
+
 from laminar.sim import load_workload
 from laminar.sim.latency import StepCurve
 from laminar.sim.lengths import LengthDistribution

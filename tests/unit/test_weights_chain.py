@@ -2,8 +2,8 @@
 a dead master's successor becomes master, and the Link actions always rebuild the exact order."""
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from laminar.roles.manager.chain import ChainCoordinator, Link, NewMaster, RelayInfo
 
 

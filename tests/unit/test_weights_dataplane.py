@@ -53,7 +53,7 @@ def nodes(shm_dirs):
             node.start()
             started.append(node)
             out.append(node)
-        for a, b in zip(out, out[1:]):
+        for a, b in zip(out, out[1:], strict=False):
             a.set_downstream(b.address, b.id)
         return out
     yield make

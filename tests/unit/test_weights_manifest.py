@@ -5,11 +5,22 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from laminar.weights.manifest import (ALIGN, build_manifest, checksum, chunk_count, chunk_range,
-                                      manifest_from_bytes, manifest_to_bytes, same_layout, validate,
-                                      verify, with_version)
+from laminar.weights.manifest import (
+    ALIGN,
+    build_manifest,
+    checksum,
+    chunk_count,
+    chunk_range,
+    manifest_from_bytes,
+    manifest_to_bytes,
+    same_layout,
+    validate,
+    verify,
+    with_version,
+)
 
 SPECS = [("a", "float32", (3, 5)), ("b", "bfloat16", (7,)), ("c", "int64", ()), ("d", "uint8", (0, 4))]
 

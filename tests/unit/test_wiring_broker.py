@@ -6,9 +6,9 @@ import types
 
 import pytest
 import structlog
+from laminar.roles import broker as broker_role
 
 from laminar.config import parse_config
-from laminar.roles import broker as broker_role
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,9 +8,9 @@ import types
 
 import pytest
 import structlog
+from laminar.roles.relay.role import RelayRole
 
 from laminar.protocol import ChainState
-from laminar.roles.relay.role import RelayRole
 
 pytestmark = pytest.mark.timeout(30)
 
