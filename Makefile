@@ -63,7 +63,9 @@ demo: $(STAMP_CPU) models/tiny/config.json runs/local/data/prompts.jsonl
 	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/summary.*
 	$(BIN)/laminar-node up configs/local.yaml
 
+# Lint first (rules and line length in pyproject.toml [tool.ruff]), then the tests.
 test: $(STAMP_TEST)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP_TEST)
