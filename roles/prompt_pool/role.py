@@ -13,6 +13,12 @@ rollout died before they got there); the manager asks for a rollout's outstandin
 HandedGroups. So a handed-out group is, at every moment, outstanding, requeued or settled, and
 `prompts_skipped` = fresh groups handed - settled - open ones is 0 unless that broke (it is in the
 pool's counts, hence its heartbeat, and survives restarts: all of it is in the store).
+
+Attempts: every requeue of an entry gives it the group's next attempt number k (durable, in
+`attempts`), and its members go out as `<group>/<i>~a<k>` (attempt 0: `<group>/<i>`), with the same
+group id and sample index. So a re-generated member never reuses the id of one that got as far as
+the partial pool, which refuses deltas for ids it completed (a group the buffer dropped off-lineage
+was completed there), and the buffer still sees one group with one slot per sample index.
 """
 from __future__ import annotations
 
@@ -60,6 +66,7 @@ CREATE TABLE IF NOT EXISTS requeued (group_id TEXT PRIMARY KEY, at REAL);
 CREATE TABLE IF NOT EXISTS last_batch (rollout_id TEXT PRIMARY KEY, seq INTEGER, groups TEXT);
 CREATE TABLE IF NOT EXISTS handed_to (entry TEXT PRIMARY KEY, rollout_id TEXT, pid INTEGER);
 CREATE TABLE IF NOT EXISTS accounting (k TEXT PRIMARY KEY, v INTEGER);
+CREATE TABLE IF NOT EXISTS attempts (entry TEXT PRIMARY KEY, n INTEGER);
 """
 
 
@@ -67,7 +74,8 @@ class PromptPoolRole(PoolRole):
     name = "prompt_pool"
     Config = PromptPoolConfig
     SCHEMA = SCHEMA
-    SCHEMA_VERSION = 2  # v2: handed_to and accounting (new tables; a v1 store's hand-outs count as settled)
+    SCHEMA_VERSION = 3  # v2: handed_to and accounting (new tables; a v1 store's hand-outs count as settled);
+    # v3: attempts (a new table: what an older store requeued goes out again as attempt 0)
 
     async def setup(self) -> None:
         from laminar.datasets import load_records, load_tokenizer
@@ -112,14 +120,17 @@ class PromptPoolRole(PoolRole):
         row = self.store.read("SELECT epoch, pos, handed FROM cursor WHERE k = 0")
         self.epoch, self.pos, self.handed = row[0] if row else (0, 0, 0)
         self.requeued = [g for (g,) in self.store.read("SELECT group_id FROM requeued ORDER BY at")]
-        self.last = {r: (seq, json.loads(gs)) for r, seq, gs in self.store.read("SELECT rollout_id, seq, groups FROM last_batch")}
+        self.last = {r: (seq, json.loads(gs))
+                     for r, seq, gs in self.store.read("SELECT rollout_id, seq, groups FROM last_batch")}
         self._order_epoch = -1
-        self.out = {e: (r, pid) for e, r, pid in self.store.read("SELECT entry, rollout_id, pid FROM handed_to ORDER BY rowid")}
+        self.out = {e: (r, pid)
+                    for e, r, pid in self.store.read("SELECT entry, rollout_id, pid FROM handed_to ORDER BY rowid")}
         acc = dict(self.store.read("SELECT k, v FROM accounting"))
         if "settled" not in acc:  # a store from before the accounting: what it handed out is taken as settled
             acc["settled"] = self.handed
             self.store.write_sync([("INSERT OR REPLACE INTO accounting VALUES ('settled', ?)", (self.handed,))])
         self.settled = acc["settled"]
+        self.attempts: dict[str, int] = dict(self.store.read("SELECT entry, n FROM attempts"))
         self.open: dict[str, int] = {}  # group id -> its entries outstanding or requeued
         for e in list(self.out) + self.requeued:
             g = self._group_of(e)
@@ -139,10 +150,11 @@ class PromptPoolRole(PoolRole):
     def exhausted(self) -> bool:
         return self.cfg.max_epochs is not None and self.epoch >= self.cfg.max_epochs and not self.requeued
 
-    def _group(self, epoch: int, idx: int) -> list[TrajectorySpec]:
+    def _group(self, epoch: int, idx: int, attempt: int = 0) -> list[TrajectorySpec]:
         r, n = self.records[idx], self.cfg.group_size
         gid = f"{self.prefix}e{epoch}-p{r.prompt_id}"
-        return [TrajectorySpec(trajectory_id=f"{gid}/{i}", prompt_id=r.prompt_id, group_id=gid, sample_index=i,
+        tail = f"~a{attempt}" if attempt else ""
+        return [TrajectorySpec(trajectory_id=f"{gid}/{i}{tail}", prompt_id=r.prompt_id, group_id=gid, sample_index=i,
                                group_size=n, prompt_tokens=self.tokens[idx], answer=r.answer,
                                max_tokens=self.cfg.max_tokens) for i in range(n)]
 
@@ -163,7 +175,7 @@ class PromptPoolRole(PoolRole):
 
     def _specs_of(self, entry: str) -> list[TrajectorySpec]:
         e, pid = self._parse(entry)
-        specs = self._group(e, self.index[pid])
+        specs = self._group(e, self.index[pid], self.attempts.get(entry, 0))
         _, member = self._split(entry)
         return specs if member is None else [specs[int(member)]]
 
@@ -237,6 +249,11 @@ class PromptPoolRole(PoolRole):
             if not self._was_handed(g):
                 raise RequestError("refused", f"group {g!r} was never handed out by prompt pool {self.ctx.id}")
         stmts: list = []
+        for g in new:  # its next attempt: new trajectory ids for whatever runs again
+            grp = self._group_of(g)
+            k = 1 + max(self.attempts.get(x, 0) for x in [grp] + [f"{grp}/{i}" for i in range(self.cfg.group_size)])
+            self.attempts[g] = k
+            stmts.append(("INSERT OR REPLACE INTO attempts VALUES (?, ?)", (g, k)))
         for g in new:  # outstanding -> requeued; anything else opens again
             if self.out.pop(g, None) is None:
                 grp = self._group_of(g)

@@ -85,9 +85,11 @@ def test_dead_rollouts_unstarted_groups_are_requeued(tmp_path):
         await fleet._recover(rid, pid)
 
         again = await pp.call(TakeBatch("r2", 8, batch_seq=1, pid=222))
-        # first the unstarted group whole and the half-finished group's missing member alone
-        assert {s.trajectory_id for s in again.trajectories[:3]} == \
-            {s.trajectory_id for s in groups[unstarted]} | {groups[half][1].trajectory_id}
+        # first the unstarted group whole and the half-finished group's missing member alone (as
+        # their next attempt: same group and sample index, a new trajectory id)
+        key = lambda s: (s.group_id, s.sample_index)  # noqa: E731
+        assert {key(s) for s in again.trajectories[:3]} == {key(s) for s in groups[unstarted]} | {key(groups[half][1])}
+        assert not {s.trajectory_id for s in again.trajectories} & {s.trajectory_id for s in b.trajectories}
         assert not {s.group_id for s in again.trajectories} & {streamed, stored}
         left = await pp.call(HandedGroups("r1"))
         assert left.entries == []                                             # nothing of r1's is unaccounted
