@@ -85,6 +85,11 @@ class PromptPoolRole(PoolRole):
         self.tokens = [np.asarray(tok.encode(r.prompt), dtype=np.int32) for r in self.records]
         self.index = {r.prompt_id: i for i, r in enumerate(self.records)}
         self.gate = self._gate()
+        # The gate bounds groups that will still be trained: a group the experience buffer drops as
+        # too stale for the mode is never trained, so its window gets a replacement. The buffers'
+        # published counts say how many they dropped (monotonic, kept across their restarts).
+        self.untrained: dict[str, int] = {}
+        self.buffer_counts = self.ctx.transport.subscriber(["metrics.experience_buffer"]) if self.gate else None
         await super().setup()
 
     def fingerprint(self) -> dict:
@@ -94,7 +99,8 @@ class PromptPoolRole(PoolRole):
 
     def _gate(self) -> tuple[int, int] | None:
         """(lag, groups per version): a rollout holding version v gets groups only while fewer than
-        (v + 1 + lag) global batches were handed out. The barrier modes' lag (docs/architecture.md §8), or in the
+        (v + 1 + lag) global batches were handed out, less the groups the experience buffer dropped
+        as too stale (never trained: `_follow_buffer_counts`). The barrier modes' lag (docs/architecture.md §8), or in the
         laminar modes `max_batches_ahead` (flow control), or None (no gate)."""
         cfg = self.ctx.config
         lag = cfg.run.barrier_lag if cfg is not None else None
@@ -115,6 +121,26 @@ class PromptPoolRole(PoolRole):
             g = TrainerConfig(**settings).groups_per_batch
         self.log.info(why, mode=cfg.run.mode if cfg is not None else None, lag=lag, groups_per_version=g)
         return lag, g
+
+    async def run(self) -> None:
+        if self.buffer_counts is not None:
+            self.spawn(self._follow_buffer_counts(), "buffer-counts")
+        await super().run()
+
+    async def _follow_buffer_counts(self) -> None:
+        """Groups each experience buffer removed untrained because they were too stale (complete
+        or not): the gate's handed groups less these are the groups the trainer will still get."""
+        while True:
+            _, ev = await self.buffer_counts.recv()
+            c = getattr(ev, "counts", None)
+            if isinstance(c, dict):
+                n = int(c.get("dropped_stale", 0)) + int(c.get("dropped_stale_incomplete", 0))
+                self.untrained[ev.id] = max(self.untrained.get(ev.id, 0), n)
+
+    async def stop(self) -> None:
+        await super().stop()
+        if getattr(self, "buffer_counts", None) is not None:
+            self.buffer_counts.close()
 
     def recover(self) -> None:
         row = self.store.read("SELECT epoch, pos, handed FROM cursor WHERE k = 0")
@@ -202,7 +228,7 @@ class PromptPoolRole(PoolRole):
         fresh_room = want
         if self.gate is not None and req.version >= 0:
             lag, g = self.gate
-            fresh_room = (req.version + 1 + lag) * g - self.handed
+            fresh_room = (req.version + 1 + lag) * g - (self.handed - sum(self.untrained.values()))
         out: list[TrajectorySpec] = []
         took_requeued = []
         while len(out) // n < want and len(took_requeued) < len(self.requeued):
