@@ -88,7 +88,8 @@ class SystemdSettings(Strict):
 
 
 class ClusterSpec(Strict):
-    keys_dir: str | None = Field(".laminar/keys", description="folder of the cluster key (laminar-node keygen); null disables CURVE")
+    keys_dir: str | None = Field(".laminar/keys", description="folder of the cluster key (laminar-node keygen); "
+                                 "null disables CURVE")
     heartbeat_s: float = Field(1.0, gt=0, description="heartbeat period of every role")
     dead_after_s: float = Field(5.0, gt=0, description="silence after which a peer is declared dead")
     shutdown_s: float = Field(10.0, gt=0, description="deadline for a role's graceful stop")
@@ -108,7 +109,8 @@ class ClusterSpec(Strict):
                 ports = {self.broker.pub_port: "broker.pub_port", self.broker.sub_port: "broker.sub_port"}
             if host.metrics_port is not None:
                 if host.metrics_port in ports:
-                    raise ValueError(f"hosts.{hid}: metrics_port {host.metrics_port} already used by {ports[host.metrics_port]}")
+                    raise ValueError(f"hosts.{hid}: metrics_port {host.metrics_port} already used by "
+                                     f"{ports[host.metrics_port]}")
                 ports[host.metrics_port] = "metrics_port"
             for spec in host.roles:
                 if spec.key in seen:
@@ -116,7 +118,8 @@ class ClusterSpec(Strict):
                 seen[spec.key] = hid
                 if spec.port is not None:
                     if spec.port in ports:
-                        raise ValueError(f"hosts.{hid}: port {spec.port} of {spec.key} already used by {ports[spec.port]}")
+                        raise ValueError(f"hosts.{hid}: port {spec.port} of {spec.key} already used by "
+                                         f"{ports[spec.port]}")
                     ports[spec.port] = spec.key
         return self
 
@@ -179,6 +182,32 @@ class LaminarConfig(Strict):
     def workdir(self) -> Path:
         return Path(self.run.workdir)
 
+    # -- derived cluster facts ------------------------------------------------------------
+    # What one role needs to know of another's settings is read here, from the validated settings
+    # of the instance it concerns (section defaults + that instance's `options`), never by a role
+    # building another role's Config itself.
+    def settings_of(self, role: str, id: str = "0") -> BaseModel:
+        """The validated settings of role.id (its Config model); for a kind placed nowhere, the
+        roles.<kind> section alone (a role may ask about a peer this config does not place)."""
+        from laminar.roles.registry import role_config_class
+        try:
+            raw = self.role_settings(role, id)
+        except ConfigError:
+            raw = self.roles.get(role, {})
+        return role_config_class(role).model_validate(raw)
+
+    def global_batch_groups(self, trainer: str = "0") -> int:
+        """Whole GRPO groups in one global batch (= one version): the trainer's groups_per_batch."""
+        return self.settings_of("trainer", trainer).groups_per_batch
+
+    def group_size(self, prompt_pool: str = "0") -> int:
+        """Responses per prompt (GRPO n) of the groups the prompt pool hands out."""
+        return self.settings_of("prompt_pool", prompt_pool).group_size
+
+    def rollout_concurrency(self) -> dict[str, int]:
+        """Each placed rollout's max_concurrency (trajectories per batch), per-instance options included."""
+        return {s.id: self.settings_of("rollout", s.id).max_concurrency for _, s in self.find("rollout")}
+
 
 def _loc(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "<top>"
@@ -200,11 +229,12 @@ def _validate_role_settings(cfg: LaminarConfig) -> None:
     from laminar.roles.registry import REGISTRY, role_config_class
     for hid, spec in cfg.placements():
         if spec.role not in REGISTRY:
-            raise ConfigError(f"{cfg.source}: cluster.hosts.{hid}.roles: unknown role {spec.role!r}; known: {sorted(REGISTRY)}")
-    for name, settings in cfg.roles.items():
+            raise ConfigError(f"{cfg.source}: cluster.hosts.{hid}.roles: unknown role {spec.role!r}; "
+                              f"known: {sorted(REGISTRY)}")
+    for name in cfg.roles:
         if name not in REGISTRY:
             raise ConfigError(f"{cfg.source}: roles.{name}: unknown role kind; known: {sorted(REGISTRY)}")
-    for hid, spec in cfg.placements():
+    for _, spec in cfg.placements():
         model = role_config_class(spec.role)
         try:
             model.model_validate(cfg.role_settings(spec.role, spec.id))

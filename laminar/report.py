@@ -1,5 +1,5 @@
-"""Benchmark output shared by bench/ programs and the simulator's harness: an aligned text table and a
-JSON file stamped with the machine it was measured on."""
+"""Output shared by bench/ programs, the simulator's harness and run summaries: an aligned text table,
+a JSON file stamped with the machine it was measured on, and reading the JSONL records roles write."""
 from __future__ import annotations
 
 import json
@@ -28,3 +28,18 @@ def write_json(path: str | None, data: dict) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=2, default=str))
         print(f"\nwrote {path}")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSONL file a role appends to (trainer metrics, manager repacks and timeline);
+    [] if it does not exist. A line torn by a kill is skipped."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line torn by a kill
+    return out

@@ -6,6 +6,7 @@ Reads only files the roles already write, so it can also be run on a finished (o
     <workdir>/manager/repacks.jsonl   one record per executed repack plan
     <workdir>/manager/fleet.jsonl     every rollout report (state, KV usage) the manager saw
     <workdir>/logs/rollout.*.log      the `config_resolved` line: the task (run.task, else the reward)
+    <workdir>/evaluator/metrics.jsonl one record per evaluation (held-out accuracy of a version)
 
     python -m laminar.summary RUN_DIR      (laminar-node up writes it when the trainer finishes)
 
@@ -18,8 +19,10 @@ Learning: `mismatch_mean_abs` is the mean over the versions that measured the tr
 mismatch (|trainer - behaviour| logprob of the same tokens under the same weights version) of
 each version's token mean, `mismatch_max_abs` the largest |delta| of the run;
 `skipped_nonfinite_steps` counts the optimizer steps the trainer skipped for a NaN/inf loss or
-gradient; `eval_accuracy_first/last` are the first and last held-out accuracies (`eval/accuracy`
-records), None when the run did not evaluate.
+gradient; `eval_accuracy_first/last` are the first and last held-out accuracies (`eval/accuracy`,
+greedy answers; the first is version 0, before training, when the evaluator ran from the start),
+`eval_accuracy_sampled_first/last` the same for the sampled answers, `eval_versions` the versions
+evaluated; None when the run did not evaluate.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from laminar.roles.trainer.metrics import read_jsonl
+from laminar.report import read_jsonl
 
 
 def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
@@ -38,7 +41,7 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     fleet = read_jsonl(run / "manager" / "fleet.jsonl")
     out: dict = {"run_dir": str(run), "iterations": len(recs), "task": task_of(run),
                  "reward_first": None, "reward_last": None, "max_staleness": None}
-    out.update(learning_stats(recs))
+    out.update(learning_stats(recs, read_jsonl(run / "evaluator" / "metrics.jsonl")))
     if recs:
         rewards = [r["reward_mean"] for r in recs]
         k = max(1, min(window, len(recs) // 2 or 1))
@@ -54,7 +57,8 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
         out["staleness_histogram"] = {str(k): v for k, v in sorted(stale.items())}
         out["response_len_mean"] = sum(r.get("response_len_mean", 0) for r in recs) / len(recs)
         out["publish_stall_s_max"] = max(r.get("publish_stall_s", 0.0) for r in recs)
-        tput = [b.get("batch_tokens", 0.0) / (b["ts"] - a["ts"]) for a, b in zip(recs, recs[1:], strict=False) if b["ts"] > a["ts"]]
+        tput = [b.get("batch_tokens", 0.0) / (b["ts"] - a["ts"])
+                for a, b in zip(recs, recs[1:], strict=False) if b["ts"] > a["ts"]]
         tput = tput[warmup:] or tput  # the first intervals include engine and trainer warm-up
         out["throughput_tokens_per_s"] = sum(tput) / len(tput) if tput else None
         out["duration_s"] = recs[-1]["ts"] - recs[0]["ts"]
@@ -67,10 +71,14 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     return out
 
 
-def learning_stats(recs: list[dict]) -> dict:
-    """Mismatch, skipped non-finite steps and eval accuracy over the per-version records."""
+def learning_stats(recs: list[dict], eval_recs: list[dict] | None = None) -> dict:
+    """Mismatch and skipped non-finite steps over the trainer's per-version records; held-out
+    accuracy over the evaluator's records (`eval_recs`, in the order written), else over any
+    `eval/accuracy` the trainer's records carry."""
     measured = [r for r in recs if r.get("mismatch_tokens", 0) > 0 and "mismatch_mean_abs" in r]
-    evals = [r[k] for r in recs for k in ("eval/accuracy", "eval_accuracy") if r.get(k) is not None]
+    source = eval_recs if eval_recs else recs
+    evals = [r[k] for r in source for k in ("eval/accuracy", "eval_accuracy") if r.get(k) is not None]
+    sampled = [r["eval/accuracy_sampled"] for r in source if r.get("eval/accuracy_sampled") is not None]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return {"mismatch_mean_abs": mean([r["mismatch_mean_abs"] for r in measured]),
             "mismatch_max_abs": max((r["mismatch_max_abs"] for r in measured), default=None),
@@ -78,7 +86,10 @@ def learning_stats(recs: list[dict]) -> dict:
             "mismatch_versions": len(measured),
             "skipped_nonfinite_steps": int(sum(r.get("skipped_nonfinite_steps", 0) for r in recs)),
             "eval_accuracy_first": evals[0] if evals else None,
-            "eval_accuracy_last": evals[-1] if evals else None}
+            "eval_accuracy_last": evals[-1] if evals else None,
+            "eval_accuracy_sampled_first": sampled[0] if sampled else None,
+            "eval_accuracy_sampled_last": sampled[-1] if sampled else None,
+            "eval_versions": [int(r["version"]) for r in (eval_recs or []) if "version" in r]}
 
 
 def task_of(run: Path) -> str | None:
@@ -117,6 +128,7 @@ def table(s: dict) -> str:
     def f(v):
         return f"{v:.4g}" if isinstance(v, float) else str(v)
     keys = ["task", "iterations", "reward_first", "reward_last", "eval_accuracy_first", "eval_accuracy_last",
+            "eval_accuracy_sampled_first", "eval_accuracy_sampled_last", "eval_versions",
             "throughput_tokens_per_s", "max_staleness", "staleness_histogram", "mismatch_mean_abs",
             "mismatch_max_abs", "skipped_nonfinite_steps", "repacks", "moved_trajectories", "repack_s_mean",
             "rollout_idle_fraction", "kv_usage_mean", "publish_stall_s_max", "duration_s"]
@@ -125,7 +137,8 @@ def table(s: dict) -> str:
 
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
-    """Reward and throughput over time (PNG). None when matplotlib is not installed."""
+    """Reward, held-out accuracy (when the run evaluated) and throughput over time (PNG). None when
+    matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -137,17 +150,36 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     if not recs:
         return None
     t0 = recs[0]["ts"]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    evals = [e for e in read_jsonl(run / "evaluator" / "metrics.jsonl") if "eval/accuracy" in e and "ts" in e]
+    if evals:
+        fig, (ax1, axe, ax2) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    else:
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     ax1.plot([r["ts"] - t0 for r in recs], [r["reward_mean"] for r in recs], marker=".")
     ax1.set_ylabel("reward (batch mean)")
     ax1.grid(alpha=0.3)
-    tput = [(b["ts"] - t0, b.get("batch_tokens", 0.0) / (b["ts"] - a["ts"])) for a, b in zip(recs, recs[1:], strict=False) if b["ts"] > a["ts"]]
+    if evals:
+        xs = [e["ts"] - t0 for e in evals]
+        axe.plot(xs, [e["eval/accuracy"] for e in evals], marker="o", label="greedy")
+        if any("eval/accuracy_sampled" in e for e in evals):
+            axe.plot([x for x, e in zip(xs, evals, strict=True) if "eval/accuracy_sampled" in e],
+                     [e["eval/accuracy_sampled"] for e in evals if "eval/accuracy_sampled" in e], marker="o",
+                     label="sampled")
+        for x, e in zip(xs, evals, strict=True):
+            axe.annotate(f"v{int(e.get('version', 0))}", (x, e["eval/accuracy"]), fontsize=7,
+                         textcoords="offset points", xytext=(0, 4))
+        axe.set_ylabel("held-out accuracy")
+        axe.set_ylim(0, 1)
+        axe.legend(loc="lower right")
+        axe.grid(alpha=0.3)
+    tput = [(b["ts"] - t0, b.get("batch_tokens", 0.0) / (b["ts"] - a["ts"]))
+            for a, b in zip(recs, recs[1:], strict=False) if b["ts"] > a["ts"]]
     if tput:
         ax2.plot(*zip(*tput, strict=False), marker=".", color="tab:green")
     ax2.set_ylabel("throughput (tokens/s)")
     ax2.set_xlabel("seconds since the first update")
     ax2.grid(alpha=0.3)
-    fig.suptitle(f"{run.name}: reward and throughput per version")
+    fig.suptitle(f"{run.name}: reward{', held-out accuracy' if evals else ''} and throughput per version")
     fig.tight_layout()
     path = Path(out) if out else run / "summary.png"
     fig.savefig(path, dpi=100)

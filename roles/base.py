@@ -47,7 +47,8 @@ class Role:
 
     def __init__(self, ctx: RoleContext):
         self.ctx = ctx
-        self.cfg = self.Config.model_validate(ctx.settings)
+        self.settings = self.Config.model_validate(ctx.settings)  # this role's own settings (roles.<kind> + options)
+        self.cfg = self.settings  # the older name of self.settings, still read by some roles
         self.log = structlog.get_logger(f"laminar.{ctx.role}").bind(role=ctx.role, id=ctx.id)
         self.stopping = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -69,6 +70,12 @@ class Role:
         return {}
 
     # -- helpers ------------------------------------------------------------------------
+    @property
+    def cluster(self) -> Any:
+        """The cluster config (LaminarConfig) this role was started from; None when started alone.
+        Facts about other roles (global batch, group size, rollout concurrency) are read from it."""
+        return self.ctx.config
+
     @property
     def pub(self) -> Publisher:
         assert self.ctx.publisher is not None, "publisher is set by the shell before setup()"

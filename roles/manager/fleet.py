@@ -7,8 +7,9 @@ Inputs (all pub/sub, each report carries the full current state, so a lost one c
                       old version get freed for the new one)
 Outputs (request/reply, must arrive):
   MigrateOut(everything) to a source, MigrateIn(partials) to its destination (one version);
-  InFlightOf(dead rollout) from the partial pool, then MigrateIn of those partials to live
-  rollouts of the same version (re-prefill from prompt + generated tokens).
+  InFlightOf(dead rollout) from the partial pool (page by page: each reply is bounded), then
+  MigrateIn of those partials to live rollouts of the same version (re-prefill from prompt +
+  generated tokens).
 
 Nothing is lost on a failed step: a partial whose MigrateIn is refused (the destination moved to
 another version, is full, or died) joins `orphans`, durable in the partial pool all along, and is
@@ -82,7 +83,8 @@ class FleetSettings:
     interval_s: float = 5.0
     c_max: float = 0.99
     batch_bound: int = 32
-    max_concurrency: int = 64
+    max_concurrency: int = 64    # a rollout's max_concurrency, when `concurrency` does not name it
+    concurrency: dict[str, int] = field(default_factory=dict)  # rollout id -> its own max_concurrency
     dead_after_s: float = 5.0
     rpc_timeout_s: float = 10.0
     orphan_wait_s: float = 30.0
@@ -92,6 +94,9 @@ class FleetSettings:
     settle_page: int = 4096       # entries asked per request of that pass
     log_path: Path | None = None  # JSONL of every repack (for summaries)
     timeline_path: Path | None = None  # JSONL of every rollout report (idle fraction, KV usage)
+
+    def max_concurrency_of(self, rollout_id: str) -> int:
+        return self.concurrency.get(rollout_id, self.max_concurrency)
 
 
 @dataclass
@@ -278,16 +283,16 @@ class Fleet:
             self.log.warning("recover_impossible", rollout=rollout_id, why="no partial pool in the config")
             return
         try:
-            res = await self.partials.call(InFlightOf(rollout_id), timeout=self.s.rpc_timeout_s)
+            partials = await self.in_flight(rollout_id)
         except RpcError as exc:  # the partial pool is down: try again on the next tick
             self.log.warning("recover_deferred", rollout=rollout_id, error=str(exc))
             self.lost.put_nowait((rollout_id, pid))
             return
         now = time.monotonic()
-        for p in res.partials:
+        for p in partials:
             self.orphans.setdefault(p.spec.trajectory_id, (p, now))
-        self.log.info("recovering", rollout=rollout_id, trajectories=len(res.partials),
-                      ids=[p.spec.trajectory_id for p in res.partials][:64])
+        self.log.info("recovering", rollout=rollout_id, trajectories=len(partials),
+                      ids=[p.spec.trajectory_id for p in partials][:64])
         if not await self.settle_handed(rollout_id, pid, dead=True):  # its groups not yet anywhere
             self.lost.put_nowait((rollout_id, pid))
 
@@ -362,18 +367,30 @@ class Fleet:
         if self.partials is None:
             return
         try:
-            res = await self.partials.call(InFlightOf("*"), timeout=self.s.rpc_timeout_s)
+            partials = await self.in_flight("*")
         except RpcError as exc:
             self.log.warning("reconcile_deferred", error=str(exc))
             return
         live = {v.id for v in self.views.values() if v.alive}
         now, found = time.monotonic(), 0
-        for p in res.partials:
+        for p in partials:
             if p.rollout_id not in live and p.spec.trajectory_id not in self.orphans:
                 self.orphans[p.spec.trajectory_id] = (p, now)
                 found += 1
         if found:
-            self.log.warning("orphans_found", trajectories=found, owners=sorted({p.rollout_id for p in res.partials} - live))
+            self.log.warning("orphans_found", trajectories=found, owners=sorted({p.rollout_id for p in partials} - live))
+
+    async def in_flight(self, rollout_id: str) -> list[PartialState]:
+        """Every partial of `rollout_id` ("*": of anyone) in the partial pool, read page by page
+        (InFlightOf replies are bounded, whatever the population in flight)."""
+        out: list[PartialState] = []
+        after = ""
+        while True:
+            res = await self.partials.call(InFlightOf(rollout_id, after=after), timeout=self.s.rpc_timeout_s)
+            out += res.partials
+            if not res.more or not res.partials:
+                return out
+            after = res.next_after
 
     async def _place_orphans(self) -> None:
         if not self.orphans:
@@ -383,7 +400,7 @@ class Fleet:
             by_weights.setdefault((p.lineage, p.version), []).append(p)
         for (lineage, version), parts in by_weights.items():
             for dest in self._hosts_of(version, lineage):
-                room = 2 * self.s.max_concurrency - dest.stats.active  # MigrateIn's own bound
+                room = 2 * self.s.max_concurrency_of(dest.id) - dest.stats.active  # MigrateIn's own bound
                 if room <= 0 or not parts:
                     continue
                 batch, parts = parts[:room], parts[room:]
@@ -416,7 +433,7 @@ class Fleet:
                                key=lambda v: v.stats.active):
                 if not parts:
                     break
-                batch = parts[:2 * self.s.max_concurrency]
+                batch = parts[:2 * self.s.max_concurrency_of(dest.id)]
                 try:
                     res = await self._client(dest.id).call(MigrateIn(batch, adopt=True), timeout=self.s.rpc_timeout_s)
                 except RemoteError as exc:
@@ -449,7 +466,7 @@ class Fleet:
             return
         dest = live[0]
         fresh, old = [], {}
-        for tid in tids[:max(0, 2 * self.s.max_concurrency - dest.stats.active)]:
+        for tid in tids[:max(0, 2 * self.s.max_concurrency_of(dest.id) - dest.stats.active)]:
             p, _ = self.orphans[tid]
             base, _, n = tid.partition("~r")
             new_id = f"{base}~r{int(n or 0) + 1}"

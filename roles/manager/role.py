@@ -21,6 +21,7 @@ from laminar.roles.manager.fleet import Fleet, FleetSettings
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.protocol import Heartbeat, LinkDown, MasterQuery, RelayJoin, RolloutStats, WeightsVersion
+from laminar.sim.latency import StepCurve, roofline_batch_bound
 
 
 class ManagerConfig(BaseModel):
@@ -28,20 +29,25 @@ class ManagerConfig(BaseModel):
     probe_timeout_s: float = Field(0.3, gt=0, description="deadline of the TCP probe of a relay reported down")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of SetDownstream calls to relays")
     state_interval_s: float = Field(2.0, gt=0, description="period of the ChainState republication")
-    dead_after_s: float | None = Field(None, gt=0, description="heartbeat silence that declares a relay dead (default: cluster.dead_after_s)")
+    dead_after_s: float | None = Field(None, gt=0, description="heartbeat silence that declares a relay dead "
+                                       "(default: cluster.dead_after_s)")
     address: str = Field("tcp://127.0.0.1:0", description="bind address when the config gives no port")
     repack: bool | None = Field(None, description="dynamic repack (default: on in laminar mode, off otherwise)")
-    repack_interval_s: float = Field(5.0, gt=0, description="period of the repack plan (also run after each new version)")
-    c_max: float = Field(0.99, gt=0, le=1, description="KV-cache fraction a destination may reach (docs/architecture.md §7, C_max)")
+    repack_interval_s: float = Field(5.0, gt=0, description="period of the repack plan (also run after each new "
+                                     "version)")
+    c_max: float = Field(0.99, gt=0, le=1, description="KV-cache fraction a destination may reach "
+                         "(docs/architecture.md §7, C_max)")
     batch_bound: int = Field(32, ge=1, description="B: largest decode batch whose step time stays near batch 1 "
                              "(the roofline knee), used when no curve_path is given")
     curve_path: str | None = Field(None, description="step-latency curve (JSON of `python bench/step_curve.py --out`, "
                                    "or [[batch, ms], ...]): B is derived from it (step <= 1.2 x batch 1)")
-    rollout_dead_after_s: float | None = Field(None, gt=0, description="rollout silence that declares it dead (default: cluster.dead_after_s)")
-    orphan_wait_s: float = Field(30.0, gt=0, description="how long a dead rollout's trajectories wait for a live rollout of their version")
-    orphan_policy: str = Field("restart", pattern="^(restart|wait|retained)$", description="then: restart them from their "
-                               "prompts on the newest version (new id <id>~r<n>); wait (and warn) for a rollout of their "
-                               "version; or retained: a rollout whose relay retains their version (relay "
+    rollout_dead_after_s: float | None = Field(None, gt=0, description="rollout silence that declares it dead "
+                                               "(default: cluster.dead_after_s)")
+    orphan_wait_s: float = Field(30.0, gt=0, description="how long a dead rollout's trajectories wait for a live "
+                                 "rollout of their version")
+    orphan_policy: str = Field("restart", pattern="^(restart|wait|retained)$", description="then: restart them from "
+                               "their prompts on the newest version (new id <id>~r<n>); wait (and warn) for a rollout "
+                               "of their version; or retained: a rollout whose relay retains their version (relay "
                                "retain_versions) adopts them and resumes them on it, else restart")
     partial_pool: str = Field("0", description="id of the partial pool role (in-flight state of dead rollouts)")
     experience_buffer: str = Field("0", description="id of the experience buffer (where finished groups are)")
@@ -55,12 +61,12 @@ class ManagerRole(Role):
     Config = ManagerConfig
 
     async def setup(self) -> None:
-        cfg = self.ctx.config
-        address = cfg.bind_endpoint("manager", self.ctx.id) if cfg else self.cfg.address
-        dead_after = self.cfg.dead_after_s or (cfg.cluster.dead_after_s if cfg else 5.0)
+        cluster, settings = self.cluster, self.settings
+        address = cluster.bind_endpoint("manager", self.ctx.id) if cluster else settings.address
+        dead_after = settings.dead_after_s or (cluster.cluster.dead_after_s if cluster else 5.0)
         probe, probe_options = self._relay_transport()
-        self.chain = ChainHost(self.ctx.transport, self.pub, self.log, self.cfg.probe_timeout_s, self.cfg.rpc_timeout_s,
-                               probe_transport=probe, probe_transport_options=probe_options)
+        self.chain = ChainHost(self.ctx.transport, self.pub, self.log, settings.probe_timeout_s,
+                               settings.rpc_timeout_s, probe_transport=probe, probe_transport_options=probe_options)
         self.monitor = HeartbeatMonitor(dead_after)
         self.dead: asyncio.Queue[str] = asyncio.Queue(maxsize=1024)
         self.hb_sub = self.ctx.transport.subscriber(["hb.relay."])
@@ -84,39 +90,40 @@ class ManagerRole(Role):
     def _relay_transport(self) -> tuple[str, dict]:
         """The relays' chunk transport and its options (roles.relay, as the first relay placed
         sees them): the data-port probe must speak it."""
-        cfg = self.ctx.config
-        if cfg is None:
+        cluster = self.cluster
+        if cluster is None:
             return "tcp", {}
-        relays = cfg.find("relay")
-        s = cfg.role_settings("relay", relays[0][1].id) if relays else cfg.roles.get("relay", {})
+        relays = cluster.find("relay")
+        s = cluster.role_settings("relay", relays[0][1].id) if relays else cluster.roles.get("relay", {})
         return s.get("transport", "tcp"), dict(s.get("transport_options") or {})
 
     def _make_fleet(self, dead_after: float) -> Fleet:
-        c, cfg = self.cfg, self.ctx.config
-        mode = cfg.run.mode if cfg else "laminar"
-        repack = c.repack if c.repack is not None else mode == "laminar"
-        max_conc = 64
-        if cfg is not None and cfg.find("rollout"):
-            from laminar.roles.rollout.config import RolloutConfig
-            max_conc = RolloutConfig(**cfg.roles.get("rollout", {})).max_concurrency
-        bound = c.batch_bound
-        if c.curve_path:
-            from laminar.sim.latency import StepCurve, roofline_batch_bound
-            bound = roofline_batch_bound(StepCurve.load(c.curve_path))
-        settings = FleetSettings(repack=repack, interval_s=c.repack_interval_s, c_max=c.c_max, batch_bound=bound,
-                                 max_concurrency=max_conc, dead_after_s=c.rollout_dead_after_s or dead_after,
-                                 rpc_timeout_s=c.rpc_timeout_s, orphan_wait_s=c.orphan_wait_s, orphan_policy=c.orphan_policy,
-                                 settle_s=c.settle_interval_s,
-                                 log_path=(cfg.workdir() / "manager" / "repacks.jsonl") if cfg else None,
-                                 timeline_path=(cfg.workdir() / "manager" / "fleet.jsonl") if cfg else None)
-        self.log.info("fleet_settings", mode=mode, repack=repack, c_max=c.c_max, batch_bound=bound, curve=c.curve_path,
-                      interval_s=c.repack_interval_s)
-        pool = cfg.endpoint("partial_pool", c.partial_pool) if cfg and cfg.find("partial_pool") else None
-        prompts = {s.id: cfg.endpoint("prompt_pool", s.id) for _, s in cfg.find("prompt_pool")} if cfg else {}
-        buffer = (cfg.endpoint("experience_buffer", c.experience_buffer)
-                  if cfg and any(s.id == c.experience_buffer for _, s in cfg.find("experience_buffer")) else None)
-        return Fleet(self.ctx.transport, self.log, settings,
-                     lambda rid: cfg.endpoint("rollout", rid) if cfg else "", pool, prompts, buffer)
+        cluster, settings = self.cluster, self.settings
+        mode = cluster.run.mode if cluster else "laminar"
+        repack = settings.repack if settings.repack is not None else mode == "laminar"
+        bound = settings.batch_bound
+        if settings.curve_path:
+            bound = roofline_batch_bound(StepCurve.load(settings.curve_path))
+        workdir = cluster.workdir() if cluster else None
+        fleet = FleetSettings(repack=repack, interval_s=settings.repack_interval_s, c_max=settings.c_max,
+                              batch_bound=bound,
+                              concurrency=cluster.rollout_concurrency() if cluster else {},
+                              dead_after_s=settings.rollout_dead_after_s or dead_after,
+                              rpc_timeout_s=settings.rpc_timeout_s, orphan_wait_s=settings.orphan_wait_s,
+                              orphan_policy=settings.orphan_policy, settle_s=settings.settle_interval_s,
+                              log_path=workdir / "manager" / "repacks.jsonl" if workdir else None,
+                              timeline_path=workdir / "manager" / "fleet.jsonl" if workdir else None)
+        self.log.info("fleet_settings", mode=mode, repack=repack, c_max=settings.c_max, batch_bound=bound,
+                      curve=settings.curve_path, interval_s=settings.repack_interval_s,
+                      max_concurrency=fleet.concurrency)
+        if cluster is None:
+            return Fleet(self.ctx.transport, self.log, fleet, lambda rid: "", None, {}, None)
+        pool = (cluster.endpoint("partial_pool", settings.partial_pool) if cluster.find("partial_pool") else None)
+        prompts = {s.id: cluster.endpoint("prompt_pool", s.id) for _, s in cluster.find("prompt_pool")}
+        buffer = (cluster.endpoint("experience_buffer", settings.experience_buffer)
+                  if any(s.id == settings.experience_buffer for _, s in cluster.find("experience_buffer")) else None)
+        return Fleet(self.ctx.transport, self.log, fleet, lambda rid: cluster.endpoint("rollout", rid),
+                     pool, prompts, buffer)
 
     async def _follow_fleet(self) -> None:
         while True:
@@ -145,7 +152,7 @@ class ManagerRole(Role):
     async def _republish(self) -> None:
         while True:
             self.chain.publish_state()
-            await asyncio.sleep(self.cfg.state_interval_s)  # a period, not a wait for a peer
+            await asyncio.sleep(self.settings.state_interval_s)  # a period, not a wait for a peer
 
     async def stop(self) -> None:
         await super().stop()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from laminar.report import read_jsonl  # also read from here by tests and the simulator
+
 
 def batch_stats(groups, trainer_version: int, lineage: int = -1, forks: dict | None = None) -> dict:
     """Staleness is counted over on-lineage samples only (with `lineage` -1, over all): a version
@@ -86,16 +88,3 @@ class MetricsLog:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         os.replace(tmp, self.path)
         return len(drop)
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    p = Path(path)
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line torn by a kill
-    return out
