@@ -79,9 +79,10 @@ class PromptPoolRole(PoolRole):
 
     async def setup(self) -> None:
         from laminar.datasets import load_records, load_tokenizer
-        c = self.cfg
-        self.records, self.skipped = load_records(c.dataset, c.prompt_field, c.answer_field, c.id_field, c.on_bad_row)
-        tok = load_tokenizer(c.tokenizer_dir)
+        settings = self.settings
+        self.records, self.skipped = load_records(settings.dataset, settings.prompt_field, settings.answer_field,
+                                                  settings.id_field, settings.on_bad_row)
+        tok = load_tokenizer(settings.tokenizer_dir)
         self.tokens = [np.asarray(tok.encode(r.prompt), dtype=np.int32) for r in self.records]
         self.index = {r.prompt_id: i for i, r in enumerate(self.records)}
         self.gate = self._gate()
@@ -102,24 +103,17 @@ class PromptPoolRole(PoolRole):
         (v + 1 + lag) global batches were handed out, less the groups the experience buffer dropped
         as too stale (never trained: `_follow_buffer_counts`). The barrier modes' lag (docs/architecture.md §8), or in the
         laminar modes `max_batches_ahead` (flow control), or None (no gate)."""
-        cfg = self.ctx.config
-        lag = cfg.run.barrier_lag if cfg is not None else None
+        cluster = self.cluster
+        lag = cluster.run.barrier_lag if cluster is not None else None
         why = "barrier_gate"
         if lag is None:
-            lag, why = self.cfg.max_batches_ahead, "flow_control_gate"
+            lag, why = self.settings.max_batches_ahead, "flow_control_gate"
         if lag is None:
             return None
-        g = self.cfg.groups_per_version
-        if g is None:
-            from laminar.roles.trainer.config import TrainerConfig
-
-            from laminar.config import ConfigError
-            try:
-                settings = cfg.role_settings("trainer", "0")
-            except ConfigError:  # no trainer placed in this config: the roles.trainer section
-                settings = cfg.roles.get("trainer", {})
-            g = TrainerConfig(**settings).groups_per_batch
-        self.log.info(why, mode=cfg.run.mode if cfg is not None else None, lag=lag, groups_per_version=g)
+        g = self.settings.groups_per_version
+        if g is None:  # one global batch of the trainer (the cluster config's derived fact)
+            g = cluster.global_batch_groups()
+        self.log.info(why, mode=cluster.run.mode if cluster is not None else None, lag=lag, groups_per_version=g)
         return lag, g
 
     async def run(self) -> None:
