@@ -1,4 +1,5 @@
-"""Kinds of the data module (docs/architecture.md §2, §5; every kind with its peers: §4): prompt pool, partial response pool, experience buffer.
+"""Kinds of the data module (docs/architecture.md §2, §5; every kind with its peers: §4): prompt pool,
+partial response pool, experience buffer.
 
 Everything here goes by request/reply and is acknowledged only once durable; every write is
 idempotent (trajectory ids, delta sequence numbers), so a retry after a lost reply does no harm.
@@ -146,7 +147,13 @@ class DeltaResult:
 
 @event("data.in_flight_of")
 class InFlightOf:
+    """Partial pool query: the trajectories in flight owned by `rollout_id` ("*" or "": any owner),
+    one page at a time in trajectory id order. Every reply is bounded (the pool's page size and
+    page bytes, whatever `limit` asks): ask again with `after` = the reply's `next_after` while
+    its `more` is set."""
     rollout_id: str
+    limit: int = 0           # most partials in the reply (0: the pool's page size; never more than it)
+    after: str = ""          # paging: only trajectory ids after this one (the previous page's next_after)
 
 
 @event("data.get_partial")
@@ -175,6 +182,8 @@ class PartialState:
 @event("data.partial_list")
 class PartialList:
     partials: list[PartialState]
+    more: bool = False       # a page bound cut the list: ask again with after = next_after
+    next_after: str = ""     # the last trajectory id in this page
 
 
 @event("data.reassign_partial")

@@ -53,6 +53,10 @@ class PartialPoolConfig(BaseModel):
                                     "deltas; older ones are forgotten, which bounds memory and start-up")
     max_held_only: int = Field(65_536, ge=1, description="trajectories seen only through out-of-order deltas "
                                "(no seq 0 yet) held at once; beyond it the oldest are dropped")
+    page_size: int = Field(4096, ge=1, le=8192, description="most trajectories one InFlightOf reply lists (a "
+                           "partial is up to five arrays, one bus frame each: 8192 stays well below the frame limit)")
+    page_bytes: int = Field(8 << 20, ge=1 << 16, le=12 << 20, description="token bytes one InFlightOf reply carries "
+                            "at most (below the bus's 16 MiB body limit; a page holds at least one partial)")
 
 
 SCHEMA = """
@@ -98,7 +102,8 @@ class PartialPoolRole(PoolRole):
                                 [("INSERT INTO quarantined SELECT 'deltas', tid || '#' || seq, tokens, "
                                   "'rest of a quarantined trajectory', ? FROM deltas WHERE tid = ? AND seq != ?",
                                   (now(), tid, seq)),
-                                 ("DELETE FROM deltas WHERE tid = ?", (tid,)), ("DELETE FROM owners WHERE tid = ?", (tid,))])
+                                 ("DELETE FROM deltas WHERE tid = ?", (tid,)),
+                                 ("DELETE FROM owners WHERE tid = ?", (tid,))])
                 continue
             st.apply(owner, [d])
         self._replay_chunks(st)
@@ -180,21 +185,39 @@ class PartialPoolRole(PoolRole):
                 lineages=np.fromiter((getattr(d, "lineage", -1) for d in ds), np.int64, len(ds))))
             self.state.add_chunk(cid, tids)
             return [("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, owner, blob))]
-        return [("INSERT OR IGNORE INTO deltas (tid, seq, owner, version, spec, tokens, logprobs, mask, spans, lineage) "
+        return [("INSERT OR IGNORE INTO deltas "
+                 "(tid, seq, owner, version, spec, tokens, logprobs, mask, spans, lineage) "
                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", Many(
                      (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
                       d.tokens.tobytes(), d.logprobs.tobytes(), None if d.loss_mask is None else d.loss_mask.tobytes(),
-                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes(), getattr(d, "lineage", -1))
+                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes(),
+                      getattr(d, "lineage", -1))
                      if type(d) is Delta else
                      (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
                       np.asarray(d.tokens, np.int32).tobytes(), np.asarray(d.logprobs, np.float32).tobytes(),
                       None if d.loss_mask is None else np.asarray(d.loss_mask, np.uint8).tobytes(),
-                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes(), getattr(d, "lineage", -1))
+                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes(),
+                      getattr(d, "lineage", -1))
                      for owner, d in out.applied))]
 
     async def on_in_flight(self, req: InFlightOf) -> PartialList:
-        return PartialList([e.state() for e in self.state.live().values()
-                            if req.rollout_id in ("", "*") or e.owner == req.rollout_id])
+        """One page, in trajectory id order after `req.after`: at most `page_size` partials (or
+        `limit`) and `page_bytes` of their arrays (at least one), so any population in flight is
+        listed through bounded replies. An id completed between two pages is simply not listed; one
+        created meanwhile is listed if it sorts after the cursor (a live owner's new work)."""
+        limit = min(req.limit or self.cfg.page_size, self.cfg.page_size)
+        tids = sorted(t for t, e in self.state.entries.items()
+                      if e.spec is not None and t > req.after
+                      and (req.rollout_id in ("", "*") or e.owner == req.rollout_id))
+        out, size = [], 0
+        for t in tids[:limit]:
+            e = self.state.entries[t]
+            n = sum(len(x) for x in e.tokens) * 8 + len(e.spec.prompt_tokens) * 4
+            if out and size + n > self.cfg.page_bytes:
+                break
+            out.append(e.state())
+            size += n
+        return PartialList(out, more=len(out) < len(tids), next_after=out[-1].spec.trajectory_id if out else req.after)
 
     def _entry(self, tid: str):
         e = self.state.live().get(tid)
@@ -285,8 +308,10 @@ def _unbatch(req: AppendDeltaBatch) -> list[Delta]:
     if sum(1 for s in seqs if s == 0) != len(req.specs):
         raise RequestError("bad_request", f"{len(req.specs)} specs for {sum(1 for s in seqs if s == 0)} seq-0 deltas")
     specs = iter(req.specs)
-    toks, lps, mask = req.tokens.astype(np.int32, copy=False), req.logprobs.astype(np.float32, copy=False), req.loss_mask
+    toks, lps = req.tokens.astype(np.int32, copy=False), req.logprobs.astype(np.float32, copy=False)
+    mask = req.loss_mask
     mask = None if mask is None else mask.astype(np.uint8, copy=False)
     return [Delta(tid, seq, toks[a:b], lps[a:b], v, next(specs) if seq == 0 else None,
                   None if mask is None else mask[a:b], None, ep, lin)
-            for tid, seq, v, ep, lin, a, b in zip(req.trajectory_ids, seqs, versions, epochs, lineages, off, off[1:], strict=False)]
+            for tid, seq, v, ep, lin, a, b in zip(req.trajectory_ids, seqs, versions, epochs, lineages, off, off[1:],
+                                                  strict=False)]

@@ -61,7 +61,8 @@ class Entry:
         mask = None
         if any(m is not None for m in self.masks):
             ones = lambda n: np.ones(n, np.uint8)  # noqa: E731 — a delta without a mask: all policy tokens
-            mask = cat([ones(len(t)) if m is None else m for t, m in zip(self.tokens, self.masks, strict=False)], np.uint8)
+            mask = cat([ones(len(t)) if m is None else m
+                        for t, m in zip(self.tokens, self.masks, strict=False)], np.uint8)
         spans = np.concatenate(self.spans).astype(np.int32).reshape(-1, 2) if self.spans else None
         return PartialState(spec=self.spec, tokens=cat(self.tokens, np.int32),
                             logprobs=cat(self.logprobs, np.float32), version=self.version,
