@@ -312,7 +312,8 @@ class Fleet:
             offset = 0
             while True:
                 try:
-                    h = await pool.call(HandedGroups(rollout_id, pid, self.s.settle_page, offset), timeout=self.s.rpc_timeout_s)
+                    h = await pool.call(HandedGroups(rollout_id, pid, self.s.settle_page, offset),
+                                        timeout=self.s.rpc_timeout_s)
                     gids = sorted(set(h.group_ids))
                     have: dict[str, set[int]] = {}
                     for src in (self.partials, self.buffer):  # this order: a moving trajectory is seen once
@@ -324,7 +325,8 @@ class Fleet:
                     ok = False
                     break
                 requeue, settled, kept = [], [], 0
-                for e, owner, size, g, m, p in zip(h.entries, h.rollout_ids, h.group_sizes, h.group_ids, h.members, h.pids, strict=False):
+                rows = zip(h.entries, h.rollout_ids, h.group_sizes, h.group_ids, h.members, h.pids, strict=False)
+                for e, owner, size, g, m, p in rows:
                     want = set(range(size)) if m < 0 else {m}
                     held = have.get(g, set())
                     missing = set() if -1 in held else want - held
@@ -378,7 +380,8 @@ class Fleet:
                 self.orphans[p.spec.trajectory_id] = (p, now)
                 found += 1
         if found:
-            self.log.warning("orphans_found", trajectories=found, owners=sorted({p.rollout_id for p in partials} - live))
+            self.log.warning("orphans_found", trajectories=found,
+                             owners=sorted({p.rollout_id for p in partials} - live))
 
     async def in_flight(self, rollout_id: str) -> list[PartialState]:
         """Every partial of `rollout_id` ("*": of anyone) in the partial pool, read page by page
@@ -477,7 +480,8 @@ class Fleet:
         if fresh:  # the new copies exist in the partial pool (seq 0, no tokens) before the old ones are completed,
             try:   # so that no moment leaves the work only in one rollout's memory; the rollout resumes at seq 1
                 await self.partials.call(AppendDeltas(dest.id, [
-                    TokenDelta(p.spec.trajectory_id, 0, np.zeros(0, np.int32), np.zeros(0, np.float32), p.version, p.spec)
+                    TokenDelta(p.spec.trajectory_id, 0, np.zeros(0, np.int32), np.zeros(0, np.float32), p.version,
+                               p.spec)
                     for p in fresh]), timeout=self.s.rpc_timeout_s)
             except RpcError as exc:
                 self.log.warning("orphan_restart_deferred", trajectories=len(fresh), error=str(exc))
