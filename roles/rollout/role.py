@@ -130,22 +130,12 @@ class RolloutRole(Role):
         self.log.info("rollout_ready", version=self.version, model=c.model_dir, address=self.server.address)
 
     def _make_engine(self):
-        c = self.cfg
-        if c.engine == "vllm":
-            from laminar.roles.rollout.engine import VllmEngine
+        from laminar.roles.rollout.engine_api import build_rollout_engine
+        cores = None
+        if self.cfg.engine == "vllm":  # its OpenMP threads on the rollout's cores
             _, spec = self.ctx.config.spec("rollout", self.ctx.id)
-            bind = ",".join(str(x) for x in spec.cores) if spec.cores else None
-            return VllmEngine(c.model_dir, max_model_len=c.max_model_len, max_num_seqs=c.max_concurrency,
-                              kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=c.top_p,
-                              dtype=c.dtype, omp_threads_bind=bind, seeded=c.seed is not None,
-                              kv_cache_tokens=c.kv_cache_tokens)
-        if c.engine == "sim":
-            from laminar.roles.rollout.sim_engine import CompressedClock, SimEngine
-            opts = dict(c.sim)
-            speedup = float(opts.pop("speedup", 1.0))
-            return SimEngine.from_workload(max_num_seqs=c.max_concurrency, max_model_len=c.max_model_len,
-                                           clock=CompressedClock(speedup=speedup), **opts)
-        raise ValueError(f"roles.rollout.engine: unknown engine {c.engine!r} (vllm or sim)")
+            cores = spec.cores
+        return build_rollout_engine(self.cfg, cores)
 
     # -- main loop --------------------------------------------------------------------------
     async def run(self) -> None:

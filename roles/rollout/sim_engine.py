@@ -220,7 +220,16 @@ class SimEngine(RolloutEngine):
                    kv_capacity_tokens=kv_capacity_tokens(m, g, tp, mem_fraction),
                    prefill_ms_per_token=prefill_ms_per_token(m, g, tp), max_num_seqs=max_num_seqs, **kw)
 
-    # -- RolloutEngine ----------------------------------------------------------------------------
+    @classmethod
+    def from_settings(cls, sim: dict, *, max_num_seqs: int = 1024, max_model_len: int | None = None) -> SimEngine:
+        """From the rollout role's `sim` settings (the scenario writes them: model, tp, lengths,
+        ..., and `speedup`, simulated seconds per real second, for its CompressedClock)."""
+        opts = dict(sim)
+        speedup = float(opts.pop("speedup", 1.0))
+        return cls.from_workload(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                 clock=CompressedClock(speedup=speedup), **opts)
+
+    # -- RolloutEngineAPI (roles/rollout/engine_api.py) ---------------------------------------------
     async def start(self) -> None:
         self._timeline = self.clock.now()
         self._task = asyncio.create_task(self._run(), name="sim-engine-scheduler")

@@ -103,9 +103,11 @@ class TrainerRole(Role):
         self.dir = self.workdir()
         self.metrics = None
         self.ckpt_root = Path(c.checkpoint_dir) if c.checkpoint_dir else self.dir / "checkpoints"
-        if c.engine == "sim":  # the scale simulator's trainer: no torch, no model (sim_engine.py)
-            from laminar.roles.trainer.sim_engine import load_sim
-            load_sim(self)
+        if c.engine == "sim":  # the scale simulator's trainer: no torch, no model, no checkpoint (sim_engine.py)
+            from laminar.roles.trainer.sim_engine import SimTrainEngine
+            self.engine = SimTrainEngine.from_trainer_config(c, self.pub.publish, self.stopping)
+            self.device = "sim"
+            self.log.info("sim_trainer", **self.engine.describe())
         else:
             await in_thread(self._load, "trainer-load")
         if not self.main:

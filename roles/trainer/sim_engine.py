@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -100,7 +101,45 @@ class SimTrainerSettings(BaseModel):
 
 
 class SimTrainEngine:
-    """Duck-types TrainEngine (load, params, train, full_state, restore) for the trainer role."""
+    """The simulator's training engine: implements TrainEngineAPI (roles/trainer/engine_api.py:
+    load, params, train, full_state, restore) with modeled time instead of torch work."""
+
+    params: int
+    delivery: ModeledDelivery | None = None
+
+    @classmethod
+    def from_trainer_config(cls, cfg, publish: Callable[[str, Any], None] | None = None,
+                            stopping: asyncio.Event | None = None) -> SimTrainEngine:
+        """The engine for the trainer role's settings (`TrainerConfig`: `sim`, `publish`,
+        `old_logprobs`): its cost model, and with `sim.deliver` the modeled delivery, which writes
+        version 0 into every host's folder now and announces each version through `publish`
+        (topic, event) until `stopping` is set. Call it on the role's event loop."""
+        s = SimTrainerSettings.model_validate(cfg.sim)
+        if s.deliver is not None and cfg.publish:
+            raise ValueError("roles.trainer.sim.deliver (modeled delivery) needs roles.trainer.publish: false; "
+                             "with publish: true versions go through the real relay tier")
+        extra = old_logprob_passes(cfg)
+        if extra:
+            s = s.model_copy(update={"extra_forward_passes": s.extra_forward_passes + extra})
+        engine = cls(s)
+        if s.deliver is not None:
+            if publish is None:
+                raise ValueError("modeled delivery (roles.trainer.sim.deliver) needs a publish function")
+            delivery = ModeledDelivery(publish, stopping or asyncio.Event(), s, engine.cost,
+                                       asyncio.get_running_loop())
+            engine.on_version, engine.delivery = delivery.from_thread, delivery
+            for target in s.deliver:  # version 0 (the initial weights) is on every host at start
+                delivery.deliver(target, 0)
+        return engine
+
+    def describe(self) -> dict:
+        """The engine's settings and modeled costs, for the role's start-up log."""
+        s = self.s
+        return {"model": s.model, "gpus": s.gpus, "gpu": s.gpu, "mfu": s.mfu, "recompute": s.recompute,
+                "speedup": s.speedup, "stall_s": round(self.stall_s, 4), "params": self.params,
+                "extra_forward_passes": s.extra_forward_passes,
+                "delivery": "modeled" if s.deliver is not None else "relay",
+                "broadcast_s": round(self.cost.broadcast_s(max(1, len(s.deliver or []))), 4)}
 
     def __init__(self, settings: SimTrainerSettings, on_version=None):
         s = self.s = settings
@@ -160,10 +199,12 @@ class SimTrainEngine:
 
 class ModeledDelivery:
     """Writes each version into every host's weight folder at its modeled arrival time and
-    announces it on `weights.version` (as that host's relay would). Runs on the role's loop."""
+    announces it on `weights.version` through `publish` (as that host's relay would). Runs on
+    the trainer role's event loop."""
 
-    def __init__(self, role, settings: SimTrainerSettings, cost: TrainerCost, loop: asyncio.AbstractEventLoop):
-        self.role, self.s, self.loop = role, settings, loop
+    def __init__(self, publish: Callable[[str, Any], None], stopping: asyncio.Event, settings: SimTrainerSettings,
+                 cost: TrainerCost, loop: asyncio.AbstractEventLoop):
+        self.publish, self.stopping, self.s, self.loop = publish, stopping, settings, loop
         link = cost.link
         at_once = settings.nccl is not None or settings.colocated  # every host has it when it begins
         hop = 0.0 if at_once else link.chunk_mib * 2 ** 20 / link.bytes_per_s + link.alpha_s
@@ -187,7 +228,7 @@ class ModeledDelivery:
 
     def _fire(self, target: DeliverTarget, version: int) -> None:
         self.handles = {h for h in self.handles if not h.cancelled() and h.when() > self.loop.time()}
-        if not self.role.stopping.is_set():
+        if not self.stopping.is_set():
             self.deliver(target, version)
 
     def deliver(self, target: DeliverTarget, version: int) -> None:
@@ -196,8 +237,8 @@ class ModeledDelivery:
             return  # a later version got there first (never go backwards)
         write_stand_in(self._store(target.dir), version, self.s.weight_bytes)
         self.delivered[target.host] = version
-        self.role.pub.publish("weights.version", WeightsVersion(f"sim-{target.host}", target.host, version,
-                                                                self.s.weight_bytes, target.dir))
+        self.publish("weights.version", WeightsVersion(f"sim-{target.host}", target.host, version,
+                                                       self.s.weight_bytes, target.dir))
 
     def _store(self, directory: str):
         from laminar.weights.store import ShmStore
@@ -234,30 +275,8 @@ def write_stand_in(store, version: int, nbytes: int) -> None:
         store.commit(vb)
 
 
-def load_sim(role) -> None:
-    """The trainer role's sim hook (called on the role's loop in place of the torch load)."""
-    from laminar.roles.trainer import dist
-    s = SimTrainerSettings.model_validate(role.cfg.sim)
-    if s.deliver is not None and role.cfg.publish:
-        raise ValueError("roles.trainer.sim.deliver (modeled delivery) needs roles.trainer.publish: false; "
-                         "with publish: true versions go through the real relay tier")
-    role.device = "sim"
-    role.info = dist.DistInfo()
-    role.resumed_from = None
-    role.version, role.cursor = 0, 0
-    # the old (proximal) policy's logprobs recomputed, as the real engine does for these settings:
-    # one forward pass more
-    if role.cfg.old_logprobs == "recompute" or getattr(role.cfg, "off_policy", "none") != "none":
-        s = s.model_copy(update={"extra_forward_passes": s.extra_forward_passes + 1})
-    engine = SimTrainEngine(s)
-    if s.deliver is not None:
-        delivery = ModeledDelivery(role, s, engine.cost, asyncio.get_running_loop())
-        engine.on_version = delivery.from_thread
-        engine.delivery = delivery
-        for target in s.deliver:  # version 0 (the initial weights) is on every host at start
-            delivery.deliver(target, 0)
-    role.engine = engine
-    role.log.info("sim_trainer", model=s.model, gpus=s.gpus, gpu=s.gpu, mfu=s.mfu, recompute=s.recompute,
-                  speedup=s.speedup, stall_s=round(engine.stall_s, 4), params=engine.params,
-                  delivery="modeled" if s.deliver is not None else "relay",
-                  broadcast_s=round(engine.cost.broadcast_s(max(1, len(s.deliver or []))), 4))
+def old_logprob_passes(cfg) -> int:
+    """Forward passes the trainer's settings add to an iteration: the old (proximal) policy's
+    logprobs recomputed (`old_logprobs: recompute`, or an off-policy correction), as the real
+    engine does for those settings: one pass."""
+    return int(cfg.old_logprobs == "recompute" or getattr(cfg, "off_policy", "none") != "none")

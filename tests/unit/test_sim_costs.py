@@ -161,7 +161,7 @@ def test_nccl_delivery_reaches_every_host_before_the_stall():
     e = SimTrainEngine(s)
     assert e.stall_s == pytest.approx(NcclBroadcast().seconds(model("32B").weight_bytes(), 256))
     loop = types.SimpleNamespace()
-    d = ModeledDelivery(None, s, e.cost, loop)
+    d = ModeledDelivery(None, None, s, e.cost, loop)
     assert d.offsets == [0.0] * 4
     seen = []
     e.on_version = lambda v: seen.append((v, e.sim_busy_s))

@@ -65,7 +65,7 @@ def test_stand_in_version_is_what_a_rollout_reads():
 def test_modeled_chain_arrival_offsets():
     s = SimTrainerSettings(model="72B", gpus=8, deliver=[{"host": f"n{i}", "dir": f"/x/{i}"} for i in range(4)])
     cost = TrainerCost.build("72B", "H800", 8)
-    d = ModeledDelivery(role=None, settings=s, cost=cost, loop=None)
+    d = ModeledDelivery(publish=None, stopping=None, settings=s, cost=cost, loop=None)
     hop = 64 * 2 ** 20 / 200e9 + 1e-3
     assert d.offsets == pytest.approx([0, 0, hop, 2 * hop])  # master and its successor at S/B, then per hop
     assert engine_stall(s) + d.offsets[-1] == pytest.approx(cost.broadcast_s(4))  # the relay chain's formula
@@ -108,7 +108,7 @@ def test_stream_batch_wakes_less_and_changes_no_outcome():
 
         async def one(i):
             n = 0
-            async for toks, _, finish in e.generate(f"r{i}", list(range(1, 101)), 4000, seed=i):
+            async for toks, _, _finish in e.generate(f"r{i}", list(range(1, 101)), 4000, seed=i):
                 n += len(toks)
                 chunks[0] += 1
             order.append(i)

@@ -1,0 +1,70 @@
+"""What the rollout role calls on its generation engine, as a typed protocol, and the one place
+an engine is built from the role's settings.
+
+Two engines implement `RolloutEngineAPI`: `VllmEngine` (roles/rollout/engine.py, vLLM's AsyncLLM)
+and `SimEngine` (roles/rollout/sim_engine.py, the scale simulator's model of vLLM's scheduler;
+docs/sim.md). The protocol is structural (`typing.Protocol`, runtime-checkable): an engine need
+not inherit from anything to qualify, and tests/unit/test_engine_api.py checks that both engines
+define every method with the protocol's signature.
+
+    engine = build_rollout_engine(cfg, cores)   # cfg: the role's RolloutConfig
+    await engine.start()
+    async for tokens, logprobs, finish in engine.generate(request_id, prompt, max_tokens, seed): ...
+    version = await engine.load_relay(shm_dir, min_version)      # -1: nothing newer
+    engine.stats.kv_usage, engine.stats.running, engine.stats.waiting
+    await engine.close()
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from laminar.roles.rollout.engine import EngineStats
+
+
+@runtime_checkable
+class RolloutEngineAPI(Protocol):
+    """A generation engine as the rollout role drives it. `stats` is refreshed by the engine
+    (KV usage, running and waiting requests); cancelling the task that consumes `generate` aborts
+    the request (how migration stops a trajectory mid-way)."""
+
+    stats: EngineStats
+
+    async def start(self) -> None:
+        """Bring the engine up (spawn processes, start the scheduler); requests may follow."""
+        ...
+
+    def generate(self, request_id: str, prompt: list[int], max_tokens: int,
+                 seed: int | None) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
+        """Stream (new token ids, their logprobs, finish reason or None) until the request ends."""
+        ...
+
+    async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
+        """Load the relay folder's newest version if newer than `min_version` (or exactly `exact`,
+        newest or retained); the version now held, or -1 if there was none to load."""
+        ...
+
+    async def load_file(self, path: str) -> None:
+        """Load weights from a file (a checkpoint's exported state)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop the engine and release what it holds (processes, shared memory)."""
+        ...
+
+
+def build_rollout_engine(cfg: Any, cores: Sequence[int] | None = None) -> RolloutEngineAPI:
+    """The engine `roles.rollout.engine` names, from the role's settings (`RolloutConfig`):
+    "vllm" (its OpenMP threads bound to `cores`, the rollout's placement) or "sim" (`cfg.sim`:
+    the simulator's model, time compressed by its `speedup`)."""
+    if cfg.engine == "vllm":
+        from laminar.roles.rollout.engine import VllmEngine
+        bind = ",".join(str(x) for x in cores) if cores else None
+        return VllmEngine(cfg.model_dir, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_concurrency,
+                          kv_cache_gib=cfg.kv_cache_gib, temperature=cfg.temperature, top_p=cfg.top_p,
+                          dtype=cfg.dtype, omp_threads_bind=bind, seeded=cfg.seed is not None,
+                          kv_cache_tokens=cfg.kv_cache_tokens)
+    if cfg.engine == "sim":
+        from laminar.roles.rollout.sim_engine import SimEngine
+        return SimEngine.from_settings(cfg.sim, max_num_seqs=cfg.max_concurrency, max_model_len=cfg.max_model_len)
+    raise ValueError(f"roles.rollout.engine: unknown engine {cfg.engine!r} (vllm or sim)")

@@ -1,0 +1,118 @@
+"""The engine interfaces the roles call are typed protocols (roles/rollout/engine_api.py,
+roles/trainer/engine_api.py), and both the real and the simulated engines implement them: every
+protocol method exists with the protocol's parameters (names, kinds, defaults) and its async-ness,
+and a built engine passes the runtime-checkable isinstance check (its attributes included). The
+roles build their engines through one factory each; the sim trainer's sets nothing on the role."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import uuid
+from pathlib import Path
+
+import pytest
+from laminar.roles.rollout.config import RolloutConfig
+from laminar.roles.rollout.engine import VllmEngine
+from laminar.roles.rollout.engine_api import RolloutEngineAPI, build_rollout_engine
+from laminar.roles.rollout.sim_engine import SimEngine
+from laminar.roles.trainer.config import TrainerConfig
+from laminar.roles.trainer.engine_api import TrainEngineAPI
+from laminar.roles.trainer.sim_engine import SimTrainEngine
+
+from laminar.sim import load_workload
+from laminar.sim.scenario import build_config, load_setups
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def protocol_methods(proto) -> dict:
+    return {n: f for n, f in vars(proto).items() if inspect.isfunction(f) and not n.startswith("_")}
+
+
+def params(fn) -> list[tuple[str, inspect._ParameterKind, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def check_implements(cls, proto) -> None:
+    methods = protocol_methods(proto)
+    assert methods, proto
+    for name, want in methods.items():
+        got = getattr(cls, name, None)
+        assert callable(got), f"{cls.__name__} lacks {name}"
+        assert params(got) == params(want), \
+            f"{cls.__name__}.{name}{inspect.signature(got)} vs {inspect.signature(want)}"
+        if inspect.iscoroutinefunction(want):
+            assert inspect.iscoroutinefunction(got), f"{cls.__name__}.{name} must be async"
+        else:  # a plain method, or one returning an async iterator (an async generator qualifies)
+            assert not inspect.iscoroutinefunction(got), f"{cls.__name__}.{name} must not be a coroutine function"
+
+
+@pytest.mark.parametrize("cls,proto", [(VllmEngine, RolloutEngineAPI), (SimEngine, RolloutEngineAPI),
+                                       (SimTrainEngine, TrainEngineAPI)])
+def test_each_engine_defines_every_protocol_method_with_its_signature(cls, proto):
+    check_implements(cls, proto)
+
+
+def test_the_real_train_engine_defines_every_protocol_method_with_its_signature():
+    pytest.importorskip("torch")
+    from laminar.roles.trainer.engine import TrainEngine
+    check_implements(TrainEngine, TrainEngineAPI)
+
+
+def test_the_check_catches_a_mismatch():
+    class Wrong:
+        async def start(self) -> None: ...
+        def generate(self, request_id, prompt, max_tokens): ...  # no seed
+        async def load_relay(self, shm_dir, min_version, exact=None): ...
+        def load_file(self, path): ...                           # not async
+        async def close(self): ...
+    with pytest.raises(AssertionError, match="generate"):
+        check_implements(Wrong, RolloutEngineAPI)
+    assert not isinstance(Wrong(), RolloutEngineAPI)  # no `stats`
+
+
+def scenario(mode: str = "laminar") -> dict:
+    return build_config(load_setups(ROOT / "configs" / "sim" / "paper.yaml"), "32B", 128, mode,
+                        workdir="/tmp/unused", speedup=5, iterations=3, workload=load_workload(),
+                        weights_root=f"/dev/shm/laminar-test-{uuid.uuid4().hex[:8]}")
+
+
+def test_the_rollout_factory_builds_each_engine_behind_the_protocol():
+    sim = build_rollout_engine(RolloutConfig(**scenario()["roles"]["rollout"]))
+    assert isinstance(sim, SimEngine) and isinstance(sim, RolloutEngineAPI)
+    real = build_rollout_engine(RolloutConfig(engine="vllm", model_dir="models/tiny"), [0, 1])
+    assert isinstance(real, VllmEngine) and isinstance(real, RolloutEngineAPI)  # vLLM is imported in start()
+    assert real.omp_threads_bind == "0,1"
+    with pytest.raises(ValueError, match="unknown engine"):
+        build_rollout_engine(RolloutConfig(engine="tpu"))
+
+
+def test_the_sim_trainer_is_built_by_its_factory_and_announces_version_0_on_every_host():
+    cfg = scenario("one_step")
+    tc = TrainerConfig(**cfg["roles"]["trainer"])
+    hosts = [t["host"] for t in tc.sim["deliver"]]
+    dirs = [Path(t["dir"]) for t in tc.sim["deliver"]]
+
+    async def go():
+        seen: list[tuple[str, object]] = []
+        engine = SimTrainEngine.from_trainer_config(tc, lambda topic, ev: seen.append((topic, ev)), asyncio.Event())
+        try:
+            assert isinstance(engine, TrainEngineAPI)
+            assert engine.s.extra_forward_passes == 1   # one_step recomputes the old logprobs
+            assert [(t, ev.host, ev.version) for t, ev in seen] == [("weights.version", h, 0) for h in hosts]
+            assert all(d.is_dir() for d in dirs)
+        finally:
+            engine.delivery.close()
+        return engine
+
+    engine = asyncio.run(go())
+    assert engine.describe()["delivery"] == "modeled" and engine.describe()["params"] == engine.params
+    for d in dirs:
+        if d.exists():
+            d.rmdir()
+    root = dirs[0].parent
+    if root.exists():
+        root.rmdir()
+    assert not any(d.exists() for d in dirs)
+    with pytest.raises(ValueError, match="publish: false"):
+        SimTrainEngine.from_trainer_config(tc.model_copy(update={"publish": True}))
