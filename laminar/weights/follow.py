@@ -2,8 +2,9 @@
 
     follower = MasterFollower(publisher, transport, cfg.endpoint("manager"))
     await follower.start()      # asks the manager (MasterQuery) and follows `weights.chain`
+    role.spawn(follower.watch(), "master-follower")   # a failed loop fails the role
     ...
-    await follower.close()
+    await follower.close()      # raises the error of a loop that failed, if one did
 
 Two paths tell the publisher where to send next: the manager's ChainState on `weights.chain`
 (pub/sub, republished periodically, so a dropped one is superseded) and, when the publisher's
@@ -33,6 +34,9 @@ class MasterFollower:
         self.master = ""
         self._downs: asyncio.Queue[str] = asyncio.Queue(maxsize=64)
         self._tasks: list[asyncio.Task] = []
+        self._failed: asyncio.Future | None = None  # set to the first loop's error
+        self.client = None
+        self.sub = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -40,8 +44,27 @@ class MasterFollower:
         self.sub = self.transport.subscriber(["weights.chain"])
         self.publisher.on_link_down = lambda peer: loop.call_soon_threadsafe(self._down, peer)
         self._apply(await self.client.call(MasterQuery(), timeout=self.rpc_timeout_s))
+        self._failed = loop.create_future()
         self._tasks = [asyncio.create_task(self._follow_chain(), name="follow-chain"),
                        asyncio.create_task(self._follow_downs(), name="follow-link-down")]
+        for t in self._tasks:
+            t.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """Both loops run until close(): one that ends before is a failure, logged here at once."""
+        if task.cancelled():
+            return
+        exc = task.exception() or RuntimeError(f"{task.get_name()} ended")
+        log.error("master_follower_failed", loop=task.get_name(), error=repr(exc), master=self.master)
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_exception(exc)
+
+    async def watch(self) -> None:
+        """Raises the error of the first follow loop that fails; returns only once close() ran. Run it
+        under the role's supervision, so the trainer stops instead of publishing to a master it no
+        longer follows."""
+        assert self._failed is not None, "start() first"
+        await asyncio.shield(self._failed)
 
     def _down(self, peer: str) -> None:
         try:
@@ -50,7 +73,10 @@ class MasterFollower:
             pass  # a report is already pending; it asks the manager for the same answer
 
     def _apply(self, info: MasterInfo | ChainState, force: bool = False) -> None:
-        rid, addr = (info.relay_id, info.address) if isinstance(info, MasterInfo) else (info.master_id, info.master_address)
+        if isinstance(info, MasterInfo):
+            rid, addr = info.relay_id, info.address
+        else:
+            rid, addr = info.master_id, info.master_address
         if info.epoch < self.epoch and not force:
             return
         self.epoch = max(self.epoch, info.epoch)
@@ -76,7 +102,13 @@ class MasterFollower:
             self._apply(info, force=True)  # force: re-target even the same, still-alive master
 
     async def close(self) -> None:
+        """Stop both loops; raise the error of one that failed (it is not discarded here)."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         # The client and subscriber belong to the transport, which closes them with itself.
+        if self._failed is None:
+            return
+        if not self._failed.done():
+            self._failed.set_result(None)  # watch() returns: the follower was closed, not failed
+        self._failed.result()

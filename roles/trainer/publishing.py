@@ -65,6 +65,7 @@ class PublishLink:
             from laminar.weights.follow import MasterFollower
             self.follower = MasterFollower(self.publisher, ctx.transport, ctx.config.endpoint("manager", c.manager_id))
             await self.follower.start()
+            self.role.spawn(self.follower.watch(), "master-follower")  # a failed follow loop fails the trainer
         else:
             raise ValueError("trainer.publish is on but there is no relay_address, relay_id with a data_port, "
                              "or manager to name the master relay")
