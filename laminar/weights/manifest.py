@@ -143,6 +143,8 @@ def validate(m: Manifest) -> None:
         raise ValueError("manifest sizes/version/lineage must be positive")
     if m.checksums and len(m.checksums) != chunk_count(m):
         raise ValueError("manifest checksum count does not match its chunk count")
+    if m.macs and (len(m.macs) != chunk_count(m) or any(not isinstance(t, bytes) or len(t) != 16 for t in m.macs)):
+        raise ValueError("manifest MACs: one 16-byte MAC per chunk expected")
     end = 0
     for name, dtype, shape, off, n in zip(m.names, m.dtypes, m.shapes, m.offsets, m.nbytes, strict=False):
         size = DTYPE_SIZES.get(dtype)

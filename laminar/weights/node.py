@@ -182,7 +182,7 @@ class RelayNode:
                     old.stop()
             if old_thread is not None:
                 old_thread.join(timeout=10.0)
-            rcv = Receiver(self.store, conn, self._on_receiver_event)
+            rcv = Receiver(self.store, conn, self._on_receiver_event, key=self.key)
             t = threading.Thread(target=self._run_receiver, args=(rcv,), name=f"relay-{self.id}-recv", daemon=True)
             with self.lock:
                 self.receiver, self.receiver_thread, self.upstream = rcv, t, conn.peer
@@ -220,7 +220,7 @@ class RelayNode:
             return
         conn = wire.connect(self.transport, address, self.key, self.connect_timeout_s)
         sender = Sender(self.store, conn, name=f"relay-{self.id}->{peer_id or address}",
-                        ack_timeout_s=self.ack_timeout_s,
+                        ack_timeout_s=self.ack_timeout_s, key=self.key,
                         on_delivered=lambda v: self.on_event("delivered", peer=peer_id, version=v))
         t = threading.Thread(target=self._run_sender, args=(sender, peer_id or address),
                              name=f"relay-{self.id}-send", daemon=True)
@@ -266,7 +266,8 @@ class RelayNode:
         st = {"data_port_ok": ok, "accept_errors": self.accept_errors, "handshakes_pending": len(self._pending),
               "handshakes_refused": self.handshakes_refused, "probes": self.probes}
         if not ok and not self._stop.is_set():
-            st["unhealthy"] = f"data port {self.listener.address} not accepting: {self.accept_failure or 'accept thread ended'}"
+            why = self.accept_failure or "accept thread ended"
+            st["unhealthy"] = f"data port {self.listener.address} not accepting: {why}"
         return st
 
     def stop(self) -> None:

@@ -12,6 +12,14 @@ shared flock on the slot `current` names, then checks `current` still names that
 then on the relay will not write that file (it receives into a fresh file instead), so the views
 stay a complete, verified version until `close()`. Views used after `close()` are unprotected.
 
+Authenticity: a LocalWeights given the data-plane key (`key=`, or the environment variable
+LAMINAR_WEIGHTS_KEY, hex, which the rollout role sets for its engine's worker processes) checks
+every chunk of a version against the MACs in its manifest (laminar/weights/wire.py, chunk MACs)
+before `latest()` or `version()` hand it out, and raises WeightsRefused when one differs or the
+manifest has none: bytes changed in shared memory, or a manifest that no relay verified, are
+never loaded. Keyed BLAKE3 runs at several GB/s per core, so this costs a fraction of a second
+per GB pulled (docs/security.md has the measured rate).
+
 Speed: mappings are cached per slot file and reused while the relay reuses the file, so a pull
 costs no page-table set-up (MAP_POPULATE is paid once per slot, not per version) and reading is
 plain memory access: `pull_into` is one memcpy per tensor from the page cache into the
@@ -32,6 +40,7 @@ from pathlib import Path
 from laminar.protocol import Manifest
 from laminar.weights.manifest import manifest_from_bytes, verify
 from laminar.weights.store import read_pointer, retained_versions
+from laminar.weights.wire import mac_key, verify_macs
 
 _RETRIES = 64
 _CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the rollout maps slots read-only
@@ -88,6 +97,10 @@ def cuda_host_unregister(ptr: int | None) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+class WeightsRefused(ValueError):
+    """A version whose chunks or manifest fail their MACs: it is not handed out."""
+
+
 class PulledVersion:
     """One complete version, held (shared lock) until close()."""
 
@@ -127,8 +140,15 @@ class PulledVersion:
 
 
 class LocalWeights:
-    def __init__(self, shm_dir: str | os.PathLike):
+    def __init__(self, shm_dir: str | os.PathLike, key: bytes | None = None):
+        """`key`: the data-plane key (wire.derive_key of the cluster secret) to check chunk MACs
+        with; None takes LAMINAR_WEIGHTS_KEY from the environment (no check when it is unset);
+        b"" never checks."""
         self.dir = Path(shm_dir)
+        if key is None:
+            env = os.environ.get("LAMINAR_WEIGHTS_KEY", "")
+            key = bytes.fromhex(env) if env else b""
+        self._mac_key = mac_key(key) if key else None
         self._maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # slot -> (inode, size, mapping)
         self._pinned: dict[int, tuple[mmap.mmap, int]] = {}  # slot -> (mapping, address registered with CUDA)
 
@@ -206,11 +226,26 @@ class LocalWeights:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 if os.fstat(fd).st_ino == ino and read_pointer(self.dir) == ptr:
-                    return PulledVersion(m, self._mapping(slot, fd, ino, m.total_bytes), fd)
+                    held = PulledVersion(m, self._mapping(slot, fd, ino, m.total_bytes), fd)
+                    fd = None
+                    self._authenticate(held, f"{self.dir}/slot{slot}.bin")
+                    return held
             except BlockingIOError:
                 pass  # the relay is writing that slot: `current` has moved on, read it again
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         raise RuntimeError(f"{self.dir}: could not get hold of a version in {_RETRIES} tries")
+
+    def _authenticate(self, held: PulledVersion, where: str) -> None:
+        """With a key: every chunk's MAC, or WeightsRefused (the version is let go first)."""
+        if self._mac_key is None:
+            return
+        bad = verify_macs(self._mac_key, held.manifest, held.buf)
+        if bad:
+            held.close()
+            why = "its manifest carries no MACs" if not held.manifest.macs else f"chunks {bad[:8]} fail their MAC"
+            raise WeightsRefused(f"{where}: v{held.version} refused: {why} (changed in shared memory, or not "
+                                 f"written by a relay of this cluster)")
 
     def retained(self) -> list[int]:
         """Older versions the relay keeps besides its newest (store.py, retained versions)."""
@@ -239,6 +274,7 @@ class LocalWeights:
             os.close(fd)
             return None
         held = PulledVersion(m, buf, fd)
+        self._authenticate(held, f"{self.dir}/v{version}.bin")
         if verify_chunks and held.verify():
             held.close()
             raise ValueError(f"{self.dir}/v{version}.bin: checksum mismatch")

@@ -1,27 +1,42 @@
 """Receiver: takes versions from one upstream connection into a ShmStore, verifying every chunk.
 
 A chunk is received straight into its place in the incoming version's shared-memory file (no
-copy), then its xxh3 digest is compared with the one the sender put in the header, which is the
-digest the publisher computed from the trainer's own bytes. A mismatch is counted, answered with
-NACK (the sender sends the chunk again) and the chunk stays absent: it is never marked present,
-so it is never forwarded and never becomes visible. Chunks the store already holds (a resend, a
+copy), then its MAC (wire.py, chunk MACs: keyed by the cluster secret, over the offered
+manifest's identity and layout, the index and the bytes) is computed and compared with the one in
+the header, which the publisher computed from the trainer's own bytes. A mismatch is counted,
+logged, answered with NACK (the sender sends the chunk again) and the chunk stays absent: it is
+never marked present, so it is never forwarded and never becomes visible. A chunk refused
+MAX_MAC_FAILURES times in a row ends the link (LinkError): the bytes keep being changed on the
+way (or the offer's manifest was), so the relay's owner reports the link and the chain is
+re-linked around it. The xxh3 digest kept for local checks is computed here from the verified
+bytes, never taken from the header. Chunks the store already holds (a resend, a
 resumed stream after a repair) are drained into scratch memory and dropped.
 
 `on_event(kind, **info)` is called from this thread: "offer", "progress", "complete", "corrupt".
 """
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
+
+import structlog
 
 from laminar.weights import wire
 from laminar.weights.manifest import checksum, chunk_count, ident, manifest_from_bytes
 from laminar.weights.store import ShmStore, VersionBuffer
 from laminar.weights.transport import Conn, LinkError
 
+log = structlog.get_logger("laminar.weights.receiver")
+MAX_MAC_FAILURES = 4
+
 
 class Receiver:
-    def __init__(self, store: ShmStore, conn: Conn, on_event: Callable[..., None] = lambda kind, **kw: None):
+    def __init__(self, store: ShmStore, conn: Conn, on_event: Callable[..., None] = lambda kind, **kw: None,
+                 key: bytes = b""):
         self.store, self.conn, self.on_event = store, conn, on_event
+        self.mac_key = wire.mac_key(key)
+        self.mdigest = b""
+        self.failures: dict[int, int] = {}  # chunk -> MAC failures in a row, for the version being received
         self.vb: VersionBuffer | None = None
         self.scratch: bytearray | None = None
         self.stats = {"chunks": 0, "bytes": 0, "corrupt": 0, "duplicates": 0, "versions": 0}
@@ -52,6 +67,7 @@ class Receiver:
             same = vb.ident == ident(m)
             have = vb.prefix if same else chunk_count(m)
         self.vb = vb if same and not vb.complete else None
+        self.mdigest, self.failures = wire.manifest_digest(m), {}
         # b = the offer's lineage: the sender tells answers about A:v from answers about B:v
         wire.send(self.conn, wire.WANT, m.version, a=have, b=m.lineage)
         self.on_event("offer", version=m.version, first_missing=have, chunks=chunk_count(m), lineage=m.lineage)
@@ -69,26 +85,33 @@ class Receiver:
                 raise LinkError(f"chunk {i} of v{h.version}: {h.length} bytes, expected {len(dst)}")
             if not vb.have[i]:
                 self.conn.recv_into(dst)
-                self._verify(vb, i, dst, h.b)
+                self._verify(vb, i, dst, h.tag)
                 return
         if h.length > (vb.manifest.chunk_bytes if vb is not None else 1 << 30):
             raise LinkError(f"chunk of {h.length} bytes exceeds the chunk size")
         self.stats["duplicates"] += 1
         self._drain(h.length)
 
-    def _verify(self, vb: VersionBuffer, i: int, dst: memoryview, want: int) -> None:
-        digest = checksum(dst)
-        if digest != want:
+    def _verify(self, vb: VersionBuffer, i: int, dst: memoryview, tag: bytes) -> None:
+        mac = wire.chunk_mac(self.mac_key, self.mdigest, i, dst)
+        if not hmac.compare_digest(mac, tag):
             self.stats["corrupt"] += 1
-            wire.send(self.conn, wire.NACK, vb.version, a=i, b=vb.manifest.lineage)
+            n = self.failures[i] = self.failures.get(i, 0) + 1
+            log.warning("chunk_mac_refused", peer=self.conn.peer, version=vb.version, chunk=i, in_a_row=n)
             self.on_event("corrupt", version=vb.version, chunk=i)
+            if n >= MAX_MAC_FAILURES:
+                raise LinkError(f"chunk {i} of v{vb.version} from {self.conn.peer} failed its MAC {n} times in a row: "
+                                "the bytes or the offered manifest are being changed on the way")
+            wire.send(self.conn, wire.NACK, vb.version, a=i, b=vb.manifest.lineage)
             return
+        self.failures.pop(i, None)
+        digest = checksum(dst)
         self.stats["chunks"] += 1
         self.stats["bytes"] += len(dst)
         with self.store.cond:
             if vb.abandoned:
                 return
-            vb.mark(i, digest)
+            vb.mark(i, digest, mac)
             self.store.cond.notify_all()
             done = vb.complete
             if done:

@@ -4,18 +4,22 @@ trainer's publisher both use it), pipelined chunk by chunk.
 Source API (ShmStore for a relay, the publisher's staging for the trainer): `cond` (a
 threading.Condition that is notified whenever a chunk becomes present or a version appears),
 `pick(delivered)` (the newest version unless it is `delivered`, the ident (run, lineage,
-number) of the version delivered last (-1 before the first), or None; a new lineage counts as new whatever its number), `acquire(vb)` (called
-under `cond`) / `release(vb)` around streaming it (so its memory is not reused meanwhile),
-`stopped`.
+number) of the version delivered last (-1 before the first), or None; a new lineage counts as
+new whatever its number), `acquire(vb)` (called under `cond`) / `release(vb)` around streaming
+it (so its memory is not reused meanwhile), `stopped`.
 
 Per version: OFFER (b = lineage) -> the downstream's WANT k (b echoes the lineage, as do its
-NACK and DONE: an answer about an abandoned A:v is never taken for one about B:v) (the first chunk it lacks, so a re-linked chain
-resumes there) -> chunks k..n-1, each sent as soon as the source holds the contiguous prefix up to
-it (so a relay forwards chunk i while chunk i+1 is still arriving) -> NACKed chunks again -> DONE.
+NACK and DONE: an answer about an abandoned A:v is never taken for one about B:v) (the first
+chunk it lacks, so a re-linked chain resumes there) -> chunks k..n-1, each sent as soon as the
+source holds the contiguous prefix up to it (so a relay forwards chunk i while chunk i+1 is still
+arriving) -> NACKed chunks again -> DONE.
 A version abandoned by the source (superseded before it completed) is dropped mid-way and the
 newest one offered instead; so is an older version a relay is still forwarding when a newer one
 starts arriving (`source.preempt`). The publisher sends each version it started to completion, so
 a fast trainer cannot starve the chain (intermediate versions are skipped, never half-sent).
+
+Every CHUNK carries its MAC (wire.py, chunk MACs): the one a relay's receiver verified and kept
+with the chunk, or, from the publisher, one computed here over the trainer's bytes.
 
 Backpressure: the kernel's socket buffer; nothing is queued in Python beyond the events the
 downstream sends back (bounded by the chunk count). Failures: any LinkError (including no WANT
@@ -24,6 +28,7 @@ or DONE within `ack_timeout_s`) ends `run()` with that error; the owner reports 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -36,8 +41,11 @@ from laminar.weights.transport import Conn, LinkError
 
 class Sender:
     def __init__(self, source: Any, conn: Conn, name: str = "sender", ack_timeout_s: float = 30.0,
-                 on_delivered: Callable[[int], None] = lambda v: None):
+                 on_delivered: Callable[[int], None] = lambda v: None, key: bytes | None = None):
         self.source, self.conn, self.name = source, conn, name
+        # chunk MACs: a relay forwards the MAC it verified with each chunk; the publisher (whose
+        # `key` is the data-plane key) computes them from the trainer's bytes
+        self.mac_key = wire.mac_key(getattr(source, "key", b"") if key is None else key)
         self.cond: threading.Condition = source.cond
         self.ack_timeout_s = ack_timeout_s
         self.on_delivered = on_delivered
@@ -116,7 +124,9 @@ class Sender:
 
     def _send_version(self, vb) -> bool:
         """Deliver one version; False if the source abandoned it first."""
-        layout = with_version(vb.manifest, vb.version)
+        layout = dataclasses.replace(with_version(vb.manifest, vb.version), macs=[])
+        mdigest = wire.manifest_digest(layout)
+        macs = getattr(vb, "macs", None)
         wire.send(self.conn, wire.OFFER, vb.version, a=vb.n, b=vb.manifest.lineage, payload=manifest_to_bytes(layout))
         deadline = time.monotonic() + self.ack_timeout_s
         with self.cond:
@@ -157,7 +167,8 @@ class Sender:
             view = vb.chunk(i)
             if lazy and not vb.hashed[i]:
                 vb.checksums[i], vb.hashed[i] = checksum(view), 1
-            self.conn.send(wire.Header(wire.CHUNK, vb.version, i, vb.checksums[i], len(view)).pack(), view)
+            tag = macs[i] if macs is not None and macs[i] else wire.chunk_mac(self.mac_key, mdigest, i, view)
+            self.conn.send(wire.Header(wire.CHUNK, vb.version, i, vb.checksums[i], len(view), tag).pack(), view)
             deadline = time.monotonic() + self.ack_timeout_s  # it accepted data: it is alive
             self.stats["chunks"] += 1
             self.stats["bytes"] += len(view)

@@ -33,6 +33,7 @@ for the next chunk, so forwarding chunk i overlaps receiving chunk i+1.
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import mmap
 import os
@@ -71,6 +72,8 @@ class VersionBuffer:
         self.path, self.slot = path, slot
         self.fd: int | None = None          # the slot file, exclusively locked while filling
         self.checksums: list[int] = list(manifest.checksums) if manifest.checksums else [0] * self.n
+        # each chunk's verified MAC (wire.chunk_mac), forwarded with it and kept in `current`
+        self.macs: list[bytes] = list(manifest.macs) if manifest.macs else [b""] * self.n
         self.have = bytearray(self.n)
         self.count = 0
         self.prefix = 0                     # chunks [0, prefix) are all present
@@ -89,23 +92,28 @@ class VersionBuffer:
         s, n = chunk_range(self.manifest, i)
         return self.view[s:s + n]
 
-    def mark(self, i: int, digest: int) -> None:
-        """Record chunk i as present with `digest` (caller holds the condition)."""
+    def mark(self, i: int, digest: int, mac: bytes = b"") -> None:
+        """Record chunk i as present with `digest` and its verified `mac` (caller holds the condition)."""
         if self.have[i]:
             return
         self.have[i] = 1
         self.checksums[i] = digest
+        self.macs[i] = mac
         self.count += 1
         while self.prefix < self.n and self.have[self.prefix]:
             self.prefix += 1
 
-    def mark_all(self, checksums: list[int]) -> None:
+    def mark_all(self, checksums: list[int], macs: list[bytes] | None = None) -> None:
         self.checksums = list(checksums)
+        if macs:
+            self.macs = list(macs)
         self.have = bytearray(b"\1" * self.n)
         self.count = self.prefix = self.n
 
     def full_manifest(self) -> Manifest:
-        return with_version(self.manifest, self.version, self.checksums)
+        m = with_version(self.manifest, self.version, self.checksums)
+        macs = self.macs if all(self.macs) else []  # a version written without MACs has none
+        return dataclasses.replace(m, macs=list(macs))
 
 
 def retained_versions(directory: Path) -> list[int]:
@@ -184,7 +192,7 @@ class ShmStore:
                 buf = self._map(slot, m.total_bytes, create=False)
                 if self.maps[slot][0] == ino and not verify(m, buf):
                     vb = VersionBuffer(m, buf, self.slot_path(slot), slot)
-                    vb.mark_all(m.checksums)
+                    vb.mark_all(m.checksums, m.macs)
                     self.left, keep = vb, {self.slot_path(slot).name}
         except (OSError, ValueError):
             self.maps.clear()
@@ -289,7 +297,8 @@ class ShmStore:
         # our own forwarder may still stream the version that slot holds: never write under it
         busy = any(vb is not None and vb.slot == slot and vb.readers for vb in (inc, self.previous))
         busy = busy or self._linked(slot)  # a retained version lives in that file: never overwrite it
-        vb = self._claim(slot, with_version(m, m.version), fresh=busy)
+        # MACs come with the chunks, never from the offer: only verified ones are kept
+        vb = self._claim(slot, dataclasses.replace(with_version(m, m.version), macs=[]), fresh=busy)
         self.incoming = vb
         self.cond.notify_all()
         return vb

@@ -1,12 +1,13 @@
 """The chunk protocol spoken over a ChunkTransport connection, and its authentication handshake.
 
-Every message is one 40-byte header `!4sB3xqqQQ` = magic, type, version, a, b, length, plus
-`length` payload bytes. Upstream U sends, downstream D answers on the same connection:
+Every message is one 56-byte header `!4sB3xqqQQ16s` = magic, type, version, a, b, length, tag,
+plus `length` payload bytes. `tag` is zero except in CHUNK, where it is the chunk's MAC.
+Upstream U sends, downstream D answers on the same connection:
 
     U -> D  OFFER  (version, a=chunks, b=lineage)        payload: manifest (no checksums needed)
     D -> U  WANT   (version, a=first missing, b=lineage) U resumes there; a == chunks: D has it already
-    U -> D  CHUNK  (version, a=index, b=xxh3)            payload: the chunk bytes
-    D -> U  NACK   (version, a=index, b=lineage)         checksum mismatch: U sends that chunk again
+    U -> D  CHUNK  (version, a=index, b=xxh3, tag=MAC)   payload: the chunk bytes
+    D -> U  NACK   (version, a=index, b=lineage)         MAC mismatch: U sends that chunk again
     D -> U  DONE   (version, b=lineage)                  every chunk arrived and verified
 
 OFFER carries the lineage epoch of the version in `b`; WANT, NACK and DONE echo it, and the
@@ -14,6 +15,16 @@ sender takes an answer only when its version and lineage both match what it is s
 answer about an abandoned version of another lineage is never taken for the current one). CHUNK
 keeps `b` for the checksum: an abandoned version's chunks always precede the next OFFER on the
 connection.
+
+Chunk MACs: the handshake authenticates the peer, not the bytes that follow it, and `b` (xxh3)
+is no protection against anyone who can change the bytes on the way, since they can recompute
+it. So every CHUNK carries `chunk_mac`: keyed BLAKE3 (a key derived from the cluster secret)
+over the version's identity and layout (`manifest_digest`: run, lineage, number, every tensor's
+name, dtype, shape and extent, the chunk size), the chunk's index and its bytes, cut to 16 bytes.
+A relay checks it before a chunk counts as present and keeps the verified MAC with the chunk: it
+forwards it and writes it into the shared-memory manifest, where a rollout checks every chunk
+again before loading (laminar/weights/pull.py). An altered byte, or an OFFER whose manifest was
+changed (other shapes, dtypes, offsets, version or lineage), fails every MAC it touches.
 
 Authentication (before anything else; mutual, HMAC-SHA256 over fresh nonces with a key derived
 from the cluster secret, so the secret itself never crosses the wire):
@@ -35,12 +46,17 @@ import os
 import struct
 from dataclasses import dataclass
 
+import blake3
+import msgpack
+
 from laminar.protocol import PROTOCOL_VERSION
 from laminar.weights.transport import ChunkTransport, Conn, LinkError
 
-HEADER = struct.Struct("!4sB3xqqQQ")
+HEADER = struct.Struct("!4sB3xqqQQ16s")
 HEADER_SIZE = HEADER.size
-MAGIC = b"LMW1"
+MAGIC = b"LMW2"  # LMW1 had a 40-byte header without a MAC: such a peer is refused by name
+MAC_BYTES = 16
+NO_TAG = bytes(MAC_BYTES)
 MAX_CONTROL_PAYLOAD = 16 << 20  # a manifest / handshake payload larger than this is garbage
 
 HELLO, PROOF, WELCOME, OFFER, WANT, CHUNK, NACK, DONE = range(1, 9)
@@ -57,16 +73,19 @@ class Header:
     a: int = 0
     b: int = 0
     length: int = 0
+    tag: bytes = NO_TAG
 
     def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, self.type, self.version, self.a, self.b, self.length)
+        return HEADER.pack(MAGIC, self.type, self.version, self.a, self.b, self.length, self.tag)
 
 
 def unpack(raw: bytes) -> Header:
-    magic, typ, version, a, b, length = HEADER.unpack(raw)
+    if raw[:4] == b"LMW1":
+        raise LinkError("peer speaks the chunk protocol without MACs (LMW1): update it")
+    magic, typ, version, a, b, length, tag = HEADER.unpack(raw)
     if magic != MAGIC or typ not in NAMES:
         raise LinkError(f"not a Laminar chunk message (magic {magic!r}, type {typ})")
-    return Header(typ, version, a, b, length)
+    return Header(typ, version, a, b, length, tag)
 
 
 def send(conn: Conn, typ: int, version: int = 0, a: int = 0, b: int = 0, payload=None) -> None:
@@ -98,6 +117,43 @@ def expect(conn: Conn, typ: int) -> tuple[Header, bytes]:
 def derive_key(secret: bytes | None) -> bytes:
     """The HMAC key of the data plane, derived from the cluster secret (b'' when auth is off)."""
     return hashlib.sha256(b"laminar-weights-v1\0" + secret).digest() if secret else b""
+
+
+def mac_key(key: bytes) -> bytes:
+    """The chunk-MAC key, derived (BLAKE3's key derivation) from the data-plane key, itself derived
+    from the cluster secret; with auth off (b"") a fixed key: the MAC is then an integrity check only."""
+    return blake3.blake3(key, derive_key_context="laminar 2026-11 weight chunk MAC v1").digest()
+
+
+def manifest_digest(m) -> bytes:
+    """What a chunk MAC binds besides the chunk: the version's identity and layout (not its checksums)."""
+    body = [m.run_id, int(m.lineage), int(m.version), int(m.total_bytes), int(m.chunk_bytes), list(m.names),
+            list(m.dtypes), [list(map(int, s)) for s in m.shapes], list(map(int, m.offsets)), list(map(int, m.nbytes))]
+    return blake3.blake3(msgpack.packb(body)).digest()
+
+
+def chunk_mac(mkey: bytes, mdigest: bytes, index: int, data) -> bytes:
+    """The MAC of chunk `index` of the version whose `manifest_digest` is `mdigest` (16 bytes).
+    BLAKE3 in keyed mode: several GB/s on one core (docs/security.md has the number)."""
+    h = blake3.blake3(key=mkey)
+    h.update(mdigest)
+    h.update(struct.pack("!Q", index))
+    h.update(data)
+    return h.digest(MAC_BYTES)
+
+
+def verify_macs(mkey: bytes, m, buf) -> list[int]:
+    """Indices of the chunks of `buf` whose MAC differs from `m.macs` (all of them when `m` has none)."""
+    from laminar.weights.manifest import chunk_count, chunk_range
+    n = chunk_count(m)
+    if len(m.macs) != n:
+        return list(range(n))
+    md, view, bad = manifest_digest(m), memoryview(buf), []
+    for i in range(n):
+        s, k = chunk_range(m, i)
+        if not hmac.compare_digest(chunk_mac(mkey, md, i, view[s:s + k]), bytes(m.macs[i])):
+            bad.append(i)
+    return bad
 
 
 def _mac(key: bytes, who: bytes, nonce: bytes) -> bytes:

@@ -111,6 +111,11 @@ class RolloutRole(Role):
         if c.relay_id is not None and self.weights_dir is None:  # the relay's own default
             self.weights_dir = (cfg.role_settings("relay", c.relay_id).get("shm_dir")
                                 or f"/dev/shm/laminar-{cfg.run.name}-relay-{c.relay_id}")
+        keys = getattr(t, "keys", None)
+        if keys is not None and c.relay_id is not None and c.engine == "vllm":
+            # the engine's worker processes check every chunk's MAC before loading (weights/pull.py)
+            from laminar.weights.wire import derive_key
+            os.environ["LAMINAR_WEIGHTS_KEY"] = derive_key(keys.secret).hex()
         self.engine = self._make_engine()
         await self.engine.start()
         if c.env is not None:
