@@ -4,7 +4,8 @@ Reads only files the roles already write, so it can also be run on a finished (o
 
     <workdir>/trainer/metrics.jsonl   one record per version (reward, staleness, batch tokens, ts)
     <workdir>/manager/repacks.jsonl   one record per executed repack plan
-    <workdir>/manager/fleet.jsonl     every rollout report (state, KV usage) the manager saw
+    <workdir>/manager/fleet.jsonl     every rollout report (state, KV usage) the manager saw (this
+                                      and repacks.jsonl rotate by size: fleet.jsonl.1, .2, ... read too)
     <workdir>/logs/rollout.*.log      the `config_resolved` line: the task (run.task, else the reward)
     <workdir>/evaluator/metrics.jsonl one record per evaluation (held-out accuracy of a version)
 
@@ -31,14 +32,15 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from laminar.logs import read_rotated_jsonl
 from laminar.report import read_jsonl
 
 
 def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     run = Path(run_dir)
     recs = read_jsonl(run / "trainer" / "metrics.jsonl")
-    repacks = read_jsonl(run / "manager" / "repacks.jsonl")
-    fleet = read_jsonl(run / "manager" / "fleet.jsonl")
+    repacks = read_rotated_jsonl(run / "manager" / "repacks.jsonl")  # with its rotated files, oldest first
+    fleet = read_rotated_jsonl(run / "manager" / "fleet.jsonl")
     out: dict = {"run_dir": str(run), "iterations": len(recs), "task": task_of(run),
                  "reward_first": None, "reward_last": None, "max_staleness": None}
     out.update(learning_stats(recs, read_jsonl(run / "evaluator" / "metrics.jsonl")))

@@ -112,7 +112,7 @@ def run_mode(setup: dict, workload: dict, size: str, gpus: int, mode: str, *, ro
 
 def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: int, mode: str,
                 warmup: int, measure: int) -> dict:
-    from laminar.roles.trainer.metrics import read_jsonl
+    from laminar.logs import read_rotated_jsonl
     from laminar.sim.scenario import ideal_replica_tokens_per_s, placement
     from laminar.summary import fleet_stats
     S, recs = run.speedup, run.records
@@ -155,7 +155,7 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
     out["draining"] = bool(out["consumed_over_generated"] and out["consumed_over_generated"] > DRAIN_FLAG)
     out["fraction_of_ideal"] = g / ideal if g else None
     # fleet: idle fraction and KV usage between the window's first and last update
-    fleet = read_jsonl(Path(run.workdir) / "manager" / "fleet.jsonl")
+    fleet = read_rotated_jsonl(Path(run.workdir) / "manager" / "fleet.jsonl")  # rotated files too, in order
     fs = fleet_stats(fleet, window[0]["ts"], window[-1]["ts"]) if len(window) > 1 else fleet_stats(fleet)
     out["rollout_idle_fraction"] = fs["rollout_idle_fraction"]
     out["kv_usage_mean"] = fs["kv_usage_mean"]
@@ -163,7 +163,7 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
     out["staleness_histogram"] = _staleness(window[1:])
     out["staleness_histogram_all"] = _staleness(recs)
     out["max_staleness"] = max((int(k) for k in out["staleness_histogram_all"]), default=None)
-    reps = [r for r in read_jsonl(Path(run.workdir) / "manager" / "repacks.jsonl")
+    reps = [r for r in read_rotated_jsonl(Path(run.workdir) / "manager" / "repacks.jsonl")
             if not window or window[0]["ts"] <= r["ts"] <= window[-1]["ts"]]
     out["repack"] = {"plans": len(reps), "moves": sum(len(r["moves"]) for r in reps),
                      "trajectories": sum(m["moved"] for r in reps for m in r["moves"]),

@@ -45,6 +45,7 @@ import numpy as np
 from laminar.bus.errors import RemoteError, RpcError
 from laminar.roles.manager.repack import ReplicaLoad, plan_repack
 
+from laminar.logs import RotatingFile
 from laminar.protocol import (
     AppendDeltas,
     CompletePartial,
@@ -94,6 +95,9 @@ class FleetSettings:
     settle_page: int = 4096       # entries asked per request of that pass
     log_path: Path | None = None  # JSONL of every repack (for summaries)
     timeline_path: Path | None = None  # JSONL of every rollout report (idle fraction, KV usage)
+    # both JSONL files rotate by size (laminar/logs.py): None = LAMINAR_LOG_MAX_BYTES / LAMINAR_LOG_KEEP
+    timeline_max_bytes: int | None = None
+    timeline_keep: int | None = None
 
     def max_concurrency_of(self, rollout_id: str) -> int:
         return self.concurrency.get(rollout_id, self.max_concurrency)
@@ -130,10 +134,9 @@ class Fleet:
         self.kick = asyncio.Event()
         self.lock = asyncio.Lock()
         self.c = FleetCounters()
-        self._timeline = None
-        if settings.timeline_path is not None:
-            settings.timeline_path.parent.mkdir(parents=True, exist_ok=True)
-            self._timeline = open(settings.timeline_path, "a", buffering=1)  # line-buffered: readable live
+        self._timeline = self._repacks = None
+        if settings.timeline_path is not None:  # line-buffered (readable live), rotated by size
+            self._timeline = RotatingFile(settings.timeline_path, settings.timeline_max_bytes, settings.timeline_keep)
 
     # -- inputs -------------------------------------------------------------------------------
     def on_stats(self, s: RolloutStats) -> None:
@@ -235,9 +238,9 @@ class Fleet:
         rec = {"ts": time.time(), "moves": done, "seconds": round(took, 4)}
         self.c.history = (self.c.history + [rec])[-50:]
         if self.s.log_path is not None:
-            self.s.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.s.log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            if self._repacks is None:
+                self._repacks = RotatingFile(self.s.log_path, self.s.timeline_max_bytes, self.s.timeline_keep)
+            self._repacks.write(json.dumps(rec) + "\n")
         self.log.info("repacked", moves=len(done), trajectories=sum(d["moved"] for d in done), seconds=round(took, 4))
         return done
 
@@ -527,6 +530,8 @@ class Fleet:
             self.buffer.close()
         if self._timeline is not None:
             self._timeline.close()
+        if self._repacks is not None:
+            self._repacks.close()
 
     def view(self) -> dict:
         return {v.id: {"version": v.stats.version, "kv": round(v.stats.kv_usage, 3), "running": v.stats.running,
