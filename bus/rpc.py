@@ -163,6 +163,7 @@ class ZmqRpcServer(RpcServer):
         self.sock: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._closing = False
 
     async def start(self) -> None:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -173,6 +174,16 @@ class ZmqRpcServer(RpcServer):
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
         self._loop_task = asyncio.create_task(self._serve(), name=f"rpc-server:{self.address}")
+        self._loop_task.add_done_callback(self._serve_ended)
+
+    def _serve_ended(self, task: asyncio.Task) -> None:
+        """The serve loop lives until close(): one that stops before it is logged (its callers then
+        time out; the role's heartbeat still says alive, so this line is how an operator finds it)."""
+        if self._closing:
+            return
+        exc = None if task.cancelled() else task.exception()
+        log.error("rpc_server_loop_failed", role=self.dispatcher.role, id=self.dispatcher.id, address=self.address,
+                  error=repr(exc) if exc else "cancelled")
 
     async def _serve(self) -> None:
         assert self.sock is not None
@@ -214,6 +225,7 @@ class ZmqRpcServer(RpcServer):
             log.debug("reply_undeliverable", error=str(exc))
 
     async def close(self) -> None:
+        self._closing = True
         tasks = [t for t in [self._loop_task, *self._tasks] if t]
         for t in tasks:
             t.cancel()
@@ -242,9 +254,28 @@ class ZmqRpcClient(RpcClient):
         self.pending: dict[int, asyncio.Future] = {}
         self.last_failure: str | None = None
         self.late_replies = self.bad_replies = 0
+        self.failed: str | None = None  # why a background loop stopped before close(); calls then fail at once
+        self._closing = False
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._monitor_loop())]
+        for t, name in zip(self._tasks, ("receive", "monitor"), strict=True):
+            t.set_name(f"rpc-client-{name}:{address}")
+            t.add_done_callback(lambda t, name=name: self._loop_ended(name, t))
+
+    def _loop_ended(self, name: str, task: asyncio.Task) -> None:
+        """Both loops live as long as the client: one that stops before close() (its socket closed
+        under it, a bug) is logged and fails every pending call, and every later one, at once."""
+        if self._closing:
+            return
+        exc = None if task.cancelled() else task.exception()
+        self.failed = f"{name} loop stopped ({exc!r})" if exc else f"{name} loop stopped"
+        log.error("rpc_client_loop_failed", address=self.address, loop=name, error=repr(exc) if exc else "cancelled")
+        for fut in list(self.pending.values()):
+            if not fut.done():
+                fut.set_exception(PeerUnavailable(f"{self.address}: client {self.failed}"))
 
     async def call(self, req: Any, timeout: float = 5.0) -> Any:
+        if self.failed:
+            raise PeerUnavailable(f"{self.address}: client {self.failed}")
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
@@ -301,13 +332,16 @@ class ZmqRpcClient(RpcClient):
                     fut.set_exception(PeerUnavailable(f"{self.address}: {reason}"))
 
     def close(self) -> None:
-        if self.sock.closed:  # closed by its owner, then again by the transport
+        if self._closing:  # closed by its owner, then again by the transport
             return
+        self._closing = True
         for t in self._tasks:
             t.cancel()
         for fut in self.pending.values():
             if not fut.done():
                 fut.set_exception(PeerUnavailable(f"{self.address}: client closed"))
-        self.sock.disable_monitor()
+        if not self.sock.closed:
+            self.sock.disable_monitor()
         self._monitor.close(linger=0)
-        self.sock.close()
+        if not self.sock.closed:
+            self.sock.close()
