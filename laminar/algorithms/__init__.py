@@ -1,1 +1,2 @@
-"""RL losses of the trainer (docs/architecture.md §9; docs/learning.md): GRPO with Clip-Higher (grpo.py), PPO's GAE and value loss (ppo.py)."""
+"""RL losses of the trainer (docs/architecture.md §9; docs/learning.md): GRPO's advantages and the
+clipped policy loss both algorithms use (grpo.py), PPO's GAE, value loss and critic (ppo.py)."""

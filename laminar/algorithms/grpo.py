@@ -1,4 +1,5 @@
-"""GRPO (docs/architecture.md §9; docs/learning.md): group-normalized advantages, per-token logprobs, the Clip-Higher loss.
+"""GRPO (docs/architecture.md §9; docs/learning.md): group-normalized advantages, per-token logprobs,
+the Clip-Higher policy loss (PPO's policy term too: `clipped_policy_loss`).
 
 Layout: a batch of B sequences `prompt + response`, right-padded to T tokens. Every per-token
 tensor lives on the T-1 *target* positions: position t holds what the model says about token
@@ -27,7 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6, std_normalize: bool = True) -> list[np.ndarray]:
+def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6,
+                     std_normalize: bool = True) -> list[np.ndarray]:
     """Per group: (r - mean) / (std + eps), std unbiased; a group of one, or with equal
     rewards, gets zero advantages (no signal)."""
     out = []
@@ -62,7 +64,8 @@ def collate(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
         ids[b, :P] = torch.tensor(np.asarray(p, dtype=np.int64))
         ids[b, P:P + R] = torch.tensor(np.asarray(r, dtype=np.int64))
         att[b, :P + R] = 1
-        m = np.ones(R, np.float32) if loss_masks is None or loss_masks[b] is None else np.asarray(loss_masks[b], np.float32)
+        lm = None if loss_masks is None else loss_masks[b]
+        m = np.ones(R, np.float32) if lm is None else np.asarray(lm, np.float32)
         mask[b, P - 1:P - 1 + R] = torch.tensor(m)
         for k, arrs in (per_token or {}).items():
             if arrs[b] is not None:
@@ -93,12 +96,13 @@ def response_logprobs(logp_targets, prompt_lens: Sequence[int], response_lens: S
     return out
 
 
-def grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
+def clipped_policy_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
               behaviour_logp=None, off_policy: str = "none", is_cap: float | None = 2.0,
               ref_logp=None, kl_coef: float = 0.0, num_tokens: float | None = None, entropy=None,
               dual_clip: float | None = None):
-    """The GRPO loss of a (micro-)batch; see the module docstring. `advantages` is [B] (one per
-    sequence) or [B, T-1]. Returns (loss, metrics) where each metric is a sum over the valid
+    """The clipped policy loss of a (micro-)batch, GRPO's and PPO's policy term alike; see the
+    module docstring. `advantages` is [B] (one per sequence: GRPO) or [B, T-1] (per token: PPO's
+    GAE). Returns (loss, metrics) where each metric is a sum over the valid
     tokens divided by N (so micro-batch metrics add up to the mini-batch mean)."""
     import torch
     if dual_clip is not None and not dual_clip > 1.0:
@@ -151,3 +155,6 @@ def grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_hig
         metrics["kl"] = float(kl.detach())
     metrics["loss"] = float(loss.detach())
     return loss, metrics
+
+
+grpo_loss = clipped_policy_loss  # the name GRPO's papers use; the same function

@@ -1,5 +1,6 @@
-"""PPO with a critic (an option, docs/architecture.md §9; docs/learning.md): generalized advantage estimation, the clipped value loss
-and the critic itself (the policy's transformer body + a linear value head).
+"""PPO with a critic (an option, docs/architecture.md §9; docs/learning.md): generalized advantage
+estimation, the clipped value loss and the critic itself (the policy's transformer body + a
+linear value head). The policy term is the clipped policy loss of grpo.py (`clipped_policy_loss`).
 
 Token-level MDP: one reward per token (usually only the last one is non-zero), a value per
 token; `mask` marks the policy's own tokens and the episode ends after the last of them
@@ -79,8 +80,9 @@ def load_critic(model_dir, device="cpu", dtype: str = "float32"):
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
 
-        def forward(self, input_ids, attention_mask=None):
-            h = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+            h = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           **kwargs).last_hidden_state
             return self.value_head(h).squeeze(-1).float()
 
     return Critic(body).to(device).train()

@@ -18,7 +18,8 @@ class TrainerConfig(BaseModel):
     minibatch_steps: int = Field(1, ge=1, description="optimizer steps per global batch (the batch is split evenly)")
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (gradient accumulation)")
     algorithm: str = Field("grpo", pattern="^(grpo|ppo)$",
-                           description="grpo: group-normalized advantages; ppo: a critic (value head) and GAE advantages")
+                           description="grpo: group-normalized advantages; ppo: a critic (value head) and GAE "
+                                       "advantages")
     eps_low: float = Field(0.2, ge=0, description="Clip-Higher lower bound: ratio >= 1 - eps_low")
     eps_high: float = Field(0.28, ge=0, description="Clip-Higher upper bound: ratio <= 1 + eps_high")
     dual_clip: bool = Field(False, description="dual clip: the loss of a negative-advantage token is at most "
@@ -27,10 +28,13 @@ class TrainerConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL to a frozen reference (0: no reference model)")
     adv_std_normalize: bool = Field(True, description="divide group advantages by the group's std")
     old_logprobs: str = Field("behaviour", pattern="^(behaviour|recompute)$",
-                              description="old policy of the ratio: the rollout's behaviour logprobs or recomputed by the trainer")
+                              description="old policy of the ratio: the rollout's behaviour logprobs or recomputed "
+                                          "by the trainer")
     off_policy: str = Field("none", pattern="^(none|tis|decoupled)$",
-                            description="stale-sample correction: truncated IS or decoupled PPO (both recompute the proximal policy)")
-    is_cap: float | None = Field(2.0, gt=0, description="truncation of the importance weight (tis; optional for decoupled)")
+                            description="stale-sample correction: truncated IS or decoupled PPO (both recompute the "
+                                        "proximal policy)")
+    is_cap: float | None = Field(2.0, gt=0, description="truncation of the importance weight (tis; optional for "
+                                 "decoupled)")
     mismatch_previous_version: bool = Field(True, description="train-inference mismatch of one-version-stale samples "
                                             "too: keeps a frozen copy of the weights before the newest update (one "
                                             "more model in memory, one no-grad forward of those samples)")
@@ -38,11 +42,15 @@ class TrainerConfig(BaseModel):
     gamma: float = Field(1.0, ge=0, le=1, description="ppo: discount of the token-level MDP")
     lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda")
     critic_lr: float = Field(1e-5, gt=0, description="ppo: AdamW learning rate of the critic")
-    value_clip: float | None = Field(0.2, gt=0, description="ppo: clip of the value update around the old values (None: no clip)")
+    value_clip: float | None = Field(0.2, gt=0, description="ppo: clip of the value update around the old values "
+                                     "(None: no clip)")
     whiten_advantages: bool = Field(True, description="ppo: normalize GAE advantages over the batch's valid tokens")
     dtype: str = Field("float32", pattern="^(float32|bfloat16)$",
                        description="compute dtype: bfloat16 runs forward/backward under autocast; "
                                    "parameters, gradients and optimizer states stay float32")
+    packing: bool | None = Field(None, description="pack each micro-batch's sequences into one row with "
+                                 "per-sequence positions (no compute on padding; flash-attention varlen on a GPU, "
+                                 "a block-diagonal mask on the CPU); None: on with CUDA, off on the CPU")
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every N versions")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept")
     checkpoint_dir: str | None = Field(None, description="default <workdir>/trainer[-<id>]/checkpoints")
@@ -51,19 +59,27 @@ class TrainerConfig(BaseModel):
     seed: int | None = Field(None, description="seed of torch/numpy/python RNGs (default run.seed)")
     experience_buffer: str = Field("0", description="id of the experience buffer to sample from")
     sample_wait_s: float = Field(0.05, gt=0, description="wait before asking a short buffer again")
-    max_iterations: int | None = Field(None, ge=1, description="finish (exit 0) after this version (None: run until stopped)")
+    max_iterations: int | None = Field(None, ge=1, description="finish (exit 0) after this version (None: run until "
+                                       "stopped)")
     publish: bool = Field(True, description="publish every version to the master relay")
-    relay_id: str | None = Field(None, description="master relay id, used when the cluster has no manager (with one, the trainer follows the manager's master); its data address is <host address>:<relay data_port>")
+    relay_id: str | None = Field(None, description="master relay id, used when the cluster has no manager (with "
+                                 "one, the trainer follows the manager's master); its data address is "
+                                 "<host address>:<relay data_port>")
     relay_address: str | None = Field(None, description="explicit host:port of the master relay's data listener")
-    manager_id: str = Field("0", description="manager to follow for the current master (used when a manager is placed and no address is given)")
+    manager_id: str = Field("0", description="manager to follow for the current master (used when a manager is "
+                            "placed and no address is given)")
     publish_transport: str = Field("tcp", description="chunk transport: tcp, ucx, or module:Class")
     publish_transport_options: dict = Field(default_factory=dict, description="keyword arguments of the transport")
     tensorboard: bool = Field(True, description="also write TensorBoard curves when tensorboardX is installed")
     world_size: int = Field(1, ge=1, description="ranks of this trainer (FSDP2); each rank is its own trainer role")
-    rank: int | None = Field(None, ge=0, description="this process's rank (default: the role id, which must then be 0..world_size-1)")
-    dist_address: str | None = Field(None, description="host:port where the ranks meet (default: rank 0's host address and dist_port)")
-    dist_port: int = Field(29500, ge=1, le=65535, description="rendezvous port on rank 0's host when dist_address is not given")
-    dist_timeout_s: float = Field(1800.0, gt=0, description="deadline of one collective (a follower waits this long for a batch)")
+    rank: int | None = Field(None, ge=0, description="this process's rank (default: the role id, which must then be "
+                             "0..world_size-1)")
+    dist_address: str | None = Field(None, description="host:port where the ranks meet (default: rank 0's host "
+                                     "address and dist_port)")
+    dist_port: int = Field(29500, ge=1, le=65535, description="rendezvous port on rank 0's host when dist_address "
+                           "is not given")
+    dist_timeout_s: float = Field(1800.0, gt=0, description="deadline of one collective (a follower waits this long "
+                                  "for a batch)")
     chunk_mb: int = Field(16, ge=1, description="chunk size of the weight stream")
     publish_dtype: str | None = Field("rollout", pattern="^(rollout|same|float32|bfloat16|float16)$",
                                       description="dtype of published floating-point weights, cast on the "
