@@ -177,16 +177,17 @@ def bench_train(model, dev, seqs: int, seq_len: int, micro: int, iters: int) -> 
            "train_batch": f"{seqs}x{seq_len} micro {micro}"}
     if cuda:
         out["train_peak_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
-    del opt
-    return out
+    return out  # the optimizer's state goes with this frame
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--params", default=None, choices=sorted(SHAPES), help="model shape (default: 1b on a GPU, small on the CPU)")
-    ap.add_argument("--publish-dtype", default="bfloat16", help="serving dtype of the published weights (same: as trained)")
+    ap.add_argument("--params", default=None, choices=sorted(SHAPES),
+                    help="model shape (default: 1b on a GPU, small on the CPU)")
+    ap.add_argument("--publish-dtype", default="bfloat16",
+                    help="serving dtype of the published weights (same: as trained)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seqs", type=int, default=None, help="sequences per training iteration (default 32 GPU, 4 CPU)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 1280 GPU, 128 CPU)")

@@ -1,11 +1,15 @@
 """One rank of a multi-rank TrainEngine run, for tests: FSDP2 over gloo on CPU (NCCL on GPUs).
 
     python -m laminar.testing.trainer_ranks RANK WORLD ADDRESS MODEL_DIR OUT [--algorithm grpo|ppo]
-        [--versions 2] [--device cpu]
+        [--versions 2] [--device cpu] [--checkpoint DIR] [--publish same,bfloat16]
 
 Every rank trains the same synthetic batches (random_groups, seeded) for `--versions` versions;
 rank 0 writes OUT (torch.save): the full model state dict after training and each version's
 metrics. A test compares that with one process training the same batches (`train_reference`).
+--checkpoint: then every rank writes its shards of a sharded (DCP) checkpoint under DIR
+(`resume_reference` resumes it in one process). --publish: then, per dtype, a sharded publish
+(every rank copies its own shards) and a publish of the gathered state dict, each to a relay of
+its own in rank 0's process; OUT gets both versions' manifests and bytes (`publish_both`).
 """
 from __future__ import annotations
 
@@ -37,6 +41,86 @@ def train_reference(model_dir: str, algorithm: str = "grpo", versions: int = 2, 
     return {"model": {k: v.detach().cpu().clone() for k, v in eng.full_state()["model"].items()}, "metrics": metrics}
 
 
+def resume_reference(model_dir: str, checkpoint_dir: str, algorithm: str = "grpo", versions: int = 3,
+                     device: str = "cpu") -> dict:
+    """One process resumes the newest (sharded) checkpoint in `checkpoint_dir` and trains the
+    batches after its version up to `versions`: {"model": state_dict, "metrics", "resumed": version}."""
+    import torch
+
+    from laminar.roles.trainer import checkpoint
+    from laminar.roles.trainer.engine import TrainEngine
+    torch.manual_seed(0)
+    eng = TrainEngine(make_config(model_dir, algorithm, device), 0, torch.device(device))
+    eng.load()
+    path = checkpoint.latest(checkpoint_dir)
+    state = checkpoint.read_state(path)
+    eng.restore_sharded(path)
+    start = int(state["version"])
+    metrics = [eng.train(b, v + 1) for v, b in enumerate(batches(versions)) if v >= start]
+    return {"model": {k: v.detach().cpu().clone() for k, v in eng.full_state()["model"].items()},
+            "metrics": metrics, "resumed": start}
+
+
+def publish_both(eng, info, dtypes: list[str]) -> dict | None:
+    """Every rank: per dtype, a sharded publish and a publish of the gathered state dict, to two
+    relays in rank 0's process; rank 0 returns {dtype: {"sharded"/"full": (manifest, bytes),
+    "copied": [bytes each rank copied in the sharded publish]}}, None elsewhere."""
+    import shutil
+    import uuid
+
+    from laminar.roles.trainer import dist
+    from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
+    from laminar.weights import wire
+    from laminar.weights.node import RelayNode
+    from laminar.weights.publisher import WeightPublisher
+    from laminar.weights.pull import LocalWeights
+    from laminar.weights.transport import get_transport
+    key = wire.derive_key(b"k" * 32)
+    nodes, pubs, out = [], [], {}
+    sharded = full = None
+    if info.is_main:
+        for name in ("sharded", "full"):
+            node = RelayNode(name, f"/dev/shm/laminar-ranks-{uuid.uuid4().hex[:10]}", get_transport("tcp"), key)
+            node.start()
+            nodes.append(node)
+        sharded = WeightPublisher(chunk_bytes=64 << 10, key=key, staging_prefix=staging_prefix())
+        full = WeightPublisher(chunk_bytes=64 << 10, key=key)
+        pubs = [sharded, full]
+        for pub, node in zip(pubs, nodes, strict=True):
+            pub.set_target(node.address, node.id)
+    sp = ShardedPublish(info, sharded)
+    try:
+        for v, dtype in enumerate(dtypes, start=1):
+            if info.is_main:
+                for pub in pubs:
+                    pub.publish_dtype = None if dtype == "same" else dtype
+            sp.publish(eng.publish_state(), v)
+            copied = dist.all_reduce_sums(info, {f"r{r}": float(sp.last_copy_bytes if r == info.rank else 0)
+                                                 for r in range(info.world_size)})
+            gathered = eng.full_state()
+            if not info.is_main:
+                continue
+            full.publish(gathered["model"], v)
+            got = {"copied": [int(copied[f"r{r}"]) for r in range(info.world_size)]}
+            for name, pub, node in zip(("sharded", "full"), pubs, nodes, strict=True):
+                assert pub.wait_delivered(v, 30), f"{name} v{v} not delivered"
+                with node.store.cond:
+                    node.store.cond.wait_for(lambda n=node, v=v: n.store.current is not None
+                                             and n.store.current.version >= v, 30)
+                with LocalWeights(node.store.dir).latest() as pulled:
+                    assert pulled.version == v and pulled.verify() == [], name
+                    got[name] = (pulled.manifest, bytes(pulled.buf[:pulled.manifest.total_bytes]))
+            out[dtype] = got
+    finally:
+        sp.close()
+        for pub in pubs:
+            pub.close()
+        for node in nodes:
+            node.stop()
+            shutil.rmtree(node.store.dir, ignore_errors=True)
+    return out if info.is_main else None
+
+
 def main() -> None:
     import torch
 
@@ -51,6 +135,8 @@ def main() -> None:
     ap.add_argument("--algorithm", default="grpo")
     ap.add_argument("--versions", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--checkpoint", default=None, help="write a sharded checkpoint here after training")
+    ap.add_argument("--publish", default=None, help="comma-separated publish dtypes (same, bfloat16...)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -61,8 +147,17 @@ def main() -> None:
         eng.load()
         metrics = [eng.train(b, v + 1) for v, b in enumerate(batches(a.versions))]
         state = eng.full_state()
+        out = {"model": state["model"], "metrics": metrics} if info.is_main else None
+        if a.checkpoint:
+            path = eng.save_sharded(a.checkpoint, a.versions, {"cursor": 0}, keep=2)
+            if info.is_main:
+                out["checkpoint"] = str(path)
+        if a.publish:
+            published = publish_both(eng, info, a.publish.split(","))
+            if info.is_main:
+                out["published"] = published
         if info.is_main:
-            torch.save({"model": state["model"], "metrics": metrics}, a.out)
+            torch.save(out, a.out)
     finally:
         dist.shutdown(info)
 

@@ -10,18 +10,20 @@ network: it writes into the buffer the background sender is *not* reading. If th
 busy with an older version and another publish() comes, the pending (not yet started) version is
 overwritten in place: the chain always moves to the newest weights and never queues stale ones.
 
-The only work on the caller's thread is the copy: a plain memcpy per contiguous CPU tensor
-(measured: torch's 2-thread copy_ was 2-3x slower than one memcpy whenever another process held a
-core), `Tensor.copy_` into a view of the staging buffer otherwise (the device-to-host copy for GPU
-tensors). Checksums are computed by
-the background sender chunk by chunk, just before each chunk goes out (xxh3, ≈ 25 GB/s).
+The only work on the caller's thread is the copy (laminar/weights/staging.py: a plain memcpy per
+contiguous CPU tensor, a cast and an asynchronous copy into page-locked staging on a stream of its
+own for GPU tensors). Checksums are computed by the background sender chunk by chunk, just before
+each chunk goes out (xxh3, ≈ 25 GB/s).
+
+Several writers (the ranks of an FSDP2 trainer on one host, roles/trainer/sharded_publish.py):
+with `staging_prefix` the two slots are /dev/shm files the other ranks map; `begin()` picks the
+slot, every rank copies its shards into it, and `commit()` hands the version to the sender.
 
 The background thread connects to the target, authenticates, and runs a Sender; when the link
 fails it calls `on_link_down(peer)` and waits for `set_target` (the manager names the new master).
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -30,13 +32,20 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from laminar.weights import wire
 from laminar.weights.manifest import CHUNK_BYTES_DEFAULT, build_manifest, same_layout, with_lineage, with_version
-from laminar.weights.pull import copy_kind, cuda_host_register, cuda_host_unregister, torch_dtype
+from laminar.weights.pull import copy_kind, torch_dtype
 from laminar.weights.sender import Sender
+from laminar.weights.staging import StagingCopier, alloc_shared_staging, alloc_staging
 from laminar.weights.store import VersionBuffer
 from laminar.weights.transport import LinkError, get_transport
+
+if TYPE_CHECKING:
+    import torch
+
+    from laminar.protocol import Manifest
 
 try:
     import structlog
@@ -52,31 +61,31 @@ except ImportError:  # a bare GPU box (bench/gpu.py): only the link-down warning
 LINEAGE_FILE = "lineage.json"  # next to the trainer's checkpoints: the run id and its last epoch
 
 
-def alloc_staging(size: int) -> mmap.mmap:
-    """Private anonymous memory, on huge pages where the kernel allows (fewer TLB misses in the
-    copy), touched once now so that no publish pays page faults."""
-    buf = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    view = memoryview(buf)
-    for off in range(0, len(buf), 1 << 21):
-        view[off] = 0  # fault in (a huge page per 2 MiB when granted)
-    return buf
+def publish_layout(specs, publish_dtype: str | None, chunk_bytes: int) -> Manifest:
+    """The staging layout (a manifest without version or checksums) of tensors given as (name,
+    torch dtype, shape, is floating point): floating-point ones in `publish_dtype` (None: their
+    own). Every rank of a sharded publish computes it from the global shapes."""
+    cast = torch_dtype(publish_dtype) if publish_dtype else None
+    return build_manifest([(k, str(cast if cast is not None and fp else dt).removeprefix("torch."), tuple(shape))
+                           for k, dt, shape, fp in specs], 0, chunk_bytes)
 
 
 class WeightPublisher:
     def __init__(self, chunk_bytes: int = CHUNK_BYTES_DEFAULT, transport: str = "tcp", key: bytes = b"",
                  on_link_down: Callable[[str], None] = lambda peer: None,
                  connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0,
-                 publish_dtype: str | None = None):
+                 publish_dtype: str | None = None, staging_prefix: str | None = None):
         self.chunk_bytes = chunk_bytes
         # floating-point tensors are cast to this dtype on their own device before the copy
         # (None or "same": published as they are); the manifest names each tensor's dtype
         self.publish_dtype = None if publish_dtype in (None, "", "same") else str(publish_dtype)
         torch_dtype(self.publish_dtype) if self.publish_dtype else None  # unknown names fail here
-        self._pinned: dict[int, int] = {}  # slot -> address registered with CUDA (page-locked)
-        self._pin_tried = False
-        self._streams: dict = {}           # CUDA device -> the stream publish copies on
+        self.copier = StagingCopier()  # the copies, their CUDA streams and the slots' registrations
+        # staging_prefix: slots are files "<prefix>-g<generation>-s<slot>" (e.g. under /dev/shm)
+        # that the other ranks of this host map and write their shards into (sharded publish);
+        # None: private anonymous memory, written by this process alone
+        self.staging_prefix = staging_prefix
+        self._generation = 0
         self.transport = get_transport(transport) if isinstance(transport, str) else transport
         self.key, self.on_link_down = key, on_link_down
         self.connect_timeout_s, self.ack_timeout_s = connect_timeout_s, ack_timeout_s
@@ -100,107 +109,103 @@ class WeightPublisher:
 
     # -- trainer API -------------------------------------------------------------------------
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> int:
-        import torch
+        """Copy `state_dict` (cast to publish_dtype) into a free staging slot and hand it to the
+        sender as `version` (default: the next number); returns the version."""
         t0 = time.perf_counter()
-        cast = torch_dtype(self.publish_dtype) if self.publish_dtype else None
         items = list(state_dict.items())
-        out_dtypes = [cast if cast is not None and t.is_floating_point() else t.dtype for _, t in items]
-        specs = [(k, str(d).removeprefix("torch."), tuple(t.shape)) for (k, t), d in zip(items, out_dtypes, strict=False)]
+        layout = self.layout_of((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items)
+        version, slot = self.begin(layout, version)
+        jobs = [(t, torch_dtype(dt), off) for (_, t), dt, off in zip(items, layout.dtypes, layout.offsets, strict=True)]
+        if any(copy_kind(t) == "cuda" for t, _, _ in jobs):
+            self.pin_slots()  # both at once: no later publish pays for a registration
+        self.copier.copy(jobs, self.slots[slot], key=slot)
+        self.commit(slot, layout, version)
+        self.last_publish_s = time.perf_counter() - t0
+        return version
+
+    def layout_of(self, specs) -> Manifest:
+        """The layout of tensors given as (name, torch dtype, shape, is floating point)."""
+        return publish_layout(specs, self.publish_dtype, self.chunk_bytes)
+
+    def begin(self, layout: Manifest, version: int | None = None) -> tuple[int, int]:
+        """(version, slot): a staging slot nobody reads, for `layout` (new slots when the layout
+        changed). Write it (self.slots[slot], or the file slot_path(slot) from another process),
+        then commit(); a begun slot that is never committed is simply reused."""
         version = self.version + 1 if version is None else version
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the last published {self.version}")
-        layout = build_manifest(specs, 0, self.chunk_bytes)
         with self.cond:
             if self.stopped:
                 raise RuntimeError("the publisher is closed")
             if self.layout is None or not same_layout(self.layout, layout):
                 self._reset_layout(layout)
-            slot = self._free_slot()
-        flat = torch.frombuffer(self.slots[slot], dtype=torch.uint8)
-        devices = {t.device for _, t in items if t.device.type == "cuda"}
-        if devices:
-            self._copy_cuda(items, out_dtypes, layout, slot, flat, devices)
-        else:
-            self._copy_host(items, out_dtypes, layout, flat)
+            return version, self._free_slot()
+
+    def commit(self, slot: int, layout: Manifest, version: int) -> None:
+        """The slot holds all of `version`: it becomes the newest, and the sender's next."""
         vb = VersionBuffer(with_lineage(with_version(layout, version), self.run_id, self.lineage),
                            self.slots[slot], slot=slot)
         vb.mark_all([0] * vb.n)
         vb.lazy_checksums, vb.hashed = True, bytearray(vb.n)
         with self.cond:
+            if version <= self.version:
+                raise ValueError(f"version {version} is not newer than the last published {self.version}")
             self.newest, self.version = vb, version
             self.cond.notify_all()
-        self.last_publish_s = time.perf_counter() - t0
-        return version
 
-    @staticmethod
-    def _copy_host(items, out_dtypes, layout, flat) -> None:
-        """CPU sources: one plain memcpy per contiguous tensor; a cast (converted straight into
-        the staging) or a strided source is copied by torch on this thread alone: its intra-op
-        threads stall on a core another process holds (measured: 0.0015 s -> 0.16 s a publish)."""
-        import torch
-        base = flat.data_ptr()
-        threads = torch.get_num_threads()
-        try:
-            for (name, t), dt, off, n in zip(items, out_dtypes, layout.offsets, layout.nbytes, strict=False):
-                if not n:
-                    continue
-                t = t.detach()
-                if t.dtype == dt and copy_kind(t) == "memcpy":
-                    ctypes.memmove(base + off, t.data_ptr(), n)  # one plain memcpy, GIL released
-                else:
-                    if threads != 1 and torch.get_num_threads() != 1:
-                        torch.set_num_threads(1)
-                    flat[off:off + n].view(dt).view(t.shape).copy_(t)
-        finally:
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
+    def slot_path(self, slot: int) -> str | None:
+        """The file of a shared staging slot (staging_prefix set), for the other ranks to map."""
+        return f"{self.staging_prefix}-g{self._generation}-s{slot}" if self.staging_prefix else None
 
-    def _copy_cuda(self, items, out_dtypes, layout, slot, flat, devices) -> None:
-        """GPU sources: the staging slot is page-locked (registered once), each tensor is cast on
-        its device and copied asynchronously on a stream of its own; all copies are waited for
-        before the version is handed to the sender."""
-        import torch
-        if not self._pin_tried:  # both slots at once: no later publish pays for a registration
-            self._pin_tried = True
-            for i, buf in enumerate(self.slots):
-                ptr = cuda_host_register(buf)
-                if ptr is not None:
-                    self._pinned[i] = ptr
-        pinned = slot in self._pinned
-        streams = {}
-        for dev in devices:
-            s = self._streams.get(dev) or self._streams.setdefault(dev, torch.cuda.Stream(dev))
-            s.wait_stream(torch.cuda.current_stream(dev))  # the optimizer step's writes come first
-            streams[dev] = s
-        host = []
-        for (name, t), dt, off, n in zip(items, out_dtypes, layout.offsets, layout.nbytes, strict=False):
-            if not n:
-                continue
-            t = t.detach()
-            dst = flat[off:off + n].view(dt).view(t.shape)
-            if t.device.type != "cuda":
-                host.append((t, dst))
-                continue
-            with torch.cuda.stream(streams[t.device]):
-                src = t.to(dt) if t.dtype != dt else t
-                dst.copy_(src, non_blocking=pinned)
-        for s in streams.values():
-            s.synchronize()
-        for t, dst in host:
-            dst.copy_(t.to(dst.dtype) if t.dtype != dst.dtype else t)
+    def unlink_staging(self) -> None:
+        """Remove the names of the shared staging files once every writer has mapped them: the
+        mappings keep the memory, and nothing is left in /dev/shm if the trainer is killed."""
+        for i in range(len(self.slots)):
+            path = self.slot_path(i)
+            if path is not None:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+    def pin_slots(self) -> None:
+        """Page-lock both staging slots for CUDA (once per layout; see staging.py)."""
+        for i, buf in enumerate(self.slots):
+            self.copier.pin(i, buf)
+
+    @property
+    def _pinned(self) -> dict:  # slot -> address registered with CUDA
+        return {k: ptr for k, (_, ptr) in self.copier.pinned.items()}
+
+    @property
+    def _streams(self) -> dict:
+        return self.copier.streams
 
     def _reset_layout(self, layout) -> None:
         if self.busy_slot is not None:
             raise RuntimeError("model layout changed while a version is being sent")
-        self._unpin()
+        self._drop_slots()
         self.layout = layout
-        self.slots = [alloc_staging(layout.total_bytes), alloc_staging(layout.total_bytes)]
+        if self.staging_prefix:
+            self._generation += 1
+            self.slots = [alloc_shared_staging(self.slot_path(i), layout.total_bytes) for i in range(2)]
+        else:
+            self.slots = [alloc_staging(layout.total_bytes), alloc_staging(layout.total_bytes)]
         self.newest = None
 
-    def _unpin(self) -> None:
-        for ptr in self._pinned.values():
-            cuda_host_unregister(ptr)
-        self._pinned, self._pin_tried = {}, False
+    def _drop_slots(self) -> None:
+        """Unregister and unmap the staging slots (and unlink shared ones still named)."""
+        self.copier.unpin()
+        if self.newest is not None:
+            self.newest.view.release()
+            self.newest = None
+        self.unlink_staging()
+        for buf in self.slots:
+            try:
+                buf.close()
+            except BufferError:
+                pass
+        self.slots, self.layout = [], None
 
     def _free_slot(self) -> int:
         """A slot the sender is not reading (caller holds cond); see the module docstring."""
@@ -237,16 +242,7 @@ class WeightPublisher:
             sender.stop()
         self._thread.join(timeout=10.0)
         with self.cond:  # release the staging memory now rather than at garbage collection
-            self._unpin()
-            if self.newest is not None:
-                self.newest.view.release()
-                self.newest = None
-            for buf in self.slots:
-                try:
-                    buf.close()
-                except BufferError:
-                    pass
-            self.slots, self.layout = [], None
+            self._drop_slots()
 
     # -- Source API for the Sender -----------------------------------------------------------
     def pick(self, delivered: tuple | int) -> VersionBuffer | None:
@@ -273,7 +269,7 @@ class WeightPublisher:
         seen = 0
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.stopped or (self.target and self._target_seq != seen))
+                self.cond.wait_for(lambda seen=seen: self.stopped or (self.target and self._target_seq != seen))
                 if self.stopped:
                     return
                 (address, relay_id), seen = self.target, self._target_seq

@@ -36,11 +36,15 @@ import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from laminar.protocol import Manifest
 from laminar.weights.manifest import manifest_from_bytes, verify
 from laminar.weights.store import read_pointer, retained_versions
 from laminar.weights.wire import mac_key, verify_macs
+
+if TYPE_CHECKING:  # torch is imported where it is used: relays and the manager never need it
+    import torch
 
 _RETRIES = 64
 _CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the rollout maps slots read-only
@@ -291,7 +295,8 @@ class LocalWeights:
             for name, t in pulled.tensors():
                 d = dst[name]
                 if d.dtype != t.dtype or d.shape != t.shape:
-                    raise ValueError(f"{name}: destination is {d.dtype}{list(d.shape)}, version has {t.dtype}{list(t.shape)}")
+                    raise ValueError(f"{name}: destination is {d.dtype}{list(d.shape)}, "
+                                     f"version has {t.dtype}{list(t.shape)}")
                 pairs.append((d, t))
             cuda = {d.device for d, _ in pairs if copy_kind(d) == "cuda"}
             pinned = bool(cuda) and self.pin(pulled)

@@ -8,9 +8,15 @@ folder fsynced), so a reader sees a whole checkpoint or none.
     load(path)                             -> (parts, state); state has version, cursor, ...
     set_rng_state(torch.load(path/rng.pt)) restores the RNGs of the process that saved
 
-State dicts are full (unsharded) tensors: a multi-rank trainer gathers them on rank 0 first, so a
-checkpoint can be resumed by any number of ranks. A state dict holding a NaN or inf is refused
-(NonFiniteWeightsError) before anything is written: a checkpoint is something to resume from.
+Two formats, told apart by state.json's "format":
+- "full" (one rank): each part is a full state dict saved with torch.save (`<part>.pt`);
+- "dcp" (a multi-rank trainer, `save_sharded`): every rank writes its own shards of every part
+  with torch.distributed.checkpoint into `dcp/` (no gather on rank 0), rank 0 adds rng.pt,
+  state.json and the marker and renames the folder into place after the last rank's data is
+  synced. `load_sharded` reads it back on any number of ranks (DCP reshards: a checkpoint of 2
+  ranks resumes on 1 or on 4), and `load` turns it into full state dicts in one process (export).
+Either is resumable by a trainer of any number of ranks. A state dict holding a NaN or inf is
+refused (NonFiniteWeightsError) before anything is written: a checkpoint is something to resume from.
 """
 from __future__ import annotations
 
@@ -23,24 +29,26 @@ from pathlib import Path
 import numpy as np
 
 MARK = "COMPLETE"
+DCP_DIR = "dcp"
 
 
 class NonFiniteWeightsError(RuntimeError):
     """Weights (or optimizer states) hold NaN or inf: they must not be published or checkpointed."""
 
 
-def nonfinite_tensors(tree, prefix: str = "") -> list[str]:
-    """Dotted names of the floating-point tensors in a (nested) state dict with a NaN or inf."""
+def nonfinite_tensors(tree, prefix: str = "", local: bool = False) -> list[str]:
+    """Dotted names of the floating-point tensors in a (nested) state dict with a NaN or inf.
+    A DTensor is gathered (a collective) unless `local`: then only this rank's shard is looked at."""
     import torch
     bad = []
     if isinstance(tree, dict):
         for k, v in tree.items():
-            bad += nonfinite_tensors(v, f"{prefix}{k}.")
+            bad += nonfinite_tensors(v, f"{prefix}{k}.", local)
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
-            bad += nonfinite_tensors(v, f"{prefix}{i}.")
+            bad += nonfinite_tensors(v, f"{prefix}{i}.", local)
     elif isinstance(tree, torch.Tensor) and tree.is_floating_point():
-        t = tree.full_tensor() if hasattr(tree, "full_tensor") else tree
+        t = tree if not hasattr(tree, "full_tensor") else tree.to_local() if local else tree.full_tensor()
         if not bool(torch.isfinite(t).all()):
             bad.append(prefix[:-1])
     return bad
@@ -95,8 +103,13 @@ def save(root: str | Path, version: int, parts: dict, state: dict, keep: int = 2
         torch.save(sd, tmp / f"{name}.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({**state, "version": version, "parts": sorted(parts)}))
+    return _finish(root, tmp, version, keep)
+
+
+def _finish(root: Path, tmp: Path, version: int, keep: int) -> Path:
+    """Mark `tmp` complete, sync every file in it, rename it into place and keep the newest."""
     (tmp / MARK).write_text("ok\n")
-    for f in tmp.iterdir():
+    for f in sorted(tmp.rglob("*"), key=lambda p: -len(p.parts)):  # files, then their folders
         _fsync(f)
     _fsync(tmp)
     final = root / _name(version)
@@ -134,11 +147,116 @@ def clean_temp(root: str | Path) -> None:
 
 
 def load(path: str | Path, map_location="cpu") -> tuple[dict, dict]:
+    """(parts, state): full state dicts, whatever the format (a "dcp" one is read whole into
+    this process: for export and tools, not for resuming a trainer, see load_sharded)."""
     import torch
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
-    parts = {name: torch.load(path / f"{name}.pt", map_location=map_location) for name in state.get("parts", ["model", "optimizer"])}
+    if is_sharded(state):
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+        from torch.distributed.tensor import DTensor
+        with _single_process():
+            flat = _load_state_dict_from_keys(set(state["parts"]), checkpoint_id=path / DCP_DIR)
+        parts = {k: _to_full(v, DTensor) for k, v in flat.items()}
+        return parts, state
+    parts = {name: torch.load(path / f"{name}.pt", map_location=map_location)
+             for name in state.get("parts", ["model", "optimizer"])}
     return parts, state
+
+
+def is_sharded(state: dict) -> bool:
+    """Whether a checkpoint's state.json names the DCP format."""
+    return state.get("format") == "dcp"
+
+
+def read_state(path: str | Path) -> dict:
+    return json.loads((Path(path) / "state.json").read_text())
+
+
+def _to_full(tree, dtensor):
+    if isinstance(tree, dict):
+        return {k: _to_full(v, dtensor) for k, v in tree.items()}
+    return tree.full_tensor() if isinstance(tree, dtensor) else tree
+
+
+class _single_process:
+    """DCP in one process without a process group warns that it assumes so: it is meant."""
+
+    def __enter__(self):
+        import warnings
+        self._w = warnings.catch_warnings()
+        self._w.__enter__()
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*uninitialized")
+        return self
+
+    def __exit__(self, *exc):
+        self._w.__exit__(*exc)
+
+
+# -- sharded (torch.distributed.checkpoint) -------------------------------------------------------
+def _optimizer_name(part: str) -> str:
+    return "optimizer" if part == "model" else f"{part}_optimizer"
+
+
+def _dcp_state(pairs: dict, only=None) -> dict:
+    """{part: model state, <part>_optimizer: optimizer state} as this rank holds them (DTensor
+    shards under FSDP2; optimizer states keyed by parameter names, so any sharding can load them)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    out = {}
+    for name, (model, opt) in pairs.items():
+        if only is not None and name not in only:
+            continue
+        msd, osd = get_state_dict(model, opt)
+        out[name], out[_optimizer_name(name)] = msd, osd
+    return out
+
+
+def save_sharded(root: str | Path | None, version: int, pairs: dict, info, state: dict, keep: int = 2) -> Path | None:
+    """Collective, every rank: write a "dcp" checkpoint of {part: (module, optimizer)} under rank
+    0's `root` (the others' `root` is ignored); the path on rank 0, None elsewhere. Atomic as
+    `save`: the ranks write into rank 0's temporary folder, which rank 0 renames once every file
+    is synced. Refused on every rank when a shard holds a NaN or inf."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from laminar.roles.trainer import dist
+    sd = _dcp_state(pairs)
+    bad = nonfinite_tensors(sd, local=True)
+    if dist.all_reduce_sums(info, {"bad": float(len(bad))})["bad"]:
+        where = ", ".join(bad[:5]) if bad else "another rank's shards"
+        raise NonFiniteWeightsError(f"refusing to checkpoint version {version}: non-finite values in {where}")
+    tmp = None
+    if info.is_main:
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp-{_name(version)}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    tmp = Path(dist.broadcast_bytes(info, str(tmp).encode() if info.is_main else None).decode())
+    # the write is a collective: it returns on every rank once rank 0 has written the metadata
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
+             process_group=info.control, no_dist=not info.enabled)
+    if not info.is_main:
+        return None
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({**state, "version": version, "parts": sorted(sd), "format": "dcp",
+                                                "world_size": info.world_size}))
+    return _finish(root, tmp, version, keep)
+
+
+def load_sharded(path: str | Path, pairs: dict, info) -> None:
+    """Collective, every rank of the resuming trainer (any number of them; or one process with no
+    process group): load a "dcp" checkpoint into {part: (module, optimizer)}, each rank reading
+    the pieces of its own shards. A part the checkpoint lacks (a GRPO checkpoint resumed with
+    PPO: the critic) keeps its fresh state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    saved = set(read_state(path)["parts"])
+    sd = _dcp_state(pairs, only={n for n in pairs if n in saved})
+    with _single_process():
+        dcp.load(sd, checkpoint_id=Path(path) / DCP_DIR, process_group=info.control, no_dist=not info.enabled)
+    for name, (model, opt) in pairs.items():
+        if name in sd:
+            set_state_dict(model, opt, model_state_dict=sd[name], optim_state_dict=sd[_optimizer_name(name)])
 
 
 def load_rng(path: str | Path) -> None:

@@ -63,8 +63,8 @@ def test_bf16_publish_halves_the_bytes_and_round_trips_exactly(relay):
         v, m = delivered(pub, relay, sd)
     finally:
         pub.close()
-    assert dict(zip(m.names, m.dtypes, strict=False)) == {"embed": "bfloat16", "norm": "bfloat16", "strided": "bfloat16",
-                                            "steps": "int64", "empty": "bfloat16"}
+    assert dict(zip(m.names, m.dtypes, strict=False)) == {"embed": "bfloat16", "norm": "bfloat16",
+                                                          "strided": "bfloat16", "steps": "int64", "empty": "bfloat16"}
     float_bytes = sum(t.numel() * 4 for t in sd.values() if t.is_floating_point())
     assert sum(n for n, dt in zip(m.nbytes, m.dtypes, strict=False) if dt == "bfloat16") * 2 == float_bytes
     assert m.total_bytes < 0.55 * fp32_bytes  # aligned offsets aside, half the slot
@@ -128,8 +128,10 @@ def test_no_cuda_means_no_registration_and_the_host_path(monkeypatch):
 def test_gpu_sources_take_the_cuda_path(monkeypatch):
     """The dispatch: a state dict with a CUDA tensor goes to the CUDA copy (registration, stream),
     one without never does."""
+    from laminar.weights.staging import StagingCopier
     calls = []
-    monkeypatch.setattr(WeightPublisher, "_copy_cuda", lambda self, items, dts, layout, slot, flat, devs: calls.append(devs))
+    monkeypatch.setattr(StagingCopier, "_copy_cuda", lambda self, jobs, flat, pinned, devs: calls.append(devs))
+    monkeypatch.setattr(WeightPublisher, "pin_slots", lambda self: None)
     pub = WeightPublisher(chunk_bytes=64 << 10, key=KEY)
     try:
         pub.publish(fp32_state(3))
