@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import structlog
 from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
 from laminar.roles.trainer.dist import DistInfo, all_reduce_sums, broadcast_ints, shard
+from laminar.roles.trainer.packing import packed_token_logprobs, packed_values
 
 __all__ = ["NonFiniteWeightsError", "TrainEngine"]
 log = structlog.get_logger("laminar.trainer.engine")
@@ -75,11 +77,25 @@ def _all_reduce_max(info: DistInfo, value: float) -> float:
     return float(t[0])
 
 
+@dataclass
+class _Batch:
+    """One global batch on its way through `train`: what GRPO's and PPO's steps share."""
+    trajs: list
+    order: list[int]           # the batch's permutation (mini-batch j = its j-th slice)
+    per: dict                  # per-token arrays per trajectory: beh, prox, ref (and ppo's val, adv, ret)
+    version: int
+    needs_prox: bool           # the ratio's old policy is the recomputed proximal logprobs
+    mismatch: Mismatch
+    stepped_any: bool = False  # until the first optimizer step the training forward is at version - 1
+
+
 class TrainEngine:
     def __init__(self, cfg, seed: int, device, info: DistInfo | None = None):
         self.cfg, self.seed, self.device = cfg, seed, device
         self.info = info or DistInfo()
         self.skipped_nonfinite_steps = 0  # over the engine's life (this process)
+        # packed micro-batches (no compute on padding): on by default on a GPU, off on the CPU
+        self.packing = cfg.packing if cfg.packing is not None else device.type == "cuda"
 
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
@@ -189,10 +205,10 @@ class TrainEngine:
 
     # -- one global batch ------------------------------------------------------------------------
     def train(self, groups, version: int) -> dict:
-        """All updates of one global batch (every rank calls it with the same groups)."""
+        """All updates of one global batch (every rank calls it with the same groups): what both
+        algorithms share (order, behaviour/proximal/reference logprobs, mismatch), then GRPO's or
+        PPO's mini-batch steps."""
         import torch
-
-        from laminar.algorithms.grpo import group_advantages, grpo_loss, token_logprobs
         c = self.cfg
         trajs = [t for g in groups for t in g]
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + version)
@@ -200,24 +216,82 @@ class TrainEngine:
         per = {"beh": [np.asarray(t.logprobs, np.float32) for t in trajs]}
         needs_prox = c.old_logprobs == "recompute" or c.off_policy != "none"
         if needs_prox:
-            per["prox"] = self._per_token(lambda i, a: token_logprobs(self.model, i, a)[0], trajs, order)
+            per["prox"] = self._per_token(lambda i, a: self._logprobs(self.model, i, a)[0], trajs, order)
         mismatch = self._mismatch_before_update(trajs, order, per, version - 1)
         if self.ref is not None:
-            per["ref"] = self._per_token(lambda i, a: token_logprobs(self.ref, i, a)[0], trajs, order)
-        out: dict[str, float] = {}
+            per["ref"] = self._per_token(lambda i, a: self._logprobs(self.ref, i, a)[0], trajs, order)
+        batch = _Batch(trajs, order, per, version, needs_prox, mismatch)
         if c.algorithm == "ppo":
-            out.update(self._gae(trajs, order, per))
-            seq_adv = None
-        else:
-            seq_adv = np.concatenate(group_advantages([[t.reward for t in g] for g in groups], 1e-6, c.adv_std_normalize))
-            out["advantage_abs_mean"] = float(np.abs(seq_adv).mean())
+            return self._train_ppo(batch)
+        return self._train_grpo(batch, groups)
+
+    def _train_grpo(self, b: _Batch, groups) -> dict:
+        """GRPO: one advantage per sequence (its group-normalized reward), the clipped policy loss."""
+        import torch
+
+        from laminar.algorithms.grpo import group_advantages
+        c = self.cfg
+        seq_adv = np.concatenate(group_advantages([[t.reward for t in g] for g in groups], 1e-6, c.adv_std_normalize))
+        out = {"advantage_abs_mean": float(np.abs(seq_adv).mean())}
+
+        def micro(idx, ids, att, mask, ex, ntok) -> dict[str, float]:
+            adv = torch.as_tensor(seq_adv[idx or [0]], device=self.device)
+            return self._policy_backward(b, idx, ids, att, mask, ex, adv, ntok)
+
+        out.update(self._minibatch_steps(b, micro))
+        return out
+
+    def _train_ppo(self, b: _Batch) -> dict:
+        """PPO: per-token GAE advantages over the critic's values; the same clipped policy loss,
+        plus the critic's clipped value loss (its own optimizer, stepped with the policy's)."""
+        from laminar.algorithms.ppo import value_loss
+        c = self.cfg
+        out = self._gae(b.trajs, b.order, b.per)
+
+        def micro(idx, ids, att, mask, ex, ntok) -> dict[str, float]:
+            m = self._policy_backward(b, idx, ids, att, mask, ex, ex["adv"], ntok)
+            with self._autocast():
+                values = self._values(ids, att)
+            vl = value_loss(values, ex["val"], ex["ret"], mask, c.value_clip, num_tokens=ntok)
+            (vl * self._grad_scale()).backward()
+            m["value_loss"] = float(vl.detach())
+            return m
+
+        out.update(self._minibatch_steps(b, micro))
+        return out
+
+    def _policy_backward(self, b: _Batch, idx, ids, att, mask, ex, adv, ntok: int) -> dict[str, float]:
+        """The policy's forward and backward of one micro-batch (both algorithms): the clipped
+        policy loss (Clip-Higher, dual clip, TIS/decoupled, k3 KL) over the advantages `adv`.
+        Until the batch's first optimizer step, the forward also measures the mismatch."""
+        from laminar.algorithms.grpo import clipped_policy_loss
+        c = self.cfg
+        with self._autocast():
+            logp, ent = self._logprobs(self.model, ids, att, with_entropy=c.entropy_metric)
+        if not b.needs_prox and not b.stepped_any and idx:
+            self._measure(b.mismatch, b.trajs, idx, logp, b.version - 1)
+        old = ex["prox"] if b.needs_prox else ex["beh"]
+        loss, m = clipped_policy_loss(logp, old, adv, mask, eps_low=c.eps_low, eps_high=c.eps_high,
+                                      behaviour_logp=ex["beh"], off_policy=c.off_policy, is_cap=c.is_cap,
+                                      ref_logp=ex.get("ref"), kl_coef=c.kl_coef, num_tokens=ntok, entropy=ent,
+                                      dual_clip=c.dual_clip_c if c.dual_clip else None)
+        (loss * self._grad_scale()).backward()
+        return m
+
+    def _grad_scale(self) -> float:
+        return float(self.info.world_size)  # FSDP2 averages gradients over ranks; we want their sum
+
+    def _minibatch_steps(self, b: _Batch, micro) -> dict:
+        """The mini-batch loop both algorithms share: for each mini-batch, `micro(idx, ids, att,
+        mask, extras, ntok) -> metrics` runs forward and backward of each of this rank's
+        micro-batches, then one optimizer step of each model (skipped when not finite).
+        Returns the token-weighted metrics, gradient norms, token counts and the mismatch."""
+        trajs = b.trajs
         valid = [int(t.loss_mask.sum()) if t.loss_mask is not None else len(t.response_tokens) for t in trajs]
-        scale = float(self.info.world_size)  # FSDP2 averages gradients over ranks; we want their sum
         totals: dict[str, float] = defaultdict(float)
         norms, vnorms, skipped = [], [], 0
-        stepped_any = False  # until the first optimizer step the training forward is at version - 1
         pairs = list(self._pairs().values())
-        for mb in self._minibatches(order):
+        for mb in self._minibatches(b.order):
             ntok = sum(valid[i] for i in mb)
             if not mb or ntok == 0:
                 continue
@@ -226,35 +300,18 @@ class TrainEngine:
             mb_totals: dict[str, float] = defaultdict(float)
             finite = True
             for idx in self._chunks(mb):
-                ids, att, mask, ex = self._inputs(trajs, idx, per)
-                with self._autocast():
-                    logp, ent = token_logprobs(self.model, ids, att, with_entropy=c.entropy_metric)
-                if not needs_prox and not stepped_any and idx:
-                    self._measure(mismatch, trajs, idx, logp, version - 1)
-                old = ex["prox"] if needs_prox else ex["beh"]
-                adv = ex["adv"] if seq_adv is None else torch.as_tensor(seq_adv[idx or [0]], device=self.device)
-                loss, m = grpo_loss(logp, old, adv, mask, eps_low=c.eps_low, eps_high=c.eps_high,
-                                    behaviour_logp=ex["beh"], off_policy=c.off_policy, is_cap=c.is_cap,
-                                    ref_logp=ex.get("ref"), kl_coef=c.kl_coef, num_tokens=ntok, entropy=ent,
-                                    dual_clip=c.dual_clip_c if c.dual_clip else None)
-                (loss * scale).backward()
-                if self.critic is not None:
-                    from laminar.algorithms.ppo import value_loss
-                    with self._autocast():
-                        values = self.critic(ids, att)[:, :-1]
-                    vl = value_loss(values, ex["val"], ex["ret"], mask, c.value_clip, num_tokens=ntok)
-                    (vl * scale).backward()
-                    m["value_loss"] = float(vl.detach())
+                ids, att, mask, ex = self._inputs(trajs, idx, b.per)
+                m = micro(idx, ids, att, mask, ex, ntok)
                 finite = finite and all(math.isfinite(v) for v in m.values())
                 for k, v in m.items():
                     mb_totals[k] += v * ntok
                 if idx:
                     totals["tokens"] += float(att.sum())
             mb_norms, stepped = self._step(pairs, finite)
-            stepped_any = stepped_any or stepped
+            b.stepped_any = b.stepped_any or stepped
             if not stepped:
                 skipped += 1
-                log.warning("nonfinite_step_skipped", version=version, loss_finite=finite,
+                log.warning("nonfinite_step_skipped", version=b.version, loss_finite=finite,
                             grad_norms=[round(n, 6) if math.isfinite(n) else str(n) for n in mb_norms],
                             skipped_total=self.skipped_nonfinite_steps)
                 continue
@@ -267,19 +324,18 @@ class TrainEngine:
         totals = all_reduce_sums(self.info, dict(totals))
         tokens, counted = totals.pop("tokens", 0.0), totals.pop("response_tokens", 0.0)
         counted /= self.info.world_size  # every rank added each mini-batch's ntok
-        out.update({k: v / max(counted, 1.0) for k, v in totals.items()})
+        out = {k: v / max(counted, 1.0) for k, v in totals.items()}
         out.update(grad_norm=float(np.mean(norms)) if norms else 0.0, grad_norm_max=float(max(norms, default=0.0)),
                    tokens=tokens, response_tokens=counted, skipped_nonfinite_steps=float(skipped))
         if vnorms:
             out["critic_grad_norm"] = float(np.mean(vnorms))
-        out.update(mismatch.metrics(self.info))
+        out.update(b.mismatch.metrics(self.info))
         return out
 
     def _mismatch_before_update(self, trajs, order, per, weights_version: int) -> Mismatch:
         """Start the batch's mismatch: samples of the weights we hold, from the proximal
         logprobs when recomputed; samples one version older, against the frozen copy of the
         weights before the newest update. Then that copy takes the weights we hold."""
-        from laminar.algorithms.grpo import token_logprobs
         mm = Mismatch()
         if "prox" in per:
             for i, lp in enumerate(per["prox"]):
@@ -290,7 +346,7 @@ class TrainEngine:
         if self.lag_version is not None and self.lag_version == weights_version - 1:
             older = [i for i in order if trajs[i].version == self.lag_version]  # the same on every rank
             if older:
-                lps = self._per_token(lambda i, a: token_logprobs(self.lag, i, a)[0], trajs, older)
+                lps = self._per_token(lambda i, a: self._logprobs(self.lag, i, a)[0], trajs, older)
                 for i, lp in enumerate(lps):
                     if lp is not None:
                         mm.add(lp, trajs[i].logprobs, trajs[i].loss_mask)
@@ -322,7 +378,7 @@ class TrainEngine:
         """Old values, GAE advantages and returns of this rank's sequences into `per`."""
         from laminar.algorithms.ppo import sequence_gae
         c = self.cfg
-        per["val"] = self._per_token(lambda i, a: self.critic(i, a)[:, :-1], trajs, order)
+        per["val"] = self._per_token(self._values, trajs, order)
         per["adv"], per["ret"] = [None] * len(trajs), [None] * len(trajs)
         s = {"n": 0.0, "sum": 0.0, "sq": 0.0}
         for i, v in enumerate(per["val"]):
@@ -343,6 +399,20 @@ class TrainEngine:
         return {"advantage_mean_raw": mean, "advantage_std_raw": std}
 
     # -- helpers -------------------------------------------------------------------------------
+    def _logprobs(self, model, ids, att, with_entropy: bool = False):
+        """Per-token logprobs (and entropies) [B, T-1] of a right-padded micro-batch: from its
+        packed row when packing is on (no compute on padding), else from the padded batch."""
+        if self.packing:
+            return packed_token_logprobs(model, ids, att, with_entropy=with_entropy)
+        from laminar.algorithms.grpo import token_logprobs
+        return token_logprobs(model, ids, att, with_entropy=with_entropy)
+
+    def _values(self, ids, att):
+        """The critic's values [B, T-1] of a right-padded micro-batch (packed when packing is on)."""
+        if self.packing:
+            return packed_values(self.critic, ids, att)
+        return self.critic(ids, att)[:, :-1]
+
     def _chunks(self, idx: list[int]) -> list[list[int]]:
         """This rank's micro-batches of `idx`; the same count on every rank (some may be empty)."""
         W, r, mbs = self.info.world_size, self.info.rank, self.cfg.micro_batch_size
@@ -353,7 +423,8 @@ class TrainEngine:
     def _inputs(self, trajs, idx, per=None):
         from laminar.algorithms.grpo import collate
         take = idx if idx else [0]  # an empty share forwards one sequence with weight 0
-        ids, att, mask, ex = collate([trajs[i].spec.prompt_tokens for i in take], [trajs[i].response_tokens for i in take],
+        ids, att, mask, ex = collate([trajs[i].spec.prompt_tokens for i in take],
+                                     [trajs[i].response_tokens for i in take],
                                      {k: [v[i] for i in take] for k, v in (per or {}).items()},
                                      [trajs[i].loss_mask for i in take])
         if not idx:
