@@ -143,16 +143,27 @@ def math_score(text: str, answer: str) -> float:
 
 def make_math_reward(correct: float = 1.0, incorrect: float = 0.0, format_penalty: float | None = None,
                      require_boxed: bool = False, overlong_buffer_frac: float = 0.0,
-                     overlong_penalty: float = 1.0) -> Callable:
+                     overlong_penalty: float = 1.0, tokenizer_dir: str | None = None) -> Callable:
     """A reward `(spec, response_tokens) -> float` with DAPO-style options (module docstring).
 
-    `format_penalty`: reward when no answer can be extracted (None: same as `incorrect`)."""
+    `format_penalty`: reward when no answer can be extracted (None: same as `incorrect`).
+    `tokenizer_dir`: a model folder whose tokenizer decodes the response (loaded on the first call;
+    None: the tiny models' byte tokenizer)."""
     if not 0.0 <= overlong_buffer_frac < 1.0:
         raise ValueError(f"overlong_buffer_frac must be in [0, 1), got {overlong_buffer_frac}")
     no_answer = incorrect if format_penalty is None else format_penalty
+    tokenizer: list = []
+
+    def decode(tokens) -> str:
+        if tokenizer_dir is None:
+            return decode_bytes(tokens)
+        if not tokenizer:
+            from laminar.datasets import HFTokenizer
+            tokenizer.append(HFTokenizer(tokenizer_dir))
+        return tokenizer[0].decode(tokens)
 
     def reward(spec, response_tokens) -> float:
-        g = grade(decode_bytes(response_tokens), spec.answer, require_boxed)
+        g = grade(decode(response_tokens), spec.answer, require_boxed)
         r = correct if g.correct else (incorrect if g.answer is not None else no_answer)
         if overlong_buffer_frac > 0:
             limit = int(spec.max_tokens)
@@ -174,3 +185,7 @@ math_reward_boxed = make_math_reward(require_boxed=True)
 dapo_math_reward = make_math_reward(correct=1.0, incorrect=-1.0, overlong_buffer_frac=0.2)
 """DAPO's rule reward: +1 / -1 (no answer: -1), soft overlong punishment over the last 20%
 of spec.max_tokens (DAPO: a 4096-token buffer of 20480)."""
+
+smollm2_math_reward = make_math_reward(tokenizer_dir="models/smollm2")
+"""Like math_reward, for SmolLM2 (configs/smollm2-math.yaml): responses decoded with the tokenizer
+of `models/smollm2` (relative to the working directory, as the configs' model_dir)."""

@@ -1,6 +1,14 @@
-"""SFT warm start of the demo's tiny model: long-tailed reply lengths, a little uppercase.
+"""SFT warm starts of the tiny model: the word-problem task's worked solutions, or the uppercase task's shape.
 
-    python -m laminar.tasks.warmstart MODEL_DIR [--steps 200] [--seed 0]     (rewrites MODEL_DIR)
+    python -m laminar.tasks.warmstart MODEL_DIR --sft DATA/sft.jsonl [--steps 300]   (word problems)
+    python -m laminar.tasks.warmstart MODEL_DIR [--steps 200] [--seed 0]             (uppercase task)
+
+Both rewrite MODEL_DIR. With `--sft`, the model is fine-tuned on prompt + worked solution + EOS of
+the records of that file (laminar/tasks/word_problems.py writes it: a split disjoint from the RL
+prompts and the held-out split), loss on the solution only: a short run teaches the format
+(steps, then `\\boxed{answer}`, then EOS) and some of the arithmetic; RL has the rest to learn.
+
+Without `--sft` (the uppercase smoke task):
 
 A random tiny model emits EOS with probability ~1/259 per token, so every reply runs to the token
 budget: no long tail, nothing for repack to do. This script teaches it, by supervised fine-tuning
@@ -39,7 +47,9 @@ def reply(rng: random.Random) -> str:
 
 
 def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: float = 3e-3, seed: int = 0,
-               log_every: int = 50) -> dict:
+               log_every: int = 50, sft: list[dict] | None = None) -> dict:
+    """Fine-tune MODEL_DIR in place: on `sft` records (prompt -> solution) if given, else on the
+    uppercase task's synthetic replies."""
     import torch
     import transformers
     torch.manual_seed(seed)
@@ -53,8 +63,12 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     for step in range(steps):
         seqs, masks = [], []
         for _ in range(batch):
-            p = tok.encode(rng.choice(prompts))
-            r = tok.encode(reply(rng))[1:] + [tok.eos_id]  # no BOS inside the reply
+            if sft:
+                rec = rng.choice(sft)
+                p, r = tok.encode(rec["prompt"]), tok.encode(rec["solution"])[1:] + [tok.eos_id]
+            else:
+                p = tok.encode(rng.choice(prompts))
+                r = tok.encode(reply(rng))[1:] + [tok.eos_id]  # no BOS inside the reply
             seqs.append(p + r)
             masks.append([0] * len(p) + [1] * len(r))
         width = max(map(len, seqs))
@@ -82,10 +96,18 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--sft", metavar="JSONL", help="records with prompt and solution (word problems)")
     a = ap.parse_args()
     import torch
     torch.set_num_threads(2)
-    print(warm_start(a.model_dir, a.steps, seed=a.seed))
+    sft = None
+    if a.sft:
+        from laminar.roles.trainer.metrics import read_jsonl
+        sft = read_jsonl(a.sft)
+        if not sft:
+            raise SystemExit(f"{a.sft}: no records")
+    print(warm_start(a.model_dir, a.steps, lr=a.lr, seed=a.seed, sft=sft))
 
 
 if __name__ == "__main__":
