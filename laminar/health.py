@@ -3,7 +3,8 @@
 Sources (docs/architecture.md §3, §13). The supervisor's child states say whether a role's process runs here
 (ready, backoff, finished...); the bus says what the role itself reports: heartbeats (`hb.*`: state,
 status, dropped bad frames), `rollout.stats.*` (version, KV usage, tokens/s), `relay.progress.*`
-(chunks of the version arriving), `metrics.trainer` (tokens/s, staleness). Pub/sub carries only
+(chunks of the version arriving), `metrics.trainer` (tokens/s, staleness, train-inference
+mismatch), `metrics.evaluator` (held-out accuracy). Pub/sub carries only
 superseding state, so the collector keeps the newest fact of each kind per role; nothing is summed.
 
 Scope. `laminar-node up/start` runs one collector per node and keeps only the roles placed on its
@@ -55,10 +56,17 @@ _HB_FACTS = {
     "relay": {"version": "version", "chunks_have": "chunks_have", "chunks_total": "chunks_total",
               "corrupt_chunks": "corrupt_chunks"},
     "trainer": {"version": "version", "publish_stall_s": "publish_stall_s"},
+    "evaluator": {"eval_version": "eval_version", "accuracy": "eval_accuracy",
+                  "accuracy_sampled": "eval_accuracy_sampled"},
     "manager": {"repacks": "repacks", "moved": "moved", "dead_rollouts": "dead_rollouts", "recovered": "recovered",
                 "orphans": "orphans", "repairs": "repairs", "last_repair_s": "last_repair_s", "epoch": "epoch"},
 }
-_TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s")
+_TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s",
+                  "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3")
+# the evaluator's Metrics value -> fact name (the version it evaluated is `eval_version`, not the
+# weight version it holds: the node's laminar_weight_version stays what engines serve)
+_EVAL_FACTS = {"version": "eval_version", "eval/accuracy": "eval_accuracy",
+               "eval/accuracy_sampled": "eval_accuracy_sampled"}
 
 # (metric, type, help, role kinds it is reported for, value name); role-level metrics are below.
 FAMILIES = [
@@ -90,6 +98,17 @@ FAMILIES = [
     ("laminar_trainer_reward_mean", "gauge", "mean reward of the last batch", ("trainer",), "reward_mean"),
     ("laminar_trainer_publish_stall_seconds", "gauge", "training stall of the last weight publish",
      ("trainer",), "publish_stall_s"),
+    ("laminar_trainer_mismatch_mean_abs", "gauge", "train-inference mismatch of the last version: mean "
+     "|trainer - rollout| logprob of the same tokens under the same weights", ("trainer",), "mismatch_mean_abs"),
+    ("laminar_trainer_mismatch_max_abs", "gauge", "train-inference mismatch of the last version: largest "
+     "|trainer - rollout| logprob", ("trainer",), "mismatch_max_abs"),
+    ("laminar_trainer_mismatch_k3", "gauge", "train-inference mismatch of the last version: k3 estimate of "
+     "KL(rollout || trainer) per token", ("trainer",), "mismatch_k3"),
+    ("laminar_eval_accuracy", "gauge", "held-out accuracy of the last evaluation, greedy answers",
+     ("evaluator",), "eval_accuracy"),
+    ("laminar_eval_accuracy_sampled", "gauge", "held-out accuracy of the last evaluation, sampled answers "
+     "(mean over samples)", ("evaluator",), "eval_accuracy_sampled"),
+    ("laminar_eval_version", "gauge", "weight version of the last evaluation", ("evaluator",), "eval_version"),
     ("laminar_manager_repacks_total", "counter", "repack moves executed", ("manager",), "repacks"),
     ("laminar_manager_moved_trajectories_total", "counter", "trajectories moved by repacks", ("manager",), "moved"),
     ("laminar_manager_dead_rollouts_total", "counter", "rollouts declared dead", ("manager",), "dead_rollouts"),
@@ -191,6 +210,10 @@ class HealthCollector:
             if prev is not None and ev.ts > prev:   # the same measure as the live view (laminar/live.py)
                 r.values["throughput"] = ev.values.get("batch_tokens", 0.0) / (ev.ts - prev)
             self._last_update[r.key] = ev.ts
+        elif isinstance(ev, Metrics) and ev.role == "evaluator":
+            if (r := self._role("evaluator", ev.id)) is not None:
+                r.values.update({name: ev.values[k] for k, name in _EVAL_FACTS.items()
+                                 if _number(ev.values.get(k)) is not None})
 
     # -- reading -----------------------------------------------------------------------------
     def up(self, r: RoleHealth, now: float | None = None) -> bool:

@@ -1,6 +1,7 @@
 """The live view of `laminar-node up`: one row per role (supervisor state + its last heartbeat),
-and a training line per version: reward, throughput, versions, staleness, KV usage per rollout,
-repacks.
+and a training line per version: reward, held-out accuracy (the evaluator's newest, with the
+version it evaluated), throughput, versions, staleness, train-inference mismatch (mean |Δ logprob|
+of the version), KV usage per rollout, repacks. An evaluation prints its own line too.
 
 Fed by the supervisor's state changes and by heartbeats/metrics/rollout stats read from the bus;
 rendered with rich when stdout is a terminal, else as one plain line per state change and per
@@ -55,19 +56,37 @@ class LiveView:
                 self._last_update = ev.ts
                 if self.plain:
                     print(f"[{time.strftime('%H:%M:%S')}] {self.training_line()}", flush=True)
+            elif ev.role == "evaluator" and self.plain:
+                print(f"[{time.strftime('%H:%M:%S')}] {self.eval_line(ev.values)}", flush=True)
+
+    def eval_line(self, v: dict[str, float]) -> str:
+        sampled = v.get("eval/accuracy_sampled")
+        return (f"eval version {int(v.get('version', 0))}: held-out accuracy {v.get('eval/accuracy', 0):.3f} greedy"
+                + (f", {sampled:.3f} sampled" if sampled is not None else "")
+                + f" ({int(v.get('eval/problems', 0))} problems, {v.get('eval/seconds', 0):.1f} s)")
+
+    def _eval_part(self) -> str:
+        ev = self.metrics.get("evaluator.0")
+        if not ev or "eval/accuracy" not in ev:
+            return ""
+        return f"eval {ev['eval/accuracy']:.3f} (v{int(ev.get('version', 0))})  "
+
+    @staticmethod
+    def _mismatch_part(m: dict[str, float]) -> str:
+        return f"  mismatch {m['mismatch_mean_abs']:.1e}" if "mismatch_mean_abs" in m else ""
 
     def training_line(self) -> str:
         m = self.metrics.get("trainer.0", {})
         if not m:
-            return "training: waiting for the first version"
+            return f"training: waiting for the first version  {self._eval_part()}".rstrip()
         mgr = self.beats.get("manager.0")
         repacks = mgr.status.get("repacks", 0) if mgr else 0
         kv = " ".join(f"{r.rollout_id}:v{r.version}/kv{r.kv_usage:.2f}/{r.state[:3]}" for r in
                       sorted(self.rollouts.values(), key=lambda r: r.rollout_id))
         tput = f"{self.throughput:.0f}" if self.throughput is not None else "-"
-        return (f"version {int(m.get('version', 0))}  reward {m.get('reward_mean', 0):.3f}  "
+        return (f"version {int(m.get('version', 0))}  reward {m.get('reward_mean', 0):.3f}  {self._eval_part()}"
                 f"throughput {tput} tok/s  staleness mean {m.get('staleness_mean', 0):.2f} "
-                f"max {int(m.get('staleness_max', 0))}  repacks {repacks}  rollouts {kv}")
+                f"max {int(m.get('staleness_max', 0))}{self._mismatch_part(m)}  repacks {repacks}  rollouts {kv}")
 
     def render(self) -> Table:
         t = Table(title=self.title, expand=False)

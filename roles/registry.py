@@ -14,6 +14,7 @@ REGISTRY: dict[str, str] = {
     "experience_buffer": "laminar.roles.experience_buffer.role:ExperienceBufferRole",
     "trainer": "laminar.roles.trainer.role:TrainerRole",
     "env": "laminar.roles.env.role:EnvRole",
+    "evaluator": "laminar.roles.evaluator.role:EvaluatorRole",
 }
 
 

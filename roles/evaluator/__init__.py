@@ -1,0 +1,1 @@
+"""The evaluator role: held-out accuracy of the newest weights (role.py)."""

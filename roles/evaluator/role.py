@@ -1,0 +1,244 @@
+"""EvaluatorRole: every `eval_every` versions, the newest weights answer a held-out split.
+
+    setup: its own vLLM engine (the rollouts' settings: model_dir, max_model_len, dtype), the
+           held-out records (`dataset`, tokenized like the prompt pool does), the relay folder
+    run:   evaluate version 0 (model_dir's weights, before any training), then follow the relay
+           like a rollout: when its newest version is at least `eval_every` past the last one
+           evaluated (or is the trainer's last, `max_iterations`), load it and evaluate it; after
+           the last version, finish (exit 0), so `laminar-node up` waits for its last result.
+
+One evaluation answers every held-out problem greedily (temperature 0) and `samples` times at
+`temperature`, scores each answer with the task's reward (`reward`, the rollouts' function:
+1 = correct), and reports
+
+    eval/accuracy           share of problems answered correctly, greedy
+    eval/accuracy_sampled   mean reward of the sampled answers (pass@1 at `temperature`)
+    eval/response_len_mean  mean sampled answer length (tokens), eval/problems, eval/seconds
+
+as a Metrics event (role "evaluator", topic `metrics.evaluator`: the live view, `status` and the
+node's Prometheus exporter read it like the trainer's) and one line of
+`<workdir>/evaluator/metrics.jsonl` (the summary's source). The held-out file is the evaluator's
+only: the prompt pool never reads it, so no held-out problem is trained on.
+
+Weights come from the relay's shared-memory folder, as a rollout's do; a version is named only
+when the relay's pointer was the same before and after the load. The evaluator takes no work,
+holds no trajectories and serves no requests: a crash loses at most one evaluation.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+from laminar.roles.base import Role
+from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.protocol import Metrics
+
+
+class EvaluatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dataset: str = Field(description="held-out JSONL/Parquet file (prompt, answer; never given to the prompt pool)")
+    prompt_field: str = Field("prompt", description="record field with the prompt text")
+    answer_field: str = Field("answer", description="record field with the reference answer")
+    id_field: str | None = Field("id", description="record field with the problem id")
+    limit: int | None = Field(None, ge=1, description="evaluate only the first `limit` records")
+    tokenizer_dir: str | None = Field(None, description="model folder whose tokenizer encodes the prompts "
+                                      "(default: the byte tokenizer, as the prompt pool)")
+    reward: str = Field("laminar.tasks.math:math_reward", description="reward function 'module:fn' (1 = correct)")
+    eval_every: int = Field(5, ge=1, description="evaluate every this many versions (and version 0, and the last)")
+    last_version: int | None = Field(None, ge=1, description="the run's last version: evaluated, then the role "
+                                     "finishes (default: the trainer's max_iterations; None there: run until stopped)")
+    samples: int = Field(4, ge=0, description="sampled answers per problem (0: greedy only)")
+    temperature: float = Field(1.0, gt=0, description="temperature of the sampled answers")
+    max_tokens: int = Field(256, ge=1, description="answer token budget (the prompt pool's max_tokens)")
+    seed: int = Field(0, description="sampling seed (per answer: hash of seed, version, problem, sample)")
+    model_dir: str = Field("models/tiny", description="initial weights (version 0)")
+    max_model_len: int = Field(1024, ge=16)
+    max_concurrency: int = Field(64, ge=1, description="answers generated at once (engine max_num_seqs)")
+    kv_cache_tokens: int | None = Field(None, ge=16, description="KV cache in tokens (default: kv_cache_gib)")
+    kv_cache_gib: float = Field(1.0, gt=0)
+    dtype: str = Field("float32")
+    relay_id: str | None = Field(None, description="relay on this host to take weights from")
+    weights_dir: str | None = Field(None, description="that relay's shared-memory folder (default: its shm_dir)")
+    poll_s: float = Field(0.5, gt=0, description="how often the relay's newest version is looked at")
+
+
+def accuracy(rewards: list[float]) -> float:
+    """Share of answers with reward >= 1 (correct); 0 for none."""
+    return sum(1 for r in rewards if r >= 1.0) / len(rewards) if rewards else 0.0
+
+
+def due(version: int, last_evaluated: int, eval_every: int, last_version: int | None) -> bool:
+    """Whether the relay's newest `version` is evaluated, the last evaluated being `last_evaluated`."""
+    if version <= last_evaluated:
+        return False
+    return version - last_evaluated >= eval_every or (last_version is not None and version >= last_version)
+
+
+class EvaluatorRole(Role):
+    name = "evaluator"
+    Config = EvaluatorConfig
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.version = -1
+        self.evaluated: list[int] = []
+        self.last: dict[str, float] = {}
+        self.engine = None
+        self.state = "starting"
+
+    def status(self) -> dict:
+        """Heartbeat status: the weights held, and the newest evaluation (version and accuracies)."""
+        out = {"state": self.state, "version": self.version, "evaluations": len(self.evaluated)}
+        if self.last:
+            out["eval_version"] = int(self.last["version"])
+            out.update({k.split("/", 1)[1]: round(v, 4) for k, v in self.last.items() if k.startswith("eval/accuracy")})
+        return out
+
+    async def setup(self) -> None:
+        from laminar.datasets import load_records, load_tokenizer, tokenize_records
+        from laminar.tasks import load_callable
+        c, cfg = self.cfg, self.ctx.config
+        self.reward = load_callable(c.reward)
+        records, _ = await asyncio.to_thread(load_records, c.dataset, c.prompt_field, c.answer_field, c.id_field)
+        self.problems = tokenize_records(records[:c.limit] if c.limit else records, load_tokenizer(c.tokenizer_dir))
+        if not self.problems:
+            raise ValueError(f"{c.dataset}: no held-out records")
+        self.last_version = c.last_version
+        self.weights_dir = c.weights_dir
+        if cfg is not None:
+            if self.last_version is None and cfg.find("trainer"):
+                self.last_version = cfg.role_settings("trainer").get("max_iterations")
+            if c.relay_id is not None and self.weights_dir is None:
+                self.weights_dir = (cfg.role_settings("relay", c.relay_id).get("shm_dir")
+                                    or f"/dev/shm/laminar-{cfg.run.name}-relay-{c.relay_id}")
+            self.out = cfg.workdir() / "evaluator"
+        else:
+            self.out = Path(self.ctx.settings.get("out_dir", "evaluator"))
+        self.out.mkdir(parents=True, exist_ok=True)
+        from laminar.roles.rollout.engine import VllmEngine
+        bind = None
+        if cfg is not None:
+            _, spec = cfg.spec("evaluator", self.ctx.id)
+            bind = ",".join(str(x) for x in spec.cores) if spec.cores else None
+        self.engine = VllmEngine(c.model_dir, max_model_len=c.max_model_len, max_num_seqs=c.max_concurrency,
+                                 kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=1.0, dtype=c.dtype,
+                                 omp_threads_bind=bind, seeded=True, kv_cache_tokens=c.kv_cache_tokens)
+        await self.engine.start()
+        self.version, self.lineage = 0, 0
+        self.log.info("evaluator_ready", problems=len(self.problems), eval_every=c.eval_every,
+                      last_version=self.last_version, weights_dir=self.weights_dir)
+
+    async def run(self) -> None:
+        await self.evaluate()  # version 0: the initial weights, before any training
+        if not self.weights_dir:
+            self.log.info("evaluations_done", versions=self.evaluated, why="no relay to take newer weights from")
+            return
+        while not self.stopping.is_set():
+            if self.last_version is not None and self.evaluated and self.evaluated[-1] >= self.last_version:
+                self.log.info("evaluations_done", versions=self.evaluated)
+                return
+            if await self._load_due():
+                await self.evaluate()
+                continue
+            self.state = "waiting"
+            try:
+                await asyncio.wait_for(self.stopping.wait(), self.cfg.poll_s)
+            except TimeoutError:
+                pass
+
+    async def _load_due(self) -> bool:
+        """Load the relay's newest version if it is due; True when loaded and named."""
+        if not self.weights_dir:
+            return False
+        from laminar.weights.manifest import ident
+        from laminar.weights.pull import LocalWeights
+        lw = LocalWeights(self.weights_dir)
+        try:
+            m = await asyncio.to_thread(lw.manifest)
+        except (OSError, ValueError) as exc:
+            self.log.warning("eval_weights_unreadable", error=repr(exc))
+            return False
+        last = self.evaluated[-1] if self.evaluated else -1
+        if m is None:
+            return False
+        if m.lineage == self.lineage and not due(m.version, last, self.cfg.eval_every, self.last_version):
+            return False
+        self.state = "loading"
+        for _ in range(3):
+            try:
+                got = await self.engine.load_relay(self.weights_dir, -1)
+                after = await asyncio.to_thread(lw.manifest)
+            except Exception as exc:  # noqa: BLE001 - keep the weights held; try again on the next poll
+                self.log.warning("eval_weights_load_failed", version=m.version, error=repr(exc))
+                return False
+            if got >= 0 and after is not None and ident(after) == ident(m) and got == m.version:
+                self.version, self.lineage = got, m.lineage
+                return True
+            if after is None:
+                return False
+            m = after  # the relay committed a version during the load: load again
+        return False
+
+    async def _answer(self, rid: str, prompt, temperature: float, seed: int | None) -> list[int]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        sp = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=temperature, top_p=1.0, seed=seed,
+                            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        tokens: list[int] = []
+        async for out in self.engine.llm.generate(TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), sp,
+                                                  request_id=rid):
+            tokens = list(out.outputs[0].token_ids)
+        return tokens
+
+    async def evaluate(self) -> dict:
+        """Answer the held-out split with the weights held now; publish and record the result."""
+        c, v = self.cfg, self.version
+        self.state = "evaluating"
+        t0 = time.monotonic()
+        jobs, kinds = [], []
+        for i, p in enumerate(self.problems):
+            jobs.append(self._answer(f"eval-v{v}-{i}-g", p.prompt_tokens, 0.0, None))
+            kinds.append((i, "greedy"))
+            for s in range(c.samples):
+                seed = zlib.crc32(f"{c.seed}:{v}:{p.prompt_id}:{s}".encode())
+                jobs.append(self._answer(f"eval-v{v}-{i}-s{s}", p.prompt_tokens, c.temperature, seed))
+                kinds.append((i, "sampled"))
+        answers = await asyncio.gather(*jobs)
+        greedy, sampled, lens = [], [], []
+        for (i, kind), toks in zip(kinds, answers, strict=True):
+            p = self.problems[i]
+            spec = SimpleNamespace(prompt_id=p.prompt_id, answer=p.answer, max_tokens=c.max_tokens,
+                                   prompt_tokens=p.prompt_tokens)
+            r = float(self.reward(spec, toks))
+            (greedy if kind == "greedy" else sampled).append(r)
+            if kind == "sampled":
+                lens.append(len(toks))
+        values = {"version": float(v), "eval/accuracy": accuracy(greedy), "eval/problems": float(len(greedy)),
+                  "eval/seconds": time.monotonic() - t0}
+        if sampled:
+            values["eval/accuracy_sampled"] = accuracy(sampled)
+            values["eval/response_len_mean"] = sum(lens) / len(lens)
+        self.evaluated.append(v)
+        self.last = values
+        ts = time.time()
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({**values, "lineage": self.lineage, "ts": ts}) + "\n")
+        self.pub.publish("metrics.evaluator", Metrics(role="evaluator", id=self.ctx.id, ts=ts, values=values))
+        self.log.info("evaluated", version=v, accuracy=round(values["eval/accuracy"], 4),
+                      accuracy_sampled=round(values.get("eval/accuracy_sampled", float("nan")), 4),
+                      seconds=round(values["eval/seconds"], 2))
+        self.state = "waiting"
+        return values
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        await self.cancel_tasks()
+        if self.engine is not None:
+            await self.engine.close()
+            self.engine = None
