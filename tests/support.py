@@ -15,11 +15,9 @@ import dataclasses
 import itertools
 import math
 import os
-import select
 import shutil
 import signal
 import subprocess
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +27,7 @@ import numpy as np
 import yaml
 from laminar.bus import auth
 
-from laminar.testing.procs import RoleProc, free_port  # noqa: F401  (re-exported for the tests)
+from laminar.testing.procs import RoleProc, free_port, wait_ready  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,23 +80,6 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def wait_ready(proc: subprocess.Popen, fd: int, timeout: float, what: str) -> None:
-    """Wait for READY on the read end `fd` of a child's --ready-fd pipe (closes `fd`)."""
-    deadline, buf = time.monotonic() + timeout, b""
-    try:
-        while b"READY" not in buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{what} not ready within {timeout}s")
-            if select.select([fd], [], [], left)[0]:
-                chunk = os.read(fd, 64)
-                if not chunk:
-                    raise RuntimeError(f"{what} exited before READY (code {proc.wait(10)})")
-                buf += chunk
-    finally:
-        os.close(fd)
 
 
 class Procs:

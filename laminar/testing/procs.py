@@ -57,6 +57,24 @@ def free_port() -> int:
     raise RuntimeError("no free port found below the ephemeral range")
 
 
+def wait_ready(proc: subprocess.Popen, fd: int, timeout: float, what: str, detail=lambda: "") -> None:
+    """Wait for READY on the read end `fd` of a child's --ready-fd pipe (closes `fd`). A timeout or
+    an exit before READY raises, with `detail()` (e.g. the tail of the child's log) appended."""
+    deadline, buf = time.monotonic() + timeout, b""
+    try:
+        while b"READY" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what} not ready within {timeout}s\n{detail()}".rstrip())
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 64)
+                if not chunk:
+                    raise RuntimeError(f"{what} exited before READY (code {proc.wait(10)})\n{detail()}".rstrip())
+                buf += chunk
+    finally:
+        os.close(fd)
+
+
 class RoleProc:
     def __init__(self, role: str, id: str, config: str | os.PathLike, log_dir: str | os.PathLike,
                  env: dict | None = None):
@@ -85,21 +103,9 @@ class RoleProc:
         return self.proc.pid
 
     def wait_ready(self, timeout: float) -> None:
-        deadline, buf = time.monotonic() + timeout, b""
         try:
-            while b"READY" not in buf:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{self.role}.{self.id} not ready within {timeout}s\n{self.tail()}")
-                ready, _, _ = select.select([self._ready_r], [], [], left)
-                if ready:
-                    chunk = os.read(self._ready_r, 64)
-                    if not chunk:
-                        raise RuntimeError(f"{self.role}.{self.id} exited before READY "
-                                           f"(code {self.proc.poll()})\n{self.tail()}")
-                    buf += chunk
+            wait_ready(self.proc, self._ready_r, timeout, f"{self.role}.{self.id}", self.tail)
         finally:
-            os.close(self._ready_r)
             self._ready_r = None
         self.note_shm()
 
