@@ -93,102 +93,147 @@ class RolloutRole(Role):
         self.episodes = None  # the EpisodeRunner of multi-turn rollouts
         self.adopted: list = []   # PartialStates of an older version, queued (MigrateIn adopt)
         self.pinned = False       # running adopted work: no new prompts, no weight update
+        self.weights_dir = self.settings.weights_dir  # setup() fills in the relay's own default
+        # set in setup(): the reward function, the pools' clients, the control server, the
+        # `weights.version` subscription (None until then, so stop() after a failed setup works)
+        self.reward = None
+        self.prompts = self.partials = self.buffer = None
+        self.server = None
+        self.versions_sub = None
+
+    @property
+    def refill(self) -> bool:
+        """Take new groups as trajectories finish (stream mode's default) rather than at batch end."""
+        if self.settings.refill is not None:
+            return self.settings.refill
+        return self.cluster is not None and self.cluster.run.mode == "stream"
 
     # -- setup ------------------------------------------------------------------------------
     def _address(self, role: str, id: str) -> str:
-        return self.ctx.config.endpoint(role, id)
+        return self.cluster.endpoint(role, id)
 
     async def setup(self) -> None:
         from laminar.tasks import load_callable
-        c, cfg = self.cfg, self.ctx.config
-        self.reward = load_callable(c.reward)
+        settings, cluster = self.settings, self.cluster
+        self.reward = load_callable(settings.reward)
         t = self.ctx.transport
-        self.prompts = t.client(self._address("prompt_pool", c.prompt_pool))
-        self.partials = t.client(self._address("partial_pool", c.partial_pool))
-        self.buffer = t.client(self._address("experience_buffer", c.experience_buffer))
-        self.weights_dir = c.weights_dir
+        self.prompts = t.client(self._address("prompt_pool", settings.prompt_pool))
+        self.partials = t.client(self._address("partial_pool", settings.partial_pool))
+        self.buffer = t.client(self._address("experience_buffer", settings.experience_buffer))
         self._seq_base = self._seq_reserved = await asyncio.to_thread(self._batch_seq_start)
-        if c.relay_id is not None and self.weights_dir is None:  # the relay's own default
-            self.weights_dir = (cfg.role_settings("relay", c.relay_id).get("shm_dir")
-                                or f"/dev/shm/laminar-{cfg.run.name}-relay-{c.relay_id}")
+        if settings.relay_id is not None and self.weights_dir is None:  # the relay's own default
+            self.weights_dir = (cluster.role_settings("relay", settings.relay_id).get("shm_dir")
+                                or f"/dev/shm/laminar-{cluster.run.name}-relay-{settings.relay_id}")
         keys = getattr(t, "keys", None)
-        if keys is not None and c.relay_id is not None and c.engine == "vllm":
+        if keys is not None and settings.relay_id is not None and settings.engine == "vllm":
             # the engine's worker processes check every chunk's MAC before loading (weights/pull.py)
             from laminar.weights.wire import derive_key
             os.environ["LAMINAR_WEIGHTS_KEY"] = derive_key(keys.secret).hex()
         self.engine = self._make_engine()
         await self.engine.start()
-        if c.env is not None:
+        if settings.env is not None:
             from laminar.roles.rollout.multiturn import EpisodeRunner
+            env = settings.env
             self.episodes = EpisodeRunner.build(
-                c.env, self.engine, t, self._address("env", c.env.role_id) if c.env.role_id is not None else None,
-                self.ctx.id, seed=c.seed, make_durable=self._make_durable, log=self.log, on_tokens=self._count)
+                env, self.engine, t, self._address("env", env.role_id) if env.role_id is not None else None,
+                self.ctx.id, seed=settings.seed, make_durable=self._make_durable, log=self.log, on_tokens=self._count)
             await self.episodes.start()
         if self.weights_dir:
             await self._maybe_update_weights()
-        self.server = t.server(cfg.bind_endpoint("rollout", self.ctx.id), "rollout", self.ctx.id)
+        self.server = t.server(cluster.bind_endpoint("rollout", self.ctx.id), "rollout", self.ctx.id)
         self.server.route(MigrateOut, self.on_migrate_out)
         self.server.route(MigrateIn, self.on_migrate_in)
         await self.server.start()
-        self.refill = c.refill if c.refill is not None else (cfg is not None and cfg.run.mode == "stream")
         self.versions_sub = t.subscriber(["weights.version"])
-        self.log.info("rollout_ready", version=self.version, model=c.model_dir, address=self.server.address)
+        self.log.info("rollout_ready", version=self.version, model=settings.model_dir, address=self.server.address)
 
     def _make_engine(self):
         from laminar.roles.rollout.engine_api import build_rollout_engine
         cores = None
-        if self.cfg.engine == "vllm":  # its OpenMP threads on the rollout's cores
-            _, spec = self.ctx.config.spec("rollout", self.ctx.id)
+        if self.settings.engine == "vllm":  # its OpenMP threads on the rollout's cores
+            _, spec = self.cluster.spec("rollout", self.ctx.id)
             cores = spec.cores
-        return build_rollout_engine(self.cfg, cores)
+        return build_rollout_engine(self.settings, cores)
 
     # -- main loop --------------------------------------------------------------------------
+    # Each turn of the loop is one decision, taken under the lock (no weight load or MigrateIn
+    # slips in): settle which weights the engine runs, take as many new trajectories as there is
+    # room for, then do what the outcome says:
+    #
+    #   AGAIN       decide again at once (e.g. nothing active and nothing taken this turn)
+    #   IDLE        nothing to run: wait for a new version, a stop, or idle_wait_s (_idle_wait)
+    #   GENERATING  trajectories run: wait for room (refill) or for the batch to end (_await_room)
+    #   EXHAUSTED   the prompt pool has no more epochs and nothing runs here: finish (exit 0)
+    AGAIN, IDLE, GENERATING, EXHAUSTED = "again", "idle", "generating", "exhausted"
+
     async def run(self) -> None:
         self.spawn(self._flush_loop(), "flush")
         self.spawn(self._report_loop(), "report")
         self.spawn(self._follow_versions(), "versions")
         while not self.stopping.is_set():
-            self.room_freed.clear()  # before TakeBatch: a finish from here on wakes the refill wait
-            async with self.lock:
-                if not self.active:
-                    self.pinned = False
-                if self.adopted and not self.active:
-                    await self._run_adopted()
-                else:
-                    await self._maybe_update_weights()
-                room = self.cfg.max_concurrency - len(self.active)  # migrated-in work counts
-                if self.pinned or self.adopted:
-                    room = 0  # an old version's work runs alone; the queue waits for the batch to end
-                if self.active and room < self._group_size:  # refill takes whole groups only
-                    room = 0
-                if self.weights_dir and self.version < 0:
-                    room = 0  # the engine holds weights it cannot name: load first (next loop)
-                # batch_seq makes a retried TakeBatch (lost reply) return the same groups
-                batch = await self._take_batch(room) if room > 0 else None
-                for spec in batch.trajectories if batch else []:
-                    self._group_size = max(1, spec.group_size)
-                    self._start(Active(spec=spec, version=self.version))
-            if batch is None and not self.active and self.weights_dir and self.version < 0:
+            step = await self._decide()
+            if step == self.EXHAUSTED:
+                self.log.info("prompts_exhausted", batches=self.batches)
+                return
+            if step == self.IDLE:
                 await self._idle_wait()
-                continue
-            if batch is not None and not batch.trajectories and not self.active:
-                if batch.exhausted and self.cfg.stop_when_exhausted:
-                    self.log.info("prompts_exhausted", batches=self.batches)
-                    return
-                await self._idle_wait()
-                continue
-            if batch is not None and batch.trajectories:
-                self.batches += 1
-            if not self.active:
-                continue
-            self.state = "generating"
-            if self.refill:
-                await self.room_freed.wait()  # set by every finish (and by the last one)
-            else:
-                await self.batch_done.wait()
-            if not self.active:
-                self.state = "idle"
+            elif step == self.GENERATING:
+                await self._await_room()
         await self.wait_stopped()
+
+    async def _decide(self) -> str:
+        """One turn of the batch loop (see above): returns the next step."""
+        self.room_freed.clear()  # before TakeBatch: a finish from here on wakes the refill wait
+        async with self.lock:
+            await self._settle_weights()
+            room = self._room()
+            # batch_seq makes a retried TakeBatch (lost reply) return the same groups
+            batch = await self._take_batch(room) if room > 0 else None
+            for spec in batch.trajectories if batch else []:
+                self._group_size = max(1, spec.group_size)
+                self._start(Active(spec=spec, version=self.version))
+        if batch is None and not self.active and self._weights_unnamed():
+            return self.IDLE
+        if batch is not None and not batch.trajectories and not self.active:
+            return self.EXHAUSTED if batch.exhausted and self.settings.stop_when_exhausted else self.IDLE
+        if batch is not None and batch.trajectories:
+            self.batches += 1
+        return self.GENERATING if self.active else self.AGAIN
+
+    async def _settle_weights(self) -> None:
+        """With nothing active: run queued adopted work on its own (older) version, else load the
+        relay's newest version if it replaces ours. Work of an adopted version pins the engine to
+        it until that work is done."""
+        if not self.active:
+            self.pinned = False
+        if self.adopted and not self.active:
+            await self._run_adopted()
+        else:
+            await self._maybe_update_weights()
+
+    def _room(self) -> int:
+        """How many new trajectories to take now (0: none)."""
+        room = self.settings.max_concurrency - len(self.active)  # migrated-in work counts
+        if self.pinned or self.adopted:
+            return 0  # an old version's work runs alone; the queue waits for the batch to end
+        if self.active and room < self._group_size:  # refill takes whole groups only
+            return 0
+        if self._weights_unnamed():
+            return 0  # the engine holds weights it cannot name: load first (next turn)
+        return room
+
+    def _weights_unnamed(self) -> bool:
+        return bool(self.weights_dir) and self.version < 0
+
+    async def _await_room(self) -> None:
+        """Trajectories run: wait until one finishes (refill: room for new groups) or all have."""
+        self.state = "generating"
+        if self.refill:
+            await self.room_freed.wait()  # set by every finish (and by the last one)
+        else:
+            await self.batch_done.wait()
+        if not self.active:
+            self.state = "idle"
 
     async def _take_batch(self, room: int):
         """TakeBatch of up to `room` trajectories. It names this process (pid), so what it is handed
@@ -202,7 +247,7 @@ class RolloutRole(Role):
         self.new_weights.clear()
         waits = [asyncio.ensure_future(e.wait()) for e in (self.stopping, self.new_weights)]
         try:
-            await asyncio.wait(waits, timeout=self.cfg.idle_wait_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=self.settings.idle_wait_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()
@@ -217,8 +262,8 @@ class RolloutRole(Role):
     _SEQ_BLOCK = 1 << 16
 
     def _seq_file(self):
-        cfg = self.ctx.config
-        return None if cfg is None else cfg.workdir() / f"rollout-{self.ctx.id}" / "batch_seq.json"
+        cluster = self.cluster
+        return None if cluster is None else cluster.workdir() / f"rollout-{self.ctx.id}" / "batch_seq.json"
 
     def _batch_seq_start(self) -> int:
         """The first batch_seq of this process: above every one an earlier process of this rollout
@@ -350,7 +395,7 @@ class RolloutRole(Role):
     def _pull_failed(self, m, exc: BaseException, pointer: tuple | None) -> None:
         self.pull_failures += 1
         self._failed_pull = pointer
-        self._retry_pull_at = time.monotonic() + self.cfg.pull_retry_s
+        self._retry_pull_at = time.monotonic() + self.settings.pull_retry_s
         self.log.error("weight_pull_failed", version=getattr(m, "version", None), lineage=getattr(m, "lineage", None),
                        holding=self.version, holding_lineage=self.lineage, failures=self.pull_failures,
                        error=repr(exc), shm_dir=self.weights_dir)
@@ -372,7 +417,7 @@ class RolloutRole(Role):
             reason, env_reward = await self.episodes.run(a)
         else:
             prompt = [int(t) for t in a.spec.prompt_tokens] + a.tokens
-            seed = None if self.cfg.seed is None else zlib.crc32(f"{self.cfg.seed}:{a.id}".encode())
+            seed = None if self.settings.seed is None else zlib.crc32(f"{self.settings.seed}:{a.id}".encode())
             reason = "length"
             if a.remaining > 0:
                 async for toks, lps, finish in self.engine.generate(f"{a.id}#{self.ctx.id}.{a.attempt}",
@@ -421,7 +466,7 @@ class RolloutRole(Role):
         self.active.pop(a.id, None)
         self.room_freed.set()
         try:
-            await self.partials.call(CompletePartial([a.id]), timeout=self.cfg.rpc_timeout_s)
+            await self.partials.call(CompletePartial([a.id]), timeout=self.settings.rpc_timeout_s)
         except (PeerUnavailable, RemoteError) as exc:  # harmless: the buffer already has it
             self.log.warning("complete_partial_failed", trajectory=a.id, error=str(exc))
         if not self.active:
@@ -433,7 +478,7 @@ class RolloutRole(Role):
         """PutTrajectory until the buffer holds it (stored, or duplicate: it already did). A refusal
         (full, or any other status) is offered again with backoff; meanwhile the trajectory stays
         active here and in the partial pool, so nothing is lost and the batch does not end."""
-        delay = self.cfg.put_retry_s
+        delay = self.settings.put_retry_s
         while True:
             if a is not None and a.fenced:
                 return None  # its new owner stores it
@@ -444,7 +489,7 @@ class RolloutRole(Role):
             self.log.warning("put_refused", trajectory=traj.spec.trajectory_id, status=put.status, detail=put.detail,
                              retry_in_s=delay, refused=self.puts_refused)
             await asyncio.sleep(delay)  # backoff: the buffer is full until the trainer samples
-            delay = min(delay * 2, self.cfg.put_retry_max_s)
+            delay = min(delay * 2, self.settings.put_retry_max_s)
 
     RETRIED = ("busy", "unavailable", "internal", "deadline")  # RemoteError codes _call retries
 
@@ -454,7 +499,7 @@ class RolloutRole(Role):
         delay = 0.1
         while True:
             try:
-                return await client.call(req, timeout=self.cfg.rpc_timeout_s)
+                return await client.call(req, timeout=self.settings.rpc_timeout_s)
             except (PeerUnavailable, RemoteError) as exc:
                 if isinstance(exc, RemoteError) and exc.code not in self.RETRIED:
                     raise
@@ -465,7 +510,7 @@ class RolloutRole(Role):
     # -- streaming to the partial pool --------------------------------------------------------
     async def _flush_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.delta_interval_s)  # the streaming period
+            await asyncio.sleep(self.settings.delta_interval_s)  # the streaming period
             await self.flush()
 
     # A flush request's bound (the bus limits a message's frames, containers and body: bus/codec.py):
@@ -491,7 +536,7 @@ class RolloutRole(Role):
                 deltas = [d for a in page for d in a.outbox]
                 req = _columns(self.ctx.id, deltas) if columnar else AppendDeltas(self.ctx.id, deltas)
                 try:
-                    res = await self.partials.call(req, timeout=self.cfg.rpc_timeout_s)
+                    res = await self.partials.call(req, timeout=self.settings.rpc_timeout_s)
                 except (PeerUnavailable, RemoteError) as exc:
                     self.log.warning("flush_failed", deltas=len(deltas), error=str(exc))
                     return False
@@ -539,7 +584,7 @@ class RolloutRole(Role):
     async def _report_loop(self) -> None:
         last = time.monotonic()
         while True:
-            await asyncio.sleep(self.cfg.report_interval_s)  # the reporting period
+            await asyncio.sleep(self.settings.report_interval_s)  # the reporting period
             now = time.monotonic()
             rate = (self.generated - self._gen_at_last_report) / max(now - last, 1e-6)
             self._gen_at_last_report, last = self.generated, now
@@ -555,7 +600,7 @@ class RolloutRole(Role):
     async def on_migrate_out(self, req: MigrateOut) -> PartialList:
         ids = list(self.active) if req.everything else req.trajectory_ids
         # only those still generating: a finished one is being scored and stored right now
-        moving = [self.active[t] for t in ids if t in self.active and self.active[t].task and not self.active[t].task.done()]
+        moving = [a for a in (self.active.get(t) for t in ids) if a is not None and a.task and not a.task.done()]
         for a in moving:
             a.task.cancel()
         await asyncio.gather(*(a.task for a in moving), return_exceptions=True)
@@ -586,9 +631,9 @@ class RolloutRole(Role):
                                    f"{self.version} (lineage {wrong[0].lineage} vs {self.lineage})")
             # Migrants may exceed max_concurrency up to twice it (the engine queues the excess):
             # a rollout that refills at every batch end would otherwise starve a dead peer's work.
-            if len(self.active) + len(req.partials) > 2 * self.cfg.max_concurrency:
+            if len(self.active) + len(req.partials) > 2 * self.settings.max_concurrency:
                 raise RequestError("busy", f"rollout {self.ctx.id} has {len(self.active)} active "
-                                   f"trajectories; {len(req.partials)} more exceed 2 x {self.cfg.max_concurrency}")
+                                   f"trajectories; {len(req.partials)} more exceed 2 x {self.settings.max_concurrency}")
             accepted, gone = [], []
             for p in req.partials:
                 tid = p.spec.trajectory_id
@@ -637,11 +682,12 @@ class RolloutRole(Role):
             if self.adopted and self.adopted[0].version != version:
                 raise RequestError("busy", f"rollout {self.ctx.id} already holds adopted work of version "
                                    f"{self.adopted[0].version}")
-            if len(self.adopted) + len(req.partials) > 2 * self.cfg.max_concurrency:
+            if len(self.adopted) + len(req.partials) > 2 * self.settings.max_concurrency:
                 raise RequestError("busy", f"rollout {self.ctx.id} has {len(self.adopted)} adopted trajectories")
             from laminar.weights.pull import LocalWeights
             if not self.weights_dir or not await asyncio.to_thread(LocalWeights(self.weights_dir).has, version):
-                raise RequestError("not_retained", f"the relay of rollout {self.ctx.id} does not hold version {version}")
+                raise RequestError("not_retained",
+                                   f"the relay of rollout {self.ctx.id} does not hold version {version}")
             accepted, gone = [], []
             queued = {p.spec.trajectory_id for p in self.adopted}
             for p in req.partials:
@@ -669,9 +715,9 @@ class RolloutRole(Role):
         await asyncio.gather(*(a.task for a in self.active.values() if a.task), return_exceptions=True)
         await self.flush()  # in-flight work stays in the partial pool for whoever resumes it
         await self.cancel_tasks()
-        if getattr(self, "versions_sub", None):
+        if self.versions_sub is not None:
             self.versions_sub.close()
-        if getattr(self, "server", None):
+        if self.server is not None:
             await self.server.close()
         if self.episodes is not None:
             await self.episodes.shutdown()
