@@ -17,12 +17,13 @@ trajectories with `eviction: reject` for the whole run, so it is full for much o
 are refused and must retry (`buffer_refusals` counts the refusals their logs report); 0 keeps
 the harness's large drop_oldest buffer.
 
-At the end the cluster stops and the ledger is checked (trainer versions, groups trained, every
-stored trajectory, what the manager recovered, what the partial pool still holds), and three more:
-lineage (every trained trajectory's (lineage, version) names weights the trainer published in the
-history of the lineage that trained it: `lineage_violations`), prompts (the prompt pool's own
-`prompts_skipped`, from its store, as its heartbeat counts it) and staleness (samples with
-negative staleness in metrics.jsonl's histogram: `negative_staleness_samples`). Printed: the
+At the end the cluster stops and the ledger is checked (MultiHost.ledger: trainer versions, groups
+trained, every stored trajectory, what the manager recovered, what the partial pool still holds),
+and three more (MultiHost.checks): lineage (every trained trajectory's (lineage, version) names
+weights the trainer published in the history of the lineage that trained it:
+`lineage_violations`), prompts (the prompt pool's own `prompts_skipped`, from its store, as its
+heartbeat counts it) and staleness (samples with negative staleness in metrics.jsonl's
+histogram: `negative_staleness_samples`). Printed: the
 table of faults with time to the next version, the chain repairs (the paper's target: < 1 s),
 and the ledger. Recovery is compared with the paper's figures (fault_recovery_s in paper.json)
 only as a reference: these are processes on one machine, not machines being replaced.
@@ -63,8 +64,7 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("bench/chaos.py needs root (network namespaces)")
     from laminar.models.tiny import build_tiny_model
-    from laminar.testing.multihost import MultiHost
-    from laminar.testing.procs import log_events
+    from laminar.testing.multihost import MultiHost, log_events
 
     rng = random.Random(a.seed)
     tmp = Path(tempfile.mkdtemp(prefix="laminar-chaos-"))
@@ -103,12 +103,13 @@ def main() -> int:
         end_version = mh.version()
         mh.close()
         ledger = mh.ledger()
-        extra = extra_ledger(mh)
+        extra = mh.checks()
         repairs = log_events(mh.log("manager", "0"), "chain_repaired")
         dead = log_events(mh.log("manager", "0"), "rollout_dead")
         split_timings(mh, faults, a)
     print_table(f"chaos: {len(faults)} faults in {a.minutes} min",
-                ["fault", "at version", "recovered", "s to next version", "detect", "chain repaired", "resumed", "rejoined"],
+                ["fault", "at version", "recovered", "s to next version", "detect", "chain repaired", "resumed",
+                 "rejoined"],
                 [[f["fault"], f["at_version"], f["recovered"], f["next_version_s"],
                   *("-" if f.get(k) is None else f[k] for k in PHASES)] for f in faults])
     rep = [r["repair_s"] for r in repairs]
@@ -132,7 +133,8 @@ def main() -> int:
         "recovery_s": {k: {"n": len(v), "p50": percentile(v, 50) if v else None, "max": max(v) if v else None}
                        for k, v in phases.items()},
         "groups_handed_untrained": ledger["groups_handed_untrained"],
-        "iterations_during_run": end_version - start_version, "ledger": {k: v for k, v in ledger.items() if k != "versions"},
+        "iterations_during_run": end_version - start_version,
+        "ledger": {k: v for k, v in ledger.items() if k != "versions"},
         **extra, "trainer_kills": sum(f["kind"] == "trainer" for f in faults),
         "checkpoint_every": a.checkpoint_every, "buffer_capacity": a.buffer_capacity or None,
         "runs": str(tmp)})
@@ -144,87 +146,13 @@ CHECKS = ["trainer_restarts", "lineage_violations", "trained_members_checked", "
           "lineage_dropped", "prompts_skipped", "negative_staleness_samples", "buffer_refusals"]
 
 
-def extra_ledger(mh) -> dict:
-    """After the run: the lineage, prompt and staleness checks (see the module docstring).
-
-    Lineage: metrics.jsonl holds one record per kept version V (records past a resumed checkpoint
-    are moved out), trained by the lineage that started below V last (lineage.json's forks). Each
-    member of each group trained at V is matched to its newest `trajectory_stored` line (status
-    stored) before the record was written: a requeued off-lineage group is stored again under the
-    same ids. Its (lineage l, version v) is a violation when it is outside that lineage's history
-    (manifest.off_lineage: it should have been dropped and requeued, lineage_dropped), when v >= V
-    (the trainer had not published v when it trained V), or when v precedes lineage l's start (the
-    trainer never published v on l). A member with no stored line (its host died before it
-    logged) is counted as unlabelled, not checked."""
-    import sqlite3
-
-    from laminar.testing.procs import log_events
-    from laminar.weights.manifest import off_lineage
-    from laminar.weights.publisher import read_lineage
-
-    def ts(e: dict) -> float:
-        return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
-
-    lin = read_lineage(mh.run_dir / "trainer" / "checkpoints") or {"epoch": 0, "forks": {}}
-    forks = {int(k): int(v) for k, v in lin["forks"].items()}
-    stores: dict[str, list[tuple[float, int, int, str]]] = {}  # group -> [(ts, lineage, version, member id)]
-    refusals = 0
-    for log in (mh.run_dir / "logs").glob("rollout.*.log"):
-        for e in log_events(log, "trajectory_stored"):
-            if e["status"] == "stored":
-                t = e["trajectory"].split("~r")[0]
-                stores.setdefault(t.rsplit("/", 1)[0], []).append(
-                    (ts(e), int(e.get("lineage", -1)), int(e["version"]), t))
-        refusals += sum(1 for e in log_events(log, "put_refused") if str(e.get("status", "")).startswith("full"))
-    violations, checked, unlabelled, negative = [], 0, 0, 0
-    for r in mh.metrics():
-        V = int(r["version"])
-        for k, n in r.items():
-            if k.startswith("staleness/") and int(float(k.split("/", 1)[1])) < 0:
-                negative += int(n)
-        L = max((e for e, f in forks.items() if f < V), default=-1)
-        for g in r["group_ids"]:
-            newest: dict[str, tuple[float, int, int]] = {}
-            for t_, l, v, tid in stores.get(g, []):
-                if t_ <= r["ts"] and (tid not in newest or t_ > newest[tid][0]):
-                    newest[tid] = (t_, l, v)
-            if not newest:
-                unlabelled += 1
-            for tid, (_, l, v) in newest.items():
-                checked += 1
-                why = ("off the trained lineage's history" if L >= 0 and off_lineage(l, v, L, forks) else
-                       "version not yet published" if v >= V else
-                       "before its lineage started" if l in forks and v < forks[l] else None)
-                if why:
-                    violations.append({"trajectory": tid, "lineage": l, "version": v, "trained_version": V,
-                                       "trained_lineage": L, "why": why})
-    skipped = None
-    db = mh.run_dir / "pools" / "prompt_pool-0.sqlite"
-    if db.exists():  # the pool's counts()["prompts_skipped"], from what its store holds (it is stopped)
-        with sqlite3.connect(db) as con:
-            handed = (con.execute("SELECT handed FROM cursor WHERE k = 0").fetchone() or (0,))[0]
-            settled = dict(con.execute("SELECT k, v FROM accounting")).get("settled", handed)
-            entries = [e for (e,) in con.execute("SELECT entry FROM handed_to")]
-            entries += [e for (e,) in con.execute("SELECT group_id FROM requeued")]
-        group_of = lambda e: e.rsplit("/", 1)[0] if e.rsplit("/", 1)[-1].isdigit() else e  # noqa: E731
-        skipped = handed - settled - len({group_of(e) for e in entries})
-    dropped = 0
-    for e in log_events(mh.log("experience_buffer", "0"), "off_lineage_groups_dropped"):
-        dropped += int(e.get("count", 1))
-    return {"trainer_restarts": max(0, int(lin["epoch"]) - 1), "lineage_forks": {str(k): v for k, v in forks.items()},
-            "lineage_violations": len(violations), "lineage_violation_examples": violations[:10],
-            "trained_members_checked": checked, "trained_members_unlabelled": unlabelled,
-            "lineage_dropped": dropped, "prompts_skipped": skipped, "negative_staleness_samples": negative,
-            "buffer_refusals": refusals}
-
-
 def split_timings(mh, faults: list[dict], a) -> None:
     """Per fault, from the roles' own logs (seconds after the fault was injected): `detect_s` the
     manager declared a rollout dead or lost a relay, `chain_repaired_s` the chain was re-linked
-    (the manager's chain_repaired, or master_changed when the master relay's host went), `resumed_s` the first trajectory the manager recovered in
-    this fault's window was stored, `rejoined_s` (a host fault) the host's relay made a version
-    visible again after the host restarted."""
-    from laminar.testing.procs import log_events
+    (the manager's chain_repaired, or master_changed when the master relay's host went), `resumed_s`
+    the first trajectory the manager recovered in this fault's window was stored, `rejoined_s` (a
+    host fault) the host's relay made a version visible again after the host restarted."""
+    from laminar.testing.multihost import log_events
 
     def ts(e: dict) -> float:
         return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
@@ -243,7 +171,7 @@ def split_timings(mh, faults: list[dict], a) -> None:
     ends = [f["at"] for f in faults[1:]] + [float("inf")]
     for f, end in zip(faults, ends, strict=False):
         t0 = f["at"]
-        first = lambda xs: next((x - t0 for x in xs if t0 <= x < end), None)  # noqa: E731
+        first = lambda xs, t0=t0, end=end: next((x - t0 for x in xs if t0 <= x < end), None)  # noqa: E731
         f["detect_s"] = first(detect) if f["kind"] in ("rollout", "relay", "host", "link") else None
         f["chain_repaired_s"] = first(repaired) if f["kind"] in ("relay", "host", "link") else None
         ids = set().union(*[i for t, i in recovering if t0 <= t < end]) if recovering else set()

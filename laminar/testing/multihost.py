@@ -21,6 +21,14 @@ rollouts pull batches from the pools and report to the manager with their contro
 `ledger()` reads, after the run, what every component recorded: the trainer's versions and the
 groups each trained, every trajectory a rollout stored, what the manager recovered, and what the
 partial pool still holds (its SQLite store), to prove nothing was lost or trained twice.
+`checks()` adds lineage (every trained trajectory names weights the trainer published in the
+history of the lineage that trained it), prompts (the prompt pool's `prompts_skipped`, from its
+store) and staleness (no negative staleness in metrics.jsonl). bench/chaos.py and
+tests/integration/test_multihost_faults.py both use these two.
+
+Trajectory ids: `<group>/<i>` from the prompt pool, `~a<k>` appended for its k-th re-issue (a
+requeue: a new attempt), `~r<n>` appended by the manager for an orphan restarted from its prompt.
+`member_of` strips both: the group's sample slot the id fills.
 
 The namespaces, processes and shared memory of the harness are its own: it removes exactly those
 on exit (NetnsCluster deletes its namespaces by name).
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -49,6 +58,22 @@ from laminar.testing.netns import NetnsCluster
 SIM_ROLLOUT = {"engine": "sim", "max_model_len": 4096, "seed": 1,
                "sim": {"model": "7B", "tp": 1, "lengths": "7B_math", "speedup": 1, "token_id": 100,
                        "max_output_tokens": 256}}
+
+
+def log_events(path: str | Path, name: str) -> list[dict]:
+    """A role log's events named `name`, from its rotated files too (laminar/logs.py), oldest first."""
+    from laminar.logs import rotated_files
+    from laminar.testing.procs import log_events as events_in
+    return [e for f in rotated_files(path) for e in events_in(f, name)]
+
+
+def member_of(tid: str) -> str:
+    """`<group>/<i>` of any id of that member: without its attempt (`~a<k>`) and restart (`~r<n>`)."""
+    return re.sub(r"(~[ar][0-9]+)+$", "", tid)
+
+
+def group_of(tid: str) -> str:
+    return member_of(tid).rsplit("/", 1)[0]
 
 
 class MultiHost:
@@ -81,7 +106,8 @@ class MultiHost:
             roles = [{"role": "relay", "id": f"r{h}", "port": 7100}]
             roles += [{"role": "rollout", "id": rid, "port": 7200 + k, "options": {"relay_id": f"r{h}"}}
                       for k, rid in enumerate(self.rollout_ids(h))]
-            if self.engine == "vllm":  # one core per engine (two unpinned CPU engines fight over OpenMP threads: together ~4x slower)
+            if self.engine == "vllm":  # one core per engine (two unpinned CPU engines fight over OpenMP
+                # threads: together ~4x slower)
                 ncores = os.cpu_count() or 1
                 for k, r in enumerate(roles[1:]):
                     r["cores"] = [((h - 1) * self.rollouts_per_host + k) % ncores]
@@ -210,7 +236,6 @@ class MultiHost:
         """After the run (cluster stopped): the cross-check of every component's own records."""
         import sqlite3
 
-        from laminar.testing.procs import log_events
         metrics = self.metrics()
         trained = [g for r in metrics for g in r["group_ids"]]
         stored: dict[str, int] = {}
@@ -249,35 +274,115 @@ class MultiHost:
                 dropped = {g: why for g, why in con.execute("SELECT gid, why FROM gone WHERE why != 'handed'")}
                 handed = {g for (g,) in con.execute("SELECT gid FROM gone WHERE why = 'handed'")}
                 leased = {g for (g,) in con.execute("SELECT gid FROM handed")}
-        by_policy = {t for t in recovered - stored_ids - pending if t.rsplit("/", 1)[0] in dropped}
-        # a group the buffer dropped as off-lineage (a trainer restart discarded its weights) has
-        # its prompt requeued and its members stored once more under the same ids: not twice
-        redo = Counter(g for e in log_events(self.log("experience_buffer", "0"), "off_lineage_groups_dropped")
-                       for g in e["groups"])
+        by_policy = {t for t in recovered - stored_ids - pending if group_of(t) in dropped}
+        # a group the buffer dropped as off-lineage (a trainer restart discarded its weights) runs
+        # again as a new attempt, under new ids (`~a<k>`): an id stored twice is a real double store
         times = Counter(base(t) for t, k in stored.items() for _ in range(k))
         versions = [int(r["version"]) for r in metrics]
         return {"versions": versions, "versions_monotone": versions == sorted(set(versions)),
                 "groups_trained": len(trained), "samples_trained_twice": len(trained) - len(set(trained)),
                 "trajectories_stored": len(stored),
-                "stored_twice": sum(1 for t, n in times.items() if n > 1 + redo[t.rsplit("/", 1)[0]]),
-                "stored_again_after_lineage_drop": sum(1 for t, n in times.items() if n > 1) - sum(
-                    1 for t, n in times.items() if n > 1 + redo[t.rsplit("/", 1)[0]]),
+                "stored_twice": sum(1 for n in times.values() if n > 1),
+                # attempts of one member stored more than once (each attempt under its own id): the
+                # buffer keeps one per sample slot, so at most one of them is trained
+                "members_stored_in_several_attempts": sum(
+                    1 for n in Counter(member_of(t) for t in times).values() if n > 1),
                 "recovered": len(recovered), "recovered_finished": len(recovered & stored_ids),
                 "recovered_already_held": len((recovered & held) - {base(t) for t in stored}),
                 "recovered_restarted": len(restarted), "recovered_pending": len((recovered - stored_ids) & pending),
                 # resumed on their own version from a relay's retained copy; stored with another: wrong
                 "recovered_adopted": len(adopted),
-                "adopted_wrong_version": sum(1 for t, v in adopted.items() if t in stored_version and stored_version[t] != v),
+                "adopted_wrong_version": sum(1 for t, v in adopted.items()
+                                             if t in stored_version and stored_version[t] != v),
                 "recovered_dropped_by_policy": len(by_policy), "groups_dropped_by_policy": len(dropped),
                 "trajectories_lost": len(recovered - stored_ids - pending - by_policy),
                 # handed to a trainer, in no version it kept, and not leased for its successor
                 "groups_handed_untrained": len(handed - set(trained) - leased), "groups_leased": len(leased)}
 
+    def checks(self) -> dict:
+        """After the run (cluster stopped): the lineage, prompt and staleness checks.
+
+        Lineage: metrics.jsonl holds one record per kept version V (records past a resumed
+        checkpoint are moved out), trained by the lineage that started below V last (lineage.json's
+        forks). Each member of each group trained at V is matched to its newest `trajectory_stored`
+        line (status stored) before the record was written, whatever its attempt (a group the buffer
+        dropped off-lineage runs again as a new attempt, `~a<k>`). Its (lineage l, version v) is a
+        violation when it is outside that lineage's history (manifest.off_lineage: it should have been
+        dropped off-lineage and requeued, `lineage_dropped` counts those), when v >= V (the trainer
+        had not published v when it trained V), or when v precedes lineage l's start (the trainer never
+        published v on l). A member with no stored line (its host died before it logged) is counted
+        as unlabelled, not checked.
+
+        Prompts: the prompt pool's `prompts_skipped` (fresh groups handed out that are neither
+        settled nor outstanding nor requeued), from its store, as its heartbeat counts it. Staleness:
+        samples with negative staleness in metrics.jsonl's histogram."""
+        import sqlite3
+        from datetime import datetime
+
+        from laminar.weights.manifest import off_lineage
+        from laminar.weights.publisher import read_lineage
+
+        def ts(e: dict) -> float:
+            return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+
+        lin = read_lineage(self.run_dir / "trainer" / "checkpoints") or {"epoch": 0, "forks": {}}
+        forks = {int(k): int(v) for k, v in lin["forks"].items()}
+        stores: dict[str, list[tuple[float, int, int, str]]] = {}  # group -> [(ts, lineage, version, member)]
+        refusals = 0
+        for log in (self.run_dir / "logs").glob("rollout.*.log"):
+            for e in log_events(log, "trajectory_stored"):
+                if e["status"] == "stored":
+                    t = e["trajectory"]
+                    stores.setdefault(group_of(t), []).append(
+                        (ts(e), int(e.get("lineage", -1)), int(e["version"]), member_of(t)))
+            refusals += sum(1 for e in log_events(log, "put_refused") if str(e.get("status", "")).startswith("full"))
+        violations, checked, unlabelled, negative = [], 0, 0, 0
+        for r in self.metrics():
+            V = int(r["version"])
+            for k, n in r.items():
+                if k.startswith("staleness/") and int(float(k.split("/", 1)[1])) < 0:
+                    negative += int(n)
+            L = max((e for e, f in forks.items() if f < V), default=-1)
+            for g in r["group_ids"]:
+                newest: dict[str, tuple[float, int, int]] = {}
+                for t_, lineage, v, member in stores.get(g, []):
+                    if t_ <= r["ts"] and (member not in newest or t_ > newest[member][0]):
+                        newest[member] = (t_, lineage, v)
+                if not newest:
+                    unlabelled += 1
+                for member, (_, lineage, v) in newest.items():
+                    checked += 1
+                    why = ("off the trained lineage's history" if L >= 0 and off_lineage(lineage, v, L, forks) else
+                           "version not yet published" if v >= V else
+                           "before its lineage started" if lineage in forks and v < forks[lineage] else None)
+                    if why:
+                        violations.append({"trajectory": member, "lineage": lineage, "version": v, "trained_version": V,
+                                           "trained_lineage": L, "why": why})
+        skipped = None
+        db = self.run_dir / "pools" / "prompt_pool-0.sqlite"
+        if db.exists():  # the pool's counts()["prompts_skipped"], from what its store holds (it is stopped)
+            with sqlite3.connect(db) as con:
+                handed = (con.execute("SELECT handed FROM cursor WHERE k = 0").fetchone() or (0,))[0]
+                settled = dict(con.execute("SELECT k, v FROM accounting")).get("settled", handed)
+                entries = [e for (e,) in con.execute("SELECT entry FROM handed_to")]
+                entries += [e for (e,) in con.execute("SELECT group_id FROM requeued")]
+            entry_group = lambda e: e.rsplit("/", 1)[0] if e.rsplit("/", 1)[-1].isdigit() else e  # noqa: E731
+            skipped = handed - settled - len({entry_group(e) for e in entries})
+        dropped = sum(int(e.get("count", 1))
+                      for e in log_events(self.log("experience_buffer", "0"), "off_lineage_groups_dropped"))
+        return {"trainer_restarts": max(0, int(lin["epoch"]) - 1),
+                "lineage_forks": {str(k): v for k, v in forks.items()},
+                "lineage_violations": len(violations), "lineage_violation_examples": violations[:10],
+                "trained_members_checked": checked, "trained_members_unlabelled": unlabelled,
+                "lineage_dropped": dropped, "prompts_skipped": skipped, "negative_staleness_samples": negative,
+                "buffer_refusals": refusals}
+
     def log(self, role: str, id: str) -> Path:
         return self.run_dir / "logs" / f"{role}.{id}.log"
 
     def tail(self, n: int = 20) -> str:
-        return "\n".join(f"--- h{i}.out\n" + "\n".join((self.tmp / f"h{i}.out").read_text(errors="replace").splitlines()[-n:])
+        return "\n".join(f"--- h{i}.out\n"
+                         + "\n".join((self.tmp / f"h{i}.out").read_text(errors="replace").splitlines()[-n:])
                          for i in range(self.n) if (self.tmp / f"h{i}.out").exists())
 
 
