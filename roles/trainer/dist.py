@@ -13,9 +13,17 @@ After a TRAIN every rank runs the same collectives in the same order: the mini-b
 full-state-dict gather for publishing, and (every checkpoint_every versions) the checkpoint
 gather. A dead rank turns every other rank's next collective into an error, so the whole trainer
 fails and is restarted together, and resumes from the newest complete checkpoint.
+
+The rendezvous store (torch.distributed's TCPStore, on rank 0) has no authentication, so it
+listens only on the address the ranks meet at (`dist_address`; by default rank 0's host
+`address` from cluster.hosts, i.e. its cluster interface), never on every interface as PyTorch's
+`tcp://` rendezvous does: rank 0 binds the socket itself and hands it to the store. The
+collectives' own connections (gloo, NCCL) pick their interface by GLOO_SOCKET_IFNAME and
+NCCL_SOCKET_IFNAME; set those to the same interface (docs/security.md).
 """
 from __future__ import annotations
 
+import socket
 import struct
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +46,39 @@ class DistInfo:
         return self.rank == 0
 
 
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def store_bind_host(address: str) -> str:
+    """The numeric address rank 0's store listens on: the host part of `address`, resolved."""
+    host, port = _split(address)
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+
+
+def rendezvous_store(rank: int, world_size: int, address: str, timeout_s: float):
+    """The TCPStore the ranks meet at: rank 0 listens on `address` only (see the module docstring)."""
+    import torch.distributed as dist
+    host, port = _split(address)
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    bind = store_bind_host(address)
+    sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind, port))
+        sock.listen(max(128, world_size))
+        store = dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
+
+
 def init(rank: int, world_size: int, address: str, device, timeout_s: float) -> DistInfo:
     """Join the process group (blocks until every rank arrived) and make the control group."""
     import torch.distributed as dist
@@ -47,7 +88,8 @@ def init(rank: int, world_size: int, address: str, device, timeout_s: float) -> 
     if device.type == "cuda":
         import torch
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
+    store = rendezvous_store(rank, world_size, address, timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend != "gloo" else None
     return DistInfo(rank, world_size, control)
@@ -56,26 +98,34 @@ def init(rank: int, world_size: int, address: str, device, timeout_s: float) -> 
 def shutdown(info: DistInfo) -> None:
     """Leave the process group together: without the barrier a rank may tear gloo down while a
     peer (rank 0 hosts the rendezvous store) is still in its last collective or already gone,
-    and gloo's threads then abort the process ("terminate called without an active exception")."""
+    and gloo's threads then abort the process ("terminate called without an active exception").
+    The barrier runs on the gloo control group (a CPU collective, also under NCCL)."""
     import torch.distributed as dist
     if info.enabled and dist.is_initialized():
         try:
-            dist.barrier()
+            dist.barrier(group=info.control)
         finally:
             dist.destroy_process_group()
 
 
-def shard(model, info: DistInfo, device) -> None:
-    """FSDP2: one shard unit per decoder layer, then the root (embeddings, norm, head)."""
+def shard(model, info: DistInfo, device, param_dtype=None) -> None:
+    """FSDP2: one shard unit per decoder layer, then the root (embeddings, norm, head). With
+    `param_dtype` (bfloat16), FSDP2's mixed precision: the sharded parameters, their gradients and
+    Adam's states stay float32 (master weights), each unit's all-gathered parameters are cast to
+    `param_dtype` for compute, and gradients are reduced in float32."""
     if not info.enabled:
         return
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (info.world_size,))
+    kw = {}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     backbone = getattr(model, "model", model)
     for layer in getattr(backbone, "layers", []):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
 
 
 # -- command stream -------------------------------------------------------------------------------
@@ -145,18 +195,3 @@ def all_reduce_sums(info: DistInfo, values: dict[str, float]) -> dict[str, float
     dist.all_reduce(t, group=info.control)
     return dict(zip(keys, t.tolist(), strict=False))
 
-
-def broadcast_bytes(info: DistInfo, blob: bytes | None) -> bytes:
-    """Rank 0's `blob` on every rank (the others pass None): a path, a small JSON header."""
-    import torch
-    import torch.distributed as dist
-    if not info.enabled:
-        return blob or b""
-    head = torch.tensor([len(blob) if info.is_main and blob else 0], dtype=torch.int64)
-    dist.broadcast(head, 0, group=info.control)
-    n = int(head[0])
-    if not n:
-        return b""
-    buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if info.is_main else torch.empty(n, dtype=torch.uint8)
-    dist.broadcast(buf, 0, group=info.control)
-    return buf.numpy().tobytes()
