@@ -195,3 +195,18 @@ def all_reduce_sums(info: DistInfo, values: dict[str, float]) -> dict[str, float
     dist.all_reduce(t, group=info.control)
     return dict(zip(keys, t.tolist(), strict=False))
 
+
+def broadcast_bytes(info: DistInfo, blob: bytes | None) -> bytes:
+    """Rank 0's `blob` on every rank (the others pass None): a path, a small JSON header."""
+    import torch
+    import torch.distributed as dist
+    if not info.enabled:
+        return blob or b""
+    head = torch.tensor([len(blob) if info.is_main and blob else 0], dtype=torch.int64)
+    dist.broadcast(head, 0, group=info.control)
+    n = int(head[0])
+    if not n:
+        return b""
+    buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if info.is_main else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, 0, group=info.control)
+    return buf.numpy().tobytes()
