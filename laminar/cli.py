@@ -141,7 +141,21 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
             view.observe(ev)
             health.observe(ev)
 
+    feed_failed: list[BaseException] = []
+
+    def feed_ended(task: asyncio.Task) -> None:
+        """The feed runs until `up` ends: one that stops before leaves the view, /metrics and /healthz
+        frozen, so it is reported at once and makes `up` exit 1."""
+        if task.cancelled():
+            return
+        exc = task.exception() or RuntimeError("ended")
+        feed_failed.append(exc)
+        print(f"error: the node's event feed (live view, /metrics, /healthz) stopped: {exc!r}", file=sys.stderr,
+              flush=True)
+
     feeder = asyncio.create_task(feed(), name="view-feed")
+    feeder.add_done_callback(feed_ended)
+    end = None
     live = None if view.plain else Live(view.render(), console=view.console, refresh_per_second=2)
     try:
         if live:
@@ -161,6 +175,9 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
                 sup.stopping.set()
     finally:
         await sup.stop()
+        if end is not None:  # done when the loop above ended; cancelled when `up` itself was interrupted
+            end.cancel()
+            await asyncio.gather(end, return_exceptions=True)
         if live:
             live.update(view.render())
             live.stop()
@@ -169,13 +186,15 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
         if metrics is not None:
             await metrics.close()
         await transport.close()
+    if not end.cancelled():
+        end.result()  # a supervisor that failed is raised, not dropped
     failed = [c.key for c in sup.children if c.state == "failed"]
     if (cfg.workdir() / "trainer" / "metrics.jsonl").exists():
         from laminar import summary
         s = summary.write(cfg.workdir())
         print(f"\nsummary of {cfg.run.name} ({cfg.run.mode} mode):\n{summary.table(s)}\n"
               f"written: {cfg.workdir() / 'summary.json'}" + (f", {s['plot']}" if s.get("plot") else ""), flush=True)
-    return 1 if failed else 0
+    return 1 if failed or feed_failed else 0
 
 
 def cmd_status(a) -> int:
@@ -237,7 +256,7 @@ def _status_table(cfg, rows: dict[str, dict]):
         t.add_column(col)
     for k, r in rows.items():
         m, alive = r["metrics"], r["alive"]
-        num = lambda name, fmt: format(m[name], fmt) if name in m else "-"  # noqa: E731
+        num = lambda name, fmt, m=m: format(m[name], fmt) if name in m else "-"  # noqa: E731
         t.add_row(k, r["host"], "yes" if alive else "NO", r.get("state", "-"), str(r.get("pid", "-")),
                   f"{r['uptime_s']:.0f}" if alive else "-", num("version", ".0f"), num("kv_usage", ".2f"),
                   num("tokens_per_s", ".0f"), str(r.get("dropped_frames", "-")),
@@ -250,7 +269,7 @@ def _status_lines(rows: dict[str, dict]) -> list[str]:
     out = []
     for k, r in rows.items():
         m = r["metrics"]
-        g = lambda name, fmt=".0f": format(m[name], fmt) if name in m else "-"  # noqa: E731
+        g = lambda name, fmt=".0f", m=m: format(m[name], fmt) if name in m else "-"  # noqa: E731
         if k.startswith("trainer.") and m:
             out.append(f"{k}: version {g('version')}  train {g('tokens_per_s')} tok/s  throughput "
                        f"{g('throughput')} tok/s  staleness mean {g('staleness_mean', '.2f')} max "
