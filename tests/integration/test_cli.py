@@ -23,7 +23,8 @@ CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "laminar.cl
 
 
 def status(path) -> dict:
-    out = subprocess.run([*CLI, "status", str(path), "--json", "--wait", "1.0"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run([*CLI, "status", str(path), "--json", "--wait", "1.0"], capture_output=True, text=True,
+                         timeout=30)
     st = json.loads(out.stdout)
     assert out.returncode == (0 if all(v["alive"] for v in st.values()) else 1), (out.returncode, st)
     return st
@@ -85,12 +86,11 @@ def test_up_restarts_a_killed_role_and_ctrl_c_leaves_nothing(up):
                    60, "echo.1 restarted")
     assert st2["echo.0"]["pid"] == pids["echo.0"] and st2["broker.0"]["pid"] == pids["broker.0"]  # others untouched
     children = {**pids, "echo.1.new": st2["echo.1"]["pid"]}
-    t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGINT)                                  # Ctrl-C
-    out, _ = proc.communicate(timeout=30)
-    took = time.monotonic() - t0
+    out, _ = proc.communicate(timeout=60)                             # a hang guard, not a speed bound
     assert proc.returncode == 0, out
-    assert took < 5 + 5, f"`up` took {took:.1f}s to stop (shutdown_s=5)"
+    # every role stopped on SIGTERM within its shutdown_s: the supervisor SIGKILLed none of them
+    assert "child_killed_after_deadline" not in out, out
     assert "echo.1" in out and "backoff" in out
     still = [k for k, pid in children.items() if alive(pid)]
     assert not still, f"children left behind: {still}"
@@ -103,8 +103,8 @@ def test_tail_prints_events_published_by_a_role(up):
     events = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(events) >= 1, r.stderr
     assert all({"topic", "kind", "role"} <= e.keys() for e in events), events
-    r = subprocess.run([*CLI, "tail", str(path), "--topic", "metrics.echo", "--json", "--count", "2", "--timeout", "20"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([*CLI, "tail", str(path), "--topic", "metrics.echo", "--json", "--count", "2",
+                        "--timeout", "20"], capture_output=True, text=True, timeout=60)
     events = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(events) == 2 and all(e["topic"] == "metrics.echo" and e["kind"] == "metrics" for e in events), events
     r = subprocess.run([*CLI, "tail", str(path), "--role", "echo", "--json", "--count", "3", "--timeout", "20"],
@@ -126,7 +126,8 @@ def _verify(paths) -> subprocess.CompletedProcess:
 def test_systemd_units_verify(tmp_path):
     path, _ = echo_cluster(tmp_path, n_echo=1)
     units = tmp_path / "units"
-    r = subprocess.run([*CLI, "systemd", str(path), "--host", "h0", "--out", str(units)], capture_output=True, text=True)
+    r = subprocess.run([*CLI, "systemd", str(path), "--host", "h0", "--out", str(units)], capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr
     files = sorted(p.name for p in units.iterdir())
     assert files == ["laminar-t-broker-0.service", "laminar-t-echo-0.service", "laminar-t-h0.target"]
