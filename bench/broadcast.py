@@ -15,8 +15,9 @@ single transfer is the physical limit and every method is reported as a ratio to
   raw     one plain socket transfer host 0 -> host 1.
 Time = from the start on host 0 until the last relay holds the whole version (for the chain and
 fan-out: made visible, i.e. verified and committed). Steady state: one untimed version goes down
-the whole chain first (relays and the publisher allocate their buffers once, then reuse them). CPU use is the machine's busy share during
-each run (/proc/stat), to show the cores were not what limited it.
+the whole chain first (relays and the publisher allocate their buffers once, then reuse them). CPU
+use is the machine's busy share during each run (/proc/stat), to show the cores were not what
+limited it.
 """
 from __future__ import annotations
 

@@ -180,7 +180,7 @@ async def _rpc_client(addr: str, raw: bool, keys_dir, n: int, concurrency: int) 
     seq = {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99)}
     if raw:  # a raw DEALER has no request ids: pipelined replies are matched by count
         t0 = time.perf_counter()
-        for i in range(0, n, concurrency):
+        for _batch in range(0, n, concurrency):
             for _ in range(concurrency):
                 await s.send_multipart(frames)
             for _ in range(concurrency):
@@ -188,7 +188,7 @@ async def _rpc_client(addr: str, raw: bool, keys_dir, n: int, concurrency: int) 
         rate = n / (time.perf_counter() - t0)
     else:
         t0 = time.perf_counter()
-        for i in range(0, n, concurrency):
+        for _batch in range(0, n, concurrency):
             await asyncio.gather(*(c.call(_event(j), timeout=5) for j in range(concurrency)))
         rate = n / (time.perf_counter() - t0)
     if close:
@@ -257,7 +257,9 @@ def main() -> int:
                 [["typed rpc", rpc_typed["p50_ms"], rpc_typed["p99_ms"], rpc_typed["calls_per_s"]],
                  ["raw DEALER/ROUTER", rpc_raw["p50_ms"], rpc_raw["p99_ms"], rpc_raw["calls_per_s"]]])
     ratio = typed["events_per_s"] / raw["events_per_s"] if raw["events_per_s"] else 0.0
-    print(f"\ntyped/raw pub/sub rate: {ratio:.2f} (target >= 0.30); rpc p99 {rpc_typed['p99_ms']:.3f} ms (target < 2 ms)")
+    print(
+        f"\ntyped/raw pub/sub rate: {ratio:.2f} (target >= 0.30); rpc p99 {rpc_typed['p99_ms']:.3f} ms (target < 2 ms)"
+    )
     res.update({
         "pubsub_events_per_s": typed["events_per_s"], "raw_zmq_msgs_per_s": raw["events_per_s"],
         "pubsub_ratio_to_raw": ratio, "pubsub_lat_p50_ms": typed_lat["lat_p50_ms"],

@@ -79,7 +79,9 @@ def main() -> int:
     ap.add_argument("--warm-start-steps", type=int, default=120)
     ap.add_argument("--ahead", default="1", help="laminar modes: the prompt pool's max_batches_ahead (flow "
                     "control, as configs/local.yaml; 'none' = no bound); ignored by the barrier modes")
-    ap.add_argument("--kv-tokens", type=int, default=4096, help="each rollout's KV cache in tokens (as configs/local.yaml)")
+    ap.add_argument(
+        "--kv-tokens", type=int, default=4096, help="each rollout's KV cache in tokens (as configs/local.yaml)"
+    )
     a = ap.parse_args()
     exit_on_signals()  # SIGTERM/SIGHUP: stop the running cluster in order, as Ctrl-C does
     ahead = None if a.ahead.lower() == "none" else int(a.ahead)
@@ -96,14 +98,20 @@ def main() -> int:
         print(f"[{time.strftime('%H:%M:%S')}] mode {m}: {iterations} versions...", flush=True)
         results[m] = run_mode(m, model, root, iterations, timeout=600, ahead=ahead, kv_tokens=a.kv_tokens)
         r = results[m]
-        print(f"  throughput {r['throughput_tokens_per_s'] or 0:.0f} tok/s, idle {r['rollout_idle_fraction'] or 0:.2f}, "
-              f"max staleness {r['max_staleness']}, repacks {r['repacks']}, {r['wall_s']:.0f}s", flush=True)
+        print(
+            f"  throughput {r['throughput_tokens_per_s'] or 0:.0f} tok/s, idle {r['rollout_idle_fraction'] or 0:.2f}, "
+            f"max staleness {r['max_staleness']}, repacks {r['repacks']}, {r['wall_s']:.0f}s",
+            flush=True,
+        )
     rows = [[m, r["throughput_tokens_per_s"] or 0.0, r["rollout_idle_fraction"] or 0.0, r["kv_usage_mean"] or 0.0,
              r["max_staleness"], json.dumps(r["staleness_histogram"]), r["repacks"], r["iterations"]]
             for m, r in results.items()]
-    print_table(f"throughput by mode ({iterations} versions each; tokens/s after the first update; laminar modes: "
-                f"max_batches_ahead {ahead}; KV cache {a.kv_tokens} tokens per rollout)",
-                ["mode", "tokens/s", "idle frac", "kv mean", "max stale", "staleness hist", "repacks", "versions"], rows)
+    print_table(
+        f"throughput by mode ({iterations} versions each; tokens/s after the first update; laminar modes: "
+        f"max_batches_ahead {ahead}; KV cache {a.kv_tokens} tokens per rollout)",
+        ["mode", "tokens/s", "idle frac", "kv mean", "max stale", "staleness hist", "repacks", "versions"],
+        rows,
+    )
     tput = {m: r["throughput_tokens_per_s"] for m, r in results.items()}
     ratio = (tput["laminar"] / tput["sync"]) if tput.get("laminar") and tput.get("sync") else None
     if ratio:

@@ -152,11 +152,18 @@ def synthesize(tmp: Path, cfg: Path, trajectories: int, group: int = 8, in_fligh
         c.executemany("INSERT OR IGNORE INTO completed VALUES (?)", ((f"s{i}",) for i in range(trajectories)))
         from laminar.roles.sqlite_store import pack
         toks, lps = np.arange(TOK, dtype=np.int32).tobytes(), np.zeros(TOK, np.float32).tobytes()
-        c.executemany("INSERT INTO deltas (tid, seq, owner, version, spec, tokens, logprobs) VALUES (?, ?, 'r', 0, ?, ?, ?)",
-                      ((f"f{t}", q, pack(spec(f"f{t}", f"f{t // group}", t % group, group)) if q == 0 else None, toks, lps)
-                       for t in range(in_flight) for q in range(20)))
+        c.executemany(
+            "INSERT INTO deltas (tid, seq, owner, version, spec, tokens, logprobs) VALUES (?, ?, 'r', 0, ?, ?, ?)",
+            (
+                (f"f{t}", q, pack(spec(f"f{t}", f"f{t // group}", t % group, group)) if q == 0 else None, toks, lps)
+                for t in range(in_flight)
+                for q in range(20)
+            ),
+        )
     with sqlite3.connect(pools / "experience_buffer-0.sqlite") as c:
-        c.executemany("INSERT OR IGNORE INTO gone VALUES (?, 'handed')", ((f"sg{g}",) for g in range(trajectories // group)))
+        c.executemany(
+            "INSERT OR IGNORE INTO gone VALUES (?, 'handed')", ((f"sg{g}",) for g in range(trajectories // group))
+        )
 
 
 def startup_times(tmp: Path, cfg_path: Path, unbounded: bool) -> dict[str, float]:
@@ -230,18 +237,28 @@ def main() -> int:
     rows = int(per_event * min(secs, 4.0))
     direct_1 = direct_sqlite(tmp / "direct1.sqlite", min(rows, 3000), 1)
     direct_64 = direct_sqlite(tmp / "direct64.sqlite", rows, 64)
-    print_table("data pools, durability on (WAL, synchronous=FULL), acknowledged writes",
-                ["measure", "per second", "note"],
-                [["partial pool: token deltas (columnar)", deltas,
-                  f"{a.callers} callers x {a.flush} deltas/AppendDeltaBatch, {TOK} tokens each"],
-                 ["  required at paper scale (64 x 1,024 / 0.5 s)", PAPER_SCALE, f"headroom {deltas / PAPER_SCALE:.2f}x"],
-                 ["  required by 1,024 trajectories / 0.5 s", REQUIRED, f"headroom {deltas / REQUIRED:.1f}x"],
-                 ["partial pool: token deltas (one event each)", per_event,
-                  f"{a.callers} callers x {a.batch} deltas/AppendDeltas"],
-                 ["experience buffer: trajectory puts", puts, "128-token responses, groups of 16"],
-                 ["experience buffer: samples out", samples, "SampleGroups(32 groups)"],
-                 ["direct SQLite, 1 row per commit", direct_1, "same rows, this process"],
-                 ["direct SQLite, 64 rows per commit", direct_64, "same rows, this process"]])
+    print_table(
+        "data pools, durability on (WAL, synchronous=FULL), acknowledged writes",
+        ["measure", "per second", "note"],
+        [
+            [
+                "partial pool: token deltas (columnar)",
+                deltas,
+                f"{a.callers} callers x {a.flush} deltas/AppendDeltaBatch, {TOK} tokens each",
+            ],
+            ["  required at paper scale (64 x 1,024 / 0.5 s)", PAPER_SCALE, f"headroom {deltas / PAPER_SCALE:.2f}x"],
+            ["  required by 1,024 trajectories / 0.5 s", REQUIRED, f"headroom {deltas / REQUIRED:.1f}x"],
+            [
+                "partial pool: token deltas (one event each)",
+                per_event,
+                f"{a.callers} callers x {a.batch} deltas/AppendDeltas",
+            ],
+            ["experience buffer: trajectory puts", puts, "128-token responses, groups of 16"],
+            ["experience buffer: samples out", samples, "SampleGroups(32 groups)"],
+            ["direct SQLite, 1 row per commit", direct_1, "same rows, this process"],
+            ["direct SQLite, 64 rows per commit", direct_64, "same rows, this process"],
+        ],
+    )
     if startup:
         print_table(f"pool start-up (s) on the store of {a.startup_trajectories:,} synthetic trajectories",
                     ["pool", "bounded memory", "same, later starts", "unbounded replay"],

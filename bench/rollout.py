@@ -44,18 +44,42 @@ def cluster_cfg(tmp: Path, model_dir: str, n: int, max_tokens: int, shm: Path):
     data.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in prompts(n)))
     one = tmp / "one.jsonl"  # rollout 1 gets one trajectory of its own, then has room for migrants
     one.write_text(json.dumps({"prompt": "hi", "answer": "x"}) + "\n")
-    roles = [{"role": "prompt_pool", "port": free_port()},
-             {"role": "prompt_pool", "id": "1", "port": free_port(), "options": {"dataset": str(one), "max_epochs": 1}}, {"role": "partial_pool", "port": free_port()},
-             {"role": "experience_buffer", "port": free_port()}, {"role": "rollout", "id": "0", "port": free_port()},
-             {"role": "rollout", "id": "1", "port": free_port(), "options": {"max_concurrency": 2 * n, "prompt_pool": "1"}}]
-    return parse_config({
-        "run": {"workdir": str(tmp / "run")},
-        "cluster": {"keys_dir": None, "shutdown_s": 30, "broker": {"host": "h0"},
-                    "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
-        "roles": {"prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": max_tokens, "max_epochs": 2 + TIMED_EPOCHS},
-                  "rollout": {"model_dir": model_dir, "max_concurrency": n, "max_model_len": max_tokens + 64,
-                              "seed": SEED, "weights_dir": str(shm), "stop_when_exhausted": False,
-                              "reward": "laminar.tasks.rewards:zero"}}})
+    roles = [
+        {"role": "prompt_pool", "port": free_port()},
+        {"role": "prompt_pool", "id": "1", "port": free_port(), "options": {"dataset": str(one), "max_epochs": 1}},
+        {"role": "partial_pool", "port": free_port()},
+        {"role": "experience_buffer", "port": free_port()},
+        {"role": "rollout", "id": "0", "port": free_port()},
+        {"role": "rollout", "id": "1", "port": free_port(), "options": {"max_concurrency": 2 * n, "prompt_pool": "1"}},
+    ]
+    return parse_config(
+        {
+            "run": {"workdir": str(tmp / "run")},
+            "cluster": {
+                "keys_dir": None,
+                "shutdown_s": 30,
+                "broker": {"host": "h0"},
+                "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}},
+            },
+            "roles": {
+                "prompt_pool": {
+                    "dataset": str(data),
+                    "group_size": 1,
+                    "max_tokens": max_tokens,
+                    "max_epochs": 2 + TIMED_EPOCHS,
+                },
+                "rollout": {
+                    "model_dir": model_dir,
+                    "max_concurrency": n,
+                    "max_model_len": max_tokens + 64,
+                    "seed": SEED,
+                    "weights_dir": str(shm),
+                    "stop_when_exhausted": False,
+                    "reward": "laminar.tasks.rewards:zero",
+                },
+            },
+        }
+    )
 
 
 async def run_bench(cfg, n: int, migrate_n: int, model_dir: str) -> dict:
@@ -79,7 +103,9 @@ async def run_bench(cfg, n: int, migrate_n: int, model_dir: str) -> dict:
         deadline = time.monotonic() + 120
         while len(got) < total:
             if time.monotonic() > deadline:
-                stats = await c.client("experience_buffer").call(__import__("laminar.protocol", fromlist=["x"]).BufferStatsRequest())
+                stats = await c.client("experience_buffer").call(
+                    __import__("laminar.protocol", fromlist=["x"]).BufferStatsRequest()
+                )
                 raise TimeoutError(f"{len(got)}/{total} trajectories; buffer {stats}; r0 {r0.status()} "
                                    f"r1 {r1.status()} r0 active {list(r0.active)[:5]} r1 active {list(r1.active)[:5]}")
             s = await buf.call(SampleGroups(total, 0))
@@ -220,13 +246,23 @@ def main() -> int:
     print_table("in-place weight load vs model size (fresh engine each, median of 3 versions)",
                 ["params", "MB (fp32)", "load s", "GB/s"],
                 [[f"{r['params'] / 1e6:.2f} M", r["bytes"] / 1e6, r["load_s"], r["load_gb_per_s"]] for r in by_size])
-    write_json(a.out, {"quick": a.quick, "engine_tokens_per_s": engine_rate, "role_tokens_per_s": res["role_tokens_per_s"],
-                       "engine_tokens_per_s_runs": res["engine_rates"], "role_tokens_per_s_runs": res["role_rates"],
-                       "role_over_engine": ratio, "weight_load_s": res["weight_load_s"], "weight_params": res["params"],
-                       "migration_s_per_trajectory": res["migration_s_1"],
-                       f"migration_s_{migrate_n}_trajectories": res[f"migration_s_{migrate_n}"],
-                       "migration_s_per_trajectory_batched": res[f"migration_s_{migrate_n}"] / migrate_n,
-                       "weight_load_by_size": by_size})
+    write_json(
+        a.out,
+        {
+            "quick": a.quick,
+            "engine_tokens_per_s": engine_rate,
+            "role_tokens_per_s": res["role_tokens_per_s"],
+            "engine_tokens_per_s_runs": res["engine_rates"],
+            "role_tokens_per_s_runs": res["role_rates"],
+            "role_over_engine": ratio,
+            "weight_load_s": res["weight_load_s"],
+            "weight_params": res["params"],
+            "migration_s_per_trajectory": res["migration_s_1"],
+            f"migration_s_{migrate_n}_trajectories": res[f"migration_s_{migrate_n}"],
+            "migration_s_per_trajectory_batched": res[f"migration_s_{migrate_n}"] / migrate_n,
+            "weight_load_by_size": by_size,
+        },
+    )
     return 0
 
 

@@ -29,7 +29,9 @@ async def measure(model_dir: str, batches: list[int], tokens: int, core: str | N
 
     async def one(i: int, b: int) -> int:
         n = 0
-        async for toks, _, _ in eng.generate(f"b{b}-{i}-{time.monotonic_ns()}", [1, 40 + i % 50, 41, 42], tokens, seed=i):
+        async for toks, _, _ in eng.generate(
+            f"b{b}-{i}-{time.monotonic_ns()}", [1, 40 + i % 50, 41, 42], tokens, seed=i
+        ):
             n += len(toks)
         return n
 
@@ -51,7 +53,9 @@ async def measure(model_dir: str, batches: list[int], tokens: int, core: str | N
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="batches 1..32, 48 tokens (about a minute)")
-    ap.add_argument("--model-dir", default=None, help="HF model folder (default: models/tiny, else build the tiny model)")
+    ap.add_argument(
+        "--model-dir", default=None, help="HF model folder (default: models/tiny, else build the tiny model)"
+    )
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--core", default="0", help="core to pin the engine to (VLLM_CPU_OMP_THREADS_BIND)")
     ap.add_argument("--out", default=None)

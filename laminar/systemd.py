@@ -2,7 +2,8 @@
 
 Each unit runs the role in the foreground (`laminar-node role ...`), `Type=notify` (the shell sends
 READY=1 after setup), `WatchdogSec` (the shell pings WATCHDOG=1 from its event loop, so a stuck
-loop is restarted), `Restart=on-failure` (the shell exits 1 only on failure). Roles on the
+loop is restarted), `Restart=on-failure` (the shell exits 1 only on failure; 3, an operator's
+Shutdown command, is a stop: `SuccessExitStatus=3`, `RestartPreventExitStatus=3`). Roles on the
 broker's host order themselves after the broker unit. A `.target` groups the host's units.
 
 Confinement (cluster.systemd in the config): every unit runs as a dedicated user (`laminar` by
@@ -103,6 +104,8 @@ def render_units(cfg, config_path: str, host: str, python: str | None = None,
         if broker_here and spec.role != "broker":
             after += " " + unit_name(run, "broker", "0")
         start_s = int(ready_timeout_for(spec.role, spec.ready_timeout_s))
+        exec_start = " ".join(map(_arg, [python, "-m", "laminar.cli", "role", spec.role, "--id", spec.id,
+                                         "--host", host, config_abs]))
         units[unit_name(run, spec.role, spec.id)] = f"""[Unit]
 Description=Laminar {spec.role}.{spec.id} of run {run} on host {host}
 After={after}
@@ -113,8 +116,10 @@ PartOf={target}
 Type=notify
 NotifyAccess=main
 WorkingDirectory={_path(workdir)}
-ExecStart={" ".join(map(_arg, [python, "-m", "laminar.cli", "role", spec.role, "--id", spec.id, "--host", host, config_abs]))}
+ExecStart={exec_start}
 Restart=on-failure
+SuccessExitStatus=3
+RestartPreventExitStatus=3
 RestartSec=2
 WatchdogSec={watchdog_s}
 TimeoutStartSec={start_s}

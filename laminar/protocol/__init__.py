@@ -22,4 +22,15 @@ from laminar.protocol.registry import PROTOCOL_VERSION, event, kind_of, lookup, 
 from laminar.protocol.rollout import *  # noqa: F401,F403
 from laminar.protocol.weights import *  # noqa: F401,F403
 
-__all__ = ["PROTOCOL_VERSION", "event", "kind_of", "lookup", "registered_kinds", *_core.__all__, *_data.__all__, *_rollout.__all__, *_weights.__all__, *_env.__all__]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "event",
+    "kind_of",
+    "lookup",
+    "registered_kinds",
+    *_core.__all__,
+    *_data.__all__,
+    *_rollout.__all__,
+    *_weights.__all__,
+    *_env.__all__,
+]

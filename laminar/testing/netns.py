@@ -8,8 +8,9 @@ Topology: a switch namespace `<prefix>-sw` holds a bridge; host i lives in `<pre
 `eth0` = one end of a veth pair whose other end is a bridge port, address 10.213.<k>.<i+1>/24
 (<k> drawn per run so concurrent harnesses do not collide). Egress of every host's eth0 is
 shaped with `tc qdisc ... tbf rate R` (burst 256 kb, latency 100 ms, as measured in
-this repository's namespace benchmarks: a shaped veth transfer runs at ~0.96 of R), so one transfer of S bytes between two hosts is limited to S/R, and a host
-that sends to several peers shares its R among them, as a NIC does.
+this repository's namespace benchmarks: a shaped veth transfer runs at ~0.96 of R), so one
+transfer of S bytes between two hosts is limited to S/R, and a host that sends to several peers
+shares its R among them, as a NIC does.
 
 Nothing touches the root namespace's interfaces or routes: every device is created inside the
 namespaces, which this harness names with a unique prefix and deletes by name on exit, on error,

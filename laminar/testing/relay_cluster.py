@@ -98,7 +98,10 @@ class RelayCluster:
         from laminar.weights.follow import MasterFollower
         from laminar.weights.publisher import WeightPublisher
         from laminar.weights.wire import derive_key
-        bus = ZmqTransport(f"tcp://127.0.0.1:{self.broker_ports[0]}", f"tcp://127.0.0.1:{self.broker_ports[1]}", self.keys)
+
+        bus = ZmqTransport(
+            f"tcp://127.0.0.1:{self.broker_ports[0]}", f"tcp://127.0.0.1:{self.broker_ports[1]}", self.keys
+        )
         t = Trainer(bus, WeightPublisher(chunk_bytes, transport, derive_key(self.keys.secret)))
         t.follower = MasterFollower(t.publisher, bus, f"tcp://127.0.0.1:{self.manager_port}")
         try:
@@ -152,7 +155,9 @@ class Trainer:
         try:
             await self.until(lambda: all(self.versions.get(r, -1) >= version for r in relays), timeout, "versions")
         except TimeoutError:
-            raise TimeoutError(f"v{version} not announced by all of {relays} within {timeout}s: {self.versions}") from None
+            raise TimeoutError(
+                f"v{version} not announced by all of {relays} within {timeout}s: {self.versions}"
+            ) from None
 
     async def close(self) -> None:
         self._feed.cancel()

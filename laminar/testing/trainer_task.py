@@ -52,7 +52,9 @@ def generate_groups(model, n_groups: int, group_size: int, version: int, max_new
     return out
 
 
-def random_groups(n_groups: int, group_size: int, tag: str, resp_len: int = 8, prompt_len: int = 8, seed: int = 0) -> list:
+def random_groups(
+    n_groups: int, group_size: int, tag: str, resp_len: int = 8, prompt_len: int = 8, seed: int = 0
+) -> list:
     """Synthetic groups (random tokens, uniform behaviour logprobs, random 0/1 rewards)."""
     from laminar.protocol import Trajectory, TrajectorySpec
     rng = np.random.default_rng(seed)

@@ -38,18 +38,28 @@ class RelayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     shm_dir: str | None = Field(None, description="shared-memory folder (default /dev/shm/laminar-<run>-relay-<id>)")
     data_port: int = Field(0, ge=0, le=65535, description="chunk listener port (0: any free port)")
-    retain_versions: int = Field(0, ge=0, le=64, description="older complete versions kept in shm_dir besides the newest "
-                                 "(hard links, no copy; each costs one model's bytes of memory), so work of an old "
-                                 "version can resume on it (manager orphan_policy: retained)")
+    retain_versions: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="older complete versions kept in shm_dir besides the newest "
+        "(hard links, no copy; each costs one model's bytes of memory), so work of an old "
+        "version can resume on it (manager orphan_policy: retained)",
+    )
     transport: str = Field("tcp", description="chunk transport: tcp, ucx, or module:Class")
     transport_options: dict = Field(default_factory=dict, description="keyword arguments of the transport")
     manager_id: str = Field("0", description="id of the manager role that owns the chain")
     join_timeout_s: float = Field(60.0, gt=0, description="how long setup waits for the manager")
-    rejoin_grace_s: float = Field(1.0, gt=0, description="ignore chain states missing this relay for this long after a join")
+    rejoin_grace_s: float = Field(
+        1.0, gt=0, description="ignore chain states missing this relay for this long after a join"
+    )
     progress_interval_s: float = Field(0.25, gt=0, description="minimum period of relay.progress events")
     connect_timeout_s: float = Field(3.0, gt=0, description="deadline to connect+authenticate to a downstream")
     ack_timeout_s: float = Field(30.0, gt=0, description="silence from a downstream that counts as a dead link")
-    address: str | None = Field(None, description="control bind address when the config gives no port (default: the host's bind address, any port)")
+    address: str | None = Field(
+        None,
+        description="control bind address when the config gives no port (default: the host's bind address, any port)",
+    )
     keep_shm: bool = Field(False, description="leave shm_dir (its newest version) in place when the relay stops; a "
                            "relay started there later serves it again only if the trainer's lineage is the same. "
                            "Default: the folder is removed at stop")
@@ -152,7 +162,6 @@ class RelayRole(Role):
         while True:
             kind, info = await self.events.get()
             if kind == "complete":
-                st = self.node.status()
                 self.log.info("version_visible", version=info["version"], chunks=info["chunks"])
                 self.pub.publish("weights.version", WeightsVersion(
                     self.ctx.id, self.ctx.host, info["version"], self._total_bytes(), str(self.node.store.dir),

@@ -55,8 +55,12 @@ class RolloutConfig(BaseModel):
     reward: str = Field("laminar.tasks.rewards:exact_answer", description="reward function 'module:fn'")
     delta_interval_s: float = Field(0.25, gt=0, description="how often token deltas go to the partial pool")
     report_interval_s: float = Field(1.0, gt=0, description="period of the rollout.stats event")
-    relay_id: str | None = Field(None, description="relay on this host to pull weights from (None: keep initial weights)")
-    weights_dir: str | None = Field(None, description="shared-memory folder of that relay (default: the relay's shm_dir setting)")
+    relay_id: str | None = Field(
+        None, description="relay on this host to pull weights from (None: keep initial weights)"
+    )
+    weights_dir: str | None = Field(
+        None, description="shared-memory folder of that relay (default: the relay's shm_dir setting)"
+    )
     prompt_pool: str = Field("0", description="id of the prompt pool role")
     partial_pool: str = Field("0", description="id of the partial pool role")
     experience_buffer: str = Field("0", description="id of the experience buffer role")
@@ -69,7 +73,9 @@ class RolloutConfig(BaseModel):
     idle_wait_s: float = Field(0.5, gt=0, description="wait before asking an empty prompt pool again")
     sim: dict = Field(default_factory=dict, description="engine: sim settings, passed to SimEngine.from_workload "
                       "(model, tp, lengths, gpu, curve_path, ...) plus `speedup` (compressed time, default 1)")
-    refill: bool | None = Field(None, description="take new groups as trajectories finish, not at batch end (default: on in stream mode only)")
+    refill: bool | None = Field(
+        None, description="take new groups as trajectories finish, not at batch end (default: on in stream mode only)"
+    )
     stop_when_exhausted: bool = Field(True, description="finish (exit 0) when the prompt pool has no more epochs")
     env: RolloutEnvConfig | None = Field(None, description="multi-turn: the environment of every trajectory "
                                          "(None: single-turn, scored by `reward`)")

@@ -1,9 +1,11 @@
-"""A short chaos run (docs/architecture.md §10): `bench/chaos.py --minutes 1` on the four-host namespace cluster —
-random kills of random roles and hosts, a cut link, on a full buffer (capacity 48, eviction
+"""A short chaos run (docs/architecture.md §10): `bench/chaos.py --minutes 1` on the four-host
+namespace cluster — random kills of random roles and hosts, a cut link, on a full buffer (capacity 48, eviction
 reject) and a trainer that checkpoints every 4 versions — then its ledger: every fault recovered,
 no trajectory lost, nothing stored or trained twice, every handed-out group trained or leased,
 versions monotone, training went on, no prompt skipped, every trained trajectory's (lineage,
-version) in the history of the lineage that trained it, no negative staleness. The 10-minute run is `python bench/chaos.py` (see README)."""
+version) in the history of the lineage that trained it, no negative staleness. The 10-minute run
+is `python bench/chaos.py` (see README)."""
+
 from __future__ import annotations
 
 import json

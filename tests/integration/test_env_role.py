@@ -84,7 +84,9 @@ def test_python_tool_episodes_inproc(tmp_path):
         first = await env.call(EnvReset("e1", spec()))
         assert first.step == 0 and not first.done and len(first.observation_tokens) == 0
         assert (await env.call(EnvReset("e1", spec()))).step == 0  # a retried reset: same reply
-        r1 = await env.call(EnvStep("e1", 1, act("Let me compute.\n<tool>python\nprint(3/4 + 1/8)\n</tool>")), timeout=20)
+        r1 = await env.call(
+            EnvStep("e1", 1, act("Let me compute.\n<tool>python\nprint(3/4 + 1/8)\n</tool>")), timeout=20
+        )
         assert not r1.done and r1.reward == 0.0 and "0.875" in r1.observation and r1.info == {"tool_calls": 1}
         assert TOK.decode(r1.observation_tokens) == r1.observation == "\n<output>\n0.875\n</output>\n"
         runs = role.sandbox.runs
@@ -104,9 +106,17 @@ def test_python_tool_episodes_inproc(tmp_path):
         # a slow tool in one episode does not hold up another; a hostile one is stopped
         for eid in ("slow", "fast", "hostile"):
             await env.call(EnvReset(eid, spec("1+1?", "2")))
-        slow = asyncio.ensure_future(env.call(EnvStep("slow", 1, act("<tool>python\nimport time\ntime.sleep(4)\nprint('late')</tool>")), timeout=30))
-        hostile = asyncio.ensure_future(env.call(EnvStep("hostile", 1, act("<tool>python\nwhile True: pass\n</tool>")), timeout=30))
-        fast = asyncio.ensure_future(env.call(EnvStep("fast", 1, act("<tool>python\nprint('quick')\n</tool>")), timeout=30))
+        slow = asyncio.ensure_future(
+            env.call(
+                EnvStep("slow", 1, act("<tool>python\nimport time\ntime.sleep(4)\nprint('late')</tool>")), timeout=30
+            )
+        )
+        hostile = asyncio.ensure_future(
+            env.call(EnvStep("hostile", 1, act("<tool>python\nwhile True: pass\n</tool>")), timeout=30)
+        )
+        fast = asyncio.ensure_future(
+            env.call(EnvStep("fast", 1, act("<tool>python\nprint('quick')\n</tool>")), timeout=30)
+        )
         done, _ = await asyncio.wait([slow, fast], return_when=asyncio.FIRST_COMPLETED)
         assert done == {fast} and "quick" in fast.result().observation
         assert "[killed: cpu_time]" in (await hostile).observation

@@ -91,7 +91,9 @@ def test_up_serves_metrics_and_healthz_and_status_agrees(cluster_config, procs, 
     until(lambda: get(parse(scrape(port)[1]), "laminar_role_dropped_frames_total", role="echo") == 5, 30,
           "the echo role's 5 dropped frames in /metrics")
 
-    r = subprocess.run([*CLI, "status", str(c.path), "--json", "--wait", "1.0"], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [*CLI, "status", str(c.path), "--json", "--wait", "1.0"], capture_output=True, text=True, timeout=30
+    )
     st = json.loads(r.stdout)
     assert r.returncode == 0 and st["echo.0"]["alive"] and st["echo.0"]["dropped_frames"] == 5, st
     assert st["broker.0"]["dropped_frames"] == 0 and "metrics" in st["echo.0"]

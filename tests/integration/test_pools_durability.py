@@ -1,5 +1,7 @@
 """SIGKILL each pool process during a stream of writes, restart it: every acknowledged write is
-still there and nothing is duplicated (docs/architecture.md §10; docs/faults.md). Real processes, real sockets (CURVE on)."""
+still there and nothing is duplicated (docs/architecture.md §10; docs/faults.md). Real processes,
+real sockets (CURVE on)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -59,9 +59,17 @@ def test_prompt_pool_semantics(tmp_path):
 
 def gated_pool(tmp_path, mode: str, ahead: int | None = None) -> InprocCluster:
     c = cfg(tmp_path, n=20)
-    return InprocCluster(parse_config({**c.model_dump(exclude={"source"}), "run": {"workdir": str(tmp_path), "mode": mode},
-                                       "roles": {"prompt_pool": {**c.roles["prompt_pool"], "groups_per_version": 2,
-                                                                 "max_batches_ahead": ahead}}}))
+    return InprocCluster(
+        parse_config(
+            {
+                **c.model_dump(exclude={"source"}),
+                "run": {"workdir": str(tmp_path), "mode": mode},
+                "roles": {
+                    "prompt_pool": {**c.roles["prompt_pool"], "groups_per_version": 2, "max_batches_ahead": ahead}
+                },
+            }
+        )
+    )
 
 
 @pytest.mark.parametrize("mode,lag,ahead", [("sync", 0, None), ("one_step", 1, None), ("laminar", None, None),
@@ -102,7 +110,9 @@ def test_requeued_groups_pass_a_closed_gate_and_do_not_count(tmp_path):
         await pp.call(RequeueGroups([gids[0]]))                       # its rollout died
         again = await pp.call(TakeBatch("r2", 6, version=0))
         assert {s.group_id for s in again.trajectories} == {gids[0]}
-        nxt = await pp.call(TakeBatch("r2", 30, version=1))          # batch 1: two fresh groups, exactly
-        assert len({s.group_id for s in nxt.trajectories}) == 2 and not set(gids) & {s.group_id for s in nxt.trajectories}
+        nxt = await pp.call(TakeBatch("r2", 30, version=1))  # batch 1: two fresh groups, exactly
+        assert len({s.group_id for s in nxt.trajectories}) == 2 and not set(gids) & {
+            s.group_id for s in nxt.trajectories
+        }
         await cl.close()
     asyncio.run(main())

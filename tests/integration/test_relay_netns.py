@@ -37,7 +37,9 @@ def test_hosts_talk_over_the_shaped_bridge_and_cleanup_is_by_name():
             port = int(srv.stdout.readline())
             send = (f"import socket;s=socket.create_connection(('{net.address(2)}',{port}),timeout=10);"
                     "s.sendall(b'x'*(1<<20));s.shutdown(socket.SHUT_WR);print(s.recv(64).decode())")
-            out = net.popen(0, [sys.executable, "-c", send], stdout=subprocess.PIPE, text=True).communicate(timeout=30)[0]
+            out = net.popen(0, [sys.executable, "-c", send], stdout=subprocess.PIPE, text=True).communicate(timeout=30)[
+                0
+            ]
             assert out.strip() == str(1 << 20)
         finally:
             srv.kill()

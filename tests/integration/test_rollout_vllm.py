@@ -45,10 +45,14 @@ def make_cfg(tmp, model_dir, shm, n_prompts=6):
                             for i in range(n_prompts)))
     one = tmp / "one.jsonl"  # rollout 1's own pool: one group, then exhausted (room for migrants)
     one.write_text(json.dumps({"prompt": "zz", "answer": "A"}) + "\n")
-    roles = [{"role": "prompt_pool", "port": 7001},
-             {"role": "prompt_pool", "id": "1", "port": 7004, "options": {"dataset": str(one), "max_epochs": 1}}, {"role": "partial_pool", "port": 7002},
-             {"role": "experience_buffer", "port": 7003},
-             {"role": "rollout", "id": "0", "port": 7010}, {"role": "rollout", "id": "1", "port": 7011, "options": {"max_concurrency": 8, "prompt_pool": "1"}}]
+    roles = [
+        {"role": "prompt_pool", "port": 7001},
+        {"role": "prompt_pool", "id": "1", "port": 7004, "options": {"dataset": str(one), "max_epochs": 1}},
+        {"role": "partial_pool", "port": 7002},
+        {"role": "experience_buffer", "port": 7003},
+        {"role": "rollout", "id": "0", "port": 7010},
+        {"role": "rollout", "id": "1", "port": 7011, "options": {"max_concurrency": 8, "prompt_pool": "1"}},
+    ]
     return parse_config({
         "run": {"workdir": str(tmp / "run")},
         "cluster": {"keys_dir": None, "shutdown_s": 30, "broker": {"host": "h0"},
@@ -77,8 +81,12 @@ def assert_greedy(model, prompt: list[int], got: list[int], n: int, what: str) -
     with torch.no_grad():
         logits = model(torch.tensor([prompt + got[:i]])).logits[0, -1]
     top2 = torch.topk(logits, 2).values
-    assert i < len(got) and float(top2[0] - top2[1]) < 1e-3 and int(torch.argmax(logits)) in (got[i], expect[i]) \
-        and float(logits[got[i]]) >= float(top2[1]) - 1e-4, f"{what}: diverges at {i}, gap {float(top2[0] - top2[1]):.2e}"
+    assert (
+        i < len(got)
+        and float(top2[0] - top2[1]) < 1e-3
+        and int(torch.argmax(logits)) in (got[i], expect[i])
+        and float(logits[got[i]]) >= float(top2[1]) - 1e-4
+    ), f"{what}: diverges at {i}, gap {float(top2[0] - top2[1]):.2e}"
 
 
 def hf_logprobs(model, prompt: list[int], response: list[int]) -> np.ndarray:
@@ -141,7 +149,9 @@ def test_logprobs_match_trainer_model(world):
     for t in trajs:
         ref = hf_logprobs(model, [int(x) for x in t.spec.prompt_tokens], [int(x) for x in t.response_tokens])
         worst = max(worst, float(np.abs(ref - t.logprobs).max()))
-    print(f"max |logprob(vLLM) - logprob(transformers)| = {worst:.3g} over {sum(len(t.logprobs) for t in trajs)} tokens")
+    print(
+        f"max |logprob(vLLM) - logprob(transformers)| = {worst:.3g} over {sum(len(t.logprobs) for t in trajs)} tokens"
+    )
     assert worst < 1e-3
 
 
@@ -151,7 +161,7 @@ def test_migration_reproduces_greedy_tokens_and_wrong_version_is_refused(world):
     async def go():
         started = time.time()  # earlier tests (temperature 1) may have left trajectories behind
         r0 = await cluster.start("rollout", "0")
-        r1 = await cluster.start("rollout", "1")
+        await cluster.start("rollout", "1")
         # wait until rollout 0 holds a batch half-way through its budget
         async with asyncio.timeout(120):
             while not r0.active or min(len(a.tokens) for a in r0.active.values()) < MAX_TOKENS // 2:
@@ -204,8 +214,13 @@ def test_new_version_waits_for_the_batch_boundary(world):
     assert in_flight and all(t.version == 1 for t in in_flight)
     assert later and all(t.version == 2 for t in later)
     for t in later:
-        assert_greedy(new_model, [int(x) for x in t.spec.prompt_tokens], [int(x) for x in t.response_tokens], MAX_TOKENS,
-                      t.spec.trajectory_id)
+        assert_greedy(
+            new_model,
+            [int(x) for x in t.spec.prompt_tokens],
+            [int(x) for x in t.response_tokens],
+            MAX_TOKENS,
+            t.spec.trajectory_id,
+        )
     for t in in_flight:
         assert_greedy(model, [int(x) for x in t.spec.prompt_tokens], [int(x) for x in t.response_tokens], MAX_TOKENS,
                       t.spec.trajectory_id)

@@ -5,6 +5,7 @@ step starts before the previous version's broadcast finishes (event order, not t
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 import time
 import uuid
@@ -49,6 +50,10 @@ async def put_all(client, groups) -> None:
             assert r.status == "stored", r
 
 
+def at_version(trainer, version: int) -> bool:
+    return trainer.version == version
+
+
 async def until(pred, timeout: float, what: str) -> None:
     end = time.monotonic() + timeout
     while not pred():
@@ -78,7 +83,7 @@ async def learn(tmp: Path, model_dir: Path, settings: dict) -> list[float]:
             groups = generate_groups(gen, GROUPS, GSIZE, version=trainer.version, tag=f"it{it}")
             rewards.append(sum(t.reward for g in groups for t in g) / (GROUPS * GSIZE))
             await put_all(buf, groups)
-            await until(lambda: trainer.version == it + 1, 30, f"trainer version {it + 1}")
+            await until(functools.partial(at_version, trainer, it + 1), 30, f"trainer version {it + 1}")
         return rewards
     finally:
         await cluster.close()
@@ -176,7 +181,9 @@ def test_kill9_resume_continues_versions_without_retraining(tmp_path, tiny):
         for p in reversed(procs):
             p.stop()
     log = tmp_path / "trainer.0.log"
-    assert resumed and resumed[0]["version"] == 2 and resumed[0]["checkpoint"].endswith("v00000002"), log.read_text()[-3000:]
+    assert resumed and resumed[0]["version"] == 2 and resumed[0]["checkpoint"].endswith("v00000002"), log.read_text()[
+        -3000:
+    ]
     assert resumed[0]["groups_handed_out_since"] == 3  # v3's 2 groups + the held one: leased, handed again
     trainer_dir = tmp_path / "run" / "trainer"
     recs = read_jsonl(trainer_dir / "metrics.jsonl")

@@ -114,7 +114,10 @@ def test_call_round_trip_with_arrays_and_hello(run):
             with pytest.raises(RemoteError) as err:
                 await c.call(Hello(protocol=PROTOCOL_VERSION + 1, role="new", id="x"), timeout=5)
             assert err.value.code == "protocol_mismatch"
-            assert f"protocol {PROTOCOL_VERSION + 1}" in err.value.message and f"protocol {PROTOCOL_VERSION}" in err.value.message
+            assert (
+                f"protocol {PROTOCOL_VERSION + 1}" in err.value.message
+                and f"protocol {PROTOCOL_VERSION}" in err.value.message
+            )
             return e.srv.stats
     assert run(body)["requests"] == 3
 

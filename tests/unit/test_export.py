@@ -68,7 +68,9 @@ def test_bf16_export_is_the_cast_weights_and_names_its_dtype(trained, tmp_path):
     from safetensors.torch import load_file
     stored = load_file(out / "model.safetensors")
     want = model.state_dict()
-    assert stored and all(t.dtype == torch.bfloat16 and torch.equal(t, want[k].to(torch.bfloat16)) for k, t in stored.items())
+    assert stored and all(
+        t.dtype == torch.bfloat16 and torch.equal(t, want[k].to(torch.bfloat16)) for k, t in stored.items()
+    )
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert loaded.dtype == torch.bfloat16
 

@@ -52,7 +52,9 @@ def test_exported_folder_gives_the_trainers_greedy_tokens_in_vllm(tmp_path):
     want = []
     with torch.no_grad():
         for p in PROMPTS:
-            g = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+            g = model.generate(
+                torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None
+            )
             want.append(g[0, len(p):].tolist())
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     r = subprocess.run([sys.executable, "-c", CHILD, str(out), str(NEW), json.dumps(PROMPTS)], env=env,

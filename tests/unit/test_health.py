@@ -190,7 +190,11 @@ def test_node_collector_ignores_roles_of_other_hosts_the_cluster_view_adds_them(
     assert set(node.snapshot()) == {"rollout.5"} and "rollout" not in node.exposition().split("laminar_role_up")[0]
     snap = cluster.snapshot()
     assert set(snap) == {"rollout.5", "rollout.7", "trainer.0"}
-    assert snap["rollout.7"]["up"] and snap["rollout.7"]["host"] == "h0" and snap["rollout.7"]["metrics"]["kv_usage"] == 0.1
+    assert (
+        snap["rollout.7"]["up"]
+        and snap["rollout.7"]["host"] == "h0"
+        and snap["rollout.7"]["metrics"]["kv_usage"] == 0.1
+    )
     assert not snap["rollout.5"]["up"] and snap["rollout.5"]["heartbeat_age_s"] is None
     assert snap["trainer.0"]["metrics"] == {"staleness_max": 1.0}
     json.dumps(snap)
@@ -271,7 +275,9 @@ def test_server_answers_metrics_and_healthz_and_refuses_the_rest():
             assert _split(await _request(srv.port, b"GET /nope HTTP/1.1\r\n\r\n"))[0] == 404
             assert _split(await _request(srv.port, b"POST /metrics HTTP/1.1\r\n\r\n"))[0] == 405
             assert _split(await _request(srv.port, b"\x00\xff garbage\r\n\r\n"))[0] == 400
-            assert _split(await _request(srv.port, b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 5000 + b"\r\n\r\n"))[0] == 431
+            assert (
+                _split(await _request(srv.port, b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 5000 + b"\r\n\r\n"))[0] == 431
+            )
             assert await _request(srv.port, b"GET /metrics HTT") == b""       # never finished: closed at the deadline
             # more clients than max_connections: a newcomer takes the slot of the oldest client that
             # has sent nothing, so stalled clients cannot starve a scrape

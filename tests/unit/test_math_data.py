@@ -15,10 +15,13 @@ pytest.importorskip("math_verify")
 
 
 def dapo_row(i: int, answer="34", index=None) -> dict:
-    return {"data_source": "math_dapo",
-            "prompt": [{"role": "user", "content": f"Solve problem {i}.\n\nRemember to put your answer after \"Answer:\"."}],
-            "ability": "MATH", "reward_model": {"ground_truth": answer, "style": "rule-lm"},
-            "extra_info": {"index": index or f"uuid-{i}"}}
+    return {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": f'Solve problem {i}.\n\nRemember to put your answer after "Answer:".'}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": answer, "style": "rule-lm"},
+        "extra_info": {"index": index or f"uuid-{i}"},
+    }
 
 
 def test_arithmetic_set_is_deterministic_and_verifiable(tmp_path):

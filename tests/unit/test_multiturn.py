@@ -125,7 +125,11 @@ def test_episode_alternates_turns_and_cuts_at_the_marker():
     assert (reason, reward) == ("stop", 1.0)  # all three actions ended with </tool>, as the env saw them
     text = TOK.decode(a.tokens)
     assert text == "[go]" + "ab</tool>" + OBS + "ab</tool>" + OBS + "ab</tool>"
-    assert a.obs_spans == [(0, 4), (13, 13 + len(OBS)), (22 + len(OBS), 22 + 2 * len(OBS))]  # the final reply: not appended
+    assert a.obs_spans == [
+        (0, 4),
+        (13, 13 + len(OBS)),
+        (22 + len(OBS), 22 + 2 * len(OBS)),
+    ]  # the final reply: not appended
     mask = np.asarray(a.mask)
     for s, e in a.obs_spans:
         assert not mask[s:e].any() and not np.asarray(a.logprobs[s:e]).any()
@@ -195,7 +199,10 @@ def test_environment_lost_mid_episode(policy):
 
         async def durable(a):
             pass
-        r = EpisodeRunner.build(c, eng, None, None, "r0", seed=None, make_durable=durable, log=structlog.get_logger("t"))
+
+        r = EpisodeRunner.build(
+            c, eng, None, None, "r0", seed=None, make_durable=durable, log=structlog.get_logger("t")
+        )
         await r.start()
         a = Active(spec=spec(), version=1)
         out = await r.run(a)
@@ -274,10 +281,17 @@ def test_partial_pool_reads_a_store_from_before_multiturn(tmp_path):
                 np.array([-1, -2], np.float32).tobytes()))
     db.commit()
     db.close()
-    cfg = parse_config({"run": {"workdir": str(tmp_path / "run")},
-                        "cluster": {"keys_dir": None, "broker": {"host": "h0"},
-                                    "hosts": {"h0": {"address": "127.0.0.1", "roles": [{"role": "partial_pool", "port": 7002}]}}},
-                        "roles": {"partial_pool": {"store_dir": str(store)}}})
+    cfg = parse_config(
+        {
+            "run": {"workdir": str(tmp_path / "run")},
+            "cluster": {
+                "keys_dir": None,
+                "broker": {"host": "h0"},
+                "hosts": {"h0": {"address": "127.0.0.1", "roles": [{"role": "partial_pool", "port": 7002}]}},
+            },
+            "roles": {"partial_pool": {"store_dir": str(store)}},
+        }
+    )
 
     async def main():
         c = InprocCluster(cfg)

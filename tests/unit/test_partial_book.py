@@ -55,7 +55,9 @@ def test_unknown_and_completed_trajectories():
     book.complete("t")
     out = book.apply("r", d[3:])
     assert out.rejected == {"t": "trajectory already completed"}
-    bad = TokenDelta(trajectory_id="u", seq=0, tokens=np.zeros(1, np.int32), logprobs=np.zeros(1, np.float32), version=0)
+    bad = TokenDelta(
+        trajectory_id="u", seq=0, tokens=np.zeros(1, np.int32), logprobs=np.zeros(1, np.float32), version=0
+    )
     assert book.apply("r", [bad]).rejected == {"u": "seq 0 must carry the trajectory's own spec"}
 
 

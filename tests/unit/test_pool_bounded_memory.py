@@ -59,7 +59,9 @@ def test_the_stores_hold_no_more_than_memory(tmp_path):
         await cl.start("experience_buffer")
         pp, buf = cl.client("partial_pool"), cl.client("experience_buffer")
         for t in range(200):
-            await pp.call(__import__("laminar.protocol", fromlist=["AppendDeltas"]).AppendDeltas("r", [delta(f"t{t}", 0)]))
+            await pp.call(
+                __import__("laminar.protocol", fromlist=["AppendDeltas"]).AppendDeltas("r", [delta(f"t{t}", 0)])
+            )
             await pp.call(CompletePartial([f"t{t}"]))
             await buf.call(PutTrajectory(traj(t, 0, 1, 0)))
             await buf.call(SampleGroups(1, 0))

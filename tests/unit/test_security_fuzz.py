@@ -26,7 +26,9 @@ def rss_kb(pid: int, field: str) -> int:
 
 
 def status(path) -> dict:
-    r = subprocess.run([*CLI, "status", str(path), "--json", "--wait", "1.0"], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [*CLI, "status", str(path), "--json", "--wait", "1.0"], capture_output=True, text=True, timeout=30
+    )
     return json.loads(r.stdout)
 
 

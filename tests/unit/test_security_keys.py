@@ -27,7 +27,10 @@ def test_generate_makes_a_private_folder_and_files_whatever_the_umask(tmp_path):
         os.umask(old)
     assert mode(tmp_path / "keys") == 0o700
     assert mode(sec) == 0o600 and mode(pub) == 0o600
-    assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == ["cluster.key", "cluster.key_secret"]  # no temp left
+    assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == [
+        "cluster.key",
+        "cluster.key_secret",
+    ]  # no temp left
     k = auth.load_keys(tmp_path / "keys")
     assert len(k.public) == 40 and len(k.secret) == 40
 
@@ -99,5 +102,7 @@ def test_cli_refuses_a_readable_secret_with_one_clear_line(tmp_path):
     path = _cluster(tmp_path, hosts=1)
     auth.generate_keys(tmp_path / "keys")
     os.chmod(tmp_path / "keys" / "cluster.key_secret", 0o644)
-    r = subprocess.run([*CLI, "up", str(path), "--plain", "--duration", "1"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [*CLI, "up", str(path), "--plain", "--duration", "1"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2 and "chmod 600" in r.stderr and "Traceback" not in r.stderr, r.stderr

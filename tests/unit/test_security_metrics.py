@@ -68,7 +68,9 @@ def test_token_file_must_be_private(tmp_path):
 
 
 def _cfg(host: dict):
-    return parse_config({"cluster": {"broker": {"host": "h0"}, "hosts": {"h0": {"roles": [{"role": "broker"}], **host}}}})
+    return parse_config(
+        {"cluster": {"broker": {"host": "h0"}, "hosts": {"h0": {"roles": [{"role": "broker"}], **host}}}}
+    )
 
 
 def test_default_bind_is_the_cluster_interface():

@@ -76,7 +76,9 @@ def test_curve_interpolates_clamps_and_extrapolates():
 
 
 def test_roofline_batch_bound_is_the_knee():
-    assert roofline_batch_bound(StepCurve.from_points(zip(BATCH, CURVE_32B_TP4, strict=False))) == 16  # 12.6 <= 1.2 × 10.5
+    assert (
+        roofline_batch_bound(StepCurve.from_points(zip(BATCH, CURVE_32B_TP4, strict=False))) == 16
+    )  # 12.6 <= 1.2 × 10.5
     # 7B TP1: 1.2 × 7 = 8.4 falls between batch 16 (8 ms) and 32 (9.5 ms): 8 + 1.5 (b − 16)/16 <= 8.4
     assert roofline_batch_bound(StepCurve.from_points(zip(BATCH, CURVE_7B_TP1, strict=False))) == 20
     assert roofline_batch_bound(StepCurve.from_points(zip(BATCH, CURVE_7B_TP1, strict=False)), tolerance=1.0) == 4
@@ -183,7 +185,9 @@ def test_iteration_time_formula():
     assert with_recompute.iteration_s(tokens) == pytest.approx(expected * 4 / 3)
     with_ref = TrainerCost.build("7B", "H800", 8, mfu=0.4, recompute=False, extra_forward_passes=1)
     assert with_ref.iteration_s(tokens) == pytest.approx(expected * 8 / 6)
-    assert TrainerCost.build("7B", "H800", 16, mfu=0.4, recompute=False).iteration_s(tokens) == pytest.approx(expected / 2)
+    assert TrainerCost.build("7B", "H800", 16, mfu=0.4, recompute=False).iteration_s(tokens) == pytest.approx(
+        expected / 2
+    )
 
 
 def test_relay_model_is_nearly_flat_in_machines():

@@ -48,8 +48,15 @@ def nodes(shm_dirs):
     def make(n: int, transport=None, events=None) -> list[RelayNode]:
         out = []
         for i in range(n):
-            node = RelayNode(f"n{i}", shm_dirs(), transport or get_transport("tcp"), KEY,
-                             on_event=(lambda kind, _i=i, **kw: events.append((_i, kind, kw))) if events is not None else (lambda kind, **kw: None))
+            node = RelayNode(
+                f"n{i}",
+                shm_dirs(),
+                transport or get_transport("tcp"),
+                KEY,
+                on_event=(lambda kind, _i=i, **kw: events.append((_i, kind, kw)))
+                if events is not None
+                else (lambda kind, **kw: None),
+            )
             node.start()
             started.append(node)
             out.append(node)
@@ -69,7 +76,9 @@ def state(seed: int, mib: int = 4) -> dict:
 
 def wait_version(node: RelayNode, v: int, timeout: float = 20.0) -> None:
     with node.store.cond:
-        assert node.store.cond.wait_for(lambda: node.store.current is not None and node.store.current.version >= v, timeout)
+        assert node.store.cond.wait_for(
+            lambda: node.store.current is not None and node.store.current.version >= v, timeout
+        )
 
 
 def test_chain_delivers_and_pull_is_zero_copy_and_equal(nodes):
@@ -325,7 +334,9 @@ def test_retained_versions_are_linked_not_copied_and_pruned(shm_dirs):
         assert held.version == 0 and not held.verify()
         assert torch.equal(dict(held.tensors())["w"], states[0]["w"])
     # slot files are never written in place while linked: every retained file is its own inode
-    inodes = {os.stat(store.dir / f"v{v}.bin").st_ino for v in (2, 3)} | {os.stat(store.slot_path(s)).st_ino for s in (0, 1)}
+    inodes = {os.stat(store.dir / f"v{v}.bin").st_ino for v in (2, 3)} | {
+        os.stat(store.slot_path(s)).st_ino for s in (0, 1)
+    }
     assert len(inodes) == 3  # v3 is the non-current slot's file itself (linked), v2 its own
     # a relay restarted on the folder keeps them once an offer shows they are of its lineage
     again = ShmStore(store.dir, retain=2)

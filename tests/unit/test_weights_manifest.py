@@ -72,7 +72,12 @@ def test_validate_rejects_inconsistent_manifests(change):
 
 
 def test_garbage_is_not_a_manifest():
-    for junk in (b"", b"\x93\x01\x02", b"not msgpack at all \xff\xfe", manifest_to_bytes(build_manifest(SPECS, 0))[:-3]):
+    for junk in (
+        b"",
+        b"\x93\x01\x02",
+        b"not msgpack at all \xff\xfe",
+        manifest_to_bytes(build_manifest(SPECS, 0))[:-3],
+    ):
         with pytest.raises(ValueError):
             manifest_from_bytes(junk)
 
