@@ -161,7 +161,7 @@ def chunk_transport_gbps(name: str, nbytes: int, chunk_bytes: int) -> float | No
         for _ in range(2):
             got: list = []
 
-            def serve():
+            def serve(got: list):
                 conn = None
                 while conn is None:
                     conn = lst.accept(timeout=5.0)
@@ -169,7 +169,7 @@ def chunk_transport_gbps(name: str, nbytes: int, chunk_bytes: int) -> float | No
                     conn.recv_header(8)
                     conn.recv_into(memoryview(dst))
                 got.append(conn)
-            th = threading.Thread(target=serve, daemon=True)
+            th = threading.Thread(target=serve, args=(got,), daemon=True)
             th.start()
             t0 = time.perf_counter()
             conn = t.connect(lst.address, timeout=10.0)

@@ -109,8 +109,7 @@ def _rows(path: Path) -> Iterator[tuple[int, object]]:
             import pyarrow.parquet as pq
         except ImportError:
             raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield i, row
+        yield from enumerate(pq.read_table(path).to_pylist())
         return
     with path.open("r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

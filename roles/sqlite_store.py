@@ -47,14 +47,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import structlog
 
 log = structlog.get_logger("laminar.sqlite_store")
 
 Statements = Sequence[tuple[str, Sequence[Any]]]
-Batch = Union[Statements, Callable[[sqlite3.Connection], Any]]
+Batch = Statements | Callable[[sqlite3.Connection], Any]
 Resolve = Callable[[Any, "BaseException | None"], None]
 
 

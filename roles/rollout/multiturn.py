@@ -216,7 +216,7 @@ class EpisodeRunner:
                         return "abort", None
                 step, action = a.env_step + 1, np.asarray(a.tokens[a.turn_start:], dtype=np.int32)
                 await self.make_durable(a)
-                r = await self._env_call(a, lambda: self.env.step(a.id, step, action))
+                r = await self._env_call(a, self._step_of(a, step, action))
                 if r.done:
                     return "stop", float(r.reward)
                 self._observe(a, r)
@@ -270,6 +270,11 @@ class EpisodeRunner:
             self.counts["observations_cut"] += 1
             obs = obs[:max(a.remaining, 0)]
         a.add_observation(obs)
+
+    def _step_of(self, a: Active, step: int, action: np.ndarray) -> Callable[[], Awaitable[EnvReply]]:
+        """The EnvStep call of `a`'s turn `step`, made on whichever session self.env is when it runs
+        (a retry may run it on a fresh one)."""
+        return lambda: self.env.step(a.id, step, action)
 
     async def _env_call(self, a: Active, call: Callable[[], Awaitable[EnvReply]]) -> EnvReply:
         """One env exchange under the failure policy (module docstring)."""

@@ -179,7 +179,7 @@ def test_fuzz_every_bound_socket_leaves_roles_serving(cluster):
         t = transport(ports, keys)
         sub = t.subscriber(["fuzz.", "metrics.echo"])
         await first(sub, Metrics)                # subscriber is live
-        for i in range(N):
+        for _ in range(N):
             await router.send_multipart(garbage(rng, valid))
             await xsub.send_multipart([b"fuzz.x", *garbage(rng, valid)])
             await xpub.send(bytes([rng.choice([0, 1])]) + rng.randbytes(rng.randint(0, 16)))

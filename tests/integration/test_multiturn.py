@@ -41,8 +41,9 @@ pytestmark = pytest.mark.timeout(300)
 TOK = ByteTokenizer()
 ACTION, OBS, RESET, STEPS = "ab</tool>", "\n<out>OK</out>\n", "\n", 3
 RESPONSE = RESET + (ACTION + OBS) * (STEPS - 1) + ACTION
-A, O = len(ACTION), len(OBS)
-SPANS = [[0, 1]] + [[1 + k * (A + O) + A, 1 + (k + 1) * (A + O)] for k in range(STEPS - 1)]  # the final reply ends it
+NA, NO = len(ACTION), len(OBS)
+# the final reply ends it
+SPANS = [[0, 1]] + [[1 + k * (NA + NO) + NA, 1 + (k + 1) * (NA + NO)] for k in range(STEPS - 1)]
 ENV_OPTIONS = {"steps": STEPS, "observation": OBS, "reset_observation": RESET, "step_delay_s": 0.1}
 
 

@@ -20,18 +20,12 @@ pytest.importorskip("transformers")
 from laminar.roles.trainer.metrics import read_jsonl  # noqa: E402
 
 from laminar.config import parse_config  # noqa: E402
-from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.protocol import PutTrajectory  # noqa: E402
 from laminar.testing.inproc_cluster import InprocCluster  # noqa: E402
 from laminar.testing.procs import RoleProc, free_port  # noqa: E402
 from laminar.testing.trainer_task import generate_groups, random_groups  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
 
 
 def inproc_cfg(tmp: Path, trainer: dict):

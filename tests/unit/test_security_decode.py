@@ -180,7 +180,7 @@ def test_rpc_server_drops_oversized_messages_and_keeps_serving(tmp_path):
                                  *([b""] * 70_000)])
             big.send_multipart([b"ping", b"\x00" * (2 << 20)])
             cli = t.client(srv.address)
-            for i in range(50):
+            for _ in range(50):
                 if srv.stats.get("bad_frames"):
                     break
                 await asyncio.sleep(0.05)

@@ -142,7 +142,7 @@ def test_probe_is_a_handshake_and_does_not_displace_the_upstream(shm_dir):
 
         async def probes():
             return (await host.probe(node.address),
-                    await host.probe("127.0.0.1:%d" % stalled.getsockname()[1]),
+                    await host.probe(f"127.0.0.1:{stalled.getsockname()[1]}"),
                     await host.probe("127.0.0.1:1"))
         alive, stalled_ok, refused = asyncio.run(probes())
         assert alive and not stalled_ok and not refused

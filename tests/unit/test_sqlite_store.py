@@ -49,7 +49,7 @@ def test_full_disk_fails_only_the_bad_write_and_store_stays_usable(tmp_path):
     async def main():
         s = GroupCommitStore(tmp_path / "c.sqlite", SCHEMA)
         await s.write([("INSERT INTO kv VALUES (1, ?)", (b"small",))])
-        await s.write(lambda c: c.execute("PRAGMA max_page_count = %d" % c.execute("PRAGMA page_count").fetchone()[0]))
+        await s.write(lambda c: c.execute(f"PRAGMA max_page_count = {c.execute('PRAGMA page_count').fetchone()[0]}"))
         release = park_writer(s)  # so the next three writes land in one group
         big = s.submit([("INSERT INTO kv VALUES (2, ?)", (b"y" * 200_000,))])
         ok = s.submit([("UPDATE kv SET v = ? WHERE k = 1", (b"tiny",))])  # fits in place

@@ -35,7 +35,8 @@ def test_master_death_promotes_its_successor():
         c.join(info(r))
     assert c.remove("r0") == [NewMaster("r1", info("r1").data_address)]
     assert c.upstream_of("r1") is None and c.order() == ["r1", "r2"]
-    c.remove("r1"); c.remove("r2")
+    c.remove("r1")
+    c.remove("r2")
     assert c.master is None and c.order() == []
     assert c.join(info("r5")) == [NewMaster("r5", info("r5").data_address)]
 
