@@ -1,10 +1,22 @@
-"""CURVE authentication with one cluster key (ZeroMQ's built-in elliptic-curve security).
+"""CURVE authentication (ZeroMQ's built-in elliptic-curve security) and key scopes.
 
 `laminar-node keygen DIR` writes `cluster.key` (public) and `cluster.key_secret` (public + secret).
 Every server socket (broker XSUB/XPUB, RPC ROUTERs) is a CURVE server with the cluster key and a
-ZAP authenticator that admits only clients presenting the cluster *public* key as their own, which
-only a holder of the cluster secret can do. So a process without the key cannot publish,
-subscribe or call; with auth disabled (keys_dir None) everything is plaintext.
+ZAP authenticator. With auth disabled (keys_dir None) everything is plaintext.
+
+Two modes, chosen by whether DIR has a `clients/` folder:
+- one key (no `clients/`): the authenticator admits only clients presenting the cluster *public*
+  key as their own, which only a holder of the cluster secret can do; every holder may do
+  everything (identity "cluster").
+- scoped keys (`laminar-node keygen DIR --scopes`, `--client SCOPE[.NAME]`): every client
+  presents a key of its own scope, `clients/<scope>[.<name>].key_secret`; the authenticator
+  admits exactly the public keys in `clients/*.key` (the cluster key no longer opens anything as
+  a client: it only makes a process a server) and names each connection by its key's file name,
+  "scope" or "scope.name". ZeroMQ attaches that name to every message as `User-Id`; the broker
+  (`topic_refusal`) and every request/reply server (`request_refusal`) check it against what the
+  scope may do. A role process uses the key of its role's scope (ROLE_SCOPE), the key named after
+  its id first (`rollout.r0`); other processes (the CLI, `laminar-node up/start`) use `operator`
+  where it exists, else `node`.
 
 On disk: the key folder is 0700 and both files 0600, owned by the user the roles run as. Files are
 created with their final mode (os.open with a mode, whatever the umask) under a temporary name and
@@ -23,13 +35,23 @@ import zmq
 import zmq.auth
 
 KEY_NAME = "cluster"
+CLIENTS = "clients"
+# who may do what: see docs/security.md (the table there is this code in words)
+SCOPES = ("operator", "node", "trainer", "manager", "relay", "rollout", "env", "pool", "broker")
+ROLE_SCOPE = {"trainer": "trainer", "manager": "manager", "relay": "relay", "rollout": "rollout", "env": "env",
+              "prompt_pool": "pool", "partial_pool": "pool", "experience_buffer": "pool", "broker": "broker"}
+ALL = "cluster"  # the identity of the single cluster key (one-key mode): may do everything
 
 
 @dataclass(frozen=True)
 class CurveKeys:
-    public: bytes
+    public: bytes      # the cluster (server) key pair
     secret: bytes
-    public_dir: str  # folder holding the admitted public key(s), for the ZAP handler
+    public_dir: str    # folder holding the admitted public key(s), for the ZAP handler
+    client_public: bytes | None = None   # this process's client key (scoped mode); None: the cluster key
+    client_secret: bytes | None = None
+    identity: str = ALL                  # what servers will call this process ("rollout.r0", "operator"...)
+    scoped: bool = False
 
 
 class KeyFileError(PermissionError):
@@ -107,12 +129,69 @@ def check_private(directory: str | os.PathLike) -> Path:
     return sec
 
 
-def load_keys(directory: str | os.PathLike) -> CurveKeys:
+def _check_secret_file(path: Path) -> None:
+    me = os.geteuid()
+    st = os.stat(path, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != me or stat.S_IMODE(st.st_mode) & 0o077:
+        raise KeyFileError(f"{path}: must be a regular file of uid {me} with mode 0600 (`chmod 600 {path}`)")
+
+
+def generate_client_key(directory: str | os.PathLike, identity: str, overwrite: bool = False) -> Path:
+    """Write a client key `clients/<identity>.key_secret` (and its public `.key`) into a key folder;
+    `identity` is a scope, or scope.name (e.g. rollout.r0: a key that only rollout r0 holds)."""
+    scope, _, name = identity.partition(".")
+    if scope not in SCOPES or (name and not all(c.isalnum() or c in "-_" for c in name)):
+        raise ValueError(f"bad client identity {identity!r}: SCOPE or SCOPE.NAME, SCOPE one of {', '.join(SCOPES)}")
+    d = Path(directory) / CLIENTS
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(d, 0o700)
+    pub, sec = d / f"{identity}.key", d / f"{identity}.key_secret"
+    if not overwrite and (pub.exists() or sec.exists()):
+        raise FileExistsError(f"{sec} already exists; pass --force to replace it")
+    public, secret = zmq.curve_keypair()
+    _write_private(sec, _cert(public, secret), overwrite)
+    _write_private(pub, _cert(public, None), overwrite)
+    return sec
+
+
+def client_identities(directory: str | os.PathLike) -> dict[bytes, str]:
+    """Admitted client public key (raw 32 bytes) -> identity, from `clients/*.key`."""
+    from zmq.utils import z85
+    out = {}
+    for p in sorted((Path(directory) / CLIENTS).glob("*.key")):
+        public, _ = zmq.auth.load_certificate(str(p))
+        out[z85.decode(public)] = p.name[:-len(".key")]
+    return out
+
+
+def _client_key(directory: Path, scope: str | None, name: str | None) -> tuple[Path, str]:
+    d = directory / CLIENTS
+    tries = [f"{scope}.{name}", scope] if scope else ["operator", "node"]
+    for ident in tries:
+        if ident and (d / f"{ident}.key_secret").exists():
+            return d / f"{ident}.key_secret", ident
+    want = " or ".join(f"{CLIENTS}/{t}.key_secret" for t in tries if t)
+    raise FileNotFoundError(f"{directory} uses scoped keys but holds no {want}: run `laminar-node keygen "
+                            f"{directory} --client {tries[-1]}` where the keys are made and copy that file here")
+
+
+def load_keys(directory: str | os.PathLike, scope: str | None = None, name: str | None = None) -> CurveKeys:
+    """The cluster key pair and, in scoped mode, this process's client key: the key of `scope`
+    named `name` (a role id) if it exists, else the scope's; without a scope `operator`, else `node`."""
     sec = check_private(directory)
     public, secret = zmq.auth.load_certificate(str(sec))
     if secret is None:
         raise ValueError(f"{sec} holds no secret key")
-    return CurveKeys(public=public, secret=secret, public_dir=str(Path(directory).resolve()))
+    d = Path(directory).resolve()
+    if not (d / CLIENTS).is_dir():
+        return CurveKeys(public=public, secret=secret, public_dir=str(d))
+    path, ident = _client_key(d, scope, name)
+    _check_secret_file(path)
+    cpub, csec = zmq.auth.load_certificate(str(path))
+    if csec is None:
+        raise ValueError(f"{path} holds no secret key")
+    return CurveKeys(public=public, secret=secret, public_dir=str(d / CLIENTS), client_public=cpub,
+                     client_secret=csec, identity=ident, scoped=True)
 
 
 def make_server(sock: zmq.Socket, keys: CurveKeys | None) -> None:
@@ -126,13 +205,14 @@ def make_server(sock: zmq.Socket, keys: CurveKeys | None) -> None:
 def make_client(sock: zmq.Socket, keys: CurveKeys | None) -> None:
     if keys is None:
         return
-    sock.curve_secretkey = keys.secret
-    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.client_secret or keys.secret
+    sock.curve_publickey = keys.client_public or keys.public
     sock.curve_serverkey = keys.public
 
 
 def start_authenticator(ctx: zmq.Context, keys: CurveKeys | None, threaded: bool = False):
-    """Start the ZAP handler for `ctx` (one per context); returns it (call .stop()) or None."""
+    """Start the ZAP handler for `ctx` (one per context); returns it (call .stop()) or None.
+    In scoped mode it names each connection by its key's identity (the messages' User-Id)."""
     if keys is None:
         return None
     if threaded:
@@ -140,6 +220,76 @@ def start_authenticator(ctx: zmq.Context, keys: CurveKeys | None, threaded: bool
     else:
         from zmq.auth.asyncio import AsyncioAuthenticator as Auth
     auth = Auth(ctx)
+    if keys.scoped:
+        ids = client_identities(Path(keys.public_dir).parent)
+        auth.curve_user_id = lambda client_key: ids.get(bytes(client_key), "unknown")
+    else:
+        auth.curve_user_id = lambda client_key: ALL
     auth.start()
     auth.configure_curve(domain="*", location=keys.public_dir)
     return auth
+
+
+# -- what each identity may do ---------------------------------------------------------------------
+def scope_of(identity: str | None) -> str:
+    """"rollout.r0" -> "rollout"; no identity (auth off, in-process) counts as the one cluster key."""
+    return (identity or ALL).partition(".")[0]
+
+
+def _everything(identity: str | None) -> bool:
+    return scope_of(identity) in (ALL, "operator")
+
+
+def topic_refusal(identity: str | None, topic: bytes) -> str:
+    """Why the broker drops a message published on `topic` by `identity` ("" = forwarded).
+    Control commands (`ctrl.*`: Shutdown) come from the operator only; a heartbeat (`hb.ROLE.ID`)
+    only from the scope of ROLE, and from the key named ID when the key has a name."""
+    if _everything(identity):
+        return ""
+    if topic.startswith(b"ctrl."):
+        return "control commands need the operator key"
+    if topic.startswith(b"hb."):
+        parts = topic.decode("utf-8", "replace").split(".", 2)
+        role, rid = (parts + ["", ""])[1:3]
+        scope, _, name = identity.partition(".")
+        if ROLE_SCOPE.get(role, role) != scope or (name and rid != name):
+            return f"a {identity} key may not publish the heartbeat of {role}.{rid}"
+    return ""
+
+
+# request kind -> scopes that may send it (operator and the one cluster key may send anything)
+REQUEST_SCOPES = {
+    "relay.join": {"relay"},                       # joining the chain (the first one is the master)
+    "relay.set_downstream": {"manager"},
+    "relay.link_down": {"relay", "trainer"},
+    "data.put_trajectory": {"rollout"},
+    "data.append_deltas": {"rollout", "manager"},  # the manager moves deltas when it migrates work
+    "data.append_delta_batch": {"rollout"},
+    "env.reset": {"rollout"}, "env.step": {"rollout"}, "env.close": {"rollout"},
+}
+
+
+def _owner(req) -> str | None:
+    """The rollout a trajectory write is for (None for other requests)."""
+    traj = getattr(req, "trajectory", None)
+    if traj is not None:
+        return getattr(traj, "rollout_id", None)
+    return getattr(req, "rollout_id", None)
+
+
+def request_refusal(identity: str | None, req) -> str:
+    """Why a server refuses request `req` from `identity` ("" = allowed): the scope must be one
+    that may send this kind, and a rollout key named after a rollout writes only that rollout's
+    trajectories."""
+    if _everything(identity):
+        return ""
+    kind = type(req).kind
+    allowed = REQUEST_SCOPES.get(kind)
+    scope, _, name = identity.partition(".")
+    if allowed is not None and scope not in allowed:
+        return f"a {identity} key may not send {kind}"
+    if scope == "rollout" and name and kind.startswith("data."):
+        owner = _owner(req)
+        if owner is not None and str(owner) != name:
+            return f"rollout key {identity} may not write trajectories of rollout {owner}"
+    return ""

@@ -10,16 +10,27 @@ closing the control peer at once would leave the proxy stuck in that send).
 Size limits: the XSUB side (publishers) refuses a frame above `max_msg` and the XPUB side
 (subscribers, who only send subscriptions) one above MAX_SUBSCRIPTION_BYTES; libzmq drops the
 offending connection, so no input can make the broker buffer more than hwm x max_msg per peer.
+
+Scoped keys (bus/auth.py): the broker is the one place that sees who published what, so with
+scoped keys it forwards in Python instead of zmq.proxy: each message's publisher identity (the
+CURVE User-Id ZeroMQ attaches) and topic go through `auth.topic_refusal`, and a refused message
+(a Shutdown on `ctrl.*` from anything but the operator key, a heartbeat in another role's name)
+is dropped, counted in `refused` and logged (the 1st, 2nd, 4th... time). Subscribers cannot make
+that check themselves: the identity of a message's publisher does not travel past the broker.
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import uuid
 
+import structlog
 import zmq
 from laminar.bus import auth as _auth
 from laminar.bus.pubsub import MAX_SUBSCRIPTION_BYTES
+
+log = structlog.get_logger("laminar.bus.broker")
 
 
 class Broker:
@@ -33,6 +44,8 @@ class Broker:
         self._thread: threading.Thread | None = None
         self._auth = None
         self.error: BaseException | None = None
+        self.refused: collections.Counter[str] = collections.Counter()  # identity -> messages dropped
+        self.forwarded = 0
 
     def start(self) -> None:
         """Bind both ports (errors such as a port in use raise here) and start forwarding."""
@@ -57,9 +70,14 @@ class Broker:
         ctrl = self.ctx.socket(zmq.PAIR)
         ctrl.bind(self._ctrl_addr)
 
+        scoped = self.keys is not None and self.keys.scoped
+
         def forward() -> None:
             try:
-                zmq.proxy_steerable(xsub, xpub, None, ctrl)
+                if scoped:
+                    self._filter(xsub, xpub, ctrl)
+                else:
+                    zmq.proxy_steerable(xsub, xpub, None, ctrl)
             except zmq.ContextTerminated:
                 pass
             except BaseException as exc:  # surfaced by is_alive()/error, never swallowed
@@ -70,6 +88,47 @@ class Broker:
 
         self._thread = threading.Thread(target=forward, name="broker-proxy", daemon=True)
         self._thread.start()
+
+    def _filter(self, xsub: zmq.Socket, xpub: zmq.Socket, ctrl: zmq.Socket) -> None:
+        """zmq.proxy_steerable in Python, checking every published message's publisher and topic."""
+        poller = zmq.Poller()
+        for s in (xsub, xpub, ctrl):
+            poller.register(s, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if ctrl in ready:
+                if ctrl.recv() == b"TERMINATE":
+                    ctrl.send(b"")  # what libzmq's proxy answers
+                    return
+            if xpub in ready:  # subscriptions, upstream
+                for _ in range(1000):
+                    try:
+                        xsub.send_multipart(xpub.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+            if xsub in ready:
+                for _ in range(1000):
+                    try:
+                        frames = xsub.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        who = frames[0].get("User-Id")
+                    except zmq.ZMQError:
+                        who = None
+                    why = _auth.topic_refusal(who, frames[0].bytes)
+                    if why:
+                        self.refused[who or "?"] += 1
+                        n = sum(self.refused.values())
+                        if n & (n - 1) == 0:
+                            log.warning("publish_refused", publisher=who, topic=frames[0].bytes[:80].decode(
+                                "utf-8", "replace"), why=why, refused=n)
+                        continue
+                    try:
+                        xpub.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                        self.forwarded += 1
+                    except zmq.Again:  # a subscriber at its high-water mark: dropped, as the proxy does
+                        pass
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -14,6 +14,10 @@ Backpressure contract: a server runs at most `max_inflight` handlers at once; be
 answers `busy` at once instead of queueing. A client's pending calls are bounded by the caller's
 own concurrency; each has a deadline and fails with DeadlineExceeded. A disconnect or failed CURVE
 handshake seen by the client's socket monitor fails every pending call with PeerUnavailable.
+Scopes: with scoped keys (bus/auth.py) the server reads the CURVE identity ZeroMQ attaches to each
+request (`User-Id`) and refuses, with `refused` and a log line, what that key's scope may not send
+(`auth.request_refusal`: e.g. a rollout key joining the relay chain or writing another rollout's
+trajectories).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import itertools
 import math
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -86,6 +91,8 @@ class Dispatcher:
         self.inflight = 0
         self.stats: Counter[str] = Counter()
         self.floor = ArrivalFloor()
+        # (identity, request) -> why it is refused ("" = allowed); set by a server with scoped keys
+        self.authorize: Callable[[str | None, Any], str] | None = None
 
     def late(self, req: Any, meta: dict, caller: Any) -> str:
         """Why `req` is too late to be worth running ("" when it is not)."""
@@ -107,8 +114,9 @@ class Dispatcher:
     def route(self, cls: type, handler: Handler) -> None:
         self.handlers[cls] = handler
 
-    async def handle(self, req: Any, meta: dict, caller: Any = None) -> Any:
-        """`caller`: what identifies the sending connection (the ROUTER identity), for lateness."""
+    async def handle(self, req: Any, meta: dict, caller: Any = None, peer: str | None = None) -> Any:
+        """`caller`: what identifies the sending connection (the ROUTER identity), for lateness;
+        `peer`: the sender's key identity (CURVE User-Id), for `authorize`."""
         self.stats["requests"] += 1
         why = self.late(req, meta, caller)
         if why:
@@ -118,6 +126,11 @@ class Dispatcher:
             if req.protocol != PROTOCOL_VERSION:  # cannot happen after decode, kept for inproc
                 return ErrorReply("protocol_mismatch", str(ProtocolMismatch(req.protocol, PROTOCOL_VERSION)))
             return Welcome(protocol=PROTOCOL_VERSION, role=self.role, id=self.id)
+        why = self.authorize(peer, req) if self.authorize is not None else ""
+        if why:
+            self.stats["forbidden"] += 1
+            log.warning("request_refused", role=self.role, id=self.id, kind=type(req).kind, peer=peer, why=why)
+            return ErrorReply("refused", f"forbidden: {why}")
         handler = self.handlers.get(type(req))
         if handler is None:
             self.stats["unknown_kind"] += 1
@@ -151,6 +164,27 @@ def _set_common(sock: zmq.Socket, hwm: int, linger_ms: int, max_msg: int) -> Non
     sock.rcvhwm = hwm
     sock.linger = linger_ms
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
+
+
+class _IdentifiedReceiver(BoundedReceiver):
+    """A BoundedReceiver that also notes the CURVE identity of each message (`user_id`)."""
+
+    async def recv(self) -> tuple[list[bytes], bool]:
+        first = await self.sock.recv(copy=False)
+        try:
+            self.user_id = first.get("User-Id")
+        except zmq.ZMQError:  # no ZAP identity on this message
+            self.user_id = None
+        frames, extra = [first.bytes], 0
+        while self._sync.getsockopt(zmq.RCVMORE):
+            part = self._sync.recv(zmq.NOBLOCK)
+            if len(frames) < self.max_frames:
+                frames.append(part)
+            else:
+                extra += 1
+        if extra:
+            self.oversized += 1
+        return frames, not extra
 
 
 class ZmqRpcServer(RpcServer):
@@ -187,9 +221,13 @@ class ZmqRpcServer(RpcServer):
 
     async def _serve(self) -> None:
         assert self.sock is not None
-        receiver = BoundedReceiver(self.sock, MAX_FRAMES + 1)  # + the peer's identity frame
+        scoped = self.keys is not None and getattr(self.keys, "scoped", False)
+        if scoped:
+            self.dispatcher.authorize = _auth.request_refusal
+        receiver = (_IdentifiedReceiver if scoped else BoundedReceiver)(self.sock, MAX_FRAMES + 1)  # + identity frame
         while True:
             frames, complete = await receiver.recv()
+            peer = receiver.user_id if scoped else None
             if len(frames) < 2 or not complete:
                 self.dispatcher.stats["bad_frames"] += 1
                 continue
@@ -202,12 +240,12 @@ class ZmqRpcServer(RpcServer):
                 if rid is not None:
                     await self._send(ident, reply, rid)
                 continue
-            t = asyncio.create_task(self._one(ident, req, meta), name=f"rpc:{type(req).kind}")
+            t = asyncio.create_task(self._one(ident, req, meta, peer), name=f"rpc:{type(req).kind}")
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-    async def _one(self, ident: bytes, req: Any, meta: dict) -> None:
-        reply = await self.dispatcher.handle(req, meta, ident)
+    async def _one(self, ident: bytes, req: Any, meta: dict, peer: str | None = None) -> None:
+        reply = await self.dispatcher.handle(req, meta, ident, peer)
         await self._send(ident, reply, meta.get("rid"))
 
     async def _send(self, ident: bytes, reply: Any, rid: Any) -> None:

@@ -22,9 +22,17 @@ def _load(path: str):
 
 # ---------------------------------------------------------------------------------------
 def cmd_keygen(a) -> int:
-    from laminar.bus.auth import generate_keys
-    pub, sec = generate_keys(a.dir, overwrite=a.force)
-    print(f"wrote {pub} and {sec} (mode 600); copy the folder to every host of the cluster")
+    from laminar.bus.auth import SCOPES, generate_client_key, generate_keys
+    clients = list(SCOPES if a.scopes else []) + list(a.client or [])
+    if not (clients and (Path(a.dir) / "cluster.key_secret").exists()):
+        pub, sec = generate_keys(a.dir, overwrite=a.force)
+        print(f"wrote {pub} and {sec} (mode 600); copy the folder to every host of the cluster")
+    for ident in clients:
+        path = generate_client_key(a.dir, ident, overwrite=a.force)
+        print(f"wrote {path} (mode 600) and its public .key")
+    if clients:
+        print(f"scoped keys: copy {a.dir}/clients/*.key (public) to every host, and each *.key_secret only to "
+              "the hosts whose processes act in that scope (docs/security.md)")
     return 0
 
 
@@ -375,6 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sp.add_parser("keygen", help="write the cluster CURVE key pair")
     s.add_argument("dir", nargs="?", default=".laminar/keys", help="folder for cluster.key / cluster.key_secret")
     s.add_argument("--force", action="store_true", help="replace an existing key")
+    s.add_argument("--scopes", action="store_true",
+                   help="also write one client key per scope (operator, node, trainer, manager, relay, rollout, "
+                        "env, pool, broker) under DIR/clients: the cluster key then only makes servers, and "
+                        "each process is allowed what its scope may do (docs/security.md)")
+    s.add_argument("--client", action="append", metavar="SCOPE[.NAME]",
+                   help="write one client key, e.g. rollout.r0 (only rollout r0 may write its trajectories); "
+                        "repeatable; keeps an existing cluster key")
     s.set_defaults(fn=cmd_keygen)
 
     for name, helptext in (("up", "run every role of a single-host config, supervised, with a live view"),

@@ -9,9 +9,12 @@ Order of events in one role process:
   4. READY: a line on --ready-fd (the supervisor's handshake) and sd_notify READY=1 (systemd);
   5. `role.run()` until it returns, raises, or SIGTERM/SIGINT/ctrl Shutdown asks to stop;
   6. `role.stop()` under cluster.shutdown_s, then cancel what is left, close the transport.
-Exit code: 0 after a requested stop or a finished run, 1 when setup, run or one of the shell's own
-loops (heartbeat, ctrl) failed, or stop overran its deadline (systemd's Restart=on-failure and
-the supervisor restart exactly those).
+Exit code: 0 after a finished run or a stop by signal (SIGTERM from the supervisor or systemd),
+EXIT_STOPPED_BY_OPERATOR (3) after a `Shutdown` control command (which, with scoped keys, only the
+operator key can publish: the broker drops it from any other), 1 when setup, run or one of the
+shell's own loops (heartbeat, ctrl) failed, or stop overran its deadline. The supervisor and the
+systemd units (SuccessExitStatus=3, RestartPreventExitStatus=3) restart exactly the 1s and
+record a 3 as "stopped by operator", never as finished.
 """
 from __future__ import annotations
 
@@ -31,12 +34,15 @@ from laminar.protocol import Shutdown
 from laminar.roles.base import Role, RoleContext, RoleFailed
 
 log = structlog.get_logger("laminar.shell")
+EXIT_STOPPED_BY_OPERATOR = 3
 
 
-def make_transport(cfg) -> Transport:
-    from laminar.bus.auth import load_keys
+def make_transport(cfg, role: str | None = None, id: str | None = None) -> Transport:
+    """The bus transport of a process; `role`/`id` pick its client key when the keys are scoped."""
+    from laminar.bus.auth import ROLE_SCOPE, load_keys
     from laminar.bus.zmq_transport import ZmqTransport
-    keys = load_keys(cfg.cluster.keys_dir) if cfg.cluster.keys_dir else None
+    keys = load_keys(cfg.cluster.keys_dir, scope=ROLE_SCOPE.get(role, role) if role else None,
+                     name=str(id) if id is not None else None) if cfg.cluster.keys_dir else None
     pub, sub = cfg.broker_endpoints()
     b = cfg.cluster.bus
     return ZmqTransport(pub, sub, keys, hwm=b.hwm, linger_ms=b.linger_ms, max_msg=b.max_message_mb << 20)
@@ -74,6 +80,10 @@ async def run_role(role: Role, *, heartbeat_s: float = 1.0, shutdown_s: float = 
             if run.done():
                 run.result()
                 log.info("role_finished", role=ctx.role, id=ctx.id)
+        if getattr(role, "stopped_by", None) and not (run is not None and run.done()):
+            code = EXIT_STOPPED_BY_OPERATOR
+            log.warning("role_stopped_by_operator", role=ctx.role, id=ctx.id, reason=role.stopped_by,
+                        exit_code=code)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
@@ -119,7 +129,8 @@ async def _follow_ctrl(role: Role) -> None:
         while True:
             _, ev = await sub.recv()
             if isinstance(ev, Shutdown):
-                log.info("shutdown_requested", reason=ev.reason)
+                log.warning("shutdown_requested", reason=ev.reason)
+                role.stopped_by = ev.reason or "Shutdown"
                 role.stopping.set()
     finally:
         sub.close()
@@ -162,7 +173,7 @@ def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
     cls = role_class(name)
 
     async def go() -> int:
-        transport = make_transport(cfg)
+        transport = make_transport(cfg, name, str(id))
         ctx = RoleContext(role=name, id=str(id), host=host or placed_host or socket.gethostname(),
                           transport=transport, settings=cfg.role_settings(name, id), config=cfg)
         ctx.publisher = transport.publisher()

@@ -4,7 +4,9 @@
   its pipe when setup is done (a handshake, never a sleep). The broker starts first; the rest
   start together once it is ready.
 - A child that exits non-zero (or is killed) is restarted with exponential backoff (0.5 s doubling
-  to 30 s, reset after 60 s of healthy running). A child that exits 0 has finished and stays down.
+  to 30 s, reset after 60 s of healthy running). A child that exits 0 has finished and stays down;
+  one that exits 3 (laminar/shell.py EXIT_STOPPED_BY_OPERATOR: an operator's Shutdown command)
+  stays down too, in state "stopped_by_operator", logged as such.
 - Children live in their own session (a terminal's Ctrl-C reaches only the supervisor, which then
   stops them in order: roles first, broker last) and get SIGTERM if the supervisor dies
   (PR_SET_PDEATHSIG), so no child outlives it.
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from laminar.shell import EXIT_STOPPED_BY_OPERATOR
 from laminar.shm import ShmLedger, group_members, groups_members
 
 log = structlog.get_logger("laminar.supervisor")
@@ -174,6 +177,10 @@ class Supervisor:
                 return
             if code == 0:
                 self._set(c, "finished")
+                return
+            if code == EXIT_STOPPED_BY_OPERATOR:
+                log.warning("child_stopped_by_operator", child=c.key, code=code)
+                self._set(c, "stopped_by_operator")
                 return
             if time.monotonic() - c.started_at > HEALTHY_RESET_S:
                 backoff = BACKOFF_START_S

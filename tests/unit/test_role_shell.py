@@ -14,7 +14,7 @@ from laminar.bus.rpc import RequestError
 from laminar.roles.base import Role, RoleContext
 
 from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Heartbeat, Hello, Ping, Pong, Shutdown, Welcome
-from laminar.shell import run_role
+from laminar.shell import EXIT_STOPPED_BY_OPERATOR, run_role
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -220,7 +220,7 @@ def test_shutdown_event_on_the_bus_stops_the_role():
         await asyncio.wait_for(ready.wait(), 5)
         hub.transport().publisher().publish("ctrl.toy.0", Shutdown("test"))
         return await asyncio.wait_for(task, 5)
-    assert asyncio.run(main()) == 0
+    assert asyncio.run(main()) == EXIT_STOPPED_BY_OPERATOR  # told to stop: not "finished" (0)
 
 
 def test_shutdown_for_another_role_is_ignored():
@@ -235,4 +235,4 @@ def test_shutdown_for_another_role_is_ignored():
         assert not task.done() and not r.stopping.is_set()
         hub.transport().publisher().publish("ctrl.all", Shutdown("everyone"))
         return await asyncio.wait_for(task, 5)
-    assert asyncio.run(main()) == 0
+    assert asyncio.run(main()) == EXIT_STOPPED_BY_OPERATOR
