@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from laminar.roles.registry import REGISTRY, role_config_class
+
 
 class ConfigError(ValueError):
     pass
@@ -32,6 +34,9 @@ class RoleSpec(Strict):
     id: str = Field("0", description="instance id, unique per role kind across the cluster")
     port: int | None = Field(None, ge=1, le=65535, description="request/reply port, for roles that serve one")
     cores: list[int] | None = Field(None, description="CPU cores to pin this process to (taskset)")
+    gpus: list[int] | None = Field(None, description="GPUs this process sees: `laminar-node up/start` and the "
+                                   "systemd units set CUDA_VISIBLE_DEVICES to them (the process's cuda:0 is the "
+                                   "first); []: none; null: inherited")
     options: dict[str, Any] = Field(default_factory=dict, description="per-instance overrides of roles.<kind>")
     ready_timeout_s: float | None = Field(None, gt=0, description="seconds the supervisor waits for this role's "
                                           "READY before it counts as a failed start (null: 1800 for rollouts, "
@@ -41,6 +46,17 @@ class RoleSpec(Strict):
     @classmethod
     def _id_str(cls, v: Any) -> str:
         return str(v)
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (any(g < 0 for g in v) or len(set(v)) != len(v)):
+            raise ValueError(f"gpus must be distinct GPU indices >= 0, got {v}")
+        return v
+
+    def env(self) -> dict[str, str]:
+        """Environment variables of this role's process (CUDA_VISIBLE_DEVICES from `gpus`)."""
+        return {} if self.gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))}
 
     @property
     def key(self) -> str:
@@ -189,7 +205,6 @@ class LaminarConfig(Strict):
     def settings_of(self, role: str, id: str = "0") -> BaseModel:
         """The validated settings of role.id (its Config model); for a kind placed nowhere, the
         roles.<kind> section alone (a role may ask about a peer this config does not place)."""
-        from laminar.roles.registry import role_config_class
         try:
             raw = self.role_settings(role, id)
         except ConfigError:
@@ -226,7 +241,6 @@ def parse_config(data: Any, source: str = "<memory>") -> LaminarConfig:
 
 
 def _validate_role_settings(cfg: LaminarConfig) -> None:
-    from laminar.roles.registry import REGISTRY, role_config_class
     for hid, spec in cfg.placements():
         if spec.role not in REGISTRY:
             raise ConfigError(f"{cfg.source}: cluster.hosts.{hid}.roles: unknown role {spec.role!r}; "

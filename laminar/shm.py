@@ -24,6 +24,7 @@ file I/O: call it from a thread in event-loop code.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 SHM_ROOT = Path("/dev/shm")
@@ -117,7 +118,6 @@ def top_level_objects(root: Path = SHM_ROOT) -> dict[str, int]:
 def wait_gone(pids, timeout_s: float) -> bool:
     """Wait until none of `pids` is alive (zombies count as gone); False if some outlive
     `timeout_s`. They are not our children, so there is nothing to wait on but /proc."""
-    import time
     deadline = time.monotonic() + timeout_s
     while any((_stat_fields(p) or ["Z"])[0] != "Z" for p in pids):
         if time.monotonic() > deadline:

@@ -49,7 +49,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import structlog
+from laminar.bus import codec
+from laminar.bus.errors import ProtocolMismatch
 
 log = structlog.get_logger("laminar.sqlite_store")
 
@@ -297,18 +300,13 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
 
 def pack(ev: Any) -> bytes:
     """An event as one blob (the bus codec's frames, msgpack-framed) for a BLOB column."""
-    import msgpack
-    from laminar.bus.codec import encode
-    return msgpack.packb([bytes(f) for f in encode(ev)])
+    return msgpack.packb([bytes(f) for f in codec.encode(ev)])
 
 
 def unpack(blob: bytes) -> Any:
     """The event of a `pack`ed blob, whatever protocol version wrote it: a stored record is read
     by a later Laminar, whose kinds only ever gain fields (with defaults) at the end. Raises the
     codec's errors (or msgpack's) on a damaged blob."""
-    import msgpack
-    from laminar.bus import codec
-    from laminar.bus.errors import ProtocolMismatch
     frames = msgpack.unpackb(blob)
     try:
         return codec.decode(frames)[0]

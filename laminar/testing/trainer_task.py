@@ -10,6 +10,7 @@ import uuid
 import numpy as np
 
 from laminar.datasets import ByteTokenizer
+from laminar.protocol import Trajectory, TrajectorySpec
 
 TOK = ByteTokenizer()
 UPPER = {b + TOK.offset for b in range(ord("A"), ord("Z") + 1)}
@@ -24,7 +25,6 @@ def generate_groups(model, n_groups: int, group_size: int, version: int, max_new
     """n_groups GRPO groups (list of Trajectory lists), sampled at temperature 1, no top-k/p."""
     import torch
 
-    from laminar.protocol import Trajectory, TrajectorySpec
     tag = tag or uuid.uuid4().hex[:6]
     out = []
     model.eval()
@@ -56,7 +56,6 @@ def random_groups(
     n_groups: int, group_size: int, tag: str, resp_len: int = 8, prompt_len: int = 8, seed: int = 0
 ) -> list:
     """Synthetic groups (random tokens, uniform behaviour logprobs, random 0/1 rewards)."""
-    from laminar.protocol import Trajectory, TrajectorySpec
     rng = np.random.default_rng(seed)
     out = []
     for g in range(n_groups):

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from laminar.bus.rpc import RequestError
 
+from laminar.datasets import load_tokenizer
 from laminar.envs.base import EnvError, Prompt, build_environment, load_environment
 from laminar.envs.sandbox import Sandbox
 from laminar.protocol import EnvClose, EnvReply, EnvReset, EnvStep
@@ -67,7 +68,6 @@ class EpisodeHost:
     async def start(self) -> None:
         """Load the class and the tokenizer, check the sandbox and the options (fails at start,
         not at the first episode)."""
-        from laminar.datasets import load_tokenizer
         c = self.cfg
         self.env_cls = load_environment(c.environment)
         self.tok = load_tokenizer(c.tokenizer_dir)

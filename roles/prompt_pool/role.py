@@ -31,6 +31,7 @@ from laminar.bus.rpc import RequestError
 from laminar.roles.pool_base import PoolRole
 from pydantic import BaseModel, ConfigDict, Field
 
+from laminar.datasets import load_records, load_tokenizer
 from laminar.protocol import Ack, Batch, HandedGroups, HandedList, RequeueGroups, TakeBatch, TrajectorySpec
 
 
@@ -47,15 +48,23 @@ class PromptPoolConfig(BaseModel):
     max_epochs: int | None = Field(None, ge=1, description="stop handing out after this many epochs (None: forever)")
     seed: int = Field(0, description="shuffle seed")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
-    groups_per_version: int | None = Field(None, ge=1, description="groups of one global batch, for the barrier "
-                                           "modes' gate and max_batches_ahead (default: the trainer's groups_per_batch)")
-    max_batches_ahead: int | None = Field(None, ge=0, description="laminar modes, flow control: a rollout holding "
-                                          "version v gets groups only while fewer than v + 1 + this many global batches "
-                                          "were handed out, so generation cannot run further ahead of training than "
-                                          "that (when rollouts outpace the trainer, what they make beyond it would only "
-                                          "grow stale in the buffer). None: no bound (the paper's setting). Unlike a "
-                                          "barrier mode's gate this never holds weights back: a rollout still loads the "
-                                          "newest version whenever its own batch ends")
+    groups_per_version: int | None = Field(
+        None,
+        ge=1,
+        description="groups of one global batch, for the barrier "
+        "modes' gate and max_batches_ahead (default: the trainer's groups_per_batch)",
+    )
+    max_batches_ahead: int | None = Field(
+        None,
+        ge=0,
+        description="laminar modes, flow control: a rollout holding "
+        "version v gets groups only while fewer than v + 1 + this many global batches "
+        "were handed out, so generation cannot run further ahead of training than "
+        "that (when rollouts outpace the trainer, what they make beyond it would only "
+        "grow stale in the buffer). None: no bound (the paper's setting). Unlike a "
+        "barrier mode's gate this never holds weights back: a rollout still loads the "
+        "newest version whenever its own batch ends",
+    )
     max_batch_trajectories: int = Field(65_536, ge=1, description="most trajectories one TakeBatch gets, "
                                         "whatever it asks for (a bound on the work and memory of one request)")
 
@@ -78,7 +87,6 @@ class PromptPoolRole(PoolRole):
     # v3: attempts (a new table: what an older store requeued goes out again as attempt 0)
 
     async def setup(self) -> None:
-        from laminar.datasets import load_records, load_tokenizer
         settings = self.settings
         self.records, self.skipped = load_records(settings.dataset, settings.prompt_field, settings.answer_field,
                                                   settings.id_field, settings.on_bad_row)
@@ -101,8 +109,9 @@ class PromptPoolRole(PoolRole):
     def _gate(self) -> tuple[int, int] | None:
         """(lag, groups per version): a rollout holding version v gets groups only while fewer than
         (v + 1 + lag) global batches were handed out, less the groups the experience buffer dropped
-        as too stale (never trained: `_follow_buffer_counts`). The barrier modes' lag (docs/architecture.md §8), or in the
-        laminar modes `max_batches_ahead` (flow control), or None (no gate)."""
+        as too stale (never trained: `_follow_buffer_counts`). The barrier modes' lag
+        (docs/architecture.md §8), or in the laminar modes `max_batches_ahead` (flow control), or None
+        (no gate)."""
         cluster = self.cluster
         lag = cluster.run.barrier_lag if cluster is not None else None
         why = "barrier_gate"

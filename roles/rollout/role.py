@@ -44,6 +44,8 @@ from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError
 from laminar.roles.base import Role
 from laminar.roles.rollout.config import RolloutConfig
+from laminar.roles.rollout.engine_api import build_rollout_engine
+from laminar.roles.rollout.multiturn import EpisodeRunner
 from laminar.roles.rollout.trajectory import Active
 
 from laminar.protocol import (
@@ -62,6 +64,10 @@ from laminar.protocol import (
     TakeBatch,
     Trajectory,
 )
+from laminar.tasks import load_callable
+from laminar.weights.manifest import ident, supersedes
+from laminar.weights.pull import LocalWeights
+from laminar.weights.wire import derive_key
 
 
 class RolloutRole(Role):
@@ -113,7 +119,6 @@ class RolloutRole(Role):
         return self.cluster.endpoint(role, id)
 
     async def setup(self) -> None:
-        from laminar.tasks import load_callable
         settings, cluster = self.settings, self.cluster
         self.reward = load_callable(settings.reward)
         t = self.ctx.transport
@@ -127,12 +132,10 @@ class RolloutRole(Role):
         keys = getattr(t, "keys", None)
         if keys is not None and settings.relay_id is not None and settings.engine == "vllm":
             # the engine's worker processes check every chunk's MAC before loading (weights/pull.py)
-            from laminar.weights.wire import derive_key
             os.environ["LAMINAR_WEIGHTS_KEY"] = derive_key(keys.secret).hex()
         self.engine = self._make_engine()
         await self.engine.start()
         if settings.env is not None:
-            from laminar.roles.rollout.multiturn import EpisodeRunner
             env = settings.env
             self.episodes = EpisodeRunner.build(
                 env, self.engine, t, self._address("env", env.role_id) if env.role_id is not None else None,
@@ -148,7 +151,6 @@ class RolloutRole(Role):
         self.log.info("rollout_ready", version=self.version, model=settings.model_dir, address=self.server.address)
 
     def _make_engine(self):
-        from laminar.roles.rollout.engine_api import build_rollout_engine
         cores = None
         if self.settings.engine == "vllm":  # its OpenMP threads on the rollout's cores
             _, spec = self.cluster.spec("rollout", self.ctx.id)
@@ -313,7 +315,6 @@ class RolloutRole(Role):
             self.version = -1  # a half-done load is no version: the next loop pulls the newest
         if got == version:  # retained versions are of the relay's current lineage (store.py)
             try:
-                from laminar.weights.pull import LocalWeights
                 m = await asyncio.to_thread(LocalWeights(self.weights_dir).manifest)
                 if m is not None:
                     self.lineage, self.run_id = m.lineage, m.run_id
@@ -333,7 +334,6 @@ class RolloutRole(Role):
 
     def _newer(self, m) -> bool:
         """Whether `m` (a manifest or a WeightsVersion) names weights that replace the loaded ones."""
-        from laminar.weights.manifest import supersedes
         held = types.SimpleNamespace(run_id=self.run_id, lineage=self.lineage, version=self.version)
         return supersedes(types.SimpleNamespace(run_id=getattr(m, "run_id", ""), lineage=getattr(m, "lineage", 0),
                                                 version=m.version), held)
@@ -344,8 +344,6 @@ class RolloutRole(Role):
         move forward, so nothing was committed in between); otherwise it is loaded again."""
         if not self.weights_dir or self.active:
             return
-        from laminar.weights.manifest import ident
-        from laminar.weights.pull import LocalWeights
         lw = LocalWeights(self.weights_dir)
         pointer = await asyncio.to_thread(self._pointer_stamp)
         if pointer is not None and pointer == self._failed_pull and time.monotonic() < self._retry_pull_at:
@@ -684,7 +682,6 @@ class RolloutRole(Role):
                                    f"{self.adopted[0].version}")
             if len(self.adopted) + len(req.partials) > 2 * self.settings.max_concurrency:
                 raise RequestError("busy", f"rollout {self.ctx.id} has {len(self.adopted)} adopted trajectories")
-            from laminar.weights.pull import LocalWeights
             if not self.weights_dir or not await asyncio.to_thread(LocalWeights(self.weights_dir).has, version):
                 raise RequestError("not_retained",
                                    f"the relay of rollout {self.ctx.id} does not hold version {version}")
