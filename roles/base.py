@@ -48,7 +48,6 @@ class Role:
     def __init__(self, ctx: RoleContext):
         self.ctx = ctx
         self.settings = self.Config.model_validate(ctx.settings)  # this role's own settings (roles.<kind> + options)
-        self.cfg = self.settings  # the older name of self.settings, still read by some roles
         self.log = structlog.get_logger(f"laminar.{ctx.role}").bind(role=ctx.role, id=ctx.id)
         self.stopping = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -70,6 +69,15 @@ class Role:
         return {}
 
     # -- helpers ------------------------------------------------------------------------
+    @property
+    def cfg(self) -> Any:
+        """The older name of self.settings (some roles and tests still use it): the same object."""
+        return self.settings
+
+    @cfg.setter
+    def cfg(self, value: Any) -> None:
+        self.settings = value
+
     @property
     def cluster(self) -> Any:
         """The cluster config (LaminarConfig) this role was started from; None when started alone.

@@ -11,12 +11,12 @@ class BrokerRole(Role):
     name = "broker"
 
     async def setup(self) -> None:
-        cfg = self.ctx.config
-        b = cfg.cluster.broker
-        bind = cfg.cluster.hosts[b.host].bind
+        cluster = self.cluster
+        b = cluster.cluster.broker
+        bind = cluster.cluster.hosts[b.host].bind
         keys = getattr(self.ctx.transport, "keys", None)
         self.broker = Broker(f"tcp://{bind}:{b.pub_port}", f"tcp://{bind}:{b.sub_port}", keys,
-                             hwm=cfg.cluster.bus.hwm * 10, max_msg=cfg.cluster.bus.max_message_mb << 20)
+                             hwm=cluster.cluster.bus.hwm * 10, max_msg=cluster.cluster.bus.max_message_mb << 20)
         self.broker.start()
         self.log.info("broker_listening", pub=self.broker.pub_address, sub=self.broker.sub_address)
 

@@ -25,9 +25,9 @@ class EchoRole(Role):
     Config = EchoConfig
 
     async def setup(self) -> None:
-        cfg = self.ctx.config
-        address = cfg.bind_endpoint("echo", self.ctx.id) if cfg else self.ctx.settings.get("address", "tcp://127.0.0.1:0")
-        self.server = self.ctx.transport.server(address, "echo", self.ctx.id, self.cfg.max_inflight)
+        cluster = self.cluster
+        address = cluster.bind_endpoint("echo", self.ctx.id) if cluster else self.ctx.settings.get("address", "tcp://127.0.0.1:0")
+        self.server = self.ctx.transport.server(address, "echo", self.ctx.id, self.settings.max_inflight)
         self.server.route(Ping, self.on_ping)
         await self.server.start()
         self.served = 0
@@ -45,7 +45,7 @@ class EchoRole(Role):
         while True:
             self.pub.publish("metrics.echo", Metrics(role="echo", id=self.ctx.id, ts=time.time(),
                                                       values={"served": float(self.served)}))
-            await asyncio.sleep(self.cfg.interval_s)
+            await asyncio.sleep(self.settings.interval_s)
 
     async def stop(self) -> None:
         await super().stop()

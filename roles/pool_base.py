@@ -64,8 +64,8 @@ class PoolRole(Role):
     _last: asyncio.Future | None = None   # the write submitted last
 
     def store_path(self) -> Path:
-        d = getattr(self.cfg, "store_dir", None)
-        base = Path(d) if d else self.ctx.config.workdir() / "pools"
+        d = getattr(self.settings, "store_dir", None)
+        base = Path(d) if d else self.cluster.workdir() / "pools"
         return base / f"{self.ctx.role}-{self.ctx.id}.sqlite"
 
     async def setup(self) -> None:
@@ -80,7 +80,7 @@ class PoolRole(Role):
                 await asyncio.to_thread(self._migrate_settings)
             except Exception as exc:  # serve nothing, say why, retry on the next request: never a restart loop
                 self._fail(exc)
-        self.server = self.ctx.transport.server(self.ctx.config.bind_endpoint(self.ctx.role, self.ctx.id),
+        self.server = self.ctx.transport.server(self.cluster.bind_endpoint(self.ctx.role, self.ctx.id),
                                                 self.ctx.role, self.ctx.id)
         self.routes()
         await self.server.start()
@@ -91,8 +91,8 @@ class PoolRole(Role):
         return {}
 
     def _identity(self) -> dict:
-        cfg = self.ctx.config
-        return {"run": cfg.run.name if cfg is not None else "", **self.fingerprint()}
+        cluster = self.cluster
+        return {"run": cluster.run.name if cluster is not None else "", **self.fingerprint()}
 
     def _check_identity(self) -> str | None:
         """None if the store was made with these settings (recording them in a store that has

@@ -22,11 +22,11 @@ class EnvRole(Role):
     Config = EnvRoleConfig
 
     async def setup(self) -> None:
-        c = self.cfg
+        c = self.settings
         self.host = EpisodeHost(c, self.log, f"env.{self.ctx.id}")
         await self.host.start()
         self.sandbox = self.host.sandbox
-        self.server = self.ctx.transport.server(self.ctx.config.bind_endpoint(self.ctx.role, self.ctx.id),
+        self.server = self.ctx.transport.server(self.cluster.bind_endpoint(self.ctx.role, self.ctx.id),
                                                 self.ctx.role, self.ctx.id, c.max_inflight)
         self.server.route(EnvReset, self.on_reset)
         self.server.route(EnvStep, self.on_step)

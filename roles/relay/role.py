@@ -70,27 +70,27 @@ class RelayRole(Role):
     Config = RelayConfig
 
     async def setup(self) -> None:
-        cfg, rid = self.ctx.config, self.ctx.id
+        cluster, rid = self.cluster, self.ctx.id
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue(maxsize=4096)
-        host_id, spec = cfg.spec("relay", rid)
-        host = cfg.cluster.hosts[host_id]
-        shm_dir = self.cfg.shm_dir or f"/dev/shm/laminar-{cfg.run.name}-relay-{rid}"
+        host_id, spec = cluster.spec("relay", rid)
+        host = cluster.cluster.hosts[host_id]
+        shm_dir = self.settings.shm_dir or f"/dev/shm/laminar-{cluster.run.name}-relay-{rid}"
         keys = getattr(self.ctx.transport, "keys", None)
-        transport = get_transport(self.cfg.transport, **self.cfg.transport_options)
+        transport = get_transport(self.settings.transport, **self.settings.transport_options)
         self.node = RelayNode(rid, shm_dir, transport, derive_key(keys.secret if keys else None),
-                              bind_host=host.bind, port=self.cfg.data_port, on_event=self._from_thread,
-                              connect_timeout_s=self.cfg.connect_timeout_s, ack_timeout_s=self.cfg.ack_timeout_s,
-                              retain=self.cfg.retain_versions)
+                              bind_host=host.bind, port=self.settings.data_port, on_event=self._from_thread,
+                              connect_timeout_s=self.settings.connect_timeout_s,
+                              ack_timeout_s=self.settings.ack_timeout_s, retain=self.settings.retain_versions)
         await asyncio.to_thread(self.node.start)
         self.data_address = f"{host.address}:{self.node.address.rsplit(':', 1)[1]}"
-        control = cfg.bind_endpoint("relay", rid) if spec.port else (self.cfg.address or f"tcp://{host.bind}:*")
+        control = cluster.bind_endpoint("relay", rid) if spec.port else (self.settings.address or f"tcp://{host.bind}:*")
         self.server = self.ctx.transport.server(control, "relay", rid)
         self.server.route(SetDownstream, self.on_set_downstream)
         await self.server.start()
         self.control_address = self.server.address.replace(f"//{host.bind}:", f"//{host.address}:")
         self.epoch = 0
-        self.manager = self.ctx.transport.client(cfg.endpoint("manager", self.cfg.manager_id))
+        self.manager = self.ctx.transport.client(cluster.endpoint("manager", self.settings.manager_id))
         self.shm_dir = shm_dir
         self.chain_sub = self.ctx.transport.subscriber(["weights.chain"])
         await self._join("start")
@@ -101,7 +101,7 @@ class RelayRole(Role):
     async def _join(self, why: str) -> None:
         st = self.node.status()
         a = await self.manager.call(RelayJoin(self.ctx.id, self.ctx.host, self.data_address, self.control_address,
-                                              st["version"]), timeout=self.cfg.join_timeout_s)
+                                              st["version"]), timeout=self.settings.join_timeout_s)
         self.epoch = a.epoch  # a restarted manager counts epochs from scratch: its word is current
         self.joined_at = time.monotonic()
         self.log.info("relay_joined", data=self.data_address, control=self.control_address, shm_dir=self.shm_dir,
@@ -117,7 +117,7 @@ class RelayRole(Role):
             _, ev = await self.chain_sub.recv()
             if not isinstance(ev, ChainState) or self.ctx.id in ev.order:
                 continue
-            if time.monotonic() - self.joined_at < self.cfg.rejoin_grace_s:
+            if time.monotonic() - self.joined_at < self.settings.rejoin_grace_s:
                 continue
             sick = self.node.status().get("unhealthy")
             if sick:  # dropped for a dead data port: joining again would put it back broken
@@ -180,7 +180,7 @@ class RelayRole(Role):
 
     def _progress(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_progress < self.cfg.progress_interval_s:
+        if not force and now - self._last_progress < self.settings.progress_interval_s:
             return
         self._last_progress = now
         st = self.node.status()
@@ -198,7 +198,8 @@ class RelayRole(Role):
         while self._pending_down is not None:
             (peer, error), self._pending_down = self._pending_down, None
             try:
-                await self.manager.call(LinkDown(self.ctx.id, peer, self.epoch, error), timeout=self.cfg.join_timeout_s)
+                await self.manager.call(LinkDown(self.ctx.id, peer, self.epoch, error),
+                                        timeout=self.settings.join_timeout_s)
             except RpcError as exc:
                 self.log.error("link_down_report_failed", peer=peer, error=str(exc))
 
@@ -214,7 +215,7 @@ class RelayRole(Role):
             await self.server.close()
         if hasattr(self, "node"):
             await asyncio.to_thread(self.node.stop)
-            if not self.cfg.keep_shm:
+            if not self.settings.keep_shm:
                 await asyncio.to_thread(self._remove_shm)
 
     def _remove_shm(self) -> None:
