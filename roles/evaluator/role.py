@@ -86,6 +86,7 @@ class EvaluatorRole(Role):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.version = -1
+        self.lineage: int | None = None
         self.evaluated: list[int] = []
         self.last: dict[str, float] = {}
         self.engine = None
@@ -129,7 +130,7 @@ class EvaluatorRole(Role):
                                  kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=1.0, dtype=c.dtype,
                                  omp_threads_bind=bind, seeded=True, kv_cache_tokens=c.kv_cache_tokens)
         await self.engine.start()
-        self.version, self.lineage = 0, 0
+        self.version, self.lineage = 0, None  # model_dir's weights: version 0 of no lineage
         self.log.info("evaluator_ready", problems=len(self.problems), eval_every=c.eval_every,
                       last_version=self.last_version, weights_dir=self.weights_dir)
 
@@ -166,7 +167,10 @@ class EvaluatorRole(Role):
         last = self.evaluated[-1] if self.evaluated else -1
         if m is None:
             return False
-        if m.lineage == self.lineage and not due(m.version, last, self.cfg.eval_every, self.last_version):
+        # a new lineage (a resumed trainer) replaces what was evaluated: evaluate it at once; the
+        # first relay version after model_dir's weights (lineage None) waits its turn like any other
+        new_lineage = self.lineage is not None and m.lineage != self.lineage
+        if not new_lineage and not due(m.version, last, self.cfg.eval_every, self.last_version):
             return False
         self.state = "loading"
         for _ in range(3):
