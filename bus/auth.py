@@ -140,8 +140,10 @@ def generate_client_key(directory: str | os.PathLike, identity: str, overwrite: 
     """Write a client key `clients/<identity>.key_secret` (and its public `.key`) into a key folder;
     `identity` is a scope, or scope.name (e.g. rollout.r0: a key that only rollout r0 holds)."""
     scope, _, name = identity.partition(".")
-    if scope not in SCOPES or (name and not all(c.isalnum() or c in "-_" for c in name)):
-        raise ValueError(f"bad client identity {identity!r}: SCOPE or SCOPE.NAME, SCOPE one of {', '.join(SCOPES)}")
+    ok = scope and all(c.islower() or c == "_" for c in scope) and all(c.isalnum() or c in "-_" for c in name)
+    if not ok or (name == "" and identity.endswith(".")):
+        raise ValueError(f"bad client identity {identity!r}: SCOPE or SCOPE.NAME, SCOPE usually one of "
+                         f"{', '.join(SCOPES)} (a role outside ROLE_SCOPE uses its role name as scope)")
     d = Path(directory) / CLIENTS
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(d, 0o700)

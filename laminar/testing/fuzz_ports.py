@@ -1,7 +1,7 @@
 """Bad input at every listening port of a running cluster (the bad-input guarantee of docs/architecture.md §3).
 
     python -m laminar.testing.fuzz_ports CONFIG [--frames 2000] [--seed 0] [--hosts h0,h1]
-                                         [--hostile] [--silent N --hold S]
+                                         [--hostile] [--silent N --hold S] [--as SCOPE[.NAME] --forge]
 
 For every role of the chosen hosts that serves request/reply (a `port`), a DEALER with the
 cluster key sends garbage multipart messages (random frames, bit flips, truncated frame lists
@@ -15,6 +15,15 @@ time: a 2 MB body of empty maps (32 x 65,536), an array header claiming 4G entri
 nested arrays, 70,000 frames, and a frame one byte over `max_message_mb`. `--silent N` holds N
 TCP connections that never speak open to every port (bus, relay data, metrics) for `--hold`
 seconds, while the rest runs and after it.
+
+`--as rollout` (with scoped keys, bus/auth.py) sends everything with that client key instead of
+the operator's: what a compromised rollout host could do. `--forge` adds well-formed requests and
+events that such a key may not send: `Shutdown` on `ctrl.all` and on every role's `ctrl.ROLE.ID`,
+a heartbeat in every role's name saying it is stopping and unhealthy, and to every
+request/reply port a RelayJoin (a master-relay claim) and a PutTrajectory and an AppendDeltas
+for another rollout. It prints how each port answered them (a scoped cluster answers `refused`
+to each when the key is a named rollout key, `--as rollout.r0`); the cluster must go on and no
+role may restart or stop.
 """
 from __future__ import annotations
 
@@ -71,6 +80,53 @@ def hold_silent(addresses: list[tuple[str, int]], n: int) -> list[socket.socket]
     return held
 
 
+def forged_requests(rollout_id: str) -> list:
+    """Well-formed requests a rollout key may not send (--forge)."""
+    from laminar.protocol import AppendDeltas, PutTrajectory, RelayJoin, Trajectory, TrajectorySpec
+    spec = TrajectorySpec("fuzz-t", "fuzz-p", "fuzz-g", 0, 1, np.arange(4, dtype=np.int32))
+    traj = Trajectory(spec, np.arange(2, dtype=np.int32), np.zeros(2, dtype=np.float32), 0, rollout_id, 1.0)
+    return [RelayJoin("fuzz-master", "fuzz-host", "127.0.0.1:9", "tcp://127.0.0.1:9"), PutTrajectory(traj),
+            AppendDeltas(rollout_id, [])]
+
+
+def forged_events(cfg, hosts: list[str]) -> list[tuple[str, object]]:
+    """(topic, event) a rollout key may not publish (--forge): stop commands, heartbeats of others."""
+    from laminar.protocol import Heartbeat, Shutdown
+    out: list[tuple[str, object]] = [("ctrl.all", Shutdown("fuzz: forged by a rollout key"))]
+    for hid in hosts:
+        for spec in cfg.cluster.hosts[hid].roles:
+            out.append((f"ctrl.{spec.role}.{spec.id}", Shutdown("fuzz: forged")))
+            out.append((f"hb.{spec.role}.{spec.id}", Heartbeat(spec.role, str(spec.id), hid, 1, 1 << 40, 0.0,
+                                                              "stopping", {"unhealthy": "fuzz: forged"})))
+    return out
+
+
+def _answers(sock, n: int, wait_s: float) -> dict[str, int]:
+    """Error codes (or reply kinds) of up to `n` replies arriving within `wait_s`."""
+    import zmq
+
+    from laminar.bus.codec import decode
+    from laminar.protocol import ErrorReply
+    got: dict[str, int] = {}
+    deadline = time.monotonic() + wait_s
+    while n and time.monotonic() < deadline:
+        if not sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            break
+        frames = sock.recv_multipart(zmq.NOBLOCK)
+        try:
+            reply, _ = decode(frames)
+        except Exception:  # noqa: BLE001 - an answer to garbage: counted apart
+            got["undecodable"] = got.get("undecodable", 0) + 1
+            continue
+        if isinstance(reply, ErrorReply):
+            key = f"{reply.code}(forbidden)" if reply.message.startswith("forbidden") else reply.code
+        else:
+            key = type(reply).kind
+        got[key] = got.get(key, 0) + 1
+        n -= 1
+    return got
+
+
 def main() -> int:
     import zmq
 
@@ -86,9 +142,15 @@ def main() -> int:
     ap.add_argument("--hostile", action="store_true", help="also send decoder-exhausting messages")
     ap.add_argument("--silent", type=int, default=0, help="silent TCP connections held open per port")
     ap.add_argument("--hold", type=float, default=5.0, help="seconds the silent connections stay open after the rest")
+    ap.add_argument("--as", dest="as_", default=None, metavar="SCOPE[.NAME]",
+                    help="use this client key (scoped keys), e.g. rollout: what a compromised rollout host could do")
+    ap.add_argument("--forge", action="store_true",
+                    help="also send well-formed control commands, heartbeats and requests a rollout key may not send")
     a = ap.parse_args()
     cfg = load_config(a.config)
-    keys = auth.load_keys(cfg.cluster.keys_dir) if cfg.cluster.keys_dir else None
+    scope, _, name = (a.as_ or "").partition(".")
+    keys = auth.load_keys(cfg.cluster.keys_dir, scope or None, name or None) if cfg.cluster.keys_dir else None
+    forged_rpc = forged_requests("fuzz-not-mine") if a.forge else []
     hosts = a.hosts.split(",") if a.hosts else list(cfg.cluster.hosts)
     rng = random.Random(a.seed)
     valid = [bytes(f) for f in encode(TakeBatch("fuzz", 4, 1, 0), {"rid": 7, "dl": 2e9})]
@@ -120,9 +182,21 @@ def main() -> int:
                 s.send_multipart(garbage(rng, valid))
             for _, frames in hostile:
                 s.send_multipart(frames)
+            answers = {}
+            if forged_rpc:
+                s.close(linger=2000)  # a fresh connection: its replies are the forged requests' only
+                s = ctx.socket(zmq.DEALER)
+                s.linger = 0
+                if keys:
+                    auth.make_client(s, keys)
+                s.connect(addr)
+                for i, req in enumerate(forged_rpc):
+                    s.send_multipart(encode(req, {"rid": 1000 + i, "st": time.time(), "to": 10.0}))
+                answers = _answers(s, len(forged_rpc), 10.0)
             s.close(linger=2000)
             print(f"{name:<22} {addr:<28} {a.frames} garbage requests"
-                  + (f", {len(hostile)} hostile" if hostile else ""), flush=True)
+                  + (f", {len(hostile)} hostile" if hostile else "")
+                  + (f", {len(forged_rpc)} forged: {answers}" if forged_rpc else ""), flush=True)
         if hid == cfg.cluster.broker.host:
             pub = ctx.socket(zmq.PUB)
             pub.sndhwm, pub.linger = 0, 0
@@ -134,8 +208,16 @@ def main() -> int:
             for _, frames in hostile:  # under topics a role subscribes to: they reach decoders
                 for topic in (b"hb.fuzz.0", b"metrics.fuzz", b"ctrl.all"):
                     pub.send_multipart([topic, *frames])
+            events = forged_events(cfg, hosts) if a.forge else []
+            if events:
+                time.sleep(0.5)  # a fresh PUB drops what it sends before the subscriptions reach it
+                for _ in range(3):
+                    for topic, ev in events:
+                        pub.send_multipart([topic.encode(), *encode(ev)])
+                    time.sleep(0.2)
             pub.close(linger=2000)
-            print(f"{'broker.xsub':<22} {host.address}:{cfg.cluster.broker.pub_port:<17} {a.frames} garbage events")
+            print(f"{'broker.xsub':<22} {host.address}:{cfg.cluster.broker.pub_port:<17} {a.frames} garbage events"
+                  + (f", {3 * len(events)} forged control commands and heartbeats" if events else ""), flush=True)
         for spec in host.roles:
             if spec.role != "relay":
                 continue
