@@ -37,9 +37,10 @@ import zmq.auth
 KEY_NAME = "cluster"
 CLIENTS = "clients"
 # who may do what: see docs/security.md (the table there is this code in words)
-SCOPES = ("operator", "node", "trainer", "manager", "relay", "rollout", "env", "pool", "broker")
+SCOPES = ("operator", "node", "trainer", "manager", "relay", "rollout", "env", "pool", "broker", "evaluator")
 ROLE_SCOPE = {"trainer": "trainer", "manager": "manager", "relay": "relay", "rollout": "rollout", "env": "env",
-              "prompt_pool": "pool", "partial_pool": "pool", "experience_buffer": "pool", "broker": "broker"}
+              "prompt_pool": "pool", "partial_pool": "pool", "experience_buffer": "pool", "broker": "broker",
+              "evaluator": "evaluator"}
 ALL = "cluster"  # the identity of the single cluster key (one-key mode): may do everything
 
 

@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing key")
     s.add_argument("--scopes", action="store_true",
                    help="also write one client key per scope (operator, node, trainer, manager, relay, rollout, "
-                        "env, pool, broker) under DIR/clients: the cluster key then only makes servers, and "
+                        "env, pool, broker, evaluator) under DIR/clients: the cluster key then only makes servers, and "
                         "each process is allowed what its scope may do (docs/security.md)")
     s.add_argument("--client", action="append", metavar="SCOPE[.NAME]",
                    help="write one client key, e.g. rollout.r0 (only rollout r0 may write its trajectories); "
