@@ -171,6 +171,7 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
         await sup.start()
         end = asyncio.create_task(sup.wait(), name="supervise")
         deadline = time.monotonic() + a.duration if a.duration else None
+        trainer_done = None
         while not end.done():
             await asyncio.wait([end], timeout=0.5)  # redraw period of the view
             if live:
@@ -179,8 +180,13 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
                 sup.stopping.set()
             trainers = [c for c in sup.children if c.role == "trainer"]
             if trainers and all(c.state == "finished" for c in trainers):  # the run is done
-                print("trainer finished: stopping the cluster", flush=True)
-                sup.stopping.set()
+                # an evaluator finishes after evaluating the last version: wait for it (bounded)
+                evaluating = [c for c in sup.children
+                              if c.role == "evaluator" and c.state not in ("finished", "failed", "stopped")]
+                trainer_done = trainer_done or time.monotonic()
+                if not evaluating or time.monotonic() - trainer_done > EVAL_GRACE_S:
+                    print("trainer finished: stopping the cluster", flush=True)
+                    sup.stopping.set()
     finally:
         await sup.stop()
         if end is not None:  # done when the loop above ended; cancelled when `up` itself was interrupted
@@ -203,6 +209,9 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
         print(f"\nsummary of {cfg.run.name} ({cfg.run.mode} mode):\n{summary.table(s)}\n"
               f"written: {cfg.workdir() / 'summary.json'}" + (f", {s['plot']}" if s.get("plot") else ""), flush=True)
     return 1 if failed or feed_failed else 0
+
+
+EVAL_GRACE_S = 120.0  # how long `up` waits, after the trainer finished, for an evaluator's last evaluation
 
 
 def cmd_status(a) -> int:
@@ -282,7 +291,11 @@ def _status_lines(rows: dict[str, dict]) -> list[str]:
             out.append(f"{k}: version {g('version')}  train {g('tokens_per_s')} tok/s  throughput "
                        f"{g('throughput')} tok/s  staleness mean {g('staleness_mean', '.2f')} max "
                        f"{g('staleness_max')}  reward {g('reward_mean', '.3f')}  publish stall "
-                       f"{g('publish_stall_s', '.3f')} s")
+                       f"{g('publish_stall_s', '.3f')} s  mismatch mean {g('mismatch_mean_abs', '.2e')} "
+                       f"max {g('mismatch_max_abs', '.2e')}")
+        elif k.startswith("evaluator.") and m:
+            out.append(f"{k}: held-out accuracy {g('eval_accuracy', '.3f')} greedy, "
+                       f"{g('eval_accuracy_sampled', '.3f')} sampled (version {g('eval_version')})")
         elif k.startswith("manager.") and m:
             out.append(f"{k}: repacks {g('repacks')}  moved {g('moved')}  dead rollouts {g('dead_rollouts')}  "
                        f"recovered {g('recovered')}  orphans {g('orphans')}  chain repairs {g('repairs')}")
