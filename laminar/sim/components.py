@@ -70,6 +70,70 @@ def fig9_replay(setup: dict, workload: dict) -> dict:
     return asyncio.run(main())
 
 
+def repack_window(setup: dict, workload: dict, batch_bound: int, trajectories: int = 1024,
+                  report_s: float | None = None) -> dict:
+    """What bounds repack's gain on one 32B TP4 replica (Fig. 16's rollouts): a batch of
+    `trajectories` (64 prompts × 16 at the paper's 1,024) submitted at once on the virtual clock,
+    the manager's inputs sampled every report period (paper.yaml periods_sim_s.report). Returns
+    how long the replica is a repack candidate by size (0 < running < B, nothing waiting), the
+    share of the batch's tokens made then, the bound a perfect consolidation of that phase would
+    give (its tokens at the bulk's rate), and how often Algorithm 1's trend test (KV usage below
+    the previous report's) holds in that phase — a plan needs it on source and destination at once."""
+    from laminar.roles.rollout.sim_engine import SimEngine, VirtualClock
+    shape, m, rs = setup["run_shape"], setup["models"]["32B"], setup["rollout"]
+    period = float(report_s or setup["periods_sim_s"]["report"])
+
+    async def main() -> dict:
+        clock = VirtualClock()
+        kw = {} if rs.get("host_ms_per_layer") is None else {"host_ms_per_layer": rs["host_ms_per_layer"]}
+        if rs.get("host_ms_per_seq"):
+            kw["host_ms_per_seq"] = float(rs["host_ms_per_seq"])
+        e = SimEngine.from_workload(model="32B", tp=int(m["tp"]), lengths=m["lengths"], gpu=setup["gpu"],
+                                    max_num_seqs=int(shape["max_concurrency"]), mem_fraction=rs["mem_fraction"],
+                                    max_output_tokens=shape["max_output_tokens"],
+                                    max_model_len=shape["max_input_tokens"] + shape["max_output_tokens"],
+                                    emit_every=16, context_dependence=bool(rs.get("context_dependence", True)),
+                                    workload_path=setup.get("workload"), clock=clock, **kw)
+        await e.start()
+        samples: list[tuple[float, float, int, int, int]] = []
+        done = asyncio.Event()
+
+        async def sample() -> None:
+            while not done.is_set():
+                await clock.sleep(period)
+                samples.append((clock.t, e.stats.kv_usage, len(e.running), len(e.waiting), e.counters["tokens"]))
+
+        async def one(i: int) -> None:
+            prompt = [1000 + i // 16] * int(shape["prompt_tokens"])
+            async for _ in e.generate(f"t{i}", prompt, int(shape["max_output_tokens"]), seed=i):
+                pass
+        sampler = asyncio.create_task(sample())
+        await asyncio.gather(*(one(i) for i in range(trajectories)))
+        done.set()
+        await sampler
+        await e.close()
+        return samples
+    samples = asyncio.run(main())
+    end, total = samples[-1][0], samples[-1][4]
+    phase = [(t, kv, prev[1], tok) for prev, (t, kv, n, waiting, tok) in zip(samples, samples[1:], strict=False)
+             if 0 < n < batch_bound and waiting == 0]
+    if not phase:
+        return {"batch_s": round(end, 1), "candidate_s": 0.0}
+    t0 = phase[0][0]
+    tok0 = next(tok for t, _, _, _, tok in samples if t == t0)
+    bulk_rate, phase_rate = tok0 / t0, (total - tok0) / (end - t0)
+    falling = sum(1 for _, kv, prev, _ in phase if kv < prev)
+    ideal_end = t0 + (total - tok0) / bulk_rate
+    return {"batch_bound": batch_bound, "trajectories": trajectories, "report_s": period,
+            "batch_s": round(end, 1), "candidate_from_s": round(t0, 1), "candidate_s": round(end - t0, 1),
+            "candidate_share_of_batch": round((end - t0) / end, 3),
+            "tokens_share_in_candidate_phase": round((total - tok0) / total, 4),
+            "bulk_tokens_per_s": round(bulk_rate), "candidate_tokens_per_s": round(phase_rate),
+            "perfect_consolidation_gain": round(end / ideal_end - 1, 3),
+            "reports_in_phase": len(phase), "reports_kv_falling": falling,
+            "kv_falling_share": round(falling / len(phase), 3)}
+
+
 def component_checks(setup: dict, workload: dict) -> dict:
     """The rows that need no cluster run: fig9_*, fig14_wait_s, fig18_relay_s."""
     from laminar.sim.hardware import model as model_shape

@@ -581,6 +581,17 @@ def components(setup: dict, workload: dict, a) -> int:
     t0 = time.monotonic()
     rows = component_checks(setup, workload)
     print(f"[{time.strftime('%H:%M:%S')}] fig9 replay, fig14, fig18 done ({time.monotonic() - t0:.0f} s)", flush=True)
+    from laminar.sim.components import repack_window
+    from laminar.sim.latency import roofline_batch_bound
+    from laminar.sim.scenario import engine_curve, mode_tp
+    b = roofline_batch_bound(engine_curve(setup, workload, "32B", mode_tp(setup, "32B", "laminar")),
+                             setup["manager"]["roofline_tolerance"])
+    window = repack_window(setup, workload, b)
+    print(f"  repack window (one 32B TP4 replica, {window['trajectories']} trajectories, B = {b}): a size candidate "
+          f"for {window['candidate_s']:.0f} of {window['batch_s']:.0f} s, making "
+          f"{window['tokens_share_in_candidate_phase']:.1%} of its tokens; perfect consolidation would give "
+          f"+{window['perfect_consolidation_gain']:.0%}; KV falling report to report in "
+          f"{window['reports_kv_falling']}/{window['reports_in_phase']} reports of that phase", flush=True)
     root = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="laminar-components-", dir="/dev/shm"))
     root.mkdir(parents=True, exist_ok=True)
     specs = []
@@ -603,8 +614,8 @@ def components(setup: dict, workload: dict, a) -> int:
                 ["component", "sim", "paper", "rel_error", "calibrated on it"],
                 [[k, _f(r["sim"], 3), r["paper"], "-" if r["rel_error"] is None else f"{r['rel_error']:+.1%}",
                   "yes" if r.get("calibrated") else "no"] for k, r in rows.items()])
-    write_json(a.out, {"components": rows, "setups": a.setups, "fig16_runs": {f"{m}": results.get(("32B", 128, m))
-                                                                            for m in ("laminar", "laminar_norepack")},
+    runs = {f"{m}": results.get(("32B", 128, m)) for m in ("laminar", "laminar_norepack")}
+    write_json(a.out, {"components": rows, "repack_window": window, "setups": a.setups, "fig16_runs": runs,
                        "wall_s": round(time.monotonic() - t0, 1)})
     print(f"total wall time {time.monotonic() - t0:.0f} s")
     return 0

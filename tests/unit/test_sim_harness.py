@@ -2,6 +2,8 @@
 fraction of it measured, the plateau check. Pure functions on hand-made results."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from laminar.sim.harness import assemble, ceiling, plateau
@@ -37,3 +39,20 @@ def test_ceiling_fraction_and_plateau():
     p = plateau(objs)
     assert p["72B"]["sync"] == pytest.approx(420 / 400) and p["72B"]["laminar"] == pytest.approx(1000 / 900)
     assert plateau(objs[:1]) == {}
+
+
+def test_repack_window_measures_the_tail_phase_and_the_trend_test_on_one_replica():
+    """One 32B replica, 128 trajectories: the phase in which it is a repack candidate by size is
+    the end of its batch, makes a smaller share of the tokens than of the time, and Algorithm 1's
+    trend test (KV below the previous report's) holds in only part of it: the remaining
+    sequences' KV grows between finishes."""
+    from laminar.sim import load_workload
+    from laminar.sim.components import repack_window
+    from laminar.sim.scenario import load_setups
+    setup = load_setups(Path(__file__).resolve().parents[2] / "configs" / "sim" / "paper.yaml")
+    w = repack_window(setup, load_workload(), batch_bound=89, trajectories=128)
+    assert 0 < w["candidate_from_s"] < w["batch_s"]
+    assert w["candidate_s"] == pytest.approx(w["batch_s"] - w["candidate_from_s"], abs=0.2)
+    assert w["tokens_share_in_candidate_phase"] < w["candidate_share_of_batch"]
+    assert w["candidate_tokens_per_s"] < w["bulk_tokens_per_s"] and w["perfect_consolidation_gain"] > 0
+    assert 0 < w["reports_kv_falling"] < w["reports_in_phase"]
