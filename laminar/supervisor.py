@@ -20,6 +20,8 @@
   (laminar/shm.py). A clean engine shutdown unlinks its own; this catches the rest.
 - READY deadline per child: `ready_timeout_s` of its placement (RoleSpec), else READY_TIMEOUT_S of
   its role kind (rollouts: long enough for a 70B vLLM start), else DEFAULT_READY_TIMEOUT_S.
+- A placement's `gpus` becomes the child's CUDA_VISIBLE_DEVICES (RoleSpec.env), so each role
+  (a trainer rank, a vLLM rollout and its engine processes) sees only its own GPUs as cuda:0...
 - Stop: SIGTERM, wait `shutdown_s`, SIGKILL what is left, reap everything.
 """
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Child:
     argv: list[str]
     state: str = "pending"      # pending | starting | ready | backoff | finished | failed | stopped
     ready_timeout_s: float | None = None  # None: the supervisor's default for this role kind
+    env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment (GPU visibility)
     pid: int | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -113,6 +116,13 @@ class Supervisor:
             return self.ready_timeout_s
         return ready_timeout_for(c.role, c.ready_timeout_s)
 
+    def child_env(self, c: Child) -> dict | None:
+        """The environment of `c`'s process: the supervisor's (or this process's) plus the child's
+        own variables (CUDA_VISIBLE_DEVICES from its placement's `gpus`); None: inherit as is."""
+        if not c.env:
+            return self.env
+        return {**(self.env if self.env is not None else os.environ), **c.env}
+
     def _set(self, c: Child, state: str) -> None:
         c.state = state
         c.changed.set()
@@ -129,7 +139,7 @@ class Supervisor:
         try:
             c.proc = await asyncio.create_subprocess_exec(
                 *c.argv, "--ready-fd", str(w), pass_fds=(w,), start_new_session=True,
-                preexec_fn=_pdeathsig, env=self.env, stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=_pdeathsig, env=self.child_env(c), stdin=asyncio.subprocess.DEVNULL,
                 stdout=out, stderr=out)
         finally:
             os.close(w)
@@ -295,5 +305,5 @@ class Supervisor:
 def children_for_host(cfg, config_path: str, host: str, level: str = "info") -> list[Child]:
     py = [sys.executable, "-m", "laminar.cli", "--log-level", level]
     return [Child(spec.role, spec.id, [*py, "role", spec.role, "--id", spec.id, "--host", host, config_path],
-                  ready_timeout_s=ready_timeout_for(spec.role, spec.ready_timeout_s))
+                  ready_timeout_s=ready_timeout_for(spec.role, spec.ready_timeout_s), env=spec.env())
             for spec in cfg.cluster.hosts[host].roles]

@@ -104,6 +104,7 @@ def render_units(cfg, config_path: str, host: str, python: str | None = None,
         if broker_here and spec.role != "broker":
             after += " " + unit_name(run, "broker", "0")
         start_s = int(ready_timeout_for(spec.role, spec.ready_timeout_s))
+        env_lines = "".join(f"Environment={k}={v}\n" for k, v in spec.env().items())  # gpus: CUDA_VISIBLE_DEVICES
         exec_start = " ".join(map(_arg, [python, "-m", "laminar.cli", "role", spec.role, "--id", spec.id,
                                          "--host", host, config_abs]))
         units[unit_name(run, spec.role, spec.id)] = f"""[Unit]
@@ -126,7 +127,7 @@ TimeoutStartSec={start_s}
 TimeoutStopSec={int(cfg.cluster.shutdown_s) + 5}
 KillSignal=SIGTERM
 Environment=PYTHONUNBUFFERED=1
-{_confinement(cfg, spec.role, workdir, systemd_version)}
+{env_lines}{_confinement(cfg, spec.role, workdir, systemd_version)}
 
 [Install]
 WantedBy={target}

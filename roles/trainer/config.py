@@ -46,14 +46,29 @@ class TrainerConfig(BaseModel):
                                      "(None: no clip)")
     whiten_advantages: bool = Field(True, description="ppo: normalize GAE advantages over the batch's valid tokens")
     dtype: str = Field("float32", pattern="^(float32|bfloat16)$",
-                       description="compute dtype: bfloat16 runs forward/backward under autocast; "
-                                   "parameters, gradients and optimizer states stay float32")
+                       description="compute dtype: bfloat16 runs forward/backward under autocast (and, "
+                                   "with world_size > 1, FSDP2's mixed precision: bf16 all-gathered parameters, "
+                                   "fp32 gradient reduction); parameters, gradients and optimizer states stay "
+                                   "float32")
     packing: bool | None = Field(None, description="pack each micro-batch's sequences into one row with "
                                  "per-sequence positions (no compute on padding; flash-attention varlen on a GPU, "
                                  "a block-diagonal mask on the CPU); None: on with CUDA, off on the CPU")
+    attn_implementation: str = Field("auto", pattern="^(auto|sdpa|eager|flash_attention_2|flash_attention_3)$",
+                                     description="the models' attention kernels; auto: flash_attention_2 on CUDA "
+                                     "when the flash_attn package is installed, else what the model folder loads "
+                                     "with (sdpa)")
+    optimizer_impl: str = Field("auto", pattern="^(auto|fused|foreach|for_loop)$",
+                                description="AdamW implementation; auto: fused on CUDA, torch's default on the CPU")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
+                                           "backward (less memory, ~1/3 more compute)")
+    compile: bool = Field(False, description="torch.compile each decoder layer (first steps compile; GPU runs)")
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every N versions")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept")
     checkpoint_dir: str | None = Field(None, description="default <workdir>/trainer[-<id>]/checkpoints")
+    export_dir: str | None = Field(None, description="at the end of a run (max_iterations reached), write the "
+                                   "final weights there as a Hugging Face folder, as `laminar-node export` writes one "
+                                   "(config and tokenizer files of model_dir, weights in its config's dtype); "
+                                   "None: none")
     resume: bool = Field(True, description="start from the newest complete checkpoint when there is one")
     device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="auto: cuda when available")
     seed: int | None = Field(None, description="seed of torch/numpy/python RNGs (default run.seed)")

@@ -107,17 +107,24 @@ def shutdown(info: DistInfo) -> None:
             dist.destroy_process_group()
 
 
-def shard(model, info: DistInfo, device) -> None:
-    """FSDP2: one shard unit per decoder layer, then the root (embeddings, norm, head)."""
+def shard(model, info: DistInfo, device, param_dtype=None) -> None:
+    """FSDP2: one shard unit per decoder layer, then the root (embeddings, norm, head). With
+    `param_dtype` (bfloat16), FSDP2's mixed precision: the sharded parameters, their gradients and
+    Adam's states stay float32 (master weights), each unit's all-gathered parameters are cast to
+    `param_dtype` for compute, and gradients are reduced in float32."""
     if not info.enabled:
         return
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (info.world_size,))
+    kw = {}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     backbone = getattr(model, "model", model)
     for layer in getattr(backbone, "layers", []):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
 
 
 # -- command stream -------------------------------------------------------------------------------

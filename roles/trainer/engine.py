@@ -104,25 +104,68 @@ class TrainEngine:
         from laminar.algorithms.ppo import load_critic
         from laminar.models.loading import load_causal_lm
         c = self.cfg
+        mp = torch.bfloat16 if c.dtype == "bfloat16" else None  # FSDP2 mixed precision (fp32 master weights)
         self.model = load_causal_lm(c.model_dir, self.device)
         self.params = sum(p.numel() for p in self.model.parameters())
-        shard(self.model, self.info, self.device)
+        self._prepare(self.model, trained=True)
+        shard(self.model, self.info, self.device, param_dtype=mp)
         self.ref = None
         if c.kl_coef > 0:
             self.ref = load_causal_lm(c.model_dir, self.device, train=False)
             self.ref.requires_grad_(False)
-            shard(self.ref, self.info, self.device)
+            self._prepare(self.ref, trained=False)
+            shard(self.ref, self.info, self.device, param_dtype=mp)
         self.lag, self.lag_version = None, None  # the weights before the newest update (mismatch)
         if c.mismatch_previous_version:
             self.lag = load_causal_lm(c.model_dir, self.device, train=False)
             self.lag.requires_grad_(False)
-            shard(self.lag, self.info, self.device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+            self._prepare(self.lag, trained=False)
+            shard(self.lag, self.info, self.device, param_dtype=mp)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay,
+                                     **self._adamw_impl())
         self.critic = self.critic_opt = None
         if c.algorithm == "ppo":
             self.critic = load_critic(c.model_dir, self.device)
-            shard(self.critic, self.info, self.device)
-            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay)
+            self._prepare(self.critic.model, trained=True)
+            shard(self.critic, self.info, self.device, param_dtype=mp)
+            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay,
+                                                **self._adamw_impl())
+
+    def attn_implementation(self) -> str | None:
+        """The attention kernels to switch the models to (None: keep what the model folder loads with)."""
+        name = self.cfg.attn_implementation
+        if name != "auto":
+            return name
+        if self.device.type == "cuda":
+            import importlib.util
+            if importlib.util.find_spec("flash_attn") is not None:
+                return "flash_attention_2"  # varlen kernels: packed rows without a materialized mask
+        return None
+
+    def _prepare(self, model, trained: bool) -> None:
+        """Before sharding: the attention kernels, and for the trained models (policy, critic body)
+        activation checkpointing and torch.compile of each decoder layer, as configured."""
+        c = self.cfg
+        impl = self.attn_implementation()
+        if impl is not None and hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(impl)
+        if not trained:
+            return
+        if c.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if c.compile:
+            backbone = getattr(model, "model", model)
+            for layer in getattr(backbone, "layers", []):
+                layer.compile(dynamic=True)  # packed rows change length every micro-batch
+
+    def _adamw_impl(self) -> dict:
+        """AdamW's implementation: fused kernels on CUDA by default; on the CPU torch's default
+        (what the trainer always used, so CPU runs are unchanged)."""
+        impl = self.cfg.optimizer_impl
+        if impl == "auto":
+            impl = "fused" if self.device.type == "cuda" else "default"
+        return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False},
+                "default": {}}[impl]
 
     def _pairs(self) -> dict:
         out = {"model": (self.model, self.opt)}

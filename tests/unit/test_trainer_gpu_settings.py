@@ -1,0 +1,112 @@
+"""The trainer's GPU settings, checked on the CPU: what `auto` resolves to on CUDA and on the CPU
+(packing, fused AdamW, attention kernels), activation checkpointing and torch.compile training to
+the same numbers as without, and FSDP2's mixed precision (two gloo ranks) computing in bfloat16
+while the parameters and gradients stay float32."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from laminar.roles.trainer.config import TrainerConfig  # noqa: E402
+from laminar.roles.trainer.engine import TrainEngine  # noqa: E402
+
+from laminar.models.tiny import build_tiny_model  # noqa: E402
+from laminar.testing.trainer_task import random_groups  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
+
+
+def test_auto_settings_resolve_per_device(tiny):
+    cfg = TrainerConfig(model_dir=str(tiny))
+    gpu = TrainEngine(cfg, 0, torch.device("cuda"))  # not loaded: nothing touches CUDA
+    assert gpu.packing is True and gpu._adamw_impl() == {"fused": True}
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    assert gpu.attn_implementation() == ("flash_attention_2" if has_flash else None)
+    cpu = TrainEngine(cfg, 0, torch.device("cpu"))
+    assert cpu.packing is False and cpu._adamw_impl() == {} and cpu.attn_implementation() is None
+    explicit = TrainerConfig(model_dir=str(tiny), packing=False, optimizer_impl="foreach", attn_implementation="eager")
+    e = TrainEngine(explicit, 0, torch.device("cuda"))
+    assert e.packing is False and e._adamw_impl() == {"foreach": True} and e.attn_implementation() == "eager"
+    assert not cfg.activation_checkpointing and not cfg.compile  # both off unless asked for
+
+
+def train_once(tiny, **kw):
+    torch.manual_seed(0)
+    e = TrainEngine(TrainerConfig(model_dir=str(tiny), lr=1e-3, micro_batch_size=4, **kw), 0, torch.device("cpu"))
+    e.load()
+    out = e.train(random_groups(2, 4, "s", seed=1), 1)
+    return e, out, {k: v.detach().clone() for k, v in e.model.state_dict().items()}
+
+
+def test_activation_checkpointing_eager_attention_and_fused_adamw_train_the_same(tiny):
+    _, base, wb = train_once(tiny)
+    e, ac, wa = train_once(tiny, activation_checkpointing=True)
+    assert e.model.is_gradient_checkpointing
+    assert ac == base and all(torch.equal(wa[k], wb[k]) for k in wb)  # a recompute of the same ops
+    e, eager, we = train_once(tiny, attn_implementation="eager")
+    assert e.model.config._attn_implementation == "eager"
+    for k in base:
+        assert eager[k] == pytest.approx(base[k], rel=1e-5, abs=1e-6), k
+    for k in wb:  # Adam's normalized step turns 1e-8 gradient differences into ~1e-6 weight differences
+        assert torch.allclose(we[k], wb[k], atol=1e-5), k
+    e, fused, wf = train_once(tiny, optimizer_impl="fused")
+    assert e.opt.defaults["fused"] is True
+    assert fused["loss"] == base["loss"]  # the same forward; only the update's kernels differ
+    for k in wb:
+        assert torch.allclose(wf[k], wb[k], atol=1e-6), k
+
+
+@pytest.mark.slow  # inductor compiles the decoder layers on the CPU (~45 s on 2 shared cores)
+def test_compiled_layers_train_the_same(tiny):
+    _, base, wb = train_once(tiny, packing=True)
+    e, comp, wc = train_once(tiny, packing=True, compile=True)
+    assert all(hasattr(layer, "_compiled_call_impl") and layer._compiled_call_impl is not None
+               for layer in e.model.model.layers)
+    for k in base:
+        assert comp[k] == pytest.approx(base[k], rel=1e-4, abs=1e-6), k
+    for k in wb:
+        assert torch.allclose(wc[k], wb[k], atol=1e-5), k
+
+
+def _mixed_precision_rank(rank: int, model_dir: str, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from laminar.roles.trainer.dist import DistInfo, shard
+
+    from laminar.models.loading import load_causal_lm
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        m = load_causal_lm(model_dir, "cpu")
+        shard(m, DistInfo(rank, 2), torch.device("cpu"), param_dtype=torch.bfloat16)
+        ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(0))
+        logits = m(input_ids=ids).logits
+        logits.float().logsumexp(-1).mean().backward()
+        params = list(m.parameters())
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"logits": str(logits.dtype), "params": sorted({str(p.dtype) for p in params}),
+                       "grads": sorted({str(p.grad.dtype) for p in params if p.grad is not None}),
+                       "sharded": all(type(p).__name__ == "DTensor" for p in params)}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_mixed_precision_keeps_float32_master_weights(tiny, tmp_path):
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_mixed_precision_rank, args=(str(tiny), port, str(tmp_path / "r")), nprocs=2)
+    for r in range(2):
+        got = json.loads((tmp_path / f"r.{r}").read_text())
+        assert got == {"logits": "torch.bfloat16", "params": ["torch.float32"], "grads": ["torch.float32"],
+                       "sharded": True}
