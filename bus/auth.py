@@ -269,6 +269,10 @@ REQUEST_SCOPES = {
     "data.append_deltas": {"rollout", "manager"},  # the manager moves deltas when it migrates work
     "data.append_delta_batch": {"rollout"},
     "env.reset": {"rollout"}, "env.step": {"rollout"}, "env.close": {"rollout"},
+    # the rollout taking over (or giving up) work, the manager moving it; the pool checks the
+    # current owner of each trajectory a named rollout key completes (roles/partial_pool)
+    "data.reassign_partial": {"rollout", "manager"},
+    "data.complete_partial": {"rollout", "manager"},
 }
 
 
@@ -293,6 +297,13 @@ def request_refusal(identity: str | None, req) -> str:
         return f"a {identity} key may not send {kind}"
     if scope == "rollout" and name and kind.startswith("data."):
         owner = _owner(req)
-        if owner is not None and str(owner) != name:
+        if owner is not None and str(owner) != name and not (kind == "data.reassign_partial" and owner == ""):
             return f"rollout key {identity} may not write trajectories of rollout {owner}"
     return ""
+
+
+def owned_by_other(identity: str | None, owner: str | None) -> bool:
+    """Whether a trajectory held by rollout `owner` is out of reach of `identity` (a named rollout
+    key, "rollout.<id>", reaches only its own; every other key reaches every trajectory)."""
+    scope, _, name = (identity or ALL).partition(".")
+    return scope == "rollout" and bool(name) and owner is not None and str(owner) != name

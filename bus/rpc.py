@@ -22,6 +22,7 @@ trajectories).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import math
 import time
@@ -46,6 +47,9 @@ LATE_GRACE_S = 5.0      # beyond the caller's timeout, measured against its own 
 LEGACY_GRACE_S = 30.0   # for an envelope with an absolute deadline only (compares two clocks)
 FLOOR_WINDOW_S = 60.0
 MAX_CALLERS = 4096      # callers whose floor is remembered (the least recent is forgotten)
+# the key identity (CURVE User-Id, bus/auth.py) of the request a handler is serving; None without
+# scoped keys. A handler that must check ownership reads it (the partial pool's CompletePartial).
+current_peer: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_peer", default=None)
 
 
 def _number(v: Any) -> bool:
@@ -139,6 +143,7 @@ class Dispatcher:
             self.stats["busy"] += 1
             return ErrorReply("busy", f"{self.role}.{self.id} has {self.inflight} requests in flight")
         self.inflight += 1
+        token = current_peer.set(peer)
         try:
             return await handler(req)
         except RequestError as exc:
@@ -151,6 +156,7 @@ class Dispatcher:
             log.exception("handler_failed", role=self.role, id=self.id, kind=type(req).kind)
             return ErrorReply("internal", f"{type(exc).__name__}: {exc}")
         finally:
+            current_peer.reset(token)
             self.inflight -= 1
 
     def codec_error_reply(self, exc: CodecError) -> ErrorReply:

@@ -22,7 +22,8 @@ them at start (ALTER TABLE ADD COLUMN, which leaves the old rows NULL = all toke
 from __future__ import annotations
 
 import numpy as np
-from laminar.bus.rpc import RequestError
+from laminar.bus.auth import owned_by_other
+from laminar.bus.rpc import RequestError, current_peer
 from laminar.roles.partial_pool.state import Delta, Outcome, PartialBook
 from laminar.roles.pool_base import PoolRole, now
 from laminar.roles.sqlite_store import Many, pack, unpack
@@ -240,6 +241,9 @@ class PartialPoolRole(PoolRole):
 
     async def on_reassign(self, req: ReassignPartial) -> Ack:
         e = self._entry(req.trajectory_id)
+        if not req.rollout_id and owned_by_other(current_peer.get(), e.owner):  # giving up another's work
+            raise RequestError("refused", f"forbidden: {current_peer.get()} may not release {req.trajectory_id} "
+                                          f"of rollout {e.owner}")
         if req.fence:
             self.state.fence(req.trajectory_id, req.rollout_id)
         else:
@@ -249,6 +253,12 @@ class PartialPoolRole(PoolRole):
         return Ack(f"epoch {e.epoch}" if req.fence else "")
 
     async def on_complete(self, req: CompletePartial) -> Ack:
+        peer = current_peer.get()
+        theirs = [t for t in req.trajectory_ids
+                  if t in self.state.entries and owned_by_other(peer, self.state.entries[t].owner)]
+        if theirs:  # scoped keys: a rollout completes only its own trajectories
+            raise RequestError("refused", f"forbidden: {peer} may not complete {theirs[:4]} (owned by rollout "
+                                          f"{self.state.entries[theirs[0]].owner})")
         stmts = []
         for tid in req.trajectory_ids:
             self.state.complete(tid)
