@@ -63,11 +63,17 @@ def config_dtype(cfg) -> str | None:
 def export(source: str | os.PathLike, out_dir: str | os.PathLike, model_dir: str | os.PathLike,
            dtype: str | None = None, version: int | None = None) -> Path:
     """Write the Hugging Face folder; returns its path. dtype None: the base config's dtype."""
+    sd, got_version = read_weights(source, version)
+    return write_folder(sd, out_dir, model_dir, dtype, got_version, str(Path(source).resolve()))
+
+
+def write_folder(sd: dict, out_dir: str | os.PathLike, model_dir: str | os.PathLike, dtype: str | None = None,
+                 got_version: int | None = None, source: str | None = None) -> Path:
+    """Write a state dict (e.g. the trainer's final weights, in memory) as the Hugging Face folder."""
     import torch
     import transformers
 
     from laminar.weights.pull import torch_dtype
-    sd, got_version = read_weights(source, version)
     cfg = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
     name = config_dtype(cfg) if dtype is None else (None if dtype == "same" else dtype)
     target = torch_dtype(name) if name else None
@@ -96,7 +102,7 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, model_dir: str
             shutil.copy2(p, tmp / f)
     if got_version is not None:
         (tmp / "laminar_version.json").write_text(json.dumps({"version": int(got_version),
-                                                              "source": str(Path(source).resolve())}) + "\n")
+                                                              "source": source}) + "\n")
     if out.exists():
         shutil.rmtree(out)
     os.rename(tmp, out)
@@ -108,7 +114,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("out_dir", help="the Hugging Face folder to write")
     ap.add_argument("--model-dir", default=None, help="the base model folder (config, tokenizer); "
                     "default: SOURCE itself when it has a config.json")
-    ap.add_argument("--dtype", default=None, help="bfloat16, float16, float32, or same (default: the base config's dtype)")
+    ap.add_argument("--dtype", default=None,
+                    help="bfloat16, float16, float32, or same (default: the base config's dtype)")
     ap.add_argument("--version", type=int, default=None, help="relay folder: a retained version instead of the newest")
 
 

@@ -10,7 +10,8 @@
            again after sample_wait_s) -> `step_started` -> minibatch_steps optimizer steps (in a
            worker thread, so the loop keeps heartbeating) -> version += 1 -> publish (only the
            copy into staging is waited for: `published` logs that stall) -> metrics -> every
-           checkpoint_every versions an atomic checkpoint -> next iteration at once.
+           checkpoint_every versions an atomic checkpoint -> next iteration at once. With export_dir,
+           the version that reaches max_iterations is also written there as a Hugging Face folder.
 Ranks > 0 have no loop of their own: they follow rank 0's command stream (dist.py) and join each
 collective. The relay tier's progress is watched by a thread that logs `publish_delivered` when
 the master holds a version, so the logs show the next `step_started` before the previous
@@ -258,6 +259,23 @@ class TrainerRole(Role):
             path = await in_thread(self._checkpoint, "trainer-checkpoint")
             self.committed = self.cursor  # the buffer may forget the groups before it (next request)
             self.event("checkpoint_saved", version=self.version, path=str(path), cursor=self.cursor)
+        if self._exports_now(self.version):
+            path = await in_thread(self._export, "trainer-export")
+            self.event("exported", version=self.version, path=str(path))
+
+    def _exports_now(self, version: int) -> bool:
+        """Whether `version` is the run's final one and goes to `export_dir` (a collective on every rank)."""
+        c = self.cfg
+        return c.export_dir is not None and c.engine != "sim" and version == c.max_iterations
+
+    def _export(self):
+        """The final weights as a Hugging Face folder in export_dir (laminar/export.py)."""
+        from laminar.export import write_folder
+        parts = self.engine.full_state()
+        if not self.main:
+            return None
+        return write_folder({k: v.detach() for k, v in parts["model"].items()}, self.cfg.export_dir,
+                            self.cfg.model_dir, got_version=self.version, source=f"trainer {self.ctx.id}")
 
     def _checkpoint(self):
         parts = self.engine.full_state(with_optimizer=True)
@@ -273,7 +291,7 @@ class TrainerRole(Role):
                 self.event("training_finished", version=self.version)
                 return
             self.event("step_started", version=version + 1, groups=len(samples.groups))
-            await in_thread(lambda: self._follow_iteration(samples.groups, version), "trainer-train")
+            await in_thread(lambda s=samples, v=version: self._follow_iteration(s.groups, v), "trainer-train")
             self.version, self.cursor = version + 1, cursor
             self.event("iteration", version=self.version)
 
@@ -283,6 +301,8 @@ class TrainerRole(Role):
             self.engine.full_state()
         if (version + 1) % self.cfg.checkpoint_every == 0:
             self.engine.full_state(with_optimizer=True)
+        if self._exports_now(version + 1):
+            self.engine.full_state()
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def stop(self) -> None:
