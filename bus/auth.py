@@ -169,7 +169,7 @@ def client_identities(directory: str | os.PathLike) -> dict[bytes, str]:
 
 def _client_key(directory: Path, scope: str | None, name: str | None) -> tuple[Path, str]:
     d = directory / CLIENTS
-    tries = [f"{scope}.{name}", scope] if scope else ["operator", "node"]
+    tries = ([f"{scope}.{name}"] if name else []) + [scope] if scope else ["operator", "node"]
     for ident in tries:
         if ident and (d / f"{ident}.key_secret").exists():
             return d / f"{ident}.key_secret", ident
