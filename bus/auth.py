@@ -243,20 +243,35 @@ def _everything(identity: str | None) -> bool:
     return scope_of(identity) in (ALL, "operator")
 
 
+# topics other roles act on, and who may publish them (besides operator and the one cluster key)
+TOPIC_SCOPES = {b"weights.chain": {"manager"},           # relays and the trainer follow the chain it names
+                b"weights.version": {"relay", "trainer"},  # the manager places work by what rollouts hold
+                b"relay.progress.": {"relay"}}
+
+
 def topic_refusal(identity: str | None, topic: bytes) -> str:
     """Why the broker drops a message published on `topic` by `identity` ("" = forwarded).
-    Control commands (`ctrl.*`: Shutdown) come from the operator only; a heartbeat (`hb.ROLE.ID`)
-    only from the scope of ROLE, and from the key named ID when the key has a name."""
+    Control commands (`ctrl.*`: Shutdown) come from the operator only; a heartbeat (`hb.ROLE.ID`),
+    metrics (`metrics.ROLE`) and rollout statistics (`rollout.stats.ID`) only from the scope of
+    that role (and from the key named ID when the key has a name); the chain, version
+    announcements and relay progress (TOPIC_SCOPES) only from the scopes that produce them."""
     if _everything(identity):
         return ""
     if topic.startswith(b"ctrl."):
         return "control commands need the operator key"
-    if topic.startswith(b"hb."):
-        parts = topic.decode("utf-8", "replace").split(".", 2)
-        role, rid = (parts + ["", ""])[1:3]
-        scope, _, name = identity.partition(".")
-        if ROLE_SCOPE.get(role, role) != scope or (name and rid != name):
-            return f"a {identity} key may not publish the heartbeat of {role}.{rid}"
+    scope, _, name = identity.partition(".")
+    for prefix, scopes in TOPIC_SCOPES.items():
+        if topic.startswith(prefix) and scope not in scopes:
+            return f"a {identity} key may not publish {prefix.decode()}"
+    text = topic.decode("utf-8", "replace")
+    if text.startswith(("hb.", "metrics.", "rollout.stats.")):
+        if text.startswith("rollout.stats."):
+            role, rid = "rollout", text[len("rollout.stats."):]
+        else:
+            parts = text.split(".", 2)
+            role, rid = (parts + ["", ""])[1:3]
+        if ROLE_SCOPE.get(role, role) != scope or (name and rid and rid != name):
+            return f"a {identity} key may not publish {text[:60]} (another role's)"
     return ""
 
 

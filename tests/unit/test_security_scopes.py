@@ -46,6 +46,18 @@ def trajectory(rollout_id: str) -> Trajectory:
     return Trajectory(spec, np.arange(2, dtype=np.int32), np.zeros(2, dtype=np.float32), 0, rollout_id, 1.0)
 
 
+def test_topic_policy():
+    allowed = [("rollout.r0", b"hb.rollout.r0"), ("rollout.r0", b"rollout.stats.r0"), ("rollout.r0", b"log.rollout"),
+               ("manager", b"weights.chain"), ("relay", b"weights.version"), ("relay", b"relay.progress.r1"),
+               ("pool", b"metrics.experience_buffer"), ("operator", b"ctrl.all"), (None, b"ctrl.all")]
+    refused = [("rollout.r0", b"ctrl.all"), ("rollout.r0", b"ctrl.trainer.0"), ("rollout.r0", b"hb.rollout.r1"),
+               ("rollout.r0", b"hb.relay.r1"), ("rollout.r0", b"weights.chain"), ("rollout.r0", b"weights.version"),
+               ("rollout.r0", b"rollout.stats.r1"), ("rollout", b"metrics.experience_buffer"),
+               ("relay", b"ctrl.all"), ("env", b"hb.manager.0")]
+    assert [(i, t) for i, t in allowed if auth.topic_refusal(i, t)] == []
+    assert [(i, t) for i, t in refused if not auth.topic_refusal(i, t)] == []
+
+
 def test_keys_identify_their_holder(keys_dir):
     assert auth.load_keys(keys_dir, "rollout", "r0").identity == "rollout.r0"
     assert auth.load_keys(keys_dir, "relay", "h3").identity == "relay"       # no key of its own: the scope's
@@ -97,7 +109,7 @@ def test_server_refuses_and_logs_what_a_rollout_key_may_not_send(keys_dir):
     asyncio.run(main())
 
 
-def test_broker_drops_control_commands_and_foreign_heartbeats_from_a_rollout_key(keys_dir):
+def test_broker_drops_control_commands_and_foreign_topics_from_a_rollout_key(keys_dir):
     pub_port, sub_port = free_port(), free_port()
     broker = Broker(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{sub_port}", auth.load_keys(keys_dir, "broker"))
     broker.start()
@@ -110,7 +122,7 @@ def test_broker_drops_control_commands_and_foreign_heartbeats_from_a_rollout_key
         listener_t = transport(keys_dir, "node", **endpoints)
         rollout_t = transport(keys_dir, "rollout", "r0", **endpoints)
         op_t = transport(keys_dir, **endpoints)                   # the operator's CLI
-        sub = listener_t.subscriber(["ctrl.", "hb."])
+        sub = listener_t.subscriber(["ctrl.", "hb.", "weights."])
         rp, op = rollout_t.publisher(), op_t.publisher()
         got: list[tuple[str, object]] = []
 
@@ -132,6 +144,7 @@ def test_broker_drops_control_commands_and_foreign_heartbeats_from_a_rollout_key
             def send():
                 rp.publish("ctrl.all", Shutdown("from a rollout"))
                 rp.publish("hb.relay.r-h1", hb("relay", "r-h1"))   # a relay's heartbeat, forged
+                rp.publish("weights.chain", hb("manager", "0"))      # the manager's chain topic (any event)
                 rp.publish("hb.rollout.r0", hb("rollout", "r0", seq))  # its own: allowed, and the marker
             return send
         try:
@@ -144,7 +157,7 @@ def test_broker_drops_control_commands_and_foreign_heartbeats_from_a_rollout_key
             await until(lambda t, e: t == "ctrl.all", lambda: op.publish("ctrl.all", Shutdown("operator")))
             assert got[-1][1].reason == "operator"
             assert not [t for t, e in got if t == "ctrl.all" and e.reason != "operator"]
-            assert broker.refused["rollout.r0"] >= 2
+            assert broker.refused["rollout.r0"] >= 3
         finally:
             sub.close()
             for p in (rp, op):
