@@ -212,3 +212,15 @@ def test_supervisor_keeps_a_child_stopped_by_the_operator_down(tmp_path):
     assert state == "stopped_by_operator" and child.restarts == 0 and child.last_exit == EXIT_STOPPED_BY_OPERATOR
     assert marker.read_text() == "x"  # started once
     assert any(e["event"] == "child_stopped_by_operator" for e in logs)
+
+
+def test_systemd_units_keep_a_role_stopped_by_the_operator_down(tmp_path):
+    from laminar.systemd import render_units
+    from tests.unit.test_security_systemd import _config, directives
+    cfg, path = _config(tmp_path)
+    for name, text in render_units(cfg, path, "h0", workdir=str(tmp_path), systemd_version=254).items():
+        if name.endswith(".service"):
+            d = directives(text)
+            assert d["Restart"] == "on-failure"
+            assert str(EXIT_STOPPED_BY_OPERATOR) in d["SuccessExitStatus"].split(), name
+            assert str(EXIT_STOPPED_BY_OPERATOR) in d["RestartPreventExitStatus"].split(), name
