@@ -48,7 +48,9 @@ from laminar.protocol import Heartbeat, Metrics, RelayProgress, RolloutStats
 
 log = structlog.get_logger("laminar.health")
 
-SUPERVISOR_STATES = ("pending", "starting", "ready", "backoff", "finished", "failed", "stopped")
+SUPERVISOR_STATES = ("pending", "starting", "ready", "backoff", "finished", "failed", "stopped",
+                     "stopped_by_operator")
+DOWN_ON_PURPOSE = ("finished", "stopped_by_operator")  # not up, and not unhealthy
 
 # Facts a role's heartbeat status carries, per role kind: status key -> value name.
 _HB_FACTS = {
@@ -226,8 +228,9 @@ class HealthCollector:
         return fresh and serving and r.supervised in (None, "ready") and r.pid in (None, r.beat.pid)
 
     def unhealthy(self) -> list[str]:
-        """Roles of this node that should be up and are not (a finished role is fine)."""
-        return sorted(k for k, r in self.roles.items() if r.supervised != "finished" and not self.up(r))
+        """Roles of this node that should be up and are not (a finished role, or one an operator's
+        Shutdown stopped, is fine)."""
+        return sorted(k for k, r in self.roles.items() if r.supervised not in DOWN_ON_PURPOSE and not self.up(r))
 
     def snapshot(self) -> dict[str, dict]:
         """Per role: liveness, the supervisor's view, the newest heartbeat and every fact (JSON-able)."""

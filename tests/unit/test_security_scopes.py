@@ -224,3 +224,18 @@ def test_systemd_units_keep_a_role_stopped_by_the_operator_down(tmp_path):
             assert d["Restart"] == "on-failure"
             assert str(EXIT_STOPPED_BY_OPERATOR) in d["SuccessExitStatus"].split(), name
             assert str(EXIT_STOPPED_BY_OPERATOR) in d["RestartPreventExitStatus"].split(), name
+
+
+def test_health_shows_a_role_stopped_by_the_operator_as_such_not_as_unhealthy():
+    from tests.unit.test_health import child, fed, get, hb, parse
+    c, clock = fed()
+    clock.t += 4.0
+    for role in ("broker", "manager", "trainer"):
+        c.observe(hb(role, "0"))
+    c.observe(hb("relay", "r0"))
+    c.observe(hb("rollout", "1"))
+    c.child_changed(child("rollout", "0", "stopped_by_operator"))
+    clock.t += 2.0                                         # rollout.0 silent for 6 s: it was stopped
+    s = parse(c.exposition())
+    assert get(s, "laminar_role_state", role="rollout", id="0", state="stopped_by_operator") == 1
+    assert "rollout.0" not in c.unhealthy()                # told to stop: not a failure to page on
