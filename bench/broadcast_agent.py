@@ -98,7 +98,7 @@ class Agent:
         threads = []
         for a in addresses:
             conn = wire.connect(get_transport("tcp"), a, KEY, 5.0)
-            s = Sender(src, conn, name=f"fanout->{a}")
+            s = Sender(src, conn, name=f"fanout->{a}", key=KEY)  # its chunk MACs: the relays check them
             s.on_delivered = lambda v, s=s: s.stop()  # one version, then hang up
             threads.append(threading.Thread(target=_quietly, args=(s.run,), daemon=True))
         for th in threads:
