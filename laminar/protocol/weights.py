@@ -1,4 +1,5 @@
-"""Kinds of the weight relay tier (docs/architecture.md §6; docs/weights.md): the manifest, chain management and relay reports.
+"""Kinds of the weight relay tier (docs/architecture.md §6; docs/weights.md): the manifest, chain
+management and relay reports.
 
 Data plane vs control plane: weight bytes never travel on the bus. They go over the chunk
 transport (laminar/weights/transport) as raw frames; only the `Manifest` crosses that wire as an
