@@ -233,8 +233,9 @@ def save_sharded(root: str | Path | None, version: int, pairs: dict, info, state
         tmp.mkdir()
     tmp = Path(dist.broadcast_bytes(info, str(tmp).encode() if info.is_main else None).decode())
     # the write is a collective: it returns on every rank once rank 0 has written the metadata
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
-             process_group=info.control, no_dist=not info.enabled)
+    with _single_process():
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
+                 process_group=info.control, no_dist=not info.enabled)
     if not info.is_main:
         return None
     torch.save(rng_state(), tmp / "rng.pt")
