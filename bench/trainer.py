@@ -1,12 +1,15 @@
 """Trainer benchmark: tokens/s of one training iteration (TrainEngine.train, what the trainer role runs: GRPO,
-AdamW step) on the tiny model and on a ~100M-parameter Qwen2, and the publish stall (what the
-training loop waits for in WeightPublisher.publish: the copy into staging) next to one plain
-memcpy of the same bytes.
+AdamW step) on the tiny model and on a ~100M-parameter Qwen2, with sequence packing off (right-padded
+micro-batches) and on (one packed row per micro-batch), and the publish stall (what the training loop
+waits for in WeightPublisher.publish: the copy into staging) next to one plain memcpy of the same bytes.
 
-    python bench/trainer.py [--quick] [--out FILE] [--device auto|cpu|cuda]
+    python bench/trainer.py [--quick] [--out FILE] [--device auto|cpu|cuda] [--models tiny,qwen2-100m]
 
-Tokens counted = prompt + response tokens forwarded and back-propagated. The publisher has no
-target here: publish() costs the same copy either way (sending is a background thread).
+Tokens counted = prompt + response tokens forwarded and back-propagated (pads are not counted), so
+both columns count the same work. Response lengths are spread uniformly between a quarter of the
+maximum and the maximum, as sampled responses are, so a padded micro-batch spends `padding` of its
+positions on pad tokens. The publisher has no target here: publish() costs the same copy either way
+(sending is a background thread).
 """
 from __future__ import annotations
 
@@ -25,40 +28,77 @@ MODELS = {"tiny": dict(hidden=128, layers=2, intermediate=256, heads=4, kv_heads
           "qwen2-100m": dict(hidden=768, layers=12, intermediate=3072, heads=12, kv_heads=4)}
 
 
-def make_engine(model_dir: Path, device: str, groups: int):
+def make_engine(model_dir: Path, device: str, groups: int, packing: bool):
     import torch
     from laminar.roles.trainer.config import TrainerConfig
     from laminar.roles.trainer.engine import TrainEngine
 
     from laminar.models.loading import pick_device
     cfg = TrainerConfig(model_dir=str(model_dir), lr=1e-5, groups_per_batch=groups, device=device, publish=False,
-                        micro_batch_size=16, dtype="bfloat16" if pick_device(device).type == "cuda" else "float32")
+                        micro_batch_size=16, dtype="bfloat16" if pick_device(device).type == "cuda" else "float32",
+                        packing=packing)
     torch.manual_seed(0)
     eng = TrainEngine(cfg, 0, pick_device(device))
     eng.load()
     return eng
 
 
-def bench_model(name: str, tmp: Path, device: str, groups: int, gsize: int, prompt: int, resp: int, iters: int) -> dict:
+def ragged_groups(groups: int, gsize: int, tag: str, prompt: int, resp: int) -> list:
+    """random_groups with response lengths uniform in [resp / 4, resp] (seeded)."""
+    import dataclasses
+
+    import numpy as np
+
+    from laminar.testing.trainer_task import random_groups
+    rng = np.random.default_rng(0)
+    out = []
+    for g in random_groups(groups, gsize, tag, resp_len=resp, prompt_len=prompt):
+        lens = rng.integers(max(1, resp // 4), resp + 1, len(g))
+        out.append([dataclasses.replace(t, response_tokens=t.response_tokens[:n], logprobs=t.logprobs[:n])
+                    for t, n in zip(g, lens, strict=True)])
+    return out
+
+
+def train_rates(model_dir: Path, device: str, batch: list, iters: int):
+    """Packing off and on: (engine with packing, best tokens/s padded, best packed, tokens per
+    iteration). The two engines' timed iterations alternate, so a change of the machine's load
+    during the run reaches both columns alike."""
+    import torch
+    engines = {p: make_engine(model_dir, device, len(batch), p) for p in (False, True)}
+    for eng in engines.values():
+        eng.train(batch, 1)  # warm-up (allocator, optimizer state)
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for v in range(iters):
+        for packing, eng in engines.items():
+            if eng.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = eng.train(batch, v + 2)
+            if eng.device.type == "cuda":
+                torch.cuda.synchronize()
+            rates[packing].append(out["tokens"] / (time.perf_counter() - t0))
+    return engines[True], max(rates[False]), max(rates[True]), out["tokens"]
+
+
+def padding_fraction(batch: list, micro: int) -> float:
+    """Pad positions of right-padded micro-batches of `micro` sequences, over all positions (the
+    trainer's own order differs; this is the same lengths in the batch's order)."""
+    lens = [len(t.spec.prompt_tokens) + len(t.response_tokens) for g in batch for t in g]
+    chunks = [lens[i:i + micro] for i in range(0, len(lens), micro)]
+    total = sum(max(c) * len(c) for c in chunks)
+    return 1.0 - sum(lens) / total
+
+
+def bench_model(name: str, tmp: Path, device: str, groups: int, gsize: int, prompt: int, resp: int,
+                iters: int) -> dict:
     import torch
 
     from laminar.models.tiny import build_tiny_model
-    from laminar.testing.trainer_task import random_groups
     from laminar.weights.publisher import WeightPublisher
     d = build_tiny_model(tmp / name, **MODELS[name])
-    eng = make_engine(d, device, groups)
+    batch = ragged_groups(groups, gsize, name, prompt, resp)
+    eng, padded, packed, tokens = train_rates(d, device, batch, iters)
     params = eng.params
-    batch = random_groups(groups, gsize, name, resp_len=resp, prompt_len=prompt)
-    eng.train(batch, 1)  # warm-up (allocator, optimizer state)
-    if eng.device.type == "cuda":
-        torch.cuda.synchronize()
-    rates = []
-    for v in range(iters):
-        t0 = time.perf_counter()
-        out = eng.train(batch, v + 2)
-        if eng.device.type == "cuda":
-            torch.cuda.synchronize()
-        rates.append(out["tokens"] / (time.perf_counter() - t0))
     sd = eng.full_state()["model"]
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     pub = WeightPublisher()
@@ -79,8 +119,11 @@ def bench_model(name: str, tmp: Path, device: str, groups: int, gsize: int, prom
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
         memcpys.append(time.perf_counter() - t0)
     stall, memcpy = min(stalls), min(memcpys)
-    return {"model": name, "params": params, "device": str(eng.device), "dtype": eng.cfg.dtype, "tokens_per_iteration": out["tokens"],
-            "train_tokens_per_s": max(rates), "weights_mb": nbytes / 1e6, "publish_stall_s": stall,
+    return {"model": name, "params": params, "device": str(eng.device), "dtype": eng.cfg.dtype,
+            "tokens_per_iteration": tokens, "padding": padding_fraction(batch, eng.cfg.micro_batch_size),
+            "train_tokens_per_s_padded": padded, "train_tokens_per_s_packed": packed,
+            "packing_speedup": packed / padded, "train_tokens_per_s": packed if eng.device.type == "cuda" else padded,
+            "weights_mb": nbytes / 1e6, "publish_stall_s": stall,
             "memcpy_s": memcpy, "publish_stall_over_memcpy": stall / memcpy}
 
 
@@ -89,6 +132,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small batches, one timed iteration (< 60 s)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     a = ap.parse_args()
     t_start = time.perf_counter()
     shapes = {"tiny": (16, 8, 32, 64, 3 if a.quick else 10),
@@ -96,14 +140,22 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, (g, n, p, r, it) in shapes.items():
+            if name not in a.models.split(","):
+                continue
             rows.append(bench_model(name, Path(tmp), a.device, g, n, p, r, it))
-    print_table("trainer: one GRPO iteration and the publish stall",
-                ["model", "params", "device", "tokens/iter", "tokens/s", "weights MB", "stall s", "memcpy s", "stall/memcpy"],
-                [[x["model"], f"{x['params'] / 1e6:.1f}M", x["device"], int(x["tokens_per_iteration"]), x["train_tokens_per_s"],
-                  x["weights_mb"], x["publish_stall_s"], x["memcpy_s"], x["publish_stall_over_memcpy"]] for x in rows])
+    print_table("trainer: one GRPO iteration (packing off / on) and the publish stall",
+                ["model", "params", "device", "tokens/iter", "padding", "tokens/s padded", "tokens/s packed",
+                 "packed/padded", "weights MB", "stall s", "memcpy s", "stall/memcpy"],
+                [[x["model"], f"{x['params'] / 1e6:.1f}M", x["device"], int(x["tokens_per_iteration"]),
+                  f"{x['padding']:.0%}", x["train_tokens_per_s_padded"], x["train_tokens_per_s_packed"],
+                  x["packing_speedup"], x["weights_mb"], x["publish_stall_s"], x["memcpy_s"],
+                  x["publish_stall_over_memcpy"]] for x in rows])
     big = rows[-1]
     write_json(a.out, {"quick": a.quick, "models": rows, "train_tokens_per_s": big["train_tokens_per_s"],
-                       "publish_stall_s": big["publish_stall_s"], "publish_stall_over_memcpy": big["publish_stall_over_memcpy"],
+                       "train_tokens_per_s_padded": big["train_tokens_per_s_padded"],
+                       "train_tokens_per_s_packed": big["train_tokens_per_s_packed"],
+                       "publish_stall_s": big["publish_stall_s"],
+                       "publish_stall_over_memcpy": big["publish_stall_over_memcpy"],
                        "elapsed_s": time.perf_counter() - t_start})
 
 

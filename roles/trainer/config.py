@@ -53,10 +53,12 @@ class TrainerConfig(BaseModel):
     packing: bool | None = Field(None, description="pack each micro-batch's sequences into one row with "
                                  "per-sequence positions (no compute on padding; flash-attention varlen on a GPU, "
                                  "a block-diagonal mask on the CPU); None: on with CUDA, off on the CPU")
-    attn_implementation: str = Field("auto", pattern="^(auto|sdpa|eager|flash_attention_2|flash_attention_3)$",
-                                     description="the models' attention kernels; auto: flash_attention_2 on CUDA "
-                                     "when the flash_attn package is installed, else what the model folder loads "
-                                     "with (sdpa)")
+    attn_implementation: str = Field("auto", pattern="^(auto|sdpa|eager|flex_attention|flash_attention_2|"
+                                     "flash_attention_3)$",
+                                     description="the models' attention kernels; auto: on CUDA flash_attention_2 "
+                                     "when the flash_attn package is installed, else flex_attention when packing "
+                                     "(block-sparse; sdpa would compute a packed row's whole N x N mask), else "
+                                     "what the model folder loads with (sdpa)")
     optimizer_impl: str = Field("auto", pattern="^(auto|fused|foreach|for_loop)$",
                                 description="AdamW implementation; auto: fused on CUDA, torch's default on the CPU")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "

@@ -140,6 +140,10 @@ class TrainEngine:
             import importlib.util
             if importlib.util.find_spec("flash_attn") is not None:
                 return "flash_attention_2"  # varlen kernels: packed rows without a materialized mask
+            if self.packing:
+                # sdpa would attend a packed row of N tokens through a dense N x N block-diagonal mask
+                # (N^2 work instead of the sum of L^2); flex attention skips the masked blocks
+                return "flex_attention"
         return None
 
     def _prepare(self, model, trained: bool) -> None:

@@ -82,6 +82,19 @@ def test_packed_logprobs_entropy_and_values_match_the_padded_batch(tiny):
         assert torch.allclose(pv[inside], v[inside], atol=1e-5, rtol=0)
 
 
+def test_packed_flex_attention_matches_the_padded_batch(tiny):
+    """The CUDA default without flash_attn: flex attention (block-sparse mask from the positions),
+    checked here on the CPU (transformers compiles it: ~20 s)."""
+    model = load_causal_lm(tiny, "cpu", train=False)
+    ids, att, _, _ = batch(ragged_groups(6))
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, ids, att)
+        model.set_attn_implementation("flex_attention")
+        plp, _ = packed_token_logprobs(model, ids, att)
+    inside = pack(ids, att).valid
+    assert torch.allclose(plp[inside], lp[inside], atol=1e-5, rtol=0)
+
+
 def test_a_packed_sequence_never_sees_its_neighbours(tiny):
     model = load_causal_lm(tiny, "cpu", train=False)
     ids, att, _, _ = batch(ragged_groups(2))

@@ -31,12 +31,14 @@ def test_auto_settings_resolve_per_device(tiny):
     gpu = TrainEngine(cfg, 0, torch.device("cuda"))  # not loaded: nothing touches CUDA
     assert gpu.packing is True and gpu._adamw_impl() == {"fused": True}
     has_flash = importlib.util.find_spec("flash_attn") is not None
-    assert gpu.attn_implementation() == ("flash_attention_2" if has_flash else None)
+    assert gpu.attn_implementation() == ("flash_attention_2" if has_flash else "flex_attention")
     cpu = TrainEngine(cfg, 0, torch.device("cpu"))
     assert cpu.packing is False and cpu._adamw_impl() == {} and cpu.attn_implementation() is None
     explicit = TrainerConfig(model_dir=str(tiny), packing=False, optimizer_impl="foreach", attn_implementation="eager")
     e = TrainEngine(explicit, 0, torch.device("cuda"))
     assert e.packing is False and e._adamw_impl() == {"foreach": True} and e.attn_implementation() == "eager"
+    unpacked = TrainEngine(TrainerConfig(model_dir=str(tiny), packing=False), 0, torch.device("cuda"))
+    assert unpacked.attn_implementation() == ("flash_attention_2" if has_flash else None)  # padded: sdpa is fine
     assert not cfg.activation_checkpointing and not cfg.compile  # both off unless asked for
 
 
