@@ -5,17 +5,21 @@
 
 Runs as root inside the namespaces, standard library only (it is started by path, not imported):
 
-1. reads the run spec (JSON) from stdin;
-2. makes the interpreter reachable by the sandbox uid: a directory on its path that the uid may not
-   search (e.g. /root holding a pyenv) gets a tmpfs over it with only the needed entries bound
-   back, so the rest of that directory stays hidden;
-3. remounts the whole tree read-only (mount_setattr, AT_RECURSIVE; Linux >= 5.12), then mounts a
-   size-limited tmpfs owned by the sandbox uid on /tmp: the only writable place, and the cwd;
-4. forks the program: rlimits, no_new_privs, drop to the sandbox uid/gid (no supplementary
-   groups), stdin from /dev/null, exec PYTHON -E -s -u -B main.py;
-5. reaps until the program ends and writes {"exit"|"signal", "cpu_s"} (or {"error"}) on
+1. reads the run spec (JSON) from stdin; writes itself into the run's cgroup(s) (`cgroup_procs`),
+   with an OOM score that makes the kernel kill the program, not the init, at the run's limit;
+2. builds a new root on a tmpfs holding only an allow-list: the interpreter's paths (prefix, venv,
+   `sys.path`), SYSTEM_PATHS, the spec's `read_only` paths (each a read-only, nosuid, nodev bind
+   mount), a fresh /proc, a /dev with five device nodes (each bound on its own: the only mounts
+   without nodev), a private /dev/shm, and the scratch tmpfs on /tmp (owned by the sandbox uid,
+   the cwd), then pivot_root()s into it and detaches the old root: nothing else of the host's
+   file system exists for the code;
+3. forks the program: rlimits, no_new_privs, drop to the sandbox uid/gid (no supplementary
+   groups), stdin from /dev/null, the seccomp filter (compiled by libseccomp in the parent, passed
+   as bytes), exec PYTHON -E -s -u -B main.py;
+4. reaps until the program ends and writes {"exit"|"signal", "cpu_s"} (or {"error"}) on
    STATUS_FD. When pid 1 exits the kernel kills whatever else is left in the namespace.
 """
+import base64
 import ctypes
 import json
 import os
@@ -23,11 +27,19 @@ import resource
 import stat
 import sys
 
-MS_BIND, MS_REC = 4096, 16384
-AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC = 0x2, 0x4, 0x8, 4096, 16384
+MNT_DETACH = 2
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 0x1, 0x2, 0x4, 0x8
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture (new syscalls are unified)
-PR_SET_NO_NEW_PRIVS = 38
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 SCRATCH = "/tmp"
+STAGE = "/tmp"  # where the new root is assembled (in this mount namespace only), before pivot_root
+SYSTEM_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
+                "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives", "/etc/nsswitch.conf"]
+DEVICES = ["null", "zero", "full", "random", "urandom"]
+RO_BIND = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -48,53 +60,10 @@ def mount(src: str, target: str, fstype: str | None, flags: int = 0, data: str |
                       data.encode() if data else None), f"mount {target}")
 
 
-def read_only_tree() -> None:
-    attr = MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
-    _check(libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr),
-                        ctypes.sizeof(attr)), "mount_setattr / read-only")
-
-
-def _searchable(path: str, uid: int) -> bool:
-    st = os.stat(path)
-    if st.st_uid == uid:
-        return bool(st.st_mode & stat.S_IXUSR)
-    if st.st_gid == uid:
-        return bool(st.st_mode & stat.S_IXGRP)
-    return bool(st.st_mode & stat.S_IXOTH)
-
-
-def _first_blocked(path: str, uid: int) -> tuple[str, str] | None:
-    """(directory the uid cannot search, the entry under it on the way to `path`) or None."""
-    cur = "/"
-    for name in path.strip("/").split("/"):
-        if not name:
-            continue
-        if not _searchable(cur, uid):
-            return cur, name
-        cur = os.path.join(cur, name)
-    return None
-
-
-def expose(paths: list[str], uid: int) -> None:
-    for _ in range(8):  # each round fixes one level of unsearchable ancestors
-        blocked: dict[str, set[str]] = {}
-        for p in paths:
-            b = _first_blocked(p, uid) if os.path.exists(p) else None
-            if b:
-                blocked.setdefault(b[0], set()).add(b[1])
-        if not blocked:
-            return
-        for d, names in blocked.items():
-            fds = {n: os.open(os.path.join(d, n), os.O_PATH) for n in names}
-            mount("tmpfs", d, "tmpfs", 0, "mode=0755,size=64k")
-            for n, fd in fds.items():
-                target = os.path.join(d, n)
-                if stat.S_ISDIR(os.fstat(fd).st_mode):
-                    os.mkdir(target)
-                else:
-                    open(target, "w").close()
-                mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
-                os.close(fd)
+def setattr_mount(path: str, attrs: int, recursive: bool = True) -> None:
+    attr = MountAttr(attrs, 0, 0, 0)
+    _check(libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), AT_RECURSIVE if recursive else 0,
+                        ctypes.byref(attr), ctypes.sizeof(attr)), f"mount_setattr {path}")
 
 
 def interpreter_paths() -> list[str]:
@@ -104,37 +73,111 @@ def interpreter_paths() -> list[str]:
     return sorted(paths)
 
 
-def _under_scratch(paths: list[str]) -> list[str]:
-    """Top-level entries of SCRATCH holding the interpreter (a checkout or venv under /tmp)."""
-    top = set()
-    for p in paths:
-        rel = os.path.relpath(p, SCRATCH)
-        if not rel.startswith("..") and rel != ".":
-            top.add(rel.split(os.sep)[0])
-    return sorted(os.path.join(SCRATCH, t) for t in top if os.path.exists(os.path.join(SCRATCH, t)))
+def _covering(paths: list[str]) -> list[str]:
+    """The existing absolute paths, less those inside another one of them."""
+    keep: list[str] = []
+    for p in sorted({os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.lexists(p)}):
+        if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep):
+            keep.append(p)
+    return keep
+
+
+def set_oom_score_adj(value: int) -> None:
+    """Best effort: some kernels refuse it inside a new network namespace (EACCES/EIO)."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(value))
+    except OSError:
+        pass
+
+
+def join_cgroups(procs_files: list[str]) -> None:
+    set_oom_score_adj(-1000)  # the program (which resets it to 0) is what the run's OOM kills, not the init
+    for path in procs_files:
+        with open(path, "w") as f:
+            f.write("0")
+
+
+def _mountpoint(target: str, is_dir: bool) -> None:
+    os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+    if is_dir:
+        os.makedirs(target, mode=0o755, exist_ok=True)
+    elif not os.path.exists(target):
+        open(target, "w").close()
+
+
+def _bind(fd: int, target: str, attrs: int) -> None:
+    _mountpoint(target, stat.S_ISDIR(os.fstat(fd).st_mode))
+    mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+    setattr_mount(target, attrs)
 
 
 def prepare(spec: dict) -> None:
     uid = spec["uid"]
-    paths = interpreter_paths()
-    expose(paths, uid)
-    read_only_tree()
-    keep = {p: os.open(p, os.O_PATH) for p in _under_scratch(paths)}  # before the scratch hides them
-    mount("tmpfs", SCRATCH, "tmpfs", 0,
-          f"size={spec['scratch_bytes']},nr_inodes={spec['scratch_inodes']},mode=0700,uid={uid},gid={uid}")
-    for target, fd in keep.items():  # bound back (read-only, the tree's own permissions apply)
-        os.mkdir(target) if stat.S_ISDIR(os.fstat(fd).st_mode) else open(target, "w").close()
-        mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
-        attr = MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
-        _check(libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, target.encode(), AT_RECURSIVE, ctypes.byref(attr),
-                            ctypes.sizeof(attr)), f"mount_setattr {target} read-only")
+    os.umask(0o022)
+    join_cgroups(spec.get("cgroup_procs", []))
+    # 1. hold every allowed path (and each device) before the stage covers anything
+    links, binds = {}, {}
+    for p in _covering(interpreter_paths() + SYSTEM_PATHS + spec.get("read_only", [])):
+        if os.path.islink(p) and p in SYSTEM_PATHS:
+            links[p] = os.readlink(p)  # /bin -> usr/bin on merged-/usr systems: the same link
+        else:
+            binds[p] = os.open(p, os.O_PATH)
+    devs = {d: os.open(f"/dev/{d}", os.O_PATH) for d in DEVICES if os.path.exists(f"/dev/{d}")}
+    # 2. the new root: a tmpfs, read-only once built
+    mount("tmpfs", STAGE, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
+    root = STAGE
+    for p, target in links.items():
+        os.makedirs(os.path.dirname(root + p), mode=0o755, exist_ok=True)
+        os.symlink(target, root + p)
+    for p, fd in binds.items():
+        _bind(fd, root + p, RO_BIND)
         os.close(fd)
+    os.makedirs(root + "/proc", mode=0o555)
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.makedirs(root + "/dev", mode=0o755)
+    mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64")
+    for d, fd in devs.items():  # the device nodes: bound one by one, the only mounts without nodev
+        _bind(fd, f"{root}/dev/{d}", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC)
+        os.close(fd)
+    for name, target in {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+                         "stderr": "/proc/self/fd/2"}.items():
+        os.symlink(target, f"{root}/dev/{name}")
+    os.mkdir(root + "/dev/shm")  # private: POSIX semaphores and shared memory of multiprocessing
+    mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+          f"size={spec['scratch_bytes']},nr_inodes=1024,mode=0700,uid={uid},gid={uid}")
+    setattr_mount(root + "/dev", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+                  recursive=False)
+    os.makedirs(root + SCRATCH, mode=0o755, exist_ok=True)
+    mount("tmpfs", root + SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+          f"size={spec['scratch_bytes']},nr_inodes={spec['scratch_inodes']},mode=0700,uid={uid},gid={uid}")
     for name, text in {**spec["files"], "main.py": spec["code"]}.items():
-        path = os.path.join(SCRATCH, name)
+        path = os.path.join(root + SCRATCH, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
         os.chown(path, uid, uid)
+    for dirpath, _dirs, _files in os.walk(root + SCRATCH):
+        os.chown(dirpath, uid, uid)
+    # 3. pivot into it and detach the old root (pivot_root(".", ".") stacks the old root on "/")
+    machine = os.uname().machine
+    if machine not in SYS_PIVOT_ROOT:
+        raise OSError(f"pivot_root: system call number unknown on {machine}")
+    os.chdir(root)
+    _check(libc.syscall(SYS_PIVOT_ROOT[machine], b".", b"."), "pivot_root")
+    _check(libc.umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")
+    setattr_mount("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC, recursive=False)
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def install_seccomp(program: bytes) -> None:
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = SockFprog(len(program) // 8, ctypes.addressof(buf))
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp filter")
 
 
 def become_program(spec: dict) -> None:
@@ -148,6 +191,7 @@ def become_program(spec: dict) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"],) * 2)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl no_new_privs")
+        set_oom_score_adj(0)
         uid = spec["uid"]
         os.setgroups([])
         os.setgid(uid)
@@ -156,6 +200,8 @@ def become_program(spec: dict) -> None:
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
+        if spec.get("seccomp"):
+            install_seccomp(base64.b64decode(spec["seccomp"]))  # last: from here on only the allow-list
         os.execve(sys.executable, [sys.executable, "-E", "-s", "-u", "-B", "main.py"], spec["env"])
     except BaseException as exc:  # noqa: BLE001 — report on stderr, exit like a shell would
         os.write(2, f"sandbox: cannot start the program: {exc!r}\n".encode())
@@ -169,7 +215,8 @@ def main() -> None:
         spec = json.loads(sys.stdin.buffer.read())
         prepare(spec)
     except Exception as exc:  # noqa: BLE001 — the parent turns this into SandboxError
-        os.write(status_fd, json.dumps({"error": repr(exc)}).encode())
+        where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+        os.write(status_fd, json.dumps({"error": repr(exc) + where}).encode())
         sys.exit(1)
     child = os.fork()
     if child == 0:

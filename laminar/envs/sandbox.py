@@ -5,7 +5,8 @@
     res = await sb.run("print(2 + 2)")          # SandboxResult(stdout="4\\n", exit_code=0, ...)
 
 What isolates the code, and why these mechanisms (we run as root, where RLIMIT_NPROC is not
-enforced and file permissions do not apply):
+enforced and file permissions do not apply). docs/security.md ("The code sandbox") says which of
+them are active on a given machine.
 
 - namespaces (`unshare --net --pid --mount --ipc --uts --fork --kill-child --mount-proc`): a new
   network namespace has only a loopback interface, which is down, so no connection leaves it (not
@@ -16,25 +17,34 @@ enforced and file permissions do not apply):
   /etc/passwd): RLIMIT_NPROC counts processes per uid, so it bounds a fork bomb once the code is
   not root, and runs in different slots do not share that budget. Slots are reused FIFO, so a
   uid's previous namespace has long died when it comes round again;
-- files: in its mount namespace the init remounts the whole tree read-only and mounts a fresh
-  tmpfs of `scratch_mb`, owned by the run's uid, on /tmp — the cwd and the only writable place;
-  writes anywhere else fail (EROFS, or EACCES where the uid lacks permission) and the scratch
-  disappears with the namespace. Directories the uid may not read (root's home holding the
-  interpreter, keys) stay unreadable; only the interpreter's own paths are bound back;
+- files: an allow-list, not permissions. The init builds a new root (a read-only tmpfs) holding
+  only the interpreter (its prefix, the venv, `sys.path`), the system's /usr and /lib*, a few
+  files of /etc, `read_only_paths`, a fresh /proc, a /dev with null, zero, full, random and
+  urandom, a private /dev/shm and the scratch tmpfs on /tmp (the cwd), and pivots into it: the
+  dataset, pool databases, checkpoints, keys, the repository and the host's /dev/shm do not exist
+  there. Every mount is nosuid and nodev (the five device nodes are each a bind mount of their
+  own, without nodev), all but /tmp and /dev/shm read-only, /tmp and /dev/shm noexec;
+- a system-call allow-list (seccomp, compiled by libseccomp: laminar/envs/syscalls.py): unshare,
+  setns, namespace clones, bpf, perf_event_open, io_uring, ptrace, mount and the rest fail with
+  EPERM. Without libseccomp the sandbox refuses to start unless `allow_no_seccomp` is set;
+- one cgroup per run (laminar/envs/cgroups.py: v2, else v1 where writable, else a warning, or a
+  refusal with `cgroup: required`): `run_memory_mb` for all its processes together (the kernel
+  OOM-kills inside the run), `max_processes` pids, `run_cpus` of CPU time per second;
 - rlimits in the child: CPU seconds (SIGXCPU, then SIGKILL one second later), address space
   (allocations fail: MemoryError), processes, file size, open files, no core dumps; plus
   no_new_privs, so a setuid binary cannot regain privileges;
 - from outside: a wall-clock deadline and a cap on stdout/stderr bytes; either one kills the
   whole process group (and with it the namespace).
 
-Bounds: at most `slots` runs at once (a run waits for a free slot); memory is per process, so a
-run can use up to `max_processes * memory_mb`. Requires root, util-linux `unshare` and Linux
->= 5.12 (`mount_setattr`); `check()` says which one is missing. Isolation is not a VM: kernel
-exploits are out of scope.
+Bounds: at most `slots` runs at once (a run waits for a free slot); memory: `memory_mb` per
+process and `run_memory_mb` per run (the latter only with a cgroup). Requires root, util-linux
+`unshare`, Linux >= 5.12 (`mount_setattr`) and libseccomp with `pyseccomp`; `check()` says which
+one is missing. Isolation is not a VM: kernel exploits are out of scope.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import shutil
@@ -43,8 +53,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field
+
+from laminar.envs import syscalls
+from laminar.envs.cgroups import CgroupPlan, RunCgroup, plan_cgroups
+
+log = structlog.get_logger("laminar.sandbox")
+_SECCOMP: bytes | None = None  # the compiled filter, built once per process
 
 INIT = Path(__file__).with_name("_sandbox_init.py")
 UNSHARE_FLAGS = ("--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc")
@@ -62,8 +80,19 @@ class SandboxConfig(BaseModel):
     scratch_mb: int = Field(64, ge=1, description="size of the writable scratch tmpfs (the cwd)")
     max_open_files: int = Field(64, ge=16, description="RLIMIT_NOFILE")
     slots: int = Field(8, ge=1, description="runs at once; each slot has its own uid")
-    uid_base: int = Field(2_900_000_000, ge=1000, le=4_294_000_000, description="first sandbox uid (far above real users and subuid ranges)")
+    uid_base: int = Field(2_900_000_000, ge=1000, le=4_294_000_000,
+                          description="first sandbox uid (far above real users and subuid ranges)")
     python: str | None = Field(None, description="interpreter for the code (default: this process's)")
+    run_memory_mb: int = Field(1024, ge=64, description="memory of a whole run, all its processes together "
+                               "(its cgroup; the kernel OOM-kills inside the run beyond it)")
+    run_cpus: float = Field(1.0, gt=0, description="CPU time per wall-clock second of a whole run (its cgroup)")
+    cgroup: Literal["auto", "required", "off"] = Field(
+        "auto", description="per-run cgroup: auto (v2, else v1, else run without one and warn), required "
+        "(refuse to start without one), off")
+    allow_no_seccomp: bool = Field(False, description="run without the system-call filter when libseccomp or "
+                                   "pyseccomp is missing (with a loud warning); otherwise the sandbox refuses to start")
+    read_only_paths: list[str] = Field(default_factory=list, description="absolute paths shown read-only to the "
+                                       "code besides the interpreter and the system's /usr and /lib")
 
 
 class SandboxError(RuntimeError):
@@ -85,6 +114,8 @@ class SandboxResult:
     cpu_s: float = 0.0
     signal: int | None = None
     truncated: bool = False       # stdout or stderr was cut at max_output_bytes
+    memory_peak_bytes: int | None = None  # the run's cgroup's peak (None without a cgroup)
+    oom_kills: int = 0            # processes of the run the kernel killed at run_memory_mb
 
     @property
     def ok(self) -> bool:
@@ -97,6 +128,9 @@ class Sandbox:
         self.python = self.cfg.python or sys.executable
         self._uids: asyncio.Queue[int] | None = None
         self.runs = 0
+        self._plan: CgroupPlan | None = None
+        self._seccomp: bytes | None = None
+        self.warnings: list[str] | None = None  # set by check_policy()
 
     # -- availability -----------------------------------------------------------------------
     @staticmethod
@@ -109,11 +143,53 @@ class Sandbox:
             return "util-linux `unshare` not found"
         return None
 
+    def cgroup_plan(self) -> CgroupPlan:
+        """Which cgroup hierarchy runs get on this machine (decided once)."""
+        if self._plan is None:
+            if self.cfg.cgroup == "off":
+                self._plan = CgroupPlan("none", {}, {}, "sandbox.cgroup is off")
+            else:
+                try:
+                    info, own = Path("/proc/self/mountinfo").read_text(), Path("/proc/self/cgroup").read_text()
+                except OSError as exc:
+                    info, own = "", str(exc)
+                self._plan = plan_cgroups(info, own)
+        return self._plan
+
+    def check_policy(self) -> list[str]:
+        """Decide the system-call filter and the cgroup; raise SandboxUnavailable where the config
+        does not allow what is missing, and return (and log, once) the warnings for the rest."""
+        if self.warnings is not None:
+            return self.warnings
+        warnings = []
+        try:
+            self._seccomp = seccomp_program()
+        except Exception as exc:  # noqa: BLE001 — ImportError (no pyseccomp), OSError (no libseccomp), ...
+            why = (f"no system-call filter: libseccomp or pyseccomp is not usable ({exc!r}); install "
+                   "libseccomp2 and `pip install pyseccomp`")
+            if not self.cfg.allow_no_seccomp:
+                raise SandboxUnavailable(f"{why}, or set sandbox.allow_no_seccomp: true to run without one") from None
+            warnings.append(f"the sandbox runs model code WITHOUT a system-call filter ({why}); "
+                            "unshare, bpf, io_uring, ptrace and the rest are open to it")
+        plan = self.cgroup_plan()
+        if plan.kind == "none":
+            if self.cfg.cgroup == "required":
+                raise SandboxUnavailable(f"no usable cgroup for sandbox runs: {plan.reason}")
+            if self.cfg.cgroup == "auto":
+                warnings.append(f"no per-run cgroup ({plan.reason}): memory is bounded per process only "
+                                f"(up to max_processes x memory_mb = {self.cfg.max_processes * self.cfg.memory_mb} MB "
+                                "per run), CPU per process")
+        for w in warnings:
+            log.warning("sandbox_degraded", warning=w)
+        self.warnings = warnings
+        return warnings
+
     async def check(self) -> None:
         """Raise SandboxUnavailable unless a trivial program runs correctly in the sandbox."""
         why = self.unavailable_reason()
         if why:
             raise SandboxUnavailable(why)
+        self.check_policy()
         try:
             res = await self.run("print('ok')")
         except SandboxError as exc:
@@ -129,6 +205,7 @@ class Sandbox:
         for name in files:
             if name.startswith("/") or ".." in Path(name).parts or name == "main.py":
                 raise ValueError(f"sandbox file name {name!r}: must be relative, without '..', not main.py")
+        self.check_policy()
         if self._uids is None:
             self._uids = asyncio.Queue()
             for i in range(self.cfg.slots):
@@ -140,16 +217,33 @@ class Sandbox:
             self._uids.put_nowait(uid)  # FIFO: this uid is reused last
             self.runs += 1
 
-    def _spec(self, uid: int, code: str, files: dict[str, str]) -> bytes:
+    def _spec(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None) -> bytes:
         c = self.cfg
         return json.dumps({
             "uid": uid, "code": code, "files": files, "env": CHILD_ENV,
+            "read_only": [str(Path(p)) for p in c.read_only_paths],
+            "cgroup_procs": cgroup.procs_files() if cgroup else [],
+            "seccomp": base64.b64encode(self._seccomp).decode() if self._seccomp else None,
             "scratch_bytes": c.scratch_mb << 20, "scratch_inodes": 4096,
             "limits": {"cpu_s": c.cpu_s, "memory_bytes": c.memory_mb << 20, "processes": c.max_processes,
                        "file_bytes": c.scratch_mb << 20, "open_files": c.max_open_files},
         }).encode()
 
     async def _run(self, uid: int, code: str, files: dict[str, str]) -> SandboxResult:
+        cgroup = None
+        if self.cgroup_plan().kind != "none":
+            try:
+                cgroup = RunCgroup.create(self._plan, self.cfg.run_memory_mb << 20, self.cfg.max_processes + 1,
+                                          self.cfg.run_cpus)
+            except OSError as exc:
+                raise SandboxError(f"cannot create the run's cgroup ({self._plan.kind}): {exc}") from None
+        try:
+            return await self._run_in(uid, code, files, cgroup)
+        finally:
+            if cgroup and not await cgroup.remove():
+                log.warning("sandbox_cgroup_left", dirs=list(cgroup.dirs.values()))
+
+    async def _run_in(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None) -> SandboxResult:
         c = self.cfg
         status_r, status_w = os.pipe()
         t0 = time.monotonic()
@@ -192,7 +286,7 @@ class Sandbox:
         try:
             async with asyncio.timeout(c.wall_s):
                 try:
-                    proc.stdin.write(self._spec(uid, code, files))
+                    proc.stdin.write(self._spec(uid, code, files, cgroup))
                     await proc.stdin.drain()
                     proc.stdin.close()
                 except (BrokenPipeError, ConnectionResetError):
@@ -222,11 +316,22 @@ class Sandbox:
                                f"{err.decode(errors='replace')[-500:]}")
         stderr = err.decode("utf-8", errors="replace")
         sig = status.get("signal")
+        peak, oom = cgroup.stats() if cgroup else (None, 0)
         reason = killed[0] if killed else _reason(status, stderr, c.cpu_s)
+        if oom and reason in (None, "signal:SIGKILL"):
+            reason = "memory"  # the run's cgroup hit run_memory_mb and the kernel killed in it
         return SandboxResult(stdout=out.decode("utf-8", errors="replace"), stderr=stderr,
                              exit_code=status.get("exit"), timed_out=reason == "wall_time",
                              killed_reason=reason, wall_s=wall, cpu_s=float(status.get("cpu_s", 0.0)),
-                             signal=sig, truncated=bool(truncated))
+                             signal=sig, truncated=bool(truncated), memory_peak_bytes=peak, oom_kills=oom)
+
+
+def seccomp_program() -> bytes:
+    """The compiled system-call filter (laminar/envs/syscalls.py), built once per process."""
+    global _SECCOMP
+    if _SECCOMP is None:
+        _SECCOMP = syscalls.build_program()
+    return _SECCOMP
 
 
 def _child_pidfds(pid: int) -> list[int]:

@@ -106,11 +106,11 @@ def test_no_network():
             srv.bind(("127.0.0.1", 0))
             srv.listen()
             port = srv.getsockname()[1]
-            code = ("import socket\nfor addr in [('127.0.0.1', %d), ('1.1.1.1', 80), ('8.8.8.8', 53)]:\n"
+            code = (f"import socket\nfor addr in [('127.0.0.1', {port}), ('1.1.1.1', 80), ('8.8.8.8', 53)]:\n"
                     "    try:\n        socket.create_connection(addr, timeout=1)\n        print('CONNECTED', addr)\n"
                     "    except OSError as e:\n        print('refused', e.errno)\n"
                     "try:\n    socket.getaddrinfo('example.com', 80)\n    print('RESOLVED')\n"
-                    "except OSError as e:\n    print('no dns')") % port
+                    "except OSError as e:\n    print('no dns')")
             res = await sb.run(code)
         assert "CONNECTED" not in res.stdout and "RESOLVED" not in res.stdout, res
         assert res.stdout.count("refused") == 3 and res.ok
@@ -124,17 +124,19 @@ def test_writes_outside_scratch_refused_and_secrets_unreadable(tmp_path):
         repo_probe = Path(__file__).with_name("sandbox_probe.txt")
         host_tmp = tmp_path / "host.txt"
         targets = [str(repo_probe), str(host_tmp), "/var/tmp/probe", "/dev/shm/probe", "/etc/probe", "/root/probe"]
-        code = ("import os\nfor p in %r:\n    try:\n        os.makedirs(os.path.dirname(p), exist_ok=True)\n"
+        code = (f"import os\nfor p in {targets!r}:\n    try:\n        os.makedirs(os.path.dirname(p), exist_ok=True)\n"
                 "        open(p, 'w').write('x')\n        print('wrote', p)\n    except OSError as e:\n"
                 "        print('refused', p)\nopen('mine.txt', 'w').write('ok')\nprint(open('mine.txt').read())\n"
                 "for p in ['/etc/shadow']:\n    try:\n        open(p).read()\n        print('READ', p)\n"
-                "    except OSError:\n        print('unreadable', p)") % targets
+                "    except OSError:\n        print('unreadable', p)")
         res = await sb.run(code)
         assert res.ok, res
         for t in targets:
             assert not Path(t).exists(), t  # nothing reached the host's file system
-        # only the host's tmp path may be "written": into the sandbox's own /tmp tmpfs, gone now
-        assert all(f"refused {t}" in res.stdout for t in targets if t != str(host_tmp)), res.stdout
+        # only the host's tmp path and /dev/shm may be "written": into the sandbox's own tmpfs
+        # mounts (its /tmp and its private /dev/shm), gone now
+        private = (str(host_tmp), "/dev/shm/probe")
+        assert all(f"refused {t}" in res.stdout for t in targets if t not in private), res.stdout
         assert "\nok\n" in res.stdout
         if Path("/etc/shadow").exists():
             assert "unreadable /etc/shadow" in res.stdout
