@@ -143,6 +143,11 @@ class Sandbox:
             return "util-linux `unshare` not found"
         return None
 
+    @property
+    def seccomp_active(self) -> bool:
+        """Runs get the system-call filter (known once check_policy() has run)."""
+        return self._seccomp is not None
+
     def cgroup_plan(self) -> CgroupPlan:
         """Which cgroup hierarchy runs get on this machine (decided once)."""
         if self._plan is None:

@@ -32,8 +32,12 @@ class EnvRole(Role):
         self.server.route(EnvStep, self.on_step)
         self.server.route(EnvClose, self.on_close)
         await self.server.start()
-        self.log.info("env_ready", environment=c.environment, sandbox=self.sandbox is not None,
-                      address=self.server.address)
+        sandbox = None
+        if self.sandbox is not None:  # what confines model code here, and what is missing (warnings)
+            plan = self.sandbox.cgroup_plan()
+            sandbox = {"seccomp": self.sandbox.seccomp_active,
+                       "cgroup": plan.kind, "warnings": self.sandbox.warnings or []}
+        self.log.info("env_ready", environment=c.environment, sandbox=sandbox, address=self.server.address)
 
     async def run(self) -> None:
         self.spawn(self.host.expire_idle(), "expire_idle")
