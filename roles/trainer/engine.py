@@ -11,7 +11,10 @@ mini-batch's total valid tokens and the gradients are summed over ranks.
     grpo: advantages = group-normalized rewards, one per sequence
     ppo:  advantages = GAE over the critic's values (reward at the last token), whitened over the
           batch; the critic is trained with the clipped value loss by its own AdamW
-Both use the same Clip-Higher policy loss, optional dual clip, k3 KL, TIS or decoupled-PPO corrections.
+Both use the same Clip-Higher policy loss (clipped_policy_loss), optional dual clip, k3 KL, TIS
+or decoupled-PPO corrections: train() prepares what they share, then _train_grpo or _train_ppo runs
+the shared mini-batch loop (_minibatch_steps) with its own micro-batch step. With `packing`, each
+micro-batch is forwarded as one packed row (packing.py) and mapped back to the padded layout.
 
 Train-inference mismatch (per version): the rollout's behaviour logprobs against the trainer's
 logprobs of the same tokens under the same weights version, over the valid tokens whose sample
