@@ -130,6 +130,10 @@ def prepare(spec: dict) -> None:
     for p, target in links.items():
         os.makedirs(os.path.dirname(root + p), mode=0o755, exist_ok=True)
         os.symlink(target, root + p)
+    # the scratch first: an interpreter living under /tmp (a checkout there) is bound inside it
+    os.makedirs(root + SCRATCH, mode=0o755, exist_ok=True)
+    mount("tmpfs", root + SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+          f"size={spec['scratch_bytes']},nr_inodes={spec['scratch_inodes']},mode=0700,uid={uid},gid={uid}")
     for p, fd in binds.items():
         _bind(fd, root + p, RO_BIND)
         os.close(fd)
@@ -148,17 +152,17 @@ def prepare(spec: dict) -> None:
           f"size={spec['scratch_bytes']},nr_inodes=1024,mode=0700,uid={uid},gid={uid}")
     setattr_mount(root + "/dev", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
                   recursive=False)
-    os.makedirs(root + SCRATCH, mode=0o755, exist_ok=True)
-    mount("tmpfs", root + SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-          f"size={spec['scratch_bytes']},nr_inodes={spec['scratch_inodes']},mode=0700,uid={uid},gid={uid}")
     for name, text in {**spec["files"], "main.py": spec["code"]}.items():
         path = os.path.join(root + SCRATCH, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
         os.chown(path, uid, uid)
-    for dirpath, _dirs, _files in os.walk(root + SCRATCH):
-        os.chown(dirpath, uid, uid)
+    for name in spec["files"]:  # the directories of the given files belong to the program too
+        d = os.path.dirname(name)
+        while d:
+            os.chown(os.path.join(root + SCRATCH, d), uid, uid)
+            d = os.path.dirname(d)
     # 3. pivot into it and detach the old root (pivot_root(".", ".") stacks the old root on "/")
     machine = os.uname().machine
     if machine not in SYS_PIVOT_ROOT:
