@@ -106,6 +106,28 @@ def plan_cgroups(mountinfo: str, self_cgroup: str, root: str = "") -> CgroupPlan
     return CgroupPlan("none", {}, {}, "; ".join(why))
 
 
+def sweep_stale(plan: CgroupPlan) -> list[str]:
+    """Remove run cgroups left by env processes that died mid-run (named after their pid); returns them."""
+    gone = []
+    for parent in plan.parents.values():
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            continue
+        for name in names:
+            parts = name.split("-")
+            if len(parts) != 4 or not name.startswith("laminar-sandbox-") or not parts[2].isdigit():
+                continue
+            if int(parts[2]) == os.getpid() or os.path.exists(f"/proc/{parts[2]}"):
+                continue  # ours, or its env process is alive
+            try:
+                os.rmdir(os.path.join(parent, name))  # empty once its namespace died
+                gone.append(os.path.join(parent, name))
+            except OSError:
+                pass
+    return gone
+
+
 def _write(path: str, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)

@@ -59,7 +59,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.envs import syscalls
-from laminar.envs.cgroups import CgroupPlan, RunCgroup, plan_cgroups
+from laminar.envs.cgroups import CgroupPlan, RunCgroup, plan_cgroups, sweep_stale
 
 log = structlog.get_logger("laminar.sandbox")
 _SECCOMP: bytes | None = None  # the compiled filter, built once per process
@@ -159,6 +159,8 @@ class Sandbox:
                 except OSError as exc:
                     info, own = "", str(exc)
                 self._plan = plan_cgroups(info, own)
+                if self._plan.kind != "none" and (stale := sweep_stale(self._plan)):
+                    log.info("sandbox_stale_cgroups_removed", dirs=stale)
         return self._plan
 
     def check_policy(self) -> list[str]:

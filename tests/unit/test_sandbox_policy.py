@@ -4,12 +4,14 @@ unless the config explicitly allows running without a system-call filter)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import pytest
 
 from laminar.envs import sandbox as sbmod
 from laminar.envs import syscalls
+from laminar.envs.cgroups import CgroupPlan, sweep_stale
 from laminar.envs.sandbox import Sandbox, SandboxConfig, SandboxUnavailable, plan_cgroups
 
 V2_ONLY = "30 25 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw\n"
@@ -94,3 +96,19 @@ def test_filter_is_built_by_libseccomp_and_refuses_the_listed_calls():
                  "io_uring_register", "ptrace", "mount", "umount2", "pivot_root", "keyctl", "init_module"):
         assert name not in allowed
         assert pyseccomp.resolve_syscall(arch, name) >= 0  # a real name: refused by the default action
+
+
+def test_stale_run_cgroups_of_dead_env_processes_are_removed(tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer exists (reaped)
+    parent = tmp_path / "memory"
+    for name in (f"laminar-sandbox-{dead.pid}-3", f"laminar-sandbox-{os.getpid()}-0", "laminar-sandbox-1-0",
+                 "other", f"laminar-sandbox-{dead.pid}-4"):
+        (parent / name).mkdir(parents=True)
+    (parent / f"laminar-sandbox-{dead.pid}-4" / "busy").mkdir()  # not empty: left alone
+    gone = sweep_stale(CgroupPlan("v1", {}, {"memory": str(parent)}, ""))
+    assert gone == [str(parent / f"laminar-sandbox-{dead.pid}-3")]
+    assert sorted(p.name for p in parent.iterdir()) == sorted(
+        [f"laminar-sandbox-{os.getpid()}-0", "laminar-sandbox-1-0", "other", f"laminar-sandbox-{dead.pid}-4"])
