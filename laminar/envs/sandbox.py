@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Literal
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from laminar.envs import syscalls
 from laminar.envs.cgroups import CgroupPlan, RunCgroup, plan_cgroups, sweep_stale
@@ -93,6 +93,14 @@ class SandboxConfig(BaseModel):
                                    "pyseccomp is missing (with a loud warning); otherwise the sandbox refuses to start")
     read_only_paths: list[str] = Field(default_factory=list, description="absolute paths shown read-only to the "
                                        "code besides the interpreter and the system's /usr and /lib")
+
+    @field_validator("read_only_paths")
+    @classmethod
+    def _absolute(cls, v: list[str]) -> list[str]:
+        bad = [p for p in v if not os.path.isabs(p)]
+        if bad:
+            raise ValueError(f"read_only_paths must be absolute: {bad}")
+        return v
 
 
 class SandboxError(RuntimeError):

@@ -112,3 +112,9 @@ def test_stale_run_cgroups_of_dead_env_processes_are_removed(tmp_path):
     assert gone == [str(parent / f"laminar-sandbox-{dead.pid}-3")]
     assert sorted(p.name for p in parent.iterdir()) == sorted(
         [f"laminar-sandbox-{os.getpid()}-0", "laminar-sandbox-1-0", "other", f"laminar-sandbox-{dead.pid}-4"])
+
+
+def test_read_only_paths_must_be_absolute():
+    with pytest.raises(ValueError, match="absolute"):
+        SandboxConfig(read_only_paths=["runs/local/data"])
+    assert SandboxConfig(read_only_paths=["/opt/tables"]).read_only_paths == ["/opt/tables"]
