@@ -98,11 +98,12 @@ def init(rank: int, world_size: int, address: str, device, timeout_s: float) -> 
 def shutdown(info: DistInfo) -> None:
     """Leave the process group together: without the barrier a rank may tear gloo down while a
     peer (rank 0 hosts the rendezvous store) is still in its last collective or already gone,
-    and gloo's threads then abort the process ("terminate called without an active exception")."""
+    and gloo's threads then abort the process ("terminate called without an active exception").
+    The barrier runs on the gloo control group (a CPU collective, also under NCCL)."""
     import torch.distributed as dist
     if info.enabled and dist.is_initialized():
         try:
-            dist.barrier()
+            dist.barrier(group=info.control)
         finally:
             dist.destroy_process_group()
 

@@ -1,8 +1,13 @@
 """PublishLink: rank 0's connection to the relay tier (laminar.weights.WeightPublisher).
 
     link = PublishLink(role, cfg); await link.start()   # target: the manager's master, or relay_address/relay_id
-    link.publish(state_dict, version)                   # worker thread: returns after the staging copy
+    link.publish_engine(engine, version)                # worker thread: returns after the staging copy
     await link.close()
+
+With several ranks (FSDP2) every rank has a PublishLink and calls publish_engine together (a
+collective): ranks > 0 only copy their shards (`PublishLink.follower(role)`, no relay link),
+rank 0's publisher owns the staging (shared /dev/shm slots) and the link to the master relay;
+see sharded_publish.py. On one rank publish_engine publishes the model's own tensors.
 
 `publish` costs one copy into a staging buffer; the relay chain is fed by the publisher's own
 background thread, so training never waits for distribution. A watcher thread turns the
@@ -24,6 +29,7 @@ class PublishLink:
         self.role, self.cfg = role, cfg
         self.publisher = None
         self.follower = None
+        self.sharded = None  # ShardedPublish when the trainer has several ranks
         self.last_stall_s = 0.0
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -47,14 +53,21 @@ class PublishLink:
         return rollout_dtype(self.role.ctx.config)
 
     async def start(self) -> None:
+        from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
+
         from laminar.weights.publisher import WeightPublisher
         from laminar.weights.transport import get_transport
         from laminar.weights.wire import derive_key
         c, ctx = self.cfg, self.role.ctx
         keys = getattr(ctx.transport, "keys", None)
-        self.publisher = WeightPublisher(c.chunk_mb << 20, get_transport(c.publish_transport, **c.publish_transport_options),
-                                         derive_key(keys.secret if keys else None),
-                                         publish_dtype=self.publish_dtype())
+        info = getattr(self.role, "info", None)
+        multi = info is not None and info.enabled
+        transport = get_transport(c.publish_transport, **c.publish_transport_options)
+        self.publisher = WeightPublisher(c.chunk_mb << 20, transport, derive_key(keys.secret if keys else None),
+                                         publish_dtype=self.publish_dtype(),
+                                         staging_prefix=staging_prefix() if multi else None)
+        if multi:
+            self.sharded = ShardedPublish(info, self.publisher)
         # With a manager in the cluster, the master is whoever heads its chain (it changes when a
         # master dies): follow it. relay_id/relay_address pin a target only in a cluster without one.
         has_manager = bool(ctx.config.find("manager"))
@@ -73,14 +86,30 @@ class PublishLink:
         self._watcher = threading.Thread(target=self._watch, args=(loop,), name="trainer-delivery", daemon=True)
         self._watcher.start()
 
+    @classmethod
+    def follower(cls, role) -> PublishLink:
+        """A rank > 0's link: it copies its shards into rank 0's staging, nothing else."""
+        from laminar.roles.trainer.sharded_publish import ShardedPublish
+        link = cls(role, role.cfg)
+        link.sharded = ShardedPublish(role.info)
+        return link
+
     def publish(self, state_dict, version: int) -> None:
         self.publisher.publish(state_dict, version)
+
+    def publish_engine(self, engine, version: int) -> None:
+        """Publish the engine's weights as `version`: on several ranks a sharded publish, which
+        every rank calls together (nothing gathered); on one rank the model's own tensors."""
+        if self.sharded is not None:
+            self.sharded.publish(engine.publish_state(), version)
+        else:
+            self.publisher.publish(engine.full_state()["model"], version)
 
     def _watch(self, loop) -> None:
         pub, last = self.publisher, -1
         while not self._stop.is_set():
             with pub.cond:
-                pub.cond.wait_for(lambda: pub.delivered > last or pub.stopped or self._stop.is_set(), 0.5)
+                pub.cond.wait_for(lambda last=last: pub.delivered > last or pub.stopped or self._stop.is_set(), 0.5)
                 d, stopped = pub.delivered, pub.stopped
             if stopped:
                 return
@@ -90,6 +119,8 @@ class PublishLink:
 
     async def close(self) -> None:
         self._stop.set()
+        if self.sharded is not None:
+            self.sharded.close()
         if self.follower is not None:
             await self.follower.close()
         if self.publisher is not None:
@@ -100,5 +131,6 @@ def rollout_dtype(config) -> str | None:
     """The engine dtype every rollout of the cluster config runs in, or None (no rollout, or they
     differ: the weights are then published as they are)."""
     names = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
-    found = {str(config.role_settings("rollout", spec.id).get("dtype", "float32")) for _, spec in config.find("rollout")}
+    found = {str(config.role_settings("rollout", spec.id).get("dtype", "float32"))
+             for _, spec in config.find("rollout")}
     return names.get(found.pop()) if len(found) == 1 else None  # "auto" and the like: as they are

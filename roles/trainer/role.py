@@ -115,7 +115,8 @@ class TrainerRole(Role):
             self.state = "ready"
             self.event("trainer_ready", rank=self.info.rank, version=self.version, device=str(self.device))
             if self._publish_gathers():  # rank 0 publishes its start version (0, or the checkpoint's)
-                await in_thread(self.engine.full_state, "trainer-gather")
+                self.link = PublishLink.follower(self)  # copies this rank's shards (sharded_publish.py)
+                await in_thread(lambda: self.link.publish_engine(self.engine, self.version), "trainer-publish")
             return
         self.metrics = MetricsLog(self.dir)  # rank 0 alone writes metrics and checkpoints
         # groups handed out after our checkpoint stay leased in the buffer until the next one, so
@@ -171,24 +172,30 @@ class TrainerRole(Role):
         self.info = dist.init(rank, c.world_size, address, self.device, c.dist_timeout_s)
         self.engine = TrainEngine(c, seed, self.device, self.info)
         self.engine.load()
-        parts = None
+        parts, kind = None, 0  # the checkpoint: 0 none, 1 full state dicts, 2 sharded (any number of ranks)
         if self.main:
             checkpoint.clean_temp(self.ckpt_root)
             self.resumed_from = checkpoint.latest(self.ckpt_root) if c.resume else None
             if self.resumed_from is not None:
-                parts, st = checkpoint.load(self.resumed_from, map_location="cpu")
+                st = checkpoint.read_state(self.resumed_from)
+                kind = 2 if checkpoint.is_sharded(st) else 1
+                if kind == 1:
+                    parts, st = checkpoint.load(self.resumed_from, map_location="cpu")
                 self.version, self.cursor = int(st["version"]), int(st["cursor"])
-        self.version, self.cursor, resumed = dist.broadcast_ints(
-            self.info, [self.version, self.cursor, int(self.resumed_from is not None)])
-        if resumed:
+        self.version, self.cursor, resumed = dist.broadcast_ints(self.info, [self.version, self.cursor, kind])
+        if resumed == 2:  # every rank reads its own shards of rank 0's checkpoint
+            path = dist.broadcast_bytes(self.info, str(self.resumed_from).encode() if self.main else None)
+            self.engine.restore_sharded(path.decode())
+        elif resumed:
             self.engine.restore(parts)
+        if resumed:
             if self.main:
                 checkpoint.load_rng(self.resumed_from)
             else:
                 self.resumed_from = "rank 0's checkpoint"
 
     def _publish_gathers(self) -> bool:
-        """Whether each publish is a collective (the full state dict is gathered on rank 0)."""
+        """Whether each publish is a collective (every rank copies its shards: sharded_publish.py)."""
         return self.cfg.publish and self.info.enabled
 
     # -- main loop --------------------------------------------------------------------------
@@ -230,7 +237,7 @@ class TrainerRole(Role):
 
     async def _publish(self) -> float:
         t0 = time.perf_counter()
-        await in_thread(lambda: self.link.publish(self.engine.full_state()["model"], self.version), "trainer-publish")
+        await in_thread(lambda: self.link.publish_engine(self.engine, self.version), "trainer-publish")
         self.link.last_stall_s = stall = time.perf_counter() - t0
         self.event("published", version=self.version, stall_s=round(stall, 6))
         return stall
@@ -278,6 +285,9 @@ class TrainerRole(Role):
                             self.cfg.model_dir, got_version=self.version, source=f"trainer {self.ctx.id}")
 
     def _checkpoint(self):
+        if self.info.enabled:  # every rank writes its own shards (DCP): nothing is gathered
+            return self.engine.save_sharded(self.ckpt_root, self.version, {"cursor": self.cursor},
+                                            self.cfg.keep_checkpoints)
         parts = self.engine.full_state(with_optimizer=True)
         if not self.main:
             return None
@@ -288,6 +298,7 @@ class TrainerRole(Role):
         while True:
             op, version, cursor, samples = await in_thread(lambda: dist.recv_command(self.info), "trainer-follow")
             if op == dist.OP_STOP:
+                self._stop_sent = True  # rank 0 sent it: both leave the process group in stop()
                 self.event("training_finished", version=self.version)
                 return
             self.event("step_started", version=version + 1, groups=len(samples.groups))
@@ -298,9 +309,9 @@ class TrainerRole(Role):
     def _follow_iteration(self, groups, version: int) -> None:
         self.engine.train(groups, version + 1)
         if self._publish_gathers():
-            self.engine.full_state()
+            self.link.publish_engine(self.engine, version + 1)
         if (version + 1) % self.cfg.checkpoint_every == 0:
-            self.engine.full_state(with_optimizer=True)
+            self.engine.save_sharded(None, version + 1, {}, self.cfg.keep_checkpoints)
         if self._exports_now(version + 1):
             self.engine.full_state()
 
@@ -314,6 +325,12 @@ class TrainerRole(Role):
             await in_thread(lambda: dist.send_command(self.info, dist.OP_STOP, self.version), "trainer-stop")
         if self.link is not None:
             await self.link.close()
+        if self.info.enabled and self._stop_sent:  # every rank passed the stop command: leave together
+            try:
+                await asyncio.wait_for(in_thread(lambda: dist.shutdown(self.info), "trainer-dist-shutdown"), 10.0)
+                self.log.info("dist_left", rank=self.info.rank)
+            except TimeoutError:
+                self.log.warning("dist_shutdown_timeout", rank=self.info.rank)
         if getattr(self, "metrics", None) is not None:  # None on ranks > 0 and before setup
             self.metrics.close()
 

@@ -1,0 +1,184 @@
+"""Sharded publish and sharded checkpoints from two FSDP2 ranks (gloo, CPU), one run for all:
+
+- a sharded publish (each rank copies its own dim-0 shards into rank 0's shared staging, no
+  gather) gives a version byte-identical to a publish of the gathered state dict: same manifest,
+  same checksums, same bytes, as the relays hold and verify them; each rank copied about half;
+- a bfloat16 publish of the fp32 weights holds half the bytes and round-trips: the pulled
+  tensors are the weights cast to bfloat16, exactly;
+- a DCP checkpoint written by the 2 ranks resumes in 1 process, whose next version matches a
+  single process that trained every version (weights and optimizer state came back);
+- nothing is left in /dev/shm (the staging files are unlinked once both ranks mapped them).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from laminar.roles.trainer import checkpoint  # noqa: E402
+
+from laminar.models.tiny import build_tiny_model  # noqa: E402
+from laminar.testing.procs import free_port  # noqa: E402
+from laminar.testing.trainer_ranks import resume_reference, train_reference  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sharded")
+    model = build_tiny_model(tmp / "tiny", seed=0)
+    out, ck, addr = tmp / "out.pt", tmp / "ck", f"127.0.0.1:{free_port()}"
+    before = shm_names()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "laminar.testing.trainer_ranks", str(r), "2", addr, str(model),
+                               str(out), "--checkpoint", str(ck), "--publish", "same,bfloat16"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    left = {n for n in shm_names() - before if n.startswith("laminar-")}
+    return {"out": torch.load(out, weights_only=False), "model_dir": model, "ck": ck, "shm_left": left}
+
+
+def test_sharded_publish_is_byte_identical_to_a_full_publish(two_ranks):
+    pub = two_ranks["out"]["published"]["same"]
+    (ms, sharded), (mf, full) = pub["sharded"], pub["full"]
+    assert (ms.names, ms.dtypes, ms.shapes, ms.offsets, ms.total_bytes) == \
+           (mf.names, mf.dtypes, mf.shapes, mf.offsets, mf.total_bytes)
+    assert ms.checksums == mf.checksums and sharded == full
+    assert set(ms.dtypes) == {"float32"}
+    # no gather: each rank copied its own half of the tensor bytes, together all of them
+    tensor_bytes = sum(ms.nbytes)
+    assert sum(pub["copied"]) == tensor_bytes
+    assert all(0.4 * tensor_bytes < c < 0.6 * tensor_bytes for c in pub["copied"])
+    # and the bytes are the trained weights
+    flat = torch.frombuffer(bytearray(sharded), dtype=torch.uint8)
+    for name, off, n in zip(ms.names, ms.offsets, ms.nbytes, strict=True):
+        want = two_ranks["out"]["model"][name]
+        assert torch.equal(flat[off:off + n].view(torch.float32).view(want.shape), want), name
+    assert not two_ranks["shm_left"]
+
+
+def test_bf16_sharded_publish_halves_the_bytes_and_round_trips(two_ranks):
+    same, bf16 = two_ranks["out"]["published"]["same"], two_ranks["out"]["published"]["bfloat16"]
+    (m32, _), (m16, data), (mf, full) = same["sharded"], bf16["sharded"], bf16["full"]
+    assert set(m16.dtypes) == {"bfloat16"} and sum(m16.nbytes) * 2 == sum(m32.nbytes)
+    assert m16.total_bytes < 0.52 * m32.total_bytes
+    assert m16.checksums == mf.checksums and data == full  # sharded == gathered, in bf16 too
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    for name, off, n in zip(m16.names, m16.offsets, m16.nbytes, strict=True):
+        want = two_ranks["out"]["model"][name].to(torch.bfloat16)
+        assert torch.equal(flat[off:off + n].view(torch.bfloat16).view(want.shape), want), name
+    assert sum(bf16["copied"]) == sum(m16.nbytes)
+
+
+def test_dcp_checkpoint_of_two_ranks_resumes_on_one(two_ranks):
+    path = Path(two_ranks["out"]["checkpoint"])
+    state = checkpoint.read_state(path)
+    assert checkpoint.is_sharded(state) and state["world_size"] == 2 and state["version"] == 2
+    assert (path / checkpoint.MARK).exists() and not list(path.parent.glob(".tmp-*"))
+    assert sorted(p.name for p in (path / checkpoint.DCP_DIR).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # read whole in one process (what export uses): the gathered weights of the two ranks
+    parts, _ = checkpoint.load(path)
+    assert set(parts) == {"model", "optimizer"}
+    for k, v in two_ranks["out"]["model"].items():
+        assert torch.equal(parts["model"][k], v), k
+    # resumed by one process, the third version matches one process that trained all three
+    # (the same tolerance as two ranks against one: Adam's near-zero-gradient sign flips)
+    model_dir = str(two_ranks["model_dir"])
+    resumed = resume_reference(model_dir, str(two_ranks["ck"]), versions=3)
+    ref = train_reference(model_dir, versions=3)
+    assert resumed["resumed"] == 2 and len(resumed["metrics"]) == 1
+    for k in ("loss", "pg_loss", "grad_norm"):
+        assert resumed["metrics"][0][k] == pytest.approx(ref["metrics"][2][k], rel=1e-4, abs=1e-6), k
+    diff = torch.cat([(resumed["model"][k] - v).abs().flatten() for k, v in ref["model"].items()])
+    assert float(diff.max()) <= 2 * 1e-3 + 1e-6 and float((diff > 1e-5).float().mean()) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def role_run(tmp_path_factory):
+    """trainer.0 + trainer.1 (world size 2) publish in bfloat16 to a relay of the test's own and
+    checkpoint every 2 versions; 2 batches are fed, the relay's v2 pulled, then rank 0 stopped."""
+    import asyncio
+    import shutil
+    import uuid
+
+    from laminar.bus.auth import load_keys
+
+    from laminar.testing.procs import RoleProc
+    from laminar.testing.trainer_task import random_groups
+    from laminar.weights.node import RelayNode
+    from laminar.weights.pull import LocalWeights
+    from laminar.weights.transport.tcp import TcpTransport
+    from laminar.weights.wire import derive_key
+    from tests.integration.test_trainer import feed, proc_cluster
+    from tests.integration.test_trainer_fsdp import start_ranks, stop_rank0
+    tmp = tmp_path_factory.mktemp("role")
+    model = build_tiny_model(tmp / "tiny", seed=0)
+    path = proc_cluster(tmp, model, ranks=2, world_size=2, dist_port=free_port(), device="cpu",
+                        micro_batch_size=4, publish=True, publish_dtype="bfloat16", chunk_mb=1,
+                        relay_address="127.0.0.1:1", relay_id="r0")
+    shm = f"/dev/shm/laminar-test-{uuid.uuid4().hex[:8]}-sharded"
+    node = RelayNode("r0", shm, TcpTransport(), derive_key(load_keys(tmp / "keys").secret))
+    node.start()
+    path.write_text(path.read_text().replace("127.0.0.1:1", node.address))  # the relay's own port
+    before, procs, ranks, codes, got = shm_names(), [], [], None, None
+    try:
+        buf = RoleProc("experience_buffer", "0", path, tmp).start()
+        procs.append(buf)
+        buf.wait_ready(60)
+        ranks = start_ranks(path, tmp)
+        procs += ranks
+        asyncio.run(feed(path, tmp / "keys", random_groups(4, 4, "s", seed=5)))
+        with node.store.cond:
+            assert node.store.cond.wait_for(lambda: node.store.current is not None
+                                            and node.store.current.version >= 2, 120), [r.tail() for r in ranks]
+        with LocalWeights(shm).latest() as pulled:
+            got = (pulled.manifest, pulled.verify(), {k: t.clone() for k, t in pulled.tensors()})
+        codes = stop_rank0(ranks)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        node.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+    return {"tmp": tmp, "pulled": got, "codes": codes, "tails": [r.tail() for r in ranks],
+            "staging_left": {n for n in shm_names() - before if n.startswith("laminar-staging-")}}
+
+
+def test_trainer_role_on_two_ranks_publishes_shards_and_checkpoints_them(role_run):
+    """The relay's v2 (sharded publish, bf16, verified) is the rank-0 DCP checkpoint's v2 weights
+    cast to bfloat16; rank 0 exits 0 and no staging file is left in /dev/shm."""
+    manifest, bad_chunks, got = role_run["pulled"]
+    assert manifest.version == 2 and bad_chunks == [] and set(manifest.dtypes) == {"bfloat16"}
+    ck = role_run["tmp"] / "run" / "trainer" / "checkpoints" / "v00000002"
+    assert checkpoint.is_sharded(checkpoint.read_state(ck))
+    parts, _ = checkpoint.load(ck)
+    assert set(got) == set(parts["model"])
+    for k, v in parts["model"].items():
+        assert torch.equal(got[k], v.to(torch.bfloat16)), k
+    assert role_run["codes"][0] == 0, role_run["tails"]
+    assert not role_run["staging_left"]
+
+
+@pytest.mark.xfail(reason="rank 1 sometimes aborts at interpreter exit after a clean stop (gloo: 'terminate "
+                          "called without an active exception'), although both ranks passed the stop command "
+                          "and left the process group (dist.shutdown, logged as dist_left); cause not found yet",
+                   strict=False)
+def test_both_ranks_exit_0_after_rank_0_is_stopped(role_run):
+    assert role_run["codes"] == [0, 0], role_run["tails"]
