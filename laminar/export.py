@@ -43,14 +43,16 @@ def read_weights(source: str | os.PathLike, version: int | None = None) -> tuple
             raise FileNotFoundError(f"{src}: no complete version{'' if version is None else f' {version}'}")
         with held:
             return {k: t.clone() for k, t in held.tensors()}, held.version
-    if not (src / "model.pt").exists():
-        from laminar.roles.trainer import checkpoint
+    from laminar.roles.trainer import checkpoint
+    if not (src / "model.pt").exists() and not (src / checkpoint.DCP_DIR).is_dir():
         newest = checkpoint.latest(src)
         if newest is None:
             raise FileNotFoundError(f"{src}: neither a checkpoint (model.pt), a folder of checkpoints, "
                                     f"nor a relay folder (current)")
         src = newest
     state = json.loads((src / "state.json").read_text()) if (src / "state.json").exists() else {}
+    if checkpoint.is_sharded(state):  # written by several ranks (DCP): read whole here
+        return checkpoint.load(src, only={"model"})[0]["model"], state.get("version")
     sd = torch.load(src / "model.pt", map_location="cpu", weights_only=True)
     return sd, state.get("version")
 

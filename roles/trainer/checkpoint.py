@@ -146,9 +146,10 @@ def clean_temp(root: str | Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load(path: str | Path, map_location="cpu") -> tuple[dict, dict]:
+def load(path: str | Path, map_location="cpu", only: set | None = None) -> tuple[dict, dict]:
     """(parts, state): full state dicts, whatever the format (a "dcp" one is read whole into
-    this process: for export and tools, not for resuming a trainer, see load_sharded)."""
+    this process: for export and tools, not for resuming a trainer, see load_sharded); `only`:
+    just these parts (e.g. {"model"}: no optimizer state read)."""
     import torch
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
@@ -156,11 +157,12 @@ def load(path: str | Path, map_location="cpu") -> tuple[dict, dict]:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
         from torch.distributed.tensor import DTensor
         with _single_process():
-            flat = _load_state_dict_from_keys(set(state["parts"]), checkpoint_id=path / DCP_DIR)
+            flat = _load_state_dict_from_keys(set(state["parts"]) & (only or set(state["parts"])),
+                                              checkpoint_id=path / DCP_DIR)
         parts = {k: _to_full(v, DTensor) for k, v in flat.items()}
         return parts, state
     parts = {name: torch.load(path / f"{name}.pt", map_location=map_location)
-             for name in state.get("parts", ["model", "optimizer"])}
+             for name in state.get("parts", ["model", "optimizer"]) if only is None or name in only}
     return parts, state
 
 

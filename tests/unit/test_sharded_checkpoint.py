@@ -67,3 +67,15 @@ def test_sharded_checkpoint_with_a_nan_is_refused_before_anything_is_written(tmp
     with pytest.raises(checkpoint.NonFiniteWeightsError, match="non-finite"):
         checkpoint.save_sharded(tmp_path / "ck", 3, eng._pairs(), DistInfo(), {"cursor": 0})
     assert checkpoint.latest(tmp_path / "ck") is None and not list((tmp_path / "ck").glob(".tmp-*"))
+
+
+def test_export_reads_a_sharded_checkpoint(tmp_path, tiny):
+    """laminar.export takes a DCP checkpoint (or the folder holding it) like a full one."""
+    from laminar.export import read_weights
+    eng = engine(tiny)
+    eng.train(batches(1)[0], 1)
+    path = checkpoint.save_sharded(tmp_path / "ck", 4, eng._pairs(), DistInfo(), {"cursor": 0})
+    for source in (path, tmp_path / "ck"):
+        sd, version = read_weights(source)
+        assert version == 4 and set(sd) == set(eng.model.state_dict())
+        assert all(torch.equal(sd[k], v) for k, v in eng.model.state_dict().items())
