@@ -12,14 +12,16 @@ from laminar.weights.manifest import CHUNK_BYTES_DEFAULT, build_manifest, checks
 from laminar.weights.store import ShmStore
 
 
-def write_version(store: ShmStore, state_dict: Mapping, version: int, chunk_bytes: int = CHUNK_BYTES_DEFAULT) -> None:
+def write_version(store: ShmStore, state_dict: Mapping, version: int,
+                  chunk_bytes: int = CHUNK_BYTES_DEFAULT) -> None:
     import torch
     items = list(state_dict.items())
-    m = build_manifest([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in items], version, chunk_bytes)
+    m = build_manifest([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in items], version,
+                       chunk_bytes)
     with store.cond:
         vb = store.begin(m)
     flat = torch.frombuffer(vb.buf, dtype=torch.uint8)
-    for (name, t), off, n in zip(items, m.offsets, m.nbytes, strict=False):
+    for (_, t), off, n in zip(items, m.offsets, m.nbytes, strict=True):
         flat[off:off + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
     sums = [checksum(vb.view[slice(*chunk_range(m, i))]) for i in range(chunk_count(m))]
     with store.cond:
