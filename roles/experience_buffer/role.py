@@ -45,7 +45,8 @@ class ExperienceBufferConfig(BaseModel):
     capacity: int = Field(100_000, ge=1, description="most trajectories stored (complete groups or not)")
     eviction: str = Field("drop_oldest", pattern="^(drop_oldest|reject)$", description="what to do when full")
     sampler: str = Field("fifo", description="fifo | freshest")
-    max_staleness: int | None = Field(None, ge=0, description="drop groups older than this many versions (None: keep all)")
+    max_staleness: int | None = Field(None, ge=0,
+                                      description="drop groups older than this many versions (None: keep all)")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
     remember_removed: int = Field(200_000, ge=1, description="removed (handed, stale, evicted) group ids kept to "
                                   "refuse late duplicates; older ones are forgotten, which bounds memory and start-up")
