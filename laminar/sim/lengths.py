@@ -208,5 +208,6 @@ def sample_groups(dist: LengthDistribution, rng: np.random.Generator | int, n_gr
     if not 0 <= rho <= 1:
         raise ValueError(f"rho must be in [0, 1], got {rho}")
     rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
-    z = math.sqrt(rho) * rng.standard_normal((n_groups, 1)) + math.sqrt(1 - rho) * rng.standard_normal((n_groups, group_size))
+    z = (math.sqrt(rho) * rng.standard_normal((n_groups, 1))
+         + math.sqrt(1 - rho) * rng.standard_normal((n_groups, group_size)))
     return dist.from_z(z)

@@ -287,7 +287,8 @@ def engine_curve(setup: dict, workload: dict, size: str, tp: int | None = None):
     tp = int(tp or setup["models"][size]["tp"])
     batches = range(1, 1025)
     return StepCurve(tuple(float(b) for b in batches),
-                     tuple(step_ms(setup, workload, size, tp, b, None) for b in batches), source=f"engine:{size}_TP{tp}")
+                     tuple(step_ms(setup, workload, size, tp, b, None) for b in batches),
+                     source=f"engine:{size}_TP{tp}")
 
 
 def step_ms(setup: dict, workload: dict, size: str, tp: int, batch: int, context: float | None) -> float:
