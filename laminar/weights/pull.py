@@ -229,13 +229,21 @@ class LocalWeights:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                if os.fstat(fd).st_ino == ino and read_pointer(self.dir) == ptr:
+                st = os.fstat(fd)
+                if st.st_ino == ino and read_pointer(self.dir) == ptr:
+                    if st.st_size < m.total_bytes:  # a cached mapping past the end would SIGBUS
+                        raise WeightsRefused(f"{self.dir}/slot{slot}.bin: v{m.version} holds {st.st_size} bytes, "
+                                             f"its manifest needs {m.total_bytes} (the file was cut short)")
                     held = PulledVersion(m, self._mapping(slot, fd, ino, m.total_bytes), fd)
                     fd = None
                     self._authenticate(held, f"{self.dir}/slot{slot}.bin")
                     return held
             except BlockingIOError:
                 pass  # the relay is writing that slot: `current` has moved on, read it again
+            except WeightsRefused:
+                if fd is not None:  # None once the version holds it (a MAC refusal closed it)
+                    os.close(fd)
+                raise
             if fd is not None:
                 os.close(fd)
         raise RuntimeError(f"{self.dir}: could not get hold of a version in {_RETRIES} tries")
