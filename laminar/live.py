@@ -36,6 +36,7 @@ class LiveView:
         self.rollouts: dict[str, RolloutStats] = {}
         self._last_update: float | None = None
         self.throughput: float | None = None
+        self._printed_eval: dict[str, float] = {}
 
     def child_changed(self, c) -> None:
         self.children[c.key] = c
@@ -56,7 +57,8 @@ class LiveView:
                 self._last_update = ev.ts
                 if self.plain:
                     print(f"[{time.strftime('%H:%M:%S')}] {self.training_line()}", flush=True)
-            elif ev.role == "evaluator" and self.plain:
+            elif ev.role == "evaluator" and self.plain and self._printed_eval.get(ev.id) != ev.ts:
+                self._printed_eval[ev.id] = ev.ts  # one line per evaluation, should the bus bring it twice
                 print(f"[{time.strftime('%H:%M:%S')}] {self.eval_line(ev.values)}", flush=True)
 
     def eval_line(self, v: dict[str, float]) -> str:
