@@ -5,7 +5,9 @@
     run:   evaluate version 0 (model_dir's weights, before any training), then follow the relay
            like a rollout: when its newest version is at least `eval_every` past the last one
            evaluated (or is the trainer's last, `max_iterations`), load it and evaluate it; after
-           the last version, finish (exit 0), so `laminar-node up` waits for its last result.
+           the last version, finish (exit 0), so `laminar-node up` waits for its last result. A
+           last version the trainer reported (metrics.trainer) but the relay does not hold after
+           `final_wait_s`: the relay's newest is evaluated instead, and the role finishes.
 
 One evaluation answers every held-out problem greedily (temperature 0) and `samples` times at
 `temperature`, scores each answer with the task's reward (`reward`, the rollouts' function:
@@ -65,11 +67,22 @@ class EvaluatorConfig(BaseModel):
     relay_id: str | None = Field(None, description="relay on this host to take weights from")
     weights_dir: str | None = Field(None, description="that relay's shared-memory folder (default: its shm_dir)")
     poll_s: float = Field(0.5, gt=0, description="how often the relay's newest version is looked at")
+    final_wait_s: float = Field(20.0, gt=0, description="once the trainer reported its last version: how long to "
+                                "wait for it on the relay before evaluating the relay's newest and finishing")
 
 
 def accuracy(rewards: list[float]) -> float:
     """Share of answers with reward >= 1 (correct); 0 for none."""
     return sum(1 for r in rewards if r >= 1.0) / len(rewards) if rewards else 0.0
+
+
+def give_up_waiting(trainer_version: int, last_version: int | None, relay_version: int, since: float | None,
+                    now: float, wait_s: float) -> bool:
+    """Whether to stop waiting for the last version on the relay: the trainer reported it (at
+    `since`) more than `wait_s` ago and the relay still holds an older one."""
+    if last_version is None or trainer_version < last_version or relay_version >= last_version or since is None:
+        return False
+    return now - since > wait_s
 
 
 def due(version: int, last_evaluated: int, eval_every: int, last_version: int | None) -> bool:
@@ -86,6 +99,8 @@ class EvaluatorRole(Role):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.version = -1
+        self.trainer_version, self.trainer_done_at = -1, None  # the trainer's newest reported version
+        self.relay_version = -1
         self.lineage: int | None = None
         self.evaluated: list[int] = []
         self.last: dict[str, float] = {}
@@ -139,6 +154,7 @@ class EvaluatorRole(Role):
         if not self.weights_dir:
             self.log.info("evaluations_done", versions=self.evaluated, why="no relay to take newer weights from")
             return
+        self.spawn(self._follow_trainer(), "trainer")
         while not self.stopping.is_set():
             if self.last_version is not None and self.evaluated and self.evaluated[-1] >= self.last_version:
                 self.log.info("evaluations_done", versions=self.evaluated)
@@ -146,14 +162,33 @@ class EvaluatorRole(Role):
             if await self._load_due():
                 await self.evaluate()
                 continue
+            if give_up_waiting(self.trainer_version, self.last_version, self.relay_version, self.trainer_done_at,
+                               time.monotonic(), self.cfg.final_wait_s):
+                # the trainer finished, its last version never reached the relay: evaluate the newest there
+                if self.relay_version > (self.evaluated[-1] if self.evaluated else -1) and await self._load_due(True):
+                    await self.evaluate()
+                self.log.warning("evaluations_done", versions=self.evaluated, trainer_version=self.trainer_version,
+                                 relay_version=self.relay_version, why="the last version did not reach the relay")
+                return
             self.state = "waiting"
             try:
                 await asyncio.wait_for(self.stopping.wait(), self.cfg.poll_s)
             except TimeoutError:
                 pass
 
-    async def _load_due(self) -> bool:
-        """Load the relay's newest version if it is due; True when loaded and named."""
+    async def _follow_trainer(self) -> None:
+        """The trainer's versions (its Metrics events): when did it report the last one."""
+        sub = self.ctx.transport.subscriber(["metrics.trainer"])
+        while True:
+            _, ev = await sub.recv()
+            v = int(getattr(ev, "values", {}).get("version", -1))
+            if v > self.trainer_version:
+                self.trainer_version = v
+                if self.last_version is not None and v >= self.last_version and self.trainer_done_at is None:
+                    self.trainer_done_at = time.monotonic()
+
+    async def _load_due(self, force: bool = False) -> bool:
+        """Load the relay's newest version if it is due (or `force`); True when loaded and named."""
         if not self.weights_dir:
             return False
         from laminar.weights.manifest import ident
@@ -167,10 +202,11 @@ class EvaluatorRole(Role):
         last = self.evaluated[-1] if self.evaluated else -1
         if m is None:
             return False
+        self.relay_version = m.version
         # a new lineage (a resumed trainer) replaces what was evaluated: evaluate it at once; the
         # first relay version after model_dir's weights (lineage None) waits its turn like any other
         new_lineage = self.lineage is not None and m.lineage != self.lineage
-        if not new_lineage and not due(m.version, last, self.cfg.eval_every, self.last_version):
+        if not force and not new_lineage and not due(m.version, last, self.cfg.eval_every, self.last_version):
             return False
         self.state = "loading"
         for _ in range(3):

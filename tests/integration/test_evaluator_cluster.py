@@ -47,19 +47,24 @@ def test_evaluations_reach_the_summary(tmp_path):
 
     evals = [json.loads(x) for x in (run / "evaluator" / "metrics.jsonl").read_text().splitlines()]
     versions = [int(e["version"]) for e in evals]
-    assert versions[0] == 0 and versions[-1] == 4, versions        # before training, and the last version
-    assert versions == sorted(set(versions)) and len(versions) >= 3
+    log = (run / "logs" / "evaluator.0.log").read_text()[-3000:]
+    done = log_events(run / "logs" / "evaluator.0.log", "evaluations_done")
+    assert done and done[-1]["versions"] == versions, log           # it finished; `up` waited for it
+    assert versions[0] == 0 and len(versions) >= 2, versions        # before training first
+    assert versions == sorted(set(versions)) and versions[-1] <= 4
+    if versions[-1] != 4:  # the trainer reported version 4, the relay never held it: its newest instead
+        assert done[-1]["why"] == "the last version did not reach the relay", log
+        assert done[-1]["trainer_version"] == 4 and done[-1]["relay_version"] == versions[-1], log
     for e in evals:
         assert e["eval/problems"] == 8 and 0 <= e["eval/accuracy"] <= 1 and 0 <= e["eval/accuracy_sampled"] <= 1
-    done = log_events(run / "logs" / "evaluator.0.log", "evaluations_done")
-    assert done and done[-1]["versions"] == versions                # it finished; `up` waited for it
 
     s = json.loads((run / "summary.json").read_text())
     assert s["eval_versions"] == versions
     assert s["eval_accuracy_first"] == evals[0]["eval/accuracy"]
     assert s["eval_accuracy_last"] == evals[-1]["eval/accuracy"]
     assert s["eval_accuracy_sampled_last"] == evals[-1]["eval/accuracy_sampled"]
-    assert "eval version 0: held-out accuracy" in text and "eval version 4: held-out accuracy" in text
+    assert "eval version 0: held-out accuracy" in text
+    assert f"eval version {versions[-1]}: held-out accuracy" in text
 
     held = {json.loads(x)["id"] for x in Path(data["heldout"]).read_text().splitlines()}
     trained = [g for r in (run / "trainer" / "metrics.jsonl").read_text().splitlines()

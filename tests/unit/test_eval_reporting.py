@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from laminar.roles.evaluator.role import accuracy, due
+from laminar.roles.evaluator.role import accuracy, due, give_up_waiting
 
 from laminar import summary
 from laminar.cli import _status_lines
@@ -118,3 +118,14 @@ def test_which_versions_are_due(version, last, every, final, expect):
 def test_accuracy_counts_correct_answers():
     assert accuracy([1.0, 0.0, 1.0, 0.0]) == 0.5
     assert accuracy([0.9, 0.0]) == 0.0 and accuracy([]) == 0.0
+
+
+@pytest.mark.parametrize(("trainer", "relay", "since", "now", "expect"), [
+    (4, 3, 10.0, 40.0, True),      # the trainer reported its last version 30 s ago, the relay never got it
+    (4, 3, 10.0, 20.0, False),     # not yet: within final_wait_s
+    (4, 4, 10.0, 40.0, False),     # the relay has it: evaluate it normally
+    (3, 3, None, 40.0, False),     # the trainer is not done
+])
+def test_the_evaluator_stops_waiting_for_a_last_version_the_relay_never_gets(trainer, relay, since, now, expect):
+    assert give_up_waiting(trainer, 4, relay, since, now, 20.0) is expect
+    assert give_up_waiting(trainer, None, relay, since, now, 20.0) is False  # no last version: run until stopped
