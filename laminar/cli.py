@@ -101,31 +101,18 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
 
     from rich.live import Live
 
-    from laminar.health import HealthCollector, MetricsServer, load_metrics_token, metrics_bind
+    from laminar.health import HealthCollector
     from laminar.live import LiveView
     from laminar.shell import make_transport
     from laminar.supervisor import Supervisor, children_for_host
 
     view = LiveView(f"laminar {cfg.run.name} on {host}", plain=True if a.plain else None)
     health = HealthCollector.for_node(cfg, host)
-    spec = cfg.cluster.hosts[host]
-    metrics = None
-    if spec.metrics_port is not None:  # first: a taken port fails before any role starts
-        bind = metrics_bind(spec)
-        try:
-            token = load_metrics_token(spec.metrics_token_file) if spec.metrics_token_file else None
-        except (OSError, ValueError) as exc:
-            print(f"error: {cfg.source}: cluster.hosts.{host}.metrics_token_file: {exc}", file=sys.stderr)
-            return 2
-        metrics = MetricsServer(health, bind, spec.metrics_port, token=token)
-        try:
-            await metrics.start()
-        except OSError as exc:
-            print(f"error: {cfg.source}: cluster.hosts.{host}.metrics_port: cannot listen on "
-                  f"{bind}:{spec.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
-        print(f"metrics: http://{bind}:{metrics.port}/metrics{' (bearer token)' if token else ''}  (and /healthz)",
-              flush=True)
+    try:  # first: a taken port fails before any role starts
+        metrics = await _start_metrics(cfg, host, health)
+    except _MetricsUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     def child_changed(c) -> None:
         view.child_changed(c)
@@ -178,15 +165,11 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
                 live.update(view.render())
             if deadline and time.monotonic() > deadline:
                 sup.stopping.set()
-            trainers = [c for c in sup.children if c.role == "trainer"]
-            if trainers and all(c.state == "finished" for c in trainers):  # the run is done
-                # an evaluator finishes after evaluating the last version: wait for it (bounded)
-                evaluating = [c for c in sup.children
-                              if c.role == "evaluator" and c.state not in ("finished", "failed", "stopped")]
+            if _trainers_finished(sup.children):  # the run is done
                 trainer_done = trainer_done or time.monotonic()
-                if not evaluating or time.monotonic() - trainer_done > EVAL_GRACE_S:
-                    print("trainer finished: stopping the cluster", flush=True)
-                    sup.stopping.set()
+            if _trainers_finished(sup.children) and _run_is_over(sup.children, trainer_done):
+                print("trainer finished: stopping the cluster", flush=True)
+                sup.stopping.set()
     finally:
         await sup.stop()
         if end is not None:  # done when the loop above ended; cancelled when `up` itself was interrupted
@@ -204,14 +187,58 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
         end.result()  # a supervisor that failed is raised, not dropped
     failed = [c.key for c in sup.children if c.state == "failed"]
     if (cfg.workdir() / "trainer" / "metrics.jsonl").exists():
-        from laminar import summary
-        s = summary.write(cfg.workdir())
-        print(f"\nsummary of {cfg.run.name} ({cfg.run.mode} mode):\n{summary.table(s)}\n"
-              f"written: {cfg.workdir() / 'summary.json'}" + (f", {s['plot']}" if s.get("plot") else ""), flush=True)
+        _print_summary(cfg)
     return 1 if failed or feed_failed else 0
 
 
 EVAL_GRACE_S = 120.0  # how long `up` waits, after the trainer finished, for an evaluator's last evaluation
+
+
+class _MetricsUnavailable(Exception):
+    pass
+
+
+async def _start_metrics(cfg, host: str, health):
+    """This node's metrics endpoint (None when the host has no metrics_port); raises
+    _MetricsUnavailable, naming the config field, when its token or port is unusable."""
+    from laminar.health import MetricsServer, load_metrics_token, metrics_bind
+    spec = cfg.cluster.hosts[host]
+    if spec.metrics_port is None:
+        return None
+    bind = metrics_bind(spec)
+    try:
+        token = load_metrics_token(spec.metrics_token_file) if spec.metrics_token_file else None
+    except (OSError, ValueError) as exc:
+        raise _MetricsUnavailable(f"{cfg.source}: cluster.hosts.{host}.metrics_token_file: {exc}") from None
+    metrics = MetricsServer(health, bind, spec.metrics_port, token=token)
+    try:
+        await metrics.start()
+    except OSError as exc:
+        raise _MetricsUnavailable(f"{cfg.source}: cluster.hosts.{host}.metrics_port: cannot listen on "
+                                  f"{bind}:{spec.metrics_port}: {exc.strerror or exc}") from None
+    print(f"metrics: http://{bind}:{metrics.port}/metrics{' (bearer token)' if token else ''}  (and /healthz)",
+          flush=True)
+    return metrics
+
+
+def _trainers_finished(children) -> bool:
+    """This node runs trainers and every one of them finished."""
+    trainers = [c for c in children if c.role == "trainer"]
+    return bool(trainers) and all(c.state == "finished" for c in trainers)
+
+
+def _run_is_over(children, trainer_done: float) -> bool:
+    """The trainers finished: the run is over once no evaluator is still evaluating the last version
+    (it finishes after that), or after EVAL_GRACE_S."""
+    evaluating = [c for c in children if c.role == "evaluator" and c.state not in ("finished", "failed", "stopped")]
+    return not evaluating or time.monotonic() - trainer_done > EVAL_GRACE_S
+
+
+def _print_summary(cfg) -> None:
+    from laminar import summary
+    s = summary.write(cfg.workdir())
+    print(f"\nsummary of {cfg.run.name} ({cfg.run.mode} mode):\n{summary.table(s)}\n"
+          f"written: {cfg.workdir() / 'summary.json'}" + (f", {s['plot']}" if s.get("plot") else ""), flush=True)
 
 
 def cmd_status(a) -> int:
