@@ -1,5 +1,6 @@
-"""The weight data plane (docs/architecture.md §6; docs/weights.md, docs/shm.md): manifests, flat buffers, shared-memory versions, the chunk
-protocol between relays, the trainer-side publisher and the rollout-side local pull.
+"""The weight data plane (docs/architecture.md §6; docs/weights.md, docs/shm.md): manifests, flat
+buffers, shared-memory versions, the chunk protocol between relays, the trainer-side publisher and
+the rollout-side local pull.
 
     trainer: WeightPublisher.publish(state_dict)   one copy into staging, sends in the background
        |  chunk transport (TCP default, UCX optional), authenticated, checksummed per chunk

@@ -49,8 +49,11 @@ def build_manifest(specs: Iterable[tuple[str, str, Sequence[int]]], version: int
         for d in shape:
             n *= int(d)
         off = _align(off)
-        names.append(name); dtypes.append(dtype); shapes.append([int(d) for d in shape])
-        offsets.append(off); nbytes.append(n)
+        names.append(name)
+        dtypes.append(dtype)
+        shapes.append([int(d) for d in shape])
+        offsets.append(off)
+        nbytes.append(n)
         off += n
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names in state dict")

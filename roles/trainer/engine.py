@@ -201,7 +201,8 @@ class TrainEngine:
         for name, (m, o) in self._pairs().items():
             parts[name] = get_model_state_dict(m, options=opts)
             if with_optimizer:
-                parts[f"{name}_optimizer" if name != "model" else "optimizer"] = get_optimizer_state_dict(m, o, options=opts)
+                key = f"{name}_optimizer" if name != "model" else "optimizer"
+                parts[key] = get_optimizer_state_dict(m, o, options=opts)
         if not self.info.is_main:
             return None
         self._check_weights(parts)
@@ -234,7 +235,8 @@ class TrainEngine:
             if name != "model" and name not in have:
                 continue
             set_model_state_dict(m, parts.get(name, {}), options=opts)
-            set_optimizer_state_dict(m, o, parts.get("optimizer" if name == "model" else f"{name}_optimizer", {}), options=opts)
+            key = "optimizer" if name == "model" else f"{name}_optimizer"
+            set_optimizer_state_dict(m, o, parts.get(key, {}), options=opts)
 
     def publish_state(self) -> dict:
         """The model's state dict as this rank holds it, for a sharded publish (sharded_publish.py):

@@ -49,6 +49,7 @@ class Conn(abc.ABC):
 
     def set_handshake_timeout(self, seconds: float | None) -> None:
         """Deadline for the authentication handshake (None: back to blocking)."""
+        return None  # optional: a transport without such a deadline keeps this default
 
 
 class Listener(abc.ABC):

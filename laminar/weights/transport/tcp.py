@@ -20,7 +20,8 @@ class TcpConn(Conn):
     def __init__(self, sock: socket.socket, send_timeout_s: float):
         self.sock = sock
         try:
-            self.peer = "%s:%d" % sock.getpeername()[:2]
+            host, port = sock.getpeername()[:2]
+            self.peer = f"{host}:{port}"
         except OSError:
             self.peer = "?"
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

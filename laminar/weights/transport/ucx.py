@@ -6,7 +6,8 @@ each Conn a blocking facade over it (`run_coroutine_threadsafe(...).result()`). 
 UCX message, so the per-message overhead of crossing threads is paid per chunk (MiBs), not per
 packet. UCX is configured before ucxx is imported: without a GPU it needs `UCX_TLS=tcp` (or
 tcp,sm,self); `UCX_RNDV_SCHEME=put_zcopy` and the blocking progress mode made it several times
-faster on loopback here (bench/broadcast.py measures the transports). Both are defaults we set only when the caller did not.
+faster on loopback here (bench/broadcast.py measures the transports). Both are defaults we set only
+when the caller did not.
 
 Message framing maps one-to-one: `send(header, payload)` is two UCX messages and the receiver
 posts `recv_header` then `recv_into` of exactly the announced size, as the interface requires.
