@@ -260,6 +260,8 @@ class Supervisor:
     async def wait(self) -> None:
         """Until stop() is asked for or every child has finished."""
         done = asyncio.gather(*self._watchers)
+        # stop() cancels the watchers later: that outcome is expected, not an unretrieved error
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
         stop = asyncio.ensure_future(self.stopping.wait())
         await asyncio.wait([done, stop], return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
