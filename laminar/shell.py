@@ -22,6 +22,8 @@ import asyncio
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -158,6 +160,31 @@ async def _watchdog() -> None:
         await asyncio.sleep(usec / 2e6)
 
 
+def work_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start a daemon thread for blocking work the role may have to abandon at stop (a training
+    step, a collective). `leave` exits at once while one of these is still running."""
+    t = threading.Thread(target=target, name=name, daemon=True)
+    t.laminar_work = True  # type: ignore[attr-defined]
+    t.start()
+    return t
+
+
+def leave(code: int) -> int:
+    """The role's exit: `code`, or, while a work thread is still running (a stop in the middle of
+    a training step), os._exit(code) after flushing: a daemon thread inside torch when the
+    interpreter tears down can crash the process (a stopped SmolLM2 trainer exited -11)."""
+    busy = [t.name for t in threading.enumerate() if getattr(t, "laminar_work", False) and t.is_alive()]
+    if not busy:
+        return code
+    log.warning("exit_with_work_in_flight", threads=busy, code=code)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
               level: str = "info", host: str | None = None) -> int:
     from laminar.config import load_config
@@ -190,6 +217,7 @@ def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
 
     try:
         import uvloop
-        return uvloop.run(go())
+        run = uvloop.run
     except ImportError:
-        return asyncio.run(go())
+        run = asyncio.run
+    return leave(run(go()))

@@ -20,7 +20,6 @@ version's delivery. Every event also goes to `self.events` (in order), which in-
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from laminar.roles.trainer.metrics import MetricsLog, batch_stats
 from laminar.roles.trainer.publishing import PublishLink
 
 from laminar.protocol import BufferStatsRequest, Metrics, SampleGroups, Samples
+from laminar.shell import work_thread
 
 
 def in_thread(fn, name: str) -> asyncio.Future:
@@ -50,7 +50,7 @@ def in_thread(fn, name: str) -> asyncio.Future:
             loop.call_soon_threadsafe(done)
         except RuntimeError:
             pass  # the loop is closed: the role has stopped and nobody awaits this result
-    threading.Thread(target=work, name=name, daemon=True).start()
+    work_thread(work, name)
     return fut
 
 

@@ -1,0 +1,33 @@
+"""A role that stops while a work thread (a training step) still runs leaves by os._exit after
+flushing, so no daemon thread is inside torch while the interpreter tears down (a stopped trainer
+mid-step exited -11 that way); with no work thread it exits normally (atexit handlers run)."""
+import subprocess
+import sys
+
+SCRIPT = r"""
+import atexit, sys, time
+from laminar.shell import leave, work_thread
+atexit.register(lambda: print("atexit-ran", flush=True))
+if sys.argv[1] == "busy":
+    work_thread(lambda: time.sleep(600), "trainer-train")
+print("leaving", flush=True)
+sys.exit(leave(int(sys.argv[2])))
+"""
+
+
+def run(mode: str, code: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, mode, str(code)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_stop_mid_step_exits_without_interpreter_teardown():
+    p = run("busy", 0)
+    assert p.returncode == 0, p.stderr
+    assert "leaving" in p.stdout and "atexit-ran" not in p.stdout
+    assert "exit_with_work_in_flight" in p.stderr + p.stdout
+
+
+def test_without_work_in_flight_the_exit_is_a_normal_one():
+    p = run("idle", 3)
+    assert p.returncode == 3, p.stderr
+    assert "atexit-ran" in p.stdout
