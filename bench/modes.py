@@ -34,7 +34,7 @@ MODES = ["laminar", "laminar_norepack", "sync", "one_step", "stream"]
 
 
 def demo_model(root: Path, steps: int) -> Path:
-    """The demo's model (models/tiny when `make demo` built it), else built and warm-started here."""
+    """The smoke run's model (models/tiny when `make demo-upper` built it), else built and warm-started here."""
     built = Path("models/tiny")
     if (built / "config.json").exists():
         return built.resolve()
@@ -78,9 +78,9 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--warm-start-steps", type=int, default=120)
     ap.add_argument("--ahead", default="1", help="laminar modes: the prompt pool's max_batches_ahead (flow "
-                    "control, as configs/local.yaml; 'none' = no bound); ignored by the barrier modes")
+                    "control, as configs/smoke-upper.yaml; 'none' = no bound); ignored by the barrier modes")
     ap.add_argument(
-        "--kv-tokens", type=int, default=4096, help="each rollout's KV cache in tokens (as configs/local.yaml)"
+        "--kv-tokens", type=int, default=4096, help="each rollout's KV cache in tokens (as configs/smoke-upper.yaml)"
     )
     a = ap.parse_args()
     exit_on_signals()  # SIGTERM/SIGHUP: stop the running cluster in order, as Ctrl-C does
