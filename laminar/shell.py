@@ -22,8 +22,6 @@ import asyncio
 import os
 import signal
 import socket
-import sys
-import threading
 import time
 from collections.abc import Callable
 
@@ -34,6 +32,7 @@ from laminar.bus.heartbeat import heartbeat_loop
 from laminar.bus.transport import Transport
 from laminar.protocol import Shutdown
 from laminar.roles.base import Role, RoleContext, RoleFailed
+from laminar.threads import leave
 
 log = structlog.get_logger("laminar.shell")
 EXIT_STOPPED_BY_OPERATOR = 3
@@ -158,31 +157,6 @@ async def _watchdog() -> None:
     while True:  # ping at half the watchdog period, from the loop: a stuck loop gets restarted
         n.notify("WATCHDOG=1")
         await asyncio.sleep(usec / 2e6)
-
-
-def work_thread(target: Callable[[], None], name: str) -> threading.Thread:
-    """Start a daemon thread for blocking work the role may have to abandon at stop (a training
-    step, a collective). `leave` exits at once while one of these is still running."""
-    t = threading.Thread(target=target, name=name, daemon=True)
-    t.laminar_work = True  # type: ignore[attr-defined]
-    t.start()
-    return t
-
-
-def leave(code: int) -> int:
-    """The role's exit: `code`, or, while a work thread is still running (a stop in the middle of
-    a training step), os._exit(code) after flushing: a daemon thread inside torch when the
-    interpreter tears down can crash the process (a stopped SmolLM2 trainer exited -11)."""
-    busy = [t.name for t in threading.enumerate() if getattr(t, "laminar_work", False) and t.is_alive()]
-    if not busy:
-        return code
-    log.warning("exit_with_work_in_flight", threads=busy, code=code)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,

@@ -31,7 +31,7 @@ from laminar.roles.trainer.metrics import MetricsLog, batch_stats
 from laminar.roles.trainer.publishing import PublishLink
 
 from laminar.protocol import BufferStatsRequest, Metrics, SampleGroups, Samples
-from laminar.shell import work_thread
+from laminar.threads import work_thread
 
 
 def in_thread(fn, name: str) -> asyncio.Future:

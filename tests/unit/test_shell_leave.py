@@ -6,7 +6,7 @@ import sys
 
 SCRIPT = r"""
 import atexit, sys, time
-from laminar.shell import leave, work_thread
+from laminar.threads import leave, work_thread
 atexit.register(lambda: print("atexit-ran", flush=True))
 if sys.argv[1] == "busy":
     work_thread(lambda: time.sleep(600), "trainer-train")
