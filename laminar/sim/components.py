@@ -29,10 +29,25 @@ def _row(sim: float, paper: float, **extra) -> dict:
     return {"sim": round(sim, 3), "paper": round(paper, 3), "rel_error": round(sim / paper - 1, 3), **extra}
 
 
+def _replica_32b(setup: dict, clock):
+    """One 32B replica as paper.yaml configures the rollouts (TP, lengths, memory, host time)."""
+    from laminar.roles.rollout.sim_engine import SimEngine
+    shape, m, rs = setup["run_shape"], setup["models"]["32B"], setup["rollout"]
+    kw = {} if rs.get("host_ms_per_layer") is None else {"host_ms_per_layer": rs["host_ms_per_layer"]}
+    if rs.get("host_ms_per_seq"):
+        kw["host_ms_per_seq"] = float(rs["host_ms_per_seq"])
+    return SimEngine.from_workload(model="32B", tp=int(m["tp"]), lengths=m["lengths"], gpu=setup["gpu"],
+                                   max_num_seqs=int(shape["max_concurrency"]), mem_fraction=rs["mem_fraction"],
+                                   max_output_tokens=shape["max_output_tokens"],
+                                   max_model_len=shape["max_input_tokens"] + shape["max_output_tokens"],
+                                   emit_every=16, context_dependence=bool(rs.get("context_dependence", True)),
+                                   workload_path=setup.get("workload"), clock=clock, **kw)
+
+
 def fig9_replay(setup: dict, workload: dict) -> dict:
     """One 32B TP4 replica running 512 trajectories from t = 0 (module docstring)."""
-    from laminar.roles.rollout.sim_engine import SimEngine, VirtualClock
-    shape, m, rs = setup["run_shape"], setup["models"]["32B"], setup["rollout"]
+    from laminar.roles.rollout.sim_engine import VirtualClock
+    shape = setup["run_shape"]
     trace: list[tuple[float, int]] = []
 
     class Recording(VirtualClock):
@@ -44,15 +59,7 @@ def fig9_replay(setup: dict, workload: dict) -> dict:
 
     async def main() -> dict:
         clock = Recording()
-        kw = {} if rs.get("host_ms_per_layer") is None else {"host_ms_per_layer": rs["host_ms_per_layer"]}
-        if rs.get("host_ms_per_seq"):
-            kw["host_ms_per_seq"] = float(rs["host_ms_per_seq"])
-        e = SimEngine.from_workload(model="32B", tp=int(m["tp"]), lengths=m["lengths"], gpu=setup["gpu"],
-                                    max_num_seqs=int(shape["max_concurrency"]), mem_fraction=rs["mem_fraction"],
-                                    max_output_tokens=shape["max_output_tokens"],
-                                    max_model_len=shape["max_input_tokens"] + shape["max_output_tokens"],
-                                    emit_every=16, context_dependence=bool(rs.get("context_dependence", True)),
-                                    workload_path=setup.get("workload"), clock=clock, **kw)
+        e = _replica_32b(setup, clock)
         clock.engine = e
         await e.start()
 
@@ -79,21 +86,13 @@ def repack_window(setup: dict, workload: dict, batch_bound: int, trajectories: i
     share of the batch's tokens made then, the bound a perfect consolidation of that phase would
     give (its tokens at the bulk's rate), and how often Algorithm 1's trend test (KV usage below
     the previous report's) holds in that phase — a plan needs it on source and destination at once."""
-    from laminar.roles.rollout.sim_engine import SimEngine, VirtualClock
-    shape, m, rs = setup["run_shape"], setup["models"]["32B"], setup["rollout"]
+    from laminar.roles.rollout.sim_engine import VirtualClock
+    shape = setup["run_shape"]
     period = float(report_s or setup["periods_sim_s"]["report"])
 
     async def main() -> dict:
         clock = VirtualClock()
-        kw = {} if rs.get("host_ms_per_layer") is None else {"host_ms_per_layer": rs["host_ms_per_layer"]}
-        if rs.get("host_ms_per_seq"):
-            kw["host_ms_per_seq"] = float(rs["host_ms_per_seq"])
-        e = SimEngine.from_workload(model="32B", tp=int(m["tp"]), lengths=m["lengths"], gpu=setup["gpu"],
-                                    max_num_seqs=int(shape["max_concurrency"]), mem_fraction=rs["mem_fraction"],
-                                    max_output_tokens=shape["max_output_tokens"],
-                                    max_model_len=shape["max_input_tokens"] + shape["max_output_tokens"],
-                                    emit_every=16, context_dependence=bool(rs.get("context_dependence", True)),
-                                    workload_path=setup.get("workload"), clock=clock, **kw)
+        e = _replica_32b(setup, clock)
         await e.start()
         samples: list[tuple[float, float, int, int, int]] = []
         done = asyncio.Event()
