@@ -20,7 +20,10 @@ class BoundedReceiver:
 
     async def recv(self) -> tuple[list[bytes], bool]:
         """(frames, complete): complete is False when parts beyond max_frames were discarded."""
-        frames = [await self.sock.recv()]
+        return self._rest([await self.sock.recv()])
+
+    def _rest(self, frames: list[bytes]) -> tuple[list[bytes], bool]:
+        """The message's remaining parts after its first (already in `frames`), bounded."""
         extra = 0
         while self._sync.getsockopt(zmq.RCVMORE):
             part = self._sync.recv(zmq.NOBLOCK)

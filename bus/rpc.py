@@ -181,16 +181,7 @@ class _IdentifiedReceiver(BoundedReceiver):
             self.user_id = first.get("User-Id")
         except zmq.ZMQError:  # no ZAP identity on this message
             self.user_id = None
-        frames, extra = [first.bytes], 0
-        while self._sync.getsockopt(zmq.RCVMORE):
-            part = self._sync.recv(zmq.NOBLOCK)
-            if len(frames) < self.max_frames:
-                frames.append(part)
-            else:
-                extra += 1
-        if extra:
-            self.oversized += 1
-        return frames, not extra
+        return self._rest([first.bytes])
 
 
 class ZmqRpcServer(RpcServer):
