@@ -3,6 +3,7 @@
 FlipOnceTcp   flips one byte of the payload of chosen CHUNK messages on the wire, once each (the
               sender's own buffer is untouched: the copy that goes out is corrupted), to show the
               receiver detects it by checksum and the chunk is sent again.
+WrappedConn   a TcpConn passed through unchanged: subclass it to rewrite some messages.
 ThrottledTcp  paces sends to `rate_mbps` so a test can act while a broadcast is in flight (for
               example kill a relay half-way) without racing loopback speed. Pacing is bandwidth
               emulation, not synchronization: nothing waits for a peer through it.
@@ -18,7 +19,7 @@ from laminar.weights.transport import Conn
 from laminar.weights.transport.tcp import TcpConn, TcpTransport
 
 
-class _Wrapped(Conn):
+class WrappedConn(Conn):
     def __init__(self, inner: TcpConn):
         self.inner, self.peer = inner, inner.peer
 
@@ -38,7 +39,7 @@ class _Wrapped(Conn):
         self.inner.send(header, payload)
 
 
-class _FlipConn(_Wrapped):
+class _FlipConn(WrappedConn):
     def __init__(self, inner, owner: FlipOnceTcp):
         super().__init__(inner)
         self.owner = owner
@@ -72,7 +73,7 @@ class FlipOnceTcp(TcpTransport):
         return _FlipConn(super().connect(address, timeout), self)
 
 
-class _PacedConn(_Wrapped):
+class _PacedConn(WrappedConn):
     def __init__(self, inner, rate_bps: float):
         super().__init__(inner)
         self.rate_bps, self.next_free = rate_bps, time.monotonic()

@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from laminar.testing.transports import WrappedConn  # noqa: E402
 from laminar.weights import wire  # noqa: E402
 from laminar.weights.manifest import checksum, manifest_from_bytes, manifest_to_bytes  # noqa: E402
 from laminar.weights.node import RelayNode  # noqa: E402
@@ -31,23 +32,12 @@ KEY = wire.derive_key(b"s" * 32)
 CHUNK = 64 << 10
 
 
-class _Mitm:
+class _Mitm(WrappedConn):
     """A connection whose outgoing messages an attacker rewrites (see the module docstring)."""
 
     def __init__(self, inner, owner):
-        self.inner, self.owner, self.peer = inner, owner, inner.peer
-
-    def set_handshake_timeout(self, seconds):
-        self.inner.set_handshake_timeout(seconds)
-
-    def recv_header(self, size):
-        return self.inner.recv_header(size)
-
-    def recv_into(self, view):
-        self.inner.recv_into(view)
-
-    def close(self):
-        self.inner.close()
+        super().__init__(inner)
+        self.owner = owner
 
     def send(self, header, payload=None):
         h = wire.unpack(header)
