@@ -17,6 +17,7 @@ import pytest
 
 from laminar.envs.sandbox import Sandbox, SandboxConfig
 from laminar.tasks.demo_data import make_prompts
+from tests.unit.test_sandbox import sandbox_pids
 
 pytestmark = pytest.mark.skipif(Sandbox.unavailable_reason() is not None,
                                 reason=str(Sandbox.unavailable_reason()))
@@ -181,19 +182,6 @@ def _anon_kib(pid: int) -> int:
     return 0
 
 
-def _uid_pids(uids: range) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                line = next(x for x in (d / "status").read_text().splitlines() if x.startswith("Uid:"))
-            except (OSError, StopIteration):
-                continue
-            if int(line.split()[1]) in uids:
-                out.append(int(d.name))
-    return out
-
-
 def test_memory_bomb_across_16_processes_is_bounded_per_run():
     """16 processes each under the per-process limit (96 MiB of 256) together ask for 1.5 GiB; the
     run's cgroup holds all of them to run_memory_mb. Measured from outside: the peak of the summed
@@ -229,11 +217,10 @@ print("holding", len(reported - dead), "killed", len(dead), flush=True)
         sb = Sandbox(SandboxConfig(**{**CFG, "wall_s": 40.0, "run_memory_mb": limit_mb}))
         if sb.cgroup_plan().kind == "none":
             pytest.skip(f"no usable cgroup on this machine: {sb.cgroup_plan().reason}")
-        uids = range(sb.cfg.uid_base, sb.cfg.uid_base + sb.cfg.slots)
         peak = 0
         task = asyncio.ensure_future(sb.run(code))
         while not task.done():
-            peak = max(peak, sum(_anon_kib(p) for p in _uid_pids(uids)) << 10)
+            peak = max(peak, sum(_anon_kib(p) for p in sandbox_pids(sb.cfg)) << 10)
             await asyncio.sleep(0.02)
         res = await task
         assert peak > 0
@@ -243,7 +230,7 @@ print("holding", len(reported - dead), "killed", len(dead), flush=True)
         assert held == [] or held[0] * hold_mb <= limit_mb, res
         assert res.memory_peak_bytes is not None and res.memory_peak_bytes <= limit_mb << 20
         assert res.oom_kills > 0
-        assert _uid_pids(uids) == []
+        assert sandbox_pids(sb.cfg) == []
         ok = await sb.run("print(sum(range(10)))")
         assert ok.ok and ok.stdout == "45\n"
     run(main())
@@ -255,11 +242,10 @@ def test_run_has_its_own_cgroup_with_the_configured_limits():
         plan = sb.cgroup_plan()
         if plan.kind == "none":
             pytest.skip(f"no usable cgroup on this machine: {plan.reason}")
-        uids = range(sb.cfg.uid_base, sb.cfg.uid_base + sb.cfg.slots)
         task = asyncio.ensure_future(sb.run("import time\nprint('up', flush=True)\ntime.sleep(3)"))
         pids: list[int] = []
         for _ in range(300):
-            pids = _uid_pids(uids)
+            pids = sandbox_pids(sb.cfg)
             if pids:
                 break
             await asyncio.sleep(0.02)
