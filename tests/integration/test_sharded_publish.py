@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from laminar.roles.trainer import checkpoint  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.procs import free_port  # noqa: E402
 from laminar.testing.trainer_ranks import resume_reference, train_reference  # noqa: E402
+from tests.integration.test_trainer_fsdp import launch_two_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,20 +37,9 @@ def shm_names() -> set[str]:
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
     model = build_tiny_model(tmp / "tiny", seed=0)
-    out, ck, addr = tmp / "out.pt", tmp / "ck", f"127.0.0.1:{free_port()}"
+    out, ck = tmp / "out.pt", tmp / "ck"
     before = shm_names()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "laminar.testing.trainer_ranks", str(r), "2", addr, str(model),
-                               str(out), "--checkpoint", str(ck), "--publish", "same,bfloat16"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    launch_two_ranks(model, out, ["--checkpoint", str(ck), "--publish", "same,bfloat16"], timeout=240)
     left = {n for n in shm_names() - before if n.startswith("laminar-")}
     return {"out": torch.load(out, weights_only=False), "model_dir": model, "ck": ck, "shm_left": left}
 

@@ -32,20 +32,26 @@ from tests.integration.test_trainer import feed, proc_cluster, wait_events  # no
 pytestmark = pytest.mark.timeout(240)
 
 
-def run_ranks(tmp: Path, model_dir: Path, algorithm: str) -> dict:
-    out, addr = tmp / f"{algorithm}.pt", f"127.0.0.1:{free_port()}"
+def launch_two_ranks(model_dir: Path, out: Path, extra: list[str], timeout: float) -> None:
+    """laminar.testing.trainer_ranks as 2 gloo ranks on a fresh port; both must exit 0."""
+    addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "laminar.testing.trainer_ranks", str(r), "2", addr, str(model_dir),
-                               str(out), "--algorithm", algorithm], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for r in range(2)]
+                               str(out), *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
     try:
-        logs = [p.communicate(timeout=180)[0].decode(errors="replace") for p in procs]
+        logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+
+
+def run_ranks(tmp: Path, model_dir: Path, algorithm: str) -> dict:
+    out = tmp / f"{algorithm}.pt"
+    launch_two_ranks(model_dir, out, ["--algorithm", algorithm], timeout=180)
     return torch.load(out)
 
 
