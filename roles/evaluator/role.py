@@ -6,8 +6,10 @@
            like a rollout: when its newest version is at least `eval_every` past the last one
            evaluated (or is the trainer's last, `max_iterations`), load it and evaluate it; after
            the last version, finish (exit 0), so `laminar-node up` waits for its last result. A
-           last version the trainer reported (metrics.trainer) but the relay does not hold after
-           `final_wait_s`: the relay's newest is evaluated instead, and the role finishes.
+           last version the trainer reported (its metrics.trainer events and its heartbeats, which
+           repeat, so a missed event costs nothing; heard from setup on) but the relay does not
+           hold after `final_wait_s`, or a trainer silent for `trainer_silent_s` while the relay
+           lacks the last version: the relay's newest is evaluated instead, and the role finishes.
 
 One evaluation answers every held-out problem greedily (temperature 0) and `samples` times at
 `temperature`, scores each answer with the task's reward (`reward`, the rollouts' function:
@@ -38,7 +40,7 @@ from types import SimpleNamespace
 from laminar.roles.base import Role
 from pydantic import BaseModel, ConfigDict, Field
 
-from laminar.protocol import Metrics
+from laminar.protocol import Heartbeat, Metrics
 
 
 class EvaluatorConfig(BaseModel):
@@ -69,6 +71,9 @@ class EvaluatorConfig(BaseModel):
     poll_s: float = Field(0.5, gt=0, description="how often the relay's newest version is looked at")
     final_wait_s: float = Field(20.0, gt=0, description="once the trainer reported its last version: how long to "
                                 "wait for it on the relay before evaluating the relay's newest and finishing")
+    trainer_silent_s: float = Field(60.0, gt=0, description="no trainer heartbeat or metrics for this long while the "
+                                    "relay lacks the last version: the trainer is gone; evaluate the relay's newest "
+                                    "and finish")
 
 
 def accuracy(rewards: list[float]) -> float:
@@ -83,6 +88,26 @@ def give_up_waiting(trainer_version: int, last_version: int | None, relay_versio
     if last_version is None or trainer_version < last_version or relay_version >= last_version or since is None:
         return False
     return now - since > wait_s
+
+
+def heard_version(ev) -> int | None:
+    """The trainer's version in one of its Metrics events or heartbeats (None: not in it)."""
+    if isinstance(ev, Heartbeat):
+        v = ev.status.get("version") if isinstance(ev.status, dict) else None
+    elif isinstance(ev, Metrics):
+        v = ev.values.get("version") if isinstance(ev.values, dict) else None
+    else:
+        return None
+    try:
+        return int(v) if v is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def trainer_gone(last_version: int | None, relay_version: int, heard_at: float, now: float, silent_s: float) -> bool:
+    """Whether to stop waiting because the trainer has been silent for `silent_s` (it finished or
+    died unheard) while the relay still lacks the last version."""
+    return last_version is not None and relay_version < last_version and now - heard_at > silent_s
 
 
 def due(version: int, last_evaluated: int, eval_every: int, last_version: int | None) -> bool:
@@ -100,6 +125,8 @@ class EvaluatorRole(Role):
         super().__init__(ctx)
         self.version = -1
         self.trainer_version, self.trainer_done_at = -1, None  # the trainer's newest reported version
+        self.trainer_heard_at = time.monotonic()
+        self.trainer_sub = None
         self.relay_version = -1
         self.lineage: int | None = None
         self.evaluated: list[int] = []
@@ -136,6 +163,10 @@ class EvaluatorRole(Role):
         else:
             self.out = Path(self.ctx.settings.get("out_dir", "evaluator"))
         self.out.mkdir(parents=True, exist_ok=True)
+        # heard from now on, before the engine starts: a trainer that reaches its last version while
+        # the first evaluation runs is not missed (a subscription made later can miss its events)
+        self.trainer_sub = self.ctx.transport.subscriber(["metrics.trainer", "hb.trainer."])
+        self.trainer_heard_at = time.monotonic()
         from laminar.roles.rollout.engine import VllmEngine
         bind = None
         if cfg is not None:
@@ -162,13 +193,18 @@ class EvaluatorRole(Role):
             if await self._load_due():
                 await self.evaluate()
                 continue
-            if give_up_waiting(self.trainer_version, self.last_version, self.relay_version, self.trainer_done_at,
-                               time.monotonic(), self.cfg.final_wait_s):
-                # the trainer finished, its last version never reached the relay: evaluate the newest there
+            now = time.monotonic()
+            why = ("the last version did not reach the relay"
+                   if give_up_waiting(self.trainer_version, self.last_version, self.relay_version,
+                                      self.trainer_done_at, now, self.cfg.final_wait_s)
+                   else "the trainer went silent before the last version reached the relay"
+                   if trainer_gone(self.last_version, self.relay_version, self.trainer_heard_at, now,
+                                   self.cfg.trainer_silent_s) else "")
+            if why:  # evaluate the newest version the relay holds, and finish
                 if self.relay_version > (self.evaluated[-1] if self.evaluated else -1) and await self._load_due(True):
                     await self.evaluate()
                 self.log.warning("evaluations_done", versions=self.evaluated, trainer_version=self.trainer_version,
-                                 relay_version=self.relay_version, why="the last version did not reach the relay")
+                                 relay_version=self.relay_version, why=why)
                 return
             self.state = "waiting"
             try:
@@ -177,11 +213,14 @@ class EvaluatorRole(Role):
                 pass
 
     async def _follow_trainer(self) -> None:
-        """The trainer's versions (its Metrics events): when did it report the last one."""
-        sub = self.ctx.transport.subscriber(["metrics.trainer"])
+        """The trainer's versions (its Metrics events and heartbeats): when it was last heard, and
+        when it reported the last one."""
         while True:
-            _, ev = await sub.recv()
-            v = int(getattr(ev, "values", {}).get("version", -1))
+            _, ev = await self.trainer_sub.recv()
+            v = heard_version(ev)
+            if v is None:
+                continue
+            self.trainer_heard_at = time.monotonic()
             if v > self.trainer_version:
                 self.trainer_version = v
                 if self.last_version is not None and v >= self.last_version and self.trainer_done_at is None:
