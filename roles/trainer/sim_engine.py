@@ -114,6 +114,9 @@ class SimTrainEngine:
         `old_logprobs`): its cost model, and with `sim.deliver` the modeled delivery, which writes
         version 0 into every host's folder now and announces each version through `publish`
         (topic, event) until `stopping` is set. Call it on the role's event loop."""
+        if cfg.world_size > 1:
+            raise ValueError(f"roles.trainer: engine sim models one trainer process (world_size 1, not "
+                             f"{cfg.world_size}); its cost model already spreads the work over the simulated GPUs")
         s = SimTrainerSettings.model_validate(cfg.sim)
         if s.deliver is not None and cfg.publish:
             raise ValueError("roles.trainer.sim.deliver (modeled delivery) needs roles.trainer.publish: false; "

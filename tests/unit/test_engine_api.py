@@ -116,3 +116,16 @@ def test_the_sim_trainer_is_built_by_its_factory_and_announces_version_0_on_ever
     assert not any(d.exists() for d in dirs)
     with pytest.raises(ValueError, match="publish: false"):
         SimTrainEngine.from_trainer_config(tc.model_copy(update={"publish": True}))
+
+
+def test_the_multi_rank_methods_the_role_calls_are_declared_and_the_real_engine_has_them():
+    """With world_size > 1 the role publishes, checkpoints and resumes through three more engine
+    methods (publish_state, save_sharded, restore_sharded): they are a protocol of their own, the
+    torch engine implements it, and the simulated engine refuses a trainer config with ranks."""
+    pytest.importorskip("torch")
+    from laminar.roles.trainer.engine import TrainEngine
+    from laminar.roles.trainer.engine_api import ShardedTrainEngineAPI
+    assert {"publish_state", "save_sharded", "restore_sharded"} <= set(protocol_methods(ShardedTrainEngineAPI))
+    check_implements(TrainEngine, ShardedTrainEngineAPI)
+    with pytest.raises(ValueError, match="world_size"):
+        SimTrainEngine.from_trainer_config(TrainerConfig.model_validate({"engine": "sim", "world_size": 2}))
