@@ -84,8 +84,9 @@ def repack_window(setup: dict, workload: dict, batch_bound: int, trajectories: i
     the manager's inputs sampled every report period (paper.yaml periods_sim_s.report). Returns
     how long the replica is a repack candidate by size (0 < running < B, nothing waiting), the
     share of the batch's tokens made then, the bound a perfect consolidation of that phase would
-    give (its tokens at the bulk's rate), and how often Algorithm 1's trend test (KV usage below
-    the previous report's) holds in that phase — a plan needs it on source and destination at once."""
+    give (its tokens at the bulk's rate), and how often the trend test holds in that phase, as the
+    paper's listing has it (KV usage below the previous report's) and as the manager's default
+    (below the batch's peak) — a plan needs it on source and destination at once."""
     from laminar.roles.rollout.sim_engine import VirtualClock
     shape = setup["run_shape"]
     period = float(report_s or setup["periods_sim_s"]["report"])
@@ -122,6 +123,10 @@ def repack_window(setup: dict, workload: dict, batch_bound: int, trajectories: i
     tok0 = next(tok for t, _, _, _, tok in samples if t == t0)
     bulk_rate, phase_rate = tok0 / t0, (total - tok0) / (end - t0)
     falling = sum(1 for _, kv, prev, _ in phase if kv < prev)
+    below_peak, peak = 0, 0.0  # the manager's default trend: below the batch's peak (one batch, no admissions)
+    for t, kv, _, _, _ in samples:
+        below_peak += (kv < peak and any(t == p[0] for p in phase))
+        peak = max(peak, kv)
     ideal_end = t0 + (total - tok0) / bulk_rate
     return {"batch_bound": batch_bound, "trajectories": trajectories, "report_s": period,
             "batch_s": round(end, 1), "candidate_from_s": round(t0, 1), "candidate_s": round(end - t0, 1),
@@ -130,7 +135,8 @@ def repack_window(setup: dict, workload: dict, batch_bound: int, trajectories: i
             "bulk_tokens_per_s": round(bulk_rate), "candidate_tokens_per_s": round(phase_rate),
             "perfect_consolidation_gain": round(end / ideal_end - 1, 3),
             "reports_in_phase": len(phase), "reports_kv_falling": falling,
-            "kv_falling_share": round(falling / len(phase), 3)}
+            "kv_falling_share": round(falling / len(phase), 3), "reports_below_peak": below_peak,
+            "below_peak_share": round(below_peak / len(phase), 3)}
 
 
 def component_checks(setup: dict, workload: dict) -> dict:

@@ -591,7 +591,8 @@ def components(setup: dict, workload: dict, a) -> int:
           f"for {window['candidate_s']:.0f} of {window['batch_s']:.0f} s, making "
           f"{window['tokens_share_in_candidate_phase']:.1%} of its tokens; perfect consolidation would give "
           f"+{window['perfect_consolidation_gain']:.0%}; KV falling report to report in "
-          f"{window['reports_kv_falling']}/{window['reports_in_phase']} reports of that phase", flush=True)
+          f"{window['reports_kv_falling']}/{window['reports_in_phase']} reports of that phase, below the "
+          f"batch's peak in {window['reports_below_peak']}", flush=True)
     root = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="laminar-components-", dir="/dev/shm"))
     root.mkdir(parents=True, exist_ok=True)
     specs = []

@@ -66,16 +66,28 @@ from laminar.protocol import (
 class RolloutView:
     id: str
     stats: RolloutStats
-    kv_prev: float
+    kv_prev: float             # the previous report's KV usage
     seen_at: float
     pid: int = 0
     alive: bool = True
     reported_at: float = 0.0   # when its last RolloutStats arrived
     received_at: float = 0.0   # last MigrateIn here: until its next report, its load is unknown
+    kv_peak: float = 0.0       # highest KV usage since it last admitted work (its batch's peak)
 
-    def load(self) -> ReplicaLoad:
+    def observe(self, s: RolloutStats) -> None:
+        """Take a new report: new work (more running, any waiting, other weights) starts a new peak."""
+        old = self.stats
+        admitted = (s.running > old.running or s.waiting > 0 or s.version != old.version
+                    or s.lineage != old.lineage)
+        self.kv_peak = s.kv_usage if admitted else max(self.kv_peak, s.kv_usage)
+        self.kv_prev, self.stats = old.kv_usage, s
+
+    def load(self, trend: str = "peak") -> ReplicaLoad:
+        """Its input to the plan; C_prev is its batch's peak (`trend` peak) or the previous report's
+        usage (previous: the paper's listing)."""
         s = self.stats
-        return ReplicaLoad(self.id, s.version, s.kv_usage, self.kv_prev, s.running, s.waiting)
+        ref = self.kv_peak if trend == "peak" else self.kv_prev
+        return ReplicaLoad(self.id, s.version, s.kv_usage, ref, s.running, s.waiting)
 
 
 @dataclass
@@ -84,6 +96,7 @@ class FleetSettings:
     interval_s: float = 5.0
     c_max: float = 0.99
     batch_bound: int = 32
+    trend: str = "peak"          # C_prev of the candidate test: peak | previous (repack.py)
     max_concurrency: int = 64    # a rollout's max_concurrency, when `concurrency` does not name it
     concurrency: dict[str, int] = field(default_factory=dict)  # rollout id -> its own max_concurrency
     dead_after_s: float = 5.0
@@ -147,9 +160,11 @@ class Fleet:
                                              "run": s.running, "wait": s.waiting, "act": s.active, "st": s.state,
                                              "tps": round(s.tokens_per_s, 1)}) + "\n")
         if v is None:
-            self.views[s.rollout_id] = RolloutView(s.rollout_id, s, s.kv_usage, now, reported_at=now)
+            self.views[s.rollout_id] = RolloutView(s.rollout_id, s, s.kv_usage, now, reported_at=now,
+                                                   kv_peak=s.kv_usage)
             return
-        v.kv_prev, v.stats, v.seen_at, v.reported_at = v.stats.kv_usage, s, now, now
+        v.observe(s)
+        v.seen_at, v.reported_at = now, now
         if not v.alive:
             v.alive = True
             self.log.info("rollout_back", rollout=s.rollout_id, version=s.version)
@@ -218,7 +233,7 @@ class Fleet:
     # -- repack -----------------------------------------------------------------------------------
     def _trusted_loads(self) -> list[ReplicaLoad]:
         """Live rollouts whose latest report postdates any migration into them."""
-        return [v.load() for v in self.views.values()
+        return [v.load(self.s.trend) for v in self.views.values()
                 if v.alive and v.stats.state != "loading" and v.reported_at > v.received_at]
 
     async def repack(self) -> list[dict]:

@@ -5,7 +5,8 @@ into a list of moves; the manager's fleet (roles/manager/fleet.py) executes them
 MigrateOut / MigrateIn. Kept separate so the property tests can drive it on random fleets.
 
     1. group replicas by weight version; a move never leaves its group;
-    2. candidates: C_used < min(C_max, C_prev) (KV usage ramping down), N < B, nothing waiting,
+    2. candidates: C_used < min(C_max, C_prev) (KV usage ramping down: C_prev is the fleet's
+       reference, by default the batch's peak, fleet.RolloutView.load), N < B, nothing waiting,
        and something to move (N > 0); sorted by C_used, smallest first;
     3. each candidate not yet emptied and not yet a destination picks, among the other
        candidates that can still take all of it (load_C + C_used <= C_max, load_N + N <= B),
@@ -28,7 +29,7 @@ class ReplicaLoad:
     id: str
     version: int
     kv: float          # C_used, 0..1
-    kv_prev: float     # the previous report's C_used
+    kv_prev: float     # C_prev: the batch's peak C_used, or the previous report's (manager repack_trend)
     running: int       # N
     waiting: int = 0
 

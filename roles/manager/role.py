@@ -37,6 +37,10 @@ class ManagerConfig(BaseModel):
                                      "version)")
     c_max: float = Field(0.99, gt=0, le=1, description="KV-cache fraction a destination may reach "
                          "(docs/architecture.md §7, C_max)")
+    repack_trend: str = Field("peak", pattern="^(peak|previous)$", description="when a replica counts as draining "
+                              "(a repack candidate): its KV usage is below its batch's peak (peak: since it last "
+                              "admitted work) or below its previous report (previous: the paper's listing, which "
+                              "a long tail's creeping KV defeats between finishes)")
     batch_bound: int = Field(32, ge=1, description="B: largest decode batch whose step time stays near batch 1 "
                              "(the roofline knee), used when no curve_path is given")
     curve_path: str | None = Field(None, description="step-latency curve (JSON of `python bench/step_curve.py --out`, "
@@ -106,6 +110,7 @@ class ManagerRole(Role):
             bound = roofline_batch_bound(StepCurve.load(settings.curve_path))
         workdir = cluster.workdir() if cluster else None
         fleet = FleetSettings(repack=repack, interval_s=settings.repack_interval_s, c_max=settings.c_max,
+                              trend=settings.repack_trend,
                               batch_bound=bound,
                               concurrency=cluster.rollout_concurrency() if cluster else {},
                               dead_after_s=settings.rollout_dead_after_s or dead_after,

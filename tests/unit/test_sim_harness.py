@@ -45,7 +45,8 @@ def test_repack_window_measures_the_tail_phase_and_the_trend_test_on_one_replica
     """One 32B replica, 128 trajectories: the phase in which it is a repack candidate by size is
     the end of its batch, makes a smaller share of the tokens than of the time, and Algorithm 1's
     trend test (KV below the previous report's) holds in only part of it: the remaining
-    sequences' KV grows between finishes."""
+    sequences' KV grows between finishes; below the batch's peak (the manager's default) it is
+    in almost all of it."""
     from laminar.sim import load_workload
     from laminar.sim.components import repack_window
     from laminar.sim.scenario import load_setups
@@ -56,3 +57,4 @@ def test_repack_window_measures_the_tail_phase_and_the_trend_test_on_one_replica
     assert w["tokens_share_in_candidate_phase"] < w["candidate_share_of_batch"]
     assert w["candidate_tokens_per_s"] < w["bulk_tokens_per_s"] and w["perfect_consolidation_gain"] > 0
     assert 0 < w["reports_kv_falling"] < w["reports_in_phase"]
+    assert w["reports_kv_falling"] < w["reports_below_peak"] and w["below_peak_share"] > 0.9, w
