@@ -91,6 +91,8 @@ def init(rank: int, world_size: int, address: str, device, timeout_s: float) -> 
     store = rendezvous_store(rank, world_size, address, timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    from laminar.threads import exit_without_teardown
+    exit_without_teardown("joined a torch.distributed process group")  # its native threads abort at teardown
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend != "gloo" else None
     return DistInfo(rank, world_size, control)
 
