@@ -96,6 +96,27 @@ def _run(coro) -> int:
         return asyncio.run(coro)
 
 
+def write_run_record(cfg, config_path: str) -> Path:
+    """<workdir>/run.json: what the run is (name, mode, task, config file, start time), written by
+    `up` when it starts, for the summary: the rollouts' log line that names the task rotates away
+    in a long run. The task is `run.task`, else the rollouts' reward function."""
+    from laminar.config import ConfigError
+    task = cfg.run.task
+    if task is None:
+        placed = cfg.find("rollout")
+        try:
+            task = cfg.settings_of("rollout", placed[0][1].id if placed else "0").reward
+        except (ConfigError, ValueError):
+            task = None
+    out = cfg.workdir() / "run.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".run.json.{os.getpid()}")
+    tmp.write_text(json.dumps({"name": cfg.run.name, "mode": cfg.run.mode, "task": task, "config": config_path,
+                               "started": time.time()}) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
 async def _up(cfg, config_path: str, host: str, a) -> int:
     import signal
 
@@ -118,6 +139,7 @@ async def _up(cfg, config_path: str, host: str, a) -> int:
         view.child_changed(c)
         health.child_changed(c)
 
+    write_run_record(cfg, config_path)
     log_dir = str(cfg.workdir() / "logs")
     sup = Supervisor(children_for_host(cfg, config_path, host, a.log_level), shutdown_s=cfg.cluster.shutdown_s,
                      on_change=child_changed, log_dir=None if a.foreground_logs else log_dir)

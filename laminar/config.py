@@ -144,6 +144,8 @@ class RunSpec(Strict):
     name: str = Field("run", description="run name; outputs go to <workdir>")
     seed: int = Field(0, description="global seed")
     workdir: str = Field("runs/run", description="folder for stores, checkpoints, logs, summaries")
+    task: str | None = Field(None, description="the task's name, for the run's record and summary (default: the "
+                             "rollouts' reward function)")
     mode: Literal["laminar", "laminar_norepack", "sync", "one_step", "stream"] = Field(
         "laminar", description="scheduling mode (docs/architecture.md §8): laminar (repack on), laminar_norepack, or a "
         "baseline with a global weight-sync barrier: sync (staleness 0), one_step, stream (staleness <= 1)")

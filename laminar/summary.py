@@ -6,7 +6,9 @@ Reads only files the roles already write, so it can also be run on a finished (o
     <workdir>/manager/repacks.jsonl   one record per executed repack plan
     <workdir>/manager/fleet.jsonl     every rollout report (state, KV usage) the manager saw (this
                                       and repacks.jsonl rotate by size: fleet.jsonl.1, .2, ... read too)
-    <workdir>/logs/rollout.*.log      the `config_resolved` line: the task (run.task, else the reward)
+    <workdir>/run.json                the run's record (`laminar-node up`): the task (run.task, else the
+                                      rollouts' reward); older runs: the `config_resolved` line of
+    <workdir>/logs/rollout.*.log
     <workdir>/evaluator/metrics.jsonl one record per evaluation (held-out accuracy of a version)
 
     python -m laminar.summary RUN_DIR      (laminar-node up writes it when the trainer finishes)
@@ -95,8 +97,15 @@ def learning_stats(recs: list[dict], eval_recs: list[dict] | None = None) -> dic
 
 
 def task_of(run: Path) -> str | None:
-    """The run's task as its rollouts were configured: `run.task` if the config names one, else
-    the rollouts' reward function (from the `config_resolved` line of a rollout's log)."""
+    """The run's task: from the run's record (`run.json`, written by `laminar-node up`: `run.task`,
+    else the rollouts' reward function), else from the `config_resolved` line of a rollout's log
+    (runs from before the record)."""
+    try:
+        task = json.loads((run / "run.json").read_text()).get("task")
+        if task:
+            return str(task)
+    except (OSError, ValueError, AttributeError):
+        pass
     for path in sorted((run / "logs").glob("rollout.*.log")):
         try:
             lines = path.read_text(errors="replace").splitlines()

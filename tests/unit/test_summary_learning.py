@@ -69,3 +69,34 @@ def test_run_task_and_eval_accuracy_when_present(tmp_path):
 def test_no_logs_no_task(tmp_path):
     write_run(tmp_path, [rec(1), rec(2)])
     assert summary.summarize(tmp_path)["task"] is None
+
+
+CLUSTER = {"keys_dir": None, "broker": {"host": "h0", "pub_port": 5550, "sub_port": 5551},
+           "hosts": {"h0": {"address": "127.0.0.1", "roles": [{"role": "rollout", "id": "0"}]}}}
+
+
+def test_a_config_may_name_its_task_and_up_records_it_where_log_rotation_cannot_remove_it(tmp_path):
+    """`run.task` is a config field (it was read by the summary but refused by the config), and
+    `laminar-node up` writes the run's record (<workdir>/run.json: task, mode, config) when it
+    starts; the summary takes the task from it, since the rollout log line that named it rotates
+    away in a long run."""
+    from laminar.cli import write_run_record
+    from laminar.config import LaminarConfig
+    cfg = LaminarConfig.model_validate({"run": {"name": "x", "workdir": str(tmp_path), "task": "word-problems"},
+                                        "cluster": CLUSTER})
+    assert cfg.run.task == "word-problems"
+    write_run_record(cfg, "configs/local.yaml")
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["task"] == "word-problems" and record["mode"] == "laminar"
+    assert record["config"] == "configs/local.yaml"
+    write_run(tmp_path, [rec(1), rec(2)])     # no rollout logs at all (rotated away)
+    assert summary.summarize(tmp_path)["task"] == "word-problems"
+
+
+def test_without_run_task_the_record_names_the_rollouts_reward(tmp_path):
+    from laminar.cli import write_run_record
+    from laminar.config import LaminarConfig
+    cfg = LaminarConfig.model_validate({"run": {"name": "x", "workdir": str(tmp_path)}, "cluster": CLUSTER,
+                                        "roles": {"rollout": {"reward": "laminar.tasks.math:math_reward"}}})
+    write_run_record(cfg, "c.yaml")
+    assert json.loads((tmp_path / "run.json").read_text())["task"] == "laminar.tasks.math:math_reward"
