@@ -2,6 +2,7 @@
 
     link = PublishLink(role, cfg); await link.start()   # target: the manager's master, or relay_address/relay_id
     link.publish_engine(engine, version)                # worker thread: returns after the staging copy
+    await link.deliver_last(version)                    # the run's last version: wait until the master has it
     await link.close()
 
 With several ranks (FSDP2) every rank has a PublishLink and calls publish_engine together (a
@@ -22,6 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+
+RETRY_S = (0.5, 10.0)    # a pinned master relay's reconnect delay: first, and at most
+FINAL_DELIVERY_S = 60.0  # how long a finished trainer waits for its last version to reach the master relay
 
 
 class PublishLink:
@@ -44,6 +48,28 @@ class PublishLink:
             if port:
                 return f"{cfg.cluster.hosts[host].address}:{port}"
         return None
+
+    def _pin(self, address: str, relay_id: str) -> None:
+        """A pinned master (no manager to name another): a failed link (the relay not up yet, or
+        restarting) is tried again at the same address, 0.5 s after the failure doubling to 10 s,
+        back to 0.5 s once a version got through. Without it the publisher waited for a
+        set_target that nothing would send."""
+        loop = asyncio.get_running_loop()
+        pub, state = self.publisher, {"delay": RETRY_S[0], "delivered": -1}
+
+        def retry() -> None:
+            if not self._stop.is_set():
+                pub.set_target(address, relay_id)
+
+        def down(peer: str) -> None:  # the publisher's link thread
+            if self._stop.is_set():
+                return
+            if pub.delivered > state["delivered"]:
+                state["delay"], state["delivered"] = RETRY_S[0], pub.delivered
+            d, state["delay"] = state["delay"], min(RETRY_S[1], state["delay"] * 2)
+            loop.call_soon_threadsafe(loop.call_later, d, retry)
+        pub.on_link_down = down
+        pub.set_target(address, relay_id)
 
     def publish_dtype(self) -> str | None:
         """The dtype published weights are cast to (None: the parameters' own)."""
@@ -73,7 +99,7 @@ class PublishLink:
         has_manager = bool(ctx.config.find("manager"))
         address = c.relay_address or (None if has_manager else self._relay_address())
         if address:
-            self.publisher.set_target(address, c.relay_id or "")
+            self._pin(address, c.relay_id or "")
         elif has_manager:
             from laminar.weights.follow import MasterFollower
             self.follower = MasterFollower(self.publisher, ctx.transport, ctx.config.endpoint("manager", c.manager_id))
@@ -116,6 +142,20 @@ class PublishLink:
             if d > last:
                 last = d
                 loop.call_soon_threadsafe(lambda v=d: self.role.event("publish_delivered", version=v))
+
+    async def deliver_last(self, version: int, timeout_s: float = FINAL_DELIVERY_S) -> bool | None:
+        """Wait until the master relay holds `version` (the run's last), at most `timeout_s`: the
+        sender runs in the background, and closing right after the last step would drop it, so
+        rollouts and the evaluator would never get the final weights. None without a publisher."""
+        pub = self.publisher
+        if pub is None:
+            return None
+
+        def wait() -> bool:  # a stop (close) ends the wait at once
+            with pub.cond:
+                pub.cond.wait_for(lambda: pub.delivered >= version or pub.stopped or self._stop.is_set(), timeout_s)
+                return pub.delivered >= version
+        return await asyncio.to_thread(wait)
 
     async def close(self) -> None:
         self._stop.set()

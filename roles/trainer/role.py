@@ -194,6 +194,19 @@ class TrainerRole(Role):
             else:
                 self.resumed_from = "rank 0's checkpoint"
 
+    async def _deliver_last(self) -> None:
+        """The last version reaches the master relay before the trainer leaves (publishing.py)."""
+        if self.link is None or not self.cfg.publish:
+            return
+        t0 = time.monotonic()
+        got = await self.link.deliver_last(self.version)
+        if got:
+            self.event("final_version_delivered", version=self.version, wait_s=round(time.monotonic() - t0, 3))
+        elif got is not None:
+            self.log.warning("final_version_not_delivered", version=self.version,
+                             waited_s=round(time.monotonic() - t0, 1),
+                             why="the master relay did not take it in time; the checkpoint has it")
+
     def _publish_gathers(self) -> bool:
         """Whether each publish is a collective (every rank copies its shards: sharded_publish.py)."""
         return self.cfg.publish and self.info.enabled
@@ -205,6 +218,7 @@ class TrainerRole(Role):
             return await self._follow()
         while not self.stopping.is_set():
             if self.cfg.max_iterations is not None and self.version >= self.cfg.max_iterations:
+                await self._deliver_last()
                 self.event("training_finished", version=self.version)
                 return
             groups = await self._collect()
