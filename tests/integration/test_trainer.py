@@ -137,6 +137,17 @@ async def feed(path: Path, keys_dir: Path, groups) -> None:
         await t.close()
 
 
+def start_buffer_and_trainer(path: Path, tmp: Path, procs: list[RoleProc]) -> RoleProc:
+    """The experience buffer, then trainer.0, each ready; both appended to `procs` (to stop)."""
+    buf = RoleProc("experience_buffer", "0", path, tmp).start()
+    procs.append(buf)
+    buf.wait_ready(60)
+    tr = RoleProc("trainer", "0", path, tmp).start()
+    procs.append(tr)
+    tr.wait_ready(90)
+    return tr
+
+
 def wait_events(p: RoleProc, name: str, pred, timeout: float = 60.0) -> list[dict]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -152,12 +163,7 @@ def test_kill9_resume_continues_versions_without_retraining(tmp_path, tiny):
     path = proc_cluster(tmp_path, tiny)
     procs = []
     try:
-        buf = RoleProc("experience_buffer", "0", path, tmp_path).start()
-        procs.append(buf)
-        buf.wait_ready(60)
-        tr = RoleProc("trainer", "0", path, tmp_path).start()
-        procs.append(tr)
-        tr.wait_ready(90)
+        tr = start_buffer_and_trainer(path, tmp_path, procs)
         # 3 iterations (checkpoint at v2), then half a batch: the trainer holds it, waiting
         asyncio.run(feed(path, tmp_path / "keys", random_groups(7, 4, "a", seed=1)))
         wait_events(tr, "iteration", lambda e: any(x["version"] == 3 for x in e))

@@ -20,12 +20,12 @@ pytest.importorskip("transformers")
 from laminar.bus.auth import load_keys  # noqa: E402
 
 from laminar.models.tiny import build_tiny_model  # noqa: E402
-from laminar.testing.procs import RoleProc, free_port  # noqa: E402
+from laminar.testing.procs import free_port  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
 from laminar.weights.node import RelayNode  # noqa: E402
 from laminar.weights.transport.tcp import TcpTransport  # noqa: E402
 from laminar.weights.wire import derive_key  # noqa: E402
-from tests.integration.test_trainer import feed, proc_cluster, wait_events  # noqa: E402
+from tests.integration.test_trainer import feed, proc_cluster, start_buffer_and_trainer, wait_events  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,12 +38,7 @@ def test_the_last_version_reaches_the_relay_before_the_trainer_exits(tmp_path):
     shm = f"/dev/shm/laminar-test-{uuid.uuid4().hex[:8]}-last"
     procs, node = [], None
     try:
-        buf = RoleProc("experience_buffer", "0", path, tmp_path).start()
-        procs.append(buf)
-        buf.wait_ready(60)
-        trainer = RoleProc("trainer", "0", path, tmp_path).start()
-        procs.append(trainer)
-        trainer.wait_ready(120)
+        trainer = start_buffer_and_trainer(path, tmp_path, procs)
         asyncio.run(feed(path, tmp_path / "keys", random_groups(4, 4, "s", seed=5)))
         wait_events(trainer, "iteration", lambda evs: any(e.get("version") == 2 for e in evs), 120)
         time.sleep(1.0)  # the last step is done and the relay is still down
