@@ -16,6 +16,7 @@ tokens are the policy's.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import field
 from typing import Any
 
@@ -30,6 +31,24 @@ __all__ = [
     "BufferStatsRequest", "BufferStats", "PoolCount", "HandedGroups", "HandedList", "GroupPresence",
     "GroupPresenceReply", "AppendDeltaBatch",
 ]
+
+_FIRST_POOL_GROUP = re.compile(r"e\d+-p")          # prompt pool "0": e<epoch>-p<prompt id>
+_OTHER_POOL_GROUP = re.compile(r"(.+?)\.e\d+-p")   # any other: <pool id>.e<epoch>-p<prompt id>
+
+
+def group_id_prefix(pool_id: str) -> str:
+    """What a prompt pool's group ids start with: nothing for pool "0", "<id>." for the others
+    (group ids are unique across pools)."""
+    return "" if str(pool_id) == "0" else f"{pool_id}."
+
+
+def pool_of_group(group_id: str) -> str:
+    """The prompt pool a group id came from (the inverse of `group_id_prefix`; a pool whose id
+    itself looks like "e<n>-p..." would be read as pool "0")."""
+    if _FIRST_POOL_GROUP.match(group_id):
+        return "0"
+    m = _OTHER_POOL_GROUP.match(group_id)
+    return m.group(1) if m else "0"
 
 
 @event("data.trajectory_spec")

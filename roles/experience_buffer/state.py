@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from laminar.roles.experience_buffer.samplers import Sampler, make_sampler
 
 from laminar.protocol import Trajectory
+from laminar.protocol.data import pool_of_group
 from laminar.weights.manifest import off_lineage
 
 OFF_LINEAGE = "off_lineage"
@@ -203,6 +204,7 @@ class BufferBook:
             for g in list(self.groups.values()):
                 if trainer_version - g.min_version() > self.max_staleness:
                     self._remove(g.group_id, "stale", ch)
+                    self.counts[f"dropped_stale/{pool_of_group(g.group_id)}"] += 1  # each pool's gate: its own
                     if g.complete:
                         dropped += 1
                     else:  # already too stale to ever be trained: it must not hold room meanwhile

@@ -33,6 +33,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.datasets import load_records, load_tokenizer
 from laminar.protocol import Ack, Batch, HandedGroups, HandedList, RequeueGroups, TakeBatch, TrajectorySpec
+from laminar.protocol.data import group_id_prefix
+
+
+def untrained_groups(counts: dict, pool_id: str) -> int:
+    """Groups of prompt pool `pool_id` an experience buffer dropped too stale (complete or not),
+    from its published counts: its per-pool count, or, from a buffer without them (one pool then),
+    its totals."""
+    if any(k.startswith("dropped_stale/") for k in counts):
+        return int(counts.get(f"dropped_stale/{pool_id}", 0))
+    return int(counts.get("dropped_stale", 0)) + int(counts.get("dropped_stale_incomplete", 0))
 
 
 class PromptPoolConfig(BaseModel):
@@ -137,8 +147,7 @@ class PromptPoolRole(PoolRole):
             _, ev = await self.buffer_counts.recv()
             c = getattr(ev, "counts", None)
             if isinstance(c, dict):
-                n = int(c.get("dropped_stale", 0)) + int(c.get("dropped_stale_incomplete", 0))
-                self.untrained[ev.id] = max(self.untrained.get(ev.id, 0), n)
+                self.untrained[ev.id] = max(self.untrained.get(ev.id, 0), untrained_groups(c, self.ctx.id))
 
     async def stop(self) -> None:
         await super().stop()
@@ -190,7 +199,7 @@ class PromptPoolRole(PoolRole):
     @property
     def prefix(self) -> str:
         """Group ids are unique across prompt pools: pools other than "0" prefix their id."""
-        return "" if self.ctx.id == "0" else f"{self.ctx.id}."
+        return group_id_prefix(self.ctx.id)
 
     def _parse(self, entry: str) -> tuple[int, str] | None:
         """(epoch, prompt id) of a group id or member id this pool made, else None."""
