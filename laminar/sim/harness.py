@@ -216,6 +216,37 @@ def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True) -> dict
     as soon as its result is read, not at the end of the sweep, so finished runs do not take memory
     from the runs still going; its log and result stay."""
     pending, running, results = list(specs), [], {}
+    try:
+        _run_all(pending, running, results, jobs, root, keep)
+    except BaseException:  # Ctrl-C, or SIGTERM (main: _exit_on_sigterm): no child outlives the sweep
+        stop_children([proc for _, proc, *_ in running])
+        raise
+    return results
+
+
+def stop_children(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """SIGTERM each running child (it removes its /dev/shm weights folder on the way out), then
+    SIGKILL whatever still runs after `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends this process as Ctrl-C does, through its finally blocks: a child removes its
+    shared-memory weights folder, the sweep stops its children and removes its work folder."""
+    import signal
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path, keep: bool) -> None:
     while pending or running:
         while pending and len(running) < jobs:
             spec = pending.pop(0)
@@ -258,7 +289,6 @@ def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True) -> dict
                 results[key] = {"error": f"exit {proc.returncode}" + (" (killed: overran)" if over else ""),
                                 "log_tail": tail}
                 print(f"[{time.strftime('%H:%M:%S')}] FAILED {key}: exit {proc.returncode}\n{tail}", flush=True)
-    return results
 
 
 def assemble(size: str, gpus: int, runs: dict[str, dict], warmup: dict[str, int], measure: dict[str, int]) -> dict:
@@ -497,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    _exit_on_sigterm()
     if a.child:
         Path(a.child_out).write_text(json.dumps(run_child(json.loads(a.child))))
         return 0
