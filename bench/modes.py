@@ -3,8 +3,9 @@
     python bench/modes.py [--quick] [--out runs/bench/modes.json] [--modes laminar,sync,...]
 
 Each mode is a real single-host cluster (`laminar-node up`): broker, manager, three pools, master
-relay, two vLLM CPU rollouts (one core each), trainer — the demo's shape — on the demo's task
-(the SFT-warm-started tiny model replying in long-tailed lengths, p99/p50 ≈ 6). Per mode:
+relay, two vLLM CPU rollouts (one core each), trainer — the demo's shape — on the smoke run's
+task (`make demo-upper`: the tiny model warm-started to reply in long-tailed lengths, p99/p50 ≈ 6,
+rewarded for capital letters; a fixed, cheap reward keeps the modes comparable). Per mode:
 
 - throughput: prompt + response tokens of a global batch ÷ time between actor updates, after
   the first update (engine and trainer warm-up excluded) — the metric of docs/architecture.md §8;
