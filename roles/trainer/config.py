@@ -12,6 +12,9 @@ class TrainerConfig(BaseModel):
     sim: dict = Field(default_factory=dict, description="engine: sim settings (SimTrainerSettings in "
                       "roles/trainer/sim_engine.py): model, gpus, gpu, mfu, recompute, speedup, relay, deliver")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate")
+    lr_warmup_versions: int = Field(0, ge=0, description="linear learning-rate warm-up: version v (1-based) "
+                                    "trains at lr * min(1, v / lr_warmup_versions); 0: none. Stateless (a resumed "
+                                    "run continues it from its version)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (the pre-clip norm is logged)")
     groups_per_batch: int = Field(8, ge=1, description="whole GRPO groups per global batch (= one version)")
@@ -27,6 +30,11 @@ class TrainerConfig(BaseModel):
     dual_clip_c: float = Field(3.0, gt=1, description="the dual clip's bound c (used when dual_clip is on)")
     kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL to a frozen reference (0: no reference model)")
     adv_std_normalize: bool = Field(True, description="divide group advantages by the group's std")
+    skip_uniform_groups: bool = Field(True, description="grpo: leave out of the batch's loss every group whose "
+                                      "rewards are all equal (zero advantages: no signal, but their tokens would "
+                                      "dilute the token mean); a batch of only such groups makes no optimizer step "
+                                      "(Adam's momentum would move the weights on a zero gradient). Counted in the "
+                                      "version's groups_uniform and no_signal_steps")
     old_logprobs: str = Field("behaviour", pattern="^(behaviour|recompute)$",
                               description="old policy of the ratio: the rollout's behaviour logprobs or recomputed "
                                           "by the trainer")

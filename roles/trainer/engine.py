@@ -8,7 +8,8 @@ of forward/backward calls (an empty share runs a zero-weight dummy), because eac
 a collective. Losses are token-level over the whole mini-batch: each rank divides by the
 mini-batch's total valid tokens and the gradients are summed over ranks.
 
-    grpo: advantages = group-normalized rewards, one per sequence
+    grpo: advantages = group-normalized rewards, one per sequence; groups whose rewards are all
+          equal are left out (skip_uniform_groups), and a batch of only such groups makes no step
     ppo:  advantages = GAE over the critic's values (reward at the last token), whitened over the
           batch; the critic is trained with the clipped value loss by its own AdamW
 Both use the same Clip-Higher policy loss (clipped_policy_loss), optional dual clip, k3 KL, TIS
@@ -78,6 +79,12 @@ def _all_reduce_max(info: DistInfo, value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.control)
     return float(t[0])
+
+
+def _reward_spread(group) -> bool:
+    """Whether a GRPO group carries a signal: two samples or more, not all of the same reward."""
+    rewards = [t.reward for t in group]
+    return len(rewards) > 1 and max(rewards) > min(rewards)
 
 
 @dataclass
@@ -262,6 +269,15 @@ class TrainEngine:
         PPO's mini-batch steps."""
         import torch
         c = self.cfg
+        self._set_lr(version)
+        signal = [g for g in groups if _reward_spread(g)]
+        uniform = len(groups) - len(signal)  # groups without a signal (GRPO: zero advantages)
+        left_out: list = []  # trained on by no one, but their mismatch is measured all the same
+        if c.algorithm == "grpo" and c.skip_uniform_groups:
+            if not signal:
+                return self._no_signal(groups, version)
+            left_out = [t for g in groups if not _reward_spread(g) for t in g]
+            groups = signal
         trajs = [t for g in groups for t in g]
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + version)
         order = torch.randperm(len(trajs), generator=gen).tolist()
@@ -269,13 +285,30 @@ class TrainEngine:
         needs_prox = c.old_logprobs == "recompute" or c.off_policy != "none"
         if needs_prox:
             per["prox"] = self._per_token(lambda i, a: self._logprobs(self.model, i, a)[0], trajs, order)
-        mismatch = self._mismatch_before_update(trajs, order, per, version - 1)
+        mismatch = self._mismatch_before_update(trajs, order, per, version - 1, left_out)
         if self.ref is not None:
             per["ref"] = self._per_token(lambda i, a: self._logprobs(self.ref, i, a)[0], trajs, order)
         batch = _Batch(trajs, order, per, version, needs_prox, mismatch)
         if c.algorithm == "ppo":
             return self._train_ppo(batch)
-        return self._train_grpo(batch, groups)
+        return {**self._train_grpo(batch, groups), "groups_uniform": float(uniform), "no_signal_steps": 0.0}
+
+    def lr_at(self, version: int) -> float:
+        """The policy's learning rate for the batch that makes `version` (lr_warmup_versions)."""
+        c = self.cfg
+        return c.lr * (min(1.0, version / c.lr_warmup_versions) if c.lr_warmup_versions else 1.0)
+
+    def _set_lr(self, version: int) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_at(version)
+
+    def _no_signal(self, groups, version: int) -> dict:
+        """A GRPO batch whose every group has equal rewards: no forward/backward, no optimizer step
+        (the weights stay as they are); the mismatch of its samples is still measured."""
+        mismatch = self._mismatch_before_update([], [], {}, version - 1, [t for g in groups for t in g])
+        return {"advantage_abs_mean": 0.0, "grad_norm": 0.0, "grad_norm_max": 0.0, "tokens": 0.0,
+                "response_tokens": 0.0, "skipped_nonfinite_steps": 0.0, "groups_uniform": float(len(groups)),
+                "no_signal_steps": 1.0, **mismatch.metrics(self.info)}
 
     def _train_grpo(self, b: _Batch, groups) -> dict:
         """GRPO: one advantage per sequence (its group-normalized reward), the clipped policy loss."""
@@ -384,15 +417,18 @@ class TrainEngine:
         out.update(b.mismatch.metrics(self.info))
         return out
 
-    def _mismatch_before_update(self, trajs, order, per, weights_version: int) -> Mismatch:
+    def _mismatch_before_update(self, trajs, order, per, weights_version: int, left_out=()) -> Mismatch:
         """Start the batch's mismatch: samples of the weights we hold, from the proximal
         logprobs when recomputed; samples one version older, against the frozen copy of the
-        weights before the newest update. Then that copy takes the weights we hold."""
+        weights before the newest update. Then that copy takes the weights we hold. `left_out`:
+        samples not trained on (groups without a signal), measured by a no-grad forward of their own."""
         mm = Mismatch()
         if "prox" in per:
             for i, lp in enumerate(per["prox"]):
                 if lp is not None and trajs[i].version == weights_version:
                     mm.add(lp, trajs[i].logprobs, trajs[i].loss_mask)
+        left_out = list(left_out)
+        self._measure_no_grad(mm, self.model, [t for t in left_out if t.version == weights_version])
         if self.lag is None:
             return mm
         if self.lag_version is not None and self.lag_version == weights_version - 1:
@@ -402,6 +438,7 @@ class TrainEngine:
                 for i, lp in enumerate(lps):
                     if lp is not None:
                         mm.add(lp, trajs[i].logprobs, trajs[i].loss_mask)
+            self._measure_no_grad(mm, self.lag, [t for t in left_out if t.version == self.lag_version])
         if self.lag_version != weights_version:
             import torch
             for m in (self.lag, self.model):  # FSDP2 may leave a root unsharded after a forward
@@ -412,6 +449,15 @@ class TrainEngine:
                     dst.copy_(src.detach())
             self.lag_version = weights_version
         return mm
+
+    def _measure_no_grad(self, mm: Mismatch, model, trajs) -> None:
+        """Add the logprobs of `model` (a no-grad forward) for all of `trajs`."""
+        if not trajs:
+            return
+        lps = self._per_token(lambda i, a: self._logprobs(model, i, a)[0], trajs, list(range(len(trajs))))
+        for t, lp in zip(trajs, lps, strict=True):
+            if lp is not None:
+                mm.add(lp, t.logprobs, t.loss_mask)
 
     @staticmethod
     def _measure(mm: Mismatch, trajs, idx, logp, weights_version: int) -> None:
