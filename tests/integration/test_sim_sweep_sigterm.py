@@ -19,8 +19,17 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+    """Processes whose parent is `pid` (from /proc: no pgrep needed)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
 
 
 def shm(prefix: str) -> set[str]:
@@ -48,6 +57,6 @@ def test_sigterm_stops_the_children_and_cleans_shared_memory():
     finally:
         if parent.poll() is None:
             parent.kill()
-        for k in kids:  # orphans too (their parent gone, pgrep -P no longer finds them)
+        for k in kids:  # orphans too (reparented once their parent is gone)
             if os.path.exists(f"/proc/{k}"):
                 os.kill(k, signal.SIGKILL)
