@@ -46,18 +46,36 @@ def reply(rng: random.Random) -> str:
     return "".join(out[:n])
 
 
+def lr_factor(step: int, steps: int, schedule: str) -> float:
+    """The learning rate of `step` (0-based) as a fraction of the peak: `constant` 1, or `cosine`:
+    a linear warm-up over the first 5% of the steps, then a cosine decay to 5% of the peak."""
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"schedule must be constant or cosine, got {schedule!r}")
+    warm = max(1, steps // 20)
+    if step < warm:
+        return (step + 1) / warm
+    return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+
+
 def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: float = 3e-3, seed: int = 0,
-               log_every: int = 50, sft: list[dict] | None = None) -> dict:
+               log_every: int = 50, sft: list[dict] | None = None, schedule: str | None = None) -> dict:
     """Fine-tune MODEL_DIR in place: on `sft` records (prompt -> solution) if given, else on the
-    uppercase task's synthetic replies."""
+    uppercase task's synthetic replies. `schedule` (lr_factor): default cosine with `sft` (at a
+    constant rate the word-problem loss stalls near 0.56 after 600 steps; decayed, it reaches ~0.29),
+    constant for the uppercase task."""
     import torch
     import transformers
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = ByteTokenizer()
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = schedule or ("cosine" if sft else "constant")
+    lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, schedule))
     prompts = [r["prompt"] for r in make_prompts(512, seed)]
     losses = []
     for step in range(steps):
@@ -83,6 +101,7 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         losses.append(float(loss.detach()))
         if log_every and (step + 1) % log_every == 0:
             print(f"warm start step {step + 1}/{steps}: loss {sum(losses[-log_every:]) / log_every:.3f}", flush=True)
@@ -98,6 +117,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--sft", metavar="JSONL", help="records with prompt and solution (word problems)")
+    ap.add_argument("--schedule", choices=["constant", "cosine"], default=None,
+                    help="learning-rate schedule (default: cosine with --sft, else constant)")
     a = ap.parse_args()
     import torch
     torch.set_num_threads(2)
@@ -107,7 +128,7 @@ def main() -> None:
         sft = read_jsonl(a.sft)
         if not sft:
             raise SystemExit(f"{a.sft}: no records")
-    print(warm_start(a.model_dir, a.steps, lr=a.lr, seed=a.seed, sft=sft))
+    print(warm_start(a.model_dir, a.steps, lr=a.lr, seed=a.seed, sft=sft, schedule=a.schedule))
 
 
 if __name__ == "__main__":

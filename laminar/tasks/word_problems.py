@@ -10,12 +10,20 @@ prompt pool's default layout (`id`, `prompt`, `answer`) plus the worked `solutio
     OUT_DIR/heldout.jsonl   the held-out split only the evaluator reads (never trained on)
 
 A problem is a running count: "Tom has 3 apples, gets 4, loses 2. How many apples now?", one
-step per change, its solution one line per step, ending with the boxed answer:
+step per change, its solution one line per step, each line quoting its change, ending with the
+boxed answer:
 
-    3 + 4 = 7. 7 - 2 = 5. \\boxed{5}
+    gets 4: 3 + 4 = 7. loses 2: 7 - 2 = 5. \\boxed{5}
+
+The quote is what makes the steps learnable by the tiny 2-layer byte-level model: the next change
+is the text after the one just quoted in the prompt (a copy an induction head does), where without
+it the model has to count to find the k-th change. Without the quotes, 600 SFT steps left it
+copying the wrong changes (held-out greedy accuracy 0.45, and RL rewarded lucky answers: every
+correct answer to a problem of two steps or more in a sampled batch had wrong arithmetic); with
+them, 0.70 (laminar/tasks/warmstart.py).
 
 The number of steps is long-tailed (half the problems take one step, one in a hundred takes ten
-or more), so the solutions' length is too: p99/p50 of the solution bytes is about 6 (the
+or more), so the solutions' length is too: p99/p50 of the solution bytes is about 7 (the
 byte-level model's tokens are bytes). Reward = correctness of the boxed answer
 (`laminar.tasks.math:math_reward`, math-verify).
 
@@ -48,13 +56,13 @@ def problem(rng: random.Random) -> dict:
         x = rng.randint(1, 9)
         if total >= x and rng.random() < 0.5:
             changes.append(f"loses {x}")
-            lines.append(f"{total} - {x} = {total - x}.")
+            lines.append(f"loses {x}: {total} - {x} = {total - x}.")
             total -= x
         else:
             changes.append(f"gets {x}")
-            lines.append(f"{total} + {x} = {total + x}.")
+            lines.append(f"gets {x}: {total} + {x} = {total + x}.")
             total += x
-    start = lines[0].split(" ")[0]
+    start = lines[0].split(": ")[1].split(" ")[0]
     said = changes[0] if steps == 1 else ", ".join(changes[:-1]) + " and " + changes[-1]
     prompt = f"{name} has {start} {item}, {said}. How many {item} now? "
     return {"prompt": prompt, "answer": str(total), "solution": " ".join(lines) + f" \\boxed{{{total}}}",

@@ -77,3 +77,22 @@ def test_sft_warm_start_on_the_sft_split_lowers_the_loss(tmp_path, sets):
     out = warm_start(model, steps=30, batch=8, lr=1e-2, sft=sets["sft"], log_every=0)
     assert out["loss_last"] < out["loss_first"]
     assert (model / "config.json").exists()
+
+
+def test_each_step_quotes_its_change_in_the_prompts_order(sets):
+    for r in sets["heldout"] + sets["prompts"][:200]:
+        quoted = re.findall(r"(gets|loses) (\d+): (\d+) ([+-]) (\d+) = ", r["solution"])
+        said = re.findall(r"(gets|loses) (\d+)", r["prompt"])
+        assert [(w, x) for w, x, *_ in quoted] == said
+        assert all((op == "+") == (w == "gets") and b == x for w, x, _, op, b in quoted)
+
+
+def test_the_warm_starts_cosine_schedule_warms_up_then_decays_to_a_floor():
+    from laminar.tasks.warmstart import lr_factor
+    f = [lr_factor(s, 600, "cosine") for s in range(600)]
+    assert f[0] == pytest.approx(1 / 30) and f[29] == pytest.approx(1.0)  # 5% of the steps warm up
+    assert all(a >= b for a, b in zip(f[29:], f[30:], strict=False))      # then it only decays
+    assert f[-1] == pytest.approx(0.05, abs=1e-3)
+    assert {lr_factor(s, 600, "constant") for s in range(600)} == {1.0}
+    with pytest.raises(ValueError):
+        lr_factor(0, 600, "linear")
