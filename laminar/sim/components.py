@@ -124,8 +124,9 @@ def repack_window(setup: dict, workload: dict, batch_bound: int, trajectories: i
     bulk_rate, phase_rate = tok0 / t0, (total - tok0) / (end - t0)
     falling = sum(1 for _, kv, prev, _ in phase if kv < prev)
     below_peak, peak = 0, 0.0  # the manager's default trend: below the batch's peak (one batch, no admissions)
+    in_phase = {p[0] for p in phase}
     for t, kv, _, _, _ in samples:
-        below_peak += (kv < peak and any(t == p[0] for p in phase))
+        below_peak += (kv < peak and t in in_phase)
         peak = max(peak, kv)
     ideal_end = t0 + (total - tok0) / bulk_rate
     return {"batch_bound": batch_bound, "trajectories": trajectories, "report_s": period,

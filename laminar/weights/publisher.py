@@ -217,8 +217,11 @@ class WeightPublisher:
         return slot
 
     def wait_delivered(self, version: int, timeout: float) -> bool:
+        """Block until the master holds `version` (True), at most `timeout`; close() ends the
+        wait at once (False unless it was delivered)."""
         with self.cond:
-            return self.cond.wait_for(lambda: self.delivered >= version, timeout)
+            self.cond.wait_for(lambda: self.delivered >= version or self.stopped, timeout)
+            return self.delivered >= version
 
     def set_target(self, address: str, relay_id: str = "") -> None:
         """Send to this master relay from now on (re-setting the same one reconnects)."""

@@ -270,13 +270,15 @@ class TrainEngine:
         import torch
         c = self.cfg
         self._set_lr(version)
-        signal = [g for g in groups if _reward_spread(g)]
-        uniform = len(groups) - len(signal)  # groups without a signal (GRPO: zero advantages)
+        signal, flat = [], []  # groups with and without a signal (GRPO: zero advantages)
+        for g in groups:
+            (signal if _reward_spread(g) else flat).append(g)
+        uniform = len(flat)
         left_out: list = []  # trained on by no one, but their mismatch is measured all the same
         if c.algorithm == "grpo" and c.skip_uniform_groups:
             if not signal:
                 return self._no_signal(groups, version)
-            left_out = [t for g in groups if not _reward_spread(g) for t in g]
+            left_out = [t for g in flat for t in g]
             groups = signal
         trajs = [t for g in groups for t in g]
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + version)

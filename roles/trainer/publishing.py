@@ -147,15 +147,9 @@ class PublishLink:
         """Wait until the master relay holds `version` (the run's last), at most `timeout_s`: the
         sender runs in the background, and closing right after the last step would drop it, so
         rollouts and the evaluator would never get the final weights. None without a publisher."""
-        pub = self.publisher
-        if pub is None:
+        if self.publisher is None:
             return None
-
-        def wait() -> bool:  # a stop (close) ends the wait at once
-            with pub.cond:
-                pub.cond.wait_for(lambda: pub.delivered >= version or pub.stopped or self._stop.is_set(), timeout_s)
-                return pub.delivered >= version
-        return await asyncio.to_thread(wait)
+        return await asyncio.to_thread(self.publisher.wait_delivered, version, timeout_s)  # close() ends it
 
     async def close(self) -> None:
         self._stop.set()
