@@ -25,6 +25,11 @@ and while it keeps failing `status()` carries `unhealthy`, which the manager tre
 silent heartbeat (the relay is taken out of the chain and re-joins when healthy). A connection
 whose handshake says it is the manager's probe is answered and closed: it never displaces the
 upstream.
+
+Part upstreams (handshake purpose PART: the hosts of a trainer whose ranks span several hosts,
+each sending only its own byte ranges; part_receiver.py) never displace the upstream nor each
+other: each gets a PartReceiver thread of its own, at most `max_part_upstreams` at once (beyond
+that the oldest is closed; a host that reconnects resends its part and repeats are dropped).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from collections.abc import Callable
 import structlog
 
 from laminar.weights import wire
+from laminar.weights.part_receiver import PartReceiver
 from laminar.weights.receiver import Receiver
 from laminar.weights.sender import Sender
 from laminar.weights.store import ShmStore
@@ -49,7 +55,8 @@ class RelayNode:
                  bind_host: str = "127.0.0.1", port: int = 0,
                  on_event: Callable[..., None] = lambda kind, **kw: None,
                  connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0, retain: int = 0,
-                 handshake_timeout_s: float = 5.0, max_pending_handshakes: int = 32, relisten_after: int = 5):
+                 handshake_timeout_s: float = 5.0, max_pending_handshakes: int = 32, relisten_after: int = 5,
+                 max_part_upstreams: int = 64):
         self.id, self.transport, self.key = relay_id, transport, key
         self.store = ShmStore(shm_dir, retain)
         self.bind_host, self.port = bind_host, port
@@ -73,6 +80,8 @@ class RelayNode:
         self.accept_errors = self.failing_accepts = 0   # total, and in a row (0 after a success)
         self.accept_failure = ""
         self.handshakes_refused = self.handshakes_evicted = self.probes = 0
+        self.max_part_upstreams = max_part_upstreams
+        self.parts: collections.OrderedDict[int, tuple[PartReceiver, threading.Thread]] = collections.OrderedDict()
 
     @property
     def address(self) -> str:
@@ -162,6 +171,9 @@ class RelayNode:
             self.probes += 1
             conn.close()
             return
+        if purpose == wire.PURPOSE_PART and not self._stop.is_set():
+            self._take_part(conn)
+            return
         if not self._stop.is_set():
             self._take_upstream(conn)
         else:
@@ -189,7 +201,29 @@ class RelayNode:
             t.start()
         self.on_event("upstream", peer=conn.peer)
 
-    def _run_receiver(self, rcv: Receiver) -> None:
+    def _take_part(self, conn) -> None:
+        """One host's part of a multi-host trainer: a receiver of its own, beside the others."""
+        rcv = PartReceiver(self.store, conn, self._on_receiver_event, key=self.key)
+        t = threading.Thread(target=self._run_part, args=(rcv,), name=f"relay-{self.id}-part", daemon=True)
+        with self.lock:
+            if self._stop.is_set():
+                conn.close()
+                return
+            while len(self.parts) >= self.max_part_upstreams:
+                _, (oldest, _) = self.parts.popitem(last=False)
+                oldest.stop()
+            self.parts[id(rcv)] = (rcv, t)
+        t.start()
+        self.on_event("upstream", peer=conn.peer, part=True)
+
+    def _run_part(self, rcv: PartReceiver) -> None:
+        try:
+            self._run_receiver(rcv)
+        finally:
+            with self.lock:
+                self.parts.pop(id(rcv), None)
+
+    def _run_receiver(self, rcv: Receiver | PartReceiver) -> None:
         try:
             rcv.run()
         except LinkError as exc:
@@ -264,7 +298,7 @@ class RelayNode:
     def _port_status(self) -> dict:
         ok = self.data_port_ok()
         st = {"data_port_ok": ok, "accept_errors": self.accept_errors, "handshakes_pending": len(self._pending),
-              "handshakes_refused": self.handshakes_refused, "probes": self.probes}
+              "handshakes_refused": self.handshakes_refused, "probes": self.probes, "part_upstreams": len(self.parts)}
         if not ok and not self._stop.is_set():
             why = self.accept_failure or "accept thread ended"
             st["unhealthy"] = f"data port {self.listener.address} not accepting: {why}"
@@ -279,6 +313,11 @@ class RelayNode:
         if rcv is not None:
             rcv.stop()
             t.join(timeout=10.0)
+        with self.lock:
+            parts = list(self.parts.values())
+        for prcv, pt in parts:
+            prcv.stop()
+            pt.join(timeout=10.0)
         self.listener.close()
         self._accept_thread.join(timeout=5.0)
         with self.lock:

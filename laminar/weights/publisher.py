@@ -19,6 +19,11 @@ Several writers (the ranks of an FSDP2 trainer on one host, roles/trainer/sharde
 with `staging_prefix` the two slots are /dev/shm files the other ranks map; `begin()` picks the
 slot, every rank copies its shards into it, and `commit()` hands the version to the sender.
 
+One host of several (`part=True`: an FSDP2 trainer whose ranks span hosts, mode `hosts` of
+sharded_publish.py): `commit(..., ranges=...)` names the byte ranges this host's ranks wrote, and
+the link is a PartSender (part_sender.py) that sends only those to the master relay, which
+assembles the version from every host's part; `delivered` then means this host's part is in.
+
 The background thread connects to the target, authenticates, and runs a Sender; when the link
 fails it calls `on_link_down(peer)` and waits for `set_target` (the manager names the new master).
 """
@@ -36,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from laminar.weights import wire
 from laminar.weights.manifest import CHUNK_BYTES_DEFAULT, build_manifest, same_layout, with_lineage, with_version
+from laminar.weights.part_sender import PartSender, split_ranges
 from laminar.weights.pull import copy_kind, torch_dtype
 from laminar.weights.sender import Sender
 from laminar.weights.staging import StagingCopier, alloc_shared_staging, alloc_staging
@@ -74,8 +80,9 @@ class WeightPublisher:
     def __init__(self, chunk_bytes: int = CHUNK_BYTES_DEFAULT, transport: str = "tcp", key: bytes = b"",
                  on_link_down: Callable[[str], None] = lambda peer: None,
                  connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0,
-                 publish_dtype: str | None = None, staging_prefix: str | None = None):
+                 publish_dtype: str | None = None, staging_prefix: str | None = None, part: bool = False):
         self.chunk_bytes = chunk_bytes
+        self.part = part  # one host's part of a version (PartSender), not the whole of it
         # floating-point tensors are cast to this dtype on their own device before the copy
         # (None or "same": published as they are); the manifest names each tensor's dtype
         self.publish_dtype = None if publish_dtype in (None, "", "same") else str(publish_dtype)
@@ -141,12 +148,17 @@ class WeightPublisher:
                 self._reset_layout(layout)
             return version, self._free_slot()
 
-    def commit(self, slot: int, layout: Manifest, version: int) -> None:
-        """The slot holds all of `version`: it becomes the newest, and the sender's next."""
+    def commit(self, slot: int, layout: Manifest, version: int, ranges=None) -> None:
+        """The slot holds all of `version` (with `part`: the byte ranges `ranges`, (offset,
+        length) pairs, of it): it becomes the newest, and the sender's next."""
+        if self.part != (ranges is not None):
+            raise ValueError("a part publisher commits byte ranges, a whole one commits none")
         vb = VersionBuffer(with_lineage(with_version(layout, version), self.run_id, self.lineage),
                            self.slots[slot], slot=slot)
         vb.mark_all([0] * vb.n)
         vb.lazy_checksums, vb.hashed = True, bytearray(vb.n)
+        if ranges is not None:
+            vb.ranges = split_ranges(ranges, layout.chunk_bytes)
         with self.cond:
             if version <= self.version:
                 raise ValueError(f"version {version} is not newer than the last published {self.version}")
@@ -236,6 +248,19 @@ class WeightPublisher:
         if sender is not None:
             sender.stop()
 
+    def become_part(self) -> None:
+        """From now on publish one host's part (sharded_publish.py found the ranks on several
+        hosts): the link to the master is made again, as a part upstream."""
+        with self.cond:
+            if self.part:
+                return
+            self.part = True
+            self._target_seq += 1  # the link loop reconnects to the same target
+            sender = self._sender
+            self.cond.notify_all()
+        if sender is not None:
+            sender.stop()
+
     def close(self) -> None:
         with self.cond:
             self.stopped = True
@@ -289,9 +314,11 @@ class WeightPublisher:
                 self.on_link_down(relay_id or address)
 
     def _stream(self, address: str, relay_id: str, seq: int) -> None:
-        conn = wire.connect(self.transport, address, self.key, self.connect_timeout_s)
-        sender = Sender(self, conn, name=f"publisher->{relay_id or address}",
-                        ack_timeout_s=self.ack_timeout_s, on_delivered=self._delivered)
+        purpose = wire.PURPOSE_PART if self.part else wire.PURPOSE_LINK
+        conn = wire.connect(self.transport, address, self.key, self.connect_timeout_s, purpose=purpose)
+        cls = PartSender if self.part else Sender
+        sender = cls(self, conn, name=f"publisher->{relay_id or address}",
+                     ack_timeout_s=self.ack_timeout_s, on_delivered=self._delivered)
         with self.cond:
             self._sender = sender
             stale = self.stopped or self._target_seq != seq  # retargeted while connecting

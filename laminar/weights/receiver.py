@@ -30,6 +30,21 @@ log = structlog.get_logger("laminar.weights.receiver")
 MAX_MAC_FAILURES = 4
 
 
+def take_offer(store: ShmStore, conn: Conn, h: wire.Header) -> tuple:
+    """Read an OFFER's manifest and get the store's buffer for it: (manifest, buffer, whether the
+    buffer is that version's, its first missing chunk, whether it is complete), the last two read
+    under the store's lock. Raises LinkError on a bad manifest."""
+    try:
+        m = manifest_from_bytes(wire.recv_small(conn, h))
+    except ValueError as exc:
+        raise LinkError(f"upstream {conn.peer} offered a bad manifest: {exc}") from None
+    if m.version != h.version:
+        raise LinkError(f"OFFER header says v{h.version}, manifest says v{m.version}")
+    with store.cond:
+        vb = store.begin(m)
+        return m, vb, vb.ident == ident(m), vb.prefix, vb.complete
+
+
 class Receiver:
     def __init__(self, store: ShmStore, conn: Conn, on_event: Callable[..., None] = lambda kind, **kw: None,
                  key: bytes = b""):
@@ -56,17 +71,9 @@ class Receiver:
                 raise LinkError(f"unexpected {wire.NAMES[h.type]} from upstream {self.conn.peer}")
 
     def _offer(self, h: wire.Header) -> None:
-        try:
-            m = manifest_from_bytes(wire.recv_small(self.conn, h))
-        except ValueError as exc:
-            raise LinkError(f"upstream {self.conn.peer} offered a bad manifest: {exc}") from None
-        if m.version != h.version:
-            raise LinkError(f"OFFER header says v{h.version}, manifest says v{m.version}")
-        with self.store.cond:
-            vb = self.store.begin(m)
-            same = vb.ident == ident(m)
-            have = vb.prefix if same else chunk_count(m)
-        self.vb = vb if same and not vb.complete else None
+        m, vb, same, prefix, complete = take_offer(self.store, self.conn, h)
+        have = prefix if same else chunk_count(m)
+        self.vb = vb if same and not complete else None
         self.mdigest, self.failures = wire.manifest_digest(m), {}
         # b = the offer's lineage: the sender tells answers about A:v from answers about B:v
         wire.send(self.conn, wire.WANT, m.version, a=have, b=m.lineage)

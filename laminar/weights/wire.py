@@ -10,6 +10,22 @@ Upstream U sends, downstream D answers on the same connection:
     D -> U  NACK   (version, a=index, b=lineage)         MAC mismatch: U sends that chunk again
     D -> U  DONE   (version, b=lineage)                  every chunk arrived and verified
 
+A part upstream (handshake purpose PART: one host of a trainer whose ranks span several hosts,
+laminar/weights/part_sender.py) sends only the byte ranges its host's ranks hold, and the master
+relay assembles the version from every host's parts (laminar/weights/part_receiver.py):
+
+    U -> D  OFFER    (version, a=chunks, b=lineage)      payload: manifest, as above
+    D -> U  WANT     (version, a=0 or chunks, b=lineage) a == chunks: D has the version already
+    U -> D  RANGE    (version, a=byte offset, b=lineage, tag=MAC)  payload: bytes [a, a + length)
+    D -> U  NACK     (version, a=byte offset, b=lineage) MAC mismatch: U sends that range again
+    U -> D  PART_END (version, a=ranges sent, b=lineage) every range of this part was sent
+    D -> U  DONE     (version, a=ranges, b=lineage)      every range of this part arrived, verified
+
+A RANGE's MAC is `range_mac`: like a chunk MAC, over the manifest digest, the byte offset and the
+bytes (a range never spans more than one chunk). When every byte of a chunk has arrived in
+verified ranges the relay computes the chunk's MAC itself (it holds the key) and the chunk is
+present, forwarded and checked by rollouts exactly as one that came whole.
+
 OFFER carries the lineage epoch of the version in `b`; WANT, NACK and DONE echo it, and the
 sender takes an answer only when its version and lineage both match what it is sending (a late
 answer about an abandoned version of another lineage is never taken for the current one). CHUNK
@@ -35,7 +51,8 @@ from the cluster secret, so the secret itself never crosses the wire):
     A -> C  WELCOME
 A peer with another protocol version or a wrong proof gets its connection closed with a
 LinkError naming the reason; the handshake runs under a deadline. `purpose` is LINK (an upstream
-that will stream versions) or PROBE (the manager checking that the port really serves: the
+that will stream versions), PART (one host's part of a multi-host trainer: it never displaces the
+upstream, several stream at once) or PROBE (the manager checking that the port really serves: the
 relay answers the handshake and closes, leaving its upstream alone); the proof covers it.
 """
 from __future__ import annotations
@@ -59,11 +76,11 @@ MAC_BYTES = 16
 NO_TAG = bytes(MAC_BYTES)
 MAX_CONTROL_PAYLOAD = 16 << 20  # a manifest / handshake payload larger than this is garbage
 
-HELLO, PROOF, WELCOME, OFFER, WANT, CHUNK, NACK, DONE = range(1, 9)
-PURPOSE_LINK, PURPOSE_PROBE = 0, 1
-_PROOF_TAG = {PURPOSE_LINK: b"C", PURPOSE_PROBE: b"P"}
+HELLO, PROOF, WELCOME, OFFER, WANT, CHUNK, NACK, DONE, RANGE, PART_END = range(1, 11)
+PURPOSE_LINK, PURPOSE_PROBE, PURPOSE_PART = 0, 1, 2
+_PROOF_TAG = {PURPOSE_LINK: b"C", PURPOSE_PROBE: b"P", PURPOSE_PART: b"S"}
 NAMES = {HELLO: "HELLO", PROOF: "PROOF", WELCOME: "WELCOME", OFFER: "OFFER", WANT: "WANT",
-         CHUNK: "CHUNK", NACK: "NACK", DONE: "DONE"}
+         CHUNK: "CHUNK", NACK: "NACK", DONE: "DONE", RANGE: "RANGE", PART_END: "PART_END"}
 
 
 @dataclass(frozen=True)
@@ -142,6 +159,17 @@ def chunk_mac(mkey: bytes, mdigest: bytes, index: int, data) -> bytes:
     return h.digest(MAC_BYTES)
 
 
+def range_mac(mkey: bytes, mdigest: bytes, offset: int, data) -> bytes:
+    """The MAC of the bytes at `offset` of the version whose `manifest_digest` is `mdigest`, as a
+    part upstream sends them (16 bytes; "R" keeps it apart from any chunk MAC)."""
+    h = blake3.blake3(key=mkey)
+    h.update(b"R")
+    h.update(mdigest)
+    h.update(struct.pack("!Q", offset))
+    h.update(data)
+    return h.digest(MAC_BYTES)
+
+
 def verify_macs(mkey: bytes, m, buf) -> list[int]:
     """Indices of the chunks of `buf` whose MAC differs from `m.macs` (all of them when `m` has none)."""
     from laminar.weights.manifest import chunk_count, chunk_range
@@ -205,11 +233,12 @@ def probe(transport: ChunkTransport, address: str, key: bytes, timeout: float) -
         conn.close()
 
 
-def connect(transport: ChunkTransport, address: str, key: bytes, timeout: float) -> Conn:
+def connect(transport: ChunkTransport, address: str, key: bytes, timeout: float,
+            purpose: int = PURPOSE_LINK) -> Conn:
     """Connect and authenticate (client side); the connection is closed if the handshake fails."""
     conn = transport.connect(address, timeout)
     try:
-        client_handshake(conn, key, timeout)
+        client_handshake(conn, key, timeout, purpose=purpose)
     except BaseException:
         conn.close()
         raise

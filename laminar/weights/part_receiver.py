@@ -1,0 +1,216 @@
+"""PartReceiver: takes one host's byte ranges of a version into a relay's ShmStore.
+
+A trainer whose FSDP2 ranks span several hosts publishes without gathering: each host's ranks
+write their own rows into their host's staging, and each host streams just those byte ranges to
+the master relay over a connection of its own (wire.py, handshake purpose PART; part_sender.py).
+Every such connection has a PartReceiver; all of them write into the one incoming VersionBuffer
+of the store (`ShmStore.begin` hands every offer of the same version the same buffer), and a
+chunk becomes present when every one of its bytes has arrived in verified ranges, whoever sent
+them. The relay then computes that chunk's checksum and MAC itself, and from there on the chunk
+is forwarded and checked by rollouts exactly like one that arrived whole.
+
+Safety (a part upstream is authenticated, but its bytes are checked anyway):
+- a range is received into scratch memory, its MAC (wire.range_mac: keyed by the cluster secret,
+  over the offered manifest's identity and layout, the offset and the bytes) checked, and only then
+  copied into place; a mismatch is answered with NACK and the bytes are dropped; MAX_MAC_FAILURES
+  in a row for one offset end the link;
+- a range must lie inside one chunk, and inside the tensors' bytes: the alignment padding between
+  tensors is zeroed by the relay, never sent; bytes already written are never written again: an exact
+  repeat (a part resent after a reconnect) is dropped, a range that overlaps written bytes only
+  in part ends the link (two hosts claiming the same bytes is a bug or an attack);
+- the copy into the buffer and the bookkeeping happen under the store's condition, so a newer
+  offer on another connection cannot reuse the buffer's file while a range is being written.
+  That serializes the parts' copies at the relay (one memcpy of at most a chunk each), which is
+  not the trainer's stall: the trainer has handed its staging to the sender by then.
+"""
+from __future__ import annotations
+
+import bisect
+import hmac
+from collections.abc import Callable
+
+import structlog
+
+from laminar.weights import wire
+from laminar.weights.manifest import checksum, chunk_count, chunk_range
+from laminar.weights.receiver import MAX_MAC_FAILURES, take_offer
+from laminar.weights.store import ShmStore, VersionBuffer
+from laminar.weights.transport import Conn, LinkError
+
+log = structlog.get_logger("laminar.weights.part_receiver")
+
+
+class Coverage:
+    """Which bytes of each chunk of a version have been written (disjoint intervals per chunk)."""
+
+    def __init__(self):
+        self.spans: dict[int, list[tuple[int, int]]] = {}  # chunk -> sorted [(start, end)) written
+        self.filled: dict[int, int] = {}
+
+    @classmethod
+    def of(cls, vb: VersionBuffer) -> Coverage:
+        """A version's coverage, its alignment padding (the bytes between tensors, which no part
+        sends) written as zeros and counted, as a whole publish's zeroed staging has them."""
+        cov, m = cls(), vb.manifest
+        gaps, end = [], 0
+        for off, n in sorted(zip(m.offsets, m.nbytes, strict=True)):
+            if off > end:
+                gaps.append((end, off))
+            end = max(end, off + n)
+        if m.total_bytes > end:
+            gaps.append((end, m.total_bytes))
+        for start, stop in gaps:
+            while start < stop:
+                i = start // m.chunk_bytes
+                cut = min(stop, (i + 1) * m.chunk_bytes)
+                vb.view[start:cut] = bytes(cut - start)
+                cov.add(i, start, cut)
+                start = cut
+        return cov
+
+    def check(self, i: int, start: int, end: int) -> str:
+        """'new' (no byte of [start, end) written), 'repeat' (all of it written) or 'overlap'."""
+        spans = self.spans.get(i, [])
+        k = bisect.bisect_right(spans, (start, float("inf")))
+        if k and spans[k - 1][0] <= start and end <= spans[k - 1][1]:
+            return "repeat"
+        if k and spans[k - 1][1] > start:
+            return "overlap"
+        if k < len(spans) and spans[k][0] < end:
+            return "overlap"
+        return "new"
+
+    def add(self, i: int, start: int, end: int) -> int:
+        """Record [start, end) of chunk i as written; returns the chunk's bytes written so far."""
+        bisect.insort(self.spans.setdefault(i, []), (start, end))
+        self.filled[i] = self.filled.get(i, 0) + (end - start)
+        return self.filled[i]
+
+
+def coverage(vb: VersionBuffer) -> Coverage:
+    """The coverage record of an incoming version (caller holds the store's condition)."""
+    cov = getattr(vb, "coverage", None)
+    if cov is None:
+        cov = vb.coverage = Coverage.of(vb)
+    return cov
+
+
+class PartReceiver:
+    def __init__(self, store: ShmStore, conn: Conn, on_event: Callable[..., None] = lambda kind, **kw: None,
+                 key: bytes = b""):
+        self.store, self.conn, self.on_event = store, conn, on_event
+        self.mac_key = wire.mac_key(key)
+        self.mdigest = b""
+        self.vb: VersionBuffer | None = None
+        self.version = -1
+        self.lineage = 0
+        self.failures: dict[int, int] = {}  # offset -> MAC failures in a row
+        self.nacked: set[int] = set()       # offsets refused and not yet received again
+        self.ended: int | None = None       # PART_END seen: the number of ranges the part holds
+        self.received = 0                   # verified ranges of this part (new or repeated)
+        self.scratch = bytearray(0)
+        self.stats = {"ranges": 0, "bytes": 0, "corrupt": 0, "repeats": 0, "chunks": 0, "parts": 0}
+
+    def stop(self) -> None:
+        self.conn.close()
+
+    def run(self) -> None:
+        """Receive until the connection ends (raises LinkError; a closed conn is the normal end)."""
+        while True:
+            h = wire.recv(self.conn)
+            if h.type == wire.OFFER:
+                self._offer(h)
+            elif h.type == wire.RANGE:
+                self._range(h)
+            elif h.type == wire.PART_END:
+                wire.recv_small(self.conn, h)
+                if h.version == self.version and h.b == self.lineage:
+                    self.ended = h.a
+                    self._maybe_done()
+            else:
+                raise LinkError(f"unexpected {wire.NAMES[h.type]} from part upstream {self.conn.peer}")
+
+    def _offer(self, h: wire.Header) -> None:
+        m, vb, same, _, complete = take_offer(self.store, self.conn, h)
+        have = 0 if same and not complete else chunk_count(m)
+        self.vb = vb if have == 0 else None
+        self.version, self.lineage = m.version, m.lineage
+        self.mdigest, self.failures, self.nacked = wire.manifest_digest(m), {}, set()
+        self.ended, self.received = None, 0
+        wire.send(self.conn, wire.WANT, m.version, a=have, b=m.lineage)
+        self.on_event("offer", version=m.version, first_missing=have, chunks=chunk_count(m), lineage=m.lineage,
+                      part=True)
+
+    def _read(self, n: int) -> memoryview:
+        if len(self.scratch) < n:
+            self.scratch = bytearray(n)
+        view = memoryview(self.scratch)[:n]
+        self.conn.recv_into(view)
+        return view
+
+    def _range(self, h: wire.Header) -> None:
+        vb, off, n = self.vb, h.a, h.length
+        limit = vb.manifest.chunk_bytes if vb is not None else 1 << 30
+        if n > limit:
+            raise LinkError(f"range of {n} bytes exceeds the chunk size {limit}")
+        data = self._read(n)
+        if vb is None or h.version != vb.version or h.b != vb.manifest.lineage:
+            self.stats["repeats"] += 1  # a version we have, or an older one: dropped
+            return
+        if n == 0 or off < 0 or off + n > vb.manifest.total_bytes:
+            raise LinkError(f"range [{off}, {off + n}) outside v{vb.version}'s {vb.manifest.total_bytes} bytes")
+        i = off // vb.manifest.chunk_bytes
+        start, size = chunk_range(vb.manifest, i)
+        if off + n > start + size:
+            raise LinkError(f"range [{off}, {off + n}) spans chunks {i} and {i + 1}: a range lies inside one chunk")
+        if not hmac.compare_digest(wire.range_mac(self.mac_key, self.mdigest, off, data), h.tag):
+            self._refused(vb, off)
+            return
+        self.failures.pop(off, None)
+        self.nacked.discard(off)
+        self.received += 1
+        done = False
+        with self.store.cond:
+            if vb.abandoned:
+                return
+            cov = coverage(vb)
+            seen = cov.check(i, off, off + n) if not vb.have[i] else "repeat"
+            if seen == "overlap":
+                raise LinkError(f"range [{off}, {off + n}) of v{vb.version} overlaps bytes another range wrote")
+            if seen == "repeat":
+                self.stats["repeats"] += 1
+            else:
+                vb.view[off:off + n] = data
+                self.stats["ranges"] += 1
+                self.stats["bytes"] += n
+                if cov.add(i, off, off + n) == size:
+                    chunk = vb.chunk(i)
+                    vb.mark(i, checksum(chunk), wire.chunk_mac(self.mac_key, self.mdigest, i, chunk))
+                    self.stats["chunks"] += 1
+                    self.store.cond.notify_all()
+                    if vb.complete:
+                        self.store.commit(vb)
+                        done = True
+        if done:
+            self.on_event("complete", version=vb.version, chunks=vb.n, lineage=vb.manifest.lineage,
+                          run_id=vb.manifest.run_id)
+        self._maybe_done()
+
+    def _refused(self, vb: VersionBuffer, off: int) -> None:
+        self.stats["corrupt"] += 1
+        k = self.failures[off] = self.failures.get(off, 0) + 1
+        log.warning("range_mac_refused", peer=self.conn.peer, version=vb.version, offset=off, in_a_row=k)
+        self.on_event("corrupt", version=vb.version, chunk=off // vb.manifest.chunk_bytes, offset=off)
+        if k >= MAX_MAC_FAILURES:
+            raise LinkError(f"range at {off} of v{vb.version} from {self.conn.peer} failed its MAC {k} times in a row")
+        self.nacked.add(off)
+        wire.send(self.conn, wire.NACK, vb.version, a=off, b=vb.manifest.lineage)
+
+    def _maybe_done(self) -> None:
+        """DONE once PART_END came and every refused range arrived again."""
+        if self.ended is None or self.nacked:
+            return
+        wire.send(self.conn, wire.DONE, self.version, a=self.ended, b=self.lineage)
+        self.stats["parts"] += 1
+        self.on_event("part_in", version=self.version, ranges=self.ended, peer=self.conn.peer)
+        self.ended = None

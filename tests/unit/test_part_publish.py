@@ -1,0 +1,262 @@
+"""A version assembled at the master relay from several hosts' byte ranges (part upstreams).
+
+Real TCP connections to a real RelayNode: two part publishers (laminar/weights/publisher.py,
+part=True), each holding only its own interleaved byte ranges of the weights (as the hosts of a
+multi-host FSDP2 trainer do, roles/trainer/sharded_publish.py mode `hosts`), give the relay a
+version byte-identical to one whole publish, with every chunk's MAC valid for a rollout. A hostile
+or broken part (overlapping bytes, a bad MAC, a range across chunks) never changes verified bytes.
+"""
+from __future__ import annotations
+
+import shutil
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from laminar.weights import wire  # noqa: E402
+from laminar.weights.manifest import chunk_count  # noqa: E402
+from laminar.weights.node import RelayNode  # noqa: E402
+from laminar.weights.part_receiver import Coverage  # noqa: E402
+from laminar.weights.part_sender import split_ranges  # noqa: E402
+from laminar.weights.publisher import WeightPublisher  # noqa: E402
+from laminar.weights.pull import LocalWeights  # noqa: E402
+from laminar.weights.transport import get_transport  # noqa: E402
+
+KEY = wire.derive_key(b"s" * 32)
+CHUNK = 4096
+
+
+@pytest.fixture
+def node():
+    n = RelayNode("m", f"/dev/shm/laminar-test-part-{uuid.uuid4().hex[:8]}", get_transport("tcp"), KEY)
+    n.start()
+    yield n
+    n.stop()
+    shutil.rmtree(n.store.dir, ignore_errors=True)
+
+
+def weights(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed": torch.randn(97, 33, generator=g), "w1": torch.randn(301, 7, generator=g),
+            "norm": torch.randn(33, generator=g), "head": torch.randn(50, 33, generator=g)}
+
+
+def rows_of(state: dict, layout, part: int, parts: int) -> list[tuple[str, int, int]]:
+    """(name, first row, rows) of each tensor that `part` owns: dim-0 halves, as FSDP2 splits them."""
+    out = []
+    for name in layout.names:
+        n = state[name].shape[0]
+        per = -(-n // parts)
+        first, stop = part * per, min(n, (part + 1) * per)
+        if stop > first:
+            out.append((name, first, stop - first))
+    return out
+
+
+def part_publish(state: dict, node: RelayNode, parts: int, version: int = 1, lineage: int = 1) -> list:
+    """`parts` part publishers, each writing and committing only its own rows; returns them."""
+    pubs = []
+    for p in range(parts):
+        pub = WeightPublisher(chunk_bytes=CHUNK, key=KEY, part=True)
+        pub.run_id, pub.lineage = "run", lineage
+        layout = pub.layout_of((k, t.dtype, t.shape, True) for k, t in state.items())
+        _, slot = pub.begin(layout, version)
+        buf, ranges = memoryview(pub.slots[slot]), []
+        for name, first, rows in rows_of(state, layout, p, parts):
+            i = layout.names.index(name)
+            t = state[name]
+            row_bytes = t[0].numel() * t.element_size()
+            off = layout.offsets[i] + first * row_bytes
+            data = t[first:first + rows].contiguous().numpy().tobytes()
+            buf[off:off + len(data)] = data
+            ranges.append((off, len(data)))
+        pub.commit(slot, layout, version, ranges=ranges)
+        pubs.append(pub)
+    for pub in pubs:
+        pub.set_target(node.address, node.id)
+    return pubs
+
+
+def whole_publish(state: dict, version: int = 1, lineage: int = 1):
+    """The reference: the same weights published whole, to a relay of its own."""
+    ref = RelayNode("ref", f"/dev/shm/laminar-test-part-{uuid.uuid4().hex[:8]}", get_transport("tcp"), KEY)
+    ref.start()
+    pub = WeightPublisher(chunk_bytes=CHUNK, key=KEY)
+    pub.run_id, pub.lineage = "run", lineage
+    try:
+        pub.set_target(ref.address, ref.id)
+        pub.publish(state, version)
+        assert pub.wait_delivered(version, 20)
+        with LocalWeights(ref.store.dir).latest() as got:
+            return got.manifest, bytes(got.buf[:got.manifest.total_bytes])
+    finally:
+        pub.close()
+        ref.stop()
+        shutil.rmtree(ref.store.dir, ignore_errors=True)
+
+
+def wait_current(node: RelayNode, version: int, timeout: float = 20.0) -> bool:
+    with node.store.cond:
+        return node.store.cond.wait_for(lambda: node.store.current is not None
+                                        and node.store.current.version >= version, timeout)
+
+
+def test_two_hosts_parts_assemble_a_version_identical_to_a_whole_publish(node):
+    state = weights()
+    pubs = part_publish(state, node, parts=2)
+    try:
+        assert wait_current(node, 1), node.status()
+        for pub in pubs:
+            assert pub.wait_delivered(1, 20)  # each host's part is in
+        with LocalWeights(node.store.dir).latest() as got:
+            assert got.verify() == []  # every chunk's checksum and MAC, as a rollout checks them
+            manifest, data = got.manifest, bytes(got.buf[:got.manifest.total_bytes])
+            tensors = {k: t.clone() for k, t in got.tensors()}
+        ref_manifest, ref_data = whole_publish(state)
+        assert data == ref_data and manifest.checksums == ref_manifest.checksums
+        assert manifest.macs == ref_manifest.macs  # the relay's own chunk MACs: the publisher's
+        for k, v in state.items():
+            assert torch.equal(tensors[k], v), k
+        # straddling chunks exist (both parts wrote into them): the test covers assembly
+        n = chunk_count(manifest)
+        owners = [set() for _ in range(n)]
+        for p, pub in enumerate(pubs):
+            for off, _ in pub.newest.ranges:
+                owners[off // CHUNK].add(p)
+        assert sum(len(o) > 1 for o in owners) >= 2
+    finally:
+        for pub in pubs:
+            pub.close()
+
+
+def test_a_part_never_displaces_the_upstream_and_a_missing_part_keeps_the_version_invisible(node):
+    state = weights(1)
+    pubs = part_publish(state, node, parts=2)
+    pubs[1].close()  # the second host's part never arrives ...
+    pubs[1] = None
+    try:
+        assert pubs[0].wait_delivered(1, 20)  # ... the first is in,
+        assert not wait_current(node, 1, timeout=1.0)  # but the version is not whole: never visible
+        with node.store.cond:
+            inc = node.store.incoming
+            assert inc is not None and 0 < inc.count < inc.n
+        assert node.status()["part_upstreams"] == 1 and node.status()["upstream"] == ""
+        late = part_publish(state, node, parts=2)  # both hosts again (a restarted second host)
+        try:
+            assert wait_current(node, 1), node.status()
+            with LocalWeights(node.store.dir).latest() as got:
+                assert got.verify() == []
+        finally:
+            for pub in late:
+                pub.close()
+    finally:
+        if pubs[0] is not None:
+            pubs[0].close()
+
+
+def offer(conn, m) -> wire.Header:
+    import dataclasses
+
+    from laminar.weights.manifest import manifest_to_bytes
+    layout = dataclasses.replace(m, macs=[], checksums=[])
+    wire.send(conn, wire.OFFER, m.version, a=chunk_count(m), b=m.lineage, payload=manifest_to_bytes(layout))
+    h = wire.recv(conn)
+    wire.recv_small(conn, h)
+    return h
+
+
+def send_range(conn, m, off: int, data: bytes, tag: bytes | None = None) -> None:
+    import dataclasses
+    md = wire.manifest_digest(dataclasses.replace(m, macs=[]))
+    tag = wire.range_mac(wire.mac_key(KEY), md, off, data) if tag is None else tag
+    conn.send(wire.Header(wire.RANGE, m.version, off, m.lineage, len(data), tag).pack(), data)
+
+
+def hostile_setup(node):
+    from laminar.weights.manifest import with_lineage, with_version
+    from laminar.weights.publisher import publish_layout
+    state = weights(2)
+    layout = publish_layout(((k, t.dtype, t.shape, True) for k, t in state.items()), None, CHUNK)
+    m = with_lineage(with_version(layout, 1), "run", 1)
+    conn = wire.connect(get_transport("tcp"), node.address, KEY, 5.0, purpose=wire.PURPOSE_PART)
+    return m, conn
+
+
+def test_a_bad_mac_is_nacked_and_the_bytes_dropped_then_the_resend_is_taken(node):
+    m, conn = hostile_setup(node)
+    try:
+        assert offer(conn, m).type == wire.WANT
+        good = b"\x07" * 100
+        send_range(conn, m, 0, b"\xff" * 100, tag=bytes(16))  # wrong MAC
+        h = wire.recv(conn)
+        wire.recv_small(conn, h)
+        assert (h.type, h.a) == (wire.NACK, 0)
+        with node.store.cond:
+            assert bytes(node.store.incoming.view[:100]) != b"\xff" * 100  # dropped, never written
+        send_range(conn, m, 0, good)
+        wire.send(conn, wire.PART_END, 1, a=1, b=m.lineage)
+        h = wire.recv(conn)
+        wire.recv_small(conn, h)
+        assert (h.type, h.a) == (wire.DONE, 1)
+        with node.store.cond:
+            assert bytes(node.store.incoming.view[:100]) == good
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("bad", ["overlap", "spans_chunks", "outside"])
+def test_a_range_that_overlaps_written_bytes_or_crosses_a_chunk_ends_the_link(node, bad):
+    m, conn = hostile_setup(node)
+    try:
+        offer(conn, m)
+        send_range(conn, m, 0, b"\x01" * 200)
+        if bad == "overlap":
+            send_range(conn, m, 100, b"\x02" * 200)  # bytes 100..199 are written already
+        elif bad == "spans_chunks":
+            send_range(conn, m, CHUNK - 10, b"\x02" * 20)
+        else:
+            send_range(conn, m, m.total_bytes - 10, b"\x02" * 20)
+        with pytest.raises(Exception):  # noqa: B017  (the relay closed the link: a read fails)
+            wire.recv(conn)
+        with node.store.cond:
+            assert bytes(node.store.incoming.view[:200]) == b"\x01" * 200  # the written bytes stay
+    finally:
+        conn.close()
+
+
+def test_coverage_tells_new_repeated_and_overlapping_bytes_apart():
+    c = Coverage()
+    assert c.check(0, 10, 20) == "new" and c.add(0, 10, 20) == 10
+    assert c.check(0, 10, 20) == "repeat" and c.check(0, 12, 18) == "repeat"
+    assert c.check(0, 5, 11) == "overlap" and c.check(0, 19, 30) == "overlap" and c.check(0, 0, 40) == "overlap"
+    assert c.check(0, 0, 10) == "new" and c.check(0, 20, 30) == "new" and c.check(1, 10, 20) == "new"
+    assert c.add(0, 20, 30) == 20 and c.check(0, 15, 25) == "overlap"
+
+
+def test_split_ranges_merges_touching_ranges_and_cuts_at_chunk_boundaries():
+    assert split_ranges([(0, 10), (10, 10), (30, 5)], 16) == [(0, 16), (16, 4), (30, 2), (32, 3)]
+    assert split_ranges([(5, 0), (40, 8)], 16) == [(40, 8)]
+    assert split_ranges([(0, 48)], 16) == [(0, 16), (16, 16), (32, 16)]
+
+
+def test_a_host_leaders_link_makes_a_part_publisher_with_the_trainers_settings():
+    """The trainer's wiring (roles/trainer/publishing.py): a rank > 0 that leads another host
+    gets a part publisher with the trainer's chunk size, dtype and a shared staging."""
+    from types import SimpleNamespace
+
+    from laminar.roles.trainer.config import TrainerConfig
+    from laminar.roles.trainer.dist import DistInfo
+    from laminar.roles.trainer.publishing import PublishLink
+    cfg = TrainerConfig(model_dir="m", chunk_mb=2, publish_dtype="bfloat16")
+    role = SimpleNamespace(cfg=cfg, info=DistInfo(rank=1, world_size=2),
+                           ctx=SimpleNamespace(transport=SimpleNamespace(keys=None)))
+    link = PublishLink.follower(role)
+    assert link.sharded.make_publisher is not None and link.publisher is None
+    pub = link.sharded.make_publisher()
+    try:
+        assert pub.part and pub.chunk_bytes == 2 << 20 and pub.publish_dtype == "bfloat16"
+        assert pub.staging_prefix and pub.staging_prefix.startswith("/dev/shm/laminar-staging-")
+    finally:
+        pub.close()
