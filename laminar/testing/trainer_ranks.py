@@ -8,8 +8,10 @@ rank 0 writes OUT (torch.save): the full model state dict after training and eac
 metrics. A test compares that with one process training the same batches (`train_reference`).
 --checkpoint: then every rank writes its shards of a sharded (DCP) checkpoint under DIR
 (`resume_reference` resumes it in one process). --publish: then, per dtype, a sharded publish
-(every rank copies its own shards) and a publish of the gathered state dict, each to a relay of
-its own in rank 0's process; OUT gets both versions' manifests and bytes (`publish_both`).
+(every rank copies its own shards), the same as if each rank were on a host of its own (mode
+`hosts`: each rank's part publisher sends its byte ranges, the relay assembles them) and a publish
+of the gathered state dict, each to a relay of its own in rank 0's process; OUT gets the three
+versions' manifests and bytes (`publish_both`).
 """
 from __future__ import annotations
 
@@ -62,9 +64,10 @@ def resume_reference(model_dir: str, checkpoint_dir: str, algorithm: str = "grpo
 
 
 def publish_both(eng, info, dtypes: list[str]) -> dict | None:
-    """Every rank: per dtype, a sharded publish and a publish of the gathered state dict, to two
-    relays in rank 0's process; rank 0 returns {dtype: {"sharded"/"full": (manifest, bytes),
-    "copied": [bytes each rank copied in the sharded publish]}}, None elsewhere."""
+    """Every rank: per dtype, a sharded publish, a sharded publish as if every rank were on a host
+    of its own (`hosts`: parts assembled by the relay), and a publish of the gathered state dict,
+    to three relays in rank 0's process; rank 0 returns {dtype: {"sharded"/"hosts"/"full":
+    (manifest, bytes), "copied": [bytes each rank copied in the sharded publish]}}, None elsewhere."""
     import shutil
     import uuid
 
@@ -77,24 +80,29 @@ def publish_both(eng, info, dtypes: list[str]) -> dict | None:
     from laminar.weights.transport import get_transport
     key = wire.derive_key(b"k" * 32)
     nodes, pubs, out = [], [], {}
-    sharded = full = None
+    sharded = full = hosts = None
+    names = ("sharded", "full", "hosts")
     if info.is_main:
-        for name in ("sharded", "full"):
+        for name in names:
             node = RelayNode(name, f"/dev/shm/laminar-ranks-{uuid.uuid4().hex[:10]}", get_transport("tcp"), key)
             node.start()
             nodes.append(node)
         sharded = WeightPublisher(chunk_bytes=64 << 10, key=key, staging_prefix=staging_prefix())
         full = WeightPublisher(chunk_bytes=64 << 10, key=key)
-        pubs = [sharded, full]
+        hosts = WeightPublisher(chunk_bytes=64 << 10, key=key, staging_prefix=staging_prefix())
+        pubs = [sharded, full, hosts]
         for pub, node in zip(pubs, nodes, strict=True):
             pub.set_target(node.address, node.id)
     sp = ShardedPublish(info, sharded)
+    hp = ShardedPublish(info, hosts, one_rank_per_host=True,
+                        make_publisher=lambda: WeightPublisher(chunk_bytes=64 << 10, key=key, part=True))
     try:
         for v, dtype in enumerate(dtypes, start=1):
             if info.is_main:
                 for pub in pubs:
                     pub.publish_dtype = None if dtype == "same" else dtype
             sp.publish(eng.publish_state(), v)
+            hp.publish(eng.publish_state(), v)
             copied = dist.all_reduce_sums(info, {f"r{r}": float(sp.last_copy_bytes if r == info.rank else 0)
                                                  for r in range(info.world_size)})
             gathered = eng.full_state()
@@ -102,7 +110,7 @@ def publish_both(eng, info, dtypes: list[str]) -> dict | None:
                 continue
             full.publish(gathered["model"], v)
             got = {"copied": [int(copied[f"r{r}"]) for r in range(info.world_size)]}
-            for name, pub, node in zip(("sharded", "full"), pubs, nodes, strict=True):
+            for name, pub, node in zip(names, pubs, nodes, strict=True):
                 assert pub.wait_delivered(v, 30), f"{name} v{v} not delivered"
                 with node.store.cond:
                     node.store.cond.wait_for(lambda n=node, v=v: n.store.current is not None
@@ -113,6 +121,7 @@ def publish_both(eng, info, dtypes: list[str]) -> dict | None:
             out[dtype] = got
     finally:
         sp.close()
+        hp.close()
         for pub in pubs:
             pub.close()
         for node in nodes:

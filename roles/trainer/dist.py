@@ -212,3 +212,13 @@ def broadcast_bytes(info: DistInfo, blob: bytes | None) -> bytes:
     buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if info.is_main else torch.empty(n, dtype=torch.uint8)
     dist.broadcast(buf, 0, group=info.control)
     return buf.numpy().tobytes()
+
+
+def all_gather_objects(info: DistInfo, obj) -> list:
+    """Every rank's `obj` (small, picklable: the trainer's own ranks trust each other) on every rank."""
+    import torch.distributed as dist
+    if not info.enabled:
+        return [obj]
+    out: list = [None] * info.world_size
+    dist.all_gather_object(out, obj, group=info.control)
+    return out

@@ -8,7 +8,11 @@
 With several ranks (FSDP2) every rank has a PublishLink and calls publish_engine together (a
 collective): ranks > 0 only copy their shards (`PublishLink.follower(role)`, no relay link),
 rank 0's publisher owns the staging (shared /dev/shm slots) and the link to the master relay;
-see sharded_publish.py. On one rank publish_engine publishes the model's own tensors.
+see sharded_publish.py. When the ranks span several hosts, the lowest rank of every other host
+makes a part publisher of its own at the first publish (`_part_publisher`: its host's byte
+ranges, to the master relay rank 0 names in each publish), and rank 0's becomes one too; the
+master assembles each version from the hosts' parts. Rank 0's `deliver_last` then waits for its
+own host's part. On one rank publish_engine publishes the model's own tensors.
 
 `publish` costs one copy into a staging buffer; the relay chain is fed by the publisher's own
 background thread, so training never waits for distribution. A watcher thread turns the
@@ -117,8 +121,23 @@ class PublishLink:
         """A rank > 0's link: it copies its shards into rank 0's staging, nothing else."""
         from laminar.roles.trainer.sharded_publish import ShardedPublish
         link = cls(role, role.cfg)
-        link.sharded = ShardedPublish(role.info)
+        link.sharded = ShardedPublish(role.info, make_publisher=link._part_publisher)
         return link
+
+    def _part_publisher(self):
+        """A host leader's publisher when the ranks span hosts: its host's part of each version
+        (staging shared with the host's other ranks), sent to the master relay rank 0 names;
+        ShardedPublish owns and closes it."""
+        from laminar.roles.trainer.sharded_publish import staging_prefix
+
+        from laminar.weights.publisher import WeightPublisher
+        from laminar.weights.transport import get_transport
+        from laminar.weights.wire import derive_key
+        c = self.cfg
+        keys = getattr(self.role.ctx.transport, "keys", None)
+        return WeightPublisher(c.chunk_mb << 20, get_transport(c.publish_transport, **c.publish_transport_options),
+                               derive_key(keys.secret if keys else None), publish_dtype=self.publish_dtype(),
+                               staging_prefix=staging_prefix(), part=True)
 
     def publish(self, state_dict, version: int) -> None:
         self.publisher.publish(state_dict, version)

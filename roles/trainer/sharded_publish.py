@@ -17,21 +17,27 @@ Modes, decided collectively at the first publish:
   mapping for CUDA once), and rank 0 unlinks the names as soon as all have mapped them, so a
   killed trainer leaves nothing behind. A probe file decides it: a rank that cannot read rank 0's
   probe is on another host (or another /dev/shm).
-- `gather` (ranks on several hosts): tensor by tensor, each rank casts its shard on its device,
-  the shards are gathered to rank 0 in the serving dtype (half the bytes of fp32 for bf16), and
-  rank 0 copies the tensor into its staging; peak extra memory is one tensor. Missing here: the
-  ranks of other hosts sending their byte ranges straight to the master relay, which would
-  assemble and verify one version (docs/gpu.md, "Sharded publish across hosts").
+- `hosts` (ranks on several hosts): the ranks of each host write their rows into that host's
+  staging, owned by the host's lowest rank (its *leader*: rank 0's publisher on rank 0's host, a
+  part publisher of its own, made by `make_publisher`, on every other host). Each leader commits
+  the byte ranges its host's ranks wrote, and its publisher, a part upstream, sends just those to
+  the master relay, which assembles one version from every host's part and verifies it
+  (laminar/weights/part_receiver.py). Nothing is gathered and nothing crosses hosts but the
+  ranges. Which rank is on which host is decided by probe files: every rank writes one, and a
+  rank's leader is the lowest rank whose probe it can read.
 
-One publish (shared mode):
+One publish:
   1. rank 0: `begin()` picks a free slot; it broadcasts {slot files, slot, dtype, chunk bytes,
-     total bytes} (or the error that stopped it, so that every rank raises);
+     total bytes, the master relay, run and lineage} (or the error that stopped it, so that every
+     rank raises); in `hosts` mode every other leader then begins a slot of its own publisher,
+     and the leaders' answers are all-gathered;
   2. every rank: the same layout from the global shapes (checked against rank 0's size), then
      its copy jobs, copied and waited for (staging.py);
   3. an all-reduce of (failed, non-finite) over the ranks: everyone learns whether the version
      is whole and finite; weights with a NaN or inf are refused on every rank
      (NonFiniteWeightsError), as full_state() refuses them;
-  4. rank 0: `commit()` hands the version to the sender.
+  4. rank 0 (`shared`) or every leader (`hosts`, with its host's byte ranges, all-gathered
+     before step 3): `commit()` hands the version to the sender.
 Tensors that are not dim-0 row ranges (another placement, a Partial) are gathered by every rank
 (`full_tensor`, a collective in the same order on all ranks) and copied by rank 0; plain tensors
 (buffers, the same on every rank) are copied by rank 0.
@@ -111,43 +117,57 @@ def nonfinite(named) -> list[str]:
 
 
 class ShardedPublish:
-    def __init__(self, info, publisher=None, probe_root: Path = SHM):
-        self.info, self.publisher = info, publisher  # publisher on rank 0 only
+    def __init__(self, info, publisher=None, probe_root: Path = SHM, make_publisher=None,
+                 one_rank_per_host: bool = False):
+        self.info, self.publisher = info, publisher  # rank 0's publisher on rank 0; None elsewhere
         self.probe_root = probe_root
-        self.mode: str | None = None  # "shared" | "gather", decided at the first publish
+        # a host leader > 0's own part publisher, made at its first publish (hosts mode)
+        self.make_publisher, self._own_publisher = make_publisher, False
+        self.one_rank_per_host = one_rank_per_host  # tests and benchmarks: hosts mode on one machine
+        self.mode: str | None = None  # "shared" | "hosts", decided at the first publish
+        self.hosts: list[int] = []    # each rank's host leader (the lowest rank of its host)
         self.copier = StagingCopier()
-        self._maps: tuple[str, list] | None = None  # (slot file prefix, [mapping per slot]) on ranks > 0
+        self._maps: tuple[str, list] | None = None  # (slot file prefix, [mapping per slot]) on non-leaders
         self._unlinked: str | None = None
+        self._ranges: list[tuple[int, int]] = []  # (offset, bytes) this rank wrote in the current publish
         self.last_copy_bytes = 0  # bytes this rank copied in the last publish
+
+    @property
+    def leader(self) -> int:
+        return self.hosts[self.info.rank] if self.hosts else 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader == self.info.rank
 
     # -- mode --------------------------------------------------------------------------------
     def _decide_mode(self) -> str:
-        """Collective: "shared" when every rank reads rank 0's probe file in /dev/shm."""
-        path = token = None
-        if self.info.is_main:
+        """Collective: each rank's host leader; "shared" when every rank is on rank 0's host."""
+        if self.one_rank_per_host:
+            self.hosts = list(range(self.info.world_size))
+        else:
             token = uuid.uuid4().hex
             path = self.probe_root / f"laminar-probe-{token}"
             path.write_text(token)
-        try:
-            msg = json.loads(dist.broadcast_bytes(self.info, json.dumps({"path": str(path), "token": token}).encode()
-                                                  if self.info.is_main else None))
             try:
-                ok = Path(msg["path"]).read_text() == msg["token"]
-            except OSError:
-                ok = False
-            far = dist.all_reduce_sums(self.info, {"far": float(not ok)})["far"]
-        finally:
-            if path is not None:
+                probes = dist.all_gather_objects(self.info, (str(path), token))
+                seen = [r for r, (p, t) in enumerate(probes) if _reads(p, t)]
+                # (an all-gather: every rank has read every probe before any is unlinked)
+                self.hosts = dist.all_gather_objects(self.info, min(seen, default=self.info.rank))
+            finally:
                 path.unlink(missing_ok=True)
-        mode = "shared" if far == 0 else "gather"
-        if self.publisher is not None and mode == "gather":
-            self.publisher.staging_prefix = None  # rank 0 alone writes: private memory suffices
+        if any(self.hosts[lead] != lead for lead in self.hosts):
+            raise RuntimeError(f"sharded publish: inconsistent host groups {self.hosts} (a /dev/shm some ranks share "
+                               "only in part?)")
+        mode = "shared" if set(self.hosts) == {0} else "hosts"
+        if mode == "hosts" and self.publisher is not None:
+            self.publisher.become_part()
         return mode
 
     # -- one publish -------------------------------------------------------------------------
     def publish(self, state: dict, version: int) -> None:
         """Every rank: publish `state` (this rank's model state dict: DTensor shards under
-        FSDP2) as `version`. Returns when the version is the publisher's newest (rank 0) and
+        FSDP2) as `version`. Returns when the version is the newest of the publisher(s) and
         this rank's bytes are in it."""
         if self.mode is None:
             self.mode = self._decide_mode()
@@ -156,7 +176,15 @@ class ShardedPublish:
         msg = json.loads(dist.broadcast_bytes(self.info, json.dumps(head).encode() if head is not None else None))
         if "error" in msg:
             raise RuntimeError(f"sharded publish of version {version}: rank 0 failed: {msg['error']}")
-        failed, bad = "", []
+        if self.mode == "hosts":
+            mine = self._begin_part(items, msg, version) if self.is_leader and not self.info.is_main else None
+            heads = dist.all_gather_objects(self.info, mine)
+            errors = [f"rank {r}: {h['error']}" for r, h in enumerate(heads) if h and "error" in h]
+            if errors:
+                raise RuntimeError(f"sharded publish of version {version}: a host leader failed: {'; '.join(errors)}")
+            if self.leader:
+                msg = {**msg, **heads[self.leader]}
+        failed, bad, self._ranges = "", [], []
         try:
             layout = publish_layout(((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items),
                                     msg["dtype"], msg["chunk_bytes"])
@@ -169,19 +197,25 @@ class ShardedPublish:
             for step in gathered:  # collectives, in the same order on every rank
                 step()
             self.last_copy_bytes = sum(t.numel() * dt.itemsize for t, dt, _ in jobs)
-        except Exception as exc:  # noqa: BLE001  (every rank must reach the all-reduce below)
+            self._ranges += [(off, t.numel() * dt.itemsize) for t, dt, off in jobs]
+        except Exception as exc:  # noqa: BLE001  (every rank must reach the collectives below)
             failed = f"{type(exc).__name__}: {exc}"
+        ranges = dist.all_gather_objects(self.info, self._ranges) if self.mode == "hosts" else None
         flags = dist.all_reduce_sums(self.info, {"failed": float(bool(failed)), "nonfinite": float(len(bad))})
         if flags["nonfinite"]:
             where = ", ".join(bad[:5]) if bad else "another rank's shards"
             raise NonFiniteWeightsError(f"refusing to publish version {version}: non-finite values in {where}")
         if flags["failed"]:
             raise RuntimeError(f"sharded publish of version {version} failed: {failed or 'on another rank'}")
-        if self.info.is_main:
-            self.publisher.commit(msg["slot"], layout, version)
-            if self.mode == "shared" and self._unlinked != msg["files"]:
-                self.publisher.unlink_staging()  # every rank has mapped both slots (they copied)
-                self._unlinked = msg["files"]
+        if not self.is_leader:
+            return
+        host = None
+        if ranges is not None:
+            host = [rg for r, rs in enumerate(ranges) if self.hosts[r] == self.info.rank for rg in rs]
+        self.publisher.commit(msg["slot"], layout, version, ranges=host)
+        if msg.get("paths") and self._unlinked != msg["files"]:
+            self.publisher.unlink_staging()  # every rank of this host has mapped both slots (they copied)
+            self._unlinked = msg["files"]
 
     def _begin(self, items, version: int) -> dict:
         pub = self.publisher
@@ -190,20 +224,45 @@ class ShardedPublish:
             _, slot = pub.begin(layout, version)
             if any(copy_kind(t) == "cuda" for _, t in items):
                 pub.pin_slots()  # both at once: no later publish pays for a registration
-            return {"slot": slot, "files": pub.slot_path(0) if self.mode == "shared" else "",
-                    "paths": [pub.slot_path(i) for i in range(len(pub.slots))] if self.mode == "shared" else [],
-                    "dtype": pub.publish_dtype, "chunk_bytes": pub.chunk_bytes, "total_bytes": layout.total_bytes}
+            return {"slot": slot, "dtype": pub.publish_dtype, "chunk_bytes": pub.chunk_bytes,
+                    "total_bytes": layout.total_bytes, "target": list(pub.target) if pub.target else None,
+                    "run_id": pub.run_id, "lineage": pub.lineage, **_slot_files(pub)}
+        except Exception as exc:  # noqa: BLE001  (told to every rank, then raised)
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _begin_part(self, items, msg: dict, version: int) -> dict:
+        """A host leader > 0: begin a slot of its own part publisher, following rank 0's target,
+        dtype, chunk size and lineage."""
+        try:
+            if self.publisher is None:
+                if self.make_publisher is None:
+                    raise RuntimeError("ranks on several hosts, but this host leader has no way to make a publisher")
+                self.publisher, self._own_publisher = self.make_publisher(), True
+            pub = self.publisher
+            pub.become_part()
+            pub.publish_dtype, pub.chunk_bytes = msg["dtype"], msg["chunk_bytes"]
+            pub.run_id, pub.lineage = msg["run_id"], msg["lineage"]
+            target = tuple(msg["target"]) if msg.get("target") else None
+            if target and pub.target != target:
+                pub.set_target(*target)
+            layout = publish_layout(((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items),
+                                    msg["dtype"], msg["chunk_bytes"])
+            _, slot = pub.begin(layout, version)
+            if any(copy_kind(t) == "cuda" for _, t in items):
+                pub.pin_slots()
+            return {"slot": slot, **_slot_files(pub)}
         except Exception as exc:  # noqa: BLE001  (told to every rank, then raised)
             return {"error": f"{type(exc).__name__}: {exc}"}
 
     def _slot_buffer(self, msg: dict):
-        """The staging slot this rank writes: rank 0's own; the shared file elsewhere (mapped
-        once per layout, both slots, the previous mappings dropped)."""
-        if self.info.is_main:
+        """The staging slot this rank writes: a leader's own (rank 0's, or a host leader's part
+        publisher's); its leader's shared file elsewhere (mapped once per layout, both slots, the
+        previous mappings dropped)."""
+        if self.is_leader:
             self.copier = self.publisher.copier  # one registration per slot buffer in this process
             return self.publisher.slots[msg["slot"]]
-        if self.mode != "shared":
-            return None
+        if not msg.get("paths"):
+            raise RuntimeError("the host leader's staging is not shared (no staging_prefix)")
         if self._maps is None or self._maps[0] != msg["files"]:
             self._drop_maps()
             self._maps = (msg["files"], [map_shared_staging(p, msg["total_bytes"]) for p in msg["paths"]])
@@ -212,7 +271,7 @@ class ShardedPublish:
     def _jobs(self, items, layout, buf, slot):
         """(copy jobs of this rank, gather steps, names of the non-finite tensors it holds)."""
         from torch.distributed.tensor import DTensor
-        main, shared = self.info.is_main, self.mode == "shared"
+        main = self.info.is_main
         jobs, gathered, checks = [], [], []
         for (name, t), dt_name, off in zip(items, layout.dtypes, layout.offsets, strict=True):
             dt = torch_dtype(dt_name)
@@ -223,7 +282,7 @@ class ShardedPublish:
                 if main:  # the same on every rank (a buffer): rank 0 writes it
                     jobs.append((t, dt, off))
                 continue
-            rows = shard_rows(t) if shared else None
+            rows = shard_rows(t)
             if rows is None:
                 gathered.append(self._gather_step(t, dt, off, buf, slot))
                 continue
@@ -235,7 +294,7 @@ class ShardedPublish:
 
     def _gather_step(self, t, dt, off, buf, slot):
         """A collective: cast this rank's part on its device, gather the tensor to rank 0 (in the
-        serving dtype), and rank 0 copies it into its staging."""
+        serving dtype), and rank 0 copies it into its staging (so its host sends those bytes)."""
         def step() -> None:
             from torch.distributed.tensor import DTensor
             cast = DTensor.from_local(t.to_local().to(dt), t.device_mesh, t.placements, run_check=False,
@@ -243,6 +302,7 @@ class ShardedPublish:
             full = cast.full_tensor()
             if self.info.is_main:
                 self.copier.copy([(full, dt, off)], buf, key=slot)
+                self._ranges.append((off, full.numel() * dt.itemsize))
         return step
 
     def _drop_maps(self) -> None:
@@ -258,3 +318,21 @@ class ShardedPublish:
     def close(self) -> None:
         if not self.info.is_main:
             self._drop_maps()
+        if self._own_publisher and self.publisher is not None:
+            self.publisher.close()  # a host leader's part publisher (rank 0's belongs to PublishLink)
+            self.publisher, self._own_publisher = None, False
+
+
+def _reads(path: str, token: str) -> bool:
+    try:
+        return Path(path).read_text() == token
+    except OSError:
+        return False
+
+
+def _slot_files(pub) -> dict:
+    """The names of a publisher's shared staging slots, for the other ranks of its host to map
+    (empty when its staging is private memory)."""
+    if pub.slot_path(0) is None:
+        return {"files": "", "paths": []}
+    return {"files": pub.slot_path(0), "paths": [pub.slot_path(i) for i in range(len(pub.slots))]}

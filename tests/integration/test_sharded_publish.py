@@ -3,6 +3,8 @@
 - a sharded publish (each rank copies its own dim-0 shards into rank 0's shared staging, no
   gather) gives a version byte-identical to a publish of the gathered state dict: same manifest,
   same checksums, same bytes, as the relays hold and verify them; each rank copied about half;
+- the same with each rank as if on a host of its own (mode `hosts`): each rank's part publisher
+  sends only its byte ranges and the relay assembles them into the same version, byte for byte;
 - a bfloat16 publish of the fp32 weights holds half the bytes and round-trips: the pulled
   tensors are the weights cast to bfloat16, exactly;
 - a DCP checkpoint written by the 2 ranks resumes in 1 process, whose next version matches a
@@ -61,6 +63,18 @@ def test_sharded_publish_is_byte_identical_to_a_full_publish(two_ranks):
         want = two_ranks["out"]["model"][name]
         assert torch.equal(flat[off:off + n].view(torch.float32).view(want.shape), want), name
     assert not two_ranks["shm_left"]
+
+
+def test_parts_from_two_hosts_assemble_at_the_relay_into_the_same_version(two_ranks):
+    """Mode `hosts`: no gather, no shared staging; each rank's part publisher streams only its
+    own byte ranges and the master relay assembles and verifies the version (every chunk's
+    checksum and MAC, as a rollout checks them, in publish_both)."""
+    for dtype in ("same", "bfloat16"):
+        pub = two_ranks["out"]["published"][dtype]
+        (mh, hosts), (mf, full) = pub["hosts"], pub["full"]
+        assert (mh.names, mh.dtypes, mh.shapes, mh.offsets, mh.total_bytes) == \
+               (mf.names, mf.dtypes, mf.shapes, mf.offsets, mf.total_bytes)
+        assert mh.checksums == mf.checksums and mh.macs == mf.macs and hosts == full, dtype
 
 
 def test_bf16_sharded_publish_halves_the_bytes_and_round_trips(two_ranks):
