@@ -18,6 +18,9 @@ Safety (a part upstream is authenticated, but its bytes are checked anyway):
   tensors is zeroed by the relay, never sent; bytes already written are never written again: an exact
   repeat (a part resent after a reconnect) is dropped, a range that overlaps written bytes only
   in part ends the link (two hosts claiming the same bytes is a bug or an attack);
+- one version at a time: a newer offer of the same lineage is answered BUSY while the incoming
+  version's parts still arrive (`_hold`), so hosts that publish at different speeds converge on
+  one version instead of each making the master drop the other's half-assembled one;
 - the copy into the buffer and the bookkeeping happen under the store's condition, so a newer
   offer on another connection cannot reuse the buffer's file while a range is being written.
   That serializes the parts' copies at the relay (one memcpy of at most a chunk each), which is
@@ -27,17 +30,20 @@ from __future__ import annotations
 
 import bisect
 import hmac
+import time
 from collections.abc import Callable
 
 import structlog
 
 from laminar.weights import wire
-from laminar.weights.manifest import checksum, chunk_count, chunk_range
+from laminar.weights.manifest import checksum, chunk_count, chunk_range, ident, same_lineage, supersedes
 from laminar.weights.receiver import MAX_MAC_FAILURES, take_offer
 from laminar.weights.store import ShmStore, VersionBuffer
 from laminar.weights.transport import Conn, LinkError
 
 log = structlog.get_logger("laminar.weights.part_receiver")
+BUSY = -1          # WANT's `a` when an older version's parts are still arriving: offer again soon
+PART_STALL_S = 10.0  # an incoming version no range has reached for this long can be superseded
 
 
 class Coverage:
@@ -46,7 +52,7 @@ class Coverage:
     def __init__(self):
         self.spans: dict[int, list[tuple[int, int]]] = {}  # chunk -> sorted [(start, end)) written
         self.filled: dict[int, int] = {}
-
+        self.last = time.monotonic()  # when a range last arrived
     @classmethod
     def of(cls, vb: VersionBuffer) -> Coverage:
         """A version's coverage, its alignment padding (the bytes between tensors, which no part
@@ -84,6 +90,7 @@ class Coverage:
         """Record [start, end) of chunk i as written; returns the chunk's bytes written so far."""
         bisect.insort(self.spans.setdefault(i, []), (start, end))
         self.filled[i] = self.filled.get(i, 0) + (end - start)
+        self.last = time.monotonic()
         return self.filled[i]
 
 
@@ -131,7 +138,10 @@ class PartReceiver:
                 raise LinkError(f"unexpected {wire.NAMES[h.type]} from part upstream {self.conn.peer}")
 
     def _offer(self, h: wire.Header) -> None:
-        m, vb, same, _, complete = take_offer(self.store, self.conn, h)
+        m, vb, same, _, complete = take_offer(self.store, self.conn, h, hold=self._hold)
+        if vb is None:  # another version's parts are still arriving: the upstream offers again
+            wire.send(self.conn, wire.WANT, m.version, a=BUSY, b=m.lineage)
+            return
         have = 0 if same and not complete else chunk_count(m)
         self.vb = vb if have == 0 else None
         self.version, self.lineage = m.version, m.lineage
@@ -140,6 +150,18 @@ class PartReceiver:
         wire.send(self.conn, wire.WANT, m.version, a=have, b=m.lineage)
         self.on_event("offer", version=m.version, first_missing=have, chunks=chunk_count(m), lineage=m.lineage,
                       part=True)
+
+    def _hold(self, m) -> bool:
+        """Whether a newer offer of the same lineage must wait (caller holds the store's lock):
+        while the parts of the incoming version still arrive, a host that is done with it and
+        offers the next one would otherwise make the master drop it half-assembled, and a host
+        whose link is slower than the trainer's publish rate would never complete one. A version
+        no range reached for PART_STALL_S (a host gone) no longer holds newer ones back."""
+        inc = self.store.incoming
+        cov = getattr(inc, "coverage", None) if inc is not None else None
+        return (cov is not None and inc.ident != ident(m) and not inc.complete
+                and same_lineage(inc.manifest, m) and supersedes(m, inc.manifest)
+                and time.monotonic() - cov.last < PART_STALL_S)
 
     def _read(self, n: int) -> memoryview:
         if len(self.scratch) < n:

@@ -6,7 +6,8 @@ rows their own ranks own (roles/trainer/sharded_publish.py, mode `hosts`). Each 
 purpose PART, and the master relay assembles the version from every host's ranges
 (part_receiver.py). Per version (wire.py has the messages):
 
-    OFFER (manifest) -> WANT (a == chunks: the relay has it, nothing to send)
+    OFFER (manifest) -> WANT (a == chunks: the relay has it, nothing to send; a == BUSY: the
+    relay still assembles an older version, so offer the newest again in BUSY_RETRY_S)
     -> RANGE for each (offset, length) of `vb.ranges`, each with its MAC (wire.range_mac)
     -> PART_END (a = number of ranges) -> NACKed ranges again -> DONE (this host's part is in)
 
@@ -23,7 +24,10 @@ import time
 
 from laminar.weights import wire
 from laminar.weights.manifest import with_version
+from laminar.weights.part_receiver import BUSY
 from laminar.weights.sender import Sender
+
+BUSY_RETRY_S = 0.2
 
 
 def split_ranges(ranges, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -56,6 +60,11 @@ class PartSender(Sender):
         lineage = vb.manifest.lineage
         h = self._offer(vb, layout)
         deadline = time.monotonic() + self.ack_timeout_s
+        if h.a == BUSY:  # the master still assembles an older version: offer the newest again soon
+            with self.cond:
+                self.cond.wait(timeout=BUSY_RETRY_S)
+            self.stats["busy"] = self.stats.get("busy", 0) + 1
+            return False
         if h.a >= vb.n:  # the relay holds this version already
             return True
         pending = collections.deque(ranges)

@@ -30,10 +30,11 @@ log = structlog.get_logger("laminar.weights.receiver")
 MAX_MAC_FAILURES = 4
 
 
-def take_offer(store: ShmStore, conn: Conn, h: wire.Header) -> tuple:
+def take_offer(store: ShmStore, conn: Conn, h: wire.Header, hold=None) -> tuple:
     """Read an OFFER's manifest and get the store's buffer for it: (manifest, buffer, whether the
     buffer is that version's, its first missing chunk, whether it is complete), the last two read
-    under the store's lock. Raises LinkError on a bad manifest."""
+    under the store's lock; the buffer is None when `hold(manifest)` (asked under the lock) says
+    the offer must wait. Raises LinkError on a bad manifest."""
     try:
         m = manifest_from_bytes(wire.recv_small(conn, h))
     except ValueError as exc:
@@ -41,6 +42,8 @@ def take_offer(store: ShmStore, conn: Conn, h: wire.Header) -> tuple:
     if m.version != h.version:
         raise LinkError(f"OFFER header says v{h.version}, manifest says v{m.version}")
     with store.cond:
+        if hold is not None and hold(m):
+            return m, None, False, 0, False
         vb = store.begin(m)
         return m, vb, vb.ident == ident(m), vb.prefix, vb.complete
 

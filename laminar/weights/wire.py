@@ -15,7 +15,8 @@ laminar/weights/part_sender.py) sends only the byte ranges its host's ranks hold
 relay assembles the version from every host's parts (laminar/weights/part_receiver.py):
 
     U -> D  OFFER    (version, a=chunks, b=lineage)      payload: manifest, as above
-    D -> U  WANT     (version, a=0 or chunks, b=lineage) a == chunks: D has the version already
+    D -> U  WANT     (version, a=0 or chunks, b=lineage) a == chunks: D has the version already;
+                                                        a == -1: busy with an older one, offer again
     U -> D  RANGE    (version, a=byte offset, b=lineage, tag=MAC)  payload: bytes [a, a + length)
     D -> U  NACK     (version, a=byte offset, b=lineage) MAC mismatch: U sends that range again
     U -> D  PART_END (version, a=ranges sent, b=lineage) every range of this part was sent

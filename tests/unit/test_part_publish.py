@@ -260,3 +260,32 @@ def test_a_host_leaders_link_makes_a_part_publisher_with_the_trainers_settings()
         assert pub.staging_prefix and pub.staging_prefix.startswith("/dev/shm/laminar-staging-")
     finally:
         pub.close()
+
+
+def test_a_newer_part_waits_while_an_older_versions_parts_arrive_then_a_stalled_one_is_superseded(node, monkeypatch):
+    """Hosts that publish at different speeds converge on one version: while v1's parts still
+    arrive, offers of v2 are answered BUSY (v1 is not dropped half-assembled); once no range has
+    reached v1 for PART_STALL_S (its last host gone), v2 supersedes it."""
+    import time
+
+    from laminar.weights import part_receiver
+    m, conn = hostile_setup(node)  # a host that is assembling v1
+    pubs = []
+    try:
+        assert offer(conn, m).type == wire.WANT
+        send_range(conn, m, 0, b"\x05" * 64)
+        pubs = part_publish(weights(3), node, parts=2, version=2)
+        time.sleep(1.5)
+        with node.store.cond:
+            assert node.store.incoming is not None and node.store.incoming.version == 1  # v1 kept
+            assert node.store.current is None
+        busy = [p._sender.stats.get("busy", 0) for p in pubs if p._sender is not None]
+        assert busy and min(busy) >= 1
+        monkeypatch.setattr(part_receiver, "PART_STALL_S", 0.5)  # v1's host went silent
+        assert wait_current(node, 2), node.status()
+        with LocalWeights(node.store.dir).latest() as got:
+            assert got.version == 2 and got.verify() == []
+    finally:
+        conn.close()
+        for pub in pubs:
+            pub.close()
