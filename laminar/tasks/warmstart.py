@@ -1,11 +1,15 @@
-"""SFT warm starts of the tiny model: the word-problem task's worked solutions, or the uppercase task's shape.
+"""SFT warm starts: the word-problem task's worked solutions (the tiny model, or SmolLM2), or the
+uppercase task's shape (the tiny model).
 
     python -m laminar.tasks.warmstart MODEL_DIR --sft DATA/sft.jsonl [--steps 300]   (word problems)
     python -m laminar.tasks.warmstart MODEL_DIR [--steps 200] [--seed 0]             (uppercase task)
 
-Both rewrite MODEL_DIR. With `--sft`, the model is fine-tuned on prompt + worked solution + EOS of
-the records of that file (laminar/tasks/word_problems.py writes it: a split disjoint from the RL
-prompts and the held-out split), loss on the solution only: a short run teaches the format
+Both rewrite MODEL_DIR. The tokenizer is MODEL_DIR's own when it has one (SmolLM2: prompts and
+solutions as the prompt pool and the rollouts tokenize them, the reply ended by the tokenizer's
+EOS, `<|im_end|>` for a ChatML model), else the tiny models' byte tokenizer. With `--sft`, the
+model is fine-tuned on prompt + worked solution + EOS of the records of that file
+(laminar/tasks/word_problems.py writes it: a split disjoint from the RL prompts and the held-out
+split), loss on the solution only: a short run teaches the format
 (steps, then `\\boxed{answer}`, then EOS) and some of the arithmetic; RL has the rest to learn.
 
 Without `--sft` (the uppercase smoke task):
@@ -27,7 +31,7 @@ import math
 import random
 from pathlib import Path
 
-from laminar.datasets import ByteTokenizer
+from laminar.datasets import ByteTokenizer, load_tokenizer
 from laminar.tasks.demo_data import make_prompts
 
 UPPER_P = 0.15
@@ -59,6 +63,13 @@ def lr_factor(step: int, steps: int, schedule: str) -> float:
     return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
 
 
+def _reply_ids(tok, text: str) -> list[int]:
+    """`text` as a reply: no BOS inside it, the tokenizer's EOS after it."""
+    if isinstance(tok, ByteTokenizer):
+        return tok.encode(text)[1:] + [tok.eos_id]
+    return list(tok.tok.encode(text, add_special_tokens=False)) + [tok.eos_id]
+
+
 def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: float = 3e-3, seed: int = 0,
                log_every: int = 50, sft: list[dict] | None = None, schedule: str | None = None) -> dict:
     """Fine-tune MODEL_DIR in place: on `sft` records (prompt -> solution) if given, else on the
@@ -69,7 +80,10 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     import transformers
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    tok = ByteTokenizer()
+    tok = load_tokenizer(str(model_dir))
+    if sft is None and not isinstance(tok, ByteTokenizer):
+        raise ValueError(f"{model_dir}: the uppercase warm start is for the byte-level tiny model only")
+    pad_id = tok.pad_id if isinstance(tok, ByteTokenizer) else tok.eos_id
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -83,14 +97,14 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
         for _ in range(batch):
             if sft:
                 rec = rng.choice(sft)
-                p, r = tok.encode(rec["prompt"]), tok.encode(rec["solution"])[1:] + [tok.eos_id]
+                p, r = tok.encode(rec["prompt"]), _reply_ids(tok, rec["solution"])
             else:
                 p = tok.encode(rng.choice(prompts))
                 r = tok.encode(reply(rng))[1:] + [tok.eos_id]  # no BOS inside the reply
             seqs.append(p + r)
             masks.append([0] * len(p) + [1] * len(r))
         width = max(map(len, seqs))
-        ids = torch.tensor([s + [tok.pad_id] * (width - len(s)) for s in seqs])
+        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
         m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)
         att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
         logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
@@ -116,6 +130,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--batch", type=int, default=32, help="sequences a step")
     ap.add_argument("--sft", metavar="JSONL", help="records with prompt and solution (word problems)")
     ap.add_argument("--schedule", choices=["constant", "cosine"], default=None,
                     help="learning-rate schedule (default: cosine with --sft, else constant)")
@@ -128,7 +143,7 @@ def main() -> None:
         sft = read_jsonl(a.sft)
         if not sft:
             raise SystemExit(f"{a.sft}: no records")
-    print(warm_start(a.model_dir, a.steps, lr=a.lr, seed=a.seed, sft=sft, schedule=a.schedule))
+    print(warm_start(a.model_dir, a.steps, batch=a.batch, lr=a.lr, seed=a.seed, sft=sft, schedule=a.schedule))
 
 
 if __name__ == "__main__":
