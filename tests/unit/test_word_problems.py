@@ -96,3 +96,31 @@ def test_the_warm_starts_cosine_schedule_warms_up_then_decays_to_a_floor():
     assert {lr_factor(s, 600, "constant") for s in range(600)} == {1.0}
     with pytest.raises(ValueError):
         lr_factor(0, 600, "linear")
+
+
+def test_the_sft_warm_start_uses_a_model_folders_own_tokenizer(tmp_path, sets):
+    """SmolLM2's warm start: a folder with a tokenizer is tuned on its tokens (prompts as the
+    prompt pool encodes them, the reply ended by the tokenizer's EOS, no BOS inside it)."""
+    pytest.importorskip("torch")
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    from laminar.datasets import HFTokenizer, load_tokenizer
+    from laminar.models.tiny import build_tiny_model
+    from laminar.tasks.warmstart import _reply_ids, warm_start
+    model = build_tiny_model(tmp_path / "m", hidden=32, layers=1, intermediate=64)
+    chars = sorted({c for r in sets["sft"][:50] for c in r["prompt"] + r["solution"]})
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                            unk_token="<unk>", pad_token="<|im_end|>").save_pretrained(model)
+    t = load_tokenizer(str(model))
+    assert isinstance(t, HFTokenizer) and t.eos_id == 2
+    ids = _reply_ids(t, "4 + 8 = 12.")
+    assert ids[-1] == 2 and 1 not in ids and ids[:-1] == t.tok.encode("4 + 8 = 12.", add_special_tokens=False)
+    assert len(ids) > 5
+    out = warm_start(model, steps=20, batch=4, lr=1e-2, sft=sets["sft"][:50], log_every=0)
+    assert out["loss_last"] < out["loss_first"]
+    with pytest.raises(ValueError, match="byte-level"):
+        warm_start(model, steps=1, batch=1)  # the uppercase warm start is for the byte-level model only
