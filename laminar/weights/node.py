@@ -29,7 +29,8 @@ upstream.
 Part upstreams (handshake purpose PART: the hosts of a trainer whose ranks span several hosts,
 each sending only its own byte ranges; part_receiver.py) never displace the upstream nor each
 other: each gets a PartReceiver thread of its own, at most `max_part_upstreams` at once (beyond
-that the oldest is closed; a host that reconnects resends its part and repeats are dropped).
+that the oldest is closed; a host that reconnects resends its part and repeats are dropped). A
+relay that has an upstream (one inside the chain) refuses parts: they belong to the master.
 """
 from __future__ import annotations
 
@@ -203,10 +204,18 @@ class RelayNode:
 
     def _take_part(self, conn) -> None:
         """One host's part of a multi-host trainer: a receiver of its own, beside the others."""
-        rcv = PartReceiver(self.store, conn, self._on_receiver_event, key=self.key)
+        with self.lock:
+            old = self.receiver_thread
+        if old is not None and old.is_alive():
+            old.join(timeout=0.5)  # a trainer that just turned into parts closed its link: let it end
+        rcv = PartReceiver(self.store, conn, self._on_receiver_event, key=self.key, siblings=self._part_receivers)
         t = threading.Thread(target=self._run_part, args=(rcv,), name=f"relay-{self.id}-part", daemon=True)
         with self.lock:
-            if self._stop.is_set():
+            linked = self.receiver_thread is not None and self.receiver_thread.is_alive()
+            if self._stop.is_set() or linked:
+                if linked:  # a relay inside the chain (a stale target): parts go to the master only
+                    log.warning("part_refused", relay=self.id, peer=conn.peer, upstream=self.upstream,
+                                why="this relay has an upstream: parts go to the master relay")
                 conn.close()
                 return
             while len(self.parts) >= self.max_part_upstreams:
@@ -215,6 +224,10 @@ class RelayNode:
             self.parts[id(rcv)] = (rcv, t)
         t.start()
         self.on_event("upstream", peer=conn.peer, part=True)
+
+    def _part_receivers(self) -> list[PartReceiver]:
+        with self.lock:
+            return [r for r, _ in self.parts.values()]
 
     def _run_part(self, rcv: PartReceiver) -> None:
         try:

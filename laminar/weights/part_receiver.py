@@ -94,18 +94,12 @@ class Coverage:
         return self.filled[i]
 
 
-def coverage(vb: VersionBuffer) -> Coverage:
-    """The coverage record of an incoming version (caller holds the store's condition)."""
-    cov = getattr(vb, "coverage", None)
-    if cov is None:
-        cov = vb.coverage = Coverage.of(vb)
-    return cov
-
-
 class PartReceiver:
     def __init__(self, store: ShmStore, conn: Conn, on_event: Callable[..., None] = lambda kind, **kw: None,
-                 key: bytes = b""):
+                 key: bytes = b"", siblings: Callable[[], list] = lambda: []):
         self.store, self.conn, self.on_event = store, conn, on_event
+        self.siblings = siblings  # the relay's part receivers (this one among them), for _hold
+        self.working: tuple | None = None  # ident of the version this part is being sent for (None: done)
         self.mac_key = wire.mac_key(key)
         self.mdigest = b""
         self.vb: VersionBuffer | None = None
@@ -138,30 +132,62 @@ class PartReceiver:
                 raise LinkError(f"unexpected {wire.NAMES[h.type]} from part upstream {self.conn.peer}")
 
     def _offer(self, h: wire.Header) -> None:
-        m, vb, same, _, complete = take_offer(self.store, self.conn, h, hold=self._hold)
+        others = [r for r in self.siblings() if r is not self]  # taken before the store's lock
+        m, vb, same, _, complete = take_offer(self.store, self.conn, h, hold=lambda m: self._hold(m, others))
         if vb is None:  # another version's parts are still arriving: the upstream offers again
             wire.send(self.conn, wire.WANT, m.version, a=BUSY, b=m.lineage)
             return
+        mdigest = wire.manifest_digest(m)
         have = 0 if same and not complete else chunk_count(m)
+        if have == 0:
+            with self.store.cond:
+                if wire.manifest_digest(vb.manifest) != mdigest:
+                    raise LinkError(f"part upstream {self.conn.peer} offered v{m.version} with another layout than "
+                                    "the one being assembled")
+                if not vb.abandoned:
+                    self._cover(vb).last = time.monotonic()  # an offer counts as progress (_hold)
         self.vb = vb if have == 0 else None
+        self.working = ident(m) if have == 0 else None
         self.version, self.lineage = m.version, m.lineage
-        self.mdigest, self.failures, self.nacked = wire.manifest_digest(m), {}, set()
+        self.mdigest, self.failures, self.nacked = mdigest, {}, set()
         self.ended, self.received = None, 0
         wire.send(self.conn, wire.WANT, m.version, a=have, b=m.lineage)
         self.on_event("offer", version=m.version, first_missing=have, chunks=chunk_count(m), lineage=m.lineage,
                       part=True)
 
-    def _hold(self, m) -> bool:
-        """Whether a newer offer of the same lineage must wait (caller holds the store's lock):
-        while the parts of the incoming version still arrive, a host that is done with it and
-        offers the next one would otherwise make the master drop it half-assembled, and a host
-        whose link is slower than the trainer's publish rate would never complete one. A version
-        no range reached for PART_STALL_S (a host gone) no longer holds newer ones back."""
+    def _hold(self, m, others: list) -> bool:
+        """Whether a newer offer of the same lineage must wait (caller holds the store's lock).
+        While another host is still sending its part of the incoming version, a host that is done
+        with it (or skipped it) and offers the next one would otherwise make the master drop it
+        half-assembled, and a host whose link is slower than the trainer's publish rate would
+        never complete one. Not held: once no other part upstream is working on the incoming
+        version (it cannot complete: this host does not have it), or when no range has reached
+        it for PART_STALL_S (a host gone silent), or for a new lineage."""
         inc = self.store.incoming
         cov = getattr(inc, "coverage", None) if inc is not None else None
-        return (cov is not None and inc.ident != ident(m) and not inc.complete
-                and same_lineage(inc.manifest, m) and supersedes(m, inc.manifest)
-                and time.monotonic() - cov.last < PART_STALL_S)
+        if (cov is None or inc.ident == ident(m) or inc.complete or not same_lineage(inc.manifest, m)
+                or not supersedes(m, inc.manifest) or time.monotonic() - cov.last >= PART_STALL_S):
+            return False
+        return any(r.working == inc.ident for r in others)
+
+    def _cover(self, vb: VersionBuffer) -> Coverage:
+        """The coverage record of the incoming version (caller holds the store's condition),
+        made at its first offer or range: alignment padding zeroed and counted, and a chunk of
+        padding only marked present at once."""
+        cov = getattr(vb, "coverage", None)
+        if cov is None:
+            cov = vb.coverage = Coverage.of(vb)
+            for i, filled in cov.filled.items():
+                if not vb.have[i] and filled == chunk_range(vb.manifest, i)[1]:
+                    self._mark(vb, i)
+        return cov
+
+    def _mark(self, vb: VersionBuffer, i: int) -> None:
+        """Chunk i is whole: its checksum and MAC, computed here (caller holds the condition)."""
+        chunk = vb.chunk(i)
+        vb.mark(i, checksum(chunk), wire.chunk_mac(self.mac_key, self.mdigest, i, chunk))
+        self.stats["chunks"] += 1
+        self.store.cond.notify_all()
 
     def _read(self, n: int) -> memoryview:
         if len(self.scratch) < n:
@@ -193,30 +219,35 @@ class PartReceiver:
         self.received += 1
         done = False
         with self.store.cond:
-            if vb.abandoned:
-                return
-            cov = coverage(vb)
-            seen = cov.check(i, off, off + n) if not vb.have[i] else "repeat"
-            if seen == "overlap":
-                raise LinkError(f"range [{off}, {off + n}) of v{vb.version} overlaps bytes another range wrote")
-            if seen == "repeat":
-                self.stats["repeats"] += 1
-            else:
-                vb.view[off:off + n] = data
-                self.stats["ranges"] += 1
-                self.stats["bytes"] += n
-                if cov.add(i, off, off + n) == size:
-                    chunk = vb.chunk(i)
-                    vb.mark(i, checksum(chunk), wire.chunk_mac(self.mac_key, self.mdigest, i, chunk))
-                    self.stats["chunks"] += 1
-                    self.store.cond.notify_all()
-                    if vb.complete:
-                        self.store.commit(vb)
-                        done = True
+            if not vb.abandoned:
+                done = self._place(vb, i, off, data, size)
         if done:
             self.on_event("complete", version=vb.version, chunks=vb.n, lineage=vb.manifest.lineage,
                           run_id=vb.manifest.run_id)
         self._maybe_done()
+
+    def _place(self, vb: VersionBuffer, i: int, off: int, data: memoryview, size: int) -> bool:
+        """Write a verified range into the version (caller holds the condition); True when that
+        completed the version (committed)."""
+        n = len(data)
+        cov = self._cover(vb)
+        seen = cov.check(i, off, off + n) if not vb.have[i] else "repeat"
+        if seen == "overlap":
+            raise LinkError(f"range [{off}, {off + n}) of v{vb.version} overlaps bytes another range wrote")
+        if seen == "repeat":
+            if vb.view[off:off + n] != data:
+                raise LinkError(f"range [{off}, {off + n}) of v{vb.version} repeats written bytes with other bytes")
+            self.stats["repeats"] += 1
+            return False
+        vb.view[off:off + n] = data
+        self.stats["ranges"] += 1
+        self.stats["bytes"] += n
+        if cov.add(i, off, off + n) == size:
+            self._mark(vb, i)
+            if vb.complete and vb is self.store.incoming:
+                self.store.commit(vb)
+                return True
+        return False
 
     def _refused(self, vb: VersionBuffer, off: int) -> None:
         self.stats["corrupt"] += 1
@@ -229,9 +260,11 @@ class PartReceiver:
         wire.send(self.conn, wire.NACK, vb.version, a=off, b=vb.manifest.lineage)
 
     def _maybe_done(self) -> None:
-        """DONE once PART_END came and every refused range arrived again."""
+        """DONE once PART_END came and every refused range arrived again. (Also for a version the
+        master abandoned meanwhile, superseded by a newer one: nothing of it is wanted any more.)"""
         if self.ended is None or self.nacked:
             return
+        self.working = None
         wire.send(self.conn, wire.DONE, self.version, a=self.ended, b=self.lineage)
         self.stats["parts"] += 1
         self.on_event("part_in", version=self.version, ranges=self.ended, peer=self.conn.peer)

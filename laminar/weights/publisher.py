@@ -25,7 +25,8 @@ the link is a PartSender (part_sender.py) that sends only those to the master re
 assembles the version from every host's part; `delivered` then means this host's part is in.
 
 The background thread connects to the target, authenticates, and runs a Sender; when the link
-fails it calls `on_link_down(peer)` and waits for `set_target` (the manager names the new master).
+fails it calls `on_link_down(peer)` and waits for `set_target` (the manager names the new master),
+or, with `reconnect_s`, tries the same target again after that long.
 """
 from __future__ import annotations
 
@@ -80,9 +81,12 @@ class WeightPublisher:
     def __init__(self, chunk_bytes: int = CHUNK_BYTES_DEFAULT, transport: str = "tcp", key: bytes = b"",
                  on_link_down: Callable[[str], None] = lambda peer: None,
                  connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0,
-                 publish_dtype: str | None = None, staging_prefix: str | None = None, part: bool = False):
+                 publish_dtype: str | None = None, staging_prefix: str | None = None, part: bool = False,
+                 reconnect_s: float | None = None):
         self.chunk_bytes = chunk_bytes
         self.part = part  # one host's part of a version (PartSender), not the whole of it
+        # after a failed link, try the same target again this often (None: wait for set_target)
+        self.reconnect_s = reconnect_s
         # floating-point tensors are cast to this dtype on their own device before the copy
         # (None or "same": published as they are); the manifest names each tensor's dtype
         self.publish_dtype = None if publish_dtype in (None, "", "same") else str(publish_dtype)
@@ -312,6 +316,11 @@ class WeightPublisher:
             if failure is not None:
                 log.warning("master_link_down", target=address, relay=relay_id, error=str(failure))
                 self.on_link_down(relay_id or address)
+                if self.reconnect_s:
+                    with self.cond:
+                        self.cond.wait_for(lambda seen=seen: self.stopped or self._target_seq != seen, self.reconnect_s)
+                        if self._target_seq == seen:
+                            seen = -1  # the same target again
 
     def _stream(self, address: str, relay_id: str, seq: int) -> None:
         purpose = wire.PURPOSE_PART if self.part else wire.PURPOSE_LINK

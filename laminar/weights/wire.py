@@ -21,6 +21,7 @@ relay assembles the version from every host's parts (laminar/weights/part_receiv
     D -> U  NACK     (version, a=byte offset, b=lineage) MAC mismatch: U sends that range again
     U -> D  PART_END (version, a=ranges sent, b=lineage) every range of this part was sent
     D -> U  DONE     (version, a=ranges, b=lineage)      every range of this part arrived, verified
+                                                        (or the master dropped that version for a newer one)
 
 A RANGE's MAC is `range_mac`: like a chunk MAC, over the manifest digest, the byte offset and the
 bytes (a range never spans more than one chunk). When every byte of a chunk has arrived in

@@ -137,7 +137,7 @@ class PublishLink:
         keys = getattr(self.role.ctx.transport, "keys", None)
         return WeightPublisher(c.chunk_mb << 20, get_transport(c.publish_transport, **c.publish_transport_options),
                                derive_key(keys.secret if keys else None), publish_dtype=self.publish_dtype(),
-                               staging_prefix=staging_prefix(), part=True)
+                               staging_prefix=staging_prefix(), part=True, reconnect_s=1.0)
 
     def publish(self, state_dict, version: int) -> None:
         self.publisher.publish(state_dict, version)
@@ -172,8 +172,8 @@ class PublishLink:
 
     async def close(self) -> None:
         self._stop.set()
-        if self.sharded is not None:
-            self.sharded.close()
+        if self.sharded is not None:  # a host leader first waits for its part of the last version
+            await asyncio.to_thread(self.sharded.close)
         if self.follower is not None:
             await self.follower.close()
         if self.publisher is not None:

@@ -57,6 +57,7 @@ from laminar.weights.pull import copy_kind, torch_dtype
 from laminar.weights.staging import StagingCopier, map_shared_staging
 
 SHM = Path("/dev/shm")
+FINAL_PART_S = 60.0  # how long a host leader's close waits for its part of the last version
 
 
 def staging_prefix(root: Path = SHM) -> str:
@@ -65,14 +66,26 @@ def staging_prefix(root: Path = SHM) -> str:
     return str(root / f"laminar-staging-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+def _row_ranges(t) -> bool:
+    """Whether every rank's part of DTensor `t` is a range of whole dim-0 rows (Shard(0) or
+    Replicate on every mesh dim): decided by placements alone, the same on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+    return t.ndim > 0 and all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in t.placements)
+
+
+def _gathered(items, layout) -> list:
+    """(tensor, dtype, offset) of the DTensors that are not row ranges: gathered (a collective)."""
+    from torch.distributed.tensor import DTensor
+    return [(t, torch_dtype(dt), off) for (_, t), dt, off in zip(items, layout.dtypes, layout.offsets, strict=True)
+            if isinstance(t, DTensor) and not _row_ranges(t)]
+
+
 def shard_rows(t) -> tuple[object, int] | None:
     """(local tensor, first global row) when this rank's part of DTensor `t` is a range of whole
     dim-0 rows that it alone writes (Shard(0) on every sharded mesh dim; on a replicated mesh dim
     only coordinate 0 writes: its local part is None then). None: not a row range (gather it)."""
-    from torch.distributed.tensor import Replicate, Shard
-    if any(not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) for p in t.placements):
-        return None
-    if t.ndim == 0:
+    from torch.distributed.tensor import Replicate
+    if not _row_ranges(t):
         return None
     coord = t.device_mesh.get_coordinate() or []
     writes = all(c == 0 for c, p in zip(coord, t.placements, strict=True) if isinstance(p, Replicate))
@@ -148,10 +161,14 @@ class ShardedPublish:
         else:
             token = uuid.uuid4().hex
             path = self.probe_root / f"laminar-probe-{token}"
-            path.write_text(token)
             try:
-                probes = dist.all_gather_objects(self.info, (str(path), token))
-                seen = [r for r, (p, t) in enumerate(probes) if _reads(p, t)]
+                path.write_text(token)
+                mine = (str(path), token)
+            except OSError:  # still at the all-gather: the groups then disagree and every rank raises
+                mine = (None, None)
+            try:
+                probes = dist.all_gather_objects(self.info, mine)
+                seen = [r for r, (p, t) in enumerate(probes) if p and _reads(p, t)]
                 # (an all-gather: every rank has read every probe before any is unlinked)
                 self.hosts = dist.all_gather_objects(self.info, min(seen, default=self.info.rank))
             finally:
@@ -184,22 +201,28 @@ class ShardedPublish:
                 raise RuntimeError(f"sharded publish of version {version}: a host leader failed: {'; '.join(errors)}")
             if self.leader:
                 msg = {**msg, **heads[self.leader]}
-        failed, bad, self._ranges = "", [], []
+        # the layout and which tensors are gathered are the same on every rank (global shapes and
+        # placements): an error here is raised by every rank alike
+        layout = publish_layout(((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items),
+                                msg["dtype"], msg["chunk_bytes"])
+        if layout.total_bytes != msg["total_bytes"]:
+            raise ValueError(f"layout of {layout.total_bytes} bytes, rank 0's has {msg['total_bytes']}")
+        gather = _gathered(items, layout)
+        failed, bad, self._ranges, buf = "", [], [], None
         try:
-            layout = publish_layout(((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items),
-                                    msg["dtype"], msg["chunk_bytes"])
-            if layout.total_bytes != msg["total_bytes"]:
-                raise ValueError(f"layout of {layout.total_bytes} bytes, rank 0's has {msg['total_bytes']}")
             buf = self._slot_buffer(msg)
-            jobs, gathered, bad = self._jobs(items, layout, buf, msg["slot"])
+            jobs, bad = self._jobs(items, layout)
             if jobs:
                 self.copier.copy(jobs, buf, key=msg["slot"])
-            for step in gathered:  # collectives, in the same order on every rank
-                step()
             self.last_copy_bytes = sum(t.numel() * dt.itemsize for t, dt, _ in jobs)
             self._ranges += [(off, t.numel() * dt.itemsize) for t, dt, off in jobs]
         except Exception as exc:  # noqa: BLE001  (every rank must reach the collectives below)
             failed = f"{type(exc).__name__}: {exc}"
+        for t, dt, off in gather:  # collectives, in the same order on every rank, even after a failure
+            try:
+                self._gather(t, dt, off, None if failed else buf, msg["slot"])
+            except Exception as exc:  # noqa: BLE001
+                failed = failed or f"{type(exc).__name__}: {exc}"
         ranges = dist.all_gather_objects(self.info, self._ranges) if self.mode == "hosts" else None
         flags = dist.all_reduce_sums(self.info, {"failed": float(bool(failed)), "nonfinite": float(len(bad))})
         if flags["nonfinite"]:
@@ -242,9 +265,8 @@ class ShardedPublish:
             pub.become_part()
             pub.publish_dtype, pub.chunk_bytes = msg["dtype"], msg["chunk_bytes"]
             pub.run_id, pub.lineage = msg["run_id"], msg["lineage"]
-            target = tuple(msg["target"]) if msg.get("target") else None
-            if target and pub.target != target:
-                pub.set_target(*target)
+            if msg.get("target"):  # every publish: it follows a new master, and reconnects a failed link
+                pub.set_target(*msg["target"])
             layout = publish_layout(((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items),
                                     msg["dtype"], msg["chunk_bytes"])
             _, slot = pub.begin(layout, version)
@@ -268,11 +290,12 @@ class ShardedPublish:
             self._maps = (msg["files"], [map_shared_staging(p, msg["total_bytes"]) for p in msg["paths"]])
         return self._maps[1][msg["slot"]]
 
-    def _jobs(self, items, layout, buf, slot):
-        """(copy jobs of this rank, gather steps, names of the non-finite tensors it holds)."""
+    def _jobs(self, items, layout):
+        """(copy jobs of this rank, names of the non-finite tensors it holds); the tensors that
+        are not row ranges are left to `_gathered`."""
         from torch.distributed.tensor import DTensor
         main = self.info.is_main
-        jobs, gathered, checks = [], [], []
+        jobs, checks = [], []
         for (name, t), dt_name, off in zip(items, layout.dtypes, layout.offsets, strict=True):
             dt = torch_dtype(dt_name)
             local = t.to_local() if isinstance(t, DTensor) else t
@@ -282,28 +305,25 @@ class ShardedPublish:
                 if main:  # the same on every rank (a buffer): rank 0 writes it
                     jobs.append((t, dt, off))
                 continue
-            rows = shard_rows(t)
-            if rows is None:
-                gathered.append(self._gather_step(t, dt, off, buf, slot))
+            if not _row_ranges(t):
                 continue
-            mine, first = rows
+            mine, first = shard_rows(t)
             if mine is not None and mine.numel():
                 row_bytes = dt.itemsize * mine[0].numel()
                 jobs.append((mine.contiguous(), dt, off + first * row_bytes))
-        return jobs, gathered, nonfinite(checks)
+        return jobs, nonfinite(checks)
 
-    def _gather_step(self, t, dt, off, buf, slot):
+    def _gather(self, t, dt, off, buf, slot) -> None:
         """A collective: cast this rank's part on its device, gather the tensor to rank 0 (in the
-        serving dtype), and rank 0 copies it into its staging (so its host sends those bytes)."""
-        def step() -> None:
-            from torch.distributed.tensor import DTensor
-            cast = DTensor.from_local(t.to_local().to(dt), t.device_mesh, t.placements, run_check=False,
-                                      shape=t.shape, stride=t.stride())
-            full = cast.full_tensor()
-            if self.info.is_main:
-                self.copier.copy([(full, dt, off)], buf, key=slot)
-                self._ranges.append((off, full.numel() * dt.itemsize))
-        return step
+        serving dtype), and rank 0 copies it into its staging (so its host sends those bytes);
+        with no `buf` (this rank failed already) only the collective."""
+        from torch.distributed.tensor import DTensor
+        cast = DTensor.from_local(t.to_local().to(dt), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+        full = cast.full_tensor()
+        if self.info.is_main and buf is not None:
+            self.copier.copy([(full, dt, off)], buf, key=slot)
+            self._ranges.append((off, full.numel() * dt.itemsize))
 
     def _drop_maps(self) -> None:
         if self._maps is not None:
@@ -319,7 +339,10 @@ class ShardedPublish:
         if not self.info.is_main:
             self._drop_maps()
         if self._own_publisher and self.publisher is not None:
-            self.publisher.close()  # a host leader's part publisher (rank 0's belongs to PublishLink)
+            # a host leader's part publisher (rank 0's belongs to PublishLink): its part of the
+            # last version must reach the master first, or that version is never whole there
+            self.publisher.wait_delivered(self.publisher.version, FINAL_PART_S)
+            self.publisher.close()
             self.publisher, self._own_publisher = None, False
 
 

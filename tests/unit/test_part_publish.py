@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from laminar.weights import wire  # noqa: E402
-from laminar.weights.manifest import chunk_count  # noqa: E402
+from laminar.weights.manifest import chunk_count, with_version  # noqa: E402
 from laminar.weights.node import RelayNode  # noqa: E402
 from laminar.weights.part_receiver import Coverage  # noqa: E402
 from laminar.weights.part_sender import split_ranges  # noqa: E402
@@ -289,3 +289,119 @@ def test_a_newer_part_waits_while_an_older_versions_parts_arrive_then_a_stalled_
         conn.close()
         for pub in pubs:
             pub.close()
+
+
+def read_answer(conn) -> wire.Header:
+    h = wire.recv(conn)
+    wire.recv_small(conn, h)
+    return h
+
+
+def test_a_repeat_with_other_bytes_ends_the_link_and_an_exact_repeat_is_dropped(node):
+    m, conn = hostile_setup(node)
+    try:
+        offer(conn, m)
+        send_range(conn, m, 0, b"\x01" * 200)
+        send_range(conn, m, 0, b"\x01" * 100)  # the same bytes again (a resend): dropped
+        wire.send(conn, wire.PART_END, 1, a=2, b=m.lineage)
+        assert read_answer(conn).type == wire.DONE
+        send_range(conn, m, 0, b"\x09" * 100)  # the same offsets, other bytes: refused
+        with pytest.raises(Exception):  # noqa: B017
+            read_answer(conn)
+        with node.store.cond:
+            assert bytes(node.store.incoming.view[:200]) == b"\x01" * 200
+    finally:
+        conn.close()
+
+
+def test_an_offer_of_the_same_version_with_another_layout_is_refused(node):
+    import dataclasses
+    m, conn = hostile_setup(node)
+    other = wire.connect(get_transport("tcp"), node.address, KEY, 5.0, purpose=wire.PURPOSE_PART)
+    try:
+        offer(conn, m)
+        send_range(conn, m, 0, b"\x01" * 64)
+        bigger = dataclasses.replace(m, chunk_bytes=2 * CHUNK)  # same run, lineage and number
+        with pytest.raises(Exception):  # noqa: B017  (the relay closed that link)
+            offer(other, bigger)
+    finally:
+        conn.close()
+        other.close()
+
+
+def test_a_newer_part_is_not_held_once_no_host_is_still_sending_the_incoming_version(node):
+    """The host that was assembling v1 finished its part (DONE) and v1 still lacks another host's
+    bytes: nobody will send them, so v2 goes ahead at once instead of waiting PART_STALL_S."""
+    import time
+    m, conn = hostile_setup(node)
+    pubs = []
+    try:
+        offer(conn, m)
+        send_range(conn, m, 0, b"\x05" * 64)
+        wire.send(conn, wire.PART_END, 1, a=1, b=m.lineage)
+        assert read_answer(conn).type == wire.DONE
+        t0 = time.monotonic()
+        pubs = part_publish(weights(4), node, parts=2, version=2)
+        assert wait_current(node, 2, timeout=5.0), node.status()
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        conn.close()
+        for pub in pubs:
+            pub.close()
+
+
+def test_a_relay_with_an_upstream_refuses_parts(node):
+    """Parts go to the master: a relay inside the chain (it has an upstream) closes them."""
+    whole = WeightPublisher(chunk_bytes=CHUNK, key=KEY)
+    whole.run_id, whole.lineage = "run", 1
+    try:
+        whole.set_target(node.address, node.id)
+        whole.publish(weights(5), 1)
+        assert whole.wait_delivered(1, 20)
+        m, conn = hostile_setup(node)
+        try:
+            with pytest.raises(Exception):  # noqa: B017
+                offer(conn, with_version(m, 2))
+        finally:
+            conn.close()
+        assert node.status()["part_upstreams"] == 0
+    finally:
+        whole.close()
+
+
+def test_a_part_publisher_with_reconnect_s_finds_a_restarted_master_again():
+    """A host leader's link is not re-targeted by anyone when the master restarts at the same
+    address: with reconnect_s its publisher tries again by itself."""
+    from laminar.testing.procs import free_port
+    port = free_port()
+    shm = f"/dev/shm/laminar-test-part-{uuid.uuid4().hex[:8]}"
+    first = RelayNode("m", shm, get_transport("tcp"), KEY, port=port)
+    first.start()
+    pub = WeightPublisher(chunk_bytes=CHUNK, key=KEY, part=True, reconnect_s=0.2)
+    pub.run_id, pub.lineage = "run", 1
+    state = weights(6)
+    second = None
+    try:
+        pub.set_target(first.address, "m")
+        layout = pub.layout_of((k, t.dtype, t.shape, True) for k, t in state.items())
+        for v, node_up in ((1, None), (2, "restart")):
+            if node_up:
+                first.stop()
+                second = RelayNode("m", shm, get_transport("tcp"), KEY, port=port)
+                second.start()
+            _, slot = pub.begin(layout, v)
+            buf = memoryview(pub.slots[slot])
+            ranges = []
+            for i, name in enumerate(layout.names):
+                data = state[name].contiguous().numpy().tobytes()
+                buf[layout.offsets[i]:layout.offsets[i] + len(data)] = data
+                ranges.append((layout.offsets[i], len(data)))
+            pub.commit(slot, layout, v, ranges=ranges)
+            assert pub.wait_delivered(v, 20), v
+        assert wait_current(second, 2)
+    finally:
+        pub.close()
+        for n in (first, second):
+            if n is not None:
+                n.stop()
+        shutil.rmtree(shm, ignore_errors=True)
