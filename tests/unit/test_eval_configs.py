@@ -27,12 +27,15 @@ def test_reasoning_configs_evaluate_a_held_out_split(name):
     assert cfg.role_settings("evaluator")["relay_id"] == cfg.role_settings("rollout")["relay_id"]
 
 
-def test_smollm2_config_uses_the_instruct_model_and_its_tokenizer():
+def test_smollm2_config_uses_the_warm_started_instruct_model_and_its_tokenizer():
+    """models/smollm2-math: SmolLM2-135M-Instruct after `make smollm2`'s short SFT (the Makefile
+    target of that name builds it from models/smollm2)."""
     cfg = load_config(ROOT / "configs" / "smollm2-math.yaml")
     for role in ("rollout", "trainer", "evaluator"):
-        assert cfg.role_settings(role)["model_dir"] == "models/smollm2"
-    assert cfg.role_settings("prompt_pool")["tokenizer_dir"] == "models/smollm2"
-    assert cfg.role_settings("evaluator")["tokenizer_dir"] == "models/smollm2"
+        assert cfg.role_settings(role)["model_dir"] == "models/smollm2-math"
+    assert cfg.role_settings("prompt_pool")["tokenizer_dir"] == "models/smollm2-math"
+    assert cfg.role_settings("evaluator")["tokenizer_dir"] == "models/smollm2-math"
+    assert "models/smollm2-math/config.json:" in (ROOT / "Makefile").read_text()
     assert cfg.role_settings("rollout")["reward"] == "laminar.tasks.math:smollm2_math_reward"
 
 
