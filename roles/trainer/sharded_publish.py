@@ -15,16 +15,17 @@ Modes, decided collectively at the first publish:
 - `shared` (every rank on rank 0's host): rank 0's publisher keeps its two staging slots as
   /dev/shm files (`staging_prefix`); every rank maps both once per layout (and page-locks its
   mapping for CUDA once), and rank 0 unlinks the names as soon as all have mapped them, so a
-  killed trainer leaves nothing behind. A probe file decides it: a rank that cannot read rank 0's
-  probe is on another host (or another /dev/shm).
+  killed trainer leaves nothing behind.
 - `hosts` (ranks on several hosts): the ranks of each host write their rows into that host's
   staging, owned by the host's lowest rank (its *leader*: rank 0's publisher on rank 0's host, a
   part publisher of its own, made by `make_publisher`, on every other host). Each leader commits
   the byte ranges its host's ranks wrote, and its publisher, a part upstream, sends just those to
   the master relay, which assembles one version from every host's part and verifies it
   (laminar/weights/part_receiver.py). Nothing is gathered and nothing crosses hosts but the
-  ranges. Which rank is on which host is decided by probe files: every rank writes one, and a
-  rank's leader is the lowest rank whose probe it can read.
+  ranges.
+Which rank is on which host is decided by probe files: every rank writes one in /dev/shm, and a
+rank's leader is the lowest rank whose probe it can read (`shared` when that is rank 0 for all;
+`one_rank_per_host` makes every rank a host of its own: tests and benchmarks on one machine).
 
 One publish:
   1. rank 0: `begin()` picks a free slot; it broadcasts {slot files, slot, dtype, chunk bytes,
