@@ -100,7 +100,7 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
                 p, r = tok.encode(rec["prompt"]), _reply_ids(tok, rec["solution"])
             else:
                 p = tok.encode(rng.choice(prompts))
-                r = tok.encode(reply(rng))[1:] + [tok.eos_id]  # no BOS inside the reply
+                r = _reply_ids(tok, reply(rng))
             seqs.append(p + r)
             masks.append([0] * len(p) + [1] * len(r))
         width = max(map(len, seqs))

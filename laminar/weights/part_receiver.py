@@ -37,7 +37,7 @@ import structlog
 
 from laminar.weights import wire
 from laminar.weights.manifest import checksum, chunk_count, chunk_range, ident, same_lineage, supersedes
-from laminar.weights.receiver import MAX_MAC_FAILURES, take_offer
+from laminar.weights.receiver import MAX_MAC_FAILURES, UpstreamReceiver
 from laminar.weights.store import ShmStore, VersionBuffer
 from laminar.weights.transport import Conn, LinkError
 
@@ -94,46 +94,30 @@ class Coverage:
         return self.filled[i]
 
 
-class PartReceiver:
+class PartReceiver(UpstreamReceiver):
+    HANDLERS = {wire.OFFER: "_offer", wire.RANGE: "_range", wire.PART_END: "_part_end"}
+    WHO = "part upstream"
+
     def __init__(self, store: ShmStore, conn: Conn, on_event: Callable[..., None] = lambda kind, **kw: None,
                  key: bytes = b"", siblings: Callable[[], list] = lambda: []):
-        self.store, self.conn, self.on_event = store, conn, on_event
+        super().__init__(store, conn, on_event, key)
         self.siblings = siblings  # the relay's part receivers (this one among them), for _hold
         self.working: tuple | None = None  # ident of the version this part is being sent for (None: done)
-        self.mac_key = wire.mac_key(key)
-        self.mdigest = b""
-        self.vb: VersionBuffer | None = None
         self.version = -1
         self.lineage = 0
-        self.failures: dict[int, int] = {}  # offset -> MAC failures in a row
         self.nacked: set[int] = set()       # offsets refused and not yet received again
         self.ended: int | None = None       # PART_END seen: the number of ranges the part holds
-        self.received = 0                   # verified ranges of this part (new or repeated)
-        self.scratch = bytearray(0)
         self.stats = {"ranges": 0, "bytes": 0, "corrupt": 0, "repeats": 0, "chunks": 0, "parts": 0}
 
-    def stop(self) -> None:
-        self.conn.close()
-
-    def run(self) -> None:
-        """Receive until the connection ends (raises LinkError; a closed conn is the normal end)."""
-        while True:
-            h = wire.recv(self.conn)
-            if h.type == wire.OFFER:
-                self._offer(h)
-            elif h.type == wire.RANGE:
-                self._range(h)
-            elif h.type == wire.PART_END:
-                wire.recv_small(self.conn, h)
-                if h.version == self.version and h.b == self.lineage:
-                    self.ended = h.a
-                    self._maybe_done()
-            else:
-                raise LinkError(f"unexpected {wire.NAMES[h.type]} from part upstream {self.conn.peer}")
+    def _part_end(self, h: wire.Header) -> None:
+        wire.recv_small(self.conn, h)
+        if h.version == self.version and h.b == self.lineage:
+            self.ended = h.a
+            self._maybe_done()
 
     def _offer(self, h: wire.Header) -> None:
         others = [r for r in self.siblings() if r is not self]  # taken before the store's lock
-        m, vb, same, _, complete = take_offer(self.store, self.conn, h, hold=lambda m: self._hold(m, others))
+        m, vb, same, _, complete = self._take_offer(h, hold=lambda m: self._hold(m, others))
         if vb is None:  # another version's parts are still arriving: the upstream offers again
             wire.send(self.conn, wire.WANT, m.version, a=BUSY, b=m.lineage)
             return
@@ -150,7 +134,7 @@ class PartReceiver:
         self.working = ident(m) if have == 0 else None
         self.version, self.lineage = m.version, m.lineage
         self.mdigest, self.failures, self.nacked = mdigest, {}, set()
-        self.ended, self.received = None, 0
+        self.ended = None
         wire.send(self.conn, wire.WANT, m.version, a=have, b=m.lineage)
         self.on_event("offer", version=m.version, first_missing=have, chunks=chunk_count(m), lineage=m.lineage,
                       part=True)
@@ -189,13 +173,6 @@ class PartReceiver:
         self.stats["chunks"] += 1
         self.store.cond.notify_all()
 
-    def _read(self, n: int) -> memoryview:
-        if len(self.scratch) < n:
-            self.scratch = bytearray(n)
-        view = memoryview(self.scratch)[:n]
-        self.conn.recv_into(view)
-        return view
-
     def _range(self, h: wire.Header) -> None:
         vb, off, n = self.vb, h.a, h.length
         limit = vb.manifest.chunk_bytes if vb is not None else 1 << 30
@@ -216,7 +193,6 @@ class PartReceiver:
             return
         self.failures.pop(off, None)
         self.nacked.discard(off)
-        self.received += 1
         done = False
         with self.store.cond:
             if not vb.abandoned:

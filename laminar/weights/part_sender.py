@@ -19,11 +19,9 @@ each version it started (a faster trainer only makes it skip intermediate versio
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 
 from laminar.weights import wire
-from laminar.weights.manifest import with_version
 from laminar.weights.part_receiver import BUSY
 from laminar.weights.sender import Sender
 
@@ -53,12 +51,10 @@ class PartSender(Sender):
     """A Sender whose versions carry `ranges`: only those bytes are sent, as RANGE messages."""
 
     def _send_version(self, vb) -> bool:
-        layout = dataclasses.replace(with_version(vb.manifest, vb.version), macs=[])
-        mdigest = wire.manifest_digest(layout)
         ranges = list(getattr(vb, "ranges", ()))
         lengths = dict(ranges)
         lineage = vb.manifest.lineage
-        h = self._offer(vb, layout)
+        h, mdigest = self._offer(vb)
         deadline = time.monotonic() + self.ack_timeout_s
         if h.a == BUSY:  # the master still assembles an older version: offer the newest again soon
             with self.cond:

@@ -30,34 +30,22 @@ log = structlog.get_logger("laminar.weights.receiver")
 MAX_MAC_FAILURES = 4
 
 
-def take_offer(store: ShmStore, conn: Conn, h: wire.Header, hold=None) -> tuple:
-    """Read an OFFER's manifest and get the store's buffer for it: (manifest, buffer, whether the
-    buffer is that version's, its first missing chunk, whether it is complete), the last two read
-    under the store's lock; the buffer is None when `hold(manifest)` (asked under the lock) says
-    the offer must wait. Raises LinkError on a bad manifest."""
-    try:
-        m = manifest_from_bytes(wire.recv_small(conn, h))
-    except ValueError as exc:
-        raise LinkError(f"upstream {conn.peer} offered a bad manifest: {exc}") from None
-    if m.version != h.version:
-        raise LinkError(f"OFFER header says v{h.version}, manifest says v{m.version}")
-    with store.cond:
-        if hold is not None and hold(m):
-            return m, None, False, 0, False
-        vb = store.begin(m)
-        return m, vb, vb.ident == ident(m), vb.prefix, vb.complete
+class UpstreamReceiver:
+    """What a connection from an upstream needs, whole (Receiver) or a part (part_receiver.py):
+    the store, the connection, the MAC key, a scratch buffer for bytes that are read and dropped
+    (or checked before they are placed), and a loop that hands each message to `HANDLERS[type]`."""
 
+    HANDLERS: dict[int, str] = {}  # message type -> name of the method that handles it
+    WHO = "upstream"               # how errors name the peer
 
-class Receiver:
     def __init__(self, store: ShmStore, conn: Conn, on_event: Callable[..., None] = lambda kind, **kw: None,
                  key: bytes = b""):
         self.store, self.conn, self.on_event = store, conn, on_event
         self.mac_key = wire.mac_key(key)
         self.mdigest = b""
-        self.failures: dict[int, int] = {}  # chunk -> MAC failures in a row, for the version being received
+        self.failures: dict[int, int] = {}  # chunk (or range offset) -> MAC failures in a row
         self.vb: VersionBuffer | None = None
-        self.scratch: bytearray | None = None
-        self.stats = {"chunks": 0, "bytes": 0, "corrupt": 0, "duplicates": 0, "versions": 0}
+        self.scratch = bytearray(0)
 
     def stop(self) -> None:
         self.conn.close()
@@ -66,26 +54,52 @@ class Receiver:
         """Receive until the connection ends (raises LinkError; a closed conn is the normal end)."""
         while True:
             h = wire.recv(self.conn)
-            if h.type == wire.OFFER:
-                self._offer(h)
-            elif h.type == wire.CHUNK:
-                self._chunk(h)
-            else:
-                raise LinkError(f"unexpected {wire.NAMES[h.type]} from upstream {self.conn.peer}")
+            name = self.HANDLERS.get(h.type)
+            if name is None:
+                raise LinkError(f"unexpected {wire.NAMES[h.type]} from {self.WHO} {self.conn.peer}")
+            getattr(self, name)(h)
+
+    def _read(self, n: int) -> memoryview:
+        """The next `n` bytes of the connection, in scratch memory (valid until the next read)."""
+        if len(self.scratch) < n:
+            self.scratch = bytearray(n)
+        view = memoryview(self.scratch)[:n]
+        self.conn.recv_into(view)
+        return view
+
+    def _take_offer(self, h: wire.Header, hold=None) -> tuple:
+        """Read an OFFER's manifest and get the store's buffer for it: (manifest, buffer, whether
+        the buffer is that version's, its first missing chunk, whether it is complete), the last
+        two read under the store's lock; the buffer is None when `hold(manifest)` (asked under
+        the lock) says the offer must wait. Raises LinkError on a bad manifest."""
+        try:
+            m = manifest_from_bytes(wire.recv_small(self.conn, h))
+        except ValueError as exc:
+            raise LinkError(f"{self.WHO} {self.conn.peer} offered a bad manifest: {exc}") from None
+        if m.version != h.version:
+            raise LinkError(f"OFFER header says v{h.version}, manifest says v{m.version}")
+        with self.store.cond:
+            if hold is not None and hold(m):
+                return m, None, False, 0, False
+            vb = self.store.begin(m)
+            return m, vb, vb.ident == ident(m), vb.prefix, vb.complete
+
+
+class Receiver(UpstreamReceiver):
+    HANDLERS = {wire.OFFER: "_offer", wire.CHUNK: "_chunk"}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stats = {"chunks": 0, "bytes": 0, "corrupt": 0, "duplicates": 0, "versions": 0}
 
     def _offer(self, h: wire.Header) -> None:
-        m, vb, same, prefix, complete = take_offer(self.store, self.conn, h)
+        m, vb, same, prefix, complete = self._take_offer(h)
         have = prefix if same else chunk_count(m)
         self.vb = vb if same and not complete else None
         self.mdigest, self.failures = wire.manifest_digest(m), {}
         # b = the offer's lineage: the sender tells answers about A:v from answers about B:v
         wire.send(self.conn, wire.WANT, m.version, a=have, b=m.lineage)
         self.on_event("offer", version=m.version, first_missing=have, chunks=chunk_count(m), lineage=m.lineage)
-
-    def _drain(self, n: int) -> None:
-        if self.scratch is None or len(self.scratch) < n:
-            self.scratch = bytearray(n)
-        self.conn.recv_into(memoryview(self.scratch)[:n])
 
     def _chunk(self, h: wire.Header) -> None:
         vb, i = self.vb, h.a
@@ -100,7 +114,7 @@ class Receiver:
         if h.length > (vb.manifest.chunk_bytes if vb is not None else 1 << 30):
             raise LinkError(f"chunk of {h.length} bytes exceeds the chunk size")
         self.stats["duplicates"] += 1
-        self._drain(h.length)
+        self._read(h.length)  # dropped
 
     def _verify(self, vb: VersionBuffer, i: int, dst: memoryview, tag: bytes) -> None:
         mac = wire.chunk_mac(self.mac_key, self.mdigest, i, dst)

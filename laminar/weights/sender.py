@@ -122,8 +122,10 @@ class Sender:
             raise LinkError(f"{self.name}: no answer from {self.conn.peer} within {self.ack_timeout_s}s")
         return None
 
-    def _offer(self, vb, layout) -> wire.Header:
-        """OFFER `vb` (its `layout`: the manifest without MACs) and wait for the WANT."""
+    def _offer(self, vb) -> tuple[wire.Header, bytes]:
+        """OFFER `vb` (its manifest without MACs) and wait for the WANT: (the WANT, the digest
+        of the offered manifest that every MAC of this version binds)."""
+        layout = dataclasses.replace(with_version(vb.manifest, vb.version), macs=[])
         wire.send(self.conn, wire.OFFER, vb.version, a=vb.n, b=vb.manifest.lineage, payload=manifest_to_bytes(layout))
         deadline = time.monotonic() + self.ack_timeout_s
         with self.cond:
@@ -131,15 +133,13 @@ class Sender:
                 self._check()
                 h = self._next_event(vb, deadline)
                 if h is not None and h.type == wire.WANT:
-                    return h
+                    return h, wire.manifest_digest(layout)
                 self.cond.wait(timeout=0.5)
 
     def _send_version(self, vb) -> bool:
         """Deliver one version; False if the source abandoned it first."""
-        layout = dataclasses.replace(with_version(vb.manifest, vb.version), macs=[])
-        mdigest = wire.manifest_digest(layout)
         macs = getattr(vb, "macs", None)
-        h = self._offer(vb, layout)
+        h, mdigest = self._offer(vb)
         deadline = time.monotonic() + self.ack_timeout_s
         nxt, resend, done = h.a, collections.deque(), h.a >= vb.n
         lazy = getattr(vb, "lazy_checksums", False)
