@@ -38,20 +38,31 @@ class NonFiniteWeightsError(RuntimeError):
 
 def nonfinite_tensors(tree, prefix: str = "", local: bool = False) -> list[str]:
     """Dotted names of the floating-point tensors in a (nested) state dict with a NaN or inf.
-    A DTensor is gathered (a collective) unless `local`: then only this rank's shard is looked at."""
+    A DTensor is gathered (a collective) unless `local`: then only this rank's shard is looked at.
+    One host synchronization per device for the whole tree (not one per tensor)."""
     import torch
-    bad = []
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            bad += nonfinite_tensors(v, f"{prefix}{k}.", local)
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            bad += nonfinite_tensors(v, f"{prefix}{i}.", local)
-    elif isinstance(tree, torch.Tensor) and tree.is_floating_point():
-        t = tree if not hasattr(tree, "full_tensor") else tree.to_local() if local else tree.full_tensor()
-        if not bool(torch.isfinite(t).all()):
-            bad.append(prefix[:-1])
-    return bad
+    found: list[tuple[str, object]] = []  # (name, a 0-d flag on the tensor's device, or None if empty)
+
+    def walk(node, pre: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{pre}{k}.")
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{pre}{i}.")
+        elif isinstance(node, torch.Tensor) and node.is_floating_point():
+            t = node if not hasattr(node, "full_tensor") else node.to_local() if local else node.full_tensor()
+            found.append((pre[:-1], torch.isfinite(t).all() if t.numel() else None))  # (a gathered t is freed)
+    walk(tree, prefix)
+    by_device: dict = {}
+    for i, (_, flag) in enumerate(found):
+        if flag is not None:
+            by_device.setdefault(flag.device, []).append(i)
+    bad = set()
+    for idx in by_device.values():
+        ok = torch.stack([found[i][1] for i in idx]).tolist()
+        bad.update(i for i, good in zip(idx, ok, strict=True) if not good)
+    return [found[i][0] for i in sorted(bad)]
 
 
 def check_finite(parts: dict, what: str) -> None:
