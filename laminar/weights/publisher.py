@@ -45,7 +45,7 @@ from laminar.weights.manifest import CHUNK_BYTES_DEFAULT, build_manifest, same_l
 from laminar.weights.part_sender import PartSender, split_ranges
 from laminar.weights.pull import copy_kind, torch_dtype
 from laminar.weights.sender import Sender
-from laminar.weights.staging import StagingCopier, alloc_shared_staging, alloc_staging
+from laminar.weights.staging import InFlight, StagingCopier, alloc_shared_staging, alloc_staging
 from laminar.weights.store import VersionBuffer
 from laminar.weights.transport import LinkError, get_transport
 
@@ -75,6 +75,47 @@ def publish_layout(specs, publish_dtype: str | None, chunk_bytes: int) -> Manife
     cast = torch_dtype(publish_dtype) if publish_dtype else None
     return build_manifest([(k, str(cast if cast is not None and fp else dt).removeprefix("torch."), tuple(shape))
                            for k, dt, shape, fp in specs], 0, chunk_bytes)
+
+
+class PendingPublish:
+    """A publish_async whose GPU copies may still run; its version is committed when they land."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.inflight: InFlight | None = None
+        self.issued = threading.Event()  # the copies are queued (inflight is set)
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self, issue: Callable[[], InFlight | None], commit: Callable[[], None]) -> None:
+        """Queue the copies, wait until they have landed, commit (the publish thread)."""
+        try:
+            try:
+                self.inflight = issue()
+            finally:
+                self.issued.set()
+            if self.inflight is not None:
+                self.inflight.wait()
+            commit()
+        except BaseException as e:  # handed to whoever waits (the trainer's next publish)
+            self.error = e
+        finally:
+            self.issued.set()
+            self.done.set()
+
+    def guard(self) -> None:
+        """Order later writes of the source tensors (on the current CUDA streams) after the copies;
+        blocks only until they are queued (a few ms after publish_async)."""
+        self.issued.wait()
+        if self.inflight is not None:
+            self.inflight.guard()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed; raises the commit's error, or TimeoutError."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"version {self.version}'s copies have not landed in {timeout} s")
+        if self.error is not None:
+            raise self.error
 
 
 class WeightPublisher:
@@ -115,6 +156,7 @@ class WeightPublisher:
         self._target_seq = 0
         self.last_publish_s = 0.0
         self._sender: Sender | None = None
+        self._pending: PendingPublish | None = None  # the last publish_async's
         self._thread = threading.Thread(target=self._link_loop, name="weight-publisher", daemon=True)
         self._thread.start()
 
@@ -123,16 +165,63 @@ class WeightPublisher:
         """Copy `state_dict` (cast to publish_dtype) into a free staging slot and hand it to the
         sender as `version` (default: the next number); returns the version."""
         t0 = time.perf_counter()
-        items = list(state_dict.items())
-        layout = self.layout_of((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items)
-        version, slot = self.begin(layout, version)
-        jobs = [(t, torch_dtype(dt), off) for (_, t), dt, off in zip(items, layout.dtypes, layout.offsets, strict=True)]
-        if any(copy_kind(t) == "cuda" for t, _, _ in jobs):
-            self.pin_slots()  # both at once: no later publish pays for a registration
+        version, slot, layout, jobs, cuda = self._jobs(state_dict, version)
         self.copier.copy(jobs, self.slots[slot], key=slot)
         self.commit(slot, layout, version)
         self.last_publish_s = time.perf_counter() - t0
         return version
+
+    def publish_async(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> PendingPublish:
+        """publish() without waiting for GPU copies: a thread of its own queues them on the
+        copier's streams (after the work queued on the current streams by now), waits until they
+        have landed and commits the version. Nothing may overwrite the source tensors before
+        `pending.guard()` (the trainer calls it before its next optimizer step; it blocks no CPU),
+        so the copy overlaps the next forward and backward. CPU tensors are copied at once, as in
+        publish(). The next publish first waits for this one."""
+        t0 = time.perf_counter()
+        version, slot, layout, jobs, cuda = self._jobs(state_dict, version)
+        pending = self._pending = PendingPublish(version)
+
+        def commit() -> None:
+            self.commit(slot, layout, version)
+        if not cuda:
+            pending.run(lambda: self.copier.copy(jobs, self.slots[slot], key=slot), commit)
+        else:  # the copies start from the weights as of now, queued by a thread of their own
+            after = self.copier.mark({t.device for t, _, _ in jobs if copy_kind(t) == "cuda"})
+            issue = lambda: self.copier.copy(jobs, self.slots[slot], key=slot, wait=False, after=after)  # noqa: E731
+            threading.Thread(target=pending.run, args=(issue, commit), name="weight-publish-copy",
+                             daemon=True).start()
+        self.last_publish_s = time.perf_counter() - t0
+        return pending
+
+    def wait_pending(self, timeout: float | None = None) -> None:
+        """Wait for the last publish_async's copies and commit; raises what its commit raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.guard()
+            pending.wait(timeout)
+
+    def prepare(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Allocate (and, for GPU tensors, page-lock) the staging of `state_dict`'s layout now,
+        e.g. when the trainer starts, so that the first publish costs what any later one does."""
+        items = list(state_dict.items())
+        layout = self.layout_of((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items)
+        with self.cond:
+            if self.layout is None or not same_layout(self.layout, layout):
+                self._reset_layout(layout)
+        if any(copy_kind(t) == "cuda" for _, t in items):
+            self.pin_slots()
+
+    def _jobs(self, state_dict, version):
+        """Begin a publish of state_dict: (version, slot, layout, copy jobs, any GPU source)."""
+        items = list(state_dict.items())
+        layout = self.layout_of((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items)
+        version, slot = self.begin(layout, version)
+        jobs = [(t, torch_dtype(dt), off) for (_, t), dt, off in zip(items, layout.dtypes, layout.offsets, strict=True)]
+        cuda = any(copy_kind(t) == "cuda" for t, _, _ in jobs)
+        if cuda:
+            self.pin_slots()  # both at once: no later publish pays for a registration
+        return version, slot, layout, jobs, cuda
 
     def layout_of(self, specs) -> Manifest:
         """The layout of tensors given as (name, torch dtype, shape, is floating point)."""
@@ -141,7 +230,9 @@ class WeightPublisher:
     def begin(self, layout: Manifest, version: int | None = None) -> tuple[int, int]:
         """(version, slot): a staging slot nobody reads, for `layout` (new slots when the layout
         changed). Write it (self.slots[slot], or the file slot_path(slot) from another process),
-        then commit(); a begun slot that is never committed is simply reused."""
+        then commit(); a begun slot that is never committed is simply reused. A publish_async
+        still in flight is waited for first (its slot is not free until it is committed)."""
+        self.wait_pending()
         version = self.version + 1 if version is None else version
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the last published {self.version}")
@@ -266,6 +357,10 @@ class WeightPublisher:
             sender.stop()
 
     def close(self) -> None:
+        try:
+            self.wait_pending(timeout=30.0)  # a last publish_async still lands and is sent
+        except Exception as e:  # noqa: BLE001 -- closing anyway; say why the version is missing
+            log.warning("publish_pending_failed", error=repr(e))
         with self.cond:
             self.stopped = True
             self.cond.notify_all()

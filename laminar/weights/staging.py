@@ -22,7 +22,10 @@ How a job is copied:
   first waits for the current stream (the optimizer step's writes). The staging is page-locked
   (`cudaHostRegister`, once per buffer) so the copy is a DMA at the link's speed; a refused
   registration falls back to pageable copies (correct, ~4x slower). Every stream is synchronized
-  before `copy` returns: the caller may hand the bytes on at once.
+  before `copy` returns: the caller may hand the bytes on at once. With `wait=False` it returns at
+  once instead, with an `InFlight` for the copies still running: `guard()` orders the current
+  stream's later work (an optimizer step that writes the sources) after them without blocking the
+  CPU, `wait()` blocks until the bytes have landed (the publisher's overlapped publish).
 """
 from __future__ import annotations
 
@@ -88,6 +91,25 @@ def map_shared_staging(path: str | os.PathLike, size: int) -> mmap.mmap:
     return buf
 
 
+class InFlight:
+    """GPU copies into staging that may still be running (StagingCopier.copy with wait=False)."""
+
+    def __init__(self, events: dict):
+        self.events = events  # CUDA device -> event recorded on its copy stream after the copies
+
+    def guard(self) -> None:
+        """Make each device's current stream wait for the copies (no CPU wait): call it before
+        anything overwrites the source tensors, i.e. before the next optimizer step."""
+        import torch
+        for dev, ev in self.events.items():
+            torch.cuda.current_stream(dev).wait_event(ev)
+
+    def wait(self) -> None:
+        """Block until every byte has landed in the staging."""
+        for ev in self.events.values():
+            ev.synchronize()
+
+
 class StagingCopier:
     """Copies jobs into staging buffers; owns the CUDA registrations of those buffers (keyed by
     the caller's name for the buffer, e.g. its slot) and the copy streams."""
@@ -124,17 +146,32 @@ class StagingCopier:
         else:
             self.refused.discard(key)
 
-    def copy(self, jobs: Iterable[tuple], buf, key=None) -> None:
+    def copy(self, jobs: Iterable[tuple], buf, key=None, wait: bool = True, after: dict | None = None
+             ) -> InFlight | None:
         """Copy every (source tensor, published dtype, byte offset) job into `buf`; returns when
-        all bytes have landed. `key` names `buf` for its CUDA registration (GPU sources only)."""
+        all bytes have landed. `key` names `buf` for its CUDA registration (GPU sources only).
+        wait=False: GPU copies are only queued (CPU sources are still copied at once) and the
+        InFlight that tracks them is returned (None when nothing is left in flight). `after`:
+        {device: event} the copies wait for instead of the current streams (mark())."""
         import torch
         flat = torch.frombuffer(buf, dtype=torch.uint8)
         jobs = [(t.detach(), dt, off) for t, dt, off in jobs if t.numel()]
         devices = {t.device for t, _, _ in jobs if copy_kind(t) == "cuda"}
         if devices:
-            self._copy_cuda(jobs, flat, self.pin(key, buf), devices)
-        else:
-            self._copy_host(jobs, flat)
+            return self._copy_cuda(jobs, flat, self.pin(key, buf), devices, wait, after)
+        self._copy_host(jobs, flat)
+        return None
+
+    @staticmethod
+    def mark(devices) -> dict:
+        """{device: event recorded now on its current stream}: the point after which copies issued
+        later (from another thread: copy(..., after=...)) read the sources."""
+        import torch
+        out = {}
+        for dev in devices:
+            out[dev] = torch.cuda.Event()
+            out[dev].record(torch.cuda.current_stream(dev))
+        return out
 
     @staticmethod
     def _copy_host(jobs, flat) -> None:
@@ -153,14 +190,18 @@ class StagingCopier:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
 
-    def _copy_cuda(self, jobs, flat, pinned: bool, devices) -> None:
+    def _copy_cuda(self, jobs, flat, pinned: bool, devices, wait: bool = True, after: dict | None = None
+                   ) -> InFlight | None:
         import torch
         streams = {}
         for dev in devices:
             s = self.streams.get(dev)
             if s is None:
                 s = self.streams[dev] = torch.cuda.Stream(dev)
-            s.wait_stream(torch.cuda.current_stream(dev))  # the optimizer step's writes come first
+            if after is not None and dev in after:
+                s.wait_event(after[dev])
+            else:
+                s.wait_stream(torch.cuda.current_stream(dev))  # the optimizer step's writes come first
             streams[dev] = s
         host = []
         for t, dt, off in jobs:
@@ -172,6 +213,15 @@ class StagingCopier:
             with torch.cuda.stream(streams[t.device]):
                 src = t.to(dt) if t.dtype != dt else t  # the cast runs on the GPU, before the copy
                 dst.copy_(src, non_blocking=pinned)  # (a cast's memory belongs to this stream)
+            if not wait and src is t:
+                t.record_stream(streams[t.device])  # its memory is not reused before the copy ran
+        StagingCopier._copy_host(host, flat)
+        if not wait and pinned:  # (pageable copies are synchronous anyway)
+            events = {}
+            for dev, s in streams.items():
+                events[dev] = torch.cuda.Event()
+                events[dev].record(s)
+            return InFlight(events)
         for s in streams.values():
             s.synchronize()
-        StagingCopier._copy_host(host, flat)
+        return None

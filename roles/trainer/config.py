@@ -71,7 +71,9 @@ class TrainerConfig(BaseModel):
                                 description="AdamW implementation; auto: fused on CUDA, torch's default on the CPU")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
                                            "backward (less memory, ~1/3 more compute)")
-    compile: bool = Field(False, description="torch.compile each decoder layer (first steps compile; GPU runs)")
+    compile: bool | None = Field(None, description="torch.compile each decoder layer (the first steps compile); "
+                                 "None: on with CUDA (flex attention, which packing uses without flash_attn, is "
+                                 "unusably slow uncompiled), off on the CPU")
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every N versions")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept")
     checkpoint_dir: str | None = Field(None, description="default <workdir>/trainer[-<id>]/checkpoints")
@@ -106,6 +108,9 @@ class TrainerConfig(BaseModel):
     dist_timeout_s: float = Field(1800.0, gt=0, description="deadline of one collective (a follower waits this long "
                                   "for a batch)")
     chunk_mb: int = Field(16, ge=1, description="chunk size of the weight stream")
+    publish_overlap: bool = Field(True, description="one-rank trainer on a GPU: queue the publish's copies and "
+                                  "return, so they run during the next forward/backward (the next optimizer "
+                                  "step waits for them on the GPU); false: wait for the copies in the publish")
     publish_dtype: str | None = Field("rollout", pattern="^(rollout|same|float32|bfloat16|float16)$",
                                       description="dtype of published floating-point weights, cast on the "
                                       "trainer's device before the copy: rollout (the rollouts' engine dtype when "

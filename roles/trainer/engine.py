@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,8 +105,13 @@ class TrainEngine:
         self.cfg, self.seed, self.device = cfg, seed, device
         self.info = info or DistInfo()
         self.skipped_nonfinite_steps = 0  # over the engine's life (this process)
+        # called once before the next optimizer step writes the parameters (an overlapped
+        # publish's PendingPublish.guard: publishing.py)
+        self.before_update: Callable[[], None] | None = None
         # packed micro-batches (no compute on padding): on by default on a GPU, off on the CPU
         self.packing = cfg.packing if cfg.packing is not None else device.type == "cuda"
+        # torch.compile of the decoder layers: likewise on by default on a GPU only
+        self.compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
 
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
@@ -167,7 +173,7 @@ class TrainEngine:
             return
         if c.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if c.compile:
+        if self.compile:
             backbone = getattr(model, "model", model)
             for layer in getattr(backbone, "layers", []):
                 layer.compile(dynamic=True)  # packed rows change length every micro-batch
@@ -581,6 +587,9 @@ class TrainEngine:
                 opt.zero_grad(set_to_none=True)
             self.skipped_nonfinite_steps += 1
             return values, False
+        hook, self.before_update = self.before_update, None
+        if hook is not None:  # an overlapped publish still copies the weights this step overwrites
+            hook()
         for (_, opt), params, norm in zip(pairs, grads, norms, strict=False):
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
             opt.step()

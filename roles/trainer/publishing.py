@@ -144,9 +144,13 @@ class PublishLink:
 
     def publish_engine(self, engine, version: int) -> None:
         """Publish the engine's weights as `version`: on several ranks a sharded publish, which
-        every rank calls together (nothing gathered); on one rank the model's own tensors."""
+        every rank calls together (nothing gathered); on one rank the model's own tensors, by
+        default overlapped: only the GPU copies are queued here, the engine's next optimizer step
+        waits for them on the GPU, and the version is committed when they land (publisher.py)."""
         if self.sharded is not None:
             self.sharded.publish(engine.publish_state(), version)
+        elif self.cfg.publish_overlap:  # GPU copies run on while the next forward/backward does
+            engine.before_update = self.publisher.publish_async(engine.full_state()["model"], version).guard
         else:
             self.publisher.publish(engine.full_state()["model"], version)
 
