@@ -103,10 +103,18 @@ class PendingPublish:
             self.issued.set()
             self.done.set()
 
-    def guard(self) -> None:
-        """Order later writes of the source tensors (on the current CUDA streams) after the copies;
-        blocks only until they are queued (a few ms after publish_async)."""
-        self.issued.wait()
+    def fail(self, error: BaseException) -> None:
+        """Never started (publish_async failed before its thread ran): waiters get `error`."""
+        self.error = error
+        self.issued.set()
+        self.done.set()
+
+    def guard(self, timeout: float | None = None) -> None:
+        """Order later writes of the source tensors after the copies: the calling thread's current
+        CUDA stream waits for them (the trainer's threads all use the default stream). Blocks the
+        CPU only until they are queued (a few ms after publish_async), at most `timeout`."""
+        if not self.issued.wait(timeout):
+            raise TimeoutError(f"version {self.version}'s copies were not queued in {timeout} s")
         if self.inflight is not None:
             self.inflight.guard()
 
@@ -119,6 +127,7 @@ class PendingPublish:
 
 
 class WeightPublisher:
+    close_wait_s = 30.0  # close(): how long a pending publish_async may still take
     def __init__(self, chunk_bytes: int = CHUNK_BYTES_DEFAULT, transport: str = "tcp", key: bytes = b"",
                  on_link_down: Callable[[str], None] = lambda peer: None,
                  connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0,
@@ -157,6 +166,7 @@ class WeightPublisher:
         self.last_publish_s = 0.0
         self._sender: Sender | None = None
         self._pending: PendingPublish | None = None  # the last publish_async's
+        self._publishing = threading.RLock()  # publish/publish_async against close
         self._thread = threading.Thread(target=self._link_loop, name="weight-publisher", daemon=True)
         self._thread.start()
 
@@ -165,9 +175,10 @@ class WeightPublisher:
         """Copy `state_dict` (cast to publish_dtype) into a free staging slot and hand it to the
         sender as `version` (default: the next number); returns the version."""
         t0 = time.perf_counter()
-        version, slot, layout, jobs, cuda = self._jobs(state_dict, version)
-        self.copier.copy(jobs, self.slots[slot], key=slot)
-        self.commit(slot, layout, version)
+        with self._publishing:
+            version, slot, layout, jobs, cuda = self._jobs(state_dict, version)
+            self.copier.copy(jobs, self.slots[slot], key=slot)
+            self.commit(slot, layout, version)
         self.last_publish_s = time.perf_counter() - t0
         return version
 
@@ -176,34 +187,48 @@ class WeightPublisher:
         copier's streams (after the work queued on the current streams by now), waits until they
         have landed and commits the version. Nothing may overwrite the source tensors before
         `pending.guard()` (the trainer calls it before its next optimizer step; it blocks no CPU),
-        so the copy overlaps the next forward and backward. CPU tensors are copied at once, as in
-        publish(). The next publish first waits for this one."""
+        so the copy overlaps the next forward and backward. A state dict with no GPU tensor is
+        copied at once, as by publish(). The next publish (and close) first waits for this one
+        and raises its error."""
         t0 = time.perf_counter()
-        version, slot, layout, jobs, cuda = self._jobs(state_dict, version)
-        pending = self._pending = PendingPublish(version)
+        with self._publishing:  # close() cannot drop the staging between begin() and the hand-off
+            version, slot, layout, jobs, cuda = self._jobs(state_dict, version)
+            pending = PendingPublish(version)
 
-        def commit() -> None:
-            self.commit(slot, layout, version)
-        if not cuda:
-            pending.run(lambda: self.copier.copy(jobs, self.slots[slot], key=slot), commit)
-        else:  # the copies start from the weights as of now, queued by a thread of their own
-            after = self.copier.mark({t.device for t, _, _ in jobs if copy_kind(t) == "cuda"})
-            issue = lambda: self.copier.copy(jobs, self.slots[slot], key=slot, wait=False, after=after)  # noqa: E731
-            threading.Thread(target=pending.run, args=(issue, commit), name="weight-publish-copy",
-                             daemon=True).start()
+            def commit() -> None:
+                self.commit(slot, layout, version)
+            if not cuda:
+                pending.run(lambda: self.copier.copy(jobs, self.slots[slot], key=slot), commit)
+            else:  # the copies start from the weights as of now, queued by a thread of their own
+                try:
+                    after = self.copier.mark({t.device for t, _, _ in jobs if copy_kind(t) == "cuda"})
+                    issue = lambda: self.copier.copy(jobs, self.slots[slot], key=slot, wait=False,  # noqa: E731
+                                                     after=after)
+                    threading.Thread(target=pending.run, args=(issue, commit), name="weight-publish-copy",
+                                     daemon=True).start()
+                except BaseException as e:
+                    pending.fail(e)  # nothing was queued: no waiter may hang on it
+                    raise
+            self._pending = pending
         self.last_publish_s = time.perf_counter() - t0
         return pending
 
     def wait_pending(self, timeout: float | None = None) -> None:
-        """Wait for the last publish_async's copies and commit; raises what its commit raised."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.guard()
-            pending.wait(timeout)
+        """Wait for the last publish_async's copies and commit; raises what its copy or commit
+        raised (once), or TimeoutError (the publish stays pending)."""
+        pending = self._pending
+        if pending is None:
+            return
+        pending.guard(timeout)
+        if not pending.done.wait(timeout):
+            raise TimeoutError(f"version {pending.version}'s copies have not landed in {timeout} s")
+        self._pending = None
+        pending.wait(0)
 
     def prepare(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Allocate (and, for GPU tensors, page-lock) the staging of `state_dict`'s layout now,
         e.g. when the trainer starts, so that the first publish costs what any later one does."""
+        self.wait_pending()  # a new layout frees the slots: none may still be written
         items = list(state_dict.items())
         layout = self.layout_of((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items)
         with self.cond:
@@ -357,10 +382,15 @@ class WeightPublisher:
             sender.stop()
 
     def close(self) -> None:
-        try:
-            self.wait_pending(timeout=30.0)  # a last publish_async still lands and is sent
-        except Exception as e:  # noqa: BLE001 -- closing anyway; say why the version is missing
-            log.warning("publish_pending_failed", error=repr(e))
+        leak = False
+        with self._publishing:  # no publish is between begin() and its hand-off now
+            try:
+                self.wait_pending(timeout=self.close_wait_s)  # the last publish_async's copies land, committed
+            except TimeoutError as e:  # still copying: its staging must outlive it (leaked, not freed)
+                leak = True
+                log.warning("publish_pending_timeout", error=repr(e))
+            except BaseException as e:  # noqa: BLE001 -- closing anyway; say why that version is missing
+                log.warning("publish_pending_failed", error=repr(e))
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
@@ -368,6 +398,8 @@ class WeightPublisher:
         if sender is not None:
             sender.stop()
         self._thread.join(timeout=10.0)
+        if leak:
+            return
         with self.cond:  # release the staging memory now rather than at garbage collection
             self._drop_slots()
 

@@ -164,8 +164,10 @@ class StagingCopier:
 
     @staticmethod
     def mark(devices) -> dict:
-        """{device: event recorded now on its current stream}: the point after which copies issued
-        later (from another thread: copy(..., after=...)) read the sources."""
+        """{device: event recorded now on the calling thread's current stream}: the point after
+        which copies issued later (from another thread: copy(..., after=...)) read the sources.
+        Work on other streams is not covered: the writes must be on that stream (the trainer's
+        threads all run on the default stream)."""
         import torch
         out = {}
         for dev in devices:
@@ -204,17 +206,22 @@ class StagingCopier:
                 s.wait_stream(torch.cuda.current_stream(dev))  # the optimizer step's writes come first
             streams[dev] = s
         host = []
-        for t, dt, off in jobs:
-            if copy_kind(t) != "cuda":
-                host.append((t, dt, off))
-                continue
-            n = t.numel() * dt.itemsize
-            dst = flat[off:off + n].view(dt).view(t.shape)
-            with torch.cuda.stream(streams[t.device]):
-                src = t.to(dt) if t.dtype != dt else t  # the cast runs on the GPU, before the copy
-                dst.copy_(src, non_blocking=pinned)  # (a cast's memory belongs to this stream)
-            if not wait and src is t:
-                t.record_stream(streams[t.device])  # its memory is not reused before the copy ran
+        try:
+            for t, dt, off in jobs:
+                if copy_kind(t) != "cuda":
+                    host.append((t, dt, off))
+                    continue
+                n = t.numel() * dt.itemsize
+                dst = flat[off:off + n].view(dt).view(t.shape)
+                with torch.cuda.stream(streams[t.device]):
+                    src = t.to(dt) if t.dtype != dt else t  # the cast runs on the GPU, before the copy
+                    dst.copy_(src, non_blocking=pinned)  # (a cast's memory belongs to this stream)
+                if not wait:
+                    t.record_stream(streams[t.device])  # its memory is not reused before the copy ran
+        except BaseException:
+            for s in streams.values():  # what was queued lands before anyone may free the staging
+                s.synchronize()
+            raise
         StagingCopier._copy_host(host, flat)
         if not wait and pinned:  # (pageable copies are synchronous anyway)
             events = {}

@@ -172,6 +172,7 @@ class PublishLink:
         rollouts and the evaluator would never get the final weights. None without a publisher."""
         if self.publisher is None:
             return None
+        await asyncio.to_thread(self.publisher.wait_pending, timeout_s)  # an overlapped last copy: its error
         return await asyncio.to_thread(self.publisher.wait_delivered, version, timeout_s)  # close() ends it
 
     async def close(self) -> None:

@@ -199,7 +199,12 @@ class TrainerRole(Role):
         if self.link is None or not self.cfg.publish:
             return
         t0 = time.monotonic()
-        got = await self.link.deliver_last(self.version)
+        try:
+            got = await self.link.deliver_last(self.version)
+        except Exception as e:  # its overlapped copy or commit failed: say so (the checkpoint has it)
+            self.log.error("final_version_not_published", version=self.version, error=repr(e),
+                           why="its copy into the staging or its commit failed; the checkpoint has it")
+            return
         if got:
             self.event("final_version_delivered", version=self.version, wait_s=round(time.monotonic() - t0, 3))
         elif got is not None:

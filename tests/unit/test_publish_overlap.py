@@ -142,3 +142,57 @@ def test_prepare_allocates_the_staging_that_the_first_publish_then_uses():
         assert list(pub.layout.names) == ["other"] and len(pub.slots) == 2 and pub.slots != slots
     finally:
         pub.close()
+
+
+def test_a_publish_async_that_fails_before_its_thread_starts_leaves_nothing_to_hang_on(monkeypatch):
+    import laminar.weights.publisher as publisher_mod
+    sd = _state()
+    pub = WeightPublisher()
+    try:
+        monkeypatch.setattr(publisher_mod, "copy_kind", lambda t: "cuda")  # take the GPU branch on the CPU
+        monkeypatch.setattr(pub, "pin_slots", lambda: None)
+
+        def broken(devices):
+            raise RuntimeError("CUDA error: an illegal memory access")
+        monkeypatch.setattr(pub.copier, "mark", broken)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            pub.publish_async(sd)
+        assert pub._pending is None and pub.version == -1
+        monkeypatch.undo()
+        done = threading.Event()
+        threading.Thread(target=lambda: (pub.publish(sd), done.set()), daemon=True).start()
+        assert done.wait(10), "the next publish hung on the failed one"
+        assert pub.version == 0
+    finally:
+        pub.close()
+
+
+def test_close_with_a_pending_publish_that_never_lands_returns_and_keeps_the_staging():
+    pub = WeightPublisher()
+    pub.close_wait_s = 0.2
+    pub.publish(_state())
+    slots = list(pub.slots)
+    stuck = pub._pending = PendingPublish(1)
+    stuck.issued.set()  # queued, never landed (a hung copy)
+    t0 = time.monotonic()
+    pub.close()
+    assert time.monotonic() - t0 < 5 and pub.slots == slots  # not unmapped under a copy in flight
+    failed = WeightPublisher()
+    failed.publish(_state())
+    failed._pending = PendingPublish(1)
+    failed._pending.fail(RuntimeError("copy failed"))
+    failed.close()  # logged; the staging is freed
+    assert failed.slots == []
+
+
+def test_deliver_last_raises_the_error_of_an_overlapped_last_publish():
+    import asyncio
+    link = PublishLink.__new__(PublishLink)
+    link.publisher = WeightPublisher()
+    try:
+        link.publisher._pending = PendingPublish(9)
+        link.publisher._pending.fail(RuntimeError("commit failed"))
+        with pytest.raises(RuntimeError, match="commit failed"):
+            asyncio.run(link.deliver_last(9, timeout_s=1.0))
+    finally:
+        link.publisher.close()
