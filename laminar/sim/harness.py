@@ -125,7 +125,8 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
                  "wall_s": round(run.wall_s, 1), "sim_s": round(run.wall_s * S, 1)}
     train, roll = placement(workload, size, gpus, mode)
     out["placement"] = {"train_gpus": train, "rollout_gpus": roll, "rollouts": run.rollouts,
-                        "max_concurrency": raw["roles"]["rollout"]["max_concurrency"]}
+                        "max_concurrency": raw["roles"]["rollout"]["max_concurrency"],
+                        "max_num_seqs": raw["roles"]["rollout"].get("max_num_seqs")}
     # tokens of the measured batches ÷ the time they took (= mean batch ÷ mean update interval); the
     # mean of the per-iteration ratios is kept too, but laminar's updates come in waves (every
     # rollout's 1,024-trajectory batch ends at about the same time early on), and a mean of ratios
@@ -198,11 +199,20 @@ def with_concurrency(setup: dict, concurrency: int | None) -> dict:
     return setup
 
 
+def with_engine_seqs(setup: dict, value: str | None) -> dict:
+    """`--engine-seqs kv|N`: the rollouts' engines run at most that many sequences at once
+    (scenario.engine_seqs; every mode alike) instead of paper.yaml's rollout.max_num_seqs."""
+    if value is not None:
+        setup["rollout"]["max_num_seqs"] = value if value == "kv" else int(value)
+    return setup
+
+
 def run_child(spec: dict) -> dict:
     """The body of a child process: one (model, GPUs, mode) run -> its result dict."""
     from laminar.sim import load_workload
     from laminar.sim.scenario import load_setups
-    setup = with_concurrency(load_setups(spec["setups"]), spec.get("concurrency"))
+    setup = with_engine_seqs(with_concurrency(load_setups(spec["setups"]), spec.get("concurrency")),
+                             spec.get("engine_seqs"))
     workload = load_workload(setup.get("workload"))
     return run_mode(setup, workload, spec["model"], spec["gpus"], spec["mode"], root=Path(spec["root"]),
                     speedup=spec["speedup"], warmup=spec["warmup"], measure=spec["measure"], relays=spec["relays"],
@@ -514,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
                     "(flow control; default: no bound, as in the paper)")
     ap.add_argument("--concurrency", type=int, default=None, help="trajectories a rollout takes per batch "
                     "(max_concurrency; default: paper.yaml's, the paper's 1,024). Fewer in flight, less staleness")
+    ap.add_argument("--engine-seqs", default=None, metavar="kv|N",
+                    help="sequences each rollout's engine runs at once, every mode alike (vLLM max_num_seqs): kv = "
+                         "KV capacity ÷ the tokens a sequence holds on average (the ceiling's batch); default: "
+                         "paper.yaml's rollout.max_num_seqs (none: all max_concurrency, preempting as vLLM does)")
     ap.add_argument("--jobs", type=int, default=min(3, max(1, (os.cpu_count() or 1) + 1)),
                     help="runs at once, one process each (default 3 on 2 cores: each is sized for ~half a core)")
     ap.add_argument("--out", help="write the results as JSON here (plot beside it, .png)")
@@ -533,7 +547,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.concurrency is not None and a.concurrency < 1:
         ap.error("--concurrency must be at least 1")
-    setup = with_concurrency(load_setups(a.setups), a.concurrency)
+    if a.engine_seqs not in (None, "kv") and not (a.engine_seqs.isdigit() and int(a.engine_seqs) > 0):
+        ap.error("--engine-seqs must be kv or a positive number")
+    setup = with_engine_seqs(with_concurrency(load_setups(a.setups), a.concurrency), a.engine_seqs)
     workload = load_workload(setup.get("workload"))
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if bad := [m for m in modes if m not in MODES]:
@@ -586,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout = 3 * (warmup + measure + 2) * est["iteration_s"] / speedup + 120
             specs.append({"setups": a.setups, "model": size, "gpus": gpus, "mode": mode, "speedup": speedup,
                           "warmup": warmup, "measure": measure, "relays": a.relays, "root": str(root), "ahead": a.ahead,
-                          "concurrency": a.concurrency,
+                          "concurrency": a.concurrency, "engine_seqs": a.engine_seqs,
                           "timeout_s": round(timeout), "estimate": est})
     specs.sort(key=lambda sp: -sp["timeout_s"])  # longest first: the last to start is a short one
     t0 = time.monotonic()
@@ -634,6 +650,7 @@ def components(setup: dict, workload: dict, a) -> int:
         specs.append({"setups": a.setups, "model": "32B", "gpus": 128, "mode": mode, "speedup": speedup,
                       "warmup": a.warmup or COMPONENT_RUNS["warmup"], "measure": a.measure or COMPONENT_RUNS["measure"],
                       "relays": False, "root": str(root), "ahead": None, "concurrency": a.concurrency,
+                      "engine_seqs": a.engine_seqs,
                       "timeout_s": round(3 * (n + 2) * est["iteration_s"] / speedup + 120), "estimate": est})
     try:
         results = execute(specs, 2, root, keep=bool(a.workdir))
@@ -704,7 +721,7 @@ def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float)
                                 "inherent_staleness_observed_max": workload.get("inherent_staleness_observed_max")},
             "setups": a.setups, "relays": "real" if a.relays else "modeled", "jobs": a.jobs,
             "combined_from": a.combine, "max_batches_ahead": a.ahead,
-            "max_concurrency": a.concurrency, "wall_s": wall_s}
+            "max_concurrency": a.concurrency, "engine_seqs": a.engine_seqs, "wall_s": wall_s}
     if a.out:
         png = plot(objs, Path(a.out).with_suffix(".png")) if len(objs) > 1 else None
         data["plot"] = str(png) if png else None

@@ -224,6 +224,7 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
             "partial_pool": {},
             "experience_buffer": {"capacity": 4 * shape["prompts_per_batch"] * shape["group_size"] * 4},
             "rollout": {"engine": "sim", "model_dir": "sim", "max_concurrency": concurrency,
+                        **engine_seqs(setup, workload, size, mode, concurrency),
                         "max_model_len": shape["max_input_tokens"] + shape["max_output_tokens"], "seed": 0,
                         "reward": "laminar.tasks.rewards:zero",
                         "delta_interval_s": period(setup, "delta", speedup),
@@ -237,6 +238,18 @@ def build_config(setup: dict, size: str, gpus: int, mode: str, *, workdir: str, 
             **({"relay": {"progress_interval_s": period(setup, "heartbeat", speedup)}} if relays else {}),
         },
     }
+
+
+def engine_seqs(setup: dict, workload: dict, size: str, mode: str, concurrency: int) -> dict:
+    """The rollouts' `max_num_seqs` from paper.yaml's rollout.max_num_seqs: absent/None: none (the
+    engine runs all max_concurrency trajectories, preempting when its KV cache runs out, as vLLM
+    does); "kv": the mode's b* (KV capacity ÷ the tokens a sequence holds on average over its life,
+    ideal_replica_tokens_per_s), the same for every mode; a number: that."""
+    cap = setup["rollout"].get("max_num_seqs")
+    if cap is None:
+        return {}
+    n = ideal_replica_tokens_per_s(setup, workload, size, mode)[1] if cap == "kv" else int(cap)
+    return {"max_num_seqs": max(1, min(n, concurrency))}
 
 
 def write_prompts(cfg: dict, setup: dict | int, n: int) -> Path:

@@ -41,6 +41,10 @@ class RolloutConfig(BaseModel):
     engine: str = Field("vllm", description="generation engine: vllm (real) or sim (simulator)")
     model_dir: str = Field("models/tiny", description="local Hugging Face model directory")
     max_concurrency: int = Field(64, ge=1, description="trajectories taken per batch (engine max_num_seqs)")
+    max_num_seqs: int | None = Field(None, ge=1, description="sequences the engine runs at once (vLLM's "
+                                     "max_num_seqs); None: max_concurrency. Below it, the rest of a batch waits in "
+                                     "the engine's queue: KV capacity ÷ the tokens a sequence holds on average "
+                                     "avoids most preemptions of long-tailed lengths (docs/sim.md)")
     max_model_len: int = Field(1024, ge=16, description="prompt + response tokens the engine admits")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache of the vLLM CPU engine (VLLM_CPU_KVCACHE_SPACE)")
     kv_cache_tokens: int | None = Field(None, ge=16, description="vLLM only: size the KV cache in tokens instead "

@@ -53,6 +53,13 @@ class RolloutEngineAPI(Protocol):
         ...
 
 
+def engine_seqs(cfg: Any) -> int:
+    """Sequences the engine runs at once: `max_num_seqs`, never more than the trajectories the
+    rollout takes (`max_concurrency`, also the default)."""
+    n = getattr(cfg, "max_num_seqs", None)
+    return min(n, cfg.max_concurrency) if n else cfg.max_concurrency
+
+
 def build_rollout_engine(cfg: Any, cores: Sequence[int] | None = None) -> RolloutEngineAPI:
     """The engine `roles.rollout.engine` names, from the role's settings (`RolloutConfig`):
     "vllm" (its OpenMP threads bound to `cores`, the rollout's placement) or "sim" (`cfg.sim`:
@@ -60,11 +67,11 @@ def build_rollout_engine(cfg: Any, cores: Sequence[int] | None = None) -> Rollou
     if cfg.engine == "vllm":
         from laminar.roles.rollout.engine import VllmEngine
         bind = ",".join(str(x) for x in cores) if cores else None
-        return VllmEngine(cfg.model_dir, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_concurrency,
+        return VllmEngine(cfg.model_dir, max_model_len=cfg.max_model_len, max_num_seqs=engine_seqs(cfg),
                           kv_cache_gib=cfg.kv_cache_gib, temperature=cfg.temperature, top_p=cfg.top_p,
                           dtype=cfg.dtype, omp_threads_bind=bind, seeded=cfg.seed is not None,
                           kv_cache_tokens=cfg.kv_cache_tokens)
     if cfg.engine == "sim":
         from laminar.roles.rollout.sim_engine import SimEngine
-        return SimEngine.from_settings(cfg.sim, max_num_seqs=cfg.max_concurrency, max_model_len=cfg.max_model_len)
+        return SimEngine.from_settings(cfg.sim, max_num_seqs=engine_seqs(cfg), max_model_len=cfg.max_model_len)
     raise ValueError(f"roles.rollout.engine: unknown engine {cfg.engine!r} (vllm or sim)")

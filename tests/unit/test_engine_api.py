@@ -129,3 +129,33 @@ def test_the_multi_rank_methods_the_role_calls_are_declared_and_the_real_engine_
     check_implements(TrainEngine, ShardedTrainEngineAPI)
     with pytest.raises(ValueError, match="world_size"):
         SimTrainEngine.from_trainer_config(TrainerConfig.model_validate({"engine": "sim", "world_size": 2}))
+
+
+def test_the_engine_runs_at_most_max_num_seqs_of_the_rollouts_trajectories():
+    base = scenario()["roles"]["rollout"]
+    assert "max_num_seqs" not in base  # paper.yaml's default: the engine runs every trajectory it takes
+    assert build_rollout_engine(RolloutConfig(**base)).max_num_seqs == base["max_concurrency"]
+    capped = build_rollout_engine(RolloutConfig(**{**base, "max_num_seqs": 37}))
+    assert capped.max_num_seqs == 37
+    over = build_rollout_engine(RolloutConfig(**{**base, "max_num_seqs": 10**6}))
+    assert over.max_num_seqs == base["max_concurrency"]  # never more than the rollout takes
+    real = build_rollout_engine(RolloutConfig(engine="vllm", model_dir="models/tiny", max_concurrency=64,
+                                              max_num_seqs=16))
+    assert real.max_num_seqs == 16  # vLLM's own max_num_seqs
+
+
+@pytest.mark.parametrize("mode", ["laminar", "sync"])
+def test_kv_sized_engine_seqs_are_the_ceilings_batch_for_every_mode(mode):
+    from laminar.sim.harness import with_engine_seqs
+    from laminar.sim.scenario import ideal_replica_tokens_per_s
+    setup = with_engine_seqs(load_setups(ROOT / "configs" / "sim" / "paper.yaml"), "kv")
+    workload = load_workload(setup.get("workload"))
+    cfg = build_config(setup, "7B", 16, mode, workdir="/tmp/x", speedup=10.0, iterations=3, workload=workload,
+                       weights_root="/dev/shm/x")
+    b_star = ideal_replica_tokens_per_s(setup, workload, "7B", mode)[1]
+    roll = cfg["roles"]["rollout"]
+    assert 1 <= b_star < roll["max_concurrency"] and roll["max_num_seqs"] == b_star
+    assert build_rollout_engine(RolloutConfig(**roll)).max_num_seqs == b_star
+    fixed = build_config(with_engine_seqs(setup, "100"), "7B", 16, mode, workdir="/tmp/x", speedup=10.0,
+                         iterations=3, workload=workload, weights_root="/dev/shm/x")
+    assert fixed["roles"]["rollout"]["max_num_seqs"] == 100
