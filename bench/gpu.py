@@ -19,7 +19,9 @@ hardware's own limit measured in the same run.
   its last step has run; the last overlapped copy, which a longer run would hide behind the next
   iteration, is outside the window). Then a check that
   the overlapped version holds the weights of its own step, though the next step overwrote them
-  while it was in flight (`overlap_bytes_match`).
+  while it was in flight (`overlap_bytes_match`), and on a GPU the same with nothing synchronized
+  in between and the GPU kept busy (`overlap_ordered`; `overlap_unguarded_differs` shows whether
+  leaving the guard out was caught racing).
 - train: forward + backward + AdamW step of the same Qwen2 shape in plain PyTorch/transformers
   (bf16 autocast on a GPU, fused AdamW), tokens/s and MFU = 6 * N * tokens/s / peak, N = the
   parameters less the input embedding (a lookup, no FLOPs), attention's own FLOPs not counted;
@@ -261,10 +263,42 @@ def bench_overlap(model, dev, publish_dtype: str, seqs: int, seq_len: int, micro
         return {"iteration_s": best["none"], "publish_sync_stall_s": best["sync"] - best["none"],
                 "publish_overlapped_stall_s": best["async"] - best["none"],
                 "publish_async_issue_s": min(issue), "overlap_weights_changed_in_flight": changed,
-                "overlap_bytes_match": match, "overlap_batch": f"{seqs}x{seq_len} micro {micro}"}
+                "overlap_bytes_match": match, "overlap_batch": f"{seqs}x{seq_len} micro {micro}",
+                **(ordering_check(pub, sd, name, cast) if dev.type == "cuda" else {})}
     finally:
         pub.close()
         ref.close()
+
+
+def ordering_check(pub, sd: dict, name: str, cast) -> dict:
+    """The GPU-side ordering with nothing synchronized in between: the GPU is kept busy (a queued
+    sleep), the 'step' writes one weight (+1), publish_async, then the 'next step' writes it
+    again (+1), with and without guard() before it. The version must hold the first write only
+    (`overlap_ordered`); without the guard the second write races the copy
+    (`overlap_unguarded_differs`: whether this run caught it; a race may also go the right way)."""
+    import torch
+
+    w = sd[name]
+    out = {}
+    for guarded in (True, False):
+        pub.wait_pending()
+        torch.cuda.synchronize()
+        expected = (w.float().cpu() + 1).to(cast or w.dtype)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of everything below
+        with torch.no_grad():
+            w.add_(1)  # the step
+        pending = pub.publish_async(sd)
+        if guarded:
+            pending.guard()
+        with torch.no_grad():
+            w.add_(1)  # the next step
+        pub.wait_pending()
+        m = pub.newest.manifest
+        off = m.offsets[list(m.names).index(name)]
+        want = expected.contiguous().view(torch.uint8).numpy().tobytes()
+        same = bytes(pub.slots[pub.newest.slot][off:off + len(want)]) == want
+        out["overlap_ordered" if guarded else "overlap_unguarded_differs"] = same if guarded else not same
+    return out
 
 
 def bench_train(model, dev, seqs: int, seq_len: int, micro: int, iters: int) -> dict:
@@ -344,7 +378,8 @@ def main() -> None:
             "publish_stall_s",
             "d2h_pinned_s", "stall_over_pinned_d2h", "first_over_steady_publish", "iteration_s",
             "publish_sync_stall_s", "publish_overlapped_stall_s", "overlapped_over_pinned_d2h",
-            "publish_async_issue_s", "overlap_bytes_match", "pull_s", "h2d_pinned_s", "pull_over_pinned_h2d",
+            "publish_async_issue_s", "overlap_bytes_match", "overlap_ordered", "overlap_unguarded_differs",
+            "pull_s", "h2d_pinned_s", "pull_over_pinned_h2d",
             "train_tokens_per_s", "mfu"]
     width = max(map(len, keys))
     print(f"\nbench/gpu.py ({res['baseline']} as the baseline)")
