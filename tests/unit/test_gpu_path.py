@@ -130,7 +130,8 @@ def test_gpu_sources_take_the_cuda_path(monkeypatch):
     one without never does."""
     from laminar.weights.staging import StagingCopier
     calls = []
-    monkeypatch.setattr(StagingCopier, "_copy_cuda", lambda self, jobs, flat, pinned, devs: calls.append(devs))
+    monkeypatch.setattr(StagingCopier, "_copy_cuda",
+                        lambda self, jobs, flat, pinned, devs, *_, **__: calls.append(devs))
     monkeypatch.setattr(WeightPublisher, "pin_slots", lambda self: None)
     pub = WeightPublisher(chunk_bytes=64 << 10, key=KEY)
     try:
