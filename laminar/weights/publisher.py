@@ -100,7 +100,6 @@ class PendingPublish:
         except BaseException as e:  # handed to whoever waits (the trainer's next publish)
             self.error = e
         finally:
-            self.issued.set()
             self.done.set()
 
     def fail(self, error: BaseException) -> None:
@@ -220,27 +219,30 @@ class WeightPublisher:
         if pending is None:
             return
         pending.guard(timeout)
-        if not pending.done.wait(timeout):
-            raise TimeoutError(f"version {pending.version}'s copies have not landed in {timeout} s")
-        self._pending = None
-        pending.wait(0)
+        try:
+            pending.wait(timeout)
+        finally:
+            if pending.done.is_set():  # finished, well or not: reported once
+                self._pending = None
 
     def prepare(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Allocate (and, for GPU tensors, page-lock) the staging of `state_dict`'s layout now,
         e.g. when the trainer starts, so that the first publish costs what any later one does."""
         self.wait_pending()  # a new layout frees the slots: none may still be written
-        items = list(state_dict.items())
-        layout = self.layout_of((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items)
+        items, layout = self._layout_of_state(state_dict)
         with self.cond:
             if self.layout is None or not same_layout(self.layout, layout):
                 self._reset_layout(layout)
         if any(copy_kind(t) == "cuda" for _, t in items):
             self.pin_slots()
 
+    def _layout_of_state(self, state_dict) -> tuple[list, Manifest]:
+        items = list(state_dict.items())
+        return items, self.layout_of((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items)
+
     def _jobs(self, state_dict, version):
         """Begin a publish of state_dict: (version, slot, layout, copy jobs, any GPU source)."""
-        items = list(state_dict.items())
-        layout = self.layout_of((k, t.dtype, t.shape, t.is_floating_point()) for k, t in items)
+        items, layout = self._layout_of_state(state_dict)
         version, slot = self.begin(layout, version)
         jobs = [(t, torch_dtype(dt), off) for (_, t), dt, off in zip(items, layout.dtypes, layout.offsets, strict=True)]
         cuda = any(copy_kind(t) == "cuda" for t, _, _ in jobs)

@@ -91,6 +91,16 @@ def map_shared_staging(path: str | os.PathLike, size: int) -> mmap.mmap:
     return buf
 
 
+def _record(streams: dict) -> dict:
+    """{device: a CUDA event recorded now on that device's stream in `streams`}."""
+    import torch
+    events = {}
+    for dev, stream in streams.items():
+        events[dev] = torch.cuda.Event()
+        events[dev].record(stream)
+    return events
+
+
 class InFlight:
     """GPU copies into staging that may still be running (StagingCopier.copy with wait=False)."""
 
@@ -169,11 +179,7 @@ class StagingCopier:
         Work on other streams is not covered: the writes must be on that stream (the trainer's
         threads all run on the default stream)."""
         import torch
-        out = {}
-        for dev in devices:
-            out[dev] = torch.cuda.Event()
-            out[dev].record(torch.cuda.current_stream(dev))
-        return out
+        return _record({dev: torch.cuda.current_stream(dev) for dev in devices})
 
     @staticmethod
     def _copy_host(jobs, flat) -> None:
@@ -224,11 +230,7 @@ class StagingCopier:
             raise
         StagingCopier._copy_host(host, flat)
         if not wait and pinned:  # (pageable copies are synchronous anyway)
-            events = {}
-            for dev, s in streams.items():
-                events[dev] = torch.cuda.Event()
-                events[dev].record(s)
-            return InFlight(events)
+            return InFlight(_record(streams))
         for s in streams.values():
             s.synchronize()
         return None
