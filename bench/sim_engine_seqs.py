@@ -3,8 +3,9 @@ generated tokens/s against the roofline the ceiling assumes, and preemptions.
 
     python bench/sim_engine_seqs.py [--models 7B,32B,72B] [--modes laminar,sync] [--sim-s 4000] [--out FILE]
 
-For each model and mode, one SimEngine with that mode's settings (TP, memory fraction, the
-paper's lengths; configs/sim/paper.yaml) runs on a virtual clock with `max_concurrency`
+For each model and mode, one SimEngine with the settings a rollout of that mode gets in the
+cluster (scenario.build_config from configs/sim/paper.yaml: TP, memory fraction, the paper's
+lengths) runs on a virtual clock with `max_concurrency`
 (1,024) requests always outstanding, as a rollout that never runs dry. Policies:
 - `vllm`: the engine runs every request it can hold, preempting (recompute) the newest when the
   KV cache runs out, as vLLM does; the sweeps of docs/sim.md ran this way;
@@ -32,18 +33,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 async def steady(setup: dict, workload: dict, size: str, mode: str, policy: str, sim_s: float) -> dict:
     from laminar.roles.rollout.sim_engine import SimEngine, VirtualClock
 
-    from laminar.sim.scenario import ideal_replica_tokens_per_s, mode_tp
-    m, rs, shape = setup["models"][size], setup["rollout"], setup["run_shape"]
+    from laminar.sim.scenario import build_config, ideal_replica_tokens_per_s, scales
+    shape = setup["run_shape"]
     ideal, bstar = ideal_replica_tokens_per_s(setup, workload, size, mode)
     outstanding = int(shape["max_concurrency"])
-    mem = rs.get("mem_fraction_colocated", rs["mem_fraction"]) if mode == "sync" else rs["mem_fraction"]
+    # the engine settings a rollout of this mode gets in the cluster (the scale changes only its
+    # weight-load time, which an engine kept full never pays)
+    cfg = build_config(setup, size, scales(workload, size)[-1], mode, workdir="/nonexistent", speedup=1.0,
+                       iterations=1, workload=workload, weights_root="/nonexistent")
+    sim = {k: v for k, v in cfg["roles"]["rollout"]["sim"].items() if k != "speedup"}
     clock = VirtualClock()
-    eng = SimEngine.from_workload(model=size, tp=mode_tp(setup, size, mode), lengths=m["lengths"], gpu=setup["gpu"],
-                                  mem_fraction=mem, emit_every=m.get("emit_every", rs["emit_every"]),
-                                  stream_batch=rs.get("stream_batch", 0),
-                                  host_ms_per_seq=rs.get("host_ms_per_seq", 0.0),
-                                  max_output_tokens=shape["max_output_tokens"], clock=clock, seed=1,
-                                  workload_path=str(setup["workload"]) if setup.get("workload") else None,
+    eng = SimEngine.from_workload(**sim, clock=clock, seed=1,
                                   max_num_seqs=min(bstar, outstanding) if policy == "kv" else outstanding)
     await eng.start()
     tokens, started, mark = 0, 0, None
