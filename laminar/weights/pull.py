@@ -33,6 +33,7 @@ import ctypes
 import fcntl
 import mmap
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +47,13 @@ from laminar.weights.wire import mac_key, verify_macs
 if TYPE_CHECKING:  # torch is imported where it is used: relays and the manager never need it
     import torch
 
-_RETRIES = 64
+# A reader that loses a race with the relay (the pointer moved on, the slot it named is being
+# written) reads the pointer again at once, then after pauses growing from _FIRST_PAUSE_S to
+# _MAX_PAUSE_S, for at most _HOLD_TIMEOUT_S: a relay fills a slot in milliseconds to seconds, and a
+# tight loop of a fixed count gave up under a fast stream of versions on busy cores.
+_HOLD_TIMEOUT_S = 30.0
+_FIRST_PAUSE_S = 0.0005
+_MAX_PAUSE_S = 0.05
 _CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the rollout maps slots read-only
 
 
@@ -218,7 +225,14 @@ class LocalWeights:
 
     def latest(self, min_version: int = -1) -> PulledVersion | None:
         """Hold the newest complete version (None if none, or none newer than min_version)."""
-        for _ in range(_RETRIES):
+        deadline, pause, tries = time.monotonic() + _HOLD_TIMEOUT_S, _FIRST_PAUSE_S, 0
+        while True:
+            if tries > 1:  # the second try is at once: one lost race is the common case
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_PAUSE_S)
+            tries += 1
             ptr = self._pointer()
             if ptr is None or ptr[2].version <= min_version:
                 return None
@@ -246,7 +260,8 @@ class LocalWeights:
                 raise
             if fd is not None:
                 os.close(fd)
-        raise RuntimeError(f"{self.dir}: could not get hold of a version in {_RETRIES} tries")
+        raise RuntimeError(f"{self.dir}: could not get hold of a version in {tries} tries over "
+                           f"{_HOLD_TIMEOUT_S:g} s (the relay kept replacing or writing the slot its pointer named)")
 
     def _authenticate(self, held: PulledVersion, where: str) -> None:
         """With a key: every chunk's MAC, or WeightsRefused (the version is let go first)."""

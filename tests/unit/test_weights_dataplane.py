@@ -267,18 +267,21 @@ def test_concurrent_reader_during_many_versions(nodes):
 
     def reader():
         lw = LocalWeights(a.store.dir)
-        while not stop.is_set():
-            p = lw.latest()
-            if p is None:
-                continue
-            if p.verify():
-                errors.append(p.version)
-            x = dict(p.tensors())["x"]
-            if not torch.all(x == float(p.version)):
-                errors.append(("content", p.version))
-            seen.add(p.version)
-            del x
-            p.close()
+        try:
+            while not stop.is_set():
+                p = lw.latest()
+                if p is None:
+                    continue
+                if p.verify():
+                    errors.append(p.version)
+                x = dict(p.tensors())["x"]
+                if not torch.all(x == float(p.version)):
+                    errors.append(("content", p.version))
+                seen.add(p.version)
+                del x
+                p.close()
+        except Exception as exc:  # noqa: BLE001 - a reader that dies fails the test, not just a warning
+            errors.append(("reader died", repr(exc)))
     t = threading.Thread(target=reader, daemon=True)
     try:
         pub.set_target(a.address)
@@ -288,10 +291,56 @@ def test_concurrent_reader_during_many_versions(nodes):
             assert pub.wait_delivered(v, 20)
         stop.set()
         t.join(20)
-        assert not errors and seen and max(seen) <= 11
+        assert not t.is_alive() and not errors and seen and max(seen) <= 11
     finally:
         stop.set()
         pub.close()
+
+
+def test_latest_waits_out_a_slot_held_a_moment_instead_of_giving_up(shm_dirs):
+    """A reader that finds the newest slot locked (the relay is writing it: the pointer moved on
+    meanwhile) tries again with growing pauses for a while, not 64 times in a tight loop: under a
+    fast stream of versions on busy cores the tight loop gave up ("could not get hold of a
+    version") while the writer was a millisecond from done."""
+    import fcntl
+    import time
+
+    from laminar.weights.local_write import write_version
+    store = ShmStore(shm_dirs())
+    store.open()
+    write_version(store, state(3, 1), 0)
+    fd = os.open(store.dir / "slot0.bin", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as the relay's writer holds a slot it fills
+        release = threading.Timer(0.3, lambda: fcntl.flock(fd, fcntl.LOCK_UN))
+        release.start()
+        t0 = time.monotonic()
+        with LocalWeights(store.dir, key=b"").latest() as got:
+            assert got.version == 0 and not got.verify()
+        assert time.monotonic() - t0 >= 0.25  # it waited for the lock, it did not read under it
+        release.join()
+    finally:
+        os.close(fd)
+        store.close()
+
+
+def test_latest_gives_up_with_a_clear_error_when_the_slot_stays_held(shm_dirs, monkeypatch):
+    import fcntl
+
+    import laminar.weights.pull as pull
+    from laminar.weights.local_write import write_version
+    monkeypatch.setattr(pull, "_HOLD_TIMEOUT_S", 0.2)
+    store = ShmStore(shm_dirs())
+    store.open()
+    write_version(store, state(3, 1), 0)
+    fd = os.open(store.dir / "slot0.bin", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(RuntimeError, match="could not get hold of a version"):
+            LocalWeights(store.dir, key=b"").latest()
+    finally:
+        os.close(fd)
+        store.close()
 
 
 def test_a_stream_longer_than_the_ack_timeout_is_not_a_dead_link(shm_dirs):
