@@ -126,7 +126,8 @@ def measure_run(run, raw: dict, setup: dict, workload: dict, size: str, gpus: in
     train, roll = placement(workload, size, gpus, mode)
     out["placement"] = {"train_gpus": train, "rollout_gpus": roll, "rollouts": run.rollouts,
                         "max_concurrency": raw["roles"]["rollout"]["max_concurrency"],
-                        "max_num_seqs": raw["roles"]["rollout"].get("max_num_seqs")}
+                        "max_num_seqs": raw["roles"]["rollout"].get("max_num_seqs"),
+                        "refill": bool(raw["roles"]["rollout"].get("refill"))}
     # tokens of the measured batches ÷ the time they took (= mean batch ÷ mean update interval); the
     # mean of the per-iteration ratios is kept too, but laminar's updates come in waves (every
     # rollout's 1,024-trajectory batch ends at about the same time early on), and a mean of ratios
@@ -207,12 +208,24 @@ def with_engine_seqs(setup: dict, value: str | None) -> dict:
     return setup
 
 
+def with_refill(setup: dict, on: bool) -> dict:
+    """`--refill`: the laminar modes' rollouts take new groups as trajectories finish, until a
+    newer version is on their relay (scenario.build_config), instead of a batch at a time."""
+    if on:
+        setup["rollout"]["refill"] = True
+    return setup
+
+
+def _setup_of(path, concurrency, engine_seqs, refill) -> dict:
+    """paper.yaml with the command line's overrides, the same in the sweep and in each child."""
+    from laminar.sim.scenario import load_setups
+    return with_refill(with_engine_seqs(with_concurrency(load_setups(path), concurrency), engine_seqs), refill)
+
+
 def run_child(spec: dict) -> dict:
     """The body of a child process: one (model, GPUs, mode) run -> its result dict."""
     from laminar.sim import load_workload
-    from laminar.sim.scenario import load_setups
-    setup = with_engine_seqs(with_concurrency(load_setups(spec["setups"]), spec.get("concurrency")),
-                             spec.get("engine_seqs"))
+    setup = _setup_of(spec["setups"], spec.get("concurrency"), spec.get("engine_seqs"), spec.get("refill", False))
     workload = load_workload(setup.get("workload"))
     return run_mode(setup, workload, spec["model"], spec["gpus"], spec["mode"], root=Path(spec["root"]),
                     speedup=spec["speedup"], warmup=spec["warmup"], measure=spec["measure"], relays=spec["relays"],
@@ -506,7 +519,7 @@ def write_configs(setup: dict, workload: dict, runs: list[tuple[str, int]], mode
 # -- main -----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     from laminar.sim import load_workload
-    from laminar.sim.scenario import estimate, load_setups, scales, wave_versions
+    from laminar.sim.scenario import estimate, scales, wave_versions
     ap = argparse.ArgumentParser(prog="bench/scale.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="7B, 32B or 72B (default: every model)")
     ap.add_argument("--gpus", help="GPU count(s), comma-separated (default: every count with a placement)")
@@ -528,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences each rollout's engine runs at once, every mode alike (vLLM max_num_seqs): kv = "
                          "KV capacity ÷ the tokens a sequence holds on average (the ceiling's batch); default: "
                          "paper.yaml's rollout.max_num_seqs (none: all max_concurrency, preempting as vLLM does)")
+    ap.add_argument("--refill", action="store_true",
+                    help="laminar modes: a rollout takes new groups as trajectories finish, until a newer version "
+                         "is on its relay, then drains and loads it (default: paper.yaml's rollout.refill; off: "
+                         "a batch of max_concurrency at a time)")
     ap.add_argument("--jobs", type=int, default=min(3, max(1, (os.cpu_count() or 1) + 1)),
                     help="runs at once, one process each (default 3 on 2 cores: each is sized for ~half a core)")
     ap.add_argument("--out", help="write the results as JSON here (plot beside it, .png)")
@@ -549,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--concurrency must be at least 1")
     if a.engine_seqs not in (None, "kv") and not (a.engine_seqs.isdigit() and int(a.engine_seqs) > 0):
         ap.error("--engine-seqs must be kv or a positive number")
-    setup = with_engine_seqs(with_concurrency(load_setups(a.setups), a.concurrency), a.engine_seqs)
+    setup = _setup_of(a.setups, a.concurrency, a.engine_seqs, a.refill)
     workload = load_workload(setup.get("workload"))
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if bad := [m for m in modes if m not in MODES]:
@@ -603,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
             specs.append({"setups": a.setups, "model": size, "gpus": gpus, "mode": mode, "speedup": speedup,
                           "warmup": warmup, "measure": measure, "relays": a.relays, "root": str(root), "ahead": a.ahead,
                           "concurrency": a.concurrency, "engine_seqs": a.engine_seqs,
-                          "timeout_s": round(timeout), "estimate": est})
+                          "refill": a.refill, "timeout_s": round(timeout), "estimate": est})
     specs.sort(key=lambda sp: -sp["timeout_s"])  # longest first: the last to start is a short one
     t0 = time.monotonic()
     print(f"{len(specs)} runs, {a.jobs} at a time; workdir {root}", flush=True)
@@ -650,7 +667,7 @@ def components(setup: dict, workload: dict, a) -> int:
         specs.append({"setups": a.setups, "model": "32B", "gpus": 128, "mode": mode, "speedup": speedup,
                       "warmup": a.warmup or COMPONENT_RUNS["warmup"], "measure": a.measure or COMPONENT_RUNS["measure"],
                       "relays": False, "root": str(root), "ahead": None, "concurrency": a.concurrency,
-                      "engine_seqs": a.engine_seqs,
+                      "engine_seqs": a.engine_seqs, "refill": a.refill,
                       "timeout_s": round(3 * (n + 2) * est["iteration_s"] / speedup + 120), "estimate": est})
     try:
         results = execute(specs, 2, root, keep=bool(a.workdir))
@@ -721,7 +738,8 @@ def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float)
                                 "inherent_staleness_observed_max": workload.get("inherent_staleness_observed_max")},
             "setups": a.setups, "relays": "real" if a.relays else "modeled", "jobs": a.jobs,
             "combined_from": a.combine, "max_batches_ahead": a.ahead,
-            "max_concurrency": a.concurrency, "engine_seqs": a.engine_seqs, "wall_s": wall_s}
+            "max_concurrency": a.concurrency, "engine_seqs": a.engine_seqs, "refill": a.refill,
+            "wall_s": wall_s}
     if a.out:
         png = plot(objs, Path(a.out).with_suffix(".png")) if len(objs) > 1 else None
         data["plot"] = str(png) if png else None

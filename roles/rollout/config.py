@@ -78,7 +78,8 @@ class RolloutConfig(BaseModel):
     sim: dict = Field(default_factory=dict, description="engine: sim settings, passed to SimEngine.from_workload "
                       "(model, tp, lengths, gpu, curve_path, ...) plus `speedup` (compressed time, default 1)")
     refill: bool | None = Field(
-        None, description="take new groups as trajectories finish, not at batch end (default: on in stream mode only)"
+        None, description="take new groups as trajectories finish, not at batch end (default: on in stream mode only); "
+        "in the laminar modes only while no newer version is on this host's relay, then drain and load it"
     )
     stop_when_exhausted: bool = Field(True, description="finish (exit 0) when the prompt pool has no more epochs")
     env: RolloutEnvConfig | None = Field(None, description="multi-turn: the environment of every trajectory "

@@ -13,7 +13,9 @@
     modes: TakeBatch carries this rollout's version, so the prompt pool's barrier gate (sync,
            one_step, stream) holds it back until the trainer's next version; `weights.version`
            events wake an idle rollout at once. `refill` (stream mode's default) takes new
-           groups of the same version as trajectories finish instead of at batch end.
+           groups of the same version as trajectories finish instead of at batch end; without a
+           gate (laminar modes) only until this host's relay holds a newer version, then the
+           batch drains and the loop loads it.
     multi-turn: with `env` set, each trajectory is an episode (multiturn.py): model turns and
            environment steps alternate inside its task, observations are masked out of the loss,
            and the environment's reward replaces the reward function when the episode is done.
@@ -95,6 +97,8 @@ class RolloutRole(Role):
         self.room_freed = asyncio.Event()
         self._group_size = 1
         self.new_weights = asyncio.Event()
+        self.newest_here = None   # the newest WeightsVersion naming this rollout's weights folder
+        self._looked_at: tuple | None = None  # the relay pointer (inode, mtime) _look_at_relay last read
         self.engine = None
         self.episodes = None  # the EpisodeRunner of multi-turn rollouts
         self.adopted: list = []   # PartialStates of an older version, queued (MigrateIn adopt)
@@ -113,6 +117,17 @@ class RolloutRole(Role):
         if self.settings.refill is not None:
             return self.settings.refill
         return self.cluster is not None and self.cluster.run.mode == "stream"
+
+    @property
+    def gated(self) -> bool:
+        """A barrier mode: the prompt pool's gate, not this rollout, ends a version's work."""
+        return self.cluster is not None and self.cluster.run.mode in ("sync", "one_step", "stream")
+
+    def _draining_for_newer(self) -> bool:
+        """Refill without a gate stops once this host's relay holds weights that replace ours: what
+        runs finishes on its version, then the loop loads the new one (otherwise the batch would
+        never drain and the rollout would keep its first weights for the whole run)."""
+        return not self.gated and self.newest_here is not None and self._newer(self.newest_here)
 
     # -- setup ------------------------------------------------------------------------------
     def _address(self, role: str, id: str) -> str:
@@ -220,6 +235,9 @@ class RolloutRole(Role):
             return 0  # an old version's work runs alone; the queue waits for the batch to end
         if self.active and room < self._group_size:  # refill takes whole groups only
             return 0
+        if self.active and self.refill and self._draining_for_newer():
+            return 0  # newer weights wait on our relay: drain, then load them
+
         if self._weights_unnamed():
             return 0  # the engine holds weights it cannot name: load first (next turn)
         return room
@@ -259,6 +277,29 @@ class RolloutRole(Role):
             _, ev = await self.versions_sub.recv()
             if hasattr(ev, "version") and self._newer(ev):
                 self.new_weights.set()
+                if self._names_our_folder(ev) and (self.newest_here is None
+                                                   or supersedes(ev, self.newest_here)):
+                    self.newest_here = ev
+
+    async def _look_at_relay(self) -> None:
+        """Refill's drain must not hang on one lost `weights.version` event (PUB/SUB may drop): read
+        the relay's pointer when it has changed since the last look, as if its event had come."""
+        pointer = await asyncio.to_thread(self._pointer_stamp)
+        if pointer is None or pointer == self._looked_at:
+            return
+        self._looked_at = pointer
+        try:
+            m = await asyncio.to_thread(LocalWeights(self.weights_dir).manifest)
+        except (OSError, ValueError):
+            return  # a bad pointer: the pull reports it
+        if m is not None and self._newer(m) and (self.newest_here is None or supersedes(m, self.newest_here)):
+            self.newest_here = m
+
+    def _names_our_folder(self, ev) -> bool:
+        """Whether a `weights.version` event is about the relay folder this rollout loads from."""
+        shm_dir = getattr(ev, "shm_dir", "")
+        return bool(self.weights_dir) and bool(shm_dir) and os.path.normpath(shm_dir) == os.path.normpath(
+            str(self.weights_dir))
 
     # -- batch_seq ----------------------------------------------------------------------------
     _SEQ_BLOCK = 1 << 16
@@ -583,6 +624,8 @@ class RolloutRole(Role):
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.report_interval_s)  # the reporting period
+            if self.refill and not self.gated:
+                await self._look_at_relay()
             now = time.monotonic()
             rate = (self.generated - self._gen_at_last_report) / max(now - last, 1e-6)
             self._gen_at_last_report, last = self.generated, now

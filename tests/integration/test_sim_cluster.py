@@ -88,6 +88,24 @@ def test_laminar_mode_repacks_and_advances(tmp_path):
     assert max(staleness(run.records)) <= 4
 
 
+def test_laminar_refill_drains_for_every_new_version(tmp_path):
+    """`refill` without a barrier (paper.yaml rollout.refill): the rollouts take new groups as
+    trajectories finish, and still load new versions: they stop refilling when their relay holds a
+    newer one. Before, a refilling rollout's batch never drained, so without repack to empty it
+    every rollout kept version 0 for the whole run (measured: final versions [0, 0, 0, 0])."""
+    setup = small_setup()
+    setup["rollout"]["refill"] = True
+    raw = build_config(setup, "72B", 64, "laminar_norepack", workdir=str(tmp_path / "refill"), speedup=100.0,
+                       iterations=ITERATIONS, workload=load_workload(),
+                       weights_root=f"/dev/shm/laminar-test-sim-{tmp_path.name}-refill")
+    assert raw["roles"]["rollout"]["refill"] is True
+    write_prompts(raw, setup, 256)
+    run = run_to_end(parse_config(raw, "<sim laminar_norepack refill>"))
+    assert run.finished and [int(r["version"]) for r in run.records] == list(range(1, ITERATIONS + 1))
+    assert min(run.rollout_versions) >= 1, run.rollout_versions  # every rollout drained and loaded a newer one
+    assert run.fleet["repacks"] == 0  # nothing but the drain emptied them
+
+
 def test_sync_mode_is_on_policy(tmp_path):
     cfg, _ = scenario(tmp_path, "sync")
     run = run_to_end(cfg)

@@ -159,3 +159,21 @@ def test_kv_sized_engine_seqs_are_the_ceilings_batch_for_every_mode(mode):
     fixed = build_config(with_engine_seqs(setup, "100"), "7B", 16, mode, workdir="/tmp/x", speedup=10.0,
                          iterations=3, workload=workload, weights_root="/dev/shm/x")
     assert fixed["roles"]["rollout"]["max_num_seqs"] == 100
+
+
+def test_refill_reaches_the_laminar_modes_only():
+    """`bench/scale.py --refill` (paper.yaml rollout.refill): the laminar modes' rollouts refill;
+    the barrier modes keep their own default (stream refills, sync and one_step do not)."""
+    from laminar.sim.harness import with_refill
+    setup = load_setups(ROOT / "configs" / "sim" / "paper.yaml")
+    workload = load_workload(setup.get("workload"))
+
+    def rollout(s: dict, mode: str) -> dict:
+        return build_config(s, "7B", 16, mode, workdir="/tmp/x", speedup=10.0, iterations=3, workload=workload,
+                            weights_root="/dev/shm/x")["roles"]["rollout"]
+    for mode in ("laminar", "laminar_norepack", "sync", "one_step", "stream"):
+        assert "refill" not in rollout(setup, mode)  # paper.yaml's default: each mode's own
+    on = with_refill(setup, True)
+    assert rollout(on, "laminar")["refill"] is True and rollout(on, "laminar_norepack")["refill"] is True
+    for mode in ("sync", "one_step", "stream"):
+        assert "refill" not in rollout(on, mode)

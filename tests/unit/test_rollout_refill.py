@@ -1,0 +1,151 @@
+"""Refill without a barrier: a rollout that takes new groups as trajectories finish (`refill`)
+keeps doing so only while its weights are the newest its own host's relay holds. Once the relay
+announces a newer version (`weights.version` naming this rollout's weights folder) it takes no
+more work, lets what runs finish with the one version it started on, and then loads the new one.
+
+Before this, `refill: true` in laminar mode refilled for as long as the prompt pool had work: the
+batch never drained, so the rollout never loaded another version and generated the whole run with
+its first weights. In the barrier modes the prompt pool's gate decides when a version's work ends,
+so a newer version does not stop refill there.
+"""
+from __future__ import annotations
+
+import asyncio
+import types
+
+import numpy as np
+import pytest
+from laminar.roles.base import RoleContext
+from laminar.roles.rollout.role import RolloutRole
+from laminar.roles.rollout.trajectory import Active
+
+from laminar.protocol import TrajectorySpec, WeightsVersion
+
+pytestmark = pytest.mark.timeout(30)
+
+OURS = "/dev/shm/laminar-unit-refill-n0"
+THEIRS = "/dev/shm/laminar-unit-refill-n1"
+
+
+def make_role(mode: str | None = "laminar", **settings) -> RolloutRole:
+    cluster = None if mode is None else types.SimpleNamespace(run=types.SimpleNamespace(mode=mode))
+    role = RolloutRole(RoleContext(role="rollout", id="r0", host="n0", transport=None,
+                                   settings={"engine": "sim", "max_concurrency": 8, **settings}, config=cluster))
+    role.weights_dir = OURS
+    role.version, role.lineage, role.run_id = 3, 1, "run"
+    role.engine = types.SimpleNamespace(stats=types.SimpleNamespace(kv_usage=0.0, running=0, waiting=0))
+    return role
+
+
+def start_one(role: RolloutRole) -> None:
+    spec = TrajectorySpec(trajectory_id="g/0", prompt_id="p", group_id="g", sample_index=0, group_size=1,
+                          prompt_tokens=np.asarray([1, 2, 3], dtype=np.int32), answer="x", max_tokens=16)
+    role.active["g/0"] = Active(spec=spec, version=role.version)
+
+
+def announce(version: int, shm_dir: str = OURS, lineage: int = 1) -> WeightsVersion:
+    host = "n0" if shm_dir == OURS else "n1"
+    return WeightsVersion(f"relay-{host}", host, version, 1024, shm_dir, lineage=lineage, run_id="run")
+
+
+async def follow(role: RolloutRole, events: list) -> None:
+    """Run the role's real `weights.version` follower over `events`, then stop it."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for ev in events:
+        queue.put_nowait(("weights.version", ev))
+
+    async def recv():
+        return await queue.get()
+    role.versions_sub = types.SimpleNamespace(recv=recv)
+    task = asyncio.ensure_future(role._follow_versions())
+    while not queue.empty():
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    task.cancel()
+
+
+def test_refill_stops_once_this_hosts_relay_holds_a_newer_version():
+    role = make_role(refill=True)
+    start_one(role)
+    assert role._room() == 7  # refilling: room for new groups while the batch runs
+
+    asyncio.run(follow(role, [announce(4, THEIRS)]))
+    assert role._room() == 7  # another host's relay: ours does not hold it yet
+
+    asyncio.run(follow(role, [announce(3), announce(2)]))
+    assert role._room() == 7  # not newer than what the engine holds
+
+    asyncio.run(follow(role, [announce(4)]))
+    assert role._room() == 0  # drain: what runs finishes on version 3, nothing new starts on it
+
+    role.active.clear()  # the batch drained
+    assert role._room() == 8  # nothing runs: the loop loads version 4 before it takes work (_settle_weights)
+    role.version = 4          # loaded
+    start_one(role)
+    assert role._room() == 7  # refilling again, on version 4
+
+
+def test_a_new_lineage_under_a_lower_number_stops_refill_too():
+    role = make_role(refill=True)
+    start_one(role)
+    asyncio.run(follow(role, [announce(1, lineage=2)]))  # a resumed trainer: a new lineage restarts low
+    assert role._room() == 0
+
+
+@pytest.mark.parametrize("mode", ["stream", "one_step", "sync"])
+def test_in_a_barrier_mode_the_pools_gate_ends_a_versions_work(mode):
+    role = make_role(mode, refill=True)
+    start_one(role)
+    asyncio.run(follow(role, [announce(4)]))
+    assert role._room() == 7
+
+
+def test_without_refill_the_batch_runs_to_its_end_as_before():
+    role = make_role(refill=False)
+    start_one(role)
+    assert role._room() == 7  # room, but _await_room waits for the whole batch before taking any
+    asyncio.run(follow(role, [announce(4)]))
+    assert role._room() == 7 and not role.refill
+
+
+def test_a_lost_event_does_not_hang_the_drain(tmp_path):
+    """PUB/SUB may drop the relay's event: the report loop reads the relay's pointer when it has
+    changed and stops refill all the same."""
+    torch = pytest.importorskip("torch")
+    import shutil
+    import uuid
+
+    import laminar.weights.local_write as lw
+    from laminar.weights.manifest import with_lineage
+    from laminar.weights.store import ShmStore
+
+    store = ShmStore(f"/dev/shm/laminar-unit-refill-{uuid.uuid4().hex[:10]}")
+    store.open()
+    real = lw.build_manifest
+    lw.build_manifest = lambda *a, **k: with_lineage(real(*a, **k), "run", 1)
+    try:
+        role = make_role(refill=True, report_interval_s=0.01)
+        role.weights_dir = str(store.dir)
+        role.ctx.publisher = types.SimpleNamespace(publish=lambda topic, ev: None)
+        start_one(role)
+        sd = {"w": torch.zeros(256)}
+
+        async def reports(until):
+            task = asyncio.ensure_future(role._report_loop())
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if until():
+                    break
+            task.cancel()
+
+        lw.write_version(store, sd, 3, chunk_bytes=4096)  # what the engine holds
+        asyncio.run(reports(lambda: role._looked_at is not None))
+        assert role._room() == 7 and role.newest_here is None
+
+        lw.write_version(store, sd, 4, chunk_bytes=4096)  # no event comes
+        asyncio.run(reports(lambda: role.newest_here is not None))
+        assert role.newest_here.version == 4 and role._room() == 0
+    finally:
+        lw.build_manifest = real
+        store.close()
+        shutil.rmtree(store.dir, ignore_errors=True)
