@@ -44,7 +44,8 @@ class RolloutConfig(BaseModel):
     max_num_seqs: int | None = Field(None, ge=1, description="sequences the engine runs at once (vLLM's "
                                      "max_num_seqs); None: max_concurrency. Below it, the rest of a batch waits in "
                                      "the engine's queue: KV capacity ÷ the tokens a sequence holds on average "
-                                     "avoids most preemptions of long-tailed lengths (docs/sim.md)")
+                                     "avoids most preemptions of long-tailed lengths (docs/sim.md). A rollout "
+                                     "that refills in a laminar mode takes only this many")
     max_model_len: int = Field(1024, ge=16, description="prompt + response tokens the engine admits")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache of the vLLM CPU engine (VLLM_CPU_KVCACHE_SPACE)")
     kv_cache_tokens: int | None = Field(None, ge=16, description="vLLM only: size the KV cache in tokens instead "

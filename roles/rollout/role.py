@@ -46,7 +46,7 @@ from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError
 from laminar.roles.base import Role
 from laminar.roles.rollout.config import RolloutConfig
-from laminar.roles.rollout.engine_api import build_rollout_engine
+from laminar.roles.rollout.engine_api import build_rollout_engine, engine_seqs
 from laminar.roles.rollout.multiturn import EpisodeRunner
 from laminar.roles.rollout.trajectory import Active
 
@@ -98,6 +98,8 @@ class RolloutRole(Role):
         self._group_size = 1
         self.new_weights = asyncio.Event()
         self.newest_here = None   # the newest WeightsVersion naming this rollout's weights folder
+        self.taken_on_version = 0  # new trajectories taken since the engine's version last changed
+        self._taken_version = None  # ... the (run, lineage, version) that count is for
         self._looked_at: tuple | None = None  # the relay pointer (inode, mtime) _look_at_relay last read
         self.engine = None
         self.episodes = None  # the EpisodeRunner of multi-turn rollouts
@@ -124,10 +126,14 @@ class RolloutRole(Role):
         return self.cluster is not None and self.cluster.run.mode in ("sync", "one_step", "stream")
 
     def _draining_for_newer(self) -> bool:
-        """Refill without a gate stops once this host's relay holds weights that replace ours: what
-        runs finishes on its version, then the loop loads the new one (otherwise the batch would
-        never drain and the rollout would keep its first weights for the whole run)."""
-        return not self.gated and self.newest_here is not None and self._newer(self.newest_here)
+        """Refill without a gate stops once this host's relay holds weights that replace ours and
+        this version has had a batch's worth of new work (max_concurrency trajectories): what runs
+        finishes on its version, then the loop loads the new one. Without the stop the batch would
+        never drain and the rollout would keep its first weights for the whole run; without the
+        batch's worth it would drain at every version, and a drain (the engine emptying through
+        its longest response) costs the same whether it follows 50 trajectories or 5,000."""
+        return (not self.gated and self.newest_here is not None and self._newer(self.newest_here)
+                and self.taken_on_version >= self.settings.max_concurrency)
 
     # -- setup ------------------------------------------------------------------------------
     def _address(self, role: str, id: str) -> str:
@@ -203,12 +209,15 @@ class RolloutRole(Role):
         self.room_freed.clear()  # before TakeBatch: a finish from here on wakes the refill wait
         async with self.lock:
             await self._settle_weights()
+            if (self.run_id, self.lineage, self.version) != self._taken_version:
+                self._taken_version, self.taken_on_version = (self.run_id, self.lineage, self.version), 0
             room = self._room()
             # batch_seq makes a retried TakeBatch (lost reply) return the same groups
             batch = await self._take_batch(room) if room > 0 else None
             for spec in batch.trajectories if batch else []:
                 self._group_size = max(1, spec.group_size)
                 self._start(Active(spec=spec, version=self.version))
+                self.taken_on_version += 1
         if batch is None and not self.active and self._weights_unnamed():
             return self.IDLE
         if batch is not None and not batch.trajectories and not self.active:
@@ -230,7 +239,7 @@ class RolloutRole(Role):
 
     def _room(self) -> int:
         """How many new trajectories to take now (0: none)."""
-        room = self.settings.max_concurrency - len(self.active)  # migrated-in work counts
+        room = self._intake() - len(self.active)  # migrated-in work counts
         if self.pinned or self.adopted:
             return 0  # an old version's work runs alone; the queue waits for the batch to end
         if self.active and room < self._group_size:  # refill takes whole groups only
@@ -241,6 +250,15 @@ class RolloutRole(Role):
         if self._weights_unnamed():
             return 0  # the engine holds weights it cannot name: load first (next turn)
         return room
+
+    def _intake(self) -> int:
+        """Trajectories this rollout holds at most: max_concurrency, or, refilling without a gate,
+        only what its engine runs at once (max_num_seqs): a queue behind the running ones would add
+        nothing to the engine's pace but would have to drain, on the old version, before the next
+        one loads."""
+        if self.refill and not self.gated:
+            return engine_seqs(self.settings)
+        return self.settings.max_concurrency
 
     def _weights_unnamed(self) -> bool:
         return bool(self.weights_dir) and self.version < 0

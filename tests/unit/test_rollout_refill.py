@@ -67,6 +67,7 @@ async def follow(role: RolloutRole, events: list) -> None:
 def test_refill_stops_once_this_hosts_relay_holds_a_newer_version():
     role = make_role(refill=True)
     start_one(role)
+    role.taken_on_version = 8  # a batch's worth (max_concurrency) was taken on version 3
     assert role._room() == 7  # refilling: room for new groups while the batch runs
 
     asyncio.run(follow(role, [announce(4, THEIRS)]))
@@ -85,9 +86,23 @@ def test_refill_stops_once_this_hosts_relay_holds_a_newer_version():
     assert role._room() == 7  # refilling again, on version 4
 
 
+def test_a_version_gets_a_batchs_worth_before_refill_drains_for_the_next():
+    """A drain costs the engine its longest response whatever came before it: a rollout whose
+    version is replaced before it took max_concurrency trajectories on it goes on refilling until
+    it has, so it drains at most once per version and at most once per batch's worth."""
+    role = make_role(refill=True)
+    start_one(role)
+    asyncio.run(follow(role, [announce(4)]))
+    role.taken_on_version = 7
+    assert role._room() == 7  # one short of a batch's worth: keep refilling on version 3
+    role.taken_on_version = 8
+    assert role._room() == 0  # now drain
+
+
 def test_a_new_lineage_under_a_lower_number_stops_refill_too():
     role = make_role(refill=True)
     start_one(role)
+    role.taken_on_version = 8
     asyncio.run(follow(role, [announce(1, lineage=2)]))  # a resumed trainer: a new lineage restarts low
     assert role._room() == 0
 
@@ -96,6 +111,7 @@ def test_a_new_lineage_under_a_lower_number_stops_refill_too():
 def test_in_a_barrier_mode_the_pools_gate_ends_a_versions_work(mode):
     role = make_role(mode, refill=True)
     start_one(role)
+    role.taken_on_version = 8
     asyncio.run(follow(role, [announce(4)]))
     assert role._room() == 7
 
@@ -125,6 +141,7 @@ def test_a_lost_event_does_not_hang_the_drain(tmp_path):
     lw.build_manifest = lambda *a, **k: with_lineage(real(*a, **k), "run", 1)
     try:
         role = make_role(refill=True, report_interval_s=0.01)
+        role.taken_on_version = 8
         role.weights_dir = str(store.dir)
         role.ctx.publisher = types.SimpleNamespace(publish=lambda topic, ev: None)
         start_one(role)
@@ -149,3 +166,16 @@ def test_a_lost_event_does_not_hang_the_drain(tmp_path):
         lw.build_manifest = real
         store.close()
         shutil.rmtree(store.dir, ignore_errors=True)
+
+
+def test_refilling_without_a_gate_holds_only_what_the_engine_runs():
+    """A queue behind the engine's running sequences adds nothing to its pace, and would have to
+    drain on the old version before the next one loads: a refilling laminar rollout takes only up
+    to max_num_seqs. Batch at a time, and in the barrier modes, it takes max_concurrency."""
+    role = make_role(refill=True, max_num_seqs=4)
+    assert role._room() == 4
+    start_one(role)
+    assert role._room() == 3
+    assert make_role(refill=False, max_num_seqs=4)._room() == 8
+    assert make_role("stream", refill=True, max_num_seqs=4)._room() == 8
+    assert make_role(refill=True)._room() == 8  # no max_num_seqs: the engine runs all it is given
