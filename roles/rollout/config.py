@@ -80,7 +80,8 @@ class RolloutConfig(BaseModel):
                       "(model, tp, lengths, gpu, curve_path, ...) plus `speedup` (compressed time, default 1)")
     refill: bool | None = Field(
         None, description="take new groups as trajectories finish, not at batch end (default: on in stream mode only); "
-        "in the laminar modes only while no newer version is on this host's relay, then drain and load it"
+        "in the laminar modes until this host's relay holds a newer version and max_concurrency were taken on "
+        "this one, then drain and load it"
     )
     stop_when_exhausted: bool = Field(True, description="finish (exit 0) when the prompt pool has no more epochs")
     env: RolloutEnvConfig | None = Field(None, description="multi-turn: the environment of every trajectory "

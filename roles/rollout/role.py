@@ -14,8 +14,9 @@
            one_step, stream) holds it back until the trainer's next version; `weights.version`
            events wake an idle rollout at once. `refill` (stream mode's default) takes new
            groups of the same version as trajectories finish instead of at batch end; without a
-           gate (laminar modes) only until this host's relay holds a newer version, then the
-           batch drains and the loop loads it.
+           gate (laminar modes) only until this host's relay holds a newer version and a batch's
+           worth (max_concurrency) was taken on this one, then what runs drains and the loop
+           loads the newest.
     multi-turn: with `env` set, each trajectory is an episode (multiturn.py): model turns and
            environment steps alternate inside its task, observations are masked out of the loss,
            and the environment's reward replaces the reward function when the episode is done.
@@ -123,7 +124,7 @@ class RolloutRole(Role):
     @property
     def gated(self) -> bool:
         """A barrier mode: the prompt pool's gate, not this rollout, ends a version's work."""
-        return self.cluster is not None and self.cluster.run.mode in ("sync", "one_step", "stream")
+        return self.cluster is not None and self.cluster.run.barrier_lag is not None
 
     def _draining_for_newer(self) -> bool:
         """Refill without a gate stops once this host's relay holds weights that replace ours and
@@ -209,7 +210,9 @@ class RolloutRole(Role):
         self.room_freed.clear()  # before TakeBatch: a finish from here on wakes the refill wait
         async with self.lock:
             await self._settle_weights()
-            if (self.run_id, self.lineage, self.version) != self._taken_version:
+            if not self.active or (self.run_id, self.lineage, self.version) != self._taken_version:
+                # a new version, or a drain that ended without one (a failed or deferred load): a
+                # batch's worth starts again, so a failing load is not followed by a drain per intake
                 self._taken_version, self.taken_on_version = (self.run_id, self.lineage, self.version), 0
             room = self._room()
             # batch_seq makes a retried TakeBatch (lost reply) return the same groups
@@ -256,7 +259,7 @@ class RolloutRole(Role):
         only what its engine runs at once (max_num_seqs): a queue behind the running ones would add
         nothing to the engine's pace but would have to drain, on the old version, before the next
         one loads."""
-        if self.refill and not self.gated:
+        if self.refill and not self.gated and self.episodes is None:  # episodes wait on their env too
             return engine_seqs(self.settings)
         return self.settings.max_concurrency
 
@@ -314,10 +317,11 @@ class RolloutRole(Role):
             self.newest_here = m
 
     def _names_our_folder(self, ev) -> bool:
-        """Whether a `weights.version` event is about the relay folder this rollout loads from."""
+        """Whether a `weights.version` event is about the relay folder this rollout loads from: the
+        same folder on this host (relays of every host may share one configured path)."""
         shm_dir = getattr(ev, "shm_dir", "")
-        return bool(self.weights_dir) and bool(shm_dir) and os.path.normpath(shm_dir) == os.path.normpath(
-            str(self.weights_dir))
+        return (bool(self.weights_dir) and bool(shm_dir) and getattr(ev, "host", None) == self.ctx.host
+                and os.path.normpath(shm_dir) == os.path.normpath(str(self.weights_dir)))
 
     # -- batch_seq ----------------------------------------------------------------------------
     _SEQ_BLOCK = 1 << 16
@@ -642,7 +646,7 @@ class RolloutRole(Role):
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.report_interval_s)  # the reporting period
-            if self.refill and not self.gated:
+            if self.refill and not self.gated and self.weights_dir:
                 await self._look_at_relay()
             now = time.monotonic()
             rate = (self.generated - self._gen_at_last_report) / max(now - last, 1e-6)

@@ -103,6 +103,7 @@ def test_laminar_refill_drains_for_every_new_version(tmp_path):
     run = run_to_end(parse_config(raw, "<sim laminar_norepack refill>"))
     assert run.finished and [int(r["version"]) for r in run.records] == list(range(1, ITERATIONS + 1))
     assert min(run.rollout_versions) >= 1, run.rollout_versions  # every rollout drained and loaded a newer one
+    assert max(run.rollout_versions) >= ITERATIONS - 1, run.rollout_versions  # and kept up with the trainer
     assert run.fleet["repacks"] == 0  # nothing but the drain emptied them
 
 

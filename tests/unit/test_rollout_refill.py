@@ -19,7 +19,8 @@ from laminar.roles.base import RoleContext
 from laminar.roles.rollout.role import RolloutRole
 from laminar.roles.rollout.trajectory import Active
 
-from laminar.protocol import TrajectorySpec, WeightsVersion
+from laminar.config import RunSpec
+from laminar.protocol import Batch, TrajectorySpec, WeightsVersion
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,7 +29,7 @@ THEIRS = "/dev/shm/laminar-unit-refill-n1"
 
 
 def make_role(mode: str | None = "laminar", **settings) -> RolloutRole:
-    cluster = None if mode is None else types.SimpleNamespace(run=types.SimpleNamespace(mode=mode))
+    cluster = None if mode is None else types.SimpleNamespace(run=RunSpec(mode=mode))
     role = RolloutRole(RoleContext(role="rollout", id="r0", host="n0", transport=None,
                                    settings={"engine": "sim", "max_concurrency": 8, **settings}, config=cluster))
     role.weights_dir = OURS
@@ -37,14 +38,17 @@ def make_role(mode: str | None = "laminar", **settings) -> RolloutRole:
     return role
 
 
-def start_one(role: RolloutRole) -> None:
-    spec = TrajectorySpec(trajectory_id="g/0", prompt_id="p", group_id="g", sample_index=0, group_size=1,
+def spec(tid: str = "g/0") -> TrajectorySpec:
+    return TrajectorySpec(trajectory_id=tid, prompt_id="p", group_id=tid.split("/")[0], sample_index=0, group_size=1,
                           prompt_tokens=np.asarray([1, 2, 3], dtype=np.int32), answer="x", max_tokens=16)
-    role.active["g/0"] = Active(spec=spec, version=role.version)
 
 
-def announce(version: int, shm_dir: str = OURS, lineage: int = 1) -> WeightsVersion:
-    host = "n0" if shm_dir == OURS else "n1"
+def start_one(role: RolloutRole) -> None:
+    role.active["g/0"] = Active(spec=spec(), version=role.version)
+
+
+def announce(version: int, shm_dir: str = OURS, lineage: int = 1, host: str | None = None) -> WeightsVersion:
+    host = host or ("n0" if shm_dir == OURS else "n1")
     return WeightsVersion(f"relay-{host}", host, version, 1024, shm_dir, lineage=lineage, run_id="run")
 
 
@@ -70,8 +74,8 @@ def test_refill_stops_once_this_hosts_relay_holds_a_newer_version():
     role.taken_on_version = 8  # a batch's worth (max_concurrency) was taken on version 3
     assert role._room() == 7  # refilling: room for new groups while the batch runs
 
-    asyncio.run(follow(role, [announce(4, THEIRS)]))
-    assert role._room() == 7  # another host's relay: ours does not hold it yet
+    asyncio.run(follow(role, [announce(4, THEIRS), announce(4, OURS, host="n1")]))
+    assert role._room() == 7  # another host's relay (even under the same path): ours does not hold it yet
 
     asyncio.run(follow(role, [announce(3), announce(2)]))
     assert role._room() == 7  # not newer than what the engine holds
@@ -179,3 +183,48 @@ def test_refilling_without_a_gate_holds_only_what_the_engine_runs():
     assert make_role(refill=False, max_num_seqs=4)._room() == 8
     assert make_role("stream", refill=True, max_num_seqs=4)._room() == 8
     assert make_role(refill=True)._room() == 8  # no max_num_seqs: the engine runs all it is given
+
+
+def test_the_loop_counts_a_versions_work_and_starts_again_after_every_drain():
+    """Through the real `_decide`: every new trajectory counts toward the version's batch's worth;
+    the count starts again when the version changes, and also when a drain ends without a load
+    (it failed, or waits out pull_retry_s): otherwise the rollout would drain again after every
+    intake until a load succeeded."""
+    role = make_role(refill=True, max_num_seqs=4)
+    loads: list = []  # what each load finds: a version, or None (failed)
+    role._maybe_update_weights = lambda: _load(role, loads)
+    role._start = lambda a: role.active.__setitem__(a.id, a)
+    taken = iter(range(10 ** 6))
+
+    async def take(room):
+        return Batch([spec(f"g{next(taken)}/0") for _ in range(room)])
+    role._take_batch = take
+
+    async def go():
+        assert await role._decide() == role.GENERATING
+        assert role.taken_on_version == 4 and len(role.active) == 4  # intake: what the engine runs
+        for _ in range(2):  # trajectories finish, refill tops up
+            role.active.pop(next(iter(role.active)))
+            await role._decide()
+        assert role.taken_on_version == 6
+        role.taken_on_version = 8  # a batch's worth
+        await follow(role, [announce(4)])
+        role.active.pop(next(iter(role.active)))
+        await role._decide()
+        assert len(role.active) == 3 and role.taken_on_version == 8  # draining: nothing new on version 3
+        role.active.clear()
+        loads.append(None)  # the load after the drain fails: version 3 stays
+        await role._decide()
+        assert role.version == 3 and role.taken_on_version == 4  # a fresh batch's worth, not a drain per intake
+        role.active.clear()
+        loads.append(4)
+        await role._decide()
+        assert role.version == 4 and role.taken_on_version == 4 and len(role.active) == 4
+    asyncio.run(go())
+
+
+async def _load(role: RolloutRole, loads: list) -> None:
+    if not role.active and loads:
+        got = loads.pop(0)
+        if got is not None:
+            role.version = got
