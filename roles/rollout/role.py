@@ -99,8 +99,7 @@ class RolloutRole(Role):
         self._group_size = 1
         self.new_weights = asyncio.Event()
         self.newest_here = None   # the newest WeightsVersion naming this rollout's weights folder
-        self.taken_on_version = 0  # new trajectories taken since the engine's version last changed
-        self._taken_version = None  # ... the (run, lineage, version) that count is for
+        self.taken_on_version = 0  # new trajectories taken since nothing last ran (weights change only then)
         self._looked_at: tuple | None = None  # the relay pointer (inode, mtime) _look_at_relay last read
         self.engine = None
         self.episodes = None  # the EpisodeRunner of multi-turn rollouts
@@ -210,10 +209,11 @@ class RolloutRole(Role):
         self.room_freed.clear()  # before TakeBatch: a finish from here on wakes the refill wait
         async with self.lock:
             await self._settle_weights()
-            if not self.active or (self.run_id, self.lineage, self.version) != self._taken_version:
-                # a new version, or a drain that ended without one (a failed or deferred load): a
-                # batch's worth starts again, so a failing load is not followed by a drain per intake
-                self._taken_version, self.taken_on_version = (self.run_id, self.lineage, self.version), 0
+            if not self.active:
+                # weights change only with nothing active, so this is every new version, and also a
+                # drain that ended without one (a failed or deferred load): a batch's worth starts
+                # again, so a failing load is not followed by a drain per intake
+                self.taken_on_version = 0
             room = self._room()
             # batch_seq makes a retried TakeBatch (lost reply) return the same groups
             batch = await self._take_batch(room) if room > 0 else None
@@ -249,7 +249,6 @@ class RolloutRole(Role):
             return 0
         if self.active and self.refill and self._draining_for_newer():
             return 0  # newer weights wait on our relay: drain, then load them
-
         if self._weights_unnamed():
             return 0  # the engine holds weights it cannot name: load first (next turn)
         return room
@@ -298,9 +297,13 @@ class RolloutRole(Role):
             _, ev = await self.versions_sub.recv()
             if hasattr(ev, "version") and self._newer(ev):
                 self.new_weights.set()
-                if self._names_our_folder(ev) and (self.newest_here is None
-                                                   or supersedes(ev, self.newest_here)):
-                    self.newest_here = ev
+                if self._names_our_folder(ev):
+                    self._note_newest_here(ev)
+
+    def _note_newest_here(self, m) -> None:
+        """Keep `m` (a WeightsVersion or manifest of this host's relay) if it replaces the newest seen."""
+        if self.newest_here is None or supersedes(m, self.newest_here):
+            self.newest_here = m
 
     async def _look_at_relay(self) -> None:
         """Refill's drain must not hang on one lost `weights.version` event (PUB/SUB may drop): read
@@ -313,8 +316,8 @@ class RolloutRole(Role):
             m = await asyncio.to_thread(LocalWeights(self.weights_dir).manifest)
         except (OSError, ValueError):
             return  # a bad pointer: the pull reports it
-        if m is not None and self._newer(m) and (self.newest_here is None or supersedes(m, self.newest_here)):
-            self.newest_here = m
+        if m is not None and self._newer(m):
+            self._note_newest_here(m)
 
     def _names_our_folder(self, ev) -> bool:
         """Whether a `weights.version` event is about the relay folder this rollout loads from: the
