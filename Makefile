@@ -7,7 +7,8 @@ STAMP_BASE := $(VENV)/.stamp-base
 STAMP_TEST := $(VENV)/.stamp-test
 STAMP_CPU := $(VENV)/.stamp-cpu
 PYTEST_ARGS ?=
-SFT_STEPS ?= 600
+SFT_STEPS ?= 1000
+SFT_STOP_EARLY ?= 0.6
 
 .PHONY: demo demo-upper smollm2 test test-all install install-test install-cpu bench-quick clean
 
@@ -48,14 +49,18 @@ models/tiny/config.json: | $(STAMP_CPU)
 
 # The demo's task: arithmetic word problems with worked solutions, three disjoint splits (SFT,
 # RL prompts, held-out), and its policy: the tiny model after a short SFT on the SFT split
-# (cosine-decayed rate; ~3 minutes on 2 cores). Both are rebuilt when their generator changes.
+# (cosine-decayed rate; ~5 minutes on 2 cores) in which 60% of the solutions stop one step short
+# and box that total: a policy that can do the steps but answers too soon, which RL on the
+# correctness reward must unlearn (docs/learning.md). SFT_STOP_EARLY=0 gives the clean warm start.
+# Both are rebuilt when their generator changes.
 WP := runs/local/data/word-problems
 $(WP)/heldout.jsonl: laminar/tasks/word_problems.py | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.word_problems $(WP)
 
 models/tiny-math/config.json: $(WP)/heldout.jsonl laminar/tasks/warmstart.py | $(STAMP_CPU)
 	$(BIN)/python -m laminar.models.tiny models/tiny-math.tmp
-	$(BIN)/python -m laminar.tasks.warmstart models/tiny-math.tmp --sft $(WP)/sft.jsonl --steps $(SFT_STEPS)
+	$(BIN)/python -m laminar.tasks.warmstart models/tiny-math.tmp --sft $(WP)/sft.jsonl --steps $(SFT_STEPS) \
+	  --stop-early $(SFT_STOP_EARLY)
 	rm -rf models/tiny-math && mv models/tiny-math.tmp models/tiny-math
 
 # A real pretrained model from a package registry: SmolLM2-135M-Instruct, converted from the GGUF

@@ -1,8 +1,9 @@
 """SFT warm starts: the word-problem task's worked solutions (the tiny model, or SmolLM2), or the
 uppercase task's shape (the tiny model).
 
-    python -m laminar.tasks.warmstart MODEL_DIR --sft DATA/sft.jsonl [--steps 300]   (word problems)
-    python -m laminar.tasks.warmstart MODEL_DIR [--steps 200] [--seed 0]             (uppercase task)
+    python -m laminar.tasks.warmstart MODEL_DIR --sft DATA/sft.jsonl [--steps 300] [--stop-early F]
+                                                                       (word problems)
+    python -m laminar.tasks.warmstart MODEL_DIR [--steps 200] [--seed 0]   (uppercase task)
 
 Both rewrite MODEL_DIR. The tokenizer is MODEL_DIR's own when it has one (SmolLM2: prompts and
 solutions as the prompt pool and the rollouts tokenize them, the reply ended by the tokenizer's
@@ -11,6 +12,11 @@ model is fine-tuned on prompt + worked solution + EOS of the records of that fil
 (laminar/tasks/word_problems.py writes it: a split disjoint from the RL prompts and the held-out
 split), loss on the solution only: a short run teaches the format
 (steps, then `\\boxed{answer}`, then EOS) and some of the arithmetic; RL has the rest to learn.
+`--stop-early F` (the demo: 0.6) replaces a share F of the solutions drawn by the same solution
+cut one step short, with the running total before the last step boxed (`stopped_early`): the
+model learns every step but, at the last one, answers too soon more often than not. Its greedy
+answers are then mostly wrong while its samples are often right, which is the room RL on a
+correctness reward has to work in (docs/learning.md measures what it makes of it).
 
 Without `--sft` (the uppercase smoke task):
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 from pathlib import Path
 
 from laminar.datasets import ByteTokenizer, load_tokenizer
@@ -63,6 +70,20 @@ def lr_factor(step: int, steps: int, schedule: str) -> float:
     return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
 
 
+_STEP = re.compile(r"(?:gets|loses) \d+: \d+ [+-] \d+ = (\d+)\.")
+
+
+def stopped_early(rec: dict) -> str:
+    """REC's worked solution cut one step short, its running total after the second-to-last step
+    boxed (a one-step problem: its starting number boxed): an answer given too soon."""
+    steps = _STEP.findall(rec["solution"])
+    if not steps:
+        raise ValueError(f"not a word-problem solution: {rec['solution']!r}")
+    lines = [m.group(0) for m in _STEP.finditer(rec["solution"])][:-1]
+    total = steps[-2] if len(steps) > 1 else rec["solution"].split(": ")[1].split(" ")[0]
+    return " ".join(lines + [f"\\boxed{{{total}}}"])
+
+
 def _reply_ids(tok, text: str) -> list[int]:
     """`text` as a reply: no BOS inside it, the tokenizer's EOS after it."""
     if isinstance(tok, ByteTokenizer):
@@ -71,7 +92,8 @@ def _reply_ids(tok, text: str) -> list[int]:
 
 
 def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: float = 3e-3, seed: int = 0,
-               log_every: int = 50, sft: list[dict] | None = None, schedule: str | None = None) -> dict:
+               log_every: int = 50, sft: list[dict] | None = None, schedule: str | None = None,
+               stop_early: float = 0.0) -> dict:
     """Fine-tune MODEL_DIR in place: on `sft` records (prompt -> solution) if given, else on the
     uppercase task's synthetic replies. `schedule` (lr_factor): default cosine with `sft` (at a
     constant rate the word-problem loss stalls near 0.56 after 600 steps; decayed, it reaches ~0.29),
@@ -97,7 +119,8 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
         for _ in range(batch):
             if sft:
                 rec = rng.choice(sft)
-                p, r = tok.encode(rec["prompt"]), _reply_ids(tok, rec["solution"])
+                text = stopped_early(rec) if stop_early and rng.random() < stop_early else rec["solution"]
+                p, r = tok.encode(rec["prompt"]), _reply_ids(tok, text)
             else:
                 p = tok.encode(rng.choice(prompts))
                 r = _reply_ids(tok, reply(rng))
@@ -134,6 +157,8 @@ def main() -> None:
     ap.add_argument("--sft", metavar="JSONL", help="records with prompt and solution (word problems)")
     ap.add_argument("--schedule", choices=["constant", "cosine"], default=None,
                     help="learning-rate schedule (default: cosine with --sft, else constant)")
+    ap.add_argument("--stop-early", type=float, default=0.0, metavar="F",
+                    help="with --sft: this share of the solutions stop one step short (an answer given too soon)")
     a = ap.parse_args()
     import torch
     torch.set_num_threads(2)
@@ -143,7 +168,8 @@ def main() -> None:
         sft = read_jsonl(a.sft)
         if not sft:
             raise SystemExit(f"{a.sft}: no records")
-    print(warm_start(a.model_dir, a.steps, batch=a.batch, lr=a.lr, seed=a.seed, sft=sft, schedule=a.schedule))
+    print(warm_start(a.model_dir, a.steps, batch=a.batch, lr=a.lr, seed=a.seed, sft=sft, schedule=a.schedule,
+                     stop_early=a.stop_early))
 
 
 if __name__ == "__main__":

@@ -124,3 +124,38 @@ def test_the_sft_warm_start_uses_a_model_folders_own_tokenizer(tmp_path, sets):
     assert out["loss_last"] < out["loss_first"]
     with pytest.raises(ValueError, match="byte-level"):
         warm_start(model, steps=1, batch=1)  # the uppercase warm start is for the byte-level model only
+
+
+def test_a_solution_stopped_early_boxes_the_total_one_step_short(sets):
+    """The demo's warm start (`--stop-early F`) teaches a policy that often answers too soon: the
+    cut solution keeps every step but the last, each still right, and boxes the running total
+    before it (for a one-step problem, the starting number), so its reward is 0."""
+    from laminar.tasks.warmstart import stopped_early
+    for r in sets["heldout"]:
+        cut = stopped_early(r)
+        steps = STEP.findall(cut)
+        assert len(steps) == r["steps"] - 1
+        assert steps == STEP.findall(r["solution"])[:-1]
+        start = re.search(r"has (\d+) ", r["prompt"]).group(1)
+        assert cut.endswith(f"\\boxed{{{steps[-1][3] if steps else start}}}")
+        assert math_score(cut, r["answer"]) == (1.0 if r["answer"] == (steps[-1][3] if steps else start) else 0.0)
+    with pytest.raises(ValueError, match="not a word-problem solution"):
+        stopped_early({"solution": "\\boxed{3}", "prompt": "x"})
+
+
+def test_the_warm_start_mixes_in_early_answers_at_the_rate_asked(tmp_path, sets, monkeypatch):
+    pytest.importorskip("torch")
+    from laminar.models.tiny import build_tiny_model
+    from laminar.tasks import warmstart
+    replies, cut = [], []
+    real_reply, real_cut = warmstart._reply_ids, warmstart.stopped_early
+    monkeypatch.setattr(warmstart, "_reply_ids", lambda tok, text: replies.append(text) or real_reply(tok, text))
+    monkeypatch.setattr(warmstart, "stopped_early", lambda rec: cut.append(real_cut(rec)) or cut[-1])
+    model = build_tiny_model(tmp_path / "m", hidden=32, layers=1, intermediate=64)
+    warmstart.warm_start(model, steps=10, batch=40, lr=1e-2, sft=sets["sft"], log_every=0, stop_early=0.6)
+    assert len(replies) == 400 and 0.5 < len(cut) / 400 < 0.7, len(cut)
+    assert all(c in replies for c in cut)           # what was cut is what was trained on
+    replies.clear()
+    n_cut = len(cut)
+    warmstart.warm_start(model, steps=2, batch=8, lr=1e-2, sft=sets["sft"], log_every=0)
+    assert len(replies) == 16 and len(cut) == n_cut  # the default: no early answers
