@@ -210,6 +210,14 @@ while time.monotonic() < deadline and len(reported | dead) < len(kids):
     for i, pid in enumerate(kids):
         if i not in dead and os.waitpid(pid, os.WNOHANG)[0]:
             dead.add(i)
+# a child the OOM killer has just killed may not be reaped yet: keep reaping a moment (the survivors
+# sleep 30 s), so a killed child is not counted as holding its block
+settle = time.monotonic() + 2
+while time.monotonic() < settle:
+    for i, pid in enumerate(kids):
+        if i not in dead and os.waitpid(pid, os.WNOHANG)[0]:
+            dead.add(i)
+    time.sleep(0.05)
 print("holding", len(reported - dead), "killed", len(dead), flush=True)
 """
 
