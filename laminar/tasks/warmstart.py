@@ -70,18 +70,16 @@ def lr_factor(step: int, steps: int, schedule: str) -> float:
     return 0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
 
 
-_STEP = re.compile(r"(?:gets|loses) \d+: \d+ [+-] \d+ = (\d+)\.")
+_STEP = re.compile(r"(?:gets|loses) \d+: (\d+) [+-] \d+ = \d+\.")
 
 
 def stopped_early(rec: dict) -> str:
-    """REC's worked solution cut one step short, its running total after the second-to-last step
-    boxed (a one-step problem: its starting number boxed): an answer given too soon."""
-    steps = _STEP.findall(rec["solution"])
+    """REC's worked solution cut one step short, with the total the last step starts from boxed
+    (a one-step problem: its starting number): an answer given too soon."""
+    steps = list(_STEP.finditer(rec["solution"]))
     if not steps:
         raise ValueError(f"not a word-problem solution: {rec['solution']!r}")
-    lines = [m.group(0) for m in _STEP.finditer(rec["solution"])][:-1]
-    total = steps[-2] if len(steps) > 1 else rec["solution"].split(": ")[1].split(" ")[0]
-    return " ".join(lines + [f"\\boxed{{{total}}}"])
+    return " ".join([m.group(0) for m in steps[:-1]] + [f"\\boxed{{{steps[-1].group(1)}}}"])
 
 
 def _reply_ids(tok, text: str) -> list[int]:

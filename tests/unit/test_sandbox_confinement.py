@@ -203,20 +203,20 @@ for i in range(15):
     kids.append(pid)
 os.close(w)
 reported, dead = set(), set()
+def reap():
+    for i, pid in enumerate(kids):
+        if i not in dead and os.waitpid(pid, os.WNOHANG)[0]:
+            dead.add(i)
 deadline = time.monotonic() + 15
 while time.monotonic() < deadline and len(reported | dead) < len(kids):
     if select.select([r], [], [], 0.2)[0]:
         reported.update(os.read(r, 64))
-    for i, pid in enumerate(kids):
-        if i not in dead and os.waitpid(pid, os.WNOHANG)[0]:
-            dead.add(i)
+    reap()
 # a child the OOM killer has just killed may not be reaped yet: keep reaping a moment (the survivors
 # sleep 30 s), so a killed child is not counted as holding its block
 settle = time.monotonic() + 2
 while time.monotonic() < settle:
-    for i, pid in enumerate(kids):
-        if i not in dead and os.waitpid(pid, os.WNOHANG)[0]:
-            dead.add(i)
+    reap()
     time.sleep(0.05)
 print("holding", len(reported - dead), "killed", len(dead), flush=True)
 """
