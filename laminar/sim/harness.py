@@ -201,19 +201,33 @@ def with_concurrency(setup: dict, concurrency: int | None) -> dict:
 
 
 def with_engine_seqs(setup: dict, value: str | None) -> dict:
-    """`--engine-seqs kv|N`: the rollouts' engines run at most that many sequences at once
-    (scenario.engine_seqs; every mode alike) instead of paper.yaml's rollout.max_num_seqs."""
+    """`--engine-seqs kv|all|N`: the rollouts' engines run at most that many sequences at once
+    (scenario.engine_seqs; every mode alike; all: every trajectory a rollout takes) instead of
+    paper.yaml's rollout.max_num_seqs."""
     if value is not None:
-        setup["rollout"]["max_num_seqs"] = value if value == "kv" else int(value)
+        setup["rollout"]["max_num_seqs"] = "kv" if value == "kv" else None if value == "all" else int(value)
     return setup
 
 
-def with_refill(setup: dict, on: bool) -> dict:
-    """`--refill`: the laminar modes' rollouts take new groups as trajectories finish, until a
-    newer version is on their relay (scenario.build_config), instead of a batch at a time."""
-    if on:
-        setup["rollout"]["refill"] = True
+def with_refill(setup: dict, on: bool | None) -> dict:
+    """`--refill` / `--no-refill`: the laminar modes' rollouts take new groups as trajectories
+    finish, until a newer version is on their relay (scenario.build_config), or a batch at a
+    time; None keeps paper.yaml's rollout.refill."""
+    if on is not None:
+        setup["rollout"]["refill"] = bool(on)
     return setup
+
+
+def as_the_paper_ran(engine_seqs: str | None, refill: bool | None) -> tuple[str, bool]:
+    """The component checks replay the paper's rollouts (vLLM's default, no cap; a batch at a
+    time) whatever paper.yaml's defaults, unless the command line says otherwise."""
+    return engine_seqs or "all", False if refill is None else refill
+
+
+def engine_settings(setup: dict) -> dict:
+    """What a run's engines and rollouts did, as recorded in its JSON: max_num_seqs (None: all)
+    and refill, after paper.yaml and the command line."""
+    return {"engine_seqs": setup["rollout"].get("max_num_seqs"), "refill": bool(setup["rollout"].get("refill"))}
 
 
 def _setup_of(path, concurrency, engine_seqs, refill) -> dict:
@@ -225,7 +239,7 @@ def _setup_of(path, concurrency, engine_seqs, refill) -> dict:
 def run_child(spec: dict) -> dict:
     """The body of a child process: one (model, GPUs, mode) run -> its result dict."""
     from laminar.sim import load_workload
-    setup = _setup_of(spec["setups"], spec.get("concurrency"), spec.get("engine_seqs"), spec.get("refill", False))
+    setup = _setup_of(spec["setups"], spec.get("concurrency"), spec.get("engine_seqs"), spec.get("refill"))
     workload = load_workload(setup.get("workload"))
     return run_mode(setup, workload, spec["model"], spec["gpus"], spec["mode"], root=Path(spec["root"]),
                     speedup=spec["speedup"], warmup=spec["warmup"], measure=spec["measure"], relays=spec["relays"],
@@ -537,14 +551,15 @@ def main(argv: list[str] | None = None) -> int:
                     "(flow control; default: no bound, as in the paper)")
     ap.add_argument("--concurrency", type=int, default=None, help="trajectories a rollout takes per batch "
                     "(max_concurrency; default: paper.yaml's, the paper's 1,024). Fewer in flight, less staleness")
-    ap.add_argument("--engine-seqs", default=None, metavar="kv|N",
+    ap.add_argument("--engine-seqs", default=None, metavar="kv|all|N",
                     help="sequences each rollout's engine runs at once, every mode alike (vLLM max_num_seqs): kv = "
-                         "KV capacity ÷ the tokens a sequence holds on average (the ceiling's batch); default: "
-                         "paper.yaml's rollout.max_num_seqs (none: all max_concurrency, preempting as vLLM does)")
-    ap.add_argument("--refill", action="store_true",
+                         "KV capacity ÷ the tokens a sequence holds on average (the ceiling's batch); all = every "
+                         "trajectory a rollout takes, preempting when the KV cache is full (vLLM's default); "
+                         "default: paper.yaml's rollout.max_num_seqs (kv; --components: all, as the paper ran)")
+    ap.add_argument("--refill", action=argparse.BooleanOptionalAction, default=None,
                     help="laminar modes: a rollout takes new groups as trajectories finish, until a newer version "
-                         "is on its relay, then drains and loads it (default: paper.yaml's rollout.refill; off: "
-                         "a batch of max_concurrency at a time)")
+                         "is on its relay, then drains and loads it; --no-refill: a batch of max_concurrency at a "
+                         "time (default: paper.yaml's rollout.refill, on; --components: off, as the paper ran)")
     ap.add_argument("--jobs", type=int, default=min(3, max(1, (os.cpu_count() or 1) + 1)),
                     help="runs at once, one process each (default 3 on 2 cores: each is sized for ~half a core)")
     ap.add_argument("--out", help="write the results as JSON here (plot beside it, .png)")
@@ -564,8 +579,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.concurrency is not None and a.concurrency < 1:
         ap.error("--concurrency must be at least 1")
-    if a.engine_seqs not in (None, "kv") and not (a.engine_seqs.isdigit() and int(a.engine_seqs) > 0):
-        ap.error("--engine-seqs must be kv or a positive number")
+    if a.engine_seqs not in (None, "kv", "all") and not (a.engine_seqs.isdigit() and int(a.engine_seqs) > 0):
+        ap.error("--engine-seqs must be kv, all or a positive number")
+    if a.components:
+        a.engine_seqs, a.refill = as_the_paper_ran(a.engine_seqs, a.refill)
     setup = _setup_of(a.setups, a.concurrency, a.engine_seqs, a.refill)
     workload = load_workload(setup.get("workload"))
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -599,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             return a.warmup
         return it["warmup"] if mode.startswith("laminar") else it.get("warmup_barrier", it["warmup"])
     if a.combine:
-        return report(combine(a.combine, setup, workload), MODES, workload, a, 0.0)
+        return report(combine(a.combine, setup, workload), MODES, workload, a, 0.0, None)
     if a.components:
         return components(setup, workload, a)
     if a.write_configs:
@@ -632,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     objs = [assemble(size, gpus, {m: results[(size, gpus, m)] for m in modes}, {m: warmup_of(m) for m in modes},
                      {m: measure_of(size, gpus, m) for m in modes})
             for size, gpus in runs]
-    return report(objs, modes, workload, a, round(time.monotonic() - t0, 1))
+    return report(objs, modes, workload, a, round(time.monotonic() - t0, 1), setup)
 
 
 COMPONENT_RUNS = {"warmup": 2, "measure": 2}  # the Fig. 16 runs: 32B/128, laminar with and without repack
@@ -682,7 +699,7 @@ def components(setup: dict, workload: dict, a) -> int:
                   "yes" if r.get("calibrated") else "no"] for k, r in rows.items()])
     runs = {f"{m}": results.get(("32B", 128, m)) for m in ("laminar", "laminar_norepack")}
     write_json(a.out, {"components": rows, "repack_window": window, "setups": a.setups, "fig16_runs": runs,
-                       "wall_s": round(time.monotonic() - t0, 1)})
+                       **engine_settings(setup), "wall_s": round(time.monotonic() - t0, 1)})
     print(f"total wall time {time.monotonic() - t0:.0f} s")
     return 0
 
@@ -711,7 +728,9 @@ def combine(paths: list[str], setup: dict, workload: dict) -> list[dict]:
             for (size, gpus), m in sorted(merged.items(), key=lambda kv: order(kv[0]))]
 
 
-def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float) -> int:
+def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float, setup: dict | None) -> int:
+    """Print the tables and write the JSON; `setup` None (a --combine): each run's placement
+    records its own engine settings."""
     for obj in objs:
         print_scale(obj, workload)
     eff = scaling_efficiency(objs)
@@ -738,7 +757,8 @@ def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float)
                                 "inherent_staleness_observed_max": workload.get("inherent_staleness_observed_max")},
             "setups": a.setups, "relays": "real" if a.relays else "modeled", "jobs": a.jobs,
             "combined_from": a.combine, "max_batches_ahead": a.ahead,
-            "max_concurrency": a.concurrency, "engine_seqs": a.engine_seqs, "refill": a.refill,
+            "max_concurrency": a.concurrency,
+            **(engine_settings(setup) if setup else {"engine_seqs": "per run", "refill": "per run"}),
             "wall_s": wall_s}
     if a.out:
         png = plot(objs, Path(a.out).with_suffix(".png")) if len(objs) > 1 else None

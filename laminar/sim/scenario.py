@@ -75,7 +75,8 @@ def trainer_terms(setup: dict, workload: dict, size: str, gpus: int, mode: str) 
     train_gpus, roll_gpus = placement(workload, size, gpus, mode)
     out = {"fsdp": int(m.get("fsdp", 0)), "sp": int(m.get("sp", 1)),
            "optimizer_steps": int(ts.get("optimizer_steps", 16)),
-           "collective_gbps": float(ts.get("collective_gbps", 160.0)), "balance": bool(ts.get("balance", True))}
+           "collective_gbps": float(ts.get("collective_gbps", 160.0)), "balance": bool(ts.get("balance", True)),
+           "attention": bool(ts.get("attention", False))}
     ctl = setup.get("controller")
     if ctl and mode in ctl.get("modes", BARRIER_MODES):
         shape = setup["run_shape"]
@@ -360,7 +361,9 @@ def estimate(setup: dict, workload: dict, size: str, gpus: int, mode: str) -> di
     batch = shape["prompts_per_batch"] * shape["group_size"]
     ls = _length_stats(setup, workload, size)
     cost = trainer_cost(setup, workload, size, gpus, mode)
-    train = cost.iteration_s(int(batch * (shape["prompt_tokens"] + ls["mean"])), batch)
+    p, mean = shape["prompt_tokens"], ls["mean"]
+    squares = batch * (p * p + 2 * p * mean + 2 * ls["half_second_moment"] * mean)  # Σ (P + L)²
+    train = cost.iteration_s(int(batch * (p + mean)), batch, squares)
     per_replica, _ = ideal_replica_tokens_per_s(setup, workload, size, mode)
     gen = batch * ls["mean"] / (replicas * per_replica)
     tail = ls["batch_max"] * step_ms(setup, workload, size, tp, 1, None) / 1000.0

@@ -5,10 +5,16 @@ Design decisions:
 - Iteration time = 6 × params × tokens (× 4/3 with full activation recomputation: one more
   forward pass) ÷ (GPUs × peak bf16 FLOPs × MFU). `tokens` = prompt + response tokens of the
   global batch, every one of which is trained on once per iteration (the mini-batch steps split
-  the batch, they do not repeat it). Attention's own FLOPs (∝ sequence length) are left out:
-  ~2% of the total for 72B at ~2K tokens per sequence, ~9% for 7B at ~6.5K tokens.
-  Extra forward-only passes (recomputed old logprobs, a KL reference) add 2 × params × tokens
-  each when asked for; none by default.
+  the batch, they do not repeat it). Extra forward-only passes (recomputed old logprobs, a KL
+  reference) add 2 × params × tokens each when asked for; none by default.
+- Attention's own FLOPs (`attention`): causal self-attention costs 2 × layers × heads × head_dim
+  × n² a forward pass for a sequence of n tokens (`ModelShape.attention_flops`), quadratic in its
+  length, so it is charged on each sequence's own length: × 4 forward-equivalents with
+  recomputation (forward, recomputed forward, backward at twice the forward), 3 without, plus one
+  per extra forward-only pass, the same multiples as the dense part. With the workload's lengths
+  (Σn² ÷ Σn: 7,975 tokens at 7B, 4,735 at 32B, 1,501 at 72B) it adds 10.5%, 4.7% and 1.4% to
+  the compute term. Off in a bare `TrainerCost`; configs/sim/paper.yaml
+  turns it on for every mode. The MFU applies to it as to the rest (Llama 3's MFU counts it).
 - MFU is a stated constant, `TRAIN_MFU` = 0.35, not tuned to the paper's throughput: Llama 3
   reports 38-43% bf16 MFU for 405B pre-training on 8K-16K H100s with a 4D-parallel stack tuned
   for fixed 8K sequences; RL training has variable-length packed sequences (up to 18K tokens
@@ -88,11 +94,11 @@ def fsdp_step_bytes(params: int, fsdp: int) -> float:
     return 0.0 if fsdp <= 1 else 8.0 * params * (fsdp - 1) / fsdp
 
 
-def balanced_step_tokens(lengths, ranks: int, steps: int) -> list[int]:
-    """Tokens of the slowest rank at each optimizer step: `lengths` (tokens per sequence) spread
-    over `ranks` balancing their totals (longest first onto the lightest rank, as verl's
-    balance_batch balances sequence lengths), each rank's share cut into `steps` mini-batches of
-    equal count in the order received."""
+def balanced_step_tokens(lengths, ranks: int, steps: int, cost=None) -> list[float]:
+    """Tokens (or `cost(length)` summed, e.g. FLOPs) of the slowest rank at each optimizer step:
+    `lengths` (tokens per sequence) spread over `ranks` balancing their token totals (longest
+    first onto the lightest rank, as verl's balance_batch balances sequence lengths), each rank's
+    share cut into `steps` mini-batches of equal count in the order received."""
     import heapq
     ranks = max(1, min(ranks, len(lengths)))
     heap = [(0, r) for r in range(ranks)]
@@ -106,7 +112,8 @@ def balanced_step_tokens(lengths, ranks: int, steps: int) -> list[int]:
         share = share[::2] + share[1::2][::-1]  # long and short alternate along a rank's mini-batches
         k = len(share)
         for s in range(steps):
-            out[s] = max(out[s], sum(share[s * k // steps:(s + 1) * k // steps]))
+            part = share[s * k // steps:(s + 1) * k // steps]
+            out[s] = max(out[s], sum(part) if cost is None else sum(cost(n) for n in part))
     return out
 
 
@@ -126,6 +133,7 @@ class TrainerCost:
     controller_s_per_trajectory: float = 0.0
     controller_fixed_s: float = 0.0
     switch_s: float = 0.0           # colocated: phase switches per iteration
+    attention: bool = False         # charge causal self-attention's FLOPs (quadratic in a sequence)
 
     @classmethod
     def build(cls, model: str, gpu: str, gpus: int, **kw) -> TrainerCost:
@@ -138,9 +146,23 @@ class TrainerCost:
     def flops_per_token(self) -> float:
         return train_flops(self.model.params, 1, self.recompute, self.extra_forward_passes)
 
-    def compute_s(self, tokens: int) -> float:
-        """FLOPs of `tokens` on every GPU, perfectly balanced."""
-        return tokens * self.flops_per_token() / (self.gpus * self.gpu.peak_flops * self.mfu)
+    def forward_passes(self) -> float:
+        """Forward-pass equivalents of training a token: forward + backward (twice the forward),
+        + the recomputed forward, + each extra forward-only pass."""
+        return (4.0 if self.recompute else 3.0) + self.extra_forward_passes
+
+    def sequence_flops(self, n: int) -> float:
+        """Training FLOPs of one sequence of `n` tokens: dense, plus attention's if charged."""
+        att = self.forward_passes() * self.model.attention_flops(n) if self.attention else 0.0
+        return n * self.flops_per_token() + att
+
+    def compute_s(self, tokens: int, squares: float = 0.0) -> float:
+        """FLOPs of `tokens` on every GPU, perfectly balanced; `squares` = Σ n² over the sequences
+        (for attention's FLOPs; without it none are charged)."""
+        flops = tokens * self.flops_per_token()
+        if self.attention:
+            flops += self.forward_passes() * self.model.attention_flops(1) * squares
+        return flops / (self.gpus * self.gpu.peak_flops * self.mfu)
 
     def comm_s(self) -> float:
         """FSDP traffic of one iteration: every optimizer step, plus a gather per forward-only pass."""
@@ -156,18 +178,18 @@ class TrainerCost:
         return (self.comm_s() + self.controller_fixed_s + self.controller_s_per_trajectory * trajectories
                 + self.switch_s)
 
-    def iteration_s(self, tokens: int, trajectories: int = 0) -> float:
+    def iteration_s(self, tokens: int, trajectories: int = 0, squares: float = 0.0) -> float:
         """Seconds of one RL iteration over `tokens` (prompt + response) tokens of `trajectories`
-        sequences, the ranks perfectly balanced."""
-        return self.compute_s(tokens) + self.overhead_s(trajectories)
+        sequences whose squared lengths sum to `squares`, the ranks perfectly balanced."""
+        return self.compute_s(tokens, squares) + self.overhead_s(trajectories)
 
     def iteration_s_lengths(self, lengths) -> float:
         """One iteration over sequences of `lengths` tokens (prompt + response each): every
         optimizer step waits for its slowest data-parallel rank (`balanced_step_tokens`)."""
         ranks = max(1, self.gpus // max(1, self.sp))
-        worst = balanced_step_tokens(list(lengths), ranks, self.optimizer_steps)
+        worst = balanced_step_tokens(list(lengths), ranks, self.optimizer_steps, cost=self.sequence_flops)
         per_rank_rate = (self.gpus / ranks) * self.gpu.peak_flops * self.mfu
-        return sum(worst) * self.flops_per_token() / per_rank_rate + self.overhead_s(len(lengths))
+        return sum(worst) / per_rank_rate + self.overhead_s(len(lengths))
 
     def publish_stall_s(self) -> float:
         """The trainer's only stall per version: pushing its bf16 weights into the master relay."""

@@ -89,6 +89,8 @@ class SimTrainerSettings(BaseModel):
     controller_s_per_trajectory: float = Field(0.0, ge=0, description="single controller: s per trajectory")
     controller_fixed_s: float = Field(0.0, ge=0, description="single controller: s per iteration")
     switch_s: float = Field(0.0, ge=0, description="colocated phase switches per iteration, s")
+    attention: bool = Field(False, description="charge causal self-attention's FLOPs, quadratic in each "
+                            "sequence's length (trainer_cost.TrainerCost.sequence_flops)")
     colocated: bool = Field(False, description="colocated generation and training: the weights are resharded in "
                             "place (charged in switch_s), no relay stall, every host has a version at once")
     nccl: NcclSettings | None = Field(None, description="blocking NCCL broadcast instead of the relay stall: "
@@ -152,7 +154,8 @@ class SimTrainEngine:
                                       fsdp=s.fsdp, sp=s.sp, optimizer_steps=s.optimizer_steps,
                                       collective_gbps=s.collective_gbps,
                                       controller_s_per_trajectory=s.controller_s_per_trajectory,
-                                      controller_fixed_s=s.controller_fixed_s, switch_s=s.switch_s)
+                                      controller_fixed_s=s.controller_fixed_s, switch_s=s.switch_s,
+                                      attention=s.attention)
         self.params = self.cost.model.params
         if s.colocated:
             self.stall_s = 0.0
@@ -179,7 +182,7 @@ class SimTrainEngine:
         if self.s.balance:
             train_s = self.cost.iteration_s_lengths(lengths)
         else:
-            train_s = self.cost.iteration_s(tokens, len(lengths))
+            train_s = self.cost.iteration_s(tokens, len(lengths), squares=sum(n * n for n in lengths))
         stall_s = self.stall_s if self.on_version is not None else 0.0
         nccl = self.s.nccl is not None
         time.sleep(train_s / self.s.speedup)

@@ -134,6 +134,52 @@ def test_imbalance_is_the_slowest_rank_of_each_step():
     assert one.iteration_s_lengths(lengths) == pytest.approx(one.iteration_s(sum(lengths)))
 
 
+def test_attention_flops_grow_with_the_square_of_a_sequence():
+    """Causal self-attention: QK^T and AV over n²/2 pairs, 2 FLOPs a multiply-add, every query
+    dimension of every layer: 2 × layers × heads × head_dim × n² a forward pass, on top of 2 × P × n.
+    Training counts 4 forward-equivalents with recomputation (3 without), plus one per extra
+    forward-only pass, for attention as for the dense part. Worked example, 7B (28 layers, 3,584
+    query dims, 7.62e9 params), one sequence of 8,192 tokens: attention is 28 × 3,584 × 8,192 ÷
+    7.62e9 = 10.8% of the dense FLOPs."""
+    m = model("7B")
+    q = m.heads * m.head_dim
+    n = 8192
+    assert m.attention_flops(n) == 2 * m.layers * q * n * n
+    assert m.attention_flops(n) / (2 * m.params * n) == pytest.approx(0.108, abs=0.001)
+    bare = TrainerCost.build("7B", "H800", 8)
+    att = TrainerCost.build("7B", "H800", 8, attention=True)
+    assert bare.sequence_flops(n) == pytest.approx(8 * m.params * n)  # dense alone, × 4/3 recompute
+    assert att.sequence_flops(n) == pytest.approx(8 * m.params * n + 4 * m.attention_flops(n))
+    with_pass = TrainerCost.build("7B", "H800", 8, attention=True, extra_forward_passes=1, recompute=False)
+    assert with_pass.sequence_flops(n) == pytest.approx(8 * m.params * n + 4 * m.attention_flops(n))
+    # one rank (sp 8 on 8 GPUs): the iteration is every sequence's FLOPs at the GPUs' rate
+    lengths = [512, 2048, 8192, 16384]
+    one = TrainerCost.build("7B", "H800", 8, sp=8, attention=True)
+    rate = 8 * H800.peak_flops * one.mfu
+    assert one.iteration_s_lengths(lengths) == pytest.approx(sum(one.sequence_flops(x) for x in lengths) / rate)
+    flat = one.iteration_s(sum(lengths), len(lengths), squares=sum(x * x for x in lengths))
+    assert flat == pytest.approx(one.iteration_s_lengths(lengths))
+    # longer sequences cost more per token; the same tokens in short sequences barely pay it
+    assert att.iteration_s(8192 * 16, squares=16 * 8192 ** 2) > 1.1 * bare.iteration_s(8192 * 16)
+    assert att.iteration_s(256 * 512, squares=512 * 256 ** 2) < 1.005 * bare.iteration_s(256 * 512)
+
+
+def test_every_mode_pays_attention_flops():
+    """paper.yaml charges attention in every mode's trainer (the same cost model), and the sim
+    trainer charges it on each batch's own lengths."""
+    setup, w = load_setups(SETUPS), load_workload()
+    assert setup["trainer"]["attention"] is True
+    for mode in ("laminar", "sync", "one_step", "stream"):
+        cfg = build_config(setup, "7B", 128, mode, workdir="/tmp/unused", speedup=5, iterations=3, workload=w,
+                           weights_root="/dev/shm/unused")
+        assert cfg["roles"]["trainer"]["sim"]["attention"] is True
+        assert trainer_cost(setup, w, "7B", 128, mode).attention
+    e = SimTrainEngine(SimTrainerSettings(model="7B", gpus=8, sp=8, attention=True, speedup=1e9))
+    spec = types.SimpleNamespace(prompt_tokens=np.zeros(256, np.int32))
+    out = e.train([[types.SimpleNamespace(spec=spec, response_tokens=np.zeros(8192 - 256, np.int32))]], 1)
+    assert out["sim_train_s"] == pytest.approx(e.cost.sequence_flops(8192) / (8 * H800.peak_flops * e.cost.mfu))
+
+
 def test_colocated_switch_worked_example():
     """72B, TP 8, FSDP 32: reshard 2 × P × 31/32 at 160 GB/s + sleep/wake 2 × P × 2/8 at 25 GB/s
     + training state 2 × 12 × P/32 at 25 GB/s = 0.88 + 1.45 + 2.18 s."""
@@ -257,7 +303,11 @@ def test_estimates_use_the_same_cost_model():
     cost = trainer_cost(setup, w, "72B", 1024, "sync")
     assert cost.extra_forward_passes == 1 and cost.switch_s > 0 and cost.controller_s_per_trajectory > 0
     est = estimate(setup, w, "72B", 1024, "sync")
-    assert est["train_s"] == pytest.approx(cost.iteration_s(int(8192 * (256 + est_mean(setup, w))), 8192), rel=1e-6)
+    from laminar.sim.scenario import _length_stats
+    mean, hsm = est_mean(setup, w), _length_stats(setup, w, "72B")["half_second_moment"]
+    squares = 8192 * (256 ** 2 + 2 * 256 * mean + 2 * hsm * mean)  # Σ (P + L)²: attention's FLOPs
+    assert est["train_s"] == pytest.approx(cost.iteration_s(int(8192 * (256 + mean)), 8192, squares), rel=1e-6)
+    assert est["train_s"] > cost.iteration_s(int(8192 * (256 + mean)), 8192)
     lam = trainer_cost(setup, w, "72B", 1024, "laminar")
     assert lam.extra_forward_passes == 0 and lam.comm_s() > 0 and lam.controller_s_per_trajectory == 0
 

@@ -58,3 +58,31 @@ def test_repack_window_measures_the_tail_phase_and_the_trend_test_on_one_replica
     assert w["candidate_tokens_per_s"] < w["bulk_tokens_per_s"] and w["perfect_consolidation_gain"] > 0
     assert 0 < w["reports_kv_falling"] < w["reports_in_phase"]
     assert w["reports_kv_falling"] < w["reports_below_peak"] and w["below_peak_share"] > 0.9, w
+
+
+def test_engine_settings_default_to_the_cap_and_refill_and_the_components_to_the_paper():
+    """paper.yaml's defaults are the engines capped at b* and laminar's rollouts refilling; the
+    command line turns either off (`--engine-seqs all`, `--no-refill`), every run's JSON records
+    what ran, and the component checks replay the paper's rollouts (no cap, a batch at a time)
+    unless told otherwise."""
+    from laminar.sim import load_workload
+    from laminar.sim.harness import _setup_of, as_the_paper_ran, engine_settings, main
+    from laminar.sim.scenario import build_config
+    setups = Path(__file__).resolve().parents[2] / "configs" / "sim" / "paper.yaml"
+    default = _setup_of(setups, None, None, None)
+    assert engine_settings(default) == {"engine_seqs": "kv", "refill": True}
+    off = _setup_of(setups, None, "all", False)
+    assert engine_settings(off) == {"engine_seqs": None, "refill": False}
+    assert engine_settings(_setup_of(setups, None, "96", None)) == {"engine_seqs": 96, "refill": True}
+    w = load_workload()
+    on_cfg = build_config(default, "32B", 128, "laminar", workdir="/tmp/unused", speedup=5, iterations=3,
+                          workload=w, weights_root="/dev/shm/unused")
+    off_cfg = build_config(off, "32B", 128, "laminar", workdir="/tmp/unused", speedup=5, iterations=3,
+                           workload=w, weights_root="/dev/shm/unused")
+    assert on_cfg["roles"]["rollout"]["refill"] is True and not off_cfg["roles"]["rollout"].get("refill")
+    assert 0 < on_cfg["roles"]["rollout"]["max_num_seqs"] < 1024
+    assert "max_num_seqs" not in off_cfg["roles"]["rollout"]
+    assert as_the_paper_ran(None, None) == ("all", False)
+    assert as_the_paper_ran("kv", True) == ("kv", True)
+    with pytest.raises(SystemExit):
+        main(["--engine-seqs", "none", "--components"])
