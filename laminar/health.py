@@ -61,7 +61,8 @@ _HB_FACTS = {
     "evaluator": {"eval_version": "eval_version", "accuracy": "eval_accuracy",
                   "accuracy_sampled": "eval_accuracy_sampled"},
     "manager": {"repacks": "repacks", "moved": "moved", "dead_rollouts": "dead_rollouts", "recovered": "recovered",
-                "orphans": "orphans", "repairs": "repairs", "last_repair_s": "last_repair_s", "epoch": "epoch"},
+                "failed_moves": "failed_moves", "replaced": "replaced", "orphans": "orphans", "repairs": "repairs",
+                "last_repair_s": "last_repair_s", "epoch": "epoch"},
 }
 _TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s",
                   "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3")
@@ -116,6 +117,10 @@ FAMILIES = [
     ("laminar_manager_dead_rollouts_total", "counter", "rollouts declared dead", ("manager",), "dead_rollouts"),
     ("laminar_manager_recovered_trajectories_total", "counter", "in-flight trajectories of dead rollouts "
      "resumed elsewhere", ("manager",), "recovered"),
+    ("laminar_manager_failed_moves_total", "counter", "repack moves whose destination did not take every "
+     "trajectory", ("manager",), "failed_moves"),
+    ("laminar_manager_replaced_trajectories_total", "counter", "trajectories of a failed repack move placed "
+     "on another rollout", ("manager",), "replaced"),
     ("laminar_manager_orphans", "gauge", "partials whose owner is no live rollout, waiting for a place",
      ("manager",), "orphans"),
     ("laminar_manager_chain_repairs_total", "counter", "relay chain repairs", ("manager",), "repairs"),

@@ -164,7 +164,8 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
         if manager is not None:
             c = manager.fleet.c
             run.fleet = {"repacks": c.repacks, "plans": c.plans, "moved": c.moved_trajectories,
-                         "failed_moves": c.failed_moves, "dead": c.dead, "recovered": c.recovered}
+                         "failed_moves": c.failed_moves, "replaced": c.replaced, "dead": c.dead,
+                         "recovered": c.recovered}
     finally:
         ticker.cancel()
         await asyncio.gather(ticker, return_exceptions=True)

@@ -122,6 +122,7 @@ class FleetCounters:
     plans: int = 0                # non-empty plans
     moved_trajectories: int = 0
     recovered: int = 0            # trajectories of dead rollouts placed on live ones
+    replaced: int = 0             # trajectories of a failed repack move placed on another rollout
     restarted: int = 0            # orphans started again from their prompt (orphan_policy restart)
     requeued: int = 0             # prompt-pool entries handed to dead rollouts and found nowhere: handed out again
     settled: int = 0              # prompt-pool entries found whole in the partial pool or buffer
@@ -143,6 +144,7 @@ class Fleet:
         self.views: dict[str, RolloutView] = {}
         self.clients: dict[str, object] = {}
         self.orphans: dict[str, tuple[PartialState, float]] = {}
+        self.unmoved: set[str] = set()  # orphans a failed repack move left, not a dead rollout's work
         self.lost: asyncio.Queue[tuple[str, int]] = asyncio.Queue(maxsize=1024)  # (rollout id, its dead pid)
         self.kick = asyncio.Event()
         self.lock = asyncio.Lock()
@@ -275,6 +277,7 @@ class Fleet:
         for p in parts:
             if p.spec.trajectory_id not in placed:
                 self.orphans[p.spec.trajectory_id] = (p, time.monotonic())
+                self.unmoved.add(p.spec.trajectory_id)
         if len(placed) < len(parts):
             self.c.failed_moves += 1
             await self._place_orphans()
@@ -428,7 +431,7 @@ class Fleet:
                 placed = await self._migrate_in(dest.id, batch)
                 for tid in placed:
                     self.orphans.pop(tid, None)
-                self.c.recovered += len(placed)
+                self._count_placed(placed)
                 if placed:
                     self.log.info("orphans_placed", dest=dest.id, version=version, trajectories=len(placed))
                 parts += [p for p in batch if p.spec.trajectory_id not in placed]
@@ -440,6 +443,17 @@ class Fleet:
             await self._restart(stuck)
         elif stuck:
             self.log.warning("orphans_stuck", trajectories=len(stuck), waiting_s=self.s.orphan_wait_s)
+        self.unmoved &= self.orphans.keys()  # placed, restarted or finished elsewhere: no longer orphans
+
+    def _count_placed(self, tids) -> None:
+        """Orphans now running on a live rollout: a failed move's (`replaced`) or a dead rollout's
+        (`recovered`), so the counter of dead rollouts' work counts nothing else."""
+        for tid in tids:
+            if tid in self.unmoved:
+                self.unmoved.discard(tid)
+                self.c.replaced += 1
+            else:
+                self.c.recovered += 1
 
     async def _adopt(self, tids: list[str]) -> list[str]:
         """Offer stuck orphans, by version, to live rollouts (fewest active first) for adoption on
@@ -468,7 +482,7 @@ class Fleet:
                 took = set(res.accepted) | set(res.gone)
                 for tid in took:
                     self.orphans.pop(tid, None)
-                self.c.recovered += len(res.accepted)
+                self._count_placed(res.accepted)
                 self.c.adopted += len(res.accepted)
                 if res.accepted:
                     self.log.info("orphans_adopted", dest=dest.id, version=version, ids=sorted(res.accepted)[:64],

@@ -174,5 +174,6 @@ class ManagerRole(Role):
                 "repairs": self.chain.repairs, "last_repair_s": round(self.chain.last_repair_s, 4),
                 "repacks": f.repacks, "moved": f.moved_trajectories, "last_repack_s": round(f.last_repack_s, 4),
                 "dead_rollouts": f.dead, "recovered": f.recovered, "restarted": f.restarted, "adopted": f.adopted,
+                "failed_moves": f.failed_moves, "replaced": f.replaced,
                 "groups_requeued": f.requeued, "groups_settled": f.settled,
                 "orphans": len(self.fleet.orphans)}

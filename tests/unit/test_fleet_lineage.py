@@ -51,3 +51,34 @@ def test_work_without_a_lineage_is_matched_by_version_as_before():
     fleet.on_stats(stats("a", 3, lineage=1))
     assert [v.id for v in fleet._hosts_of(3, -1)] == ["a"]
     assert fleet._hosts_of(3, 2) == []
+
+
+def test_work_of_a_failed_move_is_replaced_not_counted_as_recovered():
+    """A repack move whose destination refuses leaves its trajectories orphaned for a moment; the
+    manager places them on another rollout. That is not the recovery of a dead rollout's work:
+    `recovered` (laminar_manager_recovered_trajectories_total, "of dead rollouts") must not count
+    them, `replaced` does, and no rollout is declared dead."""
+    import types
+    fleet = Fleet(_NoTransport(), structlog.get_logger("test"), FleetSettings(orphan_wait_s=1e9), lambda r: "",
+                  partial_pool_address=None)
+    for rid in ("src", "refuses", "takes"):
+        fleet.on_stats(stats(rid, 3, lineage=2))
+    parts = [orphan(f"t{i}", 3, lineage=2) for i in range(4)]
+
+    class Source:
+        async def call(self, req, timeout):
+            return types.SimpleNamespace(partials=parts)
+
+    fleet._client = lambda rid: Source()
+
+    async def migrate_in(dest, batch):
+        return set() if dest == "refuses" else {p.spec.trajectory_id for p in batch}
+
+    fleet._migrate_in = migrate_in
+    assert asyncio.run(fleet._move("src", "refuses", 3)) == 0
+    assert fleet.orphans == {}  # placed at once on the rollout that takes them
+    assert (fleet.c.failed_moves, fleet.c.replaced, fleet.c.recovered, fleet.c.dead) == (1, 4, 0, 0)
+    # a dead rollout's work is still counted as recovered
+    fleet.orphans = {"d": (orphan("d", 3, lineage=2), time.monotonic())}
+    asyncio.run(fleet._place_orphans())
+    assert (fleet.c.replaced, fleet.c.recovered) == (4, 1)

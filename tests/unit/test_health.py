@@ -80,7 +80,7 @@ def fed() -> tuple[HealthCollector, Clock]:
         c.child_changed(child(role, id, "ready"))
     c.observe(hb("broker", "0"))
     c.observe(hb("manager", "0", {"chain": ["r0"], "repacks": 4, "moved": 31, "dead_rollouts": 1, "recovered": 7,
-                                  "orphans": 2, "repairs": 1, "last_repair_s": 0.12, "epoch": 3}))
+                                  "failed_moves": 3, "replaced": 11, "orphans": 2, "repairs": 1, "last_repair_s": 0.12, "epoch": 3}))
     c.observe(hb("relay", "r0", {"version": 6, "receiving": -1, "chunks_have": 9, "chunks_total": 9,
                                  "corrupt_chunks": 0}, dropped=2))
     c.observe(RelayProgress(relay_id="r0", version=7, chunks_have=4, chunks_total=9, complete_version=6,
@@ -133,6 +133,8 @@ def test_exposition_reports_every_fact_of_the_node():
     assert get(s, "laminar_manager_moved_trajectories_total") == 31
     assert get(s, "laminar_manager_dead_rollouts_total") == 1
     assert get(s, "laminar_manager_recovered_trajectories_total") == 7
+    assert get(s, "laminar_manager_failed_moves_total") == 3
+    assert get(s, "laminar_manager_replaced_trajectories_total") == 11
     assert get(s, "laminar_manager_orphans") == 2
     assert get(s, "laminar_manager_chain_repairs_total") == 1
     assert not [k for k in s if "echo" in str(k) or k[0].endswith("served")]
