@@ -80,7 +80,8 @@ def fed() -> tuple[HealthCollector, Clock]:
         c.child_changed(child(role, id, "ready"))
     c.observe(hb("broker", "0"))
     c.observe(hb("manager", "0", {"chain": ["r0"], "repacks": 4, "moved": 31, "dead_rollouts": 1, "recovered": 7,
-                                  "failed_moves": 3, "replaced": 11, "orphans": 2, "repairs": 1, "last_repair_s": 0.12, "epoch": 3}))
+                                  "failed_moves": 3, "replaced": 11, "orphans": 2, "repairs": 1,
+                                  "last_repair_s": 0.12, "epoch": 3}))
     c.observe(hb("relay", "r0", {"version": 6, "receiving": -1, "chunks_have": 9, "chunks_total": 9,
                                  "corrupt_chunks": 0}, dropped=2))
     c.observe(RelayProgress(relay_id="r0", version=7, chunks_have=4, chunks_total=9, complete_version=6,
