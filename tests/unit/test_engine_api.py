@@ -132,8 +132,12 @@ def test_the_multi_rank_methods_the_role_calls_are_declared_and_the_real_engine_
 
 
 def test_the_engine_runs_at_most_max_num_seqs_of_the_rollouts_trajectories():
-    base = scenario()["roles"]["rollout"]
-    assert "max_num_seqs" not in base  # paper.yaml's default: the engine runs every trajectory it takes
+    from laminar.sim.harness import with_engine_seqs
+    assert "max_num_seqs" in scenario()["roles"]["rollout"]  # paper.yaml's default: capped at b* (kv)
+    base = build_config(with_engine_seqs(load_setups(ROOT / "configs" / "sim" / "paper.yaml"), "all"), "32B", 128,
+                        "laminar", workdir="/tmp/unused", speedup=5, iterations=3, workload=load_workload(),
+                        weights_root=f"/dev/shm/laminar-test-{uuid.uuid4().hex[:8]}")["roles"]["rollout"]
+    assert "max_num_seqs" not in base  # --engine-seqs all: the engine runs every trajectory it takes
     assert build_rollout_engine(RolloutConfig(**base)).max_num_seqs == base["max_concurrency"]
     capped = build_rollout_engine(RolloutConfig(**{**base, "max_num_seqs": 37}))
     assert capped.max_num_seqs == 37
@@ -162,8 +166,9 @@ def test_kv_sized_engine_seqs_are_the_ceilings_batch_for_every_mode(mode):
 
 
 def test_refill_reaches_the_laminar_modes_only():
-    """`bench/scale.py --refill` (paper.yaml rollout.refill): the laminar modes' rollouts refill;
-    the barrier modes keep their own default (stream refills, sync and one_step do not)."""
+    """paper.yaml rollout.refill (default true; `bench/scale.py --no-refill`): the laminar modes'
+    rollouts refill; the barrier modes keep their own default (stream refills, sync and one_step
+    do not)."""
     from laminar.sim.harness import with_refill
     setup = load_setups(ROOT / "configs" / "sim" / "paper.yaml")
     workload = load_workload(setup.get("workload"))
@@ -171,9 +176,10 @@ def test_refill_reaches_the_laminar_modes_only():
     def rollout(s: dict, mode: str) -> dict:
         return build_config(s, "7B", 16, mode, workdir="/tmp/x", speedup=10.0, iterations=3, workload=workload,
                             weights_root="/dev/shm/x")["roles"]["rollout"]
+    off = with_refill(load_setups(ROOT / "configs" / "sim" / "paper.yaml"), False)
     for mode in ("laminar", "laminar_norepack", "sync", "one_step", "stream"):
-        assert "refill" not in rollout(setup, mode)  # paper.yaml's default: each mode's own
-    on = with_refill(setup, True)
+        assert "refill" not in rollout(off, mode)  # --no-refill: each mode's own default
+    on = setup  # paper.yaml's default
     assert rollout(on, "laminar")["refill"] is True and rollout(on, "laminar_norepack")["refill"] is True
     for mode in ("sync", "one_step", "stream"):
         assert "refill" not in rollout(on, mode)
