@@ -273,7 +273,7 @@ _LENGTH_STATS: dict = {}
 
 
 def _length_stats(setup: dict, workload: dict, size: str) -> dict:
-    """Mean, E[L²]/(2E[L]) and the expected longest of a global batch, of a model's lengths."""
+    """Mean, E[L²], E[L²]/(2E[L]) and the expected longest of a global batch, of a model's lengths."""
     key = (size, setup["run_shape"]["max_output_tokens"], setup["run_shape"]["prompts_per_batch"])
     if key not in _LENGTH_STATS:
         from laminar.sim.lengths import workload_lengths
@@ -281,7 +281,8 @@ def _length_stats(setup: dict, workload: dict, size: str) -> dict:
         dist = workload_lengths(setup["models"][size]["lengths"], workload, shape["max_output_tokens"])
         x = dist.sample(0, 200_000).astype(float)
         batch = shape["prompts_per_batch"] * shape["group_size"]
-        _LENGTH_STATS[key] = {"mean": float(x.mean()), "half_second_moment": float((x ** 2).mean() / (2 * x.mean())),
+        _LENGTH_STATS[key] = {"mean": float(x.mean()), "second_moment": float((x ** 2).mean()),
+                              "half_second_moment": float((x ** 2).mean() / (2 * x.mean())),
                               "batch_max": float(dist.quantile(1 - 1 / (2 * batch)))}
     return _LENGTH_STATS[key]
 
@@ -362,7 +363,7 @@ def estimate(setup: dict, workload: dict, size: str, gpus: int, mode: str) -> di
     ls = _length_stats(setup, workload, size)
     cost = trainer_cost(setup, workload, size, gpus, mode)
     p, mean = shape["prompt_tokens"], ls["mean"]
-    squares = batch * (p * p + 2 * p * mean + 2 * ls["half_second_moment"] * mean)  # Σ (P + L)²
+    squares = batch * (p * p + 2 * p * mean + ls["second_moment"])  # Σ (P + L)²
     train = cost.iteration_s(int(batch * (p + mean)), batch, squares)
     per_replica, _ = ideal_replica_tokens_per_s(setup, workload, size, mode)
     gen = batch * ls["mean"] / (replicas * per_replica)

@@ -151,17 +151,18 @@ class TrainerCost:
         + the recomputed forward, + each extra forward-only pass."""
         return (4.0 if self.recompute else 3.0) + self.extra_forward_passes
 
+    def flops_per_square(self) -> float:
+        """Training FLOPs per n² of a sequence of n tokens: attention's, if charged (0 otherwise)."""
+        return self.forward_passes() * self.model.attention_flops(1) if self.attention else 0.0
+
     def sequence_flops(self, n: int) -> float:
         """Training FLOPs of one sequence of `n` tokens: dense, plus attention's if charged."""
-        att = self.forward_passes() * self.model.attention_flops(n) if self.attention else 0.0
-        return n * self.flops_per_token() + att
+        return n * self.flops_per_token() + n * n * self.flops_per_square()
 
     def compute_s(self, tokens: int, squares: float = 0.0) -> float:
         """FLOPs of `tokens` on every GPU, perfectly balanced; `squares` = Σ n² over the sequences
         (for attention's FLOPs; without it none are charged)."""
-        flops = tokens * self.flops_per_token()
-        if self.attention:
-            flops += self.forward_passes() * self.model.attention_flops(1) * squares
+        flops = tokens * self.flops_per_token() + squares * self.flops_per_square()
         return flops / (self.gpus * self.gpu.peak_flops * self.mfu)
 
     def comm_s(self) -> float:

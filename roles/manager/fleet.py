@@ -417,6 +417,7 @@ class Fleet:
             after = res.next_after
 
     async def _place_orphans(self) -> None:
+        self.unmoved &= self.orphans.keys()  # placed, restarted or finished elsewhere: no longer orphans
         if not self.orphans:
             return
         by_weights: dict[tuple[int, int], list[PartialState]] = {}
@@ -443,7 +444,6 @@ class Fleet:
             await self._restart(stuck)
         elif stuck:
             self.log.warning("orphans_stuck", trajectories=len(stuck), waiting_s=self.s.orphan_wait_s)
-        self.unmoved &= self.orphans.keys()  # placed, restarted or finished elsewhere: no longer orphans
 
     def _count_placed(self, tids) -> None:
         """Orphans now running on a live rollout: a failed move's (`replaced`) or a dead rollout's

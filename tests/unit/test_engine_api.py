@@ -71,8 +71,8 @@ def test_the_check_catches_a_mismatch():
     assert not isinstance(Wrong(), RolloutEngineAPI)  # no `stats`
 
 
-def scenario(mode: str = "laminar") -> dict:
-    return build_config(load_setups(ROOT / "configs" / "sim" / "paper.yaml"), "32B", 128, mode,
+def scenario(mode: str = "laminar", setup: dict | None = None) -> dict:
+    return build_config(setup or load_setups(ROOT / "configs" / "sim" / "paper.yaml"), "32B", 128, mode,
                         workdir="/tmp/unused", speedup=5, iterations=3, workload=load_workload(),
                         weights_root=f"/dev/shm/laminar-test-{uuid.uuid4().hex[:8]}")
 
@@ -134,9 +134,8 @@ def test_the_multi_rank_methods_the_role_calls_are_declared_and_the_real_engine_
 def test_the_engine_runs_at_most_max_num_seqs_of_the_rollouts_trajectories():
     from laminar.sim.harness import with_engine_seqs
     assert "max_num_seqs" in scenario()["roles"]["rollout"]  # paper.yaml's default: capped at b* (kv)
-    base = build_config(with_engine_seqs(load_setups(ROOT / "configs" / "sim" / "paper.yaml"), "all"), "32B", 128,
-                        "laminar", workdir="/tmp/unused", speedup=5, iterations=3, workload=load_workload(),
-                        weights_root=f"/dev/shm/laminar-test-{uuid.uuid4().hex[:8]}")["roles"]["rollout"]
+    base = scenario(setup=with_engine_seqs(load_setups(ROOT / "configs" / "sim" / "paper.yaml"), "all"))
+    base = base["roles"]["rollout"]
     assert "max_num_seqs" not in base  # --engine-seqs all: the engine runs every trajectory it takes
     assert build_rollout_engine(RolloutConfig(**base)).max_num_seqs == base["max_concurrency"]
     capped = build_rollout_engine(RolloutConfig(**{**base, "max_num_seqs": 37}))

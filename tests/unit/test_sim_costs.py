@@ -304,8 +304,8 @@ def test_estimates_use_the_same_cost_model():
     assert cost.extra_forward_passes == 1 and cost.switch_s > 0 and cost.controller_s_per_trajectory > 0
     est = estimate(setup, w, "72B", 1024, "sync")
     from laminar.sim.scenario import _length_stats
-    mean, hsm = est_mean(setup, w), _length_stats(setup, w, "72B")["half_second_moment"]
-    squares = 8192 * (256 ** 2 + 2 * 256 * mean + 2 * hsm * mean)  # Σ (P + L)²: attention's FLOPs
+    mean, second = est_mean(setup, w), _length_stats(setup, w, "72B")["second_moment"]
+    squares = 8192 * (256 ** 2 + 2 * 256 * mean + second)  # Σ (P + L)²: attention's FLOPs
     assert est["train_s"] == pytest.approx(cost.iteration_s(int(8192 * (256 + mean)), 8192, squares), rel=1e-6)
     assert est["train_s"] > cost.iteration_s(int(8192 * (256 + mean)), 8192)
     lam = trainer_cost(setup, w, "72B", 1024, "laminar")
