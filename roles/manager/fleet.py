@@ -313,7 +313,8 @@ class Fleet:
         for p in partials:
             self.orphans.setdefault(p.spec.trajectory_id, (p, now))
         self.log.info("recovering", rollout=rollout_id, trajectories=len(partials),
-                      ids=[p.spec.trajectory_id for p in partials][:64])
+                      ids=[p.spec.trajectory_id for p in partials][:64],
+                      versions=[p.version for p in partials][:64])
         if not await self.settle_handed(rollout_id, pid, dead=True):  # its groups not yet anywhere
             self.lost.put_nowait((rollout_id, pid))
 

@@ -100,9 +100,11 @@ def test_laminar_mode_end_to_end(tmp_path, model):
 def test_killed_rollout_work_finishes_elsewhere(tmp_path, model):
     # Long trajectories (a random model runs to its budget). Rollout 0 alone can fill the next
     # global batches while rollout 1 is found dead (~3 s of silence), so by then every live rollout
-    # may have moved past version 0: the orphans then resume on version 0 from the relay's retained
-    # copy (orphan_policy retained, after 1 s). Enough iterations that the run outlives that, and no
-    # staleness bound, so the resumed samples are kept.
+    # may have moved past the orphans' version: they then resume on it from the relay's retained
+    # copy (orphan_policy retained, after 1 s). Rollout 1 may have loaded a newer version than 0
+    # before it got busy, so each orphan is checked against the version the manager recovered it
+    # at. Enough iterations that the run outlives that, and no staleness bound, so the resumed
+    # samples are kept.
     iterations = 16
     path = write_local_cluster(tmp_path, model, mode="laminar", iterations=iterations, roles={
         "prompt_pool": {"max_tokens": 160}, "experience_buffer": {"max_staleness": 1000},
@@ -128,13 +130,15 @@ def test_killed_rollout_work_finishes_elsewhere(tmp_path, model):
     assert code == 0, out.read_text()[-4000:]
 
     recovering = events(run / "logs" / "manager.0.log", "recovering")
-    lost = [t for e in recovering if e["rollout"] == "1" for t in e["ids"]]
+    at = {t: v for e in recovering if e["rollout"] == "1" for t, v in zip(e["ids"], e["versions"], strict=True)}
+    lost = list(at)
     assert lost, "the manager recovered nothing from the killed rollout"
     stored = stored_by_id(run)
     for tid in lost:
         ok = [e for e in stored.get(tid, []) if e["status"] == "stored"]
         assert len(ok) == 1, (tid, stored.get(tid))  # finished once: not lost, not duplicated
-        assert ok[0]["migrated_in"] is not None and ok[0]["version"] == 0
+        assert ok[0]["migrated_in"] is not None, ok[0]
+        assert ok[0]["version"] == at[tid], (tid, ok[0]["version"], at[tid])  # never relabeled
     recs = [json.loads(x) for x in (run / "trainer" / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in recs] == list(range(1, iterations + 1))  # training went on
     trained = [g for r in recs for g in r["group_ids"]]
