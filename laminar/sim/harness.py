@@ -74,13 +74,14 @@ def run_dir(root: Path, size: str, gpus: int, mode: str) -> Path:
 
 
 def run_mode(setup: dict, workload: dict, size: str, gpus: int, mode: str, *, root: Path, speedup: float,
-             warmup: int, measure: int, relays: bool, timeout_s: float, ahead: int | None = None) -> dict:
+             warmup: int, measure: int, relays: bool, timeout_s: float, ahead: int | None = None,
+             weights_root: str | None = None) -> dict:
     from laminar.config import parse_config
     from laminar.sim.cluster import quiet_logs, run_sim
     from laminar.sim.scenario import build_config, write_prompts
     workdir = run_dir(root, size, gpus, mode)
     shutil.rmtree(workdir, ignore_errors=True)
-    weights_root = f"/dev/shm/laminar-sim-{uuid.uuid4().hex[:8]}"
+    weights_root = weights_root or new_weights_root()
     iterations = warmup + measure
     raw = build_config(setup, size, gpus, mode, workdir=str(workdir), speedup=speedup, iterations=iterations,
                        workload=workload, weights_root=weights_root, relays=relays, ahead=ahead)
@@ -243,7 +244,12 @@ def run_child(spec: dict) -> dict:
     workload = load_workload(setup.get("workload"))
     return run_mode(setup, workload, spec["model"], spec["gpus"], spec["mode"], root=Path(spec["root"]),
                     speedup=spec["speedup"], warmup=spec["warmup"], measure=spec["measure"], relays=spec["relays"],
-                    timeout_s=spec["timeout_s"], ahead=spec.get("ahead"))
+                    timeout_s=spec["timeout_s"], ahead=spec.get("ahead"), weights_root=spec.get("weights_root"))
+
+
+def new_weights_root() -> str:
+    """A run's shared-memory weights root (its relays' or hosts' folders go under it)."""
+    return f"/dev/shm/laminar-sim-{uuid.uuid4().hex[:8]}"
 
 
 def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True) -> dict[tuple, dict]:
@@ -251,12 +257,20 @@ def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True) -> dict
     at most `jobs` at once; a child that fails or overruns yields an error record, not an abort.
     Unless `keep`, a run's folder (pools, metrics: 0.5-2 GB on /dev/shm, which is memory) is removed
     as soon as its result is read, not at the end of the sweep, so finished runs do not take memory
-    from the runs still going; its log and result stay."""
-    pending, running, results = list(specs), [], {}
+    from the runs still going; its log and result stay.
+    The parent names each child's shared-memory weights root (`weights_root` in its spec) and
+    removes it once the child has ended, however it ended: a child that was SIGKILLed (the OOM
+    killer, an overrun, a stop that outlasted its grace) cannot clean up after itself, and what it
+    leaves in /dev/shm is memory taken from every later run."""
+    pending, running, results = [dict(sp) for sp in specs], [], {}
+    for sp in pending:
+        sp.setdefault("weights_root", new_weights_root())
     try:
         _run_all(pending, running, results, jobs, root, keep)
     except BaseException:  # Ctrl-C, or SIGTERM (main: _exit_on_sigterm): no child outlives the sweep
         stop_children([proc for _, proc, *_ in running])
+        for spec, *_ in running:
+            shutil.rmtree(spec["weights_root"], ignore_errors=True)
         raise
     return results
 
@@ -278,9 +292,15 @@ def stop_children(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
 
 def _exit_on_sigterm() -> None:
     """SIGTERM ends this process as Ctrl-C does, through its finally blocks: a child removes its
-    shared-memory weights folder, the sweep stops its children and removes its work folder."""
+    shared-memory weights folder, the sweep stops its children and removes its work folder.
+    A second SIGTERM (a process-group kill reaches a child directly and again through its parent's
+    stop) is ignored, so it cannot break off the cleanup the first one started."""
     import signal
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+    def once(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, once)
 
 
 def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path, keep: bool) -> None:
@@ -308,6 +328,7 @@ def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path,
                 proc.wait()
             running.remove(item)
             log.close()
+            shutil.rmtree(spec["weights_root"], ignore_errors=True)  # the child's own cleanup may not have run
             key = (spec["model"], spec["gpus"], spec["mode"])
             if not keep:
                 shutil.rmtree(folder, ignore_errors=True)
