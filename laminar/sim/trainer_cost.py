@@ -77,9 +77,16 @@ class RelayLink:
         return self.bandwidth_gbps * 1e9
 
 
+def forward_passes(recompute: bool = True, extra_forward_passes: int = 0) -> float:
+    """Forward-pass equivalents of training a token: forward + backward (twice the forward),
+    + the recomputed forward, + each extra forward-only pass."""
+    return (4.0 if recompute else 3.0) + extra_forward_passes
+
+
 def train_flops(params: int, tokens: int, recompute: bool = True, extra_forward_passes: int = 0) -> float:
-    """6·P·T (× 4/3 with recomputation) + 2·P·T per extra forward pass."""
-    return 6.0 * params * tokens * (4 / 3 if recompute else 1.0) + 2.0 * params * tokens * extra_forward_passes
+    """2·P·T per forward-pass equivalent: 6·P·T (8·P·T with recomputation) + 2·P·T per extra
+    forward pass."""
+    return 2.0 * params * tokens * forward_passes(recompute, extra_forward_passes)
 
 
 def broadcast_s(size_bytes: float, machines: int, link: RelayLink = RelayLink()) -> float:
@@ -146,14 +153,12 @@ class TrainerCost:
     def flops_per_token(self) -> float:
         return train_flops(self.model.params, 1, self.recompute, self.extra_forward_passes)
 
-    def forward_passes(self) -> float:
-        """Forward-pass equivalents of training a token: forward + backward (twice the forward),
-        + the recomputed forward, + each extra forward-only pass."""
-        return (4.0 if self.recompute else 3.0) + self.extra_forward_passes
-
     def flops_per_square(self) -> float:
-        """Training FLOPs per n² of a sequence of n tokens: attention's, if charged (0 otherwise)."""
-        return self.forward_passes() * self.model.attention_flops(1) if self.attention else 0.0
+        """Training FLOPs per n² of a sequence of n tokens: attention's, if charged (0 otherwise),
+        as many times as the dense FLOPs (`forward_passes`)."""
+        if not self.attention:
+            return 0.0
+        return forward_passes(self.recompute, self.extra_forward_passes) * self.model.attention_flops(1)
 
     def sequence_flops(self, n: int) -> float:
         """Training FLOPs of one sequence of `n` tokens: dense, plus attention's if charged."""
