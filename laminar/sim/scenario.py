@@ -281,8 +281,8 @@ def _length_stats(setup: dict, workload: dict, size: str) -> dict:
         dist = workload_lengths(setup["models"][size]["lengths"], workload, shape["max_output_tokens"])
         x = dist.sample(0, 200_000).astype(float)
         batch = shape["prompts_per_batch"] * shape["group_size"]
-        _LENGTH_STATS[key] = {"mean": float(x.mean()), "second_moment": float((x ** 2).mean()),
-                              "half_second_moment": float((x ** 2).mean() / (2 * x.mean())),
+        mean, second = float(x.mean()), float((x ** 2).mean())
+        _LENGTH_STATS[key] = {"mean": mean, "second_moment": second, "half_second_moment": second / (2 * mean),
                               "batch_max": float(dist.quantile(1 - 1 / (2 * batch)))}
     return _LENGTH_STATS[key]
 
