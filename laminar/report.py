@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,8 +24,8 @@ def print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]]
 
 
 def write_json(path: str | None, data: dict) -> None:
-    data = {**data, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                "host": platform.node()}, "written_at": time.time()}
+    data = {**data, "command": shlex.join(sys.argv), "machine": {"cpus": os.cpu_count(),
+            "python": platform.python_version(), "host": platform.node()}, "written_at": time.time()}
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=2, default=str))

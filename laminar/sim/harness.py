@@ -719,7 +719,7 @@ def components(setup: dict, workload: dict, a) -> int:
                 [[k, _f(r["sim"], 3), r["paper"], "-" if r["rel_error"] is None else f"{r['rel_error']:+.1%}",
                   "yes" if r.get("calibrated") else "no"] for k, r in rows.items()])
     runs = {f"{m}": results.get(("32B", 128, m)) for m in ("laminar", "laminar_norepack")}
-    write_json(a.out, {"components": rows, "repack_window": window, "setups": a.setups, "fig16_runs": runs,
+    write_json(a.out, {"components": rows, "repack_window": window, "setups": _shown(a.setups), "fig16_runs": runs,
                        **engine_settings(setup), "wall_s": round(time.monotonic() - t0, 1)})
     print(f"total wall time {time.monotonic() - t0:.0f} s")
     return 0
@@ -749,6 +749,25 @@ def combine(paths: list[str], setup: dict, workload: dict) -> list[dict]:
             for (size, gpus), m in sorted(merged.items(), key=lambda kv: order(kv[0]))]
 
 
+def provenance(paths: list[str]) -> list[dict]:
+    """What a combined file records of each part: its file name, the command that wrote it and when
+    (files written before the command was recorded: None). Not the path: parts usually live in a
+    scratch folder that a reader of the committed result does not have."""
+    out = []
+    for path in paths:
+        src = json.loads(Path(path).read_text())
+        out.append({"file": Path(path).name, "command": src.get("command"), "written_at": src.get("written_at")})
+    return out
+
+
+def _shown(path: str | None) -> str | None:
+    """A path as a committed result should show it: relative to the repository when inside it."""
+    if not path:
+        return path
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
+
+
 def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float, setup: dict | None) -> int:
     """Print the tables and write the JSON; `setup` None (a --combine): each run's placement
     records its own engine settings."""
@@ -776,14 +795,14 @@ def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float,
             "scaling_efficiency_mean": (sum(eff.values()) / len(eff)) if eff else None,
             "paper_reference": {**PAPER, "repack_32B_16_rollouts": workload.get("repack_32B_16_rollouts"),
                                 "inherent_staleness_observed_max": workload.get("inherent_staleness_observed_max")},
-            "setups": a.setups, "relays": "real" if a.relays else "modeled", "jobs": a.jobs,
-            "combined_from": a.combine, "max_batches_ahead": a.ahead,
+            "setups": _shown(a.setups), "relays": "real" if a.relays else "modeled", "jobs": a.jobs,
+            "combined_from": provenance(a.combine) if a.combine else None, "max_batches_ahead": a.ahead,
             "max_concurrency": a.concurrency,
             **(engine_settings(setup) if setup else {"engine_seqs": "per run", "refill": "per run"}),
             "wall_s": wall_s}
     if a.out:
         png = plot(objs, Path(a.out).with_suffix(".png")) if len(objs) > 1 else None
-        data["plot"] = str(png) if png else None
+        data["plot"] = png.name if png else None  # beside the JSON
     write_json(a.out, data)
     print(f"total wall time {data['wall_s']:.0f} s")
     return 0

@@ -1,12 +1,18 @@
 """The harness's arithmetic on run results (laminar/sim/harness.py): laminar's ceiling and the
-fraction of it measured, the plateau check. Pure functions on hand-made results."""
+fraction of it measured, the plateau check (pure functions on hand-made results); what a combined
+result records of its parts."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from laminar.sim.harness import assemble, ceiling, plateau
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(tp: float, it: float = 100.0, train: float = 80.0, stall: float = 1.0, ideal: float = 1e6) -> dict:
@@ -86,3 +92,26 @@ def test_engine_settings_default_to_the_cap_and_refill_and_the_components_to_the
     assert as_the_paper_ran("kv", True) == ("kv", True)
     with pytest.raises(SystemExit):
         main(["--engine-seqs", "none", "--components"])
+
+
+def test_a_combined_result_names_its_parts_not_the_scratch_paths_they_were_in(tmp_path):
+    """`--combine` of two --out files (one scale each) merges their runs and records each part by
+    file name, command and time: a committed result must not point at a scratch folder."""
+    src = json.loads((ROOT / "bench/results/sim/final-72B-one_step.json").read_text())
+    parts = []
+    for i, obj in enumerate(src["runs_by_scale"]):
+        p = tmp_path / f"part{i}.json"
+        p.write_text(json.dumps({**src, "runs_by_scale": [obj], "command": f"bench/scale.py --gpus {obj['gpus']}"}))
+        parts.append(str(p))
+    out = tmp_path / "combined.json"
+    subprocess.run([sys.executable, "bench/scale.py", "--combine", *parts, "--out", str(out)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=120)
+    text = out.read_text()
+    got = json.loads(text)
+    assert [(o["model"], o["gpus"]) for o in got["runs_by_scale"]] == [("72B", 512), ("72B", 1024)]
+    assert got["combined_from"] == [{"file": "part0.json", "command": "bench/scale.py --gpus 512",
+                                     "written_at": src["written_at"]},
+                                    {"file": "part1.json", "command": "bench/scale.py --gpus 1024",
+                                     "written_at": src["written_at"]}]
+    assert got["setups"] == "configs/sim/paper.yaml" and got["command"].startswith("bench/scale.py --combine")
+    assert str(tmp_path) not in text.replace(got["command"], "")  # only the command line names the scratch folder
