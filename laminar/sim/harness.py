@@ -637,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
             return a.warmup
         return it["warmup"] if mode.startswith("laminar") else it.get("warmup_barrier", it["warmup"])
     if a.combine:
-        return report(combine(a.combine, setup, workload), MODES, workload, a, 0.0, None)
+        objs, parts = combine(a.combine, setup, workload)
+        return report(objs, MODES, workload, a, 0.0, None, combined_from=parts)
     if a.components:
         return components(setup, workload, a)
     if a.write_configs:
@@ -725,16 +726,22 @@ def components(setup: dict, workload: dict, a) -> int:
     return 0
 
 
-def combine(paths: list[str], setup: dict, workload: dict) -> list[dict]:
+def combine(paths: list[str], setup: dict, workload: dict) -> tuple[list[dict], list[dict]]:
     """The (model, GPUs) objects of earlier `--out` files, runs of one setup merged (a later file's
-    run of a mode replaces an earlier one). Simulated throughput does not depend on the machine's
-    load unless a run lagged, which every run records, so runs of separate invocations compare.
-    Runs from before `batch_tokens_per_response_token` was recorded get (prompt + E[L]) ÷ E[L] of
-    the model's length fit."""
+    run of a mode replaces an earlier one), and what the combined file records of each part: its
+    file name, the command that wrote it and when (None for files written before the command was
+    recorded) — not its path, which is usually a scratch folder a reader of the result does not
+    have. Simulated throughput does not depend on the machine's load unless a run lagged, which
+    every run records, so runs of separate invocations compare. Runs from before
+    `batch_tokens_per_response_token` was recorded get (prompt + E[L]) ÷ E[L] of the model's
+    length fit."""
     from laminar.sim.scenario import _length_stats
     merged: dict[tuple, dict] = {}
+    parts = []
     for path in paths:
-        for o in json.loads(Path(path).read_text())["runs_by_scale"]:
+        src = json.loads(Path(path).read_text())
+        parts.append({"file": Path(path).name, "command": src.get("command"), "written_at": src.get("written_at")})
+        for o in src["runs_by_scale"]:
             mean = _length_stats(setup, workload, o["model"])["mean"]
             for r in o["runs"].values():
                 r.setdefault("batch_tokens_per_response_token", (setup["run_shape"]["prompt_tokens"] + mean) / mean)
@@ -744,20 +751,10 @@ def combine(paths: list[str], setup: dict, workload: dict) -> list[dict]:
             per_mode = o["measure"] if isinstance(o["measure"], dict) else {mode: o["measure"] for mode in o["runs"]}
             m["measure"].update(per_mode)  # files before per-mode windows kept one count for all modes
     order = lambda k: (float(k[0].rstrip("B")), k[1])  # noqa: E731
-    return [assemble(size, gpus, {mode: m["runs"][mode] for mode in MODES if mode in m["runs"]},
+    objs = [assemble(size, gpus, {mode: m["runs"][mode] for mode in MODES if mode in m["runs"]},
                      m["warmup"], m["measure"])
             for (size, gpus), m in sorted(merged.items(), key=lambda kv: order(kv[0]))]
-
-
-def provenance(paths: list[str]) -> list[dict]:
-    """What a combined file records of each part: its file name, the command that wrote it and when
-    (files written before the command was recorded: None). Not the path: parts usually live in a
-    scratch folder that a reader of the committed result does not have."""
-    out = []
-    for path in paths:
-        src = json.loads(Path(path).read_text())
-        out.append({"file": Path(path).name, "command": src.get("command"), "written_at": src.get("written_at")})
-    return out
+    return objs, parts
 
 
 def _shown(path: str | None) -> str | None:
@@ -768,9 +765,10 @@ def _shown(path: str | None) -> str | None:
     return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
 
 
-def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float, setup: dict | None) -> int:
-    """Print the tables and write the JSON; `setup` None (a --combine): each run's placement
-    records its own engine settings."""
+def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float, setup: dict | None,
+           combined_from: list[dict] | None = None) -> int:
+    """Print the tables and write the JSON; `setup` None (a --combine, whose parts are
+    `combined_from`): each run's placement records its own engine settings."""
     for obj in objs:
         print_scale(obj, workload)
     eff = scaling_efficiency(objs)
@@ -796,7 +794,7 @@ def report(objs: list[dict], modes: list[str], workload: dict, a, wall_s: float,
             "paper_reference": {**PAPER, "repack_32B_16_rollouts": workload.get("repack_32B_16_rollouts"),
                                 "inherent_staleness_observed_max": workload.get("inherent_staleness_observed_max")},
             "setups": _shown(a.setups), "relays": "real" if a.relays else "modeled", "jobs": a.jobs,
-            "combined_from": provenance(a.combine) if a.combine else None, "max_batches_ahead": a.ahead,
+            "combined_from": combined_from, "max_batches_ahead": a.ahead,
             "max_concurrency": a.concurrency,
             **(engine_settings(setup) if setup else {"engine_seqs": "per run", "refill": "per run"}),
             "wall_s": wall_s}

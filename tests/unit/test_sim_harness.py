@@ -56,7 +56,7 @@ def test_repack_window_measures_the_tail_phase_and_the_trend_test_on_one_replica
     from laminar.sim import load_workload
     from laminar.sim.components import repack_window
     from laminar.sim.scenario import load_setups
-    setup = load_setups(Path(__file__).resolve().parents[2] / "configs" / "sim" / "paper.yaml")
+    setup = load_setups(ROOT / "configs" / "sim" / "paper.yaml")
     w = repack_window(setup, load_workload(), batch_bound=89, trajectories=128)
     assert 0 < w["candidate_from_s"] < w["batch_s"]
     assert w["candidate_s"] == pytest.approx(w["batch_s"] - w["candidate_from_s"], abs=0.2)
@@ -74,7 +74,7 @@ def test_engine_settings_default_to_the_cap_and_refill_and_the_components_to_the
     from laminar.sim import load_workload
     from laminar.sim.harness import _setup_of, as_the_paper_ran, engine_settings, main
     from laminar.sim.scenario import build_config
-    setups = Path(__file__).resolve().parents[2] / "configs" / "sim" / "paper.yaml"
+    setups = ROOT / "configs" / "sim" / "paper.yaml"
     default = _setup_of(setups, None, None, None)
     assert engine_settings(default) == {"engine_seqs": "kv", "refill": True}
     off = _setup_of(setups, None, "all", False)
