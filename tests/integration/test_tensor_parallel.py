@@ -1,0 +1,152 @@
+"""Sharded rollouts on vLLM's CPU build: the tiny model at tensor_parallel_size=2, one worker
+process per rank, each rank's OpenMP threads on one of the two cores (VLLM_CPU_OMP_THREADS_BIND
+"0|1"), weights pulled by every rank from a relay folder in /dev/shm.
+
+- fast (`make test`): greedy tokens and logprobs at TP=2 match transformers' model on the same
+  weights (tolerance 1e-3, as at TP=1: tests/integration/test_rollout_vllm.py) before and after
+  a weight update pulled from the relay; a load that fails on
+  one rank, in its prepare or part-way through its commit (the worker extension's test hook),
+  raises WeightsLoadError and leaves both ranks on the old weights: the same tokens and the same
+  logprobs, bit for bit; the next load succeeds; KV usage is reported while requests run;
+- slow: TP=2 equals TP=1 (the same tokens; logprobs within 1e-4, the order of the all-reduce's
+  sums being the only difference) before and after the update.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from laminar.roles.rollout.engine import VllmEngine  # noqa: E402
+from laminar.roles.rollout.rank_load import WeightsLoadError  # noqa: E402
+from laminar.roles.rollout.worker_ext import FAULT_ENV  # noqa: E402
+
+from laminar.models.tiny import build_tiny_model  # noqa: E402
+from laminar.weights.local_write import write_version  # noqa: E402
+from laminar.weights.store import ShmStore  # noqa: E402
+from tests.integration.test_rollout_vllm import assert_greedy, hf_logprobs  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+MAX_TOKENS = 24
+LONG = [3 + (i * 37) % 250 for i in range(100)]
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], LONG]
+
+
+def hf(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def state(model_dir, seed: int) -> dict:
+    """Weights of the tiny model's architecture, another random draw (a "trained" version)."""
+    other = build_tiny_model(model_dir.parent / f"v{seed}", seed=seed, init_std=0.5)
+    return {k: v.contiguous() for k, v in hf(other).state_dict().items()}
+
+
+def engine(model_dir, tp: int) -> VllmEngine:
+    return VllmEngine(str(model_dir), max_model_len=256, max_num_seqs=4, kv_cache_gib=1, temperature=0.0,
+                      top_p=1.0, tensor_parallel_size=tp, omp_threads_bind="0|1" if tp == 2 else "0")
+
+
+async def greedy(eng: VllmEngine, tag: str, seen_kv: list | None = None) -> list[tuple[list[int], np.ndarray]]:
+    """Every prompt's greedy continuation and its logprobs, all requests at once."""
+    async def one(i, prompt):
+        toks, lps = [], []
+        async for t, lp, _ in eng.generate(f"{tag}-{i}", prompt, MAX_TOKENS, None):
+            toks += t
+            lps += lp
+            if seen_kv is not None:
+                seen_kv.append(eng.stats.kv_usage)
+        return toks, np.array(lps)
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+
+
+def check_against(model, outs, what: str) -> float:
+    """Greedy tokens of `model` (near-ties allowed, as at TP=1) and logprobs within 1e-3."""
+    worst = 0.0
+    for prompt, (toks, lps) in zip(PROMPTS, outs, strict=True):
+        assert_greedy(model, prompt, toks, MAX_TOKENS, what)
+        worst = max(worst, float(np.abs(hf_logprobs(model, prompt, toks) - lps).max()))
+    assert worst < 1e-3, f"{what}: logprobs differ from transformers' by {worst:.3g}"
+    return worst
+
+
+def same(a, b) -> bool:
+    return all(ta == tb and np.array_equal(la, lb) for (ta, la), (tb, lb) in zip(a, b, strict=True))
+
+
+@pytest.fixture
+def relay(shm_path):
+    store = ShmStore(shm_path("tp"), retain=1)
+    store.open()
+    yield store
+    store.close()
+
+
+def test_tensor_parallel_cpu_engine_pulls_one_version_into_both_ranks(tmp_path, relay, monkeypatch):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two cores needed (one per rank)")
+    model_dir = build_tiny_model(tmp_path / "model", seed=1, init_std=0.5)
+    fault = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_ENV, str(fault))  # read by both ranks' worker extensions (test hook)
+    v1, v2 = state(model_dir, 2), state(model_dir, 3)
+    m0, m1, m2 = hf(model_dir), hf(model_dir.parent / "v2"), hf(model_dir.parent / "v3")
+
+    async def go():
+        eng = engine(model_dir, 2)
+        await eng.start()
+        try:
+            kv = []
+            before = await greedy(eng, "a", kv)
+            write_version(relay, v1, 1)
+            assert await eng.load_relay(str(relay.dir), -1) == 1
+            after = await greedy(eng, "b")
+            write_version(relay, v2, 2)
+            failed = []
+            for phase in ("1 commit", "0 prepare"):
+                fault.write_text(phase + "\n")
+                with pytest.raises(WeightsLoadError):
+                    await eng.load_relay(str(relay.dir), 1)
+                failed.append(await greedy(eng, f"c{phase[0]}"))
+            fault.unlink()
+            assert await eng.load_relay(str(relay.dir), 1) == 2
+            return kv, before, after, failed, await greedy(eng, "d")
+        finally:
+            await eng.close()
+    kv, before, after, failed, last = asyncio.run(go())
+    check_against(m0, before, "TP=2, initial weights")
+    check_against(m1, after, "TP=2, v1 pulled from the relay")
+    assert all(same(f, after) for f in failed), "a failed load changed the weights of a rank"
+    check_against(m2, last, "TP=2, v2 after the failed loads")
+    assert max(kv) > 0, "no KV usage reported while requests ran"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks_equal_one(tmp_path, relay):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two cores needed (one per rank)")
+    model_dir = build_tiny_model(tmp_path / "model", seed=1, init_std=0.5)
+    write_version(relay, state(model_dir, 2), 1)
+
+    async def go(tp):
+        eng = engine(model_dir, tp)
+        await eng.start()
+        try:
+            before = await greedy(eng, "a")
+            assert await eng.load_relay(str(relay.dir), -1) == 1
+            return before, await greedy(eng, "b")
+        finally:
+            await eng.close()
+    one, two = asyncio.run(go(1)), asyncio.run(go(2))
+    worst = 0.0
+    for o, t in zip(one, two, strict=True):
+        for (t1, l1), (t2, l2) in zip(o, t, strict=True):
+            assert t1 == t2
+            worst = max(worst, float(np.abs(l1 - l2).max()))
+    print(f"max |logprob(TP=2) - logprob(TP=1)| = {worst:.3g}")
+    assert worst < 1e-4
