@@ -19,7 +19,8 @@ the engine core's, over all ranks' blocks). A weight load reaches every rank as 
 GPU settings: `enforce_eager` None means CUDA graphs on a GPU (decode at small batch is bound by
 kernel launches, which graphs remove) and eager on the CPU build; `gpu_memory_utilization` is
 the share of each GPU the engine takes, the KV cache getting what weights and activations leave;
-prefix caching lets a GRPO group's responses share their prompt's KV blocks.
+prefix caching lets a GRPO group's responses share their prompt's KV blocks. Every weight load
+resets the prefix cache (blocks computed by the old weights are never reused under the new).
 
 Seeded sampling on the CPU build: when vLLM splits a prompt's prefill over several steps
 (chunked prefill: the batch's prompt tokens exceed `max_num_batched_tokens`), it rewinds a seeded
@@ -167,10 +168,21 @@ class VllmEngine(RolloutEngine):
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
         """WeightsLoadError: no rank's weights changed; WeightsLost: unknown (rank_load.py)."""
-        return await load_on_ranks(self._on_ranks, ("relay", shm_dir, min_version, exact))
+        version = await load_on_ranks(self._on_ranks, ("relay", shm_dir, min_version, exact))
+        if version >= 0:
+            await self._forget_prefixes()
+        return version
 
     async def load_file(self, path: str) -> None:
         await load_on_ranks(self._on_ranks, ("file", path))
+        await self._forget_prefixes()
+
+    async def _forget_prefixes(self) -> None:
+        """Drop the prefix cache after new weights: its KV blocks were computed by the old ones,
+        and a later request with the same prompt would reuse them (a GRPO group's prompt, a
+        prompt of an earlier epoch) and sample from a mix of versions. Requests still running
+        (the role loads between batches, so normally none) are preempted and recomputed."""
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
 
     async def close(self) -> None:
         if self.llm is not None:

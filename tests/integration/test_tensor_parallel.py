@@ -4,7 +4,8 @@ process per rank, each rank's OpenMP threads on one of the two cores (VLLM_CPU_O
 
 - fast (`make test`): greedy tokens and logprobs at TP=2 match transformers' model on the same
   weights (tolerance 1e-3, as at TP=1: tests/integration/test_rollout_vllm.py) before and after
-  a weight update pulled from the relay; a load that fails on
+  a weight update pulled from the relay, including for a prompt whose KV blocks the engine had
+  cached under the old weights (the prefix cache is reset by every load); a load that fails on
   one rank, in its prepare or part-way through its commit (the worker extension's test hook),
   raises WeightsLoadError and leaves both ranks on the old weights: the same tokens and the same
   logprobs, bit for bit; the next load succeeds; KV usage is reported while requests run;
@@ -34,7 +35,7 @@ from tests.integration.test_rollout_vllm import assert_greedy, hf_logprobs  # no
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 MAX_TOKENS = 24
-LONG = [3 + (i * 37) % 250 for i in range(100)]
+LONG = [3 + (i * 37) % 250 for i in range(100)]  # three whole KV blocks: kept by the prefix cache
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], LONG]
 
 
@@ -49,8 +50,11 @@ def state(model_dir, seed: int) -> dict:
 
 
 def engine(model_dir, tp: int) -> VllmEngine:
+    # kv_cache_tokens: KV blocks of 32 tokens (the CPU build's default is 128), so LONG fills
+    # whole blocks, which is what the prefix cache keeps
     return VllmEngine(str(model_dir), max_model_len=256, max_num_seqs=4, kv_cache_gib=1, temperature=0.0,
-                      top_p=1.0, tensor_parallel_size=tp, omp_threads_bind="0|1" if tp == 2 else "0")
+                      top_p=1.0, tensor_parallel_size=tp, omp_threads_bind="0|1" if tp == 2 else "0",
+                      kv_cache_tokens=4096)
 
 
 async def greedy(eng: VllmEngine, tag: str, seen_kv: list | None = None) -> list[tuple[list[int], np.ndarray]]:
