@@ -10,7 +10,10 @@ process per rank, each rank's OpenMP threads on one of the two cores (VLLM_CPU_O
   raises WeightsLoadError and leaves both ranks on the old weights: the same tokens and the same
   logprobs, bit for bit; the next load succeeds; KV usage is reported while requests run;
 - slow: TP=2 equals TP=1 (the same tokens; logprobs within 1e-4, the order of the all-reduce's
-  sums being the only difference) before and after the update.
+  sums being the only difference) before and after the update;
+- slow: the rollout role on a TP=2 engine, with the real pools: it reports KV usage, and its
+  trajectories migrated half-way to a TP=1 rollout finish with exactly the greedy tokens of an
+  unmigrated run.
 """
 from __future__ import annotations
 
@@ -29,9 +32,12 @@ from laminar.roles.rollout.rank_load import WeightsLoadError  # noqa: E402
 from laminar.roles.rollout.worker_ext import FAULT_ENV  # noqa: E402
 
 from laminar.models.tiny import build_tiny_model  # noqa: E402
+from laminar.protocol import MigrateIn, MigrateOut  # noqa: E402
+from laminar.testing.inproc_cluster import InprocCluster  # noqa: E402
 from laminar.weights.local_write import write_version  # noqa: E402
 from laminar.weights.store import ShmStore  # noqa: E402
-from tests.integration.test_rollout_vllm import assert_greedy, hf_logprobs  # noqa: E402
+from tests.integration.test_rollout_vllm import MAX_TOKENS as POOL_TOKENS  # noqa: E402
+from tests.integration.test_rollout_vllm import assert_greedy, drain, hf_logprobs, make_cfg  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 MAX_TOKENS = 24
@@ -154,3 +160,46 @@ def test_tensor_parallel_two_ranks_equal_one(tmp_path, relay):
             worst = max(worst, float(np.abs(l1 - l2).max()))
     print(f"max |logprob(TP=2) - logprob(TP=1)| = {worst:.3g}")
     assert worst < 1e-4
+
+
+@pytest.mark.slow
+def test_tensor_parallel_rollout_reports_kv_and_migrates_to_tp1(tmp_path, relay):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two cores needed (one per rank)")
+    model_dir = build_tiny_model(tmp_path / "model", seed=1, init_std=0.5)
+    model = hf(model_dir)
+    write_version(relay, {k: v.contiguous() for k, v in model.state_dict().items()}, 1)
+    cfg = make_cfg(tmp_path, model_dir, relay.dir)
+    cfg.spec("rollout", "0")[1].options["tensor_parallel_size"] = 2  # its ranks on this process's two cores
+    cfg.roles["rollout"]["kv_cache_tokens"] = 1024
+    n = POOL_TOKENS  # the response budget of make_cfg's prompt pool
+
+    async def go():
+        cluster = InprocCluster(cfg)
+        try:
+            for r, i in (("prompt_pool", "0"), ("prompt_pool", "1"), ("partial_pool", "0"),
+                         ("experience_buffer", "0")):
+                await cluster.start(r, i)
+            # a deadline for starting three engine processes (TP 2) on two shared cores, not a wait
+            r0 = await cluster.start("rollout", "0", ready_timeout_s=900)
+            await cluster.start("rollout", "1", ready_timeout_s=900)
+            kv = []
+            async with asyncio.timeout(300):
+                while not r0.active or min(len(a.tokens) for a in r0.active.values()) < n // 2:
+                    kv.append(r0.engine.stats.kv_usage)
+                    await asyncio.sleep(0.01)  # watching the role's own state
+            ids = list(r0.active)
+            moved = await cluster.client("rollout", "0").call(MigrateOut(ids), timeout=60)
+            await cluster.client("rollout", "1").call(MigrateIn(list(moved.partials)), timeout=60)
+            done = await drain(cluster, 1, timeout=300,
+                               until=lambda ts: set(ids) <= {t.spec.trajectory_id for t in ts})
+            return kv, ids, done
+        finally:
+            await cluster.close()
+    kv, ids, done = asyncio.run(go())
+    assert max(kv) > 0
+    migrated = [t for t in done if t.spec.trajectory_id in ids]
+    assert migrated and all(t.rollout_id == "1" and t.version == 1 for t in migrated)
+    for t in done:
+        assert_greedy(model, [int(x) for x in t.spec.prompt_tokens], [int(x) for x in t.response_tokens], n,
+                      t.spec.trajectory_id)
