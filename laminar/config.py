@@ -250,14 +250,20 @@ def _validate_role_settings(cfg: LaminarConfig) -> None:
     for name in cfg.roles:
         if name not in REGISTRY:
             raise ConfigError(f"{cfg.source}: roles.{name}: unknown role kind; known: {sorted(REGISTRY)}")
-    for _, spec in cfg.placements():
+    for hid, spec in cfg.placements():
         model = role_config_class(spec.role)
+        where = f"roles.{spec.role}" if not spec.options else f"roles.{spec.role} (+ options of {spec.key})"
         try:
-            model.model_validate(cfg.role_settings(spec.role, spec.id))
+            settings = model.model_validate(cfg.role_settings(spec.role, spec.id))
         except ValidationError as exc:
             e = exc.errors()[0]
-            where = f"roles.{spec.role}" if not spec.options else f"roles.{spec.role} (+ options of {spec.key})"
             raise ConfigError(f"{cfg.source}: {where}.{_loc(e['loc'])}: {e['msg']}") from None
+        check = getattr(settings, "check_placement", None)  # settings that depend on the placement (gpus, cores)
+        if check is not None:
+            try:
+                check(spec)
+            except ValueError as exc:
+                raise ConfigError(f"{cfg.source}: {where} on cluster.hosts.{hid} ({spec.key}): {exc}") from None
 
 
 class _StrictLoader(yaml.SafeLoader):

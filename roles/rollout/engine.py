@@ -9,6 +9,19 @@ trajectory mid-way.
 vLLM is imported in `start()` only. The async engine spawns its engine-core process, so the
 process hosting it needs the `__main__` guard, which the role shell provides.
 
+Sharded engines (`tensor_parallel_size` > 1): vLLM runs one worker process per rank (on a GPU
+each rank's GPU, on the CPU build each rank's OpenMP threads bound to its share of the
+rollout's cores: `omp_threads_bind` "0|1" for two ranks on cores 0 and 1). Everything the role
+sees is unchanged: one request stream, one abort, one set of scheduler statistics (KV usage is
+the engine core's, over all ranks' blocks). A weight load reaches every rank as one version
+(roles/rollout/rank_load.py): a rank that fails leaves every rank on the old weights.
+
+GPU settings: `enforce_eager` None means CUDA graphs on a GPU (decode at small batch is bound by
+kernel launches, which graphs remove) and eager on the CPU build; `gpu_memory_utilization` is
+the share of each GPU the engine takes, the KV cache getting what weights and activations leave;
+prefix caching lets a GRPO group's responses share their prompt's KV blocks. Every weight load
+resets the prefix cache (blocks computed by the old weights are never reused under the new).
+
 Seeded sampling on the CPU build: when vLLM splits a prompt's prefill over several steps
 (chunked prefill: the batch's prompt tokens exceed `max_num_batched_tokens`), it rewinds a seeded
 request's generator with `set_offset`, which torch's CPU generator does not support — the engine
@@ -30,6 +43,8 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+from laminar.roles.rollout.rank_load import load_on_ranks
 
 KV_BLOCK = 32  # tokens per KV block when the cache is sized in tokens (kv_cache_tokens)
 
@@ -82,16 +97,37 @@ def _stat_logger_class(stats: EngineStats):
 
 
 class VllmEngine(RolloutEngine):
+    """vLLM's AsyncLLM, token ids in and out, on one GPU, several (tensor parallel) or the CPU."""
+
     def __init__(self, model_dir: str, *, max_model_len: int, max_num_seqs: int, kv_cache_gib: float,
                  temperature: float, top_p: float, dtype: str = "float32",
-                 omp_threads_bind: str | None = None, seeded: bool = False, kv_cache_tokens: int | None = None):
+                 omp_threads_bind: str | None = None, seeded: bool = False, kv_cache_tokens: int | None = None,
+                 tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True):
         self.model_dir, self.max_model_len, self.max_num_seqs = model_dir, max_model_len, max_num_seqs
         self.seeded, self.kv_cache_tokens = seeded, kv_cache_tokens
         self.kv_cache_gib, self.temperature, self.top_p, self.dtype = kv_cache_gib, temperature, top_p, dtype
         self.omp_threads_bind = omp_threads_bind
+        self.tensor_parallel_size, self.enforce_eager = tensor_parallel_size, enforce_eager
+        self.gpu_memory_utilization, self.enable_prefix_caching = gpu_memory_utilization, enable_prefix_caching
         self.stats = EngineStats()
         self.llm = None
         self.shm = None
+
+    def engine_args(self, cpu: bool) -> dict:
+        """The AsyncEngineArgs of this engine (`cpu`: vLLM's CPU build), as keyword arguments."""
+        extra = {}
+        if self.seeded and cpu:  # see the module docstring
+            extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(self.max_model_len, 2048)}
+        if self.kv_cache_tokens is not None:  # blocks of 32 tokens (the CPU attention needs multiples of 32)
+            extra.update(block_size=KV_BLOCK, num_gpu_blocks_override=-(-self.kv_cache_tokens // KV_BLOCK))
+        eager = cpu if self.enforce_eager is None else self.enforce_eager
+        return dict(model=self.model_dir, skip_tokenizer_init=True, enforce_eager=eager, dtype=self.dtype,
+                    max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                    tensor_parallel_size=self.tensor_parallel_size,
+                    gpu_memory_utilization=self.gpu_memory_utilization,
+                    enable_prefix_caching=self.enable_prefix_caching,
+                    worker_extension_cls="laminar.roles.rollout.worker_ext.LaminarWorkerExtension", **extra)
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(self.kv_cache_gib)))))
@@ -101,18 +137,10 @@ class VllmEngine(RolloutEngine):
         from vllm import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
-        extra = {}
-        if self.seeded and current_platform.is_cpu():  # see the module docstring
-            extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(self.max_model_len, 2048)}
-        if self.kv_cache_tokens is not None:  # blocks of 32 tokens (the CPU attention needs multiples of 32)
-            extra.update(block_size=KV_BLOCK, num_gpu_blocks_override=-(-self.kv_cache_tokens // KV_BLOCK))
+
         from laminar.shm import ShmLedger, descendants
         before = set(descendants(os.getpid()))
-        args = AsyncEngineArgs(model=self.model_dir, skip_tokenizer_init=True, enforce_eager=True,
-                               dtype=self.dtype, max_model_len=self.max_model_len,
-                               max_num_seqs=self.max_num_seqs,
-                               worker_extension_cls="laminar.roles.rollout.worker_ext.LaminarWorkerExtension",
-                               **extra)
+        args = AsyncEngineArgs(**self.engine_args(cpu=current_platform.is_cpu()))
         # This blocks the loop for the engine core's start-up (seconds). AsyncLLM must be built on
         # the loop's thread (built in a worker thread it never delivers outputs); a rollout has
         # its own process, and peers of an in-process cluster ride it out by retrying.
@@ -134,12 +162,27 @@ class VllmEngine(RolloutEngine):
             lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
             yield toks, lps, (c.finish_reason if out.finished else None)
 
+    async def _on_ranks(self, method: str, *args) -> list:
+        """Run a worker-extension method on every rank; their answers in rank order."""
+        return await self.llm.collective_rpc(method, args=args)
+
     async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
-        res = await self.llm.collective_rpc("laminar_load_relay", args=(shm_dir, min_version, exact))
-        return int(res[0])
+        """WeightsLoadError: no rank's weights changed; WeightsLost: unknown (rank_load.py)."""
+        version = await load_on_ranks(self._on_ranks, ("relay", shm_dir, min_version, exact))
+        if version >= 0:
+            await self._forget_prefixes()
+        return version
 
     async def load_file(self, path: str) -> None:
-        await self.llm.collective_rpc("laminar_load_file", args=(path,))
+        await load_on_ranks(self._on_ranks, ("file", path))
+        await self._forget_prefixes()
+
+    async def _forget_prefixes(self) -> None:
+        """Drop the prefix cache after new weights: its KV blocks were computed by the old ones,
+        and a later request with the same prompt would reuse them (a GRPO group's prompt, a
+        prompt of an earlier epoch) and sample from a mix of versions. Requests still running
+        (the role loads between batches, so normally none) are preempted and recomputed."""
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
 
     async def close(self) -> None:
         if self.llm is not None:

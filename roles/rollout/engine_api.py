@@ -10,7 +10,8 @@ define every method with the protocol's signature.
     engine = build_rollout_engine(cfg, cores)   # cfg: the role's RolloutConfig
     await engine.start()
     async for tokens, logprobs, finish in engine.generate(request_id, prompt, max_tokens, seed): ...
-    version = await engine.load_relay(shm_dir, min_version)      # -1: nothing newer
+    version = await engine.load_relay(shm_dir, min_version)      # -1: nothing newer; one version on every
+                                                                 # rank, or WeightsLoadError / WeightsLost
     engine.stats.kv_usage, engine.stats.running, engine.stats.waiting
     await engine.close()
 """
@@ -62,15 +63,17 @@ def engine_seqs(cfg: Any) -> int:
 
 def build_rollout_engine(cfg: Any, cores: Sequence[int] | None = None) -> RolloutEngineAPI:
     """The engine `roles.rollout.engine` names, from the role's settings (`RolloutConfig`):
-    "vllm" (its OpenMP threads bound to `cores`, the rollout's placement) or "sim" (`cfg.sim`:
+    "vllm" (its OpenMP threads bound to `cores`, the rollout's placement, an equal share per
+    tensor-parallel rank: RolloutConfig.omp_bind) or "sim" (`cfg.sim`:
     the simulator's model, time compressed by its `speedup`)."""
     if cfg.engine == "vllm":
         from laminar.roles.rollout.engine import VllmEngine
-        bind = ",".join(str(x) for x in cores) if cores else None
         return VllmEngine(cfg.model_dir, max_model_len=cfg.max_model_len, max_num_seqs=engine_seqs(cfg),
                           kv_cache_gib=cfg.kv_cache_gib, temperature=cfg.temperature, top_p=cfg.top_p,
-                          dtype=cfg.dtype, omp_threads_bind=bind, seeded=cfg.seed is not None,
-                          kv_cache_tokens=cfg.kv_cache_tokens)
+                          dtype=cfg.dtype, omp_threads_bind=cfg.omp_bind(cores), seeded=cfg.seed is not None,
+                          kv_cache_tokens=cfg.kv_cache_tokens, tensor_parallel_size=cfg.tensor_parallel_size,
+                          enforce_eager=cfg.enforce_eager, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                          enable_prefix_caching=cfg.enable_prefix_caching)
     if cfg.engine == "sim":
         from laminar.roles.rollout.sim_engine import SimEngine
         return SimEngine.from_settings(cfg.sim, max_num_seqs=engine_seqs(cfg), max_model_len=cfg.max_model_len)

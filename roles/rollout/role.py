@@ -49,6 +49,7 @@ from laminar.roles.base import Role
 from laminar.roles.rollout.config import RolloutConfig
 from laminar.roles.rollout.engine_api import build_rollout_engine, engine_seqs
 from laminar.roles.rollout.multiturn import EpisodeRunner
+from laminar.roles.rollout.rank_load import WeightsLost
 from laminar.roles.rollout.trajectory import Active
 
 from laminar.protocol import (
@@ -457,6 +458,8 @@ class RolloutRole(Role):
         return st.st_ino, st.st_mtime_ns
 
     def _pull_failed(self, m, exc: BaseException, pointer: tuple | None) -> None:
+        if isinstance(exc, WeightsLost):  # no rank is known to run a version: none starts until one loads
+            self.version, self.lineage, self.run_id = -1, 0, ""
         self.pull_failures += 1
         self._failed_pull = pointer
         self._retry_pull_at = time.monotonic() + self.settings.pull_retry_s

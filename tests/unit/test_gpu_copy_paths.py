@@ -9,6 +9,7 @@ bench/gpu.py's functions are run on the CPU with a tiny shape for the same reaso
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import shutil
@@ -20,6 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from laminar.roles.rollout.rank_load import load_on_ranks  # noqa: E402
 from laminar.roles.trainer import sharded_publish  # noqa: E402
 
 from laminar.weights import publisher as publisher_mod  # noqa: E402
@@ -179,9 +181,15 @@ def test_worker_extension_keeps_one_local_weights_per_folder_and_pins(fake_cuda,
     worker = LaminarWorkerExtension()
     worker.model_runner = SimpleNamespace(reload_weights=lambda weights_iterator: loaded.append(
         {k: t.clone() for k, t in weights_iterator}))
-    assert worker.laminar_load_relay(str(store.dir), -1) == 3
-    assert worker.laminar_load_relay(str(store.dir), 3) == -1  # nothing newer
-    assert worker.laminar_load_relay(str(store.dir), -1, exact=3) == 3
+
+    async def on_ranks(method, *args):
+        return [getattr(worker, method)(*args)]  # one rank
+
+    def load(min_version, exact=None):
+        return asyncio.run(load_on_ranks(on_ranks, ("relay", str(store.dir), min_version, exact)))
+    assert load(-1) == 3
+    assert load(3) == -1  # nothing newer
+    assert load(-1, exact=3) == 3
     weights = worker._laminar_weights(str(store.dir))
     assert weights is worker._laminar_weights(str(store.dir)) and len(weights._pinned) == 1
     assert fake_cuda.rt.calls == 1  # one registration for the slot file, kept across loads

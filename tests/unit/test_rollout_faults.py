@@ -5,7 +5,8 @@ until stored, the partial-pool copy kept meanwhile; batch_seq stays above every 
 across a restart even when the wall clock steps back.
 
 The engine is a stand-in whose load runs the real worker-side code (the vLLM worker extension's
-`laminar_load_relay`) against a real relay folder in /dev/shm; the pools are recording stubs.
+`laminar_prepare/commit/settle`, driven as the engine drives them) against a real relay folder
+in /dev/shm; the pools are recording stubs.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from laminar.roles.base import RoleContext  # noqa: E402
+from laminar.roles.rollout.rank_load import load_on_ranks  # noqa: E402
 from laminar.roles.rollout.role import RolloutRole  # noqa: E402
 from laminar.roles.rollout.trajectory import Active  # noqa: E402
 from laminar.roles.rollout.worker_ext import LaminarWorkerExtension  # noqa: E402
@@ -47,8 +49,14 @@ class Engine(LaminarWorkerExtension):
         self.model_runner = Runner()
         self.stats = types.SimpleNamespace(kv_usage=0.0, running=0, waiting=0)
 
+    def laminar_rank(self) -> int:
+        return 0
+
+    async def _on_ranks(self, method: str, *args) -> list:
+        return [await asyncio.to_thread(getattr(self, method), *args)]  # one rank
+
     async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
-        return await asyncio.to_thread(self.laminar_load_relay, shm_dir, min_version, exact)
+        return await load_on_ranks(self._on_ranks, ("relay", shm_dir, min_version, exact))
 
 
 class Client:
@@ -138,6 +146,35 @@ def test_failed_pulls_keep_the_weights_and_are_counted(tmp_path, relay):
         assert role.version == 4 and same(role.engine.model_runner.loaded, v2)
         st = role.status()
         assert st["weight_pull_failures"] == 2 and st["version"] == 4
+    asyncio.run(go())
+
+
+def test_weights_lost_in_a_failed_commit_are_forgotten_until_a_version_loads(tmp_path, relay, monkeypatch):
+    """A commit that fails part-way on a rank whose old version the relay no longer has leaves the
+    engine's weights unknown (rank_load.WeightsLost): the role names no version (so no trajectory
+    starts), counts the failure, and loads the relay's newest at the next try."""
+    from laminar.roles.rollout.worker_ext import FAULT_ENV
+    store = relay()
+    role = make_role(tmp_path, pull_retry_s=0.001)
+    role.weights_dir = str(store.dir)
+    fault = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_ENV, str(fault))
+
+    async def go():
+        publish(store, weights(1), 1)
+        await role._maybe_update_weights()
+        assert role.version == 1
+        publish(store, weights(2), 2)
+        publish(store, weights(3), 3)                                  # v1 is gone from the relay
+        fault.write_text("0 commit\n")
+        await role._maybe_update_weights()
+        assert role.version == -1 and role.lineage == 0 and role.pull_failures == 1
+        assert role._weights_unnamed()                                 # nothing starts on unknown weights
+        fault.unlink()
+        while role.version != 3:                                       # after pull_retry_s: the newest
+            await role._maybe_update_weights()
+        assert same(role.engine.model_runner.loaded, weights(3)) and role.pull_failures == 1
+
     asyncio.run(go())
 
 
