@@ -318,6 +318,9 @@ class RelayNode:
             log.error("receiver_failed", relay=self.id, peer=rcv.conn.peer, error=repr(exc), exc_info=exc)
         finally:
             rcv.conn.close()
+            with self.lock:
+                if self.receiver is rcv:  # the status names no upstream that is gone
+                    self.upstream = ""
 
     def _on_receiver_event(self, kind: str, **info) -> None:
         if kind == "corrupt":

@@ -137,7 +137,6 @@ class RelayRole(Role):
                 continue
             if self.ctx.id in ev.order:
                 if ev.master_id == self.ctx.id and ev.epoch >= self.epoch and not self.node.master:
-                    self.epoch = ev.epoch
                     self.log.info("became_master", epoch=ev.epoch)
                     await asyncio.to_thread(self.node.become_master)
                 continue

@@ -81,3 +81,43 @@ def test_restoring_an_older_checkpoint_folder_does_not_take_the_lineage_back(tmp
     assert e4 == 4, f"the lineage went down to {e4} after a restore"
     forks = read_lineage(ckpt)["forks"]
     assert forks == {"1": 0, "2": 4, "3": 8, "4": 4}
+
+
+def test_a_refused_trainer_fails_loudly_and_restarts_above_the_relays_lineage(tmp_path, node):
+    """The trainer's side of a refusal (roles/trainer/publishing.py): the relay's lineage is
+    recorded with the checkpoints, the trainer fails with both lineages named, and its next start
+    takes an epoch above the relay's."""
+    import asyncio
+    import types
+
+    from laminar.roles.trainer.publishing import PublishLink
+    ckpt = tmp_path / "checkpoints"
+    run, epoch = advance_lineage(ckpt, 0)
+    newer = publisher(node, lineage=epoch + 5)
+    newer.run_id = run
+    try:
+        newer.publish(state(0), 1)
+        assert newer.wait_delivered(1, 20)
+    finally:
+        newer.close()
+    events = []
+    role = types.SimpleNamespace(ckpt_root=ckpt, event=lambda name, **kw: events.append(name))
+    link = PublishLink(role, types.SimpleNamespace())
+
+    async def go():
+        link._refusal = asyncio.get_running_loop().create_future()
+        link.publisher = WeightPublisher(chunk_bytes=16 << 10, key=KEY,
+                                         on_refused=lambda why: loop.call_soon_threadsafe(link._refused, why))
+        link.publisher.run_id, link.publisher.lineage = run, epoch
+        loop = asyncio.get_running_loop()
+        link.publisher.set_target(node.address, node.id)
+        link.publisher.publish(state(1), 2)
+        try:
+            with pytest.raises(RuntimeError, match=f"lineage {epoch + 5}") as err:
+                await asyncio.wait_for(link._fail_on_refusal(), 20)
+        finally:
+            link.publisher.close()
+        return str(err.value)
+    why = asyncio.run(go())
+    assert f"lineage {epoch}" in why and events == ["weights_lineage_refused"]
+    assert advance_lineage(ckpt, 1)[1] == epoch + 6  # the restart is above the relay's lineage

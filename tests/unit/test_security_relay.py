@@ -130,7 +130,7 @@ def test_a_data_port_that_stays_dead_is_reported_unhealthy(shm_dir):
 
 def test_probe_is_a_handshake_and_does_not_displace_the_upstream(shm_dir):
     from laminar.roles.manager.chain_host import ChainHost
-    node = RelayNode("r", shm_dir, TcpTransport(), KEY)
+    node = RelayNode("r", shm_dir, TcpTransport(), KEY, idle_timeout_s=120.0)  # `up` below sends no heartbeats
     node.start()
     stalled = socket.socket()
     stalled.bind(("127.0.0.1", 0))

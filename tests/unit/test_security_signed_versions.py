@@ -160,3 +160,28 @@ def test_a_reader_refuses_a_version_sealed_by_another_key_or_not_at_all(node):
     (node.store.dir / CURRENT).write_bytes(msgpack.packb(ptr))
     with pytest.raises(WeightsRefused, match="no seal"):
         LocalWeights(node.store.dir, **READER).latest()
+
+
+def test_a_multi_host_version_goes_down_the_chain_with_every_hosts_seal(node):
+    """The master assembles the version from two hosts' parts, each sealed by its host; the relay
+    after it checks those seals against the bytes (pieces, not chunks) before making it visible,
+    and a reader after that again."""
+    down = RelayNode("d", f"/dev/shm/laminar-test-sign-{uuid.uuid4().hex[:8]}", get_transport("tcp"), KEY, **CHECKED)
+    down.start()
+    honest = weights(3)
+    pubs = []
+    try:
+        node.set_downstream(down.address, down.id)
+        pubs = [part(honest, node, HOST0, 1, **TRAINER), part(honest, node, HOST1, 1, **TRAINER)]
+        with down.store.cond:
+            assert down.store.cond.wait_for(lambda: down.store.current is not None, 20), down.status()
+        with LocalWeights(down.store.dir, **READER).latest() as pulled:
+            assert len(pulled.manifest.seals) == 2
+            got = pulled.state_dict()
+            assert all(torch.equal(got[k], honest[k]) for k in honest)
+        assert down.status()["seals_refused"] == 0 and node.status()["seals_refused"] == 0
+    finally:
+        for p in pubs:
+            p.close()
+        down.stop()
+        shutil.rmtree(down.store.dir, ignore_errors=True)
