@@ -1,9 +1,16 @@
 """Weight broadcast benchmark (docs/architecture.md §6): the relay chain vs naive fan-out vs torch.distributed
-(gloo) vs one raw socket transfer, on an emulated cluster network; plus the trainer's publish stall
-and the local pull rate on loopback. Prints tables, writes JSON.
+(gloo) vs one raw socket transfer, on an emulated cluster network; plus the trainer's publish stall,
+the local pull rate and what authenticating the chunk links costs, on loopback. Prints tables,
+writes JSON.
 
     sudo python bench/broadcast.py --quick --out runs/bench/broadcast.json   # S 64 MiB, K 1 and 8
     sudo python bench/broadcast.py --out runs/bench/broadcast_full.json      # S 256 MiB + 1 GiB
+    python bench/broadcast.py --skip-network --out runs/bench/broadcast_local.json  # loopback only
+
+Authentication (bench/broadcast_auth.py): publisher -> relay -> relay on loopback with every
+message MAC'd and versions signed (`full`, what runs) vs the same code with the crypto replaced by
+no-ops (`none`) and with chunk digests only (`digests`, the per-byte work of protocol 2), each in a
+process of its own, in turn; throughput ratios from the same run (key `auth`).
 
 Network: host 0 (the trainer) and K relay hosts in network namespaces on a bridge, every egress
 shaped to R (laminar/testing/netns.py); one agent process per host (bench/broadcast_agent.py)
@@ -33,6 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import broadcast_auth  # noqa: E402
 import broadcast_local  # noqa: E402
 from _common import print_table, write_json  # noqa: E402
 
@@ -214,6 +222,8 @@ def main() -> int:
     p.add_argument("--ks", type=int, nargs="*", default=None, help="override K")
     p.add_argument("--methods", nargs="*", default=["chain", "fanout", "gloo"], help="which to measure (raw always)")
     p.add_argument("--skip-network", action="store_true", help="loopback measurements only (no root)")
+    p.add_argument("--skip-auth", action="store_true", help="leave out the cost of authenticated links")
+    p.add_argument("--auth-rounds", type=int, default=2, help="processes per mode in the authentication part")
     args = p.parse_args()
     sizes = [s * MiB for s in (args.sizes_mib or ([64] if args.quick else [256, 1024]))]
     ks = args.ks or ([1, 8] if args.quick else [1, 2, 4, 8, 16])
@@ -226,6 +236,13 @@ def main() -> int:
     out = {"sizes_mib": [s // MiB for s in sizes], "ks": ks, "chunk_mib": args.chunk_mib, "local": local,
            "publish_stall_over_memcpy": local["publish_stall_over_memcpy"],
            "pull_over_memcpy": local["pull_over_memcpy"]}
+    if not args.skip_auth:
+        auth = broadcast_auth.run(sizes[0], args.chunk_mib * MiB, reps=3 if args.quick else 5,
+                                  rounds=args.auth_rounds)
+        print_table(f"authenticated chunk links, loopback, publisher -> relay -> relay, S = {sizes[0] // MiB} MiB",
+                    broadcast_auth.TABLE, broadcast_auth.table_rows(auth))
+        out.update(auth=auth, auth_full_over_none=auth["full_over_none"],
+                   auth_full_over_digests=auth["full_over_digests"], auth_cpu_full_over_none=auth["cpu_full_over_none"])
     if not args.skip_network:
         partial = Path(args.out + ".partial") if args.out else None
         rows, net = network_part(args, sizes, ks, checkpoint=(lambda rs: partial.write_text(
@@ -242,7 +259,8 @@ def main() -> int:
             out[f"summary_{s // MiB}mib"] = summary(rows, s // MiB, k_ref)
         out.update(out[f"summary_{sizes[0] // MiB}mib"])
     keys = [k for k in ("chain_over_raw_k8", "fanout_over_chain_k8", "gloo_over_chain_k8",
-                        "publish_stall_over_memcpy", "pull_over_memcpy") if k in out]
+                        "publish_stall_over_memcpy", "pull_over_memcpy", "auth_full_over_none",
+                        "auth_full_over_digests", "auth_cpu_full_over_none") if k in out]
     print_table("summary", ["key", "value"], [[k, out[k]] for k in keys])
     out["wall_s"] = time.time() - t_start
     print(f"\ntotal {out['wall_s']:.1f} s")

@@ -19,10 +19,11 @@ import sys
 import threading
 import time
 
-from laminar.weights import wire
+from laminar.weights import handshake, wire
 from laminar.weights.manifest import build_manifest, with_version
 from laminar.weights.node import RelayNode
 from laminar.weights.publisher import WeightPublisher
+from laminar.weights.seal import seal_whole
 from laminar.weights.sender import Sender
 from laminar.weights.store import VersionBuffer
 from laminar.weights.transport import get_transport
@@ -92,13 +93,12 @@ class Agent:
         m = build_manifest([("w", "uint8", (nbytes,))], version, chunk_mib << 20)
         vb = VersionBuffer(with_version(m, version), self._state(nbytes)["w"].numpy())
         vb.mark_all([0] * vb.n)
-        vb.lazy_checksums, vb.hashed = True, bytearray(vb.n)
         src = _OneVersion(vb)
         t0 = time.time()
         threads = []
         for a in addresses:
-            conn = wire.connect(get_transport("tcp"), a, KEY, 5.0)
-            s = Sender(src, conn, name=f"fanout->{a}", key=KEY)  # its chunk MACs: the relays check them
+            conn = handshake.connect(get_transport("tcp"), a, KEY, 5.0)
+            s = Sender(src, conn, name=f"fanout->{a}")  # its digests and (unsigned) seal: the relays check them
             s.on_delivered = lambda v, s=s: s.stop()  # one version, then hang up
             threads.append(threading.Thread(target=_quietly, args=(s.run,), daemon=True))
         for th in threads:
@@ -195,6 +195,9 @@ class _OneVersion:
 
     def release(self, vb):
         pass
+
+    def make_seals(self, vb):
+        return seal_whole(vb, None)
 
 
 

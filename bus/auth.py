@@ -18,6 +18,13 @@ Two modes, chosen by whether DIR has a `clients/` folder:
   its id first (`rollout.r0`); other processes (the CLI, `laminar-node up/start`) use `operator`
   where it exists, else `node`.
 
+The weights signing key (`weights.key` public, `weights.key_secret` secret; Ed25519, made with the
+cluster key or by `laminar-node keygen DIR --weights`): the trainer seals every weight version
+with the secret and relays and rollouts check the seals with the public key
+(laminar/weights/seal.py), so only a holder of the secret can make weights that rollouts load.
+Copy `weights.key` to every host and `weights.key_secret` to the trainer's hosts only; only a
+process of the trainer scope loads the secret (`CurveKeys.weights_secret`).
+
 On disk: the key folder is 0700 and both files 0600, owned by the user the roles run as. Files are
 created with their final mode (os.open with a mode, whatever the umask) under a temporary name and
 then linked into place, so no reader ever sees a partial or briefly world-readable key. Loading
@@ -35,6 +42,7 @@ import zmq
 import zmq.auth
 
 KEY_NAME = "cluster"
+WEIGHTS_KEY = "weights"  # weights.key / weights.key_secret: the trainer's Ed25519 signing key
 CLIENTS = "clients"
 # who may do what: see docs/security.md (the table there is this code in words)
 SCOPES = ("operator", "node", "trainer", "manager", "relay", "rollout", "env", "pool", "broker", "evaluator")
@@ -53,6 +61,8 @@ class CurveKeys:
     client_secret: bytes | None = None
     identity: str = ALL                  # what servers will call this process ("rollout.r0", "operator"...)
     scoped: bool = False
+    weights_public: bytes | None = None  # the trainer's public signing key (raw 32 bytes): checks seals
+    weights_secret: bytes | None = None  # its secret (raw 32 bytes): loaded by trainer processes only
 
 
 class KeyFileError(PermissionError):
@@ -101,7 +111,56 @@ def generate_keys(directory: str | os.PathLike, overwrite: bool = False) -> tupl
     public, secret = zmq.curve_keypair()
     _write_private(sec, _cert(public, secret), overwrite)  # the secret first: a pub alone is useless
     _write_private(pub, _cert(public, None), overwrite)
+    if overwrite or not (d / f"{WEIGHTS_KEY}.key").exists():
+        generate_weights_key(d, overwrite=True)
     return pub, sec
+
+
+def _weights_cert(public: bytes, secret: bytes | None) -> str:
+    lines = ["#   Ed25519 key the trainer signs weight versions with (made by laminar-node keygen)",
+             "#   " + ("SECRET: keep it 0600 on the trainer's hosts only" if secret else
+                     "public key: copy it to every host"),
+             f'public-key = "{public.hex()}"']
+    if secret:
+        lines.append(f'secret-key = "{secret.hex()}"')
+    return "\n".join(lines) + "\n"
+
+
+def generate_weights_key(directory: str | os.PathLike, overwrite: bool = False) -> tuple[Path, Path]:
+    """Write a new weights signing key pair (`weights.key`, `weights.key_secret`, both 0600)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    d = Path(directory)
+    pub, sec = d / f"{WEIGHTS_KEY}.key", d / f"{WEIGHTS_KEY}.key_secret"
+    if not overwrite and (pub.exists() or sec.exists()):
+        raise FileExistsError(f"{pub} already exists; pass --force to replace the weights signing key")
+    key = Ed25519PrivateKey.generate()
+    secret, public = key.private_bytes_raw(), key.public_key().public_bytes_raw()
+    _write_private(sec, _weights_cert(public, secret), overwrite)
+    _write_private(pub, _weights_cert(public, None), overwrite)
+    return pub, sec
+
+
+def _read_weights_key(path: Path, field: str) -> bytes:
+    for line in path.read_text().splitlines():
+        name, _, value = line.partition("=")
+        if name.strip() == field:
+            raw = bytes.fromhex(value.strip().strip('"'))
+            if len(raw) == 32:
+                return raw
+    raise ValueError(f"{path}: no {field} (32 bytes, hex) in it: make it again with `laminar-node keygen --weights`")
+
+
+def load_weights_key(directory: str | os.PathLike, secret: bool) -> tuple[bytes | None, bytes | None]:
+    """(public, secret) of the weights signing key in a key folder: the public key if
+    `weights.key` exists, the secret only when asked (a trainer) and `weights.key_secret` exists
+    (checked private like every secret)."""
+    d = Path(directory)
+    pub_path, sec_path = d / f"{WEIGHTS_KEY}.key", d / f"{WEIGHTS_KEY}.key_secret"
+    public = _read_weights_key(pub_path, "public-key") if pub_path.exists() else None
+    if not (secret and sec_path.exists()):
+        return public, None
+    _check_secret_file(sec_path)
+    return public, _read_weights_key(sec_path, "secret-key")
 
 
 def check_private(directory: str | os.PathLike) -> Path:
@@ -186,15 +245,16 @@ def load_keys(directory: str | os.PathLike, scope: str | None = None, name: str 
     if secret is None:
         raise ValueError(f"{sec} holds no secret key")
     d = Path(directory).resolve()
+    wpub, wsec = load_weights_key(d, secret=scope == "trainer")
     if not (d / CLIENTS).is_dir():
-        return CurveKeys(public=public, secret=secret, public_dir=str(d))
+        return CurveKeys(public=public, secret=secret, public_dir=str(d), weights_public=wpub, weights_secret=wsec)
     path, ident = _client_key(d, scope, name)
     _check_secret_file(path)
     cpub, csec = zmq.auth.load_certificate(str(path))
     if csec is None:
         raise ValueError(f"{path} holds no secret key")
     return CurveKeys(public=public, secret=secret, public_dir=str(d / CLIENTS), client_public=cpub,
-                     client_secret=csec, identity=ident, scoped=True)
+                     client_secret=csec, identity=ident, scoped=True, weights_public=wpub, weights_secret=wsec)
 
 
 def make_server(sock: zmq.Socket, keys: CurveKeys | None) -> None:

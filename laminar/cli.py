@@ -22,11 +22,15 @@ def _load(path: str):
 
 # ---------------------------------------------------------------------------------------
 def cmd_keygen(a) -> int:
-    from laminar.bus.auth import SCOPES, generate_client_key, generate_keys
+    from laminar.bus.auth import SCOPES, generate_client_key, generate_keys, generate_weights_key
     clients = list(SCOPES if a.scopes else []) + list(a.client or [])
-    if not (clients and (Path(a.dir) / "cluster.key_secret").exists()):
+    if a.weights or (clients and not (Path(a.dir) / "weights.key").exists()):
+        pub, sec = generate_weights_key(a.dir, overwrite=a.force)
+        print(f"wrote {pub} (copy it to every host) and {sec} (mode 600: the trainer's hosts only)")
+    if not ((clients or a.weights) and (Path(a.dir) / "cluster.key_secret").exists()):
         pub, sec = generate_keys(a.dir, overwrite=a.force)
-        print(f"wrote {pub} and {sec} (mode 600); copy the folder to every host of the cluster")
+        print(f"wrote {pub} and {sec} (mode 600), and the weights signing key; copy the folder to every host of "
+              "the cluster, but weights.key_secret only to the trainer's hosts")
     for ident in clients:
         path = generate_client_key(a.dir, ident, overwrite=a.force)
         print(f"wrote {path} (mode 600) and its public .key")
@@ -449,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write one client key per scope (operator, node, trainer, manager, relay, rollout, "
                         "env, pool, broker, evaluator) under DIR/clients: the cluster key then only makes servers, and "
                         "each process is allowed what its scope may do (docs/security.md)")
+    s.add_argument("--weights", action="store_true",
+                   help="write the key the trainer signs weight versions with (weights.key, weights.key_secret; made "
+                        "with every new cluster key): for a folder made before versions were signed")
     s.add_argument("--client", action="append", metavar="SCOPE[.NAME]",
                    help="write one client key, e.g. rollout.r0 (only rollout r0 may write its trajectories); "
                         "repeatable; keeps an existing cluster key")

@@ -32,10 +32,11 @@ class Manifest:
     Tensor i occupies bytes [offsets[i], offsets[i] + nbytes[i]) of the flat buffer, with dtype
     `dtypes[i]` (torch dtype name without the `torch.` prefix) and shape `shapes[i]`. Chunk j is
     bytes [j * chunk_bytes, min(total_bytes, (j + 1) * chunk_bytes)); `checksums[j]` is its
-    xxh3-64 digest (empty while a version is still being produced chunk by chunk); `macs[j]` is
-    its 16-byte keyed MAC (laminar/weights/wire.py `chunk_mac`: keyed by the cluster secret, over
-    the version's name and layout, the chunk index and its bytes), filled by a relay as chunks
-    arrive verified; empty in an OFFER and where no relay wrote the version.
+    xxh3-64 digest (empty while a version is still being produced chunk by chunk). `macs` is
+    no longer written (chunk protocol 2 kept keyed chunk MACs there). `seals` are what make the
+    version the trainer's: signed lists of the buffer's pieces and their digests
+    (laminar/weights/seal.py), written by a relay with the version once they verified; empty
+    in an OFFER.
     """
     version: int
     total_bytes: int
@@ -49,6 +50,7 @@ class Manifest:
     lineage: int = 0       # the trainer's lineage epoch (advanced by every trainer start or resume)
     run_id: str = ""       # the run the lineage belongs to (docs/weights.md)
     macs: list[bytes] = field(default_factory=list)
+    seals: list[bytes] = field(default_factory=list)
 
 
 @event("relay.join")

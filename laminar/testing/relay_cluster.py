@@ -33,7 +33,7 @@ class RelayCluster:
         self.shm = {r: f"/dev/shm/laminar-test-{self.tag}-{r}" for r in relay_ids}
         keys_dir = self.dir / "keys"
         generate_keys(keys_dir)
-        self.keys = load_keys(keys_dir)
+        self.keys = load_keys(keys_dir, "trainer")  # the trainer side: with the weights signing key
         self.broker_ports = (free_port(), free_port())
         self.manager_port = free_port()
         relays = []
@@ -97,12 +97,14 @@ class RelayCluster:
         from laminar.bus.zmq_transport import ZmqTransport
         from laminar.weights.follow import MasterFollower
         from laminar.weights.publisher import WeightPublisher
+        from laminar.weights.seal import signer_of
         from laminar.weights.wire import derive_key
 
         bus = ZmqTransport(
             f"tcp://127.0.0.1:{self.broker_ports[0]}", f"tcp://127.0.0.1:{self.broker_ports[1]}", self.keys
         )
-        t = Trainer(bus, WeightPublisher(chunk_bytes, transport, derive_key(self.keys.secret)))
+        t = Trainer(bus, WeightPublisher(chunk_bytes, transport, derive_key(self.keys.secret),
+                                         signer=signer_of(self.keys)))
         t.follower = MasterFollower(t.publisher, bus, f"tcp://127.0.0.1:{self.manager_port}")
         try:
             await t.start()

@@ -2,7 +2,7 @@
 
 FlipOnceTcp   flips one byte of the payload of chosen CHUNK messages on the wire, once each (the
               sender's own buffer is untouched: the copy that goes out is corrupted), to show the
-              receiver detects it by checksum and the chunk is sent again.
+              receiver detects it by its digest and the chunk is sent again.
 WrappedConn   a TcpConn passed through unchanged: subclass it to rewrite some messages.
 ThrottledTcp  paces sends to `rate_mbps` so a test can act while a broadcast is in flight (for
               example kill a relay half-way) without racing loopback speed. Pacing is bandwidth

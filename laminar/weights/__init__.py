@@ -3,9 +3,10 @@ buffers, shared-memory versions, the chunk protocol between relays, the trainer-
 the rollout-side local pull.
 
     trainer: WeightPublisher.publish(state_dict)   one copy into staging, sends in the background
-       |  chunk transport (TCP default, UCX optional), authenticated, checksummed per chunk
+       |  chunk transport (TCP default, UCX optional): every message MAC'd, every chunk digested,
+       |  every version sealed with the trainer's signing key (wire.py, handshake.py, seal.py)
     master relay -> relay -> relay ...             roles/relay (chain order: roles/manager/chain)
-       |  /dev/shm, newest complete version only
+       |  /dev/shm, newest complete version whose seals verified
     rollout: LocalWeights(dir).latest().tensors()  zero-copy (name, tensor) pairs
 
 Nothing here imports torch at module import time; the publisher and the pull client import it

@@ -1,8 +1,10 @@
 """RelayNode: the data plane of one relay, in threads, independent of the bus.
 
-    node = RelayNode("r1", "/dev/shm/laminar-r1", get_transport("tcp"), key)
+    node = RelayNode("r1", "/dev/shm/laminar-r1", get_transport("tcp"), key, verifier=Verifier(public))
     node.start()                       # listener thread; accepts one upstream at a time
     node.set_downstream("10.0.0.3:7001", "r2")   # connect + authenticate, start forwarding
+    node.become_master()               # the manager made it master: a relay upstream it has is stale
+    node.reset_links()                 # it re-joins the chain: every old link goes
     node.stop()
 
 The relay role (roles/relay) wraps it with the bus (join the manager's chain, SetDownstream,
@@ -12,9 +14,20 @@ benchmarked is this very code.
 Threads: `accept` (listener), one short-lived handshake thread per connection being
 authenticated, one receiver (a newer upstream connection replaces the old one, which is closed
 and joined first, so two upstreams never write the same version), one forwarder (Sender).
-`on_event(kind, **info)` is called from those threads; kinds: offer, progress, complete, corrupt
+`on_event(kind, **info)` is called from those threads; kinds: offer, progress, complete, corrupt,
+refused (an offer of an older lineage), sealfail (seals that do not vouch for the bytes)
 (receiver), upstream (a new upstream connected), link_down (forwarder lost its downstream: the
-owner tells the manager), delivered.
+owner tells the manager), delivered, refused_downstream (the downstream holds a newer lineage),
+abandoned (an incoming version that made no progress for `stall_s`).
+
+Liveness: every link sends a PING when idle (`heartbeat_s`) and a receive that gets nothing for
+`idle_timeout_s` ends the link, so an upstream that stopped (a SIGSTOPped process keeps its
+socket open and its kernel answers TCP keep-alive) or vanished is given up in seconds. A relay
+the manager makes master drops a relay (LINK) upstream it still has (`become_master`), and takes
+no new one while it is master: that can only be a stale old master (while it is there parts are
+refused) or a relay host pushing the trainer's link off; what feeds a master is the trainer's own
+link (PUBLISH, proven with the trainer's key) or its parts. A relay that re-joins the chain drops
+every link it had first (`reset_links`): the manager links it afresh.
 
 The data port faces whoever can reach it, so the accepting thread only accepts: the handshake of
 each connection runs on its own thread under `handshake_timeout_s`, at most
@@ -41,7 +54,7 @@ from collections.abc import Callable
 
 import structlog
 
-from laminar.weights import wire
+from laminar.weights import handshake, seal
 from laminar.weights.part_receiver import PartReceiver
 from laminar.weights.receiver import Receiver
 from laminar.weights.sender import Sender
@@ -57,8 +70,13 @@ class RelayNode:
                  on_event: Callable[..., None] = lambda kind, **kw: None,
                  connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0, retain: int = 0,
                  handshake_timeout_s: float = 5.0, max_pending_handshakes: int = 32, relisten_after: int = 5,
-                 max_part_upstreams: int = 64):
+                 max_part_upstreams: int = 64, verifier: seal.Verifier | None = None, heartbeat_s: float = 1.0,
+                 idle_timeout_s: float = 10.0, stall_s: float = 30.0):
         self.id, self.transport, self.key = relay_id, transport, key
+        # the trainer's public signing key: seals and trainer handshakes are checked with it
+        # (None: auth off, seals are checked for integrity only)
+        self.verifier = verifier
+        self.heartbeat_s, self.idle_timeout_s, self.stall_s = heartbeat_s, idle_timeout_s, stall_s
         self.store = ShmStore(shm_dir, retain)
         self.bind_host, self.port = bind_host, port
         self.on_event = on_event
@@ -72,7 +90,10 @@ class RelayNode:
         self.sender_thread: threading.Thread | None = None
         self.downstream = ""
         self.upstream = ""
+        self.upstream_purpose = handshake.PURPOSE_LINK
+        self.master = False  # the manager's chain names this relay master (set by the role)
         self.corrupt = 0
+        self.lineage_refused = self.seals_refused = self.stale_dropped = self.abandoned = self.links_refused = 0
         self._stop = threading.Event()
         self.handshake_timeout_s = handshake_timeout_s
         self.max_pending_handshakes, self.relisten_after = max_pending_handshakes, relisten_after
@@ -153,7 +174,7 @@ class RelayNode:
 
     def _handshake(self, conn) -> None:
         try:
-            purpose = wire.server_handshake(conn, self.key, self.handshake_timeout_s)
+            purpose, ch = handshake.server_handshake(conn, self.key, self.handshake_timeout_s, self.verifier)
         except (LinkError, OSError) as exc:
             self.handshakes_refused += 1
             if self.handshakes_refused & (self.handshakes_refused - 1) == 0:
@@ -168,62 +189,112 @@ class RelayNode:
         finally:
             with self.lock:
                 self._pending.pop(id(conn), None)
-        if purpose == wire.PURPOSE_PROBE:
+        if purpose == handshake.PURPOSE_PROBE:
             self.probes += 1
-            conn.close()
+            ch.close()
             return
-        if purpose == wire.PURPOSE_PART and not self._stop.is_set():
-            self._take_part(conn)
+        ch.set_idle_timeout(self.idle_timeout_s)
+        if purpose == handshake.PURPOSE_PART and not self._stop.is_set():
+            self._take_part(ch)
             return
         if not self._stop.is_set():
-            self._take_upstream(conn)
+            self._take_upstream(ch, purpose)
         else:
-            conn.close()
+            ch.close()
 
     def data_port_ok(self) -> bool:
         t = getattr(self, "_accept_thread", None)
         return t is not None and t.is_alive() and self.failing_accepts < self.relisten_after * 2
 
-    def _take_upstream(self, conn) -> None:
+    def _take_upstream(self, ch, purpose: int) -> None:
+        if purpose == handshake.PURPOSE_LINK and self.master:
+            # Nobody is linked upstream of the master (a relay joins at the tail, and a master
+            # that re-joins resets first): a relay link here is a stale old master, or a relay
+            # host pushing the trainer's link off. Only the trainer (PUBLISH) feeds the master.
+            self.links_refused += 1
+            log.warning("link_refused_as_master", relay=self.id, peer=ch.peer, refused=self.links_refused)
+            ch.close()
+            return
         with self.upstream_lock:  # handshake threads finish concurrently: one swap at a time
             if self._stop.is_set():
-                conn.close()
+                ch.close()
                 return
-            with self.lock:
-                old, old_thread = self.receiver, self.receiver_thread
-                if old is not None:
-                    old.stop()
-            if old_thread is not None:
-                old_thread.join(timeout=10.0)
-            rcv = Receiver(self.store, conn, self._on_receiver_event, key=self.key)
+            self._drop_upstream()
+            rcv = Receiver(self.store, ch, self._on_receiver_event, verifier=self.verifier,
+                           heartbeat_s=self.heartbeat_s)
             t = threading.Thread(target=self._run_receiver, args=(rcv,), name=f"relay-{self.id}-recv", daemon=True)
             with self.lock:
-                self.receiver, self.receiver_thread, self.upstream = rcv, t, conn.peer
+                self.receiver, self.receiver_thread, self.upstream = rcv, t, ch.peer
+                self.upstream_purpose = purpose
             t.start()
-        self.on_event("upstream", peer=conn.peer)
+        self.on_event("upstream", peer=ch.peer, purpose=handshake.PURPOSES[purpose])
 
-    def _take_part(self, conn) -> None:
+    def _drop_upstream(self, only_purpose: int | None = None) -> bool:
+        """Stop the upstream receiver (only one of that purpose, if given) and wait for it to end;
+        True when one was dropped (caller holds upstream_lock)."""
+        with self.lock:
+            rcv, t = self.receiver, self.receiver_thread
+            if rcv is None or (only_purpose is not None and self.upstream_purpose != only_purpose):
+                return False
+            rcv.stop()
+            self.receiver = self.receiver_thread = None
+            self.upstream = ""
+        t.join(timeout=10.0)
+        return True
+
+    def become_master(self) -> None:
+        """The manager's chain names this relay master: its upstream is the trainer's publisher (or
+        parts). A relay (LINK) upstream still open can only be the old master, stopped or taken
+        out while alive: it is dropped, so nothing stale streams in and parts are taken."""
+        self.master = True
+        with self.upstream_lock:
+            peer = self.upstream
+            if self._drop_upstream(handshake.PURPOSE_LINK):
+                self.stale_dropped += 1
+                log.warning("stale_upstream_dropped", relay=self.id, peer=peer, why="this relay is the master now")
+
+    def reset_links(self) -> None:
+        """Drop every link (downstream, upstream, parts): the relay re-joins the chain, where the
+        manager links it afresh (at the tail it has no downstream; its old upstream is stale)."""
+        self.master = False
+        with self.link_lock:
+            self._drop_sender()
+            self.downstream = ""
+        with self.upstream_lock:
+            self._drop_upstream()
+        with self.lock:
+            parts = list(self.parts.values())
+        for prcv, pt in parts:
+            prcv.stop()
+            pt.join(timeout=10.0)
+        log.info("links_reset", relay=self.id, parts=len(parts))
+
+    def _take_part(self, ch) -> None:
         """One host's part of a multi-host trainer: a receiver of its own, beside the others."""
         with self.lock:
-            old = self.receiver_thread
+            old, purpose = self.receiver_thread, self.upstream_purpose
         if old is not None and old.is_alive():
-            old.join(timeout=0.5)  # a trainer that just turned into parts closed its link: let it end
-        rcv = PartReceiver(self.store, conn, self._on_receiver_event, key=self.key, siblings=self._part_receivers)
+            if self.master and purpose == handshake.PURPOSE_LINK:
+                self.become_master()  # a stale relay upstream at the master: it goes
+            else:
+                old.join(timeout=0.5)  # a trainer that just turned into parts closed its link: let it end
+        rcv = PartReceiver(self.store, ch, self._on_receiver_event, verifier=self.verifier,
+                           heartbeat_s=self.heartbeat_s, siblings=self._part_receivers)
         t = threading.Thread(target=self._run_part, args=(rcv,), name=f"relay-{self.id}-part", daemon=True)
         with self.lock:
             linked = self.receiver_thread is not None and self.receiver_thread.is_alive()
             if self._stop.is_set() or linked:
                 if linked:  # a relay inside the chain (a stale target): parts go to the master only
-                    log.warning("part_refused", relay=self.id, peer=conn.peer, upstream=self.upstream,
+                    log.warning("part_refused", relay=self.id, peer=ch.peer, upstream=self.upstream,
                                 why="this relay has an upstream: parts go to the master relay")
-                conn.close()
+                ch.close()
                 return
             while len(self.parts) >= self.max_part_upstreams:
                 _, (oldest, _) = self.parts.popitem(last=False)
                 oldest.stop()
             self.parts[id(rcv)] = (rcv, t)
         t.start()
-        self.on_event("upstream", peer=conn.peer, part=True)
+        self.on_event("upstream", peer=ch.peer, part=True)
 
     def _part_receivers(self) -> list[PartReceiver]:
         with self.lock:
@@ -247,10 +318,17 @@ class RelayNode:
             log.error("receiver_failed", relay=self.id, peer=rcv.conn.peer, error=repr(exc), exc_info=exc)
         finally:
             rcv.conn.close()
+            with self.lock:
+                if self.receiver is rcv:  # the status names no upstream that is gone
+                    self.upstream = ""
 
     def _on_receiver_event(self, kind: str, **info) -> None:
         if kind == "corrupt":
             self.corrupt += 1
+        elif kind == "refused":
+            self.lineage_refused += 1
+        elif kind == "sealfail":
+            self.seals_refused += 1
         self.on_event(kind, **info)
 
     # -- downstream side -------------------------------------------------------------------
@@ -265,15 +343,21 @@ class RelayNode:
         if not address:
             self.downstream = ""
             return
-        conn = wire.connect(self.transport, address, self.key, self.connect_timeout_s)
-        sender = Sender(self.store, conn, name=f"relay-{self.id}->{peer_id or address}",
-                        ack_timeout_s=self.ack_timeout_s, key=self.key,
-                        on_delivered=lambda v: self.on_event("delivered", peer=peer_id, version=v))
+        ch = handshake.connect(self.transport, address, self.key, self.connect_timeout_s)
+        ch.set_idle_timeout(self.idle_timeout_s)
+        sender = Sender(self.store, ch, name=f"relay-{self.id}->{peer_id or address}",
+                        ack_timeout_s=self.ack_timeout_s, heartbeat_s=self.heartbeat_s,
+                        on_delivered=lambda v: self.on_event("delivered", peer=peer_id, version=v),
+                        on_refused=lambda v, why: self._refused_downstream(peer_id or address, v, why))
         t = threading.Thread(target=self._run_sender, args=(sender, peer_id or address),
                              name=f"relay-{self.id}-send", daemon=True)
         with self.lock:
             self.sender, self.sender_thread, self.downstream = sender, t, peer_id or address
         t.start()
+
+    def _refused_downstream(self, peer: str, version: int, why: str) -> None:
+        log.error("version_refused_downstream", relay=self.id, peer=peer, version=version, why=why)
+        self.on_event("refused_downstream", peer=peer, version=version, why=why)
 
     def _drop_sender(self) -> None:
         with self.lock:
@@ -298,14 +382,24 @@ class RelayNode:
     # -- state -----------------------------------------------------------------------------
     def status(self) -> dict:
         with self.store.cond:
+            gone = self.store.expire(self.stall_s)
             cur, inc = self.store.current, self.store.incoming
+        if gone is not None:
+            self.abandoned += 1
+            log.warning("incoming_abandoned", relay=self.id, version=gone.version, lineage=gone.manifest.lineage,
+                        have=gone.count, chunks=gone.n, stall_s=self.stall_s)
+            self.on_event("abandoned", version=gone.version)
+        with self.store.cond:
             return {
                 "version": cur.version if cur else -1,
                 "receiving": inc.version if inc else -1,
                 "chunks_have": inc.count if inc else (cur.n if cur else 0),
                 "chunks_total": inc.n if inc else (cur.n if cur else 0),
-                "corrupt_chunks": self.corrupt,
-                "upstream": self.upstream, "downstream": self.downstream,
+                "corrupt_chunks": self.corrupt, "lineage": cur.manifest.lineage if cur else -1,
+                "lineage_refused": self.lineage_refused, "seals_refused": self.seals_refused,
+                "stale_upstreams_dropped": self.stale_dropped, "incoming_abandoned": self.abandoned,
+                "links_refused_as_master": self.links_refused,
+                "upstream": self.upstream, "downstream": self.downstream, "master": self.master,
             } | self._port_status()
 
     def _port_status(self) -> dict:

@@ -6,10 +6,11 @@ rows their own ranks own (roles/trainer/sharded_publish.py, mode `hosts`). Each 
 purpose PART, and the master relay assembles the version from every host's ranges
 (part_receiver.py). Per version (wire.py has the messages):
 
-    OFFER (manifest) -> WANT (a == chunks: the relay has it, nothing to send; a == BUSY: the
-    relay still assembles an older version, so offer the newest again in BUSY_RETRY_S)
-    -> RANGE for each (offset, length) of `vb.ranges`, each with its MAC (wire.range_mac)
-    -> PART_END (a = number of ranges) -> NACKed ranges again -> DONE (this host's part is in)
+    OFFER (manifest) -> WANT (HAVE: the relay holds it, nothing to send; BUSY: the relay still
+    assembles an older version, so offer the newest again in BUSY_RETRY_S; REFUSED: it holds a
+    newer lineage of the run) -> RANGE for each (offset, length) of `vb.ranges`, each with its
+    content digest -> PART_END (a = number of ranges; payload: this host's seal, its ranges and
+    their digests signed with the trainer's key) -> NACKed ranges again -> DONE (this part is in)
 
 `vb.ranges` are cut at chunk boundaries (a range lies inside one chunk; `split_ranges`). The
 version counts as delivered for this host when its DONE arrives; the version is whole at the
@@ -22,8 +23,7 @@ import collections
 import time
 
 from laminar.weights import wire
-from laminar.weights.part_receiver import BUSY
-from laminar.weights.sender import Sender
+from laminar.weights.sender import DELIVERED, SKIPPED, Sender
 
 BUSY_RETRY_S = 0.2
 
@@ -50,21 +50,24 @@ def split_ranges(ranges, chunk_bytes: int) -> list[tuple[int, int]]:
 class PartSender(Sender):
     """A Sender whose versions carry `ranges`: only those bytes are sent, as RANGE messages."""
 
-    def _send_version(self, vb) -> bool:
+    def _send_version(self, vb) -> str:
         ranges = list(getattr(vb, "ranges", ()))
         lengths = dict(ranges)
         lineage = vb.manifest.lineage
-        h, mdigest = self._offer(vb)
-        deadline = time.monotonic() + self.ack_timeout_s
-        if h.a == BUSY:  # the master still assembles an older version: offer the newest again soon
+        h = self._offer(vb)
+        if h.a == wire.REFUSED:
+            return self._refused(vb, h)
+        if h.a == wire.BUSY:  # the master still assembles an older version: offer the newest again soon
             with self.cond:
                 self.cond.wait(timeout=BUSY_RETRY_S)
             self.stats["busy"] = self.stats.get("busy", 0) + 1
-            return False
-        if h.a >= vb.n:  # the relay holds this version already
-            return True
+            return SKIPPED
+        if h.a == wire.HAVE:  # the relay holds this version already
+            return DELIVERED
+        deadline = time.monotonic() + self.ack_timeout_s
         pending = collections.deque(ranges)
         resend: collections.deque[int] = collections.deque()
+        digests: dict[int, bytes] = {}
         ended = done = False
         while not done:
             with self.cond:
@@ -82,7 +85,8 @@ class PartSender(Sender):
                     break
                 if not (pending or resend):
                     if not ended:
-                        wire.send(self.conn, wire.PART_END, vb.version, a=len(ranges), b=lineage)
+                        seal = self.source.make_part_seal(vb, [(o, lengths[o], digests[o]) for o, _ in ranges])
+                        self.conn.send(wire.PART_END, vb.version, a=len(ranges), b=lineage, payload=seal)
                         ended = True
                     self.cond.wait(timeout=0.5)
                     continue
@@ -92,9 +96,10 @@ class PartSender(Sender):
             else:
                 off = pending.popleft()[0]
             view = vb.view[off:off + lengths[off]]
-            tag = wire.range_mac(self.mac_key, mdigest, off, view)
-            self.conn.send(wire.Header(wire.RANGE, vb.version, off, lineage, len(view), tag).pack(), view)
+            if off not in digests:
+                digests[off] = wire.content_digest(view)
+            self.conn.send(wire.RANGE, vb.version, a=off, b=lineage, payload=view, digest=digests[off])
             deadline = time.monotonic() + self.ack_timeout_s
             self.stats["chunks"] += 1
             self.stats["bytes"] += len(view)
-        return True
+        return DELIVERED

@@ -1,6 +1,6 @@
 """WeightPublisher: the trainer's side of the relay tier. `publish()` costs one copy.
 
-    pub = WeightPublisher(chunk_bytes=16 << 20, key=derive_key(secret))
+    pub = WeightPublisher(chunk_bytes=16 << 20, key=derive_key(secret), signer=Signer(weights_secret))
     pub.set_target("10.0.0.2:7000", "relay-0")     # the master relay (follow.py keeps it current)
     v = pub.publish(model.state_dict())            # returns after copying into staging
     pub.wait_delivered(v, timeout=30)              # optional: the master holds all of v
@@ -24,9 +24,19 @@ sharded_publish.py): `commit(..., ranges=...)` names the byte ranges this host's
 the link is a PartSender (part_sender.py) that sends only those to the master relay, which
 assembles the version from every host's part; `delivered` then means this host's part is in.
 
-The background thread connects to the target, authenticates, and runs a Sender; when the link
-fails it calls `on_link_down(peer)` and waits for `set_target` (the manager names the new master),
-or, with `reconnect_s`, tries the same target again after that long.
+The background thread connects to the target, authenticates (as the trainer: with `signer`, the
+trainer's signing key, it proves it holds it), and runs a Sender; when the link fails it calls
+`on_link_down(peer)` and waits for `set_target` (the manager names the new master), or, with
+`reconnect_s`, tries the same target again after that long. Each version is sealed with `signer`
+(seal.py): the seal lists the digests of the chunks the sender hashed as it sent them, so
+sealing costs one signature, not another pass over the bytes. A master relay that holds a newer
+lineage of the run refuses the version: `refused` then says why (naming both lineages), the
+version never counts as delivered, and `on_refused(why)` tells the owner (the trainer fails
+loudly rather than train on while nothing it publishes reaches a rollout).
+
+Lineage records (`advance_lineage`): `lineage.json` in the checkpoint folder and the same record
+beside it, `<folder>.lineage.json`, outside it: restoring an older copy of the folder cannot take
+the epoch back, since the next epoch is one more than the newest of the two (docs/weights.md).
 """
 from __future__ import annotations
 
@@ -40,7 +50,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from laminar.weights import wire
+from laminar.weights import handshake, seal, wire
 from laminar.weights.manifest import CHUNK_BYTES_DEFAULT, build_manifest, same_layout, with_lineage, with_version
 from laminar.weights.part_sender import PartSender, split_ranges
 from laminar.weights.pull import copy_kind, torch_dtype
@@ -131,8 +141,14 @@ class WeightPublisher:
                  on_link_down: Callable[[str], None] = lambda peer: None,
                  connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0,
                  publish_dtype: str | None = None, staging_prefix: str | None = None, part: bool = False,
-                 reconnect_s: float | None = None):
+                 reconnect_s: float | None = None, signer: seal.Signer | None = None,
+                 on_refused: Callable[[str], None] = lambda why: None, heartbeat_s: float = 1.0,
+                 idle_timeout_s: float = 10.0):
         self.chunk_bytes = chunk_bytes
+        self.signer = signer  # the trainer's signing key (None: unsigned seals, auth off)
+        self.on_refused = on_refused
+        self.refused = ""  # why the master refused the last version it refused ("" none)
+        self.heartbeat_s, self.idle_timeout_s = heartbeat_s, idle_timeout_s
         self.part = part  # one host's part of a version (PartSender), not the whole of it
         # after a failed link, try the same target again this often (None: wait for set_target)
         self.reconnect_s = reconnect_s
@@ -277,8 +293,7 @@ class WeightPublisher:
             raise ValueError("a part publisher commits byte ranges, a whole one commits none")
         vb = VersionBuffer(with_lineage(with_version(layout, version), self.run_id, self.lineage),
                            self.slots[slot], slot=slot)
-        vb.mark_all([0] * vb.n)
-        vb.lazy_checksums, vb.hashed = True, bytearray(vb.n)
+        vb.mark_all([0] * vb.n)  # digests: computed by the sender as each chunk goes out
         if ranges is not None:
             vb.ranges = split_ranges(ranges, layout.chunk_bytes)
         with self.cond:
@@ -423,7 +438,25 @@ class WeightPublisher:
     def _delivered(self, version: int) -> None:
         with self.cond:
             self.delivered = max(self.delivered, version)
+            self.refused = ""
             self.cond.notify_all()
+
+    def _refused(self, version: int, why: str) -> None:
+        log.error("publish_refused", version=version, lineage=self.lineage, why=why)
+        with self.cond:
+            self.refused = why
+            self.cond.notify_all()
+        self.on_refused(why)
+
+    def make_seals(self, vb: VersionBuffer) -> list[bytes]:
+        """The seals of a whole version (Sender source API; caller holds cond): one seal over
+        every chunk's digest, signed, made once (the sender hashed the chunks it sent; a resumed
+        link hashes the ones it skipped here)."""
+        return seal.seal_whole(vb, self.signer)
+
+    def make_part_seal(self, vb: VersionBuffer, pieces) -> bytes:
+        """This host's seal of its part: its ranges and their digests (PartSender source API)."""
+        return seal.make_seal(self.signer, wire.manifest_digest(vb.manifest), pieces)
 
     # -- background link -----------------------------------------------------------------------
     def _link_loop(self) -> None:
@@ -452,11 +485,13 @@ class WeightPublisher:
                             seen = -1  # the same target again
 
     def _stream(self, address: str, relay_id: str, seq: int) -> None:
-        purpose = wire.PURPOSE_PART if self.part else wire.PURPOSE_LINK
-        conn = wire.connect(self.transport, address, self.key, self.connect_timeout_s, purpose=purpose)
+        purpose = handshake.PURPOSE_PART if self.part else handshake.PURPOSE_PUBLISH
+        ch = handshake.connect(self.transport, address, self.key, self.connect_timeout_s, purpose=purpose,
+                               signer=self.signer)
+        ch.set_idle_timeout(self.idle_timeout_s)
         cls = PartSender if self.part else Sender
-        sender = cls(self, conn, name=f"publisher->{relay_id or address}",
-                     ack_timeout_s=self.ack_timeout_s, on_delivered=self._delivered)
+        sender = cls(self, ch, name=f"publisher->{relay_id or address}", ack_timeout_s=self.ack_timeout_s,
+                     on_delivered=self._delivered, on_refused=self._refused, heartbeat_s=self.heartbeat_s)
         with self.cond:
             self._sender = sender
             stale = self.stopped or self._target_seq != seq  # retargeted while connecting
@@ -465,32 +500,70 @@ class WeightPublisher:
         sender.run()
 
 
-def advance_lineage(folder: str | Path, start_version: int = 0) -> tuple[str, int]:
-    """Start a new lineage: (run id, epoch) for a trainer starting or resuming at `start_version`
-    with its checkpoints in `folder`. The epoch is one more than the last one recorded there (1
-    for a new run, whose run id is made now); the record, with the version each epoch started from
-    (`forks`, what manifest.off_lineage needs), is written atomically and fsynced before the epoch
-    is used, so epochs only increase across restarts. See docs/weights.md."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    d = read_lineage(folder) or {"run_id": uuid.uuid4().hex, "epoch": 0, "forks": {}}
-    epoch = int(d["epoch"]) + 1
-    forks = {**d.get("forks", {}), str(epoch): int(start_version)}
-    tmp = folder / (LINEAGE_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps({"run_id": d["run_id"], "epoch": epoch, "forks": forks}))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / LINEAGE_FILE)
-    return str(d["run_id"]), epoch
+def _outside(folder: Path) -> Path:
+    """The lineage record kept beside the checkpoint folder, outside it."""
+    return folder.parent / f"{folder.name}.{LINEAGE_FILE}"
 
 
-def read_lineage(folder: str | Path) -> dict | None:
-    """The lineage record in a checkpoint folder: run_id, epoch (the newest), forks ({epoch: the
-    version it started from}); None if there is none."""
-    path = Path(folder) / LINEAGE_FILE
+def _read_record(path: Path) -> dict | None:
     if not path.exists():
         return None
     d = json.loads(path.read_text())
     return {"run_id": str(d["run_id"]), "epoch": int(d["epoch"]),
             "forks": {str(k): int(v) for k, v in d.get("forks", {}).items()}}
+
+
+def _write_record(path: Path, d: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(d))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _merged(folder: Path) -> dict | None:
+    """The folder's record, its epoch raised to the record outside it of the same run (the newest
+    epoch this trainer ever used) and their forks merged: None for a new run."""
+    inside, outside = _read_record(folder / LINEAGE_FILE), _read_record(_outside(folder))
+    if inside is None:
+        return None
+    if outside is not None and outside["run_id"] == inside["run_id"]:
+        inside = {"run_id": inside["run_id"], "epoch": max(inside["epoch"], outside["epoch"]),
+                  "forks": {**outside["forks"], **inside["forks"]}}
+    return inside
+
+
+def advance_lineage(folder: str | Path, start_version: int = 0) -> tuple[str, int]:
+    """Start a new lineage: (run id, epoch) for a trainer starting or resuming at `start_version`
+    with its checkpoints in `folder`. The epoch is one more than the newest one recorded, in the
+    folder or beside it (1 for a new run, whose run id is made now); the record, with the version
+    each epoch started from (`forks`, what manifest.off_lineage needs), is written atomically and
+    fsynced in both places before the epoch is used, so epochs only increase across restarts, even
+    when an older copy of the folder is restored. See docs/weights.md."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    d = _merged(folder) or {"run_id": uuid.uuid4().hex, "epoch": 0, "forks": {}}
+    epoch = int(d["epoch"]) + 1
+    record = {"run_id": d["run_id"], "epoch": epoch, "forks": {**d.get("forks", {}), str(epoch): int(start_version)}}
+    _write_record(_outside(folder), record)  # outside first: a crash in between still never reuses it
+    _write_record(folder / LINEAGE_FILE, record)
+    return str(d["run_id"]), epoch
+
+
+def note_lineage(folder: str | Path, run_id: str, epoch: int) -> None:
+    """Record that lineage `epoch` of `run_id` exists (a relay refused this trainer's older one):
+    the next start takes a higher epoch (both records are raised, never lowered)."""
+    folder = Path(folder)
+    d = _merged(folder)
+    if d is None or d["run_id"] != run_id or d["epoch"] >= epoch:
+        return
+    d["epoch"] = int(epoch)
+    _write_record(_outside(folder), d)
+    _write_record(folder / LINEAGE_FILE, d)
+
+
+def read_lineage(folder: str | Path) -> dict | None:
+    """The lineage record of a checkpoint folder: run_id, epoch (the newest), forks ({epoch: the
+    version it started from}), merged with the record kept beside the folder; None if there is none."""
+    return _merged(Path(folder))

@@ -12,13 +12,14 @@ shared flock on the slot `current` names, then checks `current` still names that
 then on the relay will not write that file (it receives into a fresh file instead), so the views
 stay a complete, verified version until `close()`. Views used after `close()` are unprotected.
 
-Authenticity: a LocalWeights given the data-plane key (`key=`, or the environment variable
-LAMINAR_WEIGHTS_KEY, hex, which the rollout role sets for its engine's worker processes) checks
-every chunk of a version against the MACs in its manifest (laminar/weights/wire.py, chunk MACs)
-before `latest()` or `version()` hand it out, and raises WeightsRefused when one differs or the
-manifest has none: bytes changed in shared memory, or a manifest that no relay verified, are
-never loaded. Keyed BLAKE3 runs at several GB/s per core, so this costs a fraction of a second
-per GB pulled (docs/security.md has the measured rate).
+Authenticity: a LocalWeights given the trainer's public signing key (`verify_key=`, raw 32
+bytes, or the environment variable LAMINAR_WEIGHTS_VERIFY_KEY, hex, which the rollout role sets
+for its engine's worker processes) checks a version's seals (laminar/weights/seal.py: signed by
+the trainer, listing every piece of the buffer and its BLAKE3 digest) against its bytes before
+`latest()` or `version()` hand it out, and raises WeightsRefused when a signature fails, a byte
+differs or the manifest has no seal: bytes changed in shared memory, a manifest that no relay
+verified, or weights from anyone but the trainer are never loaded. BLAKE3 runs at several GB/s
+per core, so this costs a fraction of a second per GB pulled (docs/security.md has the rate).
 
 Speed: mappings are cached per slot file and reused while the relay reuses the file, so a pull
 costs no page-table set-up (MAP_POPULATE is paid once per slot, not per version) and reading is
@@ -40,9 +41,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from laminar.protocol import Manifest
+from laminar.weights import seal
 from laminar.weights.manifest import manifest_from_bytes, verify
 from laminar.weights.store import read_pointer, retained_versions
-from laminar.weights.wire import mac_key, verify_macs
+from laminar.weights.wire import manifest_digest
 
 if TYPE_CHECKING:  # torch is imported where it is used: relays and the manager never need it
     import torch
@@ -151,15 +153,15 @@ class PulledVersion:
 
 
 class LocalWeights:
-    def __init__(self, shm_dir: str | os.PathLike, key: bytes | None = None):
-        """`key`: the data-plane key (wire.derive_key of the cluster secret) to check chunk MACs
-        with; None takes LAMINAR_WEIGHTS_KEY from the environment (no check when it is unset);
-        b"" never checks."""
+    def __init__(self, shm_dir: str | os.PathLike, verify_key: bytes | None = None):
+        """`verify_key`: the trainer's public signing key (raw 32 bytes) to check seals with;
+        None takes LAMINAR_WEIGHTS_VERIFY_KEY (hex) from the environment (no check when it is
+        unset); b"" never checks."""
         self.dir = Path(shm_dir)
-        if key is None:
-            env = os.environ.get("LAMINAR_WEIGHTS_KEY", "")
-            key = bytes.fromhex(env) if env else b""
-        self._mac_key = mac_key(key) if key else None
+        if verify_key is None:
+            env = os.environ.get("LAMINAR_WEIGHTS_VERIFY_KEY", "")
+            verify_key = bytes.fromhex(env) if env else b""
+        self._verifier = seal.Verifier(verify_key) if verify_key else None
         self._maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # slot -> (inode, size, mapping)
         self._pinned: dict[int, tuple[mmap.mmap, int]] = {}  # slot -> (mapping, address registered with CUDA)
 
@@ -264,15 +266,20 @@ class LocalWeights:
                            f"{_HOLD_TIMEOUT_S:g} s (the relay kept replacing or writing the slot its pointer named)")
 
     def _authenticate(self, held: PulledVersion, where: str) -> None:
-        """With a key: every chunk's MAC, or WeightsRefused (the version is let go first)."""
-        if self._mac_key is None:
+        """With a key: the version's seals against its bytes, or WeightsRefused (the version is
+        let go first)."""
+        if self._verifier is None:
             return
-        bad = verify_macs(self._mac_key, held.manifest, held.buf)
-        if bad:
+        m = held.manifest
+        try:
+            bad = seal.check(m, m.seals, held.buf, self._verifier, manifest_digest(m))
+            why = f"chunks {bad[:8]} are not the bytes the trainer sealed" if bad else ""
+        except seal.SealError as exc:
+            why = str(exc)
+        if why:
             held.close()
-            why = "its manifest carries no MACs" if not held.manifest.macs else f"chunks {bad[:8]} fail their MAC"
             raise WeightsRefused(f"{where}: v{held.version} refused: {why} (changed in shared memory, or not "
-                                 f"written by a relay of this cluster)")
+                                 f"published by this cluster's trainer)")
 
     def retained(self) -> list[int]:
         """Older versions the relay keeps besides its newest (store.py, retained versions)."""

@@ -10,16 +10,21 @@ it (so its memory is not reused meanwhile), `stopped`.
 
 Per version: OFFER (b = lineage) -> the downstream's WANT k (b echoes the lineage, as do its
 NACK and DONE: an answer about an abandoned A:v is never taken for one about B:v) (the first
-chunk it lacks, so a re-linked chain resumes there) -> chunks k..n-1, each sent as soon as the
-source holds the contiguous prefix up to it (so a relay forwards chunk i while chunk i+1 is still
-arriving) -> NACKed chunks again -> DONE.
+chunk it lacks, so a re-linked chain resumes there; HAVE: it holds v or newer as current;
+REFUSED: it holds a newer lineage of the run, reported through `on_refused`, never counted
+delivered) -> chunks k..n-1, each sent as soon as the source holds the contiguous prefix up to
+it (so a relay forwards chunk i while chunk i+1 is still arriving) -> NACKed chunks again ->
+SEAL, once the source's version is sealed (a relay: its own upstream's SEAL verified; the
+publisher: signed here, over the digests of the chunks it sent) -> DONE.
 A version abandoned by the source (superseded before it completed) is dropped mid-way and the
 newest one offered instead; so is an older version a relay is still forwarding when a newer one
 starts arriving (`source.preempt`). The publisher sends each version it started to completion, so
 a fast trainer cannot starve the chain (intermediate versions are skipped, never half-sent).
 
-Every CHUNK carries its MAC (wire.py, chunk MACs): the one a relay's receiver verified and kept
-with the chunk, or, from the publisher, one computed here over the trainer's bytes.
+Every CHUNK carries its content digest (wire.py): the one a relay's receiver verified and kept
+with the chunk, or, from the publisher, one computed here over the trainer's bytes as it goes out
+(the same pass gives the publisher the digests its seal signs). The link sends a PING when idle
+(`heartbeat_s`) and gives up when the downstream sends nothing for its idle timeout.
 
 Backpressure: the kernel's socket buffer; nothing is queued in Python beyond the events the
 downstream sends back (bounded by the chunk count). Failures: any LinkError (including no WANT
@@ -34,32 +39,38 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+
 from laminar.weights import wire
-from laminar.weights.manifest import checksum, manifest_to_bytes, with_version
-from laminar.weights.transport import Conn, LinkError
+from laminar.weights.manifest import manifest_to_bytes, with_version
+from laminar.weights.transport import LinkError
+
+DELIVERED, SKIPPED, REFUSED = "delivered", "skipped", "refused"  # what became of a version sent
 
 
 class Sender:
-    def __init__(self, source: Any, conn: Conn, name: str = "sender", ack_timeout_s: float = 30.0,
-                 on_delivered: Callable[[int], None] = lambda v: None, key: bytes | None = None):
+    """Streams the source's newest versions to one downstream link (see the module docstring)."""
+
+    def __init__(self, source: Any, conn: wire.Channel, name: str = "sender", ack_timeout_s: float = 30.0,
+                 on_delivered: Callable[[int], None] = lambda v: None,
+                 on_refused: Callable[[int, str], None] = lambda v, why: None, heartbeat_s: float = 0.0):
         self.source, self.conn, self.name = source, conn, name
-        # chunk MACs: a relay forwards the MAC it verified with each chunk; the publisher (whose
-        # `key` is the data-plane key) computes them from the trainer's bytes
-        self.mac_key = wire.mac_key(getattr(source, "key", b"") if key is None else key)
         self.cond: threading.Condition = source.cond
-        self.ack_timeout_s = ack_timeout_s
-        self.on_delivered = on_delivered
+        self.ack_timeout_s, self.heartbeat_s = ack_timeout_s, heartbeat_s
+        self.on_delivered, self.on_refused = on_delivered, on_refused
         self.events: collections.deque[wire.Header] = collections.deque()
         self.failed: BaseException | None = None
         self.stopping = False
-        # ident (run, lineage, number) of the version delivered last; -1 before the first, which
-        # a source written for plain numbers (`version > delivered`) still understands
+        # ident (run, lineage, number) of the version delivered (or refused) last; -1 before the
+        # first, which a source written for plain numbers (`version > delivered`) still understands
         self.delivered: tuple | int = -1
-        self.stats = {"chunks": 0, "bytes": 0, "resent": 0, "versions": 0}
+        self.stats = {"chunks": 0, "bytes": 0, "resent": 0, "versions": 0, "refused": 0}
         # A relay drops an older version mid-stream when a newer one starts arriving (its
         # upstream always completes what it streams, so the chain cannot starve); the publisher
         # never does (a trainer publishing faster than the link must not starve the master).
         self.preempt = getattr(source, "preempt", False)
+        # the publisher seals its versions itself (signs them); a relay forwards the seals it verified
+        self.make_seals = getattr(source, "make_seals", None)
 
     def stop(self) -> None:
         self.stopping = True
@@ -71,8 +82,7 @@ class Sender:
     def _read(self) -> None:
         try:
             while True:
-                h = wire.recv(self.conn)
-                wire.recv_small(self.conn, h)
+                h = self.conn.recv()
                 with self.cond:
                     self.events.append(h)
                     self.cond.notify_all()
@@ -91,6 +101,7 @@ class Sender:
         """Stream until stopped (returns) or the link fails (raises LinkError)."""
         reader = threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True)
         reader.start()
+        self.conn.start_heartbeat(self.heartbeat_s)
         try:
             while True:
                 with self.cond:
@@ -100,12 +111,16 @@ class Sender:
                     vb = self.source.pick(self.delivered)
                     self.source.acquire(vb)
                 try:
-                    if self._send_version(vb):
-                        self.delivered = vb.ident
-                        self.stats["versions"] += 1
-                        self.on_delivered(vb.version)
+                    result = self._send_version(vb)
                 finally:
                     self.source.release(vb)
+                if result == DELIVERED:
+                    self.delivered = vb.ident
+                    self.stats["versions"] += 1
+                    self.on_delivered(vb.version)
+                elif result == REFUSED:  # never offered again: the downstream will not take it
+                    self.delivered = vb.ident
+                    self.stats["refused"] += 1
         except _Stopped:
             return
         finally:
@@ -122,28 +137,56 @@ class Sender:
             raise LinkError(f"{self.name}: no answer from {self.conn.peer} within {self.ack_timeout_s}s")
         return None
 
-    def _offer(self, vb) -> tuple[wire.Header, bytes]:
-        """OFFER `vb` (its manifest without MACs) and wait for the WANT: (the WANT, the digest
-        of the offered manifest that every MAC of this version binds)."""
-        layout = dataclasses.replace(with_version(vb.manifest, vb.version), macs=[])
-        wire.send(self.conn, wire.OFFER, vb.version, a=vb.n, b=vb.manifest.lineage, payload=manifest_to_bytes(layout))
+    def _offer(self, vb) -> wire.Header:
+        """OFFER `vb` (its manifest without checksums or seals) and wait for the WANT."""
+        layout = dataclasses.replace(with_version(vb.manifest, vb.version), macs=[], seals=[])
+        self.conn.send(wire.OFFER, vb.version, a=vb.n, b=vb.manifest.lineage, payload=manifest_to_bytes(layout))
         deadline = time.monotonic() + self.ack_timeout_s
         with self.cond:
             while True:
                 self._check()
                 h = self._next_event(vb, deadline)
                 if h is not None and h.type == wire.WANT:
-                    return h, wire.manifest_digest(layout)
+                    return h
                 self.cond.wait(timeout=0.5)
 
-    def _send_version(self, vb) -> bool:
-        """Deliver one version; False if the source abandoned it first."""
-        macs = getattr(vb, "macs", None)
-        h, mdigest = self._offer(vb)
+    def _refused(self, vb, h: wire.Header) -> str:
+        """The downstream refused `vb` (it holds a newer lineage of the run): say so, loudly."""
+        try:
+            held = msgpack.unpackb(h.payload)
+            what = f"lineage {held['lineage']} (v{held['version']})"
+        except Exception:  # noqa: BLE001 - the refusal stands; only its detail is unreadable
+            what = "a newer lineage"
+        why = (f"{self.conn.peer} refused v{vb.version} of lineage {vb.manifest.lineage}: it holds {what} of this "
+               f"run, which is newer; a trainer's lineage only goes up (docs/weights.md)")
+        self.on_refused(vb.version, why)
+        return REFUSED
+
+    def _seals(self, vb) -> list[bytes] | None:
+        """The version's seals, or None while its source has not sealed it (caller holds cond)."""
+        if getattr(vb, "sealed", False):
+            return vb.seals
+        return self.make_seals(vb) if self.make_seals is not None else None
+
+    def _digest(self, vb, i: int, view) -> bytes:
+        d = vb.digests[i]
+        if not d:
+            d = vb.digests[i] = wire.content_digest(view)
+        return d
+
+    def _send_version(self, vb) -> str:
+        """Deliver one version: DELIVERED, SKIPPED (the source abandoned it first) or REFUSED."""
+        h = self._offer(vb)
+        if h.a == wire.REFUSED:
+            return self._refused(vb, h)
+        if h.a == wire.HAVE:
+            return DELIVERED
+        if h.a < 0:
+            raise LinkError(f"{self.name}: unexpected WANT {h.a} from {self.conn.peer}")
         deadline = time.monotonic() + self.ack_timeout_s
-        nxt, resend, done = h.a, collections.deque(), h.a >= vb.n
-        lazy = getattr(vb, "lazy_checksums", False)
+        nxt, resend, done, sealed = h.a, collections.deque(), False, False
         while not done:
+            seals = None
             with self.cond:
                 while True:
                     self._check()
@@ -157,27 +200,34 @@ class Sender:
                         continue
                     if done or resend or (nxt < vb.n and vb.prefix > nxt):
                         break
+                    if nxt >= vb.n and not sealed:
+                        seals = self._seals(vb)
+                        if seals is not None:
+                            break
                     if vb.abandoned or (self.preempt and self.source.pick(vb.ident) is not None):
-                        return False
-                    if nxt < vb.n:
+                        return SKIPPED
+                    if nxt < vb.n or not sealed:
                         deadline = time.monotonic() + self.ack_timeout_s  # waiting on upstream
                     self.cond.wait(timeout=0.5)
             if done:
                 break
+            if seals is not None and not resend:
+                self.conn.send(wire.SEAL, vb.version, b=vb.manifest.lineage, payload=msgpack.packb(seals))
+                sealed = True
+                deadline = time.monotonic() + self.ack_timeout_s
+                continue
             if resend:
                 i = resend.popleft()
                 self.stats["resent"] += 1
             else:
                 i, nxt = nxt, nxt + 1
             view = vb.chunk(i)
-            if lazy and not vb.hashed[i]:
-                vb.checksums[i], vb.hashed[i] = checksum(view), 1
-            tag = macs[i] if macs is not None and macs[i] else wire.chunk_mac(self.mac_key, mdigest, i, view)
-            self.conn.send(wire.Header(wire.CHUNK, vb.version, i, vb.checksums[i], len(view), tag).pack(), view)
+            self.conn.send(wire.CHUNK, vb.version, a=i, b=vb.manifest.lineage, payload=view,
+                           digest=self._digest(vb, i, view))
             deadline = time.monotonic() + self.ack_timeout_s  # it accepted data: it is alive
             self.stats["chunks"] += 1
             self.stats["bytes"] += len(view)
-        return True
+        return DELIVERED
 
 
 class _Stopped(Exception):

@@ -39,6 +39,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -72,13 +73,16 @@ class VersionBuffer:
         self.path, self.slot = path, slot
         self.fd: int | None = None          # the slot file, exclusively locked while filling
         self.checksums: list[int] = list(manifest.checksums) if manifest.checksums else [0] * self.n
-        # each chunk's verified MAC (wire.chunk_mac), forwarded with it and kept in `current`
-        self.macs: list[bytes] = list(manifest.macs) if manifest.macs else [b""] * self.n
+        # each chunk's content digest (wire.content_digest), checked on arrival and forwarded
+        self.digests: list[bytes] = [b""] * self.n
+        self.seals: list[bytes] = list(manifest.seals)  # what vouches for its bytes (seal.py)
+        self.sealed = False                 # the seals verified against every byte: it may be visible
         self.have = bytearray(self.n)
         self.count = 0
         self.prefix = 0                     # chunks [0, prefix) are all present
         self.abandoned = False              # superseded before completion: stop waiting on it
         self.readers = 0                    # forwarders streaming from it
+        self.progress_at = time.monotonic()  # when it was begun or last gained a chunk (stall check)
 
     @property
     def complete(self) -> bool:
@@ -92,28 +96,31 @@ class VersionBuffer:
         s, n = chunk_range(self.manifest, i)
         return self.view[s:s + n]
 
-    def mark(self, i: int, digest: int, mac: bytes = b"") -> None:
-        """Record chunk i as present with `digest` and its verified `mac` (caller holds the condition)."""
+    def mark(self, i: int, digest: int, content: bytes = b"") -> None:
+        """Record chunk i as present with its xxh3 `digest` and its verified content digest
+        (caller holds the condition)."""
         if self.have[i]:
             return
         self.have[i] = 1
         self.checksums[i] = digest
-        self.macs[i] = mac
+        self.digests[i] = content
         self.count += 1
+        self.progress_at = time.monotonic()
         while self.prefix < self.n and self.have[self.prefix]:
             self.prefix += 1
 
-    def mark_all(self, checksums: list[int], macs: list[bytes] | None = None) -> None:
+    def mark_all(self, checksums: list[int]) -> None:
         self.checksums = list(checksums)
-        if macs:
-            self.macs = list(macs)
         self.have = bytearray(b"\1" * self.n)
         self.count = self.prefix = self.n
 
+    def known_digests(self) -> dict:
+        """(offset, length) -> content digest of every chunk whose digest is known (seal.check)."""
+        return {chunk_range(self.manifest, i): d for i, d in enumerate(self.digests) if d}
+
     def full_manifest(self) -> Manifest:
         m = with_version(self.manifest, self.version, self.checksums)
-        macs = self.macs if all(self.macs) else []  # a version written without MACs has none
-        return dataclasses.replace(m, macs=list(macs))
+        return dataclasses.replace(m, macs=[], seals=list(self.seals))
 
 
 def retained_versions(directory: Path) -> list[int]:
@@ -190,9 +197,10 @@ class ShmStore:
             if ptr is not None:
                 slot, ino, m = ptr
                 buf = self._map(slot, m.total_bytes, create=False)
-                if self.maps[slot][0] == ino and not verify(m, buf):
+                if self.maps[slot][0] == ino and not verify(m, buf) and m.seals:
                     vb = VersionBuffer(m, buf, self.slot_path(slot), slot)
-                    vb.mark_all(m.checksums, m.macs)
+                    vb.mark_all(m.checksums)
+                    vb.sealed = True  # its seals verified before it became current; rollouts check them again
                     self.left, keep = vb, {self.slot_path(slot).name}
         except (OSError, ValueError):
             self.maps.clear()
@@ -278,30 +286,58 @@ class ShmStore:
         with self.cond:
             vb.readers = max(0, vb.readers - 1)
 
-    def begin(self, m: Manifest) -> VersionBuffer:
-        """The buffer to receive version m into (the caller holds `cond`). A buffer of another
-        version (one that m does not supersede) is returned when m is not worth receiving: the
-        receiver answers such an offer with 'have it all'. A new lineage supersedes whatever is
-        held, even under a lower number (manifest.supersedes)."""
+    def begin(self, m: Manifest, older: str = "take") -> tuple[str, VersionBuffer | None]:
+        """What to do with an offer of version m (the caller holds `cond`):
+
+        - ("refuse", current): m is of this run but an older lineage than the one held as
+          current: never taken, never answered 'have it' (docs/weights.md);
+        - ("have", current): the current version is m or supersedes it ('have it' means held as
+          current: complete, sealed and visible, nothing less);
+        - ("take", buffer): receive m into `buffer`, the incoming version (a resumed one keeps
+          every verified chunk);
+        - ("busy", incoming): m is older than the incoming version and `older` is "busy" (part
+          upstreams: offer again later); with "take" (one upstream) the incoming version is
+          abandoned and m taken instead. A version that is merely announced never makes an older
+          offer look delivered, so an inflated OFFER pins nothing.
+        A new lineage supersedes whatever is held, even under a lower number (manifest.supersedes)."""
         self._settle_left(m)
-        if self.current is not None and not supersedes(m, self.current.manifest):
-            return self.current
-        inc = self.incoming
+        cur, inc = self.current, self.incoming
+        if cur is not None and m.run_id == cur.manifest.run_id and m.lineage < cur.manifest.lineage:
+            return "refuse", cur
+        if cur is not None and not supersedes(m, cur.manifest):
+            return "have", cur
         if inc is not None and inc.ident == ident(m) and same_layout(inc.manifest, m):
-            return inc  # resume after a repair: keep every verified chunk
-        if inc is not None and not supersedes(m, inc.manifest):
-            return inc  # an older offer (a lagging new upstream): answered 'have it', skipped
+            inc.progress_at = time.monotonic()  # a new stream of it starts (a repaired link)
+            return "take", inc  # resume after a repair: keep every verified chunk
+        if inc is not None and not supersedes(m, inc.manifest) and older == "busy":
+            return "busy", inc
         if inc is not None:
             self._abandon(inc)
-        slot = 1 - self.current.slot if self.current is not None else 0
+        slot = 1 - cur.slot if cur is not None else 0
         # our own forwarder may still stream the version that slot holds: never write under it
         busy = any(vb is not None and vb.slot == slot and vb.readers for vb in (inc, self.previous))
         busy = busy or self._linked(slot)  # a retained version lives in that file: never overwrite it
-        # MACs come with the chunks, never from the offer: only verified ones are kept
-        vb = self._claim(slot, dataclasses.replace(with_version(m, m.version), macs=[]), fresh=busy)
+        # seals and digests come with the chunks, never from the offer: only verified ones are kept
+        vb = self._claim(slot, dataclasses.replace(with_version(m, m.version), macs=[], seals=[]), fresh=busy)
         self.incoming = vb
         self.cond.notify_all()
-        return vb
+        return "take", vb
+
+    def expire(self, stall_s: float) -> VersionBuffer | None:
+        """Abandon the incoming version if nothing of it arrived for `stall_s` (its upstream went
+        away mid-stream and nobody offers it again); returns it, or None (caller holds `cond`)."""
+        inc = self.incoming
+        if inc is None or time.monotonic() - inc.progress_at < stall_s:
+            return None
+        self._abandon(inc)
+        self.cond.notify_all()
+        return inc
+
+    def abandon(self, vb: VersionBuffer) -> None:
+        """Drop the incoming version `vb` (its seals failed): nothing of it is kept (caller holds `cond`)."""
+        if vb is self.incoming:
+            self._abandon(vb)
+            self.cond.notify_all()
 
     def _claim(self, slot: int, m: Manifest, fresh: bool) -> VersionBuffer:
         """Map `slot` for writing under an exclusive lock; a slot a reader holds is replaced."""
@@ -335,8 +371,8 @@ class ShmStore:
             vb.fd = None
 
     def commit(self, vb: VersionBuffer) -> None:
-        """Make a complete version visible (caller holds `cond`)."""
-        assert vb.complete and vb is self.incoming
+        """Make a complete version whose seals verified visible (caller holds `cond`)."""
+        assert vb.complete and vb.sealed and vb is self.incoming
         self._write_pointer(vb)
         self._unlock(vb)
         if self.current is not None and not same_lineage(self.current.manifest, vb.manifest):

@@ -15,6 +15,11 @@ chain with several dead relays converges in one pass; when both ends pass their 
 tried again (`link_attempts` in all, with a short backoff) and then the downstream is taken out
 (it re-joins, and is linked afresh). Changes are serialized by one lock; repair time (detection
 -> every affected relay connected to its new downstream) is logged as `chain_repaired`.
+
+A join cannot take another relay's place: a relay key named after a relay (`relay.r1`) joins as
+that relay only, and no key joins under the id of a listed relay that is alive (it answers a
+probe) at another data address, since the real relay, still listed, would never join again.
+A restarted relay joins freely: the old process no longer answers, or it is at the same address.
 """
 from __future__ import annotations
 
@@ -22,11 +27,12 @@ import asyncio
 import time
 
 from laminar.bus.errors import RpcError
+from laminar.bus.rpc import RequestError, current_peer
 from laminar.bus.transport import Publisher, Transport
 from laminar.roles.manager.chain import ChainCoordinator, Link, NewMaster, RelayInfo
 
 from laminar.protocol import ChainAssignment, ChainState, LinkDown, MasterInfo, RelayJoin, SetDownstream
-from laminar.weights import wire
+from laminar.weights import handshake, wire
 from laminar.weights.transport import LinkError, get_transport
 
 
@@ -52,11 +58,23 @@ class ChainHost:
     # -- request handlers --------------------------------------------------------------------
     async def on_join(self, req: RelayJoin) -> ChainAssignment:
         info = RelayInfo(req.relay_id, req.host, req.data_address, req.control_address)
+        who = current_peer.get()
+        scope, _, name = (who or "").partition(".")
+        if scope == "relay" and name and name != req.relay_id:
+            self._refuse_join(req, who, f"forbidden: a {who} key may join only as relay {name}, not {req.relay_id}")
         async with self.lock:
+            listed = self.coord.relays.get(req.relay_id)
+            if listed is not None and listed.data_address != req.data_address and await self.probe(listed.data_address):
+                self._refuse_join(req, who, f"forbidden: relay {req.relay_id} is alive at {listed.data_address}; a "
+                                  f"join from {req.data_address} cannot take its place")
             await self._apply(self.coord.join(info), cause=f"join {req.relay_id}")
             up = self.coord.upstream_of(req.relay_id)
             self.log.info("relay_joined", relay=req.relay_id, version=req.version, order=self.coord.order())
             return ChainAssignment(epoch=self.coord.epoch, upstream_id=up or "", is_master=up is None)
+
+    def _refuse_join(self, req: RelayJoin, who: str | None, why: str) -> None:
+        self.log.warning("relay_join_refused", relay=req.relay_id, key=who, data_address=req.data_address, why=why)
+        raise RequestError("refused", why)
 
     async def on_link_down(self, req: LinkDown) -> MasterInfo:
         t0 = time.monotonic()
@@ -103,7 +121,7 @@ class ChainHost:
         # (its handshake needs a thread scheduled, not just the kernel's backlog) a false verdict.
         timeout = max(self.probe_timeout_s, 1.0)
         try:
-            await asyncio.to_thread(wire.probe, self.probe_transport, data_address, self.data_key, timeout)
+            await asyncio.to_thread(handshake.probe, self.probe_transport, data_address, self.data_key, timeout)
         except (LinkError, OSError, ValueError) as exc:
             if self.log is not None:
                 self.log.info("probe_failed", address=data_address, error=str(exc))

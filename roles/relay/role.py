@@ -5,6 +5,12 @@ sight until an offer shows it is of the lineage being served; docs/weights.md), 
 chunk listener, serve SetDownstream on a request/reply port, and join the manager's chain
 (RelayJoin; the call waits for the manager, it is the READY handshake). The relay is then fed by
 whoever the manager links to it (its predecessor, or the trainer's publisher when it is master).
+Seals and the trainer's handshakes are checked with the public half of the trainer's signing key
+(`weights.key` in the key folder; required when the cluster has keys).
+
+Chain changes it follows (`weights.chain`): named master, it drops a relay upstream it still has
+(the old master, stopped or taken out while alive, would otherwise keep the link open and keep
+parts out); absent from the chain, it drops every link it had and joins again at the tail.
 
 Reports: heartbeat status (version, progress, links, addresses); `relay.progress.<id>` at most
 every `progress_interval_s` while receiving and at every completion; `weights.version` when a
@@ -30,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.protocol import Ack, ChainState, LinkDown, RelayJoin, RelayProgress, SetDownstream, WeightsVersion
 from laminar.weights.node import RelayNode
+from laminar.weights.seal import verifier_of
 from laminar.weights.transport import LinkError, get_transport
 from laminar.weights.wire import derive_key
 
@@ -56,6 +63,11 @@ class RelayConfig(BaseModel):
     progress_interval_s: float = Field(0.25, gt=0, description="minimum period of relay.progress events")
     connect_timeout_s: float = Field(3.0, gt=0, description="deadline to connect+authenticate to a downstream")
     ack_timeout_s: float = Field(30.0, gt=0, description="silence from a downstream that counts as a dead link")
+    heartbeat_s: float = Field(1.0, gt=0, description="a chunk link with nothing else to send sends a PING this often")
+    idle_timeout_s: float = Field(10.0, gt=0, description="a chunk link that receives nothing (not even a PING) "
+                                  "for this long is dead: its peer stopped or vanished")
+    stall_s: float = Field(30.0, gt=0, description="an incoming version that gains no chunk for this long is "
+                           "abandoned (its upstream went away mid-stream)")
     address: str | None = Field(
         None,
         description="control bind address when the config gives no port (default: the host's bind address, any port)",
@@ -78,10 +90,12 @@ class RelayRole(Role):
         shm_dir = self.settings.shm_dir or f"/dev/shm/laminar-{cluster.run.name}-relay-{rid}"
         keys = getattr(self.ctx.transport, "keys", None)
         transport = get_transport(self.settings.transport, **self.settings.transport_options)
+        st = self.settings
         self.node = RelayNode(rid, shm_dir, transport, derive_key(keys.secret if keys else None),
-                              bind_host=host.bind, port=self.settings.data_port, on_event=self._from_thread,
-                              connect_timeout_s=self.settings.connect_timeout_s,
-                              ack_timeout_s=self.settings.ack_timeout_s, retain=self.settings.retain_versions)
+                              bind_host=host.bind, port=st.data_port, on_event=self._from_thread,
+                              connect_timeout_s=st.connect_timeout_s, ack_timeout_s=st.ack_timeout_s,
+                              retain=st.retain_versions, verifier=verifier_of(keys), heartbeat_s=st.heartbeat_s,
+                              idle_timeout_s=st.idle_timeout_s, stall_s=st.stall_s)
         await asyncio.to_thread(self.node.start)
         self.data_address = f"{host.address}:{self.node.address.rsplit(':', 1)[1]}"
         control = cluster.bind_endpoint("relay", rid) if spec.port else (self.settings.address or f"tcp://{host.bind}:*")
@@ -99,11 +113,15 @@ class RelayRole(Role):
         self._report_task: asyncio.Future | None = None
 
     async def _join(self, why: str) -> None:
+        if why != "start":  # whatever links it had belong to a chain it is no longer in
+            await asyncio.to_thread(self.node.reset_links)
         st = self.node.status()
         a = await self.manager.call(RelayJoin(self.ctx.id, self.ctx.host, self.data_address, self.control_address,
                                               st["version"]), timeout=self.settings.join_timeout_s)
         self.epoch = a.epoch  # a restarted manager counts epochs from scratch: its word is current
         self.joined_at = time.monotonic()
+        if a.is_master:
+            await asyncio.to_thread(self.node.become_master)
         self.log.info("relay_joined", data=self.data_address, control=self.control_address, shm_dir=self.shm_dir,
                       master=a.is_master, upstream=a.upstream_id, version=st["version"], why=why)
 
@@ -115,7 +133,12 @@ class RelayRole(Role):
         reports `unhealthy` (its data port is not accepting) it stays out."""
         while True:
             _, ev = await self.chain_sub.recv()
-            if not isinstance(ev, ChainState) or self.ctx.id in ev.order:
+            if not isinstance(ev, ChainState):
+                continue
+            if self.ctx.id in ev.order:
+                if ev.master_id == self.ctx.id and ev.epoch >= self.epoch and not self.node.master:
+                    self.log.info("became_master", epoch=ev.epoch)
+                    await asyncio.to_thread(self.node.become_master)
                 continue
             if time.monotonic() - self.joined_at < self.settings.rejoin_grace_s:
                 continue
@@ -171,6 +194,8 @@ class RelayRole(Role):
                 self._progress()
             elif kind == "corrupt":
                 self.log.warning("chunk_corrupt_resend", version=info["version"], chunk=info["chunk"])
+            elif kind in ("refused", "sealfail", "refused_downstream", "abandoned"):
+                self._progress(force=True)  # the node logged it; the status shows the counts
             elif kind == "link_down":
                 self._report_link_down(info["peer"], info["error"])
 

@@ -71,7 +71,7 @@ from laminar.protocol import (
 from laminar.tasks import load_callable
 from laminar.weights.manifest import ident, supersedes
 from laminar.weights.pull import LocalWeights
-from laminar.weights.wire import derive_key
+from laminar.weights.seal import verifier_of
 
 
 class RolloutRole(Role):
@@ -153,8 +153,8 @@ class RolloutRole(Role):
                                 or f"/dev/shm/laminar-{cluster.run.name}-relay-{settings.relay_id}")
         keys = getattr(t, "keys", None)
         if keys is not None and settings.relay_id is not None and settings.engine == "vllm":
-            # the engine's worker processes check every chunk's MAC before loading (weights/pull.py)
-            os.environ["LAMINAR_WEIGHTS_KEY"] = derive_key(keys.secret).hex()
+            # the engine's worker processes check each version's seals before loading (weights/pull.py)
+            os.environ["LAMINAR_WEIGHTS_VERIFY_KEY"] = verifier_of(keys).raw.hex()
         self.engine = self._make_engine()
         await self.engine.start()
         if settings.env is not None:

@@ -10,7 +10,7 @@ rank's shard. No rank copies the whole model: the views are page-cache memory al
 One version for all ranks. A load is three collective calls, driven by the engine
 (roles/rollout/engine.py):
 
-    laminar_prepare(source)  every rank takes hold of the version (shared lock, mapping, MACs);
+    laminar_prepare(source)  every rank takes hold of the version (shared lock, mapping, seals);
                              nothing is loaded yet. Any rank failing: every rank lets go.
     laminar_commit()         every rank loads its shard of the held version.
     laminar_settle(ok)       ok: the new version becomes what each rank runs; not ok (a rank

@@ -19,6 +19,13 @@ background thread, so training never waits for distribution. A watcher thread tu
 publisher's progress into `publish_delivered` events on the role's loop (in order with the
 role's other events), which is how tests see that the next step started first.
 
+Every version is sealed with the trainer's signing key (`weights.key_secret` of the key folder,
+laminar/weights/seal.py), which relays and rollouts check: a cluster with keys needs it on the
+trainer's hosts. A master relay that holds a newer lineage of this run refuses what rank 0
+publishes: the trainer then fails, loudly, naming both lineages (it would otherwise train on
+while nothing it publishes reaches a rollout), after recording that lineage beside its checkpoint
+folder so that the restart takes a higher one (laminar/weights/publisher.py `note_lineage`).
+
 Published dtype (`publish_dtype`): "rollout" (default) publishes floating-point weights in the
 dtype the rollouts' engines run in (when they all agree; otherwise as the parameters are), so a
 bf16 rollout fed by fp32 master weights receives half the bytes, cast on the trainer's device.
@@ -41,6 +48,7 @@ class PublishLink:
         self.last_stall_s = 0.0
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._refusal: asyncio.Future | None = None  # set (with the reason) when the master refuses a version
 
     def _relay_address(self) -> str | None:
         c, cfg = self.cfg, self.role.ctx.config
@@ -86,6 +94,7 @@ class PublishLink:
         from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
 
         from laminar.weights.publisher import WeightPublisher
+        from laminar.weights.seal import signer_of
         from laminar.weights.transport import get_transport
         from laminar.weights.wire import derive_key
         c, ctx = self.cfg, self.role.ctx
@@ -93,9 +102,13 @@ class PublishLink:
         info = getattr(self.role, "info", None)
         multi = info is not None and info.enabled
         transport = get_transport(c.publish_transport, **c.publish_transport_options)
+        loop = asyncio.get_running_loop()
+        self._refusal = loop.create_future()
         self.publisher = WeightPublisher(c.chunk_mb << 20, transport, derive_key(keys.secret if keys else None),
                                          publish_dtype=self.publish_dtype(),
-                                         staging_prefix=staging_prefix() if multi else None)
+                                         staging_prefix=staging_prefix() if multi else None, signer=signer_of(keys),
+                                         on_refused=lambda why: loop.call_soon_threadsafe(self._refused, why))
+        self.role.spawn(self._fail_on_refusal(), "lineage-guard")
         if multi:
             self.sharded = ShardedPublish(info, self.publisher)
         # With a manager in the cluster, the master is whoever heads its chain (it changes when a
@@ -112,9 +125,28 @@ class PublishLink:
         else:
             raise ValueError("trainer.publish is on but there is no relay_address, relay_id with a data_port, "
                              "or manager to name the master relay")
-        loop = asyncio.get_running_loop()
         self._watcher = threading.Thread(target=self._watch, args=(loop,), name="trainer-delivery", daemon=True)
         self._watcher.start()
+
+    def _refused(self, why: str) -> None:
+        """The master refused a version (it holds a newer lineage of this run): record the newer
+        lineage beside the checkpoint folder, so a restart starts above it, and fail the trainer."""
+        import re
+
+        from laminar.weights.publisher import note_lineage
+        found = re.search(r"holds lineage (\d+)", why)
+        folder = getattr(self.role, "ckpt_root", None)
+        if found and folder is not None:
+            note_lineage(folder, self.publisher.run_id, int(found.group(1)))
+        if self._refusal is not None and not self._refusal.done():
+            self._refusal.set_result(why)
+
+    async def _fail_on_refusal(self) -> None:
+        why = await self._refusal
+        self.role.event("weights_lineage_refused", why=why)
+        raise RuntimeError(f"the master relay refused this trainer's weights: {why}. This trainer's lineage is older "
+                           "than one the relays hold (a checkpoint folder restored from an older copy, or a second "
+                           "trainer of the same run); it restarts on a lineage above it")
 
     @classmethod
     def follower(cls, role) -> PublishLink:
@@ -131,13 +163,14 @@ class PublishLink:
         from laminar.roles.trainer.sharded_publish import staging_prefix
 
         from laminar.weights.publisher import WeightPublisher
+        from laminar.weights.seal import signer_of
         from laminar.weights.transport import get_transport
         from laminar.weights.wire import derive_key
         c = self.cfg
         keys = getattr(self.role.ctx.transport, "keys", None)
         return WeightPublisher(c.chunk_mb << 20, get_transport(c.publish_transport, **c.publish_transport_options),
                                derive_key(keys.secret if keys else None), publish_dtype=self.publish_dtype(),
-                               staging_prefix=staging_prefix(), part=True, reconnect_s=1.0)
+                               staging_prefix=staging_prefix(), part=True, reconnect_s=1.0, signer=signer_of(keys))
 
     def publish(self, state_dict, version: int) -> None:
         self.publisher.publish(state_dict, version)

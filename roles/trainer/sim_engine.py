@@ -266,19 +266,16 @@ class ModeledDelivery:
 
 def write_stand_in(store, version: int, nbytes: int) -> None:
     """Commit a `nbytes` stand-in version into a ShmStore exactly as a relay commits a received
-    one (double buffer, checksummed chunks, atomic pointer), with numpy instead of torch."""
-    from laminar.weights.manifest import build_manifest, checksum
+    one (double buffer, checksummed and sealed chunks, atomic pointer), with numpy instead of torch."""
+    from laminar.weights.local_write import begin_local, commit_local
+    from laminar.weights.manifest import build_manifest
     m = build_manifest([("sim.weights", "float32", (max(1, nbytes // 4),))], version, 1 << 20)
-    with store.cond:
-        vb = store.begin(m)
-    if vb.version != version:
+    vb = begin_local(store, m)
+    if vb is None:
         return  # the store already holds this version or a newer one
     payload = np.full(max(1, nbytes // 4), float(version), dtype=np.float32).view(np.uint8)
     vb.view[: payload.size] = payload.tobytes()
-    sums = [checksum(vb.chunk(i)) for i in range(vb.n)]
-    with store.cond:
-        vb.mark_all(sums)
-        store.commit(vb)
+    commit_local(store, vb)
 
 
 def old_logprob_passes(cfg) -> int:

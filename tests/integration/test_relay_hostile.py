@@ -10,6 +10,7 @@ and the trainer side in the test process.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from pathlib import Path
 
@@ -78,39 +79,40 @@ def test_silent_connections_do_not_stop_the_next_version(tmp_path: Path):
 
 
 class DeafAfterOne(TcpTransport):
-    """A relay transport whose listener accepts once (the chain's first link), then every accept
-    fails, on this listener and on any fresh one: a data port that is dead while the process lives."""
-    accepted = 0
+    """A relay transport whose listener goes deaf once the file named by LAMINAR_DEAF_FLAG exists
+    (the test creates it when the chain is formed and v0 is everywhere): from then on every
+    accept fails, on this listener and on any fresh one: a data port that is dead while the
+    process lives. (Going deaf after the first accept instead raced the rest of the set-up: on a
+    loaded machine the port was reported dead before the last relay had started.)"""
 
     def listen(self, host, port=0):
         inner = super().listen(host, port)
-        owner = self
+        flag = os.environ["LAMINAR_DEAF_FLAG"]
 
         class Deaf:
             address = inner.address
 
             def accept(self, timeout):
-                if DeafAfterOne.accepted >= 1:
+                if os.path.exists(flag):
                     raise LinkError(f"accept on {inner.address} failed: [Errno 24] Too many open files")
-                conn = inner.accept(timeout)
-                if conn is not None:
-                    DeafAfterOne.accepted += 1
-                return conn
+                return inner.accept(timeout)
 
             def close(self):
                 inner.close()
-        del owner
         return Deaf()
 
 
 def test_relay_with_a_dead_data_port_is_taken_out_and_the_rest_gets_the_next_version(tmp_path: Path):
     s0, s1 = make_state(0), make_state(1)
     per_relay = {"r2": {"transport": f"{__name__}:DeafAfterOne"}}
-    with RelayCluster(tmp_path, RELAYS, per_relay=per_relay, env={"PYTHONPATH": str(Path(__file__).parents[2])}) as c:
+    flag = tmp_path / "deaf"
+    env = {"PYTHONPATH": str(Path(__file__).parents[2]), "LAMINAR_DEAF_FLAG": str(flag)}
+    with RelayCluster(tmp_path, RELAYS, per_relay=per_relay, env=env) as c:
         async def go():
             async with c.trainer() as t:
                 t.publisher.publish(s0, version=0)
                 await t.wait_versions(0, RELAYS)
+                flag.touch()           # r2's data port dies, its process lives
                 c.relay("r1").kill()   # r0 must now link to r2, whose port no longer accepts
                 await t.until(lambda: "unhealthy" in t.status.get("r2", {}), 30, "r2 reports its dead port")
                 await t.until(lambda: t.chain is not None and "r2" not in t.chain.order and "r1" not in t.chain.order,

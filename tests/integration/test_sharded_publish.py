@@ -68,13 +68,14 @@ def test_sharded_publish_is_byte_identical_to_a_full_publish(two_ranks):
 def test_parts_from_two_hosts_assemble_at_the_relay_into_the_same_version(two_ranks):
     """Mode `hosts`: no gather, no shared staging; each rank's part publisher streams only its
     own byte ranges and the master relay assembles and verifies the version (every chunk's
-    checksum and MAC, as a rollout checks them, in publish_both)."""
+    checksum in publish_both; each host's seal covers its own ranges, the whole publish one seal)."""
     for dtype in ("same", "bfloat16"):
         pub = two_ranks["out"]["published"][dtype]
         (mh, hosts), (mf, full) = pub["hosts"], pub["full"]
         assert (mh.names, mh.dtypes, mh.shapes, mh.offsets, mh.total_bytes) == \
                (mf.names, mf.dtypes, mf.shapes, mf.offsets, mf.total_bytes)
-        assert mh.checksums == mf.checksums and mh.macs == mf.macs and hosts == full, dtype
+        assert mh.checksums == mf.checksums and hosts == full, dtype
+        assert len(mh.seals) == 2 and len(mf.seals) == 1, dtype
 
 
 def test_bf16_sharded_publish_halves_the_bytes_and_round_trips(two_ranks):

@@ -92,7 +92,8 @@ def test_an_older_lineage_is_not_taken_back(chain):
     try:
         pub.set_target(nodes[0].address, nodes[0].id)
         pub.publish(weights(9), version=9)
-        assert pub.wait_delivered(9, 20)                    # answered 'have it' ...
+        assert not pub.wait_delivered(9, 3)                 # refused, never 'have it' ...
+        assert "lineage 3" in pub.refused and "lineage 2" in pub.refused
     finally:
         pub.close()
     assert [ident(n) for n in nodes] == [("run-a", 3, 1)] * 2   # ... and never taken

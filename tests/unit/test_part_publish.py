@@ -3,8 +3,9 @@
 Real TCP connections to a real RelayNode: two part publishers (laminar/weights/publisher.py,
 part=True), each holding only its own interleaved byte ranges of the weights (as the hosts of a
 multi-host FSDP2 trainer do, roles/trainer/sharded_publish.py mode `hosts`), give the relay a
-version byte-identical to one whole publish, with every chunk's MAC valid for a rollout. A hostile
-or broken part (overlapping bytes, a bad MAC, a range across chunks) never changes verified bytes.
+version byte-identical to one whole publish, sealed by both hosts' seals for a rollout to check. A
+hostile or broken part (overlapping bytes, a bad digest, a range across chunks) never changes
+verified bytes.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from laminar.weights import wire  # noqa: E402
+from laminar.weights import handshake, seal, wire  # noqa: E402
 from laminar.weights.manifest import chunk_count, with_version  # noqa: E402
 from laminar.weights.node import RelayNode  # noqa: E402
 from laminar.weights.part_receiver import Coverage  # noqa: E402
@@ -111,12 +112,15 @@ def test_two_hosts_parts_assemble_a_version_identical_to_a_whole_publish(node):
         for pub in pubs:
             assert pub.wait_delivered(1, 20)  # each host's part is in
         with LocalWeights(node.store.dir).latest() as got:
-            assert got.verify() == []  # every chunk's checksum and MAC, as a rollout checks them
+            assert got.verify() == []  # every chunk's checksum
             manifest, data = got.manifest, bytes(got.buf[:got.manifest.total_bytes])
+            # both hosts' seals, as a rollout checks them: every byte vouched for
+            assert len(manifest.seals) == 2
+            assert seal.check(manifest, manifest.seals, got.buf, None, wire.manifest_digest(manifest)) == []
             tensors = {k: t.clone() for k, t in got.tensors()}
         ref_manifest, ref_data = whole_publish(state)
         assert data == ref_data and manifest.checksums == ref_manifest.checksums
-        assert manifest.macs == ref_manifest.macs  # the relay's own chunk MACs: the publisher's
+        assert len(ref_manifest.seals) == 1  # a whole publish: one seal, over its chunks
         for k, v in state.items():
             assert torch.equal(tensors[k], v), k
         # straddling chunks exist (both parts wrote into them): the test covers assembly
@@ -160,18 +164,20 @@ def offer(conn, m) -> wire.Header:
     import dataclasses
 
     from laminar.weights.manifest import manifest_to_bytes
-    layout = dataclasses.replace(m, macs=[], checksums=[])
-    wire.send(conn, wire.OFFER, m.version, a=chunk_count(m), b=m.lineage, payload=manifest_to_bytes(layout))
-    h = wire.recv(conn)
-    wire.recv_small(conn, h)
-    return h
+    layout = dataclasses.replace(m, macs=[], checksums=[], seals=[])
+    conn.send(wire.OFFER, m.version, a=chunk_count(m), b=m.lineage, payload=manifest_to_bytes(layout))
+    return conn.recv()
 
 
-def send_range(conn, m, off: int, data: bytes, tag: bytes | None = None) -> None:
-    import dataclasses
-    md = wire.manifest_digest(dataclasses.replace(m, macs=[]))
-    tag = wire.range_mac(wire.mac_key(KEY), md, off, data) if tag is None else tag
-    conn.send(wire.Header(wire.RANGE, m.version, off, m.lineage, len(data), tag).pack(), data)
+def send_range(conn, m, off: int, data: bytes, digest: bytes | None = None) -> None:
+    conn.send(wire.RANGE, m.version, a=off, b=m.lineage, payload=data,
+              digest=wire.content_digest(data) if digest is None else digest)
+
+
+def part_end(conn, m, pieces: list[tuple[int, bytes]]) -> None:
+    """PART_END with this host's (unsigned: the node checks no signatures) seal of `pieces`."""
+    s = seal.make_seal(None, wire.manifest_digest(m), [(o, len(d), wire.content_digest(d)) for o, d in pieces])
+    conn.send(wire.PART_END, m.version, a=len(pieces), b=m.lineage, payload=s)
 
 
 def hostile_setup(node):
@@ -180,25 +186,23 @@ def hostile_setup(node):
     state = weights(2)
     layout = publish_layout(((k, t.dtype, t.shape, True) for k, t in state.items()), None, CHUNK)
     m = with_lineage(with_version(layout, 1), "run", 1)
-    conn = wire.connect(get_transport("tcp"), node.address, KEY, 5.0, purpose=wire.PURPOSE_PART)
+    conn = handshake.connect(get_transport("tcp"), node.address, KEY, 5.0, purpose=handshake.PURPOSE_PART)
     return m, conn
 
 
-def test_a_bad_mac_is_nacked_and_the_bytes_dropped_then_the_resend_is_taken(node):
+def test_a_bad_digest_is_nacked_and_the_bytes_dropped_then_the_resend_is_taken(node):
     m, conn = hostile_setup(node)
     try:
         assert offer(conn, m).type == wire.WANT
         good = b"\x07" * 100
-        send_range(conn, m, 0, b"\xff" * 100, tag=bytes(16))  # wrong MAC
-        h = wire.recv(conn)
-        wire.recv_small(conn, h)
+        send_range(conn, m, 0, b"\xff" * 100, digest=bytes(32))  # bytes that are not the ones announced
+        h = conn.recv()
         assert (h.type, h.a) == (wire.NACK, 0)
         with node.store.cond:
             assert bytes(node.store.incoming.view[:100]) != b"\xff" * 100  # dropped, never written
         send_range(conn, m, 0, good)
-        wire.send(conn, wire.PART_END, 1, a=1, b=m.lineage)
-        h = wire.recv(conn)
-        wire.recv_small(conn, h)
+        part_end(conn, m, [(0, good)])
+        h = conn.recv()
         assert (h.type, h.a) == (wire.DONE, 1)
         with node.store.cond:
             assert bytes(node.store.incoming.view[:100]) == good
@@ -219,7 +223,7 @@ def test_a_range_that_overlaps_written_bytes_or_crosses_a_chunk_ends_the_link(no
         else:
             send_range(conn, m, m.total_bytes - 10, b"\x02" * 20)
         with pytest.raises(Exception):  # noqa: B017  (the relay closed the link: a read fails)
-            wire.recv(conn)
+            conn.recv()
         with node.store.cond:
             assert bytes(node.store.incoming.view[:200]) == b"\x01" * 200  # the written bytes stay
     finally:
@@ -292,9 +296,7 @@ def test_a_newer_part_waits_while_an_older_versions_parts_arrive_then_a_stalled_
 
 
 def read_answer(conn) -> wire.Header:
-    h = wire.recv(conn)
-    wire.recv_small(conn, h)
-    return h
+    return conn.recv()
 
 
 def test_a_repeat_with_other_bytes_ends_the_link_and_an_exact_repeat_is_dropped(node):
@@ -303,7 +305,7 @@ def test_a_repeat_with_other_bytes_ends_the_link_and_an_exact_repeat_is_dropped(
         offer(conn, m)
         send_range(conn, m, 0, b"\x01" * 200)
         send_range(conn, m, 0, b"\x01" * 100)  # the same bytes again (a resend): dropped
-        wire.send(conn, wire.PART_END, 1, a=2, b=m.lineage)
+        part_end(conn, m, [(0, b"\x01" * 200)])
         assert read_answer(conn).type == wire.DONE
         send_range(conn, m, 0, b"\x09" * 100)  # the same offsets, other bytes: refused
         with pytest.raises(Exception):  # noqa: B017
@@ -317,7 +319,7 @@ def test_a_repeat_with_other_bytes_ends_the_link_and_an_exact_repeat_is_dropped(
 def test_an_offer_of_the_same_version_with_another_layout_is_refused(node):
     import dataclasses
     m, conn = hostile_setup(node)
-    other = wire.connect(get_transport("tcp"), node.address, KEY, 5.0, purpose=wire.PURPOSE_PART)
+    other = handshake.connect(get_transport("tcp"), node.address, KEY, 5.0, purpose=handshake.PURPOSE_PART)
     try:
         offer(conn, m)
         send_range(conn, m, 0, b"\x01" * 64)
@@ -338,7 +340,7 @@ def test_a_newer_part_is_not_held_once_no_host_is_still_sending_the_incoming_ver
     try:
         offer(conn, m)
         send_range(conn, m, 0, b"\x05" * 64)
-        wire.send(conn, wire.PART_END, 1, a=1, b=m.lineage)
+        part_end(conn, m, [(0, b"\x05" * 64)])
         assert read_answer(conn).type == wire.DONE
         t0 = time.monotonic()
         pubs = part_publish(weights(4), node, parts=2, version=2)
@@ -405,3 +407,35 @@ def test_a_part_publisher_with_reconnect_s_finds_a_restarted_master_again():
             if n is not None:
                 n.stop()
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_part_upstream_that_keeps_re_offering_does_not_keep_resetting_the_busy_hold(node, monkeypatch):
+    """An offer is not progress: a host that re-offers v1 again and again without sending a byte
+    must not hold the other hosts' v2 off for good (only ranges reaching v1 keep it)."""
+    import threading
+
+    from laminar.weights import part_receiver
+    monkeypatch.setattr(part_receiver, "PART_STALL_S", 1.0)
+    m, conn = hostile_setup(node)
+    stop = threading.Event()
+    pubs = []
+
+    def keep_offering():
+        try:
+            while not stop.is_set():
+                offer(conn, m)
+                stop.wait(0.1)
+        except Exception:  # noqa: BLE001 - the relay may end this link: then it stops offering
+            pass
+    try:
+        assert offer(conn, m).type == wire.WANT
+        send_range(conn, m, 0, b"\x05" * 64)  # v1 started, then nothing but offers
+        t = threading.Thread(target=keep_offering, daemon=True)
+        t.start()
+        pubs = part_publish(weights(7), node, parts=2, version=2)
+        assert wait_current(node, 2, timeout=8.0), f"v2 held off by re-offers of v1: {node.status()}"
+    finally:
+        stop.set()
+        conn.close()
+        for pub in pubs:
+            pub.close()

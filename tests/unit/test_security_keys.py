@@ -30,7 +30,10 @@ def test_generate_makes_a_private_folder_and_files_whatever_the_umask(tmp_path):
     assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == [
         "cluster.key",
         "cluster.key_secret",
+        "weights.key",
+        "weights.key_secret",
     ]  # no temp left
+    assert mode(tmp_path / "keys" / "weights.key_secret") == 0o600
     k = auth.load_keys(tmp_path / "keys")
     assert len(k.public) == 40 and len(k.secret) == 40
 

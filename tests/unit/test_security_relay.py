@@ -19,7 +19,7 @@ import pytest
 from laminar.bus.heartbeat import HeartbeatMonitor
 
 from laminar.protocol import Heartbeat
-from laminar.weights import wire
+from laminar.weights import handshake, wire
 from laminar.weights.node import RelayNode
 from laminar.weights.transport import LinkError
 from laminar.weights.transport.tcp import TcpTransport
@@ -63,7 +63,7 @@ def test_silent_connections_do_not_block_an_authenticated_upstream(shm_dir):
     try:
         print(f"\n{len(held)} silent connections held open")
         t0 = time.monotonic()
-        conn = wire.connect(TcpTransport(), node.address, KEY, timeout=3.0)  # a real upstream
+        conn = handshake.connect(TcpTransport(), node.address, KEY, timeout=3.0)  # a real upstream
         print(f"authenticated upstream connected in {time.monotonic() - t0:.3f} s")
         wait(lambda: node.upstream, 5, "upstream taken")
         st = node.status()
@@ -107,7 +107,7 @@ def test_accept_errors_are_survived(shm_dir):
     node = RelayNode("r", shm_dir, FlakyTcp(fail=3), KEY)
     node.start()
     try:
-        conn = wire.connect(TcpTransport(), node.address, KEY, timeout=5.0)
+        conn = handshake.connect(TcpTransport(), node.address, KEY, timeout=5.0)
         wait(lambda: node.upstream, 5, "upstream taken")
         st = node.status()
         assert st["accept_errors"] == 3 and st["data_port_ok"], st
@@ -130,14 +130,14 @@ def test_a_data_port_that_stays_dead_is_reported_unhealthy(shm_dir):
 
 def test_probe_is_a_handshake_and_does_not_displace_the_upstream(shm_dir):
     from laminar.roles.manager.chain_host import ChainHost
-    node = RelayNode("r", shm_dir, TcpTransport(), KEY)
+    node = RelayNode("r", shm_dir, TcpTransport(), KEY, idle_timeout_s=120.0)  # `up` below sends no heartbeats
     node.start()
     stalled = socket.socket()
     stalled.bind(("127.0.0.1", 0))
     stalled.listen(8)                         # accepts TCP in its backlog, never answers
     host = ChainHost(None, None, None, probe_timeout_s=0.5, data_key=KEY)
     try:
-        up = wire.connect(TcpTransport(), node.address, KEY, timeout=3.0)
+        up = handshake.connect(TcpTransport(), node.address, KEY, timeout=3.0)
         first = wait(lambda: node.upstream, 5, "upstream taken")
 
         async def probes():

@@ -1,6 +1,6 @@
 """The relay tier runs with scoped keys (real processes: broker, manager, two relays; the trainer
 side in this process with the trainer key): the chain forms, a version reaches both relays with
-its chunk MACs in shared memory and loads under the MAC check, while a rollout key's master-relay
+its seal in shared memory and loads under the seal check, while a rollout key's master-relay
 claim is refused and its forged Shutdown stops nobody."""
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from laminar.bus.zmq_transport import ZmqTransport  # noqa: E402
 from laminar.protocol import RelayJoin, Shutdown  # noqa: E402
 from laminar.testing.relay_cluster import RelayCluster  # noqa: E402
 from laminar.weights.pull import LocalWeights  # noqa: E402
-from laminar.weights.wire import derive_key  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,8 +51,7 @@ def test_relay_tier_with_scoped_keys(tmp_path):
                 return v2
         v2 = asyncio.run(main())
         assert all(p.alive() for p in c.procs.values())      # nobody was stopped
-        key = derive_key(c.keys.secret)
         for r in ("r0", "r1"):
-            with LocalWeights(c.shm[r], key=key).latest() as pulled:   # every chunk's MAC checked
-                assert pulled.version == v2 and len(pulled.manifest.macs) == len(pulled.manifest.checksums)
+            with LocalWeights(c.shm[r], verify_key=c.keys.weights_public).latest() as pulled:  # the seal checked
+                assert pulled.version == v2 and len(pulled.manifest.seals) == 1
                 assert torch.equal(pulled.state_dict()["b"], sd["b"] + 1)

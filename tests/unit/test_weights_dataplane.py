@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from laminar.testing.transports import FlipOnceTcp  # noqa: E402
-from laminar.weights import wire  # noqa: E402
+from laminar.weights import handshake, wire  # noqa: E402
 from laminar.weights.manifest import build_manifest, checksum, with_version  # noqa: E402
 from laminar.weights.node import RelayNode  # noqa: E402
 from laminar.weights.publisher import WeightPublisher  # noqa: E402
@@ -180,10 +180,10 @@ def test_resume_starts_at_first_missing_chunk(shm_dirs):
     m = with_version(build_manifest([("x", "uint8", (10 << 10,))], 0, 1 << 10), 4)
     data = bytes(range(256)) * 40
     with store.cond:
-        vb = store.begin(m)
+        _, vb = store.begin(m)
         for i in range(6):
             vb.chunk(i)[:] = data[i << 10:(i + 1) << 10]
-            vb.mark(i, checksum(vb.chunk(i)))
+            vb.mark(i, checksum(vb.chunk(i)), wire.content_digest(vb.chunk(i)))
     node = RelayNode("down", str(store.dir), get_transport("tcp"), KEY)
     node.store = store
     node.start()
@@ -204,7 +204,7 @@ def test_wrong_key_is_refused(nodes):
     (a,) = nodes(1)
     conn = get_transport("tcp").connect(a.address, 2.0)
     with pytest.raises(LinkError):
-        wire.client_handshake(conn, wire.derive_key(b"other secret"), timeout=2.0)
+        handshake.client_handshake(conn, wire.derive_key(b"other secret"), timeout=2.0)
     conn.close()
     assert a.store.incoming is None and a.receiver is None
 
@@ -226,7 +226,8 @@ def test_store_adopts_verified_version_and_drops_corrupt_one(nodes, shm_dirs):
     # kept aside, not served, until an offer of its lineage arrives; then visible again at once
     assert again.current is None and again.left.version == 2 and read_pointer(d) is None
     with again.cond:
-        assert again.begin(again.left.manifest).version == 2
+        kind, held = again.begin(again.left.manifest)
+        assert kind == "have" and held.version == 2
     assert again.current.version == 2 and again.current.complete and read_pointer(d)[2].version == 2
     again.close()
     with open(d / f"slot{slot}.bin", "r+b") as f:  # simulate a corrupted file left behind
@@ -315,7 +316,7 @@ def test_latest_waits_out_a_slot_held_a_moment_instead_of_giving_up(shm_dirs):
         release = threading.Timer(0.3, lambda: fcntl.flock(fd, fcntl.LOCK_UN))
         release.start()
         t0 = time.monotonic()
-        with LocalWeights(store.dir, key=b"").latest() as got:
+        with LocalWeights(store.dir, verify_key=b"").latest() as got:
             assert got.version == 0 and not got.verify()
         assert time.monotonic() - t0 >= 0.25  # it waited for the lock, it did not read under it
         release.join()
@@ -337,7 +338,7 @@ def test_latest_gives_up_with_a_clear_error_when_the_slot_stays_held(shm_dirs, m
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         with pytest.raises(RuntimeError, match="could not get hold of a version"):
-            LocalWeights(store.dir, key=b"").latest()
+            LocalWeights(store.dir, verify_key=b"").latest()
     finally:
         os.close(fd)
         store.close()

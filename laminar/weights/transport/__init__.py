@@ -51,6 +51,11 @@ class Conn(abc.ABC):
         """Deadline for the authentication handshake (None: back to blocking)."""
         return None  # optional: a transport without such a deadline keeps this default
 
+    def set_idle_timeout(self, seconds: float | None) -> None:
+        """After the handshake: a receive that gets no byte for `seconds` fails with LinkError
+        (the peer stopped or vanished; a live peer sends heartbeats). None: wait for ever."""
+        return None  # optional: a transport without it relies on its own keep-alive
+
 
 class Listener(abc.ABC):
     address: str  # "host:port" a peer can connect to (the bound one; 0.0.0.0 stays as given)
