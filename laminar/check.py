@@ -119,7 +119,9 @@ def run_checks(path: str, overrides: list[str] | tuple[str, ...] = (), host: str
         if not when(ctx):
             continue
         try:
-            problems += [p for p in fn(ctx) if p not in problems]
+            for p in fn(ctx):
+                if p not in problems:   # rollouts 0 and 1 share one missing model folder: one line
+                    problems.append(p)
         except Exception as exc:  # a broken check is one problem, never the end of the others
             problems.append(f"{cfg.source}: check {name} failed: {exc!r}")
     return cfg, problems

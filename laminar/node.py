@@ -154,9 +154,16 @@ def cmd_up(a) -> int:
     ensure_key(cfg, a.keygen)
     banner = prepare_workdir(cfg, a.fresh)
     from laminar import logs
-    logs.configure("supervisor", a.log_level)
-    print(f"laminar {cfg.run.name}: {command} on {host}, {cfg.run.mode} mode; {banner}", flush=True)
-    return run(_up(cfg, host, a))
+    print(f"laminar {cfg.run.name}: {command} on {host}, {cfg.run.mode} mode\n{banner}", flush=True)
+    if a.plain or not sys.stdout.isatty() or a.foreground_logs:
+        logs.configure("supervisor", a.log_level)
+        return run(_up(cfg, host, a))
+    # under the live view the supervisor's own log goes next to the roles' (the view shows errors)
+    path = cfg.workdir() / "logs" / "supervisor.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as stream:
+        logs.configure("supervisor", a.log_level, stream=stream)
+        return run(_up(cfg, host, a))
 
 
 def run(coro) -> int:
@@ -202,10 +209,10 @@ async def _up(cfg, host: str, a) -> int:
                      on_change=child_changed, log_dir=None if a.foreground_logs else log_dir,
                      give_up_after=a.give_up_after)
     if not a.foreground_logs:
-        print(f"role logs: {log_dir}/<role>.<id>.log   events: laminar-node tail {a.config}", flush=True)
-    if cfg.find("trainer") and any(s.role == "trainer" for s in cfg.cluster.hosts[host].roles):
-        print(f"curves: {cfg.workdir()}/trainer/metrics.jsonl   TensorBoard: tensorboard --logdir {cfg.workdir()}",
-              flush=True)
+        print(f"role logs: {log_dir}/<role>.<id>.log", flush=True)
+    print(f"events:    laminar-node tail {a.config}", flush=True)
+    if any(s.role == "trainer" for s in cfg.cluster.hosts[host].roles):
+        print(f"curves:    {cfg.workdir()}/trainer/metrics.jsonl, tensorboard --logdir {cfg.workdir()}", flush=True)
     loop = asyncio.get_running_loop()
     signalled: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):

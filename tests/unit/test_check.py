@@ -147,3 +147,11 @@ def test_a_check_that_raises_is_one_problem_and_the_others_still_run(tmp_path, m
     monkeypatch.setattr(check_mod, "CHECKS", [("broken", broken, lambda ctx: True), *check_mod.CHECKS])
     _, problems = run_checks(write(tmp_path, c))
     assert "check broken failed: RuntimeError('boom')" in problems[0] and len(problems) == 2, problems
+
+
+def test_one_mistake_shared_by_several_roles_is_one_line(tmp_path):
+    c = config(tmp_path)
+    c["cluster"]["hosts"]["h0"]["roles"].append({"role": "rollout", "id": "1", "port": free_port()})
+    c["roles"]["rollout"]["model_dir"] = str(tmp_path / "gone")
+    _, problems = run_checks(write(tmp_path, c))
+    assert problems == [f"{tmp_path / 'c.yaml'}: roles.rollout.model_dir: {tmp_path / 'gone'}: no such folder"]
