@@ -235,12 +235,12 @@ def check_ports(ctx: CheckContext) -> Iterable[str]:
 
 
 # -- files ------------------------------------------------------------------------------------
-def _dirs(settings: BaseModel, prefix: str = "") -> Iterable[tuple[str, str]]:
+def setting_dirs(settings: BaseModel, prefix: str = "") -> Iterable[tuple[str, str]]:
     """(field path, value) of every model or tokenizer folder in a role's settings, nested ones too."""
     for name in type(settings).model_fields:
         value = getattr(settings, name)
         if isinstance(value, BaseModel):
-            yield from _dirs(value, f"{prefix}{name}.")
+            yield from setting_dirs(value, f"{prefix}{name}.")
         elif isinstance(value, str) and name in ("model_dir", "tokenizer_dir"):
             yield f"{prefix}{name}", value
 
@@ -266,7 +266,7 @@ def check_model_folders(ctx: CheckContext) -> Iterable[str]:
     for role, id, s in ctx.settings():
         if getattr(s, "engine", None) == "sim":
             continue  # the simulator's engines load no model
-        for name, value in _dirs(s):
+        for name, value in setting_dirs(s):
             if name.endswith("tokenizer_dir"):
                 why = None if Path(value).is_dir() else f"{value}: no such folder"
             else:
@@ -363,7 +363,7 @@ def unit_path_problems(ctx: CheckContext, host: str) -> Iterable[str]:
     for role, id, s in ctx.settings():
         if cfg.spec(role, id)[0] != host:
             continue
-        paths += [(f"roles.{role}.{n}", v) for n, v in _dirs(s)]
+        paths += [(f"roles.{role}.{n}", v) for n, v in setting_dirs(s)]
         if isinstance(getattr(s, "dataset", None), str):
             paths.append((f"roles.{role}.dataset", s.dataset))
     users = {sd.role_users.get(spec.role, sd.user) for spec in cfg.cluster.hosts[host].roles}

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from laminar.check import run_checks
+from laminar.check import CheckContext, run_checks, setting_dirs
 from laminar.config import ConfigError, UsageError, load_config
 from laminar.export import move_aside
 
@@ -64,7 +64,7 @@ def ensure_key(cfg, keygen: bool) -> None:
     d = cfg.cluster.keys_dir
     if not d:
         return
-    from laminar.bus.auth import KeyFileError, check_private, generate_keys
+    from laminar.bus.auth import KeyFileError, check_private, generate_keys  # late: zmq (see _up)
     if not (Path(d) / "cluster.key_secret").exists():
         if len(cfg.cluster.hosts) > 1:
             raise UsageError(f"no cluster key in {d} and {cfg.source} places roles on {len(cfg.cluster.hosts)} "
@@ -83,10 +83,9 @@ def ensure_key(cfg, keygen: bool) -> None:
 # -- the workdir: resume or fresh -------------------------------------------------------------------
 def input_paths(cfg) -> list[Path]:
     """Files and folders the config reads (datasets, model and tokenizer folders, keys, curves)."""
-    from laminar.check import CheckContext, _dirs  # the same walk over role settings the checks do
     out = [Path(p) for p in (cfg.cluster.keys_dir,) if p]
     for _, _, s in CheckContext(cfg, None).settings():
-        out += [Path(v) for _, v in _dirs(s)]
+        out += [Path(v) for _, v in setting_dirs(s)]
         out += [Path(v) for name in ("dataset", "curve_path") if isinstance(v := getattr(s, name, None), str)]
     out += [Path(h.metrics_token_file) for h in cfg.cluster.hosts.values() if h.metrics_token_file]
     return out
@@ -153,7 +152,7 @@ def cmd_up(a) -> int:
     host = this_host(cfg, host, "start")
     ensure_key(cfg, a.keygen)
     banner = prepare_workdir(cfg, a.fresh)
-    from laminar import logs
+    from laminar import logs  # late, as in _up
     print(f"laminar {cfg.run.name}: {command} on {host}, {cfg.run.mode} mode\n{banner}", flush=True)
     if a.plain or not sys.stdout.isatty() or a.foreground_logs:
         logs.configure("supervisor", a.log_level)
@@ -183,6 +182,8 @@ def _max_versions(cfg) -> int | None:
 
 
 async def _up(cfg, host: str, a) -> int:
+    # late: the bus, rich and the supervisor are needed only when a node runs, and the CLI imports
+    # this module for every command (`check` and `--help` stay light)
     from rich.live import Live
 
     from laminar.health import HealthCollector
@@ -299,7 +300,7 @@ class _MetricsUnavailable(Exception):
 async def _start_metrics(cfg, host: str, health):
     """This node's metrics endpoint (None when the host has no metrics_port); raises
     _MetricsUnavailable, naming the config field, when its token or port is unusable."""
-    from laminar.health import MetricsServer, load_metrics_token, metrics_bind
+    from laminar.health import MetricsServer, load_metrics_token, metrics_bind  # late, as in _up
     spec = cfg.cluster.hosts[host]
     if spec.metrics_port is None:
         return None
@@ -333,7 +334,7 @@ def _run_is_over(children, trainer_done: float) -> bool:
 
 
 def print_summary(cfg) -> None:
-    from laminar import summary
+    from laminar import summary  # late: matplotlib, at the end of a run only
     s = summary.write(cfg.workdir())
     tb = sorted(cfg.workdir().glob("trainer*/tb"))
     print(f"\nsummary of {cfg.run.name} ({cfg.run.mode} mode):\n{summary.table(s)}\n"

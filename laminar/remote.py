@@ -23,6 +23,9 @@ import sys
 import time
 from urllib.parse import urlparse
 
+from rich.console import Console
+from rich.table import Table
+
 from laminar.config import UsageError
 from laminar.health import HealthCollector, last_trainer_metrics
 from laminar.logs import _LEVELS
@@ -56,7 +59,6 @@ async def events_until(sub, until: float):
 
 # -- status ---------------------------------------------------------------------------------------
 async def status(cfg, a) -> int:
-    from rich.console import Console
     placed = {s.key: h for h, s in cfg.placements()}
     health = HealthCollector(cfg.run.name, "", placed, cfg.cluster.dead_after_s, only_placed=False)
     unreachable = broker_unreachable(cfg)
@@ -104,7 +106,6 @@ async def _listen(cfg, health: HealthCollector, wait: float) -> tuple[set[str], 
 
 
 def status_table(cfg, rows: dict[str, dict]):
-    from rich.table import Table
     t = Table(title=f"laminar {cfg.run.name}")
     t.add_column("role", no_wrap=True, min_width=max(map(len, rows), default=4))
     for col in ("host", "alive", "state", "pid", "up s", "version", "kv", "tok/s", "dropped", "status"):

@@ -120,6 +120,13 @@ def status(path) -> dict:
     return json.loads(r.stdout)
 
 
+def quick_death(path: Path) -> None:
+    """`stop` waits dead_after_s for a role that cannot say role_stopped (the broker: the bus is it)."""
+    cfg = yaml.safe_load(path.read_text())
+    cfg["cluster"]["dead_after_s"] = 1.0
+    path.write_text(yaml.safe_dump(cfg))
+
+
 def until(pred, timeout, what):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -136,6 +143,7 @@ def test_stop_sends_shutdown_with_the_operator_key(tmp_path, up):
     cfg = yaml.safe_load(path.read_text())
     cfg["cluster"]["keys_dir"] = str(keys)
     path.write_text(yaml.safe_dump(cfg))
+    quick_death(path)
     proc, out = up(path)
     until(lambda: all(v["alive"] for v in status(path).values()), 60, "every role alive")
     r = cli("stop", path, "--role", "echo.1")
@@ -178,21 +186,21 @@ def run_until_up_then_stop(up, path, *args) -> str:
     return out.read_text()
 
 
-def test_fresh_moves_the_run_aside_resume_says_what_is_there_and_set_reaches_the_roles(tmp_path, up):
-    """Before: no --fresh/--resume (starting over meant deleting folders by hand), no --set."""
+def test_fresh_moves_the_run_aside_and_set_reaches_the_roles(tmp_path, up):
+    """Before: no --fresh (starting over meant deleting folders by hand) and no --set. Resuming, the
+    default, is tests/unit/test_fresh_resume.py."""
     path, _ = echo_cluster(tmp_path)
+    quick_death(path)
     work = tmp_path / "run"
     (work / "pools").mkdir(parents=True)
     (work / "pools" / "old.sqlite").write_text("old run")
-    text = run_until_up_then_stop(up, path, "--set", "roles.echo.interval_s=0.05")
-    assert f"resuming the run in {work} (pools)" in text, text
+    text = run_until_up_then_stop(up, path, "--fresh", "--set", "roles.echo.interval_s=0.05")
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.")]
+    assert len(aside) == 1 and (aside[0] / "pools" / "old.sqlite").read_text() == "old run"
+    assert f"fresh run in {work}: the previous run's pools moved to {aside[0]}" in text, text
     logged = [json.loads(ln) for ln in (work / "logs" / "echo.0.log").read_text().splitlines()
               if '"config_resolved"' in ln]
     assert logged[-1]["settings"]["interval_s"] == 0.05 and logged[-1]["overrides"] == ["roles.echo.interval_s=0.05"]
-    text = run_until_up_then_stop(up, path, "--fresh")
-    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.")]
-    assert len(aside) == 1 and (aside[0] / "pools" / "old.sqlite").read_text() == "old run"
-    assert f"fresh run in {work}: the previous run's logs, pools, run.json moved to {aside[0]}" in text, text
 
 
 def test_ctrl_c_on_up_exits_130(tmp_path, up):
