@@ -105,8 +105,9 @@ class LiveView:
     def training_line(self) -> str:
         """Progress: version N/max, ETA, reward, throughput, staleness (and the second line's facts)."""
         m = self._of("trainer")
-        if "version" not in m:
-            return "training: waiting for the first version  " + self.detail_line()
+        if "reward_mean" not in m:   # heard only its heartbeat so far
+            of = f"/{self.max_versions}" if self.max_versions else ""
+            return f"version {int(m.get('version', 0))}{of}: waiting for the first batch  " + self.detail_line()
         of = f"/{self.max_versions}" if self.max_versions else ""
         tput = f"{m['throughput']:.0f} tok/s" if "throughput" in m else "- tok/s"
         head = " ".join(x for x in (f"version {int(m['version'])}{of}", self.eta()) if x)
@@ -131,7 +132,7 @@ class LiveView:
         if r is None:
             return ""
         v = r.values
-        ver = f"v{int(v['version'])} " if "version" in v else ""
+        ver = f"v{int(v['version'])} " if v.get("version", -1) >= 0 else ""
         if r.role == "rollout":
             return f"{ver}kv {v.get('kv_usage', 0):.2f} {r.state}".strip()
         if r.role == "relay" and v.get("receiving", -1) > v.get("version", -1):

@@ -286,7 +286,8 @@ async def _up(cfg, host: str, a) -> int:
     for c in given_up:
         print(f"error: gave up on {c.key} after {c.failed_starts} failed starts: {c.last_error}", file=sys.stderr,
               flush=True)
-    if (cfg.workdir() / "trainer" / "metrics.jsonl").exists():
+    trained = cfg.workdir() / "trainer" / "metrics.jsonl"
+    if trained.exists() and trained.stat().st_size:   # a version was trained: there is something to sum up
         print_summary(cfg)
     if signalled:
         return 128 + signalled[0]
