@@ -98,7 +98,8 @@ def prepare_workdir(cfg, fresh: bool) -> str:
         return f"new run in {work}"
     if not fresh:
         state = describe_state(work)
-        return f"resuming the run in {work} ({state}); `--fresh` starts over" if state else f"new run in {work}"
+        return f"resuming the run in {work}; `--fresh` starts over\n  (it holds {state})" if state else \
+            f"new run in {work}"
     keep = set()
     for p in input_paths(cfg):
         a = p.absolute()
@@ -113,7 +114,7 @@ def prepare_workdir(cfg, fresh: bool) -> str:
         if (aside / name).exists():
             os.rename(aside / name, work / name)
     kept = f"; kept {', '.join(sorted(keep))}: the config reads it" if keep else ""
-    return f"fresh run in {work}: the previous run's {', '.join(moved)} moved to {aside}{kept}"
+    return f"fresh run in {work}; the previous run moved to {aside}\n  ({', '.join(moved)}{kept})"
 
 
 def describe_state(work: Path) -> str:

@@ -197,7 +197,7 @@ def test_fresh_moves_the_run_aside_and_set_reaches_the_roles(tmp_path, up):
     text = run_until_up_then_stop(up, path, "--fresh", "--set", "roles.echo.interval_s=0.05")
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.")]
     assert len(aside) == 1 and (aside[0] / "pools" / "old.sqlite").read_text() == "old run"
-    assert f"fresh run in {work}: the previous run's pools moved to {aside[0]}" in text, text
+    assert f"fresh run in {work}; the previous run moved to {aside[0]}\n  (pools)" in text, text
     logged = [json.loads(ln) for ln in (work / "logs" / "echo.0.log").read_text().splitlines()
               if '"config_resolved"' in ln]
     assert logged[-1]["settings"]["interval_s"] == 0.05 and logged[-1]["overrides"] == ["roles.echo.interval_s=0.05"]

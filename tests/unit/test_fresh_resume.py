@@ -28,7 +28,8 @@ def test_resume_is_the_default_and_says_what_is_there(tmp_path):
     (work / "pools").mkdir()
     (work / "trainer" / "checkpoints" / "v00000010").mkdir(parents=True)
     line = prepare_workdir(cfg, fresh=False)
-    assert line.startswith(f"resuming the run in {work} (pools, trainer, newest checkpoint v00000010)"), line
+    assert line == (f"resuming the run in {work}; `--fresh` starts over\n"
+                    "  (it holds pools, trainer, newest checkpoint v00000010)"), line
     assert (work / "pools").is_dir()
 
 
@@ -44,5 +45,6 @@ def test_fresh_moves_the_previous_run_aside_and_keeps_the_inputs(tmp_path):
     assert sorted(p.name for p in aside[0].iterdir()) == ["logs", "pools", "summary.json", "trainer"]
     assert (aside[0] / "pools" / "x").read_text() == "pools"
     assert sorted(p.name for p in work.iterdir()) == ["data"] and (work / "data" / "prompts.jsonl").exists()
-    assert f"moved to {aside[0]}; kept data: the config reads it" in line, line
+    assert line == (f"fresh run in {work}; the previous run moved to {aside[0]}\n"
+                    "  (logs, pools, summary.json, trainer; kept data: the config reads it)"), line
     assert prepare_workdir(cfg, fresh=True) == f"fresh run in {work} (nothing to move aside)"
