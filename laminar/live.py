@@ -152,7 +152,7 @@ class LiveView:
 
     @staticmethod
     def _cells(key, state, pid, up, restarts, facts, width) -> str:
-        line = f"{key[:19]:<19} {state[:9]:<9} {pid:>7} {up:>5} {restarts:>4}  {facts}"
+        line = f"{key[:19]:<19} {state[:9]:<9} {pid:>7} {up:>6} {restarts:>3}  {facts}"
         return line[:width]
 
     def _grouped(self, keys: list[str], width: int) -> list[str]:

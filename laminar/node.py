@@ -214,7 +214,8 @@ async def _up(cfg, host: str, a) -> int:
         print(f"role logs: {log_dir}/<role>.<id>.log", flush=True)
     print(f"events:    laminar-node tail {a.config}", flush=True)
     if any(s.role == "trainer" for s in cfg.cluster.hosts[host].roles):
-        print(f"curves:    {cfg.workdir()}/trainer/metrics.jsonl, tensorboard --logdir {cfg.workdir()}", flush=True)
+        print(f"curves:    {cfg.workdir()}/trainer/metrics.jsonl\nTensorBoard: tensorboard --logdir {cfg.workdir()}",
+              flush=True)
     loop = asyncio.get_running_loop()
     signalled: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
