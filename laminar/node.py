@@ -31,7 +31,7 @@ from laminar.config import ConfigError, UsageError, load_config
 from laminar.export import move_aside
 
 EVAL_GRACE_S = 120.0  # how long `up` waits, after the trainer finished, for an evaluator's last evaluation
-STATE = ("pools", "trainer", "manager", "evaluator", "logs", "run.json", "summary.json", "summary.png")
+STATE = ("pools", "trainer", "manager", "evaluator", "logs")  # what a resumed run goes on with
 
 
 def this_host(cfg, host: str | None, command: str = "start") -> str:
