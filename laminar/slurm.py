@@ -14,7 +14,8 @@ nodes, the GPUs through `--gpus-per-node`), and when the job starts:
    (`python -m laminar.slurm node` looks its node up in the mapping and becomes that command):
    one step for the nodes of the trainer's hosts, one for the rest;
 3. ends when the trainer's step ends (the trainer reached max_iterations and its node stopped):
-   the other step is then sent SIGTERM, so every `start` stops its roles in order.
+   the other step is then sent SIGTERM (`scancel --signal=TERM JOB.STEP`; a SIGTERM to `srun`
+   itself would make it kill its tasks at once), so every `start` stops its roles in order.
 
 A killed job (scancel, the time limit) sends SIGTERM to every task, and each `start` stops its
 roles within `cluster.shutdown_s`; Slurm's KillWait (30 s by default) must exceed that, or the
@@ -173,19 +174,21 @@ mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 LEAD_NODES=$(cat "$JOB_DIR/lead-nodes")     # the nodes of the trainer's hosts
 OTHER_NODES=$(cat "$JOB_DIR/other-nodes")
 # One `laminar-node start --host ID` per node (`laminar.slurm node` picks its ID by node name).
-step() {{
-  srun --nodelist="$1" --nodes="$2" --ntasks="$2" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" \\
-    --cpu-bind=none --kill-on-bad-exit=0{gpu_arg} "$PY" -m laminar.slurm node "$JOB_DIR"
-}}
+STEP=(--ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none --kill-on-bad-exit=0{gpu_arg})
+NODE=("$PY" -m laminar.slurm node "$JOB_DIR")
+count() {{ tr ',' '\n' <<<"$1" | wc -l; }}
 others=""
 if [ -n "$OTHER_NODES" ]; then
-  step "$OTHER_NODES" "$(tr ',' '\\n' <<<"$OTHER_NODES" | wc -l)" &
+  srun --job-name=laminar-others --nodelist="$OTHER_NODES" --nodes="$(count "$OTHER_NODES")" \
+    --ntasks="$(count "$OTHER_NODES")" "${{STEP[@]}}" "${{NODE[@]}}" &
   others=$!
 fi
 code=0
-step "$LEAD_NODES" "$(tr ',' '\\n' <<<"$LEAD_NODES" | wc -l)" || code=$?
-if [ -n "$others" ]; then    # the run is over: the other nodes stop their roles in order
-  kill -TERM "$others" 2>/dev/null || true
+srun --nodelist="$LEAD_NODES" --nodes="$(count "$LEAD_NODES")" --ntasks="$(count "$LEAD_NODES")" \
+  "${{STEP[@]}}" "${{NODE[@]}}" || code=$?
+if [ -n "$others" ]; then    # the run is over: SIGTERM to the other step, its nodes stop their roles in order
+  step=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk '$2 == "laminar-others" {{print $1}}')
+  if [ -n "$step" ]; then scancel --signal=TERM "$step" || true; fi
   wait "$others" || true
 fi
 exit "$code"

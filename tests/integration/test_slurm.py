@@ -1,8 +1,10 @@
-"""The Slurm launcher for real (laminar/slurm.py): Slurm from Debian's packages (slurmctld and
-slurmd on this machine as a one-node cluster, munge for authentication, all in a private folder
-on free ports), the batch script of `laminar-node slurm` submitted with `sbatch`:
+"""The Slurm launcher for real (laminar/slurm.py): Slurm from Debian's packages (slurmctld and two
+slurmd on this machine, nodes `<hostname>` and `localhost`, munge for authentication, all in a
+private folder on free ports), the batch script of `laminar-node slurm` submitted with `sbatch`:
 
-- a job of the smoke config trains to its last version and ends by itself (exit 0:0);
+- a job of the smoke config on two nodes (h0: the cluster, h1: one more role) trains to its
+  last version and ends by itself (exit 0:0): the trainer's node finishes, the other node's
+  step gets SIGTERM and stops its role in order;
 - a cancelled job stops every role in order (SIGTERM to each `start`, which stops its roles
   within cluster.shutdown_s: none is SIGKILLed, each logs `role_stopped`).
 
@@ -56,18 +58,17 @@ def install_slurm() -> str | None:
 CONF = """ClusterName=laminartest
 SlurmctldHost={node}
 SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={dir}/munge/munge.sock
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={dir}/state
-SlurmdSpoolDir={dir}/spool
+SlurmdSpoolDir={dir}/spool-%n
 SlurmctldPidFile={dir}/slurmctld.pid
-SlurmdPidFile={dir}/slurmd.pid
+SlurmdPidFile={dir}/slurmd-%n.pid
 SlurmctldLogFile={dir}/slurmctld.log
-SlurmdLogFile={dir}/slurmd.log
+SlurmdLogFile={dir}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
@@ -80,13 +81,15 @@ AccountingStorageType=accounting_storage/none
 ReturnToService=2
 KillWait=30
 MinJobAge=600
-NodeName={node} CPUs={cpus} State=UNKNOWN
+NodeName={node} NodeHostname={node} Port={port0} CPUs={cpus} State=UNKNOWN
+NodeName=localhost NodeHostname={node} Port={port1} CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
 class SlurmCluster:
-    """munged, slurmctld and slurmd of one test session, in a private folder; each ended by its pid."""
+    """munged, slurmctld and two slurmd (two nodes on this machine) of one test session, in a
+    private folder; each daemon ended by its pid."""
 
     def __init__(self):
         self.dir = Path(tempfile.mkdtemp(prefix="laminar-slurm-"))
@@ -105,9 +108,9 @@ class SlurmCluster:
         key.chmod(0o600)
         shutil.chown(key, "munge", "munge")
         (self.dir / "state").mkdir()
-        (self.dir / "spool").mkdir()
         (self.dir / "slurm.conf").write_text(CONF.format(node=self.node, dir=self.dir, ctld_port=free_port(),
-                                                         slurmd_port=free_port(), cpus=os.cpu_count() or 1))
+                                                         port0=free_port(), port1=free_port(),
+                                                         cpus=os.cpu_count() or 1))
         self._run([_which("munged"), "-F", f"--socket={mdir}/munge.sock", f"--key-file={key}",
                    f"--pid-file={mdir}/munged.pid", f"--log-file={mdir}/munged.log", f"--seed-file={mdir}/seed"],
                   user="munge", group="munge", extra_groups=[])
@@ -115,14 +118,15 @@ class SlurmCluster:
             return f"munged did not start: {self._tail(mdir / 'munged.log')}"
         conf = str(self.dir / "slurm.conf")
         self._run([_which("slurmctld"), "-D", "-i", "-f", conf])
-        self._run([_which("slurmd"), "-D", "-f", conf])
-        if not self._wait(lambda: self.sinfo() == "idle", 60):
-            return (f"the one-node Slurm cluster did not come up (sinfo: {self.sinfo()!r}): "
-                    f"{self._tail(self.dir / 'slurmctld.log')} {self._tail(self.dir / 'slurmd.log')}")
+        for node in (self.node, "localhost"):   # two nodes on this machine (slurmd -N)
+            self._run([_which("slurmd"), "-D", "-N", node, "-f", conf], name=f"slurmd-{node}")
+        if not self._wait(lambda: self.sinfo() == "idle\nidle", 60):
+            return (f"the two-node Slurm cluster did not come up (sinfo: {self.sinfo()!r}): "
+                    f"{self._tail(self.dir / 'slurmctld.log')} {self._tail(self.dir / f'slurmd-{self.node}.log')}")
         return None
 
-    def _run(self, argv, **kw) -> None:
-        out = open(self.dir / f"{Path(argv[0]).name}.out", "w")
+    def _run(self, argv, name: str | None = None, **kw) -> None:
+        out = open(self.dir / f"{name or Path(argv[0]).name}.out", "w")
         self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                            start_new_session=True, **kw))
 
@@ -140,8 +144,9 @@ class SlurmCluster:
         return path.read_text()[-400:] if path.exists() else f"(no {path.name})"
 
     def sinfo(self) -> str:
-        r = subprocess.run([_which("sinfo"), "-h", "-o", "%T"], capture_output=True, text=True, env=self.env,
-                           timeout=30)
+        """The state of each node, one per line (`sinfo -N`)."""
+        r = subprocess.run([_which("sinfo"), "-h", "-N", "-o", "%T"], capture_output=True, text=True,
+                           env=self.env, timeout=30)
         return r.stdout.strip()
 
     def sbatch(self, script: Path, cwd: Path) -> str:
@@ -234,14 +239,35 @@ def test_a_cancelled_slurm_job_stops_every_role_in_order(slurm_cluster, tmp_path
 @pytest.mark.vllm
 def test_a_slurm_job_of_the_smoke_config_trains_and_ends_with_the_trainer(slurm_cluster, tmp_path, tiny):
     pytest.importorskip("vllm")
+    import yaml
+
     from laminar.testing.local_cluster import write_local_cluster
     path = write_local_cluster(tmp_path, tiny, iterations=2, rollouts=1, name="slurm")
+    cfg = yaml.safe_load(path.read_text())   # a second host: one more role, on the job's second node
+    cfg["cluster"]["hosts"]["h1"] = {"address": "127.0.0.1", "bind": "127.0.0.1",
+                                     "roles": [{"role": "echo", "port": free_port()}]}
+    cfg["roles"]["echo"] = {"interval_s": 0.5}
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     script = write_script(path, tmp_path)
+    assert "#SBATCH --nodes=2" in script.read_text()
     job = slurm_cluster.sbatch(script, tmp_path)
     info = slurm_cluster.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 540)
-    out = (tmp_path / "run" / f"slurm-{job}.out").read_text()
+    run = tmp_path / "run"
+    out = (run / f"slurm-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out[-3000:]
     assert "trainer finished: stopping the cluster" in out, out[-3000:]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["iterations"] == 2
-    config = (tmp_path / "run" / f"slurm-{job}" / "config.yaml")
-    assert config.exists() and (tmp_path / "run" / f"slurm-{job}" / "hosts.txt").read_text().split()[1] == "h0"
+    assert json.loads((run / "summary.json").read_text())["iterations"] == 2
+    nodes = sorted([slurm_cluster.node, "localhost"])            # scontrol show hostnames: sorted
+    hosts = (run / f"slurm-{job}" / "hosts.txt").read_text().split()
+    assert hosts == [nodes[0], "h0", nodes[1], "h1"], hosts
+    echo = role_logs(run)["echo.0"]
+    assert any(e.get("event") == "role_stopped" for e in echo), echo[-3:]   # stopped by SIGTERM, in order
+    killed = [e for e in map(_json, out.splitlines()) if e.get("event") == "child_killed_after_deadline"]
+    assert not [e for e in killed if e.get("child") == "echo.0"], killed
+
+
+def _json(line: str) -> dict:
+    try:
+        return json.loads(line) if line.startswith("{") else {}
+    except ValueError:
+        return {}

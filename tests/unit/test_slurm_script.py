@@ -72,6 +72,12 @@ def config_with_trainer(tmp_path) -> dict:
 FAKE_SCONTROL = """#!/bin/bash
 [ "$1 $2" = "show hostnames" ] && printf 'node01\\nnode02\\nnode07\\n'
 """
+FAKE_SQUEUE = """#!/bin/bash
+printf '42.0 laminar-others\\n42.1 python\\n42.batch batch\\n'
+"""
+FAKE_SCANCEL = """#!/bin/bash
+echo "scancel $*" >> "$LOG"
+"""
 # srun: note its nodes and run the task once per node, as that node (what laminar.slurm node reads)
 FAKE_SRUN = """#!/bin/bash
 nodes=""; for a in "$@"; do case "$a" in --nodelist=*) nodes="${a#--nodelist=}";; esac; done
@@ -90,7 +96,8 @@ def test_the_batch_script_runs_one_start_per_node_and_ends_with_the_trainer(tmp_
     assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\"" in script and "srun " in script
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN), ("squeue", FAKE_SQUEUE),
+                       ("scancel", FAKE_SCANCEL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     # `laminar.slurm node` would exec `laminar-node start`; here a stand-in records which host it got
@@ -109,7 +116,8 @@ def test_the_batch_script_runs_one_start_per_node_and_ends_with_the_trainer(tmp_
     log = (tmp_path / "log").read_text().splitlines()
     srun = [ln for ln in log if ln.startswith("srun ")]
     assert len(srun) == 2 and any("--nodelist=node02 " in ln for ln in srun), log      # h1 holds the trainer
-    assert any("--nodelist=node01,node07 --nodes=2" in ln for ln in srun), log
+    assert any("--job-name=laminar-others --nodelist=node01,node07 --nodes=2" in ln for ln in srun), log
+    assert "scancel --signal=TERM 42.0" in log, log          # the run over: SIGTERM to the other step
     assert all("--gpus-per-node=4" in ln and "--ntasks-per-node=1" in ln for ln in srun), log
     assert sorted(ln for ln in log if " start " in ln) == ["node01 start --host h0", "node02 start --host h1",
                                                           "node07 start --host h2"]
