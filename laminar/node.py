@@ -289,7 +289,8 @@ async def _up(cfg, host: str, a) -> int:
         print(f"error: gave up on {c.key} after {c.failed_starts} failed starts: {c.last_error}", file=sys.stderr,
               flush=True)
     trained = cfg.workdir() / "trainer" / "metrics.jsonl"
-    if trained.exists() and trained.stat().st_size:   # a version was trained: there is something to sum up
+    here = any(c.role == "trainer" for c in sup.children)   # the node of the trainer sums the run up
+    if here and trained.exists() and trained.stat().st_size:  # and only once a version was trained
         print_summary(cfg)
     if signalled:
         return 128 + signalled[0]
