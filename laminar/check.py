@@ -395,4 +395,5 @@ def check_gpu_memory(ctx: CheckContext) -> Iterable[str]:
     except ImportError:
         yield "--gpu-memory-gib: this build has no GPU memory plan (laminar/memory_plan.py)"
         return
-    yield from memory_plan.check_memory(ctx.cfg, ctx.gpu_memory_gib)
+    for line in memory_plan.check_memory(ctx.cfg, ctx.gpu_memory_gib):
+        yield line if line.startswith(ctx.cfg.source) else f"{ctx.cfg.source}: {line}"

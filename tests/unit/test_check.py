@@ -134,7 +134,7 @@ def test_gpu_memory_plan_is_a_pluggable_check(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "laminar.memory_plan", plan)
     import laminar
     monkeypatch.setattr(laminar, "memory_plan", plan, raising=False)
-    assert run_checks(path, gpu_memory_gib=80.0)[1] == ["too big"] and seen == [("t", 80.0)]
+    assert run_checks(path, gpu_memory_gib=80.0)[1] == [f"{path}: too big"] and seen == [("t", 80.0)]
     assert run_checks(path)[1] == []                                 # not asked: not run
 
 
@@ -155,3 +155,14 @@ def test_one_mistake_shared_by_several_roles_is_one_line(tmp_path):
     c["roles"]["rollout"]["model_dir"] = str(tmp_path / "gone")
     _, problems = run_checks(write(tmp_path, c))
     assert problems == [f"{tmp_path / 'c.yaml'}: roles.rollout.model_dir: {tmp_path / 'gone'}: no such folder"]
+
+
+def test_the_gpu_memory_plan_of_a_recipe():
+    """The real plan (laminar/memory_plan.py) through `check --gpu-memory-gib`: a 7B recipe does not fit
+    8 GiB GPUs, and each placement that does not is one line naming the file."""
+    from pathlib import Path
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "gpu-7b.yaml"
+    _, problems = run_checks(str(recipe), gpu_memory_gib=8.0)
+    memory = [p for p in problems if "GiB" in p]
+    assert memory and all(p.startswith(f"{recipe}: ") for p in memory), problems
+    assert any("rollout.0" in p for p in memory) and any("trainer.0" in p for p in memory), memory
