@@ -25,13 +25,13 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 def cmd_keygen(a) -> int:
     from laminar.bus.auth import SCOPES, generate_client_key, generate_keys, generate_weights_key
     clients = list(SCOPES if a.scopes else []) + list(a.client or [])
-    if a.weights or (clients and not (Path(a.dir) / "weights.key").exists()):
-        pub, sec = generate_weights_key(a.dir, overwrite=a.force)
-        print(f"wrote {pub} (copy it to every host) and {sec} (mode 600: the trainer's hosts only)")
     if not ((clients or a.weights) and (Path(a.dir) / "cluster.key_secret").exists()):
-        pub, sec = generate_keys(a.dir, overwrite=a.force)
+        pub, sec = generate_keys(a.dir, overwrite=a.force)   # makes the folder, and the weights key with it
         print(f"wrote {pub} and {sec} (mode 600), and the weights signing key; copy the folder to every host of "
               "the cluster, but weights.key_secret only to the trainer's hosts")
+    elif a.weights or (clients and not (Path(a.dir) / "weights.key").exists()):
+        pub, sec = generate_weights_key(a.dir, overwrite=a.force)
+        print(f"wrote {pub} (copy it to every host) and {sec} (mode 600: the trainer's hosts only)")
     for ident in clients:
         path = generate_client_key(a.dir, ident, overwrite=a.force)
         print(f"wrote {path} (mode 600) and its public .key")

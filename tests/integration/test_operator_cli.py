@@ -97,6 +97,18 @@ def test_a_role_that_cannot_start_says_why_and_is_given_up(tmp_path):
     assert "error: gave up on echo.0 after 3 failed starts: ZMQError: Address already in use" in r.stderr, out
 
 
+def test_keygen_with_scopes_in_a_new_folder(tmp_path):
+    """Before: `keygen DIR --scopes` on a folder that did not exist yet failed (FileNotFoundError on
+    the weights key's temporary file, exit 2): the signing key was written before the folder was made."""
+    keys = tmp_path / "keys"
+    r = cli("keygen", keys, "--scopes")
+    assert r.returncode == 0, r.stderr
+    assert {"cluster.key_secret", "weights.key", "weights.key_secret"} <= {p.name for p in keys.iterdir()}
+    assert (keys / "clients" / "operator.key_secret").exists()
+    r = cli("keygen", keys, "--weights")                 # an existing signing key is kept unless --force
+    assert r.returncode == 2 and "--force" in r.stderr, r.stderr
+
+
 @pytest.fixture
 def up(tmp_path):
     started = []
