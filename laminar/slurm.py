@@ -176,15 +176,15 @@ OTHER_NODES=$(cat "$JOB_DIR/other-nodes")
 # One `laminar-node start --host ID` per node (`laminar.slurm node` picks its ID by node name).
 STEP=(--ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none --kill-on-bad-exit=0{gpu_arg})
 NODE=("$PY" -m laminar.slurm node "$JOB_DIR")
-count() {{ tr ',' '\n' <<<"$1" | wc -l; }}
+count() {{ tr ',' '\\n' <<<"$1" | wc -l; }}
 others=""
 if [ -n "$OTHER_NODES" ]; then
-  srun --job-name=laminar-others --nodelist="$OTHER_NODES" --nodes="$(count "$OTHER_NODES")" \
+  srun --job-name=laminar-others --nodelist="$OTHER_NODES" --nodes="$(count "$OTHER_NODES")" \\
     --ntasks="$(count "$OTHER_NODES")" "${{STEP[@]}}" "${{NODE[@]}}" &
   others=$!
 fi
 code=0
-srun --nodelist="$LEAD_NODES" --nodes="$(count "$LEAD_NODES")" --ntasks="$(count "$LEAD_NODES")" \
+srun --nodelist="$LEAD_NODES" --nodes="$(count "$LEAD_NODES")" --ntasks="$(count "$LEAD_NODES")" \\
   "${{STEP[@]}}" "${{NODE[@]}}" || code=$?
 if [ -n "$others" ]; then    # the run is over: SIGTERM to the other step, its nodes stop their roles in order
   step=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk '$2 == "laminar-others" {{print $1}}')
