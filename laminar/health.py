@@ -7,9 +7,13 @@ status, dropped bad frames), `rollout.stats.*` (version, KV usage, tokens/s), `r
 mismatch), `metrics.evaluator` (held-out accuracy). Pub/sub carries only
 superseding state, so the collector keeps the newest fact of each kind per role; nothing is summed.
 
-Scope. `laminar-node up/start` runs one collector per node and keeps only the roles placed on its
-host, so each series comes from exactly one node (scrape every node; nothing is counted twice).
-`laminar-node status` runs one over the whole cluster for a short listen on the bus.
+Scope. `laminar-node up/start` runs one collector per node: its exposition, /healthz and snapshot
+cover only the roles placed on its host, so each series comes from exactly one node (scrape every
+node; nothing is counted twice). It still keeps what it hears of the other roles (`others`: the
+trainer's versions on a rollout host, say) for the node's live view (laminar/live.py), which
+reads this collector rather than keeping a copy of its own; `listeners` hear every event a role
+reported, after the collector took it in. `laminar-node status` runs one over the whole cluster
+for a short listen on the bus.
 
 Exposition is hand-written (text format 0.0.4: HELP and TYPE lines, then samples). The collector
 holds snapshots, not instrumented counters, so prometheus_client would need a custom collector
@@ -166,6 +170,8 @@ class HealthCollector:
         for key, h in placed.items():
             role, _, id = key.partition(".")
             self.roles[key] = RoleHealth(role, id, h)
+        self.others: dict[str, RoleHealth] = {}   # roles of other hosts (only_placed): for the live view only
+        self.listeners: list[Callable[[RoleHealth, Any], None]] = []  # called after each event a role reported
         self._last_update: dict[str, float] = {}   # trainer key -> ts of its previous Metrics
 
     @classmethod
@@ -173,24 +179,37 @@ class HealthCollector:
         return cls(cfg.run.name, host, {s.key: host for s in cfg.cluster.hosts[host].roles},
                    cfg.cluster.dead_after_s, only_placed=True, **kw)
 
-    def _role(self, role: str, id: str, host: str = "") -> RoleHealth | None:
+    def _role(self, role: str, id: str, host: str = "") -> RoleHealth:
         key = f"{role}.{id}"
-        r = self.roles.get(key)
-        if r is None and not self.only_placed:
-            r = self.roles[key] = RoleHealth(role, id, host or "?")
+        r = self.roles.get(key) or self.others.get(key)
+        if r is None:
+            where = self.others if self.only_placed else self.roles
+            r = where[key] = RoleHealth(role, id, host or "?")
+        elif host and r.host == "?":
+            r.host = host
         return r
+
+    def every_role(self) -> dict[str, RoleHealth]:
+        """Every role heard of or placed, this node's and the others (what the live view shows)."""
+        return {**self.others, **self.roles}
 
     # -- feeding ---------------------------------------------------------------------------
     def child_changed(self, c) -> None:
-        r = self._role(c.role, c.id)
+        r = self.roles.get(f"{c.role}.{c.id}")
         if r is not None:
             r.supervised, r.restarts, r.pid = c.state, c.restarts, c.pid
 
     def observe(self, ev: Any) -> None:
+        """Take in one bus event (heartbeat, rollout stats, relay progress, metrics), then tell the
+        listeners."""
+        r = self._take(ev)
+        if r is not None:
+            for listener in self.listeners:
+                listener(r, ev)
+
+    def _take(self, ev: Any) -> RoleHealth | None:
         if isinstance(ev, Heartbeat):
             r = self._role(ev.role, ev.id, ev.host)
-            if r is None:
-                return
             r.beat, r.beat_at = ev, self.clock()
             for skey, name in _HB_FACTS.get(ev.role, {}).items():
                 if (v := _number(ev.status.get(skey))) is not None:
@@ -200,27 +219,29 @@ class HealthCollector:
             if isinstance(ev.status.get("state"), str):
                 r.state = ev.status["state"]
         elif isinstance(ev, RolloutStats):
-            if (r := self._role("rollout", ev.rollout_id, ev.host)) is not None:
-                r.state = ev.state
-                r.values.update(version=ev.version, kv_usage=ev.kv_usage, running=ev.running, waiting=ev.waiting,
-                                active=ev.active, tokens_per_s=ev.tokens_per_s, generated_tokens=ev.generated_tokens,
-                                batches=ev.batches)
+            r = self._role("rollout", ev.rollout_id, ev.host)
+            r.state = ev.state
+            r.values.update(version=ev.version, kv_usage=ev.kv_usage, running=ev.running, waiting=ev.waiting,
+                            active=ev.active, tokens_per_s=ev.tokens_per_s, generated_tokens=ev.generated_tokens,
+                            batches=ev.batches)
         elif isinstance(ev, RelayProgress):
-            if (r := self._role("relay", ev.relay_id)) is not None:
-                r.values.update(version=ev.complete_version, receiving=ev.version, chunks_have=ev.chunks_have,
-                                chunks_total=ev.chunks_total, corrupt_chunks=ev.corrupt_chunks)
+            r = self._role("relay", ev.relay_id)
+            r.values.update(version=ev.complete_version, receiving=ev.version, chunks_have=ev.chunks_have,
+                            chunks_total=ev.chunks_total, corrupt_chunks=ev.corrupt_chunks)
         elif isinstance(ev, Metrics) and ev.role == "trainer":
-            if (r := self._role("trainer", ev.id)) is None:
-                return
+            r = self._role("trainer", ev.id)
             r.values.update({k: ev.values[k] for k in _TRAINER_FACTS if _number(ev.values.get(k)) is not None})
             prev = self._last_update.get(r.key)
-            if prev is not None and ev.ts > prev:   # the same measure as the live view (laminar/live.py)
+            if prev is not None and ev.ts > prev:   # prompt + response tokens of the batch / time between versions
                 r.values["throughput"] = ev.values.get("batch_tokens", 0.0) / (ev.ts - prev)
             self._last_update[r.key] = ev.ts
         elif isinstance(ev, Metrics) and ev.role == "evaluator":
-            if (r := self._role("evaluator", ev.id)) is not None:
-                r.values.update({name: ev.values[k] for k, name in _EVAL_FACTS.items()
-                                 if _number(ev.values.get(k)) is not None})
+            r = self._role("evaluator", ev.id)
+            r.values.update({name: ev.values[k] for k, name in _EVAL_FACTS.items()
+                             if _number(ev.values.get(k)) is not None})
+        else:
+            return None
+        return r
 
     # -- reading -----------------------------------------------------------------------------
     def up(self, r: RoleHealth, now: float | None = None) -> bool:

@@ -1,105 +1,208 @@
-"""The live view of `laminar-node up`: one row per role (supervisor state + its last heartbeat),
-and a training line per version: reward, held-out accuracy (the evaluator's newest, with the
-version it evaluated), throughput, versions, staleness, train-inference mismatch (mean |Δ logprob|
-of the version), KV usage per rollout, repacks. An evaluation prints its own line too.
+"""The live view of `laminar-node up/start`: what the node's roles are doing, sized to the terminal
+(an 80x24 one included), and the run's progress.
 
-Fed by the supervisor's state changes and by heartbeats/metrics/rollout stats read from the bus;
-rendered with rich when stdout is a terminal, else as one plain line per state change and per
-trainer version (logs, CI, tmux capture).
+    laminar smoke-upper on h0 · laminar mode · 0:01:23
+    version 12/60  ETA 1m36s  reward 0.410  2480 tok/s  staleness 0.90 max 2
+    eval 0.703 (v10)  mismatch 3.0e-06  repacks 4
+    role                state      pid    up  rst  facts
+    rollout.0           ready     4242   83s    0  v12 kv 0.41 generating
+    ...
+    ! prompt_pool.0: DatasetError: runs/x/data/prompts.jsonl: dataset file not found
+
+The training lines come first, so a short terminal crops roles, never progress. Roles are one
+row each while they fit; otherwise the roles of one kind share a row (`rollout x32`). A role
+that went down shows its last error line (the supervisor's `last_error`) under the table. Every
+line is cut to the width.
+
+It keeps no facts of its own: it reads the node's event collector (laminar/health.py, the same
+one that serves /metrics) and the supervisor's child states. Where stdout is not a terminal
+(logs, CI) it prints plain lines instead: one per state change of a role (with its last error),
+one per trainer version and one per evaluation.
 """
 from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
-from laminar.protocol import Heartbeat, Metrics, RolloutStats
+from laminar.health import HealthCollector, RoleHealth
+from laminar.protocol import Metrics
+
+SHORT_STATE = {"stopped_by_operator": "op-stop"}
+DOWN = ("backoff", "failed", "starting")  # states in which a role's last error is worth showing
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
+def _duration(s: float) -> str:
+    s = int(max(s, 0))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class LiveView:
-    def __init__(self, title: str, plain: bool | None = None):
-        self.title = title
+    """A renderer of the node's collector and child states (rich when a terminal, else lines)."""
+
+    def __init__(self, title: str, health: HealthCollector, max_versions: int | None = None,
+                 plain: bool | None = None, clock: Callable[[], float] = time.monotonic):
+        self.title, self.health, self.max_versions, self.clock = title, health, max_versions, clock
         self.plain = (not sys.stdout.isatty()) if plain is None else plain
         self.console = Console()
         self.children: dict[str, Any] = {}
-        self.beats: dict[str, Heartbeat] = {}
-        self.metrics: dict[str, dict[str, float]] = {}
-        self.rollouts: dict[str, RolloutStats] = {}
-        self._last_update: float | None = None
-        self.throughput: float | None = None
+        self.started = clock()
+        self._first: tuple[float, float] | None = None  # (clock, version) of the first version seen
+        self._newest: tuple[float, float] | None = None
         self._printed_eval: dict[str, float] = {}
+        health.listeners.append(self._heard)
 
+    # -- input ---------------------------------------------------------------------------------
     def child_changed(self, c) -> None:
         self.children[c.key] = c
         if self.plain:
-            print(f"[{time.strftime('%H:%M:%S')}] {c.key:<24} {c.state:<9} pid={c.pid} restarts={c.restarts}"
-                  + (f" last_exit={c.last_exit}" if c.last_exit is not None else ""), flush=True)
+            err = f"  {c.last_error}" if getattr(c, "last_error", None) and c.state in DOWN else ""
+            print(f"[{time.strftime('%H:%M:%S')}] {c.key:<20} {c.state:<9} pid={c.pid} restarts={c.restarts}"
+                  + (f" last_exit={c.last_exit}" if c.last_exit is not None else "") + err, flush=True)
 
-    def observe(self, ev: Any) -> None:
-        if isinstance(ev, Heartbeat):
-            self.beats[f"{ev.role}.{ev.id}"] = ev
-        elif isinstance(ev, RolloutStats):
-            self.rollouts[ev.rollout_id] = ev
-        elif isinstance(ev, Metrics):
-            self.metrics.setdefault(f"{ev.role}.{ev.id}", {}).update(ev.values)
-            if ev.role == "trainer":
-                if self._last_update is not None and ev.ts > self._last_update:
-                    self.throughput = ev.values.get("batch_tokens", 0.0) / (ev.ts - self._last_update)
-                self._last_update = ev.ts
-                if self.plain:
-                    print(f"[{time.strftime('%H:%M:%S')}] {self.training_line()}", flush=True)
-            elif ev.role == "evaluator" and self.plain and self._printed_eval.get(ev.id) != ev.ts:
-                self._printed_eval[ev.id] = ev.ts  # one line per evaluation, should the bus bring it twice
-                print(f"[{time.strftime('%H:%M:%S')}] {self.eval_line(ev.values)}", flush=True)
+    def _heard(self, r: RoleHealth, ev: Any) -> None:
+        if not isinstance(ev, Metrics):
+            return
+        if ev.role == "trainer" and "version" in ev.values:
+            now = (self.clock(), float(ev.values["version"]))
+            self._first = self._first or now
+            self._newest = now
+            if self.plain:
+                first, *rest = self._wrap(self.training_line(), 80 - 11, 2)
+                print(f"[{time.strftime('%H:%M:%S')}] {first}" + "".join(f"\n{'':11}{ln}" for ln in rest), flush=True)
+        elif ev.role == "evaluator" and self.plain and self._printed_eval.get(ev.id) != ev.ts:
+            self._printed_eval[ev.id] = ev.ts  # one line per evaluation, should the bus bring it twice
+            print(f"[{time.strftime('%H:%M:%S')}] {self.eval_line(ev.values)}", flush=True)
 
-    def eval_line(self, v: dict[str, float]) -> str:
+    # -- lines -----------------------------------------------------------------------------------
+    @staticmethod
+    def eval_line(v: dict[str, float]) -> str:
         sampled = v.get("eval/accuracy_sampled")
         return (f"eval version {int(v.get('version', 0))}: held-out accuracy {v.get('eval/accuracy', 0):.3f} greedy"
                 + (f", {sampled:.3f} sampled" if sampled is not None else "")
                 + f" ({int(v.get('eval/problems', 0))} problems, {v.get('eval/seconds', 0):.1f} s)")
 
-    def _eval_part(self) -> str:
-        ev = self.metrics.get("evaluator.0")
-        if not ev or "eval/accuracy" not in ev:
-            return ""
-        return f"eval {ev['eval/accuracy']:.3f} (v{int(ev.get('version', 0))})  "
+    def _of(self, kind: str) -> dict[str, float]:
+        rs = [r for r in self.health.every_role().values() if r.role == kind and r.values]
+        return min(rs, key=lambda r: r.id).values if rs else {}
 
-    @staticmethod
-    def _mismatch_part(m: dict[str, float]) -> str:
-        return f"  mismatch {m['mismatch_mean_abs']:.1e}" if "mismatch_mean_abs" in m else ""
+    def eta(self) -> str:
+        if not (self.max_versions and self._first and self._newest):
+            return ""
+        (t0, v0), (t1, v1) = self._first, self._newest
+        if v1 <= v0 or t1 <= t0:
+            return ""
+        left = max(self.max_versions - v1, 0) * (t1 - t0) / (v1 - v0)
+        return f"ETA {_duration(left - (self.clock() - t1))}"
 
     def training_line(self) -> str:
-        m = self.metrics.get("trainer.0", {})
-        if not m:
-            return f"training: waiting for the first version  {self._eval_part()}".rstrip()
-        mgr = self.beats.get("manager.0")
-        repacks = mgr.status.get("repacks", 0) if mgr else 0
-        kv = " ".join(f"{r.rollout_id}:v{r.version}/kv{r.kv_usage:.2f}/{r.state[:3]}" for r in
-                      sorted(self.rollouts.values(), key=lambda r: r.rollout_id))
-        tput = f"{self.throughput:.0f}" if self.throughput is not None else "-"
-        return (f"version {int(m.get('version', 0))}  reward {m.get('reward_mean', 0):.3f}  {self._eval_part()}"
-                f"throughput {tput} tok/s  staleness mean {m.get('staleness_mean', 0):.2f} "
-                f"max {int(m.get('staleness_max', 0))}{self._mismatch_part(m)}  repacks {repacks}  rollouts {kv}")
+        """Progress: version N/max, ETA, reward, throughput, staleness (and the second line's facts)."""
+        m = self._of("trainer")
+        if "reward_mean" not in m:   # heard only its heartbeat so far
+            of = f"/{self.max_versions}" if self.max_versions else ""
+            return f"version {int(m.get('version', 0))}{of}: waiting for the first batch  " + self.detail_line()
+        of = f"/{self.max_versions}" if self.max_versions else ""
+        tput = f"{m['throughput']:.0f} tok/s" if "throughput" in m else "- tok/s"
+        head = " ".join(x for x in (f"version {int(m['version'])}{of}", self.eta()) if x)
+        return (f"{head}  reward {m.get('reward_mean', 0):.3f}  {tput}  staleness {m.get('staleness_mean', 0):.2f} "
+                f"max {int(m.get('staleness_max', 0))}  " + self.detail_line()).rstrip()
 
-    def render(self) -> Table:
-        t = Table(title=self.title, expand=False)
-        for col in ("role", "pid", "state", "restarts", "up s", "heartbeat", "status"):
-            t.add_column(col)
-        now = time.monotonic()
-        for key, c in sorted(self.children.items()):
-            hb = self.beats.get(key)
-            status = " ".join(f"{k}={_fmt(v)}" for k, v in (hb.status if hb else {}).items())
-            up = f"{now - c.started_at:.0f}" if c.pid else "-"
-            t.add_row(key, str(c.pid or "-"), c.state, str(c.restarts), up,
-                      f"#{hb.seq} {hb.state}" if hb else "-", status[:80])
-        t.caption = self.training_line()
-        return t
+    def detail_line(self) -> str:
+        """Held-out accuracy, train-inference mismatch, repacks: what is known of them."""
+        ev, m, mgr = self._of("evaluator"), self._of("trainer"), self._of("manager")
+        parts = []
+        if "eval_accuracy" in ev:
+            parts.append(f"eval {ev['eval_accuracy']:.3f} (v{int(ev.get('eval_version', 0))})")
+        if "mismatch_mean_abs" in m:
+            parts.append(f"mismatch {m['mismatch_mean_abs']:.1e}")
+        if "repacks" in mgr:
+            parts.append(f"repacks {int(mgr['repacks'])}")
+        return "  ".join(parts)
+
+    # -- the table -------------------------------------------------------------------------------
+    @staticmethod
+    def facts(r: RoleHealth | None) -> str:
+        if r is None:
+            return ""
+        v = r.values
+        ver = f"v{int(v['version'])} " if v.get("version", -1) >= 0 else ""
+        if r.role == "rollout":
+            return f"{ver}kv {v.get('kv_usage', 0):.2f} {r.state}".strip()
+        if r.role == "relay" and v.get("receiving", -1) > v.get("version", -1):
+            return f"{ver}recv v{int(v['receiving'])} {int(v.get('chunks_have', 0))}/{int(v.get('chunks_total', 0))}"
+        if r.role == "evaluator" and "eval_accuracy" in v:
+            return f"eval {v['eval_accuracy']:.3f} (v{int(v.get('eval_version', 0))}) {r.state}".strip()
+        if r.role == "manager":
+            return f"repacks {int(v.get('repacks', 0))} dead {int(v.get('dead_rollouts', 0))}"
+        return f"{ver}{r.state}".strip()
+
+    def _row(self, key: str, c, width: int) -> str:
+        r = self.health.every_role().get(key)
+        state = SHORT_STATE.get(c.state, c.state) if c else (r.beat.state if r and r.beat else "-")
+        up = _duration(self.clock() - c.started_at) if c and c.pid and c.started_at else "-"
+        return self._cells(key, state, str(c.pid or "-") if c else "-", up, str(c.restarts) if c else "-",
+                           self.facts(r), width)
+
+    @staticmethod
+    def _cells(key, state, pid, up, restarts, facts, width) -> str:
+        line = f"{key[:19]:<19} {state[:9]:<9} {pid:>7} {up:>6} {restarts:>3}  {facts}"
+        return line[:width]
+
+    def _grouped(self, keys: list[str], width: int) -> list[str]:
+        kinds: dict[str, list[str]] = {}
+        for k in keys:
+            kinds.setdefault(k.split(".")[0], []).append(k)
+        rows = []
+        for kind, ks in kinds.items():
+            if len(ks) == 1:
+                rows.append(self._row(ks[0], self.children.get(ks[0]), width))
+                continue
+            states = Counter(SHORT_STATE.get(c.state, c.state) for k in ks if (c := self.children.get(k)))
+            restarts = sum(c.restarts for k in ks if (c := self.children.get(k)))
+            versions = sorted({int(r.values["version"]) for k in ks if (r := self.health.every_role().get(k))
+                               and "version" in r.values})
+            ver = (f"v{versions[0]}" + (f"-{versions[-1]}" if versions[-1] != versions[0] else "")) if versions else ""
+            summary = " ".join(f"{n} {s}" for s, n in states.most_common())
+            rows.append(self._cells(f"{kind} x{len(ks)}", states.most_common(1)[0][0] if states else "-", "", "",
+                                    str(restarts), f"{ver} {summary}".strip(), width))
+        return rows
+
+    def render(self, width: int | None = None, height: int | None = None) -> Text:
+        """The whole frame, at most `height` lines of at most `width` characters (default: the terminal's)."""
+        width = width or self.console.size.width
+        height = height or self.console.size.height
+        lines = [f"{self.title} · {_duration(self.clock() - self.started)}"]
+        lines += self._wrap(self.training_line(), width, 2)
+        errors = [f"! {k}: {c.last_error}" for k, c in sorted(self.children.items())
+                  if getattr(c, "last_error", None) and c.state in DOWN]
+        errors = errors[:3] if len(errors) <= 3 else errors[:2] + [f"! ... and {len(errors) - 2} more roles down"]
+        keys = sorted(set(self.children) | set(self.health.roles))
+        room = max(height - len(lines) - 1 - len(errors), 1)
+        rows = [self._row(k, self.children.get(k), width) for k in keys]
+        if len(rows) > room:
+            rows = self._grouped(keys, width)
+        if len(rows) > room:
+            rows = rows[:room - 1] + [f"... {len(rows) - room + 1} more rows"]
+        header = self._cells("role", "state", "pid", "up", "rst", "facts", width)
+        out = [ln[:width] for ln in (*lines, header, *rows, *errors)]
+        return Text("\n".join(out[:height]), no_wrap=True, overflow="crop")
+
+    @staticmethod
+    def _wrap(line: str, width: int, most: int) -> list[str]:
+        """`line` broken at double spaces into at most `most` lines of `width`."""
+        out, cur = [], ""
+        for part in line.split("  "):
+            if cur and len(cur) + 2 + len(part) > width:
+                out.append(cur)
+                cur = part
+            else:
+                cur = f"{cur}  {part}" if cur else part
+        out.append(cur)
+        return [ln[:width] for ln in out[:most]]

@@ -7,6 +7,8 @@ Order of events in one role process:
   2. configure structlog (component = role.id) and the bus transport (CURVE if keyed);
   3. start heartbeats (state=starting), `await role.setup()`;
   4. READY: a line on --ready-fd (the supervisor's handshake) and sd_notify READY=1 (systemd);
+     a setup that fails (or a config that does not load) writes `FAILED <one line: why>` there
+     instead, so the supervisor can show the reason and tell a repeated failure from a new one;
   5. `role.run()` until it returns, raises, or SIGTERM/SIGINT/ctrl Shutdown asks to stop;
   6. `role.stop()` under cluster.shutdown_s, then cancel what is left, close the transport.
 Exit code: 0 after a finished run or a stop by signal (SIGTERM from the supervisor or systemd),
@@ -49,9 +51,17 @@ def make_transport(cfg, role: str | None = None, id: str | None = None) -> Trans
     return ZmqTransport(pub, sub, keys, hwm=b.hwm, linger_ms=b.linger_ms, max_msg=b.max_message_mb << 20)
 
 
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """`Type: message` of an exception on one line (a ConfigError's problems joined by "; ")."""
+    text = "; ".join(getattr(exc, "problems", None) or [str(exc)])
+    return f"{type(exc).__name__}: {' '.join(text.split())}"[:limit]
+
+
 async def run_role(role: Role, *, heartbeat_s: float = 1.0, shutdown_s: float = 10.0,
-                   on_ready: Callable[[], None] = lambda: None, stop_signals: bool = True) -> int:
-    """Drive one role through its lifecycle on the running loop; returns the exit code."""
+                   on_ready: Callable[[], None] = lambda: None, stop_signals: bool = True,
+                   on_failed: Callable[[str], None] = lambda why: None) -> int:
+    """Drive one role through its lifecycle on the running loop; returns the exit code.
+    `on_failed(why)` is called with one line when setup (or the shell) fails before READY."""
     ctx = role.ctx
     ctx.publisher = ctx.publisher or ctx.transport.publisher()
     state = {"s": "starting"}
@@ -89,6 +99,8 @@ async def run_role(role: Role, *, heartbeat_s: float = 1.0, shutdown_s: float = 
         raise
     except Exception as exc:
         log.error("role_failed", role=ctx.role, id=ctx.id, error=repr(exc), exc_info=exc)
+        if state["s"] == "starting":
+            on_failed(one_line(exc))
         code = 1
     finally:
         state["s"] = "stopping"
@@ -137,15 +149,34 @@ async def _follow_ctrl(role: Role) -> None:
         sub.close()
 
 
-def _notify_ready(ready_fd: int | None) -> Callable[[], None]:
-    def ready() -> None:
-        if ready_fd is not None:
-            os.write(ready_fd, b"READY\n")
-            os.close(ready_fd)
+class ReadyPipe:
+    """The READY handshake with the supervisor (`--ready-fd`) and systemd (sd_notify): `ready()`
+    once setup is done, or `failed(why)` (one line) when it is not; whichever comes first."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+
+    def _send(self, line: bytes) -> None:
+        if self.fd is not None:
+            try:
+                os.write(self.fd, line)
+            except OSError:
+                pass  # the supervisor went away: nobody is waiting for the line
+            self.close()
+
+    def ready(self) -> None:
+        self._send(b"READY\n")
         if os.environ.get("NOTIFY_SOCKET"):
             import sdnotify
             sdnotify.SystemdNotifier().notify("READY=1")
-    return ready
+
+    def failed(self, why: str) -> None:
+        self._send(b"FAILED " + " ".join(why.split()).encode(errors="replace")[:4000] + b"\n")
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 async def _watchdog() -> None:
@@ -160,21 +191,30 @@ async def _watchdog() -> None:
 
 
 def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
-              level: str = "info", host: str | None = None) -> int:
+              level: str = "info", host: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
     from laminar.config import load_config
     from laminar.roles.registry import role_class
-    cfg = load_config(config_path)
-    placed_host, spec = cfg.spec(name, id)
+    pipe = ReadyPipe(ready_fd)
+    try:  # anything that stops the role before its setup runs is told to the supervisor too
+        cfg = load_config(config_path, overrides)
+        placed_host, spec = cfg.spec(name, id)
+        cls = role_class(name)
+    except Exception as exc:
+        pipe.failed(one_line(exc))
+        raise
     mirror = logs.BusMirror(name, str(id))
     logs.configure(f"{name}.{id}", level, mirror)
-    log.info("config_resolved", config=config_path, role=name, id=id,
+    log.info("config_resolved", config=config_path, role=name, id=id, overrides=list(overrides),
              settings=cfg.role_settings(name, id), run=cfg.run.model_dump())
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
-    cls = role_class(name)
 
     async def go() -> int:
-        transport = make_transport(cfg, name, str(id))
+        try:
+            transport = make_transport(cfg, name, str(id))
+        except Exception as exc:  # a key that cannot be loaded: the supervisor hears why
+            pipe.failed(one_line(exc))
+            raise
         ctx = RoleContext(role=name, id=str(id), host=host or placed_host or socket.gethostname(),
                           transport=transport, settings=cfg.role_settings(name, id), config=cfg)
         ctx.publisher = transport.publisher()
@@ -183,7 +223,7 @@ def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
         wd = asyncio.create_task(_watchdog(), name="watchdog")
         try:
             return await run_role(role, heartbeat_s=cfg.cluster.heartbeat_s, shutdown_s=cfg.cluster.shutdown_s,
-                                  on_ready=_notify_ready(ready_fd))
+                                  on_ready=pipe.ready, on_failed=pipe.failed)
         finally:
             mirror.publisher = None
             wd.cancel()

@@ -11,7 +11,11 @@ Reads only files the roles already write, so it can also be run on a finished (o
     <workdir>/logs/rollout.*.log
     <workdir>/evaluator/metrics.jsonl one record per evaluation (held-out accuracy of a version)
 
-    python -m laminar.summary RUN_DIR      (laminar-node up writes it when the trainer finishes)
+    python -m laminar.summary RUN_DIR      (laminar-node up does this when the trainer finishes)
+
+It (re)writes RUN_DIR/summary.json and RUN_DIR/summary.png (when matplotlib is installed) and
+prints the table. A folder without trainer/metrics.jsonl is not a run: it is refused (exit 2)
+and nothing is written there.
 
 Throughput is the paper's metric (docs/architecture.md §8): prompt + response tokens of one global batch ÷ the
 time between two consecutive actor updates, averaged after `warmup` iterations. Rollout idle
@@ -29,6 +33,7 @@ evaluated; None when the run did not evaluate.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import Counter
@@ -208,13 +213,22 @@ def write(run_dir: str | Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m laminar.summary RUN_DIR", file=sys.stderr)
+    ap = argparse.ArgumentParser(prog="python -m laminar.summary", description=__doc__.split("\n\n")[0],
+                                 epilog="writes RUN_DIR/summary.json and RUN_DIR/summary.png (replacing them) and "
+                                        "prints the table; exit 2 when RUN_DIR holds no run")
+    ap.add_argument("run_dir", help="a run's workdir (run.workdir of its config), holding trainer/metrics.jsonl")
+    a = ap.parse_args(argv)
+    run = Path(a.run_dir)
+    if not run.is_dir():
+        print(f"error: {run}: no such folder", file=sys.stderr)
         return 2
-    s = write(argv[0])
+    if not (run / "trainer" / "metrics.jsonl").is_file():
+        print(f"error: {run}: no trainer/metrics.jsonl: not a run's workdir, or its trainer has not finished a "
+              "version yet", file=sys.stderr)
+        return 2
+    s = write(run)
     print(table(s))
-    print(f"summary: {Path(argv[0]) / 'summary.json'}" + (f"   plot: {s['plot']}" if s["plot"] else ""))
+    print(f"summary: {run / 'summary.json'}" + (f"   plot: {s['plot']}" if s["plot"] else ""))
     return 0
 
 

@@ -4,7 +4,12 @@
   its pipe when setup is done (a handshake, never a sleep). The broker starts first; the rest
   start together once it is ready.
 - A child that exits non-zero (or is killed) is restarted with exponential backoff (0.5 s doubling
-  to 30 s, reset after 60 s of healthy running). A child that exits 0 has finished and stays down;
+  to 30 s, reset after 60 s of healthy running). Why it went down is kept as its `last_error`, one
+  line: what it wrote on the READY pipe instead of READY (`FAILED <why>`: its setup or config
+  failed), else the last error in its own log since it started, else its exit code. A child that
+  fails to start (no READY) with the same reason `give_up_after` times in a row (default 3) is
+  given up: state "failed", not restarted (a missing file or a taken port does not heal by
+  retrying; a start that fails differently each time is retried). A child that exits 0 has finished and stays down;
   one that exits 3 (laminar/shell.py EXIT_STOPPED_BY_OPERATOR: an operator's Shutdown command)
   stays down too, in state "stopped_by_operator", logged as such.
 - Children live in their own session (a terminal's Ctrl-C reaches only the supervisor, which then
@@ -28,12 +33,15 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
+import re
 import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
@@ -91,6 +99,9 @@ class Child:
     changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     group: int | None = field(default=None, repr=False)  # process group of the run not yet reaped
     shm: ShmLedger = field(default_factory=ShmLedger, repr=False)
+    last_error: str | None = None   # why it last went down (one line), None while it never failed
+    failed_starts: int = 0          # starts in a row that failed (no READY) with this same last_error
+    log_offset: int = field(default=0, repr=False)  # size of its log when the current run started
 
     @property
     def key(self) -> str:
@@ -100,10 +111,12 @@ class Child:
 class Supervisor:
     def __init__(self, children: list[Child], shutdown_s: float = 10.0, ready_timeout_s: float | None = None,
                  on_change: Callable[[Child], None] = lambda c: None, env: dict | None = None,
-                 log_dir: str | None = None):
-        """`ready_timeout_s`: READY deadline of children that configure none (None: per role kind)."""
+                 log_dir: str | None = None, give_up_after: int = 3):
+        """`ready_timeout_s`: READY deadline of children that configure none (None: per role kind);
+        `give_up_after`: identical failed starts in a row after which a child is given up (0: never)."""
         self.children = children
         self.log_dir = log_dir
+        self.give_up_after = give_up_after
         self.shutdown_s, self.ready_timeout_s = shutdown_s, ready_timeout_s
         self.on_change, self.env = on_change, env
         self.stopping = asyncio.Event()
@@ -128,14 +141,18 @@ class Supervisor:
         c.changed.set()
         self.on_change(c)
 
-    async def _spawn(self, c: Child) -> bool:
-        """Start one child and wait for its READY line; False if it died or timed out first."""
+    def log_path(self, c: Child) -> Path | None:
+        return Path(self.log_dir, f"{c.key}.log") if self.log_dir else None
+
+    async def _spawn(self, c: Child) -> str | None:
+        """Start one child and wait for its READY line; None when READY, else why not (one line)."""
         r, w = os.pipe()
         self._set(c, "starting")
         out = None
         if self.log_dir:  # each child's JSON log lines go to <log_dir>/<role>.<id>.log
             os.makedirs(self.log_dir, exist_ok=True)
-            out = open(os.path.join(self.log_dir, f"{c.key}.log"), "ab")
+            out = open(self.log_path(c), "ab")
+            c.log_offset = out.seek(0, os.SEEK_END)
         try:
             c.proc = await asyncio.create_subprocess_exec(
                 *c.argv, "--ready-fd", str(w), pass_fds=(w,), start_new_session=True,
@@ -147,22 +164,27 @@ class Supervisor:
                 out.close()
         c.pid, c.started_at = c.proc.pid, time.monotonic()
         c.group, c.shm = c.proc.pid, ShmLedger()  # start_new_session: its pid is its group
-        line = await self._read_ready(r, self.ready_timeout(c))
+        timeout = self.ready_timeout(c)
+        line = await self._read_ready(r, timeout)
         if line.startswith(b"READY"):
             await asyncio.to_thread(self._note, c)  # an engine made its queues during setup
             self._set(c, "ready")
-            return True
-        log.warning("child_not_ready", child=c.key, pid=c.pid, got=line[:40].decode(errors="replace"))
-        return False
+            return None
+        if line.startswith(b"FAILED "):
+            return line[7:].decode(errors="replace").strip() or "setup failed"
+        return f"no READY within {timeout:.0f} s" if line == b"TIMEOUT" else ""
 
-    async def _read_ready(self, fd: int, timeout_s: float) -> bytes:
+    async def _read_ready(self, fd: int, timeout_s: float, limit: int = 8192) -> bytes:
+        """The child's first line on the pipe (b"" when it closed the pipe without one)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        buf = bytearray()
 
         def readable() -> None:
-            data = os.read(fd, 64)
-            if not fut.done():
-                fut.set_result(data)
+            data = os.read(fd, 4096)
+            buf.extend(data)
+            if (not data or b"\n" in buf or len(buf) >= limit) and not fut.done():
+                fut.set_result(bytes(buf).split(b"\n", 1)[0])
 
         loop.add_reader(fd, readable)
         try:
@@ -176,9 +198,9 @@ class Supervisor:
     async def _watch(self, c: Child) -> None:
         backoff = BACKOFF_START_S
         while not self.stopping.is_set():
-            ok = await self._spawn(c)
-            if not ok and c.proc.returncode is None:
-                c.proc.kill()  # never became ready: treat as a failed start
+            not_ready = await self._spawn(c)
+            if not_ready is not None and c.proc.returncode is None:
+                await self._end_failed_start(c, not_ready)
             code = await c.proc.wait()
             await asyncio.shield(self._reap_soon(c))
             c.last_exit, c.pid = code, None
@@ -192,16 +214,39 @@ class Supervisor:
                 log.warning("child_stopped_by_operator", child=c.key, code=code)
                 self._set(c, "stopped_by_operator")
                 return
+            why = not_ready or await asyncio.to_thread(self._logged_error, c) or f"exited with code {code}" + (
+                " before READY" if not_ready is not None else "")
+            c.failed_starts = (c.failed_starts + 1 if why == c.last_error else 1) if not_ready is not None else 0
+            c.last_error = why
+            if not_ready is not None and self.give_up_after and c.failed_starts >= self.give_up_after:
+                log.error("child_given_up", child=c.key, failed_starts=c.failed_starts, error=why)
+                self._set(c, "failed")
+                return
             if time.monotonic() - c.started_at > HEALTHY_RESET_S:
                 backoff = BACKOFF_START_S
             c.restarts += 1
-            log.warning("child_exited", child=c.key, code=code, restart_in_s=backoff, restarts=c.restarts)
+            log.warning("child_exited", child=c.key, code=code, error=why, restart_in_s=backoff, restarts=c.restarts)
             self._set(c, "backoff")
             try:
                 await asyncio.wait_for(self.stopping.wait(), backoff)
             except TimeoutError:
                 pass
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _end_failed_start(self, c: Child, why: str) -> None:
+        """A child that never became ready: one that said why (or closed the pipe) is on its way
+        out and gets `shutdown_s` to stop; one that timed out is killed at once."""
+        if not why.startswith("no READY within"):
+            try:
+                await asyncio.wait_for(asyncio.shield(c.proc.wait()), self.shutdown_s)
+                return
+            except TimeoutError:
+                pass
+        c.proc.kill()
+
+    def _logged_error(self, c: Child) -> str | None:
+        path = self.log_path(c)
+        return last_error_line(path, c.log_offset) if path else None
 
     @staticmethod
     def _note(c: Child) -> None:
@@ -285,7 +330,7 @@ class Supervisor:
         for c in self.children:  # ... or before it recorded the end
             if c.pid is not None and c.proc is not None and c.proc.returncode is not None:
                 c.last_exit, c.pid = c.proc.returncode, None
-            if c.state != "finished" and c.state != "stopped":
+            if c.state not in ("finished", "stopped", "failed", "stopped_by_operator"):
                 self._set(c, "stopped")
 
     async def _terminate(self, group: list[Child]) -> None:
@@ -304,8 +349,40 @@ class Supervisor:
             await c.proc.wait()
 
 
-def children_for_host(cfg, config_path: str, host: str, level: str = "info") -> list[Child]:
+_ERROR_LINE = re.compile(r"^(error|[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failed|Refused)): ")
+
+
+def last_error_line(path: str | os.PathLike, offset: int = 0, tail_bytes: int = 1 << 16) -> str | None:
+    """The last error in a child's log from `offset` on (where its current run began): the newest
+    JSON event at level error or above (`event: error`), or the last `SomeError: message` line of
+    a Python traceback or `error: ...` line (what a process prints on stderr outside the logger,
+    e.g. when it dies before configuring it); None when there is none."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(offset, end - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and ev.get("level") in ("error", "critical"):
+                detail = ev.get("error") or (str(ev.get("exception") or "").strip().splitlines() or [""])[-1]
+                return f"{ev.get('event', 'error')}: {detail}" if detail else str(ev.get("event", "error"))
+        elif _ERROR_LINE.match(line):
+            return line.strip()
+    return None
+
+
+def children_for_host(cfg, config_path: str, host: str, level: str = "info",
+                      overrides: list[str] | tuple[str, ...] = ()) -> list[Child]:
+    """One child per role the config places on `host`, each given the same `--set` overrides."""
     py = [sys.executable, "-m", "laminar.cli", "--log-level", level]
-    return [Child(spec.role, spec.id, [*py, "role", spec.role, "--id", spec.id, "--host", host, config_path],
+    sets = [a for o in overrides for a in ("--set", o)]
+    return [Child(spec.role, spec.id, [*py, "role", spec.role, "--id", spec.id, "--host", host, *sets, config_path],
                   ready_timeout_s=ready_timeout_for(spec.role, spec.ready_timeout_s), env=spec.env())
             for spec in cfg.cluster.hosts[host].roles]

@@ -1,5 +1,10 @@
 """`laminar-node systemd --host ID --out DIR CONFIG`: one unit file per role placed on a host.
 
+The units carry the command's `--log-level` and `--set` overrides. Paths the sandbox below hides
+(the interpreter, the checkout, the config, the workdir, model folders or datasets under /tmp,
+or under /root for a non-root user) are warned about when the units are written (the same check
+as `laminar-node check --systemd`): such units would not start.
+
 Each unit runs the role in the foreground (`laminar-node role ...`), `Type=notify` (the shell sends
 READY=1 after setup), `WatchdogSec` (the shell pings WATCHDOG=1 from its event loop, so a stuck
 loop is restarted), `Restart=on-failure` (the shell exits 1 only on failure; 3, an operator's
@@ -86,8 +91,10 @@ def _confinement(cfg, role: str, workdir: str, systemd_version: int | None) -> s
 
 def render_units(cfg, config_path: str, host: str, python: str | None = None,
                  workdir: str | None = None, watchdog_s: int = 30,
-                 systemd_version: int | None | str = "local") -> dict[str, str]:
-    """`systemd_version`: of the host that will run the units ("local": this one's)."""
+                 systemd_version: int | None | str = "local", log_level: str = "info",
+                 overrides: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """`systemd_version`: of the host that will run the units ("local": this one's); `log_level`
+    and the `--set` overrides go on every unit's command line."""
     from laminar.supervisor import ready_timeout_for
     python = python or sys.executable
     workdir = workdir or os.getcwd()
@@ -105,8 +112,9 @@ def render_units(cfg, config_path: str, host: str, python: str | None = None,
             after += " " + unit_name(run, "broker", "0")
         start_s = int(ready_timeout_for(spec.role, spec.ready_timeout_s))
         env_lines = "".join(f"Environment={k}={v}\n" for k, v in spec.env().items())  # gpus: CUDA_VISIBLE_DEVICES
-        exec_start = " ".join(map(_arg, [python, "-m", "laminar.cli", "role", spec.role, "--id", spec.id,
-                                         "--host", host, config_abs]))
+        sets = [x for o in overrides for x in ("--set", o)]
+        exec_start = " ".join(map(_arg, [python, "-m", "laminar.cli", "--log-level", log_level, "role", spec.role,
+                                         "--id", spec.id, "--host", host, *sets, config_abs]))
         units[unit_name(run, spec.role, spec.id)] = f"""[Unit]
 Description=Laminar {spec.role}.{spec.id} of run {run} on host {host}
 After={after}

@@ -17,7 +17,7 @@ from laminar.roles.base import Role, RoleContext
 
 from laminar.config import load_config
 from laminar.protocol import Batch, TrajectorySpec
-from laminar.shell import _notify_ready, make_transport, run_role
+from laminar.shell import ReadyPipe, make_transport, run_role
 
 TOPIC = "test.batch"
 
@@ -57,7 +57,7 @@ def main() -> int:
         try:
             role = Publisher(RoleContext(role="publisher", id="0", host="h0", transport=transport))
             return await run_role(role, heartbeat_s=cfg.cluster.heartbeat_s, shutdown_s=cfg.cluster.shutdown_s,
-                                  on_ready=_notify_ready(a.ready_fd))
+                                  on_ready=ReadyPipe(a.ready_fd).ready)
         finally:
             await transport.close()
     return asyncio.run(go())

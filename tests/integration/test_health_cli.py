@@ -111,7 +111,7 @@ def test_up_serves_metrics_and_healthz_and_status_agrees(cluster_config, procs, 
     assert get(s, "laminar_role_dropped_frames_total", role="echo") == 0   # a counter of the new process
 
     up.send_signal(signal.SIGINT)
-    assert up.wait(30) == 0
+    assert up.wait(30) == 130
     log.close()
     out = (tmp_path / "up.out").read_text()
     assert f"metrics: http://127.0.0.1:{port}/metrics" in out, out
@@ -124,8 +124,11 @@ def test_a_taken_metrics_port_fails_before_any_role_starts(cluster_config, free_
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        with_metrics_port(c, taken.getsockname()[1])
+        port = taken.getsockname()[1]
+        with_metrics_port(c, port)
         r = subprocess.run([*CLI, "up", str(c.path), "--plain"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "cluster.hosts.h0.metrics_port: cannot listen on 127.0.0.1:" in r.stderr and "Traceback" not in r.stderr
+    # found by the pre-start checks (laminar-node check), before the node's own attempt to listen
+    assert (f"cluster.hosts.h0.metrics_port: port {port} on 127.0.0.1: Address already in use"
+            in r.stderr and "Traceback" not in r.stderr), r.stderr
     assert "broker" not in r.stdout, r.stdout

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from laminar.cli import topic_role
+from laminar.remote import topic_role
 
 
 @pytest.mark.parametrize("topic,role", [

@@ -11,10 +11,10 @@ import pytest
 from laminar.roles.evaluator.role import accuracy, due, give_up_waiting
 
 from laminar import summary
-from laminar.cli import _status_lines
 from laminar.health import HealthCollector
 from laminar.live import LiveView
 from laminar.protocol import Heartbeat, Metrics
+from laminar.remote import status_lines as _status_lines
 
 
 def write_run(run, trainer_recs, eval_recs):
@@ -69,14 +69,15 @@ def trainer_event(v):
 
 
 def test_live_line_shows_eval_accuracy_and_mismatch(capsys):
-    view = LiveView("t", plain=True)
-    view.observe(eval_event(0, 0.125, 0.0625))
-    view.observe(eval_event(0, 0.125, 0.0625))  # the same event again: one line
+    health = HealthCollector("demo", "h0", {"trainer.0": "h0", "evaluator.0": "h0"}, dead_after_s=5.0)
+    view = LiveView("t", health, plain=True)
+    health.observe(eval_event(0, 0.125, 0.0625))
+    health.observe(eval_event(0, 0.125, 0.0625))  # the same event again: one line
     assert capsys.readouterr().out.count("eval version 0: held-out accuracy 0.125 greedy, 0.062 sampled") == 1
-    view.observe(trainer_event(3))
+    health.observe(trainer_event(3))
     line = view.training_line()
     assert "eval 0.125 (v0)" in line and "mismatch 3.0e-06" in line
-    view.observe(eval_event(10, 0.5, 0.375))
+    health.observe(eval_event(10, 0.5, 0.375))
     assert "eval 0.500 (v10)" in view.training_line()
 
 

@@ -105,3 +105,24 @@ def test_laminar_node_export_subcommand(trained, tmp_path):
     assert node_main(["export", str(ckpts), str(tmp_path / "hf"), "--model-dir", str(base)]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
     assert greedy(loaded, PROMPTS[1]) == greedy(model, PROMPTS[1])
+
+
+def test_export_never_deletes_an_existing_folder(trained, tmp_path):
+    """Before: an existing OUT_DIR was removed without a word (exit 0, the user's file gone)."""
+    from laminar.cli import main as node_main
+    base, ckpts, _ = trained
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert node_main(["export", str(ckpts), str(out), "--model-dir", str(base)]) == 2
+    assert (out / "notes.txt").read_text() == "keep me" and not (out / "config.json").exists()
+    assert node_main(["export", str(ckpts), str(out), "--model-dir", str(base), "--force"]) == 0
+    assert (out / "config.json").exists()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("hf.")]
+    assert len(aside) == 1 and (aside[0] / "notes.txt").read_text() == "keep me"
+
+
+def test_export_without_a_model_dir_is_a_usage_error(tmp_path, capsys):
+    from laminar.cli import main as node_main
+    assert node_main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "--model-dir is needed" in capsys.readouterr().err

@@ -80,8 +80,8 @@ def test_a_config_may_name_its_task_and_up_records_it_where_log_rotation_cannot_
     `laminar-node up` writes the run's record (<workdir>/run.json: task, mode, config) when it
     starts; the summary takes the task from it, since the rollout log line that named it rotates
     away in a long run."""
-    from laminar.cli import write_run_record
     from laminar.config import LaminarConfig
+    from laminar.node import write_run_record
     cfg = LaminarConfig.model_validate({"run": {"name": "x", "workdir": str(tmp_path), "task": "word-problems"},
                                         "cluster": CLUSTER})
     assert cfg.run.task == "word-problems"
@@ -94,8 +94,8 @@ def test_a_config_may_name_its_task_and_up_records_it_where_log_rotation_cannot_
 
 
 def test_without_run_task_the_record_names_the_rollouts_reward(tmp_path):
-    from laminar.cli import write_run_record
     from laminar.config import LaminarConfig
+    from laminar.node import write_run_record
     cfg = LaminarConfig.model_validate({"run": {"name": "x", "workdir": str(tmp_path)}, "cluster": CLUSTER,
                                         "roles": {"rollout": {"reward": "laminar.tasks.math:math_reward"}}})
     write_run_record(cfg, "c.yaml")

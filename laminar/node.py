@@ -1,0 +1,347 @@
+"""`laminar-node up CONFIG` and `laminar-node start --host ID CONFIG`: the roles of one host,
+supervised (laminar/supervisor.py), with a live view (laminar/live.py), /metrics and /healthz
+(laminar/health.py), until the run is over or the operator stops it.
+
+Before anything starts: the pre-start checks (laminar/check.py; a problem is one line each and
+exit 2), the cluster key, and the run's workdir: by default a run resumes in it (pools,
+checkpoints, logs carry on; the banner says what is there); `--fresh` first moves the previous
+run's state aside to `<workdir>.<YYYYmmdd-HHMMSS>/` (nothing is deleted; the inputs the config
+reads from inside the workdir, such as the demo's data/, stay).
+
+How it ends (the exit code):
+- 0: the trainer(s) of this host finished (then the others are stopped), `--duration` ran out,
+  every role finished or was stopped by the operator (`laminar-node stop`);
+- 1: a role was given up (it failed to start the same way `--give-up-after` times: the rest of
+  the node is stopped, its last error printed), or the node's event feed stopped;
+- 2: the config or a pre-start check failed (nothing was started);
+- 128 + signal: interrupted (130 for Ctrl-C, 143 for SIGTERM); roles are stopped in order first.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from laminar.check import CheckContext, run_checks, setting_dirs
+from laminar.config import ConfigError, UsageError, load_config
+from laminar.export import move_aside
+
+EVAL_GRACE_S = 120.0  # how long `up` waits, after the trainer finished, for an evaluator's last evaluation
+STATE = ("pools", "trainer", "manager", "evaluator", "logs")  # what a resumed run goes on with
+
+
+def this_host(cfg, host: str | None, command: str = "start") -> str:
+    """The host a command acts for: `--host`, else the only one of the config."""
+    if host:
+        if host not in cfg.cluster.hosts:
+            raise UsageError(f"{cfg.source}: no host {host!r} in cluster.hosts {sorted(cfg.cluster.hosts)}")
+        return host
+    if len(cfg.cluster.hosts) == 1:
+        return next(iter(cfg.cluster.hosts))
+    raise UsageError(f"{cfg.source} places roles on several hosts {sorted(cfg.cluster.hosts)}: "
+                     f"use `laminar-node {command} --host ID {cfg.source}` for each")
+
+
+def checked_config(path: str, overrides, host: str | None, skip: bool = False):
+    """The config with its overrides, after the pre-start checks for `host` (UsageError-free:
+    problems are printed one per line and raised as ConfigError)."""
+    if skip:
+        return load_config(path, overrides)
+    cfg, problems = run_checks(path, overrides, host=host)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def ensure_key(cfg, keygen: bool) -> None:
+    """A single-host config may make its own key; on several hosts every host must share one, so a
+    missing key there is an error (a new key would lock this host out of the cluster). A key
+    that is present is checked for privacy before any role starts."""
+    d = cfg.cluster.keys_dir
+    if not d:
+        return
+    from laminar.bus.auth import KeyFileError, check_private, generate_keys  # late: zmq (see _up)
+    if not (Path(d) / "cluster.key_secret").exists():
+        if len(cfg.cluster.hosts) > 1:
+            raise UsageError(f"no cluster key in {d} and {cfg.source} places roles on {len(cfg.cluster.hosts)} "
+                             f"hosts: run `laminar-node keygen {d}` once and copy that folder (0700, files 0600) "
+                             "to every host")
+        if not keygen:
+            raise UsageError(f"no cluster key in {d}: run `laminar-node keygen {d}`")
+        generate_keys(d)
+        print(f"generated a cluster key in {d}")
+    try:
+        check_private(d)
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from None
+
+
+# -- the workdir: resume or fresh -------------------------------------------------------------------
+def input_paths(cfg) -> list[Path]:
+    """Files and folders the config reads (datasets, model and tokenizer folders, keys, curves)."""
+    out = [Path(p) for p in (cfg.cluster.keys_dir,) if p]
+    for _, _, s in CheckContext(cfg, None).settings():
+        out += [Path(v) for _, v in setting_dirs(s)]
+        out += [Path(v) for name in ("dataset", "curve_path") if isinstance(v := getattr(s, name, None), str)]
+    out += [Path(h.metrics_token_file) for h in cfg.cluster.hosts.values() if h.metrics_token_file]
+    return out
+
+
+def prepare_workdir(cfg, fresh: bool) -> str:
+    """Resume (default) or move the previous run aside; returns the banner line that says which."""
+    work = cfg.workdir()
+    if not work.is_dir() or not any(work.iterdir()):
+        return f"new run in {work}"
+    if not fresh:
+        state = describe_state(work)
+        return f"resuming the run in {work}; `--fresh` starts over\n  (it holds {state})" if state else \
+            f"new run in {work}"
+    keep = set()
+    for p in input_paths(cfg):
+        a = p.absolute()
+        if a.is_relative_to(work.absolute()) and a != work.absolute():
+            keep.add(a.relative_to(work.absolute()).parts[0])
+    moved = sorted(e.name for e in work.iterdir() if e.name not in keep)
+    if not moved:
+        return f"fresh run in {work} (nothing to move aside)"
+    aside = move_aside(work)   # the whole folder at once, then the inputs come back
+    work.mkdir()
+    for name in sorted(keep):
+        if (aside / name).exists():
+            os.rename(aside / name, work / name)
+    kept = f"; kept {', '.join(sorted(keep))}: the config reads it" if keep else ""
+    return f"fresh run in {work}; the previous run moved to {aside}\n  ({', '.join(moved)}{kept})"
+
+
+def describe_state(work: Path) -> str:
+    found = [name for name in STATE if (work / name).exists()]
+    ckpts = sorted(p.name for p in work.glob("trainer*/checkpoints/v*") if p.is_dir())
+    if ckpts:
+        found.append(f"newest checkpoint {ckpts[-1]}")
+    return ", ".join(found)
+
+
+def write_run_record(cfg, config_path: str, overrides=()) -> Path:
+    """<workdir>/run.json: what the run is (name, mode, task, config file, overrides, start time),
+    written by `up` when it starts, for the summary: the rollouts' log line that names the task
+    rotates away in a long run. The task is `run.task`, else the rollouts' reward function."""
+    task = cfg.run.task
+    if task is None:
+        placed = cfg.find("rollout")
+        try:
+            task = cfg.settings_of("rollout", placed[0][1].id if placed else "0").reward
+        except (ConfigError, ValueError):
+            task = None
+    out = cfg.workdir() / "run.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".run.json.{os.getpid()}")
+    tmp.write_text(json.dumps({"name": cfg.run.name, "mode": cfg.run.mode, "task": task, "config": config_path,
+                               "overrides": list(overrides), "started": time.time()}) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+# -- the command -------------------------------------------------------------------------------------
+def cmd_up(a) -> int:
+    command = "start" if a.cmd == "start" else "up"
+    host = getattr(a, "host", None)
+    cfg = checked_config(a.config, a.set, host, skip=a.no_check)
+    host = this_host(cfg, host, "start")
+    ensure_key(cfg, a.keygen)
+    banner = prepare_workdir(cfg, a.fresh)
+    from laminar import logs  # late, as in _up
+    print(f"laminar {cfg.run.name}: {command} on {host}, {cfg.run.mode} mode\n{banner}", flush=True)
+    if a.plain or not sys.stdout.isatty() or a.foreground_logs:
+        logs.configure("supervisor", a.log_level)
+        return run(_up(cfg, host, a))
+    # under the live view the supervisor's own log goes next to the roles' (the view shows errors)
+    path = cfg.workdir() / "logs" / "supervisor.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as stream:
+        logs.configure("supervisor", a.log_level, stream=stream)
+        return run(_up(cfg, host, a))
+
+
+def run(coro) -> int:
+    try:
+        import uvloop
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def _max_versions(cfg) -> int | None:
+    trainers = cfg.find("trainer")
+    try:
+        return cfg.settings_of("trainer", trainers[0][1].id).max_iterations if trainers else None
+    except (ConfigError, ValueError):
+        return None
+
+
+async def _up(cfg, host: str, a) -> int:
+    # late: the bus, rich and the supervisor are needed only when a node runs, and the CLI imports
+    # this module for every command (`check` and `--help` stay light)
+    from rich.live import Live
+
+    from laminar.health import HealthCollector
+    from laminar.live import LiveView
+    from laminar.shell import make_transport
+    from laminar.supervisor import Supervisor, children_for_host
+
+    health = HealthCollector.for_node(cfg, host)
+    view = LiveView(f"laminar {cfg.run.name} on {host} · {cfg.run.mode}", health, max_versions=_max_versions(cfg),
+                    plain=True if a.plain else None)
+    try:  # first: a taken port fails before any role starts
+        metrics = await _start_metrics(cfg, host, health)
+    except _MetricsUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    def child_changed(c) -> None:
+        view.child_changed(c)
+        health.child_changed(c)
+
+    write_run_record(cfg, a.config, a.set)
+    log_dir = str(cfg.workdir() / "logs")
+    sup = Supervisor(children_for_host(cfg, a.config, host, a.log_level, a.set), shutdown_s=cfg.cluster.shutdown_s,
+                     on_change=child_changed, log_dir=None if a.foreground_logs else log_dir,
+                     give_up_after=a.give_up_after)
+    if not a.foreground_logs:
+        print(f"role logs: {log_dir}/<role>.<id>.log", flush=True)
+    print(f"events:    laminar-node tail {a.config}", flush=True)
+    if any(s.role == "trainer" for s in cfg.cluster.hosts[host].roles):
+        print(f"curves:    {cfg.workdir()}/trainer/metrics.jsonl\nTensorBoard: tensorboard --logdir {cfg.workdir()}",
+              flush=True)
+    loop = asyncio.get_running_loop()
+    signalled: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda sig=sig: (signalled.append(sig), sup.stopping.set()))
+    transport = make_transport(cfg)
+    sub = transport.subscriber(["hb.", "metrics.", "rollout.stats.", "relay.progress."])
+    health.dropped = lambda: sub.dropped
+
+    async def feed() -> None:
+        while True:
+            _, ev = await sub.recv()
+            health.observe(ev)   # the one collector: /metrics, /healthz and the live view read it
+
+    feed_failed: list[BaseException] = []
+
+    def feed_ended(task: asyncio.Task) -> None:
+        """The feed runs until `up` ends: one that stops before leaves the view, /metrics and /healthz
+        frozen, so it is reported at once and makes `up` exit 1."""
+        if task.cancelled():
+            return
+        exc = task.exception() or RuntimeError("ended")
+        feed_failed.append(exc)
+        print(f"error: the node's event feed (live view, /metrics, /healthz) stopped: {exc!r}", file=sys.stderr,
+              flush=True)
+
+    feeder = asyncio.create_task(feed(), name="view-feed")
+    feeder.add_done_callback(feed_ended)
+    end = None
+    live = None if view.plain else Live(view.render(), console=view.console, refresh_per_second=2,
+                                        vertical_overflow="crop")
+    given_up: list = []
+    try:
+        if live:
+            live.start()
+        await sup.start()
+        end = asyncio.create_task(sup.wait(), name="supervise")
+        deadline = time.monotonic() + a.duration if a.duration else None
+        trainer_done = None
+        while not end.done():
+            await asyncio.wait([end], timeout=0.5)  # redraw period of the view
+            if live:
+                live.update(view.render())
+            if deadline and time.monotonic() > deadline:
+                sup.stopping.set()
+            given_up = [c for c in sup.children if c.state == "failed"]
+            if given_up and not sup.stopping.is_set():
+                sup.stopping.set()  # a role that cannot start: the node cannot run, say why and stop
+            if _trainers_finished(sup.children):  # the run is done
+                trainer_done = trainer_done or time.monotonic()
+            if (_trainers_finished(sup.children) and _run_is_over(sup.children, trainer_done)
+                    and not sup.stopping.is_set()):
+                print("trainer finished: stopping the cluster", flush=True)
+                sup.stopping.set()
+    finally:
+        await sup.stop()
+        if end is not None:  # done when the loop above ended; cancelled when `up` itself was interrupted
+            end.cancel()
+            await asyncio.gather(end, return_exceptions=True)
+        if live:
+            live.update(view.render())
+            live.stop()
+        feeder.cancel()
+        await asyncio.gather(feeder, return_exceptions=True)
+        if metrics is not None:
+            await metrics.close()
+        await transport.close()
+    if not end.cancelled():
+        end.result()  # a supervisor that failed is raised, not dropped
+    given_up = [c for c in sup.children if c.state == "failed"]
+    for c in given_up:
+        print(f"error: gave up on {c.key} after {c.failed_starts} failed starts: {c.last_error}", file=sys.stderr,
+              flush=True)
+    trained = cfg.workdir() / "trainer" / "metrics.jsonl"
+    here = any(c.role == "trainer" for c in sup.children)   # the node of the trainer sums the run up
+    if here and trained.exists() and trained.stat().st_size:  # and only once a version was trained
+        print_summary(cfg)
+    if signalled:
+        return 128 + signalled[0]
+    return 1 if given_up or feed_failed else 0
+
+
+class _MetricsUnavailable(Exception):
+    pass
+
+
+async def _start_metrics(cfg, host: str, health):
+    """This node's metrics endpoint (None when the host has no metrics_port); raises
+    _MetricsUnavailable, naming the config field, when its token or port is unusable."""
+    from laminar.health import MetricsServer, load_metrics_token, metrics_bind  # late, as in _up
+    spec = cfg.cluster.hosts[host]
+    if spec.metrics_port is None:
+        return None
+    bind = metrics_bind(spec)
+    try:
+        token = load_metrics_token(spec.metrics_token_file) if spec.metrics_token_file else None
+    except (OSError, ValueError) as exc:
+        raise _MetricsUnavailable(f"{cfg.source}: cluster.hosts.{host}.metrics_token_file: {exc}") from None
+    metrics = MetricsServer(health, bind, spec.metrics_port, token=token)
+    try:
+        await metrics.start()
+    except OSError as exc:
+        raise _MetricsUnavailable(f"{cfg.source}: cluster.hosts.{host}.metrics_port: cannot listen on "
+                                  f"{bind}:{spec.metrics_port}: {exc.strerror or exc}") from None
+    print(f"metrics: http://{bind}:{metrics.port}/metrics{' (bearer token)' if token else ''}  (and /healthz)",
+          flush=True)
+    return metrics
+
+
+def _trainers_finished(children) -> bool:
+    """This node runs trainers and every one of them finished."""
+    trainers = [c for c in children if c.role == "trainer"]
+    return bool(trainers) and all(c.state == "finished" for c in trainers)
+
+
+def _run_is_over(children, trainer_done: float) -> bool:
+    """The trainers finished: the run is over once no evaluator is still evaluating the last version
+    (it finishes after that), or after EVAL_GRACE_S."""
+    evaluating = [c for c in children if c.role == "evaluator" and c.state not in ("finished", "failed", "stopped")]
+    return not evaluating or time.monotonic() - trainer_done > EVAL_GRACE_S
+
+
+def print_summary(cfg) -> None:
+    from laminar import summary  # late: matplotlib, at the end of a run only
+    s = summary.write(cfg.workdir())
+    tb = sorted(cfg.workdir().glob("trainer*/tb"))
+    print(f"\nsummary of {cfg.run.name} ({cfg.run.mode} mode):\n{summary.table(s)}\n"
+          f"written: {cfg.workdir() / 'summary.json'}" + (f", {s['plot']}" if s.get("plot") else "")
+          + (f"\nTensorBoard curves: tensorboard --logdir {cfg.workdir()}" if tb else ""), flush=True)
+
