@@ -27,6 +27,7 @@ hides the others.
 from __future__ import annotations
 
 import errno
+import importlib
 import ipaddress
 import json
 import os
@@ -391,7 +392,7 @@ def check_systemd(ctx: CheckContext) -> Iterable[str]:
 @check("GPU memory plan", when=lambda ctx: ctx.gpu_memory_gib is not None)
 def check_gpu_memory(ctx: CheckContext) -> Iterable[str]:
     try:  # late and optional: the memory plan is its own module, which a build may not have
-        from laminar import memory_plan
+        memory_plan = importlib.import_module("laminar.memory_plan")
     except ImportError:
         yield "--gpu-memory-gib: this build has no GPU memory plan (laminar/memory_plan.py)"
         return
