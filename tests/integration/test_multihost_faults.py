@@ -29,12 +29,12 @@ At the end, from every component's own records (MultiHost.ledger and MultiHost.c
 code bench/chaos.py reports with): versions are gap-free, no group was trained twice, every group
 the buffer handed out was trained in a kept version (or is leased for a resumed trainer), every
 trajectory the manager recovered was stored exactly once (or is still safe in the partial pool,
-owned by a live rollout), and adopted ones were stored with their own version. Lineage: every
-trained trajectory's (lineage, version) names weights the trainer published in the history of the
-lineage that trained it (work of the discarded versions was dropped off-lineage by the buffer and
-its prompt requeued, as a new attempt). Prompts: every group the prompt pool handed out is
-settled (trained or in the buffer), outstanding or requeued: prompts_skipped == 0. No sample has a
-negative staleness.
+owned by a live rollout), and adopted ones were stored with their own (lineage, version). Lineage:
+every trained sample's (lineage, version), as the trainer recorded it, names weights the trainer
+published in the history of the lineage that trained it (work of the discarded versions was
+dropped off-lineage by the buffer and its prompt requeued, as a new attempt). Prompts: every
+group the prompt pool handed out is settled (trained or in the buffer), outstanding or requeued:
+prompts_skipped == 0. No sample has a negative staleness.
 """
 from __future__ import annotations
 
