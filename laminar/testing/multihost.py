@@ -233,8 +233,15 @@ class MultiHost:
         return int(m[-1]["version"]) if m else 0
 
     def wait_version(self, v: int, timeout: float) -> None:
+        """Until the trainer has trained version `v`. A trainer that finished its `max_iterations`
+        below `v` never gets there: that is said at once, not after `timeout`."""
         deadline = time.monotonic() + timeout
         while self.version() < v:
+            done = log_events(self.log("trainer", "0"), "training_finished")
+            if done and self.version() < v:
+                raise RuntimeError(f"the trainer finished at version {done[-1].get('version')} (max_iterations "
+                                   f"{getattr(self, 'iterations', '?')}), so version {v} never comes: the run's "
+                                   f"iteration budget is smaller than what the test waits for")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"trainer at version {self.version()}, wanted {v} within {timeout}s;\n"
                                    + self.tail())
@@ -390,7 +397,7 @@ class MultiHost:
     def tail(self, n: int = 20) -> str:
         return "\n".join(f"--- h{i}.out\n"
                          + "\n".join((self.tmp / f"h{i}.out").read_text(errors="replace").splitlines()[-n:])
-                         for i in range(self.n) if (self.tmp / f"h{i}.out").exists())
+                         for i in range(getattr(self, "n", 0)) if (self.tmp / f"h{i}.out").exists())
 
 
 def _descendants(pid: int) -> list[int]:

@@ -61,7 +61,10 @@ CHECKPOINT_EVERY = 4  # a trainer kill discards the versions published since its
 def test_kill_anything_lose_nothing(tmp_path):
     model = build_tiny_model(tmp_path / "tiny")
     steps = []
-    with MultiHost(tmp_path, model, rollout_hosts=3, iterations=80, late_hosts=1,
+    # No iteration budget the trainer could use up: the test's last waits (the joined host's first
+    # stores, two more versions) come after a variable share of the run, and a trainer that had
+    # finished its max_iterations by then failed the test (once at version 80, after a slow join).
+    with MultiHost(tmp_path, model, rollout_hosts=3, iterations=100_000, late_hosts=1,
                    roles={"trainer": {"checkpoint_every": CHECKPOINT_EVERY}}) as mh:
         mh.start_all()
         mh.wait_version(2, 240)

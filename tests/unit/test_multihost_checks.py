@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from laminar.testing.multihost import MultiHost
 
 
@@ -67,3 +69,14 @@ def test_trained_work_of_the_discarded_lineage_is_a_violation(tmp_path):
 def test_a_record_without_labels_is_counted_unlabelled_not_passed(tmp_path):
     checks = run_folder(tmp_path, [record(24, ["e0-p218"], None, 1795787100.0)]).checks()
     assert checks["trained_members_checked"] == 0 and checks["trained_members_unlabelled"] == 4
+
+
+def test_waiting_for_a_version_past_the_trainers_budget_says_so_at_once(tmp_path):
+    """The fault test waited 180 s for version 82 of a trainer that had finished its 80 iterations
+    (training outran a slow host join), then failed with a timeout; now the harness says why."""
+    mh = run_folder(tmp_path, [record(v, [f"e0-p{v}"], {f"2:{v - 1}": 4}, 1795787100.0 + v) for v in range(13, 81)])
+    (mh.run_dir / "logs" / "trainer.0.log").write_text(json.dumps(
+        {"role": "trainer", "id": "0", "version": 80, "event": "training_finished", "level": "info"}) + "\n")
+    mh.wait_version(80, timeout=30)  # reached: returns
+    with pytest.raises(RuntimeError, match="finished at version 80"):  # not a TimeoutError after 2 s
+        mh.wait_version(82, timeout=2)
