@@ -19,9 +19,9 @@ the harness's large drop_oldest buffer.
 
 At the end the cluster stops and the ledger is checked (MultiHost.ledger: trainer versions, groups
 trained, every stored trajectory, what the manager recovered, what the partial pool still holds),
-and three more (MultiHost.checks): lineage (every trained trajectory's (lineage, version) names
-weights the trainer published in the history of the lineage that trained it:
-`lineage_violations`), prompts (the prompt pool's own `prompts_skipped`, from its store, as its
+and three more (MultiHost.checks): lineage (every trained sample's (lineage, version), as the
+trainer recorded it, names weights the trainer published in the history of the lineage that
+trained it: `lineage_violations`), prompts (the prompt pool's own `prompts_skipped`, from its store, as its
 heartbeat counts it) and staleness (samples with negative staleness in metrics.jsonl's
 histogram: `negative_staleness_samples`). Printed: the
 table of faults with time to the next version, the chain repairs (the paper's target: < 1 s),

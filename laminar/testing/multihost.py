@@ -91,6 +91,14 @@ class MultiHost:
         self.run_dir = self.tmp / "run"
         self.name = f"mh{self.net.prefix[-6:]}"
 
+    @classmethod
+    def reading(cls, run_dir: str | Path) -> MultiHost:
+        """One that only reads a finished run folder's records (`ledger`, `checks`, `metrics`): no
+        namespaces, no processes; e.g. to audit a run folder a failed test left behind."""
+        mh = cls.__new__(cls)
+        mh.run_dir = Path(run_dir)
+        return mh
+
     # -- config ----------------------------------------------------------------------------------
     def rollout_ids(self, host: int) -> list[str]:
         return [f"{host}{chr(ord('a') + k)}" for k in range(self.rollouts_per_host)]
@@ -225,8 +233,15 @@ class MultiHost:
         return int(m[-1]["version"]) if m else 0
 
     def wait_version(self, v: int, timeout: float) -> None:
+        """Until the trainer has trained version `v`. A trainer that finished its `max_iterations`
+        below `v` never gets there: that is said at once, not after `timeout`."""
         deadline = time.monotonic() + timeout
         while self.version() < v:
+            done = log_events(self.log("trainer", "0"), "training_finished")
+            if done and self.version() < v:
+                raise RuntimeError(f"the trainer finished at version {done[-1].get('version')} (max_iterations "
+                                   f"{getattr(self, 'iterations', '?')}), so version {v} never comes: the run's "
+                                   f"iteration budget is smaller than what the test waits for")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"trainer at version {self.version()}, wanted {v} within {timeout}s;\n"
                                    + self.tail())
@@ -239,7 +254,7 @@ class MultiHost:
         metrics = self.metrics()
         trained = [g for r in metrics for g in r["group_ids"]]
         stored: dict[str, int] = {}
-        stored_version: dict[str, int] = {}
+        stored_version: dict[str, tuple[int, int]] = {}  # trajectory -> the (lineage, version) it was stored with
         # refused by the buffer as a duplicate: it already held that sample (stored by a rollout
         # whose acknowledgement, and so whose log line, was lost with its host or link)
         held: set[str] = set()
@@ -249,11 +264,12 @@ class MultiHost:
                     held.add(e["trajectory"].split("~r")[0])
                 if e["status"] == "stored":
                     stored[e["trajectory"]] = stored.get(e["trajectory"], 0) + 1
-                    stored_version[e["trajectory"]] = e["version"]
+                    stored_version[e["trajectory"]] = (int(e.get("lineage", -1)), int(e["version"]))
         base = lambda t: t.split("~r")[0]  # noqa: E731  (a restarted orphan keeps its original id before ~r)
         recovered = {base(t) for e in log_events(self.log("manager", "0"), "recovering") for t in e["ids"]}
         restarted = {base(t) for e in log_events(self.log("manager", "0"), "orphans_restarted") for t in e["ids"]}
-        adopted = {t: e["version"] for e in log_events(self.log("manager", "0"), "orphans_adopted") for t in e["ids"]}
+        adopted = {t: (int(e.get("lineage", -1)), int(e["version"]))  # the weights each was adopted for
+                   for e in log_events(self.log("manager", "0"), "orphans_adopted") for t in e["ids"]}
         stored_ids = {base(t) for t in stored} | held
         db = self.run_dir / "pools" / "partial_pool-0.sqlite"
         pending: set[str] = set()
@@ -290,10 +306,13 @@ class MultiHost:
                 "recovered": len(recovered), "recovered_finished": len(recovered & stored_ids),
                 "recovered_already_held": len((recovered & held) - {base(t) for t in stored}),
                 "recovered_restarted": len(restarted), "recovered_pending": len((recovered - stored_ids) & pending),
-                # resumed on their own version from a relay's retained copy; stored with another: wrong
+                # resumed on their own weights, (lineage, version), from a relay's retained copy; stored
+                # with others: wrong
                 "recovered_adopted": len(adopted),
-                "adopted_wrong_version": sum(1 for t, v in adopted.items()
-                                             if t in stored_version and stored_version[t] != v),
+                # (a lineage of -1: a manager that did not log it; the version alone is compared)
+                "adopted_wrong_version": sum(
+                    1 for t, (lin, v) in adopted.items() if t in stored_version
+                    and (stored_version[t][1] != v or (lin >= 0 and stored_version[t][0] != lin))),
                 "recovered_dropped_by_policy": len(by_policy), "groups_dropped_by_policy": len(dropped),
                 "trajectories_lost": len(recovered - stored_ids - pending - by_policy),
                 # handed to a trainer, in no version it kept, and not leased for its successor
@@ -304,37 +323,33 @@ class MultiHost:
 
         Lineage: metrics.jsonl holds one record per kept version V (records past a resumed
         checkpoint are moved out), trained by the lineage that started below V last (lineage.json's
-        forks). Each member of each group trained at V is matched to its newest `trajectory_stored`
-        line (status stored) before the record was written, whatever its attempt (a group the buffer
-        dropped off-lineage runs again as a new attempt, `~a<k>`). Its (lineage l, version v) is a
-        violation when it is outside that lineage's history (manifest.off_lineage: it should have been
-        dropped off-lineage and requeued, `lineage_dropped` counts those), when v >= V (the trainer
-        had not published v when it trained V), or when v precedes lineage l's start (the trainer never
-        published v on l). A member with no stored line (its host died before it logged) is counted
-        as unlabelled, not checked.
+        forks), with the trainer's own count of the weights labels it trained (`weights`,
+        {"<lineage>:<version>": samples}). Each label (lineage l, version v) is a violation when it is
+        outside that lineage's history (manifest.off_lineage: it should have been dropped off-lineage
+        and requeued, `lineage_dropped` counts those), when v >= V (the trainer had not published v
+        when it trained V), or when v precedes lineage l's start (the trainer never published v on l).
+        What was trained is read from the trainer, not guessed from the rollouts' logs: a member
+        runs in several copies (attempts `~a<k>` after an off-lineage drop, restarts `~r<n>`), and
+        the copy the buffer kept may have logged only `duplicate` (its first put's reply was lost),
+        so the newest `stored` line of a member can name a copy that was dropped. A violation lists
+        the trained groups whose members' rollout lines name its label. A record without labels (an
+        older trainer) counts its samples as unlabelled, not checked.
 
         Prompts: the prompt pool's `prompts_skipped` (fresh groups handed out that are neither
         settled nor outstanding nor requeued), from its store, as its heartbeat counts it. Staleness:
         samples with negative staleness in metrics.jsonl's histogram."""
         import sqlite3
-        from datetime import datetime
 
         from laminar.weights.manifest import off_lineage
         from laminar.weights.publisher import read_lineage
 
-        def ts(e: dict) -> float:
-            return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
-
         lin = read_lineage(self.run_dir / "trainer" / "checkpoints") or {"epoch": 0, "forks": {}}
         forks = {int(k): int(v) for k, v in lin["forks"].items()}
-        stores: dict[str, list[tuple[float, int, int, str]]] = {}  # group -> [(ts, lineage, version, member)]
+        named: dict[str, set[tuple[int, int]]] = {}  # group -> the labels its members' rollout lines name
         refusals = 0
         for log in (self.run_dir / "logs").glob("rollout.*.log"):
             for e in log_events(log, "trajectory_stored"):
-                if e["status"] == "stored":
-                    t = e["trajectory"]
-                    stores.setdefault(group_of(t), []).append(
-                        (ts(e), int(e.get("lineage", -1)), int(e["version"]), member_of(t)))
+                named.setdefault(group_of(e["trajectory"]), set()).add((int(e.get("lineage", -1)), int(e["version"])))
             refusals += sum(1 for e in log_events(log, "put_refused") if str(e.get("status", "")).startswith("full"))
         violations, checked, unlabelled, negative = [], 0, 0, 0
         for r in self.metrics():
@@ -343,21 +358,19 @@ class MultiHost:
                 if k.startswith("staleness/") and int(float(k.split("/", 1)[1])) < 0:
                     negative += int(n)
             L = max((e for e, f in forks.items() if f < V), default=-1)
-            for g in r["group_ids"]:
-                newest: dict[str, tuple[float, int, int]] = {}
-                for t_, lineage, v, member in stores.get(g, []):
-                    if t_ <= r["ts"] and (member not in newest or t_ > newest[member][0]):
-                        newest[member] = (t_, lineage, v)
-                if not newest:
-                    unlabelled += 1
-                for member, (_, lineage, v) in newest.items():
-                    checked += 1
-                    why = ("off the trained lineage's history" if L >= 0 and off_lineage(lineage, v, L, forks) else
-                           "version not yet published" if v >= V else
-                           "before its lineage started" if lineage in forks and v < forks[lineage] else None)
-                    if why:
-                        violations.append({"trajectory": member, "lineage": lineage, "version": v, "trained_version": V,
-                                           "trained_lineage": L, "why": why})
+            if "weights" not in r:
+                unlabelled += int(r.get("samples", 0))
+                continue
+            for label, n in r["weights"].items():
+                lineage, v = (int(x) for x in label.split(":"))
+                checked += int(n)
+                why = ("off the trained lineage's history" if L >= 0 and off_lineage(lineage, v, L, forks) else
+                       "version not yet published" if v >= V else
+                       "before its lineage started" if lineage in forks and v < forks[lineage] else None)
+                if why:
+                    violations.append({"lineage": lineage, "version": v, "samples": int(n), "trained_version": V,
+                                       "trained_lineage": L, "why": why,
+                                       "groups": [g for g in r["group_ids"] if (lineage, v) in named.get(g, ())][:8]})
         skipped = None
         db = self.run_dir / "pools" / "prompt_pool-0.sqlite"
         if db.exists():  # the pool's counts()["prompts_skipped"], from what its store holds (it is stopped)
@@ -372,7 +385,8 @@ class MultiHost:
                       for e in log_events(self.log("experience_buffer", "0"), "off_lineage_groups_dropped"))
         return {"trainer_restarts": max(0, int(lin["epoch"]) - 1),
                 "lineage_forks": {str(k): v for k, v in forks.items()},
-                "lineage_violations": len(violations), "lineage_violation_examples": violations[:10],
+                "lineage_violations": sum(x["samples"] for x in violations),
+                "lineage_violation_examples": violations[:10],
                 "trained_members_checked": checked, "trained_members_unlabelled": unlabelled,
                 "lineage_dropped": dropped, "prompts_skipped": skipped, "negative_staleness_samples": negative,
                 "buffer_refusals": refusals}
@@ -383,7 +397,7 @@ class MultiHost:
     def tail(self, n: int = 20) -> str:
         return "\n".join(f"--- h{i}.out\n"
                          + "\n".join((self.tmp / f"h{i}.out").read_text(errors="replace").splitlines()[-n:])
-                         for i in range(self.n) if (self.tmp / f"h{i}.out").exists())
+                         for i in range(getattr(self, "n", 0)) if (self.tmp / f"h{i}.out").exists())
 
 
 def _descendants(pid: int) -> list[int]:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from laminar.protocol import Manifest
 from laminar.weights import seal
-from laminar.weights.manifest import manifest_from_bytes, verify
+from laminar.weights.manifest import ident, manifest_from_bytes, verify
 from laminar.weights.store import read_pointer, retained_versions
 from laminar.weights.wire import manifest_digest
 
@@ -285,13 +285,42 @@ class LocalWeights:
         """Older versions the relay keeps besides its newest (store.py, retained versions)."""
         return retained_versions(self.dir)
 
-    def has(self, version: int) -> bool:
+    def named(self, version: int) -> Manifest | None:
+        """The manifest of the version numbered `version` here, the newest or a retained one (None:
+        neither). Its (run_id, lineage, version) names the weights: the same number on another
+        lineage is other weights, and after a trainer resumes, the relay retains the new lineage's
+        versions under the numbers the discarded one used (store.py)."""
+        m = self.manifest()
+        if m is not None and m.version == version:
+            return m
+        try:
+            return manifest_from_bytes((self.dir / f"v{version}.manifest").read_bytes())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def has(self, version: int | tuple[str, int, int]) -> bool:
+        """Whether the relay holds these weights: a number (any run and lineage), or an ident
+        (run_id, lineage, version), which a version of another run or lineage does not match."""
+        if isinstance(version, (tuple, list)):
+            m = self.named(version[2])
+            return m is not None and ident(m) == tuple(version)
         return version == self.current_version() or (self.dir / f"v{version}.manifest").exists()
 
-    def version(self, version: int, verify_chunks: bool = True) -> PulledVersion | None:
+    def version(self, version: int | tuple[str, int, int], verify_chunks: bool = True) -> PulledVersion | None:
         """Hold exactly `version`: the newest one, or a retained one (None if the relay has neither).
+        Given an ident (run_id, lineage, version), a version of that number but another run or
+        lineage is not handed out either (None): what is held is checked, not what was looked up.
         A retained file is never written again, so no lock is needed; its checksums are verified
         (it may come from a previous run of the relay) unless `verify_chunks` is False."""
+        want = tuple(version) if isinstance(version, (tuple, list)) else None
+        number = want[2] if want else version
+        held = self._version(number, verify_chunks)
+        if held is not None and want is not None and ident(held.manifest) != want:
+            held.close()
+            return None
+        return held
+
+    def _version(self, version: int, verify_chunks: bool) -> PulledVersion | None:
         pulled = self.latest(version - 1)
         if pulled is not None and pulled.version == version:
             return pulled

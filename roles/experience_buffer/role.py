@@ -172,7 +172,8 @@ class ExperienceBufferRole(PoolRole):
             gids, after = b.rehand(req.cursor, req.num_groups)
             if gids:
                 groups = [await self._leased_group(g) for g in gids]
-                groups = [g for g in groups if g and not self._drop_leased_off_lineage(g, released)]
+                groups = [g for g in groups
+                          if g and not self._drop_leased_off_lineage(g, released, req.trainer_version)]
                 self._queue(released)
                 await self.durable(self._statements(released))
                 self.log.info("groups_handed_again", position=req.cursor, groups=len(groups), buffer_cursor=b.cursor)
@@ -186,11 +187,11 @@ class ExperienceBufferRole(PoolRole):
         await self.durable(self._statements(ch))
         return Samples(groups=groups, cursor=b.cursor, dropped_stale=dropped)
 
-    def _drop_leased_off_lineage(self, group: list, ch: Change) -> bool:
+    def _drop_leased_off_lineage(self, group: list, ch: Change, trainer_version: int | None = None) -> bool:
         """A leased group generated off the trainer's lineage (handed out before a trainer restart
         that discarded those weights): its lease ends, it is counted and its prompt requeued."""
         b = self.book
-        if not any(b.off_lineage(t) for t in group):
+        if not any(b.off_lineage(t, trainer_version) for t in group):
             return False
         gid = group[0].spec.group_id
         for pos in [p for p, g in b.leased.items() if g == gid]:

@@ -25,7 +25,12 @@
   history (`manifest.off_lineage`: a discarded branch of a restarted trainer). Such a group is
   counted (`lineage_dropped`), never handed out, and listed in the change for the role to requeue
   its prompt; its id is remembered as `off_lineage`, which refuses its old members but takes the
-  requeued prompt's new, on-lineage members as a new group.
+  requeued prompt's new, on-lineage members as a new group. A label no honest writer can produce
+  is treated the same way (defence in depth: a label that was rewritten on the way must not
+  pass for the trainer's own weights): a version of a lineage before the version that lineage
+  started from, or a version of the trainer's own lineage newer than the trainer's version at the
+  sample (it has not published it; a put cannot check this one, the trainer may have published
+  a version the buffer has not heard of yet).
 - Staleness of each handed-out sample (trainer_version - its version) goes into a histogram; only
   on-lineage samples remain by then, so it is never negative.
 - Removed group ids (`gone`: handed, stale, evicted) refuse late duplicates. Only the newest
@@ -93,8 +98,17 @@ class BufferBook:
         self.staleness: Counter[int] = Counter()
         self.lineage, self.forks = -1, {}  # the trainer's lineage as its last request named it (-1: none)
 
-    def off_lineage(self, t: Trajectory) -> bool:
-        return self.lineage >= 0 and off_lineage(t.lineage, t.version, self.lineage, self.forks)
+    def off_lineage(self, t: Trajectory, trainer_version: int | None = None) -> bool:
+        """Outside the trainer's lineage history, or a label no writer could honestly give (module
+        docstring, Lineage); `trainer_version`: the requesting trainer's, at a sample."""
+        if self.lineage < 0:
+            return False
+        if off_lineage(t.lineage, t.version, self.lineage, self.forks):
+            return True
+        started = self.forks.get(str(t.lineage))
+        if started is not None and t.version < started:
+            return True  # lineage l never published a version below the one it started from
+        return trainer_version is not None and t.lineage == self.lineage and t.version > trainer_version
 
     def put(self, t: Trajectory) -> tuple[str, Change]:
         gid, tid = t.spec.group_id, t.spec.trajectory_id
@@ -184,12 +198,12 @@ class BufferBook:
             self.lineage, self.forks = lineage, forks
             ch.lineage_changed = True
 
-    def drop_off_lineage(self, ch: Change) -> None:
+    def drop_off_lineage(self, ch: Change, trainer_version: int | None = None) -> None:
         """Remove every group with a member outside the trainer's lineage; its prompt is requeued."""
         if self.lineage < 0:
             return
         for g in list(self.groups.values()):
-            if any(self.off_lineage(t) for t in g.members.values()):
+            if any(self.off_lineage(t, trainer_version) for t in g.members.values()):
                 self._remove(g.group_id, OFF_LINEAGE, ch)
                 self.counts["lineage_dropped"] += 1
                 ch.requeue.append(g.group_id)
@@ -199,7 +213,7 @@ class BufferBook:
         ch = Change()
         dropped = 0
         self.set_lineage(lineage, forks or {}, ch)
-        self.drop_off_lineage(ch)
+        self.drop_off_lineage(ch, trainer_version)
         if self.max_staleness is not None:
             for g in list(self.groups.values()):
                 if trainer_version - g.min_version() > self.max_staleness:

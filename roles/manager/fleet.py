@@ -457,13 +457,16 @@ class Fleet:
                 self.c.recovered += 1
 
     async def _adopt(self, tids: list[str]) -> list[str]:
-        """Offer stuck orphans, by version, to live rollouts (fewest active first) for adoption on
-        their own version from a retained copy; returns the ids nobody took."""
-        by_version: dict[int, list[PartialState]] = {}
+        """Offer stuck orphans, by the weights they name, (lineage, version), to live rollouts (fewest
+        active first) for adoption on exactly those weights from a retained copy (a relay retains
+        the new lineage's versions under the numbers a discarded one used: the number alone names
+        nothing); returns the ids nobody took."""
+        by_weights: dict[tuple[int, int], list[PartialState]] = {}
         for tid in tids:
-            by_version.setdefault(self.orphans[tid][0].version, []).append(self.orphans[tid][0])
+            p = self.orphans[tid][0]
+            by_weights.setdefault((p.lineage, p.version), []).append(p)
         left: list[str] = []
-        for version, parts in by_version.items():
+        for (lineage, version), parts in by_weights.items():
             declined: dict[str, str] = {}  # dest -> why (not_retained, busy): logged once per version
             for dest in sorted((v for v in self.views.values() if v.alive and v.stats.state != "loading"),
                                key=lambda v: v.stats.active):
@@ -474,11 +477,12 @@ class Fleet:
                     res = await self._client(dest.id).call(MigrateIn(batch, adopt=True), timeout=self.s.rpc_timeout_s)
                 except RemoteError as exc:
                     if exc.code not in ("not_retained", "busy"):
-                        self.log.warning("adopt_refused", dest=dest.id, version=version, error=str(exc))
+                        self.log.warning("adopt_refused", dest=dest.id, version=version, lineage=lineage,
+                                         error=str(exc))
                     declined[dest.id] = exc.code
                     continue
                 except RpcError as exc:
-                    self.log.warning("adopt_failed", dest=dest.id, version=version, error=str(exc))
+                    self.log.warning("adopt_failed", dest=dest.id, version=version, lineage=lineage, error=str(exc))
                     continue
                 took = set(res.accepted) | set(res.gone)
                 for tid in took:
@@ -486,11 +490,12 @@ class Fleet:
                 self._count_placed(res.accepted)
                 self.c.adopted += len(res.accepted)
                 if res.accepted:
-                    self.log.info("orphans_adopted", dest=dest.id, version=version, ids=sorted(res.accepted)[:64],
-                                  trajectories=len(res.accepted))
+                    self.log.info("orphans_adopted", dest=dest.id, version=version, lineage=lineage,
+                                  ids=sorted(res.accepted)[:64], trajectories=len(res.accepted))
                 parts = [p for p in parts if p.spec.trajectory_id not in took]
             if parts:
-                self.log.info("orphans_not_adopted", version=version, trajectories=len(parts), declined=declined)
+                self.log.info("orphans_not_adopted", version=version, lineage=lineage, trajectories=len(parts),
+                              declined=declined)
             left += [p.spec.trajectory_id for p in parts]
         return left
 

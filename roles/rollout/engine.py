@@ -65,9 +65,9 @@ class RolloutEngine:
     def generate(self, request_id: str, prompt: list[int], max_tokens: int,
                  seed: int | None) -> AsyncIterator[tuple[list[int], list[float], str | None]]: ...
 
-    async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
-        """Load the relay's newest version if newer than min_version (or exactly `exact`, newest or
-        retained); its number, or -1 if there is none."""
+    async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
+        """Load the relay's newest version if newer than min_version (or exactly the weights `exact`
+        names, (run_id, lineage, version), newest or retained); its number, or -1 if there is none."""
 
     async def load_file(self, path: str) -> None: ...
 
@@ -166,7 +166,7 @@ class VllmEngine(RolloutEngine):
         """Run a worker-extension method on every rank; their answers in rank order."""
         return await self.llm.collective_rpc(method, args=args)
 
-    async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
+    async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
         """WeightsLoadError: no rank's weights changed; WeightsLost: unknown (rank_load.py)."""
         version = await load_on_ranks(self._on_ranks, ("relay", shm_dir, min_version, exact))
         if version >= 0:

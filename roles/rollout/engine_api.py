@@ -40,9 +40,10 @@ class RolloutEngineAPI(Protocol):
         """Stream (new token ids, their logprobs, finish reason or None) until the request ends."""
         ...
 
-    async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
-        """Load the relay folder's newest version if newer than `min_version` (or exactly `exact`,
-        newest or retained); the version now held, or -1 if there was none to load."""
+    async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
+        """Load the relay folder's newest version if newer than `min_version` (or exactly the weights
+        `exact` names, (run_id, lineage, version), newest or retained: the same number of another
+        run or lineage is not loaded); the version now held, or -1 if there was none to load."""
         ...
 
     async def load_file(self, path: str) -> None:

@@ -368,33 +368,52 @@ class RolloutRole(Role):
             await asyncio.to_thread(self._reserve_seqs, seq + self._SEQ_BLOCK)
         return seq
 
+    def _retained_copy(self, lineage: int, version: int) -> tuple[tuple[str, int, int] | None, str]:
+        """The relay's copy of the weights (lineage, version) as (run_id, lineage, version), or None
+        and why not: it must hold that number (newest or retained) of that lineage, of the run it
+        serves now. Blocking (reads the relay folder)."""
+        if lineage < 0:
+            return None, f"the work names no lineage for version {version}: its weights cannot be named"
+        if not self.weights_dir:
+            return None, "no relay folder"
+        lw = LocalWeights(self.weights_dir)
+        try:
+            m, current = lw.named(version), lw.manifest()
+        except (OSError, ValueError) as exc:
+            return None, f"the relay folder is unreadable: {exc}"
+        if m is None:
+            return None, f"its relay holds no version {version} (of lineage {lineage} or any other)"
+        if m.lineage != lineage:
+            return None, (f"its relay holds version {version} of lineage {m.lineage}, not of lineage {lineage} "
+                          f"(the same number on another lineage is other weights)")
+        run = current.run_id if current is not None else m.run_id
+        if m.run_id != run or (self.run_id and m.run_id != self.run_id):
+            return None, f"its relay's version {version} of lineage {lineage} is of run {m.run_id!r}, not {run!r}"
+        return (m.run_id, lineage, version), ""
+
     async def _run_adopted(self) -> None:
-        """Load the adopted work's version from the relay (retained) and start that work alone."""
-        version, work = self.adopted[0].version, self.adopted
+        """Load exactly the adopted work's weights, (run, lineage, version), from the relay (retained)
+        and start that work alone; the engine checks what it loads, so a number the relay meanwhile
+        reused for another lineage is refused, never run under the work's name."""
+        lineage, version, work = self.adopted[0].lineage, self.adopted[0].version, self.adopted
         self.adopted = []
         self.state = "loading"
         t0 = time.monotonic()
-        why = "version no longer retained"
+        name, why = await asyncio.to_thread(self._retained_copy, lineage, version)
+        why = why or "version no longer retained"
         try:
-            got = await self.engine.load_relay(self.weights_dir, -1, exact=version)
+            got = await self.engine.load_relay(self.weights_dir, -1, exact=name) if name else -1
         except (OSError, ValueError, RuntimeError) as exc:
             why, got = f"load failed: {exc}", -1
             self.version = -1  # a half-done load is no version: the next loop pulls the newest
-        if got == version:  # retained versions are of the relay's current lineage (store.py)
-            try:
-                m = await asyncio.to_thread(LocalWeights(self.weights_dir).manifest)
-                if m is not None:
-                    self.lineage, self.run_id = m.lineage, m.run_id
-            except (OSError, ValueError):
-                pass
-        if got != version:  # pruned meanwhile: give the work up, the manager's scan finds it again
-            self.log.warning("adopt_failed", version=version, trajectories=len(work), why=why)
+        if got != version:  # pruned or replaced meanwhile: give the work up, the manager's scan finds it again
+            self.log.warning("adopt_failed", version=version, lineage=lineage, trajectories=len(work), why=why)
             for p in work:
                 await self._call(self.partials, ReassignPartial(p.spec.trajectory_id, ""))
             return
-        self.log.info("adopted_resumed", version=version, previous=self.version, trajectories=len(work),
-                      load_s=round(time.monotonic() - t0, 4))
-        self.version, self.pinned = version, True
+        self.log.info("adopted_resumed", version=version, lineage=lineage, previous=self.version,
+                      previous_lineage=self.lineage, trajectories=len(work), load_s=round(time.monotonic() - t0, 4))
+        self.version, self.lineage, self.run_id, self.pinned = version, lineage, name[0], True
         for p in work:
             self._start(Active.resume(p))
         self.state = "generating"
@@ -689,7 +708,7 @@ class RolloutRole(Role):
         return PartialList(out)
 
     async def on_migrate_in(self, req: MigrateIn) -> MigrateInResult:
-        if req.adopt and any(p.version != self.version for p in req.partials):
+        if req.adopt and any((p.lineage, p.version) != (self.lineage, self.version) for p in req.partials):
             return await self._adopt(req)
         async with self.lock:  # no weight load may slip in between the check and the start
             # the same number of another lineage names other weights (a restarted trainer)
@@ -743,19 +762,23 @@ class RolloutRole(Role):
         return dataclasses.replace(cur, epoch=epoch, lineage=cur.lineage if cur.lineage >= 0 else p.lineage)
 
     async def _adopt(self, req: MigrateIn) -> MigrateInResult:
-        versions = {p.version for p in req.partials}
-        if len(versions) != 1:
-            raise RequestError("refused", f"adopted work must be of one version, got {sorted(versions)}")
-        (version,) = versions
+        """Queue work of other weights, named by (lineage, version), for a run on a retained copy of
+        exactly those weights: the relay's version of that number must be of the work's lineage
+        (and of the run it serves), else `not_retained` naming both; work naming no lineage is
+        never adopted (its weights cannot be named, so nothing could check them)."""
+        named = {(p.lineage, p.version) for p in req.partials}
+        if len(named) != 1:
+            raise RequestError("refused", f"adopted work must be of one (lineage, version), got {sorted(named)}")
+        ((lineage, version),) = named
         async with self.lock:
-            if self.adopted and self.adopted[0].version != version:
+            if self.adopted and (self.adopted[0].lineage, self.adopted[0].version) != (lineage, version):
                 raise RequestError("busy", f"rollout {self.ctx.id} already holds adopted work of version "
-                                   f"{self.adopted[0].version}")
+                                   f"{self.adopted[0].version} (lineage {self.adopted[0].lineage})")
             if len(self.adopted) + len(req.partials) > 2 * self.settings.max_concurrency:
                 raise RequestError("busy", f"rollout {self.ctx.id} has {len(self.adopted)} adopted trajectories")
-            if not self.weights_dir or not await asyncio.to_thread(LocalWeights(self.weights_dir).has, version):
-                raise RequestError("not_retained",
-                                   f"the relay of rollout {self.ctx.id} does not hold version {version}")
+            name, why = await asyncio.to_thread(self._retained_copy, lineage, version)
+            if name is None:
+                raise RequestError("not_retained", f"rollout {self.ctx.id}: {why}")
             accepted, gone = [], []
             queued = {p.spec.trajectory_id for p in self.adopted}
             for p in req.partials:
@@ -767,10 +790,14 @@ class RolloutRole(Role):
                 if cur is None:
                     gone.append(tid)
                     continue
+                if cur.lineage != lineage:  # the pool names other weights than the manager's copy did
+                    self.log.warning("adopt_declined", trajectory=tid, lineage=cur.lineage, wanted=lineage)
+                    await self._call(self.partials, ReassignPartial(tid, ""))  # an orphan again: restarted
+                    continue
                 self.adopted.append(cur)
                 accepted.append(tid)
-        self.log.info("adopted", trajectories=len(accepted), gone=len(gone), version=version, holding=self.version,
-                      active=len(self.active))
+        self.log.info("adopted", trajectories=len(accepted), gone=len(gone), version=version, lineage=lineage,
+                      holding=self.version, holding_lineage=self.lineage, active=len(self.active))
         self.new_weights.set()  # an idle rollout wakes and takes it at once
         return MigrateInResult(accepted=accepted, version=version, gone=gone)
 

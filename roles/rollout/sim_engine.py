@@ -45,7 +45,8 @@ up), `VirtualClock` advances instantly (only correct with one engine per clock: 
 single-engine studies).
 
 Weights: `load_relay` reads the newest version in the relay folder (LocalWeights) if the folder
-exists, else counts versions itself; `load_file` only costs time. Both cost `load_s` of
+exists, else counts versions itself; an exact load (run, lineage, version) checks the folder holds
+those weights (newest or retained); `load_file` only costs time. Both cost `load_s` of
 simulated time (the bf16 weights of one GPU over PCIe from host memory, see `from_workload`).
 A scheduler that fails fails every stream with `SimEngineDead` (like vLLM's EngineDeadError);
 `close()` fails outstanding streams with `SimEngineClosed`.
@@ -266,7 +267,7 @@ class SimEngine(RolloutEngine):
                 self.counters["aborted"] += 1
                 self._update_stats()
 
-    async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
+    async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
         if os.path.isdir(shm_dir):
             from laminar.weights.pull import LocalWeights
             w = LocalWeights(shm_dir)
@@ -274,7 +275,7 @@ class SimEngine(RolloutEngine):
                 if not await asyncio.to_thread(w.has, exact):
                     return -1
                 await self.clock.sleep(self.load_s)
-                return exact
+                return int(exact[2]) if isinstance(exact, (tuple, list)) else exact
             version = await asyncio.to_thread(w.current_version)
             if version <= min_version:
                 return -1

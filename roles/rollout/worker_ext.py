@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import os
 
+from laminar.weights.manifest import ident
+
 FAULT_ENV = "LAMINAR_TEST_FAIL_LOAD"
 
 
@@ -54,8 +56,8 @@ class LaminarWorkerExtension:
 
     def _laminar_state(self) -> dict:
         """This worker's load state: `runs` (where the weights it runs came from: ("model",),
-        ("relay", dir, version) or ("file", path)), `held` (the prepared version), `next` (its
-        source), `touched` (a commit began since the last settle)."""
+        ("relay", dir, (run_id, lineage, version)) or ("file", path)), `held` (the prepared
+        version), `next` (its source), `touched` (a commit began since the last settle)."""
         return self.__dict__.setdefault("_laminar", {"runs": ("model",), "held": None, "next": None,
                                                      "touched": False})
 
@@ -66,7 +68,9 @@ class LaminarWorkerExtension:
     # -- the three phases --------------------------------------------------------------------
     def laminar_prepare(self, source: tuple) -> tuple[bool, int | str]:
         """Take hold of what `source` names: ("relay", shm_dir, min_version, exact) -> the version
-        (-1: none newer than min_version / exact not there); ("file", path) -> 0."""
+        (-1: none newer than min_version / exact not there; `exact` names the weights, (run_id,
+        lineage, version), and the version held is checked against it: a number another lineage
+        reused is not there); ("file", path) -> 0."""
         st = self._laminar_state()
         try:
             self._laminar_release()
@@ -76,7 +80,8 @@ class LaminarWorkerExtension:
                 pulled = w.latest(min_version) if exact is None else w.version(exact)
                 if pulled is None:
                     return True, -1
-                st["held"], st["next"] = pulled, ("relay", shm_dir, pulled.version)
+                # named in full: a restore must find these weights, not the number's next owner
+                st["held"], st["next"] = pulled, ("relay", shm_dir, ident(pulled.manifest))
                 version = pulled.version
             elif source[0] == "file":
                 st["held"], st["next"] = _read_file(source[1]), ("file", source[1])
@@ -153,12 +158,13 @@ class LaminarWorkerExtension:
         if runs[0] == "file":
             self._laminar_reload(_read_file(runs[1]))
             return
-        _, shm_dir, version = runs
+        _, shm_dir, name = runs
         weights = self._laminar_weights(shm_dir)
-        pulled = weights.version(version)
+        pulled = weights.version(name)
         if pulled is None:
-            raise RuntimeError(f"v{version} is no longer in {shm_dir} (neither current nor retained: the relay's "
-                               f"retain_versions keeps older ones)")
+            raise RuntimeError(f"v{name[2]} is no longer in {shm_dir} as lineage {name[1]} (neither current nor "
+                               f"retained: the relay's retain_versions keeps older ones; the same number of "
+                               f"another lineage is other weights)")
         with pulled:
             self._laminar_reload(pulled, weights)
 

@@ -1,5 +1,6 @@
 """Per-iteration trainer metrics: computed from the batch, appended to `<dir>/metrics.jsonl`
-(one JSON object per version, with the trained group ids as the ledger), written as TensorBoard
+(one JSON object per version, with the trained group ids and the weights that generated the
+trained samples, `weights` {"<lineage>:<version>": samples}, as the ledger), written as TensorBoard
 scalars under `<dir>/tb` when tensorboardX is installed (optional), published as Metrics.
 
 On resume, records of versions after the checkpoint are moved to `metrics.discarded.jsonl`
@@ -37,6 +38,14 @@ def batch_stats(groups, trainer_version: int, lineage: int = -1, forks: dict | N
     for k, v in sorted(stale.items()):
         out[f"staleness/{k}"] = float(v)
     return out
+
+
+def trained_weights(groups) -> dict[str, int]:
+    """How many samples of the batch each weights label names, {"<lineage>:<version>": count}: the
+    trainer's own record of what it trained (a few keys per version, whatever the batch size), so
+    audits check the labels of what was trained, not of whichever copy a rollout logged last."""
+    n = Counter(f"{getattr(t, 'lineage', 0)}:{t.version}" for g in groups for t in g)
+    return dict(sorted(n.items()))
 
 
 class MetricsLog:

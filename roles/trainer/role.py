@@ -27,7 +27,7 @@ from laminar.bus.errors import RpcError
 from laminar.roles.base import Role
 from laminar.roles.trainer import checkpoint, dist
 from laminar.roles.trainer.config import TrainerConfig
-from laminar.roles.trainer.metrics import MetricsLog, batch_stats
+from laminar.roles.trainer.metrics import MetricsLog, batch_stats, trained_weights
 from laminar.roles.trainer.publishing import PublishLink
 
 from laminar.protocol import BufferStatsRequest, Metrics, SampleGroups, Samples
@@ -276,7 +276,8 @@ class TrainerRole(Role):
         stall = await self._publish() if self.link is not None else 0.0
         values = {**stats, **train, "train_s": train_s, "tokens_per_s": train["tokens"] / max(train_s, 1e-9),
                   "publish_stall_s": stall, "version": float(self.version), "cursor": float(self.cursor)}
-        self.metrics.append({**values, "ts": time.time(), "group_ids": [g[0].spec.group_id for g in groups]})
+        self.metrics.append({**values, "ts": time.time(), "group_ids": [g[0].spec.group_id for g in groups],
+                             "weights": trained_weights(groups)})
         self.pub.publish("metrics.trainer", Metrics(role="trainer", id=self.ctx.id, ts=time.time(), values=values))
         self.event("iteration", version=self.version, reward_mean=round(stats["reward_mean"], 4),
                    loss=round(train.get("loss", 0.0), 6), tokens_per_s=round(values["tokens_per_s"], 1),

@@ -29,12 +29,12 @@ At the end, from every component's own records (MultiHost.ledger and MultiHost.c
 code bench/chaos.py reports with): versions are gap-free, no group was trained twice, every group
 the buffer handed out was trained in a kept version (or is leased for a resumed trainer), every
 trajectory the manager recovered was stored exactly once (or is still safe in the partial pool,
-owned by a live rollout), and adopted ones were stored with their own version. Lineage: every
-trained trajectory's (lineage, version) names weights the trainer published in the history of the
-lineage that trained it (work of the discarded versions was dropped off-lineage by the buffer and
-its prompt requeued, as a new attempt). Prompts: every group the prompt pool handed out is
-settled (trained or in the buffer), outstanding or requeued: prompts_skipped == 0. No sample has a
-negative staleness.
+owned by a live rollout), and adopted ones were stored with their own (lineage, version). Lineage:
+every trained sample's (lineage, version), as the trainer recorded it, names weights the trainer
+published in the history of the lineage that trained it (work of the discarded versions was
+dropped off-lineage by the buffer and its prompt requeued, as a new attempt). Prompts: every
+group the prompt pool handed out is settled (trained or in the buffer), outstanding or requeued:
+prompts_skipped == 0. No sample has a negative staleness.
 """
 from __future__ import annotations
 
@@ -61,7 +61,10 @@ CHECKPOINT_EVERY = 4  # a trainer kill discards the versions published since its
 def test_kill_anything_lose_nothing(tmp_path):
     model = build_tiny_model(tmp_path / "tiny")
     steps = []
-    with MultiHost(tmp_path, model, rollout_hosts=3, iterations=80, late_hosts=1,
+    # No iteration budget the trainer could use up: the test's last waits (the joined host's first
+    # stores, two more versions) come after a variable share of the run, and a trainer that had
+    # finished its max_iterations by then failed the test (once at version 80, after a slow join).
+    with MultiHost(tmp_path, model, rollout_hosts=3, iterations=100_000, late_hosts=1,
                    roles={"trainer": {"checkpoint_every": CHECKPOINT_EVERY}}) as mh:
         mh.start_all()
         mh.wait_version(2, 240)

@@ -82,3 +82,37 @@ def test_work_of_a_failed_move_is_replaced_not_counted_as_recovered():
     fleet.orphans = {"d": (orphan("d", 3, lineage=2), time.monotonic())}
     asyncio.run(fleet._place_orphans())
     assert (fleet.c.replaced, fleet.c.recovered) == (4, 1)
+
+
+class _Recorder:
+    """A transport whose clients record every request and accept MigrateIn adopt of what they get."""
+
+    def __init__(self):
+        self.sent: list = []
+
+    def client(self, address):
+        rec = self
+
+        class Client:
+            async def call(self, req, timeout):
+                from laminar.protocol import MigrateInResult
+                rec.sent.append(req)
+                return MigrateInResult([p.spec.trajectory_id for p in req.partials], req.partials[0].version)
+
+            def close(self):
+                pass
+        return Client()
+
+
+def test_stuck_orphans_are_offered_for_adoption_by_lineage_and_version():
+    """Version 14 of lineage 1 and version 14 of lineage 2 are different weights: one adoption
+    offer (which the rollout runs on ONE retained copy) never mixes them."""
+    t = _Recorder()
+    fleet = Fleet(t, structlog.get_logger("test"), FleetSettings(orphan_wait_s=0.0, orphan_policy="retained"),
+                  lambda r: "inproc://r", partial_pool_address=None)
+    fleet.on_stats(stats("r", 20, lineage=2))
+    fleet.orphans = {tid: (orphan(tid, 14, lineage), 0.0) for tid, lineage in (("a", 1), ("b", 2), ("c", 1))}
+    left = asyncio.run(fleet._adopt(["a", "b", "c"]))
+    offers = sorted(sorted((p.lineage, p.version, p.spec.trajectory_id) for p in req.partials) for req in t.sent)
+    assert offers == [[(1, 14, "a"), (1, 14, "c")], [(2, 14, "b")]] and all(req.adopt for req in t.sent)
+    assert left == [] and fleet.c.adopted == 3

@@ -189,7 +189,8 @@ def test_worker_extension_keeps_one_local_weights_per_folder_and_pins(fake_cuda,
         return asyncio.run(load_on_ranks(on_ranks, ("relay", str(store.dir), min_version, exact)))
     assert load(-1) == 3
     assert load(3) == -1  # nothing newer
-    assert load(-1, exact=3) == 3
+    assert load(-1, exact=["", 0, 3]) == 3  # (run, lineage, version); vLLM's RPC turns tuples into lists
+    assert load(-1, exact=["", 1, 3]) == -1  # that number, other weights
     weights = worker._laminar_weights(str(store.dir))
     assert weights is worker._laminar_weights(str(store.dir)) and len(weights._pinned) == 1
     assert fake_cuda.rt.calls == 1  # one registration for the slot file, kept across loads

@@ -62,6 +62,23 @@ def test_a_requeued_group_is_taken_again_on_the_new_lineage_but_not_its_old_memb
     assert [g[0].spec.group_id for g in groups] == ["g"]
 
 
+def test_labels_no_honest_writer_gives_are_dropped_like_off_lineage_work():
+    """Defence in depth: work whose label was rewritten on its way (discarded weights' tokens under
+    the trainer's own lineage) is dropped wherever the label cannot be true: a version of the
+    trainer's lineage it has not published yet, or one below where that lineage started."""
+    book = BufferBook(100)
+    book.put(traj("ahead", 0, 1, 5, 2))     # lineage 2 is at version 4: it never published 5
+    book.put(traj("before", 0, 1, 2, 2))    # lineage 2 started at version 3
+    book.put(traj("fine", 0, 1, 4, 2))
+    groups, _, ch = book.sample(10, 4, lineage=2, forks=FORKS)
+    assert [g[0].spec.group_id for g in groups] == ["fine"]
+    assert sorted(ch.requeue) == ["ahead", "before"] and book.stats()["lineage_dropped"] == 2
+    # a put is not judged by the trainer's version: it may have published one the buffer has not heard of
+    assert book.put(traj("next", 0, 1, 5, 2))[0] == "stored"
+    groups, _, _ = book.sample(10, 5, lineage=2, forks=FORKS)
+    assert [g[0].spec.group_id for g in groups] == ["next"]
+
+
 def test_a_request_without_a_lineage_checks_nothing():
     book = BufferBook(100)
     book.put(traj("g", 0, 1, 6, 1))

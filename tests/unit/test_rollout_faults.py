@@ -55,7 +55,7 @@ class Engine(LaminarWorkerExtension):
     async def _on_ranks(self, method: str, *args) -> list:
         return [await asyncio.to_thread(getattr(self, method), *args)]  # one rank
 
-    async def load_relay(self, shm_dir: str, min_version: int, exact: int | None = None) -> int:
+    async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
         return await load_on_ranks(self._on_ranks, ("relay", shm_dir, min_version, exact))
 
 
@@ -262,3 +262,39 @@ def test_work_of_the_same_number_on_another_lineage_is_not_migrated_in(tmp_path)
             await role.on_migrate_in(MigrateIn([old]))
     asyncio.run(go())
     assert not role.active
+
+
+def test_adopted_work_is_not_run_on_another_lineage_under_its_number(tmp_path):
+    """Work of lineage 1 version 14 was adopted while the relay retained that version; before it
+    ran, the trainer resumed (lineage 2) and the relay retained lineage 2's version 14 under the
+    same number. The rollout loads nothing, gives the work back to the partial pool (the manager
+    restarts it) and keeps its weights: no token of it comes from lineage 2's version 14."""
+    from laminar.protocol import PartialState, ReassignPartial
+    store = ShmStore(f"/dev/shm/laminar-unit-{uuid.uuid4().hex[:10]}", retain=4)
+    store.open()
+    try:
+        role = make_role(tmp_path)
+        role.weights_dir = str(store.dir)
+        role.partials = Client([None])
+        role._generate = lambda a: asyncio.sleep(0)          # not generating anything here
+        w = {(lin, v): weights(100 * lin + v) for lin, v in [(1, 14), (1, 15), (2, 14), (2, 15), (2, 16)]}
+
+        async def go():
+            for v in (14, 15):
+                publish(store, w.get((1, v), weights(v)), v, lineage=1)
+            await role._maybe_update_weights()
+            assert (role.version, role.lineage) == (15, 1)
+            role.adopted = [PartialState(spec=spec("t14"), tokens=np.asarray([1, 2], np.int32),
+                                         logprobs=np.zeros(2, np.float32), version=14, rollout_id="r0", next_seq=1,
+                                         lineage=1)]
+            for v in (14, 15, 16):                            # the resumed trainer's lineage reuses 14
+                publish(store, w[2, v], v, lineage=2)
+            assert await role.engine.load_relay(str(store.dir), -1, exact=("run", 1, 14)) == -1
+            await role._run_adopted()
+        asyncio.run(go())
+        assert not role.active and not role.pinned, "lineage-1 work started on lineage 2's version 14"
+        assert (role.version, role.lineage) == (15, 1) and same(role.engine.model_runner.loaded, w[1, 15])
+        assert role.partials.requests == [ReassignPartial("t14", "")]   # an orphan again: nothing lost
+    finally:
+        store.close()
+        shutil.rmtree(store.dir, ignore_errors=True)

@@ -109,7 +109,7 @@ def test_tensor_parallel_ranks_load_one_version(relay):
     write_version(store, v1, 1, chunk_bytes=4096)
     assert eng.load(store.dir) == 1 and eng.run(v1)
     assert eng.load(store.dir, min_version=1) == -1 and eng.run(v1)
-    assert all(r._laminar_state()["runs"] == ("relay", str(store.dir), 1) for r in eng.ranks)
+    assert all(r._laminar_state()["runs"] == ("relay", str(store.dir), ("", 0, 1)) for r in eng.ranks)
     assert all(r._laminar_state()["held"] is None for r in eng.ranks)  # the version's lock was let go
 
 
@@ -177,3 +177,30 @@ def test_tensor_parallel_exact_version_comes_from_the_retained_copy(relay):
         write_version(store, weights(v), v, chunk_bytes=4096)
     assert eng.load(store.dir, exact=2) == 2 and eng.run(weights(2))
     assert eng.load(store.dir, exact=7) == -1 and eng.run(weights(2))
+
+
+def test_tensor_parallel_commit_failure_restores_by_full_name_not_by_number(relay, fault):
+    """The ranks ran version 1 of lineage 1; the trainer resumed (lineage 2) and the relay now
+    retains lineage 2's version 1. A failed commit must not "restore" that: other weights under
+    the number the ranks ran. The weights are reported lost, and the next load names them."""
+    import laminar.weights.local_write as lw
+    from laminar.weights.manifest import with_lineage
+    real = lw.build_manifest
+
+    def publish(v: int, lineage: int, sd: dict) -> None:
+        lw.build_manifest = lambda *a, **k: with_lineage(real(*a, **k), "run", lineage)
+        try:
+            write_version(store, sd, v, chunk_bytes=4096)
+        finally:
+            lw.build_manifest = real
+    store, eng = relay(retain=2), Engine(2)
+    publish(1, 1, weights(1))
+    assert eng.load(store.dir) == 1
+    publish(1, 2, weights(21))
+    publish(2, 2, weights(22))  # lineage 2's version 1 is retained under the number the ranks ran
+    fault("1 commit")
+    with pytest.raises(WeightsLost, match="v1 is no longer in .* as lineage 1"):
+        eng.load(store.dir, min_version=-1)
+    assert not any(r.model_runner.weights["w"].equal(weights(21)["w"]) for r in eng.ranks)
+    fault()
+    assert eng.load(store.dir, min_version=-1) == 2 and eng.run(weights(22))

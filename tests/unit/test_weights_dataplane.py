@@ -397,3 +397,33 @@ def test_retained_versions_are_linked_not_copied_and_pruned(shm_dirs):
     assert again.retained() == [2, 3] and again.current.version == 4
     store.close()
     again.close()
+
+
+def test_a_retained_version_is_named_by_its_lineage_not_its_number(shm_dirs):
+    """A resumed trainer's lineage reuses the numbers of the one it discarded: asked for (run,
+    lineage, version), the relay folder answers for exactly those weights, never for the number."""
+    import laminar.weights.local_write as lw
+    from laminar.weights.manifest import ident, with_lineage
+    store = ShmStore(shm_dirs(), retain=4)
+    store.open()
+    real = lw.build_manifest
+    states = {}
+    try:
+        for lineage, versions in ((1, (12, 13, 14)), (2, (12, 13, 14, 15))):
+            lw.build_manifest = lambda *a, _l=lineage, **k: with_lineage(real(*a, **k), "run", _l)
+            for v in versions:
+                states[lineage, v] = state(100 * lineage + v, 1)
+                lw.write_version(store, states[lineage, v], v, chunk_bytes=64 << 10)  # 16 chunks each
+    finally:
+        lw.build_manifest = real
+    w = LocalWeights(store.dir)
+    assert w.retained() == [12, 13, 14]
+    assert ident(w.named(14)) == ("run", 2, 14) and ident(w.named(15)) == ("run", 2, 15)
+    assert w.has(14) and w.has(("run", 2, 14)) and w.has(("run", 2, 15)) and w.has(["run", 2, 15])
+    assert not w.has(("run", 1, 14)) and not w.has(("other", 2, 14)) and w.named(11) is None
+    assert w.version(("run", 1, 14)) is None and w.version(("run", 1, 15)) is None
+    for want in (("run", 2, 14), ("run", 2, 15)):
+        with w.version(want) as got:  # its chunks verified against its manifest on the way
+            assert ident(got.manifest) == want and not got.verify()
+            assert torch.equal(dict(got.tensors())["w"], states[2, want[2]]["w"])
+    store.close()
