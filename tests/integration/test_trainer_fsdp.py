@@ -77,6 +77,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path, tiny, algorithm):
           f"elements off by > 1e-5: {int((diff > 1e-5).sum())} of {diff.numel()}")
 
 
+@pytest.mark.slow  # 2 ranks train 3 engines, 2 versions each (~1-2 minutes on 2 shared cores)
 def test_balanced_micro_batches_two_gloo_ranks_match_round_robin(tmp_path, tiny):
     """Long-tailed lengths on 2 ranks: sequences dealt by count (round robin, micro-batches of 2)
     and by a balanced token budget (packed, and right-padded) make the same losses, gradient norms
