@@ -4,7 +4,7 @@ micro-batches) and on (one packed row per micro-batch), and the publish stall (w
 waits for in WeightPublisher.publish: the copy into staging) next to one plain memcpy of the same bytes.
 
     python bench/trainer.py [--quick] [--out FILE] [--device auto|cpu|cuda] [--models tiny,qwen2-100m]
-    python bench/trainer.py --long --out FILE [--hidden 64] [--chunk 1024] [--budget-gib 8]
+    python bench/trainer.py --long --out FILE [--hidden 16] [--chunk 1024] [--budget-gib 8]
     python bench/trainer.py --balance --out FILE [--batches 8] [--prompt 256] [--micro 4] [--max-tokens 32768]
 
 --long: peak memory of the chunked logprob pass against the full logits (bench/trainer_long.py);
@@ -141,7 +141,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     ap.add_argument("--long", action="store_true", help="peak memory of the logprob pass, chunked vs full logits")
-    ap.add_argument("--hidden", type=int, default=64, help="--long: hidden size of the head")
+    ap.add_argument("--hidden", type=int, default=None, help="--long: hidden size of the head (default 16 on "
+                    "the CPU: the peak is the [chunk, vocabulary] buffers, whatever the hidden size; 2048 on a GPU)")
     ap.add_argument("--chunk", type=int, default=1024, help="--long: tokens a chunk (logprob_chunk_tokens)")
     ap.add_argument("--budget-gib", type=float, default=8.0, help="--long: run no point predicted above this "
                     "(computed instead)")

@@ -1,8 +1,9 @@
 """`bench/trainer.py --long`: peak memory of the logprob pass, forward + backward, chunked
 (roles/trainer/logprobs.py) against the full float32 logits, with Qwen2.5's 151,936-token vocabulary.
 
-Only the head's part is measured: a hidden state [T, H] (H small, `--hidden`, so it runs here) and
-the head W [V, H] requiring gradients, the logprobs and entropies of T random targets, then the
+Only the head's part is measured: a hidden state [T, H] (H small on the CPU, 16 by default, so it
+runs here: the peak is the [chunk, V] buffers whatever H is, while the matmuls' time grows with H)
+and the head W [V, H] requiring gradients, the logprobs and entropies of T random targets, then the
 backward of their sum. What the decoder layers cost is the same in both paths and left out.
 
 Peak memory on the CPU: tracemalloc does not see torch's allocations and torch keeps no allocator
@@ -89,7 +90,7 @@ def difference(tokens: int, hidden: int, chunk: int, device: str = "cpu") -> dic
 
 def _child(args: list[str]) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=4 * 3600)  # a loaded 2-core machine is slow
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-2000:]}")
@@ -179,13 +180,15 @@ def cuda_run(hidden: int, chunk: int, sizes: list[int]) -> dict:
 
 def main_long(a) -> dict:
     import torch
-    if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()):
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    a.hidden = a.hidden or (2048 if cuda else 16)
+    if cuda:
         print(f"logprob pass on cuda, bf16 autocast: vocabulary {VOCAB:,}, hidden {a.hidden}, chunks of "
               f"{a.chunk} tokens", flush=True)
         return {**cuda_run(a.hidden, a.chunk, [8192, 16384, 32768]), **difference(2048, a.hidden, a.chunk, "cuda")}
     print(f"logprob pass, forward + backward: vocabulary {VOCAB:,}, hidden {a.hidden}, chunks of "
           f"{a.chunk} tokens, points over {a.budget_gib} GiB computed", flush=True)
-    res = run(a.hidden, a.chunk, a.budget_gib, [1024, 2048, 4096, 8192, 32768], [8192, 16384, 32768], 2048)
+    res = run(a.hidden, a.chunk, a.budget_gib, [1024, 2048, 4096, 8192, 32768], [8192, 32768], 2048)
     print(f"\n  {'tokens':>8}{'chunked GiB':>14}{'unchunked GiB':>16}")
     for key in ("8k", "32k"):
         c, u = res[f"peak_bytes_chunked_{key}"], res[f"peak_bytes_unchunked_{key}"]
