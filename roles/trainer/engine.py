@@ -2,12 +2,11 @@
 
 It knows nothing of the bus or asyncio (the role runs it in a worker thread) and is the same code
 on one rank and on many (FSDP2, see dist.py). Every rank holds the whole batch; mini-batch j is
-the j-th slice of a permutation seeded by (seed, version), so all ranks agree without talking,
-and rank r trains the sequences r, r+W, ... of each mini-batch. Every rank runs the same number
-of forward/backward calls (an empty share runs a zero-weight dummy), because each FSDP2 call is
-a collective. Which sequences each rank trains, in which micro-batch, is a plan every rank
-computes alike (micro_batches.py): by default a balanced partition of their tokens, with the same
-number of micro-batches on every rank, reported as `rank_imbalance` and `step_imbalance`. Losses
+the j-th slice of a permutation seeded by (seed, version), so all ranks agree without talking.
+Which of its sequences each rank trains, in which micro-batch, is a plan every rank computes
+alike (micro_batches.py): by default a balanced partition of their tokens, reported as
+`rank_imbalance` and `step_imbalance`. Every rank runs the same number of forward/backward calls
+(an empty micro-batch runs a zero-weight dummy), because each FSDP2 call is a collective. Losses
 are token-level over the whole mini-batch: each rank divides by the mini-batch's total valid
 tokens and the gradients are summed over ranks. Logprobs are computed in chunks of tokens from the
 last hidden state (logprobs.py), for the policy, the reference, the proximal and the lag model.
