@@ -79,13 +79,15 @@ models/smollm2/config.json: | $(STAMP_CPU)
 	$(BIN)/python -m laminar.models.smollm2 models/smollm2.tmp
 	rm -rf models/smollm2 && mv models/smollm2.tmp models/smollm2
 
-# configs/smollm2-math.yaml: the word problems in SmolLM2's chat template, and the model after
-# a short SFT on their SFT split (40 steps of 8, cosine-decayed 3e-5: ~6 minutes on 2 cores; the
-# converted model scores 0 on the task, this one ~0.84 greedy on the held-out problems).
+# configs/smollm2-math.yaml: the word problems as plain text asking for a boxed answer (the prompt
+# pool, the evaluator and the warm start render them in SmolLM2's own chat template where they
+# tokenize them: chat_template auto), and the model after a short SFT on their SFT split (40 steps
+# of 8, cosine-decayed 3e-5: ~6 minutes on 2 cores; the converted model scores 0 on the task, this
+# one ~0.84 greedy on the held-out problems).
 SMOL_WP := runs/smollm2-math/data
 SMOL_SFT_STEPS ?= 40
-$(SMOL_WP)/heldout.jsonl: laminar/tasks/word_problems.py models/smollm2/config.json
-	$(BIN)/python -m laminar.tasks.word_problems $(SMOL_WP) --chat-template models/smollm2
+$(SMOL_WP)/heldout.jsonl: laminar/tasks/word_problems.py | $(STAMP_CPU)
+	$(BIN)/python -m laminar.tasks.word_problems $(SMOL_WP) --ask-boxed
 
 models/smollm2-math/config.json: models/smollm2/config.json $(SMOL_WP)/heldout.jsonl laminar/tasks/warmstart.py
 	rm -rf models/smollm2-math.tmp && cp -r models/smollm2 models/smollm2-math.tmp

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Everything docs/gpu.md measures on a GPU, in one run of at most ten minutes (a lent GPU machine
-# is held for minutes, so the measurements go together):
+# is held for minutes, so the measurements go together; the steps not yet measured come first):
+#   bench/trainer.py --long  the chunked logprob pass against the full logits: peak memory and
+#                            tokens/s at 8K/16K/32K tokens, hidden 2048 (the 1b shape), 151,936 vocabulary
+#   bench/gpu_trainer.py     (balance) TrainEngine on long-tailed lengths: micro-batches of 4 sequences
+#                            vs a 16K- and a 32K-token budget (packed + compile)
 #   bench/gpu.py             publish stall, overlapped publish, pull, plain-PyTorch training (bf16 publish)
 #   bench/gpu_trainer.py     TrainEngine on the same shape: packed/padded, with and without torch.compile
 #   bench/gpu.py (fp32)      the fp32 publish and pull, for comparison
 #   bench/trainer.py --quick TrainEngine on the tiny and ~100M models, packing off and on
 #
 #   bash bench/gpu_session.sh OUTDIR
+#   SKIP="gpu gpu-trainer gpu-trainer-micro gpu-fp32 trainer" bash bench/gpu_session.sh OUTDIR   # the new steps only
 #
 # A machine without pyzmq/pydantic/structlog gets them from wheels in .whl/ (docs/gpu.md says how to
 # fetch them); the project is installed into /tmp/lam. Each step has its own time limit, and a
@@ -35,6 +40,10 @@ step() {  # name, seconds, command...  (SKIP="name ..." leaves steps out)
   pkill -f "bench/gpu_trainer.py" 2>/dev/null  # a variant's child outlives a killed parent
   tail -n 40 "$out/$name.log"
 }
+step logprobs 120 python3 bench/trainer.py --long --device cuda --hidden 2048 --out "$out/logprobs.json"
+step gpu-trainer-balance 300 python3 bench/gpu_trainer.py --out "$out/gpu-trainer-balance.json" --timeout 95 \
+  --lengths long-tailed --resp 4096 --groups 4 --group-size 8 \
+  --variants packed+compile+m4,packed+compile+t16k,packed+compile+t32k
 step gpu 150 python3 bench/gpu.py --out "$out/gpu.json"
 step gpu-trainer 320 python3 bench/gpu_trainer.py --out "$out/gpu-trainer.json" --timeout 75 \
   --variants padded,padded+compile,packed,packed+compile

@@ -3,18 +3,22 @@ trainer role runs: the batch's logprob bookkeeping, forward, backward, AdamW ste
 
     python bench/gpu_trainer.py --out FILE [--variants packed,packed+compile,padded,padded+compile]
                                 [--groups 4] [--group-size 8] [--prompt 256] [--resp 1024] [--micro 4]
+                                [--lengths fixed|long-tailed]
 
 Each variant runs in a child process of its own (a failed or hung compile costs that variant only,
 `--timeout` seconds at most): it loads the model folder, trains one warm-up iteration (compiles,
 allocator, optimizer state), then `--iters` timed ones. Variants: `packed` / `padded` (sequence
 packing on or off), `+compile` (torch.compile of each decoder layer), `+ac` (activation
 checkpointing), `+sdpa` / `+flex` (the attention kernels), `+m16` (micro-batches of 16
-sequences). Every sequence is prompt + resp tokens long, so packing saves nothing here; it
-changes the kernels. MFU = 6 * N * tokens/s / peak, N =
-the parameters less the input embedding, attention's own FLOPs and the engine's extra no-grad
-forwards (the mismatch measurement) not counted: a lower bound. The shape is bench/gpu.py's 1b
-(hidden 2048, 24 layers, intermediate 5632, 16 heads, 4 KV heads) with the tiny tokenizer's
-259-token vocabulary. It needs the trainer's packages (pydantic, structlog): docs/gpu.md.
+sequences), `+t16k` (micro-batches of at most 16,384 tokens: `max_tokens_per_micro_batch`), `+rr`
+(sequences dealt round-robin by count instead of the balanced plan), `+chunk0` (logprobs from the
+full logits instead of 1,024-token chunks). With `--lengths fixed` every sequence is prompt + resp
+tokens long, so packing saves nothing; it changes the kernels. `--lengths long-tailed`: responses
+lognormal (median resp / 4, sigma 0.8, seeded) capped at resp, as reasoning lengths are.
+MFU = 6 * N * tokens/s / peak, N = the parameters less the input embedding, attention's own FLOPs
+and the engine's extra no-grad forwards (the mismatch measurement) not counted: a lower bound. The
+shape is bench/gpu.py's 1b (hidden 2048, 24 layers, intermediate 5632, 16 heads, 4 KV heads) with
+the tiny tokenizer's 259-token vocabulary. It needs the trainer's packages (pydantic, structlog): docs/gpu.md.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ sys.path.append(ROOT)  # after an installed laminar (which has laminar.roles), f
 SHAPE = dict(hidden=2048, layers=24, intermediate=5632, heads=16, kv_heads=4, max_positions=4096)
 FLAGS = {"packed": dict(packing=True), "padded": dict(packing=False), "compile": dict(compile=True),
          "ac": dict(activation_checkpointing=True), "sdpa": dict(attn_implementation="sdpa"),
-         "flex": dict(attn_implementation="flex_attention")}
+         "flex": dict(attn_implementation="flex_attention"), "rr": dict(micro_batch_balance="round_robin"),
+         "chunk0": dict(logprob_chunk_tokens=0)}
 
 
 def settings(variant: str) -> dict:
@@ -41,9 +46,27 @@ def settings(variant: str) -> dict:
         if part[:1] == "m" and part[1:].isdigit():  # m8: micro-batches of 8 sequences
             out["micro_batch_size"] = int(part[1:])
             continue
+        if part[:1] == "t" and part[1:].rstrip("k").isdigit():  # t16k: micro-batches of 16,384 tokens at most
+            out["max_tokens_per_micro_batch"] = int(part[1:].rstrip("k")) * (1024 if part.endswith("k") else 1)
+            out.setdefault("micro_batch_size", 1024)  # the budget decides
+            continue
         if part not in FLAGS:
             raise SystemExit(f"unknown variant part {part!r} (known: {', '.join(FLAGS)})")
         out.update(FLAGS[part])
+    return out
+
+
+def long_tailed(batch: list, resp: int) -> list:
+    """The groups with response lengths lognormal around resp / 4 (sigma 0.8, seeded), capped at resp."""
+    import dataclasses
+
+    import numpy as np
+    rng = np.random.default_rng(0)
+    out = []
+    for g in batch:
+        lens = np.clip(np.exp(rng.normal(np.log(resp / 4), 0.8, len(g))), 16, resp).astype(int)
+        out.append([dataclasses.replace(t, response_tokens=t.response_tokens[:n], logprobs=t.logprobs[:n])
+                    for t, n in zip(g, lens, strict=True)])
     return out
 
 
@@ -65,6 +88,8 @@ def run_variant(a) -> dict:
     emb = eng.model.get_input_embeddings().weight
     n = sum(p.numel() for p in eng.model.parameters() if p is not emb)
     batch = random_groups(a.groups, a.group_size, "gpu", resp_len=a.resp, prompt_len=a.prompt)
+    if a.lengths == "long-tailed":
+        batch = long_tailed(batch, a.resp)
     t0 = time.perf_counter()
     eng.train(batch, 1)
     warm = time.perf_counter() - t0
@@ -81,7 +106,8 @@ def run_variant(a) -> dict:
     return {"variant": a.variant, "attn": eng.attn_implementation(), "packing": eng.packing, "flop_params": n,
             "tokens_per_iteration": out["tokens"], "warmup_s": warm, "tokens_per_s": rate,
             "mfu": 6 * n * rate / peak if peak else None,
-            "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None}
+            "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
+            "micro_batches": out.get("micro_batches"), "rank_imbalance": out.get("rank_imbalance")}
 
 
 def main() -> None:
@@ -95,6 +121,8 @@ def main() -> None:
     ap.add_argument("--resp", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=4, help="sequences per forward/backward")
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--lengths", default="fixed", choices=["fixed", "long-tailed"],
+                    help="response lengths: all resp, or lognormal up to resp")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per variant")
     ap.add_argument("--small", action="store_true", help="a small shape (a CPU check of this program)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)    # set in a child
@@ -116,7 +144,7 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--variant", v, "--model-dir", str(model_dir),
                    "--device", a.device, "--groups", str(a.groups), "--group-size", str(a.group_size),
                    "--prompt", str(a.prompt), "--resp", str(a.resp), "--micro", str(a.micro),
-                   "--iters", str(a.iters)]
+                   "--iters", str(a.iters), "--lengths", a.lengths]
             t0 = time.perf_counter()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd=ROOT)

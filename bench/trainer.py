@@ -4,6 +4,11 @@ micro-batches) and on (one packed row per micro-batch), and the publish stall (w
 waits for in WeightPublisher.publish: the copy into staging) next to one plain memcpy of the same bytes.
 
     python bench/trainer.py [--quick] [--out FILE] [--device auto|cpu|cuda] [--models tiny,qwen2-100m]
+    python bench/trainer.py --long --out FILE [--hidden 16] [--chunk 1024] [--budget-gib 8]
+    python bench/trainer.py --balance --out FILE [--batches 8] [--prompt 256] [--micro 4] [--max-tokens 32768]
+
+--long: peak memory of the chunked logprob pass against the full logits (bench/trainer_long.py);
+--balance: the ranks' balance on the paper's length distributions (bench/trainer_balance.py).
 
 Tokens counted = prompt + response tokens forwarded and back-propagated (pads are not counted), so
 both columns count the same work. Response lengths are spread uniformly between a quarter of the
@@ -23,6 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import print_table, write_json  # noqa: E402
+from trainer_balance import main_balance  # noqa: E402
+from trainer_long import main_long  # noqa: E402
 
 MODELS = {"tiny": dict(hidden=128, layers=2, intermediate=256, heads=4, kv_heads=2),
           "qwen2-100m": dict(hidden=768, layers=12, intermediate=3072, heads=12, kv_heads=4)}
@@ -133,8 +140,24 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    ap.add_argument("--long", action="store_true", help="peak memory of the logprob pass, chunked vs full logits")
+    ap.add_argument("--hidden", type=int, default=None, help="--long: hidden size of the head (default 16 on "
+                    "the CPU: the peak is the [chunk, vocabulary] buffers, whatever the hidden size; 2048 on a GPU)")
+    ap.add_argument("--chunk", type=int, default=1024, help="--long: tokens a chunk (logprob_chunk_tokens)")
+    ap.add_argument("--budget-gib", type=float, default=8.0, help="--long: run no point predicted above this "
+                    "(computed instead)")
+    ap.add_argument("--balance", action="store_true", help="rank imbalance on the paper's lengths, round robin "
+                    "vs balanced")
+    ap.add_argument("--batches", type=int, default=8, help="--balance: mini-batches averaged")
+    ap.add_argument("--prompt", type=int, default=256, help="--balance: prompt tokens of every sequence")
+    ap.add_argument("--micro", type=int, default=4, help="--balance: round robin's sequences a micro-batch")
+    ap.add_argument("--max-tokens", type=int, default=32768, help="--balance: the balanced token budget")
     a = ap.parse_args()
     t_start = time.perf_counter()
+    if a.long or a.balance:
+        out = main_long(a) if a.long else main_balance(a)
+        write_json(a.out, {**out, "elapsed_s": time.perf_counter() - t_start})
+        return
     shapes = {"tiny": (16, 8, 32, 64, 3 if a.quick else 10),
               "qwen2-100m": (2, 4, 32, 64, 1) if a.quick else (8, 8, 64, 192, 3)}
     rows = []

@@ -1,12 +1,20 @@
 """Datasets for the prompt pool: local JSONL / Parquet files (or a folder of them) and tokenizers.
 
 A record needs a prompt field and a verifier field (the reference answer); names are settings
-(dotted for nested fields; a chat-layout prompt — a list of messages — uses its last message).
+(dotted for nested fields). A chat-layout prompt — a list of {role, content} messages, as
+DAPO-Math-17k has — keeps its messages; its `prompt` text is the last message's.
 A malformed row (bad JSON, a missing field, a wrong type) raises DatasetError naming the file and
 the line (1-based; "row i", 0-based, for Parquet), or is skipped and counted when
 `on_bad_row="skip"`. Prompt ids must be unique: group ids are built from them.
 
-Tokenizing is a separate step (`tokenize_records`) so the prompt pool holds token ids only.
+Tokenizing is a separate step so the prompt pool holds token ids only, and it is where a chat
+template applies, once (`prompt_encoder`; the prompt pool and the evaluator call it): an
+instruction-tuned model was tuned on conversations in its template, so a prompt is rendered as one
+(an optional system prompt, the row's messages or one user turn with its text, then the assistant's
+turn opened: the generation prompt) and the rendered text is encoded without adding special tokens
+(the template writes the ones the model expects). `chat_template` is `auto` (the tokenizer folder's
+own template when it has one, else plain text), `none` (plain text, as before templates), or the
+path of a Jinja template file. The reward never sees the template: it scores the response tokens.
 Nothing is downloaded: a model folder with tokenizer files uses transformers' AutoTokenizer
 (local files only, imported lazily); otherwise the byte tokenizer of the tiny test models is used.
 """
@@ -19,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import structlog
+from pydantic import Field
 
 log = structlog.get_logger("laminar.datasets")
 
@@ -29,9 +38,11 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True)
 class Record:
+    """One dataset row: its id, its prompt text, its reference answer (and a chat layout's messages)."""
     prompt_id: str
     prompt: str
     answer: str
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) of a chat-layout prompt
 
 
 @dataclass(frozen=True)
@@ -66,8 +77,8 @@ class HFTokenizer:
         self.tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.eos_id = self.tok.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -82,9 +93,77 @@ def load_tokenizer(model_dir: str | None):
     return ByteTokenizer()
 
 
-def tokenize_records(records: list[Record], tokenizer) -> list[PromptRecord]:
-    return [PromptRecord(r.prompt_id, np.asarray(tokenizer.encode(r.prompt), dtype=np.int32), r.answer)
-            for r in records]
+def chat_template_field():
+    """The `chat_template` setting of a role that tokenizes prompts (prompt pool, evaluator)."""
+    return Field("auto", description="render each prompt with a chat template where it is tokenized: auto (the "
+                 "tokenizer folder's own template when it has one, else plain text), none (plain text), or the "
+                 "path of a Jinja chat template file; the generation prompt (the assistant's turn) is added")
+
+
+def system_prompt_field():
+    """The `system_prompt` setting that goes with `chat_template`."""
+    return Field(None, description="a system message put before each prompt's messages (a row with a system "
+                 "message of its own keeps that one); needs a chat template")
+
+
+class PromptEncoder:
+    """Records -> prompt token ids: the prompt text as it is, or a conversation rendered by a chat template."""
+
+    def __init__(self, tokenizer, template: str | None = None, system_prompt: str | None = None,
+                 use_own_template: bool = False):
+        self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
+        self.templated = use_own_template or template is not None
+
+    def messages(self, rec: Record) -> list[dict]:
+        msgs = [{"role": r, "content": c} for r, c in rec.messages] if rec.messages else \
+            [{"role": "user", "content": rec.prompt}]
+        if self.system_prompt is not None and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
+
+    def render(self, rec: Record) -> str | None:
+        """The templated text of `rec` (None without a template)."""
+        if not self.templated:
+            return None
+        return self.tokenizer.tok.apply_chat_template(self.messages(rec), chat_template=self.template,
+                                                      tokenize=False, add_generation_prompt=True)
+
+    def encode(self, rec: Record) -> np.ndarray:
+        text = self.render(rec)
+        if text is None:
+            return np.asarray(self.tokenizer.encode(rec.prompt), dtype=np.int32)
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int32)
+
+
+def prompt_encoder(tokenizer_dir: str | None, chat_template: str = "auto",
+                   system_prompt: str | None = None) -> PromptEncoder:
+    """The encoder of the settings `tokenizer_dir`, `chat_template` (auto | none | PATH) and
+    `system_prompt`; a setting that cannot apply raises DatasetError naming it."""
+    tok = load_tokenizer(tokenizer_dir)
+    own = isinstance(tok, HFTokenizer) and bool(getattr(tok.tok, "chat_template", None))
+    if chat_template == "none":
+        template, use_own = None, False
+    elif chat_template == "auto":
+        template, use_own = None, own
+    else:
+        path = Path(chat_template)
+        if not path.is_file():
+            raise DatasetError(f"chat_template: {path}: no such template file (or use auto or none)")
+        if not isinstance(tok, HFTokenizer):
+            raise DatasetError(f"chat_template {path}: needs a tokenizer_dir with a Hugging Face tokenizer (the "
+                               "byte tokenizer has no special tokens to render a conversation with)")
+        template, use_own = path.read_text(encoding="utf-8"), False
+    if system_prompt is not None and template is None and not use_own:
+        raise DatasetError(f"system_prompt is set but prompts are plain text (chat_template {chat_template!r}, "
+                           f"tokenizer_dir {tokenizer_dir!r} without a chat template): set chat_template to a file")
+    return PromptEncoder(tok, template, system_prompt, use_own)
+
+
+def tokenize_records(records: list[Record], encoder) -> list[PromptRecord]:
+    """Records with their prompt token ids (`encoder`: a PromptEncoder, or a tokenizer for plain text)."""
+    if not isinstance(encoder, PromptEncoder):
+        encoder = PromptEncoder(encoder)
+    return [PromptRecord(r.prompt_id, encoder.encode(r), r.answer) for r in records]
 
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -137,8 +216,10 @@ def _record(row: object, here: str, prompt_field: str, answer_field: str, id_fie
     if not isinstance(row, dict):
         raise DatasetError(f"{here}: expected an object, got {type(row).__name__}")
     prompt, answer = _field(row, prompt_field), _field(row, answer_field)
-    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
-        prompt = prompt[-1].get("content")  # chat layout (e.g. DAPO-Math-17k)
+    messages = None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):  # chat layout (e.g. DAPO-Math-17k)
+        messages = _messages(prompt, here, prompt_field)
+        prompt = messages[-1][1]
     if not isinstance(prompt, str):
         raise DatasetError(f"{here}: field {prompt_field!r} missing or not a string")
     if not isinstance(answer, (str, int, float)):
@@ -146,7 +227,16 @@ def _record(row: object, here: str, prompt_field: str, answer_field: str, id_fie
     pid = _field(row, id_field) if id_field else default_id
     if pid is None:
         raise DatasetError(f"{here}: field {id_field!r} missing")
-    return Record(prompt_id=str(pid), prompt=prompt, answer=str(answer))
+    return Record(prompt_id=str(pid), prompt=prompt, answer=str(answer), messages=messages)
+
+
+def _messages(msgs: list, here: str, prompt_field: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{here}: field {prompt_field!r}: message {i} has no string content")
+        out.append((str(m.get("role", "user")), m["content"]))
+    return tuple(out)
 
 
 def load_records(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer",

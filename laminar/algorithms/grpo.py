@@ -1,10 +1,9 @@
 """GRPO (docs/architecture.md §9; docs/learning.md): group-normalized advantages, per-token logprobs,
 the Clip-Higher policy loss (PPO's policy term too: `clipped_policy_loss`).
 
-Layout: a batch of B sequences `prompt + response`, right-padded to T tokens. Every per-token
-tensor lives on the T-1 *target* positions: position t holds what the model says about token
-t+1 (logits[:, t] predicts input_ids[:, t+1]), so response token j of a sequence with P prompt
-tokens sits at position P-1+j. `collate()` builds that layout from per-trajectory arrays.
+Every per-token tensor is [B, T-1], in the trainer's target layout (roles/trainer/batching.py:
+position t holds what the model says about token t+1; response token j of a sequence with P
+prompt tokens sits at position P-1+j). How the logprobs are computed is roles/trainer/logprobs.py's.
 
 Loss (per valid token, A = the sequence's advantage, r = exp(logp - old)):
     pg   = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))      (Clip-Higher: eps_high > eps_low)
@@ -42,57 +41,6 @@ def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6,
         if std_normalize:
             a = a / (r.std(ddof=1) + eps)
         out.append(a.astype(np.float32))
-    return out
-
-
-def collate(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
-            per_token: dict[str, Sequence[np.ndarray | None]] | None = None,
-            loss_masks: Sequence[np.ndarray | None] | None = None, pad_id: int = 0):
-    """Right-pad `prompt + response` sequences; returns (input_ids [B,T], attention_mask [B,T],
-    response_mask [B,T-1] float, {name: [B,T-1] float}) with per-response-token arrays (e.g.
-    behaviour logprobs) placed at their target positions (0 elsewhere)."""
-    import torch
-    B = len(prompts)
-    lens = [len(p) + len(r) for p, r in zip(prompts, responses, strict=False)]
-    T = max(lens)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    att = torch.zeros((B, T), dtype=torch.long)
-    mask = torch.zeros((B, T - 1), dtype=torch.float32)
-    extra = {k: torch.zeros((B, T - 1), dtype=torch.float32) for k in (per_token or {})}
-    for b, (p, r) in enumerate(zip(prompts, responses, strict=False)):
-        P, R = len(p), len(r)
-        ids[b, :P] = torch.tensor(np.asarray(p, dtype=np.int64))
-        ids[b, P:P + R] = torch.tensor(np.asarray(r, dtype=np.int64))
-        att[b, :P + R] = 1
-        lm = None if loss_masks is None else loss_masks[b]
-        m = np.ones(R, np.float32) if lm is None else np.asarray(lm, np.float32)
-        mask[b, P - 1:P - 1 + R] = torch.tensor(m)
-        for k, arrs in (per_token or {}).items():
-            if arrs[b] is not None:
-                extra[k][b, P - 1:P - 1 + R] = torch.tensor(np.asarray(arrs[b], np.float32))
-    return ids, att, mask, extra
-
-
-def token_logprobs(model, input_ids, attention_mask, with_entropy: bool = False):
-    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t < T-1 -> [B, T-1] (and the entropy of
-    each predictive distribution when asked)."""
-    import torch
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        ent = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, ent
-
-
-def response_logprobs(logp_targets, prompt_lens: Sequence[int], response_lens: Sequence[int]) -> list[np.ndarray]:
-    """Back from the target layout to one float32 array per response (for caching proximal/ref)."""
-    out = []
-    lp = logp_targets.detach().float().cpu().numpy()
-    for b, (P, R) in enumerate(zip(prompt_lens, response_lens, strict=False)):
-        out.append(lp[b, P - 1:P - 1 + R].copy())
     return out
 
 

@@ -6,8 +6,9 @@ uppercase task's shape (the tiny model).
     python -m laminar.tasks.warmstart MODEL_DIR [--steps 200] [--seed 0]   (uppercase task)
 
 Both rewrite MODEL_DIR. The tokenizer is MODEL_DIR's own when it has one (SmolLM2: prompts and
-solutions as the prompt pool and the rollouts tokenize them, the reply ended by the tokenizer's
-EOS, `<|im_end|>` for a ChatML model), else the tiny models' byte tokenizer. With `--sft`, the
+solutions as the prompt pool and the rollouts tokenize them, a prompt rendered by the folder's chat
+template as the prompt pool renders it, `--chat-template auto|none|PATH`, the reply ended by the
+tokenizer's EOS, `<|im_end|>` for a ChatML model), else the tiny models' byte tokenizer. With `--sft`, the
 model is fine-tuned on prompt + worked solution + EOS of the records of that file
 (laminar/tasks/word_problems.py writes it: a split disjoint from the RL prompts and the held-out
 split), loss on the solution only: a short run teaches the format
@@ -38,7 +39,7 @@ import random
 import re
 from pathlib import Path
 
-from laminar.datasets import ByteTokenizer, load_tokenizer
+from laminar.datasets import ByteTokenizer, Record, load_tokenizer, prompt_encoder
 from laminar.tasks.demo_data import make_prompts
 
 UPPER_P = 0.15
@@ -91,7 +92,7 @@ def _reply_ids(tok, text: str) -> list[int]:
 
 def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: float = 3e-3, seed: int = 0,
                log_every: int = 50, sft: list[dict] | None = None, schedule: str | None = None,
-               stop_early: float = 0.0) -> dict:
+               stop_early: float = 0.0, chat_template: str = "auto") -> dict:
     """Fine-tune MODEL_DIR in place: on `sft` records (prompt -> solution) if given, else on the
     uppercase task's synthetic replies. `schedule` (lr_factor): default cosine with `sft` (at a
     constant rate the word-problem loss stalls near 0.56 after 600 steps; decayed, it reaches ~0.29),
@@ -101,6 +102,7 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = load_tokenizer(str(model_dir))
+    enc = prompt_encoder(str(model_dir), chat_template)  # the prompt as the prompt pool encodes it
     if sft is None and not isinstance(tok, ByteTokenizer):
         raise ValueError(f"{model_dir}: the uppercase warm start is for the byte-level tiny model only")
     pad_id = tok.pad_id if isinstance(tok, ByteTokenizer) else tok.eos_id
@@ -118,7 +120,7 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
             if sft:
                 rec = rng.choice(sft)
                 text = stopped_early(rec) if stop_early and rng.random() < stop_early else rec["solution"]
-                p, r = tok.encode(rec["prompt"]), _reply_ids(tok, text)
+                p, r = enc.encode(Record("", rec["prompt"], "")).tolist(), _reply_ids(tok, text)
             else:
                 p = tok.encode(rng.choice(prompts))
                 r = _reply_ids(tok, reply(rng))
@@ -157,6 +159,8 @@ def main() -> None:
                     help="learning-rate schedule (default: cosine with --sft, else constant)")
     ap.add_argument("--stop-early", type=float, default=0.0, metavar="F",
                     help="with --sft: this share of the solutions stop one step short (an answer given too soon)")
+    ap.add_argument("--chat-template", default="auto", help="with --sft: auto|none|PATH, as the prompt pool's "
+                    "chat_template (auto: the model folder's own template, if it has one)")
     a = ap.parse_args()
     import torch
     torch.set_num_threads(2)
@@ -167,7 +171,7 @@ def main() -> None:
         if not sft:
             raise SystemExit(f"{a.sft}: no records")
     print(warm_start(a.model_dir, a.steps, batch=a.batch, lr=a.lr, seed=a.seed, sft=sft, schedule=a.schedule,
-                     stop_early=a.stop_early))
+                     stop_early=a.stop_early, chat_template=a.chat_template))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The demo's reasoning task: arithmetic word problems with worked solutions, checked by math-verify.
 
-    python -m laminar.tasks.word_problems OUT_DIR [--seed 0] [--chat-template MODEL_DIR]
+    python -m laminar.tasks.word_problems OUT_DIR [--seed 0] [--ask-boxed]
 
 writes three disjoint splits (no prompt text in two of them), one JSON object a line, in the
 prompt pool's default layout (`id`, `prompt`, `answer`) plus the worked `solution`:
@@ -27,10 +27,10 @@ or more), so the solutions' length is too: p99/p50 of the solution bytes is abou
 byte-level model's tokens are bytes). Reward = correctness of the boxed answer
 (`laminar.tasks.math:math_reward`, math-verify).
 
-`--chat-template MODEL_DIR` (an instruction-tuned model such as SmolLM2-135M-Instruct,
-configs/smollm2-math.yaml): each prompt, with "Put the final answer in \\boxed{}." appended, is
-written as that model's chat template renders one user turn followed by the assistant's turn
-(ChatML for SmolLM2), so the prompt pool's tokenizer encodes the template's special tokens.
+`--ask-boxed` (for an instruction-tuned model such as SmolLM2-135M-Instruct,
+configs/smollm2-math.yaml): each prompt ends with "Put the final answer in \\boxed{}.". The files
+stay plain text: the prompt pool, the evaluator and the warm start render each prompt with the
+model's own chat template where they tokenize it (laminar/datasets.py, `chat_template: auto`).
 """
 from __future__ import annotations
 
@@ -91,24 +91,19 @@ def splits(seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, list
 BOXED = "Put the final answer in \\boxed{}."
 
 
-def chat_templated(records: list[dict], model_dir: str | Path) -> list[dict]:
-    """The records with each prompt rendered by the chat template of MODEL_DIR's tokenizer (one user
-    turn asking for a boxed answer, then the assistant's turn opened)."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    return [{**r, "prompt": tok.apply_chat_template([{"role": "user", "content": f"{r['prompt']}{BOXED}"}],
-                                                    tokenize=False, add_generation_prompt=True)}
-            for r in records]
+def ask_boxed(records: list[dict]) -> list[dict]:
+    """The records with each prompt asking for a boxed answer (what an instruction-tuned model needs told)."""
+    return [{**r, "prompt": f"{r['prompt']}{BOXED}"} for r in records]
 
 
 def write(out_dir: str | Path, seed: int = 0, sizes: dict[str, int] | None = None,
-          chat_template: str | Path | None = None) -> dict[str, Path]:
+          boxed: bool = False) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, recs in splits(seed, sizes).items():
-        if chat_template is not None:
-            recs = chat_templated(recs, chat_template)
+        if boxed:
+            recs = ask_boxed(recs)
         p = out / f"{name}.jsonl"
         tmp = p.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -121,9 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chat-template", metavar="MODEL_DIR", help="render prompts with this model's chat template")
+    ap.add_argument("--ask-boxed", action="store_true", help=f"end every prompt with {BOXED!r} (for an "
+                    "instruction-tuned model; its chat template is applied where prompts are tokenized)")
     a = ap.parse_args(argv)
-    for name, p in write(a.out_dir, a.seed, chat_template=a.chat_template).items():
+    for name, p in write(a.out_dir, a.seed, boxed=a.ask_boxed).items():
         print(name, p)
 
 

@@ -1,7 +1,7 @@
 """One rank of a multi-rank TrainEngine run, for tests: FSDP2 over gloo on CPU (NCCL on GPUs).
 
     python -m laminar.testing.trainer_ranks RANK WORLD ADDRESS MODEL_DIR OUT [--algorithm grpo|ppo]
-        [--versions 2] [--device cpu] [--checkpoint DIR] [--publish same,bfloat16]
+        [--versions 2] [--device cpu] [--checkpoint DIR] [--publish same,bfloat16] [--variants JSON]
 
 Every rank trains the same synthetic batches (random_groups, seeded) for `--versions` versions;
 rank 0 writes OUT (torch.save): the full model state dict after training and each version's
@@ -11,11 +11,14 @@ metrics. A test compares that with one process training the same batches (`train
 (every rank copies its own shards), the same as if each rank were on a host of its own (mode
 `hosts`: each rank's part publisher sends its byte ranges, the relay assembles them) and a publish
 of the gathered state dict, each to a relay of its own in rank 0's process; OUT gets the three
-versions' manifests and bytes (`publish_both`).
+versions' manifests and bytes (`publish_both`). --variants: a JSON list of trainer settings; then
+each variant trains long-tailed batches (`long_tailed_batches`) with an engine of its own, one
+after the other, and OUT gets {"variants": [{"model", "metrics"}, ...]} (micro-batch plans compared).
 """
 from __future__ import annotations
 
 import argparse
+import json
 
 SETTINGS = dict(lr=1e-3, critic_lr=1e-3, minibatch_steps=2, micro_batch_size=3)
 
@@ -26,9 +29,29 @@ def batches(versions: int) -> list:
     return [random_groups(3, 5, f"v{v}", resp_len=6 + v, prompt_len=5, seed=v) for v in range(versions)]
 
 
-def make_config(model_dir: str, algorithm: str, device: str):
+def long_tailed_batches(versions: int) -> list:
+    """Groups whose response lengths are long-tailed (lognormal, 2 to 60 tokens; seeded): dealt to
+    ranks by count, the long ones land unevenly."""
+    import dataclasses
+
+    import numpy as np
+
+    from laminar.testing.trainer_task import random_groups
+    rng = np.random.default_rng(7)
+    out = []
+    for v in range(versions):
+        groups = []
+        for g in random_groups(4, 4, f"lt{v}", resp_len=60, prompt_len=5, seed=10 + v):
+            lens = np.clip(np.exp(rng.normal(np.log(8), 0.9, len(g))), 2, 60).astype(int)
+            groups.append([dataclasses.replace(t, response_tokens=t.response_tokens[:n], logprobs=t.logprobs[:n])
+                           for t, n in zip(g, lens, strict=True)])
+        out.append(groups)
+    return out
+
+
+def make_config(model_dir: str, algorithm: str, device: str, **overrides):
     from laminar.roles.trainer.config import TrainerConfig
-    return TrainerConfig(model_dir=model_dir, algorithm=algorithm, device=device, **SETTINGS)
+    return TrainerConfig(model_dir=model_dir, algorithm=algorithm, device=device, **{**SETTINGS, **overrides})
 
 
 def train_reference(model_dir: str, algorithm: str = "grpo", versions: int = 2, device: str = "cpu") -> dict:
@@ -146,12 +169,27 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--checkpoint", default=None, help="write a sharded checkpoint here after training")
     ap.add_argument("--publish", default=None, help="comma-separated publish dtypes (same, bfloat16...)")
+    ap.add_argument("--variants", default=None, help="JSON list of trainer settings, each trained on long-tailed "
+                    "batches by an engine of its own")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     device = torch.device(a.device if a.device == "cpu" else f"cuda:{a.rank}")
     info = dist.init(a.rank, a.world, a.address, device, timeout_s=120)
     try:
+        if a.variants:
+            out = {"variants": []}
+            for settings in json.loads(a.variants):
+                torch.manual_seed(0)
+                eng = TrainEngine(make_config(a.model_dir, a.algorithm, a.device, **settings), 0, device, info)
+                eng.load()
+                metrics = [eng.train(b, v + 1) for v, b in enumerate(long_tailed_batches(a.versions))]
+                state = eng.full_state()
+                if info.is_main:
+                    out["variants"].append({"model": state["model"], "metrics": metrics})
+            if info.is_main:
+                torch.save(out, a.out)
+            return
         eng = TrainEngine(make_config(a.model_dir, a.algorithm, a.device), 0, device, info)
         eng.load()
         metrics = [eng.train(b, v + 1) for v, b in enumerate(batches(a.versions))]

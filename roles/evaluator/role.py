@@ -40,6 +40,7 @@ from types import SimpleNamespace
 from laminar.roles.base import Role
 from pydantic import BaseModel, ConfigDict, Field
 
+from laminar.datasets import chat_template_field, system_prompt_field
 from laminar.protocol import Heartbeat, Metrics
 
 
@@ -52,6 +53,8 @@ class EvaluatorConfig(BaseModel):
     limit: int | None = Field(None, ge=1, description="evaluate only the first `limit` records")
     tokenizer_dir: str | None = Field(None, description="model folder whose tokenizer encodes the prompts "
                                       "(default: the byte tokenizer, as the prompt pool)")
+    chat_template: str = chat_template_field()
+    system_prompt: str | None = system_prompt_field()
     reward: str = Field("laminar.tasks.math:math_reward", description="reward function 'module:fn' (1 = correct)")
     eval_every: int = Field(5, ge=1, description="evaluate every this many versions (and version 0, and the last)")
     last_version: int | None = Field(None, ge=1, description="the run's last version: evaluated, then the role "
@@ -143,12 +146,13 @@ class EvaluatorRole(Role):
         return out
 
     async def setup(self) -> None:
-        from laminar.datasets import load_records, load_tokenizer, tokenize_records
+        from laminar.datasets import load_records, prompt_encoder, tokenize_records
         from laminar.tasks import load_callable
         c, cfg = self.cfg, self.ctx.config
         self.reward = load_callable(c.reward)
         records, _ = await asyncio.to_thread(load_records, c.dataset, c.prompt_field, c.answer_field, c.id_field)
-        self.problems = tokenize_records(records[:c.limit] if c.limit else records, load_tokenizer(c.tokenizer_dir))
+        self.problems = tokenize_records(records[:c.limit] if c.limit else records,
+                                         prompt_encoder(c.tokenizer_dir, c.chat_template, c.system_prompt))
         if not self.problems:
             raise ValueError(f"{c.dataset}: no held-out records")
         self.last_version = c.last_version

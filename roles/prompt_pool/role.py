@@ -31,7 +31,7 @@ from laminar.bus.rpc import RequestError
 from laminar.roles.pool_base import PoolRole
 from pydantic import BaseModel, ConfigDict, Field
 
-from laminar.datasets import load_records, load_tokenizer
+from laminar.datasets import chat_template_field, load_records, prompt_encoder, system_prompt_field
 from laminar.protocol import Ack, Batch, HandedGroups, HandedList, RequeueGroups, TakeBatch, TrajectorySpec
 from laminar.protocol.data import group_id_prefix
 
@@ -53,6 +53,8 @@ class PromptPoolConfig(BaseModel):
     id_field: str | None = Field(None, description="record field with a stable prompt id (default: row number)")
     on_bad_row: str = Field("error", pattern="^(error|skip)$", description="malformed row: fail or skip")
     tokenizer_dir: str | None = Field(None, description="model folder whose tokenizer to use (default: byte tokenizer)")
+    chat_template: str = chat_template_field()
+    system_prompt: str | None = system_prompt_field()
     group_size: int = Field(4, ge=1, description="GRPO group size n (responses per prompt)")
     max_tokens: int = Field(256, ge=1, description="response token budget of each trajectory")
     max_epochs: int | None = Field(None, ge=1, description="stop handing out after this many epochs (None: forever)")
@@ -100,8 +102,8 @@ class PromptPoolRole(PoolRole):
         settings = self.settings
         self.records, self.skipped = load_records(settings.dataset, settings.prompt_field, settings.answer_field,
                                                   settings.id_field, settings.on_bad_row)
-        tok = load_tokenizer(settings.tokenizer_dir)
-        self.tokens = [np.asarray(tok.encode(r.prompt), dtype=np.int32) for r in self.records]
+        enc = prompt_encoder(settings.tokenizer_dir, settings.chat_template, settings.system_prompt)
+        self.tokens = [enc.encode(r) for r in self.records]
         self.index = {r.prompt_id: i for i, r in enumerate(self.records)}
         self.gate = self._gate()
         # The gate bounds groups that will still be trained: a group the experience buffer drops as

@@ -19,7 +19,23 @@ class TrainerConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (the pre-clip norm is logged)")
     groups_per_batch: int = Field(8, ge=1, description="whole GRPO groups per global batch (= one version)")
     minibatch_steps: int = Field(1, ge=1, description="optimizer steps per global batch (the batch is split evenly)")
-    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (gradient accumulation)")
+    micro_batch_size: int = Field(64, ge=1, description="most sequences per forward/backward (gradient "
+                                  "accumulation)")
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="token budget of one forward/backward: "
+                                                   "a micro-batch holds sequences up to this many tokens (packed: "
+                                                   "their sum; padded: their count x the longest), a longer "
+                                                   "sequence alone; None: micro-batches cut by micro_batch_size only")
+    micro_batch_balance: str = Field("tokens", pattern="^(tokens|attention|round_robin)$",
+                                     description="how a mini-batch's sequences are dealt to ranks and micro-batches "
+                                     "(roles/trainer/micro_batches.py): tokens (a Karmarkar-Karp partition of their "
+                                     "token counts into ranks x micro-batches, every rank the same number of "
+                                     "micro-batches), attention (the same, each sequence's cost L + L^2 / A with "
+                                     "A = parameters / (layers x hidden): attention's share of the FLOPs), or "
+                                     "round_robin (rank r takes sequences r, r+W, ... by count, as before)")
+    logprob_chunk_tokens: int = Field(1024, ge=0, description="compute logprobs and entropies from the last hidden "
+                                      "state this many tokens at a time, forward and backward, never the full "
+                                      "[tokens, vocabulary] logits (roles/trainer/logprobs.py); 0: the full "
+                                      "float32 logits and log-softmax")
     algorithm: str = Field("grpo", pattern="^(grpo|ppo)$",
                            description="grpo: group-normalized advantages; ppo: a critic (value head) and GAE "
                                        "advantages")

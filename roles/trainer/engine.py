@@ -2,11 +2,14 @@
 
 It knows nothing of the bus or asyncio (the role runs it in a worker thread) and is the same code
 on one rank and on many (FSDP2, see dist.py). Every rank holds the whole batch; mini-batch j is
-the j-th slice of a permutation seeded by (seed, version), so all ranks agree without talking,
-and rank r trains the sequences r, r+W, ... of each mini-batch. Every rank runs the same number
-of forward/backward calls (an empty share runs a zero-weight dummy), because each FSDP2 call is
-a collective. Losses are token-level over the whole mini-batch: each rank divides by the
-mini-batch's total valid tokens and the gradients are summed over ranks.
+the j-th slice of a permutation seeded by (seed, version), so all ranks agree without talking.
+Which of its sequences each rank trains, in which micro-batch, is a plan every rank computes
+alike (micro_batches.py): by default a balanced partition of their tokens, reported as
+`rank_imbalance` and `step_imbalance`. Every rank runs the same number of forward/backward calls
+(an empty micro-batch runs a zero-weight dummy), because each FSDP2 call is a collective. Losses
+are token-level over the whole mini-batch: each rank divides by the mini-batch's total valid
+tokens and the gradients are summed over ranks. Logprobs are computed in chunks of tokens from the
+last hidden state (logprobs.py), for the policy, the reference, the proximal and the lag model.
 
     grpo: advantages = group-normalized rewards, one per sequence; groups whose rewards are all
           equal are left out (skip_uniform_groups), and a batch of only such groups makes no step
@@ -38,8 +41,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import structlog
+from laminar.roles.trainer.batching import collate, response_logprobs
 from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
 from laminar.roles.trainer.dist import DistInfo, all_reduce_sums, broadcast_ints, shard
+from laminar.roles.trainer.logprobs import token_logprobs
+from laminar.roles.trainer.micro_batches import MicroBatchPlan, plan_micro_batches
 from laminar.roles.trainer.packing import packed_token_logprobs, packed_values
 
 __all__ = ["NonFiniteWeightsError", "TrainEngine"]
@@ -82,6 +88,11 @@ def _all_reduce_max(info: DistInfo, value: float) -> float:
     return float(t[0])
 
 
+def _length(t) -> int:
+    """Tokens a trajectory puts through the model: prompt + response."""
+    return len(t.spec.prompt_tokens) + len(t.response_tokens)
+
+
 def _reward_spread(group) -> bool:
     """Whether a GRPO group carries a signal: two samples or more, not all of the same reward."""
     rewards = [t.reward for t in group]
@@ -112,6 +123,7 @@ class TrainEngine:
         self.packing = cfg.packing if cfg.packing is not None else device.type == "cuda"
         # torch.compile of the decoder layers: likewise on by default on a GPU only
         self.compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+        self.plans: dict[tuple[int, ...], MicroBatchPlan] = {}  # this batch's (every pass reuses them)
 
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
@@ -123,6 +135,8 @@ class TrainEngine:
         mp = torch.bfloat16 if c.dtype == "bfloat16" else None  # FSDP2 mixed precision (fp32 master weights)
         self.model = load_causal_lm(c.model_dir, self.device)
         self.params = sum(p.numel() for p in self.model.parameters())
+        mc = self.model.config  # a sequence of L tokens costs ~ L + L^2 / attention_tokens (micro_batches.py)
+        self.attention_tokens = self.params / max(1, mc.num_hidden_layers * mc.hidden_size)
         self._prepare(self.model, trained=True)
         shard(self.model, self.info, self.device, param_dtype=mp)
         self.ref = None
@@ -276,6 +290,7 @@ class TrainEngine:
         import torch
         c = self.cfg
         self._set_lr(version)
+        self.plans = {}
         signal, flat = [], []  # groups with and without a signal (GRPO: zero advantages)
         for g in groups:
             (signal if _reward_spread(g) else flat).append(g)
@@ -378,11 +393,13 @@ class TrainEngine:
         """The mini-batch loop both algorithms share: for each mini-batch, `micro(idx, ids, att,
         mask, extras, ntok) -> metrics` runs forward and backward of each of this rank's
         micro-batches, then one optimizer step of each model (skipped when not finite).
-        Returns the token-weighted metrics, gradient norms, token counts and the mismatch."""
+        Returns the token-weighted metrics, gradient norms, token counts, the ranks' balance and
+        the mismatch."""
         trajs = b.trajs
         valid = [int(t.loss_mask.sum()) if t.loss_mask is not None else len(t.response_tokens) for t in trajs]
         totals: dict[str, float] = defaultdict(float)
         norms, vnorms, skipped = [], [], 0
+        balance: dict[str, list[float]] = defaultdict(list)  # the plans' facts (the same on every rank)
         pairs = list(self._pairs().values())
         for mb in self._minibatches(b.order):
             ntok = sum(valid[i] for i in mb)
@@ -392,7 +409,11 @@ class TrainEngine:
                 o.zero_grad(set_to_none=True)
             mb_totals: dict[str, float] = defaultdict(float)
             finite = True
-            for idx in self._chunks(mb):
+            plan = self._plan(trajs, mb)
+            balance["rank"].append(plan.rank_imbalance())
+            balance["step"].append(plan.step_imbalance())
+            balance["micro"].append(float(len(plan.ranks[0])))
+            for idx in plan.ranks[self.info.rank]:
                 ids, att, mask, ex = self._inputs(trajs, idx, b.per)
                 m = micro(idx, ids, att, mask, ex, ntok)
                 finite = finite and all(math.isfinite(v) for v in m.values())
@@ -422,6 +443,9 @@ class TrainEngine:
                    tokens=tokens, response_tokens=counted, skipped_nonfinite_steps=float(skipped))
         if vnorms:
             out["critic_grad_norm"] = float(np.mean(vnorms))
+        if balance:  # means over the version's mini-batches; micro-batches: each rank's count, summed
+            out.update(rank_imbalance=float(np.mean(balance["rank"])), step_imbalance=float(np.mean(balance["step"])),
+                       micro_batches=float(sum(balance["micro"])))
         out.update(b.mismatch.metrics(self.info))
         return out
 
@@ -470,7 +494,6 @@ class TrainEngine:
     @staticmethod
     def _measure(mm: Mismatch, trajs, idx, logp, weights_version: int) -> None:
         """Add the training forward's logprobs of the samples of `weights_version` in `idx`."""
-        from laminar.algorithms.grpo import response_logprobs
         same = [b for b, i in enumerate(idx) if trajs[i].version == weights_version]
         if not same:
             return
@@ -508,10 +531,10 @@ class TrainEngine:
     def _logprobs(self, model, ids, att, with_entropy: bool = False):
         """Per-token logprobs (and entropies) [B, T-1] of a right-padded micro-batch: from its
         packed row when packing is on (no compute on padding), else from the padded batch."""
+        chunk = self.cfg.logprob_chunk_tokens
         if self.packing:
-            return packed_token_logprobs(model, ids, att, with_entropy=with_entropy)
-        from laminar.algorithms.grpo import token_logprobs
-        return token_logprobs(model, ids, att, with_entropy=with_entropy)
+            return packed_token_logprobs(model, ids, att, with_entropy=with_entropy, chunk_tokens=chunk)
+        return token_logprobs(model, ids, att, with_entropy=with_entropy, chunk_tokens=chunk)
 
     def _values(self, ids, att):
         """The critic's values [B, T-1] of a right-padded micro-batch (packed when packing is on)."""
@@ -519,16 +542,24 @@ class TrainEngine:
             return packed_values(self.critic, ids, att)
         return self.critic(ids, att)[:, :-1]
 
-    def _chunks(self, idx: list[int]) -> list[list[int]]:
+    def _plan(self, trajs, idx: list[int]) -> MicroBatchPlan:
+        """Every rank's micro-batches of the mini-batch `idx` (the same on every rank; made once a batch)."""
+        c, lengths = self.cfg, [_length(trajs[i]) for i in idx]
+        key = (*idx, -1, *lengths)  # the plan is a function of these alone
+        if key not in self.plans:
+            self.plans[key] = plan_micro_batches(idx, lengths, self.info.world_size, c.micro_batch_size,
+                                                 c.max_tokens_per_micro_batch, c.micro_batch_balance,
+                                                 padded=not self.packing,
+                                                 attention_tokens=getattr(self, "attention_tokens", None))
+        return self.plans[key]
+
+    def _chunks(self, trajs, idx: list[int]) -> list[list[int]]:
         """This rank's micro-batches of `idx`; the same count on every rank (some may be empty)."""
-        W, r, mbs = self.info.world_size, self.info.rank, self.cfg.micro_batch_size
-        share = idx[r::W]
-        rounds = math.ceil(math.ceil(len(idx) / W) / mbs)
-        return [share[j * mbs:(j + 1) * mbs] for j in range(rounds)]
+        return self._plan(trajs, idx).ranks[self.info.rank]
 
     def _inputs(self, trajs, idx, per=None):
-        from laminar.algorithms.grpo import collate
-        take = idx if idx else [0]  # an empty share forwards one sequence with weight 0
+        # an empty micro-batch forwards the batch's shortest sequence with weight 0
+        take = idx if idx else [min(range(len(trajs)), key=lambda i: _length(trajs[i]))]
         ids, att, mask, ex = collate([trajs[i].spec.prompt_tokens for i in take],
                                      [trajs[i].response_tokens for i in take],
                                      {k: [v[i] for i in take] for k, v in (per or {}).items()},
@@ -542,12 +573,10 @@ class TrainEngine:
         """fn(ids, att) -> [b, T-1] under no_grad, for this rank's sequences of every mini-batch;
         one float32 array per owned response (None for the others)."""
         import torch
-
-        from laminar.algorithms.grpo import response_logprobs
         out: list = [None] * len(trajs)
         with torch.no_grad(), self._autocast():
             for mb in self._minibatches(order):
-                for idx in self._chunks(mb):
+                for idx in self._chunks(trajs, mb):
                     ids, att, _, _ = self._inputs(trajs, idx)
                     vals = fn(ids, att)
                     if idx:

@@ -1,7 +1,7 @@
 """Sequence packing: one micro-batch forwarded as a single row, without padding.
 
 The trainer's micro-batches are right-padded `prompt + response` sequences ([B, T], see
-laminar/algorithms/grpo.py). Padded, a micro-batch of 4 sequences whose lengths range from 300
+batching.py). Padded, a micro-batch of 4 sequences whose lengths range from 300
 to 1,280 tokens spends up to half of its forward and backward on pad tokens. Packed, the B
 sequences are laid end to end in one row of N = sum(lengths) tokens with per-sequence positions
 (0, 1, ..., L_b - 1 for each sequence) and no attention mask; the model then attends within each
@@ -21,6 +21,8 @@ logprobs and losses within float tolerance (tests/unit/test_packing.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from laminar.roles.trainer.logprobs import token_logprobs
 
 
 @dataclass
@@ -53,16 +55,12 @@ def unpack(values, p: Packed):
     return torch.where(p.valid, out, torch.zeros_like(out))
 
 
-def packed_token_logprobs(model, input_ids, attention_mask, with_entropy: bool = False):
-    """`token_logprobs` of a right-padded batch, computed on its packed row: ([B, T-1] logprobs,
-    [B, T-1] entropies or None), the same layout and math as the padded forward."""
-    from laminar.algorithms.grpo import token_logprobs
+def packed_token_logprobs(model, input_ids, attention_mask, with_entropy: bool = False, chunk_tokens: int = 0):
+    """`token_logprobs` of a right-padded batch, computed on its packed row (chunked as asked):
+    ([B, T-1] logprobs, [B, T-1] entropies or None), the same layout and math as the padded forward."""
     p = pack(input_ids, attention_mask)
-
-    def forward(input_ids, attention_mask):
-        return model(input_ids=input_ids, position_ids=p.position_ids, use_cache=False)
-
-    logp, ent = token_logprobs(forward, p.input_ids, None, with_entropy=with_entropy)
+    logp, ent = token_logprobs(model, p.input_ids, None, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+                               position_ids=p.position_ids)
     return unpack(logp, p), (unpack(ent, p) if ent is not None else None)
 
 

@@ -9,7 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from laminar.algorithms.grpo import collate, group_advantages, grpo_loss, response_logprobs  # noqa: E402
+from laminar.roles.trainer.batching import collate, response_logprobs  # noqa: E402
+
+from laminar.algorithms.grpo import group_advantages, grpo_loss  # noqa: E402
 from laminar.algorithms.ppo import gae, value_loss  # noqa: E402
 
 

@@ -317,7 +317,9 @@ def test_partial_pool_reads_a_store_from_before_multiturn(tmp_path):
 
 def test_grpo_loss_ignores_masked_tokens():
     torch = pytest.importorskip("torch")
-    from laminar.algorithms.grpo import collate, grpo_loss
+    from laminar.roles.trainer.batching import collate
+
+    from laminar.algorithms.grpo import grpo_loss
     # one sequence: prompt [1, 9], response a a o o a (o = observation, masked)
     ids, att, mask, ex = collate([np.array([1, 9])], [np.array([10, 11, 50, 51, 12])],
                                  {"old": [np.array([-1.0, -1.2, 0.0, 0.0, -0.7], np.float32)]},

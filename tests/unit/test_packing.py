@@ -12,11 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from laminar.roles.trainer.batching import collate  # noqa: E402
 from laminar.roles.trainer.config import TrainerConfig  # noqa: E402
 from laminar.roles.trainer.engine import TrainEngine  # noqa: E402
+from laminar.roles.trainer.logprobs import token_logprobs  # noqa: E402
 from laminar.roles.trainer.packing import pack, packed_token_logprobs, packed_values, unpack  # noqa: E402
 
-from laminar.algorithms.grpo import collate, token_logprobs  # noqa: E402
 from laminar.models.loading import load_causal_lm  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
@@ -138,8 +139,18 @@ def test_packed_training_matches_padded_training(tiny, kw):
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), k
     assert ws[False].keys() == ws[True].keys()
-    for k in ws[False]:
-        assert torch.allclose(ws[False][k], ws[True][k], atol=1e-5, rtol=1e-4), k
+    assert_same_update(ws[False], ws[True], lr=1e-3)
+
+
+def assert_same_update(a: dict, b: dict, lr: float) -> None:
+    """Weights after the same Adam steps from gradients equal to float rounding: Adam turns a
+    near-zero gradient into a ~lr step whose sign is at the mercy of summation order (the packed row
+    and the padded batch sum the head's gradient in different orders), so a rare element may differ
+    by up to 2 lr; the rest must agree to float precision (the gradient norms are compared before
+    Adam normalizes, in the metrics)."""
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    assert float(diff.max()) <= 2 * lr + 1e-6
+    assert float((diff > 1e-5).float().mean()) < 1e-4
 
 
 def test_packing_is_off_on_the_cpu_by_default_and_then_identical(tiny):
