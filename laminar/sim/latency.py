@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from laminar.sim.hardware import GPU, ModelShape
 from laminar.sim.hardware import model as model_shape
-from laminar.stepcurve import StepCurve, roofline_batch_bound  # noqa: F401  (old import path, until its callers move)
+from laminar.stepcurve import StepCurve
 
 # Prefill runs large GEMMs (thousands of tokens at once) that reach 60-70% of the bf16 peak on
 # Hopper in isolation; attention, norms, sampling and the tensor-parallel all-reduces (over the

@@ -2,7 +2,7 @@
 scenario.py) on the in-process transport, until the sim trainer reaches its last version.
 
     python bench/scale.py --model 72B --gpus 1024 --write-configs DIR     # the cluster files
-    python -m laminar.sim.cluster DIR/72B-1024-laminar.yaml [--prompt-tokens 256]
+    python -m bench.sim.cluster DIR/72B-1024-laminar.yaml [--prompt-tokens 256]   # from the repo root
 
     run = asyncio.run(run_sim(parse_config(cfg_dict), timeout_s=600))
     run.records          # the trainer's metrics.jsonl records (one per version)
@@ -23,16 +23,24 @@ its simulated timeline, in simulated seconds).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
+import json
+import logging
 import resource
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
 from laminar.bus.inproc import InprocHub, InprocTransport
 from laminar.roles.trainer.metrics import read_jsonl
+
+from laminar import summary
+from laminar.config import load_config
+from laminar.sim.scenario import write_prompts
 from laminar.testing.inproc_cluster import InprocCluster
 
 SIM_MAX_INFLIGHT = 1 << 20
@@ -56,6 +64,7 @@ class SimHub(InprocHub):
 
 @dataclass
 class SimRun:
+    """What one cluster run left: its trainer's records, the version marks, the engines' counters."""
     workdir: Path
     speedup: float
     rollouts: int
@@ -107,9 +116,6 @@ async def _ticker(lags: list[float], period: float = 0.02) -> None:
 def quiet_logs() -> None:
     """Structured logs at WARNING and above only: at the simulator's event rates the per-trajectory
     info lines would cost more than the roles themselves (process-wide structlog setting)."""
-    import logging
-
-    import structlog
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
@@ -184,12 +190,6 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
 
 def main(argv: list[str] | None = None) -> int:
     """Run a sim cluster file (`bench/scale.py --write-configs`) and print the run summary."""
-    import argparse
-    import json
-
-    from laminar import summary
-    from laminar.config import load_config
-    from laminar.sim.scenario import write_prompts
     ap = argparse.ArgumentParser(description="run a sim cluster file in this process")
     ap.add_argument("config")
     ap.add_argument("--prompt-tokens", type=int, default=256, help="length of the synthetic prompts (paper.yaml)")
