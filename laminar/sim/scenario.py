@@ -20,7 +20,10 @@ What a scenario is made of (everything else is the real roles' code):
 - the roles' periods are given in simulated seconds and divided by the speedup, with real-time
   floors where a shorter period would only burn CPU (documented in configs/sim/paper.yaml);
 - a synthetic prompt set: `prompt_tokens` tokens per prompt (byte tokenizer), each prompt unique
-  so a GRPO group shares a prefix-cache entry and different groups do not.
+  so a GRPO group shares a prefix-cache entry and different groups do not;
+- scoring each response (paper.yaml `reward`, measured by length): in the sim trainer's terms for
+  the modes whose real counterpart scores in a single controller (`controller.modes`), in the
+  rollouts' sim engine settings for the others (laminar scores inline in its rollouts).
 
 Nothing here reads a throughput figure of the paper: the workload file supplies placements, TP,
 step curves and length statistics (inputs), and bench/scale.py shows the paper's throughput
@@ -40,7 +43,7 @@ from laminar.sim.hardware import model as model_shape
 from laminar.sim.latency import HOST_MS_PER_LAYER, decode_step_ms, kv_ms_per_token, model_curve
 from laminar.sim.lengths import workload_lengths
 from laminar.sim.reward_cost import RewardCost
-from laminar.sim.setup import BARRIER_MODES, MODES, SimSetup, load_setup  # noqa: F401  (load_setup: re-exported)
+from laminar.sim.setup import BARRIER_MODES, MODES, SimSetup
 from laminar.sim.trainer_cost import NcclBroadcast, TrainerCost, colocated_switch_s
 from laminar.stepcurve import StepCurve, roofline_batch_bound
 
@@ -338,9 +341,9 @@ def ideal_replica_tokens_per_s(setup: SimSetup, workload: dict, size: str, mode:
 
 def trainer_cost(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str) -> TrainerCost:
     """The TrainerCost a mode's sim trainer charges (old-logprob pass included)."""
-    terms = {k: v for k, v in trainer_terms(setup, workload, size, gpus, mode).items()
-             if k not in ("nccl", "balance", "colocated", "reward_s_by_tokens")}
-    points = trainer_terms(setup, workload, size, gpus, mode).get("reward_s_by_tokens")
+    terms = trainer_terms(setup, workload, size, gpus, mode)
+    points = terms.pop("reward_s_by_tokens", None)
+    terms = {k: v for k, v in terms.items() if k not in ("nccl", "balance", "colocated")}
     extra = 1 if old_logprobs(setup, mode) == "recompute" else 0
     return TrainerCost.build(size, setup.gpu, placement(workload, size, gpus, mode)[0], mfu=setup.trainer.mfu,
                              recompute=setup.trainer.recompute, extra_forward_passes=extra,
