@@ -50,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus", help="GPU count(s), comma-separated (default: every count with a placement)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)} (default: all)")
     ap.add_argument("--quick", action="store_true", help="the subset in paper.yaml `quick`")
-    ap.add_argument("--setups", default=str(ROOT / "configs" / "sim" / "paper.yaml"))
+    ap.add_argument("--setups", default=str(ROOT / "configs" / "sim" / "paper.yaml"),
+                    help="the sim setup file (default: configs/sim/paper.yaml)")
     ap.add_argument("--speedup", type=float, help="simulated seconds per real second for every run "
                     "(default: each run's own, from its expected CPU load; paper.yaml compressed_time)")
     ap.add_argument("--warmup", type=int, help="warm-up versions (default: paper.yaml)")
@@ -74,8 +75,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=default_jobs(),
                     help=f"runs at once, one process each (default {default_jobs()} here: the usable cores - 1, "
                          "1 to 3; each run needs a core at its peaks)")
-    ap.add_argument("--lag-retries", type=int, default=2, help="a run that lags behind compressed time is rerun "
-                    "at half its speedup, at most this many times; still lagging, it is reported INVALID (default 2)")
+    ap.add_argument("--lag-retries", type=int, default=3, help="a run that lags behind compressed time is rerun "
+                    "at half its speedup, at most this many times; still lagging, it is reported INVALID (default 3)")
     ap.add_argument("--out", help="write the results as JSON here (plot beside it, .png)")
     ap.add_argument("--workdir", help="keep the runs here (default: a temporary folder in /dev/shm)")
     ap.add_argument("--write-configs", metavar="DIR", help="only write the expanded cluster files of the selection")

@@ -78,6 +78,7 @@ class SimRun:
     loop_lag_ms: list[float] = field(default_factory=list)
     cpu_s: float = 0.0            # process CPU time (all threads) while the cluster ran
     max_rss_mb: float = 0.0
+    stopped: str | None = None    # why the run was ended before its last version (`stop_when`)
 
 
 def sim_folders(cfg) -> list[Path]:
@@ -120,10 +121,12 @@ def quiet_logs() -> None:
 
 
 async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_version=None,
-                  pause_gc: bool = True) -> SimRun:
+                  pause_gc: bool = True, stop_when=None, check_s: float = 1.0) -> SimRun:
     """Run `cfg` (a parsed sim LaminarConfig) until the trainer finishes or `timeout_s` passes.
     `on_version(version, rollouts)` is called at each new trainer version (e.g. to reset counters
-    after a warm-up). `pause_gc`: no cyclic garbage collection while the cluster runs (collected
+    after a warm-up). `stop_when(rollouts)`, asked every `check_s` real seconds, ends the run
+    early when it returns a reason (e.g. the run already lags: its numbers cannot be used).
+    `pause_gc`: no cyclic garbage collection while the cluster runs (collected
     once at the end). The collector's passes visit every item of the young token lists again and
     again: measured at 72B/1024 (sync), 85 of 119 CPU seconds and pauses of up to 2 s, which
     compressed time turns into 10+ simulated seconds of lag. The roles' objects are reference-
@@ -154,8 +157,14 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
         task = cluster.tasks["trainer.0"]
         seen = trainer.version
         run.marks.append((seen, time.monotonic(), _engine_tokens(rollouts)))
+        checked = time.monotonic()
         while not task.done() and time.monotonic() - t0 < timeout_s:
             await asyncio.sleep(poll_s)  # sampling the trainer's version (a probe, not a wait for a peer)
+            if stop_when is not None and time.monotonic() - checked > check_s:
+                checked = time.monotonic()
+                if (reason := stop_when(rollouts)) is not None:
+                    run.stopped = reason
+                    break
             if trainer.version != seen:
                 seen = trainer.version
                 run.marks.append((seen, time.monotonic(), _engine_tokens(rollouts)))

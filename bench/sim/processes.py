@@ -8,10 +8,11 @@ and nothing left behind however the sweep ends.
   pools write to): `cores − 1`, at least 1, at most 3 (memory: the largest runs take ~10 GB).
   On 2 cores that is 1. `--jobs` may ask for more; lag (below) shows what it cost.
 - Lag: a run whose engines fell behind their simulated timeline (`lagged`, bench/sim/runs.py)
-  measured less than the modeled hardware would do. It is rerun at half the speedup, up to
-  `lag_retries` times (never below the setup's minimum speedup); each attempt is recorded in the
-  result (`attempts`). A run still lagging after that is kept, and reported invalid, never as a
-  headline number (bench/sim/results.py).
+  measured less than the modeled hardware would do. The child ends it as soon as that is certain
+  (bench/sim/runs.py), and it is rerun here at half the speedup, up to `lag_retries` times (never
+  below the setup's minimum speedup); each attempt is recorded in the result (`attempts`). A run
+  still lagging after that is kept, and reported invalid, never as a headline number
+  (bench/sim/results.py).
 - Clean-up: unless `keep`, a run's folder (pools, metrics: 0.5-2 GB on /dev/shm, which is memory)
   is removed as soon as its result is read. The parent names each child's shared-memory weights
   root and removes it once the child has ended, however it ended: a child that was SIGKILLed (the

@@ -69,20 +69,31 @@ def run_mode(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *
     quiet_logs()
 
     lags: list[float] = []
+    measuring = [False]
 
     def after_warmup(version: int, rollouts) -> None:
         if version == warmup:  # lag is judged on the measured window only (start-up lags by design)
+            measuring[0] = True
             for r in rollouts:
                 r.engine.counters["max_lag_s"] = 0.0
         if version > warmup:  # how far behind its timeline the furthest busy engine is, now
             lags.append(max((max(0.0, r.engine.clock.now() - r.engine.sim_stats()["sim_time_s"])
                              for r in rollouts if r.engine.running), default=0.0))
 
+    def lagging(rollouts) -> str | None:
+        """Once an engine is further behind its timeline than LAG_PEAK_FLAG_S in the measured
+        window the run is `lagged` whatever follows: end it now, not at its last version."""
+        worst = max((r.engine.counters["max_lag_s"] for r in rollouts), default=0.0)
+        if measuring[0] and worst > LAG_PEAK_FLAG_S:
+            return f"lagged: an engine {worst:.0f} s behind its timeline"
+        return None
+
     try:
-        run = asyncio.run(run_sim(cfg, timeout_s=timeout_s, on_version=after_warmup))
+        run = asyncio.run(run_sim(cfg, timeout_s=timeout_s, on_version=after_warmup, stop_when=lagging))
     finally:
         shutil.rmtree(weights_root, ignore_errors=True)
     out = measure_run(run, raw, setup, workload, size, gpus, mode, warmup, measure)
+    out["stopped"] = run.stopped
     out["engine_lag_at_updates_s"] = (sum(lags) / len(lags)) if lags else None
     out["lagged"] = bool(out["engine_lag_at_updates_s"] and out["engine_lag_at_updates_s"] > LAG_FLAG_S) \
         or out["engine_max_lag_s"] > LAG_PEAK_FLAG_S

@@ -140,3 +140,18 @@ def test_generated_sim_configs_load(tmp_path):
         assert cfg.roles["trainer"]["engine"] == "sim" and cfg.roles["rollout"]["engine"] == "sim"
         assert path.stem.endswith(cfg.run.mode)
     assert not list((ROOT / "configs" / "sim").glob("*-*.yaml")), "generated cluster files are not committed"
+
+
+def test_a_run_ends_early_when_its_numbers_can_no_longer_be_used(tmp_path):
+    """`stop_when` (the sweep's lag check) ends a run at once, reason recorded, and the run still
+    cleans up its weight folders: a lagging run is rerun slower instead of being finished."""
+    cfg, _ = scenario(tmp_path, "laminar")
+    asked = []
+
+    def stop_when(rollouts):
+        asked.append(len(rollouts))
+        return "lagged: told to stop"
+    run = asyncio.run(run_sim(cfg, timeout_s=HANG_GUARD_S, stop_when=stop_when, check_s=0.1))
+    assert run.stopped == "lagged: told to stop" and not run.finished and asked == [4]
+    assert len(run.records) < ITERATIONS
+    assert not [t["dir"] for t in cfg.roles["trainer"]["sim"]["deliver"] if Path(t["dir"]).exists()]
