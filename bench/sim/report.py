@@ -42,8 +42,8 @@ def _f(v, digits: int = 0) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
-
 def print_scale(obj: dict, workload: dict) -> None:
+    """One (model, GPUs) object's table and the lines under it (ratios, ceiling, repack, staleness)."""
     size, gpus = obj["model"], obj["gpus"]
     lam = obj["throughput_tokens_per_s"].get("laminar")
     rows = []
