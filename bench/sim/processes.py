@@ -8,11 +8,12 @@ and nothing left behind however the sweep ends.
   pools write to): `cores − 1`, at least 1, at most 3 (memory: the largest runs take ~10 GB).
   On 2 cores that is 1. `--jobs` may ask for more; lag (below) shows what it cost.
 - Lag: a run whose engines fell behind their simulated timeline (`lagged`, bench/sim/runs.py)
-  measured less than the modeled hardware would do. The child ends it as soon as that is certain
-  (bench/sim/runs.py), and it is rerun here at half the speedup, up to `lag_retries` times (never
-  below the setup's minimum speedup); each attempt is recorded in the result (`attempts`). A run
-  still lagging after that is kept, and reported invalid, never as a headline number
-  (bench/sim/results.py).
+  measured less than the modeled hardware would do; the child ends it as soon as that is
+  certain. A run that did not reach its last version by its deadline (three times its expected
+  wall time, plus two minutes), or overran it, was too slow for the machine as well. Either is
+  rerun at half the speedup, up to `lag_retries` times (never below the setup's minimum
+  speedup); each attempt is recorded in the result (`attempts`). A run still lagging after that
+  is kept, and reported invalid, never as a headline number (bench/sim/results.py).
 - Clean-up: unless `keep`, a run's folder (pools, metrics: 0.5-2 GB on /dev/shm, which is memory)
   is removed as soon as its result is read. The parent names each child's shared-memory weights
   root and removes it once the child has ended, however it ended: a child that was SIGKILLed (the
@@ -146,17 +147,20 @@ def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path,
                 r = json.loads(out.read_text())
                 r["attempts"] = spec.get("attempts", []) + [attempt(r)]
                 _done(r)
-                if r["lagged"] and (again := slower(spec, r["attempts"])) is not None:
-                    print(f"  lagged at speedup {spec['speedup']:g}: rerunning at {again['speedup']:g}", flush=True)
-                    pending.insert(0, again)
-                    continue
-                results[key] = r
+                too_slow = "lagged" if r["lagged"] else None if r["finished"] else "did not finish in time"
             else:
                 tail = Path(log.name).read_text()[-2000:]
-                results[key] = {"error": f"exit {proc.returncode}" + (" (killed: overran)" if over else ""),
-                                "log_tail": tail}
-                print(f"[{time.strftime('%H:%M:%S')}] FAILED {key}: exit {proc.returncode}\n{tail}", flush=True)
-
+                error = f"exit {proc.returncode}" + (" (killed: overran)" if over else "")
+                r = {"error": error, "log_tail": tail,
+                     "attempts": spec.get("attempts", []) + [{"speedup": spec["speedup"], "error": error,
+                                                               "wall_s": round(time.monotonic() - t0, 1)}]}
+                print(f"[{time.strftime('%H:%M:%S')}] FAILED {key}: {error}\n{tail}", flush=True)
+                too_slow = "overran its deadline" if over else None
+            if too_slow and (again := slower(spec, r["attempts"])) is not None:
+                print(f"  {too_slow} at speedup {spec['speedup']:g}: rerunning at {again['speedup']:g}", flush=True)
+                pending.insert(0, again)
+                continue
+            results[key] = r
 
 def _f(v, digits: int = 0) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
