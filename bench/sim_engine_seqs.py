@@ -30,28 +30,29 @@ from _common import print_table, write_json  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-async def steady(setup: dict, workload: dict, size: str, mode: str, policy: str, sim_s: float) -> dict:
+async def steady(setup, workload: dict, size: str, mode: str, policy: str, sim_s: float) -> dict:
     from laminar.roles.rollout.sim_engine import SimEngine, VirtualClock
 
     from laminar.sim.scenario import build_config, ideal_replica_tokens_per_s, scales
-    shape = setup["run_shape"]
+    shape = setup.run_shape
     ideal, bstar = ideal_replica_tokens_per_s(setup, workload, size, mode)
-    outstanding = int(shape["max_concurrency"])
+    outstanding = shape.max_concurrency
     # the engine settings a rollout of this mode gets in the cluster (the scale changes only its
     # weight-load time, which an engine kept full never pays)
     cfg = build_config(setup, size, scales(workload, size)[-1], mode, workdir="/nonexistent", speedup=1.0,
                        iterations=1, workload=workload, weights_root="/nonexistent")
-    sim = {k: v for k, v in cfg["roles"]["rollout"]["sim"].items() if k != "speedup"}
+    # the engine alone (its steady state): no compressed time, no scoring timeline (a VirtualClock has one sleeper)
+    sim = {k: v for k, v in cfg["roles"]["rollout"]["sim"].items() if k not in ("speedup", "reward_s_by_tokens")}
     clock = VirtualClock()
     eng = SimEngine.from_workload(**sim, clock=clock, seed=1,
                                   max_num_seqs=min(bstar, outstanding) if policy == "kv" else outstanding)
     await eng.start()
     tokens, started, mark = 0, 0, None
-    prompt = [5] * int(shape["prompt_tokens"])
+    prompt = [5] * shape.prompt_tokens
 
     async def one(i: int) -> None:
         nonlocal tokens
-        async for toks, _, _ in eng.generate(f"r{i}", prompt, int(shape["max_output_tokens"]), seed=i):
+        async for toks, _, _ in eng.generate(f"r{i}", prompt, shape.max_output_tokens, seed=i):
             tokens += len(toks)
     tasks: set = set()
     t0 = time.perf_counter()
@@ -86,9 +87,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from laminar.sim import load_workload
-    from laminar.sim.scenario import load_setups
-    setup = load_setups(a.setups)
-    workload = load_workload(setup.get("workload"))
+    from laminar.sim.setup import load_setup
+    setup = load_setup(a.setups)
+    workload = load_workload(setup.workload)
     rows = []
     for size in a.models.split(","):
         for mode in a.modes.split(","):

@@ -4,7 +4,7 @@
 
 For each batch size b, b requests of `--tokens` tokens start together on one engine (the rollout's
 own VllmEngine, one core); step time = wall time of the batch ÷ tokens per request. B is
-`laminar.sim.latency.roofline_batch_bound` of that curve (the largest batch whose step is within
+`laminar.stepcurve.roofline_batch_bound` of that curve (the largest batch whose step is within
 1.2× the batch-1 step, the manager's repack bound). The JSON (`{"points": [[b, ms], ...], "batch_bound": B}`) is what
 `roles.manager.curve_path` reads, so the manager takes B from a curve measured on this machine.
 """
@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--core", default="0", help="core to pin the engine to (VLLM_CPU_OMP_THREADS_BIND)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from laminar.sim.latency import StepCurve, roofline_batch_bound
+    from laminar.stepcurve import StepCurve, roofline_batch_bound
     model = a.model_dir or ("models/tiny" if Path("models/tiny/config.json").exists() else None)
     if model is None:
         from laminar.models.tiny import build_tiny_model

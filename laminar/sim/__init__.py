@@ -1,5 +1,11 @@
 """The scale simulator's models (docs/sim.md): hardware and model shapes, decode step latency,
-response lengths, trainer cost. The simulated engine itself is `laminar.roles.rollout.sim_engine`.
+response lengths, trainer cost, scoring cost, the validated settings (setup.py) and the
+scenarios built from them (scenario.py).
+
+A library, and a leaf: it imports no role, no test harness and no benchmark. The sim engines
+that implement the roles' engine interfaces with these models live beside their roles
+(roles/rollout/sim_engine.py, roles/trainer/sim_engine.py); the program that runs the roles on
+them and measures the result lives in bench/ (bench/scale.py, bench/sim/).
 
 Every model here is a pure function of stated constants or of a workload file
 (`configs/workloads/paper.json`: figures read off the Laminar paper). The file is found by

@@ -35,9 +35,10 @@ Design decisions:
     rank. The batch's sequences are spread over gpus ÷ sp ranks balancing tokens (verl's
     balance_batch), each rank's share is cut into `optimizer_steps` mini-batches in order, and a
     step costs the largest mini-batch's tokens at one rank's FLOPs rate.
-  * the single controller's work per iteration (`controller_s_per_trajectory`,
-    `controller_fixed_s`): reward scoring in the driver, one response after another, and moving
-    the padded batch between the driver and the workers.
+  * the single controller's work per iteration: scoring every response in the driver, one after
+    another (`reward`, a measured cost by response length: laminar/sim/reward_cost.py, summed
+    over the batch's own response lengths), and moving the padded batch between the driver and
+    the workers (`controller_s_per_trajectory`, `controller_fixed_s`).
   * colocated phase switches (`switch_s`): resharding, the inference engine's sleep and wake,
     offload and reload of the training state (`colocated_switch_s`).
 - Publishing and broadcast follow the relay chain's model with stated link constants
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from laminar.sim.hardware import GPU, ModelShape
 from laminar.sim.hardware import gpu as gpu_spec
 from laminar.sim.hardware import model as model_shape
+from laminar.sim.reward_cost import RewardCost
 
 TRAIN_MFU = 0.35
 MiB = 2 ** 20
@@ -141,6 +143,7 @@ class TrainerCost:
     controller_fixed_s: float = 0.0
     switch_s: float = 0.0           # colocated: phase switches per iteration
     attention: bool = False         # charge causal self-attention's FLOPs (quadratic in a sequence)
+    reward: RewardCost | None = None  # single controller: scoring each response, one after another
 
     @classmethod
     def build(cls, model: str, gpu: str, gpus: int, **kw) -> TrainerCost:
@@ -179,23 +182,29 @@ class TrainerCost:
         forward = 2.0 * self.model.params * (f - 1) / f
         return (self.optimizer_steps * per_step + self.extra_forward_passes * forward) / (self.collective_gbps * 1e9)
 
-    def overhead_s(self, trajectories: int = 0) -> float:
-        """What the iteration pays besides the GPUs' FLOPs: FSDP traffic, controller, switches."""
+    def overhead_s(self, trajectories: int = 0, response_lengths=None) -> float:
+        """What the iteration pays besides the GPUs' FLOPs: FSDP traffic, controller (with the
+        scoring of `response_lengths`, when a reward cost is set and they are given), switches."""
+        scoring = self.reward.total(response_lengths) if self.reward is not None and response_lengths is not None \
+            else 0.0
         return (self.comm_s() + self.controller_fixed_s + self.controller_s_per_trajectory * trajectories
-                + self.switch_s)
+                + scoring + self.switch_s)
 
-    def iteration_s(self, tokens: int, trajectories: int = 0, squares: float = 0.0) -> float:
+    def iteration_s(self, tokens: int, trajectories: int = 0, squares: float = 0.0,
+                    response_lengths=None) -> float:
         """Seconds of one RL iteration over `tokens` (prompt + response) tokens of `trajectories`
-        sequences whose squared lengths sum to `squares`, the ranks perfectly balanced."""
-        return self.compute_s(tokens, squares) + self.overhead_s(trajectories)
+        sequences whose squared lengths sum to `squares`, the ranks perfectly balanced; the
+        responses' scoring is charged when their lengths are given."""
+        return self.compute_s(tokens, squares) + self.overhead_s(trajectories, response_lengths)
 
-    def iteration_s_lengths(self, lengths) -> float:
+    def iteration_s_lengths(self, lengths, response_lengths=None) -> float:
         """One iteration over sequences of `lengths` tokens (prompt + response each): every
-        optimizer step waits for its slowest data-parallel rank (`balanced_step_tokens`)."""
+        optimizer step waits for its slowest data-parallel rank (`balanced_step_tokens`); the
+        responses (`response_lengths` tokens each) are scored when a reward cost is set."""
         ranks = max(1, self.gpus // max(1, self.sp))
         worst = balanced_step_tokens(list(lengths), ranks, self.optimizer_steps, cost=self.sequence_flops)
         per_rank_rate = (self.gpus / ranks) * self.gpu.peak_flops * self.mfu
-        return sum(worst) / per_rank_rate + self.overhead_s(len(lengths))
+        return sum(worst) / per_rank_rate + self.overhead_s(len(lengths), response_lengths)
 
     def publish_stall_s(self) -> float:
         """The trainer's only stall per version: pushing its bf16 weights into the master relay."""

@@ -21,7 +21,7 @@ from laminar.roles.manager.fleet import Fleet, FleetSettings
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.protocol import Heartbeat, LinkDown, MasterQuery, RelayJoin, RolloutStats, WeightsVersion
-from laminar.sim.latency import StepCurve, roofline_batch_bound
+from laminar.stepcurve import StepCurve, roofline_batch_bound
 
 
 class ManagerConfig(BaseModel):

@@ -44,6 +44,15 @@ real time (overhead is absorbed, not accumulated; `max_lag_s` says when the mach
 up), `VirtualClock` advances instantly (only correct with one engine per clock: tests and
 single-engine studies).
 
+Scoring (`reward_cost`, laminar/sim/reward_cost.py; None: free): the rollout role scores each
+trajectory inline when its stream ends, one after another on its event loop, but the sim
+rollouts' reward function is a stand-in that costs nothing (`laminar.tasks.rewards:zero`), so the
+engine charges it: a finished request's last chunk is handed over only once the request has been
+scored, on a scorer timeline of its own (sequential: a request waits for the ones that finished
+before it), `reward_cost.seconds(response tokens)` of simulated time each. The GPU does not wait
+(in vLLM the engine core runs in its own process and keeps stepping); the trajectory reaches the
+buffer that much later. Needs a CompressedClock (a VirtualClock has one sleeper).
+
 Weights: `load_relay` reads the newest version in the relay folder (LocalWeights) if the folder
 exists, else counts versions itself; an exact load (run, lineage, version) checks the folder holds
 those weights (newest or retained); `load_file` only costs time. Both cost `load_s` of
@@ -66,8 +75,10 @@ from typing import Protocol
 import numpy as np
 from laminar.roles.rollout.engine import EngineStats, RolloutEngine
 
-from laminar.sim.latency import StepCurve, decode_step_ms
+from laminar.sim.latency import decode_step_ms
 from laminar.sim.lengths import LengthDistribution, z_from_key
+from laminar.sim.reward_cost import RewardCost
+from laminar.stepcurve import StepCurve
 
 _N = NormalDist()
 
@@ -124,6 +135,7 @@ class _Request:
     shared_blocks: int       # full blocks of the original prompt (0 without prefix caching)
     target: int              # tokens this request generates
     finish: str              # finish reason at target
+    response_tokens: int = 0  # the whole response at target (earlier attempts' output included): what is scored
     generated: int = 0
     emitted: int = 0
     blocks: int = 0          # private blocks held (0 while waiting)
@@ -148,7 +160,7 @@ class SimEngine(RolloutEngine):
                  prefix_caching: bool = True, group_correlation: float = 0.0, load_s: float = 1.0,
                  clock: Clock | None = None, token_id: int = 0, logprob: float = -0.5, seed: int = 0,
                  kv_ms_per_token: float = 0.0, curve_context: int = 4096, host_step_ms: float = 0.0,
-                 host_ms_per_seq: float = 0.0):
+                 host_ms_per_seq: float = 0.0, reward_cost: RewardCost | None = None):
         self.curve, self.lengths = curve, lengths
         # context dependence: every running sequence's KV is read once per step; the curve was
         # measured with `curve_context` tokens each, so a step is corrected by the KV bytes its
@@ -159,6 +171,11 @@ class SimEngine(RolloutEngine):
         # logprob, detokenization, streaming to the client), not overlapped.
         self.kv_ms_per_token, self.curve_context, self.host_step_ms = kv_ms_per_token, curve_context, host_step_ms
         self.host_ms_per_seq = host_ms_per_seq
+        self.reward_cost = reward_cost
+        self._to_score: deque[tuple[_Request, float]] = deque()  # (finished request, simulated time it ended)
+        self._score_ready = asyncio.Event()
+        self._scorer: asyncio.Task | None = None
+        self._scored_until = 0.0  # simulated time the scorer is busy until
         self.block_size = block_size
         self.num_blocks = kv_capacity_tokens // block_size
         self.max_model_len = max_model_len or self.num_blocks * block_size
@@ -187,14 +204,15 @@ class SimEngine(RolloutEngine):
         self._timeline = 0.0
         self._since_emit = 0
         self.counters = {"steps": 0, "macro_steps": 0, "tokens": 0, "prefill_tokens": 0, "finished": 0,
-                         "aborted": 0, "preemptions": 0, "peak_kv_usage": 0.0, "max_lag_s": 0.0}
+                         "aborted": 0, "preemptions": 0, "peak_kv_usage": 0.0, "max_lag_s": 0.0,
+                         "scoring_s": 0.0}
 
     @classmethod
     def from_workload(cls, *, model: str, tp: int, lengths: str, gpu: str = "H800",
                       max_num_seqs: int = 1024, mem_fraction: float = 0.9, curve_path: str | None = None,
                       workload_path: str | None = None, max_output_tokens: int | None = None,
                       load_gbps: float = 25.0, host_ms_per_layer: float | None = None,
-                      context_dependence: bool = True, **kw) -> SimEngine:
+                      context_dependence: bool = True, reward_s_by_tokens=None, **kw) -> SimEngine:
         """Build from names: model '7B'/'32B'/'72B', `tp` GPUs of kind `gpu`, the workload's
         length statistics `lengths` (e.g. '32B_math'), the paper's step curve for <model>_TP<tp>
         (or the fitted roofline's where the paper has none, or `curve_path`, a measured curve);
@@ -202,7 +220,9 @@ class SimEngine(RolloutEngine):
         load_s defaults to one GPU's share of the bf16 weights at `load_gbps` GB/s (PCIe from
         pageable host memory: ~40% of Gen5 x16). A step is corrected for the context it reads
         (`context_dependence`) and costs at least layers × `host_ms_per_layer` (default
-        latency.HOST_MS_PER_LAYER; 0 turns it off). Other keywords go to the constructor."""
+        latency.HOST_MS_PER_LAYER; 0 turns it off). `reward_s_by_tokens`: [[response tokens,
+        seconds]] of scoring a trajectory (RewardCost; None: free). Other keywords go to the
+        constructor."""
         from laminar.sim import load_workload
         from laminar.sim.hardware import gpu as gpu_spec
         from laminar.sim.hardware import kv_capacity_tokens
@@ -217,6 +237,8 @@ class SimEngine(RolloutEngine):
             kw.setdefault("kv_ms_per_token", kv_ms_per_token(m, g, tp))
         per_layer = HOST_MS_PER_LAYER if host_ms_per_layer is None else host_ms_per_layer
         kw.setdefault("host_step_ms", per_layer * m.layers)
+        if reward_s_by_tokens:
+            kw.setdefault("reward_cost", RewardCost.from_points(reward_s_by_tokens))
         return cls(curve=curve, lengths=workload_lengths(lengths, workload, max_output_tokens),
                    kv_capacity_tokens=kv_capacity_tokens(m, g, tp, mem_fraction),
                    prefill_ms_per_token=prefill_ms_per_token(m, g, tp), max_num_seqs=max_num_seqs, **kw)
@@ -232,8 +254,12 @@ class SimEngine(RolloutEngine):
 
     # -- RolloutEngineAPI (roles/rollout/engine_api.py) ---------------------------------------------
     async def start(self) -> None:
-        self._timeline = self.clock.now()
+        if self.reward_cost is not None and isinstance(self.clock, VirtualClock):
+            raise ValueError("sim engine: a reward cost needs a CompressedClock (a VirtualClock has one sleeper)")
+        self._timeline = self._scored_until = self.clock.now()
         self._task = asyncio.create_task(self._run(), name="sim-engine-scheduler")
+        if self.reward_cost is not None:
+            self._scorer = asyncio.create_task(self._score(), name="sim-engine-scorer")
 
     async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None):
         if self._failure is not None:
@@ -288,10 +314,11 @@ class SimEngine(RolloutEngine):
         await self.clock.sleep(self.load_s)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in (self._task, self._scorer):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._scorer = None
         self._failure = self._failure or SimEngineClosed("sim engine closed")
         self._fail_all(self._failure)
 
@@ -313,7 +340,7 @@ class SimEngine(RolloutEngine):
         if n + target > self.max_model_len:
             target, finish = self.max_model_len - n, "length"
         shared = (n - already) // self.block_size if self.prefix_caching else 0
-        return _Request(request_id, n, key, shared, target, finish)
+        return _Request(request_id, n, key, shared, target, finish, response_tokens=already + target)
 
     def _total_length(self, seed: int | None, key: int, already: int) -> int:
         if seed is not None:
@@ -345,7 +372,9 @@ class SimEngine(RolloutEngine):
             r.in_cache = False
 
     def _fail_all(self, exc: BaseException) -> None:
-        for r in list(self.running) + list(self.waiting):
+        scoring = [r for r, _ in self._to_score]
+        self._to_score.clear()
+        for r in list(self.running) + list(self.waiting) + scoring:
             self._release(r)
             r.done, r.error = True, exc
             r.wake.set()
@@ -471,7 +500,11 @@ class SimEngine(RolloutEngine):
                 self._free(r)
                 r.done = True
                 self.counters["finished"] += 1
-                r.wake.set()
+                if self.reward_cost is None:
+                    r.wake.set()
+                else:  # handed over once scored (module docstring)
+                    self._to_score.append((r, self._timeline))
+                    self._score_ready.set()
                 continue
             still.append(r)
             if boundary:
@@ -481,6 +514,27 @@ class SimEngine(RolloutEngine):
         self.counters["steps"] += steps
         self.counters["macro_steps"] += 1
         self._update_stats()
+
+    async def _score(self) -> None:
+        """The scorer timeline: each finished request, in the order they ended, takes its scoring
+        time after the previous one's (or after it ended, if the scorer was idle then)."""
+        try:
+            while True:
+                while not self._to_score:
+                    self._score_ready.clear()
+                    await self._score_ready.wait()
+                r, ended = self._to_score.popleft()
+                cost = self.reward_cost.seconds(r.response_tokens)
+                self._scored_until = max(self._scored_until, ended) + cost
+                self.counters["scoring_s"] += cost
+                await self.clock.sleep(self._scored_until - self.clock.now())
+                r.wake.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._failure = SimEngineDead(f"sim engine scorer failed: {exc!r}")
+            self._fail_all(self._failure)
+            raise
 
     def _update_stats(self) -> None:
         s = self.stats

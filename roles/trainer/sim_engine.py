@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from laminar.sim.reward_cost import RewardCost
 from laminar.sim.trainer_cost import TRAIN_MFU, NcclBroadcast, RelayLink, TrainerCost
 
 
@@ -88,6 +89,9 @@ class SimTrainerSettings(BaseModel):
     balance: bool = Field(True, description="charge the slowest data-parallel rank of each step")
     controller_s_per_trajectory: float = Field(0.0, ge=0, description="single controller: s per trajectory")
     controller_fixed_s: float = Field(0.0, ge=0, description="single controller: s per iteration")
+    reward_s_by_tokens: list[tuple[float, float]] | None = Field(
+        None, description="single controller: [[response tokens, seconds to score one]], summed over the batch's "
+                          "responses one after another (laminar/sim/reward_cost.py; None: scoring not charged here)")
     switch_s: float = Field(0.0, ge=0, description="colocated phase switches per iteration, s")
     attention: bool = Field(False, description="charge causal self-attention's FLOPs, quadratic in each "
                             "sequence's length (trainer_cost.TrainerCost.sequence_flops)")
@@ -155,7 +159,9 @@ class SimTrainEngine:
                                       collective_gbps=s.collective_gbps,
                                       controller_s_per_trajectory=s.controller_s_per_trajectory,
                                       controller_fixed_s=s.controller_fixed_s, switch_s=s.switch_s,
-                                      attention=s.attention)
+                                      attention=s.attention,
+                                      reward=RewardCost.from_points(s.reward_s_by_tokens) if s.reward_s_by_tokens
+                                      else None)
         self.params = self.cost.model.params
         if s.colocated:
             self.stall_s = 0.0
@@ -177,12 +183,15 @@ class SimTrainEngine:
     def train(self, groups, version: int) -> dict:
         """Sleep one iteration's modeled time (worker thread); in modeled-delivery mode also the
         publish stall, after which version `version` starts down the modeled chain."""
-        lengths = [len(t.spec.prompt_tokens) + len(t.response_tokens) for g in groups for t in g]
+        trajectories = [t for g in groups for t in g]
+        responses = [len(t.response_tokens) for t in trajectories]
+        lengths = [len(t.spec.prompt_tokens) + n for t, n in zip(trajectories, responses, strict=True)]
         tokens = sum(lengths)
         if self.s.balance:
-            train_s = self.cost.iteration_s_lengths(lengths)
+            train_s = self.cost.iteration_s_lengths(lengths, responses)
         else:
-            train_s = self.cost.iteration_s(tokens, len(lengths), squares=sum(n * n for n in lengths))
+            train_s = self.cost.iteration_s(tokens, len(lengths), squares=sum(n * n for n in lengths),
+                                            response_lengths=responses)
         stall_s = self.stall_s if self.on_version is not None else 0.0
         nccl = self.s.nccl is not None
         time.sleep(train_s / self.s.speedup)
@@ -192,8 +201,9 @@ class SimTrainEngine:
         self.sim_busy_s += train_s + stall_s
         if self.on_version is not None and not nccl:
             self.on_version(version)
+        scoring_s = self.cost.reward.total(responses) if self.cost.reward is not None else 0.0
         return {"tokens": float(tokens), "loss": 0.0, "sim_train_s": train_s, "sim_stall_s": self.stall_s,
-                "speedup": self.s.speedup}
+                "speedup": self.s.speedup, "sim_scoring_s": scoring_s}
 
     def full_state(self, with_optimizer: bool = False) -> dict:
         """The stand-in weights, after the modeled stall of copying the real ones out (relay mode)."""

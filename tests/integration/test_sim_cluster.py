@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.sim.cluster import run_sim
 from laminar.config import parse_config
 from laminar.sim import load_workload
-from laminar.sim.cluster import run_sim
-from laminar.sim.scenario import build_config, load_setups, write_prompts
+from laminar.sim.scenario import build_config, write_prompts
+from laminar.sim.setup import SimSetup, load_setup
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,10 +28,10 @@ ITERATIONS = 4
 HANG_GUARD_S = 500.0  # not a speed bound: the trainer normally reaches its versions far sooner
 
 
-def small_setup() -> dict:
-    setup = load_setups(ROOT / "configs" / "sim" / "paper.yaml")
-    setup["run_shape"].update(prompts_per_batch=8, group_size=4, max_concurrency=16, max_output_tokens=8192,
-                              prompt_tokens=64)
+def small_setup() -> SimSetup:
+    setup = load_setup(ROOT / "configs" / "sim" / "paper.yaml")
+    setup.run_shape = setup.run_shape.model_copy(update=dict(prompts_per_batch=8, group_size=4, max_concurrency=16,
+                                                             max_output_tokens=8192, prompt_tokens=64))
     return setup
 
 
@@ -94,7 +95,7 @@ def test_laminar_refill_drains_for_every_new_version(tmp_path):
     newer one. Before, a refilling rollout's batch never drained, so without repack to empty it
     every rollout kept version 0 for the whole run (measured: final versions [0, 0, 0, 0])."""
     setup = small_setup()
-    setup["rollout"]["refill"] = True
+    setup.rollout.refill = True
     raw = build_config(setup, "72B", 64, "laminar_norepack", workdir=str(tmp_path / "refill"), speedup=100.0,
                        iterations=ITERATIONS, workload=load_workload(),
                        weights_root=f"/dev/shm/laminar-test-sim-{tmp_path.name}-refill")
@@ -125,10 +126,10 @@ def test_one_step_mode_staleness_at_most_one(tmp_path):
 def test_generated_sim_configs_load(tmp_path):
     """The cluster files are generated on demand from configs/sim/paper.yaml (none is committed):
     every mode at the two contract scales is a valid LaminarConfig running on sim engines."""
+    from bench.sim.report import write_configs
     from laminar.config import load_config
-    from laminar.sim.harness import write_configs
     from laminar.sim.scenario import MODES
-    setup = load_setups(ROOT / "configs" / "sim" / "paper.yaml")
+    setup = load_setup(ROOT / "configs" / "sim" / "paper.yaml")
     runs = [("72B", 1024), ("32B", 128)]
     write_configs(setup, load_workload(), runs, list(MODES), tmp_path, {(s, g, m): 5.0 for s, g in runs for m in MODES},
                   relays=False)
@@ -139,3 +140,18 @@ def test_generated_sim_configs_load(tmp_path):
         assert cfg.roles["trainer"]["engine"] == "sim" and cfg.roles["rollout"]["engine"] == "sim"
         assert path.stem.endswith(cfg.run.mode)
     assert not list((ROOT / "configs" / "sim").glob("*-*.yaml")), "generated cluster files are not committed"
+
+
+def test_a_run_ends_early_when_its_numbers_can_no_longer_be_used(tmp_path):
+    """`stop_when` (the sweep's lag check) ends a run at once, reason recorded, and the run still
+    cleans up its weight folders: a lagging run is rerun slower instead of being finished."""
+    cfg, _ = scenario(tmp_path, "laminar")
+    asked = []
+
+    def stop_when(rollouts):
+        asked.append(len(rollouts))
+        return "lagged: told to stop"
+    run = asyncio.run(run_sim(cfg, timeout_s=HANG_GUARD_S, stop_when=stop_when, check_s=0.1))
+    assert run.stopped == "lagged: told to stop" and not run.finished and asked == [4]
+    assert len(run.records) < ITERATIONS
+    assert not [t["dir"] for t in cfg.roles["trainer"]["sim"]["deliver"] if Path(t["dir"]).exists()]

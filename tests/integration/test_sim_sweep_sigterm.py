@@ -2,9 +2,12 @@
 nothing in /dev/shm: before, its children ran on, orphaned, each for up to its own timeout (minutes
 of both cores and gigabytes of memory), and left their weight folders behind when they were killed.
 A child killed outright (SIGKILL: the OOM killer, an overrun) cannot clean up; its parent removes its
-folder for it."""
+folder for it. The checks look at this sweep's own folders only (named on its children's command
+lines): another sweep running on the machine makes folders of the same kinds, which failed the
+earlier check of "no new laminar-sim-* folder" while one ran beside it."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +18,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHM = Path("/dev/shm")
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,8 +36,13 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def shm(prefix: str) -> set[str]:
-    return {p.name for p in SHM.iterdir() if p.name.startswith(prefix)}
+def spec_of(pid: int) -> dict | None:
+    """The run spec a sweep child was started with (the JSON after --child on its command line)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return None
+    return json.loads(argv[argv.index("--child") + 1]) if "--child" in argv else None
 
 
 def sweep(modes: str, jobs: int, out: Path) -> subprocess.Popen:
@@ -45,26 +52,31 @@ def sweep(modes: str, jobs: int, out: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def wait_for_clusters(parent: subprocess.Popen, n: int, before: set[str]) -> list[int]:
-    """The sweep's children once `n` of them have made their weight folders."""
+def wait_for_clusters(parent: subprocess.Popen, n: int) -> tuple[list[int], set[Path]]:
+    """The sweep's children once `n` of them have made their weight folders, and the shared-memory
+    folders that are this sweep's own: its work folder and its children's weights roots (named on
+    their command lines; other sweeps on the machine make folders of the same kind)."""
     kids: list[int] = []
+    ours: set[Path] = set()
     end = time.monotonic() + 150
-    while time.monotonic() < end and not (len(kids) >= n and len(shm("laminar-sim-") - before) >= n):
+    while time.monotonic() < end:
         kids = children(parent.pid)
+        specs = [sp for sp in map(spec_of, kids) if sp]
+        ours = {Path(sp["weights_root"]) for sp in specs} | {Path(sp["root"]) for sp in specs}
+        if len(specs) >= n and sum(Path(sp["weights_root"]).exists() for sp in specs) >= n:
+            return kids, ours
         time.sleep(0.2)  # polling /proc and /dev/shm for the children's start
-    assert len(kids) >= n and len(shm("laminar-sim-") - before) >= n, "the children never started their clusters"
-    return kids
+    raise AssertionError("the children never started their clusters")
 
 
 @pytest.mark.parametrize("group", [False, True], ids=["parent", "process-group"])
 def test_sigterm_stops_the_children_and_cleans_shared_memory(tmp_path, group):
     # process-group: every process gets SIGTERM at once (a shell's kill of the job, systemd's stop), and
     # each child a second one from its parent's stop, which must not break off the first one's cleanup
-    before_sim, before_scale = shm("laminar-sim-"), shm("laminar-scale-")
     parent = sweep("laminar,sync" if group else "laminar", 2 if group else 1, tmp_path / "out.json")
     kids: list[int] = []
     try:
-        kids = wait_for_clusters(parent, 2 if group else 1, before_sim)
+        kids, ours = wait_for_clusters(parent, 2 if group else 1)
         if group:
             os.killpg(parent.pid, signal.SIGTERM)
         else:
@@ -74,7 +86,7 @@ def test_sigterm_stops_the_children_and_cleans_shared_memory(tmp_path, group):
         while time.monotonic() < end and any(os.path.exists(f"/proc/{k}") for k in kids):
             time.sleep(0.2)
         assert not [k for k in kids if os.path.exists(f"/proc/{k}")], "a child outlived the sweep"
-        assert not shm("laminar-sim-") - before_sim and not shm("laminar-scale-") - before_scale
+        assert not [p for p in ours if p.exists()]
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -84,17 +96,15 @@ def test_sigterm_stops_the_children_and_cleans_shared_memory(tmp_path, group):
 
 
 def test_a_child_killed_outright_leaves_no_weights_behind(tmp_path):
-    before_sim, before_scale = shm("laminar-sim-"), shm("laminar-scale-")
     parent = sweep("laminar", 1, tmp_path / "out.json")
     kids: list[int] = []
     try:
-        kids = wait_for_clusters(parent, 1, before_sim)
+        kids, ours = wait_for_clusters(parent, 1)
         for k in kids:
             os.kill(k, signal.SIGKILL)  # as the OOM killer does: no finally block runs
         out, _ = parent.communicate(timeout=60)
         assert "FAILED" in out and "exit -9" in out, out[-2000:]  # reported as a failed run, not lost silently
-        assert not shm("laminar-sim-") - before_sim, out[-2000:]
-        assert not shm("laminar-scale-") - before_scale
+        assert not [p for p in ours if p.exists()], out[-2000:]
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -20,7 +20,8 @@ from laminar.roles.trainer.engine_api import TrainEngineAPI
 from laminar.roles.trainer.sim_engine import SimTrainEngine
 
 from laminar.sim import load_workload
-from laminar.sim.scenario import build_config, load_setups
+from laminar.sim.scenario import build_config
+from laminar.sim.setup import load_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +73,7 @@ def test_the_check_catches_a_mismatch():
 
 
 def scenario(mode: str = "laminar", setup: dict | None = None) -> dict:
-    return build_config(setup or load_setups(ROOT / "configs" / "sim" / "paper.yaml"), "32B", 128, mode,
+    return build_config(setup or load_setup(ROOT / "configs" / "sim" / "paper.yaml"), "32B", 128, mode,
                         workdir="/tmp/unused", speedup=5, iterations=3, workload=load_workload(),
                         weights_root=f"/dev/shm/laminar-test-{uuid.uuid4().hex[:8]}")
 
@@ -132,9 +133,9 @@ def test_the_multi_rank_methods_the_role_calls_are_declared_and_the_real_engine_
 
 
 def test_the_engine_runs_at_most_max_num_seqs_of_the_rollouts_trajectories():
-    from laminar.sim.harness import with_engine_seqs
+    from bench.sim.runs import with_engine_seqs
     assert "max_num_seqs" in scenario()["roles"]["rollout"]  # paper.yaml's default: capped at b* (kv)
-    base = scenario(setup=with_engine_seqs(load_setups(ROOT / "configs" / "sim" / "paper.yaml"), "all"))
+    base = scenario(setup=with_engine_seqs(load_setup(ROOT / "configs" / "sim" / "paper.yaml"), "all"))
     base = base["roles"]["rollout"]
     assert "max_num_seqs" not in base  # --engine-seqs all: the engine runs every trajectory it takes
     assert build_rollout_engine(RolloutConfig(**base)).max_num_seqs == base["max_concurrency"]
@@ -149,10 +150,10 @@ def test_the_engine_runs_at_most_max_num_seqs_of_the_rollouts_trajectories():
 
 @pytest.mark.parametrize("mode", ["laminar", "sync"])
 def test_kv_sized_engine_seqs_are_the_ceilings_batch_for_every_mode(mode):
-    from laminar.sim.harness import with_engine_seqs
+    from bench.sim.runs import with_engine_seqs
     from laminar.sim.scenario import ideal_replica_tokens_per_s
-    setup = with_engine_seqs(load_setups(ROOT / "configs" / "sim" / "paper.yaml"), "kv")
-    workload = load_workload(setup.get("workload"))
+    setup = with_engine_seqs(load_setup(ROOT / "configs" / "sim" / "paper.yaml"), "kv")
+    workload = load_workload(setup.workload)
     cfg = build_config(setup, "7B", 16, mode, workdir="/tmp/x", speedup=10.0, iterations=3, workload=workload,
                        weights_root="/dev/shm/x")
     b_star = ideal_replica_tokens_per_s(setup, workload, "7B", mode)[1]
@@ -168,14 +169,14 @@ def test_refill_reaches_the_laminar_modes_only():
     """paper.yaml rollout.refill (default true; `bench/scale.py --no-refill`): the laminar modes'
     rollouts refill; the barrier modes keep their own default (stream refills, sync and one_step
     do not)."""
-    from laminar.sim.harness import with_refill
-    setup = load_setups(ROOT / "configs" / "sim" / "paper.yaml")
-    workload = load_workload(setup.get("workload"))
+    from bench.sim.runs import with_refill
+    setup = load_setup(ROOT / "configs" / "sim" / "paper.yaml")
+    workload = load_workload(setup.workload)
 
     def rollout(s: dict, mode: str) -> dict:
         return build_config(s, "7B", 16, mode, workdir="/tmp/x", speedup=10.0, iterations=3, workload=workload,
                             weights_root="/dev/shm/x")["roles"]["rollout"]
-    off = with_refill(load_setups(ROOT / "configs" / "sim" / "paper.yaml"), False)
+    off = with_refill(load_setup(ROOT / "configs" / "sim" / "paper.yaml"), False)
     for mode in ("laminar", "laminar_norepack", "sync", "one_step", "stream"):
         assert "refill" not in rollout(off, mode)  # --no-refill: each mode's own default
     on = setup  # paper.yaml's default

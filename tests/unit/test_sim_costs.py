@@ -19,14 +19,14 @@ from laminar.sim.hardware import gpu, model
 from laminar.sim.latency import (
     HOST_MS_PER_LAYER,
     RooflineFit,
-    StepCurve,
     decode_step_ms,
     kv_ms_per_token,
     model_curve,
     roofline_step_ms,
 )
 from laminar.sim.lengths import LengthDistribution
-from laminar.sim.scenario import build_config, estimate, load_setups, mode_tp, trainer_cost
+from laminar.sim.scenario import build_config, estimate, mode_tp, trainer_cost
+from laminar.sim.setup import load_setup
 from laminar.sim.trainer_cost import (
     NcclBroadcast,
     TrainerCost,
@@ -34,6 +34,7 @@ from laminar.sim.trainer_cost import (
     colocated_switch_s,
     fsdp_step_bytes,
 )
+from laminar.stepcurve import StepCurve
 from tests.support import ROOT
 
 H800 = gpu("H800")
@@ -167,8 +168,8 @@ def test_attention_flops_grow_with_the_square_of_a_sequence():
 def test_every_mode_pays_attention_flops():
     """paper.yaml charges attention in every mode's trainer (the same cost model), and the sim
     trainer charges it on each batch's own lengths."""
-    setup, w = load_setups(SETUPS), load_workload()
-    assert setup["trainer"]["attention"] is True
+    setup, w = load_setup(SETUPS), load_workload()
+    assert setup.trainer.attention is True
     for mode in ("laminar", "sync", "one_step", "stream"):
         cfg = build_config(setup, "7B", 128, mode, workdir="/tmp/unused", speedup=5, iterations=3, workload=w,
                            weights_root="/dev/shm/unused")
@@ -219,7 +220,7 @@ def test_nccl_delivery_reaches_every_host_before_the_stall():
 
 # -- scenarios: one cost model, each mode its terms ---------------------------------------------------
 def test_each_mode_pays_what_its_counterpart_pays():
-    setup, w = load_setups(SETUPS), load_workload()
+    setup, w = load_setup(SETUPS), load_workload()
     cfgs = {mode: build_config(setup, "72B", 1024, mode, workdir="/tmp/unused", speedup=5, iterations=3, workload=w,
                                weights_root="/dev/shm/unused")
             for mode in ("laminar", "sync", "one_step", "stream")}
@@ -251,9 +252,9 @@ def test_each_mode_pays_what_its_counterpart_pays():
 def test_repack_bound_is_read_from_the_step_the_engine_charges():
     """With the host's dispatch time a floor, a step costs the same up to the batch where the GPU
     passes it: B (within 1.2 × the batch-1 step) is read from that, not from the microbenchmark."""
-    from laminar.sim.latency import roofline_batch_bound
     from laminar.sim.scenario import engine_curve, step_curve
-    setup, w = load_setups(SETUPS), load_workload()
+    from laminar.stepcurve import roofline_batch_bound
+    setup, w = load_setup(SETUPS), load_workload()
     cfg = build_config(setup, "32B", 128, "laminar", workdir="/tmp/unused", speedup=5, iterations=3, workload=w,
                        weights_root="/dev/shm/unused")
     b = cfg["roles"]["manager"]["batch_bound"]
@@ -261,7 +262,7 @@ def test_repack_bound_is_read_from_the_step_the_engine_charges():
     assert roofline_batch_bound(step_curve(setup, w, "32B", 4), 1.2) == 16 < b
     step = engine_curve(setup, w, "32B", 4)
     assert step.step_ms(b) <= 1.2 * step.step_ms(1) < step.step_ms(b + 1)
-    setup["rollout"]["host_ms_per_seq"] = 0  # the host floor alone: flat until the GPU passes 1.2 × it
+    setup.rollout.host_ms_per_seq = 0  # the host floor alone: flat until the GPU passes 1.2 × it
     host = 64 * HOST_MS_PER_LAYER
     b0 = roofline_batch_bound(engine_curve(setup, w, "32B", 4), 1.2)
     curve = step_curve(setup, w, "32B", 4)
@@ -269,13 +270,13 @@ def test_repack_bound_is_read_from_the_step_the_engine_charges():
 
 
 def test_per_sequence_host_time_reaches_the_engines_and_the_replay():
-    from laminar.sim.components import fig9_replay
+    from bench.sim.components import fig9_replay
     from laminar.sim.scenario import step_ms
-    setup, w = load_setups(SETUPS), load_workload()
-    assert setup["rollout"]["host_ms_per_seq"] == 0.075  # paper.yaml: calibrated on Fig. 9's batch time
-    setup["rollout"]["host_ms_per_seq"] = 0
+    setup, w = load_setup(SETUPS), load_workload()
+    assert setup.rollout.host_ms_per_seq == 0.075  # paper.yaml: calibrated on Fig. 9's batch time
+    setup.rollout.host_ms_per_seq = 0
     base = fig9_replay(setup, w)
-    setup["rollout"]["host_ms_per_seq"] = 0.075
+    setup.rollout.host_ms_per_seq = 0.075
     cfg = build_config(setup, "32B", 128, "laminar", workdir="/tmp/unused", speedup=5, iterations=3, workload=w,
                        weights_root="/dev/shm/unused")
     assert cfg["roles"]["rollout"]["sim"]["host_ms_per_seq"] == 0.075
@@ -288,8 +289,8 @@ def test_a_measured_curve_replaces_the_paper_one(tmp_path):
     import json
     path = tmp_path / "curve.json"
     path.write_text(json.dumps({"points": [[1, 20.0], [512, 90.0]]}))
-    setup, w = load_setups(SETUPS), load_workload()
-    setup["models"]["72B"]["curve_path"] = str(path)
+    setup, w = load_setup(SETUPS), load_workload()
+    setup.models["72B"].curve_path = str(path)
     cfg = build_config(setup, "72B", 256, "one_step", workdir="/tmp/unused", speedup=5, iterations=3, workload=w,
                        weights_root="/dev/shm/unused")
     sim = {k: v for k, v in cfg["roles"]["rollout"]["sim"].items() if k != "speedup"}
@@ -299,17 +300,21 @@ def test_a_measured_curve_replaces_the_paper_one(tmp_path):
 
 
 def test_estimates_use_the_same_cost_model():
-    setup, w = load_setups(SETUPS), load_workload()
+    setup, w = load_setup(SETUPS), load_workload()
     cost = trainer_cost(setup, w, "72B", 1024, "sync")
     assert cost.extra_forward_passes == 1 and cost.switch_s > 0 and cost.controller_s_per_trajectory > 0
     est = estimate(setup, w, "72B", 1024, "sync")
     from laminar.sim.scenario import _length_stats
     mean, second = est_mean(setup, w), _length_stats(setup, w, "72B")["second_moment"]
     squares = 8192 * (256 ** 2 + 2 * 256 * mean + second)  # Σ (P + L)²: attention's FLOPs
-    assert est["train_s"] == pytest.approx(cost.iteration_s(int(8192 * (256 + mean)), 8192, squares), rel=1e-6)
-    assert est["train_s"] > cost.iteration_s(int(8192 * (256 + mean)), 8192)
+    scoring = 8192 * _length_stats(setup, w, "72B")["reward_s_mean"]  # the driver scores the batch
+    assert cost.reward is not None and scoring > 0
+    assert est["train_s"] == pytest.approx(cost.iteration_s(int(8192 * (256 + mean)), 8192, squares) + scoring,
+                                           rel=1e-6)
+    assert est["train_s"] > cost.iteration_s(int(8192 * (256 + mean)), 8192) + scoring
     lam = trainer_cost(setup, w, "72B", 1024, "laminar")
     assert lam.extra_forward_passes == 0 and lam.comm_s() > 0 and lam.controller_s_per_trajectory == 0
+    assert lam.reward is None  # laminar scores in its rollouts, not in the trainer's iteration
 
 
 def est_mean(setup, w) -> float:
@@ -321,8 +326,8 @@ def est_mean(setup, w) -> float:
 def test_component_rows_without_a_cluster():
     """Fig. 9 replay, Fig. 14 and Fig. 18 rows: {sim, paper, rel_error}; the Fig. 9 tail and batch
     time are what the host times were calibrated on, so they must agree closely."""
-    from laminar.sim.components import component_checks
-    rows = component_checks(load_setups(SETUPS), load_workload())
+    from bench.sim.components import component_checks
+    rows = component_checks(load_setup(SETUPS), load_workload())
     assert set(rows) == {"fig9_batch_s", "fig9_tail_s", "fig14_wait_s", "fig18_relay_s"}
     for r in rows.values():
         assert r["rel_error"] == pytest.approx(r["sim"] / r["paper"] - 1, abs=1e-3)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from laminar.roles.rollout.sim_engine import CompressedClock, SimEngine, SimEngineClosed, VirtualClock
 
-from laminar.sim.latency import StepCurve
 from laminar.sim.lengths import LengthDistribution, z_from_key
+from laminar.stepcurve import StepCurve
 
 LENGTHS = LengthDistribution.fit({"mean": 1020, "p50": 920, "p90": 1720, "p99": 2790}, cap=4096)  # 72B_math
 CURVE = StepCurve.from_points([(1, 10.0), (16, 12.0), (64, 20.0), (256, 45.0)])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from laminar.sim.harness import assemble, ceiling, plateau
+from bench.sim.results import assemble, ceiling, plateau
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,10 +53,10 @@ def test_repack_window_measures_the_tail_phase_and_the_trend_test_on_one_replica
     trend test (KV below the previous report's) holds in only part of it: the remaining
     sequences' KV grows between finishes; below the batch's peak (the manager's default) it is
     in almost all of it."""
+    from bench.sim.components import repack_window
     from laminar.sim import load_workload
-    from laminar.sim.components import repack_window
-    from laminar.sim.scenario import load_setups
-    setup = load_setups(ROOT / "configs" / "sim" / "paper.yaml")
+    from laminar.sim.setup import load_setup
+    setup = load_setup(ROOT / "configs" / "sim" / "paper.yaml")
     w = repack_window(setup, load_workload(), batch_bound=89, trajectories=128)
     assert 0 < w["candidate_from_s"] < w["batch_s"]
     assert w["candidate_s"] == pytest.approx(w["batch_s"] - w["candidate_from_s"], abs=0.2)
@@ -71,15 +71,16 @@ def test_engine_settings_default_to_the_cap_and_refill_and_the_components_to_the
     command line turns either off (`--engine-seqs all`, `--no-refill`), every run's JSON records
     what ran, and the component checks replay the paper's rollouts (no cap, a batch at a time)
     unless told otherwise."""
+    from bench.scale import main
+    from bench.sim.runs import as_the_paper_ran, engine_settings, setup_of
     from laminar.sim import load_workload
-    from laminar.sim.harness import _setup_of, as_the_paper_ran, engine_settings, main
     from laminar.sim.scenario import build_config
     setups = ROOT / "configs" / "sim" / "paper.yaml"
-    default = _setup_of(setups, None, None, None)
+    default = setup_of(setups, None, None, None)
     assert engine_settings(default) == {"engine_seqs": "kv", "refill": True}
-    off = _setup_of(setups, None, "all", False)
+    off = setup_of(setups, None, "all", False)
     assert engine_settings(off) == {"engine_seqs": None, "refill": False}
-    assert engine_settings(_setup_of(setups, None, "96", None)) == {"engine_seqs": 96, "refill": True}
+    assert engine_settings(setup_of(setups, None, "96", None)) == {"engine_seqs": 96, "refill": True}
     w = load_workload()
     on_cfg = build_config(default, "32B", 128, "laminar", workdir="/tmp/unused", speedup=5, iterations=3,
                           workload=w, weights_root="/dev/shm/unused")

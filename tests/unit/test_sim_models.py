@@ -12,9 +12,10 @@ import pytest
 
 from laminar.sim import load_workload
 from laminar.sim.hardware import gpu, kv_capacity_tokens, model
-from laminar.sim.latency import StepCurve, prefill_ms_per_token, roofline_batch_bound, transfer_curve
+from laminar.sim.latency import prefill_ms_per_token, transfer_curve
 from laminar.sim.lengths import LengthDistribution, sample_groups, workload_lengths, z_from_key
 from laminar.sim.trainer_cost import RelayLink, TrainerCost, broadcast_s, compare_with_paper
+from laminar.stepcurve import StepCurve, roofline_batch_bound
 
 # paper.json's response_length_tokens (copied so these tests do not depend on the workload file)
 PAPER_LENGTHS = {

@@ -14,10 +14,11 @@ from laminar.roles.rollout.sim_engine import SimEngine, VirtualClock
 from laminar.roles.trainer.sim_engine import ModeledDelivery, SimTrainEngine, SimTrainerSettings, write_stand_in
 
 from laminar.sim import load_workload
-from laminar.sim.latency import StepCurve
 from laminar.sim.lengths import LengthDistribution
-from laminar.sim.scenario import estimate, load_setups, placement, wave_versions
+from laminar.sim.scenario import estimate, placement, wave_versions
+from laminar.sim.setup import load_setup
 from laminar.sim.trainer_cost import TrainerCost
+from laminar.stepcurve import StepCurve
 from laminar.weights.pull import LocalWeights
 from laminar.weights.store import ShmStore
 from tests.support import ROOT
@@ -76,7 +77,7 @@ def engine_stall(s: SimTrainerSettings) -> float:
 
 
 def test_placements_and_estimates_per_mode():
-    setup, w = load_setups(ROOT / "configs" / "sim" / "paper.yaml"), load_workload()
+    setup, w = load_setup(ROOT / "configs" / "sim" / "paper.yaml"), load_workload()
     assert placement(w, "72B", 1024, "laminar") == (768, 256)
     assert placement(w, "72B", 1024, "one_step") == (256, 768)
     assert placement(w, "72B", 1024, "sync") == (1024, 1024)  # colocated
@@ -88,11 +89,11 @@ def test_placements_and_estimates_per_mode():
 def test_wave_versions_are_the_global_batches_laminar_rollouts_hold():
     """32 replicas of 72B (TP 8 on 256 rollout GPUs) × 1,024 = 4 global batches of 8,192; the 4
     replicas of 32B/32 hold half of one, which is still a wave of 1."""
-    setup, w = load_setups(ROOT / "configs" / "sim" / "paper.yaml"), load_workload()
+    setup, w = load_setup(ROOT / "configs" / "sim" / "paper.yaml"), load_workload()
     assert wave_versions(setup, w, "72B", 1024) == 4
     assert wave_versions(setup, w, "7B", 128) == 6  # 48 replicas × 1,024 / 8,192 = 6
     assert wave_versions(setup, w, "32B", 32) == 1
-    setup["run_shape"]["max_concurrency"] = 256
+    setup.run_shape.max_concurrency = 256
     assert wave_versions(setup, w, "72B", 1024) == 1
 
 

@@ -2,7 +2,7 @@
 scenario.py) on the in-process transport, until the sim trainer reaches its last version.
 
     python bench/scale.py --model 72B --gpus 1024 --write-configs DIR     # the cluster files
-    python -m laminar.sim.cluster DIR/72B-1024-laminar.yaml [--prompt-tokens 256]
+    python -m bench.sim.cluster DIR/72B-1024-laminar.yaml [--prompt-tokens 256]   # from the repo root
 
     run = asyncio.run(run_sim(parse_config(cfg_dict), timeout_s=600))
     run.records          # the trainer's metrics.jsonl records (one per version)
@@ -23,16 +23,24 @@ its simulated timeline, in simulated seconds).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
+import json
+import logging
 import resource
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
 from laminar.bus.inproc import InprocHub, InprocTransport
 from laminar.roles.trainer.metrics import read_jsonl
+
+from laminar import summary
+from laminar.config import load_config
+from laminar.sim.scenario import write_prompts
 from laminar.testing.inproc_cluster import InprocCluster
 
 SIM_MAX_INFLIGHT = 1 << 20
@@ -56,6 +64,7 @@ class SimHub(InprocHub):
 
 @dataclass
 class SimRun:
+    """What one cluster run left: its trainer's records, the version marks, the engines' counters."""
     workdir: Path
     speedup: float
     rollouts: int
@@ -69,6 +78,7 @@ class SimRun:
     loop_lag_ms: list[float] = field(default_factory=list)
     cpu_s: float = 0.0            # process CPU time (all threads) while the cluster ran
     max_rss_mb: float = 0.0
+    stopped: str | None = None    # why the run was ended before its last version (`stop_when`)
 
 
 def sim_folders(cfg) -> list[Path]:
@@ -107,17 +117,16 @@ async def _ticker(lags: list[float], period: float = 0.02) -> None:
 def quiet_logs() -> None:
     """Structured logs at WARNING and above only: at the simulator's event rates the per-trajectory
     info lines would cost more than the roles themselves (process-wide structlog setting)."""
-    import logging
-
-    import structlog
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
 async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_version=None,
-                  pause_gc: bool = True) -> SimRun:
+                  pause_gc: bool = True, stop_when=None, check_s: float = 1.0) -> SimRun:
     """Run `cfg` (a parsed sim LaminarConfig) until the trainer finishes or `timeout_s` passes.
     `on_version(version, rollouts)` is called at each new trainer version (e.g. to reset counters
-    after a warm-up). `pause_gc`: no cyclic garbage collection while the cluster runs (collected
+    after a warm-up). `stop_when(rollouts)`, asked every `check_s` real seconds, ends the run
+    early when it returns a reason (e.g. the run already lags: its numbers cannot be used).
+    `pause_gc`: no cyclic garbage collection while the cluster runs (collected
     once at the end). The collector's passes visit every item of the young token lists again and
     again: measured at 72B/1024 (sync), 85 of 119 CPU seconds and pauses of up to 2 s, which
     compressed time turns into 10+ simulated seconds of lag. The roles' objects are reference-
@@ -148,8 +157,14 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
         task = cluster.tasks["trainer.0"]
         seen = trainer.version
         run.marks.append((seen, time.monotonic(), _engine_tokens(rollouts)))
+        checked = time.monotonic()
         while not task.done() and time.monotonic() - t0 < timeout_s:
             await asyncio.sleep(poll_s)  # sampling the trainer's version (a probe, not a wait for a peer)
+            if stop_when is not None and time.monotonic() - checked > check_s:
+                checked = time.monotonic()
+                if (reason := stop_when(rollouts)) is not None:
+                    run.stopped = reason
+                    break
             if trainer.version != seen:
                 seen = trainer.version
                 run.marks.append((seen, time.monotonic(), _engine_tokens(rollouts)))
@@ -184,12 +199,6 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
 
 def main(argv: list[str] | None = None) -> int:
     """Run a sim cluster file (`bench/scale.py --write-configs`) and print the run summary."""
-    import argparse
-    import json
-
-    from laminar import summary
-    from laminar.config import load_config
-    from laminar.sim.scenario import write_prompts
     ap = argparse.ArgumentParser(description="run a sim cluster file in this process")
     ap.add_argument("config")
     ap.add_argument("--prompt-tokens", type=int, default=256, help="length of the synthetic prompts (paper.yaml)")
