@@ -8,9 +8,11 @@ What is checked:
 
 - the schema, every error at once, an unknown key with the nearest known one (laminar/config.py);
 - host addresses and bind addresses are valid IP addresses or host names;
-- files: every placed role's model folder holds a config.json that parses, every dataset loads
-  (with the role's field names), every tokenizer folder exists;
-- code: reward functions and environment classes import;
+- files, on the host that uses them (`--host`, or the only host; a config of several hosts
+  checked without --host checks no host's files and says so): every placed role's model folder
+  holds a config.json that parses, every dataset loads (with the role's field names), every
+  tokenizer folder exists;
+- code, likewise: reward functions and environment classes import;
 - this host (`--host`, or the only host): its bind addresses are addresses of this machine and
   every port it will listen on is free; a config of several hosts names the cluster key, which
   must exist and be private;
@@ -57,9 +59,12 @@ class CheckContext:
     cwd: str = field(default_factory=os.getcwd)
 
     def settings(self) -> list[tuple[str, str, BaseModel]]:
-        """(role kind, id, validated settings) of every placed role whose settings are valid."""
+        """(role kind, id, validated settings) of every role placed on this host (every role when
+        checks are for the whole cluster) whose settings are valid."""
         out = []
-        for _, spec in self.cfg.placements():
+        for hid, spec in self.cfg.placements():
+            if self.host is not None and hid != self.host:
+                continue  # its files are paths on its own host
             if (s := self._lenient(spec.role, spec.id)) is not None:
                 out.append((spec.role, spec.id, s))
         return out
@@ -262,7 +267,21 @@ def model_folder_problem(path: str) -> str | None:
     return None
 
 
-@check("model folders")
+def on_a_host(ctx: CheckContext) -> bool:
+    """Paths (model folders, datasets, code, keys) are checked on the host that uses them: the named
+    or only host. A config of several hosts checked without --host checks none of them here."""
+    return ctx.host is not None
+
+
+def unchecked_note(path: str, host: str | None, hosts: int = 2) -> str:
+    """What a check without --host left out, for a config of several hosts ('' when nothing)."""
+    if host is not None or hosts < 2:
+        return ""
+    return (f"files, code and keys are paths on each host: run `laminar-node check {path} --host H` "
+            "on every host")
+
+
+@check("model folders", when=on_a_host)
 def check_model_folders(ctx: CheckContext) -> Iterable[str]:
     for role, id, s in ctx.settings():
         if getattr(s, "engine", None) == "sim":
@@ -276,7 +295,7 @@ def check_model_folders(ctx: CheckContext) -> Iterable[str]:
                 yield f"{ctx.where(role, id, name)}: {why}"
 
 
-@check("datasets")
+@check("datasets", when=on_a_host)
 def check_datasets(ctx: CheckContext) -> Iterable[str]:
     from laminar.datasets import DatasetError, load_records  # late: numpy and pyarrow, for this check only
     seen: dict[tuple, str | None] = {}
@@ -307,7 +326,7 @@ def _callables(settings: BaseModel, prefix: str = "") -> Iterable[tuple[str, str
             yield f"{prefix}{name}", value, "environment"
 
 
-@check("reward functions and environments")
+@check("reward functions and environments", when=on_a_host)
 def check_callables(ctx: CheckContext) -> Iterable[str]:
     from laminar.envs.base import load_environment  # late: imports each named module, as the role would
     from laminar.tasks import load_callable
@@ -326,7 +345,7 @@ def check_callables(ctx: CheckContext) -> Iterable[str]:
                 yield f"{ctx.where(role, id, name)}: {seen[path]}"
 
 
-@check("cluster key")
+@check("cluster key", when=on_a_host)
 def check_keys(ctx: CheckContext) -> Iterable[str]:
     d = ctx.cfg.cluster.keys_dir
     if not d:

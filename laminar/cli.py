@@ -42,7 +42,7 @@ def cmd_keygen(a) -> int:
 
 
 def cmd_check(a) -> int:
-    from laminar.check import run_checks
+    from laminar.check import run_checks, unchecked_note
     cfg, problems = run_checks(a.config, a.set, host=a.host, systemd=a.systemd, gpu_memory_gib=a.gpu_memory_gib)
     for p in problems:
         print(p)
@@ -53,6 +53,9 @@ def cmd_check(a) -> int:
     scope = f"host {a.host}" if a.host else (f"host {hosts[0]}" if len(hosts) == 1 else
                                              f"hosts {', '.join(hosts)} (ports and binds: pass --host)")
     print(f"ok: {a.config} ({len(cfg.placements())} roles, {scope})", file=sys.stderr)
+    note = unchecked_note(a.config, a.host, len(hosts))
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 

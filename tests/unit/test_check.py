@@ -166,3 +166,38 @@ def test_the_gpu_memory_plan_of_a_recipe():
     memory = [p for p in problems if "GiB" in p]
     assert memory and all(p.startswith(f"{recipe}: ") for p in memory), problems
     assert any("rollout.0" in p for p in memory) and any("trainer.0" in p for p in memory), memory
+
+
+def test_files_and_keys_are_checked_for_the_roles_of_the_host_that_runs_them(tmp_path):
+    """A model folder, dataset or cluster key is a path on the host whose roles use it: `--host h1`
+    checks h1's roles' files only, and a config of several hosts checked without --host checks no
+    host's files (it cannot know which host this is) and says so, instead of failing on paths that
+    exist only on the cluster's hosts."""
+    c = config(tmp_path)
+    c["cluster"]["keys_dir"] = str(tmp_path / "keys")             # no key here: made on the cluster
+    c["cluster"]["hosts"]["h1"] = {"address": "192.0.2.8", "bind": "0.0.0.0",
+                                   "roles": [{"role": "rollout", "id": "1", "port": free_port(),
+                                              "options": {"model_dir": "/nonexistent/model"}}]}
+    path = write(tmp_path, c)
+    _, problems = run_checks(path, host="h0")
+    assert not any("/nonexistent/model" in p for p in problems), problems    # h1's folder: h1's business
+    assert any("no cluster key" in p for p in problems), problems            # h0 needs the key
+    _, problems = run_checks(path, host="h1")
+    assert any("roles.rollout.model_dir (options of rollout.1): /nonexistent/model" in p for p in problems)
+    assert not any("dataset" in p for p in problems), problems               # the prompt pool is on h0
+    _, problems = run_checks(path)
+    assert problems == [], problems
+    assert "run `laminar-node check" in check_mod.unchecked_note(path, None)
+
+
+def test_the_three_recipes_pass_the_memory_plan_at_80_gib():
+    """`laminar-node check configs/gpu-*.yaml --gpu-memory-gib 80` on a machine that is none of their
+    hosts: the plan passes, and the multi-node recipes require no host's files here (the 7B recipe
+    is one host, this one, so its model folder and dataset must exist to pass as a whole)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2] / "configs"
+    for name in ("gpu-32b.yaml", "gpu-72b.yaml"):
+        _, problems = run_checks(str(root / name), gpu_memory_gib=80.0)
+        assert problems == [], (name, problems)
+    _, problems = run_checks(str(root / "gpu-7b.yaml"), gpu_memory_gib=80.0)
+    assert not any("GiB" in p for p in problems), problems
