@@ -23,6 +23,7 @@ from tests.unit.test_pool_write_failures import cfg
 pytestmark = pytest.mark.timeout(300)
 
 N = MAX_FRAMES // 3 + 2_000  # above what one unpaged reply can carry
+BULK_S = 120.0  # a 4,096-trajectory write or a page of thousands: its deadline is not what is tested
 
 
 def seq0_batch(owner: str, tids: list[str]) -> AppendDeltaBatch:
@@ -42,10 +43,10 @@ def test_an_in_flight_population_above_the_frame_bound_is_listed_completely(tmp_
         tids = [f"t{i:06d}" for i in range(N)]
         for k in range(0, N, 4096):  # two owners: a dead one, and one the manager never heard of
             owner = "dead" if k < N // 2 else "gone"
-            assert (await pool.call(seq0_batch(owner, tids[k:k + 4096]))).applied == len(tids[k:k + 4096])
+            assert (await pool.call(seq0_batch(owner, tids[k:k + 4096]), BULK_S)).applied == len(tids[k:k + 4096])
         listed, pages, after = [], 0, ""
         while True:
-            page = await pool.call(InFlightOf("*", after=after))
+            page = await pool.call(InFlightOf("*", after=after), BULK_S)
             listed += [p.spec.trajectory_id for p in page.partials]
             pages += 1
             if not page.more:
