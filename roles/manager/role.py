@@ -98,8 +98,8 @@ class ManagerRole(Role):
         if cluster is None:
             return "tcp", {}
         relays = cluster.find("relay")
-        s = cluster.role_settings("relay", relays[0][1].id) if relays else cluster.roles.get("relay", {})
-        return s.get("transport", "tcp"), dict(s.get("transport_options") or {})
+        s = cluster.relay_settings(relays[0][1].id if relays else "0")  # none placed: the roles.relay section
+        return s.transport, dict(s.transport_options)
 
     def _make_fleet(self, dead_after: float) -> Fleet:
         cluster, settings = self.cluster, self.settings

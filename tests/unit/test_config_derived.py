@@ -1,6 +1,7 @@
-"""Facts one role needs of another's settings (global batch, group size, each rollout's concurrency)
-come from the cluster config (laminar/config.py), per instance: section defaults + that instance's
-options. The manager sizes its moves by each rollout's own max_concurrency."""
+"""Facts one role needs of another's settings (global batch, group size, each rollout's concurrency,
+a relay's settings and folder) come from the cluster config (laminar/config.py), per instance:
+section defaults + that instance's options. The manager sizes its moves by each rollout's own
+max_concurrency."""
 from __future__ import annotations
 
 import asyncio
@@ -49,3 +50,21 @@ def test_manager_uses_each_rollouts_own_max_concurrency(tmp_path):
         finally:
             await cl.close()
     asyncio.run(go())
+
+
+# -- one name per concept: a relay's settings and folder ---------------------------------
+def test_a_relays_settings_and_folder_are_read_through_one_accessor(tmp_path):
+    cfg = parse_config({
+        "run": {"name": "acc", "workdir": str(tmp_path)},
+        "cluster": {"keys_dir": None, "broker": {"host": "h0"},
+                    "hosts": {"h0": {"address": "127.0.0.1", "roles": [
+                        {"role": "relay", "id": "a", "port": 6631},
+                        {"role": "relay", "id": "b", "port": 6632,
+                         "options": {"shm_dir": "/dev/shm/laminar-acc-own", "data_port": 6640}}]}}},
+        "roles": {"relay": {"transport": "tcp", "retain_versions": 2}}})
+    a, b = cfg.relay_settings("a"), cfg.relay_settings("b")
+    assert (a.data_port, a.retain_versions, b.data_port, b.retain_versions) == (0, 2, 6640, 2)
+    assert cfg.relay_shm_dir("a") == "/dev/shm/laminar-acc-relay-a"       # the run's default
+    assert cfg.relay_shm_dir("b") == "/dev/shm/laminar-acc-own"
+    assert cfg.relay_settings("nowhere").retain_versions == 2              # not placed: the section alone
+
