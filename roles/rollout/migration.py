@@ -8,8 +8,9 @@
                 it (the engine queues the excess)
     MigrateIn with `adopt`: work of other weights, named by (lineage, version), that the relay
                 still retains. It is queued (`adopted`); when nothing is active the batch loop
-                calls `run_adopted`, which loads exactly those weights and runs only that work (`pinned`: no new prompts, no other
-                weights) until it is done; then the loop goes back to the newest version
+                calls `run_adopted`, which loads exactly those weights and runs only that work
+                (`pinned`: no new prompts, no other weights) until it is done; then the loop goes
+                back to the newest version
 
 A MigrateIn holds Work.lock from its version check to the starts, so no weight load slips in
 between. `adopted` is appended to only under that lock and emptied only by `run_adopted` (the

@@ -267,27 +267,25 @@ def test_adopted_work_is_not_run_on_another_lineage_under_its_number(tmp_path):
     store = ShmStore(f"/dev/shm/laminar-unit-{uuid.uuid4().hex[:10]}", retain=4)
     store.open()
     try:
-        role = make_role(tmp_path)
-        role.weights_dir = str(store.dir)
-        role.partials = Client([None])
-        role._generate = lambda a: asyncio.sleep(0)          # not generating anything here
+        role = make_role(tmp_path, weights_dir=str(store.dir), partials=Client([None]))
+        role.runner._generate = lambda a: asyncio.sleep(0)          # not generating anything here
         w = {(lin, v): weights(100 * lin + v) for lin, v in [(1, 14), (1, 15), (2, 14), (2, 15), (2, 16)]}
 
         async def go():
             for v in (14, 15):
                 publish(store, w.get((1, v), weights(v)), v, lineage=1)
-            await role._maybe_update_weights()
-            assert (role.version, role.lineage) == (15, 1)
-            role.adopted = [PartialState(spec=spec("t14"), tokens=np.asarray([1, 2], np.int32),
-                                         logprobs=np.zeros(2, np.float32), version=14, rollout_id="r0", next_seq=1,
-                                         lineage=1)]
+            await role.weights.update()
+            assert (role.version, role.weights.lineage) == (15, 1)
+            role.migration.adopted = [PartialState(spec=spec("t14"), tokens=np.asarray([1, 2], np.int32),
+                                                   logprobs=np.zeros(2, np.float32), version=14, rollout_id="r0",
+                                                   next_seq=1, lineage=1)]
             for v in (14, 15, 16):                            # the resumed trainer's lineage reuses 14
                 publish(store, w[2, v], v, lineage=2)
             assert await role.engine.load_relay(str(store.dir), -1, exact=("run", 1, 14)) == -1
-            await role._run_adopted()
+            await role.migration.run_adopted()
         asyncio.run(go())
-        assert not role.active and not role.pinned, "lineage-1 work started on lineage 2's version 14"
-        assert (role.version, role.lineage) == (15, 1) and same(role.engine.model_runner.loaded, w[1, 15])
+        assert not role.active and not role.migration.pinned, "lineage-1 work started on lineage 2's version 14"
+        assert (role.version, role.weights.lineage) == (15, 1) and same(role.engine.model_runner.loaded, w[1, 15])
         assert role.partials.requests == [ReassignPartial("t14", "")]   # an orphan again: nothing lost
     finally:
         store.close()

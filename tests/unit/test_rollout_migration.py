@@ -86,13 +86,16 @@ class Weights:
     def __init__(self, version=4, lineage=1, retained=(2,), loads_as=None):
         self.version, self.lineage, self.retained, self.loads_as = version, lineage, set(retained), loads_as
 
-    def retains(self, version: int) -> bool:
-        return version in self.retained
+    def retained_copy(self, lineage: int, version: int):
+        """Retained versions are of this follower's lineage here; another lineage's number is not."""
+        if version in self.retained and lineage == self.lineage:
+            return ("run", lineage, version), ""
+        return None, f"its relay holds no version {version} of lineage {lineage}"
 
-    async def load_retained(self, version: int) -> str | None:
+    async def load_retained(self, lineage: int, version: int) -> str | None:
         if self.loads_as is not None:
             return self.loads_as
-        self.version = version
+        self.version, self.lineage = version, lineage
         return None
 
 
@@ -153,7 +156,7 @@ def test_work_the_pool_no_longer_holds_is_gone():
 
 def test_adoption_queues_one_older_retained_version_and_wakes_the_loop():
     m = migration()
-    with pytest.raises(RequestError, match="one version"):
+    with pytest.raises(RequestError, match=r"one \(lineage, version\)"):
         run(m.on_migrate_in(MigrateIn([partial("a", version=2), partial("b", version=3)], adopt=True)))
     with pytest.raises(RequestError) as gone:
         run(m.on_migrate_in(MigrateIn([partial("a", version=3)], adopt=True)))
