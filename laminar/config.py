@@ -239,6 +239,14 @@ class LaminarConfig(Strict):
         """Responses per prompt (GRPO n) of the groups the prompt pool hands out."""
         return self.settings_of("prompt_pool", prompt_pool).group_size
 
+    def relay_settings(self, id: str = "0") -> BaseModel:
+        """The validated settings of relay `id` (its RelayConfig: shm_dir, data_port, transport, ...)."""
+        return self.settings_of("relay", id)
+
+    def relay_shm_dir(self, id: str = "0") -> str:
+        """The shared-memory folder relay `id` keeps its versions in (the rollouts of its host load from it)."""
+        return self.relay_settings(id).shm_dir or f"/dev/shm/laminar-{self.run.name}-relay-{id}"
+
     def rollout_concurrency(self) -> dict[str, int]:
         """Each placed rollout's max_concurrency (trajectories per batch), per-instance options included."""
         return {s.id: self.settings_of("rollout", s.id).max_concurrency for _, s in self.find("rollout")}

@@ -162,8 +162,8 @@ def main() -> int:
             host = cfg.cluster.hosts[hid]
             ports += [(host.address, s.port) for s in host.roles if s.port]
             ports += [(host.address, p) for p in (host.metrics_port,) if p]
-            ports += [(host.address, cfg.role_settings("relay", s.id).get("data_port"))
-                      for s in host.roles if s.role == "relay" and cfg.role_settings("relay", s.id).get("data_port")]
+            ports += [(host.address, cfg.relay_settings(s.id).data_port)
+                      for s in host.roles if s.role == "relay" and cfg.relay_settings(s.id).data_port]
             if hid == cfg.cluster.broker.host:
                 ports += [(host.address, cfg.cluster.broker.pub_port), (host.address, cfg.cluster.broker.sub_port)]
         held = hold_silent(ports, a.silent)
@@ -221,7 +221,7 @@ def main() -> int:
         for spec in host.roles:
             if spec.role != "relay":
                 continue
-            port = cfg.role_settings("relay", spec.id).get("data_port")
+            port = cfg.relay_settings(spec.id).data_port
             if not port:
                 continue
             for _ in range(20):

@@ -161,8 +161,7 @@ class EvaluatorRole(Role):
             if self.last_version is None and cfg.find("trainer"):
                 self.last_version = cfg.role_settings("trainer").get("max_iterations")
             if c.relay_id is not None and self.weights_dir is None:
-                self.weights_dir = (cfg.role_settings("relay", c.relay_id).get("shm_dir")
-                                    or f"/dev/shm/laminar-{cfg.run.name}-relay-{c.relay_id}")
+                self.weights_dir = cfg.relay_shm_dir(c.relay_id)
             self.out = cfg.workdir() / "evaluator"
         else:
             self.out = Path(self.ctx.settings.get("out_dir", "evaluator"))

@@ -2,7 +2,7 @@
 
 Inputs (all pub/sub, each report carries the full current state, so a lost one costs nothing):
   rollout.stats.<id>  KV usage, running/waiting, active, version, control address (docs/architecture.md §7)
-  hb.rollout.<id>     liveness; silence for dead_after_s, or a new pid, declares the old one dead
+  hb.rollout.<id>     liveness; silence for rollout_dead_after_s, or a new pid, declares the old one dead
   weights.version     a relay made a new version visible: repack now (draining replicas of the
                       old version get freed for the new one)
 Outputs (request/reply, must arrive):
@@ -29,7 +29,7 @@ its memory until the first delta flush. The prompt pools record what they hand t
 settles an entry once every member is in the partial pool or the buffer (asked in that order, so
 a trajectory moving from one to the other is seen in one of them), and for a dead rollout (or one
 no live rollout owns once the fleet has heard from everyone) it requeues what is nowhere: the
-whole group, or only its missing members. Live rollouts' entries are settled every `settle_s`,
+whole group, or only its missing members. Live rollouts' entries are settled every `settle_interval_s`,
 which keeps the pools' lists as short as the work in flight.
 """
 from __future__ import annotations
@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 from laminar.bus.errors import RemoteError, RpcError
+from laminar.roles.manager.config import ManagerConfig
 from laminar.roles.manager.repack import ReplicaLoad, plan_repack
 
 from laminar.logs import RotatingFile
@@ -90,27 +91,51 @@ class RolloutView:
         return ReplicaLoad(self.id, s.version, s.kv_usage, ref, s.running, s.waiting)
 
 
+def _manager(name: str):
+    """ManagerConfig's default of setting `name`: the one default of each setting the fleet shares."""
+    return ManagerConfig.model_fields[name].default
+
+
 @dataclass
 class FleetSettings:
-    repack: bool = True
-    interval_s: float = 5.0
-    c_max: float = 0.99
-    batch_bound: int = 32
-    trend: str = "peak"          # C_prev of the candidate test: peak | previous (repack.py)
-    max_concurrency: int = 64    # a rollout's max_concurrency, when `concurrency` does not name it
+    """The fleet's settings: the manager's (ManagerConfig's names and defaults), resolved for the
+    cluster by from_config, and the fleet's own constants."""
+
+    repack: bool = True           # ManagerConfig.repack (None) resolved: on in the laminar mode
+    repack_interval_s: float = _manager("repack_interval_s")
+    c_max: float = _manager("c_max")
+    repack_trend: str = _manager("repack_trend")   # C_prev of the candidate test: peak | previous (repack.py)
+    batch_bound: int = _manager("batch_bound")     # or B derived from ManagerConfig.curve_path
+    rollout_dead_after_s: float = ManagerConfig().relay_dead_after_s(None)  # resolved: the manager's own, alone
+    rpc_timeout_s: float = _manager("rpc_timeout_s")
+    orphan_wait_s: float = _manager("orphan_wait_s")
+    orphan_policy: str = _manager("orphan_policy")  # restart | wait | retained
+    settle_interval_s: float = _manager("settle_interval_s")  # period of the prompt pools' accounting pass
     concurrency: dict[str, int] = field(default_factory=dict)  # rollout id -> its own max_concurrency
-    dead_after_s: float = 5.0
-    rpc_timeout_s: float = 10.0
-    orphan_wait_s: float = 30.0
-    orphan_policy: str = "restart"  # restart | wait | retained
-    reconcile_s: float = 30.0     # period of the partial-pool scan for work of unknown owners
-    settle_s: float = 10.0        # period of the prompt pools' accounting pass (settle / requeue)
-    settle_page: int = 4096       # entries asked per request of that pass
     log_path: Path | None = None  # JSONL of every repack (for summaries)
     timeline_path: Path | None = None  # JSONL of every rollout report (idle fraction, KV usage)
+    # the fleet's own, no manager setting:
+    max_concurrency: int = 64     # a rollout's max_concurrency, when `concurrency` does not name it
+    reconcile_s: float = 30.0     # period of the partial-pool scan for work of unknown owners
+    settle_page: int = 4096       # entries asked per request of the accounting pass
     # both JSONL files rotate by size (laminar/logs.py): None = LAMINAR_LOG_MAX_BYTES / LAMINAR_LOG_KEEP
     timeline_max_bytes: int | None = None
     timeline_keep: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg: ManagerConfig, cluster=None, batch_bound: int | None = None) -> FleetSettings:
+        """The settings of a manager's fleet (`cluster`: the LaminarConfig, None when the manager runs
+        alone). `batch_bound`: B as derived from cfg.curve_path (None: cfg.batch_bound)."""
+        mode = cluster.run.mode if cluster is not None else "laminar"
+        folder = cluster.workdir() / "manager" if cluster is not None else None
+        shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls) if f.name in ManagerConfig.model_fields}
+        return cls(**{**shared,  # then what the cluster resolves:
+                      "repack": cfg.repack if cfg.repack is not None else mode == "laminar",
+                      "batch_bound": batch_bound or cfg.batch_bound,
+                      "rollout_dead_after_s": cfg.rollout_dead_after_s or cfg.relay_dead_after_s(cluster)},
+                   concurrency=cluster.rollout_concurrency() if cluster is not None else {},
+                   log_path=folder / "repacks.jsonl" if folder else None,
+                   timeline_path=folder / "fleet.jsonl" if folder else None)
 
     def max_concurrency_of(self, rollout_id: str) -> int:
         return self.concurrency.get(rollout_id, self.max_concurrency)
@@ -184,7 +209,7 @@ class Fleet:
     def sweep(self) -> None:
         now = time.monotonic()
         for v in self.views.values():
-            if v.alive and now - v.seen_at > self.s.dead_after_s:
+            if v.alive and now - v.seen_at > self.s.rollout_dead_after_s:
                 self._declare_dead(v, f"silent for {now - v.seen_at:.1f}s")
 
     def _declare_dead(self, v: RolloutView, why: str) -> None:
@@ -200,10 +225,10 @@ class Fleet:
     # -- loops (owned by the manager role) -------------------------------------------------------
     async def run(self) -> None:
         """Periodic tick: sweep liveness, recover dead rollouts' work, place orphans, repack."""
-        tick = min(self.s.interval_s, max(self.s.dead_after_s / 2, 0.2))
-        next_repack = time.monotonic() + self.s.interval_s
+        tick = min(self.s.repack_interval_s, max(self.s.rollout_dead_after_s / 2, 0.2))
+        next_repack = time.monotonic() + self.s.repack_interval_s
         # first reconcile once every live rollout had time to report (a restarted manager)
-        next_reconcile = time.monotonic() + 2 * self.s.dead_after_s
+        next_reconcile = time.monotonic() + 2 * self.s.rollout_dead_after_s
         next_settle = next_reconcile
         while True:
             try:
@@ -221,11 +246,11 @@ class Fleet:
                     next_reconcile = time.monotonic() + self.s.reconcile_s
                     await self.reconcile()
                 if time.monotonic() >= next_settle:
-                    next_settle = time.monotonic() + self.s.settle_s
+                    next_settle = time.monotonic() + self.s.settle_interval_s
                     await self.settle_handed()
                 await self._place_orphans()
                 if self.s.repack and (kicked or time.monotonic() >= next_repack):
-                    next_repack = time.monotonic() + self.s.interval_s
+                    next_repack = time.monotonic() + self.s.repack_interval_s
                     await self.repack()
 
     def new_version(self, version: int) -> None:
@@ -235,7 +260,7 @@ class Fleet:
     # -- repack -----------------------------------------------------------------------------------
     def _trusted_loads(self) -> list[ReplicaLoad]:
         """Live rollouts whose latest report postdates any migration into them."""
-        return [v.load(self.s.trend) for v in self.views.values()
+        return [v.load(self.s.repack_trend) for v in self.views.values()
                 if v.alive and v.stats.state != "loading" and v.reported_at > v.received_at]
 
     async def repack(self) -> list[dict]:
@@ -357,7 +382,7 @@ class Fleet:
                         continue
                     if owner not in known:  # never reported: dead only once it stays silent past its first report
                         first = self._strangers.setdefault(owner, now)
-                        owner_dead = dead or now - first > 2 * self.s.dead_after_s
+                        owner_dead = dead or now - first > 2 * self.s.rollout_dead_after_s
                     else:
                         owner_dead = dead or owner not in live or bool(p and live[owner] and p != live[owner])
                     if not owner_dead:

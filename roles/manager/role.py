@@ -17,47 +17,11 @@ import asyncio
 from laminar.bus.heartbeat import HeartbeatMonitor
 from laminar.roles.base import Role
 from laminar.roles.manager.chain_host import ChainHost
+from laminar.roles.manager.config import ManagerConfig
 from laminar.roles.manager.fleet import Fleet, FleetSettings
-from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.protocol import Heartbeat, LinkDown, MasterQuery, RelayJoin, RolloutStats, WeightsVersion
 from laminar.stepcurve import StepCurve, roofline_batch_bound
-
-
-class ManagerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    probe_timeout_s: float = Field(0.3, gt=0, description="deadline of the TCP probe of a relay reported down")
-    rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of SetDownstream calls to relays")
-    state_interval_s: float = Field(2.0, gt=0, description="period of the ChainState republication")
-    dead_after_s: float | None = Field(None, gt=0, description="heartbeat silence that declares a relay dead "
-                                       "(default: cluster.dead_after_s)")
-    address: str = Field("tcp://127.0.0.1:0", description="bind address when the config gives no port")
-    repack: bool | None = Field(None, description="dynamic repack (default: on in laminar mode, off otherwise)")
-    repack_interval_s: float = Field(5.0, gt=0, description="period of the repack plan (also run after each new "
-                                     "version)")
-    c_max: float = Field(0.99, gt=0, le=1, description="KV-cache fraction a destination may reach "
-                         "(docs/architecture.md §7, C_max)")
-    repack_trend: str = Field("peak", pattern="^(peak|previous)$", description="when a replica counts as draining "
-                              "(a repack candidate): its KV usage is below its batch's peak (peak: since it last "
-                              "admitted work) or below its previous report (previous: the paper's listing, which "
-                              "a long tail's creeping KV defeats between finishes)")
-    batch_bound: int = Field(32, ge=1, description="B: largest decode batch whose step time stays near batch 1 "
-                             "(the roofline knee), used when no curve_path is given")
-    curve_path: str | None = Field(None, description="step-latency curve (JSON of `python bench/step_curve.py --out`, "
-                                   "or [[batch, ms], ...]): B is derived from it (step <= 1.2 x batch 1)")
-    rollout_dead_after_s: float | None = Field(None, gt=0, description="rollout silence that declares it dead "
-                                               "(default: cluster.dead_after_s)")
-    orphan_wait_s: float = Field(30.0, gt=0, description="how long a dead rollout's trajectories wait for a live "
-                                 "rollout of their version")
-    orphan_policy: str = Field("restart", pattern="^(restart|wait|retained)$", description="then: restart them from "
-                               "their prompts on the newest version (new id <id>~r<n>); wait (and warn) for a rollout "
-                               "of their version; or retained: a rollout whose relay retains their version (relay "
-                               "retain_versions) adopts them and resumes them on it, else restart")
-    partial_pool: str = Field("0", description="id of the partial pool role (in-flight state of dead rollouts)")
-    experience_buffer: str = Field("0", description="id of the experience buffer (where finished groups are)")
-    settle_interval_s: float = Field(10.0, gt=0, description="period of the prompt pools' accounting: groups "
-                                     "handed out that reached the partial pool or buffer are settled, and those of "
-                                     "dead rollouts that reached neither are requeued")
 
 
 class ManagerRole(Role):
@@ -67,14 +31,13 @@ class ManagerRole(Role):
     async def setup(self) -> None:
         cluster, settings = self.cluster, self.settings
         address = cluster.bind_endpoint("manager", self.ctx.id) if cluster else settings.address
-        dead_after = settings.dead_after_s or (cluster.cluster.dead_after_s if cluster else 5.0)
         probe, probe_options = self._relay_transport()
         self.chain = ChainHost(self.ctx.transport, self.pub, self.log, settings.probe_timeout_s,
                                settings.rpc_timeout_s, probe_transport=probe, probe_transport_options=probe_options)
-        self.monitor = HeartbeatMonitor(dead_after)
+        self.monitor = HeartbeatMonitor(settings.relay_dead_after_s(cluster))
         self.dead: asyncio.Queue[str] = asyncio.Queue(maxsize=1024)
         self.hb_sub = self.ctx.transport.subscriber(["hb.relay."])
-        self.fleet = self._make_fleet(dead_after)
+        self.fleet = self._make_fleet()
         self.fleet_sub = self.ctx.transport.subscriber(["rollout.stats.", "hb.rollout.", "weights.version"])
         self.server = self.ctx.transport.server(address, "manager", self.ctx.id)
         self.server.route(RelayJoin, self.chain.on_join)
@@ -98,29 +61,16 @@ class ManagerRole(Role):
         if cluster is None:
             return "tcp", {}
         relays = cluster.find("relay")
-        s = cluster.role_settings("relay", relays[0][1].id) if relays else cluster.roles.get("relay", {})
-        return s.get("transport", "tcp"), dict(s.get("transport_options") or {})
+        s = cluster.relay_settings(relays[0][1].id if relays else "0")  # none placed: the roles.relay section
+        return s.transport, dict(s.transport_options)
 
-    def _make_fleet(self, dead_after: float) -> Fleet:
+    def _make_fleet(self) -> Fleet:
         cluster, settings = self.cluster, self.settings
-        mode = cluster.run.mode if cluster else "laminar"
-        repack = settings.repack if settings.repack is not None else mode == "laminar"
-        bound = settings.batch_bound
-        if settings.curve_path:
-            bound = roofline_batch_bound(StepCurve.load(settings.curve_path))
-        workdir = cluster.workdir() if cluster else None
-        fleet = FleetSettings(repack=repack, interval_s=settings.repack_interval_s, c_max=settings.c_max,
-                              trend=settings.repack_trend,
-                              batch_bound=bound,
-                              concurrency=cluster.rollout_concurrency() if cluster else {},
-                              dead_after_s=settings.rollout_dead_after_s or dead_after,
-                              rpc_timeout_s=settings.rpc_timeout_s, orphan_wait_s=settings.orphan_wait_s,
-                              orphan_policy=settings.orphan_policy, settle_s=settings.settle_interval_s,
-                              log_path=workdir / "manager" / "repacks.jsonl" if workdir else None,
-                              timeline_path=workdir / "manager" / "fleet.jsonl" if workdir else None)
-        self.log.info("fleet_settings", mode=mode, repack=repack, c_max=settings.c_max, batch_bound=bound,
-                      curve=settings.curve_path, interval_s=settings.repack_interval_s,
-                      max_concurrency=fleet.concurrency)
+        bound = roofline_batch_bound(StepCurve.load(settings.curve_path)) if settings.curve_path else None
+        fleet = FleetSettings.from_config(settings, cluster, batch_bound=bound)
+        self.log.info("fleet_settings", mode=cluster.run.mode if cluster else "laminar", repack=fleet.repack,
+                      c_max=fleet.c_max, batch_bound=fleet.batch_bound, curve=settings.curve_path,
+                      interval_s=fleet.repack_interval_s, max_concurrency=fleet.concurrency)
         if cluster is None:
             return Fleet(self.ctx.transport, self.log, fleet, lambda rid: "", None, {}, None)
         pool = (cluster.endpoint("partial_pool", settings.partial_pool) if cluster.find("partial_pool") else None)

@@ -87,7 +87,7 @@ class RelayRole(Role):
         self.events: asyncio.Queue = asyncio.Queue(maxsize=4096)
         host_id, spec = cluster.spec("relay", rid)
         host = cluster.cluster.hosts[host_id]
-        shm_dir = self.settings.shm_dir or f"/dev/shm/laminar-{cluster.run.name}-relay-{rid}"
+        shm_dir = cluster.relay_shm_dir(rid)
         keys = getattr(self.ctx.transport, "keys", None)
         transport = get_transport(self.settings.transport, **self.settings.transport_options)
         st = self.settings

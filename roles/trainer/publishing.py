@@ -56,7 +56,7 @@ class PublishLink:
             return c.relay_address
         if c.relay_id is not None:
             host, _ = cfg.spec("relay", c.relay_id)
-            port = cfg.role_settings("relay", c.relay_id).get("data_port", 0)
+            port = cfg.relay_settings(c.relay_id).data_port
             if port:
                 return f"{cfg.cluster.hosts[host].address}:{port}"
         return None

@@ -90,8 +90,8 @@ def in_flight(rollout: str, specs, version: int, lineage: int) -> AppendDeltas:
 
 def view(role, endpoint: str) -> RolloutStats:
     return RolloutStats(rollout_id="b", host="h0", version=role.version, kv_usage=0.0, running=0, waiting=0,
-                        active=len(role.active), tokens_per_s=0.0, state=role.state, batches=role.batches,
-                        generated_tokens=0, control_address=endpoint, ts=0.0, lineage=role.lineage)
+                        active=len(role.active), tokens_per_s=0.0, state=role.work.state, batches=role.batches,
+                        generated_tokens=0, control_address=endpoint, ts=0.0, lineage=role.weights.lineage)
 
 
 @pytest.fixture
@@ -123,21 +123,21 @@ def test_adoption_resumes_only_on_the_weights_the_work_names(tmp_path, shm):
 
         rb = await cl.start("rollout", "b")
         ran: list[tuple[str, tuple[int, int], tuple[int, int]]] = []  # (id, its label, the weights held)
-        generate = rb._generate
+        generate = rb.runner._generate
 
         async def recorded(a):
-            ran.append((a.id, (a.lineage, a.version), (rb.lineage, rb.version)))
+            ran.append((a.id, (a.lineage, a.version), (rb.weights.lineage, rb.version)))
             await generate(a)
-        rb._generate = recorded
+        rb.runner._generate = recorded
         endpoint = c.endpoint("rollout", "b")
         fleet = Fleet(cl.hub.transport(), structlog.get_logger(),
-                      FleetSettings(dead_after_s=60, orphan_wait_s=0.0, orphan_policy="retained"),
+                      FleetSettings(rollout_dead_after_s=60, orphan_wait_s=0.0, orphan_policy="retained"),
                       lambda rid: endpoint, c.endpoint("partial_pool"))
         for owner in ("a", "a2"):
             for p in (await partial.call(InFlightOf(owner))).partials:
                 fleet.orphans[p.spec.trajectory_id] = (p, 0.0)
         async with asyncio.timeout(60):
-            while (rb.version, rb.lineage) != (15, 2) or rb.active:  # loaded the newest; its own group done
+            while (rb.version, rb.weights.lineage) != (15, 2) or rb.active:  # loaded the newest; its own group done
                 await asyncio.sleep(0.05)  # polling the role's state
             while fleet.orphans:  # the manager's tick: place, adopt, or restart what is stuck
                 fleet.on_stats(view(rb, endpoint))

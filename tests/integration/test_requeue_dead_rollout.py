@@ -75,7 +75,7 @@ def test_dead_rollouts_unstarted_groups_are_requeued(tmp_path):
         pool = await cl.start("prompt_pool")
         assert pool.counts()["prompts_skipped"] == 0 and pool.counts()["outstanding"] == 4
 
-        fleet = Fleet(cl.hub.transport(), structlog.get_logger(), FleetSettings(dead_after_s=0.01),
+        fleet = Fleet(cl.hub.transport(), structlog.get_logger(), FleetSettings(rollout_dead_after_s=0.01),
                       lambda rid: "", c.endpoint("partial_pool"), {"0": c.endpoint("prompt_pool")},
                       c.endpoint("experience_buffer"))
         fleet.on_stats(stats("r1"))
@@ -115,7 +115,7 @@ def test_a_rollout_the_manager_never_heard_from_is_given_time_before_its_groups_
         b = await pp.call(TakeBatch("newcomer", 2, batch_seq=1, pid=333))
 
         def fleet(dead_after_s):
-            return Fleet(cl.hub.transport(), structlog.get_logger(), FleetSettings(dead_after_s=dead_after_s),
+            return Fleet(cl.hub.transport(), structlog.get_logger(), FleetSettings(rollout_dead_after_s=dead_after_s),
                          lambda rid: "", c.endpoint("partial_pool"), {"0": c.endpoint("prompt_pool")},
                          c.endpoint("experience_buffer"))
         patient = fleet(60.0)

@@ -35,7 +35,7 @@ def test_a_restarted_orphan_is_durable_before_the_old_copy_goes(tmp_path):
         server.route(MigrateIn, on_migrate_in)
         await server.start()
         fleet = Fleet(cl.hub.transport(), structlog.get_logger(),
-                      FleetSettings(dead_after_s=60, orphan_wait_s=0.0), lambda rid: "inproc://dest",
+                      FleetSettings(rollout_dead_after_s=60, orphan_wait_s=0.0), lambda rid: "inproc://dest",
                       c.endpoint("partial_pool"))
         fleet.on_stats(RolloutStats(**{**stats("dest").__dict__, "version": 3}))
         p = (await partial.call(InFlightOf("old"))).partials[0]

@@ -251,7 +251,7 @@ def test_adopted_work_resumes_on_its_retained_version(world):
         assert sorted(res.accepted) == sorted(half) and res.version == 2
         done = await drain(cluster, 1, until=lambda ts: set(half) <= {t.spec.trajectory_id for t in ts})
         async with asyncio.timeout(120):  # and back to the newest version afterwards
-            while r0.version != 3 or r0.adopted or r0.pinned:
+            while r0.version != 3 or r0.migration.adopted or r0.migration.pinned:
                 await asyncio.sleep(0.01)
         await cluster.stop("rollout", "0")
         return half, [t for t in done if t.spec.trajectory_id in half]

@@ -1,11 +1,14 @@
-"""Facts one role needs of another's settings (global batch, group size, each rollout's concurrency)
-come from the cluster config (laminar/config.py), per instance: section defaults + that instance's
-options. The manager sizes its moves by each rollout's own max_concurrency."""
+"""Facts one role needs of another's settings (global batch, group size, each rollout's concurrency,
+a relay's settings and folder) come from the cluster config (laminar/config.py), per instance:
+section defaults + that instance's options. The manager sizes its moves by each rollout's own
+max_concurrency, and its fleet runs by the manager's settings under their own names and defaults."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from laminar.roles.manager.config import ManagerConfig
+from laminar.roles.manager.fleet import FleetSettings
 
 from laminar.config import parse_config
 from laminar.testing.inproc_cluster import InprocCluster
@@ -49,3 +52,42 @@ def test_manager_uses_each_rollouts_own_max_concurrency(tmp_path):
         finally:
             await cl.close()
     asyncio.run(go())
+
+
+# -- one name per concept: the relay's settings, the fleet's settings ---------------------------------
+def test_a_relays_settings_and_folder_are_read_through_one_accessor(tmp_path):
+    cfg = parse_config({
+        "run": {"name": "acc", "workdir": str(tmp_path)},
+        "cluster": {"keys_dir": None, "broker": {"host": "h0"},
+                    "hosts": {"h0": {"address": "127.0.0.1", "roles": [
+                        {"role": "relay", "id": "a", "port": 6631},
+                        {"role": "relay", "id": "b", "port": 6632,
+                         "options": {"shm_dir": "/dev/shm/laminar-acc-own", "data_port": 6640}}]}}},
+        "roles": {"relay": {"transport": "tcp", "retain_versions": 2}}})
+    a, b = cfg.relay_settings("a"), cfg.relay_settings("b")
+    assert (a.data_port, a.retain_versions, b.data_port, b.retain_versions) == (0, 2, 6640, 2)
+    assert cfg.relay_shm_dir("a") == "/dev/shm/laminar-acc-relay-a"       # the run's default
+    assert cfg.relay_shm_dir("b") == "/dev/shm/laminar-acc-own"
+    assert cfg.relay_settings("nowhere").retain_versions == 2              # not placed: the section alone
+
+
+def test_a_fleet_built_from_the_default_manager_config_is_the_default_fleet():
+    """FleetSettings takes each shared setting's default from ManagerConfig: nothing to drift."""
+    assert FleetSettings.from_config(ManagerConfig()) == FleetSettings()
+
+
+def test_the_fleet_takes_every_manager_setting_and_resolves_the_rest_for_the_cluster(tmp_path):
+    m = ManagerConfig(repack_interval_s=7, c_max=0.5, repack_trend="previous", batch_bound=16, rpc_timeout_s=2,
+                      orphan_wait_s=9, orphan_policy="wait", settle_interval_s=3, dead_after_s=4)
+    s = FleetSettings.from_config(m)
+    assert (s.repack_interval_s, s.c_max, s.repack_trend, s.batch_bound, s.rpc_timeout_s, s.orphan_wait_s,
+            s.orphan_policy, s.settle_interval_s) == (7, 0.5, "previous", 16, 2, 9, "wait", 3)
+    assert s.rollout_dead_after_s == 4 and s.repack and s.log_path is None     # alone: laminar mode, no workdir
+    cfg = _cluster(tmp_path, {"max_concurrency": 64}, [{"id": "0", "port": 6623}])
+    cfg.run.mode = "stream"
+    cfg.cluster.dead_after_s = 6
+    s = FleetSettings.from_config(ManagerConfig(), cfg, batch_bound=40)
+    assert (s.repack, s.batch_bound, s.rollout_dead_after_s, s.concurrency) == (False, 40, 6, {"0": 64})
+    assert s.log_path == tmp_path / "manager" / "repacks.jsonl"
+    assert FleetSettings.from_config(ManagerConfig(repack=True, rollout_dead_after_s=1.5), cfg).repack
+    assert FleetSettings.from_config(ManagerConfig(rollout_dead_after_s=1.5), cfg).rollout_dead_after_s == 1.5

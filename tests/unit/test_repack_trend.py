@@ -24,7 +24,8 @@ TAIL = {"a": [(0.90, 64), (0.30, 12), (0.31, 12), (0.25, 10), (0.27, 10)],
 
 
 def fleet(trend: str) -> Fleet:
-    return Fleet(None, structlog.get_logger("test"), FleetSettings(batch_bound=32, trend=trend), lambda r: "", None)
+    return Fleet(None, structlog.get_logger("test"), FleetSettings(batch_bound=32, repack_trend=trend),
+                 lambda r: "", None)
 
 
 def plans(trend: str) -> list[int]:

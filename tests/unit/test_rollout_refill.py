@@ -32,9 +32,8 @@ def make_role(mode: str | None = "laminar", **settings) -> RolloutRole:
     cluster = None if mode is None else types.SimpleNamespace(run=RunSpec(mode=mode))
     role = RolloutRole(RoleContext(role="rollout", id="r0", host="n0", transport=None,
                                    settings={"engine": "sim", "max_concurrency": 8, **settings}, config=cluster))
-    role.weights_dir = OURS
-    role.version, role.lineage, role.run_id = 3, 1, "run"
-    role.engine = types.SimpleNamespace(stats=types.SimpleNamespace(kv_usage=0.0, running=0, waiting=0))
+    role.wire(types.SimpleNamespace(stats=types.SimpleNamespace(kv_usage=0.0, running=0, waiting=0)), weights_dir=OURS)
+    role.weights.version, role.weights.lineage, role.weights.run_id = 3, 1, "run"
     return role
 
 
@@ -60,8 +59,7 @@ async def follow(role: RolloutRole, events: list) -> None:
 
     async def recv():
         return await queue.get()
-    role.versions_sub = types.SimpleNamespace(recv=recv)
-    task = asyncio.ensure_future(role._follow_versions())
+    task = asyncio.ensure_future(role.weights.follow(types.SimpleNamespace(recv=recv)))
     while not queue.empty():
         await asyncio.sleep(0)
     await asyncio.sleep(0)
@@ -85,7 +83,7 @@ def test_refill_stops_once_this_hosts_relay_holds_a_newer_version():
 
     role.active.clear()  # the batch drained
     assert role._room() == 8  # nothing runs: the loop loads version 4 before it takes work (_settle_weights)
-    role.version = 4          # loaded
+    role.weights.version = 4  # loaded
     start_one(role)
     assert role._room() == 7  # refilling again, on version 4
 
@@ -146,7 +144,7 @@ def test_a_lost_event_does_not_hang_the_drain(tmp_path):
     try:
         role = make_role(refill=True, report_interval_s=0.01)
         role.taken_on_version = 8
-        role.weights_dir = str(store.dir)
+        role.weights.dir = str(store.dir)
         role.ctx.publisher = types.SimpleNamespace(publish=lambda topic, ev: None)
         start_one(role)
         sd = {"w": torch.zeros(256)}
@@ -160,12 +158,12 @@ def test_a_lost_event_does_not_hang_the_drain(tmp_path):
             task.cancel()
 
         lw.write_version(store, sd, 3, chunk_bytes=4096)  # what the engine holds
-        asyncio.run(reports(lambda: role._looked_at is not None))
-        assert role._room() == 7 and role.newest_here is None
+        asyncio.run(reports(lambda: role.weights._looked_at is not None))
+        assert role._room() == 7 and role.weights.newest_here is None
 
         lw.write_version(store, sd, 4, chunk_bytes=4096)  # no event comes
-        asyncio.run(reports(lambda: role.newest_here is not None))
-        assert role.newest_here.version == 4 and role._room() == 0
+        asyncio.run(reports(lambda: role.weights.newest_here is not None))
+        assert role.weights.newest_here.version == 4 and role._room() == 0
     finally:
         lw.build_manifest = real
         store.close()
@@ -192,8 +190,8 @@ def test_the_loop_counts_a_versions_work_and_starts_again_after_every_drain():
     intake until a load succeeded."""
     role = make_role(refill=True, max_num_seqs=4)
     loads: list = []  # what each load finds: a version, or None (failed)
-    role._maybe_update_weights = lambda: _load(role, loads)
-    role._start = lambda a: role.active.__setitem__(a.id, a)
+    role.weights.update = lambda: _load(role, loads)
+    role.runner.start = lambda a: role.active.__setitem__(a.id, a)
     taken = iter(range(10 ** 6))
 
     async def take(room):
@@ -227,4 +225,4 @@ async def _load(role: RolloutRole, loads: list) -> None:
     if not role.active and loads:
         got = loads.pop(0)
         if got is not None:
-            role.version = got
+            role.weights.version = got

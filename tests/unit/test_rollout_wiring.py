@@ -79,12 +79,12 @@ class Book:
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 
 
-def make_role(tmp_path, **settings) -> RolloutRole:
+def make_role(tmp_path, prompts=None, partials=None, buffer=None, **settings) -> RolloutRole:
     config = types.SimpleNamespace(workdir=lambda: tmp_path, endpoint=lambda role, id: f"inproc://{role}.{id}")
     role = RolloutRole(RoleContext(role="rollout", id="r0", host="h0", transport=None,
                                    settings={"engine": "sim", **settings}, config=config))
-    role.engine = types.SimpleNamespace(stats=types.SimpleNamespace(kv_usage=0.0, running=0, waiting=0))
-    role.reward = lambda spec, tokens: 1.0
+    role.wire(types.SimpleNamespace(stats=types.SimpleNamespace(kv_usage=0.0, running=0, waiting=0)),
+              prompts=prompts, partials=partials, buffer=buffer, reward=lambda spec, tokens: 1.0)
     return role
 
 
@@ -97,8 +97,7 @@ def active(role: RolloutRole, tid: str, tokens: list[int], **kw) -> Active:
 
 # -- TakeBatch names the process -------------------------------------------------------------------
 def test_take_batch_carries_this_process_pid(tmp_path):
-    role = make_role(tmp_path)
-    role.prompts = Client(lambda req: Batch([]))
+    role = make_role(tmp_path, prompts=Client(lambda req: Batch([])))
 
     async def go():
         await role._take_batch(4)
@@ -109,16 +108,15 @@ def test_take_batch_carries_this_process_pid(tmp_path):
 
 # -- columnar, paged flushes -----------------------------------------------------------------------
 def test_single_turn_flush_is_columnar_and_paged(tmp_path):
-    role = make_role(tmp_path)
-    role.partials = Book()
-    role.FLUSH_DELTAS = 3
+    role = make_role(tmp_path, partials=Book())
+    role.stream.FLUSH_DELTAS = 3
     acts = [active(role, f"g{i}/0", [10 + i, 20 + i]) for i in range(7)]
 
     async def go():
-        assert await role.flush()
+        assert await role.stream.flush()
         for a in acts:
             a.add_generated([30], [-0.1])
-        assert await role.flush()
+        assert await role.stream.flush()
     asyncio.run(go())
     reqs = role.partials.requests
     assert reqs and all(isinstance(r, AppendDeltaBatch) for r in reqs)
@@ -129,14 +127,13 @@ def test_single_turn_flush_is_columnar_and_paged(tmp_path):
 
 
 def test_a_flush_page_is_bounded_in_tokens_too(tmp_path):
-    role = make_role(tmp_path)
-    role.partials = Book()
-    role.FLUSH_TOKENS = 5
+    role = make_role(tmp_path, partials=Book())
+    role.stream.FLUSH_TOKENS = 5
     for i in range(4):
         active(role, f"g{i}/0", [1, 2, 3])
 
     async def go():
-        assert await role.flush()
+        assert await role.stream.flush()
     asyncio.run(go())
     reqs = role.partials.requests
     assert len(reqs) >= 2 and all(len(r.tokens) <= 5 or len(r.trajectory_ids) == 1 for r in reqs)
@@ -144,14 +141,13 @@ def test_a_flush_page_is_bounded_in_tokens_too(tmp_path):
 
 
 def test_multi_turn_deltas_stay_on_append_deltas(tmp_path):
-    role = make_role(tmp_path)
-    role.partials = Book()
+    role = make_role(tmp_path, partials=Book())
     a = active(role, "m/0", [5, 6])
     a.add_observation([7, 8])
     active(role, "s/0", [9])
 
     async def go():
-        assert await role.flush()
+        assert await role.stream.flush()
     asyncio.run(go())
     kinds = {type(r) for r in role.partials.requests}
     assert kinds == {AppendDeltas, AppendDeltaBatch}
@@ -161,7 +157,6 @@ def test_multi_turn_deltas_stay_on_append_deltas(tmp_path):
 
 
 def test_a_failed_page_leaves_its_deltas_in_the_outbox(tmp_path):
-    role = make_role(tmp_path)
     book = Book()
     calls = []
 
@@ -170,14 +165,14 @@ def test_a_failed_page_leaves_its_deltas_in_the_outbox(tmp_path):
         if len(calls) == 2:
             raise RemoteError("unavailable", "pool restarting")
         return await book.call(req, timeout)
-    role.partials = types.SimpleNamespace(call=flaky)
-    role.FLUSH_DELTAS = 2
+    role = make_role(tmp_path, partials=types.SimpleNamespace(call=flaky))
+    role.stream.FLUSH_DELTAS = 2
     acts = [active(role, f"g{i}/0", [i]) for i in range(4)]
 
     async def go():
-        assert not await role.flush()
+        assert not await role.stream.flush()
         assert sum(bool(a.outbox) for a in acts) == 2
-        assert await role.flush()
+        assert await role.stream.flush()
     asyncio.run(go())
     assert all(not a.outbox for a in acts) and len(book.book.live()) == 4
 
@@ -194,9 +189,7 @@ def test_resume_keeps_the_epoch_and_every_delta_carries_it(tmp_path):
 
 
 def test_a_fenced_off_trajectory_stops_here_and_is_never_stored(tmp_path):
-    role = make_role(tmp_path)
-    role.partials = Book()
-    role.buffer = Client(lambda req: None)
+    role = make_role(tmp_path, partials=Book(), buffer=Client(lambda req: None))
     a = active(role, "t/0", [1, 2])
     b = active(role, "u/0", [3])
     cancelled = []
@@ -210,37 +203,36 @@ def test_a_fenced_off_trajectory_stops_here_and_is_never_stored(tmp_path):
                 raise
         a.task = asyncio.ensure_future(gen())
         await asyncio.sleep(0)
-        assert await role.flush()
+        assert await role.stream.flush()
         role.partials.book.fence("t/0", "r9")          # handed to r9 while this rollout was cut off
         a.add_generated([4], [-0.4])
         b.add_generated([5], [-0.5])
-        await role.flush()
+        await role.stream.flush()
         await asyncio.sleep(0.05)
-        await role._finish(a, "stop")                 # a finish racing the refusal stores nothing
+        await role.runner._finish(a, "stop")                 # a finish racing the refusal stores nothing
     asyncio.run(go())
     assert cancelled == ["t/0"] and "t/0" not in role.active and "u/0" in role.active
-    assert role.fenced_off == 1
+    assert role.stream.fenced_off == 1
     assert not [r for r in role.buffer.requests if isinstance(r, PutTrajectory)]
     assert role.partials.book.entries["t/0"].state().tokens.tolist() == [1, 2]
     assert role.partials.book.entries["u/0"].state().tokens.tolist() == [3, 5]
 
 
 def test_migrated_in_work_is_fenced_to_its_new_owner(tmp_path):
-    role = make_role(tmp_path)
-    role.partials = Book()
-    role._generate = lambda a: asyncio.sleep(0)
+    role = make_role(tmp_path, partials=Book())
+    role.runner._generate = lambda a: asyncio.sleep(0)
     old = active(role, "t/0", [1, 2])
 
     async def go():
-        await role.flush()
+        await role.stream.flush()
         role.active.clear()
         p = role.partials.book.entries["t/0"].state()
-        res = await role.on_migrate_in(MigrateIn([p]))
+        res = await role.migration.on_migrate_in(MigrateIn([p]))
         assert res.accepted == ["t/0"]
         a = role.active["t/0"]
         assert a.epoch == 1
         a.add_generated([3], [-0.3])
-        await role.flush()
+        await role.stream.flush()
     asyncio.run(go())
     (fence,) = [r for r in role.partials.requests if isinstance(r, ReassignPartial)]
     assert fence.fence and fence.rollout_id == "r0"
@@ -251,49 +243,46 @@ def test_migrated_in_work_is_fenced_to_its_new_owner(tmp_path):
 def test_migrated_in_work_continues_from_what_the_pool_holds(tmp_path):
     """The state handed over was read before a cut-off owner wrote one more delta: the new owner
     continues from the pool's state, never writing its own tokens under the same seqs."""
-    role = make_role(tmp_path)
-    role.partials = Book()
-    role._generate = lambda a: asyncio.sleep(0)
+    role = make_role(tmp_path, partials=Book())
+    role.runner._generate = lambda a: asyncio.sleep(0)
     old = active(role, "t/0", [1, 2])
 
     async def go():
-        await role.flush()
+        await role.stream.flush()
         snapshot = role.partials.book.entries["t/0"].state()        # what the manager read
         old.add_generated([7], [-0.7])
-        await role.flush()                                          # the old owner, still running
+        await role.stream.flush()                                          # the old owner, still running
         role.active.clear()
-        await role.on_migrate_in(MigrateIn([snapshot]))
+        await role.migration.on_migrate_in(MigrateIn([snapshot]))
         a = role.active["t/0"]
         assert a.tokens == [1, 2, 7] and a.next_seq == 2
         a.add_generated([8], [-0.8])
-        await role.flush()
+        await role.stream.flush()
     asyncio.run(go())
     assert role.partials.book.entries["t/0"].state().tokens.tolist() == [1, 2, 7, 8]
 
 
 def test_migrate_out_hands_over_no_fenced_off_trajectory(tmp_path):
     from laminar.protocol import MigrateOut
-    role = make_role(tmp_path)
-    role.partials = Book()
+    role = make_role(tmp_path, partials=Book())
     a, b = active(role, "t/0", [1]), active(role, "u/0", [2])
 
     async def go():
         for x in (a, b):
             x.task = asyncio.ensure_future(asyncio.sleep(30))
-        await role.flush()
+        await role.stream.flush()
         role.partials.book.fence("t/0", "r9")
         a.add_generated([3], [-0.3])
-        out = await role.on_migrate_out(MigrateOut([], everything=True))
+        out = await role.migration.on_migrate_out(MigrateOut([], everything=True))
         return [p.spec.trajectory_id for p in out.partials]
     assert asyncio.run(go()) == ["u/0"]
-    assert not role.active and role.fenced_off == 1
+    assert not role.active and role.stream.fenced_off == 1
 
 
 # -- lineage ---------------------------------------------------------------------------------------
 def test_seq_0_carries_the_lineage_and_the_book_returns_it(tmp_path):
-    role = make_role(tmp_path)
-    role.partials = Book()
-    role.version, role.lineage = 5, 2
+    role = make_role(tmp_path, partials=Book())
+    role.weights.version, role.weights.lineage = 5, 2
     a = Active(spec=spec("t/0"), version=5)
     a.lineage = 2
     a.add_generated([1], [-0.1])
@@ -304,7 +293,7 @@ def test_seq_0_carries_the_lineage_and_the_book_returns_it(tmp_path):
     role.active[m.id] = m
 
     async def go():
-        assert await role.flush()
+        assert await role.stream.flush()
     asyncio.run(go())
     assert role.partials.book.entries["t/0"].state().lineage == 2
     assert role.partials.book.entries["m/0"].state().lineage == 2
@@ -327,3 +316,16 @@ def test_a_deadline_error_is_retried(tmp_path):
     async def go():
         return await role._call(c, ReassignPartial("t", "r0"))
     assert asyncio.run(go()).detail == "ok" and len(c.requests) == 2
+
+
+# -- status ----------------------------------------------------------------------------------------
+def test_status_answers_before_setup_wires_the_components(tmp_path):
+    """Heartbeats (which carry status()) start before setup(), and a vLLM engine takes a while to
+    start: until the components are wired the status is the one of a rollout holding nothing."""
+    config = types.SimpleNamespace(workdir=lambda: tmp_path, endpoint=lambda role, id: f"inproc://{role}.{id}")
+    role = RolloutRole(RoleContext(role="rollout", id="r0", host="h0", transport=None,
+                                   settings={"engine": "sim"}, config=config))
+    assert role.status() == {"version": 0, "lineage": 0, "active": 0, "state": "idle", "batches": 0, "kv": 0.0,
+                             "weight_pull_failures": 0, "puts_refused": 0, "fenced_off": 0}
+    role = make_role(tmp_path)
+    assert role.status()["version"] == 0 and role.status()["fenced_off"] == 0

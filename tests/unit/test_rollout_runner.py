@@ -1,0 +1,133 @@
+"""TrajectoryRunner (roles/rollout/runner.py) on its own: a started trajectory takes the held
+lineage unless it has its own; generation continues from prompt + tokens with the remaining budget
+under a per-attempt request id and a seed derived from the rollout's seed; the stored trajectory
+names its version and lineage, is released from the partial pool only after the buffer holds it,
+and the batch ends with the last one; a broken reward function scores 0, an env_failed episode
+trains on nothing; a trajectory fenced off while the buffer refuses it is never stored.
+"""
+from __future__ import annotations
+
+import asyncio
+import types
+import zlib
+
+import numpy as np
+import pytest
+import structlog
+from laminar.roles.rollout.config import RolloutConfig
+from laminar.roles.rollout.runner import TrajectoryRunner
+from laminar.roles.rollout.trajectory import Active
+from laminar.roles.rollout.work import Work
+
+from laminar.protocol import CompletePartial, PartialState, PutResult, PutTrajectory, TrajectorySpec
+
+pytestmark = pytest.mark.timeout(30)
+LOG = structlog.get_logger("test")
+
+
+def spec(tid: str, max_tokens: int = 5) -> TrajectorySpec:
+    return TrajectorySpec(trajectory_id=tid, prompt_id="p", group_id="g", sample_index=0, group_size=1,
+                          prompt_tokens=np.asarray([1, 2], dtype=np.int32), answer="x", max_tokens=max_tokens)
+
+
+class Engine:
+    """Generates 10, 11, ... two tokens a step until the budget; records every request."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, rid, prompt, max_tokens, seed):
+        self.requests.append((rid, list(prompt), max_tokens, seed))
+        out = list(range(10, 10 + max_tokens))
+        for i in range(0, len(out), 2):
+            await asyncio.sleep(0)
+            yield out[i:i + 2], [-0.5] * len(out[i:i + 2]), "length" if i + 2 >= len(out) else None
+
+
+class Client:
+    """A pool stub: answers from a list (then `default`), records every request."""
+
+    def __init__(self, answers=(), default=None):
+        self.answers, self.default, self.requests = list(answers), default, []
+
+    async def call(self, req, timeout: float):
+        self.requests.append(req)
+        return self.answers.pop(0) if self.answers else self.default
+
+
+def runner(reward=lambda spec, toks: 1.0, buffer=None, **settings) -> TrajectoryRunner:
+    tasks = []
+
+    def spawn(coro, name, oneshot=False):
+        tasks.append(asyncio.ensure_future(coro))
+        return tasks[-1]
+    s = RolloutConfig(engine="sim", **settings)
+    r = TrajectoryRunner("r0", s, Work(), types.SimpleNamespace(lineage=3), Engine(), None, reward,
+                         buffer or Client(default=PutResult("stored")), Client(), spawn, LOG)
+    r.tasks = tasks
+    return r
+
+
+async def settle(r: TrajectoryRunner) -> None:
+    while any(not t.done() for t in r.tasks):
+        await asyncio.gather(*r.tasks)
+
+
+def test_trajectories_are_generated_stored_then_released_and_the_last_ends_the_batch():
+    r = runner(seed=7)
+    resumed = Active.resume(PartialState(spec=spec("b"), tokens=np.asarray([9, 9], np.int32),
+                                         logprobs=np.asarray([-0.1, -0.1], np.float32), version=4, rollout_id="r9",
+                                         next_seq=1, lineage=2))
+
+    async def go():
+        r.start(Active(spec=spec("a"), version=4))
+        r.start(resumed)
+        assert not r.work.batch_done.is_set() and set(r.work.active) == {"a", "b"}
+        await settle(r)
+    asyncio.run(go())
+    seed = zlib.crc32(b"7:a")
+    assert ("a#r0.1", [1, 2], 5, seed) in r.engine.requests
+    assert ("b#r0.1", [1, 2, 9, 9], 3, zlib.crc32(b"7:b")) in r.engine.requests  # prompt + tokens, the rest
+    stored = {p.trajectory.spec.trajectory_id: p.trajectory for p in r.buffer.requests}
+    a = stored["a"]
+    assert (a.version, a.lineage, a.response_tokens.tolist()) == (4, 3, [10, 11, 12, 13, 14])
+    assert (stored["b"].lineage, stored["b"].response_tokens.tolist()) == (2, [9, 9, 10, 11, 12])  # kept its own
+    assert [type(x) for x in r.partials.requests] == [CompletePartial, CompletePartial]
+    assert not r.work.active and r.work.batch_done.is_set() and r.work.generated == 8
+
+
+def test_a_broken_reward_scores_zero_and_an_env_failed_episode_trains_on_nothing():
+    def broken(spec, toks):
+        raise ZeroDivisionError("verifier bug")
+    r = runner(reward=broken)
+    a = Active(spec=spec("a"), version=1)
+    a.add_generated([5, 6], [-0.1, -0.2])
+    a.timings["generated"] = 0.0
+    r.work.add(a)
+    asyncio.run(r._finish(a, "stop"))
+    b = Active(spec=spec("b"), version=1)
+    b.add_generated([5, 6], [-0.1, -0.2])
+    b.timings["generated"] = 0.0
+    r.work.add(b)
+    asyncio.run(r._finish(b, "env_failed", env_reward=0.0))
+    ta, tb = (p.trajectory for p in r.buffer.requests)
+    assert ta.reward == 0.0 and ta.loss_mask is None
+    assert tb.loss_mask.tolist() == [0, 0]
+
+
+def test_a_trajectory_fenced_off_while_the_buffer_refuses_it_is_never_stored():
+    r = runner(buffer=Client(default=PutResult("full", "at capacity")), put_retry_s=0.01, put_retry_max_s=0.01)
+    a = Active(spec=spec("a"), version=1)
+    a.add_generated([5], [-0.1])
+    a.timings["generated"] = 0.0
+    r.work.add(a)
+
+    async def go():
+        finish = asyncio.ensure_future(r._finish(a, "stop"))
+        while r.puts_refused < 2:
+            await asyncio.sleep(0.005)
+        a.fenced = True                                   # the partial pool gave it to another owner
+        await finish
+    asyncio.run(go())
+    assert all(isinstance(x, PutTrajectory) for x in r.buffer.requests) and r.puts_refused >= 2
+    assert not r.partials.requests and "a" in r.work.active   # never released here: its new owner stores it
