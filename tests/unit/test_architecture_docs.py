@@ -196,3 +196,16 @@ def test_the_mapped_packages_import_from_the_top_level_folders(pkg):
     spec = importlib.util.find_spec(pkg)
     assert spec and Path(spec.origin).parent.name == pkg.split(".")[1]
     assert Path(spec.origin).parent.parent == ROOT
+
+
+def test_make_test_and_test_all_lint_first_and_name_the_slowest_tests():
+    """§15's "lint before test", as the Makefile does it: ruff, then pytest with --durations."""
+    make = (ROOT / "Makefile").read_text()
+    for target in ("test", "test-all"):
+        recipe = re.search(rf"^{re.escape(target)}:[^\n]*\n((?:\t[^\n]*\n)+)", make, re.M)
+        assert recipe, f"the Makefile has no `{target}` target"
+        steps = [line.strip() for line in recipe.group(1).splitlines()]
+        assert "ruff check ." in steps[0], f"`make {target}` does not run ruff first: {steps}"
+        assert any("pytest" in s and "--durations=25" in s for s in steps[1:]), \
+            f"`make {target}` does not list the slowest tests: {steps}"
+    assert "`make test` and `make test-all` run `ruff check .` first" in " ".join(section(15).split())
