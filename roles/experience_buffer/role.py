@@ -41,6 +41,7 @@ from laminar.protocol import (
 
 
 class ExperienceBufferConfig(BaseModel):
+    """Settings of the experience buffer: capacity, eviction, sampler, staleness, store."""
     model_config = ConfigDict(extra="forbid")
     capacity: int = Field(100_000, ge=1, description="most trajectories stored (complete groups or not)")
     eviction: str = Field("drop_oldest", pattern="^(drop_oldest|reject)$", description="what to do when full")

@@ -25,6 +25,7 @@ from laminar.stepcurve import StepCurve, roofline_batch_bound
 
 
 class ManagerConfig(BaseModel):
+    """Settings of the manager: chain timing, liveness, repack and recovery policy."""
     model_config = ConfigDict(extra="forbid")
     probe_timeout_s: float = Field(0.3, gt=0, description="deadline of the TCP probe of a relay reported down")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of SetDownstream calls to relays")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib.util
 import re
 from pathlib import Path
@@ -84,6 +85,12 @@ def production_files() -> list[Path]:
                   if "__pycache__" not in p.parts and "testing" not in p.relative_to(ROOT).parts)
 
 
+@functools.cache
+def production_trees() -> list[tuple[str, ast.Module]]:
+    """(path relative to the root, its syntax tree) of every production file, parsed once."""
+    return [(str(p.relative_to(ROOT)), ast.parse(p.read_text(), str(p))) for p in production_files()]
+
+
 def topic_pattern(node: ast.expr) -> str | None:
     """A publish call's topic as the doc writes it: `rollout.stats.<x>` for f"rollout.stats.{id}"."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -101,17 +108,16 @@ PUBLISHER_NAMES = {"bus/heartbeat.py": "every role", "laminar/logs.py": "every r
 def publishes() -> list[tuple[str, str, str, str]]:
     """(where, topic pattern, kind class, publisher name) of every publish call in production code."""
     found = []
-    for path in production_files():
-        rel = str(path.relative_to(ROOT))
-        for node in ast.walk(ast.parse(path.read_text(), rel)):
+    for rel, tree in production_trees():
+        for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr == "publish" and len(node.args) == 2):
                 continue
             topic, msg = topic_pattern(node.args[0]), node.args[1]
             if topic is None or not isinstance(msg, ast.Call) or not isinstance(msg.func, ast.Name):
                 continue
-            parts = path.relative_to(ROOT).parts
-            name = PUBLISHER_NAMES.get(rel) or (parts[1] if len(parts) > 2 else path.stem).replace("_", " ")
+            parts = Path(rel).parts
+            name = PUBLISHER_NAMES.get(rel) or (parts[1] if len(parts) > 2 else Path(rel).stem).replace("_", " ")
             found.append((f"{rel}:{node.lineno}", topic, msg.func.id, name))
     return found
 
@@ -209,3 +215,22 @@ def test_make_test_and_test_all_lint_first_and_name_the_slowest_tests():
         assert any("pytest" in s and "--durations=25" in s for s in steps[1:]), \
             f"`make {target}` does not list the slowest tests: {steps}"
     assert "`make test` and `make test-all` run `ruff check .` first" in " ".join(section(15).split())
+
+
+def test_every_config_model_has_a_class_docstring():
+    """§15's typed config: every pydantic model of production code says in one line what it holds."""
+    classes = {}
+    for rel, tree in production_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = (f"{rel}:{node.lineno}", node)
+    models, grew = {"BaseModel"}, True
+    while grew:
+        grew = False
+        for name, (_, node) in classes.items():
+            if name not in models and any(ast.unparse(b).split(".")[-1] in models for b in node.bases):
+                models.add(name)
+                grew = True
+    bare = sorted(f"{where} {name}" for name, (where, node) in classes.items()
+                  if name in models and ast.get_docstring(node) is None)
+    assert not bare, "config models without a class docstring:\n" + "\n".join(bare)
