@@ -52,3 +52,16 @@ def test_the_docs_index_lists_every_page_and_every_link_resolves():
     for page in (ROOT / "docs").glob("*.md"):
         gone = [t for t in links(page) if not (page.parent / t).exists()]
         assert not gone, f"{page.relative_to(ROOT)} links files that do not exist: {gone}"
+
+
+def test_every_path_the_docs_name_exists():
+    """A file or folder in backticks (`roles/rollout/role.py`) in the README or a docs page exists;
+    a placeholder in capitals (`bench/NAME.py`) or a glob that matches something passes."""
+    rx = re.compile(r"`((?:laminar|bus|roles|bench|configs|tests|docs)/[A-Za-z0-9_./*-]*)`")
+    gone = {}
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        missing = sorted({p for p in rx.findall(page.read_text())
+                          if not re.search(r"[A-Z]{3,}", p) and not list(ROOT.glob(p.rstrip("/")))})
+        if missing:
+            gone[str(page.relative_to(ROOT))] = missing
+    assert not gone, f"paths named in the docs that do not exist: {gone}"
