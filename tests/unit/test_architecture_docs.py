@@ -1,8 +1,10 @@
 """docs/architecture.md stays true to the code: every role in the registry has a row in §2, every
 registered message kind a row in §4 (and no row names a kind that does not exist), every topic the
-code publishes a row in §3, every `laminar-node` command a mention in §13, every path the doc
-names exists, and §1's size block is what `python bench/sizes.py` prints (`--write-doc` rewrites
-it). A change that adds a role, a kind, a topic or a command fails here until the doc says so."""
+code publishes a row in §3, every topic a role subscribes to a place in its §2 row, every
+`laminar-node` command a mention in §13, every path the doc names exists, every config model a
+class docstring, and §1's size block is what `python bench/sizes.py` prints (`--write-doc`
+rewrites it). A change that adds a role, a kind, a topic or a command fails here until the doc
+says so."""
 from __future__ import annotations
 
 import argparse
@@ -143,6 +145,31 @@ def test_every_published_topic_has_a_row_in_section_3():
         elif name not in row[2]:
             problems.append(f"{where}: topic {topic}'s row does not name its publisher ({name!r})")
     assert not problems, "docs/architecture.md §3's topic table:\n" + "\n".join(problems)
+
+
+# Subscriptions made outside a role's own folder, and the role they belong to.
+SUBSCRIBER_ROLES = {"laminar/weights/follow.py": "trainer"}
+
+
+def test_every_role_s_subscriptions_are_in_its_follows_column():
+    """§2's last column lists every topic prefix a role subscribes to (the shell's ctrl topics aside)."""
+    rows = {row[0].strip("`"): row for row in table_rows(section(2)) if re.fullmatch(r"`[a-z_]+`", row[0])}
+    found, problems = 0, []
+    for rel, tree in production_trees():
+        parts = Path(rel).parts
+        role = SUBSCRIBER_ROLES.get(rel) or (parts[1] if parts[0] == "roles" and len(parts) > 2 else None)
+        if role is None:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "subscriber"
+                    and node.args and isinstance(node.args[0], ast.List)):
+                for elt in node.args[0].elts:
+                    if isinstance(elt, ast.Constant) and isinstance(elt.value, str):
+                        found += 1
+                        if f"`{elt.value}`" not in rows.get(role, [""])[-1]:
+                            problems.append(f"{rel}:{node.lineno}: {role} follows `{elt.value}`")
+    assert found >= 8, "the subscriptions were not found"
+    assert not problems, "missing from docs/architecture.md §2's follows column:\n" + "\n".join(problems)
 
 
 def commands() -> list[str]:
