@@ -1,10 +1,10 @@
 """docs/architecture.md stays true to the code: every role in the registry has a row in §2, every
 registered message kind a row in §4 (and no row names a kind that does not exist), every topic the
-code publishes a row in §3, every topic a role subscribes to a place in its §2 row, every
-`laminar-node` command a mention in §13, every path the doc names exists, every config model a
-class docstring, and §1's size block is what `python bench/sizes.py` prints (`--write-doc`
-rewrites it). A change that adds a role, a kind, a topic or a command fails here until the doc
-says so."""
+code publishes a row in §3, every request a role serves and every topic it subscribes to a place
+in its §2 row, every `laminar-node` command a mention in §13, every path the doc names exists,
+every config model a class docstring, and §1's size block is what `python bench/sizes.py` prints
+(`--write-doc` rewrites it). A change that adds a role, a kind, a topic or a command fails here
+until the doc says so."""
 from __future__ import annotations
 
 import argparse
@@ -170,6 +170,27 @@ def test_every_role_s_subscriptions_are_in_its_follows_column():
                             problems.append(f"{rel}:{node.lineno}: {role} follows `{elt.value}`")
     assert found >= 8, "the subscriptions were not found"
     assert not problems, "missing from docs/architecture.md §2's follows column:\n" + "\n".join(problems)
+
+
+def test_every_request_a_role_serves_is_in_its_serves_column():
+    """§2's "serves" column names every request kind a role routes to a handler (`.route(Kind, ...)`)."""
+    rows = {row[0].strip("`"): row for row in table_rows(section(2)) if re.fullmatch(r"`[a-z_]+`", row[0])}
+    classes = {cls.__name__ for cls in registered_kinds().values()}
+    found, problems = 0, []
+    for rel, tree in production_trees():
+        parts = Path(rel).parts
+        if parts[0] != "roles" or len(parts) < 2:
+            continue
+        role = parts[1] if len(parts) > 2 else Path(rel).stem
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "route"
+                    and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in classes):
+                found += 1
+                serves = rows.get(role, [""] * 5)[4]
+                if not re.search(rf"\b{node.args[0].id}\b", serves):
+                    problems.append(f"{rel}:{node.lineno}: {role} serves {node.args[0].id}")
+    assert found >= 20, "the routes were not found"
+    assert not problems, "missing from docs/architecture.md §2's serves column:\n" + "\n".join(problems)
 
 
 def commands() -> list[str]:
