@@ -119,13 +119,15 @@ demo-upper: $(STAMP_CPU) models/tiny/config.json runs/smoke-upper/data/prompts.j
 	  runs/smoke-upper/summary.*
 	$(BIN)/laminar-node up configs/smoke-upper.yaml
 
-# Lint first (rules and line length in pyproject.toml [tool.ruff]), then the tests.
+# Lint first (rules and line length in pyproject.toml [tool.ruff]), then the tests; the 25 slowest
+# are listed at the end, so a CI log says where the time went. test-all adds the `slow` ones.
 test: $(STAMP_TEST)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" --durations=25 $(PYTEST_ARGS)
 
 test-all: $(STAMP_TEST)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 bench-quick: $(STAMP_TEST)
 	mkdir -p runs/bench

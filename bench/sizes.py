@@ -4,6 +4,11 @@ excluded, to its last line; nested functions count on their own as well).
 
     python bench/sizes.py                 # the table for laminar/, bus/, roles/, bench/
     python bench/sizes.py --json out.json # and the numbers as JSON
+    python bench/sizes.py --write-doc     # rewrite the size block of docs/architecture.md §1
+
+docs/architecture.md §1 holds this table between `<!-- sizes -->` markers;
+tests/unit/test_architecture_docs.py fails when it differs from what this script prints, so a
+change that moves the numbers reruns `--write-doc` in the same commit.
 
 Lines are physical lines of the file (blank lines and comments included), as `wc -l` counts them.
 """
@@ -17,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("laminar", "bus", "roles", "bench")
+DOC = ROOT / "docs" / "architecture.md"
+BEGIN, END = "<!-- sizes: python bench/sizes.py -->", "<!-- /sizes -->"
 
 
 def quantile(xs: list[int], q: float) -> float:
@@ -42,6 +49,11 @@ def measure(paths: list[Path]) -> tuple[list[int], list[tuple[int, str]]]:
     return files, funcs
 
 
+def measure_files(paths: list[Path]) -> list[tuple[int, str]]:
+    """(lines, path) of every file."""
+    return [(len(p.read_text().splitlines()), str(p.relative_to(ROOT))) for p in paths]
+
+
 def summarize(files: list[int], funcs: list[tuple[int, str]]) -> dict:
     lines = [n for n, _ in funcs]
     biggest = max(funcs, default=(0, ""))
@@ -52,28 +64,61 @@ def summarize(files: list[int], funcs: list[tuple[int, str]]) -> dict:
             "function_max": biggest[0], "largest_function": biggest[1]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="also write the numbers to this file")
-    a = ap.parse_args()
-    rows, every_file, every_func = {}, [], []
+def rows() -> tuple[dict[str, dict], tuple[int, str]]:
+    """The summary of each folder and of all, and the largest file (lines, path)."""
+    out, every_file, every_func, named = {}, [], [], []
     for folder in FOLDERS:
         paths = sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
         files, funcs = measure(paths)
-        rows[folder] = summarize(files, funcs)
+        out[folder] = summarize(files, funcs)
         every_file += files
         every_func += funcs
-    rows["all"] = summarize(every_file, every_func)
-    head = f"{'':8} {'files':>5} {'lines':>6}  {'file med':>8} {'p90':>5} {'max':>5}  {'funcs':>5} " \
-           f"{'fn med':>6} {'p90':>5} {'max':>4}"
-    print(head)
-    for name, r in rows.items():
-        print(f"{name:8} {r['files']:5d} {r['lines']:6d}  {r['file_median']:8.1f} {r['file_p90']:5.0f} "
-              f"{r['file_max']:5d}  {r['functions']:5d} {r['function_median']:6.1f} {r['function_p90']:5.0f} "
-              f"{r['function_max']:4d}")
-    print(f"largest function: {rows['all']['largest_function']} ({rows['all']['function_max']} lines)")
+        named += measure_files(paths)
+    out["all"] = summarize(every_file, every_func)
+    return out, max(named)
+
+
+def table() -> str:
+    """The size table as printed (and as docs/architecture.md §1 holds it)."""
+    summary, (file_max, file_path) = rows()
+    lines = [f"{'':8} {'files':>5} {'lines':>6}  {'file med':>8} {'p90':>5} {'max':>5}  {'funcs':>5} "
+             f"{'fn med':>6} {'p90':>5} {'max':>4}"]
+    for name, r in summary.items():
+        lines.append(f"{name:8} {r['files']:5d} {r['lines']:6d}  {r['file_median']:8.1f} {r['file_p90']:5.0f} "
+                     f"{r['file_max']:5d}  {r['functions']:5d} {r['function_median']:6.1f} "
+                     f"{r['function_p90']:5.0f} {r['function_max']:4d}")
+    lines.append(f"largest file: {file_path} ({file_max} lines)")
+    lines.append(f"largest function: {summary['all']['largest_function']} ({summary['all']['function_max']} lines)")
+    return "\n".join(lines)
+
+
+def doc_block() -> str:
+    """The text between the size markers of docs/architecture.md."""
+    return ("**Size** (`python bench/sizes.py`: physical lines per file and per function, from `ast`; "
+            "median / p90 / max):\n\n```\n" + table() + "\n```\n")
+
+
+def split_doc(text: str) -> tuple[str, str, str]:
+    """(before, block, after) around the size markers; ValueError when they are missing."""
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{DOC}: the size markers {BEGIN} ... {END} are missing")
+    head, rest = text.split(BEGIN, 1)
+    block, tail = rest.split(END, 1)
+    return head + BEGIN + "\n", block.lstrip("\n"), END + tail
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="also write the numbers to this file")
+    ap.add_argument("--write-doc", action="store_true", help="rewrite the size block of docs/architecture.md")
+    a = ap.parse_args()
+    print(table())
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=2))
+        Path(a.json).write_text(json.dumps(rows()[0], indent=2))
+    if a.write_doc:
+        head, _, tail = split_doc(DOC.read_text())
+        DOC.write_text(head + doc_block() + tail)
+        print(f"wrote the size block of {DOC.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ class UsageError(Exception):
 
 
 class Strict(BaseModel):
+    """Base of every config model here: an unknown key is an error, never ignored."""
     model_config = ConfigDict(extra="forbid")
 
 
@@ -82,6 +83,7 @@ class RoleSpec(Strict):
 
 
 class HostSpec(Strict):
+    """One host of the cluster: its addresses, its metrics port and the roles placed on it."""
     address: str = Field(description="address other hosts use to reach this one")
     bind: str = Field("0.0.0.0", description="interface to bind listening sockets on")
     roles: list[RoleSpec] = Field(default_factory=list)
@@ -95,12 +97,14 @@ class HostSpec(Strict):
 
 
 class BrokerSpec(Strict):
+    """Where the pub/sub broker runs and its two ports."""
     host: str = Field(description="host id (key of cluster.hosts) running the broker")
     pub_port: int = Field(5550, ge=1, le=65535, description="XSUB port publishers connect to")
     sub_port: int = Field(5551, ge=1, le=65535, description="XPUB port subscribers connect to")
 
 
 class BusSettings(Strict):
+    """Limits every bus socket shares: high-water mark, linger, largest message."""
     hwm: int = Field(10000, ge=1, description="high-water mark of every socket, in messages")
     linger_ms: int = Field(200, ge=0, description="how long a closing socket may flush")
     max_message_mb: int = Field(64, ge=1, description="largest frame a socket accepts")
@@ -122,6 +126,7 @@ class SystemdSettings(Strict):
 
 
 class ClusterSpec(Strict):
+    """The cluster: hosts, broker, keys, heartbeat and shutdown timing, socket limits."""
     keys_dir: str | None = Field(".laminar/keys", description="folder of the cluster key (laminar-node keygen); "
                                  "null disables CURVE")
     heartbeat_s: float = Field(1.0, gt=0, description="heartbeat period of every role")
@@ -159,6 +164,7 @@ class ClusterSpec(Strict):
 
 
 class RunSpec(Strict):
+    """The run: name, seed, workdir, task and scheduling mode."""
     name: str = Field("run", description="run name; outputs go to <workdir>")
     seed: int = Field(0, description="global seed")
     workdir: str = Field("runs/run", description="folder for stores, checkpoints, logs, summaries")
@@ -175,6 +181,7 @@ class RunSpec(Strict):
 
 
 class LaminarConfig(Strict):
+    """A whole run's config (one YAML file): run, cluster and settings per role kind."""
     run: RunSpec = Field(default_factory=RunSpec)
     cluster: ClusterSpec
     roles: dict[str, dict[str, Any]] = Field(default_factory=dict, description="settings per role kind")

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class NoSettings(BaseModel):
+    """The settings of a role that takes none: any key is an error."""
     model_config = ConfigDict(extra="forbid")
 
 

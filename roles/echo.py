@@ -15,6 +15,7 @@ from laminar.protocol import Metrics, Ping, Pong
 
 
 class EchoConfig(BaseModel):
+    """Settings of the echo role: its metrics period and request limit."""
     model_config = ConfigDict(extra="forbid")
     interval_s: float = Field(1.0, gt=0, description="period of the metrics event")
     max_inflight: int = Field(256, ge=1, description="concurrent requests before answering busy")

@@ -71,6 +71,7 @@ CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "
 
 
 class SandboxConfig(BaseModel):
+    """Limits and confinement of one sandboxed tool run."""
     model_config = ConfigDict(extra="forbid")
     wall_s: float = Field(10.0, gt=0, description="wall-clock limit of one run (the whole process group is killed)")
     cpu_s: int = Field(5, ge=1, description="CPU seconds per process (RLIMIT_CPU)")

@@ -27,6 +27,7 @@ class SetupError(ValueError):
 
 
 class _Strict(BaseModel):
+    """Base of the simulator's settings models: unknown keys are errors, assignments checked."""
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

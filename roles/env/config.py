@@ -9,6 +9,7 @@ from laminar.envs.sandbox import SandboxConfig
 
 
 class EnvRoleConfig(BaseModel):
+    """Settings of the env role: the environment class it serves, sessions, deadlines, sandbox."""
     model_config = ConfigDict(extra="forbid")
     environment: str = Field("laminar.envs.python_tool:PythonToolEnv",
                              description="environment class 'package.module:Class' (one instance per episode)")

@@ -45,6 +45,7 @@ from laminar.protocol import Heartbeat, Metrics
 
 
 class EvaluatorConfig(BaseModel):
+    """Settings of the evaluator: the held-out split, its reward, when and how to evaluate."""
     model_config = ConfigDict(extra="forbid")
     dataset: str = Field(description="held-out JSONL/Parquet file (prompt, answer; never given to the prompt pool)")
     prompt_field: str = Field("prompt", description="record field with the prompt text")

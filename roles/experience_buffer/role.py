@@ -41,10 +41,12 @@ from laminar.protocol import (
 
 
 class ExperienceBufferConfig(BaseModel):
+    """Settings of the experience buffer: capacity, eviction, sampler, staleness, store."""
     model_config = ConfigDict(extra="forbid")
     capacity: int = Field(100_000, ge=1, description="most trajectories stored (complete groups or not)")
     eviction: str = Field("drop_oldest", pattern="^(drop_oldest|reject)$", description="what to do when full")
-    sampler: str = Field("fifo", description="fifo | freshest")
+    sampler: str = Field("fifo", description="fifo (oldest completed first) | freshest = staleness_aware (newest "
+                         "version first); samplers.py's SAMPLERS")
     max_staleness: int | None = Field(None, ge=0,
                                       description="drop groups older than this many versions (None: keep all)")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")

@@ -47,6 +47,7 @@ from laminar.protocol import (
 
 
 class PartialPoolConfig(BaseModel):
+    """Settings of the partial pool: held deltas, store, remembered completions."""
     model_config = ConfigDict(extra="forbid")
     max_held: int = Field(256, ge=1, description="out-of-order deltas held per trajectory")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")

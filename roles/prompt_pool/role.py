@@ -46,6 +46,7 @@ def untrained_groups(counts: dict, pool_id: str) -> int:
 
 
 class PromptPoolConfig(BaseModel):
+    """Settings of the prompt pool: the dataset and its fields, GRPO group size, the gate."""
     model_config = ConfigDict(extra="forbid")
     dataset: str = Field(description="JSONL/Parquet file or folder (relative to the working directory)")
     prompt_field: str = Field("prompt", description="record field with the prompt text")

@@ -42,6 +42,7 @@ from laminar.weights.wire import derive_key
 
 
 class RelayConfig(BaseModel):
+    """Settings of a relay: its shared-memory folder, data port and retained versions."""
     model_config = ConfigDict(extra="forbid")
     shm_dir: str | None = Field(None, description="shared-memory folder (default /dev/shm/laminar-<run>-relay-<id>)")
     data_port: int = Field(0, ge=0, le=65535, description="chunk listener port (0: any free port)")

@@ -5,6 +5,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class TrainerConfig(BaseModel):
+    """Settings of the trainer: model, engine, algorithm, batch, optimizer, checkpoints."""
     model_config = ConfigDict(extra="forbid")
     model_dir: str = Field(description="local Hugging Face causal-LM folder (Qwen2/Llama); nothing is downloaded")
     engine: str = Field("torch", pattern="^(torch|sim)$", description="torch (real training) or sim (the scale "

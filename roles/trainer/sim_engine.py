@@ -50,6 +50,7 @@ from laminar.sim.trainer_cost import TRAIN_MFU, NcclBroadcast, RelayLink, Traine
 
 
 class RelaySettings(BaseModel):
+    """The modeled relay chain the sim trainer charges for delivering a version."""
     model_config = ConfigDict(extra="forbid")
     bandwidth_gbps: float = Field(RelayLink.bandwidth_gbps, gt=0,
                                   description="one hop's bandwidth, GB/s (trainer_cost.RelayLink)")
@@ -58,12 +59,14 @@ class RelaySettings(BaseModel):
 
 
 class DeliverTarget(BaseModel):
+    """One rollout host whose relay folder the sim trainer fills with each version."""
     model_config = ConfigDict(extra="forbid")
     host: str = Field(description="rollout host whose relay this stands for")
     dir: str = Field(description="the host's weight folder (the rollouts' weights_dir)")
 
 
 class NcclSettings(BaseModel):
+    """The blocking NCCL broadcast the sim trainer may charge instead of the relay stall."""
     model_config = ConfigDict(extra="forbid")
     bandwidth_gbps: float = Field(NcclBroadcast.bandwidth_gbps, gt=0,
                                   description="S/B term (trainer_cost.NcclBroadcast)")

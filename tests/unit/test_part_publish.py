@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from laminar.weights import handshake, seal, wire  # noqa: E402
+from laminar.weights import handshake, part_receiver, seal, wire  # noqa: E402
 from laminar.weights.manifest import chunk_count, with_version  # noqa: E402
 from laminar.weights.node import RelayNode  # noqa: E402
 from laminar.weights.part_receiver import Coverage  # noqa: E402
@@ -331,10 +331,11 @@ def test_an_offer_of_the_same_version_with_another_layout_is_refused(node):
         other.close()
 
 
-def test_a_newer_part_is_not_held_once_no_host_is_still_sending_the_incoming_version(node):
+def test_a_newer_part_is_not_held_once_no_host_is_still_sending_the_incoming_version(node, monkeypatch):
     """The host that was assembling v1 finished its part (DONE) and v1 still lacks another host's
-    bytes: nobody will send them, so v2 goes ahead at once instead of waiting PART_STALL_S."""
-    import time
+    bytes: nobody will send them, so v2 goes ahead at once instead of waiting PART_STALL_S. The
+    stall is made endless here, so v2 can become current only by that rule, never by the clock."""
+    monkeypatch.setattr(part_receiver, "PART_STALL_S", float("inf"))
     m, conn = hostile_setup(node)
     pubs = []
     try:
@@ -342,10 +343,8 @@ def test_a_newer_part_is_not_held_once_no_host_is_still_sending_the_incoming_ver
         send_range(conn, m, 0, b"\x05" * 64)
         part_end(conn, m, [(0, b"\x05" * 64)])
         assert read_answer(conn).type == wire.DONE
-        t0 = time.monotonic()
         pubs = part_publish(weights(4), node, parts=2, version=2)
-        assert wait_current(node, 2, timeout=5.0), node.status()
-        assert time.monotonic() - t0 < 5.0
+        assert wait_current(node, 2), node.status()   # the timeout only guards against a hang
     finally:
         conn.close()
         for pub in pubs:

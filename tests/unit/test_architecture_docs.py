@@ -1,0 +1,284 @@
+"""docs/architecture.md stays true to the code: every role in the registry has a row in §2, every
+registered message kind a row in §4 (and no row names a kind that does not exist), every topic the
+code publishes a row in §3, every request a role serves and every topic it subscribes to a place
+in its §2 row, every `laminar-node` command a mention in §13, every path the doc names exists,
+every config model a class docstring, and §1's size block is what `python bench/sizes.py` prints
+(`--write-doc` rewrites it). A change that adds a role, a kind, a topic or a command fails here
+until the doc says so."""
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+from laminar.roles.registry import REGISTRY
+
+from laminar.cli import build_parser
+from laminar.protocol import registered_kinds
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC_PATH = ROOT / "docs" / "architecture.md"
+DOC = DOC_PATH.read_text()
+# Folders whose code is production (what the doc describes); laminar/testing is excluded.
+PRODUCTION = ("laminar", "bus", "roles")
+
+
+def section(n: int) -> str:
+    """The text of §n: from its anchor to the next one."""
+    start = DOC.index(f'<a id="s{n}"></a>')
+    nxt = DOC.find('<a id="s', start + 1)
+    return DOC[start:nxt if nxt >= 0 else len(DOC)]
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of every markdown table row in `text` (header and separator rows included)."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("|")]
+
+
+def first_cells(text: str) -> list[str]:
+    """The backticked name in the first cell of each table row (`name` -> name)."""
+    return [m.group(1) for row in table_rows(text) if (m := re.fullmatch(r"`([^`]+)`", row[0]))]
+
+
+def test_every_registered_role_has_a_row_in_section_2():
+    rows = first_cells(section(2))
+    assert not sorted(set(REGISTRY) - set(rows)), \
+        f"roles in roles/registry.py missing from docs/architecture.md §2: {sorted(set(REGISTRY) - set(rows))}"
+    assert not sorted(set(rows) - set(REGISTRY)), \
+        f"docs/architecture.md §2 names roles that are not registered: {sorted(set(rows) - set(REGISTRY))}"
+
+
+def kind_rows() -> dict[str, list[str]]:
+    """kind -> its row's cells, from every table of §4."""
+    return {m.group(1): row for row in table_rows(section(4))
+            if (m := re.fullmatch(r"`([a-z_]+(?:\.[a-z_]+)*)`", row[0])) and len(row) == 7}
+
+
+def test_every_message_kind_has_a_row_and_every_row_a_kind():
+    rows, kinds = kind_rows(), registered_kinds()
+    missing, extra = sorted(set(kinds) - set(rows)), sorted(set(rows) - set(kinds))
+    assert not missing, f"message kinds without a row in docs/architecture.md §4: {missing}"
+    assert not extra, f"docs/architecture.md §4 has rows for kinds that are not registered: {extra}"
+    wrong = {k: (rows[k][1], cls.__name__) for k, cls in kinds.items() if rows[k][1] != cls.__name__}
+    assert not wrong, f"§4 rows naming the wrong class (doc, code): {wrong}"
+
+
+def test_the_kind_counts_are_the_registry_s():
+    kinds = registered_kinds()
+    by_area: dict[str, int] = {}
+    for cls in kinds.values():
+        area = cls.__module__.rsplit(".", 1)[-1]
+        by_area[area] = by_area.get(area, 0) + 1
+    stated = f"**{len(kinds)} kinds**: " + ", ".join(f"{by_area[a]} {a}" for a in
+                                                      ("core", "data", "rollout", "weights", "env"))
+    assert sum(by_area.values()) == len(kinds) and set(by_area) <= {"core", "data", "rollout", "weights", "env"}, \
+        f"a kind is registered outside the five protocol modules: {by_area}"
+    assert stated in " ".join(section(4).split()), f"docs/architecture.md §4 should say: {stated}"
+    assert f"**Counts.** {len(kinds)} kinds." in section(4)
+
+
+def production_files() -> list[Path]:
+    return sorted(p for folder in PRODUCTION for p in (ROOT / folder).rglob("*.py")
+                  if "__pycache__" not in p.parts and "testing" not in p.relative_to(ROOT).parts)
+
+
+@functools.cache
+def production_trees() -> list[tuple[str, ast.Module]]:
+    """(path relative to the root, its syntax tree) of every production file, parsed once."""
+    return [(str(p.relative_to(ROOT)), ast.parse(p.read_text(), str(p))) for p in production_files()]
+
+
+def topic_pattern(node: ast.expr) -> str | None:
+    """A publish call's topic as the doc writes it: `rollout.stats.<x>` for f"rollout.stats.{id}"."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "<x>" for v in node.values)
+    return None
+
+
+# Who publishes, as §3's publisher column names it, for code outside a role's own folder.
+PUBLISHER_NAMES = {"bus/heartbeat.py": "every role", "laminar/logs.py": "every role", "roles/pool_base.py": "pools",
+                   "laminar/remote.py": "laminar-node stop", "roles/trainer/sim_engine.py": "sim trainer"}
+
+
+def publishes() -> list[tuple[str, str, str, str]]:
+    """(where, topic pattern, kind class, publisher name) of every publish call in production code."""
+    found = []
+    for rel, tree in production_trees():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "publish" and len(node.args) == 2):
+                continue
+            topic, msg = topic_pattern(node.args[0]), node.args[1]
+            if topic is None or not isinstance(msg, ast.Call) or not isinstance(msg.func, ast.Name):
+                continue
+            parts = Path(rel).parts
+            name = PUBLISHER_NAMES.get(rel) or (parts[1] if len(parts) > 2 else Path(rel).stem).replace("_", " ")
+            found.append((f"{rel}:{node.lineno}", topic, msg.func.id, name))
+    return found
+
+
+def topic_matches(doc_topic: str, topic: str) -> bool:
+    """`metrics.<role>` matches metrics.evaluator and metrics.<x>; `<...>` stands for one word or more."""
+    rx = re.escape(doc_topic)
+    rx = re.sub(r"<[^>]*>", "[^.]+", rx.replace(r"\<", "<").replace(r"\>", ">"))
+    return re.fullmatch(rx, topic.replace("<x>", "X")) is not None
+
+
+def test_every_published_topic_has_a_row_in_section_3():
+    rows = [row for row in table_rows(section(3)) if len(row) == 3 and row[0].startswith("`")]
+    found = publishes()
+    assert len(found) >= 8, f"the publish calls were not found: {found}"
+    problems = []
+    for where, topic, kind, name in found:
+        row = next((r for r in rows for t in re.findall(r"`([^`]+)`", r[0]) if topic_matches(t, topic)), None)
+        if row is None:
+            problems.append(f"{where}: topic {topic} has no row")
+        elif kind not in row[1]:
+            problems.append(f"{where}: topic {topic}'s row does not name its kind {kind}")
+        elif name not in row[2]:
+            problems.append(f"{where}: topic {topic}'s row does not name its publisher ({name!r})")
+    assert not problems, "docs/architecture.md §3's topic table:\n" + "\n".join(problems)
+
+
+# Subscriptions made outside a role's own folder, and the role they belong to.
+SUBSCRIBER_ROLES = {"laminar/weights/follow.py": "trainer"}
+
+
+def test_every_role_s_subscriptions_are_in_its_follows_column():
+    """§2's last column lists every topic prefix a role subscribes to (the shell's ctrl topics aside)."""
+    rows = {row[0].strip("`"): row for row in table_rows(section(2)) if re.fullmatch(r"`[a-z_]+`", row[0])}
+    found, problems = 0, []
+    for rel, tree in production_trees():
+        parts = Path(rel).parts
+        role = SUBSCRIBER_ROLES.get(rel) or (parts[1] if parts[0] == "roles" and len(parts) > 2 else None)
+        if role is None:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "subscriber"
+                    and node.args and isinstance(node.args[0], ast.List)):
+                for elt in node.args[0].elts:
+                    if isinstance(elt, ast.Constant) and isinstance(elt.value, str):
+                        found += 1
+                        if f"`{elt.value}`" not in rows.get(role, [""])[-1]:
+                            problems.append(f"{rel}:{node.lineno}: {role} follows `{elt.value}`")
+    assert found >= 8, "the subscriptions were not found"
+    assert not problems, "missing from docs/architecture.md §2's follows column:\n" + "\n".join(problems)
+
+
+def test_every_request_a_role_serves_is_in_its_serves_column():
+    """§2's "serves" column names every request kind a role routes to a handler (`.route(Kind, ...)`)."""
+    rows = {row[0].strip("`"): row for row in table_rows(section(2)) if re.fullmatch(r"`[a-z_]+`", row[0])}
+    classes = {cls.__name__ for cls in registered_kinds().values()}
+    found, problems = 0, []
+    for rel, tree in production_trees():
+        parts = Path(rel).parts
+        if parts[0] != "roles" or len(parts) < 2:
+            continue
+        role = parts[1] if len(parts) > 2 else Path(rel).stem
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "route"
+                    and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in classes):
+                found += 1
+                serves = rows.get(role, [""] * 5)[4]
+                if not re.search(rf"\b{node.args[0].id}\b", serves):
+                    problems.append(f"{rel}:{node.lineno}: {role} serves {node.args[0].id}")
+    assert found >= 20, "the routes were not found"
+    assert not problems, "missing from docs/architecture.md §2's serves column:\n" + "\n".join(problems)
+
+
+def commands() -> list[str]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(sub.choices)
+
+
+def test_every_cli_command_is_in_section_13_and_in_the_cli_docstring():
+    text = section(13)
+    missing = [c for c in commands() if not re.search(rf"`{re.escape(c)}[ `]", text)]
+    assert not missing, f"`laminar-node` commands missing from docs/architecture.md §13: {missing}"
+    cli_doc = (ROOT / "laminar" / "cli.py").read_text().split('"""')[1]
+    listed = re.search(r"Subcommands: ([^.]+)\.", cli_doc)
+    assert listed and sorted(w.strip() for w in listed.group(1).split(",")) == commands(), \
+        f"laminar/cli.py's docstring lists {listed and listed.group(1)}; the parser has {commands()}"
+
+
+PATH_RX = re.compile(r"`((?:laminar|bus|roles|bench|configs|tests|docs)/[A-Za-z0-9_./*-]*)`")
+
+
+def test_every_path_the_doc_names_exists():
+    """A file or folder in backticks (`roles/rollout/role.py`, `roles/*/sim_engine.py`) must exist;
+    a placeholder in capitals (`bench/NAME.py`) is not a path."""
+    gone = sorted({p for p in PATH_RX.findall(DOC)
+                   if not re.search(r"[A-Z]{3,}", p) and not list(ROOT.glob(p.rstrip("/")))})
+    assert not gone, f"docs/architecture.md names paths that do not exist: {gone}"
+    links = re.findall(r"\]\(([a-z0-9_-]+\.md)(?:#[^)]*)?\)", DOC)
+    assert not [x for x in links if not (DOC_PATH.parent / x).exists()], "broken links in docs/architecture.md"
+
+
+def load_sizes():
+    spec = importlib.util.spec_from_file_location("bench_sizes", ROOT / "bench" / "sizes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_size_block_is_what_bench_sizes_prints():
+    sizes = load_sizes()
+    _, block, _ = sizes.split_doc(DOC)
+    assert block == sizes.doc_block(), ("docs/architecture.md §1's size block is stale: run "
+                                        "`python bench/sizes.py --write-doc` and commit the result")
+
+
+def test_the_package_mapping_the_doc_states_is_setup_py_s():
+    """§1 says how bus/ and roles/ install as laminar.bus and laminar.roles: that is setup.py's map."""
+    setup = ast.parse((ROOT / "setup.py").read_text())
+    roots = next(ast.literal_eval(n.value) for n in ast.walk(setup)
+                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "ROOTS")
+    text = section(1)
+    for pkg, folder in roots.items():
+        assert f"| `{folder}/` | `{pkg}` |" in text, f"docs/architecture.md §1 does not map {folder}/ to {pkg}"
+
+
+@pytest.mark.parametrize("pkg", ["laminar.bus", "laminar.roles"])
+def test_the_mapped_packages_import_from_the_top_level_folders(pkg):
+    spec = importlib.util.find_spec(pkg)
+    assert spec and Path(spec.origin).parent.name == pkg.split(".")[1]
+    assert Path(spec.origin).parent.parent == ROOT
+
+
+def test_make_test_and_test_all_lint_first_and_name_the_slowest_tests():
+    """§15's "lint before test", as the Makefile does it: ruff, then pytest with --durations."""
+    make = (ROOT / "Makefile").read_text()
+    for target in ("test", "test-all"):
+        recipe = re.search(rf"^{re.escape(target)}:[^\n]*\n((?:\t[^\n]*\n)+)", make, re.M)
+        assert recipe, f"the Makefile has no `{target}` target"
+        steps = [line.strip() for line in recipe.group(1).splitlines()]
+        assert "ruff check ." in steps[0], f"`make {target}` does not run ruff first: {steps}"
+        assert any("pytest" in s and "--durations=25" in s for s in steps[1:]), \
+            f"`make {target}` does not list the slowest tests: {steps}"
+    assert "`make test` and `make test-all` run `ruff check .` first" in " ".join(section(15).split())
+
+
+def test_every_config_model_has_a_class_docstring():
+    """§15's typed config: every pydantic model of production code says in one line what it holds."""
+    classes = {}
+    for rel, tree in production_trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = (f"{rel}:{node.lineno}", node)
+    models, grew = {"BaseModel"}, True
+    while grew:
+        grew = False
+        for name, (_, node) in classes.items():
+            if name not in models and any(ast.unparse(b).split(".")[-1] in models for b in node.bases):
+                models.add(name)
+                grew = True
+    bare = sorted(f"{where} {name}" for name, (where, node) in classes.items()
+                  if name in models and ast.get_docstring(node) is None)
+    assert not bare, "config models without a class docstring:\n" + "\n".join(bare)
