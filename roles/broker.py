@@ -8,6 +8,7 @@ from laminar.roles.base import Role, RoleFailed
 
 
 class BrokerRole(Role):
+    """The event bus broker: forwards every published event to its subscribers (XPUB/XSUB)."""
     name = "broker"
 
     async def setup(self) -> None:

@@ -22,6 +22,7 @@ class EchoConfig(BaseModel):
 
 
 class EchoRole(Role):
+    """A role that answers pings: the smallest lifecycle, for tests of the supervisor and the bus."""
     name = "echo"
     Config = EchoConfig
 

@@ -50,6 +50,7 @@ def _store_refusal(exc: StoreError) -> RequestError:
 
 
 class PoolRole(Role):
+    """The shared lifecycle of the three pools: a SQLite store, a request server, stats on the bus."""
     SCHEMA = ""
     SCHEMA_VERSION = 1
     MIGRATIONS: dict = {}                 # v -> function(connection) bringing a store from v to v+1

@@ -18,6 +18,7 @@ from laminar.protocol import Ack, EnvClose, EnvReply, EnvReset, EnvStep
 
 
 class EnvRole(Role):
+    """Serves episodes of a multi-turn environment to rollouts (EnvReset/EnvStep/EnvClose)."""
     name = "env"
     Config = EnvRoleConfig
 

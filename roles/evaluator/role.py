@@ -122,6 +122,7 @@ def due(version: int, last_evaluated: int, eval_every: int, last_version: int | 
 
 
 class EvaluatorRole(Role):
+    """Evaluates weight versions on held-out sets with its own engine, off the training path."""
     name = "evaluator"
     Config = EvaluatorConfig
 

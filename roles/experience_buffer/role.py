@@ -65,6 +65,7 @@ CREATE TABLE IF NOT EXISTS requeue (gid TEXT PRIMARY KEY);
 
 
 class ExperienceBufferRole(PoolRole):
+    """Holds finished trajectories by group and hands the trainer batches by its sampler and staleness."""
     name = "experience_buffer"
     Config = ExperienceBufferConfig
     SCHEMA = SCHEMA

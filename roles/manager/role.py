@@ -25,6 +25,7 @@ from laminar.stepcurve import StepCurve, roofline_batch_bound
 
 
 class ManagerRole(Role):
+    """Keeps the relay chain, the rollout fleet and repack: liveness, migration, orphans, accounting."""
     name = "manager"
     Config = ManagerConfig
 

@@ -72,6 +72,7 @@ CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY, owner TEXT, blob BLOB
 
 
 class PartialPoolRole(PoolRole):
+    """Keeps every in-flight trajectory's tokens and owner, durably, so no failure loses work."""
     name = "partial_pool"
     Config = PartialPoolConfig
     SCHEMA = SCHEMA

@@ -93,6 +93,7 @@ CREATE TABLE IF NOT EXISTS attempts (entry TEXT PRIMARY KEY, n INTEGER);
 
 
 class PromptPoolRole(PoolRole):
+    """Hands out prompt groups to rollouts, durably, with flow control and requeue of lost groups."""
     name = "prompt_pool"
     Config = PromptPoolConfig
     SCHEMA = SCHEMA

@@ -79,6 +79,7 @@ class RelayConfig(BaseModel):
 
 
 class RelayRole(Role):
+    """One host's weight relay: receives versions down the chain, forwards them, serves local rollouts."""
     name = "relay"
     Config = RelayConfig
 

@@ -55,6 +55,7 @@ def in_thread(fn, name: str) -> asyncio.Future:
 
 
 class TrainerRole(Role):
+    """One trainer rank: samples batches from the buffer, steps the policy, publishes each version."""
     name = "trainer"
     Config = TrainerConfig
 

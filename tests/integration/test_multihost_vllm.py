@@ -22,7 +22,7 @@ from datetime import datetime
 
 import pytest
 
-pytestmark = [pytest.mark.netns, pytest.mark.vllm, pytest.mark.timeout(900),
+pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.vllm, pytest.mark.timeout(900),
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")]
 
 pytest.importorskip("torch")

@@ -35,7 +35,7 @@ from laminar.testing.inproc_cluster import InprocCluster  # noqa: E402
 from laminar.weights.local_write import write_version  # noqa: E402
 from laminar.weights.store import ShmStore  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
 MAX_TOKENS = 48
 
 

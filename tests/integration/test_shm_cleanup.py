@@ -31,7 +31,7 @@ from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.supervisor import Child, Supervisor  # noqa: E402
 from laminar.testing.procs import RoleProc, free_port  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 SHM = "/dev/shm"
 
 

@@ -22,7 +22,7 @@ from laminar.export import export  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
 
 PROMPTS = [[1, 40, 41, 42, 43], [1, 100, 7, 250, 9, 12], [1, 5]]
 NEW = 12
