@@ -151,6 +151,8 @@ class MultiHost:
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> MultiHost:
         self.net.__enter__()
+        for h in range(1, self.n):  # the relays' shared memory, should this harness be killed
+            self.net.remove_on_exit(f"/dev/shm/laminar-{self.name}-relay-r{h}")
         try:
             self.write_config()
         except BaseException:

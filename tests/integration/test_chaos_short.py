@@ -27,10 +27,19 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 
 def test_one_minute_of_chaos(tmp_path):
     out = tmp_path / "chaos.json"
-    p = subprocess.run([sys.executable, str(BENCH), "--minutes", "1", "--every", "6", "--seed", "7",
-                        "--out", str(out)], capture_output=True, text=True, timeout=400)
-    print(p.stdout[-6000:])
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    p = subprocess.Popen([sys.executable, str(BENCH), "--minutes", "1", "--every", "6", "--seed", "7",
+                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = p.communicate(timeout=360)
+    except subprocess.TimeoutExpired:  # SIGTERM first: the bench stops its cluster; SIGKILL if it overstays
+        p.terminate()
+        try:
+            stdout, stderr = p.communicate(timeout=45)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+    print(stdout[-6000:])
+    assert p.returncode == 0, stdout[-4000:] + stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["faults_injected"] >= 4
     assert r["faults_recovered"] == r["faults_injected"], r["faults"]
