@@ -230,7 +230,11 @@ class PartialPoolRole(PoolRole):
         return e
 
     async def on_get(self, req: GetPartial) -> PartialState:
-        return self._entry(req.trajectory_id).state()
+        e = self._entry(req.trajectory_id)
+        if owned_by_other(current_peer.get(), e.owner):  # scoped keys: a rollout reads only its own work
+            raise RequestError("refused", f"forbidden: {current_peer.get()} may not read {req.trajectory_id} "
+                                          f"of rollout {e.owner}")
+        return e.state()
 
     async def on_presence(self, req: GroupPresence) -> GroupPresenceReply:
         """Members of these groups in flight here (any owner, restarted copies `~r<n>` included)."""
