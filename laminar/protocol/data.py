@@ -29,7 +29,7 @@ __all__ = [
     "DeltaResult", "InFlightOf", "GetPartial", "PartialState", "PartialList", "ReassignPartial",
     "CompletePartial", "Trajectory", "PutTrajectory", "PutResult", "SampleGroups", "Samples",
     "BufferStatsRequest", "BufferStats", "PoolCount", "HandedGroups", "HandedList", "GroupPresence",
-    "GroupPresenceReply", "AppendDeltaBatch",
+    "GroupPresenceReply", "AppendDeltaBatch", "RequeueResult",
 ]
 
 _FIRST_POOL_GROUP = re.compile(r"e\d+-p")          # prompt pool "0": e<epoch>-p<prompt id>
@@ -299,3 +299,11 @@ class PoolCount:
     role: str
     id: str
     counts: dict[str, Any] = field(default_factory=dict)
+
+
+@event("data.requeue_result")
+class RequeueResult:
+    """The prompt pool's answer to RequeueGroups, item by item: one bad entry does not sink the rest."""
+    requeued: list[str]                  # entries that will be handed out again (as their next attempt)
+    settled: list[str]                   # `settled` entries no longer accounted to the rollout
+    refused: dict[str, str] = field(default_factory=dict)  # entry -> why (unknown id, never handed out)

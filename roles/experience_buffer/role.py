@@ -256,7 +256,7 @@ class ExperienceBufferRole(PoolRole):
         if pool not in clients:
             clients[pool] = self.ctx.transport.client(self.ctx.config.endpoint("prompt_pool", pool))
         try:
-            await clients[pool].call(RequeueGroups(gids), timeout=5.0)
+            res = await clients[pool].call(RequeueGroups(gids), timeout=5.0)
         except RemoteError as exc:
             if exc.code != "refused":
                 return []  # unavailable or busy: next round
@@ -266,7 +266,12 @@ class ExperienceBufferRole(PoolRole):
         except RpcError as exc:
             self.log.warning("requeue_deferred", prompt_pool=pool, error=str(exc))
             return []
-        self.book.counts["lineage_requeued"] += len(gids)
+        refused = dict(getattr(res, "refused", None) or {})  # per item: the others were taken
+        if refused:
+            self.log.error("requeue_refused", prompt_pool=pool, groups=list(refused)[:64],
+                           error=next(iter(refused.values())))
+            self.book.counts["lineage_requeue_refused"] += len(refused)
+        self.book.counts["lineage_requeued"] += len(gids) - len(refused)
         return gids
 
     async def _leased_group(self, gid: str) -> list:

@@ -394,12 +394,18 @@ class Fleet:
                         settled.append(e)
                 if requeue or settled:
                     try:
-                        await pool.call(RequeueGroups(requeue, rollout_id if rollout_id != "*" else "", settled),
-                                        timeout=self.s.rpc_timeout_s)
+                        res = await pool.call(RequeueGroups(requeue, rollout_id if rollout_id != "*" else "",
+                                                            settled), timeout=self.s.rpc_timeout_s)
                     except RpcError as exc:
                         self.log.warning("settle_deferred", prompt_pool=pool_id, rollout=rollout_id, error=str(exc))
                         ok = False
                         break
+                    refused = dict(getattr(res, "refused", None) or {})  # per item (an older pool: an Ack)
+                    if refused:
+                        self.log.error("requeue_entries_refused", prompt_pool=pool_id, rollout=rollout_id,
+                                       refused=dict(list(refused.items())[:16]), count=len(refused))
+                        requeue = [e for e in requeue if e not in refused]
+                        settled = [e for e in settled if e not in refused]
                     self.c.requeued += len(requeue)
                     self.c.settled += len(settled)
                     if requeue:
