@@ -36,6 +36,15 @@ _FIRST_POOL_GROUP = re.compile(r"e\d+-p")          # prompt pool "0": e<epoch>-p
 _OTHER_POOL_GROUP = re.compile(r"(.+?)\.e\d+-p")   # any other: <pool id>.e<epoch>-p<prompt id>
 
 
+_ATTEMPT = re.compile(r"~a(\d+)(?:~r\d+)*$")
+
+
+def attempt_of(trajectory_id: str) -> int:
+    """The attempt `k` a trajectory id names (`<group>/<i>~a<k>`, a restart's `~r<n>` after it); 0: none."""
+    m = _ATTEMPT.search(trajectory_id)
+    return int(m.group(1)) if m else 0
+
+
 def group_id_prefix(pool_id: str) -> str:
     """What a prompt pool's group ids start with: nothing for pool "0", "<id>." for the others
     (group ids are unique across pools)."""
@@ -113,6 +122,7 @@ class HandedList:
     group_ids: list[str] = field(default_factory=list)  # the group of each entry
     members: list[int] = field(default_factory=list)    # the member of each entry; -1 = the whole group
     pids: list[int] = field(default_factory=list)       # the process each was handed to (0 = unknown)
+    attempts: list[int] = field(default_factory=list)   # the attempt each went out as (its ids' `~a<k>`; 0: none)
 
 
 # -- partial response pool -----------------------------------------------------------------------
@@ -216,8 +226,11 @@ class ReassignPartial:
 
 @event("data.group_presence")
 class GroupPresence:
-    """Partial pool or buffer query: which members of these groups does it hold?"""
+    """Partial pool or buffer query: which members of these groups does it hold? `attempts`: entry
+    (group id, or member id `<group>/<i>`) -> the attempt that is current for it; the partial pool
+    then counts a member in flight only under that attempt's ids (a member id's own entry first)."""
     group_ids: list[str]
+    attempts: dict[str, int] = field(default_factory=dict)
 
 
 @event("data.group_presence_reply")

@@ -362,9 +362,13 @@ class Fleet:
                     h = await pool.call(HandedGroups(rollout_id, pid, self.s.settle_page, offset),
                                         timeout=self.s.rpc_timeout_s)
                     gids = sorted(set(h.group_ids))
+                    # the attempt each entry went out as: in flight, only its members count
+                    attempts = dict(zip(h.entries, h.attempts, strict=True)) if len(h.attempts) == len(
+                        h.entries) else {}
                     have: dict[str, set[int]] = {}
                     for src in (self.partials, self.buffer):  # this order: a moving trajectory is seen once
-                        got = await src.call(GroupPresence(gids), timeout=self.s.rpc_timeout_s)
+                        ask = GroupPresence(gids, attempts if src is self.partials else {})
+                        got = await src.call(ask, timeout=self.s.rpc_timeout_s)
                         for g, idx in got.present.items():
                             have.setdefault(g, set()).update(idx)
                 except RpcError as exc:

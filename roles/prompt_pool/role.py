@@ -4,9 +4,10 @@ Idempotent: a TakeBatch with a `batch_seq` that repeats the rollout's last one (
 lost) gets the same groups again, under the attempt ids they went out with; an entry requeued
 since (the manager took the rollout for dead) is left out, since it runs elsewhere as its next
 attempt. RequeueGroups is answered item by item (RequeueResult): an id this pool did not make or
-never handed out is named in `refused`, the others go ahead. Order: epoch e visits the prompts in a permutation seeded by
-(seed, e). Whole groups only: a batch holds floor(max_trajectories / n) groups, but at least one
-when asked for fewer than n.
+never handed out is named in `refused`, the others go ahead.
+
+Order: epoch e visits the prompts in a permutation seeded by (seed, e). Whole groups only: a
+batch holds floor(max_trajectories / n) groups, but at least one when asked for fewer than n.
 
 Accounting: every entry handed out (a group, or one member `<group>/<i>` requeued alone) is
 recorded with the rollout (and its pid) that got it, in the same transaction as the cursor move,
@@ -375,7 +376,7 @@ class PromptPoolRole(PoolRole):
         split = [self._split(e) for e, _, _ in got]
         return HandedList([e for e, _, _ in got], [r for _, r, _ in got], [self.cfg.group_size] * len(got), more=more,
                           group_ids=[g for g, _ in split], members=[-1 if m is None else int(m) for _, m in split],
-                          pids=[pid for _, _, pid in got])
+                          pids=[pid for _, _, pid in got], attempts=[self.attempts.get(e, 0) for e, _, _ in got])
 
     @property
     def prompts_skipped(self) -> int:
