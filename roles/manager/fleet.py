@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -544,8 +545,7 @@ class Fleet:
         fresh, old = [], {}
         for tid in tids[:max(0, 2 * self.s.max_concurrency_of(dest.id) - dest.stats.active)]:
             p, _ = self.orphans[tid]
-            base, _, n = tid.partition("~r")
-            new_id = f"{base}~r{int(n or 0) + 1}"
+            new_id = restarted_id(tid)
             fresh.append(PartialState(spec=dataclasses.replace(p.spec, trajectory_id=new_id),
                                       tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
                                       version=dest.stats.version, rollout_id=dest.id, next_seq=1))
@@ -608,6 +608,17 @@ class Fleet:
                        "waiting": v.stats.waiting, "active": v.stats.active, "state": v.stats.state,
                        "alive": v.alive, "tokens_per_s": round(v.stats.tokens_per_s, 1)}
                 for v in sorted(self.views.values(), key=lambda v: v.id)}
+
+
+_RESTART = re.compile(r"~r(\d+)$")
+
+
+def restarted_id(tid: str) -> str:
+    """The id of an orphan restarted from its prompt: `~r<n+1>` in place of a trailing `~r<n>`, else
+    `~r1` appended. Only a trailing suffix counts: a prompt id may itself contain `~r` (before, the
+    first `~r` anywhere was taken for it, and `int()` of the rest crashed the manager in a loop)."""
+    m = _RESTART.search(tid)
+    return f"{tid[:m.start()]}~r{int(m.group(1)) + 1}" if m else f"{tid}~r1"
 
 
 def _emptied(s: RolloutStats) -> RolloutStats:
