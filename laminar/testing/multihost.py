@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -210,6 +211,62 @@ class MultiHost:
         os.kill(pid, signal.SIGKILL)
         return pid
 
+    # -- faults that reach the control paths -----------------------------------------------------
+    def master_relay(self) -> str:
+        """The relay the manager last named master (its newest `relay_joined` order, `master_changed`
+        or `chain_repaired` event), else r1."""
+        man = self.log("manager", "0")
+        named = [(e.get("timestamp", ""), e["order"][0]) for e in log_events(man, "relay_joined") if e.get("order")]
+        named += [(e.get("timestamp", ""), e["master"]) for e in log_events(man, "master_changed") if e.get("master")]
+        return max(named)[1] if named else "r1"
+
+    def pause_role(self, role: str, id: str, seconds: float) -> int:
+        """SIGSTOP a role process for `seconds` (it is neither dead nor answering: a hung host), then
+        SIGCONT it. Returns its pid."""
+        pid = self.role_pid(role, id)
+        if pid is None:
+            raise RuntimeError(f"{role}.{id} is not running")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)  # the length of the hang (part of the fault)
+        finally:
+            _signal(pid, signal.SIGCONT)
+        return pid
+
+    def pause_roles(self, keys: list[tuple[str, str]], seconds: float) -> list[int]:
+        """SIGSTOP several role processes at once for `seconds`, then SIGCONT them all."""
+        pids = [p for role, id in keys if (p := self.role_pid(role, id)) is not None]
+        for p in pids:
+            _signal(p, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)  # the length of the hang (part of the fault)
+        finally:
+            for p in pids:
+                _signal(p, signal.SIGCONT)
+        return pids
+
+    def restart_trainer_on_older_checkpoint(self) -> str | None:
+        """The trainer comes back on an older checkpoint folder (an operator restored an older
+        backup): it is stopped, its newest complete checkpoint moved out of the checkpoints folder
+        (kept beside it, not deleted), and it is killed; its supervisor restarts it, and it resumes
+        from the next newest. Returns the moved checkpoint's name (None: there was no older one,
+        and the trainer is only killed)."""
+        pid = self.role_pid("trainer", "0")
+        if pid is None:
+            raise RuntimeError("trainer.0 is not running")
+        os.kill(pid, signal.SIGSTOP)
+        root = self.run_dir / "trainer" / "checkpoints"
+        done = sorted((p for p in root.glob("v*") if p.name[1:].isdigit() and (p / "COMPLETE").exists()),
+                      key=lambda p: int(p.name[1:]))
+        moved = None
+        if len(done) >= 2:
+            aside = self.run_dir / "trainer" / "checkpoints-set-aside"
+            aside.mkdir(exist_ok=True)
+            done[-1].rename(aside / done[-1].name)
+            moved = done[-1].name
+        _signal(pid, signal.SIGKILL)
+        return moved
+
     def close(self) -> None:
         for i in list(self.sup):
             p = self.sup.pop(i)
@@ -320,6 +377,42 @@ class MultiHost:
                 # handed to a trainer, in no version it kept, and not leased for its successor
                 "groups_handed_untrained": len(handed - set(trained) - leased), "groups_leased": len(leased)}
 
+    def incomplete_groups(self, before: float) -> dict:
+        """After the run: groups the buffer still holds incomplete (fewer members than the group's
+        size) although a member of theirs was stored before `before` (epoch seconds: the start of
+        the drain). Such a group was given the whole drain to complete and did not: its missing
+        members are stranded (a member nobody runs holds its room forever)."""
+        import sqlite3
+
+        from laminar.roles.sqlite_store import unpack
+
+        db = self.run_dir / "pools" / "experience_buffer-0.sqlite"
+        if not db.exists():
+            return {"incomplete_groups_after_drain": 0, "incomplete_group_examples": []}
+        first_stored: dict[str, float] = {}
+        for log in (self.run_dir / "logs").glob("rollout.*.log"):
+            for e in log_events(log, "trajectory_stored"):
+                if e.get("status") == "stored":
+                    g = group_of(e["trajectory"])
+                    t = _ts(e)
+                    first_stored[g] = min(first_stored.get(g, t), t)
+        held: dict[str, tuple[int, int]] = {}
+        with sqlite3.connect(db) as con:
+            gone = {g for (g,) in con.execute("SELECT gid FROM gone")}
+            for gid, blob in con.execute("SELECT gid, blob FROM trajs"):
+                n, size = held.get(gid, (0, 0))
+                held[gid] = (n + 1, max(size, unpack(blob).spec.group_size))
+        stuck = sorted(g for g, (n, size) in held.items()
+                       if n < size and g not in gone and first_stored.get(g, 0.0) < before)
+        return {"incomplete_groups_after_drain": len(stuck), "incomplete_group_examples": stuck[:10]}
+
+    def stall_alarms(self) -> dict:
+        """The manager's weights_stalled alarms: raised and cleared (log events, with timestamps)."""
+        man = self.log("manager", "0")
+        raised = [_ts(e) for e in log_events(man, "weights_stalled")]
+        cleared = [_ts(e) for e in log_events(man, "weights_stall_cleared")]
+        return {"raised": raised, "cleared": cleared}
+
     def checks(self) -> dict:
         """After the run (cluster stopped): the lineage, prompt and staleness checks.
 
@@ -400,6 +493,12 @@ class MultiHost:
         return "\n".join(f"--- h{i}.out\n"
                          + "\n".join((self.tmp / f"h{i}.out").read_text(errors="replace").splitlines()[-n:])
                          for i in range(getattr(self, "n", 0)) if (self.tmp / f"h{i}.out").exists())
+
+
+def _ts(e: dict) -> float:
+    """A log event's time, epoch seconds."""
+    stamp = str(e.get("timestamp", "1970-01-01T00:00:00+00:00")).replace("Z", "+00:00")
+    return datetime.fromisoformat(stamp).timestamp()
 
 
 def _descendants(pid: int) -> list[int]:
