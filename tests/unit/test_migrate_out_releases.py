@@ -21,14 +21,13 @@ from tests.unit.test_rollout_wiring import Book, active, make_role
 
 
 def test_migrate_out_leaves_the_moved_work_owned_by_nobody(tmp_path):
-    role = make_role(tmp_path)
-    role.partials = Book()
+    role = make_role(tmp_path, partials=Book())
     a, b = active(role, "t/0", [1]), active(role, "u/0", [2])
 
     async def go():
         for x in (a, b):
             x.task = asyncio.ensure_future(asyncio.sleep(30))
-        out = await role.on_migrate_out(MigrateOut([], everything=True))
+        out = await role.migration.on_migrate_out(MigrateOut([], everything=True))
         return sorted(p.spec.trajectory_id for p in out.partials)
     assert asyncio.run(go()) == ["t/0", "u/0"]
     book = role.partials.book
