@@ -349,6 +349,18 @@ class MultiHost:
                 dropped = {g: why for g, why in con.execute("SELECT gid, why FROM gone WHERE why != 'handed'")}
                 handed = {g for (g,) in con.execute("SELECT gid FROM gone WHERE why = 'handed'")}
                 leased = {g for (g,) in con.execute("SELECT gid FROM handed")}
+        # groups trained in versions an operator's restore of an older checkpoint discarded after
+        # they were checkpointed (the buffer had released them at that checkpoint): lost to training
+        # by that restore, by design, not by the system (restart_trainer_on_older_checkpoint)
+        aside = [int(p.name[1:]) for p in (self.run_dir / "trainer" / "checkpoints-set-aside").glob("v*")
+                 if p.name[1:].isdigit()]
+        by_restore: set[str] = set()
+        discarded = self.run_dir / "trainer" / "metrics.discarded.jsonl"
+        if aside and discarded.exists():
+            for line in discarded.read_text().splitlines():
+                r = json.loads(line) if line.strip() else {}
+                if r and int(r.get("version", 0)) <= max(aside):
+                    by_restore.update(r.get("group_ids", []))
         by_policy = {t for t in recovered - stored_ids - pending if group_of(t) in dropped}
         # a group the buffer dropped as off-lineage (a trainer restart discarded its weights) runs
         # again as a new attempt, under new ids (`~a<k>`): an id stored twice is a real double store
@@ -375,7 +387,9 @@ class MultiHost:
                 "recovered_dropped_by_policy": len(by_policy), "groups_dropped_by_policy": len(dropped),
                 "trajectories_lost": len(recovered - stored_ids - pending - by_policy),
                 # handed to a trainer, in no version it kept, and not leased for its successor
-                "groups_handed_untrained": len(handed - set(trained) - leased), "groups_leased": len(leased)}
+                "groups_handed_untrained": len(handed - set(trained) - leased - by_restore),
+                "groups_untrained_by_older_checkpoint": len((handed - set(trained) - leased) & by_restore),
+                "groups_leased": len(leased)}
 
     def incomplete_groups(self, before: float) -> dict:
         """After the run: groups the buffer still holds incomplete (fewer members than the group's
