@@ -5,8 +5,15 @@
 The cluster is laminar/testing/multihost.py's: h0 (broker, manager, pools, trainer on the tiny
 model), h1..h3 (a relay and two `sim` rollouts each), every host under `laminar-node start`.
 Every `--every` seconds one fault, drawn at random: SIGKILL of a random role (any kind, on any
-host; its supervisor restarts it), a whole host killed and restarted after `--host-down-s`, or a
-host's link cut for `--link-down-s` then restored. Kinds are drawn from a shuffled deck (every kind
+host; its supervisor restarts it), a whole host killed and restarted after `--host-down-s`, a
+host's link cut for `--link-down-s` then restored, the master relay stopped (SIGSTOP) past the
+cluster's `dead_after_s` and continued (`master_stop`), every relay stopped for `--stall-s` so no
+weights move (`stall`: the manager must raise `weights_stalled`, with K = `--stall-lag` and T =
+`--stall-after-s`, and clear it once they move again), or the trainer restarted on an older
+checkpoint folder (`old_checkpoint`: its newest checkpoint is moved aside, so its lineage goes
+down). After the faults the cluster runs `--drain-s` without any; a group with a member stored
+before the drain that is still incomplete in the buffer after it is stranded
+(`incomplete_groups_after_drain`, 0 required). Kinds are drawn from a shuffled deck (every kind
 once per round), so a run of a round or more kills the trainer. A fault counts as recovered when
 the trainer publishes a newer version and the faulted role/host is running again within `--recover-s`.
 
@@ -44,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import exit_on_signals, percentile, print_table, write_json  # noqa: E402
 
 KINDS = ["rollout", "relay", "prompt_pool", "partial_pool", "experience_buffer", "manager", "trainer", "broker",
-         "host", "link"]
+         "host", "link", "master_stop", "stall", "old_checkpoint"]
 
 
 def main() -> int:
@@ -58,8 +65,17 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=4, help="the trainer's checkpoint period (versions)")
     ap.add_argument("--buffer-capacity", type=int, default=48,
                     help="buffer capacity (trajectories) with eviction: reject; 0: the harness's default buffer")
+    ap.add_argument("--stall-s", type=float, default=24.0, help="a `stall` fault: every relay stopped this long")
+    ap.add_argument("--stall-after-s", type=float, default=6.0, help="the manager's stall_after_s (T) for the run")
+    ap.add_argument("--stall-lag", type=int, default=2, help="the manager's stall_lag_versions (K) for the run")
+    ap.add_argument("--drain-s", type=float, default=60.0, help="after the faults: seconds without faults before "
+                    "the cluster stops; a group with a member stored before it and still incomplete after it counts "
+                    "in incomplete_groups_after_drain")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if unknown := set(a.kinds.split(",")) - set(KINDS) - {""}:
+        ap.error(f"--kinds: unknown {sorted(unknown)}; known: {', '.join(KINDS)}")
     exit_on_signals()  # SIGTERM (e.g. `timeout`) unwinds the `with MultiHost`: hosts, namespaces, /dev/shm
     if os.geteuid() != 0:
         raise SystemExit("bench/chaos.py needs root (network namespaces)")
@@ -70,7 +86,8 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="laminar-chaos-"))
     model = build_tiny_model(tmp / "tiny")
     faults = []
-    roles = {"trainer": {"checkpoint_every": a.checkpoint_every}}
+    roles = {"trainer": {"checkpoint_every": a.checkpoint_every},
+             "manager": {"stall_lag_versions": a.stall_lag, "stall_after_s": a.stall_after_s}}
     if a.buffer_capacity:
         roles["experience_buffer"] = {"capacity": a.buffer_capacity, "eviction": "reject"}
     deck: list[str] = []
@@ -81,7 +98,8 @@ def main() -> int:
         print(f"cluster up at version {start_version}; injecting faults for {a.minutes} min", flush=True)
         while time.monotonic() < t_end:
             if not deck:
-                deck = rng.sample(KINDS, len(KINDS))
+                kinds = [k for k in a.kinds.split(",") if k]
+                deck = rng.sample(kinds, len(kinds))
             kind = deck.pop()
             v0, t0, at = mh.version(), time.monotonic(), time.time()
             what, back = inject(mh, kind, rng, a)
@@ -101,9 +119,15 @@ def main() -> int:
                   f"in {took:.1f}s", flush=True)
             time.sleep(max(0.0, a.every - took))  # the chaos schedule's period
         end_version = mh.version()
+        drain_from = time.time()
+        print(f"[{time.strftime('%H:%M:%S')}] faults over: draining for {a.drain_s:.0f}s", flush=True)
+        time.sleep(a.drain_s)  # the drain: the cluster runs on without faults
         mh.close()
         ledger = mh.ledger()
         extra = mh.checks()
+        incomplete = mh.incomplete_groups(drain_from)
+        alarms = mh.stall_alarms()
+        stall_alarm_per_fault(faults, alarms)
         repairs = log_events(mh.log("manager", "0"), "chain_repaired")
         dead = log_events(mh.log("manager", "0"), "rollout_dead")
         split_timings(mh, faults, a)
@@ -122,6 +146,12 @@ def main() -> int:
     print("\nledger: " + json.dumps(ledger | {"versions": f"{ledger['versions'][0]}..{ledger['versions'][-1]}"
                                                if ledger["versions"] else "-"}))
     print_table("lineage, prompts, staleness", list(CHECKS), [[extra[k] for k in CHECKS]])
+    stalls = [f for f in faults if f["kind"] == "stall"]
+    print_table("weights_stalled alarm", ["raised", "cleared", "stall faults", "raised in them", "cleared after them",
+                                          "incomplete groups after drain"],
+                [[len(alarms["raised"]), len(alarms["cleared"]), len(stalls),
+                  sum(bool(f.get("stall_raised")) for f in stalls), sum(bool(f.get("stall_cleared")) for f in stalls),
+                  incomplete["incomplete_groups_after_drain"]]])
     for v in extra["lineage_violation_examples"]:
         print("lineage violation: " + json.dumps(v))
     write_json(a.out, {
@@ -136,6 +166,12 @@ def main() -> int:
         "iterations_during_run": end_version - start_version,
         "ledger": {k: v for k, v in ledger.items() if k != "versions"},
         **extra, "trainer_kills": sum(f["kind"] == "trainer" for f in faults),
+        "older_checkpoint_restores": sum(f["kind"] == "old_checkpoint" for f in faults),
+        **incomplete, "weights_stalled_raised": len(alarms["raised"]),
+        "weights_stalled_cleared": len(alarms["cleared"]),
+        "weights_stalled_at_end": len(alarms["raised"]) > len(alarms["cleared"]),
+        "stall_faults": len(stalls), "stall_faults_raised": sum(bool(f.get("stall_raised")) for f in stalls),
+        "stall_faults_cleared": sum(bool(f.get("stall_cleared")) for f in stalls), "drain_s": a.drain_s,
         "checkpoint_every": a.checkpoint_every, "buffer_capacity": a.buffer_capacity or None,
         "runs": str(tmp)})
     return 0
@@ -187,8 +223,47 @@ def split_timings(mh, faults: list[dict], a) -> None:
             f[k] = round(f[k], 3) if f[k] is not None else None
 
 
+def stall_alarm_per_fault(faults: list[dict], alarms: dict) -> None:
+    """Per `stall` fault: whether the manager raised weights_stalled in its window (from the fault
+    to the next one) and cleared it after the raise."""
+    ends = [f["at"] for f in faults[1:]] + [float("inf")]
+    for f, end in zip(faults, ends, strict=False):
+        if f["kind"] != "stall":
+            continue
+        up = [t for t in alarms["raised"] if f["at"] <= t < end]
+        f["stall_raised"] = bool(up)
+        f["stall_cleared"] = bool(up) and any(t >= up[0] for t in alarms["cleared"])
+
+
 def inject(mh, kind: str, rng: random.Random, a) -> tuple[str, callable]:
     """Inject one fault; returns its description and a predicate 'the faulted part is back'."""
+    if kind == "master_stop":  # a hung master relay: stopped past dead_after_s, then continued
+        rid = mh.master_relay()
+        try:
+            mh.pause_role("relay", rid, 2 * 3.0 + 1)  # the harness's dead_after_s is 3 s
+        except RuntimeError:
+            pass
+        return f"stop master relay.{rid}", lambda: mh.role_pid("relay", rid) is not None
+    if kind == "stall":  # every relay hung: no weights move; the manager must raise weights_stalled
+        relays = [("relay", f"r{h}") for h in range(1, mh.initial)]
+        try:  # a trainer that is training: a stall of a stopped trainer is no stall of the weights
+            mh.wait_version(mh.version() + 1, a.recover_s)
+        except TimeoutError:
+            pass
+        t0 = time.time()
+        mh.pause_roles(relays, a.stall_s)
+
+        def back() -> bool:
+            al = mh.stall_alarms()
+            up = [t for t in al["raised"] if t >= t0]
+            return all(mh.role_pid(*r) for r in relays) and (not up or any(t >= up[0] for t in al["cleared"]))
+        return f"stall all relays {a.stall_s:.0f}s", back
+    if kind == "old_checkpoint":  # the trainer restored from an older checkpoint folder
+        try:
+            moved = mh.restart_trainer_on_older_checkpoint()
+        except RuntimeError:
+            moved = None
+        return f"trainer on older ckpt ({moved or 'none'})", lambda: mh.role_pid("trainer", "0") is not None
     if kind == "host":
         h = rng.randrange(1, mh.initial)
         mh.kill_host(h)

@@ -335,24 +335,71 @@ def topic_refusal(identity: str | None, topic: bytes) -> str:
     return ""
 
 
-# request kind -> scopes that may send it (operator and the one cluster key may send anything)
-REQUEST_SCOPES = {
-    "relay.join": {"relay"},                       # joining the chain (the first one is the master)
-    "relay.set_downstream": {"manager"},
-    "relay.link_down": {"relay", "trainer"},
-    "data.put_trajectory": {"rollout"},
-    "data.append_deltas": {"rollout", "manager"},  # the manager moves deltas when it migrates work
-    "data.append_delta_batch": {"rollout"},
-    "env.reset": {"rollout"}, "env.step": {"rollout"}, "env.close": {"rollout"},
-    # the rollout taking over (or giving up) work, the manager moving it; the pool checks the
-    # current owner of each trajectory a named rollout key completes (roles/partial_pool)
-    "data.reassign_partial": {"rollout", "manager"},
-    "data.complete_partial": {"rollout", "manager"},
+def body_refusal(topic: str, ev) -> str:
+    """Why a subscriber drops event `ev` received on `topic` ("" = taken): the identity its body
+    names must be the one its topic names. The broker binds the topic to the publisher's key
+    (`topic_refusal`); this binds the body to the topic, so a key cannot publish, on its own topic,
+    a heartbeat or statistics naming another role (the manager would declare that one dead, or send
+    its work to an address the forger chose). Checked for heartbeats (`hb.ROLE.ID`: role and id),
+    rollout statistics (`rollout.stats.ID`), relay progress (`relay.progress.ID`) and metrics
+    (`metrics.ROLE`: role)."""
+    kind = getattr(type(ev), "kind", "")
+    if kind == "heartbeat":
+        if topic != f"hb.{ev.role}.{ev.id}":
+            return f"heartbeat of {ev.role}.{ev.id} on {topic[:60]}"
+    elif kind == "rollout.stats":
+        if topic != f"rollout.stats.{ev.rollout_id}":
+            return f"statistics of rollout {ev.rollout_id} on {topic[:60]}"
+    elif kind == "relay.progress":
+        if topic != f"relay.progress.{ev.relay_id}":
+            return f"progress of relay {ev.relay_id} on {topic[:60]}"
+    elif topic.startswith("metrics.") and isinstance(getattr(ev, "role", None), str):
+        if topic != f"metrics.{ev.role}":
+            return f"metrics of {ev.role} on {topic[:60]}"
+    return ""
+
+
+# Every request kind: the roles that serve it, and the key scopes that may send it. DENIED BY
+# DEFAULT: a kind not listed here is refused to every scope (operator and the one cluster key may
+# send anything). "*" = any admitted key. docs/security.md holds this table in words (a test keeps
+# the two the same).
+ANY = "*"
+REQUESTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "hello": (("any server",), frozenset({ANY})),                      # protocol handshake, no effect
+    "ping": (("echo",), frozenset({ANY})),                             # the test/bench echo role
+    # prompt pool
+    "data.take_batch": (("prompt_pool",), frozenset({"rollout"})),     # named key: only for itself
+    "data.requeue_groups": (("prompt_pool",), frozenset({"manager", "pool"})),  # manager's settling; buffer's
+    "data.handed_groups": (("prompt_pool",), frozenset({"manager"})),  # off-lineage drops come from the pool scope
+    # partial pool
+    "data.append_deltas": (("partial_pool",), frozenset({"rollout", "manager"})),  # manager: restarted orphans
+    "data.append_delta_batch": (("partial_pool",), frozenset({"rollout"})),
+    "data.in_flight_of": (("partial_pool",), frozenset({"manager"})),  # reading every partial: the manager only
+    "data.get_partial": (("partial_pool",), frozenset({"rollout", "manager"})),  # named key: its own only
+    "data.reassign_partial": (("partial_pool",), frozenset({"rollout", "manager"})),
+    "data.complete_partial": (("partial_pool",), frozenset({"rollout", "manager"})),  # named key: its own
+    "data.group_presence": (("partial_pool", "experience_buffer"), frozenset({"manager"})),
+    # experience buffer
+    "data.put_trajectory": (("experience_buffer",), frozenset({"rollout"})),  # named key: its own
+    "data.sample_groups": (("experience_buffer",), frozenset({"trainer"})),
+    "data.buffer_stats_request": (("experience_buffer",), frozenset({"trainer"})),
+    # rollouts: only the manager moves work
+    "rollout.migrate_out": (("rollout",), frozenset({"manager"})),
+    "rollout.migrate_in": (("rollout",), frozenset({"manager"})),
+    # the relay chain
+    "relay.join": (("manager",), frozenset({"relay"})),                # joining the chain (the first: master)
+    "relay.set_downstream": (("relay",), frozenset({"manager"})),
+    "relay.link_down": (("manager",), frozenset({"relay", "trainer"})),
+    "relay.master_query": (("manager",), frozenset({"trainer"})),
+    # environments
+    "env.reset": (("env",), frozenset({"rollout"})), "env.step": (("env",), frozenset({"rollout"})),
+    "env.close": (("env",), frozenset({"rollout"})),
 }
+REQUEST_SCOPES = {kind: scopes for kind, (_, scopes) in REQUESTS.items()}
 
 
 def _owner(req) -> str | None:
-    """The rollout a trajectory write is for (None for other requests)."""
+    """The rollout a request acts as (None for requests that name none)."""
     traj = getattr(req, "trajectory", None)
     if traj is not None:
         return getattr(traj, "rollout_id", None)
@@ -360,20 +407,24 @@ def _owner(req) -> str | None:
 
 
 def request_refusal(identity: str | None, req) -> str:
-    """Why a server refuses request `req` from `identity` ("" = allowed): the scope must be one
-    that may send this kind, and a rollout key named after a rollout writes only that rollout's
-    trajectories."""
+    """Why a server refuses request `req` from `identity` ("" = allowed). Denied by default: the
+    kind must be in REQUESTS and the key's scope among those that may send it; a rollout key named
+    after a rollout ("rollout.r0") acts only as that rollout (the rollout a request names: TakeBatch,
+    deltas, puts, reassignments). What a request names by trajectory (reading or completing a
+    partial) is checked by the partial pool against the trajectory's owner (`owned_by_other`)."""
     if _everything(identity):
         return ""
-    kind = type(req).kind
+    kind = getattr(type(req), "kind", "?")
     allowed = REQUEST_SCOPES.get(kind)
     scope, _, name = identity.partition(".")
-    if allowed is not None and scope not in allowed:
+    if allowed is None:
+        return f"{kind} is not a request any key may send"
+    if ANY not in allowed and scope not in allowed:
         return f"a {identity} key may not send {kind}"
-    if scope == "rollout" and name and kind.startswith("data."):
+    if scope == "rollout" and name:
         owner = _owner(req)
         if owner is not None and str(owner) != name and not (kind == "data.reassign_partial" and owner == ""):
-            return f"rollout key {identity} may not write trajectories of rollout {owner}"
+            return f"rollout key {identity} may not act as rollout {owner}"
     return ""
 
 

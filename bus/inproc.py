@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from laminar.bus.auth import body_refusal
 from laminar.bus.codec import decode, encode
 from laminar.bus.errors import DeadlineExceeded, PeerUnavailable, remote_error
 from laminar.bus.transport import Publisher, RpcClient, RpcServer, Subscriber, Transport
@@ -68,7 +69,11 @@ class InprocSubscriber(Subscriber):
         hub.subscribers.append(self)
 
     async def recv(self) -> tuple[str, Any]:
-        return await self.queue.get()
+        while True:  # the same identity check as over ZeroMQ (auth.body_refusal)
+            topic, ev = await self.queue.get()
+            if not body_refusal(topic, ev):
+                return topic, ev
+            self.dropped += 1
 
     def close(self) -> None:
         if self in self.hub.subscribers:

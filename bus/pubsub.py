@@ -4,6 +4,10 @@ Frames: [topic, kind, body, *buffers]. Topics are dotted prefixes (docs/architec
 blocks: a PUB socket at its high-water mark drops, silently (libzmq does not report it, so
 `dropped` counts only a send the socket refuses outright, which is rare); that is why only
 superseded state travels here.
+
+Identity: the broker lets a key publish only its own topics (`auth.topic_refusal`); the
+subscriber drops (as a bad frame) an event whose body names another role than its topic
+(`auth.body_refusal`), so a heartbeat or statistics naming someone else never reach a receiver.
 """
 from __future__ import annotations
 
@@ -72,6 +76,8 @@ class ZmqSubscriber(Subscriber):
                     raise CodecError(f"more than {MAX_FRAMES} frames: dropped unread")
                 topic = frames[0].decode("utf-8")
                 ev, _ = decode(frames[1:])
+                if why := _auth.body_refusal(topic, ev):  # the body names another role than its topic
+                    raise CodecError(f"forged identity: {why}")
             except (CodecError, UnicodeDecodeError) as exc:
                 self.dropped += 1
                 if self.dropped & (self.dropped - 1) == 0:  # log 1st, 2nd, 4th, 8th... occurrence

@@ -66,7 +66,8 @@ _HB_FACTS = {
                   "accuracy_sampled": "eval_accuracy_sampled"},
     "manager": {"repacks": "repacks", "moved": "moved", "dead_rollouts": "dead_rollouts", "recovered": "recovered",
                 "failed_moves": "failed_moves", "replaced": "replaced", "orphans": "orphans", "repairs": "repairs",
-                "last_repair_s": "last_repair_s", "epoch": "epoch"},
+                "last_repair_s": "last_repair_s", "epoch": "epoch", "weights_stalled": "weights_stalled",
+                "weights_lag": "weights_lag", "weights_stalled_total": "weights_stalled_total"},
 }
 _TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s",
                   "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3")
@@ -131,6 +132,13 @@ FAMILIES = [
     ("laminar_manager_chain_last_repair_seconds", "gauge", "duration of the last chain repair", ("manager",),
      "last_repair_s"),
     ("laminar_manager_chain_epoch", "gauge", "epoch of the relay chain", ("manager",), "epoch"),
+    ("laminar_manager_weights_stalled", "gauge", "1 while the weights_stalled alarm is raised: the rollouts' "
+     "newest version lags the trainer's by more than stall_lag_versions for stall_after_s", ("manager",),
+     "weights_stalled"),
+    ("laminar_manager_weights_lag_versions", "gauge", "versions the trainer's newest leads the newest a live "
+     "rollout serves (same lineage)", ("manager",), "weights_lag"),
+    ("laminar_manager_weights_stalled_total", "counter", "times the weights_stalled alarm was raised",
+     ("manager",), "weights_stalled_total"),
 ]
 
 
@@ -258,6 +266,11 @@ class HealthCollector:
         Shutdown stopped, is fine)."""
         return sorted(k for k, r in self.roles.items() if r.supervised not in DOWN_ON_PURPOSE and not self.up(r))
 
+    def alarms(self) -> list[str]:
+        """Alarms raised by roles of this node that are up (a manager's `weights_stalled`)."""
+        return sorted(f"weights_stalled ({k}: lag {int(r.values.get('weights_lag', 0))} versions)"
+                      for k, r in self.roles.items() if r.values.get("weights_stalled") and self.up(r))
+
     def snapshot(self) -> dict[str, dict]:
         """Per role: liveness, the supervisor's view, the newest heartbeat and every fact (JSON-able)."""
         now, out = self.clock(), {}
@@ -372,7 +385,8 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"
 
 
 class MetricsServer:
-    """GET /metrics (the exposition) and /healthz (200 when every role of the node is up, else 503
+    """GET /metrics (the exposition) and /healthz (200 when every role of the node is up and no alarm is raised
+    (a manager's weights_stalled), else 503
     with the roles that are not) over plain HTTP/1.1, one request per connection."""
 
     def __init__(self, collector: HealthCollector, host: str, port: int, max_request: int = 8192,
@@ -408,9 +422,11 @@ class MetricsServer:
                     return 401, "text/plain; charset=utf-8", "a bearer token is required\n"
             return 200, "text/plain; version=0.0.4; charset=utf-8", self.collector.exposition()
         if path == "/healthz":
-            down = self.collector.unhealthy()
-            return (503, "text/plain; charset=utf-8", "down: " + " ".join(down) + "\n") if down else \
-                (200, "text/plain; charset=utf-8", "ok\n")
+            down, alarms = self.collector.unhealthy(), self.collector.alarms()
+            if not down and not alarms:
+                return 200, "text/plain; charset=utf-8", "ok\n"
+            lines = (["down: " + " ".join(down)] if down else []) + [f"alarm: {a}" for a in alarms]
+            return 503, "text/plain; charset=utf-8", "\n".join(lines) + "\n"
         return 404, "text/plain; charset=utf-8", "not found: GET /metrics or /healthz\n"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -116,7 +116,11 @@ class RotatingFile:
         self.size = self.f.tell()
 
     def write(self, text: str) -> None:
-        self.f.write(text)
+        try:
+            self.f.write(text)
+        except OSError:  # a full disk: this record is lost, the role goes on (counted in `dropped`)
+            self.dropped = getattr(self, "dropped", 0) + 1
+            return
         self.size += len(text.encode()) if not text.isascii() else len(text)
         if self.max_bytes and self.size >= self.max_bytes and text.endswith("\n"):
             self.f.close()
@@ -125,7 +129,10 @@ class RotatingFile:
             self.size = 0
 
     def close(self) -> None:
-        self.f.close()
+        try:
+            self.f.close()
+        except OSError:  # what a full disk kept in the buffer is lost with it
+            pass
 
 
 class RotatingStderr:
@@ -190,6 +197,37 @@ def _rotating_stderr() -> RotatingStderr | None:
     return RotatingStderr(path, max_bytes, keep)
 
 
+class NeverRaise:
+    """A log stream whose failures (a full disk: ENOSPC; a closed or broken file) drop the line
+    instead of raising into the code that logged it: a role must not fail because its log cannot
+    be written. `dropped` counts the lines lost; the first loss is said once on the original
+    stderr, if that can be written at all."""
+
+    def __init__(self, stream):
+        self.stream, self.dropped = stream, 0
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError) as exc:
+            self._lost(exc)
+            return 0
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError) as exc:
+            self._lost(exc)
+
+    def _lost(self, exc: BaseException) -> None:
+        self.dropped += 1
+        if self.dropped == 1:
+            try:
+                os.write(2, f"laminar: log lines are being dropped: {exc}\n".encode())
+            except OSError:
+                pass
+
+
 def configure(component: str, level: str = "info", mirror: BusMirror | None = None, stream=None) -> None:
     processors: list = [
         structlog.contextvars.merge_contextvars,
@@ -203,7 +241,7 @@ def configure(component: str, level: str = "info", mirror: BusMirror | None = No
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(stream or _rotating_stderr() or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(NeverRaise(stream or _rotating_stderr() or sys.stderr)),
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(_LEVELS[level], logging.WARNING), stream=stream or sys.stderr)

@@ -65,7 +65,9 @@ def ready_timeout_for(role: str, configured: float | None = None) -> float:
     return READY_TIMEOUT_S.get(role, DEFAULT_READY_TIMEOUT_S)
 
 
-def _pdeathsig() -> None:
+def die_with_parent() -> None:
+    """A `preexec_fn`: the child gets SIGTERM when the thread that started it ends (its parent was
+    killed, even by SIGKILL), so no child outlives its parent re-parented to init."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
@@ -156,7 +158,7 @@ class Supervisor:
         try:
             c.proc = await asyncio.create_subprocess_exec(
                 *c.argv, "--ready-fd", str(w), pass_fds=(w,), start_new_session=True,
-                preexec_fn=_pdeathsig, env=self.child_env(c), stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=die_with_parent, env=self.child_env(c), stdin=asyncio.subprocess.DEVNULL,
                 stdout=out, stderr=out)
         finally:
             os.close(w)

@@ -29,11 +29,20 @@ __all__ = [
     "DeltaResult", "InFlightOf", "GetPartial", "PartialState", "PartialList", "ReassignPartial",
     "CompletePartial", "Trajectory", "PutTrajectory", "PutResult", "SampleGroups", "Samples",
     "BufferStatsRequest", "BufferStats", "PoolCount", "HandedGroups", "HandedList", "GroupPresence",
-    "GroupPresenceReply", "AppendDeltaBatch",
+    "GroupPresenceReply", "AppendDeltaBatch", "RequeueResult",
 ]
 
 _FIRST_POOL_GROUP = re.compile(r"e\d+-p")          # prompt pool "0": e<epoch>-p<prompt id>
 _OTHER_POOL_GROUP = re.compile(r"(.+?)\.e\d+-p")   # any other: <pool id>.e<epoch>-p<prompt id>
+
+
+_ATTEMPT = re.compile(r"~a(\d+)(?:~r\d+)*$")
+
+
+def attempt_of(trajectory_id: str) -> int:
+    """The attempt `k` a trajectory id names (`<group>/<i>~a<k>`, a restart's `~r<n>` after it); 0: none."""
+    m = _ATTEMPT.search(trajectory_id)
+    return int(m.group(1)) if m else 0
 
 
 def group_id_prefix(pool_id: str) -> str:
@@ -113,6 +122,7 @@ class HandedList:
     group_ids: list[str] = field(default_factory=list)  # the group of each entry
     members: list[int] = field(default_factory=list)    # the member of each entry; -1 = the whole group
     pids: list[int] = field(default_factory=list)       # the process each was handed to (0 = unknown)
+    attempts: list[int] = field(default_factory=list)   # the attempt each went out as (its ids' `~a<k>`; 0: none)
 
 
 # -- partial response pool -----------------------------------------------------------------------
@@ -216,8 +226,11 @@ class ReassignPartial:
 
 @event("data.group_presence")
 class GroupPresence:
-    """Partial pool or buffer query: which members of these groups does it hold?"""
+    """Partial pool or buffer query: which members of these groups does it hold? `attempts`: entry
+    (group id, or member id `<group>/<i>`) -> the attempt that is current for it; the partial pool
+    then counts a member in flight only under that attempt's ids (a member id's own entry first)."""
     group_ids: list[str]
+    attempts: dict[str, int] = field(default_factory=dict)
 
 
 @event("data.group_presence_reply")
@@ -299,3 +312,11 @@ class PoolCount:
     role: str
     id: str
     counts: dict[str, Any] = field(default_factory=dict)
+
+
+@event("data.requeue_result")
+class RequeueResult:
+    """The prompt pool's answer to RequeueGroups, item by item: one bad entry does not sink the rest."""
+    requeued: list[str]                  # entries that will be handed out again (as their next attempt)
+    settled: list[str]                   # `settled` entries no longer accounted to the rollout
+    refused: dict[str, str] = field(default_factory=dict)  # entry -> why (unknown id, never handed out)

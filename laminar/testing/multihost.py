@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -151,6 +152,8 @@ class MultiHost:
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> MultiHost:
         self.net.__enter__()
+        for h in range(1, self.n):  # the relays' shared memory, should this harness be killed
+            self.net.remove_on_exit(f"/dev/shm/laminar-{self.name}-relay-r{h}")
         try:
             self.write_config()
         except BaseException:
@@ -207,6 +210,62 @@ class MultiHost:
             raise RuntimeError(f"{role}.{id} is not running")
         os.kill(pid, signal.SIGKILL)
         return pid
+
+    # -- faults that reach the control paths -----------------------------------------------------
+    def master_relay(self) -> str:
+        """The relay the manager last named master (its newest `relay_joined` order, `master_changed`
+        or `chain_repaired` event), else r1."""
+        man = self.log("manager", "0")
+        named = [(e.get("timestamp", ""), e["order"][0]) for e in log_events(man, "relay_joined") if e.get("order")]
+        named += [(e.get("timestamp", ""), e["master"]) for e in log_events(man, "master_changed") if e.get("master")]
+        return max(named)[1] if named else "r1"
+
+    def pause_role(self, role: str, id: str, seconds: float) -> int:
+        """SIGSTOP a role process for `seconds` (it is neither dead nor answering: a hung host), then
+        SIGCONT it. Returns its pid."""
+        pid = self.role_pid(role, id)
+        if pid is None:
+            raise RuntimeError(f"{role}.{id} is not running")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)  # the length of the hang (part of the fault)
+        finally:
+            _signal(pid, signal.SIGCONT)
+        return pid
+
+    def pause_roles(self, keys: list[tuple[str, str]], seconds: float) -> list[int]:
+        """SIGSTOP several role processes at once for `seconds`, then SIGCONT them all."""
+        pids = [p for role, id in keys if (p := self.role_pid(role, id)) is not None]
+        for p in pids:
+            _signal(p, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)  # the length of the hang (part of the fault)
+        finally:
+            for p in pids:
+                _signal(p, signal.SIGCONT)
+        return pids
+
+    def restart_trainer_on_older_checkpoint(self) -> str | None:
+        """The trainer comes back on an older checkpoint folder (an operator restored an older
+        backup): it is stopped, its newest complete checkpoint moved out of the checkpoints folder
+        (kept beside it, not deleted), and it is killed; its supervisor restarts it, and it resumes
+        from the next newest. Returns the moved checkpoint's name (None: there was no older one,
+        and the trainer is only killed)."""
+        pid = self.role_pid("trainer", "0")
+        if pid is None:
+            raise RuntimeError("trainer.0 is not running")
+        os.kill(pid, signal.SIGSTOP)
+        root = self.run_dir / "trainer" / "checkpoints"
+        done = sorted((p for p in root.glob("v*") if p.name[1:].isdigit() and (p / "COMPLETE").exists()),
+                      key=lambda p: int(p.name[1:]))
+        moved = None
+        if len(done) >= 2:
+            aside = self.run_dir / "trainer" / "checkpoints-set-aside"
+            aside.mkdir(exist_ok=True)
+            done[-1].rename(aside / done[-1].name)
+            moved = done[-1].name
+        _signal(pid, signal.SIGKILL)
+        return moved
 
     def close(self) -> None:
         for i in list(self.sup):
@@ -290,6 +349,18 @@ class MultiHost:
                 dropped = {g: why for g, why in con.execute("SELECT gid, why FROM gone WHERE why != 'handed'")}
                 handed = {g for (g,) in con.execute("SELECT gid FROM gone WHERE why = 'handed'")}
                 leased = {g for (g,) in con.execute("SELECT gid FROM handed")}
+        # groups trained in versions an operator's restore of an older checkpoint discarded after
+        # they were checkpointed (the buffer had released them at that checkpoint): lost to training
+        # by that restore, by design, not by the system (restart_trainer_on_older_checkpoint)
+        aside = [int(p.name[1:]) for p in (self.run_dir / "trainer" / "checkpoints-set-aside").glob("v*")
+                 if p.name[1:].isdigit()]
+        by_restore: set[str] = set()
+        discarded = self.run_dir / "trainer" / "metrics.discarded.jsonl"
+        if aside and discarded.exists():
+            for line in discarded.read_text().splitlines():
+                r = json.loads(line) if line.strip() else {}
+                if r and int(r.get("version", 0)) <= max(aside):
+                    by_restore.update(r.get("group_ids", []))
         by_policy = {t for t in recovered - stored_ids - pending if group_of(t) in dropped}
         # a group the buffer dropped as off-lineage (a trainer restart discarded its weights) runs
         # again as a new attempt, under new ids (`~a<k>`): an id stored twice is a real double store
@@ -316,7 +387,45 @@ class MultiHost:
                 "recovered_dropped_by_policy": len(by_policy), "groups_dropped_by_policy": len(dropped),
                 "trajectories_lost": len(recovered - stored_ids - pending - by_policy),
                 # handed to a trainer, in no version it kept, and not leased for its successor
-                "groups_handed_untrained": len(handed - set(trained) - leased), "groups_leased": len(leased)}
+                "groups_handed_untrained": len(handed - set(trained) - leased - by_restore),
+                "groups_untrained_by_older_checkpoint": len((handed - set(trained) - leased) & by_restore),
+                "groups_leased": len(leased)}
+
+    def incomplete_groups(self, before: float) -> dict:
+        """After the run: groups the buffer still holds incomplete (fewer members than the group's
+        size) although a member of theirs was stored before `before` (epoch seconds: the start of
+        the drain). Such a group was given the whole drain to complete and did not: its missing
+        members are stranded (a member nobody runs holds its room forever)."""
+        import sqlite3
+
+        from laminar.roles.sqlite_store import unpack
+
+        db = self.run_dir / "pools" / "experience_buffer-0.sqlite"
+        if not db.exists():
+            return {"incomplete_groups_after_drain": 0, "incomplete_group_examples": []}
+        first_stored: dict[str, float] = {}
+        for log in (self.run_dir / "logs").glob("rollout.*.log"):
+            for e in log_events(log, "trajectory_stored"):
+                if e.get("status") == "stored":
+                    g = group_of(e["trajectory"])
+                    t = _ts(e)
+                    first_stored[g] = min(first_stored.get(g, t), t)
+        held: dict[str, tuple[int, int]] = {}
+        with sqlite3.connect(db) as con:
+            gone = {g for (g,) in con.execute("SELECT gid FROM gone")}
+            for gid, blob in con.execute("SELECT gid, blob FROM trajs"):
+                n, size = held.get(gid, (0, 0))
+                held[gid] = (n + 1, max(size, unpack(blob).spec.group_size))
+        stuck = sorted(g for g, (n, size) in held.items()
+                       if n < size and g not in gone and first_stored.get(g, 0.0) < before)
+        return {"incomplete_groups_after_drain": len(stuck), "incomplete_group_examples": stuck[:10]}
+
+    def stall_alarms(self) -> dict:
+        """The manager's weights_stalled alarms: raised and cleared (log events, with timestamps)."""
+        man = self.log("manager", "0")
+        raised = [_ts(e) for e in log_events(man, "weights_stalled")]
+        cleared = [_ts(e) for e in log_events(man, "weights_stall_cleared")]
+        return {"raised": raised, "cleared": cleared}
 
     def checks(self) -> dict:
         """After the run (cluster stopped): the lineage, prompt and staleness checks.
@@ -398,6 +507,12 @@ class MultiHost:
         return "\n".join(f"--- h{i}.out\n"
                          + "\n".join((self.tmp / f"h{i}.out").read_text(errors="replace").splitlines()[-n:])
                          for i in range(getattr(self, "n", 0)) if (self.tmp / f"h{i}.out").exists())
+
+
+def _ts(e: dict) -> float:
+    """A log event's time, epoch seconds."""
+    stamp = str(e.get("timestamp", "1970-01-01T00:00:00+00:00")).replace("Z", "+00:00")
+    return datetime.fromisoformat(stamp).timestamp()
 
 
 def _descendants(pid: int) -> list[int]:

@@ -15,14 +15,28 @@ shares its R among them, as a NIC does.
 Nothing touches the root namespace's interfaces or routes: every device is created inside the
 namespaces, which this harness names with a unique prefix and deletes by name on exit, on error,
 and at interpreter exit (deleting a namespace deletes its veth ends and the bridge with it).
+
+Nothing outlives the harness, even when its process is killed with SIGKILL (no `finally`, no
+atexit): every process `popen` starts gets SIGTERM when the harness's thread ends
+(PR_SET_PDEATHSIG), and a small reaper process, started first in its own session, waits on a pipe
+from the harness. When the pipe closes (a clean exit closes it after cleanup; a killed harness
+closes it by dying) the reaper gives what still runs in the namespaces `reap_grace_s` to stop
+(a `laminar-node start` stops its roles in order on SIGTERM), SIGKILLs what is left, deletes the
+namespaces and removes the paths registered with `remove_on_exit`.
 """
 from __future__ import annotations
 
 import atexit
 import os
 import random
+import shutil
+import signal
 import subprocess
+import sys
+import time
 import uuid
+
+from laminar.supervisor import die_with_parent
 
 
 def _ip(*args: str) -> None:
@@ -50,12 +64,16 @@ class NetnsCluster:
         self.switch = f"{self.prefix}-sw"
         self.hosts = [f"{self.prefix}-h{i}" for i in range(n_hosts)]
         self.created: list[str] = []
+        self.reaper: subprocess.Popen | None = None
 
     def address(self, i: int) -> str:
         return f"10.213.{self.subnet}.{i + 1}"
 
     def __enter__(self) -> NetnsCluster:
         atexit.register(self.cleanup)
+        self.reaper = subprocess.Popen([sys.executable, "-m", "laminar.testing.netns", "--reap", self.switch,
+                                        *self.hosts], stdin=subprocess.PIPE, start_new_session=True,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             self._build()
         except BaseException:
@@ -103,9 +121,59 @@ class NetnsCluster:
         _in(self.hosts[i], "ip", "link", "set", "eth0", "up" if up else "down")
 
     def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", self.hosts[i], *argv], **kw)
+        """Start `argv` in host i's namespace; it gets SIGTERM if the harness's thread ends (`ip netns
+        exec` execs `argv`, which keeps the parent-death signal)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.hosts[i], *argv], preexec_fn=die_with_parent, **kw)
+
+    def remove_on_exit(self, path: str | os.PathLike) -> None:
+        """Have the reaper remove `path` (a file or folder) if the harness dies without its cleanup."""
+        if self.reaper is not None and self.reaper.poll() is None:
+            self.reaper.stdin.write(f"{os.fspath(path)}\n".encode())
+            self.reaper.stdin.flush()
 
     def cleanup(self) -> None:
         for ns in reversed(self.created):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.created.clear()
+        if self.reaper is not None:  # closing its pipe ends it: nothing is left for it to do
+            self.reaper.stdin.close()
+            self.reaper.wait(30)
+            self.reaper = None
+
+
+def _namespace_pids(ns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out if p.isdigit()]
+
+
+def reap(namespaces: list[str], grace_s: float) -> None:
+    """The reaper's body: wait until the harness closes the pipe on stdin (or dies), then end what
+    still runs in `namespaces` (SIGTERM came with the harness's death: `grace_s` to stop, then
+    SIGKILL), delete them, and remove the paths the harness registered (one a line on stdin)."""
+    paths = [line.decode().strip() for line in sys.stdin.buffer]   # blocks until EOF
+    live = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    mine = [ns for ns in namespaces if ns in live]
+    deadline = time.monotonic() + grace_s
+    while (pids := [p for ns in mine for p in _namespace_pids(ns)]) and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling the namespaces' processes: they are not our children
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for ns in reversed(mine):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    for path in filter(None, paths):
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":  # python -m laminar.testing.netns --reap NS... (started by NetnsCluster)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the harness: it still cleans up
+    reap(sys.argv[2:], grace_s=float(os.environ.get("LAMINAR_REAP_GRACE_S", "20")))

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from laminar.shm import ShmLedger, group_members
-from laminar.supervisor import sweep_group
+from laminar.supervisor import die_with_parent, sweep_group
 
 _handed_out: set[int] = set()
 
@@ -91,7 +91,7 @@ class RoleProc:
                 "--id", self.id, "--ready-fd", str(w)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, pass_fds=(w,), stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env, start_new_session=True)
+                                         env=self.env, start_new_session=True, preexec_fn=die_with_parent)
         os.close(w)
         self._ready_r = r
         self.shm = ShmLedger()

@@ -18,6 +18,7 @@ such a group as settled here, so the manager accounts the new attempt like any o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 
@@ -50,6 +51,9 @@ class ExperienceBufferConfig(BaseModel):
     max_staleness: int | None = Field(None, ge=0,
                                       description="drop groups older than this many versions (None: keep all)")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
+    page_trajectories: int = Field(4096, ge=1, description="most trajectories in one Samples reply (whole groups, "
+                                   "at least one): a larger batch goes over several replies, which the trainer asks "
+                                   "for in turn, so no reply exceeds the bus's frame and size limits")
     remember_removed: int = Field(200_000, ge=1, description="removed (handed, stale, evicted) group ids kept to "
                                   "refuse late duplicates; older ones are forgotten, which bounds memory and start-up")
 
@@ -166,7 +170,15 @@ class ExperienceBufferRole(PoolRole):
         head, _, detail = status.partition(": ")
         return PutResult(head, detail)
 
+    def _page_groups(self, asked: int) -> int:
+        """Groups one Samples reply may carry: `page_trajectories` over the largest group size held
+        (whole groups, at least one); the trainer asks again for the rest."""
+        size = max((g.size for g in self.book.groups.values()), default=1)
+        size = max(size, getattr(self, "_largest_leased", 1))
+        return max(1, min(asked, self.cfg.page_trajectories // max(size, 1)))
+
     async def on_sample(self, req: SampleGroups) -> Samples:
+        req = dataclasses.replace(req, num_groups=self._page_groups(req.num_groups))
         b, released = self.book, Change()
         b.set_lineage(req.lineage, req.forks, released)
         if req.committed is not None:
@@ -175,6 +187,7 @@ class ExperienceBufferRole(PoolRole):
             gids, after = b.rehand(req.cursor, req.num_groups)
             if gids:
                 groups = [await self._leased_group(g) for g in gids]
+                self._largest_leased = max([len(g) for g in groups] + [getattr(self, "_largest_leased", 1)])
                 groups = [g for g in groups
                           if g and not self._drop_leased_off_lineage(g, released, req.trainer_version)]
                 self._queue(released)
@@ -256,7 +269,7 @@ class ExperienceBufferRole(PoolRole):
         if pool not in clients:
             clients[pool] = self.ctx.transport.client(self.ctx.config.endpoint("prompt_pool", pool))
         try:
-            await clients[pool].call(RequeueGroups(gids), timeout=5.0)
+            res = await clients[pool].call(RequeueGroups(gids), timeout=5.0)
         except RemoteError as exc:
             if exc.code != "refused":
                 return []  # unavailable or busy: next round
@@ -266,7 +279,12 @@ class ExperienceBufferRole(PoolRole):
         except RpcError as exc:
             self.log.warning("requeue_deferred", prompt_pool=pool, error=str(exc))
             return []
-        self.book.counts["lineage_requeued"] += len(gids)
+        refused = dict(getattr(res, "refused", None) or {})  # per item: the others were taken
+        if refused:
+            self.log.error("requeue_refused", prompt_pool=pool, groups=list(refused)[:64],
+                           error=next(iter(refused.values())))
+            self.book.counts["lineage_requeue_refused"] += len(refused)
+        self.book.counts["lineage_requeued"] += len(gids) - len(refused)
         return gids
 
     async def _leased_group(self, gid: str) -> list:

@@ -45,6 +45,10 @@ class ManagerConfig(BaseModel):
     settle_interval_s: float = Field(10.0, gt=0, description="period of the prompt pools' accounting: groups "
                                      "handed out that reached the partial pool or buffer are settled, and those of "
                                      "dead rollouts that reached neither are requeued")
+    stall_lag_versions: int = Field(4, ge=0, description="K of the weights_stalled alarm: raised when the trainer's "
+                                    "newest version leads the newest any live rollout serves (same lineage) by more "
+                                    "than K versions ...")
+    stall_after_s: float = Field(120.0, gt=0, description="... for T seconds; cleared when the lag is back within K")
 
     def relay_dead_after_s(self, cluster) -> float:
         """Heartbeat silence that declares a relay dead: dead_after_s, else the cluster's (5 s when

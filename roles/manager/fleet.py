@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,9 +363,13 @@ class Fleet:
                     h = await pool.call(HandedGroups(rollout_id, pid, self.s.settle_page, offset),
                                         timeout=self.s.rpc_timeout_s)
                     gids = sorted(set(h.group_ids))
+                    # the attempt each entry went out as: in flight, only its members count
+                    attempts = dict(zip(h.entries, h.attempts, strict=True)) if len(h.attempts) == len(
+                        h.entries) else {}
                     have: dict[str, set[int]] = {}
                     for src in (self.partials, self.buffer):  # this order: a moving trajectory is seen once
-                        got = await src.call(GroupPresence(gids), timeout=self.s.rpc_timeout_s)
+                        ask = GroupPresence(gids, attempts if src is self.partials else {})
+                        got = await src.call(ask, timeout=self.s.rpc_timeout_s)
                         for g, idx in got.present.items():
                             have.setdefault(g, set()).update(idx)
                 except RpcError as exc:
@@ -394,12 +399,18 @@ class Fleet:
                         settled.append(e)
                 if requeue or settled:
                     try:
-                        await pool.call(RequeueGroups(requeue, rollout_id if rollout_id != "*" else "", settled),
-                                        timeout=self.s.rpc_timeout_s)
+                        res = await pool.call(RequeueGroups(requeue, rollout_id if rollout_id != "*" else "",
+                                                            settled), timeout=self.s.rpc_timeout_s)
                     except RpcError as exc:
                         self.log.warning("settle_deferred", prompt_pool=pool_id, rollout=rollout_id, error=str(exc))
                         ok = False
                         break
+                    refused = dict(getattr(res, "refused", None) or {})  # per item (an older pool: an Ack)
+                    if refused:
+                        self.log.error("requeue_entries_refused", prompt_pool=pool_id, rollout=rollout_id,
+                                       refused=dict(list(refused.items())[:16]), count=len(refused))
+                        requeue = [e for e in requeue if e not in refused]
+                        settled = [e for e in settled if e not in refused]
                     self.c.requeued += len(requeue)
                     self.c.settled += len(settled)
                     if requeue:
@@ -534,8 +545,7 @@ class Fleet:
         fresh, old = [], {}
         for tid in tids[:max(0, 2 * self.s.max_concurrency_of(dest.id) - dest.stats.active)]:
             p, _ = self.orphans[tid]
-            base, _, n = tid.partition("~r")
-            new_id = f"{base}~r{int(n or 0) + 1}"
+            new_id = restarted_id(tid)
             fresh.append(PartialState(spec=dataclasses.replace(p.spec, trajectory_id=new_id),
                                       tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
                                       version=dest.stats.version, rollout_id=dest.id, next_seq=1))
@@ -598,6 +608,17 @@ class Fleet:
                        "waiting": v.stats.waiting, "active": v.stats.active, "state": v.stats.state,
                        "alive": v.alive, "tokens_per_s": round(v.stats.tokens_per_s, 1)}
                 for v in sorted(self.views.values(), key=lambda v: v.id)}
+
+
+_RESTART = re.compile(r"~r(\d+)$")
+
+
+def restarted_id(tid: str) -> str:
+    """The id of an orphan restarted from its prompt: `~r<n+1>` in place of a trailing `~r<n>`, else
+    `~r1` appended. Only a trailing suffix counts: a prompt id may itself contain `~r` (before, the
+    first `~r` anywhere was taken for it, and `int()` of the rest crashed the manager in a loop)."""
+    m = _RESTART.search(tid)
+    return f"{tid[:m.start()]}~r{int(m.group(1)) + 1}" if m else f"{tid}~r1"
 
 
 def _emptied(s: RolloutStats) -> RolloutStats:

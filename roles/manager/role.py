@@ -4,6 +4,9 @@ Chain (ChainHost): serves RelayJoin / LinkDown / MasterQuery on its request/repl
 relay heartbeats (`hb.relay.`) to declare silent relays dead, and republishes ChainState every
 `state_interval_s` so a subscriber that missed a change (pub/sub may drop) catches up.
 
+Stall alarm (stall.py): `weights_stalled` when the rollouts' newest version lags the trainer's
+(from its heartbeats) by more than `stall_lag_versions` for `stall_after_s`, whatever the cause.
+
 Fleet (fleet.py): follows `rollout.stats.` and `hb.rollout.`, runs dynamic repack (periodic and
 on every `weights.version`; only in `laminar` mode unless `repack` says otherwise) and recovers
 the in-flight work of dead rollouts from the partial pool. Its view is rebuilt from the rollouts'
@@ -19,6 +22,7 @@ from laminar.roles.base import Role
 from laminar.roles.manager.chain_host import ChainHost
 from laminar.roles.manager.config import ManagerConfig
 from laminar.roles.manager.fleet import Fleet, FleetSettings
+from laminar.roles.manager.stall import StallAlarm
 
 from laminar.protocol import Heartbeat, LinkDown, MasterQuery, RelayJoin, RolloutStats, WeightsVersion
 from laminar.stepcurve import StepCurve, roofline_batch_bound
@@ -39,7 +43,9 @@ class ManagerRole(Role):
         self.dead: asyncio.Queue[str] = asyncio.Queue(maxsize=1024)
         self.hb_sub = self.ctx.transport.subscriber(["hb.relay."])
         self.fleet = self._make_fleet()
-        self.fleet_sub = self.ctx.transport.subscriber(["rollout.stats.", "hb.rollout.", "weights.version"])
+        self.fleet_sub = self.ctx.transport.subscriber(["rollout.stats.", "hb.rollout.", "hb.trainer.",
+                                                        "weights.version"])
+        self.stall = StallAlarm(self.log, settings.stall_lag_versions, settings.stall_after_s)
         self.server = self.ctx.transport.server(address, "manager", self.ctx.id)
         self.server.route(RelayJoin, self.chain.on_join)
         self.server.route(LinkDown, self.chain.on_link_down)
@@ -53,6 +59,7 @@ class ManagerRole(Role):
         self.spawn(self._reap(), "reap-dead")
         self.spawn(self._follow_fleet(), "fleet-reports")
         self.spawn(self.fleet.run(), "fleet")
+        self.spawn(self._watch_stall(), "stall-alarm")
         await self.wait_stopped()
 
     def _relay_transport(self) -> tuple[str, dict]:
@@ -86,10 +93,19 @@ class ManagerRole(Role):
             _, ev = await self.fleet_sub.recv()
             if isinstance(ev, RolloutStats):
                 self.fleet.on_stats(ev)
+            elif isinstance(ev, Heartbeat) and ev.role == "trainer":
+                if ev.status.get("rank", 0) == 0 and isinstance(ev.status.get("version"), int):
+                    self.stall.on_trainer(int(ev.status.get("lineage") or 0), ev.status["version"])
             elif isinstance(ev, Heartbeat):
                 self.fleet.on_heartbeat(ev)
             elif isinstance(ev, WeightsVersion):
                 self.fleet.new_version(ev.version)
+
+    async def _watch_stall(self) -> None:
+        period = min(1.0, self.settings.stall_after_s / 4)
+        while True:
+            self.stall.update([(v.stats.lineage, v.stats.version) for v in self.fleet.views.values() if v.alive])
+            await asyncio.sleep(period)  # the alarm's evaluation period, not a wait for a peer
 
     def _peer_changed(self, key: str, alive: bool) -> None:
         relay_id = key.split(".", 1)[1]
@@ -127,4 +143,4 @@ class ManagerRole(Role):
                 "dead_rollouts": f.dead, "recovered": f.recovered, "restarted": f.restarted, "adopted": f.adopted,
                 "failed_moves": f.failed_moves, "replaced": f.replaced,
                 "groups_requeued": f.requeued, "groups_settled": f.settled,
-                "orphans": len(self.fleet.orphans)}
+                "orphans": len(self.fleet.orphans), **self.stall.status()}

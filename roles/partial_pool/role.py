@@ -44,6 +44,7 @@ from laminar.protocol import (
     ReassignPartial,
     TokenDelta,
 )
+from laminar.protocol.data import attempt_of
 
 
 class PartialPoolConfig(BaseModel):
@@ -230,15 +231,27 @@ class PartialPoolRole(PoolRole):
         return e
 
     async def on_get(self, req: GetPartial) -> PartialState:
-        return self._entry(req.trajectory_id).state()
+        e = self._entry(req.trajectory_id)
+        if owned_by_other(current_peer.get(), e.owner):  # scoped keys: a rollout reads only its own work
+            raise RequestError("refused", f"forbidden: {current_peer.get()} may not read {req.trajectory_id} "
+                                          f"of rollout {e.owner}")
+        return e.state()
 
     async def on_presence(self, req: GroupPresence) -> GroupPresenceReply:
-        """Members of these groups in flight here (any owner, restarted copies `~r<n>` included)."""
+        """Members of these groups in flight here (any owner, restarted copies `~r<n>` included).
+        With `attempts`, a member counts only under the attempt current for it: a member of an
+        older attempt is not the new attempt's (if its rollout dies, nothing would run it again)."""
         want = set(req.group_ids)
+        attempts = req.attempts or {}
         present: dict[str, list[int]] = {}
         for e in self.state.live().values():
-            if e.spec.group_id in want:
-                present.setdefault(e.spec.group_id, []).append(e.spec.sample_index)
+            g, i = e.spec.group_id, e.spec.sample_index
+            if g not in want:
+                continue
+            current = attempts.get(f"{g}/{i}", attempts.get(g))
+            if current is not None and attempt_of(e.spec.trajectory_id) != current:
+                continue
+            present.setdefault(g, []).append(i)
         return GroupPresenceReply(present)
 
     async def on_reassign(self, req: ReassignPartial) -> Ack:

@@ -1,9 +1,13 @@
 """PromptPoolRole: TakeBatch -> whole GRPO groups; RequeueGroups -> handed out again first.
 
 Idempotent: a TakeBatch with a `batch_seq` that repeats the rollout's last one (its reply was
-lost) gets the same groups again. Order: epoch e visits the prompts in a permutation seeded by
-(seed, e). Whole groups only: a batch holds floor(max_trajectories / n) groups, but at least one
-when asked for fewer than n.
+lost) gets the same groups again, under the attempt ids they went out with; an entry requeued
+since (the manager took the rollout for dead) is left out, since it runs elsewhere as its next
+attempt. RequeueGroups is answered item by item (RequeueResult): an id this pool did not make or
+never handed out is named in `refused`, the others go ahead.
+
+Order: epoch e visits the prompts in a permutation seeded by (seed, e). Whole groups only: a
+batch holds floor(max_trajectories / n) groups, but at least one when asked for fewer than n.
 
 Accounting: every entry handed out (a group, or one member `<group>/<i>` requeued alone) is
 recorded with the rollout (and its pid) that got it, in the same transaction as the cursor move,
@@ -32,7 +36,15 @@ from laminar.roles.pool_base import PoolRole
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.datasets import chat_template_field, load_records, prompt_encoder, system_prompt_field
-from laminar.protocol import Ack, Batch, HandedGroups, HandedList, RequeueGroups, TakeBatch, TrajectorySpec
+from laminar.protocol import (
+    Batch,
+    HandedGroups,
+    HandedList,
+    RequeueGroups,
+    RequeueResult,
+    TakeBatch,
+    TrajectorySpec,
+)
 from laminar.protocol.data import group_id_prefix
 
 
@@ -162,7 +174,7 @@ class PromptPoolRole(PoolRole):
         row = self.store.read("SELECT epoch, pos, handed FROM cursor WHERE k = 0")
         self.epoch, self.pos, self.handed = row[0] if row else (0, 0, 0)
         self.requeued = [g for (g,) in self.store.read("SELECT group_id FROM requeued ORDER BY at")]
-        self.last = {r: (seq, json.loads(gs))
+        self.last = {r: (seq, self._handed_entries(json.loads(gs)))
                      for r, seq, gs in self.store.read("SELECT rollout_id, seq, groups FROM last_batch")}
         self._order_epoch = -1
         self.out = {e: (r, pid)
@@ -177,6 +189,12 @@ class PromptPoolRole(PoolRole):
         for e in list(self.out) + self.requeued:
             g = self._group_of(e)
             self.open[g] = self.open.get(g, 0) + 1
+
+    def _handed_entries(self, stored: list) -> list[tuple[str, int]]:
+        """A stored last batch as (entry, attempt) pairs; a store from before attempts were kept
+        there lists bare entries (taken as their current attempt)."""
+        attempts = dict(self.store.read("SELECT entry, n FROM attempts"))
+        return [(x, attempts.get(x, 0)) if isinstance(x, str) else (str(x[0]), int(x[1])) for x in stored]
 
     def routes(self) -> None:
         self.route(TakeBatch, self.on_take)
@@ -215,9 +233,9 @@ class PromptPoolRole(PoolRole):
             return None
         return (int(e), pid) if sep and e.isdigit() and pid in self.index else None
 
-    def _specs_of(self, entry: str) -> list[TrajectorySpec]:
+    def _specs_of(self, entry: str, attempt: int | None = None) -> list[TrajectorySpec]:
         e, pid = self._parse(entry)
-        specs = self._group(e, self.index[pid], self.attempts.get(entry, 0))
+        specs = self._group(e, self.index[pid], self.attempts.get(entry, 0) if attempt is None else attempt)
         _, member = self._split(entry)
         return specs if member is None else [specs[int(member)]]
 
@@ -235,7 +253,10 @@ class PromptPoolRole(PoolRole):
         last = self.last.get(req.rollout_id)
         if req.batch_seq >= 0 and last is not None and last[0] == req.batch_seq:  # a retry
             await self.durable([])  # its answer stands once the original's cursor move is on disk
-            return Batch([s for g in last[1] for s in self._specs_of(g)], exhausted=self.exhausted())
+            # the entries it still holds, under the attempt they were handed out as: one requeued
+            # since runs elsewhere as its next attempt, and must not run here too under those ids
+            held = [(g, k) for g, k in last[1] if self.out.get(g, ("",))[0] == req.rollout_id]
+            return Batch([s for g, k in held for s in self._specs_of(g, k)], exhausted=self.exhausted())
         n = self.cfg.group_size
         want = max(1, min(req.max_trajectories, self.cfg.max_batch_trajectories) // n)
         # Requeued groups (work lost with a rollout) go out first and pass the gate: they belong to
@@ -268,10 +289,11 @@ class PromptPoolRole(PoolRole):
                   (epoch, pos, self.handed + fresh))]
         stmts += [("DELETE FROM requeued WHERE group_id = ?", (g,)) for g in took_requeued]
         entries = took_requeued + list(dict.fromkeys(s.group_id for s in out[n_requeued:]))
-        if req.batch_seq >= 0:
-            self.last[req.rollout_id] = (req.batch_seq, entries)
+        if req.batch_seq >= 0:  # each entry with the attempt it goes out as (what a retry answers)
+            handed = [(e, self.attempts.get(e, 0)) for e in entries]
+            self.last[req.rollout_id] = (req.batch_seq, handed)
             stmts.append(("INSERT OR REPLACE INTO last_batch VALUES (?, ?, ?)",
-                          (req.rollout_id, req.batch_seq, json.dumps(entries))))
+                          (req.rollout_id, req.batch_seq, json.dumps(handed))))
         for e in entries:  # who holds it now: until settled or requeued
             self.out[e] = (req.rollout_id, req.pid)
             stmts.append(("INSERT OR REPLACE INTO handed_to VALUES (?, ?, ?)", (e, req.rollout_id, req.pid)))
@@ -282,14 +304,25 @@ class PromptPoolRole(PoolRole):
         await self.durable(stmts)
         return Batch(out, exhausted=self.exhausted())
 
-    async def on_requeue(self, req: RequeueGroups) -> Ack:
-        new = list(dict.fromkeys(g for g in req.group_ids if g not in self.requeued))
-        for g in new + list(req.settled):
-            if self._parse(g) is None:
-                raise RequestError("refused", f"unknown group id {g!r} for prompt pool {self.ctx.id}")
+    async def on_requeue(self, req: RequeueGroups) -> RequeueResult:
+        """Item by item: entries this pool did not make, or never handed out, are named in
+        `refused` and the others go ahead. Only a request with nothing acceptable is refused whole."""
+        refused: dict[str, str] = {}
+        for g in list(req.group_ids) + list(req.settled):
+            if g not in refused and self._parse(g) is None:
+                refused[g] = f"unknown group id {g!r} for prompt pool {self.ctx.id}"
+        new = list(dict.fromkeys(g for g in req.group_ids if g not in self.requeued and g not in refused))
         for g in new:
             if not self._was_handed(g):
-                raise RequestError("refused", f"group {g!r} was never handed out by prompt pool {self.ctx.id}")
+                refused[g] = f"group {g!r} was never handed out by prompt pool {self.ctx.id}"
+        new = [g for g in new if g not in refused]
+        settled_in = [e for e in req.settled if e not in refused]
+        if refused and not new and not settled_in and not any(g in self.requeued for g in req.group_ids):
+            first = next(iter(refused.values()))
+            raise RequestError("refused", first + (f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""))
+        if refused:
+            self.log.warning("requeue_entries_refused", rollout=req.rollout_id,
+                             refused=dict(list(refused.items())[:16]), count=len(refused))
         stmts: list = []
         for g in new:  # its next attempt: new trajectory ids for whatever runs again
             grp = self._group_of(g)
@@ -305,13 +338,13 @@ class PromptPoolRole(PoolRole):
             stmts += [("DELETE FROM handed_to WHERE entry = ?", (g,)),
                       ("INSERT OR IGNORE INTO requeued (group_id, at) VALUES (?, ?)", (g, time.time()))]
         self.requeued += new
-        closed = 0
-        for e in dict.fromkeys(req.settled):
+        closed: list[str] = []
+        for e in dict.fromkeys(settled_in):
             held = self.out.get(e)
             if held is None or (req.rollout_id and held[0] != req.rollout_id):
                 continue  # already settled or requeued, or handed to someone else since
             del self.out[e]
-            closed += 1
+            closed.append(e)
             grp = self._group_of(e)
             self.open[grp] -= 1
             if not self.open[grp]:
@@ -323,7 +356,7 @@ class PromptPoolRole(PoolRole):
         if new:
             self.log.warning("groups_requeued", rollout=req.rollout_id, entries=new[:64], count=len(new))
         await self.durable(stmts)
-        return Ack(f"requeued {len(new)}, settled {closed}")
+        return RequeueResult(new, closed, refused)
 
     async def on_handed(self, req: HandedGroups) -> HandedList:
         got: list[tuple[str, str, int]] = []
@@ -343,7 +376,7 @@ class PromptPoolRole(PoolRole):
         split = [self._split(e) for e, _, _ in got]
         return HandedList([e for e, _, _ in got], [r for _, r, _ in got], [self.cfg.group_size] * len(got), more=more,
                           group_ids=[g for g, _ in split], members=[-1 if m is None else int(m) for _, m in split],
-                          pids=[pid for _, _, pid in got])
+                          pids=[pid for _, _, pid in got], attempts=[self.attempts.get(e, 0) for e, _, _ in got])
 
     @property
     def prompts_skipped(self) -> int:

@@ -1,7 +1,9 @@
 """Migration: the manager's requests that move in-flight work to and from this rollout.
 
-    MigrateOut  abort what is asked (or everything), make it durable in the partial pool, hand
-                back its partial states; what the pool cannot take resumes here
+    MigrateOut  abort what is asked (or everything), make it durable in the partial pool, release
+                its ownership there (owner none: a manager killed before the MigrateIn leaves
+                orphans any manager finds, not work stranded under this rollout), hand back its
+                partial states; what the pool cannot take resumes here
     MigrateIn   same weights only (version and lineage); each trajectory is taken over in the
                 partial pool (fencing every earlier owner off) and continued from what the pool
                 holds, with the remaining budget. Migrants may exceed max_concurrency up to twice
@@ -23,7 +25,7 @@ import asyncio
 import dataclasses
 import time
 
-from laminar.bus.errors import RemoteError
+from laminar.bus.errors import DeadlineExceeded, PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError
 from laminar.roles.rollout.streaming import DeltaStream
 from laminar.roles.rollout.trajectory import Active
@@ -39,6 +41,8 @@ from laminar.protocol import (
     PartialState,
     ReassignPartial,
 )
+
+RELEASE_TIMEOUT_S = 10.0  # one release of a handed-over trajectory (MigrateOut answers within the manager's deadline)
 
 
 class Migration:
@@ -67,6 +71,11 @@ class Migration:
                     self.start(a)
             raise RequestError("unavailable", "partial pool unreachable; trajectories resumed here")
         moving = [a for a in moving if not a.fenced]  # fenced off during that flush: another owner has it
+        if not await self._release(moving):
+            for a in moving:
+                if not a.fenced:
+                    self.start(a)
+            raise RequestError("unavailable", "partial pool unreachable; trajectories resumed here")
         out = [a.partial(self.rollout_id) for a in moving]
         for a in moving:
             active.pop(a.id, None)
@@ -75,6 +84,25 @@ class Migration:
             self.work.room_freed.set()
         self.log.info("migrated_out", trajectories=len(out), reason=req.reason)
         return PartialList(out)
+
+    async def _release(self, moving: list[Active]) -> bool:
+        """Own nothing of what is handed over, durably, before the reply: the manager holds the
+        only other record of the move, in memory. If it dies before the MigrateIn, the work is owned
+        by nobody in the partial pool and any manager's `reconcile` finds it as orphans (before, it
+        stayed owned by this live rollout, which no longer ran it: stranded for good). False if the
+        pool did not take every release; those taken are claimed back (the caller resumes them)."""
+        async def one(tid: str, owner: str) -> bool:
+            try:
+                await self.partials.call(ReassignPartial(tid, owner), timeout=RELEASE_TIMEOUT_S)
+                return True
+            except (RemoteError, PeerUnavailable, DeadlineExceeded) as exc:
+                self.log.warning("release_failed", trajectory=tid, owner=owner, error=str(exc))
+                return False
+        done = await asyncio.gather(*(one(a.id, "") for a in moving))
+        if all(done):
+            return True
+        await asyncio.gather(*(one(a.id, self.rollout_id) for a, ok in zip(moving, done, strict=True) if ok))
+        return False
 
     async def on_migrate_in(self, req: MigrateIn) -> MigrateInResult:
         w = self.weights

@@ -27,10 +27,19 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 
 def test_one_minute_of_chaos(tmp_path):
     out = tmp_path / "chaos.json"
-    p = subprocess.run([sys.executable, str(BENCH), "--minutes", "1", "--every", "6", "--seed", "7",
-                        "--out", str(out)], capture_output=True, text=True, timeout=400)
-    print(p.stdout[-6000:])
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    p = subprocess.Popen([sys.executable, str(BENCH), "--minutes", "1", "--every", "6", "--seed", "7", "--drain-s",
+                          "20", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = p.communicate(timeout=360)
+    except subprocess.TimeoutExpired:  # SIGTERM first: the bench stops its cluster; SIGKILL if it overstays
+        p.terminate()
+        try:
+            stdout, stderr = p.communicate(timeout=45)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+    print(stdout[-6000:])
+    assert p.returncode == 0, stdout[-4000:] + stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["faults_injected"] >= 4
     assert r["faults_recovered"] == r["faults_injected"], r["faults"]
@@ -40,6 +49,9 @@ def test_one_minute_of_chaos(tmp_path):
     assert r["prompts_skipped"] == 0, r["ledger"]
     assert r["lineage_violations"] == 0, r["lineage_violation_examples"]
     assert r["negative_staleness_samples"] == 0
+    assert r["incomplete_groups_after_drain"] == 0, r["incomplete_group_examples"]
+    assert r["stall_faults_raised"] == r["stall_faults"] and r["stall_faults_cleared"] == r["stall_faults"]
+    assert not r["weights_stalled_at_end"]
     assert r["trainer_restarts"] >= r["trainer_kills"] and r["checkpoint_every"] >= 4
     if r["chain_repairs"]:
         assert r["chain_repair_s_max"] < 1.0  # the paper's target for a chain repair

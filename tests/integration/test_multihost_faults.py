@@ -14,6 +14,9 @@ followed by two more trainer versions (training goes on):
                            versions are discarded, and with them a lineage: relays, rollouts and
                            the buffer move to the resumed trainer's new one)
   the master relay     ->  a new master; the trainer is re-pointed
+  a hung master relay  ->  SIGSTOP past dead_after_s, then SIGCONT: replaced, and back in the chain
+  an older checkpoint  ->  the trainer restarts on its second newest checkpoint (its newest moved
+                           aside): its lineage goes down, and training goes on
   the broker           ->  peers reconnect
   a cut link (h2, 6 s) ->  its rollouts are declared dead and their work resumed elsewhere; when
                            the link is back its relay re-joins the chain, duplicates are refused
@@ -88,6 +91,11 @@ def test_kill_anything_lose_nothing(tmp_path):
         after("trainer", lambda: mh.kill_role("trainer", "0"))
         chain = log_events(mh.log("manager", "0"), "relay_joined")
         after("master relay", lambda: mh.kill_role("relay", "r1"))
+        # a hung master: stopped past dead_after_s (3 s), then continued (it must not wedge the chain)
+        after("master stopped", lambda: mh.pause_role("relay", mh.master_relay(), 7.0))
+        while mh.version() % CHECKPOINT_EVERY in (0, 1):  # with versions past its newest checkpoint
+            time.sleep(0.2)  # polling the trainer's metrics file
+        after("older ckpt", mh.restart_trainer_on_older_checkpoint)  # the trainer's lineage goes down
         after("broker", lambda: mh.kill_role("broker", "0"))
 
         def cut_link() -> None:
