@@ -70,7 +70,8 @@ _HB_FACTS = {
                 "weights_lag": "weights_lag", "weights_stalled_total": "weights_stalled_total"},
 }
 _TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s",
-                  "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3")
+                  "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3", "groups_generated", "groups_kept",
+                  "groups_dropped_nosignal")
 # the evaluator's Metrics value -> fact name (the version it evaluated is `eval_version`, not the
 # weight version it holds: the node's laminar_weight_version stays what engines serve)
 _EVAL_FACTS = {"version": "eval_version", "eval/accuracy": "eval_accuracy",
@@ -112,6 +113,12 @@ FAMILIES = [
      "|trainer - rollout| logprob", ("trainer",), "mismatch_max_abs"),
     ("laminar_trainer_mismatch_k3", "gauge", "train-inference mismatch of the last version: k3 estimate of "
      "KL(rollout || trainer) per token", ("trainer",), "mismatch_k3"),
+    ("laminar_trainer_groups_generated", "gauge", "groups the last version consumed: trained, or dropped for "
+     "no reward spread by dynamic sampling", ("trainer",), "groups_generated"),
+    ("laminar_trainer_groups_kept", "gauge", "groups of the last version with a reward spread (in the loss)",
+     ("trainer",), "groups_kept"),
+    ("laminar_trainer_groups_dropped_nosignal", "gauge", "groups the last version dropped for no spread "
+     "(dynamic sampling: the extra generation it cost)", ("trainer",), "groups_dropped_nosignal"),
     ("laminar_eval_accuracy", "gauge", "held-out accuracy of the last evaluation, greedy answers",
      ("evaluator",), "eval_accuracy"),
     ("laminar_eval_accuracy_sampled", "gauge", "held-out accuracy of the last evaluation, sampled answers "

@@ -29,7 +29,9 @@ each version's token mean, `mismatch_max_abs` the largest |delta| of the run;
 gradient; `eval_accuracy_first/last` are the first and last held-out accuracies (`eval/accuracy`,
 greedy answers; the first is version 0, before training, when the evaluator ran from the start),
 `eval_accuracy_sampled_first/last` the same for the sampled answers, `eval_versions` the versions
-evaluated; None when the run did not evaluate.
+evaluated; None when the run did not evaluate. `groups_generated` / `groups_kept` /
+`groups_dropped_nosignal` / `versions_without_step` / `filter_cap_versions` say what the versions
+were made of (dynamic sampling, docs/learning.md).
 """
 from __future__ import annotations
 
@@ -94,11 +96,27 @@ def learning_stats(recs: list[dict], eval_recs: list[dict] | None = None) -> dic
             "mismatch_k3_mean": mean([r["mismatch_k3"] for r in measured if "mismatch_k3" in r]),
             "mismatch_versions": len(measured),
             "skipped_nonfinite_steps": int(sum(r.get("skipped_nonfinite_steps", 0) for r in recs)),
+            **intake_stats(recs),
             "eval_accuracy_first": evals[0] if evals else None,
             "eval_accuracy_last": evals[-1] if evals else None,
             "eval_accuracy_sampled_first": sampled[0] if sampled else None,
             "eval_accuracy_sampled_last": sampled[-1] if sampled else None,
             "eval_versions": [int(r["version"]) for r in (eval_recs or []) if "version" in r]}
+
+
+def intake_stats(recs: list[dict]) -> dict:
+    """What the versions were made of: groups generated (trained or dropped for no signal by
+    dynamic sampling), kept (with a reward spread: in the loss), dropped, the versions that hit the
+    filter's cap, and the versions that made no optimizer step (every group without a signal)."""
+    def total(key: str, default=lambda r: 0.0) -> int:
+        return int(sum(r.get(key, default(r)) for r in recs))
+    return {"groups_generated": total("groups_generated",
+                                      lambda r: r.get("groups", 0) + r.get("groups_dropped_nosignal", 0)),
+            "groups_kept": total("groups_kept", lambda r: r.get("groups", 0) - r.get("groups_uniform", 0)),
+            "groups_dropped_nosignal": total("groups_dropped_nosignal"),
+            "nosignal_tokens": total("nosignal_tokens"),
+            "filter_cap_versions": total("filter_cap_reached"),
+            "versions_without_step": sum(1 for r in recs if r.get("no_signal_steps", 0) > 0)}
 
 
 def task_of(run: Path) -> str | None:
@@ -144,8 +162,8 @@ def table(s: dict) -> str:
     def f(v):
         return f"{v:.4g}" if isinstance(v, float) else str(v)
     keys = ["task", "iterations", "reward_first", "reward_last", "eval_accuracy_first", "eval_accuracy_last",
-            "eval_accuracy_sampled_first", "eval_accuracy_sampled_last", "eval_versions",
-            "throughput_tokens_per_s", "max_staleness", "staleness_histogram", "mismatch_mean_abs",
+            "eval_accuracy_sampled_first", "eval_accuracy_sampled_last", "eval_versions", "groups_generated",
+            "groups_kept", "versions_without_step", "filter_cap_versions", "throughput_tokens_per_s", "max_staleness", "staleness_histogram", "mismatch_mean_abs",
             "mismatch_max_abs", "skipped_nonfinite_steps", "repacks", "moved_trajectories", "repack_s_mean",
             "rollout_idle_fraction", "kv_usage_mean", "publish_stall_s_max", "duration_s"]
     width = max(map(len, keys))
