@@ -161,6 +161,7 @@ class RoleHealth:
     beat_at: float | None = None    # clock() when the newest heartbeat arrived
     state: str = ""                 # what the role says it is doing (rollout: generating, idle...)
     values: dict[str, float] = field(default_factory=dict)
+    sets: dict[str, float] = field(default_factory=dict)  # evaluator: eval/<set>/<metric> of the last evaluation
 
     @property
     def key(self) -> str:
@@ -254,6 +255,10 @@ class HealthCollector:
             r = self._role("evaluator", ev.id)
             r.values.update({name: ev.values[k] for k, name in _EVAL_FACTS.items()
                              if _number(ev.values.get(k)) is not None})
+            # per eval set and metric (eval/<set>/<metric>): laminar_eval_metric{set, metric}
+            r.sets = {k: float(v) for k, v in ev.values.items()
+                      if k.startswith("eval/") and k.count("/") == 2 and _number(v) is not None
+                      and k.rsplit("/", 1)[1] not in ("problems", "response_len_mean")}
         else:
             return None
         return r
@@ -326,6 +331,10 @@ class HealthCollector:
             with_role = name == "laminar_weight_version"
             family(name, kind, help, [(lab(r) if with_role else {"id": r.id, "host": r.host}, r.values[value])
                                       for r in roles if r.role in kinds and value in r.values])
+        family("laminar_eval_metric", "gauge", "the last evaluation's result of one eval set and metric (greedy, "
+               "avg@k, pass@k, maj@k)",
+               [({"id": r.id, "host": r.host, "set": k.split("/")[1], "metric": k.split("/")[2]}, v)
+                for r in roles if r.role == "evaluator" for k, v in sorted(r.sets.items())])
         return "\n".join(out) + "\n"
 
 

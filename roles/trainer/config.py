@@ -131,6 +131,10 @@ class TrainerConfig(BaseModel):
                             "placed and no address is given)")
     publish_transport: str = Field("tcp", description="chunk transport: tcp, ucx, or module:Class")
     publish_transport_options: dict = Field(default_factory=dict, description="keyword arguments of the transport")
+    log_samples_every: int = Field(10, ge=0, description="every this many versions, write log_samples rows of the "
+                                   "trained batch (prompt, response, reward, version, staleness) to "
+                                   "<workdir>/samples.jsonl (laminar/samples.py); 0: never")
+    log_samples: int = Field(4, ge=1, description="rows a version writes when it logs samples")
     tensorboard: bool = Field(True, description="also write TensorBoard curves when tensorboardX is installed")
     world_size: int = Field(1, ge=1, description="ranks of this trainer (FSDP2); each rank is its own trainer role")
     rank: int | None = Field(None, ge=0, description="this process's rank (default: the role id, which must then be "

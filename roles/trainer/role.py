@@ -33,6 +33,7 @@ from laminar.roles.trainer.metrics import MetricsLog, batch_stats, trained_weigh
 from laminar.roles.trainer.publishing import PublishLink
 
 from laminar.protocol import BufferStatsRequest, Metrics, SampleGroups, Samples
+from laminar.samples import SampleLog, trained_rows
 from laminar.threads import work_thread
 
 
@@ -301,6 +302,10 @@ class TrainerRole(Role):
         self.metrics.append({**values, "ts": time.time(), "group_ids": [g[0].spec.group_id for g in groups],
                              "weights": trained_weights(groups)})
         self.pub.publish("metrics.trainer", Metrics(role="trainer", id=self.ctx.id, ts=time.time(), values=values))
+        every = self.cfg.log_samples_every
+        if every and self.version % every == 0 and self.cfg.engine != "sim":
+            rows = trained_rows(groups, self.version - 1, self.cfg.log_samples)
+            await asyncio.to_thread(self._sample_log().write, "trainer", self.version, rows)
         self.event("iteration", version=self.version, reward_mean=round(stats["reward_mean"], 4),
                    loss=round(train.get("loss", 0.0), 6), tokens_per_s=round(values["tokens_per_s"], 1),
                    publish_stall_s=round(stall, 6))
@@ -311,6 +316,11 @@ class TrainerRole(Role):
         if self._exports_now(self.version):
             path = await in_thread(self._export, "trainer-export")
             self.event("exported", version=self.version, path=str(path))
+
+    def _sample_log(self) -> SampleLog:
+        if getattr(self, "sample_log", None) is None:
+            self.sample_log = SampleLog(self.dir.parent / "samples.jsonl", self.cfg.model_dir)
+        return self.sample_log
 
     def _exports_now(self, version: int) -> bool:
         """Whether `version` is the run's final one and goes to `export_dir` (a collective on every rank)."""

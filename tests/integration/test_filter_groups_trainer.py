@@ -4,6 +4,7 @@ counted in the version's metrics, and past `max_dropped` the version trains on w
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -44,7 +45,8 @@ def test_filter_groups_trainer_waits_for_informative_groups_and_counts_them(tmp_
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": [
                         {"role": "experience_buffer", "port": 7131}, {"role": "trainer"}]}}},
         "roles": {"trainer": {"model_dir": str(tiny), "lr": 1e-3, "groups_per_batch": 2, "publish": False,
-                              "checkpoint_every": 100, "sample_wait_s": 0.02,
+                              "checkpoint_every": 100, "sample_wait_s": 0.02, "log_samples_every": 2,
+                              "log_samples": 3,
                               "filter_groups": {"metric": "reward", "max_dropped": 2}}}})
 
     async def go():
@@ -81,3 +83,8 @@ def test_filter_groups_trainer_waits_for_informative_groups_and_counts_them(tmp_
     s = summarize(tmp_path / "run")
     assert (s["groups_generated"], s["groups_kept"], s["versions_without_step"]) == (11, 3, 1)
     assert s["groups_dropped_nosignal"] == 5 and s["filter_cap_versions"] == 2
+    # samples: version 2's batch (every 2 versions; made by version 0, trained by 1), groups in turn
+    rows = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["source"], r["version"], r["staleness"]) for r in rows] == [("trainer", 2, 1)] * 3
+    assert [r["prompt_id"] for r in rows] == [rows[0]["prompt_id"], rows[1]["prompt_id"], rows[0]["prompt_id"]]
+    assert all(isinstance(r["prompt"], str) and isinstance(r["response"], str) for r in rows)
