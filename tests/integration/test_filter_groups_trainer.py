@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,7 +39,10 @@ async def until(pred, timeout: float, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_filter_groups_trainer_waits_for_informative_groups_and_counts_them(tmp_path: Path, tiny):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny) -> Path:
+    """A run of three versions (its workdir), the scenario below."""
+    tmp_path = tmp_path_factory.mktemp("ds")
     cfg = parse_config({
         "run": {"workdir": str(tmp_path / "run"), "seed": 0},
         "cluster": {"keys_dir": None, "heartbeat_s": 0.5, "broker": {"host": "h0"},
@@ -75,16 +79,80 @@ def test_filter_groups_trainer_waits_for_informative_groups_and_counts_them(tmp_
         finally:
             await cl.close()
     asyncio.run(go())
-    recs = read_jsonl(tmp_path / "run" / "trainer" / "metrics.jsonl")
+    return tmp_path / "run"
+
+
+def test_filter_groups_trainer_waits_for_informative_groups_and_counts_them(trained: Path):
+    recs = read_jsonl(trained / "trainer" / "metrics.jsonl")
     got = [(r["groups_generated"], r["groups_kept"], r["groups_dropped_nosignal"], r["filter_cap_reached"],
             r["no_signal_steps"]) for r in recs]
     assert got == [(3.0, 2.0, 1.0, 0.0, 0.0), (4.0, 1.0, 2.0, 1.0, 0.0), (4.0, 0.0, 2.0, 1.0, 1.0)]
     assert recs[0]["nosignal_tokens"] == 4 * 8
-    s = summarize(tmp_path / "run")
+    s = summarize(trained)
     assert (s["groups_generated"], s["groups_kept"], s["versions_without_step"]) == (11, 3, 1)
     assert s["groups_dropped_nosignal"] == 5 and s["filter_cap_versions"] == 2
     # samples: version 2's batch (every 2 versions; made by version 0, trained by 1), groups in turn
-    rows = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (trained / "samples.jsonl").read_text().splitlines()]
     assert [(r["source"], r["version"], r["staleness"]) for r in rows] == [("trainer", 2, 1)] * 3
     assert [r["prompt_id"] for r in rows] == [rows[0]["prompt_id"], rows[1]["prompt_id"], rows[0]["prompt_id"]]
     assert all(isinstance(r["prompt"], str) and isinstance(r["response"], str) for r in rows)
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a W&B offline run file, parsed with wandb's own protobuf messages (the file
+    is W&B's block log: 32 KiB blocks of [crc32 4][length 2][type 1][data] chunks after a 7-byte header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    b, pos, block, part, out = path.read_bytes(), 7, 32768, b"", []
+    assert b[:4] == b":W&B"
+    while pos + 7 <= len(b):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", b[pos:pos + 7])
+        data, pos = b[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 0:
+            break
+        part = data if kind in (1, 2) else part + data
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            r = pb.Record()
+            r.ParseFromString(part)
+            out.append(r)
+    return out
+
+
+@pytest.mark.slow  # wandb's and mlflow's imports and W&B's core process: ~15 s more on 2 cores
+def test_tracking_wandb_offline_and_mlflow_file_store_read_back(trained: Path, monkeypatch):
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from laminar.summary import write
+    from laminar.tracking import TrackingSpec, send
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    s = write(trained)
+    uri = f"file:{trained / 'mlruns'}"
+    got = send(trained, TrackingSpec.model_validate({"wandb": {"project": "t"}, "mlflow": {"tracking_uri": uri}}),
+               "ds", {"roles": {"trainer": {"lr": 1e-3}}})
+    assert got[0].startswith("wandb: ") and got[1].startswith(f"mlflow: {uri}")
+    # W&B: one history row per version, the summary's numbers, the samples table
+    (run_file,) = (trained / "wandb").glob("offline-run-*/run-*.wandb")
+    recs = wandb_records(run_file)
+    by_step: dict = {}
+    for r in recs:
+        if r.HasField("history"):
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            step = r.history.step.num if r.history.HasField("step") else row.get("_step")
+            by_step.setdefault(step, {}).update(row)
+    assert [by_step[v]["trainer/groups_generated"] for v in (1, 2, 3)] == [3, 4, 4]
+    assert by_step[3]["samples/_type"] == "table-file" and by_step[3]["samples/nrows"] == 3
+    summary = {i.key: json.loads(i.value_json) for r in recs if r.HasField("summary") for i in r.summary.update}
+    assert summary["groups_kept"] == s["groups_kept"] == 3 and summary["versions_without_step"] == 1
+    # MLflow: the metric history by version, the summary, the table artifact
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("ds").experiment_id])
+    hist = client.get_metric_history(run.info.run_id, "trainer/groups_kept")
+    assert sorted((m.step, m.value) for m in hist) == [(1, 2.0), (2, 1.0), (3, 0.0)]
+    assert run.data.metrics["summary/groups_generated"] == 11 and run.data.params["roles.trainer.lr"] == "0.001"
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "samples.json", str(trained))).read_text())
+    assert table["columns"][:3] == ["source", "version", "prompt"] and len(table["data"]) == 3
