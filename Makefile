@@ -104,11 +104,13 @@ smollm2: $(STAMP_CPU) models/smollm2-math/config.json
 runs/smoke-upper/data/prompts.jsonl: | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.demo_data $@
 
-# Each demo is a fresh run: its pools, checkpoints, logs, evaluations and the manager's records (the
-# summary counts every repack in them) are reset. Shared memory needs no reset: a relay serves
+# Each demo is a fresh run (TensorBoard curves too: the tb extra, runs/local/trainer/tb): its pools,
+# checkpoints, logs, evaluations and the manager's records (the summary counts every repack in
+# them) are reset. Shared memory needs no reset: a relay serves
 # nothing from a folder another run (or another trainer lineage) left, and removes its own folder
 # when it stops.
 demo: $(STAMP_CPU) models/tiny-math/config.json $(WP)/heldout.jsonl
+	$(PIP) install -q -e '.[tb]'
 	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/evaluator \
 	  runs/local/summary.*
 	$(BIN)/laminar-node up configs/local.yaml

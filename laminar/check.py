@@ -299,19 +299,23 @@ def check_model_folders(ctx: CheckContext) -> Iterable[str]:
 def check_datasets(ctx: CheckContext) -> Iterable[str]:
     from laminar.datasets import DatasetError, load_records  # late: numpy and pyarrow, for this check only
     seen: dict[tuple, str | None] = {}
-    for role, id, s in ctx.settings():
-        if not isinstance(getattr(s, "dataset", None), str):
-            continue
-        key = (s.dataset, s.prompt_field, s.answer_field, getattr(s, "id_field", None),
-               getattr(s, "on_bad_row", "error"))
-        if key not in seen:
-            try:
-                load_records(*key)
-                seen[key] = None
-            except (DatasetError, OSError) as exc:
-                seen[key] = str(exc)
-        if seen[key]:
-            yield f"{ctx.where(role, id, 'dataset')}: {seen[key]}"
+    for role, id, settings in ctx.settings():
+        # the role's dataset, and each named eval set's (the evaluator's `sets`)
+        named = [("dataset", settings)] + [(f"sets.{n}.dataset", x) for n, x in
+                                          (getattr(settings, "sets", None) or {}).items()]
+        for what, s in named:
+            if not isinstance(getattr(s, "dataset", None), str):
+                continue
+            key = (s.dataset, s.prompt_field, s.answer_field, getattr(s, "id_field", None),
+                   getattr(s, "on_bad_row", "error"))
+            if key not in seen:
+                try:
+                    load_records(*key)
+                    seen[key] = None
+                except (DatasetError, OSError) as exc:
+                    seen[key] = str(exc)
+            if seen[key]:
+                yield f"{ctx.where(role, id, what)}: {seen[key]}"
 
 
 def _callables(settings: BaseModel, prefix: str = "") -> Iterable[tuple[str, str, str]]:

@@ -24,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from laminar.roles.registry import REGISTRY, role_config_class
+from laminar.tracking import TrackingSpec
 
 
 class ConfigError(ValueError):
@@ -185,6 +186,8 @@ class LaminarConfig(Strict):
     run: RunSpec = Field(default_factory=RunSpec)
     cluster: ClusterSpec
     roles: dict[str, dict[str, Any]] = Field(default_factory=dict, description="settings per role kind")
+    tracking: TrackingSpec | None = Field(None, description="experiment trackers (W&B, MLflow) the run is sent to "
+                                          "when it ends (laminar/tracking.py); None: none")
     source: str = Field("<memory>", exclude=True, description="file this config was read from")
 
     # -- placement helpers -------------------------------------------------------------

@@ -70,7 +70,8 @@ _HB_FACTS = {
                 "weights_lag": "weights_lag", "weights_stalled_total": "weights_stalled_total"},
 }
 _TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s",
-                  "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3")
+                  "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3", "groups_generated", "groups_kept",
+                  "groups_dropped_nosignal")
 # the evaluator's Metrics value -> fact name (the version it evaluated is `eval_version`, not the
 # weight version it holds: the node's laminar_weight_version stays what engines serve)
 _EVAL_FACTS = {"version": "eval_version", "eval/accuracy": "eval_accuracy",
@@ -112,6 +113,12 @@ FAMILIES = [
      "|trainer - rollout| logprob", ("trainer",), "mismatch_max_abs"),
     ("laminar_trainer_mismatch_k3", "gauge", "train-inference mismatch of the last version: k3 estimate of "
      "KL(rollout || trainer) per token", ("trainer",), "mismatch_k3"),
+    ("laminar_trainer_groups_generated", "gauge", "groups the last version consumed: trained, or dropped for "
+     "no reward spread by dynamic sampling", ("trainer",), "groups_generated"),
+    ("laminar_trainer_groups_kept", "gauge", "groups of the last version with a reward spread (in the loss)",
+     ("trainer",), "groups_kept"),
+    ("laminar_trainer_groups_dropped_nosignal", "gauge", "groups the last version dropped for no spread "
+     "(dynamic sampling: the extra generation it cost)", ("trainer",), "groups_dropped_nosignal"),
     ("laminar_eval_accuracy", "gauge", "held-out accuracy of the last evaluation, greedy answers",
      ("evaluator",), "eval_accuracy"),
     ("laminar_eval_accuracy_sampled", "gauge", "held-out accuracy of the last evaluation, sampled answers "
@@ -154,6 +161,7 @@ class RoleHealth:
     beat_at: float | None = None    # clock() when the newest heartbeat arrived
     state: str = ""                 # what the role says it is doing (rollout: generating, idle...)
     values: dict[str, float] = field(default_factory=dict)
+    sets: dict[str, float] = field(default_factory=dict)  # evaluator: eval/<set>/<metric> of the last evaluation
 
     @property
     def key(self) -> str:
@@ -247,6 +255,10 @@ class HealthCollector:
             r = self._role("evaluator", ev.id)
             r.values.update({name: ev.values[k] for k, name in _EVAL_FACTS.items()
                              if _number(ev.values.get(k)) is not None})
+            # per eval set and metric (eval/<set>/<metric>): laminar_eval_metric{set, metric}
+            r.sets = {k: float(v) for k, v in ev.values.items()
+                      if k.startswith("eval/") and k.count("/") == 2 and _number(v) is not None
+                      and k.rsplit("/", 1)[1] not in ("problems", "response_len_mean")}
         else:
             return None
         return r
@@ -319,6 +331,10 @@ class HealthCollector:
             with_role = name == "laminar_weight_version"
             family(name, kind, help, [(lab(r) if with_role else {"id": r.id, "host": r.host}, r.values[value])
                                       for r in roles if r.role in kinds and value in r.values])
+        family("laminar_eval_metric", "gauge", "the last evaluation's result of one eval set and metric (greedy, "
+               "avg@k, pass@k, maj@k)",
+               [({"id": r.id, "host": r.host, "set": k.split("/")[1], "metric": k.split("/")[2]}, v)
+                for r in roles if r.role == "evaluator" for k, v in sorted(r.sets.items())])
         return "\n".join(out) + "\n"
 
 

@@ -344,4 +344,11 @@ def print_summary(cfg) -> None:
     print(f"\nsummary of {cfg.run.name} ({cfg.run.mode} mode):\n{summary.table(s)}\n"
           f"written: {cfg.workdir() / 'summary.json'}" + (f", {s['plot']}" if s.get("plot") else "")
           + (f"\nTensorBoard curves: tensorboard --logdir {cfg.workdir()}" if tb else ""), flush=True)
+    if cfg.tracking is not None:
+        from laminar.tracking import send_config  # late: wandb / mlflow, at the end of a run only
+        try:
+            for line in send_config(cfg):
+                print(f"tracking: {line}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - the run's own records are written: say why, do not fail it
+            print(f"error: tracking: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 

@@ -29,7 +29,10 @@ each version's token mean, `mismatch_max_abs` the largest |delta| of the run;
 gradient; `eval_accuracy_first/last` are the first and last held-out accuracies (`eval/accuracy`,
 greedy answers; the first is version 0, before training, when the evaluator ran from the start),
 `eval_accuracy_sampled_first/last` the same for the sampled answers, `eval_versions` the versions
-evaluated; None when the run did not evaluate.
+evaluated; None when the run did not evaluate. `groups_generated` / `groups_kept` /
+`groups_dropped_nosignal` / `versions_without_step` / `filter_cap_versions` say what the versions
+were made of (dynamic sampling, docs/learning.md). `eval` is {set: {metric: {first, last, best}}}
+over the evaluations of every eval set, `eval_best` the evaluator's best.json (docs/evaluation.md).
 """
 from __future__ import annotations
 
@@ -50,7 +53,13 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     fleet = read_rotated_jsonl(run / "manager" / "fleet.jsonl")
     out: dict = {"run_dir": str(run), "iterations": len(recs), "task": task_of(run),
                  "reward_first": None, "reward_last": None, "max_staleness": None}
-    out.update(learning_stats(recs, read_jsonl(run / "evaluator" / "metrics.jsonl")))
+    evals = read_jsonl(run / "evaluator" / "metrics.jsonl")
+    out.update(learning_stats(recs, evals))
+    out["eval"] = eval_sets(evals)
+    try:
+        out["eval_best"] = json.loads((run / "evaluator" / "best.json").read_text())
+    except (OSError, ValueError):
+        out["eval_best"] = None
     if recs:
         rewards = [r["reward_mean"] for r in recs]
         k = max(1, min(window, len(recs) // 2 or 1))
@@ -94,11 +103,46 @@ def learning_stats(recs: list[dict], eval_recs: list[dict] | None = None) -> dic
             "mismatch_k3_mean": mean([r["mismatch_k3"] for r in measured if "mismatch_k3" in r]),
             "mismatch_versions": len(measured),
             "skipped_nonfinite_steps": int(sum(r.get("skipped_nonfinite_steps", 0) for r in recs)),
+            **intake_stats(recs),
             "eval_accuracy_first": evals[0] if evals else None,
             "eval_accuracy_last": evals[-1] if evals else None,
             "eval_accuracy_sampled_first": sampled[0] if sampled else None,
             "eval_accuracy_sampled_last": sampled[-1] if sampled else None,
             "eval_versions": [int(r["version"]) for r in (eval_recs or []) if "version" in r]}
+
+
+def eval_sets(evals: list[dict]) -> dict:
+    """{set: {metric: {first, last, best}}} over the evaluations (`eval/<set>/<metric>` values, in
+    the order written; best: the highest); runs from before named sets have their greedy and
+    sampled accuracy as the set `heldout` (greedy, avg)."""
+    series: dict[str, dict[str, list[float]]] = {}
+    for e in evals:
+        named = {k: v for k, v in e.items() if k.startswith("eval/") and k.count("/") == 2}
+        if not named:  # an older evaluator: eval/accuracy and eval/accuracy_sampled only
+            named = {f"eval/heldout/{m}": e[k] for k, m in (("eval/accuracy", "greedy"),
+                                                           ("eval/accuracy_sampled", "avg")) if k in e}
+        for k, v in named.items():
+            _, name, metric = k.split("/")
+            if metric in ("problems", "response_len_mean") or not isinstance(v, (int, float)):
+                continue
+            series.setdefault(name, {}).setdefault(metric, []).append(float(v))
+    return {name: {m: {"first": xs[0], "last": xs[-1], "best": max(xs)} for m, xs in ms.items()}
+            for name, ms in series.items()}
+
+
+def intake_stats(recs: list[dict]) -> dict:
+    """What the versions were made of: groups generated (trained or dropped for no signal by
+    dynamic sampling), kept (with a reward spread: in the loss), dropped, the versions that hit the
+    filter's cap, and the versions that made no optimizer step (every group without a signal)."""
+    def total(key: str, default=lambda r: 0.0) -> int:
+        return int(sum(r.get(key, default(r)) for r in recs))
+    return {"groups_generated": total("groups_generated",
+                                      lambda r: r.get("groups", 0) + r.get("groups_dropped_nosignal", 0)),
+            "groups_kept": total("groups_kept", lambda r: r.get("groups", 0) - r.get("groups_uniform", 0)),
+            "groups_dropped_nosignal": total("groups_dropped_nosignal"),
+            "nosignal_tokens": total("nosignal_tokens"),
+            "filter_cap_versions": total("filter_cap_reached"),
+            "versions_without_step": sum(1 for r in recs if r.get("no_signal_steps", 0) > 0)}
 
 
 def task_of(run: Path) -> str | None:
@@ -144,7 +188,8 @@ def table(s: dict) -> str:
     def f(v):
         return f"{v:.4g}" if isinstance(v, float) else str(v)
     keys = ["task", "iterations", "reward_first", "reward_last", "eval_accuracy_first", "eval_accuracy_last",
-            "eval_accuracy_sampled_first", "eval_accuracy_sampled_last", "eval_versions",
+            "eval_accuracy_sampled_first", "eval_accuracy_sampled_last", "eval_versions", "groups_generated",
+            "groups_kept", "versions_without_step", "filter_cap_versions",
             "throughput_tokens_per_s", "max_staleness", "staleness_histogram", "mismatch_mean_abs",
             "mismatch_max_abs", "skipped_nonfinite_steps", "repacks", "moved_trajectories", "repack_s_mean",
             "rollout_idle_fraction", "kv_usage_mean", "publish_stall_s_max", "duration_s"]
@@ -176,8 +221,14 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     ax1.grid(alpha=0.3)
     if evals:
         xs = [e["ts"] - t0 for e in evals]
-        axe.plot(xs, [e["eval/accuracy"] for e in evals], marker="o", label="greedy")
-        if any("eval/accuracy_sampled" in e for e in evals):
+        named = sorted({k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 2
+                        and k.rsplit("/", 1)[1] not in ("problems", "response_len_mean")})
+        for k in named:  # every eval set's metrics (named sets)
+            pts = [(x, e[k]) for x, e in zip(xs, evals, strict=True) if k in e]
+            axe.plot(*zip(*pts, strict=True), marker="o", label=k.split("/", 1)[1])
+        if not named:
+            axe.plot(xs, [e["eval/accuracy"] for e in evals], marker="o", label="greedy")
+        if not named and any("eval/accuracy_sampled" in e for e in evals):
             axe.plot([x for x, e in zip(xs, evals, strict=True) if "eval/accuracy_sampled" in e],
                      [e["eval/accuracy_sampled"] for e in evals if "eval/accuracy_sampled" in e], marker="o",
                      label="sampled")

@@ -286,6 +286,13 @@ class SampleGroups:
     committed: int | None = None
     lineage: int = -1
     forks: dict[str, int] = field(default_factory=dict)
+    # dynamic sampling: a complete group whose `filter_metric` ("reward" or "accuracy": reward >= 1)
+    # has a population std <= `filter_min_std` is dropped (never handed out, counted per prompt pool),
+    # at most `filter_max_drop` of them in this request; past that they are handed out as usual.
+    # "" (the default): no filter
+    filter_metric: str = ""
+    filter_min_std: float = 0.0
+    filter_max_drop: int = 0
 
 
 @event("data.samples")
@@ -293,6 +300,8 @@ class Samples:
     groups: list[list[Trajectory]]
     cursor: int                     # groups handed out so far (checkpointed by the trainer)
     dropped_stale: int = 0
+    dropped_nosignal: int = 0       # groups this request dropped for no spread (SampleGroups.filter_metric)
+    dropped_nosignal_tokens: int = 0  # their response tokens: the generation they cost
 
 
 @event("data.buffer_stats_request")

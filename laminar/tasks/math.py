@@ -189,3 +189,29 @@ of spec.max_tokens (DAPO: a 4096-token buffer of 20480)."""
 smollm2_math_reward = make_math_reward(tokenizer_dir="models/smollm2")
 """Like math_reward, for SmolLM2 (configs/smollm2-math.yaml): responses decoded with the tokenizer
 of `models/smollm2` (relative to the working directory, as the configs' model_dir)."""
+
+
+def make_math_answer(tokenizer_dir: str | None = None, require_boxed: bool = False) -> Callable:
+    """The final answer `(spec, response_tokens) -> str | None` the evaluator's maj@k votes on:
+    the \\boxed{} (or `Answer:` line) content, stripped; None when there is none."""
+    tokenizer: list = []
+
+    def answer(spec, response_tokens) -> str | None:
+        if tokenizer_dir is None:
+            text = decode_bytes(response_tokens)
+        else:
+            if not tokenizer:
+                from laminar.datasets import HFTokenizer
+                tokenizer.append(HFTokenizer(tokenizer_dir))
+            text = tokenizer[0].decode(response_tokens)
+        got = extract_answer(text, require_boxed)
+        return got.strip() if got is not None else None
+
+    return answer
+
+
+math_answer = make_math_answer()
+"""The answer math_reward grades (byte tokenizer of the tiny models)."""
+
+smollm2_math_answer = make_math_answer(tokenizer_dir="models/smollm2")
+"""The answer smollm2_math_reward grades (SmolLM2's tokenizer)."""

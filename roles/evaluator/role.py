@@ -11,13 +11,19 @@
            hold after `final_wait_s`, or a trainer silent for `trainer_silent_s` while the relay
            lacks the last version: the relay's newest is evaluated instead, and the role finishes.
 
-One evaluation answers every held-out problem greedily (temperature 0) and `samples` times at
-`temperature`, scores each answer with the task's reward (`reward`, the rollouts' function:
-1 = correct), and reports
+One evaluation answers every problem of every eval set (sets.py: named held-out files, or the one
+`heldout` set of `dataset`) greedily (temperature 0, when a metric needs it) and k times at the
+set's temperature, scores each answer with the task's reward (`reward`, the rollouts' function:
+1 = correct), and reports, per set, `eval/<set>/<metric>` (greedy, avg@k, pass@k, maj@k:
+scoring.py), and for the first set the keys it always reported:
 
     eval/accuracy           share of problems answered correctly, greedy
-    eval/accuracy_sampled   mean reward of the sampled answers (pass@1 at `temperature`)
+    eval/accuracy_sampled   share of the sampled answers that are correct (avg@k: pass@1 at the temperature)
     eval/response_len_mean  mean sampled answer length (tokens), eval/problems, eval/seconds
+
+With `best_metric`, the best version so far is kept (best.json, and its weights as a Hugging Face
+folder in best/); with `log_samples`, a few (prompt, answer, reward) rows of each set go to
+`<workdir>/samples.jsonl` (laminar/samples.py).
 
 as a Metrics event (role "evaluator", topic `metrics.evaluator`: the live view, `status` and the
 node's Prometheus exporter read it like the trainer's) and one line of
@@ -38,16 +44,30 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from laminar.roles.base import Role
+from laminar.roles.evaluator.scoring import ProblemResult, score
+from laminar.roles.evaluator.sets import BestKeeper, EvalSet, EvalSetConfig, legacy_keys, set_configs
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.datasets import chat_template_field, system_prompt_field
 from laminar.protocol import Heartbeat, Metrics
+from laminar.samples import SampleLog
 
 
 class EvaluatorConfig(BaseModel):
     """Settings of the evaluator: the held-out split, its reward, when and how to evaluate."""
     model_config = ConfigDict(extra="forbid")
-    dataset: str = Field(description="held-out JSONL/Parquet file (prompt, answer; never given to the prompt pool)")
+    dataset: str | None = Field(None, description="held-out JSONL/Parquet file (prompt, answer; never given to the "
+                                "prompt pool): the one set `heldout` when `sets` is empty")
+    sets: dict[str, EvalSetConfig] = Field(default_factory=dict, description="named eval sets (roles/evaluator/"
+                                           "sets.py), each with its file, k samples, temperature and metrics; "
+                                           "empty: the one set of dataset/samples/temperature")
+    best_metric: str | None = Field(None, description="'<set>/<metric>' (e.g. heldout/greedy): the version scoring "
+                                    "highest is kept in <workdir>/evaluator/best.json and exported to .../best/; "
+                                    "None: none")
+    answer: str | None = Field(None, description="maj@k's answer extractor 'module:fn' (spec, tokens) -> str | None "
+                               "(e.g. laminar.tasks.math:math_answer); None: identical responses vote together")
+    log_samples: int = Field(8, ge=0, description="rows of each set written to <workdir>/samples.jsonl at each "
+                             "evaluation (laminar/samples.py); 0: none")
     prompt_field: str = Field("prompt", description="record field with the prompt text")
     answer_field: str = Field("answer", description="record field with the reference answer")
     id_field: str | None = Field("id", description="record field with the problem id")
@@ -60,8 +80,8 @@ class EvaluatorConfig(BaseModel):
     eval_every: int = Field(5, ge=1, description="evaluate every this many versions (and version 0, and the last)")
     last_version: int | None = Field(None, ge=1, description="the run's last version: evaluated, then the role "
                                      "finishes (default: the trainer's max_iterations; None there: run until stopped)")
-    samples: int = Field(4, ge=0, description="sampled answers per problem (0: greedy only)")
-    temperature: float = Field(1.0, gt=0, description="temperature of the sampled answers")
+    samples: int = Field(4, ge=0, description="sampled answers per problem (0: greedy only; the `heldout` set)")
+    temperature: float = Field(1.0, gt=0, description="temperature of the sampled answers (the `heldout` set)")
     max_tokens: int = Field(256, ge=1, description="answer token budget (the prompt pool's max_tokens)")
     seed: int = Field(0, description="sampling seed (per answer: hash of seed, version, problem, sample)")
     model_dir: str = Field("models/tiny", description="initial weights (version 0)")
@@ -152,11 +172,17 @@ class EvaluatorRole(Role):
         from laminar.tasks import load_callable
         c, cfg = self.cfg, self.ctx.config
         self.reward = load_callable(c.reward)
-        records, _ = await asyncio.to_thread(load_records, c.dataset, c.prompt_field, c.answer_field, c.id_field)
-        self.problems = tokenize_records(records[:c.limit] if c.limit else records,
-                                         prompt_encoder(c.tokenizer_dir, c.chat_template, c.system_prompt))
-        if not self.problems:
-            raise ValueError(f"{c.dataset}: no held-out records")
+        encoder = prompt_encoder(c.tokenizer_dir, c.chat_template, c.system_prompt)
+        self.sets: list[EvalSet] = []
+        for name, s in set_configs(c).items():
+            records, _ = await asyncio.to_thread(load_records, s.dataset, s.prompt_field, s.answer_field, s.id_field)
+            problems = tokenize_records(records[:s.limit] if s.limit else records, encoder)
+            if not problems:
+                raise ValueError(f"{s.dataset}: no held-out records (evaluator set {name!r})")
+            answer = s.answer or c.answer
+            self.sets.append(EvalSet(name, s, problems, load_callable(s.reward) if s.reward else self.reward,
+                                     load_callable(answer) if answer else None))
+        self.problems = self.sets[0].problems
         self.last_version = c.last_version
         self.weights_dir = c.weights_dir
         if cfg is not None:
@@ -168,6 +194,8 @@ class EvaluatorRole(Role):
         else:
             self.out = Path(self.ctx.settings.get("out_dir", "evaluator"))
         self.out.mkdir(parents=True, exist_ok=True)
+        self.best = BestKeeper(self.out, c.best_metric)
+        self.sample_log = SampleLog(self.out.parent / "samples.jsonl", c.tokenizer_dir) if c.log_samples else None
         # heard from now on, before the engine starts: a trainer that reaches its last version while
         # the first evaluation runs is not missed (a subscription made later can miss its events)
         self.trainer_sub = self.ctx.transport.subscriber(["metrics.trainer", "hb.trainer."])
@@ -280,45 +308,88 @@ class EvaluatorRole(Role):
             tokens = list(out.outputs[0].token_ids)
         return tokens
 
+    async def _answer_set(self, es: EvalSet, v: int) -> tuple[dict[str, float], list[ProblemResult], list]:
+        """Every problem of one set: greedy (when a metric needs it) and k sampled answers, scored."""
+        c, k = self.cfg, es.cfg.k
+        jobs, kinds = [], []
+        legacy = es.name == "heldout" and not c.sets  # the seeds the single held-out split always had
+        for i, p in enumerate(es.problems):
+            if es.greedy:
+                jobs.append(self._answer(f"eval-v{v}-{es.name}-{i}-g", p.prompt_tokens, 0.0, None))
+                kinds.append((i, -1))
+            for s in range(k):
+                key = f"{c.seed}:{v}:{p.prompt_id}:{s}" if legacy else f"{c.seed}:{es.name}:{v}:{p.prompt_id}:{s}"
+                jobs.append(self._answer(f"eval-v{v}-{es.name}-{i}-s{s}", p.prompt_tokens, es.cfg.temperature,
+                                         zlib.crc32(key.encode())))
+                kinds.append((i, s))
+        answers = await asyncio.gather(*jobs)
+        results = [ProblemResult() for _ in es.problems]
+        rows, lens = [], []
+        for (i, s), toks in zip(kinds, answers, strict=True):
+            p = es.problems[i]
+            spec = SimpleNamespace(prompt_id=p.prompt_id, answer=p.answer, max_tokens=c.max_tokens,
+                                   prompt_tokens=p.prompt_tokens)
+            r = float(es.reward(spec, toks))
+            if s < 0:
+                results[i].greedy = r >= 1.0
+                continue
+            results[i].correct.append(r >= 1.0)
+            results[i].answers.append(es.answer(spec, toks) if es.answer is not None else tuple(toks))
+            lens.append(len(toks))
+            if s == 0:
+                rows.append({"prompt_tokens": p.prompt_tokens, "response_tokens": toks, "reward": r,
+                             "prompt_id": p.prompt_id})
+        values = {f"eval/{es.name}/{m}": x for m, x in score(results, es.cfg.metrics).items()}
+        values[f"eval/{es.name}/problems"] = float(len(es.problems))
+        if lens:
+            values[f"eval/{es.name}/response_len_mean"] = sum(lens) / len(lens)
+        return values, results, rows
+
     async def evaluate(self) -> dict:
-        """Answer the held-out split with the weights held now; publish and record the result."""
+        """Answer every eval set with the weights held now; publish and record the result."""
         c, v = self.cfg, self.version
         self.state = "evaluating"
         t0 = time.monotonic()
-        jobs, kinds = [], []
-        for i, p in enumerate(self.problems):
-            jobs.append(self._answer(f"eval-v{v}-{i}-g", p.prompt_tokens, 0.0, None))
-            kinds.append((i, "greedy"))
-            for s in range(c.samples):
-                seed = zlib.crc32(f"{c.seed}:{v}:{p.prompt_id}:{s}".encode())
-                jobs.append(self._answer(f"eval-v{v}-{i}-s{s}", p.prompt_tokens, c.temperature, seed))
-                kinds.append((i, "sampled"))
-        answers = await asyncio.gather(*jobs)
-        greedy, sampled, lens = [], [], []
-        for (i, kind), toks in zip(kinds, answers, strict=True):
-            p = self.problems[i]
-            spec = SimpleNamespace(prompt_id=p.prompt_id, answer=p.answer, max_tokens=c.max_tokens,
-                                   prompt_tokens=p.prompt_tokens)
-            r = float(self.reward(spec, toks))
-            (greedy if kind == "greedy" else sampled).append(r)
-            if kind == "sampled":
-                lens.append(len(toks))
-        values = {"version": float(v), "eval/accuracy": accuracy(greedy), "eval/problems": float(len(greedy)),
-                  "eval/seconds": time.monotonic() - t0}
-        if sampled:
-            values["eval/accuracy_sampled"] = accuracy(sampled)
-            values["eval/response_len_mean"] = sum(lens) / len(lens)
+        values = {"version": float(v)}
+        for es in self.sets:
+            got, _, rows = await self._answer_set(es, v)
+            values.update(got)
+            if self.sample_log is not None and rows:
+                await asyncio.to_thread(self.sample_log.write, f"eval/{es.name}", v, rows[:c.log_samples])
+        first = self.sets[0]
+        values.update(legacy_keys(first.name, values, first.cfg.metrics))
+        values["eval/problems"] = float(len(first.problems))
+        if f"eval/{first.name}/response_len_mean" in values:
+            values["eval/response_len_mean"] = values[f"eval/{first.name}/response_len_mean"]
+        values["eval/seconds"] = time.monotonic() - t0
         self.evaluated.append(v)
         self.last = values
+        if self.best.better(values):
+            await self._keep_best(v, values)
         ts = time.time()
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps({**values, "lineage": self.lineage, "ts": ts}) + "\n")
         self.pub.publish("metrics.evaluator", Metrics(role="evaluator", id=self.ctx.id, ts=ts, values=values))
-        self.log.info("evaluated", version=v, accuracy=round(values["eval/accuracy"], 4),
+        self.log.info("evaluated", version=v, accuracy=round(values.get("eval/accuracy", float("nan")), 4),
                       accuracy_sampled=round(values.get("eval/accuracy_sampled", float("nan")), 4),
-                      seconds=round(values["eval/seconds"], 2))
+                      seconds=round(values["eval/seconds"], 2),
+                      **{k.split("/", 1)[1]: round(x, 4) for k, x in values.items() if k.count("/") == 2})
         self.state = "waiting"
         return values
+
+    async def _keep_best(self, v: int, values: dict) -> None:
+        """A new best version: its weights (the relay's copy; version 0: model_dir's) to best/."""
+        from laminar.export import export
+        c = self.cfg
+        src = self.weights_dir if (v > 0 and self.weights_dir) else None
+        do = (lambda out: export(src, out, c.model_dir, version=v)) if src else None
+        try:
+            best = await asyncio.to_thread(self.best.record, v, self.lineage, values, do)
+        except Exception as exc:  # noqa: BLE001 - the relay dropped that version meanwhile: say so, keep going
+            self.log.warning("eval_best_not_exported", version=v, error=repr(exc))
+            best = await asyncio.to_thread(self.best.record, v, self.lineage, values, None)
+        self.log.info("eval_best", version=v, metric=c.best_metric, value=round(best["value"], 4),
+                      export=best["export"])
 
     async def stop(self) -> None:
         self.stopping.set()

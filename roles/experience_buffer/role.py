@@ -14,6 +14,10 @@ ids go into the `requeue` table in the same transaction, and a loop sends them t
 that made them (RequeueGroups) and deletes them once it acknowledged: the prompt runs again on the
 current weights, and a buffer restarted meanwhile sends what is left. GroupPresence does not report
 such a group as settled here, so the manager accounts the new attempt like any other.
+
+Dynamic sampling: a SampleGroups that names a filter metric gets only groups whose metric spreads
+(state.py); the others are dropped as `no_signal`, durably, and counted per prompt pool in the
+published counts, from which the prompt pool's gate learns to hand out replacements.
 """
 from __future__ import annotations
 
@@ -196,12 +200,16 @@ class ExperienceBufferRole(PoolRole):
                 return Samples(groups=groups, cursor=after)
         elif req.cursor is not None and req.cursor > b.cursor:
             self.log.warning("trainer_cursor_ahead", trainer_cursor=req.cursor, buffer_cursor=b.cursor)
-        groups, dropped, ch = b.sample(req.num_groups, req.trainer_version, lease=req.committed is not None)
+        groups, dropped, ch = b.sample(req.num_groups, req.trainer_version, lease=req.committed is not None,
+                                       metric=req.filter_metric, min_std=req.filter_min_std,
+                                       max_drop=req.filter_max_drop)
         ch.released_below = released.released_below
         ch.lineage_changed = released.lineage_changed
         self._queue(ch)
         await self.durable(self._statements(ch))
-        return Samples(groups=groups, cursor=b.cursor, dropped_stale=dropped)
+        nosignal, tokens = b.last_nosignal
+        return Samples(groups=groups, cursor=b.cursor, dropped_stale=dropped, dropped_nosignal=nosignal,
+                       dropped_nosignal_tokens=tokens)
 
     def _drop_leased_off_lineage(self, group: list, ch: Change, trainer_version: int | None = None) -> bool:
         """A leased group generated off the trainer's lineage (handed out before a trainer restart

@@ -31,6 +31,12 @@
   started from, or a version of the trainer's own lineage newer than the trainer's version at the
   sample (it has not published it; a put cannot check this one, the trainer may have published
   a version the buffer has not heard of yet).
+- Dynamic sampling: a request may name a filter (`metric` reward or accuracy, `min_std`, `max_drop`):
+  a picked group whose metric has a population std <= min_std carries no GRPO signal; it is
+  removed as `no_signal` (counted in total and per prompt pool, `dropped_nosignal[/pool]`, never
+  handed out) and the sampler picks again, at most `max_drop` such drops per request (the trainer's
+  per-version cap: past it, such groups are handed out like any other). The prompt pool's gate
+  counts these drops as groups that will never be trained, so it hands out replacements.
 - Staleness of each handed-out sample (trainer_version - its version) goes into a histogram; only
   on-lineage samples remain by then, so it is never negative.
 - Removed group ids (`gone`: handed, stale, evicted) refuse late duplicates. Only the newest
@@ -50,6 +56,26 @@ from laminar.protocol.data import pool_of_group
 from laminar.weights.manifest import off_lineage
 
 OFF_LINEAGE = "off_lineage"
+NO_SIGNAL = "no_signal"
+
+
+def group_metric(group, metric: str) -> list[float]:
+    """The per-sample values whose spread dynamic sampling measures: `reward`, or `accuracy`
+    (1 when the reward is >= 1, as the evaluator counts a correct answer)."""
+    if metric == "reward":
+        return [float(t.reward) for t in group]
+    if metric == "accuracy":
+        return [1.0 if t.reward >= 1.0 else 0.0 for t in group]
+    raise ValueError(f"filter metric must be reward or accuracy, got {metric!r}")
+
+
+def has_signal(group, metric: str, min_std: float = 0.0) -> bool:
+    """Whether the group's metric spreads: population std > min_std (a group of one never does)."""
+    v = group_metric(group, metric)
+    if len(v) < 2:
+        return False
+    mean = sum(v) / len(v)
+    return (sum((x - mean) ** 2 for x in v) / len(v)) ** 0.5 > min_std
 
 
 @dataclass
@@ -209,8 +235,10 @@ class BufferBook:
                 ch.requeue.append(g.group_id)
 
     def sample(self, k: int, trainer_version: int, lease: bool = False, lineage: int = -1,
-               forks: dict | None = None) -> tuple[list[list[Trajectory]], int, Change]:
+               forks: dict | None = None, metric: str = "", min_std: float = 0.0,
+               max_drop: int = 0) -> tuple[list[list[Trajectory]], int, Change]:
         ch = Change()
+        self.last_nosignal = (0, 0)  # (groups, response tokens) this call dropped for no spread
         dropped = 0
         self.set_lineage(lineage, forks or {}, ch)
         self.drop_off_lineage(ch, trainer_version)
@@ -226,6 +254,8 @@ class BufferBook:
         self.counts["dropped_stale"] += dropped
         ready = [g for g in self.groups.values() if g.complete]
         picked = self.sampler.pick(ready, k)
+        if metric:
+            picked = self._filter(ready, picked, k, metric, min_std, max_drop, ch)
         out = []
         for g in picked:
             self._remove(g.group_id, "handed", ch)
@@ -239,6 +269,27 @@ class BufferBook:
             self.cursor += 1
         self.forget_old(ch)  # after the leases above are taken
         return out, dropped, ch
+
+    def _filter(self, ready: list, picked: list, k: int, metric: str, min_std: float, max_drop: int,
+                ch: Change) -> list:
+        """Dynamic sampling: drop picked groups without a spread (at most max_drop), pick again."""
+        kept, dropped, tokens = [], 0, 0
+        while picked:
+            for g in picked:
+                members = list(g.members.values())
+                if dropped < max_drop and not has_signal(members, metric, min_std):
+                    self._remove(g.group_id, NO_SIGNAL, ch)
+                    self.counts["dropped_nosignal"] += 1
+                    self.counts[f"dropped_nosignal/{pool_of_group(g.group_id)}"] += 1
+                    dropped += 1
+                    tokens += sum(len(t.response_tokens) for t in members)
+                else:
+                    kept.append(g)
+            seen = {g.group_id for g in kept}
+            rest = [g for g in ready if g.group_id in self.groups and g.group_id not in seen]
+            picked = self.sampler.pick(rest, k - len(kept)) if len(kept) < k else []
+        self.last_nosignal = (dropped, tokens)
+        return kept
 
     def stats(self) -> dict[str, int]:
         complete = sum(1 for g in self.groups.values() if g.complete)

@@ -49,12 +49,13 @@ from laminar.protocol.data import group_id_prefix
 
 
 def untrained_groups(counts: dict, pool_id: str) -> int:
-    """Groups of prompt pool `pool_id` an experience buffer dropped too stale (complete or not),
-    from its published counts: its per-pool count, or, from a buffer without them (one pool then),
-    its totals."""
+    """Groups of prompt pool `pool_id` an experience buffer removed untrained, from its published
+    counts: dropped too stale (complete or not; its per-pool count, or, from a buffer without them
+    (one pool then), its totals) and dropped for no signal by dynamic sampling (per pool)."""
+    nosignal = int(counts.get(f"dropped_nosignal/{pool_id}", 0))
     if any(k.startswith("dropped_stale/") for k in counts):
-        return int(counts.get(f"dropped_stale/{pool_id}", 0))
-    return int(counts.get("dropped_stale", 0)) + int(counts.get("dropped_stale_incomplete", 0))
+        return int(counts.get(f"dropped_stale/{pool_id}", 0)) + nosignal
+    return int(counts.get("dropped_stale", 0)) + int(counts.get("dropped_stale_incomplete", 0)) + nosignal
 
 
 class PromptPoolConfig(BaseModel):

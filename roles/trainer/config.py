@@ -4,6 +4,18 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class FilterGroups(BaseModel):
+    """Dynamic sampling: which groups count toward a global batch (docs/learning.md)."""
+    model_config = ConfigDict(extra="forbid")
+    metric: str = Field("reward", pattern="^(reward|accuracy)$", description="the per-sample value whose spread "
+                        "makes a group informative: reward, or accuracy (1 when the reward is >= 1)")
+    min_std: float = Field(0.0, ge=0, description="a group is kept when the population std of its metric is above "
+                           "this (0: any spread)")
+    max_dropped: int | None = Field(None, ge=0, description="most groups one version may drop for no signal before "
+                                    "it trains on what the buffer hands out next, informative or not (logged as "
+                                    "filter_cap_reached); None: 3 x groups_per_batch")
+
+
 class TrainerConfig(BaseModel):
     """Settings of the trainer: model, engine, algorithm, batch, optimizer, checkpoints."""
     model_config = ConfigDict(extra="forbid")
@@ -52,6 +64,11 @@ class TrainerConfig(BaseModel):
                                       "dilute the token mean); a batch of only such groups makes no optimizer step "
                                       "(Adam's momentum would move the weights on a zero gradient). Counted in the "
                                       "version's groups_uniform and no_signal_steps")
+    filter_groups: FilterGroups | None = Field(None, description="dynamic sampling: a group whose metric has no "
+                                               "spread never counts toward a global batch; the experience buffer "
+                                               "drops it and the trainer waits for informative ones (the prompt "
+                                               "pool hands out replacements), up to max_dropped a version; None: "
+                                               "off")
     old_logprobs: str = Field("behaviour", pattern="^(behaviour|recompute)$",
                               description="old policy of the ratio: the rollout's behaviour logprobs or recomputed "
                                           "by the trainer")
@@ -114,6 +131,10 @@ class TrainerConfig(BaseModel):
                             "placed and no address is given)")
     publish_transport: str = Field("tcp", description="chunk transport: tcp, ucx, or module:Class")
     publish_transport_options: dict = Field(default_factory=dict, description="keyword arguments of the transport")
+    log_samples_every: int = Field(10, ge=0, description="every this many versions, write log_samples rows of the "
+                                   "trained batch (prompt, response, reward, version, staleness) to "
+                                   "<workdir>/samples.jsonl (laminar/samples.py); 0: never")
+    log_samples: int = Field(4, ge=1, description="rows a version writes when it logs samples")
     tensorboard: bool = Field(True, description="also write TensorBoard curves when tensorboardX is installed")
     world_size: int = Field(1, ge=1, description="ranks of this trainer (FSDP2); each rank is its own trainer role")
     rank: int | None = Field(None, ge=0, description="this process's rank (default: the role id, which must then be "

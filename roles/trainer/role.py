@@ -7,7 +7,9 @@
            newest checkpoint's (`committed`): the buffer keeps what it handed us since that
            checkpoint and, after a resume, hands it again in the same order
     loop:  SampleGroups until groups_per_batch whole groups are held (a short buffer is asked
-           again after sample_wait_s) -> `step_started` -> minibatch_steps optimizer steps (in a
+           again after sample_wait_s; with filter_groups, dynamic sampling: the buffer drops groups
+           without a spread, up to max_dropped a version, and the version's metrics count them)
+           -> `step_started` -> minibatch_steps optimizer steps (in a
            worker thread, so the loop keeps heartbeating) -> version += 1 -> publish (only the
            copy into staging is waited for: `published` logs that stall) -> metrics -> every
            checkpoint_every versions an atomic checkpoint -> next iteration at once. With export_dir,
@@ -31,6 +33,7 @@ from laminar.roles.trainer.metrics import MetricsLog, batch_stats, trained_weigh
 from laminar.roles.trainer.publishing import PublishLink
 
 from laminar.protocol import BufferStatsRequest, Metrics, SampleGroups, Samples
+from laminar.samples import SampleLog, trained_rows
 from laminar.threads import work_thread
 
 
@@ -236,13 +239,20 @@ class TrainerRole(Role):
 
     async def _collect(self):
         need, groups, warned = self.cfg.groups_per_batch, [], 0.0
+        f = self.cfg.filter_groups
+        cap = (f.max_dropped if f.max_dropped is not None else 3 * need) if f is not None else 0
+        self.intake = {"groups_dropped_nosignal": 0, "nosignal_tokens": 0, "filter_cap_reached": 0}
         while len(groups) < need:
             if self.stopping.is_set():
                 return None
+            left = cap - self.intake["groups_dropped_nosignal"]
             try:
                 s = await self.buffer.call(SampleGroups(need - len(groups), self.version, cursor=self.cursor,
                                                         committed=self.committed, lineage=getattr(self, "lineage", -1),
-                                                        forks=getattr(self, "forks", {})), timeout=30.0)
+                                                        forks=getattr(self, "forks", {}),
+                                                        filter_metric=f.metric if f is not None and left > 0 else "",
+                                                        filter_min_std=f.min_std if f is not None else 0.0,
+                                                        filter_max_drop=max(left, 0)), timeout=30.0)
             except RpcError as exc:
                 if time.monotonic() - warned > 10:
                     self.log.warning("buffer_unavailable", error=str(exc))
@@ -251,6 +261,13 @@ class TrainerRole(Role):
                 continue
             groups += s.groups
             self.cursor = s.cursor
+            self.intake["groups_dropped_nosignal"] += s.dropped_nosignal
+            self.intake["nosignal_tokens"] += s.dropped_nosignal_tokens
+            if f is not None and s.dropped_nosignal and self.intake["groups_dropped_nosignal"] >= cap:
+                self.intake["filter_cap_reached"] = 1
+                self.log.warning("filter_cap_reached", version=self.version + 1, dropped=cap, kept=len(groups),
+                                 why="this version dropped max_dropped groups for no signal: it trains on what "
+                                     "the buffer hands out next, informative or not")
             if len(groups) < need:
                 await asyncio.sleep(self.cfg.sample_wait_s)
         return groups
@@ -275,11 +292,20 @@ class TrainerRole(Role):
         train_s = time.perf_counter() - t0
         self.version += 1
         stall = await self._publish() if self.link is not None else 0.0
-        values = {**stats, **train, "train_s": train_s, "tokens_per_s": train["tokens"] / max(train_s, 1e-9),
+        intake = getattr(self, "intake", {})
+        dropped = intake.get("groups_dropped_nosignal", 0)
+        values = {**stats, **train, **{k: float(v) for k, v in intake.items()},
+                  "groups_generated": float(len(groups) + dropped),
+                  "groups_kept": float(len(groups) - train.get("groups_uniform", 0.0)),
+                  "train_s": train_s, "tokens_per_s": train["tokens"] / max(train_s, 1e-9),
                   "publish_stall_s": stall, "version": float(self.version), "cursor": float(self.cursor)}
         self.metrics.append({**values, "ts": time.time(), "group_ids": [g[0].spec.group_id for g in groups],
                              "weights": trained_weights(groups)})
         self.pub.publish("metrics.trainer", Metrics(role="trainer", id=self.ctx.id, ts=time.time(), values=values))
+        every = self.cfg.log_samples_every
+        if every and self.version % every == 0 and self.cfg.engine != "sim":
+            rows = trained_rows(groups, self.version - 1, self.cfg.log_samples)
+            await asyncio.to_thread(self._sample_log().write, "trainer", self.version, rows)
         self.event("iteration", version=self.version, reward_mean=round(stats["reward_mean"], 4),
                    loss=round(train.get("loss", 0.0), 6), tokens_per_s=round(values["tokens_per_s"], 1),
                    publish_stall_s=round(stall, 6))
@@ -290,6 +316,11 @@ class TrainerRole(Role):
         if self._exports_now(self.version):
             path = await in_thread(self._export, "trainer-export")
             self.event("exported", version=self.version, path=str(path))
+
+    def _sample_log(self) -> SampleLog:
+        if getattr(self, "sample_log", None) is None:
+            self.sample_log = SampleLog(self.dir.parent / "samples.jsonl", self.cfg.model_dir)
+        return self.sample_log
 
     def _exports_now(self, version: int) -> bool:
         """Whether `version` is the run's final one and goes to `export_dir` (a collective on every rank)."""

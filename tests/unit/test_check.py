@@ -201,3 +201,14 @@ def test_the_three_recipes_pass_the_memory_plan_at_80_gib():
         assert problems == [], (name, problems)
     _, problems = run_checks(str(root / "gpu-7b.yaml"), gpu_memory_gib=80.0)
     assert not any("GiB" in p for p in problems), problems
+
+
+def test_each_named_eval_set_dataset_is_checked(tmp_path):
+    c = config(tmp_path)
+    c["cluster"]["hosts"]["h0"]["roles"].append({"role": "evaluator"})
+    c["roles"]["evaluator"] = {"model_dir": str(tmp_path / "model"), "sets": {
+        "ok": {"dataset": str(dataset(tmp_path / "heldout.jsonl")), "id_field": None, "k": 2, "metrics": ["pass@2"]},
+        "bad": {"dataset": str(tmp_path / "nope.jsonl"), "k": 2, "metrics": ["maj@2"]}}}
+    _, problems = run_checks(write(tmp_path, c))
+    assert problems == [f"{tmp_path / 'c.yaml'}: roles.evaluator.sets.bad.dataset: {tmp_path / 'nope.jsonl'}: "
+                        "dataset file not found"], problems
