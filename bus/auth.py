@@ -45,10 +45,11 @@ KEY_NAME = "cluster"
 WEIGHTS_KEY = "weights"  # weights.key / weights.key_secret: the trainer's Ed25519 signing key
 CLIENTS = "clients"
 # who may do what: see docs/security.md (the table there is this code in words)
-SCOPES = ("operator", "node", "trainer", "manager", "relay", "rollout", "env", "pool", "broker", "evaluator")
+SCOPES = ("operator", "node", "trainer", "manager", "relay", "rollout", "env", "pool", "broker", "evaluator",
+          "reward")
 ROLE_SCOPE = {"trainer": "trainer", "manager": "manager", "relay": "relay", "rollout": "rollout", "env": "env",
               "prompt_pool": "pool", "partial_pool": "pool", "experience_buffer": "pool", "broker": "broker",
-              "evaluator": "evaluator"}
+              "evaluator": "evaluator", "reward": "reward"}
 ALL = "cluster"  # the identity of the single cluster key (one-key mode): may do everything
 
 
@@ -380,7 +381,8 @@ REQUESTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "data.complete_partial": (("partial_pool",), frozenset({"rollout", "manager"})),  # named key: its own
     "data.group_presence": (("partial_pool", "experience_buffer"), frozenset({"manager"})),
     # experience buffer
-    "data.put_trajectory": (("experience_buffer",), frozenset({"rollout"})),  # named key: its own
+    "data.put_trajectory": (("experience_buffer",), frozenset({"rollout", "pool"})),  # named key: its own;
+    #                                                         pool: the partial pool hands on model-scored ones
     "data.sample_groups": (("experience_buffer",), frozenset({"trainer"})),
     "data.buffer_stats_request": (("experience_buffer",), frozenset({"trainer"})),
     # rollouts: only the manager moves work
@@ -394,6 +396,10 @@ REQUESTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     # environments
     "env.reset": (("env",), frozenset({"rollout"})), "env.step": (("env",), frozenset({"rollout"})),
     "env.close": (("env",), frozenset({"rollout"})),
+    # model-scored rewards (docs/rewards.md)
+    "reward.await": (("partial_pool",), frozenset({"rollout"})),       # named key: its own trajectories
+    "reward.lease": (("partial_pool",), frozenset({"reward"})),
+    "reward.submit": (("partial_pool",), frozenset({"reward"})),
 }
 REQUEST_SCOPES = {kind: scopes for kind, (_, scopes) in REQUESTS.items()}
 

@@ -15,6 +15,7 @@ REGISTRY: dict[str, str] = {
     "trainer": "laminar.roles.trainer.role:TrainerRole",
     "env": "laminar.roles.env.role:EnvRole",
     "evaluator": "laminar.roles.evaluator.role:EvaluatorRole",
+    "reward": "laminar.roles.reward.role:RewardRole",
 }
 
 

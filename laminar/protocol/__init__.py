@@ -13,12 +13,14 @@ areas add their own files here) but this package is the only place kinds are def
 from laminar.protocol import core as _core
 from laminar.protocol import data as _data
 from laminar.protocol import env as _env
+from laminar.protocol import reward as _reward
 from laminar.protocol import rollout as _rollout
 from laminar.protocol import weights as _weights
 from laminar.protocol.core import *  # noqa: F401,F403  (re-export every kind)
 from laminar.protocol.data import *  # noqa: F401,F403
 from laminar.protocol.env import *  # noqa: F401,F403
 from laminar.protocol.registry import PROTOCOL_VERSION, event, kind_of, lookup, registered_kinds
+from laminar.protocol.reward import *  # noqa: F401,F403
 from laminar.protocol.rollout import *  # noqa: F401,F403
 from laminar.protocol.weights import *  # noqa: F401,F403
 
@@ -33,4 +35,5 @@ __all__ = [
     *_rollout.__all__,
     *_weights.__all__,
     *_env.__all__,
+    *_reward.__all__,
 ]

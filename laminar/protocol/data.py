@@ -258,6 +258,8 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)  # phase -> epoch seconds (`*_s`: durations)
     obs_spans: np.ndarray | None = None  # int32 [n, 2]: environment replies (multi-turn); None = none
     lineage: int = 0                # lineage epoch of the weights `version` names (with version: which weights)
+    reward_components: dict[str, float] = field(default_factory=dict)  # name -> raw score ("fn:<module:fn>",
+    #                                 a scorer's name); `reward` is their weighted sum (docs/rewards.md)
 
 
 @event("data.put_trajectory")

@@ -21,9 +21,14 @@ them at start (ALTER TABLE ADD COLUMN, which leaves the old rows NULL = all toke
 """
 from __future__ import annotations
 
+import asyncio
+import json
+
 import numpy as np
 from laminar.bus.auth import owned_by_other
+from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError, current_peer
+from laminar.roles.partial_pool.awaiting import AwaitingBook
 from laminar.roles.partial_pool.state import Delta, Outcome, PartialBook
 from laminar.roles.pool_base import PoolRole, now
 from laminar.roles.sqlite_store import Many, pack, unpack
@@ -33,15 +38,21 @@ from laminar.protocol import (
     Ack,
     AppendDeltaBatch,
     AppendDeltas,
+    AwaitReward,
     CompletePartial,
     DeltaResult,
     GetPartial,
     GroupPresence,
     GroupPresenceReply,
     InFlightOf,
+    LeaseRewards,
     PartialList,
     PartialState,
+    PutTrajectory,
     ReassignPartial,
+    RewardWork,
+    ScoreResult,
+    SubmitScores,
     TokenDelta,
 )
 from laminar.protocol.data import attempt_of
@@ -60,6 +71,10 @@ class PartialPoolConfig(BaseModel):
                            "partial is up to five arrays, one bus frame each: 8192 stays well below the frame limit)")
     page_bytes: int = Field(8 << 20, ge=1 << 16, le=12 << 20, description="token bytes one InFlightOf reply carries "
                             "at most (below the bus's 16 MiB body limit; a page holds at least one partial)")
+    experience_buffer: str = Field("0", description="id of the experience buffer that scored trajectories (those "
+                                   "that awaited a model's reward here) are handed to")
+    forward_retry_s: float = Field(0.2, gt=0, description="first wait before offering a scored trajectory to a "
+                                   "buffer that refused it (full) or is down again; doubles up to 5 s")
 
 
 SCHEMA = """
@@ -69,6 +84,7 @@ CREATE TABLE IF NOT EXISTS deltas (tid TEXT, seq INTEGER, owner TEXT, version IN
 CREATE TABLE IF NOT EXISTS owners (tid TEXT PRIMARY KEY, owner TEXT, epoch INTEGER DEFAULT 0);
 CREATE TABLE IF NOT EXISTS completed (tid TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY, owner TEXT, blob BLOB);
+CREATE TABLE IF NOT EXISTS awaiting (tid TEXT PRIMARY KEY, blob BLOB, pending TEXT, scores TEXT);
 """
 
 
@@ -78,7 +94,7 @@ class PartialPoolRole(PoolRole):
     Config = PartialPoolConfig
     SCHEMA = SCHEMA
 
-    SCHEMA_VERSION = 5  # v4: chunks (a new table); v5: deltas.lineage
+    SCHEMA_VERSION = 6  # v4: chunks (a new table); v5: deltas.lineage; v6: awaiting (a new table)
     MIGRATIONS = {1: lambda c: _add_multiturn_columns(c), 2: lambda c: _add_owner_epochs(c),
                   4: lambda c: _add_delta_lineage(c)}
 
@@ -118,6 +134,19 @@ class PartialPoolRole(PoolRole):
             if tid in st.entries:
                 st.entries[tid].owner, st.entries[tid].epoch = owner, epoch or 0
         self.state = st
+        self.awaiting = self._recover_awaiting()
+
+    def _recover_awaiting(self) -> AwaitingBook:
+        book = AwaitingBook(self.cfg.remember_completed)
+        for tid, blob, pending, scores in self.store.read("SELECT tid, blob, pending, scores FROM awaiting "
+                                                          "ORDER BY rowid"):
+            try:
+                book.add(unpack(blob), json.loads(pending), {s: tuple(x) for s, x in json.loads(scores).items()})
+            except Exception as exc:  # a damaged record: set aside (its prompt is requeued as lost)
+                self.quarantine("awaiting", tid, blob, f"{type(exc).__name__}: {exc}",
+                                [("DELETE FROM awaiting WHERE tid = ?", (tid,))])
+        book.counts.clear()
+        return book
 
     def _replay_chunks(self, st: PartialBook) -> None:
         held, st.max_held = st.max_held, 1 << 30  # the two tables interleave: nothing may be refused for a gap
@@ -150,6 +179,9 @@ class PartialPoolRole(PoolRole):
         self.route(ReassignPartial, self.on_reassign)
         self.route(CompletePartial, self.on_complete)
         self.route(GroupPresence, self.on_presence, changes=False)
+        self.route(AwaitReward, self.on_await_reward)
+        self.route(LeaseRewards, self.on_lease_rewards, changes=False)  # leases live in memory only
+        self.route(SubmitScores, self.on_submit_scores)
 
     async def on_append(self, req: AppendDeltas) -> DeltaResult:
         out: Outcome = self.state.apply(req.rollout_id, list(req.deltas))
@@ -252,6 +284,9 @@ class PartialPoolRole(PoolRole):
             if current is not None and attempt_of(e.spec.trajectory_id) != current:
                 continue
             present.setdefault(g, []).append(i)
+        for aw in self.awaiting.items.values():  # finished, awaiting a model's score: safe here too
+            if aw.traj.spec.group_id in want:
+                present.setdefault(aw.traj.spec.group_id, []).append(aw.traj.spec.sample_index)
         return GroupPresenceReply(present)
 
     async def on_reassign(self, req: ReassignPartial) -> Ack:
@@ -287,10 +322,105 @@ class PartialPoolRole(PoolRole):
         gone, st.forgotten = st.forgotten, []
         return [("DELETE FROM completed WHERE tid = ?", (t,)) for t in gone]
 
+    # -- awaiting model scores (awaiting.py; docs/rewards.md) ------------------------------------
+    async def on_await_reward(self, req: AwaitReward) -> Ack:
+        """A finished trajectory leaves the in-flight set and waits here for its model scores;
+        durable before the reply, so the rollout forgets it then. Idempotent by trajectory id."""
+        traj = req.trajectory
+        tid = traj.spec.trajectory_id
+        e = self.state.entries.get(tid)
+        if e is not None and owned_by_other(current_peer.get(), e.owner):
+            raise RequestError("refused", f"forbidden: {current_peer.get()} may not finish {tid} (owned by rollout "
+                                          f"{e.owner})")
+        if not req.pending:
+            raise RequestError("bad_request", f"{tid}: AwaitReward names no scorer (pending is empty); a trajectory "
+                                              "scored by rule functions alone goes to the buffer")
+        if tid in self.awaiting.items or tid in self.awaiting.done or tid in self.state.completed:
+            await self.durable([])  # a retry: acknowledged once the original is durable
+            return Ack("duplicate")
+        self.awaiting.add(traj, req.pending)
+        self.state.complete(tid)
+        pending, scores = self.awaiting.row(tid)
+        await self.durable([("DELETE FROM deltas WHERE tid = ?", (tid,)), ("DELETE FROM owners WHERE tid = ?", (tid,)),
+                            ("INSERT OR IGNORE INTO completed VALUES (?)", (tid,)),
+                            ("INSERT OR REPLACE INTO awaiting VALUES (?, ?, ?, ?)", (tid, pack(traj), pending, scores))]
+                           + self._drop_chunks(self.state) + self._forget(self.state))
+        return Ack()
+
+    async def on_lease_rewards(self, req: LeaseRewards) -> RewardWork:
+        if req.max_items < 1 or not req.lease_s > 0:
+            raise RequestError("bad_request", f"max_items {req.max_items} and lease_s {req.lease_s} must be positive")
+        work = self.awaiting.lease(req.replica_id, req.scorer, req.max_items, req.lease_s)
+        return RewardWork(work, waiting=self.awaiting.waiting(req.scorer))
+
+    async def on_submit_scores(self, req: SubmitScores) -> ScoreResult:
+        """Each score applied once (durable before the reply); a trajectory with every score goes
+        to the buffer (`_forward`)."""
+        if len(req.trajectory_ids) != len(req.scores):
+            raise RequestError("bad_request", f"{len(req.trajectory_ids)} trajectory ids but {len(req.scores)} scores")
+        applied, refused = self.awaiting.submit(req.scorer, req.trajectory_ids, req.scores, req.parse_failed)
+        if refused:
+            self.log.warning("scores_refused", scorer=req.scorer, replica=req.replica_id, count=len(refused),
+                             first=dict(list(refused.items())[:4]))
+        stmts = [("UPDATE awaiting SET pending = ?, scores = ? WHERE tid = ?", (*self.awaiting.row(t), t))
+                 for t in applied]
+        await self.durable(stmts)
+        if self.awaiting.ready():
+            self._scored.set()
+        return ScoreResult(applied=len(applied), refused=refused)
+
+    async def run(self) -> None:
+        self._scored = asyncio.Event()
+        if self.awaiting.ready():
+            self._scored.set()
+        self.spawn(self._forward(), "forward")
+        await super().run()
+
+    async def _forward(self) -> None:
+        """Hand every fully scored trajectory to the experience buffer (PutTrajectory until it
+        holds it: stored or duplicate), then forget it here. Nothing leaves unscored."""
+        buffer = None
+        while True:
+            await self._scored.wait()
+            self._scored.clear()
+            ready = self.awaiting.ready()
+            if ready and buffer is None:
+                buffer = self.ctx.transport.client(self.cluster.endpoint("experience_buffer",
+                                                                         self.cfg.experience_buffer))
+            delay = self.cfg.forward_retry_s
+            for tid in ready:
+                traj = self.awaiting.final(tid)
+                while True:
+                    try:
+                        put = await buffer.call(PutTrajectory(traj), timeout=5.0)
+                        if put.status in ("stored", "duplicate"):
+                            break
+                        why = f"{put.status}: {put.detail}"
+                    except (PeerUnavailable, RemoteError) as exc:
+                        why = str(exc)
+                    self.awaiting.counts["forward_retries"] += 1
+                    self.log.warning("scored_put_retry", trajectory=tid, why=why, retry_in_s=delay)
+                    await asyncio.sleep(delay)  # backoff: the buffer is full or down; the item stays durable here
+                    delay = min(delay * 2, 5.0)
+                try:
+                    await self.durable([("DELETE FROM awaiting WHERE tid = ?", (tid,))])
+                except RequestError as exc:  # the buffer holds it; a later round forgets it here (duplicate)
+                    self.log.warning("forward_record_failed", trajectory=tid, error=str(exc))
+                    self._scored.set()
+                    await asyncio.sleep(delay)  # backoff: the store is refusing writes
+                    break
+                self.awaiting.forwarded(tid)
+                # the provenance ledger's line for a trajectory that awaited its reward here
+                self.log.info("trajectory_stored", trajectory=tid, version=traj.version, lineage=traj.lineage,
+                              tokens=len(traj.response_tokens), status=put.status, reward=round(traj.reward, 4),
+                              components={k: round(v, 4) for k, v in traj.reward_components.items()},
+                              rollout=traj.rollout_id, via="partial_pool")
+
     def counts(self) -> dict:
         live = self.state.live()
         return {"in_flight": len(live), "tokens": int(sum(sum(len(t) for t in e.tokens) for e in live.values())),
-                "completed": len(self.state.completed), "chunks": len(self.state.chunk_live)}
+                "completed": len(self.state.completed), "chunks": len(self.state.chunk_live),
+                **self.awaiting.stats()}
 
 
 def _add_multiturn_columns(conn) -> None:

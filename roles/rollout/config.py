@@ -12,6 +12,7 @@ import os
 from typing import Literal
 
 from laminar.roles.env.config import EnvRoleConfig
+from laminar.roles.rollout.rewards import RewardTerm
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from laminar.models.shape import model_shape
@@ -91,6 +92,10 @@ class RolloutConfig(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     seed: int | None = Field(None, description="base sampling seed; per trajectory seed = hash(seed, id)")
     reward: str = Field("laminar.tasks.rewards:exact_answer", description="reward function 'module:fn'")
+    rewards: list[RewardTerm] | None = Field(None, description="composed reward: terms {fn: module:fn, weight} and "
+                                             "{role: <scorer>, weight} (a `reward` role's model); replaces `reward`. "
+                                             "With a scorer, finished trajectories await it in the partial pool "
+                                             "(docs/rewards.md)")
     delta_interval_s: float = Field(0.25, gt=0, description="how often token deltas go to the partial pool")
     report_interval_s: float = Field(1.0, gt=0, description="period of the rollout.stats event")
     relay_id: str | None = Field(

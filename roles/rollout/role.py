@@ -58,6 +58,7 @@ from laminar.roles.rollout.config import RolloutConfig
 from laminar.roles.rollout.engine_api import build_rollout_engine, engine_seqs
 from laminar.roles.rollout.migration import Migration
 from laminar.roles.rollout.multiturn import EpisodeRunner
+from laminar.roles.rollout.rewards import RewardPlan
 from laminar.roles.rollout.runner import TrajectoryRunner
 from laminar.roles.rollout.streaming import DeltaStream
 from laminar.roles.rollout.trajectory import Active
@@ -65,7 +66,6 @@ from laminar.roles.rollout.weights import WeightFollower
 from laminar.roles.rollout.work import Work, call_acked
 
 from laminar.protocol import MigrateIn, MigrateOut, RolloutStats, TakeBatch
-from laminar.tasks import load_callable
 from laminar.weights.seal import verifier_of
 
 
@@ -127,7 +127,7 @@ class RolloutRole(Role):
 
     async def setup(self) -> None:
         settings, cluster, t = self.settings, self.cluster, self.ctx.transport
-        reward = load_callable(settings.reward)
+        reward = RewardPlan.from_settings(settings.reward, settings.rewards)
         prompts = t.client(self._address("prompt_pool", settings.prompt_pool))
         partials = t.client(self._address("partial_pool", settings.partial_pool))
         buffer = t.client(self._address("experience_buffer", settings.experience_buffer))

@@ -1,0 +1,142 @@
+"""Trajectories awaiting their model scores in the partial pool (no I/O here): the durable step
+between "finished" and "in the experience buffer" (docs/rewards.md).
+
+A finished trajectory whose reward needs a model (a `reward` role's scorer) is handed to the pool
+with the scorers still to come and their weights (`add`); from then on it is no longer in flight
+(no delta may write to it) but *awaiting*. Reward replicas lease work per scorer (`lease`): an
+item is leased to one replica until a deadline, after which it is handed out again (a replica
+that died or hangs loses nothing). A score is applied once per (trajectory, scorer) (`submit`):
+a second one, whether from a slow replica whose lease expired or a retried request, is refused
+and counted (`late_scores`). An item with no scorer left is *ready*: the role hands it to the
+experience buffer (`final` builds it) and forgets it (`forwarded`) only after the buffer holds it,
+so nothing enters the buffer unscored and nothing scored is lost.
+
+Leases live in memory only: after a pool restart every item can be leased at once (its scores
+already applied are on disk and stay applied).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from laminar.protocol import Trajectory
+
+
+@dataclass
+class Awaiting:
+    """One trajectory awaiting scores, with the scores it has and the leases out on it."""
+    traj: Trajectory
+    pending: dict[str, float]                       # scorer -> weight, not scored yet
+    scores: dict[str, float] = field(default_factory=dict)  # scorer -> raw score applied
+    weights: dict[str, float] = field(default_factory=dict)  # scorer -> weight, of the applied ones
+    leases: dict[str, tuple[str, float]] = field(default_factory=dict)  # scorer -> (replica, deadline)
+    since: float = field(default_factory=time.monotonic)
+
+
+class AwaitingBook:
+    """The awaiting items, their leases, and the once-only application of scores."""
+
+    def __init__(self, remember_done: int = 200_000):
+        self.items: dict[str, Awaiting] = {}
+        self.done: dict[str, None] = {}   # ids handed to the buffer (newest `remember_done`): late scores
+        self.remember_done = remember_done
+        self.counts: Counter = Counter()
+        self.latency: list[float] = []    # seconds from await to ready, of the items ready since last read
+
+    def add(self, traj: Trajectory, pending: dict[str, float],
+            applied: dict[str, tuple[float, float]] | None = None) -> bool:
+        """Keep `traj` until each scorer in `pending` scored it; False if it is known already.
+        `applied`: scorer -> (weight, score) applied before a restart (replayed from the store)."""
+        tid = traj.spec.trajectory_id
+        if tid in self.items or tid in self.done:
+            return False
+        a = self.items[tid] = Awaiting(traj, dict(pending))
+        for s, (w, v) in (applied or {}).items():
+            a.weights[s], a.scores[s] = w, v
+        self.counts["awaited"] += 1
+        return True
+
+    def row(self, tid: str) -> tuple[str, str]:
+        """The JSON of an item's pending scorers and applied scores (its store row's columns)."""
+        a = self.items[tid]
+        return json.dumps(a.pending), json.dumps({s: [a.weights[s], v] for s, v in a.scores.items()})
+
+    def lease(self, replica: str, scorer: str, n: int, lease_s: float, now: float | None = None) -> list[Trajectory]:
+        """Up to `n` trajectories awaiting `scorer` whose lease is free or expired, oldest first."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for a in self.items.values():
+            if len(out) >= n:
+                break
+            if scorer not in a.pending:
+                continue
+            held = a.leases.get(scorer)
+            if held is not None and held[1] > now:
+                continue
+            if held is not None:
+                self.counts["lease_expired"] += 1
+            a.leases[scorer] = (replica, now + lease_s)
+            out.append(a.traj)
+        self.counts["leased"] += len(out)
+        return out
+
+    def waiting(self, scorer: str, now: float | None = None) -> int:
+        """Items awaiting `scorer` that no live lease holds."""
+        now = time.monotonic() if now is None else now
+        return sum(1 for a in self.items.values()
+                   if scorer in a.pending and (scorer not in a.leases or a.leases[scorer][1] <= now))
+
+    def submit(self, scorer: str, tids: list[str], scores: list[float], parse_failed=()) -> tuple[list[str], dict]:
+        """Apply each score once. Returns (ids whose score was applied, {id: why refused})."""
+        applied, refused = [], {}
+        failed = set(parse_failed)
+        for tid, score in zip(tids, scores, strict=True):
+            a = self.items.get(tid)
+            if a is None or scorer not in a.pending:
+                why = ("already scored by " + scorer if (a is not None and scorer in a.scores) or tid in self.done
+                       else f"not awaiting {scorer}")
+                refused[tid] = why
+                self.counts["late_scores"] += 1
+                continue
+            if score != score or score in (float("inf"), float("-inf")):
+                refused[tid] = f"score {score!r} is not a finite number"
+                self.counts["bad_scores"] += 1
+                continue
+            a.weights[scorer] = a.pending.pop(scorer)
+            a.scores[scorer] = float(score)
+            a.leases.pop(scorer, None)
+            self.counts["scored"] += 1
+            self.counts["parse_failed"] += tid in failed
+            if not a.pending:
+                self.latency.append(time.monotonic() - a.since)
+            applied.append(tid)
+        return applied, refused
+
+    def ready(self) -> list[str]:
+        """Ids with every score applied (to hand to the buffer), oldest first."""
+        return [t for t, a in self.items.items() if not a.pending]
+
+    def final(self, tid: str) -> Trajectory:
+        """The scored trajectory: reward = the rule part + each scorer's weight x score; every
+        component in `reward_components`."""
+        a = self.items[tid]
+        reward = a.traj.reward + sum(a.weights[s] * v for s, v in a.scores.items())
+        return dataclasses.replace(a.traj, reward=float(reward),
+                                   reward_components={**a.traj.reward_components, **a.scores})
+
+    def forwarded(self, tid: str) -> None:
+        """The buffer holds `tid`: forget it (its id is remembered to refuse late scores)."""
+        if self.items.pop(tid, None) is not None:
+            self.counts["forwarded"] += 1
+        self.done[tid] = None
+        while len(self.done) > self.remember_done:
+            del self.done[next(iter(self.done))]
+
+    def stats(self, now: float | None = None) -> dict:
+        now = time.monotonic() if now is None else now
+        oldest = max((now - a.since for a in self.items.values()), default=0.0)
+        return {"awaiting_reward": len(self.items), "awaiting_oldest_s": round(oldest, 3),
+                **{f"reward_{k}": v for k, v in sorted(self.counts.items())}}

@@ -1,0 +1,113 @@
+"""Model-scored rewards, durable (roles/partial_pool/awaiting.py, roles/reward/): a finished
+trajectory awaits its scores in the partial pool, survives a pool restart, is leased to one
+replica at a time (expired leases are handed out again), each score is applied once, and only the
+scored trajectory reaches the buffer, with every reward component."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from laminar.roles.partial_pool.awaiting import AwaitingBook
+
+from laminar.config import parse_config
+from laminar.protocol import (
+    AwaitReward,
+    GroupPresence,
+    LeaseRewards,
+    SampleGroups,
+    SubmitScores,
+    Trajectory,
+    TrajectorySpec,
+)
+from laminar.testing.inproc_cluster import InprocCluster
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def cfg(tmp_path, roles=None, extra_roles=()):
+    return parse_config({"run": {"workdir": str(tmp_path / "run")},
+                         "cluster": {"keys_dir": None, "broker": {"host": "h0"},
+                                     "hosts": {"h0": {"address": "127.0.0.1", "roles": [
+                                         {"role": "partial_pool", "port": 7002},
+                                         {"role": "experience_buffer", "port": 7003}, *extra_roles]}}},
+                         "roles": roles or {}})
+
+
+def traj(tid: str, group: str = "g", size: int = 1, rule: float = 0.5, index: int = 0) -> Trajectory:
+    spec = TrajectorySpec(trajectory_id=tid, prompt_id="p", group_id=group, sample_index=index, group_size=size,
+                          prompt_tokens=np.array([1, 2], np.int32), answer="42")
+    return Trajectory(spec=spec, response_tokens=np.array([10, 11, 2], np.int32),
+                      logprobs=np.zeros(3, np.float32), version=0, rollout_id="r0", reward=0.9 * rule,
+                      reward_components={"fn:rule": rule})
+
+
+async def forwarded(pool, n: int = 1) -> None:
+    """Until the pool has handed `n` scored trajectories to the buffer (it does so in the background)."""
+    for _ in range(500):
+        if pool.awaiting.counts["forwarded"] >= n:
+            return
+        await asyncio.sleep(0.02)  # polling the pool's counter, bounded: the forward is asynchronous
+    raise AssertionError(f"the pool forwarded {pool.awaiting.counts['forwarded']} of {n}")
+
+
+def test_reward_role_awaiting_trajectory_survives_a_restart_is_scored_once_then_buffered(tmp_path):
+    async def go():
+        c = InprocCluster(cfg(tmp_path))
+        await c.start("partial_pool")
+        await c.start("experience_buffer")
+        pool, buf = c.client("partial_pool"), c.client("experience_buffer")
+        assert (await pool.call(AwaitReward("r0", traj("t"), {"judge": 0.1}))).detail == ""
+        assert (await pool.call(AwaitReward("r0", traj("t"), {"judge": 0.1}))).detail == "duplicate"
+        await c.stop("partial_pool")
+        await c.start("partial_pool")                                        # durable: still awaiting
+        assert (await pool.call(GroupPresence(["g"]))).present == {"g": [0]}  # never requeued as lost
+        assert not (await buf.call(SampleGroups(1, 0))).groups               # nothing unscored in the buffer
+        work = await pool.call(LeaseRewards("a", "judge", 8))
+        assert [t.spec.trajectory_id for t in work.trajectories] == ["t"]
+        assert not (await pool.call(LeaseRewards("b", "judge", 8))).trajectories  # leased to a
+        first = await pool.call(SubmitScores("a", "judge", ["t"], [1.0]))
+        late = await pool.call(SubmitScores("b", "judge", ["t"], [0.0]))
+        assert first.applied == 1 and late.applied == 0 and "already scored" in late.refused["t"]
+        await forwarded(c.roles["partial_pool.0"])
+        got = (await buf.call(SampleGroups(1, 0))).groups
+        counts = c.roles["partial_pool.0"].counts()
+        await c.close()
+        return got, counts
+    groups, counts = asyncio.run(go())
+    t = groups[0][0]
+    assert t.reward == pytest.approx(0.9 * 0.5 + 0.1 * 1.0)
+    assert t.reward_components == {"fn:rule": 0.5, "judge": 1.0}
+    assert counts["awaiting_reward"] == 0 and counts["reward_late_scores"] == 1
+
+
+def test_reward_role_expired_lease_is_handed_to_another_replica():
+    b = AwaitingBook()
+    b.add(traj("t1"), {"rm": 1.0})
+    b.add(traj("t2"), {"rm": 1.0})
+    assert [t.spec.trajectory_id for t in b.lease("a", "rm", 1, lease_s=10, now=0)] == ["t1"]
+    assert [t.spec.trajectory_id for t in b.lease("b", "rm", 5, lease_s=10, now=1)] == ["t2"]
+    assert b.lease("c", "rm", 5, lease_s=10, now=5) == [] and b.waiting("rm", now=5) == 0
+    again = b.lease("c", "rm", 5, lease_s=10, now=11.5)          # a and b died: both go to c
+    assert [t.spec.trajectory_id for t in again] == ["t1", "t2"] and b.counts["lease_expired"] == 2
+    applied, refused = b.submit("rm", ["t1", "t2"], [0.3, 0.7])
+    assert applied == ["t1", "t2"] and not refused
+    applied, refused = b.submit("rm", ["t1"], [0.9])                # a wakes up late: refused, counted
+    assert applied == [] and "already scored" in refused["t1"] and b.counts["late_scores"] == 1
+    assert b.final("t1").reward == pytest.approx(0.45 + 0.3)
+
+
+def test_reward_role_two_scorers_both_needed_before_the_buffer():
+    b = AwaitingBook()
+    b.add(traj("t"), {"rm": 0.5, "judge": 0.25})
+    b.submit("rm", ["t"], [1.0])
+    assert b.ready() == [] and [x.spec.trajectory_id for x in b.lease("j", "judge", 1, 5)] == ["t"]
+    assert b.lease("r", "rm", 1, 5) == []                           # rm is done with it
+    _, refused = b.submit("judge", ["t"], [float("nan")])
+    assert "finite" in refused["t"] and b.ready() == []            # a bad score changes nothing
+    b.submit("judge", ["t"], [0.0], parse_failed=["t"])
+    assert b.ready() == ["t"] and b.counts["parse_failed"] == 1
+    f = b.final("t")
+    assert f.reward == pytest.approx(0.45 + 0.5) and f.reward_components == {"fn:rule": 0.5, "rm": 1.0, "judge": 0.0}
+    b.forwarded("t")
+    assert b.add(traj("t"), {"rm": 1.0}) is False                   # forwarded: known, never again
