@@ -16,7 +16,7 @@ written as a temporary folder next to OUT_DIR and renamed into place, so it is w
 An existing OUT_DIR is never deleted: the export refuses it (exit 2), and with `--force` moves it
 aside to `OUT_DIR.<YYYYmmdd-HHMMSS>` first.
 
-A LoRA run's SOURCE holds an adapter (a relay version of kind "lora", or a checkpoint of a trainer
+A LoRA run's SOURCE holds an adapter (a relay version whose content is "lora", or a checkpoint of a trainer
 with `lora`): OUT_DIR gets it in peft's format (adapter_model.safetensors, adapter_config.json
 naming `--model-dir` as its base, and the tokenizer files), which peft and vLLM's LoRA load;
 with `--merge`, the base with the adapter merged into its weights, written as above (a plain
@@ -60,7 +60,7 @@ def read_version(source: str | os.PathLike, version: int | None = None) -> tuple
         if held is None:
             raise FileNotFoundError(f"{src}: no complete version{'' if version is None else f' {version}'}")
         with held:
-            adapter = held.manifest.adapter_config if held.manifest.kind == "lora" else ""
+            adapter = held.manifest.adapter_config if held.manifest.content == "lora" else ""
             return {k: t.clone() for k, t in held.tensors()}, held.version, adapter
     from laminar.roles.trainer import checkpoint
     if not (src / "model.pt").exists() and not (src / checkpoint.DCP_DIR).is_dir():

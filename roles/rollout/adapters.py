@@ -1,6 +1,6 @@
 """Adapters: the LoRA versions a vLLM engine serves, each under its own adapter id.
 
-A LoRA run's versions are adapters (kind "lora" in the manifest, laminar/weights/manifest.py).
+A LoRA run's versions are adapters (content "lora" in the manifest, laminar/weights/manifest.py).
 The engine starts with vLLM's LoRA support on (`enable_lora`, `max_lora_rank`, `max_loras`) and
 the base weights of its model folder, which never change. Loading a version writes the relay's
 adapter tensors, exactly as published, with their adapter_config.json into a folder of its own
@@ -56,7 +56,7 @@ class Adapters:
 
     def check(self, manifest) -> None:
         """AdapterRefused unless `manifest` is an adapter for this engine's base."""
-        kind = getattr(manifest, "kind", "full")
+        kind = getattr(manifest, "content", "full")
         name = f"v{manifest.version} (lineage {manifest.lineage})"
         if kind != "lora":
             raise AdapterRefused(f"version {name} holds {kind!r} weights, but this engine serves LoRA adapters on "

@@ -3,7 +3,7 @@
     model = with_adapter(base, settings)     # peft LoRA on settings.target_modules; only it trains
     sd = adapter_state(model.state_dict())   # the adapter alone, in peft's file naming
     load_adapter_state(model, sd)            # back into the model (a checkpoint's restore)
-    fields = manifest_fields(model, model_dir)   # kind "lora", adapter config, base identity
+    fields = manifest_fields(model, model_dir)   # content "lora", adapter config, base identity
 
 The base's parameters never change (requires_grad off, kept in `base_dtype`, the rollouts'
 serving dtype); the adapter's are float32 and are the only ones the optimizer sees, so a
@@ -81,4 +81,4 @@ def adapter_config_json(model) -> str:
 def manifest_fields(model, model_dir) -> dict:
     """What a published adapter version says about itself (laminar/weights/manifest.py)."""
     from laminar.models.loading import base_identity
-    return {"kind": "lora", "adapter_config": adapter_config_json(model), "base_id": base_identity(model_dir)}
+    return {"content": "lora", "adapter_config": adapter_config_json(model), "base_id": base_identity(model_dir)}

@@ -348,7 +348,7 @@ class TrainerRole(Role):
         if not self.main:
             return None
         # a LoRA adapter's config and base identity, for `laminar-node export` (laminar/export.py)
-        fields = {k: v for k, v in self.engine.manifest_fields().items() if k != "kind"}
+        fields = {k: v for k, v in self.engine.manifest_fields().items() if k != "content"}
         return checkpoint.save(self.ckpt_root, self.version, parts, {"cursor": self.cursor, **fields},
                                self.cfg.keep_checkpoints)
 

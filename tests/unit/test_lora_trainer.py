@@ -98,7 +98,7 @@ def test_lora_version_manifest_names_kind_adapter_and_base(tiny, sampled):
     finally:
         pub.close()
     m = manifest_from_bytes(manifest_to_bytes(layout))      # the fields survive the wire format
-    assert m.kind == "lora" and m.base_id == base_identity(tiny)
+    assert m.content == "lora" and m.base_id == base_identity(tiny)
     cfg = json.loads(m.adapter_config)
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0 and sorted(cfg["target_modules"]) == ["q_proj", "up_proj",
                                                                                              "v_proj"]
