@@ -16,6 +16,12 @@ written as a temporary folder next to OUT_DIR and renamed into place, so it is w
 An existing OUT_DIR is never deleted: the export refuses it (exit 2), and with `--force` moves it
 aside to `OUT_DIR.<YYYYmmdd-HHMMSS>` first.
 
+A LoRA run's SOURCE holds an adapter (a relay version whose content is "lora", or a checkpoint of a trainer
+with `lora`): OUT_DIR gets it in peft's format (adapter_model.safetensors, adapter_config.json
+naming `--model-dir` as its base, and the tokenizer files), which peft and vLLM's LoRA load;
+with `--merge`, the base with the adapter merged into its weights, written as above (a plain
+Hugging Face folder: no peft needed to serve it).
+
 dtype: the serving dtype of the weights written (default: the dtype the base model's config
 names, i.e. what it is served in; `same`: as stored in SOURCE). The model is built on the meta
 device and takes the stored tensors as they are (no second copy in memory).
@@ -39,6 +45,12 @@ EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
 
 def read_weights(source: str | os.PathLike, version: int | None = None) -> tuple[dict, int | None]:
     """(state dict, version) from a checkpoint, a checkpoint folder or a relay's shm folder."""
+    sd, got, _ = read_version(source, version)
+    return sd, got
+
+
+def read_version(source: str | os.PathLike, version: int | None = None) -> tuple[dict, int | None, str]:
+    """(state dict, version, adapter config JSON: "" for full weights) of SOURCE."""
     import torch
     src = Path(source)
     if (src / "current").exists() or (version is not None and (src / f"v{version}.manifest").exists()):
@@ -48,7 +60,8 @@ def read_weights(source: str | os.PathLike, version: int | None = None) -> tuple
         if held is None:
             raise FileNotFoundError(f"{src}: no complete version{'' if version is None else f' {version}'}")
         with held:
-            return {k: t.clone() for k, t in held.tensors()}, held.version
+            adapter = held.manifest.adapter_config if held.manifest.content == "lora" else ""
+            return {k: t.clone() for k, t in held.tensors()}, held.version, adapter
     from laminar.roles.trainer import checkpoint
     if not (src / "model.pt").exists() and not (src / checkpoint.DCP_DIR).is_dir():
         newest = checkpoint.latest(src)
@@ -57,10 +70,11 @@ def read_weights(source: str | os.PathLike, version: int | None = None) -> tuple
                                     f"nor a relay folder (current)")
         src = newest
     state = json.loads((src / "state.json").read_text()) if (src / "state.json").exists() else {}
+    adapter = state.get("adapter_config", "")  # a LoRA trainer's checkpoint
     if checkpoint.is_sharded(state):  # written by several ranks (DCP): read whole here
-        return checkpoint.load(src, only={"model"})[0]["model"], state.get("version")
+        return checkpoint.load(src, only={"model"})[0]["model"], state.get("version"), adapter
     sd = torch.load(src / "model.pt", map_location="cpu", weights_only=True)
-    return sd, state.get("version")
+    return sd, state.get("version"), adapter
 
 
 def config_dtype(cfg) -> str | None:
@@ -69,10 +83,59 @@ def config_dtype(cfg) -> str | None:
 
 
 def export(source: str | os.PathLike, out_dir: str | os.PathLike, model_dir: str | os.PathLike,
-           dtype: str | None = None, version: int | None = None) -> Path:
-    """Write the Hugging Face folder; returns its path. dtype None: the base config's dtype."""
-    sd, got_version = read_weights(source, version)
-    return write_folder(sd, out_dir, model_dir, dtype, got_version, str(Path(source).resolve()))
+           dtype: str | None = None, version: int | None = None, merge: bool = False) -> Path:
+    """Write the Hugging Face folder (an adapter: peft's folder, or merged into the base with
+    `merge`); returns its path. dtype None: the base config's dtype."""
+    sd, got_version, adapter = read_version(source, version)
+    where = str(Path(source).resolve())
+    if adapter and merge:
+        return write_folder(merged_state(sd, adapter, model_dir), out_dir, model_dir, dtype, got_version, where)
+    if adapter:
+        return write_adapter(sd, adapter, out_dir, model_dir, got_version, where)
+    if merge:
+        raise UsageError(f"--merge: {source} holds full weights, not a LoRA adapter (nothing to merge)")
+    return write_folder(sd, out_dir, model_dir, dtype, got_version, where)
+
+
+def _adapter_files(folder: Path, sd: dict, adapter_config: str, model_dir) -> None:
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True)
+    save_file({k: t.contiguous() for k, t in sd.items()}, folder / "adapter_model.safetensors")
+    cfg = json.loads(adapter_config)
+    cfg["base_model_name_or_path"] = str(Path(model_dir).resolve())
+    (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def write_adapter(sd: dict, adapter_config: str, out_dir, model_dir, got_version=None, source=None) -> Path:
+    """The adapter in peft's format (what PeftModel.from_pretrained and vLLM's LoRARequest load)."""
+    out = Path(out_dir)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _adapter_files(tmp, sd, adapter_config, model_dir)
+    for f in EXTRA_FILES:
+        if (Path(model_dir) / f).is_file():
+            shutil.copy2(Path(model_dir) / f, tmp / f)
+    if got_version is not None:
+        (tmp / "laminar_version.json").write_text(json.dumps({"version": int(got_version), "source": source}) + "\n")
+    if out.exists():
+        print(f"moved the existing {out} aside to {move_aside(out)}", file=sys.stderr)
+    os.rename(tmp, out)
+    return out
+
+
+def merged_state(sd: dict, adapter_config: str, model_dir) -> dict:
+    """The base's state dict with the adapter merged into its weights (peft's merge_and_unload)."""
+    import tempfile
+
+    from peft import PeftModel  # the lora extra; only a merge needs it
+
+    from laminar.models.loading import load_causal_lm
+    base = load_causal_lm(model_dir, "cpu", train=False)
+    with tempfile.TemporaryDirectory(prefix="laminar-merge-") as tmp:
+        _adapter_files(Path(tmp) / "adapter", sd, adapter_config, model_dir)
+        model = PeftModel.from_pretrained(base, Path(tmp) / "adapter")
+        merged = model.merge_and_unload()
+    return {k: v.detach() for k, v in merged.state_dict().items()}
 
 
 def write_folder(sd: dict, out_dir: str | os.PathLike, model_dir: str | os.PathLike, dtype: str | None = None,
@@ -137,6 +200,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default=None,
                     help="bfloat16, float16, float32, or same (default: the base config's dtype)")
     ap.add_argument("--version", type=int, default=None, help="relay folder: a retained version instead of the newest")
+    ap.add_argument("--merge", action="store_true", help="SOURCE holds a LoRA adapter: write the base with the "
+                    "adapter merged in (a plain Hugging Face folder) instead of the adapter in peft's format")
     ap.add_argument("--force", action="store_true", help="OUT_DIR exists: move it aside to OUT_DIR.<date-time> "
                     "first (it is never deleted; without --force the export refuses it)")
 
@@ -148,7 +213,7 @@ def run(a) -> int:
     if Path(a.out_dir).exists() and not a.force:
         raise UsageError(f"{a.out_dir} exists: choose another OUT_DIR, or pass --force to move it aside to "
                          f"{a.out_dir}.<date-time> first (nothing is deleted)")
-    print(export(a.source, a.out_dir, model_dir, a.dtype, a.version))
+    print(export(a.source, a.out_dir, model_dir, a.dtype, a.version, merge=getattr(a, "merge", False)))
     return 0
 
 

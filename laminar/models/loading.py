@@ -3,6 +3,7 @@
     device = pick_device("auto")                          # cuda when available, else cpu
     model = load_causal_lm("models/tiny", device)         # float32 by default
     cfg = read_config("models/tiny")                      # config.json as a dict, without torch
+    base_identity("models/tiny")                          # "xxh3-128:<hex>" of its config and weight files
 
 Never touches the hub: the folder must hold config.json and the weights (local_files_only=True,
 and HF_HUB_OFFLINE is set for the call), so a typo in a path is an immediate, named error instead
@@ -69,6 +70,42 @@ def load_causal_lm(model_dir: str | os.PathLike, device="cpu", dtype: str = "flo
     model = model.to(device)
     model.train(train)
     return model
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def base_identity(model_dir: str | os.PathLike) -> str:
+    """What names a model folder's weights: an xxh3-128 digest of config.json and every weight
+    file (name and content, in name order). A LoRA adapter carries the identity of the base it was
+    trained on, and a rollout refuses one trained on another base. Reading the files costs a pass
+    over them (~25 GB/s of hashing, so the disk's speed); the answer is cached beside them, keyed
+    by the files' sizes and modification times."""
+    import xxhash
+    p = Path(model_dir)
+    read_config(p)
+    files = sorted(f for f in p.iterdir()
+                   if f.is_file() and (f.name == "config.json" or f.name.endswith(WEIGHT_SUFFIXES)))
+    stamp = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    cache = p / ".laminar-base-identity.json"
+    try:
+        held = json.loads(cache.read_text())
+        if held.get("files") == stamp:
+            return held["identity"]
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    h = xxhash.xxh3_128()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while block := fh.read(16 << 20):
+                h.update(block)
+    identity = f"xxh3-128:{h.hexdigest()}"
+    try:
+        cache.write_text(json.dumps({"files": stamp, "identity": identity}))
+    except OSError:
+        pass  # a read-only folder: hashed again next time
+    return identity
 
 
 def count_parameters(model) -> int:

@@ -37,6 +37,10 @@ class Manifest:
     version the trainer's: signed lists of the buffer's pieces and their digests
     (laminar/weights/seal.py), written by a relay with the version once they verified; empty
     in an OFFER.
+
+    `content` says what the tensors are: "full" (every weight of the model) or "lora" (a peft LoRA
+    adapter, in peft's file naming, for the base whose identity is `base_id`,
+    laminar/models/loading.py `base_identity`; `adapter_config` is its adapter_config.json text).
     """
     version: int
     total_bytes: int
@@ -51,6 +55,9 @@ class Manifest:
     run_id: str = ""       # the run the lineage belongs to (docs/weights.md)
     macs: list[bytes] = field(default_factory=list)
     seals: list[bytes] = field(default_factory=list)
+    content: str = "full"  # "full" weights or a "lora" adapter (docs/lora.md)
+    adapter_config: str = ""   # kind lora: peft's adapter_config.json, as JSON text
+    base_id: str = ""      # kind lora: the identity of the base weights the adapter applies to
 
 
 @event("relay.join")

@@ -8,6 +8,7 @@ rollout holding the public key loads it; without, only readers that check no sig
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from laminar.weights import seal, wire
@@ -34,11 +35,15 @@ def commit_local(store: ShmStore, vb: VersionBuffer, signer: seal.Signer | None 
 
 
 def write_version(store: ShmStore, state_dict: Mapping, version: int,
-                  chunk_bytes: int = CHUNK_BYTES_DEFAULT, signer: seal.Signer | None = None) -> None:
+                  chunk_bytes: int = CHUNK_BYTES_DEFAULT, signer: seal.Signer | None = None,
+                  fields: dict | None = None) -> None:
+    """`fields`: what the manifest says beyond the tensors (a LoRA adapter's kind, adapter_config, base_id)."""
     import torch
     items = list(state_dict.items())
     m = build_manifest([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in items], version,
                        chunk_bytes)
+    if fields:
+        m = dataclasses.replace(m, **fields)
     vb = begin_local(store, m)
     if vb is None:
         return

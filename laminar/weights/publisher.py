@@ -40,6 +40,7 @@ the epoch back, since the next epoch is one more than the newest of the two (doc
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -176,6 +177,9 @@ class WeightPublisher:
         # Every version published carries this lineage (set before the first publish; the trainer
         # takes it from advance_lineage): relays replace any other lineage's weights with it.
         self.run_id, self.lineage = "", 0
+        # what every version says it holds beyond its tensors (a LoRA adapter's kind, config and
+        # base identity: Manifest's kind, adapter_config, base_id); {}: full weights
+        self.manifest_fields: dict = {}
         self.target: tuple[str, str] | None = None
         self._target_seq = 0
         self.last_publish_s = 0.0
@@ -268,7 +272,8 @@ class WeightPublisher:
 
     def layout_of(self, specs) -> Manifest:
         """The layout of tensors given as (name, torch dtype, shape, is floating point)."""
-        return publish_layout(specs, self.publish_dtype, self.chunk_bytes)
+        layout = publish_layout(specs, self.publish_dtype, self.chunk_bytes)
+        return dataclasses.replace(layout, **self.manifest_fields) if self.manifest_fields else layout
 
     def begin(self, layout: Manifest, version: int | None = None) -> tuple[int, int]:
         """(version, slot): a staging slot nobody reads, for `layout` (new slots when the layout

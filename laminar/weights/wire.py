@@ -118,6 +118,8 @@ def manifest_digest(m) -> bytes:
     tensor's name, dtype, shape and extent, the chunk size. Seals sign it with the pieces."""
     body = [m.run_id, int(m.lineage), int(m.version), int(m.total_bytes), int(m.chunk_bytes), list(m.names),
             list(m.dtypes), [list(map(int, s)) for s in m.shapes], list(map(int, m.offsets)), list(map(int, m.nbytes))]
+    if getattr(m, "content", "full") != "full":  # an adapter: what it is and which base it is for are signed too
+        body += [m.content, m.adapter_config, m.base_id]
     return blake3.blake3(msgpack.packb(body)).digest()
 
 

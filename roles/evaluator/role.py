@@ -88,6 +88,8 @@ class EvaluatorConfig(BaseModel):
     max_model_len: int = Field(1024, ge=16)
     max_concurrency: int = Field(64, ge=1, description="answers generated at once (engine max_num_seqs)")
     kv_cache_tokens: int | None = Field(None, ge=16, description="KV cache in tokens (default: kv_cache_gib)")
+    lora: dict | None = Field(None, description="the run's versions are LoRA adapters: as roles.rollout.lora "
+                              "({max_lora_rank, max_loras}); each version is evaluated with its adapter on model_dir")
     kv_cache_gib: float = Field(1.0, gt=0)
     dtype: str = Field("float32")
     relay_id: str | None = Field(None, description="relay on this host to take weights from")
@@ -207,7 +209,8 @@ class EvaluatorRole(Role):
             bind = ",".join(str(x) for x in spec.cores) if spec.cores else None
         self.engine = VllmEngine(c.model_dir, max_model_len=c.max_model_len, max_num_seqs=c.max_concurrency,
                                  kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=1.0, dtype=c.dtype,
-                                 omp_threads_bind=bind, seeded=True, kv_cache_tokens=c.kv_cache_tokens)
+                                 omp_threads_bind=bind, seeded=True, kv_cache_tokens=c.kv_cache_tokens,
+                                 lora=c.lora)
         await self.engine.start()
         self.version, self.lineage = 0, None  # model_dir's weights: version 0 of no lineage
         self.log.info("evaluator_ready", problems=len(self.problems), eval_every=c.eval_every,
@@ -303,8 +306,9 @@ class EvaluatorRole(Role):
         sp = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=temperature, top_p=1.0, seed=seed,
                             detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         tokens: list[int] = []
+        lora = self.engine.adapters.current if self.engine.adapters is not None else None  # the version's adapter
         async for out in self.engine.llm.generate(TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), sp,
-                                                  request_id=rid):
+                                                  request_id=rid, lora_request=lora):
             tokens = list(out.outputs[0].token_ids)
         return tokens
 

@@ -82,6 +82,10 @@ class RolloutConfig(BaseModel):
                                         "later request with the same prefix (a GRPO group's responses share their "
                                         "prompt: it is prefilled once, not group_size times)")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache of the vLLM CPU engine (VLLM_CPU_KVCACHE_SPACE)")
+    lora: dict | None = Field(None, description="versions are LoRA adapters on model_dir's frozen weights (the "
+                              "trainer's roles.trainer.lora; roles/rollout/adapters.py): {max_lora_rank: at least "
+                              "the adapter's rank, max_loras: adapters in one batch, at least 2 so a version's "
+                              "trajectories run on while the next one's start}; None: full-weights versions")
     kv_cache_tokens: int | None = Field(None, ge=16, description="vLLM only: size the KV cache in tokens instead "
                                         "(whole blocks of 32, vLLM's num_gpu_blocks_override), at least "
                                         "max_model_len. A tiny model's 1 GiB cache holds about a million tokens and "

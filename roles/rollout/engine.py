@@ -29,6 +29,13 @@ core dies (EngineDeadError) and takes every request with it. So an engine whose 
 seeds (`seeded=True`) on the CPU runs without chunked prefill, with a step budget of at least one
 whole sequence; a prompt then prefills in one step, and seeds reproduce as they should.
 
+LoRA (`lora`: {max_lora_rank, max_loras}): the engine serves the model folder's weights as a frozen
+base with vLLM's LoRA on, and a version is an adapter (roles/rollout/adapters.py): loading one
+writes it to a folder of its own under a new adapter id, each request carries the adapter current
+when it started (a trajectory is one version even while the next loads), and an adapter is removed
+once no request uses it. The prefix cache is not reset on an adapter load: vLLM keys its blocks
+by adapter, so no block of one version serves another.
+
 Shared memory: the engine core and its worker create POSIX segments in /dev/shm (`psm_*`, the
 message queues between them, 160 + 240 MiB with vLLM's defaults) and multiprocessing semaphores.
 vLLM unlinks them on a clean shutdown only. The processes that appear while the engine starts are
@@ -39,6 +46,7 @@ that is killed outright is cleaned up by whoever swept its process group (the su
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
@@ -103,13 +111,19 @@ class VllmEngine(RolloutEngine):
                  temperature: float, top_p: float, dtype: str = "float32",
                  omp_threads_bind: str | None = None, seeded: bool = False, kv_cache_tokens: int | None = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True):
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 lora: dict | None = None, adapter_dir: str | None = None):
         self.model_dir, self.max_model_len, self.max_num_seqs = model_dir, max_model_len, max_num_seqs
         self.seeded, self.kv_cache_tokens = seeded, kv_cache_tokens
         self.kv_cache_gib, self.temperature, self.top_p, self.dtype = kv_cache_gib, temperature, top_p, dtype
         self.omp_threads_bind = omp_threads_bind
         self.tensor_parallel_size, self.enforce_eager = tensor_parallel_size, enforce_eager
         self.gpu_memory_utilization, self.enable_prefix_caching = gpu_memory_utilization, enable_prefix_caching
+        self.lora = lora  # {max_lora_rank, max_loras}: versions are LoRA adapters (None: full weights)
+        self.adapters = None
+        if lora is not None:
+            from laminar.roles.rollout.adapters import Adapters
+            self.adapters = Adapters(model_dir, adapter_dir)
         self.stats = EngineStats()
         self.llm = None
         self.shm = None
@@ -121,6 +135,9 @@ class VllmEngine(RolloutEngine):
             extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(self.max_model_len, 2048)}
         if self.kv_cache_tokens is not None:  # blocks of 32 tokens (the CPU attention needs multiples of 32)
             extra.update(block_size=KV_BLOCK, num_gpu_blocks_override=-(-self.kv_cache_tokens // KV_BLOCK))
+        if self.lora is not None:
+            extra.update(enable_lora=True, max_lora_rank=int(self.lora["max_lora_rank"]),
+                         max_loras=int(self.lora["max_loras"]))
         eager = cpu if self.enforce_eager is None else self.enforce_eager
         return dict(model=self.model_dir, skip_tokenizer_init=True, enforce_eager=eager, dtype=self.dtype,
                     max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
@@ -155,23 +172,57 @@ class VllmEngine(RolloutEngine):
         sp = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                             logprobs=0, detokenize=False, seed=seed,
                             output_kind=RequestOutputKind.DELTA)
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp,
-                                           request_id=request_id):
-            c = out.outputs[0]
-            toks = list(c.token_ids)
-            lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
-            yield toks, lps, (c.finish_reason if out.finished else None)
+        with self.adapters.use() if self.adapters is not None else _no_adapter() as lora:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp,
+                                               request_id=request_id, lora_request=lora):
+                c = out.outputs[0]
+                toks = list(c.token_ids)
+                lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
+                yield toks, lps, (c.finish_reason if out.finished else None)
+        await self.drop_unused_adapters()  # this request's adapter, if it was the last one on an older version
 
     async def _on_ranks(self, method: str, *args) -> list:
         """Run a worker-extension method on every rank; their answers in rank order."""
         return await self.llm.collective_rpc(method, args=args)
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
-        """WeightsLoadError: no rank's weights changed; WeightsLost: unknown (rank_load.py)."""
+        """WeightsLoadError: no rank's weights changed; WeightsLost: unknown (rank_load.py).
+        LoRA: the version's adapter under a new adapter id (AdapterRefused: not one for our base)."""
+        if self.adapters is not None:
+            return await self._load_adapter(shm_dir, min_version, exact)
         version = await load_on_ranks(self._on_ranks, ("relay", shm_dir, min_version, exact))
         if version >= 0:
             await self._forget_prefixes()
         return version
+
+    async def _load_adapter(self, shm_dir: str, min_version: int, exact) -> int:
+        """The relay's newest adapter version above min_version (or the one `exact` names) becomes
+        the current adapter; adapters no request uses any more are removed from the engine."""
+        from laminar.weights.pull import LocalWeights
+
+        def write():
+            lw = LocalWeights(shm_dir)
+            try:
+                pulled = lw.latest(min_version) if exact is None else lw.version(tuple(exact))
+                if pulled is None:
+                    return None
+                with pulled:
+                    return self.adapters.load(pulled)
+            finally:
+                lw.close()
+        request = await asyncio.to_thread(write)
+        if request is None:
+            return -1
+        await self.llm.add_lora(request)
+        await self.drop_unused_adapters()
+        return self.adapters.versions[request.lora_int_id]
+
+    async def drop_unused_adapters(self) -> None:
+        """Remove from the engine the adapters that are neither current nor used by a request."""
+        if self.adapters is None:
+            return
+        for request in self.adapters.unused():
+            await self.llm.remove_lora(request.lora_int_id)
 
     async def load_file(self, path: str) -> None:
         await load_on_ranks(self._on_ranks, ("file", path))
@@ -188,6 +239,8 @@ class VllmEngine(RolloutEngine):
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        if self.adapters is not None:
+            self.adapters.close()
         if self.shm is not None:
             # a worker orphaned by a dead core exits on its own, unlinking its own queue: let it.
             # Python's resource tracker (a child this start may have spawned) lives until this
@@ -199,6 +252,11 @@ class VllmEngine(RolloutEngine):
             await asyncio.to_thread(wait_gone, [p for p in self.shm.owners if p != tracker], 10.0)
             _untrack(self.shm.release())
             self.shm = None
+
+
+@contextlib.contextmanager
+def _no_adapter():
+    yield None
 
 
 def _untrack(names: list[str]) -> None:

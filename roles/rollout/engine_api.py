@@ -74,7 +74,7 @@ def build_rollout_engine(cfg: Any, cores: Sequence[int] | None = None) -> Rollou
                           dtype=cfg.dtype, omp_threads_bind=cfg.omp_bind(cores), seeded=cfg.seed is not None,
                           kv_cache_tokens=cfg.kv_cache_tokens, tensor_parallel_size=cfg.tensor_parallel_size,
                           enforce_eager=cfg.enforce_eager, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                          enable_prefix_caching=cfg.enable_prefix_caching)
+                          enable_prefix_caching=cfg.enable_prefix_caching, lora=cfg.lora)
     if cfg.engine == "sim":
         from laminar.roles.rollout.sim_engine import SimEngine
         return SimEngine.from_settings(cfg.sim, max_num_seqs=engine_seqs(cfg), max_model_len=cfg.max_model_len)

@@ -211,6 +211,14 @@ def _optimizer_name(part: str) -> str:
     return "optimizer" if part == "model" else f"{part}_optimizer"
 
 
+def _options(model):
+    """A model with frozen parameters (a LoRA base) checkpoints its trained ones alone: the base
+    is the model folder's, loaded at start."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _dcp_state(pairs: dict, only=None) -> dict:
     """{part: model state, <part>_optimizer: optimizer state} as this rank holds them (DTensor
     shards under FSDP2; optimizer states keyed by parameter names, so any sharding can load them)."""
@@ -219,7 +227,7 @@ def _dcp_state(pairs: dict, only=None) -> dict:
     for name, (model, opt) in pairs.items():
         if only is not None and name not in only:
             continue
-        msd, osd = get_state_dict(model, opt)
+        msd, osd = get_state_dict(model, opt, options=_options(model))
         out[name], out[_optimizer_name(name)] = msd, osd
     return out
 
@@ -270,7 +278,8 @@ def load_sharded(path: str | Path, pairs: dict, info) -> None:
         dcp.load(sd, checkpoint_id=Path(path) / DCP_DIR, process_group=info.control, no_dist=not info.enabled)
     for name, (model, opt) in pairs.items():
         if name in sd:
-            set_state_dict(model, opt, model_state_dict=sd[name], optim_state_dict=sd[_optimizer_name(name)])
+            set_state_dict(model, opt, model_state_dict=sd[name], optim_state_dict=sd[_optimizer_name(name)],
+                           options=_options(model))
 
 
 def load_rng(path: str | Path) -> None:

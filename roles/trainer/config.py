@@ -16,6 +16,21 @@ class FilterGroups(BaseModel):
                                     "filter_cap_reached); None: 3 x groups_per_batch")
 
 
+class LoraSettings(BaseModel):
+    """roles.trainer.lora: train a LoRA adapter (peft) on a frozen base instead of every weight."""
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(16, ge=1, description="the adapter's rank r (rollouts need max_lora_rank >= r)")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (0 keeps the trainer's "
+                           "logprobs those of the rollouts' adapter)")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"],
+                                      description="names of the linear layers that get an adapter")
+    base_dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$",
+                            description="dtype of the frozen base weights: the rollouts' serving dtype (the "
+                            "adapter's own weights and their optimizer states stay float32)")
+
+
 class TrainerConfig(BaseModel):
     """Settings of the trainer: model, engine, algorithm, batch, optimizer, checkpoints."""
     model_config = ConfigDict(extra="forbid")
@@ -149,6 +164,8 @@ class TrainerConfig(BaseModel):
     publish_overlap: bool = Field(True, description="one-rank trainer on a GPU: queue the publish's copies and "
                                   "return, so they run during the next forward/backward (the next optimizer "
                                   "step waits for them on the GPU); false: wait for the copies in the publish")
+    lora: LoraSettings | None = Field(None, description="train a LoRA adapter on the frozen base and publish "
+                                      "the adapter alone (roles/trainer/lora.py, docs/lora.md); None: full fine-tuning")
     publish_dtype: str | None = Field("rollout", pattern="^(rollout|same|float32|bfloat16|float16)$",
                                       description="dtype of published floating-point weights, cast on the "
                                       "trainer's device before the copy: rollout (the rollouts' engine dtype when "

@@ -124,7 +124,8 @@ def shard(model, info: DistInfo, device, param_dtype=None) -> None:
     kw = {}
     if param_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    backbone = getattr(model, "model", model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's LoRA wrapper
+    backbone = getattr(base, "model", base)
     for layer in getattr(backbone, "layers", []):
         fully_shard(layer, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)

@@ -31,6 +31,11 @@ A mini-batch whose loss or gradient norm is not finite (on any rank) is skipped:
 steps, its gradients dropped, its metrics left out, the step counted in `skipped_nonfinite_steps`
 (per version and in total) and logged as `nonfinite_step_skipped`. full_state(), the path of
 every publish and checkpoint, refuses weights with a NaN or inf (NonFiniteWeightsError).
+
+LoRA (`lora`, lora.py): the policy is the base (frozen, in `lora.base_dtype`) with a peft adapter,
+the optimizer's only parameters; the model's state (publish, checkpoint, restore) is the adapter
+alone, and the KL term's reference is the same model with the adapter off. Everything else
+(FSDP2, packing, chunked logprobs, the non-finite guard, the mismatch) runs as for full weights.
 """
 from __future__ import annotations
 
@@ -133,25 +138,26 @@ class TrainEngine:
         from laminar.models.loading import load_causal_lm
         c = self.cfg
         mp = torch.bfloat16 if c.dtype == "bfloat16" else None  # FSDP2 mixed precision (fp32 master weights)
-        self.model = load_causal_lm(c.model_dir, self.device)
+        self.model = self._policy(load_causal_lm)
         self.params = sum(p.numel() for p in self.model.parameters())
         mc = self.model.config  # a sequence of L tokens costs ~ L + L^2 / attention_tokens (micro_batches.py)
         self.attention_tokens = self.params / max(1, mc.num_hidden_layers * mc.hidden_size)
         self._prepare(self.model, trained=True)
         shard(self.model, self.info, self.device, param_dtype=mp)
         self.ref = None
-        if c.kl_coef > 0:
+        if c.kl_coef > 0 and c.lora is None:  # with LoRA: the policy with its adapter off
             self.ref = load_causal_lm(c.model_dir, self.device, train=False)
             self.ref.requires_grad_(False)
             self._prepare(self.ref, trained=False)
             shard(self.ref, self.info, self.device, param_dtype=mp)
         self.lag, self.lag_version = None, None  # the weights before the newest update (mismatch)
         if c.mismatch_previous_version:
-            self.lag = load_causal_lm(c.model_dir, self.device, train=False)
+            self.lag = self._policy(load_causal_lm, train=False)
             self.lag.requires_grad_(False)
             self._prepare(self.lag, trained=False)
             shard(self.lag, self.info, self.device, param_dtype=mp)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay,
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter's
+        self.opt = torch.optim.AdamW(trained, lr=c.lr, weight_decay=c.weight_decay,
                                      **self._adamw_impl())
         self.critic = self.critic_opt = None
         if c.algorithm == "ppo":
@@ -160,6 +166,30 @@ class TrainEngine:
             shard(self.critic, self.info, self.device, param_dtype=mp)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay,
                                                 **self._adamw_impl())
+
+    def _policy(self, load, train: bool = True):
+        """The policy's model: the model folder's, or with LoRA its base (frozen, in the serving
+        dtype) with a fresh adapter."""
+        c = self.cfg
+        if c.lora is None:
+            return load(c.model_dir, self.device, train=train)
+        from laminar.roles.trainer.lora import with_adapter
+        return with_adapter(load(c.model_dir, self.device, dtype=c.lora.base_dtype, train=train), c.lora)
+
+    def manifest_fields(self) -> dict:
+        """What a published version says it holds beyond its tensors: with LoRA the adapter's kind,
+        config and base identity (lora.py); nothing for full weights."""
+        if self.cfg.lora is None:
+            return {}
+        from laminar.roles.trainer.lora import manifest_fields
+        return manifest_fields(self.model, self.cfg.model_dir)
+
+    def _model_state(self, state: dict) -> dict:
+        """The policy's part of a state dict: with LoRA the adapter's tensors alone."""
+        if self.cfg.lora is None:
+            return state
+        from laminar.roles.trainer.lora import adapter_state
+        return adapter_state(state)
 
     def attn_implementation(self) -> str | None:
         """The attention kernels to switch the models to (None: keep what the model folder loads with)."""
@@ -188,7 +218,8 @@ class TrainEngine:
         if c.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.compile:
-            backbone = getattr(model, "model", model)
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
+            backbone = getattr(base, "model", base)
             for layer in getattr(backbone, "layers", []):
                 layer.compile(dynamic=True)  # packed rows change length every micro-batch
 
@@ -213,7 +244,7 @@ class TrainEngine:
         if not self.info.enabled:
             parts = {}
             for name, (m, o) in self._pairs().items():
-                parts[name] = m.state_dict()
+                parts[name] = self._model_state(m.state_dict()) if name == "model" else m.state_dict()
                 if with_optimizer:
                     parts[f"{name}_optimizer" if name != "model" else "optimizer"] = o.state_dict()
             self._check_weights(parts)
@@ -227,6 +258,8 @@ class TrainEngine:
         parts = {}
         for name, (m, o) in self._pairs().items():
             parts[name] = get_model_state_dict(m, options=opts)
+            if name == "model":
+                parts[name] = self._model_state(parts[name])
             if with_optimizer:
                 key = f"{name}_optimizer" if name != "model" else "optimizer"
                 parts[key] = get_optimizer_state_dict(m, o, options=opts)
@@ -246,7 +279,11 @@ class TrainEngine:
             for name, (m, o) in self._pairs().items():
                 if name != "model" and name not in parts:
                     continue  # e.g. a GRPO checkpoint resumed with PPO: the critic starts fresh
-                m.load_state_dict(parts[name])
+                if name == "model" and self.cfg.lora is not None:
+                    from laminar.roles.trainer.lora import load_adapter_state
+                    load_adapter_state(m, parts[name])
+                else:
+                    m.load_state_dict(parts[name])
                 o.load_state_dict(parts["optimizer" if name == "model" else f"{name}_optimizer"])
             return
         from torch.distributed.checkpoint.state_dict import (
@@ -254,21 +291,27 @@ class TrainEngine:
             set_model_state_dict,
             set_optimizer_state_dict,
         )
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)
+        # with LoRA the model part is the adapter alone: the frozen base is the model folder's
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True,
+                                strict=self.cfg.lora is None)
         parts = parts or {}
         flags = broadcast_ints(self.info, [int(n in parts) for n in self._pairs()])  # rank 0 read the files
         have = {n for n, flag in zip(self._pairs(), flags, strict=False) if flag}
         for name, (m, o) in self._pairs().items():
             if name != "model" and name not in have:
                 continue
-            set_model_state_dict(m, parts.get(name, {}), options=opts)
+            msd = parts.get(name, {})
+            if name == "model" and self.cfg.lora is not None:
+                from laminar.roles.trainer.lora import model_keys
+                msd = model_keys(msd)
+            set_model_state_dict(m, msd, options=opts)
             key = "optimizer" if name == "model" else f"{name}_optimizer"
             set_optimizer_state_dict(m, o, parts.get(key, {}), options=opts)
 
     def publish_state(self) -> dict:
         """The model's state dict as this rank holds it, for a sharded publish (sharded_publish.py):
         its own tensors, DTensor shards under FSDP2; no gather, no copy. The publish checks them."""
-        return self.model.state_dict()
+        return self._model_state(self.model.state_dict())
 
     def save_sharded(self, root, version: int, state: dict, keep: int):
         """Collective: a checkpoint of every rank's shards (torch.distributed.checkpoint) under
@@ -311,6 +354,9 @@ class TrainEngine:
         mismatch = self._mismatch_before_update(trajs, order, per, version - 1, left_out)
         if self.ref is not None:
             per["ref"] = self._per_token(lambda i, a: self._logprobs(self.ref, i, a)[0], trajs, order)
+        elif c.kl_coef > 0:  # LoRA: the reference is the base, the policy with its adapter off
+            with self.model.disable_adapter():
+                per["ref"] = self._per_token(lambda i, a: self._logprobs(self.model, i, a)[0], trajs, order)
         batch = _Batch(trajs, order, per, version, needs_prox, mismatch)
         if c.algorithm == "ppo":
             return self._train_ppo(batch)

@@ -46,6 +46,7 @@ class PublishLink:
         self.follower = None
         self.sharded = None  # ShardedPublish when the trainer has several ranks
         self.last_stall_s = 0.0
+        self._described = False  # publisher.manifest_fields set from the engine
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._refusal: asyncio.Future | None = None  # set (with the reason) when the master refuses a version
@@ -180,6 +181,9 @@ class PublishLink:
         every rank calls together (nothing gathered); on one rank the model's own tensors, by
         default overlapped: only the GPU copies are queued here, the engine's next optimizer step
         waits for them on the GPU, and the version is committed when they land (publisher.py)."""
+        if not self._described:  # once: a LoRA adapter's kind, config and base identity
+            self.publisher.manifest_fields = engine.manifest_fields() if self.publisher is not None else {}
+            self._described = True
         if self.sharded is not None:
             self.sharded.publish(engine.publish_state(), version)
         elif self.cfg.publish_overlap:  # GPU copies run on while the next forward/backward does

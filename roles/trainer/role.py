@@ -329,10 +329,14 @@ class TrainerRole(Role):
 
     def _export(self):
         """The final weights as a Hugging Face folder in export_dir (laminar/export.py)."""
-        from laminar.export import write_folder
+        from laminar.export import write_adapter, write_folder
         parts = self.engine.full_state()
         if not self.main:
             return None
+        adapter = self.engine.manifest_fields().get("adapter_config")
+        if adapter:  # LoRA: the adapter in peft's format (`laminar-node export --merge` merges it)
+            return write_adapter({k: v.detach() for k, v in parts["model"].items()}, adapter, self.cfg.export_dir,
+                                 self.cfg.model_dir, self.version, f"trainer {self.ctx.id}")
         return write_folder({k: v.detach() for k, v in parts["model"].items()}, self.cfg.export_dir,
                             self.cfg.model_dir, got_version=self.version, source=f"trainer {self.ctx.id}")
 
@@ -343,7 +347,10 @@ class TrainerRole(Role):
         parts = self.engine.full_state(with_optimizer=True)
         if not self.main:
             return None
-        return checkpoint.save(self.ckpt_root, self.version, parts, {"cursor": self.cursor}, self.cfg.keep_checkpoints)
+        # a LoRA adapter's config and base identity, for `laminar-node export` (laminar/export.py)
+        fields = {k: v for k, v in self.engine.manifest_fields().items() if k != "content"}
+        return checkpoint.save(self.ckpt_root, self.version, parts, {"cursor": self.cursor, **fields},
+                               self.cfg.keep_checkpoints)
 
     # -- ranks > 0 ------------------------------------------------------------------------------
     async def _follow(self) -> None:

@@ -5,7 +5,9 @@ release). An upgrade that renames an argument, moves a module or changes a signa
 by name, instead of inside a rollout minutes into a run.
 
 - engine arguments: every keyword VllmEngine.engine_args gives (tensor parallelism, eager mode,
-  memory share, prefix caching, KV blocks, chunked prefill), built into a full engine config;
+  memory share, prefix caching, KV blocks, chunked prefill, LoRA), built into a full engine config;
+- LoRA (roles/rollout/adapters.py): LoRARequest(lora_name, lora_int_id, lora_path), generate's
+  lora_request, AsyncLLM.add_lora / remove_lora / list_loras;
 - the engine's surface: AsyncLLM.from_engine_args(stat_loggers=), generate, abort,
   collective_rpc, reset_prefix_cache, shutdown; SamplingParams, TokensPrompt, RequestOutputKind;
   StatLoggerBase's methods and the SchedulerStats fields the repack reads;
@@ -56,6 +58,23 @@ def test_vllm_contract_engine_args_accept_every_setting(tmp_path):
     assert cfg.cache_config.enable_prefix_caching is True
     assert cfg.model_config.max_model_len == 256
     assert cfg.parallel_config.worker_extension_cls.endswith("LaminarWorkerExtension")
+
+
+def test_vllm_contract_lora_surface(tmp_path):
+    from vllm import AsyncEngineArgs
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+    model = build_tiny_model(tmp_path / "m")
+    kw = VllmEngine(str(model), max_model_len=256, max_num_seqs=4, kv_cache_gib=1, temperature=0, top_p=1,
+                    lora={"max_lora_rank": 16, "max_loras": 2}, adapter_dir=str(tmp_path / "a")).engine_args(cpu=True)
+    assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, 16, 2)
+    cfg = AsyncEngineArgs(**kw).create_engine_config()
+    assert cfg.lora_config is not None and cfg.lora_config.max_lora_rank == 16 and cfg.lora_config.max_loras == 2
+    r = LoRARequest(lora_name="v1-l0-1", lora_int_id=1, lora_path=str(tmp_path))
+    assert (r.lora_name, r.lora_int_id, r.lora_path) == ("v1-l0-1", 1, str(tmp_path))
+    assert "lora_request" in params(AsyncLLM.generate)
+    assert "lora_request" in params(AsyncLLM.add_lora) and "lora_id" in params(AsyncLLM.remove_lora)
+    assert callable(AsyncLLM.list_loras)
 
 
 def test_vllm_contract_engine_surface():
