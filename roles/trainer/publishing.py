@@ -181,8 +181,9 @@ class PublishLink:
         every rank calls together (nothing gathered); on one rank the model's own tensors, by
         default overlapped: only the GPU copies are queued here, the engine's next optimizer step
         waits for them on the GPU, and the version is committed when they land (publisher.py)."""
-        if not self._described:  # once: a LoRA adapter's kind, config and base identity
-            self.publisher.manifest_fields = engine.manifest_fields() if self.publisher is not None else {}
+        if not getattr(self, "_described", False):  # once: a LoRA adapter's content, config and base identity
+            if self.publisher is not None:  # ranks > 0 of a sharded publish have no publisher of their own
+                self.publisher.manifest_fields = engine.manifest_fields()
             self._described = True
         if self.sharded is not None:
             self.sharded.publish(engine.publish_state(), version)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(420),
+pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(420),  # ~150 s on 2 cores
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")]
 
 pytest.importorskip("torch")

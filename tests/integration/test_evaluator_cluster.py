@@ -22,7 +22,7 @@ from laminar.tasks.word_problems import write  # noqa: E402
 from laminar.testing.local_cluster import write_local_cluster  # noqa: E402
 from laminar.testing.procs import log_events  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(420)]  # ~140 s on 2 cores
 
 
 def test_evaluations_reach_the_summary(tmp_path):

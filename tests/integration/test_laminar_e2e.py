@@ -97,6 +97,7 @@ def test_laminar_mode_end_to_end(tmp_path, model):
             assert not inside, f"{e['trajectory']} (v{e['version']}) saw a weight load at {inside}"
 
 
+@pytest.mark.slow  # ~160 s on 2 cores; the multi-host fault test kills rollouts in make test
 def test_killed_rollout_work_finishes_elsewhere(tmp_path, model):
     # Long trajectories (a random model runs to its budget). Rollout 0 alone can fill the next
     # global batches while rollout 1 is found dead (~3 s of silence), so by then every live rollout

@@ -112,6 +112,7 @@ def test_wrong_protocol_version_names_both_and_keeps_request_id():
     assert e.value.meta == {"rid": 42}
 
 
+@pytest.mark.slow  # ~115 s: hypothesis searches up to 2,000 generated events
 def test_strategies_reach_nested_events():
     """The generic strategies really build list[list[Event]] with events inside (not only [])."""
     from hypothesis import find
