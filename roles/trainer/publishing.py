@@ -181,7 +181,7 @@ class PublishLink:
         every rank calls together (nothing gathered); on one rank the model's own tensors, by
         default overlapped: only the GPU copies are queued here, the engine's next optimizer step
         waits for them on the GPU, and the version is committed when they land (publisher.py)."""
-        if not getattr(self, "_described", False):  # once: a LoRA adapter's content, config and base identity
+        if not self._described:  # once: a LoRA adapter's content, config and base identity
             if self.publisher is not None:  # ranks > 0 of a sharded publish have no publisher of their own
                 self.publisher.manifest_fields = engine.manifest_fields()
             self._described = True
