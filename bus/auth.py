@@ -379,6 +379,7 @@ REQUESTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "data.get_partial": (("partial_pool",), frozenset({"rollout", "manager"})),  # named key: its own only
     "data.reassign_partial": (("partial_pool",), frozenset({"rollout", "manager"})),
     "data.complete_partial": (("partial_pool",), frozenset({"rollout", "manager"})),  # named key: its own
+    "data.grant_partials": (("partial_pool",), frozenset({"manager"})),  # who may take over what (MigrateIn)
     "data.group_presence": (("partial_pool", "experience_buffer"), frozenset({"manager"})),
     # experience buffer
     "data.put_trajectory": (("experience_buffer",), frozenset({"rollout", "pool"})),  # named key: its own;

@@ -29,7 +29,7 @@ __all__ = [
     "DeltaResult", "InFlightOf", "GetPartial", "PartialState", "PartialList", "ReassignPartial",
     "CompletePartial", "Trajectory", "PutTrajectory", "PutResult", "SampleGroups", "Samples",
     "BufferStatsRequest", "BufferStats", "PoolCount", "HandedGroups", "HandedList", "GroupPresence",
-    "GroupPresenceReply", "AppendDeltaBatch", "RequeueResult",
+    "GroupPresenceReply", "AppendDeltaBatch", "RequeueResult", "GrantPartials",
 ]
 
 _FIRST_POOL_GROUP = re.compile(r"e\d+-p")          # prompt pool "0": e<epoch>-p<prompt id>
@@ -222,6 +222,16 @@ class ReassignPartial:
     trajectory_id: str
     rollout_id: str
     fence: bool = False
+
+
+@event("data.grant_partials")
+class GrantPartials:
+    """Manager to partial pool, before a MigrateIn: rollout `rollout_id` may take these
+    trajectories over (fence them to itself). Their owner does not change until it does, so a
+    MigrateIn that never comes leaves them where they were. A rollout key may claim only what it
+    owns or was granted (docs/security.md)."""
+    trajectory_ids: list[str]
+    rollout_id: str
 
 
 @event("data.group_presence")

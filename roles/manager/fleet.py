@@ -6,7 +6,9 @@ Inputs (all pub/sub, each report carries the full current state, so a lost one c
   weights.version     a relay made a new version visible: repack now (draining replicas of the
                       old version get freed for the new one)
 Outputs (request/reply, must arrive):
-  MigrateOut(everything) to a source, MigrateIn(partials) to its destination (one version);
+  MigrateOut(everything) to a source, MigrateIn(partials) to its destination (one version),
+  each MigrateIn preceded by GrantPartials to the partial pool (a rollout key takes over only
+  what it owns or was granted: docs/security.md);
   InFlightOf(dead rollout) from the partial pool (page by page: each reply is bounded), then
   MigrateIn of those partials to live rollouts of the same version (re-prefill from prompt +
   generated tokens).
@@ -51,6 +53,7 @@ from laminar.logs import RotatingFile
 from laminar.protocol import (
     AppendDeltas,
     CompletePartial,
+    GrantPartials,
     GroupPresence,
     HandedGroups,
     Heartbeat,
@@ -311,7 +314,22 @@ class Fleet:
         self.c.moved_trajectories += len(placed)
         return len(placed)
 
+    async def _grant(self, dest: str, parts: list[PartialState]) -> bool:
+        """Let rollout `dest` take these over in the partial pool (no owner changes until it does);
+        False if the pool did not answer (the MigrateIn is then not sent: its claims would be refused)."""
+        if self.partials is None:
+            return True
+        try:
+            await self.partials.call(GrantPartials([p.spec.trajectory_id for p in parts], dest),
+                                     timeout=self.s.rpc_timeout_s)
+            return True
+        except RpcError as exc:
+            self.log.warning("grant_failed", dest=dest, trajectories=len(parts), error=str(exc))
+            return False
+
     async def _migrate_in(self, dest: str, parts: list[PartialState]) -> set[str]:
+        if not await self._grant(dest, parts):
+            return set()
         try:
             res = await self._client(dest).call(MigrateIn(parts), timeout=self.s.rpc_timeout_s)
         except RpcError as exc:
@@ -509,6 +527,8 @@ class Fleet:
                 if not parts:
                     break
                 batch = parts[:2 * self.s.max_concurrency_of(dest.id)]
+                if not await self._grant(dest.id, batch):
+                    break
                 try:
                     res = await self._client(dest.id).call(MigrateIn(batch, adopt=True), timeout=self.s.rpc_timeout_s)
                 except RemoteError as exc:

@@ -42,6 +42,7 @@ from laminar.protocol import (
     CompletePartial,
     DeltaResult,
     GetPartial,
+    GrantPartials,
     GroupPresence,
     GroupPresenceReply,
     InFlightOf,
@@ -177,6 +178,7 @@ class PartialPoolRole(PoolRole):
         self.route(InFlightOf, self.on_in_flight, changes=False)
         self.route(GetPartial, self.on_get, changes=False)
         self.route(ReassignPartial, self.on_reassign)
+        self.route(GrantPartials, self.on_grant, changes=False)
         self.route(CompletePartial, self.on_complete)
         self.route(GroupPresence, self.on_presence, changes=False)
         self.route(AwaitReward, self.on_await_reward)
@@ -184,18 +186,37 @@ class PartialPoolRole(PoolRole):
         self.route(SubmitScores, self.on_submit_scores)
 
     async def on_append(self, req: AppendDeltas) -> DeltaResult:
-        out: Outcome = self.state.apply(req.rollout_id, list(req.deltas))
+        deltas, out = self._own(list(req.deltas))
+        self.state.apply(req.rollout_id, deltas, out)
         await self.durable(self._rows(out, req.rollout_id))
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 
     async def on_append_batch(self, req: AppendDeltaBatch) -> DeltaResult:
         """The columnar AppendDeltas: unpacked into deltas (views into the request's arrays)."""
-        deltas = _unbatch(req)
-        out: Outcome = self.state.apply(req.rollout_id, deltas, checked=True)
-        whole = len(out.applied) == len(deltas) and req.loss_mask is None and all(
+        everything = _unbatch(req)
+        deltas, out = self._own(everything)
+        self.state.apply(req.rollout_id, deltas, out, checked=True)
+        whole = len(out.applied) == len(everything) and req.loss_mask is None and all(
             d is a for (_, d), a in zip(out.applied, deltas, strict=False))
         await self.durable(self._rows(out, req.rollout_id, req if whole else None))
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
+
+    def _own(self, deltas: list) -> tuple[list, Outcome]:
+        """A rollout key named after a rollout writes only into trajectories it owns (or new ones):
+        before, writing the next delta into another rollout's trajectory made the writer its owner.
+        The others are rejected as `fenced off` (the writer stops them, as after a fence); a delta
+        of an older epoch is left to `apply`, which rejects it as fenced off too."""
+        out = Outcome()
+        peer = current_peer.get()
+        if not (peer or "").startswith("rollout."):
+            return deltas, out
+        entries = self.state.entries
+        for d in deltas:
+            e = entries.get(d.trajectory_id)
+            if e is not None and d.epoch >= e.epoch and owned_by_other(peer, e.owner):
+                owner = e.owner or "(none: released)"
+                out.rejected[d.trajectory_id] = f"fenced off: owned by rollout {owner}, not {peer}"
+        return ([d for d in deltas if d.trajectory_id not in out.rejected] if out.rejected else deltas), out
 
     def _rows(self, out: Outcome, owner: str, whole: AppendDeltaBatch | None = None) -> list:
         """The applied deltas' rows: one chunk when all are single-turn, else a row each in one
@@ -291,16 +312,27 @@ class PartialPoolRole(PoolRole):
 
     async def on_reassign(self, req: ReassignPartial) -> Ack:
         e = self._entry(req.trajectory_id)
-        if not req.rollout_id and owned_by_other(current_peer.get(), e.owner):  # giving up another's work
-            raise RequestError("refused", f"forbidden: {current_peer.get()} may not release {req.trajectory_id} "
+        peer = current_peer.get()
+        if not req.rollout_id and owned_by_other(peer, e.owner):  # giving up another's work
+            raise RequestError("refused", f"forbidden: {peer} may not release {req.trajectory_id} "
                                           f"of rollout {e.owner}")
+        if req.rollout_id and owned_by_other(peer, e.owner) and not self.state.may_claim(req.trajectory_id,
+                                                                                        req.rollout_id):
+            raise RequestError("refused", f"forbidden: {peer} may not take over {req.trajectory_id} of rollout "
+                                          f"{e.owner!r}: neither its owner nor granted it by the manager")
         if req.fence:
             self.state.fence(req.trajectory_id, req.rollout_id)
         else:
-            e.owner = req.rollout_id
+            self.state.reassign(req.trajectory_id, req.rollout_id)
         await self.durable([("INSERT OR REPLACE INTO owners (tid, owner, epoch) VALUES (?, ?, ?)",
                              (req.trajectory_id, req.rollout_id, e.epoch))])
         return Ack(f"epoch {e.epoch}" if req.fence else "")
+
+    async def on_grant(self, req: GrantPartials) -> Ack:
+        """The manager's MigrateIn is about to hand these to `rollout_id` (state.py, Claims); kept in
+        memory only: a grant lost with a restart makes the claim refused, and the manager places the
+        trajectory again."""
+        return Ack(f"granted {self.state.grant(req.trajectory_ids, req.rollout_id)}")
 
     async def on_complete(self, req: CompletePartial) -> Ack:
         peer = current_peer.get()

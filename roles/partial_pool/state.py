@@ -23,6 +23,11 @@ and advances the epoch; from then on a delta carrying an older epoch (the previo
 but still running) is rejected, so two writers can never splice their streams under one id. A
 delta held for a gap is checked again when the gap fills.
 
+Claims: a rollout key named after a rollout may take a trajectory over (fence it to itself) only if
+it owns it or the manager granted it (`grant`, before a MigrateIn; `grants`, in memory: a grant
+lost with a restart is given again at the manager's next placement). A release by its owner leaves
+the releaser a grant, so a MigrateOut that could not release everything can claim back what it did.
+
 Multi-turn trajectories also carry a loss mask per delta (None = all 1, as in every single-turn
 delta) and the environment replies' spans; both accumulate like the tokens, so a partial state
 handed to a new owner keeps them (a state is masked only if one of its deltas was).
@@ -118,6 +123,7 @@ class PartialBook:
         self.chunk_done: dict[int, list[str]] = {}  # chunk -> its completed trajectories (kept in memory)
         self.pins: dict[str, int] = {}              # completed id -> live chunks holding it
         self.dead_chunks: list[int] = []            # chunks whose rows can go, since the role last looked
+        self.grants: dict[str, str] = {}            # live trajectory -> the rollout that may claim it (Claims)
 
     def apply(self, owner: str, deltas: list[TokenDelta], out: Outcome | None = None,
               checked: bool = False) -> Outcome:
@@ -184,9 +190,29 @@ class PartialBook:
         e.next_seq = d.seq + 1
         out.applied.append((owner, d))
 
+    def grant(self, tids, rollout: str) -> int:
+        """Rollout `rollout` may claim these live trajectories (the manager's MigrateIn); how many."""
+        live = [t for t in tids if t in self.entries and self.entries[t].spec is not None]
+        self.grants.update(dict.fromkeys(live, rollout))
+        return len(live)
+
+    def may_claim(self, tid: str, rollout: str) -> bool:
+        """Whether `rollout` owns `tid` or was granted it (Claims)."""
+        e = self.entries.get(tid)
+        return e is not None and rollout in (e.owner, self.grants.get(tid))
+
+    def reassign(self, tid: str, owner: str) -> None:
+        """Hand `tid` to `owner` without a fence; a release ("") leaves its owner a grant (Claims)."""
+        e = self.entries[tid]
+        self.grants.pop(tid, None)
+        if not owner and e.owner:
+            self.grants[tid] = e.owner
+        e.owner = owner
+
     def fence(self, tid: str, owner: str) -> int:
         """Hand `tid` to `owner` and fence its previous owners off; returns the new epoch."""
         e = self.entries[tid]
+        self.grants.pop(tid, None)
         e.owner, e.epoch = owner, e.epoch + 1
         e.held = {s: d for s, d in e.held.items() if d.epoch >= e.epoch}
         return e.epoch
@@ -220,6 +246,7 @@ class PartialBook:
     def complete(self, tid: str) -> bool:
         self.completed[tid] = None
         self.held_only.pop(tid, None)
+        self.grants.pop(tid, None)
         e = self.entries.pop(tid, None)
         for cid in e.chunks if e is not None else ():
             live = self.chunk_live.get(cid)

@@ -42,6 +42,7 @@ from laminar.protocol import (
     ReassignPartial,
 )
 
+NOT_GRANTED = object()  # _take_over: the partial pool refused this rollout's claim
 RELEASE_TIMEOUT_S = 10.0  # one release of a handed-over trajectory (MigrateOut answers within the manager's deadline)
 
 
@@ -132,6 +133,8 @@ class Migration:
                     accepted.append(tid)
                     continue
                 cur = await self._take_over(p)
+                if cur is NOT_GRANTED:  # neither accepted nor gone: the manager keeps it an orphan
+                    continue
                 if cur is None:  # e.g. completed elsewhere meanwhile: never generate twice
                     gone.append(tid)
                     continue
@@ -146,12 +149,16 @@ class Migration:
         """Make this rollout the owner of `p` in the partial pool, fencing every earlier owner off (a
         cut-off one may still be running), and read back what the pool holds: an earlier owner may
         have written more after `p` was read, and continuing from `p` would splice two streams.
-        None when the pool no longer has it in flight (completed elsewhere)."""
+        None when the pool no longer has it in flight (completed elsewhere); NOT_GRANTED when the pool
+        refuses the claim (the manager's grant did not reach it, e.g. lost with a pool restart)."""
         tid = p.spec.trajectory_id
         try:
             ack = await self.call(self.partials, ReassignPartial(tid, self.rollout_id, fence=True))
             cur = await self.call(self.partials, GetPartial(tid))
         except RemoteError as exc:
+            if exc.message.startswith("forbidden"):
+                self.log.warning("migrate_in_not_granted", trajectory=tid, why=exc.message)
+                return NOT_GRANTED
             self.log.info("migrate_in_gone", trajectory=tid, why=exc.message)
             return None
         word = (getattr(ack, "detail", "") or "").split()   # "epoch <n>": the epoch this rollout now holds
@@ -186,6 +193,8 @@ class Migration:
                     accepted.append(tid)
                     continue
                 cur = await self._take_over(p)
+                if cur is NOT_GRANTED:
+                    continue
                 if cur is None:
                     gone.append(tid)
                     continue
