@@ -42,7 +42,7 @@ from laminar.protocol import (
     ReassignPartial,
 )
 
-NOT_GRANTED = object()  # _take_over: the partial pool refused this rollout's claim
+NOT_TAKEN = object()  # _take_over: the claim was refused or failed (the manager keeps it an orphan)
 RELEASE_TIMEOUT_S = 10.0  # one release of a handed-over trajectory (MigrateOut answers within the manager's deadline)
 
 
@@ -105,6 +105,20 @@ class Migration:
         await asyncio.gather(*(one(a.id, self.rollout_id) for a, ok in zip(moving, done, strict=True) if ok))
         return False
 
+    async def give_up(self, a: Active) -> None:
+        """`a` cannot be stored from here (a peer answered `internal` past call_acked's bound): make
+        its deltas durable and release it in the partial pool (owner none), then drop it. The
+        manager's reconcile finds it as an orphan and places it again (its tokens are all there: the
+        new owner stores it at once). Until the pool takes both, it is asked again with backoff."""
+        delay = 0.1
+        while not (await self.stream.flush([a.id]) and await self._release([a])):
+            if a.fenced:  # another owner has it meanwhile
+                break
+            await asyncio.sleep(delay)  # backoff: the partial pool is unreachable
+            delay = min(delay * 2, 2.0)
+        self.log.warning("trajectory_released", trajectory=a.id, tokens=len(a.tokens), why="given up here")
+        self.work.left(a)
+
     async def on_migrate_in(self, req: MigrateIn) -> MigrateInResult:
         w = self.weights
         if req.adopt and any((p.lineage, p.version) != (w.lineage, w.version) for p in req.partials):
@@ -133,7 +147,7 @@ class Migration:
                     accepted.append(tid)
                     continue
                 cur = await self._take_over(p)
-                if cur is NOT_GRANTED:  # neither accepted nor gone: the manager keeps it an orphan
+                if cur is NOT_TAKEN:  # neither accepted nor gone: the manager keeps it an orphan
                     continue
                 if cur is None:  # e.g. completed elsewhere meanwhile: never generate twice
                     gone.append(tid)
@@ -149,16 +163,17 @@ class Migration:
         """Make this rollout the owner of `p` in the partial pool, fencing every earlier owner off (a
         cut-off one may still be running), and read back what the pool holds: an earlier owner may
         have written more after `p` was read, and continuing from `p` would splice two streams.
-        None when the pool no longer has it in flight (completed elsewhere); NOT_GRANTED when the pool
-        refuses the claim (the manager's grant did not reach it, e.g. lost with a pool restart)."""
+        None when the pool no longer has it in flight (completed elsewhere); NOT_TAKEN when the pool
+        refuses the claim (the manager's grant did not reach it, e.g. lost with a pool restart) or
+        answers `internal` past call_acked's bound."""
         tid = p.spec.trajectory_id
         try:
             ack = await self.call(self.partials, ReassignPartial(tid, self.rollout_id, fence=True))
             cur = await self.call(self.partials, GetPartial(tid))
         except RemoteError as exc:
-            if exc.message.startswith("forbidden"):
-                self.log.warning("migrate_in_not_granted", trajectory=tid, why=exc.message)
-                return NOT_GRANTED
+            if exc.message.startswith("forbidden") or exc.code == "internal":
+                self.log.warning("migrate_in_not_taken", trajectory=tid, why=exc.message)
+                return NOT_TAKEN
             self.log.info("migrate_in_gone", trajectory=tid, why=exc.message)
             return None
         word = (getattr(ack, "detail", "") or "").split()   # "epoch <n>": the epoch this rollout now holds
@@ -193,7 +208,7 @@ class Migration:
                     accepted.append(tid)
                     continue
                 cur = await self._take_over(p)
-                if cur is NOT_GRANTED:
+                if cur is NOT_TAKEN:
                     continue
                 if cur is None:
                     gone.append(tid)

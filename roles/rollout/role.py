@@ -52,6 +52,7 @@ import asyncio
 import os
 import time
 
+from laminar.bus.errors import RemoteError
 from laminar.roles.base import Role
 from laminar.roles.rollout.batch_seq import BatchSeq
 from laminar.roles.rollout.config import RolloutConfig
@@ -79,6 +80,7 @@ class RolloutRole(Role):
         super().__init__(ctx)
         self.work = Work()
         self.batches = 0
+        self.take_failures = 0  # TakeBatch answered `internal` past call_acked's bound (then idle_wait_s)
         self.taken_on_version = 0  # new trajectories taken since nothing last ran (weights change only then)
         self._group_size = 1
         self._gen_at_last_report = 0
@@ -171,6 +173,7 @@ class RolloutRole(Role):
                                        partials, self.spawn, log)
         self.migration = Migration(rid, self.work, self.weights, self.stream, partials, self.runner.start,
                                    self._call, s.max_concurrency, log)
+        self.runner.give_up = self.migration.give_up
 
     def _make_engine(self):
         cores = None
@@ -221,7 +224,14 @@ class RolloutRole(Role):
                 self.taken_on_version = 0
             room = self._room()
             # batch_seq makes a retried TakeBatch (lost reply) return the same groups
-            batch = await self._take_batch(room) if room > 0 else None
+            try:
+                batch = await self._take_batch(room) if room > 0 else None
+            except RemoteError as exc:
+                if exc.code != "internal":
+                    raise
+                batch, self.take_failures = None, self.take_failures + 1  # call_acked gave up (logged):
+                if not self.active:                                        # idle_wait_s, then ask again
+                    return self.IDLE
             for spec in batch.trajectories if batch else []:
                 self._group_size = max(1, spec.group_size)
                 self.runner.start(Active(spec=spec, version=self.version))
@@ -337,7 +347,8 @@ class RolloutRole(Role):
                "state": self.work.state, "batches": self.batches, "kv": round(kv, 3),
                "weight_pull_failures": w.pull_failures if w else 0,
                "puts_refused": self.runner.puts_refused if self.runner else 0,
-               "fenced_off": self.stream.fenced_off if self.stream else 0}
+               "fenced_off": self.stream.fenced_off if self.stream else 0,
+               "gave_up": self.runner.gave_up if self.runner else 0, "take_failures": self.take_failures}
         if self.episodes is not None:
             out.update({f"env_{k}": v for k, v in self.episodes.counts.items()})
         return out

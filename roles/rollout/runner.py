@@ -41,6 +41,8 @@ class TrajectoryRunner:
         self.reward = RewardPlan.of(reward)             # rule functions here, model scorers awaited in the pool
         self.buffer, self.partials, self.spawn, self.log = buffer, partials, spawn, log
         self.puts_refused = 0
+        self.gave_up = 0       # trajectories whose store a peer answered `internal` past the bound
+        self.give_up = None    # give_up(Active): durable, released in the partial pool, gone (Migration)
 
     def start(self, a: Active) -> None:
         """Make `a` active and run it (a resumed one keeps its lineage; a migrated one: the pool's)."""
@@ -85,10 +87,19 @@ class TrajectoryRunner:
                           rollout_id=self.rollout_id, reward=reward, finish_reason=reason, timings=a.timings,
                           loss_mask=mask, obs_spans=a.spans(),
                           lineage=a.lineage if a.lineage >= 0 else self.weights.lineage, reward_components=parts)
-        if pending:
-            await self._await_reward(traj, a, pending)
+        try:
+            if pending:
+                await self._await_reward(traj, a, pending)
+                return
+            put = await self._put(traj, a)
+        except RemoteError as exc:
+            if exc.code != "internal" or self.give_up is None:
+                raise
+            self.gave_up += 1  # call_acked gave up: hand it to the partial pool, the manager places it again
+            self.log.error("trajectory_given_up", trajectory=a.id, version=a.version, error=str(exc),
+                           gave_up=self.gave_up)
+            await self.give_up(a)
             return
-        put = await self._put(traj, a)
         if put is None:  # fenced off while the buffer was refusing it
             return
         # the provenance ledger of the run: one line per trajectory (tests and audits read it)

@@ -8,7 +8,12 @@ every component gets it passed in and none of them imports another.
 
 `call_acked` is the rollout's rule for requests that must arrive (TakeBatch, PutTrajectory,
 ReassignPartial, GetPartial): all of them are idempotent, so a peer that is down, busy or past a
-deadline is asked again with backoff until it answers; any other refusal is the caller's.
+deadline is asked again with backoff until it answers; any other refusal is the caller's. An
+`internal` answer (an exception in the peer's handler: a bug, or a store it cannot write) is asked
+again only INTERNAL_TRIES times in a row, then given up (`call_gave_up`, an error): retried
+forever, it kept a trajectory, and with it the whole batch, from ever ending. What each caller does
+then is its own: the runner releases the trajectory in the partial pool (migration.give_up), the
+batch loop waits idle_wait_s before asking for a batch again.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import asyncio
 from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.roles.rollout.trajectory import Active
 
+INTERNAL_TRIES = 6  # `internal` answers in a row before call_acked gives up (a bug of the peer, not load)
 RETRIED = ("busy", "unavailable", "internal", "deadline")  # RemoteError codes call_acked retries
 
 
@@ -51,12 +57,16 @@ class Work:
 async def call_acked(client, req, timeout_s: float, log):
     """Call until answered (the request is idempotent); backoff on a peer that is down, busy, or
     answered `deadline` (the request waited past its deadline in a loaded pool)."""
-    delay = 0.1
+    delay, internal = 0.1, 0
     while True:
         try:
             return await client.call(req, timeout=timeout_s)
         except (PeerUnavailable, RemoteError) as exc:
             if isinstance(exc, RemoteError) and exc.code not in RETRIED:
+                raise
+            internal = internal + 1 if isinstance(exc, RemoteError) and exc.code == "internal" else 0
+            if internal >= INTERNAL_TRIES:
+                log.error("call_gave_up", kind=type(req).kind, error=str(exc), tries=internal)
                 raise
             log.warning("call_retry", kind=type(req).kind, error=str(exc), retry_in_s=delay)
             await asyncio.sleep(delay)  # backoff before retrying a peer that is down
