@@ -13,7 +13,9 @@ dropped (state.py, Lineage), including leased groups a resumed trainer is about 
 ids go into the `requeue` table in the same transaction, and a loop sends them to the prompt pool
 that made them (RequeueGroups) and deletes them once it acknowledged: the prompt runs again on the
 current weights, and a buffer restarted meanwhile sends what is left. GroupPresence does not report
-such a group as settled here, so the manager accounts the new attempt like any other.
+such a group as settled here, so the manager accounts the new attempt like any other. An incomplete
+group whose reservation timed out (`reject` eviction, `reserve_timeout_s`; state.py) is requeued the
+same way.
 
 Dynamic sampling: a SampleGroups that names a filter metric gets only groups whose metric spreads
 (state.py); the others are dropped as `no_signal`, durably, and counted per prompt pool in the
@@ -27,7 +29,7 @@ import inspect
 import json
 
 from laminar.bus.errors import RemoteError, RpcError
-from laminar.roles.experience_buffer.state import OFF_LINEAGE, BufferBook, Change
+from laminar.roles.experience_buffer.state import EXPIRED, OFF_LINEAGE, BufferBook, Change
 from laminar.roles.pool_base import PoolRole
 from laminar.roles.sqlite_store import pack, unpack
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,6 +56,9 @@ class ExperienceBufferConfig(BaseModel):
                          "version first); samplers.py's SAMPLERS")
     max_staleness: int | None = Field(None, ge=0,
                                       description="drop groups older than this many versions (None: keep all)")
+    reserve_timeout_s: float | None = Field(1800.0, gt=0, description="with eviction reject: an incomplete group "
+                                            "held this long (from its first member) is dropped and its prompt "
+                                            "requeued, so its reserved room cannot be held forever (None: never)")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
     page_trajectories: int = Field(4096, ge=1, description="most trajectories in one Samples reply (whole groups, "
                                    "at least one): a larger batch goes over several replies, which the trainer asks "
@@ -110,7 +115,8 @@ class ExperienceBufferRole(PoolRole):
         c = self.cfg
         # replayed with room for every stored row, so replay never refuses what was acknowledged (a
         # capacity that shrank is applied afterwards, on disk too: migrate_setting)
-        book = BufferBook(1 << 62, c.eviction, c.sampler, self._max_staleness(), c.remember_removed)
+        book = BufferBook(1 << 62, c.eviction, c.sampler, self._max_staleness(), c.remember_removed,
+                          reserve_timeout_s=c.reserve_timeout_s)
         for gid, why in self.store.read("SELECT gid, why FROM gone ORDER BY rowid"):
             book.gone[gid] = why
         for n, gid, blob in self.store.read("SELECT n, gid, blob FROM trajs ORDER BY n"):
@@ -170,6 +176,7 @@ class ExperienceBufferRole(PoolRole):
 
     async def on_put(self, req: PutTrajectory) -> PutResult:
         status, ch = self.book.put(req.trajectory)
+        self._queue(ch)  # incomplete groups whose reservation timed out (state.py)
         await self.durable(self._statements(ch))
         head, _, detail = status.partition(": ")
         return PutResult(head, detail)
@@ -228,8 +235,13 @@ class ExperienceBufferRole(PoolRole):
         return True
 
     def _queue(self, ch: Change) -> None:
-        if ch.requeue:
-            self.log.warning("off_lineage_groups_dropped", groups=ch.requeue[:64], count=len(ch.requeue),
+        expired = [g for g in ch.requeue if self.book.gone.get(g, "").startswith(EXPIRED)]
+        if expired:
+            self.log.warning("incomplete_groups_expired", groups=expired[:64], count=len(expired),
+                             reserve_timeout_s=self.cfg.reserve_timeout_s)
+        if len(expired) < len(ch.requeue):
+            off = [g for g in ch.requeue if g not in set(expired)]
+            self.log.warning("off_lineage_groups_dropped", groups=off[:64], count=len(off),
                              trainer_lineage=self.book.lineage)
             self.requeue_out += [g for g in ch.requeue if g not in self.requeue_out]
 
@@ -305,7 +317,8 @@ class ExperienceBufferRole(PoolRole):
         """Members stored here; [-1] for a group already handed out, dropped or evicted."""
         b, present = self.book, {}
         for gid in req.group_ids:
-            if gid in b.gone and b.gone[gid] != OFF_LINEAGE:  # an off-lineage group runs again
+            # an off-lineage group runs again, and so does an expired one (both requeued)
+            if gid in b.gone and b.gone[gid] != OFF_LINEAGE and not b.gone[gid].startswith(EXPIRED):
                 present[gid] = [-1]
             elif gid in b.groups:
                 present[gid] = sorted(t.spec.sample_index for t in b.groups[gid].members.values())

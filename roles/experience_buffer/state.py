@@ -12,6 +12,14 @@
   free its room. A group larger than the capacity is refused (it could never complete), and an
   incomplete group already past `max_staleness` is dropped at the next sample like a complete one
   (it could never be trained), so a group whose last members never come holds no room for long.
+  And a reservation times out (needed above all without `max_staleness`, the default, and when
+  versions stop advancing because nothing completes): an incomplete group held
+  longer than `reserve_timeout_s` (monotonic clock, from its first member; a restart starts it
+  again) is dropped as `expired:<k>` (k: the newest attempt among its members), counted
+  (`expired_incomplete`) and its prompt requeued as a whole, at the next put that finds the buffer
+  full or the next sample. Only a newer attempt's members (the requeued one) are taken for that
+  group id afterwards. Before, such a group held its room forever, and enough of them refused
+  every new group while nothing was complete to sample.
 - `sample(k, trainer_version)` first drops every complete group with a member older than
   `max_staleness` versions (counted, never handed out), then lets the sampler pick up to k
   groups; handed-out groups are removed and remembered, so a late duplicate is refused.
@@ -46,17 +54,19 @@ Every mutating call returns the list of changes the role must make durable befor
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from laminar.roles.experience_buffer.samplers import Sampler, make_sampler
 
 from laminar.protocol import Trajectory
-from laminar.protocol.data import pool_of_group
+from laminar.protocol.data import attempt_of, pool_of_group
 from laminar.weights.manifest import off_lineage
 
 OFF_LINEAGE = "off_lineage"
 NO_SIGNAL = "no_signal"
+EXPIRED = "expired"  # an incomplete group whose reservation timed out: `expired:<newest attempt>`
 
 
 def group_metric(group, metric: str) -> list[float]:
@@ -84,6 +94,7 @@ class Group:
     size: int
     members: dict[str, Trajectory] = field(default_factory=dict)
     order: int = -1  # completion order (FIFO key); -1 while incomplete
+    since: float = 0.0  # when its first member came (the book's monotonic clock): reservation timeout
 
     @property
     def complete(self) -> bool:
@@ -107,11 +118,13 @@ class Change:
 
 class BufferBook:
     def __init__(self, capacity: int, eviction: str = "drop_oldest", sampler: str = "fifo",
-                 max_staleness: int | None = None, remember_removed: int = 200_000):
+                 max_staleness: int | None = None, remember_removed: int = 200_000,
+                 reserve_timeout_s: float | None = None, clock=time.monotonic):
         if eviction not in ("drop_oldest", "reject"):
             raise ValueError(f"eviction must be drop_oldest or reject, got {eviction!r}")
         self.capacity, self.eviction, self.max_staleness = capacity, eviction, max_staleness
         self.remember_removed = remember_removed
+        self.reserve_timeout_s, self.clock = reserve_timeout_s, clock  # reject's reservations time out
         self.sampler: Sampler = make_sampler(sampler)
         self.groups: OrderedDict[str, Group] = OrderedDict()  # insertion = arrival of first member
         self.gone: dict[str, str] = {}   # group id -> handed | stale | evicted
@@ -142,6 +155,10 @@ class BufferBook:
         if self.gone.get(gid) == OFF_LINEAGE and not self.off_lineage(t):
             del self.gone[gid]  # its prompt was requeued: this is the new attempt
             ch.forgotten.append(gid)
+        why = self.gone.get(gid, "")
+        if why.startswith(EXPIRED) and attempt_of(tid) > int(why.rpartition(":")[2] or 0):
+            del self.gone[gid]  # its prompt was requeued: this is the new attempt
+            ch.forgotten.append(gid)
         if gid in self.gone:
             self.counts["duplicates"] += 1
             return f"duplicate: group {gid} was already {self.gone[gid]}", ch
@@ -157,6 +174,8 @@ class BufferBook:
                 self.counts["rejected_full"] += 1
                 return f"full: a group of {need} can never fit capacity {self.capacity}", ch
             if self.stored + self.reserved + need > self.capacity:
+                self.expire(ch)
+            if self.stored + self.reserved + need > self.capacity:
                 self.counts["rejected_full"] += 1
                 return (f"full: {self.stored}/{self.capacity} trajectories stored, room for "
                         f"{self.reserved} more held for incomplete groups"), ch
@@ -169,7 +188,7 @@ class BufferBook:
             self.counts["evicted"] += 1
             self.forget_old(ch)
         if g is None:
-            g = self.groups[gid] = Group(gid, t.spec.group_size)
+            g = self.groups[gid] = Group(gid, t.spec.group_size, since=self.clock())
             self.reserved += g.size
         g.members[tid] = t
         self.stored += 1
@@ -179,6 +198,17 @@ class BufferBook:
             g.order, self.completions = self.completions, self.completions + 1
         ch.put.append(t)
         return "stored", ch
+
+    def expire(self, ch: Change) -> None:
+        """Drop every incomplete group held past `reserve_timeout_s` and requeue its prompt (module
+        docstring); only with `reject`, the only eviction that reserves room."""
+        if self.eviction != "reject" or self.reserve_timeout_s is None:
+            return
+        now = self.clock()
+        for g in [g for g in self.groups.values() if not g.complete and now - g.since > self.reserve_timeout_s]:
+            self._remove(g.group_id, f"{EXPIRED}:{max(attempt_of(t) for t in g.members)}", ch)
+            self.counts["expired_incomplete"] += 1
+            ch.requeue.append(g.group_id)
 
     def _remove(self, gid: str, why: str, ch: Change) -> Group:
         g = self.groups.pop(gid)
@@ -242,6 +272,7 @@ class BufferBook:
         dropped = 0
         self.set_lineage(lineage, forks or {}, ch)
         self.drop_off_lineage(ch, trainer_version)
+        self.expire(ch)
         if self.max_staleness is not None:
             for g in list(self.groups.values()):
                 if trainer_version - g.min_version() > self.max_staleness:
