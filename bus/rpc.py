@@ -165,6 +165,9 @@ class Dispatcher:
         return ErrorReply(code, str(exc))
 
 
+REQUEST_MSGS = 4  # a whole request, and one connection's requests in flight: at most this many max_msg
+
+
 def _set_common(sock: zmq.Socket, hwm: int, linger_ms: int, max_msg: int) -> None:
     sock.sndhwm = hwm
     sock.rcvhwm = hwm
@@ -187,10 +190,15 @@ class _IdentifiedReceiver(BoundedReceiver):
 class ZmqRpcServer(RpcServer):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, role: str, id: str, keys,
                  max_inflight: int = 256, hwm: int = 10000, linger_ms: int = 200,
-                 max_msg: int = 64 << 20):
+                 max_msg: int = 64 << 20, max_request_bytes: int | None = None, max_peer_bytes: int | None = None):
         super().__init__(role, id, max_inflight)
         self.ctx, self.address, self.keys = ctx, address, keys
         self._opts = (hwm, linger_ms, max_msg)
+        # a whole request (every part), and one connection's requests being handled, at most
+        # REQUEST_MSGS x max_msg each unless given (docs/security.md, Size limits)
+        self.max_request_bytes = max_request_bytes or REQUEST_MSGS * max_msg
+        self.max_peer_bytes = max_peer_bytes or REQUEST_MSGS * max_msg
+        self._peer_bytes: dict[bytes, int] = {}  # connection (ROUTER identity) -> bytes of its requests in flight
         self.sock: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -221,14 +229,24 @@ class ZmqRpcServer(RpcServer):
         scoped = self.keys is not None and getattr(self.keys, "scoped", False)
         if scoped:
             self.dispatcher.authorize = _auth.request_refusal
-        receiver = (_IdentifiedReceiver if scoped else BoundedReceiver)(self.sock, MAX_FRAMES + 1)  # + identity frame
+        receiver = (_IdentifiedReceiver if scoped else BoundedReceiver)(  # + identity frame
+            self.sock, MAX_FRAMES + 1, self.max_request_bytes)
         while True:
             frames, complete = await receiver.recv()
             peer = receiver.user_id if scoped else None
             if len(frames) < 2 or not complete:
                 self.dispatcher.stats["bad_frames"] += 1
+                if len(frames) >= 3 and receiver.why:  # answer it, if the part naming its id was kept
+                    await self._refuse_unread(frames[0], frames[1:], receiver.why)
                 continue
             ident, rest = frames[0], frames[1:]
+            size = sum(len(f) for f in rest)
+            held = self._peer_bytes.get(ident, 0)
+            if held and held + size > self.max_peer_bytes:  # one request at a time is always taken
+                self.dispatcher.stats["peer_busy"] += 1
+                await self._refuse_unread(ident, rest, f"this connection has {held} bytes of requests in flight; "
+                                          f"{size} more exceed the limit of {self.max_peer_bytes}", "busy")
+                continue
             try:
                 req, meta = decode(rest)
             except CodecError as exc:
@@ -237,13 +255,34 @@ class ZmqRpcServer(RpcServer):
                 if rid is not None:
                     await self._send(ident, reply, rid)
                 continue
-            t = asyncio.create_task(self._one(ident, req, meta, peer), name=f"rpc:{type(req).kind}")
+            self._peer_bytes[ident] = held + size
+            t = asyncio.create_task(self._one(ident, req, meta, peer, size), name=f"rpc:{type(req).kind}")
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-    async def _one(self, ident: bytes, req: Any, meta: dict, peer: str | None = None) -> None:
-        reply = await self.dispatcher.handle(req, meta, ident, peer)
-        await self._send(ident, reply, meta.get("rid"))
+    async def _refuse_unread(self, ident: bytes, frames: list[bytes], why: str, code: str = "bad_request") -> None:
+        """Answer a request that is not handled (too large, or its connection holds too much) with
+        `code`, if its id can be read from the parts kept; logged either way."""
+        if code == "bad_request":
+            self.dispatcher.stats["too_large"] += 1
+        log.warning("request_refused_unread", role=self.dispatcher.role, id=self.dispatcher.id, why=why)
+        try:
+            _, meta = decode(frames)
+        except CodecError as exc:
+            meta = exc.meta or {}
+        if meta.get("rid") is not None:
+            await self._send(ident, ErrorReply(code, why), meta["rid"])
+
+    async def _one(self, ident: bytes, req: Any, meta: dict, peer: str | None = None, size: int = 0) -> None:
+        try:
+            reply = await self.dispatcher.handle(req, meta, ident, peer)
+            await self._send(ident, reply, meta.get("rid"))
+        finally:
+            left = self._peer_bytes.get(ident, 0) - size
+            if left > 0:
+                self._peer_bytes[ident] = left
+            else:
+                self._peer_bytes.pop(ident, None)
 
     async def _send(self, ident: bytes, reply: Any, rid: Any) -> None:
         try:
