@@ -52,6 +52,18 @@ MAX_CALLERS = 4096      # callers whose floor is remembered (the least recent is
 current_peer: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_peer", default=None)
 
 
+_WALL_AT_START = time.time() - time.monotonic()
+
+
+def steady_time() -> float:
+    """The wall clock as read at start, advanced by the monotonic clock: what a request's send time
+    and its arrival are stamped with. A step of the system clock (an NTP correction, an operator's
+    `date -s`) moves neither, so a server whose clock jumped forward, or a caller whose clock
+    jumped back, is not taken for a queue that held every request (before, such a step refused
+    everyone as late for about two minutes). Slews keep it within a few ms/hour of the wall clock."""
+    return _WALL_AT_START + time.monotonic()
+
+
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -100,15 +112,15 @@ class Dispatcher:
 
     def late(self, req: Any, meta: dict, caller: Any) -> str:
         """Why `req` is too late to be worth running ("" when it is not)."""
-        now = time.time()
         st, to = meta.get("st"), meta.get("to")
         if _number(st) and _number(to):
-            delay = self.floor.delay(caller, now - st, time.monotonic())
+            delay = self.floor.delay(caller, steady_time() - st, time.monotonic())
             if delay > to + LATE_GRACE_S:
                 return (f"{type(req).kind} arrived {delay:.1f} s later than this caller's quickest recent request "
                         f"(its timeout: {to:.3g} s): it sat in a queue after its caller gave up")
             return ""
         dl = meta.get("dl")
+        now = time.time()  # an absolute deadline from another host: only its wall clock compares
         if _number(dl) and now > dl + LEGACY_GRACE_S:
             return (f"{type(req).kind} arrived {now - dl:.1f} s after its deadline (this server's clock {now:.3f}, "
                     f"the caller's deadline {dl:.3f}: if the request was fresh, the two hosts' clocks disagree; "
@@ -353,7 +365,7 @@ class ZmqRpcClient(RpcClient):
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
-        sent = time.time()
+        sent = steady_time()
         try:
             frames = encode(req, {"rid": rid, "dl": sent + timeout, "st": sent, "to": float(timeout)})
             async with asyncio.timeout(timeout):
