@@ -9,9 +9,20 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import structlog
 from laminar.bus import auth
+from laminar.roles.manager.fleet import Fleet, FleetSettings
 
-from laminar.protocol import AppendDeltas, ErrorReply, GetPartial, GrantPartials, ReassignPartial
+from laminar.protocol import (
+    AppendDeltas,
+    ErrorReply,
+    GetPartial,
+    GrantPartials,
+    MigrateIn,
+    MigrateInResult,
+    ReassignPartial,
+    RolloutStats,
+)
 from laminar.testing.inproc_cluster import InprocCluster
 from tests.unit.test_pool_write_failures import cfg, delta
 
@@ -62,3 +73,46 @@ def test_only_the_manager_grants():
     may = {s for s in ("env", "relay", "node", "pool", "trainer", "manager", "rollout", "rollout.r0")
            if not auth.request_refusal(s, GrantPartials(["a"], "r0"))}
     assert may == {"manager"}
+
+
+def test_a_new_manager_grants_what_it_places_so_the_destination_may_claim_it(tmp_path):
+    """The manager killed between MigrateOut and MigrateIn: the source released the work (owner
+    none), a new manager's reconcile finds it and places it; its GrantPartials lets the destination's
+    scoped key take it over, and nobody else's. The partial pool and the Fleet are real; the
+    destination is a stub rollout whose MigrateIn claims through the pool as `rollout.r1`."""
+
+    async def go():
+        c = InprocCluster(cfg(tmp_path))
+        pool = await c.start("partial_pool")
+        d = pool.server.dispatcher
+        d.authorize = auth.request_refusal
+        await d.handle(AppendDeltas("r0", [delta("a", 0)]), {}, None, "rollout.r0")
+        await d.handle(ReassignPartial("a", ""), {}, None, "rollout.r0")      # MigrateOut's release
+        early = await d.handle(ReassignPartial("a", "r1", fence=True), {}, None, "rollout.r1")  # not granted yet
+        claims = []
+
+        async def migrate_in(req: MigrateIn) -> MigrateInResult:
+            for p in req.partials:
+                claims.append(await d.handle(ReassignPartial(p.spec.trajectory_id, "r1", fence=True), {}, None,
+                                             "rollout.r1"))
+            return MigrateInResult(accepted=[p.spec.trajectory_id for p in req.partials], version=0)
+        t = c.hub.transport()
+        dest = t.server("inproc://rollout.r1", "rollout", "r1")
+        dest.route(MigrateIn, migrate_in)
+        await dest.start()
+        fleet = Fleet(t, structlog.get_logger("test"), FleetSettings(), lambda rid: f"inproc://rollout.{rid}",
+                      c.cfg.endpoint("partial_pool", "0"))
+        fleet.on_stats(RolloutStats("r1", "h0", 0, 0.0, 0, 0, 0, 0.0, "idle"))
+        await fleet.reconcile()
+        await fleet._place_orphans()
+        thief = await d.handle(ReassignPartial("a", "r2", fence=True), {}, None, "rollout.r2")
+        a = await c.client("partial_pool").call(GetPartial("a"))
+        left = dict(fleet.orphans)
+        fleet.close()
+        await dest.close()
+        await c.close()
+        return early, claims, thief, a, left
+    early, claims, thief, a, left = asyncio.run(go())
+    assert isinstance(early, ErrorReply) and "may not take over" in early.message
+    assert [x.detail for x in claims] == ["epoch 1"] and not left
+    assert isinstance(thief, ErrorReply) and (a.rollout_id, a.epoch) == ("r1", 1)
