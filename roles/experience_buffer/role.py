@@ -221,8 +221,9 @@ class ExperienceBufferRole(PoolRole):
 
     def _result_of(self, gid: str, ch: Change) -> list:
         """The row of a group this put completed, for its prompt pool's curriculum (if on there)."""
-        g = self.book.groups.get(gid)
-        if not ch.put or g is None or len(g.members) != g.size or self._prompt_pool_of(gid) not in self._curricula():
+        curricula = self._curricula()
+        g = self.book.groups.get(gid) if curricula and ch.put else None
+        if g is None or len(g.members) != g.size or self._prompt_pool_of(gid) not in curricula:
             return []
         row = (int(sum(group_metric(g.members.values(), "accuracy"))), g.size)
         self.results_out[gid] = row
@@ -318,7 +319,7 @@ class ExperienceBufferRole(PoolRole):
                             self.log.warning("requeue_record_failed", error=str(exc))
                             continue
                         self.requeue_out = [g for g in self.requeue_out if g not in set(done)]
-                if self.results_out:
+                if getattr(self, "results_out", None):  # none before a successful recover
                     await self._send_results(clients)
                 await asyncio.sleep(period_s)
         finally:
