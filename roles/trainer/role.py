@@ -319,7 +319,7 @@ class TrainerRole(Role):
             self.committed = self.cursor  # the buffer may forget the groups before it (next request)
             self.event("checkpoint_saved", version=self.version, path=str(path), cursor=self.cursor)
             if self.best is not None:
-                await self._judge(self.best.saved, self.version)
+                await self._judge(self.best.saved, self.version, self.version)
         if self._exports_now(self.version):
             path = await in_thread(self._export, "trainer-export")
             self.event("exported", version=self.version, path=str(path))
@@ -344,21 +344,22 @@ class TrainerRole(Role):
             while True:
                 _, ev = await self.eval_sub.recv()
                 if isinstance(ev, Metrics) and isinstance(ev.values, dict):
-                    await self._judge(keeper.heard, ev.values)
+                    await self._judge(keeper.heard, ev.values, ev.values.get("version"))
         finally:
             self.eval_sub.close()
 
-    async def _judge(self, how, arg) -> None:
-        """Run one of the keeper's judgements off the loop (it may copy a checkpoint) and log it."""
+    async def _judge(self, how, arg, version) -> None:
+        """Run one of the keeper's judgements of `version` off the loop (it may copy a checkpoint)
+        and log what came of it."""
         try:
             got = await asyncio.to_thread(how, arg)
         except OSError as exc:  # rotation removed the folder while it was copied: the next best will do
-            self.log.warning("best_checkpoint_failed", error=repr(exc))
+            self.log.warning("best_checkpoint_failed", version=version, error=repr(exc))
             return
-        if got in ("kept", "no_checkpoint"):
-            b = self.best.best or {}
-            self.event(f"best_checkpoint_{got}", version=b.get("version") if got == "kept" else None,
-                       value=b.get("value") if got == "kept" else None)
+        if got == "kept":
+            self.event("best_checkpoint_kept", version=self.best.best["version"], value=self.best.best["value"])
+        elif got == "no_checkpoint":
+            self.event("best_checkpoint_no_checkpoint", version=None if version is None else int(version))
 
     def _sample_log(self) -> SampleLog:
         if getattr(self, "sample_log", None) is None:
