@@ -143,15 +143,7 @@ def test_curriculum_off_by_default_changes_nothing(tmp_path):
 def test_curriculum_buffer_reports_completed_groups_to_the_pool(tmp_path):
     async def go():
         cl = InprocCluster(cfg(tmp_path, {"window": 1}, buffer=True))
-        pool = await cl.start("prompt_pool")
-        buf = await cl.start("experience_buffer")
-        pp, bc = cl.client("prompt_pool"), cl.client("experience_buffer")
-        batch = await pp.call(TakeBatch("r", 2 * N))
-        rewards = [1.0, 1.0, 1.0, 0.0]  # group 0 all solved, group 1 half
-        for spec, r in zip(batch.trajectories, rewards, strict=True):
-            t = Trajectory(spec=spec, response_tokens=np.array([5], np.int32), logprobs=np.zeros(1, np.float32),
-                           version=0, rollout_id="r", reward=r)
-            assert (await bc.call(PutTrajectory(t))).status == "stored"
+        pool, buf = await put_two_groups(cl)
         for _ in range(200):
             if pool.counts()["curriculum_results"] == 2 and not buf.results_pending():
                 break
@@ -161,6 +153,31 @@ def test_curriculum_buffer_reports_completed_groups_to_the_pool(tmp_path):
         assert c["curriculum_pass_rate_mean"] == pytest.approx((1.0 + 0.5) / 2)
         await cl.close()
     asyncio.run(go())
+
+
+def test_curriculum_off_the_buffer_records_no_results(tmp_path):
+    async def go():
+        cl = InprocCluster(cfg(tmp_path, None, buffer=True))
+        _, buf = await put_two_groups(cl)
+        pending = buf.results_pending()
+        rows = buf.store.read("SELECT count(*) FROM results")[0][0]
+        await cl.close()
+        return pending, rows
+    assert asyncio.run(go()) == ({}, 0)
+
+
+async def put_two_groups(cl):
+    """Start the pool and the buffer, take two groups, put them complete: one all solved, one half."""
+    pool = await cl.start("prompt_pool")
+    buf = await cl.start("experience_buffer")
+    pp, bc = cl.client("prompt_pool"), cl.client("experience_buffer")
+    batch = await pp.call(TakeBatch("r", 2 * N))
+    rewards = [1.0, 1.0, 1.0, 0.0]  # group 0 all solved, group 1 half
+    for spec, r in zip(batch.trajectories, rewards, strict=True):
+        t = Trajectory(spec=spec, response_tokens=np.array([5], np.int32), logprobs=np.zeros(1, np.float32),
+                       version=0, rollout_id="r", reward=r)
+        assert (await bc.call(PutTrajectory(t))).status == "stored"
+    return pool, buf
 
 
 def test_curriculum_down_weights_solved_prompts_when_not_retiring_and_refuses_bad_results(tmp_path):
