@@ -14,6 +14,7 @@ from laminar.bus.errors import Refused
 
 from laminar.config import parse_config
 from laminar.protocol import GroupResults, PutTrajectory, RequeueGroups, TakeBatch, Trajectory
+from laminar.remote import status_lines
 from laminar.summary import summarize
 from laminar.testing.inproc_cluster import InprocCluster
 
@@ -114,6 +115,8 @@ def test_curriculum_state_survives_a_pool_restart(tmp_path):
         assert c["curriculum_pass_rate_mean"] == pytest.approx(0.5)
         await report(pp, [first[0], first[2]], N)   # a resent result changes nothing (idempotent by group)
         assert pool.counts()["curriculum_results"] == 3
+        (line,) = status_lines({"prompt_pool.0": {"metrics": {}, "status": pool.status()}})
+        assert "curriculum retired 1  down-weighted 1 (never solved 1)  pass rate mean 0.5" in line
         later = await take(pp, 3 * N_PROMPTS)
         assert prompt_of(first[0]) not in {prompt_of(g) for g in later}
         await cl.close()
