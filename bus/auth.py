@@ -372,6 +372,7 @@ REQUESTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "data.take_batch": (("prompt_pool",), frozenset({"rollout"})),     # named key: only for itself
     "data.requeue_groups": (("prompt_pool",), frozenset({"manager", "pool"})),  # manager's settling; buffer's
     "data.handed_groups": (("prompt_pool",), frozenset({"manager"})),  # off-lineage drops come from the pool scope
+    "data.group_results": (("prompt_pool",), frozenset({"pool"})),    # the buffer's results, for the curriculum
     # partial pool
     "data.append_deltas": (("partial_pool",), frozenset({"rollout", "manager"})),  # manager: restarted orphans
     "data.append_delta_batch": (("partial_pool",), frozenset({"rollout"})),

@@ -121,7 +121,8 @@ def status_table(cfg, rows: dict[str, dict]):
 
 
 def status_lines(rows: dict[str, dict]) -> list[str]:
-    """What the table has no column for: trainer staleness/throughput, manager counters, relay progress."""
+    """What the table has no column for: trainer staleness/throughput, manager counters, relay
+    progress, a prompt pool's curriculum."""
     out = []
     for k, r in rows.items():
         m = r["metrics"]
@@ -141,6 +142,10 @@ def status_lines(rows: dict[str, dict]) -> list[str]:
         elif k.startswith("relay.") and m:
             out.append(f"{k}: version {g('version')}  receiving {g('receiving')} "
                        f"({g('chunks_have')}/{g('chunks_total')} chunks)  corrupt {g('corrupt_chunks')}")
+        elif k.startswith("prompt_pool.") and "curriculum_retired" in (st := r.get("status") or {}):
+            out.append(f"{k}: curriculum retired {st['curriculum_retired']}  down-weighted "
+                       f"{st.get('curriculum_downweighted')} (never solved {st.get('curriculum_unsolved')})  "
+                       f"pass rate mean {st.get('curriculum_pass_rate_mean')}  skipped {st.get('curriculum_skipped')}")
     return out
 
 

@@ -33,6 +33,8 @@ evaluated; None when the run did not evaluate. `groups_generated` / `groups_kept
 `groups_dropped_nosignal` / `versions_without_step` / `filter_cap_versions` say what the versions
 were made of (dynamic sampling, docs/learning.md). `eval` is {set: {metric: {first, last, best}}}
 over the evaluations of every eval set, `eval_best` the evaluator's best.json (docs/evaluation.md).
+`curriculum` is {prompt pool id: its difficulty curriculum's last counts} (retired, down-weighted,
+pass rate; `<workdir>/prompt_pool/curriculum-<id>.json`, docs/learning.md), {} when it was off.
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
         out["eval_best"] = json.loads((run / "evaluator" / "best.json").read_text())
     except (OSError, ValueError):
         out["eval_best"] = None
+    out["curriculum"] = {f.stem.partition("-")[2]: json.loads(f.read_text())
+                         for f in sorted((run / "prompt_pool").glob("curriculum-*.json"))}
     if recs:
         rewards = [r["reward_mean"] for r in recs]
         k = max(1, min(window, len(recs) // 2 or 1))

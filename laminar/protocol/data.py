@@ -29,7 +29,7 @@ __all__ = [
     "DeltaResult", "InFlightOf", "GetPartial", "PartialState", "PartialList", "ReassignPartial",
     "CompletePartial", "Trajectory", "PutTrajectory", "PutResult", "SampleGroups", "Samples",
     "BufferStatsRequest", "BufferStats", "PoolCount", "HandedGroups", "HandedList", "GroupPresence",
-    "GroupPresenceReply", "AppendDeltaBatch", "RequeueResult", "GrantPartials",
+    "GroupPresenceReply", "AppendDeltaBatch", "RequeueResult", "GrantPartials", "GroupResults",
 ]
 
 _FIRST_POOL_GROUP = re.compile(r"e\d+-p")          # prompt pool "0": e<epoch>-p<prompt id>
@@ -341,3 +341,13 @@ class RequeueResult:
     requeued: list[str]                  # entries that will be handed out again (as their next attempt)
     settled: list[str]                   # `settled` entries no longer accounted to the rollout
     refused: dict[str, str] = field(default_factory=dict)  # entry -> why (unknown id, never handed out)
+
+
+@event("data.group_results")
+class GroupResults:
+    """Experience buffer -> the prompt pool that made these groups: how many samples of each
+    completed group solved its prompt (reward >= 1), for the pool's difficulty curriculum. Item i
+    is (group_ids[i], solved[i], sizes[i]); idempotent by group id. Answered with Ack."""
+    group_ids: list[str]
+    solved: list[int]
+    sizes: list[int]

@@ -20,6 +20,11 @@ same way.
 Dynamic sampling: a SampleGroups that names a filter metric gets only groups whose metric spreads
 (state.py); the others are dropped as `no_signal`, durably, and counted per prompt pool in the
 published counts, from which the prompt pool's gate learns to hand out replacements.
+
+Curriculum: for a prompt pool whose `curriculum` is on, the put that completes a group also
+records (group id, samples with reward >= 1, size) in the `results` table, in its transaction; the
+same loop as the requeues sends them to that pool (GroupResults, idempotent there) and deletes
+them once acknowledged. Before any filter or staleness bound: every completed group counts.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ import inspect
 import json
 
 from laminar.bus.errors import RemoteError, RpcError
-from laminar.roles.experience_buffer.state import EXPIRED, OFF_LINEAGE, BufferBook, Change
+from laminar.roles.experience_buffer.state import EXPIRED, OFF_LINEAGE, BufferBook, Change, group_metric
 from laminar.roles.pool_base import PoolRole
 from laminar.roles.sqlite_store import pack, unpack
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +44,7 @@ from laminar.protocol import (
     BufferStatsRequest,
     GroupPresence,
     GroupPresenceReply,
+    GroupResults,
     PutResult,
     PutTrajectory,
     RequeueGroups,
@@ -74,6 +80,7 @@ CREATE TABLE IF NOT EXISTS gone (gid TEXT PRIMARY KEY, why TEXT);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT);
 CREATE TABLE IF NOT EXISTS handed (pos INTEGER PRIMARY KEY, gid TEXT);
 CREATE TABLE IF NOT EXISTS requeue (gid TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS results (gid TEXT PRIMARY KEY, solved INTEGER, n INTEGER);
 """
 
 
@@ -136,6 +143,7 @@ class ExperienceBufferRole(PoolRole):
         lin = json.loads(meta.get("lineage", "{}"))
         book.lineage, book.forks = int(lin.get("lineage", -1)), dict(lin.get("forks", {}))
         self.requeue_out = [gid for (gid,) in self.store.read("SELECT gid FROM requeue ORDER BY rowid")]
+        self.results_out = {gid: (s, n) for gid, s, n in self.store.read("SELECT gid, solved, n FROM results")}
         book.capacity = c.capacity
         self.book = book
         ch = Change()
@@ -177,7 +185,7 @@ class ExperienceBufferRole(PoolRole):
     async def on_put(self, req: PutTrajectory) -> PutResult:
         status, ch = self.book.put(req.trajectory)
         self._queue(ch)  # incomplete groups whose reservation timed out (state.py)
-        await self.durable(self._statements(ch))
+        await self.durable(self._statements(ch) + self._result_of(req.trajectory.spec.group_id, ch))
         head, _, detail = status.partition(": ")
         return PutResult(head, detail)
 
@@ -217,6 +225,54 @@ class ExperienceBufferRole(PoolRole):
         nosignal, tokens = b.last_nosignal
         return Samples(groups=groups, cursor=b.cursor, dropped_stale=dropped, dropped_nosignal=nosignal,
                        dropped_nosignal_tokens=tokens)
+
+    def _result_of(self, gid: str, ch: Change) -> list:
+        """The row of a group this put completed, for its prompt pool's curriculum (if on there)."""
+        curricula = self._curricula()
+        g = self.book.groups.get(gid) if curricula and ch.put else None
+        if g is None or len(g.members) != g.size or self._prompt_pool_of(gid) not in curricula:
+            return []
+        row = (int(sum(group_metric(g.members.values(), "accuracy"))), g.size)
+        self.results_out[gid] = row
+        return [("INSERT OR REPLACE INTO results VALUES (?, ?, ?)", (gid, *row))]
+
+    def _curricula(self) -> set[str]:
+        """The prompt pools whose curriculum is on (from the cluster config, read once)."""
+        if getattr(self, "_curriculum_pools", None) is None:
+            cfg = self.ctx.config
+            ids = [s.id for _, s in cfg.find("prompt_pool")] if cfg is not None else []
+            self._curriculum_pools = {i for i in ids if cfg.settings_of("prompt_pool", i).curriculum is not None}
+        return self._curriculum_pools
+
+    def results_pending(self) -> dict:
+        return dict(getattr(self, "results_out", {}))
+
+    async def _send_results(self, clients: dict) -> None:
+        """Send the completed groups' results to their prompt pools; forget them once acknowledged."""
+        by_pool: dict[str, list[str]] = {}
+        for gid in list(self.results_out):
+            by_pool.setdefault(self._prompt_pool_of(gid) or "", []).append(gid)
+        for pool, gids in by_pool.items():
+            gids = gids[:4096]  # one bounded request; the rest next round
+            if pool not in clients:
+                clients[pool] = self.ctx.transport.client(self.ctx.config.endpoint("prompt_pool", pool))
+            rows = [self.results_out[g] for g in gids]
+            try:
+                await clients[pool].call(GroupResults(gids, [s for s, _ in rows], [n for _, n in rows]), timeout=5.0)
+            except RemoteError as exc:
+                if exc.code not in ("refused", "bad_request", "unknown_kind"):
+                    continue  # unavailable or busy: next round
+                self.log.error("group_results_refused", prompt_pool=pool, groups=gids[:16], error=str(exc))
+            except RpcError as exc:  # gone for now: kept, sent again (idempotent there)
+                self.log.warning("group_results_deferred", prompt_pool=pool, error=str(exc))
+                continue
+            try:
+                await self.durable([("DELETE FROM results WHERE gid = ?", (g,)) for g in gids])
+            except Exception as exc:  # kept in memory and on disk: sent again (idempotent)
+                self.log.warning("group_results_record_failed", error=str(exc))
+                continue
+            for g in gids:
+                self.results_out.pop(g, None)
 
     def _drop_leased_off_lineage(self, group: list, ch: Change, trainer_version: int | None = None) -> bool:
         """A leased group generated off the trainer's lineage (handed out before a trainer restart
@@ -275,6 +331,8 @@ class ExperienceBufferRole(PoolRole):
                             self.log.warning("requeue_record_failed", error=str(exc))
                             continue
                         self.requeue_out = [g for g in self.requeue_out if g not in set(done)]
+                if getattr(self, "results_out", None):  # none before a successful recover
+                    await self._send_results(clients)
                 await asyncio.sleep(period_s)
         finally:
             for c in clients.values():

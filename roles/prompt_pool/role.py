@@ -23,21 +23,34 @@ Attempts: every requeue of an entry gives it the group's next attempt number k (
 group id and sample index. So a re-generated member never reuses the id of one that got as far as
 the partial pool, which refuses deltas for ids it completed (a group the buffer dropped off-lineage
 was completed there), and the buffer still sees one group with one slot per sample index.
+
+Curriculum (optional, `curriculum`; curriculum.py): GroupResults from the experience buffer give
+each prompt's recent pass rate; when the cursor comes to a prompt whose weight says not this epoch
+(retired, or down-weighted as always solved or never solved), it passes over it, recording the skip
+in the same transaction as the cursor move. Off (the default), results are acknowledged and ignored.
+Its counts go out with the pool's (heartbeat, `metrics.prompt_pool`) and, for the end-of-run
+summary, to `<workdir>/prompt_pool/curriculum-<id>.json` every `CURRICULUM_FILE_S` and at stop.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 from laminar.bus.rpc import RequestError
 from laminar.roles.pool_base import PoolRole
+from laminar.roles.prompt_pool.curriculum import SCHEMA as CURRICULUM_SCHEMA
+from laminar.roles.prompt_pool.curriculum import Curriculum, CurriculumConfig
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.datasets import chat_template_field, load_records, prompt_encoder, system_prompt_field
 from laminar.protocol import (
+    Ack,
     Batch,
+    GroupResults,
     HandedGroups,
     HandedList,
     RequeueGroups,
@@ -93,6 +106,8 @@ class PromptPoolConfig(BaseModel):
     )
     max_batch_trajectories: int = Field(65_536, ge=1, description="most trajectories one TakeBatch gets, "
                                         "whatever it asks for (a bound on the work and memory of one request)")
+    curriculum: CurriculumConfig | None = Field(None, description="difficulty curriculum: retire prompts always "
+                                                "solved, visit never-solved ones less often (None: off)")
 
 
 SCHEMA = """
@@ -102,7 +117,10 @@ CREATE TABLE IF NOT EXISTS last_batch (rollout_id TEXT PRIMARY KEY, seq INTEGER,
 CREATE TABLE IF NOT EXISTS handed_to (entry TEXT PRIMARY KEY, rollout_id TEXT, pid INTEGER);
 CREATE TABLE IF NOT EXISTS accounting (k TEXT PRIMARY KEY, v INTEGER);
 CREATE TABLE IF NOT EXISTS attempts (entry TEXT PRIMARY KEY, n INTEGER);
-"""
+""" + CURRICULUM_SCHEMA
+
+
+CURRICULUM_FILE_S = 5.0  # how often the curriculum's counts file is rewritten (a reporting period)
 
 
 class PromptPoolRole(PoolRole):
@@ -110,8 +128,9 @@ class PromptPoolRole(PoolRole):
     name = "prompt_pool"
     Config = PromptPoolConfig
     SCHEMA = SCHEMA
-    SCHEMA_VERSION = 3  # v2: handed_to and accounting (new tables; a v1 store's hand-outs count as settled);
-    # v3: attempts (a new table: what an older store requeued goes out again as attempt 0)
+    SCHEMA_VERSION = 4  # v2: handed_to and accounting (new tables; a v1 store's hand-outs count as settled);
+    # v3: attempts (a new table: what an older store requeued goes out again as attempt 0);
+    # v4: curriculum and curriculum_skips (new tables: an older store starts with no results)
 
     async def setup(self) -> None:
         settings = self.settings
@@ -155,7 +174,26 @@ class PromptPoolRole(PoolRole):
     async def run(self) -> None:
         if self.buffer_counts is not None:
             self.spawn(self._follow_buffer_counts(), "buffer-counts")
+        if self.cfg.curriculum is not None and self.cluster is not None:
+            self.spawn(self._write_curriculum(), "curriculum-file")
         await super().run()
+
+    def _curriculum_file(self) -> Path:
+        return self.cluster.workdir() / "prompt_pool" / f"curriculum-{self.ctx.id}.json"
+
+    def _save_curriculum(self, counts: dict) -> None:
+        """Write the curriculum's counts for the summary (atomically: a reader never sees half)."""
+        out = self._curriculum_file()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(counts) + "\n")
+        os.replace(tmp, out)
+
+    async def _write_curriculum(self) -> None:
+        while True:
+            if getattr(self, "curriculum", None) is not None:
+                await asyncio.to_thread(self._save_curriculum, self.curriculum.counts(self._prompt_ids))
+            await asyncio.sleep(CURRICULUM_FILE_S)  # the reporting period
 
     async def _follow_buffer_counts(self) -> None:
         """Groups each experience buffer removed untrained because they were too stale (complete
@@ -170,6 +208,12 @@ class PromptPoolRole(PoolRole):
         await super().stop()
         if getattr(self, "buffer_counts", None) is not None:
             self.buffer_counts.close()
+        if getattr(self, "curriculum", None) is not None and self.cluster is not None:
+            self._save_curriculum(self.curriculum.counts(self._prompt_ids))  # the last word, for the summary
+
+    @property
+    def _prompt_ids(self) -> list[str]:
+        return [r.prompt_id for r in self.records]
 
     def recover(self) -> None:
         row = self.store.read("SELECT epoch, pos, handed FROM cursor WHERE k = 0")
@@ -190,6 +234,12 @@ class PromptPoolRole(PoolRole):
         for e in list(self.out) + self.requeued:
             g = self._group_of(e)
             self.open[g] = self.open.get(g, 0) + 1
+        self.curriculum = None
+        if self.cfg.curriculum is not None:
+            self.curriculum = Curriculum(self.cfg.curriculum, self._prompt_ids, self.cfg.seed)
+            self.curriculum.load(self.store.read("SELECT gid, prompt, solved, n FROM curriculum ORDER BY rowid"),
+                                 self.store.read("SELECT gid, epoch FROM curriculum_skips"),
+                                 int(acc.get("curriculum_skipped", 0)))
 
     def _handed_entries(self, stored: list) -> list[tuple[str, int]]:
         """A stored last batch as (entry, attempt) pairs; a store from before attempts were kept
@@ -201,6 +251,7 @@ class PromptPoolRole(PoolRole):
         self.route(TakeBatch, self.on_take)
         self.route(RequeueGroups, self.on_requeue)
         self.route(HandedGroups, self.on_handed, changes=False)
+        self.route(GroupResults, self.on_results)
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
@@ -209,7 +260,11 @@ class PromptPoolRole(PoolRole):
         return self._perm
 
     def exhausted(self) -> bool:
-        return self.cfg.max_epochs is not None and self.epoch >= self.cfg.max_epochs and not self.requeued
+        if self.requeued:
+            return False
+        if self.curriculum is not None and self.curriculum.all_retired(self._prompt_ids):
+            return True  # the curriculum retired every prompt: nothing fresh is left
+        return self.cfg.max_epochs is not None and self.epoch >= self.cfg.max_epochs
 
     def _group(self, epoch: int, idx: int, attempt: int = 0) -> list[TrajectorySpec]:
         r, n = self.records[idx], self.cfg.group_size
@@ -241,8 +296,11 @@ class PromptPoolRole(PoolRole):
         return specs if member is None else [specs[int(member)]]
 
     def _was_handed(self, entry: str) -> bool:
-        """Did the cursor pass this group (it was handed out fresh at some point)?"""
+        """Did the cursor pass this group (it was handed out fresh at some point)? A group the
+        curriculum passed over was not (known for the current and previous epoch)."""
         e, pid = self._parse(entry)
+        if self.curriculum is not None and self._group_of(entry) in self.curriculum.skips:
+            return False
         if e != self.epoch:
             return e < self.epoch
         self._order(e)
@@ -274,20 +332,32 @@ class PromptPoolRole(PoolRole):
             took_requeued.append(gid)
             out += self._specs_of(gid)
         n_requeued = len(out)
-        epoch, pos, fresh = self.epoch, self.pos, 0
+        epoch, pos, fresh, scanned, skip_rows = self.epoch, self.pos, 0, 0, []
+        cur = self.curriculum
+        bound = cur.scan_bound(len(self.records)) if cur is not None else None
         while len(out) // n < want and fresh < fresh_room:
             if self.cfg.max_epochs is not None and epoch >= self.cfg.max_epochs:
                 break
-            out += self._group(epoch, int(self._order(epoch)[pos]))
-            fresh += 1
-            pos += 1
+            if bound is not None and scanned >= bound:
+                break  # every prompt left is retired
+            idx = int(self._order(epoch)[pos])
+            if cur is None or cur.visits(epoch, self.records[idx].prompt_id):
+                out += self._group(epoch, idx)
+                fresh += 1
+            else:
+                skip_rows += cur.skip(f"{self.prefix}e{epoch}-p{self.records[idx].prompt_id}", epoch)
+            pos, scanned = pos + 1, scanned + 1
             if pos == len(self.records):
                 epoch, pos = epoch + 1, 0
         if not out:  # exhausted, or (gated) this version's share is out: wait for the next version
+            if skip_rows:
+                self.epoch, self.pos = epoch, pos
+                await self.durable([("INSERT OR REPLACE INTO cursor (k, epoch, pos, handed) VALUES (0, ?, ?, ?)",
+                                     (epoch, pos, self.handed))] + skip_rows)
             return Batch([], exhausted=self.exhausted())
         # Commit the cursor move before answering; memory follows only after it is durable.
         stmts = [("INSERT OR REPLACE INTO cursor (k, epoch, pos, handed) VALUES (0, ?, ?, ?)",
-                  (epoch, pos, self.handed + fresh))]
+                  (epoch, pos, self.handed + fresh))] + skip_rows
         stmts += [("DELETE FROM requeued WHERE group_id = ?", (g,)) for g in took_requeued]
         entries = took_requeued + list(dict.fromkeys(s.group_id for s in out[n_requeued:]))
         if req.batch_seq >= 0:  # each entry with the attempt it goes out as (what a retry answers)
@@ -379,6 +449,28 @@ class PromptPoolRole(PoolRole):
                           group_ids=[g for g, _ in split], members=[-1 if m is None else int(m) for _, m in split],
                           pids=[pid for _, _, pid in got], attempts=[self.attempts.get(e, 0) for e, _, _ in got])
 
+    async def on_results(self, req: GroupResults) -> Ack:
+        """Each completed group's result, for the curriculum (idempotent by group id). Off: ignored.
+        A group id this pool did not make is refused with the others recorded."""
+        if not (len(req.group_ids) == len(req.solved) == len(req.sizes)):
+            raise RequestError("bad_request", f"GroupResults: {len(req.group_ids)} group_ids, {len(req.solved)} "
+                               f"solved, {len(req.sizes)} sizes: they must be as many")
+        if self.curriculum is None:
+            return Ack("curriculum off")
+        stmts, refused, recorded = [], [], 0
+        for gid, solved, size in zip(req.group_ids, req.solved, req.sizes, strict=True):
+            parsed = self._parse(gid)
+            if parsed is None or self._split(gid)[1] is not None or not 0 <= solved <= size:
+                refused.append(gid)
+                continue
+            rows = self.curriculum.record(parsed[1], gid, int(solved), int(size))
+            stmts, recorded = stmts + rows, recorded + bool(rows)
+        if refused:
+            self.log.warning("group_results_refused", groups=refused[:16], count=len(refused))
+        await self.durable(stmts)
+        return Ack(f"recorded {recorded}, already known {len(req.group_ids) - len(refused) - recorded}, "
+                   f"refused {len(refused)}")
+
     @property
     def prompts_skipped(self) -> int:
         """Fresh groups handed out that are neither settled nor open (outstanding or requeued)."""
@@ -388,7 +480,8 @@ class PromptPoolRole(PoolRole):
         return {"epoch": self.epoch, "position": self.pos, "groups_handed": self.handed,
                 "requeued": len(self.requeued), "prompts": len(self.records), "skipped_rows": self.skipped,
                 "outstanding": len(self.out), "groups_settled": self.settled,
-                "prompts_skipped": self.prompts_skipped}
+                "prompts_skipped": self.prompts_skipped,
+                **(self.curriculum.counts(self._prompt_ids) if self.curriculum else {})}
 
     def _split(self, entry: str) -> tuple[str, str | None]:
         """A group id -> (it, None); a member id `<group>/<i>` -> (group id, "i"). (A prompt id

@@ -126,6 +126,9 @@ class TrainerConfig(BaseModel):
     checkpoint_every: int = Field(10, ge=1, description="checkpoint every N versions")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept")
     checkpoint_dir: str | None = Field(None, description="default <workdir>/trainer[-<id>]/checkpoints")
+    keep_best_checkpoint: bool = Field(False, description="copy the checkpoint of the version the evaluator scores "
+                                       "best (its best_metric) to <workdir>/trainer[-<id>]/best/, out of rotation's "
+                                       "reach (roles/trainer/best.py; only versions that have a checkpoint count)")
     export_dir: str | None = Field(None, description="at the end of a run (max_iterations reached), write the "
                                    "final weights there as a Hugging Face folder, as `laminar-node export` writes one "
                                    "(config and tokenizer files of model_dir, weights in its config's dtype); "

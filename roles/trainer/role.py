@@ -14,6 +14,8 @@
            copy into staging is waited for: `published` logs that stall) -> metrics -> every
            checkpoint_every versions an atomic checkpoint -> next iteration at once. With export_dir,
            the version that reaches max_iterations is also written there as a Hugging Face folder.
+           With keep_best_checkpoint, rank 0 follows the evaluator's results and keeps the
+           checkpoint of the best-scoring version in best/ (best.py).
 Ranks > 0 have no loop of their own: they follow rank 0's command stream (dist.py) and join each
 collective. The relay tier's progress is watched by a thread that logs `publish_delivered` when
 the master holds a version, so the logs show the next `step_started` before the previous
@@ -28,6 +30,7 @@ from pathlib import Path
 from laminar.bus.errors import RpcError
 from laminar.roles.base import Role
 from laminar.roles.trainer import checkpoint, dist
+from laminar.roles.trainer.best import BestCheckpoint
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.metrics import MetricsLog, batch_stats, trained_weights
 from laminar.roles.trainer.publishing import PublishLink
@@ -74,6 +77,7 @@ class TrainerRole(Role):
         self.resumed_from = None
         self._iter: asyncio.Future | None = None
         self._stop_sent = False
+        self.best: BestCheckpoint | None = None  # keep_best_checkpoint's keeper (rank 0)
 
     # -- helpers --------------------------------------------------------------------------
     def workdir(self) -> Path:
@@ -129,6 +133,7 @@ class TrainerRole(Role):
         self.metrics.truncate_after(self.version)
         if c.tensorboard:
             self.metrics.open_tensorboard()
+        self.best = self._best_keeper()
         self.buffer = self.ctx.transport.client(self.ctx.config.endpoint("experience_buffer", c.experience_buffer))
         if self.resumed_from is not None:
             lost = None
@@ -313,9 +318,48 @@ class TrainerRole(Role):
             path = await in_thread(self._checkpoint, "trainer-checkpoint")
             self.committed = self.cursor  # the buffer may forget the groups before it (next request)
             self.event("checkpoint_saved", version=self.version, path=str(path), cursor=self.cursor)
+            if self.best is not None:
+                await self._judge(self.best.saved, self.version, self.version)
         if self._exports_now(self.version):
             path = await in_thread(self._export, "trainer-export")
             self.event("exported", version=self.version, path=str(path))
+
+    def _best_keeper(self) -> BestCheckpoint | None:
+        """With keep_best_checkpoint: the keeper, and a task following the evaluator's results."""
+        c, cfg = self.cfg, self.ctx.config
+        if not c.keep_best_checkpoint or c.engine == "sim":
+            return None
+        evaluators = [s.id for _, s in cfg.find("evaluator")] if cfg is not None else []
+        metric = cfg.settings_of("evaluator", evaluators[0]).best_metric if evaluators else None
+        if metric is None:
+            self.log.warning("best_checkpoint_off", why="keep_best_checkpoint needs an evaluator with best_metric")
+            return None
+        keeper = BestCheckpoint(self.dir, self.ckpt_root, metric, c.checkpoint_every)
+        self.eval_sub = self.ctx.transport.subscriber(["metrics.evaluator"])
+        self.spawn(self._follow_evaluations(keeper), "best-checkpoint")
+        return keeper
+
+    async def _follow_evaluations(self, keeper: BestCheckpoint) -> None:
+        try:
+            while True:
+                _, ev = await self.eval_sub.recv()
+                if isinstance(ev, Metrics) and isinstance(ev.values, dict):
+                    await self._judge(keeper.heard, ev.values, ev.values.get("version"))
+        finally:
+            self.eval_sub.close()
+
+    async def _judge(self, how, arg, version) -> None:
+        """Run one of the keeper's judgements of `version` off the loop (it may copy a checkpoint)
+        and log what came of it."""
+        try:
+            got = await asyncio.to_thread(how, arg)
+        except OSError as exc:  # rotation removed the folder while it was copied: the next best will do
+            self.log.warning("best_checkpoint_failed", version=version, error=repr(exc))
+            return
+        if got == "kept":
+            self.event("best_checkpoint_kept", version=self.best.best["version"], value=self.best.best["value"])
+        elif got == "no_checkpoint":
+            self.event("best_checkpoint_no_checkpoint", version=None if version is None else int(version))
 
     def _sample_log(self) -> SampleLog:
         if getattr(self, "sample_log", None) is None:
