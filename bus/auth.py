@@ -40,6 +40,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.utils import z85
 
 KEY_NAME = "cluster"
 WEIGHTS_KEY = "weights"  # weights.key / weights.key_secret: the trainer's Ed25519 signing key
@@ -219,7 +220,6 @@ def generate_client_key(directory: str | os.PathLike, identity: str, overwrite: 
 
 def client_identities(directory: str | os.PathLike) -> dict[bytes, str]:
     """Admitted client public key (raw 32 bytes) -> identity, from `clients/*.key`."""
-    from zmq.utils import z85
     out = {}
     for p in sorted((Path(directory) / CLIENTS).glob("*.key")):
         public, _ = zmq.auth.load_certificate(str(p))

@@ -18,6 +18,8 @@ import abc
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from laminar.protocol import PROTOCOL_VERSION, Hello
+
 Handler = Callable[[Any], Awaitable[Any]]
 
 
@@ -52,7 +54,7 @@ class RpcServer(abc.ABC):
     address: str
 
     def __init__(self, role: str, id: str, max_inflight: int = 256):
-        from laminar.bus.rpc import Dispatcher
+        from laminar.bus.rpc import Dispatcher  # late: rpc imports this module's Handler (a cycle)
         self.dispatcher = Dispatcher(role, id, max_inflight)
 
     def route(self, cls: type, handler: Handler) -> None:
@@ -77,7 +79,6 @@ class RpcClient(abc.ABC):
 
     async def hello(self, role: str, id: str, timeout: float = 5.0) -> Any:
         """Protocol handshake; raises RemoteError('protocol_mismatch') naming both versions."""
-        from laminar.protocol import PROTOCOL_VERSION, Hello
         return await self.call(Hello(protocol=PROTOCOL_VERSION, role=role, id=id), timeout=timeout)
 
     @abc.abstractmethod

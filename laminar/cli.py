@@ -1,7 +1,9 @@
 """`laminar-node`: the one command-line interface of Laminar (docs/operating.md).
 
 Subcommands: keygen, check, up, start, role, status, tail, stop, systemd, slurm, export, bench.
-Config is parsed and validated before anything heavy is imported. Exit codes: 0 done, 1 a run
+Config is parsed and validated before anything heavy is imported: each subcommand imports its
+modules when it runs (the one place late imports are the rule), so `--help` and every role
+process load only what they use. Exit codes: 0 done, 1 a run
 or a cluster that is not well (a role given up, a role not alive in `status`), 2 a usage or
 config error (one `error:` line per problem; nothing was started), 128 + signal when
 interrupted (130: Ctrl-C).

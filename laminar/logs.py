@@ -13,6 +13,7 @@ repacks.jsonl) rotate the same way (`RotatingFile`). Readers take every kept fil
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -191,7 +192,6 @@ def _rotating_stderr() -> RotatingStderr | None:
         return None
     if not stat.S_ISREG(st.st_mode) or not os.path.isabs(path) or not os.path.exists(path):
         return None
-    import fcntl
     if not fcntl.fcntl(2, fcntl.F_GETFL) & os.O_APPEND:
         return None
     return RotatingStderr(path, max_bytes, keep)

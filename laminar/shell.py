@@ -30,10 +30,14 @@ from collections.abc import Callable
 import structlog
 
 from laminar import logs
+from laminar.bus.auth import ROLE_SCOPE, load_keys
 from laminar.bus.heartbeat import heartbeat_loop
 from laminar.bus.transport import Transport
+from laminar.bus.zmq_transport import ZmqTransport
+from laminar.config import load_config
 from laminar.protocol import Shutdown
 from laminar.roles.base import Role, RoleContext, RoleFailed
+from laminar.roles.registry import role_class
 from laminar.threads import leave
 
 log = structlog.get_logger("laminar.shell")
@@ -42,8 +46,6 @@ EXIT_STOPPED_BY_OPERATOR = 3
 
 def make_transport(cfg, role: str | None = None, id: str | None = None) -> Transport:
     """The bus transport of a process; `role`/`id` pick its client key when the keys are scoped."""
-    from laminar.bus.auth import ROLE_SCOPE, load_keys
-    from laminar.bus.zmq_transport import ZmqTransport
     keys = load_keys(cfg.cluster.keys_dir, scope=ROLE_SCOPE.get(role, role) if role else None,
                      name=str(id) if id is not None else None) if cfg.cluster.keys_dir else None
     pub, sub = cfg.broker_endpoints()
@@ -192,8 +194,6 @@ async def _watchdog() -> None:
 
 def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
               level: str = "info", host: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> int:
-    from laminar.config import load_config
-    from laminar.roles.registry import role_class
     pipe = ReadyPipe(ready_fd)
     try:  # anything that stops the role before its setup runs is told to the supervisor too
         cfg = load_config(config_path, overrides)

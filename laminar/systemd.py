@@ -31,6 +31,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from laminar.supervisor import ready_timeout_for
+
 RESTART_STEPS_SINCE = 254  # systemd version that knows RestartSteps / RestartMaxDelaySec
 
 
@@ -95,7 +97,6 @@ def render_units(cfg, config_path: str, host: str, python: str | None = None,
                  overrides: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
     """`systemd_version`: of the host that will run the units ("local": this one's); `log_level`
     and the `--set` overrides go on every unit's command line."""
-    from laminar.supervisor import ready_timeout_for
     python = python or sys.executable
     workdir = workdir or os.getcwd()
     if systemd_version == "local":

@@ -177,7 +177,7 @@ def send_config(cfg) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from laminar.config import load_config
+    from laminar.config import load_config  # late: laminar.config imports this module's TrackingSpec (a cycle)
     ap = argparse.ArgumentParser(prog="python -m laminar.tracking", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="the run's config YAML (its workdir and tracking section)")
     a = ap.parse_args(argv)

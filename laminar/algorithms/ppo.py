@@ -10,6 +10,8 @@ every turn learns from the outcome reward (as verl does); right padding is skipp
 """
 from __future__ import annotations
 
+from laminar.models.loading import read_config, torch_dtype
+
 
 def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 0.95):
     """Advantages and returns [B, T] by GAE(gamma, lambda) over the valid tokens only:
@@ -68,7 +70,6 @@ def load_critic(model_dir, device="cpu", dtype: str = "float32"):
     import torch
     import transformers
 
-    from laminar.models.loading import read_config, torch_dtype
     read_config(model_dir)
     body = transformers.AutoModel.from_pretrained(str(model_dir), dtype=torch_dtype(dtype), local_files_only=True)
 

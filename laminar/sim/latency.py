@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from laminar.sim.hardware import GPU, ModelShape
+from laminar.sim.hardware import gpu as gpu_spec
 from laminar.sim.hardware import model as model_shape
 from laminar.stepcurve import StepCurve
 
@@ -103,7 +104,6 @@ class RooflineFit:
         """Least squares on the relative error over the paper's curves `keys` (default: 32B)."""
         import numpy as np
 
-        from laminar.sim.hardware import gpu as gpu_spec
         g, table = gpu_spec(gpu), workload["decode_step_latency_ms_at_seq4096"]
         roof, meas = [], []
         for key in keys:
@@ -127,7 +127,6 @@ ROOFLINE_BATCHES = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 def roofline_curve(size: str, tp: int, workload: dict, gpu: str = "H800") -> StepCurve:
     """A step curve at 4,096 tokens of context from the fitted roofline (`RooflineFit`)."""
-    from laminar.sim.hardware import gpu as gpu_spec
     fit, m, g = RooflineFit.fit(workload, gpu=gpu), model_shape(size), gpu_spec(gpu)
     return StepCurve(tuple(float(b) for b in ROOFLINE_BATCHES),
                      tuple(fit.step_ms(m, g, tp, b) for b in ROOFLINE_BATCHES),

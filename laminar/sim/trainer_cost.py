@@ -49,6 +49,8 @@ Design decisions:
 """
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass, field
 
 from laminar.sim.hardware import GPU, ModelShape
@@ -108,7 +110,6 @@ def balanced_step_tokens(lengths, ranks: int, steps: int, cost=None) -> list[flo
     `lengths` (tokens per sequence) spread over `ranks` balancing their token totals (longest
     first onto the lightest rank, as verl's balance_batch balances sequence lengths), each rank's
     share cut into `steps` mini-batches of equal count in the order received."""
-    import heapq
     ranks = max(1, min(ranks, len(lengths)))
     heap = [(0, r) for r in range(ranks)]
     shares: list[list[int]] = [[] for _ in range(ranks)]
@@ -241,7 +242,6 @@ class NcclBroadcast:
     per_doubling_gbps: float = 1006.0
 
     def seconds(self, size_bytes: float, rollout_gpus: int) -> float:
-        import math
         return (size_bytes / (self.bandwidth_gbps * 1e9)
                 + size_bytes * math.log2(max(1, rollout_gpus)) / (self.per_doubling_gbps * 1e9))
 

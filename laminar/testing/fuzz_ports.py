@@ -32,7 +32,25 @@ import random
 import socket
 import time
 
+import msgpack
 import numpy as np
+import zmq
+
+from laminar.bus import auth
+from laminar.bus.codec import decode, encode
+from laminar.config import load_config
+from laminar.protocol import (
+    PROTOCOL_VERSION,
+    AppendDeltas,
+    ErrorReply,
+    Heartbeat,
+    PutTrajectory,
+    RelayJoin,
+    Shutdown,
+    TakeBatch,
+    Trajectory,
+    TrajectorySpec,
+)
 
 
 def garbage(rng: random.Random, valid: list[bytes]) -> list[bytes]:
@@ -55,9 +73,7 @@ def garbage(rng: random.Random, valid: list[bytes]) -> list[bytes]:
 
 def hostile_messages(max_msg_bytes: int) -> list[tuple[str, list[bytes]]]:
     """(name, frames) of messages built to exhaust a decoder; every one must be refused cheaply."""
-    import msgpack
 
-    from laminar.protocol import PROTOCOL_VERSION
     v = PROTOCOL_VERSION
     empty_maps = msgpack.packb([v, {"rid": 1}, {"seq": 1, "x": [[{}] * 65_536 for _ in range(32)]}])
     return [
@@ -82,7 +98,6 @@ def hold_silent(addresses: list[tuple[str, int]], n: int) -> list[socket.socket]
 
 def forged_requests(rollout_id: str) -> list:
     """Well-formed requests a rollout key may not send (--forge)."""
-    from laminar.protocol import AppendDeltas, PutTrajectory, RelayJoin, Trajectory, TrajectorySpec
     spec = TrajectorySpec("fuzz-t", "fuzz-p", "fuzz-g", 0, 1, np.arange(4, dtype=np.int32))
     traj = Trajectory(spec, np.arange(2, dtype=np.int32), np.zeros(2, dtype=np.float32), 0, rollout_id, 1.0)
     return [RelayJoin("fuzz-master", "fuzz-host", "127.0.0.1:9", "tcp://127.0.0.1:9"), PutTrajectory(traj),
@@ -91,7 +106,6 @@ def forged_requests(rollout_id: str) -> list:
 
 def forged_events(cfg, hosts: list[str]) -> list[tuple[str, object]]:
     """(topic, event) a rollout key may not publish (--forge): stop commands, heartbeats of others."""
-    from laminar.protocol import Heartbeat, Shutdown
     out: list[tuple[str, object]] = [("ctrl.all", Shutdown("fuzz: forged by a rollout key"))]
     for hid in hosts:
         for spec in cfg.cluster.hosts[hid].roles:
@@ -103,10 +117,7 @@ def forged_events(cfg, hosts: list[str]) -> list[tuple[str, object]]:
 
 def _answers(sock, n: int, wait_s: float) -> dict[str, int]:
     """Error codes (or reply kinds) of up to `n` replies arriving within `wait_s`."""
-    import zmq
 
-    from laminar.bus.codec import decode
-    from laminar.protocol import ErrorReply
     got: dict[str, int] = {}
     deadline = time.monotonic() + wait_s
     while n and time.monotonic() < deadline:
@@ -128,12 +139,7 @@ def _answers(sock, n: int, wait_s: float) -> dict[str, int]:
 
 
 def main() -> int:
-    import zmq
 
-    from laminar.bus import auth
-    from laminar.bus.codec import encode
-    from laminar.config import load_config
-    from laminar.protocol import TakeBatch
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("--frames", type=int, default=2000)

@@ -17,11 +17,11 @@ from pathlib import Path
 import yaml
 
 from laminar.bus.auth import generate_keys
+from laminar.tasks.demo_data import make_prompts
 from laminar.testing.procs import free_port
 
 
 def write_prompts(path: Path, n: int = 64) -> Path:
-    from laminar.tasks.demo_data import make_prompts
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in make_prompts(n)))
     return path

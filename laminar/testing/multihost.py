@@ -40,6 +40,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -50,9 +51,14 @@ from pathlib import Path
 import yaml
 
 from laminar.bus.auth import generate_keys
+from laminar.logs import rotated_files
+from laminar.roles.sqlite_store import unpack
 from laminar.shm import ShmLedger
 from laminar.testing.local_cluster import write_prompts
 from laminar.testing.netns import NetnsCluster
+from laminar.testing.procs import log_events as events_in
+from laminar.weights.manifest import off_lineage
+from laminar.weights.publisher import read_lineage
 
 # real time (speedup 1): six simulated 7B GPU rollouts then produce about what one CPU trainer of
 # the tiny model consumes (faster ones mostly fill the buffer with groups it must evict)
@@ -63,8 +69,6 @@ SIM_ROLLOUT = {"engine": "sim", "max_model_len": 4096, "seed": 1,
 
 def log_events(path: str | Path, name: str) -> list[dict]:
     """A role log's events named `name`, from its rotated files too (laminar/logs.py), oldest first."""
-    from laminar.logs import rotated_files
-    from laminar.testing.procs import log_events as events_in
     return [e for f in rotated_files(path) for e in events_in(f, name)]
 
 
@@ -308,7 +312,6 @@ class MultiHost:
 
     def ledger(self) -> dict:
         """After the run (cluster stopped): the cross-check of every component's own records."""
-        import sqlite3
 
         metrics = self.metrics()
         trained = [g for r in metrics for g in r["group_ids"]]
@@ -396,9 +399,7 @@ class MultiHost:
         size) although a member of theirs was stored before `before` (epoch seconds: the start of
         the drain). Such a group was given the whole drain to complete and did not: its missing
         members are stranded (a member nobody runs holds its room forever)."""
-        import sqlite3
 
-        from laminar.roles.sqlite_store import unpack
 
         db = self.run_dir / "pools" / "experience_buffer-0.sqlite"
         if not db.exists():
@@ -447,10 +448,7 @@ class MultiHost:
         Prompts: the prompt pool's `prompts_skipped` (fresh groups handed out that are neither
         settled nor outstanding nor requeued), from its store, as its heartbeat counts it. Staleness:
         samples with negative staleness in metrics.jsonl's histogram."""
-        import sqlite3
 
-        from laminar.weights.manifest import off_lineage
-        from laminar.weights.publisher import read_lineage
 
         lin = read_lineage(self.run_dir / "trainer" / "checkpoints") or {"epoch": 0, "forks": {}}
         forks = {int(k): int(v) for k, v in lin["forks"].items()}

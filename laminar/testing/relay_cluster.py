@@ -21,7 +21,13 @@ from pathlib import Path
 import yaml
 
 from laminar.bus.auth import generate_keys, load_keys
+from laminar.bus.zmq_transport import ZmqTransport
+from laminar.protocol import ChainState, Heartbeat, RelayProgress, WeightsVersion
 from laminar.testing.procs import RoleProc, free_port
+from laminar.weights.follow import MasterFollower
+from laminar.weights.publisher import WeightPublisher
+from laminar.weights.seal import signer_of
+from laminar.weights.wire import derive_key
 
 
 class RelayCluster:
@@ -94,11 +100,6 @@ class RelayCluster:
 
     @contextlib.asynccontextmanager
     async def trainer(self, chunk_bytes: int = 4 << 20, transport: str = "tcp"):
-        from laminar.bus.zmq_transport import ZmqTransport
-        from laminar.weights.follow import MasterFollower
-        from laminar.weights.publisher import WeightPublisher
-        from laminar.weights.seal import signer_of
-        from laminar.weights.wire import derive_key
 
         bus = ZmqTransport(
             f"tcp://127.0.0.1:{self.broker_ports[0]}", f"tcp://127.0.0.1:{self.broker_ports[1]}", self.keys
@@ -132,7 +133,6 @@ class Trainer:
         await self.follower.start()
 
     async def _follow(self) -> None:
-        from laminar.protocol import ChainState, Heartbeat, RelayProgress, WeightsVersion
         while True:
             _, ev = await self.sub.recv()
             if isinstance(ev, WeightsVersion):

@@ -18,13 +18,26 @@ after the other, and OUT gets {"variants": [{"model", "metrics"}, ...]} (micro-b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
+import uuid
+
+from laminar.roles.trainer import checkpoint, dist
+from laminar.roles.trainer.config import TrainerConfig
+from laminar.roles.trainer.engine import TrainEngine
+from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
+from laminar.testing.trainer_task import random_groups
+from laminar.weights import wire
+from laminar.weights.node import RelayNode
+from laminar.weights.publisher import WeightPublisher
+from laminar.weights.pull import LocalWeights
+from laminar.weights.transport import get_transport
 
 SETTINGS = dict(lr=1e-3, critic_lr=1e-3, minibatch_steps=2, micro_batch_size=3)
 
 
 def batches(versions: int) -> list:
-    from laminar.testing.trainer_task import random_groups
     # 15 sequences: mini-batches of 8 and 7, shares of 4/4 and 4/3 -> one rank forwards an empty chunk
     return [random_groups(3, 5, f"v{v}", resp_len=6 + v, prompt_len=5, seed=v) for v in range(versions)]
 
@@ -32,11 +45,9 @@ def batches(versions: int) -> list:
 def long_tailed_batches(versions: int) -> list:
     """Groups whose response lengths are long-tailed (lognormal, 2 to 60 tokens; seeded): dealt to
     ranks by count, the long ones land unevenly."""
-    import dataclasses
 
     import numpy as np
 
-    from laminar.testing.trainer_task import random_groups
     rng = np.random.default_rng(7)
     out = []
     for v in range(versions):
@@ -50,7 +61,6 @@ def long_tailed_batches(versions: int) -> list:
 
 
 def make_config(model_dir: str, algorithm: str, device: str, **overrides):
-    from laminar.roles.trainer.config import TrainerConfig
     return TrainerConfig(model_dir=model_dir, algorithm=algorithm, device=device, **{**SETTINGS, **overrides})
 
 
@@ -58,7 +68,6 @@ def train_reference(model_dir: str, algorithm: str = "grpo", versions: int = 2, 
     """The same run on one rank: {"model": state_dict, "metrics": [per version]}."""
     import torch
 
-    from laminar.roles.trainer.engine import TrainEngine
     torch.manual_seed(0)
     eng = TrainEngine(make_config(model_dir, algorithm, device), 0, torch.device(device))
     eng.load()
@@ -72,8 +81,6 @@ def resume_reference(model_dir: str, checkpoint_dir: str, algorithm: str = "grpo
     batches after its version up to `versions`: {"model": state_dict, "metrics", "resumed": version}."""
     import torch
 
-    from laminar.roles.trainer import checkpoint
-    from laminar.roles.trainer.engine import TrainEngine
     torch.manual_seed(0)
     eng = TrainEngine(make_config(model_dir, algorithm, device), 0, torch.device(device))
     eng.load()
@@ -91,16 +98,7 @@ def publish_both(eng, info, dtypes: list[str]) -> dict | None:
     of its own (`hosts`: parts assembled by the relay), and a publish of the gathered state dict,
     to three relays in rank 0's process; rank 0 returns {dtype: {"sharded"/"hosts"/"full":
     (manifest, bytes), "copied": [bytes each rank copied in the sharded publish]}}, None elsewhere."""
-    import shutil
-    import uuid
 
-    from laminar.roles.trainer import dist
-    from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
-    from laminar.weights import wire
-    from laminar.weights.node import RelayNode
-    from laminar.weights.publisher import WeightPublisher
-    from laminar.weights.pull import LocalWeights
-    from laminar.weights.transport import get_transport
     key = wire.derive_key(b"k" * 32)
     nodes, pubs, out = [], [], {}
     sharded = full = hosts = None
@@ -156,8 +154,6 @@ def publish_both(eng, info, dtypes: list[str]) -> dict | None:
 def main() -> None:
     import torch
 
-    from laminar.roles.trainer import dist
-    from laminar.roles.trainer.engine import TrainEngine
     ap = argparse.ArgumentParser()
     ap.add_argument("rank", type=int)
     ap.add_argument("world", type=int)

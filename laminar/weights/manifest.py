@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 import msgpack
 import xxhash
 
+from laminar.bus.codec import decode, encode
+from laminar.bus.errors import CodecError
 from laminar.protocol import Manifest
 
 ALIGN = 64
@@ -162,14 +164,11 @@ def validate(m: Manifest) -> None:
 
 def manifest_to_bytes(m: Manifest) -> bytes:
     """One blob (the bus codec's frames, msgpack-framed) for the chunk wire and the shm file."""
-    from laminar.bus.codec import encode
     return msgpack.packb([bytes(f) for f in encode(m)])
 
 
 def manifest_from_bytes(data: bytes) -> Manifest:
     """Decode and validate; raises ValueError on anything that is not a sound manifest."""
-    from laminar.bus.codec import decode
-    from laminar.bus.errors import CodecError
     try:
         frames = msgpack.unpackb(data)
         m, _ = decode(frames)

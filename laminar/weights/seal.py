@@ -29,6 +29,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from laminar.weights.manifest import chunk_range
+from laminar.weights.wire import content_digest, manifest_digest
 
 CONTEXT = b"laminar weights seal v1\0"
 SIGNATURE_BYTES = 64
@@ -105,7 +106,6 @@ def chunk_pieces(m, digests) -> list[tuple[int, int, bytes]]:
 def seal_whole(vb, signer: Signer | None) -> list[bytes]:
     """The seals of a whole version held in a VersionBuffer (made once): one seal over every
     chunk's digest (those a sender computed as it sent them; any missing ones are computed here)."""
-    from laminar.weights.wire import content_digest, manifest_digest
     if not vb.sealed:
         vb.digests = [d or content_digest(vb.chunk(i)) for i, d in enumerate(vb.digests)]
         vb.seals = [make_seal(signer, manifest_digest(vb.manifest), chunk_pieces(vb.manifest, vb.digests))]
@@ -154,7 +154,6 @@ def check(m, seals, buf, verifier: Verifier | None, mdigest: bytes, known: dict 
     from those very bytes (a relay's chunk digests, the master's range digests): such pieces are
     compared, not hashed again. Raises SealError when the seals themselves are bad (see
     pieces_of) or leave tensor bytes uncovered."""
-    from laminar.weights.wire import content_digest
     pieces = pieces_of(m, seals, verifier, mdigest)
     holes = gaps(m, pieces)
     named = uncovered_tensor_bytes(m, holes)

@@ -46,11 +46,16 @@ from types import SimpleNamespace
 from laminar.roles.base import Role
 from laminar.roles.evaluator.scoring import ProblemResult, score
 from laminar.roles.evaluator.sets import BestKeeper, EvalSet, EvalSetConfig, legacy_keys, set_configs
+from laminar.roles.rollout.engine import VllmEngine
 from pydantic import BaseModel, ConfigDict, Field
 
-from laminar.datasets import chat_template_field, system_prompt_field
+from laminar.datasets import chat_template_field, load_records, prompt_encoder, system_prompt_field, tokenize_records
+from laminar.export import export
 from laminar.protocol import Heartbeat, Metrics
 from laminar.samples import SampleLog
+from laminar.tasks import load_callable
+from laminar.weights.manifest import ident
+from laminar.weights.pull import LocalWeights
 
 
 class EvaluatorConfig(BaseModel):
@@ -170,8 +175,6 @@ class EvaluatorRole(Role):
         return out
 
     async def setup(self) -> None:
-        from laminar.datasets import load_records, prompt_encoder, tokenize_records
-        from laminar.tasks import load_callable
         c, cfg = self.cfg, self.ctx.config
         self.reward = load_callable(c.reward)
         encoder = prompt_encoder(c.tokenizer_dir, c.chat_template, c.system_prompt)
@@ -202,7 +205,6 @@ class EvaluatorRole(Role):
         # the first evaluation runs is not missed (a subscription made later can miss its events)
         self.trainer_sub = self.ctx.transport.subscriber(["metrics.trainer", "hb.trainer."])
         self.trainer_heard_at = time.monotonic()
-        from laminar.roles.rollout.engine import VllmEngine
         bind = None
         if cfg is not None:
             _, spec = cfg.spec("evaluator", self.ctx.id)
@@ -266,8 +268,6 @@ class EvaluatorRole(Role):
         """Load the relay's newest version if it is due (or `force`); True when loaded and named."""
         if not self.weights_dir:
             return False
-        from laminar.weights.manifest import ident
-        from laminar.weights.pull import LocalWeights
         lw = LocalWeights(self.weights_dir)
         try:
             m = await asyncio.to_thread(lw.manifest)
@@ -383,7 +383,6 @@ class EvaluatorRole(Role):
 
     async def _keep_best(self, v: int, values: dict) -> None:
         """A new best version: its weights (the relay's copy; version 0: model_dir's) to best/."""
-        from laminar.export import export
         c = self.cfg
         src = self.weights_dir if (v > 0 and self.weights_dir) else None
         do = (lambda out: export(src, out, c.model_dir, version=v)) if src else None

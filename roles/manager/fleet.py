@@ -643,6 +643,5 @@ def restarted_id(tid: str) -> str:
 
 def _emptied(s: RolloutStats) -> RolloutStats:
     """The source's view right after MigrateOut: it holds nothing until its next report."""
-    import dataclasses
     return dataclasses.replace(s, kv_usage=0.0, running=0, waiting=0, active=0)
 

@@ -54,6 +54,9 @@ from dataclasses import dataclass
 
 from laminar.roles.rollout.rank_load import load_on_ranks
 
+from laminar.shm import ShmLedger, descendants
+from laminar.weights.pull import LocalWeights
+
 KV_BLOCK = 32  # tokens per KV block when the cache is sized in tokens (kv_cache_tokens)
 
 
@@ -155,7 +158,6 @@ class VllmEngine(RolloutEngine):
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from laminar.shm import ShmLedger, descendants
         before = set(descendants(os.getpid()))
         args = AsyncEngineArgs(**self.engine_args(cpu=current_platform.is_cpu()))
         # This blocks the loop for the engine core's start-up (seconds). AsyncLLM must be built on
@@ -198,7 +200,6 @@ class VllmEngine(RolloutEngine):
     async def _load_adapter(self, shm_dir: str, min_version: int, exact) -> int:
         """The relay's newest adapter version above min_version (or the one `exact` names) becomes
         the current adapter; adapters no request uses any more are removed from the engine."""
-        from laminar.weights.pull import LocalWeights
 
         def write():
             lw = LocalWeights(shm_dir)

@@ -54,8 +54,10 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 from laminar.bus.errors import Busy, PeerUnavailable, RemoteError, remote_error
 from laminar.bus.rpc import RequestError
+from laminar.roles.env.episodes import encode_continuation
 from laminar.roles.rollout.trajectory import Active
 
+from laminar.datasets import load_tokenizer
 from laminar.protocol import EnvClose, EnvReply, EnvReset, EnvStep, TrajectorySpec
 
 
@@ -136,7 +138,6 @@ class LocalEnv:
 def stop_sequences(tok, markers: Sequence[str]) -> list[list[int]]:
     """Each marker's token ids as a continuation (no BOS). With a BPE tokenizer, pick markers that
     tokenize the same in context (e.g. a special token); with the byte tokenizer they always do."""
-    from laminar.roles.env.episodes import encode_continuation
     return [s for s in (encode_continuation(tok, m) for m in markers) if s]
 
 
@@ -169,7 +170,6 @@ class EpisodeRunner:
     @classmethod
     def build(cls, cfg, engine, transport, endpoint: str | None, rollout_id: str, **kw) -> EpisodeRunner:
         """The runner for a RolloutEnvConfig: its env (bus or local), stop sequences and EOS."""
-        from laminar.datasets import load_tokenizer
         tok = load_tokenizer(cfg.tokenizer_dir)
         if cfg.local is not None:
             import structlog

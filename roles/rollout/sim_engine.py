@@ -75,8 +75,12 @@ from typing import Protocol
 import numpy as np
 from laminar.roles.rollout.engine import EngineStats, RolloutEngine
 
-from laminar.sim.latency import decode_step_ms
-from laminar.sim.lengths import LengthDistribution, z_from_key
+from laminar.sim import load_workload
+from laminar.sim.hardware import gpu as gpu_spec
+from laminar.sim.hardware import kv_capacity_tokens
+from laminar.sim.hardware import model as model_shape
+from laminar.sim.latency import HOST_MS_PER_LAYER, decode_step_ms, kv_ms_per_token, model_curve, prefill_ms_per_token
+from laminar.sim.lengths import LengthDistribution, workload_lengths, z_from_key
 from laminar.sim.reward_cost import RewardCost
 from laminar.stepcurve import StepCurve
 
@@ -223,12 +227,6 @@ class SimEngine(RolloutEngine):
         latency.HOST_MS_PER_LAYER; 0 turns it off). `reward_s_by_tokens`: [[response tokens,
         seconds]] of scoring a trajectory (RewardCost; None: free). Other keywords go to the
         constructor."""
-        from laminar.sim import load_workload
-        from laminar.sim.hardware import gpu as gpu_spec
-        from laminar.sim.hardware import kv_capacity_tokens
-        from laminar.sim.hardware import model as model_shape
-        from laminar.sim.latency import HOST_MS_PER_LAYER, kv_ms_per_token, model_curve, prefill_ms_per_token
-        from laminar.sim.lengths import workload_lengths
         m, g = model_shape(model), gpu_spec(gpu)
         workload = load_workload(workload_path)
         curve = StepCurve.load(curve_path) if curve_path else model_curve(model, tp, workload, gpu)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 
 from laminar.weights.manifest import ident
+from laminar.weights.pull import LocalWeights
 
 FAULT_ENV = "LAMINAR_TEST_FAIL_LOAD"
 
@@ -47,7 +48,6 @@ class LaminarWorkerExtension:
 
     def _laminar_weights(self, shm_dir: str):
         """The worker's LocalWeights of one relay folder (made on first use, then kept)."""
-        from laminar.weights.pull import LocalWeights
         held = self.__dict__.setdefault("_laminar_local_weights", {})
         weights = held.get(shm_dir)
         if weights is None:

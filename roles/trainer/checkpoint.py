@@ -24,9 +24,11 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
+from laminar.roles.trainer import dist
 
 MARK = "COMPLETE"
 DCP_DIR = "dcp"
@@ -196,7 +198,6 @@ class _single_process:
     """DCP in one process without a process group warns that it assumes so: it is meant."""
 
     def __enter__(self):
-        import warnings
         self._w = warnings.catch_warnings()
         self._w.__enter__()
         warnings.filterwarnings("ignore", message=r"torch\.distributed is .*uninitialized")
@@ -239,7 +240,6 @@ def save_sharded(root: str | Path | None, version: int, pairs: dict, info, state
     is synced. Refused on every rank when a shard holds a NaN or inf."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from laminar.roles.trainer import dist
     sd = _dcp_state(pairs)
     bad = nonfinite_tensors(sd, local=True)
     if dist.all_reduce_sums(info, {"bad": float(len(bad))})["bad"]:

@@ -28,6 +28,10 @@ import struct
 from dataclasses import dataclass
 from datetime import timedelta
 
+from laminar.bus.codec import decode, encode
+
+from laminar.threads import exit_without_teardown
+
 OP_TRAIN, OP_STOP = 1, 2
 
 
@@ -91,7 +95,6 @@ def init(rank: int, world_size: int, address: str, device, timeout_s: float) -> 
     store = rendezvous_store(rank, world_size, address, timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    from laminar.threads import exit_without_teardown
     exit_without_teardown("joined a torch.distributed process group")  # its native threads abort at teardown
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend != "gloo" else None
     return DistInfo(rank, world_size, control)
@@ -151,7 +154,6 @@ def send_command(info: DistInfo, op: int, version: int = 0, cursor: int = 0, sam
     """Rank 0: broadcast one command (and its batch) to the other ranks."""
     import torch
     import torch.distributed as dist
-    from laminar.bus.codec import encode
     blob = _pack(encode(samples)) if samples is not None else b""
     dist.broadcast(torch.tensor([op, version, cursor, len(blob)], dtype=torch.int64), 0, group=info.control)
     if blob:
@@ -162,7 +164,6 @@ def recv_command(info: DistInfo):
     """Other ranks: (op, version, cursor, Samples | None), blocking until rank 0 sends."""
     import torch
     import torch.distributed as dist
-    from laminar.bus.codec import decode
     head = torch.zeros(4, dtype=torch.int64)
     dist.broadcast(head, 0, group=info.control)
     op, version, cursor, n = (int(x) for x in head)

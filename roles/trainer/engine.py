@@ -46,12 +46,18 @@ from dataclasses import dataclass
 
 import numpy as np
 import structlog
+from laminar.roles.trainer import checkpoint
 from laminar.roles.trainer.batching import collate, response_logprobs
 from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
 from laminar.roles.trainer.dist import DistInfo, all_reduce_sums, broadcast_ints, shard
 from laminar.roles.trainer.logprobs import token_logprobs
+from laminar.roles.trainer.lora import adapter_state, manifest_fields, with_adapter
 from laminar.roles.trainer.micro_batches import MicroBatchPlan, plan_micro_batches
 from laminar.roles.trainer.packing import packed_token_logprobs, packed_values
+
+from laminar.algorithms.grpo import clipped_policy_loss, group_advantages
+from laminar.algorithms.ppo import load_critic, sequence_gae, value_loss
+from laminar.models.loading import load_causal_lm
 
 __all__ = ["NonFiniteWeightsError", "TrainEngine"]
 log = structlog.get_logger("laminar.trainer.engine")
@@ -134,8 +140,6 @@ class TrainEngine:
     def load(self) -> None:
         import torch
 
-        from laminar.algorithms.ppo import load_critic
-        from laminar.models.loading import load_causal_lm
         c = self.cfg
         mp = torch.bfloat16 if c.dtype == "bfloat16" else None  # FSDP2 mixed precision (fp32 master weights)
         self.model = self._policy(load_causal_lm)
@@ -173,7 +177,6 @@ class TrainEngine:
         c = self.cfg
         if c.lora is None:
             return load(c.model_dir, self.device, train=train)
-        from laminar.roles.trainer.lora import with_adapter
         return with_adapter(load(c.model_dir, self.device, dtype=c.lora.base_dtype, train=train), c.lora)
 
     def manifest_fields(self) -> dict:
@@ -181,14 +184,12 @@ class TrainEngine:
         config and base identity (lora.py); nothing for full weights."""
         if self.cfg.lora is None:
             return {}
-        from laminar.roles.trainer.lora import manifest_fields
         return manifest_fields(self.model, self.cfg.model_dir)
 
     def _model_state(self, state: dict) -> dict:
         """The policy's part of a state dict: with LoRA the adapter's tensors alone."""
         if self.cfg.lora is None:
             return state
-        from laminar.roles.trainer.lora import adapter_state
         return adapter_state(state)
 
     def attn_implementation(self) -> str | None:
@@ -316,12 +317,10 @@ class TrainEngine:
     def save_sharded(self, root, version: int, state: dict, keep: int):
         """Collective: a checkpoint of every rank's shards (torch.distributed.checkpoint) under
         rank 0's `root`; its path on rank 0, None elsewhere."""
-        from laminar.roles.trainer import checkpoint
         return checkpoint.save_sharded(root, version, self._pairs(), self.info, state, keep)
 
     def restore_sharded(self, path) -> None:
         """Collective: load a sharded checkpoint, whatever number of ranks wrote it."""
-        from laminar.roles.trainer import checkpoint
         self.lag_version = None
         checkpoint.load_sharded(path, self._pairs(), self.info)
 
@@ -383,7 +382,6 @@ class TrainEngine:
         """GRPO: one advantage per sequence (its group-normalized reward), the clipped policy loss."""
         import torch
 
-        from laminar.algorithms.grpo import group_advantages
         c = self.cfg
         seq_adv = np.concatenate(group_advantages([[t.reward for t in g] for g in groups], 1e-6, c.adv_std_normalize))
         out = {"advantage_abs_mean": float(np.abs(seq_adv).mean())}
@@ -398,7 +396,6 @@ class TrainEngine:
     def _train_ppo(self, b: _Batch) -> dict:
         """PPO: per-token GAE advantages over the critic's values; the same clipped policy loss,
         plus the critic's clipped value loss (its own optimizer, stepped with the policy's)."""
-        from laminar.algorithms.ppo import value_loss
         c = self.cfg
         out = self._gae(b.trajs, b.order, b.per)
 
@@ -418,7 +415,6 @@ class TrainEngine:
         """The policy's forward and backward of one micro-batch (both algorithms): the clipped
         policy loss (Clip-Higher, dual clip, TIS/decoupled, k3 KL) over the advantages `adv`.
         Until the batch's first optimizer step, the forward also measures the mismatch."""
-        from laminar.algorithms.grpo import clipped_policy_loss
         c = self.cfg
         with self._autocast():
             logp, ent = self._logprobs(self.model, ids, att, with_entropy=c.entropy_metric)
@@ -551,7 +547,6 @@ class TrainEngine:
 
     def _gae(self, trajs, order, per) -> dict:
         """Old values, GAE advantages and returns of this rank's sequences into `per`."""
-        from laminar.algorithms.ppo import sequence_gae
         c = self.cfg
         per["val"] = self._per_token(self._values, trajs, order)
         per["adv"], per["ret"] = [None] * len(trajs), [None] * len(trajs)

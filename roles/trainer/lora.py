@@ -22,6 +22,8 @@ import json
 
 from peft import LoraConfig, get_peft_model
 
+from laminar.models.loading import base_identity
+
 ADAPTER = "default"  # the adapter's name inside the peft model (never part of a published name)
 
 
@@ -80,5 +82,4 @@ def adapter_config_json(model) -> str:
 
 def manifest_fields(model, model_dir) -> dict:
     """What a published adapter version says about itself (laminar/weights/manifest.py)."""
-    from laminar.models.loading import base_identity
     return {"content": "lora", "adapter_config": adapter_config_json(model), "base_id": base_identity(model_dir)}

@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from laminar.report import read_jsonl  # also read from here by tests and the simulator
+from laminar.weights.manifest import off_lineage
 
 
 def batch_stats(groups, trainer_version: int, lineage: int = -1, forks: dict | None = None) -> dict:
     """Staleness is counted over on-lineage samples only (with `lineage` -1, over all): a version
     number of a discarded lineage names other weights, and its difference means nothing."""
-    from laminar.weights.manifest import off_lineage
     rewards = np.array([t.reward for g in groups for t in g], dtype=np.float64)
     lens = np.array([len(t.response_tokens) for g in groups for t in g], dtype=np.float64)
     forks = forks or {}

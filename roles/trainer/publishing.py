@@ -33,7 +33,15 @@ bf16 rollout fed by fp32 master weights receives half the bytes, cast on the tra
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
+
+from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
+
+from laminar.weights.publisher import WeightPublisher, note_lineage
+from laminar.weights.seal import signer_of
+from laminar.weights.transport import get_transport
+from laminar.weights.wire import derive_key
 
 RETRY_S = (0.5, 10.0)    # a pinned master relay's reconnect delay: first, and at most
 FINAL_DELIVERY_S = 60.0  # how long a finished trainer waits for its last version to reach the master relay
@@ -92,12 +100,7 @@ class PublishLink:
         return rollout_dtype(self.role.ctx.config)
 
     async def start(self) -> None:
-        from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
 
-        from laminar.weights.publisher import WeightPublisher
-        from laminar.weights.seal import signer_of
-        from laminar.weights.transport import get_transport
-        from laminar.weights.wire import derive_key
         c, ctx = self.cfg, self.role.ctx
         keys = getattr(ctx.transport, "keys", None)
         info = getattr(self.role, "info", None)
@@ -132,9 +135,7 @@ class PublishLink:
     def _refused(self, why: str) -> None:
         """The master refused a version (it holds a newer lineage of this run): record the newer
         lineage beside the checkpoint folder, so a restart starts above it, and fail the trainer."""
-        import re
 
-        from laminar.weights.publisher import note_lineage
         found = re.search(r"holds lineage (\d+)", why)
         folder = getattr(self.role, "ckpt_root", None)
         if found and folder is not None:
@@ -152,7 +153,6 @@ class PublishLink:
     @classmethod
     def follower(cls, role) -> PublishLink:
         """A rank > 0's link: it copies its shards into rank 0's staging, nothing else."""
-        from laminar.roles.trainer.sharded_publish import ShardedPublish
         link = cls(role, role.cfg)
         link.sharded = ShardedPublish(role.info, make_publisher=link._part_publisher)
         return link
@@ -161,12 +161,7 @@ class PublishLink:
         """A host leader's publisher when the ranks span hosts: its host's part of each version
         (staging shared with the host's other ranks), sent to the master relay rank 0 names;
         ShardedPublish owns and closes it."""
-        from laminar.roles.trainer.sharded_publish import staging_prefix
 
-        from laminar.weights.publisher import WeightPublisher
-        from laminar.weights.seal import signer_of
-        from laminar.weights.transport import get_transport
-        from laminar.weights.wire import derive_key
         c = self.cfg
         keys = getattr(self.role.ctx.transport, "keys", None)
         return WeightPublisher(c.chunk_mb << 20, get_transport(c.publish_transport, **c.publish_transport_options),

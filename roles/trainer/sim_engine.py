@@ -45,8 +45,12 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from laminar.protocol import WeightsVersion
 from laminar.sim.reward_cost import RewardCost
 from laminar.sim.trainer_cost import TRAIN_MFU, NcclBroadcast, RelayLink, TrainerCost
+from laminar.weights.local_write import begin_local, commit_local
+from laminar.weights.manifest import build_manifest
+from laminar.weights.store import ShmStore
 
 
 class RelaySettings(BaseModel):
@@ -251,7 +255,6 @@ class ModeledDelivery:
             self.deliver(target, version)
 
     def deliver(self, target: DeliverTarget, version: int) -> None:
-        from laminar.protocol import WeightsVersion
         if self.delivered.get(target.host, -1) >= version:
             return  # a later version got there first (never go backwards)
         write_stand_in(self._store(target.dir), version, self.s.weight_bytes)
@@ -260,7 +263,6 @@ class ModeledDelivery:
                                                        self.s.weight_bytes, target.dir))
 
     def _store(self, directory: str):
-        from laminar.weights.store import ShmStore
         st = self.stores.get(directory)
         if st is None:
             st = self.stores[directory] = ShmStore(directory)
@@ -280,8 +282,6 @@ class ModeledDelivery:
 def write_stand_in(store, version: int, nbytes: int) -> None:
     """Commit a `nbytes` stand-in version into a ShmStore exactly as a relay commits a received
     one (double buffer, checksummed and sealed chunks, atomic pointer), with numpy instead of torch."""
-    from laminar.weights.local_write import begin_local, commit_local
-    from laminar.weights.manifest import build_manifest
     m = build_manifest([("sim.weights", "float32", (max(1, nbytes // 4),))], version, 1 << 20)
     vb = begin_local(store, m)
     if vb is None:
