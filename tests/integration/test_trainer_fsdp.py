@@ -33,13 +33,14 @@ from tests.integration.test_trainer import feed, proc_cluster, wait_events  # no
 pytestmark = pytest.mark.timeout(240)
 
 
-def launch_two_ranks(model_dir: Path, out: Path, extra: list[str], timeout: float) -> None:
-    """laminar.testing.trainer_ranks as 2 gloo ranks on a fresh port; both must exit 0."""
+def launch_two_ranks(model_dir: Path, out: Path, extra: list[str], timeout: float, world: int = 2) -> None:
+    """laminar.testing.trainer_ranks as `world` gloo ranks on a fresh port; all must exit 0."""
     addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "laminar.testing.trainer_ranks", str(r), "2", addr, str(model_dir),
-                               str(out), *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "laminar.testing.trainer_ranks", str(r), str(world), addr,
+                               str(model_dir), str(out), *extra], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+             for r in range(world)]
     try:
         logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
     finally:
@@ -99,6 +100,28 @@ def test_balanced_micro_batches_two_gloo_ranks_match_round_robin(tmp_path, tiny)
         assert float((diff > 1e-5).float().mean()) < 1e-3
     print("\nrank_imbalance round robin / balanced packed / padded:",
           [round(v["metrics"][0]["rank_imbalance"], 3) for v in (rr, *balanced)])
+
+
+@pytest.mark.slow  # 1 and 2 ranks each train a LoRA engine for 2 versions (~1 minute on 2 shared cores)
+def test_lora_two_gloo_ranks_match_one_process(tmp_path, tiny):
+    """LoRA under FSDP2: 2 ranks train the adapter on the same long-tailed batches as 1 process,
+    with the same losses and gradient norms and the same adapter weights; the base stays frozen."""
+    lora = [dict(lora=dict(rank=4, alpha=8, dropout=0.0), micro_batch_size=2)]
+    runs = {}
+    for world in (1, 2):
+        out = tmp_path / f"lora{world}.pt"
+        launch_two_ranks(tiny, out, ["--variants", json.dumps(lora)], timeout=180, world=world)
+        runs[world] = torch.load(out)["variants"][0]
+    one, two = runs[1], runs[2]
+    for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
+        for k in ("pg_loss", "loss", "response_tokens", "tokens", "grad_norm"):
+            assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
+    assert set(two["model"]) == set(one["model"])
+    adapter = [k for k in one["model"] if "lora_" in k]
+    assert adapter, sorted(one["model"])[:5]
+    diff = torch.cat([(two["model"][k] - one["model"][k]).abs().flatten() for k in adapter])
+    assert float(diff.max()) <= 2 * 1e-3 + 1e-6  # Adam's near-zero gradients (see above)
+    assert float((diff > 1e-5).float().mean()) < 1e-3
 
 
 # -- the role on two ranks -------------------------------------------------------------------------
