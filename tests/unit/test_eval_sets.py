@@ -33,7 +33,7 @@ def write_set(path, n):
 
 
 def test_pass_at_k_eval_sets_reach_metrics_best_and_samples(tmp_path, monkeypatch):
-    monkeypatch.setattr("laminar.roles.rollout.engine.VllmEngine", lambda *a, **k: NoEngine())
+    monkeypatch.setattr("laminar.roles.evaluator.role.VllmEngine", lambda *a, **k: NoEngine())
     tok = ByteTokenizer()
     # version 0: problem i answers i+1 (right) in samples < i, else 0; greedy right for even i
     script = {0: lambda i, s: i + 1 if (s >= 0 and s < i) or (s < 0 and i % 2 == 0) else 0,
