@@ -276,17 +276,16 @@ class PartialPoolRole(PoolRole):
         want = set(req.group_ids)
         attempts = req.attempts or {}
         present: dict[str, list[int]] = {}
-        for e in self.state.live().values():
-            g, i = e.spec.group_id, e.spec.sample_index
+        # in flight, or finished and awaiting a model's score (safe here too): the same attempt rule
+        specs = [e.spec for e in self.state.live().values()] + [a.traj.spec for a in self.awaiting.items.values()]
+        for spec in specs:
+            g, i = spec.group_id, spec.sample_index
             if g not in want:
                 continue
             current = attempts.get(f"{g}/{i}", attempts.get(g))
-            if current is not None and attempt_of(e.spec.trajectory_id) != current:
+            if current is not None and attempt_of(spec.trajectory_id) != current:
                 continue
             present.setdefault(g, []).append(i)
-        for aw in self.awaiting.items.values():  # finished, awaiting a model's score: safe here too
-            if aw.traj.spec.group_id in want:
-                present.setdefault(aw.traj.spec.group_id, []).append(aw.traj.spec.sample_index)
         return GroupPresenceReply(present)
 
     async def on_reassign(self, req: ReassignPartial) -> Ack:

@@ -111,3 +111,23 @@ def test_reward_role_two_scorers_both_needed_before_the_buffer():
     assert f.reward == pytest.approx(0.45 + 0.5) and f.reward_components == {"fn:rule": 0.5, "rm": 1.0, "judge": 0.0}
     b.forwarded("t")
     assert b.add(traj("t"), {"rm": 1.0}) is False                   # forwarded: known, never again
+
+
+def test_reward_role_presence_skips_awaiting_rows_of_a_superseded_attempt(tmp_path):
+    """A member awaiting its score under attempt 0 is not the member of attempt 1: if attempt 1's
+    rollout dies, the group must be seen as missing that member (else nobody runs it again)."""
+    async def go():
+        c = InprocCluster(cfg(tmp_path))
+        await c.start("partial_pool")
+        await c.start("experience_buffer")
+        pool = c.client("partial_pool")
+        await pool.call(AwaitReward("r0", traj("g/0", size=2), {"rm": 1.0}))
+        await pool.call(AwaitReward("r0", traj("g/1~a1", size=2, index=1), {"rm": 1.0}))
+        replies = [(await pool.call(GroupPresence(["g"], attempts=a))).present
+                   for a in ({}, {"g": 1}, {"g": 0}, {"g": 1, "g/0": 0})]
+        await c.close()
+        return replies
+    everything, attempt1, attempt0, per_member = asyncio.run(go())
+    assert sorted(everything["g"]) == [0, 1]
+    assert attempt1 == {"g": [1]} and attempt0 == {"g": [0]}
+    assert sorted(per_member["g"]) == [0, 1]   # a member's own entry first
