@@ -138,5 +138,6 @@ class AwaitingBook:
     def stats(self, now: float | None = None) -> dict:
         now = time.monotonic() if now is None else now
         oldest = max((now - a.since for a in self.items.values()), default=0.0)
+        counts = {k: 0 for k in ("scored", "parse_failed", "lease_expired", "late_scores")} | dict(self.counts)
         return {"awaiting_reward": len(self.items), "awaiting_oldest_s": round(oldest, 3),
-                **{f"reward_{k}": v for k, v in sorted(self.counts.items())}}
+                **{f"reward_{k}": v for k, v in sorted(counts.items())}}
