@@ -55,6 +55,7 @@ log = structlog.get_logger("laminar.health")
 SUPERVISOR_STATES = ("pending", "starting", "ready", "backoff", "finished", "failed", "stopped",
                      "stopped_by_operator")
 DOWN_ON_PURPOSE = ("finished", "stopped_by_operator")  # not up, and not unhealthy
+GAVE_UP_ALARM_S = 600.0  # a partial pool's reward_gave_up alarm stays up this long after its newest give-up
 
 # Facts a role's heartbeat status carries, per role kind: status key -> value name.
 _HB_FACTS = {
@@ -70,7 +71,8 @@ _HB_FACTS = {
                "scoring_s_total": "reward_seconds"},
     "partial_pool": {"awaiting_reward": "awaiting", "awaiting_oldest_s": "awaiting_oldest_s",
                      "reward_parse_failed": "parse_failed", "reward_lease_expired": "lease_expired",
-                     "reward_late_scores": "late_scores", "reward_gave_up": "gave_up"},
+                     "reward_late_scores": "late_scores", "reward_gave_up": "gave_up",
+                     "reward_gave_up_age_s": "gave_up_age_s"},
     "manager": {"repacks": "repacks", "moved": "moved", "dead_rollouts": "dead_rollouts", "recovered": "recovered",
                 "failed_moves": "failed_moves", "replaced": "replaced", "orphans": "orphans", "repairs": "repairs",
                 "last_repair_s": "last_repair_s", "epoch": "epoch", "weights_stalled": "weights_stalled",
@@ -315,9 +317,14 @@ class HealthCollector:
         return sorted(k for k, r in self.roles.items() if r.supervised not in DOWN_ON_PURPOSE and not self.up(r))
 
     def alarms(self) -> list[str]:
-        """Alarms raised by roles of this node that are up (a manager's `weights_stalled`)."""
-        return sorted(f"weights_stalled ({k}: lag {int(r.values.get('weights_lag', 0))} versions)"
-                      for k, r in self.roles.items() if r.values.get("weights_stalled") and self.up(r))
+        """Alarms raised by roles of this node that are up: a manager's `weights_stalled`; a partial
+        pool's `reward_gave_up` while its newest give-up is younger than GAVE_UP_ALARM_S."""
+        stalled = [f"weights_stalled ({k}: lag {int(r.values.get('weights_lag', 0))} versions)"
+                   for k, r in self.roles.items() if r.values.get("weights_stalled") and self.up(r)]
+        gave_up = [f"reward_gave_up ({k}: {int(r.values.get('gave_up', 0))} trajectories scored by the fallback, "
+                   f"the newest {r.values['gave_up_age_s']:.0f} s ago)" for k, r in self.roles.items()
+                   if 0 <= r.values.get("gave_up_age_s", -1) < GAVE_UP_ALARM_S and self.up(r)]
+        return sorted(stalled + gave_up)
 
     def snapshot(self) -> dict[str, dict]:
         """Per role: liveness, the supervisor's view, the newest heartbeat and every fact (JSON-able)."""
