@@ -65,7 +65,7 @@ def test_reward_role_summary_has_a_reward_section_from_the_logs(tmp_path):
         line("trajectory_awaiting_reward", "2026-11-27T10:00:00Z", trajectory=f"g/{i}") for i in range(4)))
     (run / "logs" / "partial_pool.0.log").write_text("".join(
         line("trajectory_stored", f"2026-11-27T10:00:0{2 + i}Z", trajectory=f"g/{i}", status="stored",
-             via="partial_pool", components={RULE: r, "rm": m})
+             via="partial_pool", components={RULE: r, "rm": m}, version=i // 2)
         for i, (r, m) in enumerate(zip(rule, model, strict=True))))
     with sqlite3.connect(run / "pools" / "partial_pool-0.sqlite") as con:
         con.executescript("CREATE TABLE awaiting (tid TEXT); INSERT INTO awaiting VALUES ('h/0'), ('h/1');")
@@ -77,6 +77,8 @@ def test_reward_role_summary_has_a_reward_section_from_the_logs(tmp_path):
     assert s["scored"] == 4 and s["awaiting_at_end"] == 2 and s["await_s_max"] == 5.0 and s["gave_up"] == 0
     vs = s["scorers"]["rm"]["vs"][RULE]
     assert vs["n"] == 4 and vs["agree"] == 0.75 and vs["pearson"] == pytest.approx(0.7787, abs=1e-3)
+    assert s["by_version"] == {"0": {RULE: pytest.approx(0.85), "rm": pytest.approx(0.65), "n": 2},
+                               "1": {RULE: pytest.approx(0.15), "rm": pytest.approx(0.5), "n": 2}}
     assert "reward[rm]" in table(summarize(run))
 
 
