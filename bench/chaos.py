@@ -9,10 +9,16 @@ host; its supervisor restarts it), a whole host killed and restarted after `--ho
 host's link cut for `--link-down-s` then restored, the master relay stopped (SIGSTOP) past the
 cluster's `dead_after_s` and continued (`master_stop`), every relay stopped for `--stall-s` so no
 weights move (`stall`: the manager must raise `weights_stalled`, with K = `--stall-lag` and T =
-`--stall-after-s`, and clear it once they move again), or the trainer restarted on an older
+`--stall-after-s`, and clear it once they move again), the trainer restarted on an older
 checkpoint folder (`old_checkpoint`: its newest checkpoint is moved aside, so its lineage goes
-down). After the faults the cluster runs `--drain-s` without any; a group with a member stored
-before the drain that is still incomplete in the buffer after it is stranded
+down), or a reward replica killed (`reward`). With `reward` among the kinds (the default), every
+trajectory's reward has a model term: the rollouts' rewards are the rule (weight 1 - w) plus a
+`classifier` scorer `rm` (weight w = `--reward-weight`; the tiny score-head model, untrained: its
+values do not matter here) served by a `reward` replica on h1 and h2 with leases of
+`--reward-lease-s`; a killed replica's leases expire and the other one (or its restart) scores
+the work, and the ledger's `trained_unscored` counts trained samples that lacked that score.
+After the faults the cluster runs `--drain-s` without any; a group with a member stored before the
+drain that is still incomplete in the buffer after it is stranded
 (`incomplete_groups_after_drain`, 0 required). Kinds are drawn from a shuffled deck (every kind
 once per round), so a run of a round or more kills the trainer. A fault counts as recovered when
 the trainer publishes a newer version and the faulted role/host is running again within `--recover-s`.
@@ -51,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import exit_on_signals, percentile, print_table, write_json  # noqa: E402
 
 KINDS = ["rollout", "relay", "prompt_pool", "partial_pool", "experience_buffer", "manager", "trainer", "broker",
-         "host", "link", "master_stop", "stall", "old_checkpoint"]
+         "host", "link", "master_stop", "stall", "old_checkpoint", "reward"]
 
 
 def main() -> int:
@@ -71,6 +77,8 @@ def main() -> int:
     ap.add_argument("--drain-s", type=float, default=60.0, help="after the faults: seconds without faults before "
                     "the cluster stops; a group with a member stored before it and still incomplete after it counts "
                     "in incomplete_groups_after_drain")
+    ap.add_argument("--reward-weight", type=float, default=0.1, help="weight of the model term (kind `reward`)")
+    ap.add_argument("--reward-lease-s", type=float, default=5.0, help="the reward replicas' lease (kind `reward`)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -90,8 +98,9 @@ def main() -> int:
              "manager": {"stall_lag_versions": a.stall_lag, "stall_after_s": a.stall_after_s}}
     if a.buffer_capacity:
         roles["experience_buffer"] = {"capacity": a.buffer_capacity, "eviction": "reject"}
+    reward_hosts = reward_setup(roles, tmp, a) if "reward" in a.kinds.split(",") else ()
     deck: list[str] = []
-    with MultiHost(tmp, model, rollout_hosts=3, iterations=100000, roles=roles) as mh:
+    with MultiHost(tmp, model, rollout_hosts=3, iterations=100000, roles=roles, reward_hosts=reward_hosts) as mh:
         mh.start_all()
         mh.wait_version(2, 300)
         start_version, t_end = mh.version(), time.monotonic() + 60 * a.minutes
@@ -150,6 +159,12 @@ def main() -> int:
     print("\nledger: " + json.dumps(ledger | {"versions": f"{ledger['versions'][0]}..{ledger['versions'][-1]}"
                                                if ledger["versions"] else "-"}))
     print_table("lineage, prompts, staleness", list(CHECKS), [[extra[k] for k in CHECKS]])
+    rewards = reward_counts(mh) if reward_hosts else None
+    if rewards:
+        print_table("model-scored rewards", ["reward kills", "batches scored", "trajectories scored", "late scores",
+                                             "trained unscored", "trained with fallback"],
+                    [[sum(f["kind"] == "reward" for f in faults), rewards["batches"], rewards["trajectories_scored"],
+                      rewards["scores_refused_late"], ledger["trained_unscored"], ledger["trained_with_fallback"]]])
     stalls = [f for f in faults if f["kind"] == "stall"]
     print_table("weights_stalled alarm", ["raised", "cleared", "stall faults", "raised in them", "cleared after them",
                                           "incomplete groups after drain"],
@@ -162,6 +177,8 @@ def main() -> int:
         "bench": "chaos", "minutes": a.minutes, "faults": faults,
         "faults_injected": len(faults), "faults_recovered": sum(f["recovered"] for f in faults),
         "trajectories_lost": ledger["trajectories_lost"], "samples_trained_twice": ledger["samples_trained_twice"],
+        "trained_unscored": ledger["trained_unscored"], "trained_with_fallback": ledger["trained_with_fallback"],
+        "reward_kills": sum(f["kind"] == "reward" for f in faults), "reward": rewards,
         "stored_twice": ledger["stored_twice"], "versions_monotone": ledger["versions_monotone"],
         "chain_repair_s_max": max(rep) if rep else None, "chain_repairs": len(rep), "chain_emptied": len(emptied),
         "rollouts_declared_dead": len(dead),
@@ -185,6 +202,27 @@ def main() -> int:
 PHASES = ["detect_s", "chain_repaired_s", "resumed_s", "rejoined_s"]
 CHECKS = ["trainer_restarts", "lineage_violations", "trained_members_checked", "trained_members_unlabelled",
           "lineage_dropped", "prompts_skipped", "negative_staleness_samples", "buffer_refusals"]
+
+
+def reward_setup(roles: dict, tmp: Path, a) -> tuple[int, ...]:
+    """The model term of the `reward` kind: an untrained tiny classifier `rm` served on h1 and h2."""
+    from laminar.tasks.reward_model import build_tiny_classifier
+    rm = build_tiny_classifier(tmp / "rm")
+    roles["reward"] = {"scorer": "rm", "backend": "classifier", "batch_size": 16, "lease_s": a.reward_lease_s,
+                       "classifier": {"model_dir": str(rm), "sigmoid": True, "threads": 1, "max_batch_tokens": 4096}}
+    roles["rollout"] = {"rewards": [{"fn": "laminar.tasks.rewards:upper_fraction", "weight": 1 - a.reward_weight},
+                                    {"role": "rm", "weight": a.reward_weight}]}
+    return (1, 2)
+
+
+def reward_counts(mh) -> dict:
+    """What the reward side did, from the logs: batches scored, scores refused as late, leases
+    that expired (a killed replica's work handed to another)."""
+    from laminar.testing.multihost import log_events
+    scored = [e for r in mh.reward_ids() for e in log_events(mh.log("reward", r), "rewards_scored")]
+    refused = sum(int(e.get("count", 0)) for e in log_events(mh.log("partial_pool", "0"), "scores_refused"))
+    return {"batches": len(scored), "trajectories_scored": sum(int(e["trajectories"]) for e in scored),
+            "scores_refused_late": refused}
 
 
 def split_timings(mh, faults: list[dict], a) -> None:
@@ -285,6 +323,8 @@ def inject(mh, kind: str, rng: random.Random, a) -> tuple[str, callable]:
         rid = rng.choice([r for h in range(1, mh.initial) for r in mh.rollout_ids(h)])
     elif kind == "relay":
         rid = f"r{rng.randrange(1, mh.initial)}"
+    elif kind == "reward":
+        rid = rng.choice(mh.reward_ids())
     else:
         rid = "0"
     try:

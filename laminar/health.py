@@ -55,6 +55,7 @@ log = structlog.get_logger("laminar.health")
 SUPERVISOR_STATES = ("pending", "starting", "ready", "backoff", "finished", "failed", "stopped",
                      "stopped_by_operator")
 DOWN_ON_PURPOSE = ("finished", "stopped_by_operator")  # not up, and not unhealthy
+GAVE_UP_ALARM_S = 600.0  # a partial pool's reward_gave_up alarm stays up this long after its newest give-up
 
 # Facts a role's heartbeat status carries, per role kind: status key -> value name.
 _HB_FACTS = {
@@ -64,6 +65,14 @@ _HB_FACTS = {
     "trainer": {"version": "version", "publish_stall_s": "publish_stall_s"},
     "evaluator": {"eval_version": "eval_version", "accuracy": "eval_accuracy",
                   "accuracy_sampled": "eval_accuracy_sampled"},
+    "reward": {"scored": "reward_scored", "scores_refused": "reward_refused", "failed_batches": "reward_failed",
+               "queue_depth": "reward_queue", "parse_failures": "reward_parse_failures",
+               "latency_p50_s": "reward_p50", "latency_max_s": "reward_max", "batches": "reward_batches",
+               "scoring_s_total": "reward_seconds"},
+    "partial_pool": {"awaiting_reward": "awaiting", "awaiting_oldest_s": "awaiting_oldest_s",
+                     "reward_parse_failed": "parse_failed", "reward_lease_expired": "lease_expired",
+                     "reward_late_scores": "late_scores", "reward_gave_up": "gave_up",
+                     "reward_gave_up_age_s": "gave_up_age_s"},
     "manager": {"repacks": "repacks", "moved": "moved", "dead_rollouts": "dead_rollouts", "recovered": "recovered",
                 "failed_moves": "failed_moves", "replaced": "replaced", "orphans": "orphans", "repairs": "repairs",
                 "last_repair_s": "last_repair_s", "epoch": "epoch", "weights_stalled": "weights_stalled",
@@ -124,6 +133,35 @@ FAMILIES = [
     ("laminar_eval_accuracy_sampled", "gauge", "held-out accuracy of the last evaluation, sampled answers "
      "(mean over samples)", ("evaluator",), "eval_accuracy_sampled"),
     ("laminar_eval_version", "gauge", "weight version of the last evaluation", ("evaluator",), "eval_version"),
+    ("laminar_reward_scored_total", "counter", "trajectories a reward replica scored and submitted", ("reward",),
+     "reward_scored"),
+    ("laminar_reward_batches_total", "counter", "batches a reward replica scored", ("reward",), "reward_batches"),
+    ("laminar_reward_scoring_seconds_total", "counter", "seconds a reward replica spent scoring (rate over "
+     "batches_total: the mean latency of a batch)", ("reward",), "reward_seconds"),
+    ("laminar_reward_latency_p50_seconds", "gauge", "median seconds to score one batch (newest 256 batches)",
+     ("reward",), "reward_p50"),
+    ("laminar_reward_latency_max_seconds", "gauge", "slowest batch of the newest 256, seconds", ("reward",),
+     "reward_max"),
+    ("laminar_reward_queue_depth", "gauge", "trajectories awaiting this replica's scorer, not leased, at its "
+     "last lease", ("reward",), "reward_queue"),
+    ("laminar_reward_parse_failures_total", "counter", "judge answers the parser could not read (scored by the "
+     "fallback)", ("reward",), "reward_parse_failures"),
+    ("laminar_reward_failed_batches_total", "counter", "batches the backend could not score (left to their "
+     "lease's expiry)", ("reward",), "reward_failed"),
+    ("laminar_reward_scores_refused_total", "counter", "scores the pool refused (another replica's came "
+     "first)", ("reward",), "reward_refused"),
+    ("laminar_partial_pool_awaiting_reward", "gauge", "finished trajectories awaiting a model's score",
+     ("partial_pool",), "awaiting"),
+    ("laminar_partial_pool_awaiting_oldest_seconds", "gauge", "age of the oldest trajectory awaiting a score",
+     ("partial_pool",), "awaiting_oldest_s"),
+    ("laminar_partial_pool_reward_parse_failed_total", "counter", "scores applied that were a judge's "
+     "fallback (unparseable answer)", ("partial_pool",), "parse_failed"),
+    ("laminar_partial_pool_reward_lease_expired_total", "counter", "reward leases that expired (a replica died, "
+     "hung or failed): the work handed out again", ("partial_pool",), "lease_expired"),
+    ("laminar_partial_pool_reward_late_scores_total", "counter", "scores refused as already applied",
+     ("partial_pool",), "late_scores"),
+    ("laminar_partial_pool_reward_gave_up_total", "counter", "trajectories given up on by their scorer and "
+     "scored by the fallback (since the pool started)", ("partial_pool",), "gave_up"),
     ("laminar_manager_repacks_total", "counter", "repack moves executed", ("manager",), "repacks"),
     ("laminar_manager_moved_trajectories_total", "counter", "trajectories moved by repacks", ("manager",), "moved"),
     ("laminar_manager_dead_rollouts_total", "counter", "rollouts declared dead", ("manager",), "dead_rollouts"),
@@ -279,9 +317,14 @@ class HealthCollector:
         return sorted(k for k, r in self.roles.items() if r.supervised not in DOWN_ON_PURPOSE and not self.up(r))
 
     def alarms(self) -> list[str]:
-        """Alarms raised by roles of this node that are up (a manager's `weights_stalled`)."""
-        return sorted(f"weights_stalled ({k}: lag {int(r.values.get('weights_lag', 0))} versions)"
-                      for k, r in self.roles.items() if r.values.get("weights_stalled") and self.up(r))
+        """Alarms raised by roles of this node that are up: a manager's `weights_stalled`; a partial
+        pool's `reward_gave_up` while its newest give-up is younger than GAVE_UP_ALARM_S."""
+        stalled = [f"weights_stalled ({k}: lag {int(r.values.get('weights_lag', 0))} versions)"
+                   for k, r in self.roles.items() if r.values.get("weights_stalled") and self.up(r)]
+        gave_up = [f"reward_gave_up ({k}: {int(r.values.get('gave_up', 0))} trajectories scored by the fallback, "
+                   f"the newest {r.values['gave_up_age_s']:.0f} s ago)" for k, r in self.roles.items()
+                   if 0 <= r.values.get("gave_up_age_s", -1) < GAVE_UP_ALARM_S and self.up(r)]
+        return sorted(stalled + gave_up)
 
     def snapshot(self) -> dict[str, dict]:
         """Per role: liveness, the supervisor's view, the newest heartbeat and every fact (JSON-able)."""

@@ -35,6 +35,9 @@ were made of (dynamic sampling, docs/learning.md). `eval` is {set: {metric: {fir
 over the evaluations of every eval set, `eval_best` the evaluator's best.json (docs/evaluation.md).
 `curriculum` is {prompt pool id: its difficulty curriculum's last counts} (retired, down-weighted,
 pass rate; `<workdir>/prompt_pool/curriculum-<id>.json`, docs/learning.md), {} when it was off.
+`reward` is what the model scorers did (replicas' latency and queue depth, parse failures, time
+awaiting a score, each model's agreement with the rule functions): laminar/summary_rewards.py,
+docs/rewards.md; None for a run without them.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from pathlib import Path
 
 from laminar.logs import read_rotated_jsonl
 from laminar.report import read_jsonl
+from laminar.summary_rewards import reward_section
 
 
 def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
@@ -58,6 +62,7 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     evals = read_jsonl(run / "evaluator" / "metrics.jsonl")
     out.update(learning_stats(recs, evals))
     out["eval"] = eval_sets(evals)
+    out["reward"] = reward_section(run)  # model scorers (summary_rewards.py); None without any
     try:
         out["eval_best"] = json.loads((run / "evaluator" / "best.json").read_text())
     except (OSError, ValueError):
@@ -198,7 +203,12 @@ def table(s: dict) -> str:
             "mismatch_max_abs", "skipped_nonfinite_steps", "repacks", "moved_trajectories", "repack_s_mean",
             "rollout_idle_fraction", "kv_usage_mean", "publish_stall_s_max", "duration_s"]
     width = max(map(len, keys))
-    return "\n".join(f"  {k:<{width}}  {f(s.get(k))}" for k in keys)
+    rows = [f"  {k:<{width}}  {f(s.get(k))}" for k in keys]
+    for name, sc in ((s.get("reward") or {}).get("scorers") or {}).items():
+        vs = ", ".join(f"{fn[3:]}: r {f(v['pearson'])}, agree {f(v['agree'])}" for fn, v in sc["vs"].items())
+        rows.append(f"  {'reward[' + name + ']':<{width}}  {sc['trajectories']} scored, mean {f(sc['mean'])}"
+                    + (f"; vs {vs}" if vs else ""))
+    return "\n".join(rows)
 
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:

@@ -4,12 +4,15 @@
         mh.start_all()                                          # `laminar-node start --host hX` in each
         mh.join_host(4)                                         # scale-out: a host not in the running config
         mh.kill_role("rollout", "2")                            # SIGKILL one role process
+        MultiHost(..., reward_hosts=(1, 2), roles={"reward": {...}, "rollout": {"rewards": [...]}})
         mh.kill_host(2); mh.start_host(2)                       # a whole host dies, comes back
         mh.wait_version(5, timeout=120)                         # trainer's metrics.jsonl
 
 h0 holds broker, manager, the three pools and the trainer (the tiny model, torch on CPU); each of
 h1..hN holds a relay and `rollouts_per_host` rollouts on the `sim` engine (vLLM CPU engines need a
-core each; pass `engine="vllm"` for a scenario with real ones). Each host runs its roles under its
+core each; pass `engine="vllm"` for a scenario with real ones). With `reward_hosts`, each of those
+hosts also runs a `reward` replica `rm<h>` (its settings and the rollouts' `rewards` terms come
+in `roles`), so a model score is part of every trajectory's reward. Each host runs its roles under its
 own `laminar-node start --host hX` supervisor (which restarts a killed role), in its namespace:
 processes share this machine's filesystem and /dev/shm but talk only over the bridge.
 
@@ -54,6 +57,13 @@ from laminar.bus.auth import generate_keys
 from laminar.logs import rotated_files
 from laminar.roles.sqlite_store import unpack
 from laminar.shm import ShmLedger
+from laminar.testing.ledger_rewards import (
+    awaiting_ids,
+    required_scorers,
+    stored_events,
+    trained_counts,
+    unscored_members,
+)
 from laminar.testing.local_cluster import write_prompts
 from laminar.testing.netns import NetnsCluster
 from laminar.testing.procs import log_events as events_in
@@ -84,12 +94,13 @@ def group_of(tid: str) -> str:
 class MultiHost:
     def __init__(self, tmp: Path, model_dir: Path, rollout_hosts: int = 3, rollouts_per_host: int = 2,
                  iterations: int = 20, roles: dict | None = None, engine: str = "sim", rate_mbit: float | None = None,
-                 late_hosts: int = 0):
+                 late_hosts: int = 0, reward_hosts: tuple[int, ...] = ()):
         self.tmp, self.model_dir = Path(tmp), Path(model_dir)
         self.n = rollout_hosts + 1 + late_hosts
         self.initial = rollout_hosts + 1
         self.rollouts_per_host, self.iterations, self.engine = rollouts_per_host, iterations, engine
         self.extra_roles = roles or {}
+        self.reward_hosts = tuple(reward_hosts)  # a `reward` replica `rm<h>` on each (settings: roles["reward"])
         self.net = NetnsCluster(self.n, rate_mbit=rate_mbit)
         self.configs: dict[int, Path] = {}
         self.sup: dict[int, subprocess.Popen] = {}
@@ -108,6 +119,9 @@ class MultiHost:
     def rollout_ids(self, host: int) -> list[str]:
         return [f"{host}{chr(ord('a') + k)}" for k in range(self.rollouts_per_host)]
 
+    def reward_ids(self) -> list[str]:
+        return [f"rm{h}" for h in self.reward_hosts]
+
     def write_config(self) -> Path:
         generate_keys(self.tmp / "keys")
         data = write_prompts(self.tmp / "prompts.jsonl", 256)
@@ -119,10 +133,12 @@ class MultiHost:
             roles = [{"role": "relay", "id": f"r{h}", "port": 7100}]
             roles += [{"role": "rollout", "id": rid, "port": 7200 + k, "options": {"relay_id": f"r{h}"}}
                       for k, rid in enumerate(self.rollout_ids(h))]
+            if h in self.reward_hosts:
+                roles.append({"role": "reward", "id": f"rm{h}"})
             if self.engine == "vllm":  # one core per engine (two unpinned CPU engines fight over OpenMP
                 # threads: together ~4x slower)
                 ncores = os.cpu_count() or 1
-                for k, r in enumerate(roles[1:]):
+                for k, r in enumerate(roles[1:1 + self.rollouts_per_host]):
                     r["cores"] = [((h - 1) * self.rollouts_per_host + k) % ncores]
             hosts[f"h{h}"] = {"address": self.net.address(h), "bind": self.net.address(h), "roles": roles}
         rollout = dict(SIM_ROLLOUT) if self.engine == "sim" else {"engine": "vllm", "max_model_len": 256}
@@ -320,13 +336,13 @@ class MultiHost:
         # refused by the buffer as a duplicate: it already held that sample (stored by a rollout
         # whose acknowledgement, and so whose log line, was lost with its host or link)
         held: set[str] = set()
-        for log in (self.run_dir / "logs").glob("rollout.*.log"):
-            for e in log_events(log, "trajectory_stored"):
-                if str(e["status"]).startswith("duplicate"):
-                    held.add(e["trajectory"].split("~r")[0])
-                if e["status"] == "stored":
-                    stored[e["trajectory"]] = stored.get(e["trajectory"], 0) + 1
-                    stored_version[e["trajectory"]] = (int(e.get("lineage", -1)), int(e["version"]))
+        events = list(stored_events(self.run_dir, log_events))  # rollouts' and the partial pool's lines
+        for e in events:
+            if str(e["status"]).startswith("duplicate"):
+                held.add(e["trajectory"].split("~r")[0])
+            if e["status"] == "stored":
+                stored[e["trajectory"]] = stored.get(e["trajectory"], 0) + 1
+                stored_version[e["trajectory"]] = (int(e.get("lineage", -1)), int(e["version"]))
         base = lambda t: t.split("~r")[0]  # noqa: E731  (a restarted orphan keeps its original id before ~r)
         recovered = {base(t) for e in log_events(self.log("manager", "0"), "recovering") for t in e["ids"]}
         restarted = {base(t) for e in log_events(self.log("manager", "0"), "orphans_restarted") for t in e["ids"]}
@@ -343,6 +359,7 @@ class MultiHost:
                 done = {t for (t,) in con.execute("SELECT tid FROM completed")}
                 pending |= {base(t) for (blob,) in con.execute("SELECT blob FROM chunks")
                             for t in unpack(blob).trajectory_ids if t not in done}
+            pending |= {base(t) for t in awaiting_ids(db)}  # finished, awaiting a model's score
         dropped: dict[str, str] = {}  # groups the buffer let go by its policy (evicted, stale)
         handed: set[str] = set()      # groups the buffer handed to the trainer
         leased: set[str] = set()      # ... of which still leased (after the trainer's newest checkpoint)
@@ -392,7 +409,11 @@ class MultiHost:
                 # handed to a trainer, in no version it kept, and not leased for its successor
                 "groups_handed_untrained": len(handed - set(trained) - leased - by_restore),
                 "groups_untrained_by_older_checkpoint": len((handed - set(trained) - leased) & by_restore),
-                "groups_leased": len(leased)}
+                "groups_leased": len(leased),
+                # trained members stored without a required model score (ledger_rewards.py)
+                **trained_counts(trained, *unscored_members(events, required_scorers(self.run_dir.parent
+                                                                                     / "cluster.yaml"), member_of),
+                                 group_of)}
 
     def incomplete_groups(self, before: float) -> dict:
         """After the run: groups the buffer still holds incomplete (fewer members than the group's
@@ -405,12 +426,11 @@ class MultiHost:
         if not db.exists():
             return {"incomplete_groups_after_drain": 0, "incomplete_group_examples": []}
         first_stored: dict[str, float] = {}
-        for log in (self.run_dir / "logs").glob("rollout.*.log"):
-            for e in log_events(log, "trajectory_stored"):
-                if e.get("status") == "stored":
-                    g = group_of(e["trajectory"])
-                    t = _ts(e)
-                    first_stored[g] = min(first_stored.get(g, t), t)
+        for e in stored_events(self.run_dir, log_events):
+            if e.get("status") == "stored":
+                g = group_of(e["trajectory"])
+                t = _ts(e)
+                first_stored[g] = min(first_stored.get(g, t), t)
         held: dict[str, tuple[int, int]] = {}
         with sqlite3.connect(db) as con:
             gone = {g for (g,) in con.execute("SELECT gid FROM gone")}
@@ -454,9 +474,9 @@ class MultiHost:
         forks = {int(k): int(v) for k, v in lin["forks"].items()}
         named: dict[str, set[tuple[int, int]]] = {}  # group -> the labels its members' rollout lines name
         refusals = 0
+        for e in stored_events(self.run_dir, log_events):
+            named.setdefault(group_of(e["trajectory"]), set()).add((int(e.get("lineage", -1)), int(e["version"])))
         for log in (self.run_dir / "logs").glob("rollout.*.log"):
-            for e in log_events(log, "trajectory_stored"):
-                named.setdefault(group_of(e["trajectory"]), set()).add((int(e.get("lineage", -1)), int(e["version"])))
             refusals += sum(1 for e in log_events(log, "put_refused") if str(e.get("status", "")).startswith("full"))
         violations, checked, unlabelled, negative = [], 0, 0, 0
         for r in self.metrics():

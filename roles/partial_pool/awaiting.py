@@ -13,6 +13,14 @@ so nothing enters the buffer unscored and nothing scored is lost.
 
 Leases live in memory only: after a pool restart every item can be leased at once (its scores
 already applied are on disk and stay applied).
+
+Giving up (`give_up`): a scorer that fails on an item forever (a service that errors on it, a
+replica that dies on it, no replica at all) must not hold it, and its group, out of training
+forever. After `give_up_expired` expired leases of one item for one scorer (the item is not
+leased again from then on), or `give_up_s` seconds awaiting, the pool applies the configured
+`fallback` as that scorer's score and flags it: `gave_up:<scorer>` = 1 in the components, the row's
+score entry carries a third element (1), and `gave_up` counts it. Expiry counts and ages are in
+memory: a restart starts them again.
 """
 from __future__ import annotations
 
@@ -34,12 +42,17 @@ class Awaiting:
     weights: dict[str, float] = field(default_factory=dict)  # scorer -> weight, of the applied ones
     leases: dict[str, tuple[str, float]] = field(default_factory=dict)  # scorer -> (replica, deadline)
     since: float = field(default_factory=time.monotonic)
+    expired: Counter = field(default_factory=Counter)  # scorer -> leases of it that expired
+    gave_up: set[str] = field(default_factory=set)      # scorers whose score is the give-up fallback
 
 
 class AwaitingBook:
     """The awaiting items, their leases, and the once-only application of scores."""
 
-    def __init__(self, remember_done: int = 200_000):
+    def __init__(self, remember_done: int = 200_000, give_up_expired: int | None = None,
+                 give_up_s: float | None = None):
+        self.give_up_expired, self.give_up_s = give_up_expired, give_up_s
+        self.last_gave_up: float | None = None  # monotonic time of the newest give-up
         self.items: dict[str, Awaiting] = {}
         self.done: dict[str, None] = {}   # ids handed to the buffer (newest `remember_done`): late scores
         self.remember_done = remember_done
@@ -47,22 +60,25 @@ class AwaitingBook:
         self.latency: list[float] = []    # seconds from await to ready, of the items ready since last read
 
     def add(self, traj: Trajectory, pending: dict[str, float],
-            applied: dict[str, tuple[float, float]] | None = None) -> bool:
+            applied: dict[str, tuple] | None = None) -> bool:
         """Keep `traj` until each scorer in `pending` scored it; False if it is known already.
-        `applied`: scorer -> (weight, score) applied before a restart (replayed from the store)."""
+        `applied`: scorer -> (weight, score[, 1 if given up]) applied before a restart (from the store)."""
         tid = traj.spec.trajectory_id
         if tid in self.items or tid in self.done:
             return False
         a = self.items[tid] = Awaiting(traj, dict(pending))
-        for s, (w, v) in (applied or {}).items():
+        for s, (w, v, *flag) in (applied or {}).items():
             a.weights[s], a.scores[s] = w, v
+            if flag and flag[0]:
+                a.gave_up.add(s)
         self.counts["awaited"] += 1
         return True
 
     def row(self, tid: str) -> tuple[str, str]:
         """The JSON of an item's pending scorers and applied scores (its store row's columns)."""
         a = self.items[tid]
-        return json.dumps(a.pending), json.dumps({s: [a.weights[s], v] for s, v in a.scores.items()})
+        return json.dumps(a.pending), json.dumps({s: [a.weights[s], v, *([1] if s in a.gave_up else [])]
+                                                  for s, v in a.scores.items()})
 
     def lease(self, replica: str, scorer: str, n: int, lease_s: float, now: float | None = None) -> list[Trajectory]:
         """Up to `n` trajectories awaiting `scorer` whose lease is free or expired, oldest first."""
@@ -76,11 +92,37 @@ class AwaitingBook:
             held = a.leases.get(scorer)
             if held is not None and held[1] > now:
                 continue
-            if held is not None:
+            if held is not None and held[0]:
                 self.counts["lease_expired"] += 1
+                a.expired[scorer] += 1
+                a.leases[scorer] = ("", held[1])  # counted once; an item given up on stays here
+            if self.give_up_expired is not None and a.expired[scorer] >= self.give_up_expired:
+                continue                           # failed too often: give_up() scores it by the fallback
             a.leases[scorer] = (replica, now + lease_s)
             out.append(a.traj)
         self.counts["leased"] += len(out)
+        return out
+
+    def give_up(self, fallback: float, now: float | None = None) -> list[tuple[str, str, str]]:
+        """Apply `fallback` for each (item, scorer) that failed `give_up_expired` leases or awaited
+        `give_up_s`; returns (trajectory id, scorer, why) of each."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for tid, a in self.items.items():
+            for s in list(a.pending):
+                if self.give_up_expired is not None and a.expired[s] >= self.give_up_expired:
+                    why = f"{a.expired[s]} leases expired"
+                elif self.give_up_s is not None and now - a.since >= self.give_up_s:
+                    why = f"awaited {now - a.since:.0f} s"
+                else:
+                    continue
+                a.weights[s] = a.pending.pop(s)
+                a.scores[s] = float(fallback)
+                a.gave_up.add(s)
+                a.leases.pop(s, None)
+                self.counts["gave_up"] += 1
+                self.last_gave_up = now
+                out.append((tid, s, why))
         return out
 
     def waiting(self, scorer: str, now: float | None = None) -> int:
@@ -124,8 +166,9 @@ class AwaitingBook:
         component in `reward_components`."""
         a = self.items[tid]
         reward = a.traj.reward + sum(a.weights[s] * v for s, v in a.scores.items())
+        flags = {f"gave_up:{s}": 1.0 for s in sorted(a.gave_up)}
         return dataclasses.replace(a.traj, reward=float(reward),
-                                   reward_components={**a.traj.reward_components, **a.scores})
+                                   reward_components={**a.traj.reward_components, **a.scores, **flags})
 
     def forwarded(self, tid: str) -> None:
         """The buffer holds `tid`: forget it (its id is remembered to refuse late scores)."""
@@ -138,5 +181,8 @@ class AwaitingBook:
     def stats(self, now: float | None = None) -> dict:
         now = time.monotonic() if now is None else now
         oldest = max((now - a.since for a in self.items.values()), default=0.0)
+        counts = {k: 0 for k in ("scored", "parse_failed", "lease_expired", "late_scores", "gave_up")}
+        counts |= dict(self.counts)
+        age = -1.0 if self.last_gave_up is None else round(now - self.last_gave_up, 3)  # -1: none yet
         return {"awaiting_reward": len(self.items), "awaiting_oldest_s": round(oldest, 3),
-                **{f"reward_{k}": v for k, v in sorted(self.counts.items())}}
+                **{f"reward_{k}": v for k, v in sorted(counts.items())}, "reward_gave_up_age_s": age}

@@ -58,6 +58,8 @@ from laminar.protocol import (
 )
 from laminar.protocol.data import attempt_of
 
+GIVE_UP_CHECK_S = 1.0  # how often the pool looks for awaiting trajectories to give up on
+
 
 class PartialPoolConfig(BaseModel):
     """Settings of the partial pool: held deltas, store, remembered completions."""
@@ -76,6 +78,13 @@ class PartialPoolConfig(BaseModel):
                                    "that awaited a model's reward here) are handed to")
     forward_retry_s: float = Field(0.2, gt=0, description="first wait before offering a scored trajectory to a "
                                    "buffer that refused it (full) or is down again; doubles up to 5 s")
+    reward_give_up_expired: int | None = Field(5, ge=1, description="expired leases of one trajectory for one "
+                                               "scorer (its replicas died, hung or failed on it) after which the "
+                                               "pool stops waiting and applies `reward_fallback`, flagged "
+                                               "(docs/rewards.md); None: never")
+    reward_give_up_s: float | None = Field(None, gt=0, description="seconds a trajectory may await a scorer before "
+                                           "the pool applies `reward_fallback`, flagged (None: wait for ever)")
+    reward_fallback: float = Field(0.0, description="the score a scorer given up on counts as (its weight applies)")
 
 
 SCHEMA = """
@@ -138,7 +147,7 @@ class PartialPoolRole(PoolRole):
         self.awaiting = self._recover_awaiting()
 
     def _recover_awaiting(self) -> AwaitingBook:
-        book = AwaitingBook(self.cfg.remember_completed)
+        book = AwaitingBook(self.cfg.remember_completed, self.cfg.reward_give_up_expired, self.cfg.reward_give_up_s)
         for tid, blob, pending, scores in self.store.read("SELECT tid, blob, pending, scores FROM awaiting "
                                                           "ORDER BY rowid"):
             try:
@@ -297,17 +306,16 @@ class PartialPoolRole(PoolRole):
         want = set(req.group_ids)
         attempts = req.attempts or {}
         present: dict[str, list[int]] = {}
-        for e in self.state.live().values():
-            g, i = e.spec.group_id, e.spec.sample_index
+        # in flight, or finished and awaiting a model's score (safe here too): the same attempt rule
+        specs = [e.spec for e in self.state.live().values()] + [a.traj.spec for a in self.awaiting.items.values()]
+        for spec in specs:
+            g, i = spec.group_id, spec.sample_index
             if g not in want:
                 continue
             current = attempts.get(f"{g}/{i}", attempts.get(g))
-            if current is not None and attempt_of(e.spec.trajectory_id) != current:
+            if current is not None and attempt_of(spec.trajectory_id) != current:
                 continue
             present.setdefault(g, []).append(i)
-        for aw in self.awaiting.items.values():  # finished, awaiting a model's score: safe here too
-            if aw.traj.spec.group_id in want:
-                present.setdefault(aw.traj.spec.group_id, []).append(aw.traj.spec.sample_index)
         return GroupPresenceReply(present)
 
     async def on_reassign(self, req: ReassignPartial) -> Ack:
@@ -406,7 +414,23 @@ class PartialPoolRole(PoolRole):
         if self.awaiting.ready():
             self._scored.set()
         self.spawn(self._forward(), "forward")
+        self.spawn(self._give_up(), "give_up")
         await super().run()
+
+    async def _give_up(self) -> None:
+        """Score by the fallback what its scorer failed on too often or too long (awaiting.py)."""
+        while True:
+            await asyncio.sleep(GIVE_UP_CHECK_S)  # a periodic sweep: give-ups need no precise timing
+            given = self.awaiting.give_up(self.cfg.reward_fallback)
+            if not given:
+                continue
+            await self.durable([("UPDATE awaiting SET pending = ?, scores = ? WHERE tid = ?",
+                                 (*self.awaiting.row(t), t)) for t in dict.fromkeys(t for t, _, _ in given)])
+            for tid, scorer, why in given:
+                self.log.error("reward_gave_up", trajectory=tid, scorer=scorer, why=why,
+                               fallback=self.cfg.reward_fallback)
+            if self.awaiting.ready():
+                self._scored.set()
 
     async def _forward(self) -> None:
         """Hand every fully scored trajectory to the experience buffer (PutTrajectory until it

@@ -16,6 +16,7 @@ import re
 
 from laminar.roles.rollout.engine import VllmEngine
 
+from laminar.datasets import load_tokenizer
 from laminar.protocol import Trajectory
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -41,9 +42,8 @@ class JudgeScorer:
     """Scores trajectories by asking a judge model on a vLLM engine."""
 
     def __init__(self, s, decode):
-        from transformers import AutoTokenizer  # late: seconds to import
         self.s, self.decode = s, decode
-        self.tok = AutoTokenizer.from_pretrained(s.model_dir)
+        self.tok = load_tokenizer(s.model_dir)  # the judge's own; the byte tokenizer for a folder without one
         self.engine = VllmEngine(s.model_dir, max_model_len=s.max_model_len, max_num_seqs=64,
                                  kv_cache_gib=s.kv_cache_gib, temperature=s.temperature, top_p=1.0, dtype=s.dtype)
         self.parse_failures = 0
@@ -55,12 +55,13 @@ class JudgeScorer:
     def prompt_ids(self, t: Trajectory) -> list[int]:
         text = self.s.template.format(question=self.decode(t.spec.prompt_tokens), reference=t.spec.answer,
                                       response=self.decode(t.response_tokens))
-        if self.s.chat and getattr(self.tok, "chat_template", None):
-            ids = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True)
+        hf = getattr(self.tok, "tok", None)  # a Hugging Face tokenizer (it may have a chat template)
+        if self.s.chat and getattr(hf, "chat_template", None):
+            ids = hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         else:
-            ids = self.tok(text)["input_ids"]
+            ids = self.tok.encode(text)
         limit = self.s.max_model_len - self.s.max_tokens
         return list(ids)[-limit:]
 
@@ -69,7 +70,7 @@ class JudgeScorer:
         out: list[int] = []
         async for toks, _, _ in self.engine.generate(f"judge-{self._n}", self.prompt_ids(t), self.s.max_tokens, None):
             out += toks
-        return self.tok.decode(out, skip_special_tokens=True)
+        return self.tok.decode(out)
 
     async def answers(self, trajs: list[Trajectory]) -> list[str]:
         return list(await asyncio.gather(*(self._ask(t) for t in trajs)))

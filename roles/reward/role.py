@@ -56,6 +56,8 @@ class RewardRole(Role):
         self.failed_batches = 0    # batches the backend could not score (left to the lease's expiry)
         self.queue_depth = 0       # trajectories awaiting this scorer, not leased, at the last lease
         self.latency = deque(maxlen=256)  # seconds to score one batch, the newest batches
+        self.batches = 0           # batches scored
+        self.scoring_s = 0.0       # seconds spent scoring them (with `batches`: the mean latency, as a rate)
 
     async def setup(self) -> None:
         s = self.settings
@@ -87,6 +89,8 @@ class RewardRole(Role):
             self.log.error("reward_batch_failed", scorer=s.scorer, trajectories=len(work.trajectories), error=str(exc))
             return 0
         self.latency.append(time.monotonic() - t0)
+        self.batches += 1
+        self.scoring_s += self.latency[-1]
         ids = [t.spec.trajectory_id for t in work.trajectories]
         res = await call_acked(self.pool, SubmitScores(self.ctx.id, s.scorer, ids, [float(x) for x in scores],
                                                        failed), s.rpc_timeout_s, self.log)
@@ -109,5 +113,6 @@ class RewardRole(Role):
                 "queue_depth": self.queue_depth,
                 "parse_failures": getattr(self.backend, "parse_failures", 0) if self.backend else 0,
                 "latency_p50_s": round(lat[len(lat) // 2], 4) if lat else 0.0,
-                "latency_max_s": round(lat[-1], 4) if lat else 0.0}
+                "latency_max_s": round(lat[-1], 4) if lat else 0.0, "batches": self.batches,
+                "scoring_s_total": round(self.scoring_s, 4)}
 

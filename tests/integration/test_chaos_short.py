@@ -3,7 +3,8 @@ namespace cluster — random kills of random roles and hosts, a cut link, on a f
 reject) and a trainer that checkpoints every 4 versions — then its ledger: every fault recovered,
 no trajectory lost, nothing stored or trained twice, every handed-out group trained or leased,
 versions monotone, training went on, no prompt skipped, every trained trajectory's (lineage,
-version) in the history of the lineage that trained it, no negative staleness. The 10-minute run
+version) in the history of the lineage that trained it, no negative staleness, nothing trained
+without its model score (the rewards have a classifier term, whose replicas the deck kills). The 10-minute run
 is `python bench/chaos.py` (see README)."""
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def test_one_minute_of_chaos(tmp_path):
     assert r["faults_recovered"] == r["faults_injected"], r["faults"]
     assert r["trajectories_lost"] == 0 and r["samples_trained_twice"] == 0 and r["stored_twice"] == 0, r["ledger"]
     assert r["groups_handed_untrained"] == 0, r["ledger"]
+    assert r["trained_unscored"] == 0, r["ledger"]  # the deck's `reward` kind: a model term in every reward
     assert r["versions_monotone"] and r["iterations_during_run"] >= r["faults_injected"]
     assert r["prompts_skipped"] == 0, r["ledger"]
     assert r["lineage_violations"] == 0, r["lineage_violation_examples"]

@@ -5,6 +5,7 @@ scored trajectory reaches the buffer, with every reward component."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -111,3 +112,81 @@ def test_reward_role_two_scorers_both_needed_before_the_buffer():
     assert f.reward == pytest.approx(0.45 + 0.5) and f.reward_components == {"fn:rule": 0.5, "rm": 1.0, "judge": 0.0}
     b.forwarded("t")
     assert b.add(traj("t"), {"rm": 1.0}) is False                   # forwarded: known, never again
+
+
+def test_reward_role_presence_skips_awaiting_rows_of_a_superseded_attempt(tmp_path):
+    """A member awaiting its score under attempt 0 is not the member of attempt 1: if attempt 1's
+    rollout dies, the group must be seen as missing that member (else nobody runs it again)."""
+    async def go():
+        c = InprocCluster(cfg(tmp_path))
+        await c.start("partial_pool")
+        await c.start("experience_buffer")
+        pool = c.client("partial_pool")
+        await pool.call(AwaitReward("r0", traj("g/0", size=2), {"rm": 1.0}))
+        await pool.call(AwaitReward("r0", traj("g/1~a1", size=2, index=1), {"rm": 1.0}))
+        replies = [(await pool.call(GroupPresence(["g"], attempts=a))).present
+                   for a in ({}, {"g": 1}, {"g": 0}, {"g": 1, "g/0": 0})]
+        await c.close()
+        return replies
+    everything, attempt1, attempt0, per_member = asyncio.run(go())
+    assert sorted(everything["g"]) == [0, 1]
+    assert attempt1 == {"g": [1]} and attempt0 == {"g": [0]}
+    assert sorted(per_member["g"]) == [0, 1]   # a member's own entry first
+
+
+def test_reward_role_gives_up_after_expired_leases_with_a_flagged_fallback():
+    b = AwaitingBook(give_up_expired=2)
+    b.add(traj("t"), {"rm": 0.1})
+    for k in range(2):                                          # two replicas die on it
+        assert [x.spec.trajectory_id for x in b.lease(f"r{k}", "rm", 1, lease_s=5, now=10 * k)] == ["t"]
+    assert b.lease("r2", "rm", 1, lease_s=5, now=20) == []     # the second expiry: not handed out again
+    assert b.give_up(fallback=0.0, now=20) == [("t", "rm", "2 leases expired")]
+    assert b.ready() == ["t"] and b.counts["gave_up"] == 1 and b.stats(now=25)["reward_gave_up_age_s"] == 5
+    f = b.final("t")
+    assert f.reward == pytest.approx(0.45) and f.reward_components == {"fn:rule": 0.5, "rm": 0.0, "gave_up:rm": 1.0}
+    pending, scores = b.row("t")                                # the flag is durable: a restart keeps it
+    again = AwaitingBook()
+    again.add(traj("t"), {}, {s: tuple(x) for s, x in json.loads(scores).items()})
+    assert again.final("t").reward_components["gave_up:rm"] == 1.0
+
+
+def test_reward_role_gives_up_after_awaiting_too_long_and_not_before():
+    b = AwaitingBook(give_up_s=30)
+    b.add(traj("t"), {"rm": 0.1, "judge": 0.2})
+    b.items["t"].since = 100.0
+    b.submit("rm", ["t"], [1.0])
+    assert b.give_up(0.0, now=129) == [] and b.stats(now=129)["reward_gave_up_age_s"] == -1
+    assert b.give_up(0.5, now=131) == [("t", "judge", "awaited 31 s")]
+    assert b.final("t").reward_components == {"fn:rule": 0.5, "rm": 1.0, "judge": 0.5, "gave_up:judge": 1.0}
+
+
+def test_reward_role_pool_gives_up_on_a_scorer_that_never_answers(tmp_path):
+    """Replicas lease the item and die before submitting, twice: the pool scores it by the fallback,
+    flags it, hands it to the buffer, counts it, and its heartbeat raises the alarm."""
+    from laminar.health import HealthCollector
+    from laminar.protocol import Heartbeat
+
+    async def go():
+        c = InprocCluster(cfg(tmp_path, {"partial_pool": {"reward_give_up_expired": 2, "reward_fallback": -1.0}}))
+        await c.start("partial_pool")
+        await c.start("experience_buffer")
+        pool, buf = c.client("partial_pool"), c.client("experience_buffer")
+        await pool.call(AwaitReward("r0", traj("t"), {"rm": 0.1}))
+        for k in range(3):   # the third finds both leases expired: nothing more is handed out
+            got = (await pool.call(LeaseRewards(f"rm{k}", "rm", 8, lease_s=0.01))).trajectories
+            assert len(got) == (1 if k < 2 else 0)
+            await asyncio.sleep(0.02)  # past the lease: the replica holding it is taken for dead
+        await forwarded(c.roles["partial_pool.0"])
+        groups = (await buf.call(SampleGroups(1, 0))).groups
+        status = c.roles["partial_pool.0"].status()
+        await c.close()
+        return groups, status
+    groups, status = asyncio.run(go())
+    t = groups[0][0]
+    assert t.reward_components == {"fn:rule": 0.5, "rm": -1.0, "gave_up:rm": 1.0}
+    assert t.reward == pytest.approx(0.45 - 0.1)
+    assert status["reward_gave_up"] == 1 and status["reward_lease_expired"] == 2
+    h = HealthCollector("demo", "h0", {"partial_pool.0": "h0"}, dead_after_s=5.0)
+    h.observe(Heartbeat(role="partial_pool", id="0", host="h0", pid=1, seq=1, uptime_s=1.0, state="ready",
+                        status=status))
+    assert h.alarms() and h.alarms()[0].startswith("reward_gave_up (partial_pool.0: 1 trajectories")
