@@ -41,7 +41,8 @@ what, and how the others ask:
     batches, seqs
   work.state           the loop, weight loads and MigrateIn (a label, only reported).
   counters             each by its component: work.generated (trajectory tasks),
-                       weights.pull_failures, runner.puts_refused, stream.fenced_off.
+                       weights.pull_failures, runner.puts_refused and gave_up, stream.fenced_off;
+                       take_failures (the loop).
 
 Writes that must arrive (deltas, trajectories) are retried until acknowledged; all of them are
 idempotent. A failed weight load keeps the loaded weights (weights.py).
@@ -192,7 +193,7 @@ class RolloutRole(Role):
     # room for, then do what the outcome says:
     #
     #   AGAIN       decide again at once (e.g. nothing active and nothing taken this turn)
-    #   IDLE        nothing to run: wait for a new version, a stop, or idle_wait_s (_idle_wait)
+    #   IDLE        nothing to run: wait for a new version, a stop, or idle_wait_s (work.wait_idle)
     #   GENERATING  trajectories run: wait for room (refill) or for the batch to end (_await_room)
     #   EXHAUSTED   the prompt pool has no more epochs and nothing runs here: finish (exit 0)
     AGAIN, IDLE, GENERATING, EXHAUSTED = "again", "idle", "generating", "exhausted"
@@ -207,7 +208,7 @@ class RolloutRole(Role):
                 self.log.info("prompts_exhausted", batches=self.batches)
                 return
             if step == self.IDLE:
-                await self._idle_wait()
+                await self.work.wait_idle(self.stopping, self.settings.idle_wait_s)
             elif step == self.GENERATING:
                 await self._await_room()
         await self.wait_stopped()
@@ -223,21 +224,14 @@ class RolloutRole(Role):
                 # again, so a failing load is not followed by a drain per intake
                 self.taken_on_version = 0
             room = self._room()
-            # batch_seq makes a retried TakeBatch (lost reply) return the same groups
-            try:
-                batch = await self._take_batch(room) if room > 0 else None
-            except RemoteError as exc:
-                if exc.code != "internal":
-                    raise
-                batch, self.take_failures = None, self.take_failures + 1  # call_acked gave up (logged):
-                if not self.active:                                        # idle_wait_s, then ask again
-                    return self.IDLE
+            # batch_seq makes a retried TakeBatch (lost reply) return the same groups; None: it failed
+            batch = await self._take_batch(room) if room > 0 else None
             for spec in batch.trajectories if batch else []:
                 self._group_size = max(1, spec.group_size)
                 self.runner.start(Active(spec=spec, version=self.version))
                 self.taken_on_version += 1
-        if batch is None and not self.active and self.weights.unnamed():
-            return self.IDLE
+        if batch is None and not self.active and (self.weights.unnamed() or room > 0):
+            return self.IDLE  # no weights named yet, or the TakeBatch failed: idle_wait_s, then again
         if batch is not None and not batch.trajectories and not self.active:
             return self.EXHAUSTED if batch.exhausted and self.settings.stop_when_exhausted else self.IDLE
         if batch is not None and batch.trajectories:
@@ -290,19 +284,16 @@ class RolloutRole(Role):
     async def _take_batch(self, room: int):
         """TakeBatch of up to `room` trajectories. It names this process (pid), so what it is handed
         is accounted to it: a restarted rollout's new groups are never requeued with the dead
-        process's (the manager settles by pid)."""
-        return await self._call(self.prompts, TakeBatch(self.ctx.id, room, await self.seqs.at(self.batches),
-                                                        self.version, pid=os.getpid()))
-
-    async def _idle_wait(self) -> None:
-        """Nothing to do: wait for a new weight version (barrier modes), a stop, or idle_wait_s."""
-        self.work.new_weights.clear()
-        waits = [asyncio.ensure_future(e.wait()) for e in (self.stopping, self.work.new_weights)]
+        process's (the manager settles by pid). None when it was answered `internal` past call_acked's
+        bound (logged there; counted in `take_failures`)."""
         try:
-            await asyncio.wait(waits, timeout=self.settings.idle_wait_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
+            return await self._call(self.prompts, TakeBatch(self.ctx.id, room, await self.seqs.at(self.batches),
+                                                            self.version, pid=os.getpid()))
+        except RemoteError as exc:
+            if exc.code != "internal":
+                raise
+            self.take_failures += 1
+            return None
 
     async def _report_loop(self) -> None:
         last = time.monotonic()

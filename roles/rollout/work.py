@@ -53,6 +53,16 @@ class Work:
         if not self.active:
             self.batch_done.set()
 
+    async def wait_idle(self, stopping: asyncio.Event, timeout_s: float) -> None:
+        """Nothing to do: wait for a new weight version (barrier modes), a stop, or timeout_s."""
+        self.new_weights.clear()
+        waits = [asyncio.ensure_future(e.wait()) for e in (stopping, self.new_weights)]
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
 
 async def call_acked(client, req, timeout_s: float, log):
     """Call until answered (the request is idempotent); backoff on a peer that is down, busy, or
