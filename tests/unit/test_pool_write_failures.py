@@ -7,6 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from laminar.bus import auth
 from laminar.bus.errors import RemoteError
 from laminar.roles.sqlite_store import StoreError, StoreFull
 
@@ -29,6 +30,21 @@ def delta(tid: str, seq: int) -> TokenDelta:
                           prompt_tokens=np.array([1, 2], np.int32)) if seq == 0 else None
     toks = np.array([10 + seq, 20 + seq], np.int32)
     return TokenDelta(trajectory_id=tid, seq=seq, tokens=toks, logprobs=np.zeros(2, np.float32), version=0, spec=spec)
+
+
+async def two_owner_pool(tmp_path, scoped: bool = True):
+    """A partial pool holding trajectory `a` of rollout r0 and `b` of rollout r1: (cluster, pool,
+    client, dispatcher). `scoped`: its dispatcher refuses requests as a CURVE server with scoped
+    keys does (tests call `dispatcher.handle(..., identity)` to act as a given key)."""
+    c = InprocCluster(cfg(tmp_path))
+    pool = await c.start("partial_pool")
+    client = c.client("partial_pool")
+    await client.call(AppendDeltas("r0", [delta("a", 0)]))
+    await client.call(AppendDeltas("r1", [delta("b", 0)]))
+    d = pool.server.dispatcher
+    if scoped:
+        d.authorize = auth.request_refusal
+    return c, pool, client, d
 
 
 async def restarted_tokens(tmp_path, tid: str) -> list[int] | None:

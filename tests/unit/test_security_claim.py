@@ -24,20 +24,14 @@ from laminar.protocol import (
     RolloutStats,
 )
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_pool_write_failures import cfg, delta
+from tests.unit.test_pool_write_failures import cfg, delta, two_owner_pool
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_rollout_key_claims_only_its_own_or_granted_trajectories(tmp_path):
     async def go():
-        c = InprocCluster(cfg(tmp_path))
-        pool = await c.start("partial_pool")
-        client = c.client("partial_pool")
-        await client.call(AppendDeltas("r0", [delta("a", 0)]))
-        await client.call(AppendDeltas("r1", [delta("b", 0)]))
-        d = pool.server.dispatcher
-        d.authorize = auth.request_refusal  # as a scoped (CURVE) server does
+        c, _, client, d = await two_owner_pool(tmp_path)
         r = {}
         r["fence"] = await d.handle(ReassignPartial("a", "r1", fence=True), {}, None, "rollout.r1")
         r["take"] = await d.handle(ReassignPartial("a", "r1"), {}, None, "rollout.r1")

@@ -8,21 +8,15 @@ import asyncio
 
 import pytest
 
-from laminar.protocol import AppendDeltas, CompletePartial, ErrorReply, GetPartial, ReassignPartial
-from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_pool_write_failures import cfg, delta
+from laminar.protocol import CompletePartial, ErrorReply, GetPartial, ReassignPartial
+from tests.unit.test_pool_write_failures import two_owner_pool
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_rollout_key_completes_and_releases_only_its_own_trajectories(tmp_path):
     async def go():
-        c = InprocCluster(cfg(tmp_path))
-        pool = await c.start("partial_pool")
-        client = c.client("partial_pool")
-        await client.call(AppendDeltas("r0", [delta("a", 0)]))
-        await client.call(AppendDeltas("r1", [delta("b", 0)]))
-        d = pool.server.dispatcher
+        c, _, client, d = await two_owner_pool(tmp_path, scoped=False)
         steal = await d.handle(CompletePartial(["a", "b"]), {}, None, "rollout.r1")    # a is r0's
         release = await d.handle(ReassignPartial("a", ""), {}, None, "rollout.r1")
         own = await d.handle(CompletePartial(["b"]), {}, None, "rollout.r1")

@@ -48,9 +48,8 @@ from laminar.protocol import (
     SetDownstream,
     TakeBatch,
 )
-from laminar.testing.inproc_cluster import InprocCluster
 from tests.support import free_port
-from tests.unit.test_pool_write_failures import cfg, delta
+from tests.unit.test_pool_write_failures import two_owner_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -153,13 +152,7 @@ def test_server_refuses_what_env_relay_node_and_rollout_keys_may_not_send(keys_d
 
 def test_a_named_rollout_key_reads_only_its_own_partials(tmp_path):
     async def go():
-        c = InprocCluster(cfg(tmp_path))
-        pool = await c.start("partial_pool")
-        client = c.client("partial_pool")
-        await client.call(AppendDeltas("r0", [delta("a", 0)]))
-        await client.call(AppendDeltas("r1", [delta("b", 0)]))
-        d = pool.server.dispatcher
-        d.authorize = auth.request_refusal  # as the CURVE server sets it with scoped keys
+        c, _, client, d = await two_owner_pool(tmp_path)
         theirs = await d.handle(GetPartial("b"), {}, None, "rollout.r0")
         own = await d.handle(GetPartial("a"), {}, None, "rollout.r0")
         listing = await d.handle(InFlightOf("*"), {}, None, "rollout.r0")
