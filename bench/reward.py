@@ -9,8 +9,9 @@ the pool `--trajectories` finished trajectories to await the scorer `rm` (AwaitR
 rollouts do) before the replica starts; the replica then leases `--batch` at a time, scores and
 submits, and the pool hands each scored one to the buffer. The role's rate is trajectories over
 the replica's own clock, from its first `rewards_scored` line to its last (the first batch is
-its warm-up, as it is for the direct side, and is not counted); the bench then takes every
-trajectory out of the buffer to check that all arrived, each with its score.
+its warm-up, as it is for the direct side, and is not counted); once all are scored the bench
+takes every trajectory out of the buffer to check that all arrived, each with its score (after,
+not during: draining is the trainer's work and would compete for the same cores).
 
 Direct: the same ClassifierScorer (same model folder, threads, token budget) in this process,
 scoring the same trajectories in the same batches (the pool leases oldest first: the order they
@@ -112,6 +113,18 @@ async def drain(buffer, n: int, timeout: float) -> dict[str, float]:
     return got
 
 
+async def scored_all(log: Path, n: int, timeout: float) -> None:
+    """Until the replica's `rewards_scored` lines count `n` trajectories (the buffer is drained
+    after: taking samples out is the trainer's work, not the scoring path's, and would compete
+    for the same two cores)."""
+    from laminar.testing.procs import log_events
+    deadline = time.monotonic() + timeout
+    while sum(int(e["trajectories"]) for e in log_events(log, "rewards_scored")) < n:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the replica did not score {n} trajectories in {timeout} s: see {log}")
+        await asyncio.sleep(0.5)  # polling a log file: a few reads a second cost nothing
+
+
 def ts(e: dict) -> float:
     return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
 
@@ -149,6 +162,7 @@ def main() -> int:
             await hand_over(t.client(f"tcp://127.0.0.1:{ports['partial_pool']}"), trajs)
             replica.start()
             await asyncio.to_thread(replica.wait_ready, 120)
+            await scored_all(tmp / "reward.rm0.log", len(trajs), 600)  # the trainer's side is not timed
             return await drain(t.client(f"tcp://127.0.0.1:{ports['experience_buffer']}"), len(trajs), 600)
         finally:
             await t.close()

@@ -46,8 +46,14 @@ _SAFE_DTYPE_KINDS = set("biuf")
 _DTYPE_RE = re.compile(r"[<>|=]?[biuf][1-9][0-9]?")
 
 
+_NAMES: dict[type, tuple[str, ...]] = {}  # each event class's field names (dataclasses.fields is slow)
+
+
 def _fields(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    names = _NAMES.get(type(obj))
+    if names is None:
+        names = _NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    return {n: getattr(obj, n) for n in names}
 
 
 def encode(obj: Any, meta: dict[str, Any] | None = None, version: int = PROTOCOL_VERSION) -> list:

@@ -78,6 +78,8 @@ class PartialPoolConfig(BaseModel):
                                    "that awaited a model's reward here) are handed to")
     forward_retry_s: float = Field(0.2, gt=0, description="first wait before offering a scored trajectory to a "
                                    "buffer that refused it (full) or is down again; doubles up to 5 s")
+    forward_window: int = Field(32, ge=1, le=1024, description="scored trajectories handed to the buffer at once "
+                                "(their puts overlap, their deletes here share one commit)")
     reward_give_up_expired: int | None = Field(5, ge=1, description="expired leases of one trajectory for one "
                                                "scorer (its replicas died, hung or failed on it) after which the "
                                                "pool stops waiting and applies `reward_fallback`, flagged "
@@ -434,7 +436,8 @@ class PartialPoolRole(PoolRole):
 
     async def _forward(self) -> None:
         """Hand every fully scored trajectory to the experience buffer (PutTrajectory until it
-        holds it: stored or duplicate), then forget it here. Nothing leaves unscored."""
+        holds it: stored or duplicate), then forget it here. Nothing leaves unscored. Up to
+        `forward_window` go at once: their puts overlap and their deletes share one commit."""
         buffer = None
         while True:
             await self._scored.wait()
@@ -443,34 +446,40 @@ class PartialPoolRole(PoolRole):
             if ready and buffer is None:
                 buffer = self.ctx.transport.client(self.cluster.endpoint("experience_buffer",
                                                                          self.cfg.experience_buffer))
-            delay = self.cfg.forward_retry_s
-            for tid in ready:
-                traj = self.awaiting.final(tid)
-                while True:
-                    try:
-                        put = await buffer.call(PutTrajectory(traj), timeout=5.0)
-                        if put.status in ("stored", "duplicate"):
-                            break
-                        why = f"{put.status}: {put.detail}"
-                    except (PeerUnavailable, RemoteError) as exc:
-                        why = str(exc)
-                    self.awaiting.counts["forward_retries"] += 1
-                    self.log.warning("scored_put_retry", trajectory=tid, why=why, retry_in_s=delay)
-                    await asyncio.sleep(delay)  # backoff: the buffer is full or down; the item stays durable here
-                    delay = min(delay * 2, 5.0)
-                try:
-                    await self.durable([("DELETE FROM awaiting WHERE tid = ?", (tid,))])
-                except RequestError as exc:  # the buffer holds it; a later round forgets it here (duplicate)
-                    self.log.warning("forward_record_failed", trajectory=tid, error=str(exc))
-                    self._scored.set()
-                    await asyncio.sleep(delay)  # backoff: the store is refusing writes
+            w = self.cfg.forward_window
+            for i in range(0, len(ready), w):
+                await asyncio.gather(*(self._forward_one(buffer, tid) for tid in ready[i:i + w]))
+
+    async def _forward_one(self, buffer, tid: str) -> None:
+        """One scored trajectory into the buffer (retried with backoff while it is full or down),
+        then deleted here; the delete's commit is shared with the others of its window."""
+        traj = self.awaiting.final(tid)
+        delay = self.cfg.forward_retry_s
+        while True:
+            try:
+                put = await buffer.call(PutTrajectory(traj), timeout=5.0)
+                if put.status in ("stored", "duplicate"):
                     break
-                self.awaiting.forwarded(tid)
-                # the provenance ledger's line for a trajectory that awaited its reward here
-                self.log.info("trajectory_stored", trajectory=tid, version=traj.version, lineage=traj.lineage,
-                              tokens=len(traj.response_tokens), status=put.status, reward=round(traj.reward, 4),
-                              components={k: round(v, 4) for k, v in traj.reward_components.items()},
-                              rollout=traj.rollout_id, via="partial_pool")
+                why = f"{put.status}: {put.detail}"
+            except (PeerUnavailable, RemoteError) as exc:
+                why = str(exc)
+            self.awaiting.counts["forward_retries"] += 1
+            self.log.warning("scored_put_retry", trajectory=tid, why=why, retry_in_s=delay)
+            await asyncio.sleep(delay)  # backoff: the buffer is full or down; the item stays durable here
+            delay = min(delay * 2, 5.0)
+        try:
+            await self.durable([("DELETE FROM awaiting WHERE tid = ?", (tid,))])
+        except RequestError as exc:  # the buffer holds it; a later round forgets it here (duplicate)
+            self.log.warning("forward_record_failed", trajectory=tid, error=str(exc))
+            await asyncio.sleep(delay)  # backoff: the store is refusing writes
+            self._scored.set()
+            return
+        self.awaiting.forwarded(tid)
+        # the provenance ledger's line for a trajectory that awaited its reward here
+        self.log.info("trajectory_stored", trajectory=tid, version=traj.version, lineage=traj.lineage,
+                      tokens=len(traj.response_tokens), status=put.status, reward=round(traj.reward, 4),
+                      components={k: round(v, 4) for k, v in traj.reward_components.items()},
+                      rollout=traj.rollout_id, via="partial_pool")
 
     def counts(self) -> dict:
         live = self.state.live()

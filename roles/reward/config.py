@@ -78,6 +78,8 @@ class RewardRoleConfig(BaseModel):
     batch_size: int = Field(32, ge=1, description="trajectories leased (and scored) at once")
     lease_s: float = Field(60.0, gt=0, description="lease of a batch: past it, the batch is handed to another replica "
                            "(set above the longest batch's scoring time)")
+    prefetch: bool = Field(True, description="lease the next batch while one scores and submit while the next "
+                           "scores (hides the pool round trips; `lease_s` must then cover two batches)")
     idle_wait_s: float = Field(0.2, gt=0, description="wait before asking again when no work was waiting")
     rpc_timeout_s: float = Field(10.0, gt=0, description="deadline of each partial pool call")
 

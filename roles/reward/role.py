@@ -3,6 +3,10 @@ partial pool, scores them in batches with its backend, and submits the scores (d
 
     loop: LeaseRewards(batch_size, lease_s) -> backend.score(batch) -> SubmitScores -> loop
 
+With `prefetch` (the default) the loop is pipelined: the next batch is leased while one scores and
+a batch's scores are submitted while the next scores, so the two round trips to the pool hide
+behind the model (a prefetched batch waits one batch's scoring: `lease_s` covers two batches).
+
 The replica holds nothing durable: the partial pool keeps every trajectory until each of its
 scores is applied (once) and the buffer holds it. A replica that dies, hangs or whose backend
 fails (an HTTP service down past its retries) submits nothing for that batch; the lease expires
@@ -68,38 +72,81 @@ class RewardRole(Role):
         self.log.info("reward_ready", scorer=s.scorer, backend=s.backend)
 
     async def run(self) -> None:
-        while not self.stopping.is_set():
-            if not await self.step():
-                await asyncio.sleep(self.settings.idle_wait_s)  # nothing awaits this scorer: ask again later
+        """Lease, score, submit; with `prefetch`, the next lease is asked for while a batch scores
+        and a batch's submit goes out while the next one scores (the RPCs hide behind the model)."""
+        s = self.settings
+        submit: asyncio.Task | None = None   # the previous batch's submit, in flight
+        work = None                          # the batch to score next (a prefetched lease)
+        try:
+            while not self.stopping.is_set():
+                work = work if work is not None else await self._lease()
+                if not work.trajectories:
+                    work = None
+                    await asyncio.sleep(s.idle_wait_s)  # nothing awaits this scorer: ask again later
+                    continue
+                nxt = asyncio.ensure_future(self._lease()) if s.prefetch else None
+                try:
+                    done = await self._score(work)
+                except BaseException:
+                    if nxt is not None:
+                        nxt.cancel()
+                    raise
+                if submit is not None:
+                    await submit
+                submit = asyncio.ensure_future(self._submit(*done)) if done is not None else None
+                if not s.prefetch and submit is not None:
+                    await submit
+                    submit = None
+                work = await nxt if nxt is not None else None
+        finally:
+            if submit is not None:
+                await asyncio.shield(submit)  # a scored batch is submitted even while stopping
         await self.wait_stopped()
 
     async def step(self) -> int:
-        """One lease, score and submit; returns how many trajectories it scored (0: none waiting)."""
+        """One lease, score and submit, in turn; returns how many trajectories it scored (0: none waiting)."""
+        work = await self._lease()
+        if not work.trajectories:
+            return 0
+        done = await self._score(work)
+        if done is None:
+            return 0
+        await self._submit(*done)
+        return len(done[0])
+
+    async def _lease(self):
         s = self.settings
         work = await call_acked(self.pool, LeaseRewards(self.ctx.id, s.scorer, s.batch_size, s.lease_s),
                                 s.rpc_timeout_s, self.log)
         self.queue_depth = work.waiting
-        if not work.trajectories:
-            return 0
+        return work
+
+    async def _score(self, work) -> tuple | None:
+        """(ids, scores, parse-failed ids, seconds, waiting) of a leased batch; None if the backend
+        failed on it (the lease expires and the batch is scored again)."""
+        s = self.settings
         t0 = time.monotonic()
         try:
             scores, failed = await self.backend.score(work.trajectories)
-        except HttpScoreError as exc:  # the lease expires and the batch is scored again
+        except HttpScoreError as exc:
             self.failed_batches += 1
             self.log.error("reward_batch_failed", scorer=s.scorer, trajectories=len(work.trajectories), error=str(exc))
-            return 0
-        self.latency.append(time.monotonic() - t0)
+            return None
+        seconds = time.monotonic() - t0
+        self.latency.append(seconds)
         self.batches += 1
-        self.scoring_s += self.latency[-1]
-        ids = [t.spec.trajectory_id for t in work.trajectories]
+        self.scoring_s += seconds
+        return [t.spec.trajectory_id for t in work.trajectories], scores, failed, seconds, work.waiting
+
+    async def _submit(self, ids: list[str], scores: list, failed: list, seconds: float, waiting: int) -> None:
+        s = self.settings
         res = await call_acked(self.pool, SubmitScores(self.ctx.id, s.scorer, ids, [float(x) for x in scores],
                                                        failed), s.rpc_timeout_s, self.log)
         self.scored += len(ids)
         self.refused += len(res.refused)
         self.log.info("rewards_scored", scorer=s.scorer, trajectories=len(ids), applied=res.applied,
-                      refused=len(res.refused), parse_failed=len(failed), seconds=round(self.latency[-1], 4),
-                      waiting=work.waiting)
-        return len(ids)
+                      refused=len(res.refused), parse_failed=len(failed), seconds=round(seconds, 4),
+                      waiting=waiting)
 
     async def stop(self) -> None:
         await super().stop()
