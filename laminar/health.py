@@ -318,13 +318,17 @@ class HealthCollector:
 
     def alarms(self) -> list[str]:
         """Alarms raised by roles of this node that are up: a manager's `weights_stalled`; a partial
-        pool's `reward_gave_up` while its newest give-up is younger than GAVE_UP_ALARM_S."""
+        pool's `reward_gave_up` while its newest give-up is younger than GAVE_UP_ALARM_S; an env
+        role whose sandbox runs without a per-run cgroup (`cgroup: auto` found none)."""
         stalled = [f"weights_stalled ({k}: lag {int(r.values.get('weights_lag', 0))} versions)"
                    for k, r in self.roles.items() if r.values.get("weights_stalled") and self.up(r)]
         gave_up = [f"reward_gave_up ({k}: {int(r.values.get('gave_up', 0))} trajectories scored by the fallback, "
                    f"the newest {r.values['gave_up_age_s']:.0f} s ago)" for k, r in self.roles.items()
                    if 0 <= r.values.get("gave_up_age_s", -1) < GAVE_UP_ALARM_S and self.up(r)]
-        return sorted(stalled + gave_up)
+        no_cgroup = [f"sandbox_no_cgroup ({k}: {(r.beat.status or {}).get('sandbox_cgroup_reason', '?')})"
+                     for k, r in self.roles.items()
+                     if r.beat is not None and (r.beat.status or {}).get("sandbox_cgroup") == "none" and self.up(r)]
+        return sorted(stalled + gave_up + no_cgroup)
 
     def snapshot(self) -> dict[str, dict]:
         """Per role: liveness, the supervisor's view, the newest heartbeat and every fact (JSON-able)."""

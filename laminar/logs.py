@@ -2,14 +2,21 @@
 mirrored onto the bus as LogEvent on `log.<role>` (info and above) so `laminar-node tail` can
 follow a whole cluster. The mirror never blocks: beyond the publisher's HWM an event is dropped.
 
-Rotation: logs stay bounded over a run of any length. When a process's stderr is a regular file
-(a role under the supervisor, which opens `<workdir>/logs/<role>.<id>.log` for it), the file is
-rotated by size: past `LAMINAR_LOG_MAX_BYTES` (default 64 MiB; 0 = never) the line that crossed it
-ends the file, `<name>.k` becomes `<name>.k+1`, the file becomes `<name>.1` and a new one takes its
-place (on the process's stdout and stderr, so native output follows), keeping `LAMINAR_LOG_KEEP`
-older files (default 4: at most 5 x 64 MiB per role). The manager's JSONL records (fleet.jsonl,
-repacks.jsonl) rotate the same way (`RotatingFile`). Readers take every kept file, oldest first:
-`rotated_files`, `read_rotated_jsonl`.
+Rotation: logs stay bounded over a run of any length, by size: past `LAMINAR_LOG_MAX_BYTES`
+(default 64 MiB; 0 = never) the line that crossed it ends the file, `<name>.k` becomes
+`<name>.k+1`, the file becomes `<name>.1` and a new one takes its place, keeping
+`LAMINAR_LOG_KEEP` older files (default 4: at most 5 x 64 MiB per role).
+
+- A role under the supervisor writes its stdout and stderr into a pipe; the supervisor appends
+  what comes out of it to `<workdir>/logs/<role>.<id>.log` and rotates that (`RotatingSink`).
+  Every process of the role shares the pipe (a rollout's vLLM EngineCore and workers inherit it),
+  so all their output follows the rotation; none keeps writing into a renamed or deleted file.
+- A process whose stderr is itself a regular file (a role started by hand with `2>>file`) rotates
+  it in-process (`RotatingStderr`: its own fds 1 and 2 move to the new file; processes it started
+  before keep the old one).
+- The manager's JSONL records (fleet.jsonl, repacks.jsonl) rotate the same way (`RotatingFile`).
+
+Readers take every kept file, oldest first: `rotated_files`, `read_rotated_jsonl`.
 """
 from __future__ import annotations
 
@@ -133,6 +140,57 @@ class RotatingFile:
         try:
             self.f.close()
         except OSError:  # what a full disk kept in the buffer is lost with it
+            pass
+
+
+class RotatingSink:
+    """A child's output (bytes from its pipe) appended to its log file, rotated by size at a line's
+    end; `generation` counts the rotations (an offset taken before one means nothing after it)."""
+
+    def __init__(self, path: str | Path, max_bytes: int | None = None, keep: int | None = None):
+        dmax, dkeep = rotation_settings()
+        self.path = Path(path)
+        self.max_bytes = dmax if max_bytes is None else max_bytes
+        self.keep = dkeep if keep is None else keep
+        self.generation = self.dropped = 0
+        self.f = open(self.path, "ab", buffering=0)
+        self.size = self.f.seek(0, os.SEEK_END)
+
+    def write(self, data: bytes) -> None:
+        while data:
+            nl = data.find(b"\n", max(self.max_bytes - self.size - 1, 0)) if self.max_bytes else -1
+            if nl < 0:
+                self._append(data)
+                return
+            self._append(data[:nl + 1])  # the line that crosses the bound ends the file
+            data = data[nl + 1:]
+            self._rotate()
+
+    def _append(self, data: bytes) -> None:
+        try:
+            self.f.write(data)
+        except OSError:  # a full disk: these bytes are lost, the child goes on
+            self.dropped += 1
+        self.size += len(data)
+
+    def _rotate(self) -> None:
+        try:
+            self.f.close()
+            rotate(self.path, self.keep)
+        except OSError:
+            self.max_bytes = 0  # rotation is not possible here: keep writing where we are
+        try:
+            self.f = open(self.path, "ab", buffering=0)
+        except OSError:
+            self.f = open(os.devnull, "ab", buffering=0)  # nowhere to write: drop, never raise
+            self.dropped += 1
+        self.size = self.f.seek(0, os.SEEK_END)
+        self.generation += 1
+
+    def close(self) -> None:
+        try:
+            self.f.close()
+        except OSError:
             pass
 
 

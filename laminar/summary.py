@@ -38,6 +38,9 @@ pass rate; `<workdir>/prompt_pool/curriculum-<id>.json`, docs/learning.md), {} w
 `reward` is what the model scorers did (replicas' latency and queue depth, parse failures, time
 awaiting a score, each model's agreement with the rule functions): laminar/summary_rewards.py,
 docs/rewards.md; None for a run without them.
+`sandbox_alarms` lists what an env role's code sandbox ran without ({env, event, warning}: no
+per-run cgroup, `sandbox_no_cgroup`; no system-call filter, `sandbox_degraded`), from
+`<workdir>/logs/env.*.log`; [] when every sandbox had all its layers (or the run had no env role).
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
         out["eval_best"] = json.loads((run / "evaluator" / "best.json").read_text())
     except (OSError, ValueError):
         out["eval_best"] = None
+    out["sandbox_alarms"] = sandbox_alarms(run)
     out["curriculum"] = {f.stem.partition("-")[2]: json.loads(f.read_text())
                          for f in sorted((run / "prompt_pool").glob("curriculum-*.json"))}
     if recs:
@@ -182,6 +186,21 @@ def task_of(run: Path) -> str | None:
     return None
 
 
+SANDBOX_EVENTS = ("sandbox_no_cgroup", "sandbox_degraded")
+
+
+def sandbox_alarms(run: Path) -> list[dict]:
+    """What the env roles' sandboxes ran without, from their logs (each warning once per env)."""
+    out, seen = [], set()
+    for log in sorted((run / "logs").glob("env.*.log")):
+        env = log.name[:-len(".log")]
+        for rec in read_rotated_jsonl(log):
+            if rec.get("event") in SANDBOX_EVENTS and (env, rec.get("warning")) not in seen:
+                seen.add((env, rec.get("warning")))
+                out.append({"env": env, "event": rec["event"], "warning": rec.get("warning")})
+    return out
+
+
 def fleet_stats(fleet: list[dict], since: float | None = None, until: float | None = None) -> dict:
     rows = [f for f in fleet if (since is None or f["ts"] >= since) and (until is None or f["ts"] <= until)]
     if not rows:
@@ -204,6 +223,8 @@ def table(s: dict) -> str:
             "rollout_idle_fraction", "kv_usage_mean", "publish_stall_s_max", "duration_s"]
     width = max(map(len, keys))
     rows = [f"  {k:<{width}}  {f(s.get(k))}" for k in keys]
+    for a in s.get("sandbox_alarms") or []:
+        rows.append(f"  {'sandbox[' + a['env'] + ']':<{width}}  {a['event']}: {a['warning']}")
     for name, sc in ((s.get("reward") or {}).get("scorers") or {}).items():
         vs = ", ".join(f"{fn[3:]}: r {f(v['pearson'])}, agree {f(v['agree'])}" for fn, v in sc["vs"].items())
         rows.append(f"  {'reward[' + name + ']':<{width}}  {sc['trajectories']} scored, mean {f(sc['mean'])}"

@@ -27,6 +27,12 @@
   its role kind (rollouts: long enough for a 70B vLLM start), else DEFAULT_READY_TIMEOUT_S.
 - A placement's `gpus` becomes the child's CUDA_VISIBLE_DEVICES (RoleSpec.env), so each role
   (a trainer rank, a vLLM rollout and its engine processes) sees only its own GPUs as cuda:0...
+- Logs: with a log folder, a child's stdout and stderr are one pipe; the supervisor appends what
+  comes out of it to `<log_dir>/<role>.<id>.log`, rotated by size (laminar/logs.py RotatingSink).
+  The child's own children inherit the pipe, so a vLLM engine's output follows the rotation too.
+  After a child exits (and its group is swept) its pipe is read to the end before its last error
+  is looked up; a process outside the group still holding the pipe is waited for at most
+  DRAIN_S, and its output is still logged while it lives.
 - Stop: SIGTERM, wait `shutdown_s`, SIGKILL what is left, reap everything.
 """
 from __future__ import annotations
@@ -45,6 +51,7 @@ from pathlib import Path
 
 import structlog
 
+from laminar.logs import RotatingSink
 from laminar.shell import EXIT_STOPPED_BY_OPERATOR
 from laminar.shm import ShmLedger, group_members, groups_members
 
@@ -52,6 +59,8 @@ log = structlog.get_logger("laminar.supervisor")
 
 BACKOFF_START_S, BACKOFF_MAX_S, HEALTHY_RESET_S = 0.5, 30.0, 60.0
 SHM_SCAN_S = 5.0  # how often a running child's /dev/shm holdings are noted
+DRAIN_S = 5.0     # how long an ended run's output pipe is read before going on without its end
+PUMP_CHUNK = 1 << 16
 DEFAULT_READY_TIMEOUT_S = 300.0
 # a rollout loads its model into vLLM before READY: a 70B start (weights from disk, KV cache
 # allocation, warm-up) takes many minutes on a real node
@@ -104,6 +113,8 @@ class Child:
     last_error: str | None = None   # why it last went down (one line), None while it never failed
     failed_starts: int = 0          # starts in a row that failed (no READY) with this same last_error
     log_offset: int = field(default=0, repr=False)  # size of its log when the current run started
+    log_generation: int = field(default=0, repr=False)  # its log's rotations then (log_offset's file)
+    pump: asyncio.Task | None = field(default=None, repr=False)  # copies the current run's pipe to its log
 
     @property
     def key(self) -> str:
@@ -125,6 +136,8 @@ class Supervisor:
         self._watchers: list[asyncio.Task] = []
         self._reaps: set[asyncio.Future] = set()
         self._scanner: asyncio.Task | None = None
+        self._sinks: dict[str, RotatingSink] = {}   # per child, across its restarts
+        self._pumps: set[asyncio.Task] = set()
 
     def ready_timeout(self, c: Child) -> float:
         if c.ready_timeout_s is None and self.ready_timeout_s is not None:
@@ -148,22 +161,31 @@ class Supervisor:
 
     async def _spawn(self, c: Child) -> str | None:
         """Start one child and wait for its READY line; None when READY, else why not (one line)."""
-        r, w = os.pipe()
         self._set(c, "starting")
-        out = None
-        if self.log_dir:  # each child's JSON log lines go to <log_dir>/<role>.<id>.log
-            os.makedirs(self.log_dir, exist_ok=True)
-            out = open(self.log_path(c), "ab")
-            c.log_offset = out.seek(0, os.SEEK_END)
+        out_r = out_w = None
+        if self.log_dir:  # each child's output goes through a pipe to <log_dir>/<role>.<id>.log
+            sink = self._sink(c)
+            c.log_offset, c.log_generation = sink.size, sink.generation
+            out_r, out_w = os.pipe()
+        r, w = os.pipe()
         try:
             c.proc = await asyncio.create_subprocess_exec(
                 *c.argv, "--ready-fd", str(w), pass_fds=(w,), start_new_session=True,
                 preexec_fn=die_with_parent, env=self.child_env(c), stdin=asyncio.subprocess.DEVNULL,
-                stdout=out, stderr=out)
+                stdout=out_w, stderr=out_w)
+        except BaseException:
+            os.close(r)
+            if out_r is not None:
+                os.close(out_r)
+            raise
         finally:
             os.close(w)
-            if out is not None:
-                out.close()
+            if out_w is not None:
+                os.close(out_w)
+        if out_r is not None:
+            c.pump = asyncio.create_task(self._pump(out_r, self._sinks[c.key]), name=f"log:{c.key}")
+            self._pumps.add(c.pump)
+            c.pump.add_done_callback(self._pumps.discard)
         c.pid, c.started_at = c.proc.pid, time.monotonic()
         c.group, c.shm = c.proc.pid, ShmLedger()  # start_new_session: its pid is its group
         timeout = self.ready_timeout(c)
@@ -175,6 +197,30 @@ class Supervisor:
         if line.startswith(b"FAILED "):
             return line[7:].decode(errors="replace").strip() or "setup failed"
         return f"no READY within {timeout:.0f} s" if line == b"TIMEOUT" else ""
+
+    def _sink(self, c: Child) -> RotatingSink:
+        if c.key not in self._sinks:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._sinks[c.key] = RotatingSink(self.log_path(c))
+        return self._sinks[c.key]
+
+    @staticmethod
+    async def _pump(fd: int, sink: RotatingSink) -> None:
+        """Copy a child's output pipe into its log until every writer has closed it."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=PUMP_CHUNK)
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(fd, "rb", buffering=0))
+        try:
+            while chunk := await reader.read(PUMP_CHUNK):
+                sink.write(chunk)
+        finally:
+            transport.close()
+
+    async def _drained(self, c: Child) -> None:
+        """Wait (at most DRAIN_S) until the ended run's output is all in its log."""
+        if c.pump is not None:
+            await asyncio.wait([c.pump], timeout=DRAIN_S)
 
     async def _read_ready(self, fd: int, timeout_s: float, limit: int = 8192) -> bytes:
         """The child's first line on the pipe (b"" when it closed the pipe without one)."""
@@ -205,6 +251,7 @@ class Supervisor:
                 await self._end_failed_start(c, not_ready)
             code = await c.proc.wait()
             await asyncio.shield(self._reap_soon(c))
+            await self._drained(c)  # before its last error is read from the log
             c.last_exit, c.pid = code, None
             if self.stopping.is_set():
                 self._set(c, "stopped")
@@ -248,7 +295,11 @@ class Supervisor:
 
     def _logged_error(self, c: Child) -> str | None:
         path = self.log_path(c)
-        return last_error_line(path, c.log_offset) if path else None
+        if not path:
+            return None
+        sink = self._sinks.get(c.key)
+        rotated = sink is not None and sink.generation != c.log_generation  # the run's start is in an older file
+        return last_error_line(path, 0 if rotated else c.log_offset)
 
     @staticmethod
     def _note(c: Child) -> None:
@@ -329,6 +380,14 @@ class Supervisor:
             if c.group is not None and c.proc is not None and c.proc.returncode is not None:
                 self._reap_soon(c)
         await asyncio.gather(*self._reaps, return_exceptions=True)
+        if self._pumps:  # the last output of every run, then the logs are closed
+            _, late = await asyncio.wait(list(self._pumps), timeout=DRAIN_S)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        for sink in self._sinks.values():
+            sink.close()
+        self._sinks.clear()
         for c in self.children:  # ... or before it recorded the end
             if c.pid is not None and c.proc is not None and c.proc.returncode is not None:
                 c.last_exit, c.pid = c.proc.returncode, None

@@ -12,7 +12,9 @@ Shutdown command, is a stop: `SuccessExitStatus=3`, `RestartPreventExitStatus=3`
 broker's host order themselves after the broker unit. A `.target` groups the host's units.
 
 Confinement (cluster.systemd in the config): every unit runs as a dedicated user (`laminar` by
-default; the env role as root, which its namespace sandbox needs, unless configured otherwise)
+default; the env role as root, which its namespace sandbox needs, unless configured otherwise,
+but with only the capabilities that sandbox uses, ENV_CAPABILITIES, and `Delegate=yes` so that it
+can make a cgroup per run on cgroup v2)
 with UMask=0077 (stores, checkpoints and logs private to that user), NoNewPrivileges, a read-only
 system (ProtectSystem=strict, home read-only) in which only the run's workdir, /dev/shm (weights)
 and configured paths are writable, a private /tmp, a cache folder of its own (XDG_CACHE_HOME, for
@@ -34,6 +36,10 @@ from pathlib import Path
 from laminar.supervisor import ready_timeout_for
 
 RESTART_STEPS_SINCE = 254  # systemd version that knows RestartSteps / RestartMaxDelaySec
+# what the env role's sandbox needs of root (tests/unit/test_sandbox_capabilities.py runs it with
+# exactly these): unshare/mount/pivot_root, setuid/setgid/setgroups to the sandbox uid, chown of the
+# scratch files, writing them into the scratch owned by that uid, signalling a run's processes
+ENV_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_KILL")
 
 
 def local_systemd_version() -> int | None:
@@ -82,7 +88,14 @@ def _confinement(cfg, role: str, workdir: str, systemd_version: int | None) -> s
     else:
         lines.append(f"# RestartSteps/RestartMaxDelaySec need systemd >= {RESTART_STEPS_SINCE} (this host has "
                      f"{systemd_version}): restarts wait RestartSec each")
-    if role != "env":  # its sandbox mounts and unshares; everything else needs none of this
+    if role == "env":
+        # Delegate: the unit's cgroup is the role's to write, so its sandbox can make a cgroup per run
+        # (cgroup v2: it moves itself into a leaf and enables memory, pids and cpu for children,
+        # laminar/envs/cgroups.py). The bounding set: root, but only what the sandbox needs
+        # (namespaces and mounts, switching to the sandbox uid, owning the scratch files, killing
+        # a run): no raw I/O, modules, ptrace, network administration, ... for whoever escapes it.
+        lines += ["Delegate=yes", f"CapabilityBoundingSet={' '.join(ENV_CAPABILITIES)}"]
+    else:  # its sandbox mounts and unshares; everything else needs none of this
         lines += ["ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
                   "ProtectControlGroups=yes", "ProtectClock=yes", "ProtectHostname=yes", "RestrictSUIDSGID=yes",
                   "RestrictRealtime=yes", "LockPersonality=yes", "SystemCallArchitectures=native"]

@@ -4,7 +4,10 @@
 cgroup (new cgroups are made under it, so a limit on the env role also bounds its runs):
 
 - cgroup v2 when its mount has the memory, pids and cpu controllers for this cgroup and they are
-  (or can be) enabled for its children;
+  (or can be) enabled for its children. The kernel lets a cgroup other than the root enable
+  controllers for its children only while it holds no process itself, so when this process is
+  alone in its cgroup (a systemd unit with `Delegate=yes`, as the generated env unit has) it first
+  moves itself into a leaf child, `laminar-env`; run cgroups are then made beside that leaf;
 - else cgroup v1, when memory, pids and cpu hierarchies are mounted and this process's cgroup in
   each is writable (hybrid machines: an empty cgroup2 plus the v1 controllers);
 - else none, with the reason (the sandbox then warns, or refuses with `cgroup: required`).
@@ -22,6 +25,7 @@ import signal
 from dataclasses import dataclass, field
 
 NEEDED = ("memory", "pids", "cpu")
+LEAF = "laminar-env"  # where this process moves so that its own cgroup may enable controllers for children
 CPU_PERIOD_US = 100_000
 _names = itertools.count()
 
@@ -61,8 +65,39 @@ def _read(path: str) -> str | None:
         return None
 
 
-def plan_cgroups(mountinfo: str, self_cgroup: str, root: str = "") -> CgroupPlan:
-    """Pick the hierarchy for run cgroups. `root` prefixes every path (a test's fake tree)."""
+def enable_for_children(parent: str, controllers: tuple[str, ...] | list[str], pid: int | None = None) -> str | None:
+    """Enable `controllers` for the children of the v2 cgroup `parent` (the one holding `pid`, by
+    default this process). When `pid` is alone in it, it is first moved into the leaf child LEAF
+    (the no-internal-process rule). Returns None when done, else why not."""
+    pid = os.getpid() if pid is None else pid
+    enabled = set((_read(parent + "/cgroup.subtree_control") or "").split())
+    todo = [c for c in controllers if c not in enabled]
+    if not todo:
+        return None
+    procs = (_read(parent + "/cgroup.procs") or "").split()
+    moved = ""
+    if procs == [str(pid)]:
+        leaf = os.path.join(parent, LEAF)
+        try:
+            os.makedirs(leaf, exist_ok=True)
+            _write(leaf + "/cgroup.procs", str(pid))
+            moved = f" (after moving process {pid} into {leaf})"
+        except OSError as exc:
+            return f"cannot move process {pid} into {leaf} ({exc.strerror})"
+    try:
+        _write(parent + "/cgroup.subtree_control", " ".join("+" + c for c in todo))
+    except OSError as exc:
+        others = [p for p in procs if p != str(pid)]
+        held = f"; it holds other processes ({' '.join(others[:5])})" if others and not moved else ""
+        return (f"cannot enable {', '.join(todo)} for the children of {parent}{moved} ({exc.strerror}{held}; "
+                "the env role needs a cgroup of its own it may write: systemd Delegate=yes, as the generated "
+                "env unit has)")
+    return None
+
+
+def plan_cgroups(mountinfo: str, self_cgroup: str, root: str = "", pid: int | None = None) -> CgroupPlan:
+    """Pick the hierarchy for run cgroups. `root` prefixes every path (a test's fake tree); `pid`
+    is the process whose cgroup that is (default: this one), moved into a leaf where v2 needs it."""
     mounts = _mounts(mountinfo)
     lines = [x.split(":", 2) for x in self_cgroup.splitlines() if x.count(":") >= 2]
     why = []
@@ -74,18 +109,13 @@ def plan_cgroups(mountinfo: str, self_cgroup: str, root: str = "") -> CgroupPlan
         missing = [c for c in NEEDED if c not in have]
         if missing:
             why.append(f"cgroup v2 at {v2[0]} lacks {', '.join(missing)} (has: {' '.join(sorted(have)) or 'none'})")
+        elif (err := enable_for_children(parent, NEEDED, pid)) is None:
+            me = str(os.getpid() if pid is None else pid)
+            moved = me in (_read(os.path.join(parent, LEAF, "cgroup.procs")) or "").split()
+            return CgroupPlan("v2", {"unified": root + v2[0]}, {"unified": parent},
+                              f"cgroup v2 under {parent}" + (f" (this process in {LEAF})" if moved else ""))
         else:
-            enabled = set((_read(parent + "/cgroup.subtree_control") or "").split())
-            todo = [c for c in NEEDED if c not in enabled]
-            try:
-                if todo:
-                    with open(parent + "/cgroup.subtree_control", "w") as f:
-                        f.write(" ".join("+" + c for c in todo))
-                return CgroupPlan("v2", {"unified": root + v2[0]}, {"unified": parent},
-                                  f"cgroup v2 under {parent}")
-            except OSError as exc:
-                why.append(f"cgroup v2: cannot enable {', '.join(todo)} for the children of {parent} ({exc.strerror}; "
-                           "the env role needs a delegated cgroup of its own, e.g. systemd Delegate=yes)")
+            why.append(f"cgroup v2: {err}")
     roots, parents, bad = {}, {}, []
     for ctrl in NEEDED:
         mp = next((m[0] for m in mounts if m[1] == "cgroup" and ctrl in m[2].split(",")), None)

@@ -172,6 +172,14 @@ class Sandbox:
                     log.info("sandbox_stale_cgroups_removed", dirs=stale)
         return self._plan
 
+    def describe(self) -> dict:
+        """What confines runs here, for the role's status: {seccomp, cgroup, cgroup_reason, warnings}
+        (`cgroup` is "v2", "v1", "none" (auto found none) or "off" (configured))."""
+        plan = self.cgroup_plan()
+        kind = "off" if self.cfg.cgroup == "off" else plan.kind
+        return {"seccomp": self.seccomp_active, "cgroup": kind, "cgroup_reason": plan.reason,
+                "warnings": list(self.warnings or [])}
+
     def check_policy(self) -> list[str]:
         """Decide the system-call filter and the cgroup; raise SandboxUnavailable where the config
         does not allow what is missing, and return (and log, once) the warnings for the rest."""
@@ -188,15 +196,21 @@ class Sandbox:
             warnings.append(f"the sandbox runs model code WITHOUT a system-call filter ({why}); "
                             "unshare, bpf, io_uring, ptrace and the rest are open to it")
         plan = self.cgroup_plan()
+        no_cgroup = None
         if plan.kind == "none":
             if self.cfg.cgroup == "required":
                 raise SandboxUnavailable(f"no usable cgroup for sandbox runs: {plan.reason}")
             if self.cfg.cgroup == "auto":
-                warnings.append(f"no per-run cgroup ({plan.reason}): memory is bounded per process only "
-                                f"(up to max_processes x memory_mb = {self.cfg.max_processes * self.cfg.memory_mb} MB "
-                                "per run), CPU per process")
+                no_cgroup = (f"no per-run cgroup ({plan.reason}): memory is bounded per process only "
+                             f"(up to max_processes x memory_mb = {self.cfg.max_processes * self.cfg.memory_mb} MB "
+                             "per run), CPU per process")
+                warnings.append(no_cgroup)
         for w in warnings:
-            log.warning("sandbox_degraded", warning=w)
+            if w is no_cgroup:  # an error, not a warning: `auto` promised a cgroup and has none
+                log.error("sandbox_no_cgroup", warning=w, fix="give the env role a cgroup it may write "
+                          "(systemd Delegate=yes), or say sandbox.cgroup: off to run without one on purpose")
+            else:
+                log.warning("sandbox_degraded", warning=w)
         self.warnings = warnings
         return warnings
 

@@ -33,11 +33,9 @@ class EnvRole(Role):
         self.server.route(EnvStep, self.on_step)
         self.server.route(EnvClose, self.on_close)
         await self.server.start()
-        sandbox = None
-        if self.sandbox is not None:  # what confines model code here, and what is missing (warnings)
-            plan = self.sandbox.cgroup_plan()
-            sandbox = {"seccomp": self.sandbox.seccomp_active,
-                       "cgroup": plan.kind, "warnings": self.sandbox.warnings or []}
+        # what confines model code here, and what is missing (warnings; also in status, so the
+        # node's `status` and /healthz show a sandbox without a cgroup as an alarm)
+        sandbox = self.sandbox.describe() if self.sandbox is not None else None
         self.log.info("env_ready", environment=c.environment, sandbox=sandbox, address=self.server.address)
 
     async def run(self) -> None:
@@ -52,7 +50,17 @@ class EnvRole(Role):
             await self.host.close()
 
     def status(self) -> dict:
-        return self.host.status() if hasattr(self, "host") else {}
+        """The episodes' counts, plus `sandbox_cgroup` ("v2", "v1", "none", "off") and, when it is
+        "none", `sandbox_cgroup_reason`."""
+        if not hasattr(self, "host"):
+            return {}
+        out = self.host.status()
+        if self.host.sandbox is not None:
+            d = self.host.sandbox.describe()
+            out["sandbox_cgroup"] = d["cgroup"]
+            if d["cgroup"] == "none":
+                out["sandbox_cgroup_reason"] = d["cgroup_reason"][:300]
+        return out
 
     async def on_reset(self, req: EnvReset) -> EnvReply:
         return await self.host.reset(req)

@@ -18,11 +18,15 @@ HandedGroups. So a handed-out group is, at every moment, outstanding, requeued o
 `prompts_skipped` = fresh groups handed - settled - open ones is 0 unless that broke (it is in the
 pool's counts, hence its heartbeat, and survives restarts: all of it is in the store).
 
-Attempts: every requeue of an entry gives it the group's next attempt number k (durable, in
-`attempts`), and its members go out as `<group>/<i>~a<k>` (attempt 0: `<group>/<i>`), with the same
-group id and sample index. So a re-generated member never reuses the id of one that got as far as
-the partial pool, which refuses deltas for ids it completed (a group the buffer dropped off-lineage
-was completed there), and the buffer still sees one group with one slot per sample index.
+Attempts: every requeue of an entry gives it a new attempt number k, the next value of one
+durable counter (`attempt_seq` in `accounting`), and its members go out as `<group>/<i>~a<k>`
+(attempt 0: `<group>/<i>`), with the same group id and sample index. So a re-generated member never
+reuses the id of one that got as far as the partial pool, which refuses deltas for ids it completed
+(a group the buffer dropped off-lineage was completed there), and the buffer still sees one group
+with one slot per sample index; within a group, a later attempt has a larger number. Since the
+counter alone makes new ids unique, an entry's attempt is kept (`attempts`) only while the entry is
+open: handed out or waiting to be. It is deleted when the entry settles (a settled group requeued
+later gets the counter's next value), so the table holds at most the open entries.
 
 Curriculum (optional, `curriculum`; curriculum.py): GroupResults from the experience buffer give
 each prompt's recent pass rate; when the cursor comes to a prompt whose weight says not this epoch
@@ -128,9 +132,12 @@ class PromptPoolRole(PoolRole):
     name = "prompt_pool"
     Config = PromptPoolConfig
     SCHEMA = SCHEMA
-    SCHEMA_VERSION = 4  # v2: handed_to and accounting (new tables; a v1 store's hand-outs count as settled);
+    SCHEMA_VERSION = 5  # v2: handed_to and accounting (new tables; a v1 store's hand-outs count as settled);
     # v3: attempts (a new table: what an older store requeued goes out again as attempt 0);
-    # v4: curriculum and curriculum_skips (new tables: an older store starts with no results)
+    # v4: curriculum and curriculum_skips (new tables: an older store starts with no results);
+    # v5: attempt numbers from one counter, `attempts` rows only for open entries (an older Laminar
+    # would compute a settled group's next attempt from the rows left and could reuse ids: refused)
+    MIGRATIONS = {4: lambda c: _attempts_from_a_counter(c)}
 
     async def setup(self) -> None:
         settings = self.settings
@@ -230,6 +237,7 @@ class PromptPoolRole(PoolRole):
             self.store.write_sync([("INSERT OR REPLACE INTO accounting VALUES ('settled', ?)", (self.handed,))])
         self.settled = acc["settled"]
         self.attempts: dict[str, int] = dict(self.store.read("SELECT entry, n FROM attempts"))
+        self.attempt_seq = max(int(acc.get("attempt_seq", 0)), max(self.attempts.values(), default=0))
         self.open: dict[str, int] = {}  # group id -> its entries outstanding or requeued
         for e in list(self.out) + self.requeued:
             g = self._group_of(e)
@@ -396,10 +404,11 @@ class PromptPoolRole(PoolRole):
                              refused=dict(list(refused.items())[:16]), count=len(refused))
         stmts: list = []
         for g in new:  # its next attempt: new trajectory ids for whatever runs again
-            grp = self._group_of(g)
-            k = 1 + max(self.attempts.get(x, 0) for x in [grp] + [f"{grp}/{i}" for i in range(self.cfg.group_size)])
-            self.attempts[g] = k
-            stmts.append(("INSERT OR REPLACE INTO attempts VALUES (?, ?)", (g, k)))
+            self.attempt_seq += 1
+            self.attempts[g] = self.attempt_seq
+            stmts.append(("INSERT OR REPLACE INTO attempts VALUES (?, ?)", (g, self.attempt_seq)))
+        if new:
+            stmts.append(("INSERT OR REPLACE INTO accounting VALUES ('attempt_seq', ?)", (self.attempt_seq,)))
         for g in new:  # outstanding -> requeued; anything else opens again
             if self.out.pop(g, None) is None:
                 grp = self._group_of(g)
@@ -422,6 +431,8 @@ class PromptPoolRole(PoolRole):
                 del self.open[grp]
                 self.settled += 1
             stmts.append(("DELETE FROM handed_to WHERE entry = ?", (e,)))
+            if self.attempts.pop(e, None) is not None:  # settled: the counter keeps later ids new
+                stmts.append(("DELETE FROM attempts WHERE entry = ?", (e,)))
         if new or closed:
             stmts.append(("INSERT OR REPLACE INTO accounting VALUES ('settled', ?)", (self.settled,)))
         if new:
@@ -497,3 +508,16 @@ class PromptPoolRole(PoolRole):
 
     def _group_of(self, entry: str) -> str:
         return self._split(entry)[0]
+
+
+def _attempts_from_a_counter(c) -> None:
+    """Store v4 -> v5: the attempt counter starts above every attempt given so far, and the rows
+    of entries no longer open (neither handed out nor requeued) go."""
+    tables = {name for (name,) in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "attempts" not in tables:
+        return  # from before attempts: none was given
+    seq = c.execute("SELECT coalesce(max(n), 0) FROM attempts").fetchone()[0]
+    c.execute("CREATE TABLE IF NOT EXISTS accounting (k TEXT PRIMARY KEY, v INTEGER)")
+    c.execute("INSERT OR REPLACE INTO accounting VALUES ('attempt_seq', ?)", (seq,))
+    c.execute("DELETE FROM attempts WHERE entry NOT IN (SELECT entry FROM handed_to) "
+              "AND entry NOT IN (SELECT group_id FROM requeued)")

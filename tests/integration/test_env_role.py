@@ -195,3 +195,46 @@ def test_env_role_as_a_process(tmp_path, procs, free_port):
             env.close()
             await t.close()
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@needs_sandbox
+def test_sandbox_without_a_cgroup_is_loud(tmp_path, monkeypatch):
+    """`cgroup: auto` on a host where no cgroup can be had (cgroup v2 without a delegated cgroup:
+    the generated env unit before Delegate=yes) used to log one warning among the start-up lines
+    and nothing else. Now: an error-level `sandbox_no_cgroup` line naming why, `sandbox_cgroup:
+    none` with the reason in the role's status (its heartbeat), and an alarm in the node's health
+    (/healthz answers 503); `cgroup: required` refuses to start; `cgroup: off` is a choice, no alarm."""
+    from structlog.testing import capture_logs
+
+    from laminar.envs import sandbox as sbmod
+    from laminar.health import HealthCollector
+    from laminar.protocol import Heartbeat
+
+    why = "cgroup v2: cannot enable memory, pids, cpu for the children of /sys/fs/cgroup/x (Device or resource busy)"
+    monkeypatch.setattr(sbmod, "plan_cgroups", lambda *a, **k: sbmod.CgroupPlan("none", {}, {}, why))
+
+    async def start(cgroup: str):
+        cfg = parse_config(config(tmp_path, {"sandbox": {**SANDBOX, "cgroup": cgroup}}))
+        c = InprocCluster(cfg)
+        try:
+            role = await c.start("env", ready_timeout_s=60)
+        except RuntimeError:
+            await c.close()
+            return None, None
+        status = role.status()
+        await c.close()
+        return role, status
+
+    with capture_logs() as logs:
+        role, status = asyncio.run(start("auto"))
+    assert role is not None
+    errors = [e for e in logs if e["event"] == "sandbox_no_cgroup"]
+    assert errors and errors[0]["log_level"] == "error" and why in errors[0]["warning"]
+    assert status["sandbox_cgroup"] == "none" and why in status["sandbox_cgroup_reason"]
+    health = HealthCollector("t", "h0", {"env.0": "h0"}, dead_after_s=60.0)
+    health.observe(Heartbeat(role="env", id="0", host="h0", pid=1, seq=1, uptime_s=1.0, state="ready",
+                             status=status))
+    assert [a for a in health.alarms() if a.startswith("sandbox_no_cgroup (env.0: cgroup v2: cannot enable")]
+    assert asyncio.run(start("required")) == (None, None)  # refuses to start
+    role, status = asyncio.run(start("off"))
+    assert status["sandbox_cgroup"] == "off" and "sandbox_cgroup_reason" not in status

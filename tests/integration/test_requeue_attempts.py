@@ -62,3 +62,80 @@ def test_a_requeued_group_gets_new_trajectory_ids_the_partial_pool_takes(tmp_pat
         assert res.applied == 1 and not res.rejected, res
         await cl.close()
     asyncio.run(main())
+
+
+def test_attempts_are_kept_only_while_open_and_ids_are_never_reused(tmp_path):
+    """Before: every requeued entry (a group, or a member alone) kept its row in `attempts` for
+    good, since a settled group may be requeued again later and its next attempt was 1 + the
+    largest of its group's rows: the table grew with every group ever requeued. Now attempt numbers
+    come from one durable counter (larger than any given before), so a row is needed only while its
+    entry is open (handed out or waiting to be): it goes when the entry settles. Ids are still never
+    reused, across restarts too, and a settled group requeued later gets new ones."""
+    async def main():
+        cl = InprocCluster(cfg(tmp_path))
+        role = await cl.start("prompt_pool")
+        pp = cl.client("prompt_pool")
+        seen: list[str] = []
+
+        def rows(role) -> int:
+            return role.store.read("SELECT count(*) FROM attempts")[0][0]
+
+        async def cycle(rollout: str, gid: str | None = None, member: int | None = None) -> str:
+            """Hand a group out, lose it with its rollout (requeue), hand it out again, settle it."""
+            if gid is None:
+                got = (await pp.call(TakeBatch(rollout, 3))).trajectories
+                seen.extend(t.trajectory_id for t in got)
+                gid = got[0].group_id
+            entry = gid if member is None else f"{gid}/{member}"
+            await pp.call(RequeueGroups([entry], rollout))
+            again = (await pp.call(TakeBatch(rollout + "b", 3))).trajectories
+            assert again[0].group_id == gid  # first; a member alone is topped up with a fresh group
+            seen.extend(t.trajectory_id for t in again)
+            fresh = sorted({t.group_id for t in again} - {gid})
+            await pp.call(RequeueGroups([], rollout + "b", settled=[entry, *fresh]))
+            return gid
+
+        groups = [await cycle(f"r{i}") for i in range(4)]          # four groups, each requeued once
+        assert rows(role) == 0                                      # before: 4
+        await cl.stop("prompt_pool")
+        role = await cl.start("prompt_pool")
+        for i, g in enumerate(groups):                              # settled groups requeued later
+            await cycle(f"s{i}", g)
+            await cycle(f"m{i}", g, member=1)                       # and one member alone
+        assert rows(role) == 0                                      # before: 8
+        await cl.stop("prompt_pool")
+        role = await cl.start("prompt_pool")
+        await cycle("t", groups[0])                                 # after a restart: new ids again
+        await pp.call(RequeueGroups([groups[1]], "nobody"))         # open: its row stays until it settles
+        assert rows(role) == 1
+        assert len(seen) == len(set(seen)), sorted(t for t in seen if seen.count(t) > 1)
+        await cl.close()
+    asyncio.run(main())
+
+
+def test_a_v4_store_is_migrated_its_counter_above_every_attempt_given(tmp_path):
+    """A store from before the counter (v4): its rows for settled entries go, and the counter starts
+    above the largest attempt they held, so a settled group requeued after the upgrade gets ids
+    none of its earlier attempts had."""
+    import sqlite3
+
+    async def main():
+        cl = InprocCluster(cfg(tmp_path))
+        role = await cl.start("prompt_pool")
+        pp = cl.client("prompt_pool")
+        got = (await pp.call(TakeBatch("r", 3))).trajectories
+        gid = got[0].group_id
+        await pp.call(RequeueGroups([], "r", settled=[gid]))
+        path = role.store_path()
+        await cl.stop("prompt_pool")
+        with sqlite3.connect(path) as con:  # as v4 left it: rows of settled entries, no counter
+            con.executemany("INSERT INTO attempts VALUES (?, ?)", [(gid, 6), (f"{gid}/2", 7)])
+            con.execute("DELETE FROM accounting WHERE k = 'attempt_seq'")
+            con.execute("PRAGMA user_version = 4")
+        role = await cl.start("prompt_pool")
+        assert role.store.read("SELECT count(*) FROM attempts")[0][0] == 0
+        await pp.call(RequeueGroups([gid], "buffer"))
+        again = (await pp.call(TakeBatch("r2", 3))).trajectories
+        assert [t.trajectory_id for t in again] == [f"{gid}/{i}~a8" for i in range(3)]
+        await cl.close()
+    asyncio.run(main())

@@ -8,7 +8,7 @@ import os
 import pytest
 import structlog
 
-from laminar.logs import RotatingFile, configure
+from laminar.logs import RotatingFile, RotatingSink, configure
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 
@@ -36,3 +36,15 @@ def test_rotating_jsonl_on_a_full_disk_drops_the_record(tmp_path):
     f.write('{"a": 1}\n')
     assert f.dropped == 1
     f.close()
+
+
+def test_a_childs_log_on_a_full_disk_drops_its_output(tmp_path):
+    """The supervisor's copy of a child's output pipe: a full disk loses the bytes, never raises
+    into the supervisor (which would stop supervising every role)."""
+    sink = RotatingSink(tmp_path / "rollout.0.log", max_bytes=100, keep=1)
+    sink.f.close()
+    sink.f = open("/dev/full", "ab", buffering=0)
+    sink.write(b"x" * 150 + b"\nmore\n")  # crosses the bound: rotates, then writes on
+    assert sink.dropped == 1 and sink.generation == 1
+    assert (tmp_path / "rollout.0.log").read_bytes() == b"more\n"
+    sink.close()

@@ -71,3 +71,56 @@ def test_fleet_jsonl_rotates_and_the_summary_reads_every_kept_file_in_order(tmp_
         for v in range(1, 12)))
     s = summarize(run)
     assert s["rollout_idle_fraction"] == idle / len(ts), s
+
+
+# A supervised role that starts an engine-like grandchild (as a rollout's vLLM EngineCore: its own
+# process, inheriting the role's stdout and stderr), becomes READY, logs past two rotations, then
+# has the grandchild write a line, and logs one more line itself.
+ENGINE_CHILD = r"""
+import os, subprocess, sys
+import structlog
+from laminar import logs
+logs.configure("rollout.1a", "info")
+log = structlog.get_logger()
+engine = subprocess.Popen([sys.executable, "-c",
+    "import sys\nfor line in sys.stdin:\n    print('engine', line.strip(), file=sys.stderr, flush=True)"],
+    stdin=subprocess.PIPE, text=True)
+os.write(int(sys.argv[-1]), b"READY\n")
+for i in range(400):
+    log.info("trajectory_stored", n=i, pad="x" * 60)
+engine.stdin.write("after-rotation\n")
+engine.stdin.close()
+engine.wait()
+log.info("role_done", pid=engine.pid)
+"""
+
+
+def test_an_engine_subprocess_follows_its_roles_log_rotation(tmp_path, monkeypatch):
+    """Before: the role rotated its log by renaming the file and moving only its own fds 1 and 2 to a
+    new one; the engine kept writing into the renamed file, deleted once it fell past `keep`: its
+    line written after two rotations was found in no kept file (and the disk held the deleted one).
+    Now the supervisor owns the role's output (a pipe) and rotates it, so everything the role's
+    processes write goes into the current file."""
+    import asyncio
+
+    from laminar.supervisor import Child, Supervisor
+
+    async def main():
+        c = Child("rollout", "1a", [sys.executable, "-c", ENGINE_CHILD])
+        sup = Supervisor([c], shutdown_s=5, log_dir=str(tmp_path))
+        await sup.start()
+        async with asyncio.timeout(60):
+            while c.state != "finished":
+                c.changed.clear()
+                await c.changed.wait()
+        await sup.stop()
+
+    monkeypatch.setenv("LAMINAR_LOG_MAX_BYTES", "6000")  # the supervisor and its child both read them
+    monkeypatch.setenv("LAMINAR_LOG_KEEP", "1")
+    asyncio.run(main())
+    path = tmp_path / "rollout.1a.log"
+    files = rotated_files(path)
+    assert [f.name for f in files] == ["rollout.1a.log.1", "rollout.1a.log"]
+    text = "".join(f.read_text() for f in files)
+    assert "engine after-rotation\n" in text
+    assert '"role_done"' in text and all(f.stat().st_size <= 6000 + 400 for f in files)

@@ -118,3 +118,29 @@ def test_read_only_paths_must_be_absolute():
     with pytest.raises(ValueError, match="absolute"):
         SandboxConfig(read_only_paths=["runs/local/data"])
     assert SandboxConfig(read_only_paths=["/opt/tables"]).read_only_paths == ["/opt/tables"]
+
+
+def test_v2_process_alone_in_its_cgroup_moves_into_a_leaf_first(tmp_path):
+    """A systemd unit with Delegate=yes: the env role is the only process of the unit's cgroup, which
+    (the kernel's no-internal-process rule) may enable controllers for children only once it holds
+    no process. The role moves itself into `laminar-env` and makes run cgroups beside it."""
+    root = fake_tree(tmp_path, {"/sys/fs/cgroup/system.slice/env.service/cgroup.controllers": "cpu memory pids\n",
+                                "/sys/fs/cgroup/system.slice/env.service/cgroup.subtree_control": "",
+                                "/sys/fs/cgroup/system.slice/env.service/cgroup.procs": "4242\n"})
+    plan = plan_cgroups(V2_ONLY, "0::/system.slice/env.service\n", root=root, pid=4242)
+    unit = tmp_path / "sys/fs/cgroup/system.slice/env.service"
+    assert plan.kind == "v2" and plan.parents == {"unified": str(unit)}
+    assert (unit / "laminar-env" / "cgroup.procs").read_text() == "4242"  # moved before enabling
+    assert sorted((unit / "cgroup.subtree_control").read_text().split()) == ["+cpu", "+memory", "+pids"]
+    assert "laminar-env" in plan.reason
+
+
+def test_v2_cgroup_shared_with_other_processes_is_left_alone(tmp_path):
+    """Not alone (a shell's session cgroup): the role does not move itself there; if enabling then
+    fails, the plan says which processes are in the way."""
+    root = fake_tree(tmp_path, {"/sys/fs/cgroup/user/cgroup.controllers": "cpu memory pids\n",
+                                "/sys/fs/cgroup/user/cgroup.procs": "4242\n17\n"})
+    (tmp_path / "sys/fs/cgroup/user/cgroup.subtree_control").mkdir()  # writing it fails (EISDIR)
+    plan = plan_cgroups(V2_ONLY, "0::/user\n", root=root, pid=4242)
+    assert plan.kind == "none" and not (tmp_path / "sys/fs/cgroup/user/laminar-env").exists()
+    assert "other processes (17)" in plan.reason and "Delegate=yes" in plan.reason

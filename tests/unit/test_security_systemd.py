@@ -83,3 +83,19 @@ def test_hardened_units_verify_and_security_score(tmp_path):
         print(f"\n{name}: systemd-analyze security {score.group(1)} {score.group(2)}" if score else s.stdout[-300:])
         if score and name != "laminar-t-env-0.service":
             assert float(score.group(1)) < 6.0, s.stdout   # "MEDIUM" or better; the old units scored 9.6 UNSAFE
+
+
+def test_env_unit_delegates_its_cgroup_and_bounds_root_to_the_sandbox_capabilities(tmp_path):
+    """Before: the env unit ran as full root without Delegate=yes, so on cgroup v2 its sandbox had no
+    cgroup it could make children in (runs went without one). Now its cgroup is delegated and its
+    capabilities are only those the sandbox needs (test_sandbox_capabilities.py runs the sandbox
+    with exactly these); other roles keep their own confinement and no Delegate."""
+    cfg, path = _config(tmp_path)
+    units = render_units(cfg, path, "h0", workdir=str(tmp_path), systemd_version=254)
+    env = directives(units["laminar-t-env-0.service"])
+    assert env["Delegate"] == "yes"
+    caps = env["CapabilityBoundingSet"].split()
+    assert "CAP_SYS_ADMIN" in caps and "CAP_SETUID" in caps
+    assert not {"CAP_SYS_MODULE", "CAP_SYS_RAWIO", "CAP_SYS_PTRACE", "CAP_NET_ADMIN", "CAP_DAC_READ_SEARCH"} & set(caps)
+    echo = directives(units["laminar-t-echo-0.service"])
+    assert "Delegate" not in echo and echo["ProtectControlGroups"] == "yes"

@@ -41,3 +41,29 @@ def test_a_run_folder_gets_its_summary(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["iterations"] == 3
     assert "reward_last" in r.stdout
+
+
+ENV_LOG = """import sys
+from laminar.logs import configure
+from laminar.envs import sandbox as s
+configure("env", stream=open(sys.argv[1], "a", buffering=1))
+s.plan_cgroups = lambda *a, **k: s.CgroupPlan("none", {}, {}, "cgroup v2 at /sys/fs/cgroup: EBUSY")
+s.Sandbox(s.SandboxConfig(cgroup="auto", allow_no_seccomp=True)).check_policy()
+"""
+
+
+def test_a_sandbox_without_a_cgroup_is_in_the_summary(tmp_path):
+    """An env role whose sandbox ran without a per-run cgroup: its log's error line (written by the
+    sandbox's own check, in a process of its own) becomes `sandbox_alarms` and a table row."""
+    (tmp_path / "trainer").mkdir()
+    record = {"version": 1, "ts": 1.0, "reward_mean": 0.0}
+    (tmp_path / "trainer" / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "logs").mkdir()
+    made = subprocess.run([sys.executable, "-c", ENV_LOG, str(tmp_path / "logs" / "env.0.log")],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    r = run(tmp_path)
+    assert r.returncode == 0, r.stderr
+    alarms = json.loads((tmp_path / "summary.json").read_text())["sandbox_alarms"]
+    assert [(a["env"], a["event"]) for a in alarms if "EBUSY" in a["warning"]] == [("env.0", "sandbox_no_cgroup")]
+    assert "sandbox[env.0]" in r.stdout and "sandbox_no_cgroup" in r.stdout
