@@ -11,7 +11,11 @@ cluster's `dead_after_s` and continued (`master_stop`), every relay stopped for 
 weights move (`stall`: the manager must raise `weights_stalled`, with K = `--stall-lag` and T =
 `--stall-after-s`, and clear it once they move again), the trainer restarted on an older
 checkpoint folder (`old_checkpoint`: its newest checkpoint is moved aside, so its lineage goes
-down), or a reward replica killed (`reward`). With `reward` among the kinds (the default), every
+down), a reward replica killed (`reward`), or the manager killed inside a repack move, after the
+source gave its work up (MigrateOut) and before the destination took it (MigrateIn)
+(`migrate_window`: the failpoint `manager.after_migrate_out` is armed, laminar/failpoints.py, and
+fires at the next move within `--migrate-window-s`; a fault with no move in that time is counted
+as not fired, `migrate_window_fired` says how many did). With `reward` among the kinds (the default), every
 trajectory's reward has a model term: the rollouts' rewards are the rule (weight 1 - w) plus a
 `classifier` scorer `rm` (weight w = `--reward-weight`; the tiny score-head model, untrained: its
 values do not matter here) served by a `reward` replica on h1 and h2 with leases of
@@ -57,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import exit_on_signals, percentile, print_table, write_json  # noqa: E402
 
 KINDS = ["rollout", "relay", "prompt_pool", "partial_pool", "experience_buffer", "manager", "trainer", "broker",
-         "host", "link", "master_stop", "stall", "old_checkpoint", "reward"]
+         "host", "link", "master_stop", "stall", "old_checkpoint", "reward", "migrate_window"]
 
 
 def main() -> int:
@@ -72,6 +76,8 @@ def main() -> int:
     ap.add_argument("--buffer-capacity", type=int, default=48,
                     help="buffer capacity (trajectories) with eviction: reject; 0: the harness's default buffer")
     ap.add_argument("--stall-s", type=float, default=24.0, help="a `stall` fault: every relay stopped this long")
+    ap.add_argument("--migrate-window-s", type=float, default=30.0,
+                    help="a `migrate_window` fault: how long the armed failpoint waits for a repack move")
     ap.add_argument("--stall-after-s", type=float, default=6.0, help="the manager's stall_after_s (T) for the run")
     ap.add_argument("--stall-lag", type=int, default=2, help="the manager's stall_lag_versions (K) for the run")
     ap.add_argument("--drain-s", type=float, default=60.0, help="after the faults: seconds without faults before "
@@ -189,6 +195,8 @@ def main() -> int:
         "ledger": {k: v for k, v in ledger.items() if k != "versions"},
         **extra, "trainer_kills": sum(f["kind"] == "trainer" for f in faults),
         "older_checkpoint_restores": sum(f["kind"] == "old_checkpoint" for f in faults),
+        "migrate_window_faults": sum(f["kind"] == "migrate_window" for f in faults),
+        "migrate_window_fired": sum(f["fault"] == "kill manager mid-move" for f in faults),
         **incomplete, "weights_stalled_raised": len(alarms["raised"]),
         "weights_stalled_cleared": len(alarms["cleared"]),
         "weights_stalled_at_end": len(alarms["raised"]) > len(alarms["cleared"]),
@@ -301,6 +309,10 @@ def inject(mh, kind: str, rng: random.Random, a) -> tuple[str, callable]:
             up = [t for t in al["raised"] if t >= t0]
             return all(mh.role_pid(*r) for r in relays) and (not up or any(t >= up[0] for t in al["cleared"]))
         return f"stall all relays {a.stall_s:.0f}s", back
+    if kind == "migrate_window":  # the manager dies inside a repack move (laminar/failpoints.py)
+        fired = mh.arm_failpoint("manager.after_migrate_out", a.migrate_window_s)
+        what = "kill manager mid-move" if fired else f"no move in {a.migrate_window_s:.0f}s"
+        return what, lambda: mh.role_pid("manager", "0") is not None
     if kind == "old_checkpoint":  # the trainer restored from an older checkpoint folder
         try:
             moved = mh.restart_trainer_on_older_checkpoint()

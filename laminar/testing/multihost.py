@@ -53,6 +53,7 @@ from pathlib import Path
 
 import yaml
 
+from laminar import failpoints
 from laminar.bus.auth import generate_keys
 from laminar.logs import rotated_files
 from laminar.roles.sqlite_store import unpack
@@ -105,6 +106,7 @@ class MultiHost:
         self.configs: dict[int, Path] = {}
         self.sup: dict[int, subprocess.Popen] = {}
         self.run_dir = self.tmp / "run"
+        self.failpoints = self.tmp / "failpoints"   # armed by arm_failpoint (laminar/failpoints.py)
         self.name = f"mh{self.net.prefix[-6:]}"
 
     @classmethod
@@ -188,7 +190,8 @@ class MultiHost:
         out = open(self.tmp / f"h{i}.out", "a")
         self.sup[i] = self.net.popen(i, [sys.executable, "-m", "laminar.cli", "start", "--host", f"h{i}",
                                          str(self.configs[i]), "--plain"], stdout=out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                          failpoints.ENV: str(self.failpoints)}, start_new_session=True)
 
     def start_all(self) -> None:
         for i in range(self.initial):
@@ -264,6 +267,20 @@ class MultiHost:
             for p in pids:
                 _signal(p, signal.SIGCONT)
         return pids
+
+    def arm_failpoint(self, name: str, within_s: float) -> bool:
+        """Arm failpoint `name` for every process of the cluster and wait up to `within_s` for a
+        process to reach it (and die there: its supervisor restarts it). True if one did; if none
+        did, it is disarmed again (False)."""
+        path = Path(failpoints.arm(self.failpoints, name))
+        deadline = time.monotonic() + within_s
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling the file the failpoint removes when it fires
+        try:
+            path.unlink()
+            return False
+        except FileNotFoundError:
+            return True
 
     def restart_trainer_on_older_checkpoint(self) -> str | None:
         """The trainer comes back on an older checkpoint folder (an operator restored an older

@@ -49,6 +49,7 @@ from laminar.bus.errors import RemoteError, RpcError
 from laminar.roles.manager.config import ManagerConfig
 from laminar.roles.manager.repack import ReplicaLoad, plan_repack
 
+from laminar import failpoints
 from laminar.logs import RotatingFile
 from laminar.protocol import (
     AppendDeltas,
@@ -302,6 +303,7 @@ class Fleet:
         if not parts:
             return 0
         self.views[source].stats = _emptied(self.views[source].stats)
+        failpoints.hit("manager.after_migrate_out")  # chaos: the window between the move's two calls
         placed = await self._migrate_in(dest, parts)
         for p in parts:
             if p.spec.trajectory_id not in placed:
