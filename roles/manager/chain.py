@@ -85,6 +85,16 @@ class ChainCoordinator:
         m = self.master
         return NewMaster(m.relay_id, m.data_address) if m else NewMaster("", "")
 
+    def observe(self, epoch: int) -> bool:
+        """A peer reports having seen chain epoch `epoch`: if it is newer than ours (the peer
+        followed a manager that ran before this one: this one counted from zero), move past it,
+        so what this manager says from now on is newer than anything that peer saw (followers
+        take a state of their own epoch or newer). True if moved."""
+        if epoch <= self.epoch:
+            return False
+        self.epoch = epoch + 1
+        return True
+
     def join(self, info: RelayInfo) -> list[Action]:
         """Append a relay at the tail (re-joining under a known id moves it there)."""
         actions: list[Action] = []

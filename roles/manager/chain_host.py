@@ -79,6 +79,10 @@ class ChainHost:
     async def on_link_down(self, req: LinkDown) -> MasterInfo:
         t0 = time.monotonic()
         async with self.lock:
+            if self.coord.observe(req.epoch):  # it followed an earlier manager's epochs: ours go above them
+                self.log.warning("chain_epoch_raised", reporter=req.reporter, reported=req.epoch,
+                                 epoch=self.coord.epoch)
+                self.publish_state()
             peer = self.coord.relays.get(req.peer)
             if peer is not None:
                 if await self.probe(peer.data_address):
