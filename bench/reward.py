@@ -131,7 +131,8 @@ def ts(e: dict) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trajectories", type=int, default=2048, help="more is steadier: the direct side alone varies by 10-20%% between measurements on a shared machine")
+    ap.add_argument("--trajectories", type=int, default=2048,
+                    help="more is steadier: the direct side alone varies 10-20%% between measurements")
     ap.add_argument("--batch", type=int, default=32, help="trajectories leased and scored at once (both sides)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
