@@ -15,11 +15,14 @@ down), a reward replica killed (`reward`), or the manager killed inside a repack
 source gave its work up (MigrateOut) and before the destination took it (MigrateIn)
 (`migrate_window`: the failpoint `manager.after_migrate_out` is armed, laminar/failpoints.py, and
 fires at the next move within `--migrate-window-s`; a fault with no move in that time is counted
-as not fired, `migrate_window_fired` says how many did). With `reward` among the kinds (the default), every
-trajectory's reward has a model term: the rollouts' rewards are the rule (weight 1 - w) plus a
-`classifier` scorer `rm` (weight w = `--reward-weight`; the tiny score-head model, untrained: its
-values do not matter here) served by a `reward` replica on h1 and h2 with leases of
-`--reward-lease-s`; a killed replica's leases expire and the other one (or its restart) scores
+as not fired, `migrate_window_fired` says how many did). With `migrate_window` in the deck the
+manager's batch bound is `--migrate-batch-bound` (16) rather than the rollouts' max_concurrency
+(8): at 8 a replica at its bound is never a repack candidate and no move ever happens here.
+With `reward` among the kinds (the default), every trajectory's reward has a model term: the
+rollouts' rewards are the rule (weight 1 - w) plus a `classifier` scorer `rm` (weight w =
+`--reward-weight`; the tiny score-head model, untrained: its values do not matter here) served
+by a `reward` replica on h1 and h2 with leases of `--reward-lease-s`; a killed replica's leases
+expire and the other one (or its restart) scores
 the work, and the ledger's `trained_unscored` counts trained samples that lacked that score.
 After the faults the cluster runs `--drain-s` without any; a group with a member stored before the
 drain that is still incomplete in the buffer after it is stranded
@@ -78,6 +81,10 @@ def main() -> int:
     ap.add_argument("--stall-s", type=float, default=24.0, help="a `stall` fault: every relay stopped this long")
     ap.add_argument("--migrate-window-s", type=float, default=30.0,
                     help="a `migrate_window` fault: how long the armed failpoint waits for a repack move")
+    ap.add_argument("--migrate-batch-bound", type=int, default=16,
+                    help="with `migrate_window` in the deck: the manager's batch_bound B (the harness's is 8, "
+                         "its rollouts' max_concurrency), so two draining replicas of one version can be "
+                         "packed into one and repack moves happen at all (0: keep the harness's)")
     ap.add_argument("--stall-after-s", type=float, default=6.0, help="the manager's stall_after_s (T) for the run")
     ap.add_argument("--stall-lag", type=int, default=2, help="the manager's stall_lag_versions (K) for the run")
     ap.add_argument("--drain-s", type=float, default=60.0, help="after the faults: seconds without faults before "
@@ -102,6 +109,8 @@ def main() -> int:
     faults = []
     roles = {"trainer": {"checkpoint_every": a.checkpoint_every},
              "manager": {"stall_lag_versions": a.stall_lag, "stall_after_s": a.stall_after_s}}
+    if "migrate_window" in a.kinds.split(",") and a.migrate_batch_bound:
+        roles["manager"]["batch_bound"] = a.migrate_batch_bound  # room for repack moves: see --help
     if a.buffer_capacity:
         roles["experience_buffer"] = {"capacity": a.buffer_capacity, "eviction": "reject"}
     reward_hosts = reward_setup(roles, tmp, a) if "reward" in a.kinds.split(",") else ()
