@@ -85,6 +85,12 @@ def main() -> int:
                     help="with `migrate_window` in the deck: the manager's batch_bound B (the harness's is 8, "
                          "its rollouts' max_concurrency), so two draining replicas of one version can be "
                          "packed into one and repack moves happen at all (0: keep the harness's)")
+    ap.add_argument("--migrate-max-tokens", type=int, default=1024,
+                    help="with `migrate_window`: the sim rollouts' response cap (the harness's 256 cuts every "
+                         "response of the 7B_math lengths at once: no tail, no draining batch, no move)")
+    ap.add_argument("--migrate-speedup", type=float, default=4.0,
+                    help="with `migrate_window`: the sim rollouts' time compression (the longer responses "
+                         "then take about as long as the harness's)")
     ap.add_argument("--stall-after-s", type=float, default=6.0, help="the manager's stall_after_s (T) for the run")
     ap.add_argument("--stall-lag", type=int, default=2, help="the manager's stall_lag_versions (K) for the run")
     ap.add_argument("--drain-s", type=float, default=60.0, help="after the faults: seconds without faults before "
@@ -101,7 +107,7 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("bench/chaos.py needs root (network namespaces)")
     from laminar.models.tiny import build_tiny_model
-    from laminar.testing.multihost import MultiHost, log_events
+    from laminar.testing.multihost import SIM_ROLLOUT, MultiHost, log_events
 
     rng = random.Random(a.seed)
     tmp = Path(tempfile.mkdtemp(prefix="laminar-chaos-"))
@@ -111,6 +117,8 @@ def main() -> int:
              "manager": {"stall_lag_versions": a.stall_lag, "stall_after_s": a.stall_after_s}}
     if "migrate_window" in a.kinds.split(",") and a.migrate_batch_bound:
         roles["manager"]["batch_bound"] = a.migrate_batch_bound  # room for repack moves: see --help
+        roles["rollout"] = {"sim": {**SIM_ROLLOUT["sim"], "max_output_tokens": a.migrate_max_tokens,
+                                    "speedup": a.migrate_speedup}}  # a long tail: batches that drain
     if a.buffer_capacity:
         roles["experience_buffer"] = {"capacity": a.buffer_capacity, "eviction": "reject"}
     reward_hosts = reward_setup(roles, tmp, a) if "reward" in a.kinds.split(",") else ()
