@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import signal
 import socket
 import sys
 import time
@@ -180,6 +181,12 @@ async def tail(cfg, a) -> int:
     unreachable = broker_unreachable(cfg)
     if unreachable:
         print(f"note: {unreachable}; waiting for it (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    # Ctrl-C through the loop's own signal handling: it cancels this task at its next await, and
+    # the transport is closed. (Left to the default handler, KeyboardInterrupt lands wherever the
+    # interpreter happens to be, and a `tail` started beside a busy test suite once never exited.)
+    interrupted: list[int] = []
+    task, loop = asyncio.current_task(), asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, lambda: (interrupted.append(1), task.cancel()))
     transport = make_transport(cfg)
     sub = transport.subscriber(a.topic or [""])
     n = 0
@@ -201,7 +208,13 @@ async def tail(cfg, a) -> int:
                 n += 1
     except TimeoutError:
         pass
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+        print(file=sys.stderr)
+        return 130
     finally:
+        loop.remove_signal_handler(signal.SIGINT)
         await transport.close()
     return 1 if unreachable and broker_unreachable(cfg) else 0
 

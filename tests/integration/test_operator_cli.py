@@ -183,7 +183,11 @@ def test_status_and_tail_against_a_stopped_cluster(tmp_path):
     try:
         assert "broker unreachable" in p.stderr.readline()
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=30)
+        try:
+            _, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # say what the process did with the signal
+            sig = [ln for ln in Path(f"/proc/{p.pid}/status").read_text().splitlines() if ln.startswith("Sig")]
+            raise AssertionError(f"tail did not exit on SIGINT: {sig}") from None
     finally:
         if p.poll() is None:
             p.kill()
