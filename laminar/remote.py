@@ -181,9 +181,9 @@ async def tail(cfg, a) -> int:
     unreachable = broker_unreachable(cfg)
     if unreachable:
         print(f"note: {unreachable}; waiting for it (Ctrl-C to stop)", file=sys.stderr, flush=True)
-    # Ctrl-C through the loop's own signal handling: it cancels this task at its next await, and
-    # the transport is closed. (Left to the default handler, KeyboardInterrupt lands wherever the
-    # interpreter happens to be, and a `tail` started beside a busy test suite once never exited.)
+    # Ctrl-C through the loop's own signal handling (as `up` does): it cancels this task at its next
+    # await and the transport is closed. (Left to asyncio.Runner's SIGINT handler, a `tail` started
+    # after the full test suite twice never exited; the cause was not found.)
     interrupted: list[int] = []
     task, loop = asyncio.current_task(), asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, lambda: (interrupted.append(1), task.cancel()))
