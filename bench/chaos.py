@@ -115,10 +115,11 @@ def main() -> int:
     faults = []
     roles = {"trainer": {"checkpoint_every": a.checkpoint_every},
              "manager": {"stall_lag_versions": a.stall_lag, "stall_after_s": a.stall_after_s}}
-    if "migrate_window" in a.kinds.split(",") and a.migrate_batch_bound:
-        roles["manager"]["batch_bound"] = a.migrate_batch_bound  # room for repack moves: see --help
-        roles["rollout"] = {"sim": {**SIM_ROLLOUT["sim"], "max_output_tokens": a.migrate_max_tokens,
-                                    "speedup": a.migrate_speedup}}  # a long tail: batches that drain
+    if "migrate_window" in a.kinds.split(","):
+        if a.migrate_batch_bound:
+            roles["manager"]["batch_bound"] = a.migrate_batch_bound  # room for repack moves: see --help
+        roles.setdefault("rollout", {})["sim"] = {**SIM_ROLLOUT["sim"], "max_output_tokens": a.migrate_max_tokens,
+                                                  "speedup": a.migrate_speedup}  # a long tail: batches that drain
     if a.buffer_capacity:
         roles["experience_buffer"] = {"capacity": a.buffer_capacity, "eviction": "reject"}
     reward_hosts = reward_setup(roles, tmp, a) if "reward" in a.kinds.split(",") else ()
@@ -235,8 +236,9 @@ def reward_setup(roles: dict, tmp: Path, a) -> tuple[int, ...]:
     rm = build_tiny_classifier(tmp / "rm")
     roles["reward"] = {"scorer": "rm", "backend": "classifier", "batch_size": 16, "lease_s": a.reward_lease_s,
                        "classifier": {"model_dir": str(rm), "sigmoid": True, "threads": 1, "max_batch_tokens": 4096}}
-    roles["rollout"] = {"rewards": [{"fn": "laminar.tasks.rewards:upper_fraction", "weight": 1 - a.reward_weight},
-                                    {"role": "rm", "weight": a.reward_weight}]}
+    roles.setdefault("rollout", {})["rewards"] = [
+        {"fn": "laminar.tasks.rewards:upper_fraction", "weight": 1 - a.reward_weight},
+        {"role": "rm", "weight": a.reward_weight}]
     return (1, 2)
 
 

@@ -103,17 +103,6 @@ class RewardRole(Role):
                 await asyncio.shield(submit)  # a scored batch is submitted even while stopping
         await self.wait_stopped()
 
-    async def step(self) -> int:
-        """One lease, score and submit, in turn; returns how many trajectories it scored (0: none waiting)."""
-        work = await self._lease()
-        if not work.trajectories:
-            return 0
-        done = await self._score(work)
-        if done is None:
-            return 0
-        await self._submit(*done)
-        return len(done[0])
-
     async def _lease(self):
         s = self.settings
         work = await call_acked(self.pool, LeaseRewards(self.ctx.id, s.scorer, s.batch_size, s.lease_s),
