@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 SFT_STEPS ?= 1000
 SFT_STOP_EARLY ?= 0.6
 
-.PHONY: demo demo-upper smollm2 test test-all install install-test install-cpu bench-quick clean
+.PHONY: demo demo-ci demo-upper smollm2 test test-all install install-test install-cpu bench-quick clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -114,6 +114,19 @@ demo: $(STAMP_CPU) models/tiny-math/config.json $(WP)/heldout.jsonl
 	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/evaluator \
 	  runs/local/summary.*
 	$(BIN)/laminar-node up configs/local.yaml
+
+# CI's guard of the first command: the demo exactly as `make demo` installs and builds it (only the
+# cpu and tb extras, so a module that needs another extra at import fails here), with a small
+# version budget; it must reach DEMO_CI_VERSIONS versions and at least two evaluations (version 0
+# and a later one), else it fails. .ci/run runs it on a fresh machine before `make test`.
+DEMO_CI_VERSIONS ?= 12
+demo-ci: $(STAMP_CPU) models/tiny-math/config.json $(WP)/heldout.jsonl
+	$(PIP) install -q -e '.[tb]'
+	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/evaluator \
+	  runs/local/summary.*
+	$(BIN)/laminar-node up configs/local.yaml --plain --duration 900 \
+	  --set roles.trainer.max_iterations=$(DEMO_CI_VERSIONS) --set roles.evaluator.eval_every=5
+	$(BIN)/python -m laminar.summary runs/local --expect-versions $(DEMO_CI_VERSIONS) --expect-evals 2
 
 # The 1-minute smoke run: the same cluster on the uppercase-letters task, no evaluator.
 demo-upper: $(STAMP_CPU) models/tiny/config.json runs/smoke-upper/data/prompts.jsonl

@@ -43,6 +43,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from laminar.config import ConfigError, LaminarConfig, apply_overrides, parse_config_collect, read_config_data
+from laminar.extras import missing_extras
 from laminar.roles.registry import role_config_class
 
 WILDCARDS = ("0.0.0.0", "::", "*", "")
@@ -347,6 +348,11 @@ def check_callables(ctx: CheckContext) -> Iterable[str]:
                     seen[path] = str(exc) if isinstance(exc, ValueError) else f"cannot load {path!r}: {exc!r}"
             if seen[path]:
                 yield f"{ctx.where(role, id, name)}: {seen[path]}"
+
+
+@check("optional extras", when=on_a_host)
+def check_extras(ctx: CheckContext) -> Iterable[str]:
+    yield from missing_extras(ctx.cfg)
 
 
 @check("cluster key", when=on_a_host)

@@ -127,9 +127,9 @@ def merged_state(sd: dict, adapter_config: str, model_dir) -> dict:
     """The base's state dict with the adapter merged into its weights (peft's merge_and_unload)."""
     import tempfile
 
-    from peft import PeftModel  # the lora extra; only a merge needs it
-
+    from laminar.extras import require
     from laminar.models.loading import load_causal_lm
+    PeftModel = require("peft", "`laminar-node export --merge`").PeftModel
     base = load_causal_lm(model_dir, "cpu", train=False)
     with tempfile.TemporaryDirectory(prefix="laminar-merge-") as tmp:
         _adapter_files(Path(tmp) / "adapter", sd, adapter_config, model_dir)

@@ -35,6 +35,7 @@ from laminar.bus.heartbeat import heartbeat_loop
 from laminar.bus.transport import Transport
 from laminar.bus.zmq_transport import ZmqTransport
 from laminar.config import load_config
+from laminar.extras import MissingExtra, missing_extras
 from laminar.protocol import Shutdown
 from laminar.roles.base import Role, RoleContext, RoleFailed
 from laminar.roles.registry import role_class
@@ -198,6 +199,8 @@ def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
     try:  # anything that stops the role before its setup runs is told to the supervisor too
         cfg = load_config(config_path, overrides)
         placed_host, spec = cfg.spec(name, id)
+        if missing := missing_extras(cfg, (name, str(id))):  # a feature asked for, its package absent
+            raise MissingExtra("; ".join(missing))
         cls = role_class(name)
     except Exception as exc:
         pipe.failed(one_line(exc))

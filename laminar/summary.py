@@ -303,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog="writes RUN_DIR/summary.json and RUN_DIR/summary.png (replacing them) and "
                                         "prints the table; exit 2 when RUN_DIR holds no run")
     ap.add_argument("run_dir", help="a run's workdir (run.workdir of its config), holding trainer/metrics.jsonl")
+    ap.add_argument("--expect-versions", type=int, default=0, metavar="N",
+                    help="exit 1 unless the trainer made at least N versions (CI's check of the demo)")
+    ap.add_argument("--expect-evals", type=int, default=0, metavar="K",
+                    help="exit 1 unless the evaluator evaluated at least K versions")
     a = ap.parse_args(argv)
     run = Path(a.run_dir)
     if not run.is_dir():
@@ -315,7 +319,19 @@ def main(argv: list[str] | None = None) -> int:
     s = write(run)
     print(table(s))
     print(f"summary: {run / 'summary.json'}" + (f"   plot: {s['plot']}" if s["plot"] else ""))
-    return 0
+    return expectations(s, a.expect_versions, a.expect_evals)
+
+
+def expectations(s: dict, versions: int, evals: int) -> int:
+    """0 when the run made at least `versions` versions and `evals` evaluations, else 1 (said why)."""
+    short = []
+    if s["iterations"] < versions:
+        short.append(f"{s['iterations']} versions (expected at least {versions})")
+    if len(s.get("eval_versions") or []) < evals:
+        short.append(f"{len(s.get('eval_versions') or [])} evaluations (expected at least {evals})")
+    for why in short:
+        print(f"error: the run made only {why}", file=sys.stderr)
+    return 1 if short else 0
 
 
 if __name__ == "__main__":

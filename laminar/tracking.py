@@ -31,6 +31,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from laminar.extras import require
 from laminar.report import read_jsonl
 
 
@@ -108,11 +109,7 @@ def send(run: str | Path, spec: TrackingSpec, name: str, config: dict | None = N
 
 
 def _wandb(run: Path, w: WandbSpec, name: str, config: dict, by_step, numbers, rows) -> str:
-    try:
-        import wandb
-    except ImportError:
-        raise RuntimeError("tracking.wandb: the wandb package is not installed (pip install -e '.[tracking]')") \
-            from None
+    wandb = require("wandb", "tracking.wandb")
     r = wandb.init(project=w.project, entity=w.entity, name=w.name or name, dir=str(Path(w.dir or run)),
                    mode=w.mode, config=config, reinit="create_new")
     try:
@@ -133,12 +130,9 @@ def _mlflow_key(k: str) -> str:
 
 
 def _mlflow(run: Path, m: MlflowSpec, name: str, config: dict, by_step, numbers, rows) -> str:
-    try:
-        from mlflow.entities import Metric, Param
-        from mlflow.tracking import MlflowClient
-    except ImportError:
-        raise RuntimeError("tracking.mlflow: the mlflow package is not installed (pip install -e '.[tracking]')") \
-            from None
+    require("mlflow", "tracking.mlflow")
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
     uri = m.tracking_uri or f"file:{(run / 'mlruns').resolve()}"
     if uri.startswith("file:"):  # MLflow 3.17+ refuses its file store unless asked for it (in maintenance mode)
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

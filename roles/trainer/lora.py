@@ -15,21 +15,28 @@ adapter name left out), the names of an `adapter_model.safetensors` file, so a p
 is a peft adapter as it is: a rollout writes it to a folder vLLM loads, `laminar-node export`
 writes it as it is. `adapter_state` works on any state dict of the peft model (a plain one, or
 FSDP2's full or sharded one), since it only selects and renames keys.
+
+peft is the `lora` extra: it is imported where an adapter is made or loaded (`_peft()`), so a
+trainer without LoRA imports this module without it (`make demo` installs no `lora` extra).
 """
 from __future__ import annotations
 
 import json
 
-from peft import LoraConfig, get_peft_model
-
+from laminar.extras import require
 from laminar.models.loading import base_identity
 
 ADAPTER = "default"  # the adapter's name inside the peft model (never part of a published name)
 
 
-def lora_config(settings) -> LoraConfig:
+def _peft():
+    """The peft package, or MissingExtra naming the `lora` extra."""
+    return require("peft", "LoRA training (roles.trainer.lora)")
+
+
+def lora_config(settings):
     """peft's LoraConfig of `roles.trainer.lora`."""
-    return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+    return _peft().LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                       target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM")
 
 
@@ -37,7 +44,7 @@ def with_adapter(model, settings):
     """`model` (frozen) with a fresh LoRA adapter, the only trainable parameters (float32).
     peft initializes B to zero: the adapted model starts as the base."""
     model.requires_grad_(False)
-    peft_model = get_peft_model(model, lora_config(settings), adapter_name=ADAPTER, autocast_adapter_dtype=True)
+    peft_model = _peft().get_peft_model(model, lora_config(settings), adapter_name=ADAPTER, autocast_adapter_dtype=True)
     for name, p in peft_model.named_parameters():
         if p.requires_grad and "lora_" not in name:
             raise ValueError(f"LoRA: parameter {name} of the base would train")
@@ -63,8 +70,7 @@ def model_keys(state: dict) -> dict:
 def load_adapter_state(model, state: dict) -> None:
     """Load an adapter state dict (peft's file naming) into the peft model `model`; every adapter
     tensor of the model must be given."""
-    from peft import set_peft_model_state_dict
-    result = set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
+    result = _peft().set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
     missing = [k for k in getattr(result, "missing_keys", []) if is_adapter_key(k)]
     if missing:
         raise ValueError(f"LoRA state lacks {len(missing)} adapter tensors, e.g. {missing[0]}")
