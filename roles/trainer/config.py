@@ -1,7 +1,7 @@
 """TrainerConfig: every setting of the trainer role, with its meaning (validated by the config loader)."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class FilterGroups(BaseModel):
@@ -29,6 +29,22 @@ class LoraSettings(BaseModel):
     base_dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$",
                             description="dtype of the frozen base weights: the rollouts' serving dtype (the "
                             "adapter's own weights and their optimizer states stay float32)")
+
+
+class ParallelismSettings(BaseModel):
+    """roles.trainer.parallelism: how the trainer's ranks split the model and the sequences
+    (docs/gpu.md, "Sharded load" and "Context parallelism")."""
+    model_config = ConfigDict(extra="forbid")
+    context_parallel_size: int = Field(1, ge=1, description="ranks that split one sequence's tokens (Ulysses: "
+                                       "an all-to-all over attention heads in each layer; "
+                                       "roles/trainer/context_parallel.py). Must divide world_size, the model's "
+                                       "attention heads, and its key/value heads or be a multiple of them; the "
+                                       "world_size / context_parallel_size data-parallel groups train their own "
+                                       "micro-batches; 1: off")
+    sharded_load: bool = Field(True, description="build the models on the meta device, shard them, and let each "
+                               "rank read only its own rows from the safetensors files "
+                               "(roles/trainer/sharded_load.py); false, or a folder without safetensors files: "
+                               "every rank loads the whole model and shards it afterwards")
 
 
 class TrainerConfig(BaseModel):
@@ -167,9 +183,26 @@ class TrainerConfig(BaseModel):
     publish_overlap: bool = Field(True, description="one-rank trainer on a GPU: queue the publish's copies and "
                                   "return, so they run during the next forward/backward (the next optimizer "
                                   "step waits for them on the GPU); false: wait for the copies in the publish")
+    parallelism: ParallelismSettings = Field(default_factory=ParallelismSettings,
+                                             description="context parallelism and the sharded load")
     lora: LoraSettings | None = Field(None, description="train a LoRA adapter on the frozen base and publish "
                                       "the adapter alone (roles/trainer/lora.py, docs/lora.md); None: full fine-tuning")
     publish_dtype: str | None = Field("rollout", pattern="^(rollout|same|float32|bfloat16|float16)$",
                                       description="dtype of published floating-point weights, cast on the "
                                       "trainer's device before the copy: rollout (the rollouts' engine dtype when "
                                       "they all agree, else same), same/None (the parameters' dtype), or a dtype")
+
+    @model_validator(mode="after")
+    def _context_parallel_fits(self) -> TrainerConfig:
+        """context_parallel_size must divide world_size, and the model's heads where its shape is known."""
+        cp = self.parallelism.context_parallel_size
+        if cp > 1 and self.world_size % cp:
+            raise ValueError(f"parallelism.context_parallel_size {cp} must divide world_size {self.world_size}")
+        if cp > 1 and self.engine == "torch":
+            from laminar.models.shape import model_shape
+            shape = model_shape(self.model_dir)
+            if shape is not None and (shape.heads % cp or (shape.kv_heads % cp and cp % shape.kv_heads)):
+                raise ValueError(f"parallelism.context_parallel_size {cp} must divide the model's {shape.heads} "
+                                 f"attention heads, and its {shape.kv_heads} key/value heads or be a multiple of "
+                                 f"them ({shape.source})")
+        return self

@@ -40,10 +40,22 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     control: object = None  # the gloo group of the command stream
+    cp_size: int = 1        # context parallelism (context_parallel.py): ranks that split one sequence
+    cp_rank: int = 0        # this rank's place in its CP group (rank = dp_rank x cp_size + cp_rank)
+    cp_group: object = None
 
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: groups of cp_size ranks that each train their own micro-batches."""
+        return self.world_size // self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp_size
 
     @property
     def is_main(self) -> bool:
@@ -114,10 +126,14 @@ def shutdown(info: DistInfo) -> None:
 
 
 def shard(model, info: DistInfo, device, param_dtype=None) -> None:
-    """FSDP2: one shard unit per decoder layer, then the root (embeddings, norm, head). With
+    """FSDP2: one shard unit per decoder layer, the input embeddings and the output head each a unit
+    of their own (one unit of both when they are tied: one matrix), then the root (the final norm,
+    a critic's value head). Every unit is gathered just before it computes and resharded after its
+    forward and again after its backward, so only the unit at work is ever whole. With
     `param_dtype` (bfloat16), FSDP2's mixed precision: the sharded parameters, their gradients and
     Adam's states stay float32 (master weights), each unit's all-gathered parameters are cast to
-    `param_dtype` for compute, and gradients are reduced in float32."""
+    `param_dtype` for compute, and gradients are reduced in float32. Works on a model built on the
+    meta device too (sharded_load.py materializes it afterwards)."""
     if not info.enabled:
         return
     import torch
@@ -131,7 +147,24 @@ def shard(model, info: DistInfo, device, param_dtype=None) -> None:
     backbone = getattr(base, "model", base)
     for layer in getattr(backbone, "layers", []):
         fully_shard(layer, mesh=mesh, **kw)
+    for unit in edge_units(base, backbone):
+        fully_shard(unit, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
+
+
+def edge_units(base, backbone) -> list:
+    """The embedding and head units: [embeddings], [head] apart, or [[embeddings, head]] when they share
+    their weight (a tied model: one parameter can belong to one unit only)."""
+    get_in = getattr(backbone, "get_input_embeddings", None) or getattr(base, "get_input_embeddings", None)
+    embed = get_in() if get_in is not None else None
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if embed is None or not any(True for _ in embed.parameters()):
+        embed = None
+    if head is None or not any(True for _ in head.parameters()):
+        head = None
+    if embed is not None and head is not None and head.weight is embed.weight:
+        return [[embed, head]]
+    return [u for u in (embed, head) if u is not None]
 
 
 # -- command stream -------------------------------------------------------------------------------

@@ -46,18 +46,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import structlog
-from laminar.roles.trainer import checkpoint
+from laminar.roles.trainer import checkpoint, context_parallel
 from laminar.roles.trainer.batching import collate, response_logprobs
 from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
+from laminar.roles.trainer.context_parallel import cp_logprobs, cp_values, dp_sums
 from laminar.roles.trainer.dist import DistInfo, all_reduce_sums, broadcast_ints, shard
 from laminar.roles.trainer.logprobs import token_logprobs
-from laminar.roles.trainer.lora import adapter_state, manifest_fields, with_adapter
+from laminar.roles.trainer.lora import adapter_state, manifest_fields
 from laminar.roles.trainer.micro_batches import MicroBatchPlan, plan_micro_batches
 from laminar.roles.trainer.packing import packed_token_logprobs, packed_values
+from laminar.roles.trainer.sharded_load import load_model
 
 from laminar.algorithms.grpo import clipped_policy_loss, group_advantages
 from laminar.algorithms.ppo import load_critic, sequence_gae, value_loss
-from laminar.models.loading import load_causal_lm
 
 __all__ = ["NonFiniteWeightsError", "TrainEngine"]
 log = structlog.get_logger("laminar.trainer.engine")
@@ -81,7 +82,7 @@ class Mismatch:
             self.k3 += float((np.exp(e) - e - 1.0).sum())
 
     def metrics(self, info: DistInfo) -> dict[str, float]:
-        s = all_reduce_sums(info, {"n": self.n, "abs": self.abs, "k3": self.k3})
+        s = dp_sums(info, {"n": self.n, "abs": self.abs, "k3": self.k3})
         top = _all_reduce_max(info, self.max)
         out = {"mismatch_tokens": s["n"]}
         if s["n"] > 0:
@@ -141,25 +142,18 @@ class TrainEngine:
         import torch
 
         c = self.cfg
-        mp = torch.bfloat16 if c.dtype == "bfloat16" else None  # FSDP2 mixed precision (fp32 master weights)
-        self.model = self._policy(load_causal_lm)
+        context_parallel.setup(self.info, c.parallelism.context_parallel_size)
+        self.load_reports: dict = {}  # per model: seconds, bytes, peak memory of this rank's load
+        self.model = self._load("model", trained=True, lora=c.lora)
         self.params = sum(p.numel() for p in self.model.parameters())
         mc = self.model.config  # a sequence of L tokens costs ~ L + L^2 / attention_tokens (micro_batches.py)
         self.attention_tokens = self.params / max(1, mc.num_hidden_layers * mc.hidden_size)
-        self._prepare(self.model, trained=True)
-        shard(self.model, self.info, self.device, param_dtype=mp)
         self.ref = None
         if c.kl_coef > 0 and c.lora is None:  # with LoRA: the policy with its adapter off
-            self.ref = load_causal_lm(c.model_dir, self.device, train=False)
-            self.ref.requires_grad_(False)
-            self._prepare(self.ref, trained=False)
-            shard(self.ref, self.info, self.device, param_dtype=mp)
+            self.ref = self._load("reference", trained=False)
         self.lag, self.lag_version = None, None  # the weights before the newest update (mismatch)
         if c.mismatch_previous_version:
-            self.lag = self._policy(load_causal_lm, train=False)
-            self.lag.requires_grad_(False)
-            self._prepare(self.lag, trained=False)
-            shard(self.lag, self.info, self.device, param_dtype=mp)
+            self.lag = self._load("lag", trained=False, lora=c.lora)
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter's
         self.opt = torch.optim.AdamW(trained, lr=c.lr, weight_decay=c.weight_decay,
                                      **self._adamw_impl())
@@ -167,17 +161,25 @@ class TrainEngine:
         if c.algorithm == "ppo":
             self.critic = load_critic(c.model_dir, self.device)
             self._prepare(self.critic.model, trained=True)
-            shard(self.critic, self.info, self.device, param_dtype=mp)
+            shard(self.critic, self.info, self.device, param_dtype=self._mixed_precision())
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay,
                                                 **self._adamw_impl())
 
-    def _policy(self, load, train: bool = True):
-        """The policy's model: the model folder's, or with LoRA its base (frozen, in the serving
-        dtype) with a fresh adapter."""
+    def _mixed_precision(self):
+        import torch
+        return torch.bfloat16 if self.cfg.dtype == "bfloat16" else None  # FSDP2's (fp32 master weights)
+
+    def _load(self, name: str, trained: bool, lora=None):
+        """One model, sharded (sharded_load.py): the policy (trained), the reference or the lag copy
+        (frozen, eval mode); with LoRA the base in `lora.base_dtype` with a fresh adapter."""
         c = self.cfg
-        if c.lora is None:
-            return load(c.model_dir, self.device, train=train)
-        return with_adapter(load(c.model_dir, self.device, dtype=c.lora.base_dtype, train=train), c.lora)
+        model, report = load_model(c.model_dir, self.device, self.info, dtype=lora.base_dtype if lora else "float32",
+                                   train=trained, frozen=not trained, lora=lora, param_dtype=self._mixed_precision(),
+                                   prepare=lambda m: self._prepare(m, trained), seed=self.seed,
+                                   sharded=c.parallelism.sharded_load)
+        self.load_reports[name] = report.fields()
+        log.info("model_loaded", model=name, rank=self.info.rank, **report.fields())
+        return model
 
     def manifest_fields(self) -> dict:
         """What a published version says it holds beyond its tensors: with LoRA the adapter's kind,
@@ -214,6 +216,8 @@ class TrainEngine:
         impl = self.attn_implementation()
         if impl is not None and hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(impl)
+        if self.info.cp_size > 1:  # attention over the CP group's whole sequence (context_parallel.py)
+            context_parallel.enable(model, self.info.cp_size)
         if not trained:
             return
         if c.activation_checkpointing:
@@ -455,7 +459,7 @@ class TrainEngine:
             balance["rank"].append(plan.rank_imbalance())
             balance["step"].append(plan.step_imbalance())
             balance["micro"].append(float(len(plan.ranks[0])))
-            for idx in plan.ranks[self.info.rank]:
+            for idx in plan.ranks[self.info.dp_rank]:
                 ids, att, mask, ex = self._inputs(trajs, idx, b.per)
                 m = micro(idx, ids, att, mask, ex, ntok)
                 finite = finite and all(math.isfinite(v) for v in m.values())
@@ -477,9 +481,9 @@ class TrainEngine:
             for k, v in mb_totals.items():
                 totals[k] += v
             totals["response_tokens"] += ntok
-        totals = all_reduce_sums(self.info, dict(totals))
+        totals = dp_sums(self.info, dict(totals))  # a CP group's ranks hold the same values
         tokens, counted = totals.pop("tokens", 0.0), totals.pop("response_tokens", 0.0)
-        counted /= self.info.world_size  # every rank added each mini-batch's ntok
+        counted /= self.info.dp_size  # every data-parallel rank added each mini-batch's ntok
         out = {k: v / max(counted, 1.0) for k, v in totals.items()}
         out.update(grad_norm=float(np.mean(norms)) if norms else 0.0, grad_norm_max=float(max(norms, default=0.0)),
                    tokens=tokens, response_tokens=counted, skipped_nonfinite_steps=float(skipped))
@@ -573,12 +577,17 @@ class TrainEngine:
         """Per-token logprobs (and entropies) [B, T-1] of a right-padded micro-batch: from its
         packed row when packing is on (no compute on padding), else from the padded batch."""
         chunk = self.cfg.logprob_chunk_tokens
+        if self.info.cp_size > 1:  # the tokens split over the CP group
+            return cp_logprobs(model, ids, att, self.info, packing=self.packing, with_entropy=with_entropy,
+                               chunk_tokens=chunk)
         if self.packing:
             return packed_token_logprobs(model, ids, att, with_entropy=with_entropy, chunk_tokens=chunk)
         return token_logprobs(model, ids, att, with_entropy=with_entropy, chunk_tokens=chunk)
 
     def _values(self, ids, att):
         """The critic's values [B, T-1] of a right-padded micro-batch (packed when packing is on)."""
+        if self.info.cp_size > 1:
+            return cp_values(self.critic, ids, att, self.info, packing=self.packing)
         if self.packing:
             return packed_values(self.critic, ids, att)
         return self.critic(ids, att)[:, :-1]
@@ -588,7 +597,7 @@ class TrainEngine:
         c, lengths = self.cfg, [_length(trajs[i]) for i in idx]
         key = (*idx, -1, *lengths)  # the plan is a function of these alone
         if key not in self.plans:
-            self.plans[key] = plan_micro_batches(idx, lengths, self.info.world_size, c.micro_batch_size,
+            self.plans[key] = plan_micro_batches(idx, lengths, self.info.dp_size, c.micro_batch_size,
                                                  c.max_tokens_per_micro_batch, c.micro_batch_balance,
                                                  padded=not self.packing,
                                                  attention_tokens=getattr(self, "attention_tokens", None))
@@ -596,7 +605,7 @@ class TrainEngine:
 
     def _chunks(self, trajs, idx: list[int]) -> list[list[int]]:
         """This rank's micro-batches of `idx`; the same count on every rank (some may be empty)."""
-        return self._plan(trajs, idx).ranks[self.info.rank]
+        return self._plan(trajs, idx).ranks[self.info.dp_rank]
 
     def _inputs(self, trajs, idx, per=None):
         # an empty micro-batch forwards the batch's shortest sequence with weight 0
