@@ -63,6 +63,7 @@ class CPContext:
 def setup(info, cp_size: int) -> None:
     """Collective on every rank: record the CP layout on `info` and make the CP groups (consecutive
     ranks, so a group shares a host where it can)."""
+    info.cp_size, info.cp_rank, info.cp_group = 1, 0, None
     if cp_size <= 1:
         return
     if info.world_size % cp_size:
