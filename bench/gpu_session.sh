@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Everything docs/gpu.md measures on a GPU, in one run of at most ten minutes (a lent GPU machine
 # is held for minutes, so the measurements go together; the steps not yet measured come first):
+#   bench/gpu_scale.py       (scale) a random Qwen2.5-7B-shaped model saved as safetensors, loaded sharded;
+#                            trainer steps with chunked logprobs at 8K/16K tokens (LoRA on the 7B, every
+#                            weight of a 4-layer model): peak memory beside the plan's, tokens/s, MFU
 #   bench/trainer.py --long  the chunked logprob pass against the full logits: peak memory and
 #                            tokens/s at 8K/16K/32K tokens, hidden 2048 (the 1b shape), 151,936 vocabulary
 #   bench/gpu_trainer.py     (balance) TrainEngine on long-tailed lengths: micro-batches of 4 sequences
@@ -12,6 +15,8 @@
 #
 #   bash bench/gpu_session.sh OUTDIR
 #   SKIP="gpu gpu-trainer gpu-trainer-micro gpu-fp32 trainer" bash bench/gpu_session.sh OUTDIR   # the new steps only
+#   SKIP="logprobs gpu-trainer-balance gpu gpu-trainer gpu-trainer-micro gpu-fp32 trainer" \
+#     bash bench/gpu_session.sh OUTDIR                                   # the scale step alone (<= 10 minutes)
 #
 # A machine without pyzmq/pydantic/structlog gets them from wheels in .whl/ (docs/gpu.md says how to
 # fetch them); the project is installed into /tmp/lam. Each step has its own time limit, and a
@@ -40,6 +45,8 @@ step() {  # name, seconds, command...  (SKIP="name ..." leaves steps out)
   pkill -f "bench/gpu_trainer.py" 2>/dev/null  # a variant's child outlives a killed parent
   tail -n 40 "$out/$name.log"
 }
+step scale 590 python3 bench/gpu_scale.py --out "$out/gpu-scale.json" --timeout 120
+rm -rf /tmp/laminar-q7b 2>/dev/null
 step logprobs 120 python3 bench/trainer.py --long --device cuda --hidden 2048 --out "$out/logprobs.json"
 step gpu-trainer-balance 300 python3 bench/gpu_trainer.py --out "$out/gpu-trainer-balance.json" --timeout 95 \
   --lengths long-tailed --resp 4096 --groups 4 --group-size 8 \

@@ -6,9 +6,13 @@ waits for in WeightPublisher.publish: the copy into staging) next to one plain m
     python bench/trainer.py [--quick] [--out FILE] [--device auto|cpu|cuda] [--models tiny,qwen2-100m]
     python bench/trainer.py --long --out FILE [--hidden 16] [--chunk 1024] [--budget-gib 8]
     python bench/trainer.py --balance --out FILE [--batches 8] [--prompt 256] [--micro 4] [--max-tokens 32768]
+    python bench/trainer.py --load --out FILE
+    python bench/trainer.py --plan-check --out FILE [--quick] [--tokens 2048] [--plan-chunk 256] [--checkpointing]
 
 --long: peak memory of the chunked logprob pass against the full logits (bench/trainer_long.py);
---balance: the ranks' balance on the paper's length distributions (bench/trainer_balance.py).
+--balance: the ranks' balance on the paper's length distributions (bench/trainer_balance.py);
+--load, --plan-check: the sharded load's memory per rank, and the memory plan against measured memory
+(bench/trainer_scale.py).
 
 Tokens counted = prompt + response tokens forwarded and back-propagated (pads are not counted), so
 both columns count the same work. Response lengths are spread uniformly between a quarter of the
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import print_table, write_json  # noqa: E402
 from trainer_balance import main_balance  # noqa: E402
 from trainer_long import main_long  # noqa: E402
+from trainer_scale import add_arguments, main_load, main_plan_check  # noqa: E402
 
 MODELS = {"tiny": dict(hidden=128, layers=2, intermediate=256, heads=4, kv_heads=2),
           "qwen2-100m": dict(hidden=768, layers=12, intermediate=3072, heads=12, kv_heads=4)}
@@ -152,8 +157,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="--balance: prompt tokens of every sequence")
     ap.add_argument("--micro", type=int, default=4, help="--balance: round robin's sequences a micro-batch")
     ap.add_argument("--max-tokens", type=int, default=32768, help="--balance: the balanced token budget")
+    add_arguments(ap)
     a = ap.parse_args()
     t_start = time.perf_counter()
+    if a.load or a.plan_check:
+        out = main_load(a) if a.load else main_plan_check(a)
+        write_json(a.out, {**out, "elapsed_s": time.perf_counter() - t_start})
+        return
     if a.long or a.balance:
         out = main_long(a) if a.long else main_balance(a)
         write_json(a.out, {**out, "elapsed_s": time.perf_counter() - t_start})

@@ -42,6 +42,7 @@ What these estimates leave out is said in docs/gpu.md ("The memory plan").
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,8 @@ RESERVE_GIB = 3.0          # trainer: CUDA context, NCCL buffers, allocator slac
 ROLLOUT_RESERVE_GIB = 2.0  # rollout: CUDA context, NCCL buffers, CUDA graphs
 STEP_TOKENS = 8192         # tokens of the largest step vLLM profiles (its max_num_batched_tokens on a GPU)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+EDGE_TOKEN_VALUES = 3      # per token outside the layers: the embedding's output, the final norm's input and output
+CHUNK_BYTES = 8            # per logit of a chunk: float32 logits and the entropy's exp (forward; backward: one)
 
 
 @dataclass
@@ -82,34 +85,135 @@ def per_token_layer_values(s: ModelShape, tp: int = 1) -> int:
     return 4 * s.hidden + 3 * q + 3 * kv + 4 * s.intermediate // tp
 
 
+def trainer_layer_values(s: ModelShape, dense: bool) -> int:
+    """Values one token's forward through one decoder layer keeps for the backward (counted with
+    saved-tensor hooks on Hugging Face's Qwen2): the two norms' inputs and outputs (4 x hidden); the
+    rotated queries, the keys, the values, the attention output and the output projection's input
+    (3 q + 2 kv; a dense kernel, sdpa or eager, keeps the keys and values repeated to every query
+    head: 5 q); the MLP's gate, up, activation and product (4 x intermediate)."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return 4 * s.hidden + (5 * q if dense else 3 * q + 2 * kv) + 4 * s.intermediate
+
+
+def context_parallel(t: Any) -> int:
+    """The trainer's context_parallel_size (settings as a model, a namespace or a dumped dict)."""
+    par = getattr(t, "parallelism", None)
+    if isinstance(par, dict):
+        return int(par.get("context_parallel_size", 1) or 1)
+    return int(getattr(par, "context_parallel_size", 1) or 1)
+
+
+def dense_attention(t: Any) -> bool:
+    """Whether the trainer's attention is a dense kernel (sdpa, eager: what the CPU runs, and what
+    `auto` picks there) rather than flash-attention or flex (what `auto` picks on a GPU)."""
+    impl = getattr(t, "attn_implementation", "auto")
+    if impl == "auto":
+        return getattr(t, "device", "auto") == "cpu"
+    return impl in ("sdpa", "eager")
+
+
+def packed(t: Any) -> bool:
+    p = getattr(t, "packing", None)
+    return p if p is not None else getattr(t, "device", "auto") != "cpu"
+
+
 def trainer_plan(s: ModelShape, t: Any, max_model_len: int) -> dict[str, float]:
     """Bytes on one trainer rank's GPU (module docstring), from its settings `t` (TrainerConfig)."""
-    w = t.world_size
-    p = s.params
-    cb = DTYPE_BYTES[t.dtype]            # compute dtype (autocast / FSDP2 mixed precision)
-    ab = cb if w > 1 else 4              # one rank: autocast keeps the residual stream in float32
-    items = {"parameters (fp32 shard)": 4 * p / w, "gradients (fp32 shard)": 4 * p / w,
-             "Adam m, v (fp32 shards)": 8 * p / w}
-    if t.kl_coef > 0:
-        items["reference model (fp32 shard)"] = 4 * p / w
-    if t.mismatch_previous_version:
-        items["previous version (fp32 shard)"] = 4 * p / w
-    if t.algorithm == "ppo":
-        items["critic + gradients + Adam (fp32 shards)"] = 16 * p / w
-    if w > 1:
-        items["gathered layers (2) + one layer's gradients"] = s.layer_params * (2 * cb + cb + 4)
-        items["gathered root (embeddings, head) + gradients"] = s.embed_params * 2 * cb
-    budget_tokens = getattr(t, "max_tokens_per_micro_batch", None)
-    tokens = max(budget_tokens or t.micro_batch_size * max_model_len, max_model_len)
-    layer = tokens * per_token_layer_values(s) * ab
-    if t.activation_checkpointing:
-        items[f"activations ({tokens} tokens, checkpointed)"] = s.layers * tokens * s.hidden * ab + layer
-    else:
-        items[f"activations ({tokens} tokens)"] = s.layers * layer
-    chunk = getattr(t, "logprob_chunk_tokens", 0) or tokens
-    items[f"logits ({min(chunk, tokens)} tokens x {s.vocab})"] = min(chunk, tokens) * s.vocab * (ab + 12)
+    items = _weights(s, t)
+    items.update(_gathered(s, t))
+    items.update(_activations(s, t, max_model_len))
     items["reserve (CUDA context, NCCL, allocator)"] = RESERVE_GIB * GiB
     return items
+
+
+def lora_params(s: ModelShape, lora: Any) -> int:
+    """Parameters of a LoRA adapter of rank r on the shape's `target_modules`: r x (in + out) each."""
+    q, kv, h, i = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+              "up_proj": (h, i), "down_proj": (i, h)}
+    targets = _field(lora, "target_modules", list(shapes))
+    return s.layers * sum(_field(lora, "rank", 16) * sum(shapes[m]) for m in targets if m in shapes)
+
+
+def _field(obj: Any, name: str, default: Any) -> Any:
+    return obj.get(name, default) if isinstance(obj, dict) else getattr(obj, name, default)
+
+
+def _weights(s: ModelShape, t: Any) -> dict[str, float]:
+    """Parameters, gradients and Adam's states (float32 shards), and the frozen copies; with LoRA the
+    base in its dtype and the adapter (float32, with gradients and Adam's states)."""
+    w, p = t.world_size, s.params
+    lora = getattr(t, "lora", None)
+    if lora is None:
+        items = {"parameters (fp32 shard)": 4 * p / w, "gradients (fp32 shard)": 4 * p / w,
+                 "Adam m, v (fp32 shards)": 8 * p / w}
+        copy, name = 4 * p / w, "fp32 shard"
+    else:
+        base = _field(lora, "base_dtype", "float32")
+        adapter = 16 * lora_params(s, lora) / w
+        items = {f"base (frozen, {base} shard)": DTYPE_BYTES[base] * p / w,
+                 "LoRA adapter + gradients + Adam (fp32 shards)": adapter}
+        copy, name = DTYPE_BYTES[base] * p / w + adapter / 4, f"{base} shard + adapter"
+    if t.kl_coef > 0 and lora is None:  # with LoRA the reference is the policy with its adapter off
+        items["reference model (fp32 shard)"] = copy
+    if t.mismatch_previous_version:
+        items[f"previous version ({name})"] = copy
+    if t.algorithm == "ppo":
+        items["critic + gradients + Adam (fp32 shards)"] = 16 * p / w
+    return items
+
+
+def _gathered(s: ModelShape, t: Any) -> dict[str, float]:
+    """What FSDP2 gathers (two layers and one layer's gradients; the head or the embeddings with the
+    head's gradient), or on one rank the head gradient being added to the last micro-batch's."""
+    w, cb = t.world_size, DTYPE_BYTES[t.dtype]
+    lora = getattr(t, "lora", None)
+    vh = s.vocab * s.hidden
+    if lora is not None:  # the base does not train: no gradient of a layer or of the head
+        bb = DTYPE_BYTES[_field(lora, "base_dtype", "float32")]
+        return {"gathered layers (2)": 2 * s.layer_params * bb, _edge_name(s, grads=False): vh * bb} if w > 1 else {}
+    if w == 1:  # the next micro-batch's head gradient (float32) before it is added to .grad
+        return {"head gradient being accumulated (float32)": vh * 4}
+    # the unit's weight in the compute dtype, the head's float32 gradient and its cast for FSDP2
+    return {"gathered layers (2) + one layer's gradients": s.layer_params * (2 * cb + cb + 4),
+            _edge_name(s): vh * (cb + 4 + (cb if cb < 4 else 0))}
+
+
+def _activations(s: ModelShape, t: Any, max_model_len: int) -> dict[str, float]:
+    """One micro-batch's activations on this rank's tokens (context parallelism splits them), the
+    attention masks a dense kernel keeps, the all-to-all buffers, the logits of one chunk."""
+    w, cp, cb = t.world_size, context_parallel(t), DTYPE_BYTES[t.dtype]
+    lora = getattr(t, "lora", None)
+    half_base = lora is not None and DTYPE_BYTES[_field(lora, "base_dtype", "float32")] < 4
+    ab = cb if w > 1 or half_base else 4   # one full-weight rank: autocast keeps the residual stream float32
+    budget_tokens = getattr(t, "max_tokens_per_micro_batch", None)
+    tokens = max(budget_tokens or t.micro_batch_size * max_model_len, max_model_len)
+    local = math.ceil(tokens / cp)        # the tokens of a micro-batch one rank forwards
+    dense = dense_attention(t)
+    layer = local * trainer_layer_values(s, dense) * ab
+    who = f"{local} tokens" + (f" of {tokens}, context parallel {cp}" if cp > 1 else "")
+    items = {}
+    if t.activation_checkpointing:
+        items[f"activations ({who}, checkpointed)"] = s.layers * local * s.hidden * ab + layer
+    else:
+        items[f"activations ({who})"] = s.layers * layer + local * EDGE_TOKEN_VALUES * s.hidden * ab
+    several = t.micro_batch_size > 1 or bool(budget_tokens)
+    if dense and packed(t) and several:  # sdpa keeps a float32 mask over a row of several sequences, every layer
+        layers = 1 if t.activation_checkpointing else s.layers
+        items[f"attention masks ({layers} x {tokens}^2, float32)"] = layers * tokens * tokens * 4
+    if cp > 1:
+        items["all-to-all buffers (one layer's q, k, v)"] = 2 * local * (s.heads + 2 * s.kv_heads) * s.head_dim * ab
+    chunk = getattr(t, "logprob_chunk_tokens", 0) or 0
+    rows = min(chunk, local) if chunk else local
+    per = CHUNK_BYTES + (cb if cb < 4 else 0) if chunk else ab + 12
+    items[f"logits ({rows} tokens x {s.vocab})"] = rows * s.vocab * per
+    return items
+
+
+def _edge_name(s: ModelShape, grads: bool = True) -> str:
+    what = "gathered embeddings = head (tied, one unit)" if s.tied_embeddings else \
+        "gathered head (or embeddings: a unit each)"
+    return what + (" + its gradient" if grads else "")
 
 
 def rollout_plan(s: ModelShape, r: Any, max_num_seqs: int) -> tuple[dict[str, float], int]:

@@ -48,13 +48,30 @@ def fsdp_units(model) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
+def _wait_turn(folder: str | None, rank: int) -> None:
+    import time
+    from pathlib import Path
+    if folder is None or rank == 0:
+        return
+    flag = Path(folder) / f"loaded.{rank - 1}"
+    while not flag.exists():
+        time.sleep(0.2)  # polling the previous rank's flag file (no collective may run during a load)
+
+
+def _done_turn(folder: str | None, rank: int) -> None:
+    from pathlib import Path
+    if folder is not None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"loaded.{rank}").touch()
+
+
 def main() -> None:
     import torch
 
     from laminar.roles.trainer import dist
     from laminar.roles.trainer.config import LoraSettings
     from laminar.roles.trainer.memory import rss_bytes
-    from laminar.roles.trainer.sharded_load import load_model, local_rows, local_tensor
+    from laminar.roles.trainer.sharded_load import build_on_meta, load_model, local_rows, local_tensor
     ap = argparse.ArgumentParser()
     ap.add_argument("rank", type=int)
     ap.add_argument("world", type=int)
@@ -65,11 +82,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--lora", action="store_true", help="the base in --dtype with a LoRA adapter (peft)")
     ap.add_argument("--pieces", action="store_true")
+    ap.add_argument("--stagger", default=None, help="a folder: rank r loads after rank r-1 has (files in it), so "
+                    "that whole-model loads are not resident together")
     a = ap.parse_args()
     torch.set_num_threads(1)
     info = dist.init(a.rank, a.world, a.address, torch.device("cpu"), timeout_s=300)
     try:
+        build_on_meta(a.model_dir)  # imports the model's code first: a measured load is the weights' memory
         start = rss_bytes()
+        _wait_turn(a.stagger, a.rank)
         lora = LoraSettings(rank=4, alpha=8, base_dtype=a.dtype) if a.lora else None
         model, report = load_model(a.model_dir, torch.device("cpu"), info, dtype=a.dtype, lora=lora,
                                    sharded=a.mode == "sharded", seed=3)
@@ -77,6 +98,7 @@ def main() -> None:
                "rss_start": start, "rss_after": rss_bytes(), "units": fsdp_units(model) if info.enabled else [],
                "tied": bool(getattr(model.get_output_embeddings(), "weight", None) is
                             getattr(model.get_input_embeddings(), "weight", 0))}
+        _done_turn(a.stagger, a.rank)
         with open(f"{a.out}.{a.rank}.json", "w") as f:
             json.dump(out, f)
         if a.pieces:

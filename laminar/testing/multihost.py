@@ -12,7 +12,8 @@ h0 holds broker, manager, the three pools and the trainer (the tiny model, torch
 h1..hN holds a relay and `rollouts_per_host` rollouts on the `sim` engine (vLLM CPU engines need a
 core each; pass `engine="vllm"` for a scenario with real ones). With `reward_hosts`, each of those
 hosts also runs a `reward` replica `rm<h>` (its settings and the rollouts' `rewards` terms come
-in `roles`), so a model score is part of every trajectory's reward. Each host runs its roles under its
+in `roles`), so a model score is part of every trajectory's reward. With `trainer_hosts=(0, 1)` the
+trainer is two FSDP2 ranks, rank 1 on h1 (gloo over the bridge). Each host runs its roles under its
 own `laminar-node start --host hX` supervisor (which restarts a killed role), in its namespace:
 processes share this machine's filesystem and /dev/shm but talk only over the bridge.
 
@@ -95,13 +96,14 @@ def group_of(tid: str) -> str:
 class MultiHost:
     def __init__(self, tmp: Path, model_dir: Path, rollout_hosts: int = 3, rollouts_per_host: int = 2,
                  iterations: int = 20, roles: dict | None = None, engine: str = "sim", rate_mbit: float | None = None,
-                 late_hosts: int = 0, reward_hosts: tuple[int, ...] = ()):
+                 late_hosts: int = 0, reward_hosts: tuple[int, ...] = (), trainer_hosts: tuple[int, ...] = (0,)):
         self.tmp, self.model_dir = Path(tmp), Path(model_dir)
         self.n = rollout_hosts + 1 + late_hosts
         self.initial = rollout_hosts + 1
         self.rollouts_per_host, self.iterations, self.engine = rollouts_per_host, iterations, engine
         self.extra_roles = roles or {}
         self.reward_hosts = tuple(reward_hosts)  # a `reward` replica `rm<h>` on each (settings: roles["reward"])
+        self.trainer_hosts = tuple(trainer_hosts)  # trainer rank r on host trainer_hosts[r] (rank 0 on h0)
         self.net = NetnsCluster(self.n, rate_mbit=rate_mbit)
         self.configs: dict[int, Path] = {}
         self.sup: dict[int, subprocess.Popen] = {}
@@ -137,6 +139,7 @@ class MultiHost:
                       for k, rid in enumerate(self.rollout_ids(h))]
             if h in self.reward_hosts:
                 roles.append({"role": "reward", "id": f"rm{h}"})
+            roles += [{"role": "trainer", "id": str(r)} for r, th in enumerate(self.trainer_hosts) if r and th == h]
             if self.engine == "vllm":  # one core per engine (two unpinned CPU engines fight over OpenMP
                 # threads: together ~4x slower)
                 ncores = os.cpu_count() or 1
@@ -154,7 +157,10 @@ class MultiHost:
             "rollout": {**rollout, "model_dir": str(self.model_dir), "max_concurrency": 8,
                         "reward": "laminar.tasks.rewards:upper_fraction", "delta_interval_s": 0.1, "idle_wait_s": 0.2},
             "trainer": {"model_dir": str(self.model_dir), "lr": 0.001, "groups_per_batch": 4, "minibatch_steps": 1,
-                        "relay_id": "r1", "checkpoint_every": 2, "max_iterations": self.iterations},
+                        "relay_id": "r1", "checkpoint_every": 2, "max_iterations": self.iterations,
+                        # FSDP2 ranks on several hosts meet at h0's address (gloo over the bridge)
+                        **({"world_size": len(self.trainer_hosts), "dist_port": 7010}
+                           if len(self.trainer_hosts) > 1 else {})},
         }
         for kind, extra in self.extra_roles.items():
             settings.setdefault(kind, {}).update(extra)

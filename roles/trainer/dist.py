@@ -19,7 +19,11 @@ listens only on the address the ranks meet at (`dist_address`; by default rank 0
 `address` from cluster.hosts, i.e. its cluster interface), never on every interface as PyTorch's
 `tcp://` rendezvous does: rank 0 binds the socket itself and hands it to the store. The
 collectives' own connections (gloo, NCCL) pick their interface by GLOO_SOCKET_IFNAME and
-NCCL_SOCKET_IFNAME; set those to the same interface (docs/security.md).
+NCCL_SOCKET_IFNAME; where those are not set, each rank sets them to the interface it reaches the
+meeting address through (`route_interface`: rank 0's cluster interface on rank 0, the interface
+of the route to it elsewhere), so ranks on several hosts talk over the cluster network and never
+over an interface that resolves the host's name to an address the others cannot reach
+(docs/security.md).
 """
 from __future__ import annotations
 
@@ -95,12 +99,40 @@ def rendezvous_store(rank: int, world_size: int, address: str, timeout_s: float)
     return store
 
 
+def route_interface(address: str) -> str | None:
+    """The name of the local network interface that traffic to `address` (host:port) leaves by
+    (the one holding the address itself when it is local); None when it cannot be told."""
+    import fcntl
+    host, port = _split(address)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), port))  # UDP: no packet sent, only the route chosen
+            local = s.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                except OSError:
+                    continue
+            if socket.inet_ntoa(got[20:24]) == local:
+                return name
+    except OSError:
+        return None
+    return None
+
+
 def init(rank: int, world_size: int, address: str, device, timeout_s: float) -> DistInfo:
     """Join the process group (blocks until every rank arrived) and make the control group."""
+    import os
+
     import torch.distributed as dist
     if world_size <= 1:
         return DistInfo()
     backend = "nccl" if device.type == "cuda" else "gloo"
+    iface = route_interface(address)
+    if iface is not None:  # the collectives' sockets on the cluster interface (module docstring)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
     if device.type == "cuda":
         import torch
         torch.cuda.set_device(device)

@@ -3,6 +3,7 @@
     with PeakMemory(device) as peak:
         ...
     peak.peak_bytes, peak.kind      # e.g. 1_234_567_890, "cuda_allocated" or "rss"
+    PeakMemory(device, base=b)      # the peak above `b` bytes (taken earlier) instead of above the start
 
 On a GPU it is the caching allocator's own count: `torch.cuda.max_memory_allocated` after
 `reset_peak_memory_stats`, minus what was allocated at the start (tensors only: the allocator's
@@ -52,12 +53,21 @@ def rss_peak_bytes() -> int:
     return _status_kib("VmHWM") * 1024
 
 
+def memory_now(device=None) -> int:
+    """What PeakMemory counts, now: the allocator's bytes on a GPU, the resident set on the CPU."""
+    if device is not None and getattr(device, "type", str(device)) == "cuda":
+        import torch
+        return torch.cuda.memory_allocated(device)
+    return rss_bytes()
+
+
 class PeakMemory:
     """Context manager: the peak memory of its body above the memory at its start (module docstring)."""
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, base: int | None = None):
         self.cuda = device is not None and getattr(device, "type", str(device)) == "cuda"
         self.device = device
+        self.base = base
         self.peak_bytes = 0
         self.start = 0
         self.kind = ""
@@ -82,4 +92,4 @@ class PeakMemory:
             top = rss_peak_bytes()
         else:
             top = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        self.peak_bytes = max(0, top - self.start)
+        self.peak_bytes = max(0, top - (self.start if self.base is None else self.base))

@@ -5,6 +5,7 @@ the command's exit status."""
 from __future__ import annotations
 
 import json
+import re
 import types
 from pathlib import Path
 
@@ -13,11 +14,11 @@ import yaml
 from laminar.roles.trainer.config import TrainerConfig
 
 from laminar.config import load_config, parse_config
-from laminar.memory_plan import GiB, check_memory, main, plan_memory, rollout_plan, trainer_plan
+from laminar.memory_plan import GiB, check_memory, lora_params, main, plan_memory, rollout_plan, trainer_plan
 from laminar.models.shape import model_shape, shape_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = [ROOT / "configs" / f"gpu-{m}.yaml" for m in ("7b", "32b", "72b")]
+RECIPES = [ROOT / "configs" / f"gpu-{m}.yaml" for m in ("7b", "32b", "72b", "72b-64")]
 # A shape small enough to count by hand: 2 layers, hidden 64, MLP 128, 4 query heads and 2 KV
 # heads of 16, vocabulary 100, untied head, q/k/v biases (Qwen2).
 HAND = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
@@ -48,16 +49,60 @@ def test_memory_plan_trainer_items_by_hand():
     assert items["gradients (fp32 shard)"] == 174_208
     assert items["Adam m, v (fp32 shards)"] == 348_416
     assert items["gathered layers (2) + one layer's gradients"] == 37_120 * (2 * 2 + 2 + 4) == 371_200
-    assert items["gathered root (embeddings, head) + gradients"] == 12_864 * 2 * 2 == 51_456
-    # per token and layer: 4 x 64 + 3 x 64 (q) + 3 x 32 (k, v) + 4 x 128 = 1,056 values of 2 bytes;
-    # checkpointed: every layer's input (2 x 256 x 64 x 2 B) + one layer recomputed (256 x 1,056 x 2 B)
-    assert items["activations (256 tokens, checkpointed)"] == 2 * 256 * 64 * 2 + 256 * 1_056 * 2 == 606_208
-    assert items["logits (32 tokens x 100)"] == 32 * 100 * (2 + 12) == 44_800
-    assert sum(items.values()) == 174_208 * 2 + 348_416 + 371_200 + 51_456 + 606_208 + 44_800 + 3 * GiB
+    # untied: the head (or the embeddings), each a unit: bf16 weight + float32 gradient + its bf16 cast
+    assert items["gathered head (or embeddings: a unit each) + its gradient"] == 100 * 64 * (2 + 4 + 2) == 51_200
+    # per token and layer (flash-attention on a GPU): 4 x 64 + 3 x 64 (q) + 2 x 32 (k, v) + 4 x 128 = 1,024
+    # values of 2 bytes; checkpointed: every layer's input (2 x 256 x 64 x 2 B) + one layer recomputed
+    assert items["activations (256 tokens, checkpointed)"] == 2 * 256 * 64 * 2 + 256 * 1_024 * 2 == 589_824
+    assert items["logits (32 tokens x 100)"] == 32 * 100 * (8 + 2) == 32_000
+    assert sum(items.values()) == 174_208 * 2 + 348_416 + 371_200 + 51_200 + 589_824 + 32_000 + 3 * GiB
     t.activation_checkpointing, t.logprob_chunk_tokens = False, 0  # every layer kept; the full logits
     items = trainer_plan(s, t, max_model_len=256)
-    assert items["activations (256 tokens)"] == 2 * 256 * 1_056 * 2
+    # every layer's values, plus the embedding's output and the final norm's input and output (3 x 64)
+    assert items["activations (256 tokens)"] == 2 * 256 * 1_024 * 2 + 256 * 3 * 64 * 2
     assert items["logits (256 tokens x 100)"] == 256 * 100 * 14
+
+
+def test_memory_plan_context_parallel_by_hand():
+    """Context parallelism 2: each rank's activations and logits are those of half the tokens, plus
+    one layer's all-to-all buffers; a dense kernel on the CPU (sdpa) adds repeated keys and values and,
+    for rows of several sequences, a float32 mask over the whole row."""
+    s = shape_from_config(HAND)
+    t = types.SimpleNamespace(world_size=2, dtype="bfloat16", kl_coef=0.0, mismatch_previous_version=False,
+                              algorithm="grpo", micro_batch_size=1, activation_checkpointing=True,
+                              logprob_chunk_tokens=32, parallelism=types.SimpleNamespace(context_parallel_size=2))
+    items = trainer_plan(s, t, max_model_len=256)
+    assert items["activations (128 tokens of 256, context parallel 2, checkpointed)"] == \
+        2 * 128 * 64 * 2 + 128 * 1_024 * 2
+    assert items["all-to-all buffers (one layer's q, k, v)"] == 2 * 128 * (4 + 2 * 2) * 16 * 2
+    assert items["logits (32 tokens x 100)"] == 32_000
+    t.parallelism = {"context_parallel_size": 2}  # a dumped config reads the same
+    assert "activations (128 tokens of 256, context parallel 2, checkpointed)" in trainer_plan(s, t, 256)
+    t.device, t.packing, t.micro_batch_size, t.dtype = "cpu", True, 2, "float32"
+    items = trainer_plan(s, t, max_model_len=256)
+    # dense: q, keys and values repeated to 4 heads, output and o_proj input: 5 x 64; 512 tokens a micro-batch
+    assert items["activations (256 tokens of 512, context parallel 2, checkpointed)"] == \
+        2 * 256 * 64 * 4 + 256 * (4 * 64 + 5 * 64 + 4 * 128) * 4
+    assert items["attention masks (1 x 512^2, float32)"] == 512 * 512 * 4
+
+
+def test_memory_plan_lora_by_hand():
+    """LoRA: the frozen base in its dtype, the adapter (r x (in + out) per target) with float32
+    gradients and Adam's states; no reference copy (the adapter off), no base gradients gathered."""
+    s = shape_from_config(HAND)
+    lora = types.SimpleNamespace(rank=4, base_dtype="bfloat16", target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # per layer: q 64+64, k 64+32, v 64+32, o 64+64, gate/up/down 64+128 each, times r = 4
+    assert lora_params(s, lora) == 2 * 4 * (128 + 96 + 96 + 128 + 3 * 192) == 8_192
+    t = types.SimpleNamespace(world_size=2, dtype="bfloat16", kl_coef=0.1, mismatch_previous_version=False,
+                              algorithm="grpo", micro_batch_size=1, activation_checkpointing=True,
+                              logprob_chunk_tokens=32, lora=lora)
+    items = trainer_plan(s, t, max_model_len=256)
+    assert items["base (frozen, bfloat16 shard)"] == 87_104 * 2 / 2
+    assert items["LoRA adapter + gradients + Adam (fp32 shards)"] == 16 * 8_192 / 2
+    assert not any(k.startswith("reference") for k in items)
+    assert items["gathered layers (2)"] == 2 * 37_120 * 2
+    assert items["gathered head (or embeddings: a unit each)"] == 100 * 64 * 2
 
 
 def test_memory_plan_rollout_items_by_hand():
@@ -152,3 +197,40 @@ def test_memory_plan_command_prints_the_plan_and_exits_0_when_it_fits(tmp_path, 
     assert main([str(path), "--gpu-memory-gib", "80"]) == 0
     out = capsys.readouterr().out
     assert "rollout.0: 72.0 GiB of 72.0 GiB per GPU, fits" in out and "weights (float32) / TP 2" in out
+
+
+def recipe(tmp_path, name: str, cp: int, **rollout) -> Path:
+    """configs/<name>.yaml with the trainer's context_parallel_size set to `cp` (and rollout settings)."""
+    data = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
+    data["roles"]["trainer"].setdefault("parallelism", {})["context_parallel_size"] = cp
+    data["roles"]["rollout"].update(rollout)
+    if rollout.get("max_model_len", 0) > 32_768:  # 32K-token responses: the folder with YaRN's rope scaling
+        for role in ("trainer", "rollout"):
+            data["roles"][role]["model_dir"] = "models/Qwen2.5-72B-Instruct-YaRN"
+        data["roles"]["prompt_pool"]["max_tokens"] = rollout["max_model_len"] - 2048
+    path = tmp_path / f"{name}-cp{cp}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_memory_plan_72b_at_64_gpus_needs_context_parallelism(tmp_path):
+    """The paper's 64-GPU placement of 72B (32 trainer ranks): accepted at context_parallel_size 2
+    (what the recipe sets), refused without it, naming the GiB."""
+    from laminar.cli import main as cli
+    path = ROOT / "configs" / "gpu-72b-64.yaml"
+    assert cli(["check", str(path), "--gpu-memory-gib", "80"]) == 0
+    assert load_config(path).settings_of("trainer").parallelism.context_parallel_size == 2
+    problems = check_memory(load_config(recipe(tmp_path, "gpu-72b-64", 1)), 80)
+    assert len(problems) == 1 and "(and 31 more alike" in problems[0], problems
+    assert re.search(r"trainer\.0 on n0 \(GPU 0\): needs (8[0-9]\.\d) GiB of the GPU's 80\.0 GiB", problems[0])
+    assert "activations (18432 tokens, checkpointed) 28.6" in problems[0]
+
+
+@pytest.mark.parametrize("name, cp", [("gpu-72b", 2), ("gpu-72b-64", 4)])
+def test_memory_plan_72b_32k_responses_with_context_parallelism(tmp_path, name, cp):
+    """72B with 32,768-token responses (34,816-token sequences, YaRN positions): accepted with
+    context parallelism (2 at 64 trainer ranks, 4 at 32), refused at half of it, naming the GiB."""
+    assert check_memory(load_config(recipe(tmp_path, name, cp, max_model_len=34_816)), 80) == []
+    problems = check_memory(load_config(recipe(tmp_path, name, cp // 2, max_model_len=34_816)), 80)
+    assert problems and all(p.startswith("trainer.") for p in problems), problems
+    assert re.search(r"needs \d+\.\d GiB of the GPU's 80\.0 GiB \(activations \((34816|17408) tokens", problems[0])
