@@ -400,8 +400,8 @@ REQUESTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "env.close": (("env",), frozenset({"rollout"})),
     # model-scored rewards (docs/rewards.md)
     "reward.await": (("partial_pool",), frozenset({"rollout"})),       # named key: its own trajectories
-    "reward.lease": (("partial_pool",), frozenset({"reward"})),
-    "reward.submit": (("partial_pool",), frozenset({"reward"})),
+    "reward.lease": (("partial_pool",), frozenset({"reward"})),    # named key: its own scorer's work only
+    "reward.submit": (("partial_pool",), frozenset({"reward"})),   # named key: its scorer, its own leases
 }
 REQUEST_SCOPES = {kind: scopes for kind, (_, scopes) in REQUESTS.items()}
 
@@ -418,7 +418,8 @@ def request_refusal(identity: str | None, req) -> str:
     """Why a server refuses request `req` from `identity` ("" = allowed). Denied by default: the
     kind must be in REQUESTS and the key's scope among those that may send it; a rollout key named
     after a rollout ("rollout.r0") acts only as that rollout (the rollout a request names: TakeBatch,
-    deltas, puts, reassignments). What a request names by trajectory (reading or completing a
+    deltas, puts, reassignments); a reward key named after a scorer ("reward.judge") leases and
+    scores only that scorer's work. What a request names by trajectory (reading or completing a
     partial) is checked by the partial pool against the trajectory's owner (`owned_by_other`)."""
     if _everything(identity):
         return ""
@@ -433,6 +434,8 @@ def request_refusal(identity: str | None, req) -> str:
         owner = _owner(req)
         if owner is not None and str(owner) != name and not (kind == "data.reassign_partial" and owner == ""):
             return f"rollout key {identity} may not act as rollout {owner}"
+    if scope == "reward" and name and str(getattr(req, "scorer", name)) != name:
+        return f"reward key {identity} may not lease or score the work of scorer {req.scorer}"
     return ""
 
 

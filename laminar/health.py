@@ -56,7 +56,10 @@ SUPERVISOR_STATES = ("pending", "starting", "ready", "backoff", "finished", "fai
                      "stopped_by_operator")
 DOWN_ON_PURPOSE = ("finished", "stopped_by_operator")  # not up, and not unhealthy
 GAVE_UP_ALARM_S = 600.0  # a partial pool's reward_gave_up alarm stays up this long after its newest give-up
+REFUSED_ALARM_S = 600.0  # a pool's writes_refused alarm stays up this long after its newest refusal
 
+# every pool: writes refused for want of a hand-out (roles/handout.py), and how long ago the newest was
+_REFUSED = {"writes_refused": "writes_refused", "writes_refused_age_s": "writes_refused_age_s"}
 # Facts a role's heartbeat status carries, per role kind: status key -> value name.
 _HB_FACTS = {
     "rollout": {"version": "version", "kv": "kv_usage", "active": "active", "batches": "batches"},
@@ -72,7 +75,9 @@ _HB_FACTS = {
     "partial_pool": {"awaiting_reward": "awaiting", "awaiting_oldest_s": "awaiting_oldest_s",
                      "reward_parse_failed": "parse_failed", "reward_lease_expired": "lease_expired",
                      "reward_late_scores": "late_scores", "reward_gave_up": "gave_up",
-                     "reward_gave_up_age_s": "gave_up_age_s"},
+                     "reward_gave_up_age_s": "gave_up_age_s", "reward_unserved": "unserved",
+                     "reward_parked": "parked", **_REFUSED},
+    "experience_buffer": dict(_REFUSED), "prompt_pool": dict(_REFUSED),
     "manager": {"repacks": "repacks", "moved": "moved", "dead_rollouts": "dead_rollouts", "recovered": "recovered",
                 "failed_moves": "failed_moves", "replaced": "replaced", "orphans": "orphans", "repairs": "repairs",
                 "last_repair_s": "last_repair_s", "epoch": "epoch", "weights_stalled": "weights_stalled",
@@ -162,6 +167,13 @@ FAMILIES = [
      ("partial_pool",), "late_scores"),
     ("laminar_partial_pool_reward_gave_up_total", "counter", "trajectories given up on by their scorer and "
      "scored by the fallback (since the pool started)", ("partial_pool",), "gave_up"),
+    ("laminar_partial_pool_reward_unserved_total", "counter", "trajectories given up on because no replica of "
+     "their scorer leased them (a scorer nobody serves)", ("partial_pool",), "unserved"),
+    ("laminar_partial_pool_reward_parked", "gauge", "scored trajectories the buffer refused for good, held back "
+     "(the reward_parked alarm)", ("partial_pool",), "parked"),
+    ("laminar_pool_writes_refused_total", "counter", "writes refused for want of a hand-out or a lease (a key "
+     "writing work it was never given: the writes_refused alarm)", ("partial_pool", "experience_buffer"),
+     "writes_refused"),
     ("laminar_manager_repacks_total", "counter", "repack moves executed", ("manager",), "repacks"),
     ("laminar_manager_moved_trajectories_total", "counter", "trajectories moved by repacks", ("manager",), "moved"),
     ("laminar_manager_dead_rollouts_total", "counter", "rollouts declared dead", ("manager",), "dead_rollouts"),
@@ -319,7 +331,9 @@ class HealthCollector:
     def alarms(self) -> list[str]:
         """Alarms raised by roles of this node that are up: a manager's `weights_stalled`; a partial
         pool's `reward_gave_up` while its newest give-up is younger than GAVE_UP_ALARM_S; an env
-        role whose sandbox runs without a per-run cgroup (`cgroup: auto` found none)."""
+        role whose sandbox runs without a per-run cgroup (`cgroup: auto` found none); a partial pool
+        holding parked trajectories (`reward_parked`); a pool that refused a write for want of a
+        hand-out within REFUSED_ALARM_S (`writes_refused`, naming the key and its host)."""
         stalled = [f"weights_stalled ({k}: lag {int(r.values.get('weights_lag', 0))} versions)"
                    for k, r in self.roles.items() if r.values.get("weights_stalled") and self.up(r)]
         gave_up = [f"reward_gave_up ({k}: {int(r.values.get('gave_up', 0))} trajectories scored by the fallback, "
@@ -328,7 +342,21 @@ class HealthCollector:
         no_cgroup = [f"sandbox_no_cgroup ({k}: {(r.beat.status or {}).get('sandbox_cgroup_reason', '?')})"
                      for k, r in self.roles.items()
                      if r.beat is not None and (r.beat.status or {}).get("sandbox_cgroup") == "none" and self.up(r)]
-        return sorted(stalled + gave_up + no_cgroup)
+        parked = [f"reward_parked ({k}: {int(r.values['parked'])} scored trajectories the buffer refuses for good)"
+                  for k, r in self.roles.items() if r.values.get("parked", 0) > 0 and self.up(r)]
+        return sorted(stalled + gave_up + no_cgroup + parked + self._refused_alarms())
+
+    def _refused_alarms(self) -> list[str]:
+        """A pool's `writes_refused` while its newest refusal is younger than REFUSED_ALARM_S: a key
+        wrote work it was never handed (a compromised host, or a misconfigured one), named with its host."""
+        out = []
+        for k, r in self.roles.items():
+            if 0 <= r.values.get("writes_refused_age_s", -1) < REFUSED_ALARM_S and self.up(r):
+                st = r.beat.status or {}
+                out.append(f"writes_refused ({k}: {int(r.values.get('writes_refused', 0))} writes without a "
+                           f"hand-out, the newest from {st.get('writes_refused_key', '?')} on host "
+                           f"{st.get('writes_refused_host', '?')}, {r.values['writes_refused_age_s']:.0f} s ago)")
+        return out
 
     def snapshot(self) -> dict[str, dict]:
         """Per role: liveness, the supervisor's view, the newest heartbeat and every fact (JSON-able)."""

@@ -62,7 +62,10 @@ def pool_of_group(group_id: str) -> str:
 
 @event("data.trajectory_spec")
 class TrajectorySpec:
-    """One trajectory to generate: a member of a GRPO group (provenance travels with it)."""
+    """One trajectory to generate: a member of a GRPO group (provenance travels with it).
+    `handout`: the pools' MAC binding this spec to the rollout it was handed to (roles/handout.py):
+    the partial pool and the buffer accept a rollout's first delta, AwaitReward and put of it only
+    with a `handout` made for that rollout (b"": none)."""
     trajectory_id: str
     prompt_id: str
     group_id: str
@@ -71,6 +74,7 @@ class TrajectorySpec:
     prompt_tokens: np.ndarray  # int32
     answer: str = ""
     max_tokens: int = 256
+    handout: bytes = b""
 
 
 # -- prompt pool ------------------------------------------------------------------------------

@@ -163,6 +163,12 @@ class BufferBook:
             self.counts["duplicates"] += 1
             return f"duplicate: group {gid} was already {self.gone[gid]}", ch
         g = self.groups.get(gid)
+        if g is not None and t.spec.group_size != g.size:  # a group has one size: the prompt pool's
+            self.counts["refused_group_size"] += 1
+            return f"refused: group {gid} has {g.size} members, not {t.spec.group_size}", ch
+        if not 0 <= t.spec.sample_index < t.spec.group_size:
+            self.counts["refused_group_size"] += 1
+            return f"refused: sample index {t.spec.sample_index} outside a group of {t.spec.group_size}", ch
         if g is not None and (tid in g.members or any(m.spec.sample_index == t.spec.sample_index
                                                       for m in g.members.values())):
             # the same member under another id: a restarted orphan whose original turned up too
@@ -170,9 +176,9 @@ class BufferBook:
             return "duplicate", ch
         if self.eviction == "reject" and g is None:
             need = t.spec.group_size
-            if need > self.capacity:
+            if need > self.capacity:  # refused for good: no later offer can change it
                 self.counts["rejected_full"] += 1
-                return f"full: a group of {need} can never fit capacity {self.capacity}", ch
+                return f"refused: a group of {need} can never fit capacity {self.capacity}", ch
             if self.stored + self.reserved + need > self.capacity:
                 self.expire(ch)
             if self.stored + self.reserved + need > self.capacity:

@@ -75,7 +75,8 @@ class RewardRoleConfig(BaseModel):
     http: HttpSettings | None = Field(None, description="backend http's settings")
     text: TextSettings = Field(default_factory=TextSettings, description="decoding token ids to text (judge, http)")
     partial_pool: str = Field("0", description="id of the partial pool the work is leased from")
-    batch_size: int = Field(32, ge=1, description="trajectories leased (and scored) at once")
+    batch_size: int = Field(32, ge=1, le=8192, description="trajectories leased (and scored) at once (the partial "
+                            "pool gives at most its lease_max_items and page_bytes per lease: a reply is bounded)")
     lease_s: float = Field(60.0, gt=0, description="lease of a batch: past it, the batch is handed to another replica "
                            "(set above the longest batch's scoring time)")
     prefetch: bool = Field(True, description="lease the next batch while one scores and submit while the next "
