@@ -39,6 +39,7 @@ from laminar.extras import MissingExtra, missing_extras
 from laminar.protocol import Shutdown
 from laminar.roles.base import Role, RoleContext, RoleFailed
 from laminar.roles.registry import role_class
+from laminar.secrets import redact
 from laminar.threads import leave
 
 log = structlog.get_logger("laminar.shell")
@@ -53,6 +54,13 @@ def role_key(cfg, role: str, id: str) -> tuple[str, str]:
     if role == "reward":
         name = str(cfg.settings_of("reward", str(id)).scorer)
     return ROLE_SCOPE.get(role, role), name
+
+
+def resolved_config_fields(cfg, name: str, id: str, config_path: str, overrides) -> dict:
+    """What a role's `config_resolved` start line says, every secret-named literal redacted
+    (laminar/secrets.py: secrets themselves are references, read where they are used)."""
+    return {"config": config_path, "role": name, "id": id, "overrides": redact(list(overrides)),
+            "settings": redact(cfg.role_settings(name, id)), "run": redact(cfg.run.model_dump())}
 
 
 def make_transport(cfg, role: str | None = None, id: str | None = None) -> Transport:
@@ -222,8 +230,7 @@ def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
         raise
     mirror = logs.BusMirror(name, str(id))
     logs.configure(f"{name}.{id}", level, mirror)
-    log.info("config_resolved", config=config_path, role=name, id=id, overrides=list(overrides),
-             settings=cfg.role_settings(name, id), run=cfg.run.model_dump())
+    log.info("config_resolved", **resolved_config_fields(cfg, name, id, config_path, overrides))
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
 

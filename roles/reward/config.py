@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from laminar.secrets import SecretRef, no_literal_secret
 
 
 class TextSettings(BaseModel):
@@ -58,10 +60,21 @@ class HttpSettings(BaseModel):
     url: str = Field(..., description="endpoint the batches are POSTed to")
     concurrency: int = Field(4, ge=1, description="requests in flight at once")
     batch_size: int = Field(16, ge=1, description="items per request")
-    timeout_s: float = Field(30.0, gt=0, description="deadline of one request (connect, send, wait, read)")
+    timeout_s: float = Field(30.0, gt=0, description="deadline of one request, all of it: connect, send, wait "
+                             "and read the whole reply (not each phase on its own)")
+    max_reply_bytes: int = Field(8 << 20, ge=1024, description="largest reply read; a longer one fails the request "
+                                 "(read no further)")
     retries: int = Field(3, ge=0, description="attempts after the first for a request that failed")
     backoff_s: float = Field(0.5, gt=0, description="wait before the first retry (doubles, at most 10 s)")
-    headers: dict[str, str] = Field(default_factory=dict, description="extra request headers (e.g. Authorization)")
+    headers: dict[str, str | SecretRef] = Field(default_factory=dict, description="extra request headers; a secret "
+                                               "one (Authorization, a token, an API key...) must be {env: NAME} or "
+                                               "{file: PATH} (0600), read when the replica starts (laminar/secrets.py)")
+
+    @field_validator("headers")
+    @classmethod
+    def _no_secret_in_config(cls, headers):
+        no_literal_secret(headers, "roles.reward.http.headers")
+        return headers
 
 
 class RewardRoleConfig(BaseModel):
