@@ -386,6 +386,13 @@ def check_keys(ctx: CheckContext) -> Iterable[str]:
         check_private(d)
     except (KeyFileError, OSError, ValueError) as exc:
         yield f"{ctx.cfg.source}: cluster.keys_dir: {exc}"
+    pools = {"prompt_pool", "partial_pool", "experience_buffer"}
+    if (Path(d) / "clients").is_dir() and any(s.role in pools for h, s in ctx.cfg.placements() if h == ctx.host):
+        from laminar.roles.handout import handout_key  # the pools sign hand-outs with the pool key
+        try:
+            handout_key(ctx.cfg)
+        except (KeyFileError, OSError, ValueError) as exc:
+            yield f"{ctx.cfg.source}: cluster.keys_dir: {exc}"
 
 
 @check("workdir")

@@ -31,7 +31,8 @@ to rollout keys (and to the pool key's puts) of a scoped cluster; with one key e
 everything (docs/security.md).
 
 Refusals (`Refusals`) are counted per key, logged as `write_refused` naming the key and the host
-it is placed on (1st, 2nd, 4th... time per key), and raise the pool's `writes_refused` alarm
+it is placed on (as each key's count passes 1, 2, 4, 8...: a flood of refusals cannot flood the
+log), and raise the pool's `writes_refused` alarm
 (laminar/health.py, for REFUSED_ALARM_S after the newest one), which names the key and its host.
 """
 from __future__ import annotations
@@ -136,10 +137,11 @@ class Refusals:
 
     def record(self, identity: str | None, kind: str, ids: list[str], why: str) -> None:
         key = identity or "?"
+        before = self.by_key[key]
         self.by_key[key] += len(ids) or 1
         self.newest, self.newest_key = self.clock(), key
         n = self.by_key[key]
-        if n & (n - 1) == 0 or len(ids) > 1:  # 1st, 2nd, 4th... per key; every refused batch
+        if before.bit_length() != n.bit_length():  # as the count passes 1, 2, 4, 8...: bounded logging
             self.log.warning("write_refused", key=key, host=self.host_of(key), kind=kind, trajectories=ids[:8],
                              count=len(ids), refused_from_key=n, why=why)
 
