@@ -78,7 +78,7 @@ class PartialPoolRole(PoolRole):
                   4: lambda c: _add_delta_lineage(c)}
 
     def recover(self) -> None:
-        c = self.cfg
+        c = self.settings
         st = PartialBook(c.max_held, c.remember_completed, c.max_held_only, c.max_held_bytes)
         for (tid,) in self.store.read("SELECT tid FROM completed ORDER BY rowid"):
             st.completed[tid] = None
@@ -117,7 +117,7 @@ class PartialPoolRole(PoolRole):
         self.awaiting = self._recover_awaiting()
 
     def _recover_awaiting(self) -> AwaitingBook:
-        c = self.cfg
+        c = self.settings
         book = AwaitingBook(c.remember_completed, c.reward_give_up_expired, c.reward_give_up_s, c.reward_never_leased_s,
                             c.max_awaiting, c.max_awaiting_bytes)
         for tid, blob, pending, scores in self.store.read("SELECT tid, blob, pending, scores FROM awaiting "
@@ -164,7 +164,8 @@ class PartialPoolRole(PoolRole):
         self.route(CompletePartial, self.on_complete)
         self.route(GroupPresence, self.on_presence, changes=False)
         self.route(AwaitReward, self.on_await_reward)
-        self.desk = RewardDesk(lambda: self.awaiting, self.cfg, self.durable, self._buffer, self.log, self.refusals)
+        self.desk = RewardDesk(lambda: self.awaiting, self.settings, self.durable, self._buffer, self.log,
+                               self.refusals)
         self.route(LeaseRewards, self.desk.lease, changes=False)  # leases live in memory only
         self.route(SubmitScores, self.desk.submit)
 
@@ -406,7 +407,7 @@ class PartialPoolRole(PoolRole):
         """The experience buffer's client, made on first use (scored trajectories go there)."""
         if getattr(self, "buffer", None) is None:
             self.buffer = self.ctx.transport.client(self.cluster.endpoint("experience_buffer",
-                                                                          self.cfg.experience_buffer))
+                                                                          self.settings.experience_buffer))
         return self.buffer
 
     def counts(self) -> dict:
