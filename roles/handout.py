@@ -83,12 +83,16 @@ class Handouts:
 
     def __init__(self, key: bytes):
         self.key = key
+        self._keyed = hashlib.blake2b(key=key, digest_size=16, person=PERSON)  # copied per MAC: cheaper than anew
 
     def mac(self, spec: TrajectorySpec, rollout_id: str) -> bytes:
-        h = hashlib.blake2b(key=self.key, digest_size=16, person=PERSON)
+        h = self._keyed.copy()
         h.update(msgpack.packb([spec.trajectory_id, spec.prompt_id, spec.group_id, int(spec.sample_index),
                                 int(spec.group_size), int(spec.max_tokens), spec.answer, str(rollout_id)]))
-        h.update(np.ascontiguousarray(spec.prompt_tokens, dtype=np.int32).data)
+        toks = spec.prompt_tokens
+        if not (isinstance(toks, np.ndarray) and toks.dtype == np.int32 and toks.flags.c_contiguous):
+            toks = np.ascontiguousarray(toks, dtype=np.int32)
+        h.update(toks.data)
         return h.digest()
 
     def sign(self, spec: TrajectorySpec, rollout_id: str) -> TrajectorySpec:
