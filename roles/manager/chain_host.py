@@ -9,7 +9,10 @@ A LinkDown is a suspicion, not a verdict: the manager probes the suspect's data 
 authenticated handshake (PROBE purpose: the relay answers and closes, its upstream untouched)
 under `probe_timeout_s`; a dead process's port refuses at once, and a port that only accepts TCP
 (a full backlog, a stalled accept thread) fails the handshake instead of passing for alive.
-Dead: remove it and re-link. Alive: tell the reporter to reconnect to it. A relay that fails its
+Dead: remove it and re-link. Alive: tell the reporter to reconnect to it. Every SetDownstream
+carries a token made with the downstream's link key (given in its RelayJoin): the downstream takes
+a LINK only from the upstream that presents it, so a host with the cluster secret cannot
+displace the upstream the manager named (laminar/weights/handshake.py). A relay that fails its
 own SetDownstream call (unreachable) is itself removed and the repair continues from there, so a
 chain with several dead relays converges in one pass; when both ends pass their probe, the link is
 tried again (`link_attempts` in all, with a short backoff) and then the downstream is taken out
@@ -57,7 +60,7 @@ class ChainHost:
 
     # -- request handlers --------------------------------------------------------------------
     async def on_join(self, req: RelayJoin) -> ChainAssignment:
-        info = RelayInfo(req.relay_id, req.host, req.data_address, req.control_address)
+        info = RelayInfo(req.relay_id, req.host, req.data_address, req.control_address, req.link_key)
         who = current_peer.get()
         scope, _, name = (who or "").partition(".")
         if scope == "relay" and name and name != req.relay_id:
@@ -156,7 +159,8 @@ class ChainHost:
             client = self.clients[a.upstream] = self.transport.client(up.control_address)
         for attempt in range(1, self.link_attempts + 1):
             try:
-                await client.call(SetDownstream(self.coord.epoch, a.downstream, a.address), timeout=self.rpc_timeout_s)
+                await client.call(SetDownstream(self.coord.epoch, a.downstream, a.address, self._token(a)),
+                                  timeout=self.rpc_timeout_s)
                 return
             except RpcError as exc:
                 self.log.warning("set_downstream_failed", relay=a.upstream, downstream=a.downstream, error=str(exc),
@@ -179,6 +183,13 @@ class ChainHost:
             self.log.error("link_failed", relay=a.upstream, downstream=a.downstream, attempts=self.link_attempts)
             self._drop_client(a.downstream)
             await self._apply(self.coord.remove(a.downstream), cause=f"{a.upstream} cannot link to {a.downstream}")
+
+    def _token(self, a: Link) -> bytes:
+        """The proof, for `a.downstream`, that this manager named `a.upstream` its upstream now."""
+        down = self.coord.relays.get(a.downstream) if a.downstream else None
+        if down is None or not down.link_key:
+            return b""
+        return handshake.link_token(down.link_key, self.coord.epoch, a.upstream)
 
     def _drop_client(self, relay_id: str) -> None:
         c = self.clients.pop(relay_id, None)

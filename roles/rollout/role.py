@@ -158,7 +158,7 @@ class RolloutRole(Role):
         self.server.route(MigrateOut, self.migration.on_migrate_out)
         self.server.route(MigrateIn, self.migration.on_migrate_in)
         await self.server.start()
-        self.versions_sub = t.subscriber(["weights.version"])
+        self.versions_sub = t.subscriber(["weights.version", "hb.trainer."])  # the trainer's heartbeat names its run
         self.log.info("rollout_ready", version=self.version, model=settings.model_dir, address=self.server.address)
 
     def wire(self, engine, *, prompts=None, partials=None, buffer=None, reward=None, weights_dir=None,
@@ -168,7 +168,7 @@ class RolloutRole(Role):
         s, rid, log = self.settings, self.ctx.id, self.log
         self.engine, self.prompts, self.partials, self.buffer = engine, prompts, partials, buffer
         self.seqs = BatchSeq(seq_file, log)
-        self.weights = WeightFollower(engine, weights_dir, self.ctx.host, self.work, log, s.pull_retry_s)
+        self.weights = WeightFollower(engine, weights_dir, self.ctx.host, self.work, log, s.pull_retry_s, s.relay_id)
         self.stream = DeltaStream(rid, self.work, partials, s.rpc_timeout_s, log)
         self.runner = TrajectoryRunner(rid, s, self.work, self.weights, engine, self.episodes, reward, buffer,
                                        partials, self.spawn, log)
@@ -310,7 +310,7 @@ class RolloutRole(Role):
                 running=s.running, waiting=s.waiting, active=len(self.active), tokens_per_s=rate,
                 state=self.work.state, batches=self.batches, generated_tokens=self.work.generated,
                 control_address=self._address("rollout", self.ctx.id), ts=time.time(), lineage=w.lineage,
-                weight_pull_failures=w.pull_failures, puts_refused=self.runner.puts_refused))
+                weight_pull_failures=w.pull_failures, puts_refused=self.runner.puts_refused, run_id=w.run_id))
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def stop(self) -> None:
@@ -334,7 +334,8 @@ class RolloutRole(Role):
     def status(self) -> dict:
         """Carried by every heartbeat, also while setup() still runs (until wired: holding nothing)."""
         w, kv = self.weights, self.engine.stats.kv_usage if self.engine else 0.0
-        out = {"version": w.version if w else 0, "lineage": w.lineage if w else 0, "active": len(self.active),
+        out = {"version": w.version if w else 0, "lineage": w.lineage if w else 0, "run_id": w.run_id if w else "",
+               "active": len(self.active),
                "state": self.work.state, "batches": self.batches, "kv": round(kv, 3),
                "weight_pull_failures": w.pull_failures if w else 0,
                "puts_refused": self.runner.puts_refused if self.runner else 0,
