@@ -18,7 +18,7 @@ Chain changes it follows (`weights.chain`): named master, it drops a relay upstr
 parts out); absent from the chain, it drops every link it had and joins again at the tail.
 
 Reports: heartbeat status (version, progress, links, addresses); `relay.progress.<id>` at most
-every `progress_interval_s` while receiving and at every completion; `weights.version` when a
+every `progress_interval_s` while receiving and at every completion; `weights.version.<id>` when a
 version becomes visible (rollouts on this host pull it from `shm_dir`). A lost downstream is
 reported to the manager (LinkDown); reports are coalesced, one in flight at a time.
 
@@ -214,7 +214,7 @@ class RelayRole(Role):
             kind, info = await self.events.get()
             if kind == "complete":
                 self.log.info("version_visible", version=info["version"], chunks=info["chunks"])
-                self.pub.publish("weights.version", WeightsVersion(
+                self.pub.publish(f"weights.version.{self.ctx.id}", WeightsVersion(
                     self.ctx.id, self.ctx.host, info["version"], self._total_bytes(), str(self.node.store.dir),
                     lineage=info.get("lineage", 0), run_id=info.get("run_id", "")))
                 self._progress(force=True)

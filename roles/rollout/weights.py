@@ -114,6 +114,7 @@ class WeightFollower:
         if not self.dir or self.work.active:
             return
         lw = LocalWeights(self.dir)
+        claimed = self.newest_here  # announced before this look at the pointer (a later one may be news)
         pointer = await asyncio.to_thread(self._pointer_stamp)
         if pointer is not None and pointer == self._failed_pull and time.monotonic() < self._retry_pull_at:
             return  # it failed a moment ago: wait for the next version (a new pointer) or pull_retry_s
@@ -123,6 +124,8 @@ class WeightFollower:
             self._pull_failed(None, exc, pointer)
             return
         if m is None or not self._loadable(m, pointer):
+            if self.newest_here is claimed:  # the pointer is what is here: an announcement it contradicts is void
+                self.newest_here = None
             return
         state, self.work.state = self.work.state, "loading"
         t0 = time.monotonic()
