@@ -68,7 +68,7 @@ from laminar.roles.rollout.weights import WeightFollower
 from laminar.roles.rollout.work import Work, call_acked
 
 from laminar.protocol import MigrateIn, MigrateOut, RolloutStats, TakeBatch
-from laminar.weights.seal import verifier_of
+from laminar.weights.seal import arm_engine_checks
 
 
 class RolloutRole(Role):
@@ -138,9 +138,8 @@ class RolloutRole(Role):
         if settings.relay_id is not None and weights_dir is None:  # the relay's own folder
             weights_dir = cluster.relay_shm_dir(settings.relay_id)
         keys = getattr(t, "keys", None)
-        if keys is not None and settings.relay_id is not None and settings.engine == "vllm":
-            # the engine's worker processes check each version's seals before loading (weights/pull.py)
-            os.environ["LAMINAR_WEIGHTS_VERIFY_KEY"] = verifier_of(keys).raw.hex()
+        if settings.relay_id is not None and settings.engine == "vllm":
+            arm_engine_checks(keys)  # its worker processes check each version's seals before loading
         self.engine = self._make_engine()
         await self.engine.start()
         self.wire(self.engine, prompts=prompts, partials=partials, buffer=buffer, reward=reward,
