@@ -23,6 +23,10 @@ A join cannot take another relay's place: a relay key named after a relay (`rela
 that relay only, and no key joins under the id of a listed relay that is alive (it answers a
 probe) at another data address, since the real relay, still listed, would never join again.
 A restarted relay joins freely: the old process no longer answers, or it is at the same address.
+One failed probe proves little (a loaded host, a flood of connections at the port), so only the
+relay's own key (`relay.<id>`: a restart at a new port) takes the id after one; a key without a
+name must find the listed relay unanswering for the whole `takeover_s` window (the heartbeat
+deadline), probed again and again outside the chain's lock, before the id is free.
 """
 from __future__ import annotations
 
@@ -42,8 +46,9 @@ from laminar.weights.transport import LinkError, get_transport
 class ChainHost:
     def __init__(self, transport: Transport, pub: Publisher, log, probe_timeout_s: float = 0.3,
                  rpc_timeout_s: float = 5.0, data_key: bytes | None = None, probe_transport: str = "tcp",
-                 link_attempts: int = 3, probe_transport_options: dict | None = None):
+                 link_attempts: int = 3, probe_transport_options: dict | None = None, takeover_s: float = 5.0):
         self.transport, self.pub, self.log = transport, pub, log
+        self.takeover_s = takeover_s  # how long a listed relay must not answer before a nameless key takes its id
         self.probe_timeout_s, self.rpc_timeout_s = probe_timeout_s, rpc_timeout_s
         if data_key is None:  # the relays' data-plane key, derived from the cluster key as they do
             keys = getattr(transport, "keys", None)
@@ -65,6 +70,12 @@ class ChainHost:
         scope, _, name = (who or "").partition(".")
         if scope == "relay" and name and name != req.relay_id:
             self._refuse_join(req, who, f"forbidden: a {who} key may join only as relay {name}, not {req.relay_id}")
+        listed = self.coord.relays.get(req.relay_id)
+        if scope == "relay" and not name and listed is not None and listed.data_address != req.data_address:
+            if await self._answers_within(listed.data_address, self.takeover_s):
+                self._refuse_join(req, who, f"forbidden: relay {req.relay_id} is alive at {listed.data_address} "
+                                  f"(it answered within {self.takeover_s:g} s); a key without a name cannot take "
+                                  "its id")
         async with self.lock:
             listed = self.coord.relays.get(req.relay_id)
             if listed is not None and listed.data_address != req.data_address and await self.probe(listed.data_address):
@@ -121,6 +132,17 @@ class ChainHost:
 
     def publish_state(self) -> None:
         self.pub.publish("weights.chain", self.state())
+
+    async def _answers_within(self, data_address: str, window_s: float) -> bool:
+        """Probe until one answers (True) or `window_s` has passed with none answering (False)."""
+        deadline = time.monotonic() + window_s
+        while True:
+            if await self.probe(data_address):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(0.5, left))  # the spacing of the probes, not a wait for a peer
 
     async def probe(self, data_address: str) -> bool:
         """True when the relay at `data_address` completes an authenticated handshake in time."""

@@ -39,7 +39,8 @@ class ManagerRole(Role):
         address = cluster.bind_endpoint("manager", self.ctx.id) if cluster else settings.address
         probe, probe_options = self._relay_transport()
         self.chain = ChainHost(self.ctx.transport, self.pub, self.log, settings.probe_timeout_s,
-                               settings.rpc_timeout_s, probe_transport=probe, probe_transport_options=probe_options)
+                               settings.rpc_timeout_s, probe_transport=probe, probe_transport_options=probe_options,
+                               takeover_s=settings.relay_dead_after_s(cluster))
         self.monitor = HeartbeatMonitor(settings.relay_dead_after_s(cluster))
         self.dead: asyncio.Queue[str] = asyncio.Queue(maxsize=1024)
         self.hb_sub = self.ctx.transport.subscriber(["hb.relay."])
