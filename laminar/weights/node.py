@@ -279,14 +279,6 @@ class RelayNode:
         if self.pin.announce(run_id):
             log.info("run_pinned", relay=self.id, run_id=run_id, by="the trainer's announcement")
 
-    @property
-    def run_wait_s(self) -> float:
-        return self.gate.run_wait_s
-
-    @run_wait_s.setter
-    def run_wait_s(self, value: float) -> None:
-        self.gate.run_wait_s = value
-
     def _drop_upstream(self, only_purpose: int | None = None) -> bool:
         """Stop the upstream receiver (only one of that purpose, if given) and wait for it to end;
         True when one was dropped (caller holds upstream_lock)."""
