@@ -315,7 +315,8 @@ def topic_refusal(identity: str | None, topic: bytes) -> str:
     Control commands (`ctrl.*`: Shutdown) come from the operator only; a heartbeat (`hb.ROLE.ID`),
     metrics (`metrics.ROLE`) and rollout statistics (`rollout.stats.ID`) only from the scope of
     that role (and from the key named ID when the key has a name); the chain, version
-    announcements and relay progress (TOPIC_SCOPES) only from the scopes that produce them."""
+    announcements and relay progress (TOPIC_SCOPES) only from the scopes that produce them, a version
+    announcement (`weights.version.ID`) from a key named ID only its own."""
     if _everything(identity):
         return ""
     if topic.startswith(b"ctrl."):
@@ -325,6 +326,8 @@ def topic_refusal(identity: str | None, topic: bytes) -> str:
         if topic.startswith(prefix) and scope not in scopes:
             return f"a {identity} key may not publish {prefix.decode()}"
     text = topic.decode("utf-8", "replace")
+    if text.startswith("weights.version") and scope == "relay" and name and text != f"weights.version.{name}":
+        return f"a {identity} key may publish only weights.version.{name} (its own relay's announcements)"
     if text.startswith(("hb.", "metrics.", "rollout.stats.")):
         if text.startswith("rollout.stats."):
             role, rid = "rollout", text[len("rollout.stats."):]
@@ -342,8 +345,8 @@ def body_refusal(topic: str, ev) -> str:
     (`topic_refusal`); this binds the body to the topic, so a key cannot publish, on its own topic,
     a heartbeat or statistics naming another role (the manager would declare that one dead, or send
     its work to an address the forger chose). Checked for heartbeats (`hb.ROLE.ID`: role and id),
-    rollout statistics (`rollout.stats.ID`), relay progress (`relay.progress.ID`) and metrics
-    (`metrics.ROLE`: role)."""
+    rollout statistics (`rollout.stats.ID`), relay progress (`relay.progress.ID`), version
+    announcements (`weights.version.ID`: relay id) and metrics (`metrics.ROLE`: role)."""
     kind = getattr(type(ev), "kind", "")
     if kind == "heartbeat":
         if topic != f"hb.{ev.role}.{ev.id}":
@@ -354,6 +357,9 @@ def body_refusal(topic: str, ev) -> str:
     elif kind == "relay.progress":
         if topic != f"relay.progress.{ev.relay_id}":
             return f"progress of relay {ev.relay_id} on {topic[:60]}"
+    elif kind == "weights.version":
+        if topic != f"weights.version.{ev.relay_id}":
+            return f"version announcement of relay {ev.relay_id} on {topic[:60]}"
     elif topic.startswith("metrics.") and isinstance(getattr(ev, "role", None), str):
         if topic != f"metrics.{ev.role}":
             return f"metrics of {ev.role} on {topic[:60]}"

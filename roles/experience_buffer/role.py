@@ -149,6 +149,7 @@ class ExperienceBufferRole(PoolRole):
         book.counts.update(json.loads(meta.get("counts", "{}")))
         lin = json.loads(meta.get("lineage", "{}"))
         book.lineage, book.forks = int(lin.get("lineage", -1)), dict(lin.get("forks", {}))
+        book.run_id = str(lin.get("run_id", ""))
         self.requeue_out = [gid for (gid,) in self.store.read("SELECT gid FROM requeue ORDER BY rowid")]
         self.results_out = {gid: (s, n) for gid, s, n in self.store.read("SELECT gid, solved, n FROM results")}
         book.capacity = c.capacity
@@ -178,7 +179,8 @@ class ExperienceBufferRole(PoolRole):
         st += [("DELETE FROM handed WHERE pos = ?", (pos,)) for pos in ch.unleased]
         if ch.lineage_changed or ch.requeue:
             st.append(("INSERT OR REPLACE INTO meta VALUES ('lineage', ?)",
-                       (json.dumps({"lineage": self.book.lineage, "forks": self.book.forks}),)))
+                       (json.dumps({"lineage": self.book.lineage, "forks": self.book.forks,
+                                    "run_id": self.book.run_id}),)))
         if ch.released_below is not None:
             st += [("DELETE FROM trajs WHERE gid IN (SELECT gid FROM handed WHERE pos < ?)", (ch.released_below,)),
                    ("DELETE FROM handed WHERE pos < ?", (ch.released_below,))]
@@ -210,7 +212,7 @@ class ExperienceBufferRole(PoolRole):
     async def on_sample(self, req: SampleGroups) -> Samples:
         req = dataclasses.replace(req, num_groups=self._page_groups(req.num_groups))
         b, released = self.book, Change()
-        b.set_lineage(req.lineage, req.forks, released)
+        b.set_lineage(req.lineage, req.forks, released, req.run_id)
         if req.committed is not None:
             b.release(req.committed, released)
         if req.cursor is not None and req.cursor < b.cursor:  # behind us: leased groups again, in order
