@@ -32,10 +32,12 @@ GiB = 2**30
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks are mapped and unmapped: RSS follows the live tensors
 
 # Qwen2.5's layer structure (layers, heads, key/value heads, tying, MLP ratio) at a small hidden size
+# (the second with activation checkpointing, so that both activation formulas of the plan are checked)
 SHAPES = {
     "qwen2.5-0.5b-h224": dict(layers=24, hidden=224, heads=14, kv_heads=2, intermediate=1216, tied=True),
     "qwen2.5-7b-h224": dict(layers=28, hidden=224, heads=28, kv_heads=4, intermediate=1184, tied=False),
 }
+CHECKPOINTED = {"qwen2.5-7b-h224"}
 LOAD_SHAPE = dict(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, tied=True)  # Qwen2.5-0.5B
 VOCAB = 151_936
 
@@ -108,29 +110,32 @@ def plan_configs(quick: bool) -> list[tuple[int, int]]:
 def main_plan_check(a) -> dict:
     """--plan-check (module docstring)."""
     rows, table = [], []
-    shapes = SHAPES if not a.quick else dict(list(SHAPES.items())[:1])
+    names = a.shapes.split(",") if a.shapes else list(SHAPES)[:1 if a.quick else None]
+    shapes = {n: SHAPES[n] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape in shapes.items():
             d = build(Path(tmp) / name, **shape)
             for world, cp in plan_configs(a.quick):
                 row = plan_point(d, name, world, cp, a, Path(tmp) / f"{name}-{world}-{cp}")
                 rows.append(row)
-                table.append([name, world, cp, f"{row['predicted_gib']:.2f}", f"{row['measured_gib']:.2f}",
-                              f"{row['ratio']:.2f}", row["phase"]])
+                table.append([name, world, cp, "yes" if row["checkpointing"] else "no", f"{row['predicted_gib']:.2f}",
+                              f"{row['measured_gib']:.2f}", f"{row['ratio']:.2f}", row["phase"]])
                 print(f"  {name} ranks {world} cp {cp}: plan {row['predicted_gib']:.2f} GiB, measured "
                       f"{row['measured_gib']:.2f} GiB ({row['phase']}), ratio {row['ratio']:.2f}", flush=True)
     print_table(f"memory plan vs measured peak per rank ({a.tokens} tokens a sequence, chunk {a.plan_chunk}, "
                 "float32)",
-                ["shape", "ranks", "CP", "plan GiB", "measured GiB", "plan / measured", "peak phase"], table)
+                ["shape", "ranks", "CP", "checkpointed", "plan GiB", "measured GiB", "plan / measured", "peak phase"],
+                table)
     ratios = [r["ratio"] for r in rows]
     return {"rows": rows, "plan_over_measured_max": max(ratios), "plan_over_measured_min": min(ratios),
-            "tokens": a.tokens, "chunk": a.plan_chunk, "checkpointing": a.checkpointing}
+            "tokens": a.tokens, "chunk": a.plan_chunk}
 
 
 def plan_point(model_dir: Path, name: str, world: int, cp: int, a, out: Path) -> dict:
     """One row: every rank's phases; the largest rank's peak against the plan."""
     args = [str(model_dir), str(out), "--cp", str(cp), "--tokens", str(a.tokens), "--chunk", str(a.plan_chunk)]
-    if a.checkpointing:
+    checkpointing = a.checkpointing or name in CHECKPOINTED
+    if checkpointing:
         args.append("--checkpointing")
     _ranks("laminar.testing.plan_ranks", world, args, a.timeout)
     got = _read(out, world)
@@ -138,7 +143,8 @@ def plan_point(model_dir: Path, name: str, world: int, cp: int, a, out: Path) ->
     top = {ph: max(r[ph] for r in got) for ph in phases}
     phase = max(phases, key=lambda ph: top[ph])
     measured, predicted = top[phase], got[0]["predicted"]
-    return {"shape": name, "ranks": world, "cp": cp, "params": got[0]["params"], "phase": phase,
+    return {"shape": name, "ranks": world, "cp": cp, "checkpointing": checkpointing, "params": got[0]["params"],
+            "phase": phase,
             **{f"{ph}_bytes": top[ph] for ph in phases}, "measured_gib": measured / GiB,
             "predicted_gib": predicted / GiB, "ratio": predicted / measured, "kind": got[0]["kind"]}
 
@@ -150,6 +156,8 @@ def add_arguments(ap) -> None:
                     "scaled-down Qwen2.5 shapes at 1, 2, 4 gloo ranks, with and without context parallelism")
     ap.add_argument("--tokens", type=int, default=2048, help="--plan-check: tokens of each sequence")
     ap.add_argument("--plan-chunk", dest="plan_chunk", type=int, default=256, help="--plan-check: logprob_chunk_tokens")
-    ap.add_argument("--checkpointing", action="store_true", help="--plan-check: activation checkpointing on")
+    ap.add_argument("--checkpointing", action="store_true", help="--plan-check: activation checkpointing on for "
+                    f"every shape (else on for {', '.join(sorted(CHECKPOINTED))} only)")
+    ap.add_argument("--shapes", default=None, help=f"--plan-check: comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--timeout", type=float, default=float(os.environ.get("BENCH_RANK_TIMEOUT", 1800)),
                     help="--load/--plan-check: seconds one set of ranks may take")

@@ -26,14 +26,14 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def build(path: Path, tied: bool, dtype: str = "float32", hidden: int = 64, layers: int = 2, vocab: int = 301,
-          intermediate: int = 96) -> Path:
+          intermediate: int = 96, shard_size: str | None = None) -> Path:
     import transformers
     cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                    tie_word_embeddings=tied, max_position_embeddings=512)
     torch.manual_seed(1)
     model = transformers.Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": shard_size} if shard_size else {}))
     return path
 
 
@@ -54,9 +54,12 @@ def file_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_sharded_load_reads_each_ranks_rows(tmp_path, tied):
-    d = build(tmp_path / "m", tied, dtype="bfloat16")  # a bf16 checkpoint, fp32 master weights
+@pytest.mark.parametrize("tied, shard_size", [(True, None), (False, "40KB")], ids=["tied", "untied-index"])
+def test_sharded_load_reads_each_ranks_rows(tmp_path, tied, shard_size):
+    """(untied-index: the checkpoint in several files and their index, as big models are saved)"""
+    d = build(tmp_path / "m", tied, dtype="bfloat16", shard_size=shard_size)  # bf16 files, fp32 master weights
+    if shard_size:
+        assert (d / "model.safetensors.index.json").is_file() and len(list(d.glob("*.safetensors"))) > 2
     infos = run(d, tmp_path / "out", 2, "--pieces")
     files = file_tensors(d)
     pieces = [torch.load(f"{tmp_path / 'out'}.{r}.pt") for r in range(2)]
