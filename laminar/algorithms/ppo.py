@@ -64,26 +64,32 @@ def sequence_gae(reward: float, values, gamma: float = 1.0, lam: float = 0.95, m
     return adv[0].numpy(), ret[0].numpy()
 
 
-def load_critic(model_dir, device="cpu", dtype: str = "float32"):
-    """The critic: the policy's transformer body (from the same local folder) + a zero-initialised
-    linear value head; forward(input_ids, attention_mask) -> one value per input position [B, T]."""
+def load_critic(model_dir, device="cpu", dtype: str = "float32", body=None):
+    """The critic: the policy's transformer body (from the same local folder, or `body`: one built
+    elsewhere, e.g. on the meta device for a sharded load) + a zero-initialised linear value head;
+    forward(input_ids, attention_mask) -> one value per input position [B, T]."""
     import torch
     import transformers
 
     read_config(model_dir)
-    body = transformers.AutoModel.from_pretrained(str(model_dir), dtype=torch_dtype(dtype), local_files_only=True)
+    if body is None:
+        body = transformers.AutoModel.from_pretrained(str(model_dir), dtype=torch_dtype(dtype), local_files_only=True)
+    head_device = next(body.parameters()).device
 
     class Critic(torch.nn.Module):
         def __init__(self, model):
             super().__init__()
             self.model = model  # `.model.layers` is what FSDP2 shards per layer
-            self.value_head = torch.nn.Linear(model.config.hidden_size, 1, dtype=torch_dtype(dtype))
-            torch.nn.init.zeros_(self.value_head.weight)
-            torch.nn.init.zeros_(self.value_head.bias)
+            self.value_head = torch.nn.Linear(model.config.hidden_size, 1, dtype=torch_dtype(dtype),
+                                              device=head_device)
+            if head_device.type != "meta":
+                torch.nn.init.zeros_(self.value_head.weight)
+                torch.nn.init.zeros_(self.value_head.bias)
 
         def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
             h = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            **kwargs).last_hidden_state
             return self.value_head(h).squeeze(-1).float()
 
-    return Critic(body).to(device).train()
+    critic = Critic(body)
+    return (critic if head_device.type == "meta" else critic.to(device)).train()

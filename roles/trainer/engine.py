@@ -50,15 +50,15 @@ from laminar.roles.trainer import checkpoint, context_parallel
 from laminar.roles.trainer.batching import collate, response_logprobs
 from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
 from laminar.roles.trainer.context_parallel import cp_logprobs, cp_values, dp_sums
-from laminar.roles.trainer.dist import DistInfo, all_reduce_sums, broadcast_ints, shard
+from laminar.roles.trainer.dist import DistInfo, all_reduce_sums, broadcast_ints
 from laminar.roles.trainer.logprobs import token_logprobs
 from laminar.roles.trainer.lora import adapter_state, manifest_fields
 from laminar.roles.trainer.micro_batches import MicroBatchPlan, plan_micro_batches
 from laminar.roles.trainer.packing import packed_token_logprobs, packed_values
-from laminar.roles.trainer.sharded_load import load_model
+from laminar.roles.trainer.sharded_load import load_critic_model, load_model
 
 from laminar.algorithms.grpo import clipped_policy_loss, group_advantages
-from laminar.algorithms.ppo import load_critic, sequence_gae, value_loss
+from laminar.algorithms.ppo import sequence_gae, value_loss
 
 __all__ = ["NonFiniteWeightsError", "TrainEngine"]
 log = structlog.get_logger("laminar.trainer.engine")
@@ -159,9 +159,12 @@ class TrainEngine:
                                      **self._adamw_impl())
         self.critic = self.critic_opt = None
         if c.algorithm == "ppo":
-            self.critic = load_critic(c.model_dir, self.device)
-            self._prepare(self.critic.model, trained=True)
-            shard(self.critic, self.info, self.device, param_dtype=self._mixed_precision())
+            self.critic, report = load_critic_model(c.model_dir, self.device, self.info,
+                                                    prepare=lambda m: self._prepare(m, trained=True),
+                                                    param_dtype=self._mixed_precision(),
+                                                    sharded=c.parallelism.sharded_load)
+            self.load_reports["critic"] = report.fields()
+            log.info("model_loaded", model="critic", rank=self.info.rank, **report.fields())
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay,
                                                 **self._adamw_impl())
 

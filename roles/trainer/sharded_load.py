@@ -119,10 +119,11 @@ def local_tensor(param):
     return param.to_local() if hasattr(param, "to_local") else param
 
 
-def materialize(model, model_dir, device, seed: int = 0) -> LoadReport:
+def materialize(model, model_dir, device, seed: int = 0, zeros: tuple[str, ...] = ()) -> LoadReport:
     """Allocate this rank's pieces of the (sharded, meta) `model` on `device` and fill them from the
-    safetensors files of `model_dir`; buffers rebuilt, a LoRA adapter initialized. Every rank calls it
-    (no collective inside). Returns what the load took."""
+    safetensors files of `model_dir`; buffers rebuilt, a LoRA adapter initialized, parameters whose
+    names start with one of `zeros` (a critic's value head: not in the files) zero. Every rank calls
+    it (no collective inside). Returns what the load took."""
     import torch
     report = LoadReport(str(model_dir))
     with PeakMemory(device) as peak:
@@ -139,6 +140,9 @@ def materialize(model, model_dir, device, seed: int = 0) -> LoadReport:
             for name, param in model.named_parameters():
                 if ".lora_A." in name or ".lora_B." in name:
                     adapter.append((name, param))
+                    continue
+                if name.startswith(zeros):
+                    local_tensor(param).zero_()
                     continue
                 key = _resolve(file_key(name), index, model)
                 wanted.add(key)
@@ -165,7 +169,7 @@ def _resolve(key: str, index: dict, model) -> str:
 def _tied_source(key: str, model) -> str | None:
     """For a tied model, the other name of `key` (Hugging Face's `_tied_weights_keys` map)."""
     base = base_of(model)
-    if not getattr(base.config, "tie_word_embeddings", False):
+    if not getattr(getattr(base, "config", None), "tie_word_embeddings", False):
         return None
     tied = getattr(base, "_tied_weights_keys", None) or {}
     if isinstance(tied, dict):
@@ -225,7 +229,7 @@ def _rebuild_buffers_later(model) -> list:
     the copy built from the model's config now (a meta build computed nothing)."""
     import torch
     out = []
-    config = base_of(model).config
+    config = getattr(base_of(model), "config", None) or model.model.config  # a critic: its body's
     for name, m in model.named_modules():
         if not list(m.buffers(recurse=False)):
             continue
@@ -290,6 +294,37 @@ def load_model(model_dir, device, info, *, dtype: str = "float32", train: bool =
     local = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
     return model, LoadReport(str(model_dir), seconds=seconds, local_bytes=local, peak_bytes=peak.peak_bytes,
                              peak_kind=f"{peak.kind}, full load")
+
+
+def load_critic_model(model_dir, device, info, *, prepare=None, param_dtype=None, sharded: bool = True):
+    """(critic, LoadReport): PPO's critic (laminar.algorithms.ppo.load_critic: the policy's body and a
+    zero value head), sharded; its body read rank by rank from the files as `load_model` reads a policy
+    (the files' names are the critic's: its body is its `model`), the value head zero."""
+    import torch
+    import transformers
+
+    from laminar.algorithms.ppo import load_critic
+    if not (sharded and has_safetensors(model_dir)):
+        with PeakMemory(device) as peak:
+            t0 = time.perf_counter()
+            critic = load_critic(model_dir, device)
+            _prepare_and_shard(critic, info, device, prepare, param_dtype)
+            seconds = time.perf_counter() - t0
+        return critic, LoadReport(str(model_dir), seconds=seconds, peak_bytes=peak.peak_bytes,
+                                  peak_kind=f"{peak.kind}, full load")
+    config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    with torch.device("meta"):
+        body = transformers.AutoModel.from_config(config, dtype=torch.float32)
+    critic = load_critic(model_dir, device, body=body)
+    _prepare_and_shard(critic, info, device, prepare, param_dtype)
+    return critic, materialize(critic, model_dir, device, zeros=("value_head.",))
+
+
+def _prepare_and_shard(critic, info, device, prepare, param_dtype) -> None:
+    from laminar.roles.trainer.dist import shard
+    if prepare is not None:
+        prepare(critic.model)
+    shard(critic, info, device, param_dtype=param_dtype)
 
 
 def _assemble(model, *, info, device, train: bool, frozen: bool, prepare, lora, param_dtype):

@@ -100,17 +100,19 @@ def test_sharded_load_lora_base_and_adapter(tmp_path):
             assert torch.equal(full, files[file_name(name)].to(torch.bfloat16)), name
 
 
-def test_sharded_load_trains_as_the_full_load(tmp_path, tiny):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_sharded_load_trains_as_the_full_load(tmp_path, tiny, algorithm):
     """2 ranks: the sharded load and the old full load train the same long-tailed batches to the
-    same weights and metrics, exactly."""
+    same weights and metrics, exactly (PPO: its critic loaded sharded too, value head zero)."""
     variants = [{"parallelism": {"sharded_load": False}, "micro_batch_size": 2},
                 {"parallelism": {"sharded_load": True}, "micro_batch_size": 2}]
     out = tmp_path / "v.pt"
-    launch_ranks("laminar.testing.trainer_ranks", 2, [str(tiny), str(out), "--variants", json.dumps(variants)],
-                 timeout=240)
+    launch_ranks("laminar.testing.trainer_ranks", 2, [str(tiny), str(out), "--variants", json.dumps(variants),
+                                                      "--algorithm", algorithm], timeout=240)
     full, sharded = torch.load(out)["variants"]
+    keys = ("pg_loss", "loss", "grad_norm", "entropy", "tokens") + (("value_loss",) if algorithm == "ppo" else ())
     for m_f, m_s in zip(full["metrics"], sharded["metrics"], strict=True):
-        for k in ("pg_loss", "loss", "grad_norm", "entropy", "tokens"):
+        for k in keys:
             assert m_s[k] == m_f[k], k
     for k, v in full["model"].items():
         assert torch.equal(sharded["model"][k], v), k
