@@ -126,8 +126,8 @@ def bench_model(name: str, tmp: Path, device: str, groups: int, gsize: int, prom
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
         memcpys.append(time.perf_counter() - t0)
     stall, memcpy = min(stalls), min(memcpys)
-    return {"model": name, "params": params, "device": str(eng.device), "dtype": eng.cfg.dtype,
-            "tokens_per_iteration": tokens, "padding": padding_fraction(batch, eng.cfg.micro_batch_size),
+    return {"model": name, "params": params, "device": str(eng.device), "dtype": eng.settings.dtype,
+            "tokens_per_iteration": tokens, "padding": padding_fraction(batch, eng.settings.micro_batch_size),
             "train_tokens_per_s_padded": padded, "train_tokens_per_s_packed": packed,
             "packing_speedup": packed / padded, "train_tokens_per_s": packed if eng.device.type == "cuda" else padded,
             "weights_mb": nbytes / 1e6, "publish_stall_s": stall,

@@ -172,7 +172,7 @@ def build_config(setup: SimSetup, size: str, gpus: int, mode: str, *, workdir: s
             i = h * per_host_replicas + k
             if i >= replicas:
                 break
-            opts = {"relay_id": f"r{h}"} if relays else {"weights_dir": hosts_dirs[f"n{h}"]}
+            opts = {"relay_id": f"r{h}"} if relays else {"shm_dir": hosts_dirs[f"n{h}"]}
             roles.append({"role": "rollout", "id": str(i), "port": next(port), "options": opts})
         hosts[f"n{h}"] = {"address": "127.0.0.1", "roles": roles}
 

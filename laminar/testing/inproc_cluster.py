@@ -22,7 +22,7 @@ from laminar.shell import run_role
 class InprocCluster:
     def __init__(self, cfg, codec: bool = True):
         # In one process an address is just a name: bind where peers connect.
-        self.cfg = cfg = cfg.model_copy(deep=True)
+        self.config = cfg = cfg.model_copy(deep=True)  # the cluster config it runs (a private copy)
         for host in cfg.cluster.hosts.values():
             host.bind = host.address
         self.hub = InprocHub(hwm=cfg.cluster.bus.hwm, codec=codec)
@@ -30,13 +30,13 @@ class InprocCluster:
         self.tasks: dict[str, asyncio.Task] = {}
 
     async def start(self, role: str, id: str = "0", ready_timeout_s: float = 300.0) -> Role:
-        host, _ = self.cfg.spec(role, id)
+        host, _ = self.config.spec(role, id)
         ctx = RoleContext(role=role, id=str(id), host=host, transport=self.hub.transport(),
-                          settings=self.cfg.role_settings(role, id), config=self.cfg)
+                          settings=self.config.role_settings(role, id), cluster=self.config)
         r = role_class(role)(ctx)
         ready = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(run_role(r, heartbeat_s=self.cfg.cluster.heartbeat_s,
-                                            shutdown_s=self.cfg.cluster.shutdown_s,
+        task = asyncio.create_task(run_role(r, heartbeat_s=self.config.cluster.heartbeat_s,
+                                            shutdown_s=self.config.cluster.shutdown_s,
                                             on_ready=lambda: ready.done() or ready.set_result(True),
                                             stop_signals=False), name=f"role:{role}.{id}")
         key = f"{role}.{id}"
@@ -48,7 +48,7 @@ class InprocCluster:
         return r
 
     def client(self, role: str, id: str = "0"):
-        return self.hub.transport().client(self.cfg.endpoint(role, id))
+        return self.hub.transport().client(self.config.endpoint(role, id))
 
     async def stop(self, role: str, id: str = "0") -> int:
         key = f"{role}.{id}"

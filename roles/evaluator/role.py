@@ -98,7 +98,7 @@ class EvaluatorConfig(BaseModel):
     kv_cache_gib: float = Field(1.0, gt=0)
     dtype: str = Field("float32")
     relay_id: str | None = Field(None, description="relay on this host to take weights from")
-    weights_dir: str | None = Field(None, description="that relay's shared-memory folder (default: its shm_dir)")
+    shm_dir: str | None = Field(None, description="that relay's shared-memory folder (default: its shm_dir)")
     poll_s: float = Field(0.5, gt=0, description="how often the relay's newest version is looked at")
     final_wait_s: float = Field(20.0, gt=0, description="once the trainer reported its last version: how long to "
                                 "wait for it on the relay before evaluating the relay's newest and finishing")
@@ -175,7 +175,7 @@ class EvaluatorRole(Role):
         return out
 
     async def setup(self) -> None:
-        c, cfg = self.cfg, self.ctx.config
+        c, cluster = self.settings, self.cluster
         self.reward = load_callable(c.reward)
         encoder = prompt_encoder(c.tokenizer_dir, c.chat_template, c.system_prompt)
         self.sets: list[EvalSet] = []
@@ -189,13 +189,13 @@ class EvaluatorRole(Role):
                                      load_callable(answer) if answer else None))
         self.problems = self.sets[0].problems
         self.last_version = c.last_version
-        self.weights_dir = c.weights_dir
-        if cfg is not None:
-            if self.last_version is None and cfg.find("trainer"):
-                self.last_version = cfg.role_settings("trainer").get("max_iterations")
-            if c.relay_id is not None and self.weights_dir is None:
-                self.weights_dir = cfg.relay_shm_dir(c.relay_id)
-            self.out = cfg.workdir() / "evaluator"
+        self.shm_dir = c.shm_dir
+        if cluster is not None:
+            if self.last_version is None and cluster.find("trainer"):
+                self.last_version = cluster.role_settings("trainer").get("max_iterations")
+            if c.relay_id is not None and self.shm_dir is None:
+                self.shm_dir = cluster.relay_shm_dir(c.relay_id)
+            self.out = cluster.workdir() / "evaluator"
         else:
             self.out = Path(self.ctx.settings.get("out_dir", "evaluator"))
         self.out.mkdir(parents=True, exist_ok=True)
@@ -206,8 +206,8 @@ class EvaluatorRole(Role):
         self.trainer_sub = self.ctx.transport.subscriber(["metrics.trainer", "hb.trainer."])
         self.trainer_heard_at = time.monotonic()
         bind = None
-        if cfg is not None:
-            _, spec = cfg.spec("evaluator", self.ctx.id)
+        if cluster is not None:
+            _, spec = cluster.spec("evaluator", self.ctx.id)
             bind = ",".join(str(x) for x in spec.cores) if spec.cores else None
         self.engine = VllmEngine(c.model_dir, max_model_len=c.max_model_len, max_num_seqs=c.max_concurrency,
                                  kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=1.0, dtype=c.dtype,
@@ -216,11 +216,11 @@ class EvaluatorRole(Role):
         await self.engine.start()
         self.version, self.lineage = 0, None  # model_dir's weights: version 0 of no lineage
         self.log.info("evaluator_ready", problems=len(self.problems), eval_every=c.eval_every,
-                      last_version=self.last_version, weights_dir=self.weights_dir)
+                      last_version=self.last_version, shm_dir=self.shm_dir)
 
     async def run(self) -> None:
         await self.evaluate()  # version 0: the initial weights, before any training
-        if not self.weights_dir:
+        if not self.shm_dir:
             self.log.info("evaluations_done", versions=self.evaluated, why="no relay to take newer weights from")
             return
         self.spawn(self._follow_trainer(), "trainer")
@@ -234,10 +234,10 @@ class EvaluatorRole(Role):
             now = time.monotonic()
             why = ("the last version did not reach the relay"
                    if give_up_waiting(self.trainer_version, self.last_version, self.relay_version,
-                                      self.trainer_done_at, now, self.cfg.final_wait_s)
+                                      self.trainer_done_at, now, self.settings.final_wait_s)
                    else "the trainer went silent before the last version reached the relay"
                    if trainer_gone(self.last_version, self.relay_version, self.trainer_heard_at, now,
-                                   self.cfg.trainer_silent_s) else "")
+                                   self.settings.trainer_silent_s) else "")
             if why:  # evaluate the newest version the relay holds, and finish
                 if self.relay_version > (self.evaluated[-1] if self.evaluated else -1) and await self._load_due(True):
                     await self.evaluate()
@@ -246,7 +246,7 @@ class EvaluatorRole(Role):
                 return
             self.state = "waiting"
             try:
-                await asyncio.wait_for(self.stopping.wait(), self.cfg.poll_s)
+                await asyncio.wait_for(self.stopping.wait(), self.settings.poll_s)
             except TimeoutError:
                 pass
 
@@ -266,9 +266,9 @@ class EvaluatorRole(Role):
 
     async def _load_due(self, force: bool = False) -> bool:
         """Load the relay's newest version if it is due (or `force`); True when loaded and named."""
-        if not self.weights_dir:
+        if not self.shm_dir:
             return False
-        lw = LocalWeights(self.weights_dir)
+        lw = LocalWeights(self.shm_dir)
         try:
             m = await asyncio.to_thread(lw.manifest)
         except (OSError, ValueError) as exc:
@@ -281,12 +281,12 @@ class EvaluatorRole(Role):
         # a new lineage (a resumed trainer) replaces what was evaluated: evaluate it at once; the
         # first relay version after model_dir's weights (lineage None) waits its turn like any other
         new_lineage = self.lineage is not None and m.lineage != self.lineage
-        if not force and not new_lineage and not due(m.version, last, self.cfg.eval_every, self.last_version):
+        if not force and not new_lineage and not due(m.version, last, self.settings.eval_every, self.last_version):
             return False
         self.state = "loading"
         for _ in range(3):
             try:
-                got = await self.engine.load_relay(self.weights_dir, -1)
+                got = await self.engine.load_relay(self.shm_dir, -1)
                 after = await asyncio.to_thread(lw.manifest)
             except Exception as exc:  # noqa: BLE001 - keep the weights held; try again on the next poll
                 self.log.warning("eval_weights_load_failed", version=m.version, error=repr(exc))
@@ -303,7 +303,7 @@ class EvaluatorRole(Role):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-        sp = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=temperature, top_p=1.0, seed=seed,
+        sp = SamplingParams(max_tokens=self.settings.max_tokens, temperature=temperature, top_p=1.0, seed=seed,
                             detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         tokens: list[int] = []
         lora = self.engine.adapters.current if self.engine.adapters is not None else None  # the version's adapter
@@ -314,7 +314,7 @@ class EvaluatorRole(Role):
 
     async def _answer_set(self, es: EvalSet, v: int) -> tuple[dict[str, float], list[ProblemResult], list]:
         """Every problem of one set: greedy (when a metric needs it) and k sampled answers, scored."""
-        c, k = self.cfg, es.cfg.k
+        c, k = self.settings, es.settings.k
         jobs, kinds = [], []
         legacy = es.name == "heldout" and not c.sets  # the seeds the single held-out split always had
         for i, p in enumerate(es.problems):
@@ -323,7 +323,7 @@ class EvaluatorRole(Role):
                 kinds.append((i, -1))
             for s in range(k):
                 key = f"{c.seed}:{v}:{p.prompt_id}:{s}" if legacy else f"{c.seed}:{es.name}:{v}:{p.prompt_id}:{s}"
-                jobs.append(self._answer(f"eval-v{v}-{es.name}-{i}-s{s}", p.prompt_tokens, es.cfg.temperature,
+                jobs.append(self._answer(f"eval-v{v}-{es.name}-{i}-s{s}", p.prompt_tokens, es.settings.temperature,
                                          zlib.crc32(key.encode())))
                 kinds.append((i, s))
         answers = await asyncio.gather(*jobs)
@@ -343,7 +343,7 @@ class EvaluatorRole(Role):
             if s == 0:
                 rows.append({"prompt_tokens": p.prompt_tokens, "response_tokens": toks, "reward": r,
                              "prompt_id": p.prompt_id})
-        values = {f"eval/{es.name}/{m}": x for m, x in score(results, es.cfg.metrics).items()}
+        values = {f"eval/{es.name}/{m}": x for m, x in score(results, es.settings.metrics).items()}
         values[f"eval/{es.name}/problems"] = float(len(es.problems))
         if lens:
             values[f"eval/{es.name}/response_len_mean"] = sum(lens) / len(lens)
@@ -351,7 +351,7 @@ class EvaluatorRole(Role):
 
     async def evaluate(self) -> dict:
         """Answer every eval set with the weights held now; publish and record the result."""
-        c, v = self.cfg, self.version
+        c, v = self.settings, self.version
         self.state = "evaluating"
         t0 = time.monotonic()
         values = {"version": float(v)}
@@ -361,7 +361,7 @@ class EvaluatorRole(Role):
             if self.sample_log is not None and rows:
                 await asyncio.to_thread(self.sample_log.write, f"eval/{es.name}", v, rows[:c.log_samples])
         first = self.sets[0]
-        values.update(legacy_keys(first.name, values, first.cfg.metrics))
+        values.update(legacy_keys(first.name, values, first.settings.metrics))
         values["eval/problems"] = float(len(first.problems))
         if f"eval/{first.name}/response_len_mean" in values:
             values["eval/response_len_mean"] = values[f"eval/{first.name}/response_len_mean"]
@@ -383,8 +383,8 @@ class EvaluatorRole(Role):
 
     async def _keep_best(self, v: int, values: dict) -> None:
         """A new best version: its weights (the relay's copy; version 0: model_dir's) to best/."""
-        c = self.cfg
-        src = self.weights_dir if (v > 0 and self.weights_dir) else None
+        c = self.settings
+        src = self.shm_dir if (v > 0 and self.shm_dir) else None
         do = (lambda out: export(src, out, c.model_dir, version=v)) if src else None
         try:
             best = await asyncio.to_thread(self.best.record, v, self.lineage, values, do)

@@ -111,7 +111,7 @@ class PartialPoolRole(PoolRole):
                   4: lambda c: _add_delta_lineage(c)}
 
     def recover(self) -> None:
-        st = PartialBook(self.cfg.max_held, self.cfg.remember_completed, self.cfg.max_held_only)
+        st = PartialBook(self.settings.max_held, self.settings.remember_completed, self.settings.max_held_only)
         for (tid,) in self.store.read("SELECT tid FROM completed ORDER BY rowid"):
             st.completed[tid] = None
         rows = self.store.read("SELECT tid, seq, owner, version, spec, tokens, logprobs, mask, spans, lineage "
@@ -149,7 +149,8 @@ class PartialPoolRole(PoolRole):
         self.awaiting = self._recover_awaiting()
 
     def _recover_awaiting(self) -> AwaitingBook:
-        book = AwaitingBook(self.cfg.remember_completed, self.cfg.reward_give_up_expired, self.cfg.reward_give_up_s)
+        s = self.settings
+        book = AwaitingBook(s.remember_completed, s.reward_give_up_expired, s.reward_give_up_s)
         for tid, blob, pending, scores in self.store.read("SELECT tid, blob, pending, scores FROM awaiting "
                                                           "ORDER BY rowid"):
             try:
@@ -273,7 +274,7 @@ class PartialPoolRole(PoolRole):
         `limit`) and `page_bytes` of their arrays (at least one), so any population in flight is
         listed through bounded replies. An id completed between two pages is simply not listed; one
         created meanwhile is listed if it sorts after the cursor (a live owner's new work)."""
-        limit = min(req.limit or self.cfg.page_size, self.cfg.page_size)
+        limit = min(req.limit or self.settings.page_size, self.settings.page_size)
         tids = sorted(t for t, e in self.state.entries.items()
                       if e.spec is not None and t > req.after
                       and (req.rollout_id in ("", "*") or e.owner == req.rollout_id))
@@ -281,7 +282,7 @@ class PartialPoolRole(PoolRole):
         for t in tids[:limit]:
             e = self.state.entries[t]
             n = sum(len(x) for x in e.tokens) * 8 + len(e.spec.prompt_tokens) * 4
-            if out and size + n > self.cfg.page_bytes:
+            if out and size + n > self.settings.page_bytes:
                 break
             out.append(e.state())
             size += n
@@ -423,14 +424,14 @@ class PartialPoolRole(PoolRole):
         """Score by the fallback what its scorer failed on too often or too long (awaiting.py)."""
         while True:
             await asyncio.sleep(GIVE_UP_CHECK_S)  # a periodic sweep: give-ups need no precise timing
-            given = self.awaiting.give_up(self.cfg.reward_fallback)
+            given = self.awaiting.give_up(self.settings.reward_fallback)
             if not given:
                 continue
             await self.durable([("UPDATE awaiting SET pending = ?, scores = ? WHERE tid = ?",
                                  (*self.awaiting.row(t), t)) for t in dict.fromkeys(t for t, _, _ in given)])
             for tid, scorer, why in given:
                 self.log.error("reward_gave_up", trajectory=tid, scorer=scorer, why=why,
-                               fallback=self.cfg.reward_fallback)
+                               fallback=self.settings.reward_fallback)
             if self.awaiting.ready():
                 self._scored.set()
 
@@ -445,8 +446,8 @@ class PartialPoolRole(PoolRole):
             ready = self.awaiting.ready()
             if ready and buffer is None:
                 buffer = self.ctx.transport.client(self.cluster.endpoint("experience_buffer",
-                                                                         self.cfg.experience_buffer))
-            w = self.cfg.forward_window
+                                                                         self.settings.experience_buffer))
+            w = self.settings.forward_window
             for i in range(0, len(ready), w):
                 await asyncio.gather(*(self._forward_one(buffer, tid) for tid in ready[i:i + w]))
 
@@ -454,7 +455,7 @@ class PartialPoolRole(PoolRole):
         """One scored trajectory into the buffer (retried with backoff while it is full or down),
         then deleted here; the delete's commit is shared with the others of its window."""
         traj = self.awaiting.final(tid)
-        delay = self.cfg.forward_retry_s
+        delay = self.settings.forward_retry_s
         while True:
             try:
                 put = await buffer.call(PutTrajectory(traj), timeout=5.0)

@@ -105,7 +105,7 @@ class RolloutConfig(BaseModel):
     relay_id: str | None = Field(
         None, description="relay on this host to pull weights from (None: keep initial weights)"
     )
-    weights_dir: str | None = Field(
+    shm_dir: str | None = Field(
         None, description="shared-memory folder of that relay (default: the relay's shm_dir setting)"
     )
     prompt_pool: str = Field("0", description="id of the prompt pool role")

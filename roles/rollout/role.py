@@ -134,9 +134,9 @@ class RolloutRole(Role):
         prompts = t.client(self._address("prompt_pool", settings.prompt_pool))
         partials = t.client(self._address("partial_pool", settings.partial_pool))
         buffer = t.client(self._address("experience_buffer", settings.experience_buffer))
-        weights_dir = settings.weights_dir
-        if settings.relay_id is not None and weights_dir is None:  # the relay's own folder
-            weights_dir = cluster.relay_shm_dir(settings.relay_id)
+        shm_dir = settings.shm_dir
+        if settings.relay_id is not None and shm_dir is None:  # the relay's own folder
+            shm_dir = cluster.relay_shm_dir(settings.relay_id)
         keys = getattr(t, "keys", None)
         if keys is not None and settings.relay_id is not None and settings.engine == "vllm":
             # the engine's worker processes check each version's seals before loading (weights/pull.py)
@@ -144,7 +144,7 @@ class RolloutRole(Role):
         self.engine = self._make_engine()
         await self.engine.start()
         self.wire(self.engine, prompts=prompts, partials=partials, buffer=buffer, reward=reward,
-                  weights_dir=weights_dir, seq_file=cluster.workdir() / f"rollout-{self.ctx.id}" / "batch_seq.json")
+                  shm_dir=shm_dir, seq_file=cluster.workdir() / f"rollout-{self.ctx.id}" / "batch_seq.json")
         await asyncio.to_thread(self.seqs.start)
         if settings.env is not None:
             env = settings.env
@@ -161,14 +161,14 @@ class RolloutRole(Role):
         self.versions_sub = t.subscriber(["weights.version"])
         self.log.info("rollout_ready", version=self.version, model=settings.model_dir, address=self.server.address)
 
-    def wire(self, engine, *, prompts=None, partials=None, buffer=None, reward=None, weights_dir=None,
+    def wire(self, engine, *, prompts=None, partials=None, buffer=None, reward=None, shm_dir=None,
              seq_file=None) -> None:
         """Build the components around a started engine and the pools' clients (setup; unit tests
         wire stubs). Each gets what it needs passed in; none of them knows the role."""
         s, rid, log = self.settings, self.ctx.id, self.log
         self.engine, self.prompts, self.partials, self.buffer = engine, prompts, partials, buffer
         self.seqs = BatchSeq(seq_file, log)
-        self.weights = WeightFollower(engine, weights_dir, self.ctx.host, self.work, log, s.pull_retry_s)
+        self.weights = WeightFollower(engine, shm_dir, self.ctx.host, self.work, log, s.pull_retry_s)
         self.stream = DeltaStream(rid, self.work, partials, s.rpc_timeout_s, log)
         self.runner = TrajectoryRunner(rid, s, self.work, self.weights, engine, self.episodes, reward, buffer,
                                        partials, self.spawn, log)
@@ -299,7 +299,7 @@ class RolloutRole(Role):
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.report_interval_s)  # the reporting period
-            if self.refill and not self.gated and self.weights.dir:
+            if self.refill and not self.gated and self.weights.shm_dir:
                 await self.weights.look_at_relay()
             now = time.monotonic()
             rate = (self.work.generated - self._gen_at_last_report) / max(now - last, 1e-6)

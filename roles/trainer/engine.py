@@ -123,24 +123,24 @@ class _Batch:
 
 
 class TrainEngine:
-    def __init__(self, cfg, seed: int, device, info: DistInfo | None = None):
-        self.cfg, self.seed, self.device = cfg, seed, device
+    def __init__(self, settings, seed: int, device, info: DistInfo | None = None):
+        self.settings, self.seed, self.device = settings, seed, device
         self.info = info or DistInfo()
         self.skipped_nonfinite_steps = 0  # over the engine's life (this process)
         # called once before the next optimizer step writes the parameters (an overlapped
         # publish's PendingPublish.guard: publishing.py)
         self.before_update: Callable[[], None] | None = None
         # packed micro-batches (no compute on padding): on by default on a GPU, off on the CPU
-        self.packing = cfg.packing if cfg.packing is not None else device.type == "cuda"
+        self.packing = settings.packing if settings.packing is not None else device.type == "cuda"
         # torch.compile of the decoder layers: likewise on by default on a GPU only
-        self.compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+        self.compile = settings.compile if settings.compile is not None else device.type == "cuda"
         self.plans: dict[tuple[int, ...], MicroBatchPlan] = {}  # this batch's (every pass reuses them)
 
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
         import torch
 
-        c = self.cfg
+        c = self.settings
         mp = torch.bfloat16 if c.dtype == "bfloat16" else None  # FSDP2 mixed precision (fp32 master weights)
         self.model = self._policy(load_causal_lm)
         self.params = sum(p.numel() for p in self.model.parameters())
@@ -174,7 +174,7 @@ class TrainEngine:
     def _policy(self, load, train: bool = True):
         """The policy's model: the model folder's, or with LoRA its base (frozen, in the serving
         dtype) with a fresh adapter."""
-        c = self.cfg
+        c = self.settings
         if c.lora is None:
             return load(c.model_dir, self.device, train=train)
         return with_adapter(load(c.model_dir, self.device, dtype=c.lora.base_dtype, train=train), c.lora)
@@ -182,19 +182,19 @@ class TrainEngine:
     def manifest_fields(self) -> dict:
         """What a published version says it holds beyond its tensors: with LoRA the adapter's kind,
         config and base identity (lora.py); nothing for full weights."""
-        if self.cfg.lora is None:
+        if self.settings.lora is None:
             return {}
-        return manifest_fields(self.model, self.cfg.model_dir)
+        return manifest_fields(self.model, self.settings.model_dir)
 
     def _model_state(self, state: dict) -> dict:
         """The policy's part of a state dict: with LoRA the adapter's tensors alone."""
-        if self.cfg.lora is None:
+        if self.settings.lora is None:
             return state
         return adapter_state(state)
 
     def attn_implementation(self) -> str | None:
         """The attention kernels to switch the models to (None: keep what the model folder loads with)."""
-        name = self.cfg.attn_implementation
+        name = self.settings.attn_implementation
         if name != "auto":
             return name
         if self.device.type == "cuda":
@@ -210,7 +210,7 @@ class TrainEngine:
     def _prepare(self, model, trained: bool) -> None:
         """Before sharding: the attention kernels, and for the trained models (policy, critic body)
         activation checkpointing and torch.compile of each decoder layer, as configured."""
-        c = self.cfg
+        c = self.settings
         impl = self.attn_implementation()
         if impl is not None and hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(impl)
@@ -227,7 +227,7 @@ class TrainEngine:
     def _adamw_impl(self) -> dict:
         """AdamW's implementation: fused kernels on CUDA by default; on the CPU torch's default
         (what the trainer always used, so CPU runs are unchanged)."""
-        impl = self.cfg.optimizer_impl
+        impl = self.settings.optimizer_impl
         if impl == "auto":
             impl = "fused" if self.device.type == "cuda" else "default"
         return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False},
@@ -280,7 +280,7 @@ class TrainEngine:
             for name, (m, o) in self._pairs().items():
                 if name != "model" and name not in parts:
                     continue  # e.g. a GRPO checkpoint resumed with PPO: the critic starts fresh
-                if name == "model" and self.cfg.lora is not None:
+                if name == "model" and self.settings.lora is not None:
                     from laminar.roles.trainer.lora import load_adapter_state
                     load_adapter_state(m, parts[name])
                 else:
@@ -294,7 +294,7 @@ class TrainEngine:
         )
         # with LoRA the model part is the adapter alone: the frozen base is the model folder's
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True,
-                                strict=self.cfg.lora is None)
+                                strict=self.settings.lora is None)
         parts = parts or {}
         flags = broadcast_ints(self.info, [int(n in parts) for n in self._pairs()])  # rank 0 read the files
         have = {n for n, flag in zip(self._pairs(), flags, strict=False) if flag}
@@ -302,7 +302,7 @@ class TrainEngine:
             if name != "model" and name not in have:
                 continue
             msd = parts.get(name, {})
-            if name == "model" and self.cfg.lora is not None:
+            if name == "model" and self.settings.lora is not None:
                 from laminar.roles.trainer.lora import model_keys
                 msd = model_keys(msd)
             set_model_state_dict(m, msd, options=opts)
@@ -330,7 +330,7 @@ class TrainEngine:
         algorithms share (order, behaviour/proximal/reference logprobs, mismatch), then GRPO's or
         PPO's mini-batch steps."""
         import torch
-        c = self.cfg
+        c = self.settings
         self._set_lr(version)
         self.plans = {}
         signal, flat = [], []  # groups with and without a signal (GRPO: zero advantages)
@@ -363,7 +363,7 @@ class TrainEngine:
 
     def lr_at(self, version: int) -> float:
         """The policy's learning rate for the batch that makes `version` (lr_warmup_versions)."""
-        c = self.cfg
+        c = self.settings
         return c.lr * (min(1.0, version / c.lr_warmup_versions) if c.lr_warmup_versions else 1.0)
 
     def _set_lr(self, version: int) -> None:
@@ -382,7 +382,7 @@ class TrainEngine:
         """GRPO: one advantage per sequence (its group-normalized reward), the clipped policy loss."""
         import torch
 
-        c = self.cfg
+        c = self.settings
         seq_adv = np.concatenate(group_advantages([[t.reward for t in g] for g in groups], 1e-6, c.adv_std_normalize))
         out = {"advantage_abs_mean": float(np.abs(seq_adv).mean())}
 
@@ -396,7 +396,7 @@ class TrainEngine:
     def _train_ppo(self, b: _Batch) -> dict:
         """PPO: per-token GAE advantages over the critic's values; the same clipped policy loss,
         plus the critic's clipped value loss (its own optimizer, stepped with the policy's)."""
-        c = self.cfg
+        c = self.settings
         out = self._gae(b.trajs, b.order, b.per)
 
         def micro(idx, ids, att, mask, ex, ntok) -> dict[str, float]:
@@ -415,7 +415,7 @@ class TrainEngine:
         """The policy's forward and backward of one micro-batch (both algorithms): the clipped
         policy loss (Clip-Higher, dual clip, TIS/decoupled, k3 KL) over the advantages `adv`.
         Until the batch's first optimizer step, the forward also measures the mismatch."""
-        c = self.cfg
+        c = self.settings
         with self._autocast():
             logp, ent = self._logprobs(self.model, ids, att, with_entropy=c.entropy_metric)
         if not b.needs_prox and not b.stepped_any and idx:
@@ -547,7 +547,7 @@ class TrainEngine:
 
     def _gae(self, trajs, order, per) -> dict:
         """Old values, GAE advantages and returns of this rank's sequences into `per`."""
-        c = self.cfg
+        c = self.settings
         per["val"] = self._per_token(self._values, trajs, order)
         per["adv"], per["ret"] = [None] * len(trajs), [None] * len(trajs)
         s = {"n": 0.0, "sum": 0.0, "sq": 0.0}
@@ -572,7 +572,7 @@ class TrainEngine:
     def _logprobs(self, model, ids, att, with_entropy: bool = False):
         """Per-token logprobs (and entropies) [B, T-1] of a right-padded micro-batch: from its
         packed row when packing is on (no compute on padding), else from the padded batch."""
-        chunk = self.cfg.logprob_chunk_tokens
+        chunk = self.settings.logprob_chunk_tokens
         if self.packing:
             return packed_token_logprobs(model, ids, att, with_entropy=with_entropy, chunk_tokens=chunk)
         return token_logprobs(model, ids, att, with_entropy=with_entropy, chunk_tokens=chunk)
@@ -585,7 +585,7 @@ class TrainEngine:
 
     def _plan(self, trajs, idx: list[int]) -> MicroBatchPlan:
         """Every rank's micro-batches of the mini-batch `idx` (the same on every rank; made once a batch)."""
-        c, lengths = self.cfg, [_length(trajs[i]) for i in idx]
+        c, lengths = self.settings, [_length(trajs[i]) for i in idx]
         key = (*idx, -1, *lengths)  # the plan is a function of these alone
         if key not in self.plans:
             self.plans[key] = plan_micro_batches(idx, lengths, self.info.world_size, c.micro_batch_size,
@@ -630,10 +630,10 @@ class TrainEngine:
     def _autocast(self):
         """bfloat16 compute under autocast; parameters, gradients and Adam states stay float32."""
         import torch
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.settings.dtype == "bfloat16")
 
     def _minibatches(self, order: list[int]) -> list[list[int]]:
-        return [m.tolist() for m in np.array_split(np.array(order, dtype=np.int64), self.cfg.minibatch_steps)]
+        return [m.tolist() for m in np.array_split(np.array(order, dtype=np.int64), self.settings.minibatch_steps)]
 
     def _step(self, pairs, losses_finite: bool) -> tuple[list[float], bool]:
         """One optimizer step of each (module, optimizer) after clipping its gradients, unless a
@@ -661,6 +661,6 @@ class TrainEngine:
         if hook is not None:  # an overlapped publish still copies the weights this step overwrites
             hook()
         for (_, opt), params, norm in zip(pairs, grads, norms, strict=False):
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(params, self.settings.max_grad_norm, norm)
             opt.step()
         return values, True

@@ -81,7 +81,7 @@ class TrainerRole(Role):
 
     # -- helpers --------------------------------------------------------------------------
     def workdir(self) -> Path:
-        base = self.ctx.config.workdir() if self.ctx.config is not None else Path("runs/run")
+        base = self.cluster.workdir() if self.cluster is not None else Path("runs/run")
         return base / ("trainer" if self.ctx.id == "0" else f"trainer-{self.ctx.id}")
 
     def event(self, name: str, **fields) -> None:
@@ -97,18 +97,18 @@ class TrainerRole(Role):
         return self.link.publisher if self.link is not None else None
 
     def _rank_and_address(self) -> tuple[int, str]:
-        c, cfg = self.cfg, self.ctx.config
+        c, cluster = self.settings, self.cluster
         rank = c.rank if c.rank is not None else int(self.ctx.id)
         if not 0 <= rank < c.world_size:
             raise ValueError(f"trainer.{self.ctx.id}: rank {rank} is not in 0..{c.world_size - 1}")
         if c.dist_address:
             return rank, c.dist_address
-        host, _ = cfg.spec("trainer", "0")
-        return rank, f"{cfg.cluster.hosts[host].address}:{c.dist_port}"
+        host, _ = cluster.spec("trainer", "0")
+        return rank, f"{cluster.cluster.hosts[host].address}:{c.dist_port}"
 
     # -- setup ----------------------------------------------------------------------------
     async def setup(self) -> None:
-        c = self.cfg
+        c = self.settings
         self.dir = self.workdir()
         self.metrics = None
         self.ckpt_root = Path(c.checkpoint_dir) if c.checkpoint_dir else self.dir / "checkpoints"
@@ -134,7 +134,7 @@ class TrainerRole(Role):
         if c.tensorboard:
             self.metrics.open_tensorboard()
         self.best = self._best_keeper()
-        self.buffer = self.ctx.transport.client(self.ctx.config.endpoint("experience_buffer", c.experience_buffer))
+        self.buffer = self.ctx.transport.client(self.cluster.endpoint("experience_buffer", c.experience_buffer))
         if self.resumed_from is not None:
             lost = None
             try:
@@ -169,8 +169,8 @@ class TrainerRole(Role):
         from laminar.roles.trainer.engine import TrainEngine
 
         from laminar.models.loading import pick_device
-        c = self.cfg
-        seed = c.seed if c.seed is not None else (self.ctx.config.run.seed if self.ctx.config else 0)
+        c = self.settings
+        seed = c.seed if c.seed is not None else (self.cluster.run.seed if self.cluster else 0)
         rank, address = self._rank_and_address() if c.world_size > 1 else (0, "")
         torch.manual_seed(seed + rank)
         np.random.seed(seed + rank)
@@ -205,7 +205,7 @@ class TrainerRole(Role):
 
     async def _deliver_last(self) -> None:
         """The last version reaches the master relay before the trainer leaves (publishing.py)."""
-        if self.link is None or not self.cfg.publish:
+        if self.link is None or not self.settings.publish:
             return
         t0 = time.monotonic()
         try:
@@ -223,7 +223,7 @@ class TrainerRole(Role):
 
     def _publish_gathers(self) -> bool:
         """Whether each publish is a collective (every rank copies its shards: sharded_publish.py)."""
-        return self.cfg.publish and self.info.enabled
+        return self.settings.publish and self.info.enabled
 
     # -- main loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -231,7 +231,7 @@ class TrainerRole(Role):
         if not self.main:
             return await self._follow()
         while not self.stopping.is_set():
-            if self.cfg.max_iterations is not None and self.version >= self.cfg.max_iterations:
+            if self.settings.max_iterations is not None and self.version >= self.settings.max_iterations:
                 await self._deliver_last()
                 self.event("training_finished", version=self.version)
                 return
@@ -243,8 +243,8 @@ class TrainerRole(Role):
             await asyncio.shield(self._iter)
 
     async def _collect(self):
-        need, groups, warned = self.cfg.groups_per_batch, [], 0.0
-        f = self.cfg.filter_groups
+        need, groups, warned = self.settings.groups_per_batch, [], 0.0
+        f = self.settings.filter_groups
         cap = (f.max_dropped if f.max_dropped is not None else 3 * need) if f is not None else 0
         self.intake = {"groups_dropped_nosignal": 0, "nosignal_tokens": 0, "filter_cap_reached": 0}
         while len(groups) < need:
@@ -262,7 +262,7 @@ class TrainerRole(Role):
                 if time.monotonic() - warned > 10:
                     self.log.warning("buffer_unavailable", error=str(exc))
                     warned = time.monotonic()
-                await asyncio.sleep(max(self.cfg.sample_wait_s, 0.5))
+                await asyncio.sleep(max(self.settings.sample_wait_s, 0.5))
                 continue
             groups += s.groups
             self.cursor = s.cursor
@@ -274,7 +274,7 @@ class TrainerRole(Role):
                                  why="this version dropped max_dropped groups for no signal: it trains on what "
                                      "the buffer hands out next, informative or not")
             if len(groups) < need:
-                await asyncio.sleep(self.cfg.sample_wait_s)
+                await asyncio.sleep(self.settings.sample_wait_s)
         return groups
 
     async def _publish(self) -> float:
@@ -307,14 +307,14 @@ class TrainerRole(Role):
         self.metrics.append({**values, "ts": time.time(), "group_ids": [g[0].spec.group_id for g in groups],
                              "weights": trained_weights(groups)})
         self.pub.publish("metrics.trainer", Metrics(role="trainer", id=self.ctx.id, ts=time.time(), values=values))
-        every = self.cfg.log_samples_every
-        if every and self.version % every == 0 and self.cfg.engine != "sim":
-            rows = trained_rows(groups, self.version - 1, self.cfg.log_samples)
+        every = self.settings.log_samples_every
+        if every and self.version % every == 0 and self.settings.engine != "sim":
+            rows = trained_rows(groups, self.version - 1, self.settings.log_samples)
             await asyncio.to_thread(self._sample_log().write, "trainer", self.version, rows)
         self.event("iteration", version=self.version, reward_mean=round(stats["reward_mean"], 4),
                    loss=round(train.get("loss", 0.0), 6), tokens_per_s=round(values["tokens_per_s"], 1),
                    publish_stall_s=round(stall, 6))
-        if self.version % self.cfg.checkpoint_every == 0 and self.cfg.engine != "sim":  # sim: no state
+        if self.version % self.settings.checkpoint_every == 0 and self.settings.engine != "sim":  # sim: no state
             path = await in_thread(self._checkpoint, "trainer-checkpoint")
             self.committed = self.cursor  # the buffer may forget the groups before it (next request)
             self.event("checkpoint_saved", version=self.version, path=str(path), cursor=self.cursor)
@@ -326,11 +326,11 @@ class TrainerRole(Role):
 
     def _best_keeper(self) -> BestCheckpoint | None:
         """With keep_best_checkpoint: the keeper, and a task following the evaluator's results."""
-        c, cfg = self.cfg, self.ctx.config
+        c, cluster = self.settings, self.cluster
         if not c.keep_best_checkpoint or c.engine == "sim":
             return None
-        evaluators = [s.id for _, s in cfg.find("evaluator")] if cfg is not None else []
-        metric = cfg.settings_of("evaluator", evaluators[0]).best_metric if evaluators else None
+        evaluators = [s.id for _, s in cluster.find("evaluator")] if cluster is not None else []
+        metric = cluster.settings_of("evaluator", evaluators[0]).best_metric if evaluators else None
         if metric is None:
             self.log.warning("best_checkpoint_off", why="keep_best_checkpoint needs an evaluator with best_metric")
             return None
@@ -363,12 +363,12 @@ class TrainerRole(Role):
 
     def _sample_log(self) -> SampleLog:
         if getattr(self, "sample_log", None) is None:
-            self.sample_log = SampleLog(self.dir.parent / "samples.jsonl", self.cfg.model_dir)
+            self.sample_log = SampleLog(self.dir.parent / "samples.jsonl", self.settings.model_dir)
         return self.sample_log
 
     def _exports_now(self, version: int) -> bool:
         """Whether `version` is the run's final one and goes to `export_dir` (a collective on every rank)."""
-        c = self.cfg
+        c = self.settings
         return c.export_dir is not None and c.engine != "sim" and version == c.max_iterations
 
     def _export(self):
@@ -379,22 +379,22 @@ class TrainerRole(Role):
             return None
         adapter = self.engine.manifest_fields().get("adapter_config")
         if adapter:  # LoRA: the adapter in peft's format (`laminar-node export --merge` merges it)
-            return write_adapter({k: v.detach() for k, v in parts["model"].items()}, adapter, self.cfg.export_dir,
-                                 self.cfg.model_dir, self.version, f"trainer {self.ctx.id}")
-        return write_folder({k: v.detach() for k, v in parts["model"].items()}, self.cfg.export_dir,
-                            self.cfg.model_dir, got_version=self.version, source=f"trainer {self.ctx.id}")
+            return write_adapter({k: v.detach() for k, v in parts["model"].items()}, adapter, self.settings.export_dir,
+                                 self.settings.model_dir, self.version, f"trainer {self.ctx.id}")
+        return write_folder({k: v.detach() for k, v in parts["model"].items()}, self.settings.export_dir,
+                            self.settings.model_dir, got_version=self.version, source=f"trainer {self.ctx.id}")
 
     def _checkpoint(self):
         if self.info.enabled:  # every rank writes its own shards (DCP): nothing is gathered
             return self.engine.save_sharded(self.ckpt_root, self.version, {"cursor": self.cursor},
-                                            self.cfg.keep_checkpoints)
+                                            self.settings.keep_checkpoints)
         parts = self.engine.full_state(with_optimizer=True)
         if not self.main:
             return None
         # a LoRA adapter's config and base identity, for `laminar-node export` (laminar/export.py)
         fields = {k: v for k, v in self.engine.manifest_fields().items() if k != "content"}
         return checkpoint.save(self.ckpt_root, self.version, parts, {"cursor": self.cursor, **fields},
-                               self.cfg.keep_checkpoints)
+                               self.settings.keep_checkpoints)
 
     # -- ranks > 0 ------------------------------------------------------------------------------
     async def _follow(self) -> None:
@@ -413,8 +413,8 @@ class TrainerRole(Role):
         self.engine.train(groups, version + 1)
         if self._publish_gathers():
             self.link.publish_engine(self.engine, version + 1)
-        if (version + 1) % self.cfg.checkpoint_every == 0:
-            self.engine.save_sharded(None, version + 1, {}, self.cfg.keep_checkpoints)
+        if (version + 1) % self.settings.checkpoint_every == 0:
+            self.engine.save_sharded(None, version + 1, {}, self.settings.keep_checkpoints)
         if self._exports_now(version + 1):
             self.engine.full_state()
 

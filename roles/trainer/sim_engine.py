@@ -121,20 +121,20 @@ class SimTrainEngine:
     delivery: ModeledDelivery | None = None
 
     @classmethod
-    def from_trainer_config(cls, cfg, publish: Callable[[str, Any], None] | None = None,
+    def from_trainer_config(cls, settings, publish: Callable[[str, Any], None] | None = None,
                             stopping: asyncio.Event | None = None) -> SimTrainEngine:
         """The engine for the trainer role's settings (`TrainerConfig`: `sim`, `publish`,
         `old_logprobs`): its cost model, and with `sim.deliver` the modeled delivery, which writes
         version 0 into every host's folder now and announces each version through `publish`
         (topic, event) until `stopping` is set. Call it on the role's event loop."""
-        if cfg.world_size > 1:
+        if settings.world_size > 1:
             raise ValueError(f"roles.trainer: engine sim models one trainer process (world_size 1, not "
-                             f"{cfg.world_size}); its cost model already spreads the work over the simulated GPUs")
-        s = SimTrainerSettings.model_validate(cfg.sim)
-        if s.deliver is not None and cfg.publish:
+                             f"{settings.world_size}); its cost model already spreads the work over the simulated GPUs")
+        s = SimTrainerSettings.model_validate(settings.sim)
+        if s.deliver is not None and settings.publish:
             raise ValueError("roles.trainer.sim.deliver (modeled delivery) needs roles.trainer.publish: false; "
                              "with publish: true versions go through the real relay tier")
-        extra = old_logprob_passes(cfg)
+        extra = old_logprob_passes(settings)
         if extra:
             s = s.model_copy(update={"extra_forward_passes": s.extra_forward_passes + extra})
         engine = cls(s)
@@ -291,8 +291,8 @@ def write_stand_in(store, version: int, nbytes: int) -> None:
     commit_local(store, vb)
 
 
-def old_logprob_passes(cfg) -> int:
+def old_logprob_passes(settings) -> int:
     """Forward passes the trainer's settings add to an iteration: the old (proximal) policy's
     logprobs recomputed (`old_logprobs: recompute`, or an off-policy correction), as the real
     engine does for those settings: one pass."""
-    return int(cfg.old_logprobs == "recompute" or getattr(cfg, "off_policy", "none") != "none")
+    return int(settings.old_logprobs == "recompute" or getattr(settings, "off_policy", "none") != "none")

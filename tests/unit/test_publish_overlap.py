@@ -114,7 +114,7 @@ def test_one_rank_publish_link_overlaps_when_configured(tiny, overlap):
     e = TrainEngine(cfg, 0, torch.device("cpu"))
     e.load()
     link = PublishLink.__new__(PublishLink)  # only what publish_engine reads
-    link.cfg, link.sharded, link.publisher, link._described = cfg, None, WeightPublisher(), False
+    link.settings, link.sharded, link.publisher, link._described = cfg, None, WeightPublisher(), False
     try:
         link.publish_engine(e, 4)
         assert link.publisher.version == 4

@@ -153,7 +153,7 @@ class _Node:
 def _relay() -> RelayRole:
     r = RelayRole.__new__(RelayRole)
     r.ctx = types.SimpleNamespace(id="r1", role="relay", host="h0")
-    r.cfg = types.SimpleNamespace(rejoin_grace_s=0.0, join_timeout_s=5.0)
+    r.settings = types.SimpleNamespace(rejoin_grace_s=0.0, join_timeout_s=5.0)
     r.log = structlog.get_logger("test")
     r.joined_at = -1e9
     r.epoch = 2
