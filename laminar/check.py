@@ -209,9 +209,10 @@ def listen_ports(cfg: LaminarConfig, host: str) -> list[tuple[str, int]]:
             continue
         if spec.role == "relay" and getattr(s, "data_port", 0):
             out.append((f"roles.relay.data_port ({spec.key})", s.data_port))
-        if (spec.role == "trainer" and getattr(s, "world_size", 1) > 1 and not s.dist_address
-                and (s.rank if s.rank is not None else int(spec.id) if spec.id.isdigit() else -1) == 0):
-            out.append((f"roles.trainer.dist_port ({spec.key})", s.dist_port))
+        d = getattr(s, "distributed", None) if spec.role == "trainer" else None
+        if (d is not None and d.world_size > 1 and not d.address
+                and (d.rank if d.rank is not None else int(spec.id) if spec.id.isdigit() else -1) == 0):
+            out.append((f"roles.trainer.distributed.port ({spec.key})", d.port))
     return out
 
 

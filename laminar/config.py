@@ -306,12 +306,24 @@ def _suggest(word: str, known) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _problems(exc: ValidationError, model: type[BaseModel], prefix: str) -> list[str]:
-    """One line per error of a validation, an unknown key with the nearest known one."""
+def moved_to(model: type[BaseModel], loc: tuple) -> str | None:
+    """Where a key of a settings model's older flat layout lives now (its dotted path within the
+    model, from the model's MOVED: {old key: new path}); None when `loc` is not such a key."""
+    moved = getattr(model, "MOVED", None) or {}
+    return moved.get(str(loc[0])) if len(loc) == 1 else None
+
+
+def _problems(exc: ValidationError, model: type[BaseModel], prefix: str, path: str = "") -> list[str]:
+    """One line per error of a validation, an unknown key with the nearest known one, a moved key
+    with its new path (`path`: where the model sits in the file, e.g. "roles.trainer")."""
     out = []
     for e in exc.errors():
         hint = ""
         if e["type"] == "extra_forbidden" and e["loc"]:
+            new = moved_to(model, tuple(e["loc"]))
+            if new is not None:
+                out.append(f"{prefix}{_loc(e['loc'])}: moved to {path + '.' if path else ''}{new}")
+                continue
             hint = _suggest(e["loc"][-1], _known_keys(model, tuple(e["loc"][:-1])))
         out.append(f"{prefix}{_loc(e['loc'])}: {e['msg']}{hint}")
     return out
@@ -356,7 +368,7 @@ def role_settings_problems(cfg: LaminarConfig) -> list[str]:
         try:
             settings = model.model_validate(cfg.role_settings(spec.role, spec.id))
         except ValidationError as exc:
-            out += [p for p in _problems(exc, model, f"{cfg.source}: {where}.") if p not in out]
+            out += [p for p in _problems(exc, model, f"{cfg.source}: {where}.", f"roles.{spec.role}") if p not in out]
             continue
         check = getattr(settings, "check_placement", None)  # settings that depend on the placement (gpus, cores)
         if check is not None:
@@ -377,7 +389,7 @@ def apply_overrides(data: Any, overrides: list[str] | tuple[str, ...] = ()) -> A
         path, eq, text = item.partition("=")
         parts = path.strip().split(".")
         if not eq or not all(parts):
-            raise ConfigError(f"--set {item}: expected key.path=value, e.g. roles.trainer.lr=0.0001")
+            raise ConfigError(f"--set {item}: expected key.path=value, e.g. roles.trainer.optimizer.lr=0.0001")
         try:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError as exc:

@@ -46,8 +46,9 @@ def write_local_cluster(tmp: Path, model_dir: str | Path, mode: str = "laminar",
         "relay": {"data_port": free_port(), "shm_dir": str(tmp / "shm-r0")},
         "rollout": {"model_dir": str(model_dir), "max_concurrency": 8, "max_model_len": 256, "relay_id": "r0",
                     "reward": "laminar.tasks.rewards:upper_fraction", "delta_interval_s": 0.1, "idle_wait_s": 0.2},
-        "trainer": {"model_dir": str(model_dir), "lr": 0.005, "groups_per_batch": 4, "minibatch_steps": 1,
-                    "relay_id": "r0", "checkpoint_every": 100, "max_iterations": iterations},
+        "trainer": {"model_dir": str(model_dir), "optimizer": {"lr": 0.005}, "groups_per_batch": 4,
+                    "minibatch_steps": 1,
+                    "publishing": {"relay_id": "r0"}, "checkpoint": {"every": 100}, "max_iterations": iterations},
     }
     for kind, extra in (roles or {}).items():
         settings.setdefault(kind, {}).update(extra)

@@ -153,8 +153,9 @@ class MultiHost:
             "relay": {"data_port": 7101, "retain_versions": 48},
             "rollout": {**rollout, "model_dir": str(self.model_dir), "max_concurrency": 8,
                         "reward": "laminar.tasks.rewards:upper_fraction", "delta_interval_s": 0.1, "idle_wait_s": 0.2},
-            "trainer": {"model_dir": str(self.model_dir), "lr": 0.001, "groups_per_batch": 4, "minibatch_steps": 1,
-                        "relay_id": "r1", "checkpoint_every": 2, "max_iterations": self.iterations},
+            "trainer": {"model_dir": str(self.model_dir), "optimizer": {"lr": 0.001}, "groups_per_batch": 4,
+                        "minibatch_steps": 1, "publishing": {"relay_id": "r1"}, "checkpoint": {"every": 2},
+                        "max_iterations": self.iterations},
         }
         for kind, extra in self.extra_roles.items():
             settings.setdefault(kind, {}).update(extra)

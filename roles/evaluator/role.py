@@ -42,6 +42,7 @@ import time
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 from laminar.roles.base import Role
 from laminar.roles.evaluator.scoring import ProblemResult, score
@@ -61,6 +62,7 @@ from laminar.weights.pull import LocalWeights
 class EvaluatorConfig(BaseModel):
     """Settings of the evaluator: the held-out split, its reward, when and how to evaluate."""
     model_config = ConfigDict(extra="forbid")
+    MOVED: ClassVar[dict[str, str]] = {"weights_dir": "shm_dir"}  # older keys (laminar/config.py names them)
     dataset: str | None = Field(None, description="held-out JSONL/Parquet file (prompt, answer; never given to the "
                                 "prompt pool): the one set `heldout` when `sets` is empty")
     sets: dict[str, EvalSetConfig] = Field(default_factory=dict, description="named eval sets (roles/evaluator/"
@@ -98,7 +100,8 @@ class EvaluatorConfig(BaseModel):
     kv_cache_gib: float = Field(1.0, gt=0)
     dtype: str = Field("float32")
     relay_id: str | None = Field(None, description="relay on this host to take weights from")
-    shm_dir: str | None = Field(None, description="that relay's shared-memory folder (default: its shm_dir)")
+    shm_dir: str | None = Field(None, description="that relay's shared-memory folder (default: the relay's own "
+                                "shm_dir)")
     poll_s: float = Field(0.5, gt=0, description="how often the relay's newest version is looked at")
     final_wait_s: float = Field(20.0, gt=0, description="once the trainer reported its last version: how long to "
                                 "wait for it on the relay before evaluating the relay's newest and finishing")

@@ -9,7 +9,7 @@ evenly between the ranks), and `max_model_len` must lie within the model's posit
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import ClassVar, Literal
 
 from laminar.roles.env.config import EnvRoleConfig
 from laminar.roles.rollout.rewards import RewardTerm
@@ -57,6 +57,7 @@ class RolloutEnvConfig(BaseModel):
 class RolloutConfig(BaseModel):
     """Settings of one rollout replica (`roles.rollout`, per-instance `options` on top)."""
     model_config = ConfigDict(extra="forbid")
+    MOVED: ClassVar[dict[str, str]] = {"weights_dir": "shm_dir"}  # older keys (laminar/config.py names them)
     engine: str = Field("vllm", description="generation engine: vllm (real) or sim (simulator)")
     model_dir: str = Field("models/tiny", description="local Hugging Face model directory")
     max_concurrency: int = Field(64, ge=1, description="trajectories taken per batch (engine max_num_seqs)")
@@ -106,7 +107,7 @@ class RolloutConfig(BaseModel):
         None, description="relay on this host to pull weights from (None: keep initial weights)"
     )
     shm_dir: str | None = Field(
-        None, description="shared-memory folder of that relay (default: the relay's shm_dir setting)"
+        None, description="shared-memory folder of that relay (default: the relay's own shm_dir)"
     )
     prompt_pool: str = Field("0", description="id of the prompt pool role")
     partial_pool: str = Field("0", description="id of the partial pool role")

@@ -61,11 +61,11 @@ class PublishLink:
 
     def _relay_address(self) -> str | None:
         c, cluster = self.settings, self.role.cluster
-        if c.relay_address:
-            return c.relay_address
-        if c.relay_id is not None:
-            host, _ = cluster.spec("relay", c.relay_id)
-            port = cluster.relay_settings(c.relay_id).data_port
+        if c.publishing.relay_address:
+            return c.publishing.relay_address
+        if c.publishing.relay_id is not None:
+            host, _ = cluster.spec("relay", c.publishing.relay_id)
+            port = cluster.relay_settings(c.publishing.relay_id).data_port
             if port:
                 return f"{cluster.cluster.hosts[host].address}:{port}"
         return None
@@ -94,7 +94,7 @@ class PublishLink:
 
     def publish_dtype(self) -> str | None:
         """The dtype published weights are cast to (None: the parameters' own)."""
-        want = getattr(self.settings, "publish_dtype", "rollout")
+        want = self.settings.publishing.dtype
         if want != "rollout":
             return None if want in (None, "same") else want
         return rollout_dtype(self.role.cluster)
@@ -105,10 +105,11 @@ class PublishLink:
         keys = getattr(ctx.transport, "keys", None)
         info = getattr(self.role, "info", None)
         multi = info is not None and info.enabled
-        transport = get_transport(c.publish_transport, **c.publish_transport_options)
+        transport = get_transport(c.publishing.transport, **c.publishing.transport_options)
         loop = asyncio.get_running_loop()
         self._refusal = loop.create_future()
-        self.publisher = WeightPublisher(c.chunk_mb << 20, transport, derive_key(keys.secret if keys else None),
+        self.publisher = WeightPublisher(c.publishing.chunk_mb << 20, transport,
+                                         derive_key(keys.secret if keys else None),
                                          publish_dtype=self.publish_dtype(),
                                          staging_prefix=staging_prefix() if multi else None, signer=signer_of(keys),
                                          on_refused=lambda why: loop.call_soon_threadsafe(self._refused, why))
@@ -118,18 +119,18 @@ class PublishLink:
         # With a manager in the cluster, the master is whoever heads its chain (it changes when a
         # master dies): follow it. relay_id/relay_address pin a target only in a cluster without one.
         has_manager = bool(self.role.cluster.find("manager"))
-        address = c.relay_address or (None if has_manager else self._relay_address())
+        address = c.publishing.relay_address or (None if has_manager else self._relay_address())
         if address:
-            self._pin(address, c.relay_id or "")
+            self._pin(address, c.publishing.relay_id or "")
         elif has_manager:
             from laminar.weights.follow import MasterFollower
             self.follower = MasterFollower(self.publisher, ctx.transport,
-                                           self.role.cluster.endpoint("manager", c.manager_id))
+                                           self.role.cluster.endpoint("manager", c.publishing.manager_id))
             await self.follower.start()
             self.role.spawn(self.follower.watch(), "master-follower")  # a failed follow loop fails the trainer
         else:
-            raise ValueError("trainer.publish is on but there is no relay_address, relay_id with a data_port, "
-                             "or manager to name the master relay")
+            raise ValueError("trainer.publishing.enabled is on but there is no publishing.relay_address, "
+                             "publishing.relay_id with a data_port, or manager to name the master relay")
         self._watcher = threading.Thread(target=self._watch, args=(loop,), name="trainer-delivery", daemon=True)
         self._watcher.start()
 
@@ -165,7 +166,8 @@ class PublishLink:
 
         c = self.settings
         keys = getattr(self.role.ctx.transport, "keys", None)
-        return WeightPublisher(c.chunk_mb << 20, get_transport(c.publish_transport, **c.publish_transport_options),
+        p = c.publishing
+        return WeightPublisher(p.chunk_mb << 20, get_transport(p.transport, **p.transport_options),
                                derive_key(keys.secret if keys else None), publish_dtype=self.publish_dtype(),
                                staging_prefix=staging_prefix(), part=True, reconnect_s=1.0, signer=signer_of(keys))
 
@@ -183,7 +185,7 @@ class PublishLink:
             self._described = True
         if self.sharded is not None:
             self.sharded.publish(engine.publish_state(), version)
-        elif self.settings.publish_overlap:  # GPU copies run on while the next forward/backward does
+        elif self.settings.publishing.overlap:  # GPU copies run on while the next forward/backward does
             engine.before_update = self.publisher.publish_async(engine.full_state()["model"], version).guard
         else:
             self.publisher.publish(engine.full_state()["model"], version)

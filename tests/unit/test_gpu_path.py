@@ -167,7 +167,7 @@ def test_publish_dtype_follows_the_rollouts_engine_dtype():
 
     def link(setting, rollouts):
         role = SimpleNamespace(cluster=FakeConfig(rollouts))
-        return PublishLink(role, SimpleNamespace(publish_dtype=setting)).publish_dtype()
+        return PublishLink(role, SimpleNamespace(publishing=SimpleNamespace(dtype=setting))).publish_dtype()
     assert link("rollout", {"0": {"dtype": "bfloat16"}}) == "bfloat16"
     assert link("same", {"0": {"dtype": "bfloat16"}}) is None
     assert link(None, {"0": {"dtype": "bfloat16"}}) is None
