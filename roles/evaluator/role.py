@@ -1,6 +1,6 @@
 """EvaluatorRole: every `eval_every` versions, the newest weights answer a held-out split.
 
-    setup: its own vLLM engine (the rollouts' settings: model_dir, max_model_len, dtype), the
+    setup: its own vLLM engine (EngineSettings, the rollouts' model: model_dir, max_model_len, ...), the
            held-out records (`dataset`, tokenized like the prompt pool does), the relay folder
     run:   evaluate version 0 (model_dir's weights, before any training), then follow the relay
            like a rollout: when its newest version is at least `eval_every` past the last one
@@ -48,9 +48,11 @@ from laminar.roles.base import Role
 from laminar.roles.evaluator.scoring import ProblemResult, score
 from laminar.roles.evaluator.sets import BestKeeper, EvalSet, EvalSetConfig, legacy_keys, set_configs
 from laminar.roles.rollout.engine import VllmEngine
-from pydantic import BaseModel, ConfigDict, Field
+from laminar.roles.rollout.engine_api import engine_seqs
+from pydantic import ConfigDict, Field
 
 from laminar.datasets import chat_template_field, load_records, prompt_encoder, system_prompt_field, tokenize_records
+from laminar.engine_settings import EngineSettings
 from laminar.export import export
 from laminar.protocol import Heartbeat, Metrics
 from laminar.samples import SampleLog
@@ -59,8 +61,9 @@ from laminar.weights.manifest import ident
 from laminar.weights.pull import LocalWeights
 
 
-class EvaluatorConfig(BaseModel):
-    """Settings of the evaluator: the held-out split, its reward, when and how to evaluate."""
+class EvaluatorConfig(EngineSettings):
+    """Settings of the evaluator: its vLLM engine's (EngineSettings, as the rollouts'), the held-out
+    split, its reward, when and how to evaluate."""
     model_config = ConfigDict(extra="forbid")
     MOVED: ClassVar[dict[str, str]] = {"weights_dir": "shm_dir"}  # older keys (laminar/config.py names them)
     dataset: str | None = Field(None, description="held-out JSONL/Parquet file (prompt, answer; never given to the "
@@ -88,17 +91,12 @@ class EvaluatorConfig(BaseModel):
     last_version: int | None = Field(None, ge=1, description="the run's last version: evaluated, then the role "
                                      "finishes (default: the trainer's max_iterations; None there: run until stopped)")
     samples: int = Field(4, ge=0, description="sampled answers per problem (0: greedy only; the `heldout` set)")
-    temperature: float = Field(1.0, gt=0, description="temperature of the sampled answers (the `heldout` set)")
+    temperature: float = Field(1.0, gt=0, description="temperature of the sampled answers (the `heldout` set; "
+                               "greedy answers are their own metric, so 0 is refused as for any set's)")
     max_tokens: int = Field(256, ge=1, description="answer token budget (the prompt pool's max_tokens)")
     seed: int = Field(0, description="sampling seed (per answer: hash of seed, version, problem, sample)")
-    model_dir: str = Field("models/tiny", description="initial weights (version 0)")
-    max_model_len: int = Field(1024, ge=16)
-    max_concurrency: int = Field(64, ge=1, description="answers generated at once (engine max_num_seqs)")
-    kv_cache_tokens: int | None = Field(None, ge=16, description="KV cache in tokens (default: kv_cache_gib)")
-    lora: dict | None = Field(None, description="the run's versions are LoRA adapters: as roles.rollout.lora "
-                              "({max_lora_rank, max_loras}); each version is evaluated with its adapter on model_dir")
-    kv_cache_gib: float = Field(1.0, gt=0)
-    dtype: str = Field("float32")
+    max_concurrency: int = Field(64, ge=1, description="answers generated at once (the engine's max_num_seqs "
+                                 "unless that is set)")
     relay_id: str | None = Field(None, description="relay on this host to take weights from")
     shm_dir: str | None = Field(None, description="that relay's shared-memory folder (default: the relay's own "
                                 "shm_dir)")
@@ -208,14 +206,9 @@ class EvaluatorRole(Role):
         # the first evaluation runs is not missed (a subscription made later can miss its events)
         self.trainer_sub = self.ctx.transport.subscriber(["metrics.trainer", "hb.trainer."])
         self.trainer_heard_at = time.monotonic()
-        bind = None
-        if cluster is not None:
-            _, spec = cluster.spec("evaluator", self.ctx.id)
-            bind = ",".join(str(x) for x in spec.cores) if spec.cores else None
-        self.engine = VllmEngine(c.model_dir, max_model_len=c.max_model_len, max_num_seqs=c.max_concurrency,
-                                 kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=1.0, dtype=c.dtype,
-                                 omp_threads_bind=bind, seeded=True, kv_cache_tokens=c.kv_cache_tokens,
-                                 lora=c.lora)
+        cores = cluster.spec("evaluator", self.ctx.id)[1].cores if cluster is not None else None
+        self.engine = VllmEngine.from_settings(c, max_num_seqs=engine_seqs(c), temperature=c.temperature, top_p=1.0,
+                                               seeded=True, omp_threads_bind=c.omp_bind(cores))
         await self.engine.start()
         self.version, self.lineage = 0, None  # model_dir's weights: version 0 of no lineage
         self.log.info("evaluator_ready", problems=len(self.problems), eval_every=c.eval_every,

@@ -69,15 +69,13 @@ def build_rollout_engine(settings: Any, cores: Sequence[int] | None = None) -> R
     the simulator's model, time compressed by its `speedup`)."""
     if settings.engine == "vllm":
         from laminar.roles.rollout.engine import VllmEngine
-        s = settings
-        return VllmEngine(s.model_dir, max_model_len=s.max_model_len, max_num_seqs=engine_seqs(s),
-                          kv_cache_gib=s.kv_cache_gib, temperature=s.temperature, top_p=s.top_p,
-                          dtype=s.dtype, omp_threads_bind=s.omp_bind(cores), seeded=s.seed is not None,
-                          kv_cache_tokens=s.kv_cache_tokens, tensor_parallel_size=s.tensor_parallel_size,
-                          enforce_eager=s.enforce_eager, gpu_memory_utilization=s.gpu_memory_utilization,
-                          enable_prefix_caching=s.enable_prefix_caching, lora=s.lora)
+        return VllmEngine.from_settings(settings, max_num_seqs=engine_seqs(settings), temperature=settings.temperature,
+                                        top_p=settings.top_p, seeded=settings.seed is not None,
+                                        omp_threads_bind=settings.omp_bind(cores))
     if settings.engine == "sim":
         from laminar.roles.rollout.sim_engine import SimEngine
+        if settings.sim is None:
+            raise ValueError("roles.rollout.sim: engine sim needs the simulated engine's settings (model, tp, lengths)")
         return SimEngine.from_settings(settings.sim, max_num_seqs=engine_seqs(settings),
                                        max_model_len=settings.max_model_len)
     raise ValueError(f"roles.rollout.engine: unknown engine {settings.engine!r} (vllm or sim)")

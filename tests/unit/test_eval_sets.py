@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 
 import pytest
 from laminar.bus.inproc import InprocHub
@@ -33,7 +34,8 @@ def write_set(path, n):
 
 
 def test_pass_at_k_eval_sets_reach_metrics_best_and_samples(tmp_path, monkeypatch):
-    monkeypatch.setattr("laminar.roles.evaluator.role.VllmEngine", lambda *a, **k: NoEngine())
+    monkeypatch.setattr("laminar.roles.evaluator.role.VllmEngine",
+                        types.SimpleNamespace(from_settings=lambda *a, **k: NoEngine()))
     tok = ByteTokenizer()
     # version 0: problem i answers i+1 (right) in samples < i, else 0; greedy right for even i
     script = {0: lambda i, s: i + 1 if (s >= 0 and s < i) or (s < 0 and i % 2 == 0) else 0,
