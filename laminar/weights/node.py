@@ -54,6 +54,7 @@ from collections.abc import Callable
 
 import structlog
 
+from laminar.bus.retry import Backoff
 from laminar.weights import handshake, seal
 from laminar.weights.part_receiver import PartReceiver
 from laminar.weights.receiver import Receiver
@@ -117,7 +118,7 @@ class RelayNode:
 
     # -- upstream side ---------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        backoff = 0.05
+        wait = Backoff(0.05, 1.0)
         while not self._stop.is_set():
             try:
                 conn = self.listener.accept(timeout=0.5)
@@ -125,10 +126,9 @@ class RelayNode:
                 if self._stop.is_set():
                     return
                 self._accept_failed(exc)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
+                self._stop.wait(wait.next())
                 continue
-            backoff = 0.05
+            wait.reset()
             self.failing_accepts = 0
             if conn is not None:
                 self._start_handshake(conn)

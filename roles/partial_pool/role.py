@@ -27,6 +27,7 @@ import json
 import numpy as np
 from laminar.bus.auth import owned_by_other
 from laminar.bus.errors import PeerUnavailable, RemoteError
+from laminar.bus.retry import Backoff
 from laminar.bus.rpc import RequestError, current_peer
 from laminar.roles.partial_pool.awaiting import AwaitingBook
 from laminar.roles.partial_pool.state import Delta, Outcome, PartialBook
@@ -455,7 +456,7 @@ class PartialPoolRole(PoolRole):
         """One scored trajectory into the buffer (retried with backoff while it is full or down),
         then deleted here; the delete's commit is shared with the others of its window."""
         traj = self.awaiting.final(tid)
-        delay = self.settings.forward_retry_s
+        wait = Backoff(self.settings.forward_retry_s, 5.0)
         while True:
             try:
                 put = await buffer.call(PutTrajectory(traj), timeout=5.0)
@@ -465,14 +466,13 @@ class PartialPoolRole(PoolRole):
             except (PeerUnavailable, RemoteError) as exc:
                 why = str(exc)
             self.awaiting.counts["forward_retries"] += 1
-            self.log.warning("scored_put_retry", trajectory=tid, why=why, retry_in_s=delay)
-            await asyncio.sleep(delay)  # backoff: the buffer is full or down; the item stays durable here
-            delay = min(delay * 2, 5.0)
+            self.log.warning("scored_put_retry", trajectory=tid, why=why, retry_in_s=wait.delay)
+            await wait.sleep()  # backoff: the buffer is full or down; the item stays durable here
         try:
             await self.durable([("DELETE FROM awaiting WHERE tid = ?", (tid,))])
         except RequestError as exc:  # the buffer holds it; a later round forgets it here (duplicate)
             self.log.warning("forward_record_failed", trajectory=tid, error=str(exc))
-            await asyncio.sleep(delay)  # backoff: the store is refusing writes
+            await asyncio.sleep(wait.delay)  # backoff: the store is refusing writes
             self._scored.set()
             return
         self.awaiting.forwarded(tid)

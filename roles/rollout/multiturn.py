@@ -53,6 +53,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 from laminar.bus.errors import Busy, PeerUnavailable, RemoteError, remote_error
+from laminar.bus.retry import Backoff
 from laminar.bus.rpc import RequestError
 from laminar.roles.env.episodes import encode_continuation
 from laminar.roles.rollout.trajectory import Active
@@ -278,7 +279,8 @@ class EpisodeRunner:
 
     async def _env_call(self, a: Active, call: Callable[[], Awaitable[EnvReply]]) -> EnvReply:
         """One env exchange under the failure policy (module docstring)."""
-        failures, delay, busy_delay, replay = 0, self.settings.retry_backoff_s, 0.05, False
+        failures, replay = 0, False
+        replays, busy = Backoff(self.settings.retry_backoff_s, 10.0), Backoff(0.05, 2.0)
         t0 = time.monotonic()
         try:
             while True:
@@ -288,18 +290,17 @@ class EpisodeRunner:
                         replay = False
                     return await call()
                 except Busy as exc:
-                    self.log.warning("env_busy", trajectory=a.id, error=exc.message, retry_in_s=busy_delay)
-                    await asyncio.sleep(busy_delay)  # backpressure from the env role
-                    busy_delay = min(busy_delay * 2, 2.0)
+                    self.log.warning("env_busy", trajectory=a.id, error=exc.message, retry_in_s=busy.delay)
+                    await busy.sleep()  # backpressure from the env role
                 except (PeerUnavailable, RemoteError) as exc:
                     failures += 1
                     self.counts["errors"] += 1
                     if self.settings.on_failure == "fail" or failures > self.settings.retries:
                         raise EnvFailed(f"{exc} ({failures - 1} replays tried)") from None
                     self.log.warning("env_retry", trajectory=a.id, error=str(exc), failures=failures,
-                                     replay_in_s=delay)
-                    await asyncio.sleep(delay)  # backoff: e.g. the env role being restarted
-                    delay, replay = min(delay * 2, 10.0), True
+                                     replay_in_s=replays.delay)
+                    await replays.sleep()  # backoff: e.g. the env role being restarted
+                    replay = True
         finally:
             a.timings["env_s"] += time.monotonic() - t0
 

@@ -27,7 +27,8 @@ what, and how the others ask:
 
   work.active          the loop (new work) and MigrateIn (migrants), both under work.lock; removed
                        by the trajectory's own finish task (stored), by flush (fenced off) and by
-                       MigrateOut (handed over). A removal sets room_freed, the last batch_done:
+                       MigrateOut (handed over), all through work.left(). A removal sets
+                       room_freed (a hand-over only when it was the last), the last batch_done:
                        that is how the loop learns of it.
   weights.version,     the loop alone (weights.update; run_adopted -> weights.load_retained), under
     .lineage, .run_id  work.lock with nothing active (and setup's first load, before any task).
@@ -54,6 +55,7 @@ import os
 import time
 
 from laminar.bus.errors import RemoteError
+from laminar.bus.retry import call_acked
 from laminar.roles.base import Role
 from laminar.roles.rollout.batch_seq import BatchSeq
 from laminar.roles.rollout.config import RolloutConfig
@@ -65,7 +67,7 @@ from laminar.roles.rollout.runner import TrajectoryRunner
 from laminar.roles.rollout.streaming import DeltaStream
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.weights import WeightFollower
-from laminar.roles.rollout.work import Work, call_acked
+from laminar.roles.rollout.work import Work
 
 from laminar.protocol import MigrateIn, MigrateOut, RolloutStats, TakeBatch
 from laminar.weights.seal import verifier_of
@@ -184,7 +186,7 @@ class RolloutRole(Role):
         return build_rollout_engine(self.settings, cores)
 
     async def _call(self, client, req):
-        """Until answered (work.call_acked): TakeBatch here, the partial pool's calls in Migration."""
+        """Until answered (the bus's call_acked): TakeBatch here, the partial pool's calls in Migration."""
         return await call_acked(client, req, self.settings.rpc_timeout_s, self.log)
 
     # -- main loop --------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import asyncio
 import re
 import threading
 
+from laminar.bus.retry import Backoff
 from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
 
 from laminar.weights.publisher import WeightPublisher, note_lineage
@@ -76,7 +77,7 @@ class PublishLink:
         back to 0.5 s once a version got through. Without it the publisher waited for a
         set_target that nothing would send."""
         loop = asyncio.get_running_loop()
-        pub, state = self.publisher, {"delay": RETRY_S[0], "delivered": -1}
+        pub, wait, state = self.publisher, Backoff(*RETRY_S), {"delivered": -1}
 
         def retry() -> None:
             if not self._stop.is_set():
@@ -86,9 +87,9 @@ class PublishLink:
             if self._stop.is_set():
                 return
             if pub.delivered > state["delivered"]:
-                state["delay"], state["delivered"] = RETRY_S[0], pub.delivered
-            d, state["delay"] = state["delay"], min(RETRY_S[1], state["delay"] * 2)
-            loop.call_soon_threadsafe(loop.call_later, d, retry)
+                state["delivered"] = pub.delivered
+                wait.reset()
+            loop.call_soon_threadsafe(loop.call_later, wait.next(), retry)
         pub.on_link_down = down
         pub.set_target(address, relay_id)
 

@@ -1,5 +1,6 @@
-"""Work and call_acked (roles/rollout/work.py): a trajectory leaving frees room and the last one
-ends the batch (only if it is still the one held under its id); a request that must arrive is
+"""Work (roles/rollout/work.py) and the bus's call_acked as the rollout uses it: a trajectory leaving
+frees room and the last one ends the batch (only if it is still the one held under its id; work
+handed over by a MigrateOut frees no room until none is left); a request that must arrive is
 asked again while the peer is down, busy, failing inside or past a deadline, and any other
 refusal reaches the caller at once.
 """
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 import structlog
 from laminar.bus.errors import PeerUnavailable, RemoteError
+from laminar.bus.retry import call_acked
 from laminar.roles.rollout.trajectory import Active
-from laminar.roles.rollout.work import Work, call_acked
+from laminar.roles.rollout.work import Work
 
 from laminar.protocol import Ack, ReassignPartial, TrajectorySpec
 
@@ -40,6 +42,17 @@ def test_leaving_frees_room_and_the_last_one_ends_the_batch():
     assert not w.active and w.batch_done.is_set()
     w.add(a)
     assert not w.batch_done.is_set()
+
+
+def test_work_handed_over_frees_no_room_until_the_last_one_leaves():
+    w = Work()
+    a, b, c = active("a"), active("b"), active("c")
+    for x in (a, b, c):
+        w.add(x)
+    w.left(a, b, make_room=False)            # a MigrateOut of two: the manager's room, not ours
+    assert set(w.active) == {"c"} and not w.room_freed.is_set() and not w.batch_done.is_set()
+    w.left(c, make_room=False)               # the last one: the batch is over, and there is room
+    assert not w.active and w.room_freed.is_set() and w.batch_done.is_set()
 
 
 class Peer:
