@@ -59,6 +59,7 @@ from laminar.samples import SampleLog
 from laminar.tasks import load_callable
 from laminar.weights.manifest import ident
 from laminar.weights.pull import LocalWeights
+from laminar.weights.seal import arm_engine_checks
 
 
 class EvaluatorConfig(EngineSettings):
@@ -209,6 +210,9 @@ class EvaluatorRole(Role):
         cores = cluster.spec("evaluator", self.ctx.id)[1].cores if cluster is not None else None
         self.engine = VllmEngine.from_settings(c, max_num_seqs=engine_seqs(c), temperature=c.temperature, top_p=1.0,
                                                seeded=True, omp_threads_bind=c.omp_bind(cores))
+        # its worker processes check each version's seals before they load it, as a rollout's do;
+        # the best version's export checks them too (laminar/export.py)
+        arm_engine_checks(getattr(self.ctx.transport, "keys", None))
         await self.engine.start()
         self.version, self.lineage = 0, None  # model_dir's weights: version 0 of no lineage
         self.log.info("evaluator_ready", problems=len(self.problems), eval_every=c.eval_every,
