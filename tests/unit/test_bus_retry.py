@@ -51,6 +51,21 @@ class Peer:
         return Ack("ok")
 
 
+LOG = structlog.get_logger("test")
+
+
+def test_call_acked_retries_what_may_pass_and_raises_the_rest():
+    for failure in (PeerUnavailable("down"), RemoteError("busy", "full"), RemoteError("deadline", "late"),
+                    RemoteError("internal", "oops"), RemoteError("unavailable", "restarting")):
+        peer = Peer(failure)
+        assert asyncio.run(call_acked(peer, ReassignPartial("t", "r0"), 1.0, LOG)).detail == "ok"
+        assert len(peer.requests) == 2
+    peer = Peer(RemoteError("not_found", "no such trajectory"))
+    with pytest.raises(RemoteError, match="no such trajectory"):
+        asyncio.run(call_acked(peer, ReassignPartial("t", "r0"), 1.0, LOG))
+    assert len(peer.requests) == 1
+
+
 def test_call_acked_lives_on_the_bus_and_backs_off_between_tries(monkeypatch):
     waited: list[float] = []
 
@@ -58,11 +73,11 @@ def test_call_acked_lives_on_the_bus_and_backs_off_between_tries(monkeypatch):
         waited.append(d)
     monkeypatch.setattr("laminar.bus.retry.asyncio.sleep", fake_sleep)
     peer = Peer(*[PeerUnavailable("down")] * 7)
-    assert asyncio.run(call_acked(peer, ReassignPartial("t", "r0"), 1.0, structlog.get_logger("t"))).detail == "ok"
+    assert asyncio.run(call_acked(peer, ReassignPartial("t", "r0"), 1.0, LOG)).detail == "ok"
     assert waited == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0])  # the bus's own cap: 2 s
     peer = Peer(*[RemoteError("internal", "bug")] * INTERNAL_TRIES)
     with pytest.raises(RemoteError, match="bug"):
-        asyncio.run(call_acked(peer, ReassignPartial("t", "r0"), 1.0, structlog.get_logger("t")))
+        asyncio.run(call_acked(peer, ReassignPartial("t", "r0"), 1.0, LOG))
     assert len(peer.requests) == INTERNAL_TRIES
 
 

@@ -3,9 +3,6 @@ same fields, bounds and model checks in all three, one way from settings to engi
 typed `lora` and `sim` sections (a bad key or value is found when the config is read)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 from laminar.roles.evaluator.role import EvaluatorConfig
 from laminar.roles.reward.config import JudgeSettings, RewardRoleConfig
@@ -18,27 +15,23 @@ from pydantic import ValidationError
 
 from laminar.config import ConfigError, parse_config
 from laminar.engine_settings import EngineSettings, LoraServing
+from tests.support import shape_only_model
 
 KINDS = {"rollout": RolloutConfig, "evaluator": EvaluatorConfig, "judge": JudgeSettings}
 
 
 @pytest.fixture
-def model(tmp_path) -> Path:
-    """A model folder with only a config.json: 4 attention heads, 2,048 positions."""
-    d = tmp_path / "m"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 259, "max_position_embeddings": 2048}))
-    return d
+def model(tmp_path):
+    return shape_only_model(tmp_path / "m")
+
 
 
 def test_the_three_engines_share_one_settings_model_field_for_field():
     shared = EngineSettings.model_fields
-    for name, model in KINDS.items():
-        assert issubclass(model, EngineSettings), name
+    for name, kind in KINDS.items():
+        assert issubclass(kind, EngineSettings), name
         for field, info in shared.items():
-            mine = model.model_fields[field]
+            mine = kind.model_fields[field]
             assert mine.annotation == info.annotation and mine.description, (name, field)
             if (name, field) not in {("judge", "model_dir"), ("judge", "max_model_len")}:
                 assert mine is info or (mine.default, mine.metadata) == (info.default, info.metadata), (name, field)
