@@ -13,6 +13,7 @@ repository root for `make demo` and the WorkingDirectory of generated systemd un
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import types
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from laminar.roles.registry import REGISTRY, role_config_class
 from laminar.tracking import TrackingSpec
@@ -139,9 +140,21 @@ class ClusterSpec(Strict):
     hosts: dict[str, HostSpec]
 
     @model_validator(mode="after")
-    def _check(self) -> ClusterSpec:
+    def _check(self, info: ValidationInfo) -> ClusterSpec:
+        problems = self.placement_problems()
+        sink = (info.context or {}).get(PLACEMENT_PROBLEMS) if info is not None else None
+        if problems and sink is None:
+            raise ValueError("; ".join(problems))
+        if sink is not None:   # `check` collects them and goes on with the other layers
+            sink.extend(problems)
+        return self
+
+    def placement_problems(self) -> list[str]:
+        """Every clash of the placement, each once: a broker on no host, a role placed twice, two
+        listeners of one host on one port."""
+        out = []
         if self.broker.host not in self.hosts:
-            raise ValueError(f"broker.host {self.broker.host!r} is not one of hosts {sorted(self.hosts)}")
+            out.append(f"broker.host {self.broker.host!r} is not one of hosts {sorted(self.hosts)}")
         seen: dict[str, str] = {}
         for hid, host in self.hosts.items():
             ports: dict[int, str] = {}
@@ -149,19 +162,21 @@ class ClusterSpec(Strict):
                 ports = {self.broker.pub_port: "broker.pub_port", self.broker.sub_port: "broker.sub_port"}
             if host.metrics_port is not None:
                 if host.metrics_port in ports:
-                    raise ValueError(f"hosts.{hid}: metrics_port {host.metrics_port} already used by "
-                                     f"{ports[host.metrics_port]}")
-                ports[host.metrics_port] = "metrics_port"
+                    out.append(f"hosts.{hid}: metrics_port {host.metrics_port} already used by "
+                               f"{ports[host.metrics_port]}")
+                ports.setdefault(host.metrics_port, "metrics_port")
             for spec in host.roles:
                 if spec.key in seen:
-                    raise ValueError(f"role {spec.key} placed twice (hosts {seen[spec.key]} and {hid})")
-                seen[spec.key] = hid
+                    out.append(f"role {spec.key} placed twice (hosts {seen[spec.key]} and {hid})")
+                seen.setdefault(spec.key, hid)
                 if spec.port is not None:
                     if spec.port in ports:
-                        raise ValueError(f"hosts.{hid}: port {spec.port} of {spec.key} already used by "
-                                         f"{ports[spec.port]}")
-                    ports[spec.port] = spec.key
-        return self
+                        out.append(f"hosts.{hid}: port {spec.port} of {spec.key} already used by {ports[spec.port]}")
+                    ports.setdefault(spec.port, spec.key)
+        return out
+
+
+PLACEMENT_PROBLEMS = "placement_problems"   # validation context key: collect placement clashes instead of raising
 
 
 class RunSpec(Strict):
@@ -326,15 +341,61 @@ def parse_config(data: Any, source: str = "<memory>") -> LaminarConfig:
 
 
 def parse_config_collect(data: Any, source: str = "<memory>") -> tuple[LaminarConfig | None, list[str]]:
-    """(config, problems): the config is None when the file's structure itself is wrong; with
-    problems only in role settings it is returned too, so other checks can still look at it."""
+    """(config, problems): every problem of the file's structure and of each role's settings. The
+    config is returned whenever one can be made, so that `check` looks at the other layers (files,
+    code, this host) too: placement clashes are collected, not raised, and the values the schema
+    refused are left out (their defaults taken) for a config made only for those checks. None when
+    even that fails (a required section missing or unusable)."""
     if not isinstance(data, dict):
         return None, [f"{source}: the top level must be a mapping with run/cluster/roles"]
+    clashes: list[str] = []
     try:
-        cfg = LaminarConfig.model_validate({**data, "source": source})
+        cfg = LaminarConfig.model_validate({**data, "source": source}, context={PLACEMENT_PROBLEMS: clashes})
     except ValidationError as exc:
-        return None, _problems(exc, LaminarConfig, f"{source}: ")
-    return cfg, role_settings_problems(cfg)
+        problems = _problems(exc, LaminarConfig, f"{source}: ")
+        cfg = _without_refused(data, source, exc)
+        if cfg is None:
+            return None, problems
+        clashes = cfg.cluster.placement_problems()
+    else:
+        problems = []
+    problems += [f"{source}: cluster: {p}" for p in clashes]
+    return cfg, problems + [p for p in role_settings_problems(cfg) if p not in problems]
+
+
+def _without_refused(data: dict, source: str, exc: ValidationError, tries: int = 3) -> LaminarConfig | None:
+    """The config made from `data` less every value the schema refused (so the checks of the
+    other layers still run); None when that is not a config either."""
+    data = copy.deepcopy(data)
+    for _ in range(tries):
+        for loc in sorted((tuple(e["loc"]) for e in exc.errors() if e["loc"]), key=_loc_order, reverse=True):
+            _drop(data, loc)
+        try:
+            return LaminarConfig.model_validate({**data, "source": source}, context={PLACEMENT_PROBLEMS: []})
+        except ValidationError as again:
+            exc = again
+    return None
+
+
+def _loc_order(loc: tuple) -> tuple:
+    return tuple((0, p) if isinstance(p, int) else (1, str(p)) for p in loc)
+
+
+def _drop(data: Any, loc: tuple) -> None:
+    """Delete the value at `loc` (keys and list indices) from nested dicts and lists, if it is there."""
+    node = data
+    for part in loc[:-1]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            return
+    last = loc[-1]
+    if isinstance(node, dict):
+        node.pop(last, None)
+    elif isinstance(node, list) and isinstance(last, int) and last < len(node):
+        del node[last]
 
 
 def role_settings_problems(cfg: LaminarConfig) -> list[str]:
