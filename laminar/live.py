@@ -85,9 +85,11 @@ class LiveView:
     @staticmethod
     def eval_line(v: dict[str, float]) -> str:
         sampled = v.get("eval/accuracy_sampled")
+        lo = next((k for k in v if k.endswith("/greedy/lo") and k.count("/") == 3), None)  # the first set's
+        ci = f", greedy 95% [{v[lo]:.3f}, {v[lo[:-3] + '/hi']:.3f}]" if lo and lo[:-3] + "/hi" in v else ""
         return (f"eval version {int(v.get('version', 0))}: held-out accuracy {v.get('eval/accuracy', 0):.3f} greedy"
                 + (f", {sampled:.3f} sampled" if sampled is not None else "")
-                + f" ({int(v.get('eval/problems', 0))} problems, {v.get('eval/seconds', 0):.1f} s)")
+                + f" ({int(v.get('eval/problems', 0))} problems{ci}, {v.get('eval/seconds', 0):.1f} s)")
 
     def _of(self, kind: str) -> dict[str, float]:
         rs = [r for r in self.health.every_role().values() if r.role == kind and r.values]
