@@ -57,6 +57,7 @@ class LiveView:
         self._first: tuple[float, float] | None = None  # (clock, version) of the first version seen
         self._newest: tuple[float, float] | None = None
         self._printed_eval: dict[str, float] = {}
+        self.notes: list[Callable[[], str]] = []   # more facts for the detail line (live tracking's drops)
         health.listeners.append(self._heard)
 
     # -- input ---------------------------------------------------------------------------------
@@ -117,7 +118,7 @@ class LiveView:
                 f"max {int(m.get('staleness_max', 0))}  " + self.detail_line()).rstrip()
 
     def detail_line(self) -> str:
-        """Held-out accuracy, train-inference mismatch, repacks: what is known of them."""
+        """Held-out accuracy, train-inference mismatch, repacks: what is known of them; then the notes."""
         ev, m, mgr = self._of("evaluator"), self._of("trainer"), self._of("manager")
         parts = []
         if "eval_accuracy" in ev:
@@ -126,6 +127,7 @@ class LiveView:
             parts.append(f"mismatch {m['mismatch_mean_abs']:.1e}")
         if "repacks" in mgr:
             parts.append(f"repacks {int(mgr['repacks'])}")
+        parts += [n for note in self.notes if (n := note())]
         return "  ".join(parts)
 
     # -- the table -------------------------------------------------------------------------------
