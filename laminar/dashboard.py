@@ -4,6 +4,8 @@ config for the config's hosts.
 
     DIR/laminar-<run>.json    the dashboard (Grafana's JSON model: import it, pick the Prometheus data source)
     DIR/prometheus.yml        one scrape job per host with a `metrics_port` (its bearer token file, if any)
+    DIR/laminar-<run>.png     with `--png-from URL`: the same panels drawn by matplotlib from a Prometheus
+                              server's API (for a machine without Grafana)
 
 Panels: trainer and rollout throughput, reward, held-out evaluation, staleness, train-inference
 mismatch, KV-cache usage, relay progress, weight versions, relay lag, the pools, alarms and roles
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -130,10 +133,63 @@ def scrape_config(cfg, interval_s: float = 5.0) -> tuple[dict, list[str]]:
             "scrape_configs": jobs}, skipped
 
 
+def query_range(url: str, expr: str, start: float, end: float, step: float) -> list[dict]:
+    """The series of a PromQL range query against a Prometheus server's HTTP API."""
+    import urllib.parse
+    import urllib.request
+    q = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
+    with urllib.request.urlopen(f"{url.rstrip('/')}/api/v1/query_range?{q}", timeout=30) as r:
+        body = json.loads(r.read())
+    if body.get("status") != "success":
+        raise RuntimeError(f"{url}: {expr}: {body.get('error')}")
+    return body["data"]["result"]
+
+
+def legend(template: str, labels: dict) -> str:
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: str(labels.get(m.group(1), "")), template)
+
+
+def render_png(url: str, run: str, out: Path, minutes: float = 30.0, end: float | None = None) -> Path:
+    """The dashboard's panels drawn with matplotlib from a Prometheus server (where no Grafana is
+    at hand): the last `minutes` of data, every host."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    end = end or time.time()
+    start, step = end - 60 * minutes, max(1.0, 60 * minutes / 300)
+    rows = (len(PANELS) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(14, 2.6 * rows), sharex=True)
+    for ax, (title, unit, targets) in zip(axes.flat, PANELS, strict=False):
+        for expr, tmpl in targets:
+            for series in query_range(url, expr.replace("$host", ".*"), start, end, step):
+                pts = [(float(t) - start, float(v)) for t, v in series["values"]]
+                ax.plot([p[0] / 60 for p in pts], [p[1] for p in pts], label=legend(tmpl, series["metric"]))
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel({"short": "", "percentunit": "0..1"}.get(unit, unit.removeprefix("suffix:").strip()), fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=6, loc="upper left")
+        else:
+            ax.text(0.5, 0.5, "no data in this run", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+    for ax in list(axes.flat)[len(PANELS):]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("minutes", fontsize=8)
+    fig.suptitle(f"Laminar: {run} (the dashboard's queries, from Prometheus)", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(out, dpi=72)
+    plt.close(fig)
+    return out
+
+
 def add_arguments(s) -> None:
     s.add_argument("--out", required=True, help="folder for the dashboard JSON and prometheus.yml")
     s.add_argument("--scrape-interval", type=float, default=5.0, metavar="S",
                    help="Prometheus' scrape interval in the written config (default 5 s)")
+    s.add_argument("--png-from", default=None, metavar="URL", help="also draw the panels as a PNG (matplotlib) "
+                   "from this Prometheus server's API, e.g. http://127.0.0.1:9090 (where no Grafana is at hand)")
+    s.add_argument("--minutes", type=float, default=30.0, help="with --png-from: the last this many minutes")
 
 
 def run(a) -> int:
@@ -152,4 +208,6 @@ def run(a) -> int:
               file=sys.stderr)
     print(f"run: prometheus --config.file {out / 'prometheus.yml'}; in Grafana: Dashboards > Import > {board.name}",
           file=sys.stderr)
+    if a.png_from:
+        print(render_png(a.png_from, cfg.run.name, out / f"laminar-{cfg.run.name}.png", a.minutes))
     return 0
