@@ -14,16 +14,14 @@ repository root for `make demo` and the WorkingDirectory of generated systemd un
 from __future__ import annotations
 
 import copy
-import difflib
 import os
-import types
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from laminar.config_errors import drop_refused, problem_lines, suggest
 from laminar.roles.registry import REGISTRY, role_config_class
 from laminar.tracking import TrackingSpec
 
@@ -277,61 +275,6 @@ class LaminarConfig(Strict):
         return {s.id: self.settings_of("rollout", s.id).max_concurrency for _, s in self.find("rollout")}
 
 
-def _loc(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc) or "<top>"
-
-
-def _unwrap(tp: Any) -> Any:
-    """The model, dict or list type inside Optional[...] / Annotated[...] (what a key path walks into)."""
-    while True:
-        origin = typing.get_origin(tp)
-        if origin is typing.Annotated:
-            tp = typing.get_args(tp)[0]
-        elif origin in (typing.Union, types.UnionType):
-            inner = [a for a in typing.get_args(tp) if a is not type(None)]
-            if len(inner) != 1:
-                return tp
-            tp = inner[0]
-        else:
-            return tp
-
-
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """The field names of the model found at `loc` inside `model` ([] when the path leaves the models)."""
-    tp: Any = model
-    parts = list(loc)
-    while parts:
-        tp = _unwrap(tp)
-        part = parts.pop(0)
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            field = tp.model_fields.get(str(part))
-            if field is None:
-                return []
-            tp = field.annotation
-        elif typing.get_origin(tp) in (dict, list):
-            tp = typing.get_args(tp)[-1]
-        else:
-            return []
-    tp = _unwrap(tp)
-    return list(tp.model_fields) if isinstance(tp, type) and issubclass(tp, BaseModel) else []
-
-
-def _suggest(word: str, known) -> str:
-    close = difflib.get_close_matches(str(word), [str(k) for k in known], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _problems(exc: ValidationError, model: type[BaseModel], prefix: str) -> list[str]:
-    """One line per error of a validation, an unknown key with the nearest known one."""
-    out = []
-    for e in exc.errors():
-        hint = ""
-        if e["type"] == "extra_forbidden" and e["loc"]:
-            hint = _suggest(e["loc"][-1], _known_keys(model, tuple(e["loc"][:-1])))
-        out.append(f"{prefix}{_loc(e['loc'])}: {e['msg']}{hint}")
-    return out
-
-
 def parse_config(data: Any, source: str = "<memory>") -> LaminarConfig:
     """The validated config; raises ConfigError listing every problem (schema and role settings)."""
     cfg, problems = parse_config_collect(data, source)
@@ -352,7 +295,7 @@ def parse_config_collect(data: Any, source: str = "<memory>") -> tuple[LaminarCo
     try:
         cfg = LaminarConfig.model_validate({**data, "source": source}, context={PLACEMENT_PROBLEMS: clashes})
     except ValidationError as exc:
-        problems = _problems(exc, LaminarConfig, f"{source}: ")
+        problems = problem_lines(exc, LaminarConfig, f"{source}: ")
         cfg = _without_refused(data, source, exc)
         if cfg is None:
             return None, problems
@@ -368,34 +311,12 @@ def _without_refused(data: dict, source: str, exc: ValidationError, tries: int =
     other layers still run); None when that is not a config either."""
     data = copy.deepcopy(data)
     for _ in range(tries):
-        for loc in sorted((tuple(e["loc"]) for e in exc.errors() if e["loc"]), key=_loc_order, reverse=True):
-            _drop(data, loc)
+        drop_refused(data, exc)
         try:
             return LaminarConfig.model_validate({**data, "source": source}, context={PLACEMENT_PROBLEMS: []})
         except ValidationError as again:
             exc = again
     return None
-
-
-def _loc_order(loc: tuple) -> tuple:
-    return tuple((0, p) if isinstance(p, int) else (1, str(p)) for p in loc)
-
-
-def _drop(data: Any, loc: tuple) -> None:
-    """Delete the value at `loc` (keys and list indices) from nested dicts and lists, if it is there."""
-    node = data
-    for part in loc[:-1]:
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
-            node = node[part]
-        else:
-            return
-    last = loc[-1]
-    if isinstance(node, dict):
-        node.pop(last, None)
-    elif isinstance(node, list) and isinstance(last, int) and last < len(node):
-        del node[last]
 
 
 def role_settings_problems(cfg: LaminarConfig) -> list[str]:
@@ -404,10 +325,10 @@ def role_settings_problems(cfg: LaminarConfig) -> list[str]:
     for hid, spec in cfg.placements():
         if spec.role not in REGISTRY:
             out.append(f"{cfg.source}: cluster.hosts.{hid}.roles: unknown role {spec.role!r}"
-                       f"{_suggest(spec.role, REGISTRY)}; known: {sorted(REGISTRY)}")
+                       f"{suggest(spec.role, REGISTRY)}; known: {sorted(REGISTRY)}")
     for name in cfg.roles:
         if name not in REGISTRY:
-            out.append(f"{cfg.source}: roles.{name}: unknown role kind{_suggest(name, REGISTRY)}; "
+            out.append(f"{cfg.source}: roles.{name}: unknown role kind{suggest(name, REGISTRY)}; "
                        f"known: {sorted(REGISTRY)}")
     for hid, spec in cfg.placements():
         if spec.role not in REGISTRY:
@@ -417,7 +338,7 @@ def role_settings_problems(cfg: LaminarConfig) -> list[str]:
         try:
             settings = model.model_validate(cfg.role_settings(spec.role, spec.id))
         except ValidationError as exc:
-            out += [p for p in _problems(exc, model, f"{cfg.source}: {where}.") if p not in out]
+            out += [p for p in problem_lines(exc, model, f"{cfg.source}: {where}.") if p not in out]
             continue
         check = getattr(settings, "check_placement", None)  # settings that depend on the placement (gpus, cores)
         if check is not None:

@@ -223,16 +223,16 @@ async def _up(cfg, host: str, a) -> int:
     transport = make_transport(cfg)
     sub = transport.subscriber(["hb.", "metrics.", "rollout.stats.", "relay.progress."])
     health.dropped = lambda: sub.dropped
-    tracking = start_live_tracking(cfg, host)
-    if tracking is not None:
-        view.notes.append(tracking.problems)
+    tracking = start_live_tracking(cfg, host, view)
+    # the one collector (/metrics, /healthz and the live view read it), and the live tracker's
+    # sender, which never blocks: a bounded queue per tracker (live_tracking.py)
+    hearers = [health.observe] + ([tracking.observe] if tracking is not None else [])
 
     async def feed() -> None:
         while True:
             _, ev = await sub.recv()
-            health.observe(ev)   # the one collector: /metrics, /healthz and the live view read it
-            if tracking is not None:
-                tracking.observe(ev)   # never blocks: a bounded queue per tracker (live_tracking.py)
+            for hear in hearers:
+                hear(ev)
 
     feed_failed: list[BaseException] = []
 
@@ -295,16 +295,21 @@ async def _up(cfg, host: str, a) -> int:
     for c in given_up:
         print(f"error: gave up on {c.key} after {c.failed_starts} failed starts: {c.last_error}", file=sys.stderr,
               flush=True)
+    await _sum_up(cfg, sup.children, tracking)
+    if signalled:
+        return 128 + signalled[0]
+    return 1 if given_up or feed_failed else 0
+
+
+async def _sum_up(cfg, children, tracking) -> None:
+    """The node of the trainer sums the run up once a version was trained (and completes the
+    live tracker runs); live tracker runs of a run that trained nothing are closed."""
     trained = cfg.workdir() / "trainer" / "metrics.jsonl"
-    here = any(c.role == "trainer" for c in sup.children)   # the node of the trainer sums the run up
-    if here and trained.exists() and trained.stat().st_size:  # and only once a version was trained
+    if any(c.role == "trainer" for c in children) and trained.exists() and trained.stat().st_size:
         print_summary(cfg, tracking)
     elif tracking is not None:
         for line in await asyncio.to_thread(tracking.finish):
             print(f"tracking: {line}", flush=True)
-    if signalled:
-        return 128 + signalled[0]
-    return 1 if given_up or feed_failed else 0
 
 
 class _MetricsUnavailable(Exception):
@@ -347,9 +352,10 @@ def _run_is_over(children, trainer_done: float) -> bool:
     return not evaluating or time.monotonic() - trainer_done > EVAL_GRACE_S
 
 
-def start_live_tracking(cfg, host: str):
+def start_live_tracking(cfg, host: str, view=None):
     """The live sender (laminar/live_tracking.py) when the config tracks live and this node runs
-    the trainer: it hears the trainer's and evaluator's metrics and reads the workdir's samples."""
+    the trainer: it hears the trainer's and evaluator's metrics and reads the workdir's samples;
+    the live view shows what it drops."""
     t = cfg.tracking
     if t is None or not t.live or not any(s.role == "trainer" for s in cfg.cluster.hosts[host].roles):
         return None
@@ -357,6 +363,8 @@ def start_live_tracking(cfg, host: str):
     tracking = LiveTracking(t, cfg.workdir(), cfg.run.name, {"run": cfg.run.model_dump(), "roles": cfg.roles},
                             queue_size=t.queue_size, close_timeout_s=t.close_timeout_s)
     tracking.start()
+    if view is not None:
+        view.notes.append(tracking.problems)
     print(f"tracking:  live to {', '.join(s.tracker.name for s in tracking.senders)} "
           f"(run ids in {cfg.workdir() / 'tracking.json'})", flush=True)
     return tracking
