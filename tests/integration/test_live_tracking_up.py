@@ -21,7 +21,7 @@ pytest.importorskip("mlflow")
 
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.local_cluster import write_local_cluster  # noqa: E402
-from tests.unit.test_live_tracking import Hang, mlflow_history, wandb_rows  # noqa: E402
+from tests.unit.test_live_tracking import Hang, mlflow_history, until, wandb_rows  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 CLI = [sys.executable, "-m", "laminar.cli"]
@@ -65,8 +65,9 @@ def test_live_tracking_under_up_mid_run_resume_and_a_hanging_tracker(tmp_path, m
     runs, hist = mlflow_history(uri, "trainer/reward_mean")
     assert len(runs) == 1 and runs[0].info.run_id == first["mlflow"]["run_id"], runs
     assert {5, 6} <= {s for s, _ in hist}
-    ids, rows = wandb_rows(run)
-    assert ids == {first["wandb"]["id"]} and {1, 2, 3, 4, 5, 6} <= set(rows)
+    ids, rows = until(lambda: (got := wandb_rows(run)) and {1, 2, 3, 4, 5, 6} <= set(got[1]) and got, 30,
+                      "both W&B run files written")
+    assert ids == {first["wandb"]["id"]}
     assert len(list(run.glob("wandb/offline-run-*"))) == 2
 
     # 3. a fresh run whose MLflow server hangs: training ends on time, the drops are said
