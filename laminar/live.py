@@ -31,17 +31,11 @@ from rich.console import Console
 from rich.text import Text
 
 from laminar.health import HealthCollector, RoleHealth
+from laminar.progress import duration
 from laminar.protocol import Metrics
 
 SHORT_STATE = {"stopped_by_operator": "op-stop"}
 DOWN = ("backoff", "failed", "starting")  # states in which a role's last error is worth showing
-
-
-def _duration(s: float) -> str:
-    s = int(max(s, 0))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class LiveView:
@@ -103,7 +97,7 @@ class LiveView:
         if v1 <= v0 or t1 <= t0:
             return ""
         left = max(self.max_versions - v1, 0) * (t1 - t0) / (v1 - v0)
-        return f"ETA {_duration(left - (self.clock() - t1))}"
+        return f"ETA {duration(left - (self.clock() - t1))}"
 
     def training_line(self) -> str:
         """Progress: version N/max, ETA, reward, throughput, staleness (and the second line's facts)."""
@@ -150,7 +144,7 @@ class LiveView:
     def _row(self, key: str, c, width: int) -> str:
         r = self.health.every_role().get(key)
         state = SHORT_STATE.get(c.state, c.state) if c else (r.beat.state if r and r.beat else "-")
-        up = _duration(self.clock() - c.started_at) if c and c.pid and c.started_at else "-"
+        up = duration(self.clock() - c.started_at) if c and c.pid and c.started_at else "-"
         return self._cells(key, state, str(c.pid or "-") if c else "-", up, str(c.restarts) if c else "-",
                            self.facts(r), width)
 
@@ -182,7 +176,7 @@ class LiveView:
         """The whole frame, at most `height` lines of at most `width` characters (default: the terminal's)."""
         width = width or self.console.size.width
         height = height or self.console.size.height
-        lines = [f"{self.title} · {_duration(self.clock() - self.started)}"]
+        lines = [f"{self.title} · {duration(self.clock() - self.started)}"]
         lines += self._wrap(self.training_line(), width, 2)
         errors = [f"! {k}: {c.last_error}" for k, c in sorted(self.children.items())
                   if getattr(c, "last_error", None) and c.state in DOWN]

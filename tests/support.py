@@ -5,6 +5,7 @@
 - `write_cluster()`: a single-host cluster file (broker + echo roles, free ports, a cluster key);
 - `Procs`: every process a test starts, each ended by its pid at teardown (SIGTERM, then SIGKILL);
 - `same()`: structural equality of events that hold numpy arrays (dataclass == cannot compare them);
+- `until()`: poll a condition of outside state until it holds, with a deadline;
 - `wandb_records()`: the records of a W&B offline run file, parsed with wandb's own messages;
 - `ShmNames`: /dev/shm names that belong to one test session (`laminar-test-<session>-<tag>-<n>`),
   so that its finalizer removes exactly those, whatever other sessions on the machine are doing.
@@ -20,6 +21,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,3 +239,14 @@ def wandb_records(path: Path) -> list:
             r.ParseFromString(part)
             out.append(r)
     return out
+
+
+def until(pred, timeout: float, what: str, pause: float = 0.2):
+    """Poll `pred` until it returns something true (returned), or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(pause)
+    raise AssertionError(f"timed out waiting for {what}")

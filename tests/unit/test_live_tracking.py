@@ -17,7 +17,7 @@ import pytest
 from laminar.live_tracking import LiveTracking
 from laminar.protocol import Metrics
 from laminar.tracking import TrackingSpec
-from tests.support import wandb_records
+from tests.support import until, wandb_records
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
@@ -38,16 +38,6 @@ def spec(run: Path, mlflow_uri: str | None = None, **kw) -> TrackingSpec:
 def trainer(v: int, reward: float) -> Metrics:
     return Metrics(role="trainer", id="0", ts=time.time(), values={"version": float(v), "reward_mean": reward,
                                                                     "staleness_mean": 0.5})
-
-
-def until(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def mlflow_history(uri: str, key: str) -> tuple[list, list]:
