@@ -1,5 +1,5 @@
 """`laminar-node dashboard CONFIG --out DIR`: a Grafana dashboard of the Prometheus series every
-node exports (laminar/health.py, listed in laminar/metric_families.py), and a Prometheus scrape
+node exports (laminar/health.py, listed in laminar/health_facts.py), and a Prometheus scrape
 config for the config's hosts.
 
     DIR/laminar-<run>.json    the dashboard (Grafana's JSON model: import it, pick the Prometheus data source)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -84,18 +83,20 @@ def evaluator_settings(cfg, ident: str | None):
     return settings
 
 
-def seal_key(cfg) -> bytes:
-    """The trainer's public signing key when the cluster has keys (b'': no keys, nothing checked)."""
+def seal_keys(cfg):
+    """The trainer's public signing key, as the keys seal.py reads it from, when the cluster has
+    keys (None: no keys, nothing checked)."""
     d = cfg.cluster.keys_dir
     if not d:
-        return b""
+        return None
     from laminar.bus.auth import load_weights_key
     from laminar.weights.seal import verifier_of
     if not Path(d).is_dir():
         raise FileNotFoundError(f"{cfg.source}: cluster.keys_dir {d} does not exist: relay versions cannot be "
                                 "checked against the trainer's key")
-    public, _ = load_weights_key(d, secret=False)
-    return verifier_of(SimpleNamespace(weights_public=public, public_dir=d)).raw
+    keys = SimpleNamespace(weights_public=load_weights_key(d, secret=False)[0], public_dir=d)
+    verifier_of(keys)   # a cluster with keys must have the trainer's public key: it says so
+    return keys
 
 
 def check_relay(model: Path, key: bytes):
@@ -119,7 +120,7 @@ def recorded_version(folder: Path) -> int | None:
         return None
 
 
-async def evaluate(model: Path, kind: str, settings, base: str, version: int | None, key: bytes, tmp: Path) -> dict:
+async def evaluate(model: Path, kind: str, settings, base: str, version: int | None, keys, tmp: Path) -> dict:
     """Start the engine on MODEL's weights, run the harness; {values, version}."""
     from laminar.roles.evaluator.harness import Harness, load_sets, make_engine
     sets = await asyncio.to_thread(load_sets, settings)
@@ -127,9 +128,9 @@ async def evaluate(model: Path, kind: str, settings, base: str, version: int | N
         from laminar.export import export
         model = await asyncio.to_thread(export, model, tmp / "model", base)
         kind = "hf"
+    from laminar.weights.seal import arm_engine_checks
     engine = make_engine(settings, model_dir=str(model) if kind == "hf" else base)
-    if key:  # the engine's workers check the seals again as they load (laminar/weights/pull.py)
-        os.environ["LAMINAR_WEIGHTS_VERIFY_KEY"] = key.hex()
+    arm_engine_checks(keys)   # with keys, the engine's workers check the seals again as they load
     await engine.start()
     try:
         if kind == "relay":
@@ -177,7 +178,8 @@ def run(a) -> int:
     model = Path(a.model)
     kind = kind_of(model)
     base = a.model_dir or settings.model_dir
-    key = seal_key(cfg)
+    keys = seal_keys(cfg)
+    key = keys.weights_public if keys is not None else b""
     lineage = check_relay(model, key).lineage if kind == "relay" else None   # refused before any engine starts
     if kind != "hf" and not (Path(base) / "config.json").is_file():
         raise UsageError(f"{base}: not a model folder (the base of a {kind}): pass --model-dir")
@@ -186,7 +188,7 @@ def run(a) -> int:
         got: dict = {}
 
         async def main() -> int:
-            got.update(await evaluate(model, kind, settings, base, a.version, key, Path(tmp)))
+            got.update(await evaluate(model, kind, settings, base, a.version, keys, Path(tmp)))
             return 0
         run_loop(main())
     sets = by_set(got["values"])

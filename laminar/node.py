@@ -360,7 +360,8 @@ def start_live_tracking(cfg, host: str, view=None):
     if t is None or not t.live or not any(s.role == "trainer" for s in cfg.cluster.hosts[host].roles):
         return None
     from laminar.live_tracking import LiveTracking  # late: only a tracked run's trainer node
-    tracking = LiveTracking(t, cfg.workdir(), cfg.run.name, {"run": cfg.run.model_dump(), "roles": cfg.roles},
+    from laminar.tracking import tracked_config
+    tracking = LiveTracking(t, cfg.workdir(), cfg.run.name, tracked_config(cfg),   # secrets redacted
                             queue_size=t.queue_size, close_timeout_s=t.close_timeout_s)
     tracking.start()
     if view is not None:

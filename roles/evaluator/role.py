@@ -52,6 +52,7 @@ from laminar.protocol import Heartbeat, Metrics
 from laminar.samples import SampleLog
 from laminar.weights.manifest import ident
 from laminar.weights.pull import LocalWeights
+from laminar.weights.seal import arm_engine_checks
 
 
 class EvaluatorConfig(BaseModel):
@@ -196,6 +197,9 @@ class EvaluatorRole(Role):
             _, spec = cfg.spec("evaluator", self.ctx.id)
             bind = ",".join(str(x) for x in spec.cores) if spec.cores else None
         self.engine = make_engine(c, omp_threads_bind=bind)
+        # its worker processes check each version's seals before they load it, as a rollout's do;
+        # the best version's export checks them too (laminar/export.py)
+        arm_engine_checks(getattr(self.ctx.transport, "keys", None))
         await self.engine.start()
         self.harness = Harness(self.engine, self.sets, c)
         self.version, self.lineage = 0, None  # model_dir's weights: version 0 of no lineage

@@ -14,7 +14,7 @@ import yaml
 
 from laminar.dashboard import PANELS, dashboard, metrics_in
 from laminar.health import HealthCollector
-from laminar.metric_families import metric_names
+from laminar.health_facts import metric_names
 from laminar.protocol import Metrics, RelayProgress, RolloutStats
 from laminar.testing.procs import free_port
 from tests.unit.test_health import child, hb, parse
@@ -30,7 +30,7 @@ def every_series_written() -> set[str]:
     for key in EVERY_ROLE:
         role, _, id = key.partition(".")
         c.child_changed(child(role, id, "ready"))
-    from laminar.metric_families import _HB_FACTS
+    from laminar.health_facts import HB_FACTS as _HB_FACTS
     for key in EVERY_ROLE:
         role, _, id = key.partition(".")
         status = {k: 1 for k in _HB_FACTS.get(role, {})}
@@ -41,7 +41,7 @@ def every_series_written() -> set[str]:
                            tokens_per_s=2.0, state="generating", generated_tokens=9))
     c.observe(RelayProgress(relay_id="r0", version=7, chunks_have=4, chunks_total=9, complete_version=6,
                             corrupt_chunks=1, upstream="", downstream=""))
-    from laminar.metric_families import _TRAINER_FACTS
+    from laminar.health_facts import TRAINER_FACTS as _TRAINER_FACTS
     for ts, v in ((1.0, 1.0), (2.0, 2.0)):
         c.observe(Metrics(role="trainer", id="0", ts=ts, values={**{k: 1.0 for k in _TRAINER_FACTS},
                                                                  "version": v, "batch_tokens": 10.0}))
