@@ -48,7 +48,10 @@ def test_live_tracking_under_up_mid_run_resume_and_a_hanging_tracker(tmp_path, m
     proc = up(path, tmp_path / "up1.out")
     seen_mid_run = None
     while proc.poll() is None:
-        _, hist = mlflow_history(uri, "trainer/reward_mean") if (run / "mlruns").exists() else ([], [])
+        try:
+            _, hist = mlflow_history(uri, "trainer/reward_mean") if (run / "mlruns").exists() else ([], [])
+        except ValueError:   # read while the node writes: a metric file it has just made is still empty
+            hist = []
         ids, rows = wandb_rows(run)
         if hist and rows and proc.poll() is None:
             seen_mid_run = ([s for s, _ in hist], sorted(rows))
