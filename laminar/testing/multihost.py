@@ -68,6 +68,7 @@ from laminar.testing.ledger_rewards import (
 from laminar.testing.local_cluster import write_prompts
 from laminar.testing.netns import NetnsCluster
 from laminar.testing.procs import log_events as events_in
+from laminar.testing.settings import deep_merge
 from laminar.weights.manifest import off_lineage
 from laminar.weights.publisher import read_lineage
 
@@ -158,7 +159,7 @@ class MultiHost:
                         "max_iterations": self.iterations},
         }
         for kind, extra in self.extra_roles.items():
-            settings.setdefault(kind, {}).update(extra)
+            settings[kind] = deep_merge(settings.get(kind), extra)  # a section keeps its other keys
         def write(path: Path, upto: int) -> Path:
             cfg = {"run": {"name": self.name, "workdir": str(self.run_dir)},
                    "cluster": {"keys_dir": str(self.tmp / "keys"), "heartbeat_s": 0.5, "dead_after_s": 3.0,

@@ -291,7 +291,7 @@ def test_the_trainer_sections_table_of_section_12_is_trainer_config_s():
     from laminar.roles.trainer.config import TrainerConfig
     from pydantic import BaseModel
 
-    from laminar.config import _unwrap
+    from laminar.config_errors import _unwrap
     sections = {name: _unwrap(f.annotation) for name, f in TrainerConfig.model_fields.items()
                 if isinstance(_unwrap(f.annotation), type) and issubclass(_unwrap(f.annotation), BaseModel)
                 and name not in ("sim", "lora")}

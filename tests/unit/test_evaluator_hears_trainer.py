@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import types
 
 import pytest
 from laminar.bus.inproc import InprocHub
@@ -67,9 +66,8 @@ def test_a_last_version_reported_during_setup_is_heard(tmp_path, monkeypatch):
     async def main():
         hub = InprocHub()
         trainer_pub = hub.transport().publisher()
-        engine = EngineWhileTrainerFinishes(trainer_pub)
-        monkeypatch.setattr("laminar.roles.evaluator.role.VllmEngine",
-                            types.SimpleNamespace(from_settings=lambda *a, **k: engine))
+        monkeypatch.setattr("laminar.roles.evaluator.role.make_engine",
+                            lambda *a, **k: EngineWhileTrainerFinishes(trainer_pub))
         role = EvaluatorRole(RoleContext(role="evaluator", id="0", host="h0", transport=hub.transport(), settings={
             "dataset": str(heldout), "shm_dir": str(relay), "last_version": 4, "final_wait_s": 0.2,
             "poll_s": 0.05, "samples": 0}))
