@@ -1,0 +1,116 @@
+"""Teach a model the agent conversations of the calculator task, in the chat format the gateway renders.
+
+    python -m laminar.tasks.agent_warmstart MODEL_DIR --data prompts.jsonl [--steps 400]
+
+Each word problem (laminar/tasks/word_problems.py) becomes the conversation laminar/tasks/calc_agent.py
+holds with the policy: the user's problem (with the calculator in the tools), the assistant's
+`<tool_call>` of the problem's arithmetic, the tool's result, the assistant's boxed answer. The
+conversation is rendered by laminar/chat.py, exactly as the gateway renders the agent's calls, and
+the loss is on the assistant turns only (their end-of-turn token included). `fixed=True` teaches
+one fixed call and answer instead (tests: a tiny model learns it in a few hundred steps, so a
+test's episode makes a tool call whatever the problem).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from pathlib import Path
+
+from laminar.chat import ChatFormat
+from laminar.tasks.calc_agent import TOOLS
+
+FIXED = ("6 * 7", "42")
+_STEP = re.compile(r"(gets|loses) (\d+):")
+
+
+def expression(rec: dict) -> str:
+    """The arithmetic of a word problem from its worked solution: `3 + 4 - 2`."""
+    start = rec["solution"].split(": ", 1)[1].split(" ", 1)[0]
+    ops = " ".join(f"{'+' if k == 'gets' else '-'} {x}" for k, x in _STEP.findall(rec["solution"]))
+    return f"{start} {ops}"
+
+
+def conversation(prompt: str, expr: str, result: str) -> list[dict]:
+    """The calc agent's exchange with a policy that calls the tool once, then answers."""
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": expr})}}
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": result},
+            {"role": "assistant", "content": f"The answer is \\boxed{{{result}}}."}]
+
+
+def encode(fmt: ChatFormat, messages: list[dict], tools: list[dict] = TOOLS) -> tuple[list[int], list[int]]:
+    """Token ids of the whole conversation and the loss mask: 1 on each assistant turn (what the
+    model writes after the template opened its turn, through its end-of-turn token)."""
+    ids = fmt.encode(fmt.render(messages, tools, generation_prompt=False))
+    mask = [0] * len(ids)
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(fmt.encode(fmt.render(messages[:k], tools, generation_prompt=True)))
+        end = len(fmt.encode(fmt.render(messages[:k + 1], tools, generation_prompt=False)))
+        end = next((i + 1 for i in range(start, end) if ids[i] == fmt.eos_id), end)
+        mask[start:end] = [1] * (end - start)
+    return ids, mask
+
+
+def teach(model_dir: str | Path, records: list[dict], steps: int = 400, lr: float = 1e-2, batch: int = 8,
+          seed: int = 0, fixed: bool = False, log_every: int = 0, tools: list[dict] = TOOLS) -> dict:
+    """Fine-tune MODEL_DIR in place on the agent conversations of `records` (prompt, solution), the
+    calculator offered as `tools` (the calc agent's own by default)."""
+    import torch
+    import transformers
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    fmt = ChatFormat.load(str(model_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        seqs, masks = [], []
+        for _ in range(batch):
+            rec = rng.choice(records)
+            expr, result = FIXED if fixed else (expression(rec), rec["answer"])
+            ids, mask = encode(fmt, conversation(rec["prompt"], expr, result), tools)
+            seqs.append(ids)
+            masks.append(mask)
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+        att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)[:, 1:]
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                reduction="none").view(batch, -1)
+        loss = (nll * m).sum() / m.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if log_every and (step + 1) % log_every == 0:
+            print(f"agent warm start step {step + 1}/{steps}: loss {sum(losses[-log_every:]) / log_every:.3f}",
+                  flush=True)
+    model.eval()
+    model.save_pretrained(model_dir)
+    return {"steps": steps, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / min(10, len(losses))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("--data", required=True, help="word problems (JSONL with prompt, answer, solution)")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    import torch
+    torch.set_num_threads(2)
+    records = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()]
+    print(teach(a.model_dir, records, a.steps, a.lr, seed=a.seed, log_every=50))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""A tool-calling agent for the word problems: it asks the policy, runs the calculator the policy calls, repeats.
+
+    OPENAI_BASE_URL=http://HOST:PORT/v1 LAMINAR_EPISODE_ID=ID python calc_agent.py   # prompt: prompt.txt
+
+An ordinary OpenAI-client program, as an outside team would write one: the agent role
+(roles/agent/) runs it once per episode in its sandbox, with the gateway's URL, the episode id
+and the prompt (the file `prompt.txt`, or LAMINAR_PROMPT). Each turn it sends the conversation
+with the `calculator` tool; when the reply calls the tool it appends the result as a `tool`
+message and asks again, until the reply calls no tool or `LAMINAR_MAX_TURNS` turns are spent.
+It then ends its episode without a reward of its own: the rollout's reward function (the boxed
+answer checked by math-verify) scores what the policy wrote.
+
+It imports only the standard library and `openai` (what the sandbox shows it), so the agent role
+runs its source file as it is. laminar/tasks/agent_warmstart.py teaches the tiny model this
+conversation format from the same TOOLS.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression of integers with + - * /",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.USub: operator.neg}
+
+
+def calculate(expression: str) -> str:
+    """The value of an arithmetic expression (numbers, + - * /, parentheses), or an error text."""
+    def ev(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError("only numbers and + - * / are allowed")
+    try:
+        value = ev(ast.parse(expression[:200], mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, TypeError) as exc:
+        return f"error: {exc}"
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def end_episode(base_url: str, key: str, episode: str, reward: float | None = None, reason: str = "agent") -> int:
+    """POST /v1/episodes/{id}/end; the HTTP status (409: it had ended already)."""
+    url = f"{base_url.rstrip('/')}/episodes/{urllib.parse.quote(episode, safe='')}/end"
+    req = urllib.request.Request(url, data=json.dumps({"reward": reward, "reason": reason}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def solve(client, episode: str, prompt: str, model: str, max_turns: int = 4, max_tokens: int = 96,
+          temperature: float = 1.0) -> list[dict]:
+    """The conversation of one episode (the policy's turns and the tool's results)."""
+    messages: list[dict] = [{"role": "user", "content": prompt}]
+    for _ in range(max_turns):
+        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, user=episode,
+                                               max_tokens=max_tokens, temperature=temperature)
+        msg = reply.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            break
+        for call in msg.tool_calls:
+            try:
+                args = json.loads(call.function.arguments or "{}")
+            except ValueError:
+                args = {}
+            result = calculate(str(args.get("expression", ""))) if call.function.name == "calculator" \
+                else f"error: no tool {call.function.name!r}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return messages
+
+
+def main() -> int:
+    import openai  # here, not at import: laminar imports TOOLS from this module without the client
+    base, episode = os.environ["OPENAI_BASE_URL"], os.environ["LAMINAR_EPISODE_ID"]
+    key = os.environ.get("OPENAI_API_KEY", "laminar")
+    prompt = os.environ.get("LAMINAR_PROMPT") or open("prompt.txt", encoding="utf-8").read()
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=5, timeout=600)
+    messages = solve(client, episode, prompt, os.environ.get("LAMINAR_MODEL", "laminar-policy"),
+                     int(os.environ.get("LAMINAR_MAX_TURNS", "4")), int(os.environ.get("LAMINAR_MAX_TOKENS", "96")),
+                     float(os.environ.get("LAMINAR_TEMPERATURE", "1.0")))
+    status = end_episode(base, key, episode)
+    print(json.dumps({"episode": episode, "turns": sum(m["role"] == "assistant" for m in messages),
+                      "tool_calls": sum(m["role"] == "tool" for m in messages), "end": status,
+                      "answer": messages[-1].get("content")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
