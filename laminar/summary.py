@@ -37,7 +37,8 @@ over the evaluations of every eval set, `eval_best` the evaluator's best.json (d
 pass rate; `<workdir>/prompt_pool/curriculum-<id>.json`, docs/learning.md), {} when it was off.
 `reward` is what the model scorers did (replicas' latency and queue depth, parse failures, time
 awaiting a score, each model's agreement with the rule functions): laminar/summary_rewards.py,
-docs/rewards.md; None for a run without them.
+docs/rewards.md; None for a run without them. `agents` is what the agent roles ran (episodes, how
+they ended, episodes per second): laminar/summary_agents.py; None without an agent role.
 `sandbox_alarms` lists what an env role's code sandbox ran without ({env, event, warning}: no
 per-run cgroup, `sandbox_no_cgroup`; no system-call filter, `sandbox_degraded`), from
 `<workdir>/logs/env.*.log`; [] when every sandbox had all its layers (or the run had no env role).
@@ -52,6 +53,7 @@ from pathlib import Path
 
 from laminar.logs import read_rotated_jsonl
 from laminar.report import read_jsonl
+from laminar.summary_agents import agent_section
 from laminar.summary_rewards import reward_section
 
 
@@ -66,6 +68,7 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     out.update(learning_stats(recs, evals))
     out["eval"] = eval_sets(evals)
     out["reward"] = reward_section(run)  # model scorers (summary_rewards.py); None without any
+    out["agents"] = agent_section(run)   # agent programs run (summary_agents.py); None without an agent role
     try:
         out["eval_best"] = json.loads((run / "evaluator" / "best.json").read_text())
     except (OSError, ValueError):
@@ -223,6 +226,10 @@ def table(s: dict) -> str:
             "rollout_idle_fraction", "kv_usage_mean", "publish_stall_s_max", "duration_s"]
     width = max(map(len, keys))
     rows = [f"  {k:<{width}}  {f(s.get(k))}" for k in keys]
+    if s.get("agents"):
+        a = s["agents"]
+        rows.append(f"  {'agent episodes':<{width}}  {a['episodes']} ({a['exit_ok']} exit 0, {a['killed']} killed), "
+                    f"{f(a['episodes_per_s'])} episodes/s")
     for a in s.get("sandbox_alarms") or []:
         rows.append(f"  {'sandbox[' + a['env'] + ']':<{width}}  {a['event']}: {a['warning']}")
     for name, sc in ((s.get("reward") or {}).get("scorers") or {}).items():

@@ -6,9 +6,9 @@ Each word problem (laminar/tasks/word_problems.py) becomes the conversation lami
 holds with the policy: the user's problem (with the calculator in the tools), the assistant's
 `<tool_call>` of the problem's arithmetic, the tool's result, the assistant's boxed answer. The
 conversation is rendered by laminar/chat.py, exactly as the gateway renders the agent's calls, and
-the loss is on the assistant turns only (their end-of-turn token included). `fixed=True` teaches
-one fixed call and answer instead (tests: a tiny model learns it in a few hundred steps, so a
-test's episode makes a tool call whatever the problem).
+the loss is on the assistant turns only (their end-of-turn token included). Tests teach one
+fixed call and answer instead (a tiny model learns it in a hundred steps or so, so a test's
+episode makes a tool call whatever the question).
 """
 from __future__ import annotations
 
@@ -32,13 +32,18 @@ def expression(rec: dict) -> str:
     return f"{start} {ops}"
 
 
-def conversation(prompt: str, expr: str, result: str) -> list[dict]:
+def conversation(prompt: str, expr: str, result: str, tool: str = "calculator", arg: str = "expression",
+                 answer: str | None = None) -> list[dict]:
     """The calc agent's exchange with a policy that calls the tool once, then answers."""
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": expr})}}
+    call = {"id": "call_0", "type": "function", "function": {"name": tool, "arguments": json.dumps({arg: expr})}}
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_0", "content": result},
-            {"role": "assistant", "content": f"The answer is \\boxed{{{result}}}."}]
+            {"role": "assistant", "content": answer or f"The answer is \\boxed{{{result}}}."}]
+
+
+def calc_conversations(records: list[dict], fixed: bool = False) -> list[list[dict]]:
+    """The word problems' conversations: each problem's own arithmetic, or one fixed call (FIXED)."""
+    return [conversation(r["prompt"], *(FIXED if fixed else (expression(r), r["answer"]))) for r in records]
 
 
 def encode(fmt: ChatFormat, messages: list[dict], tools: list[dict] = TOOLS) -> tuple[list[int], list[int]]:
@@ -56,27 +61,21 @@ def encode(fmt: ChatFormat, messages: list[dict], tools: list[dict] = TOOLS) -> 
     return ids, mask
 
 
-def teach(model_dir: str | Path, records: list[dict], steps: int = 400, lr: float = 1e-2, batch: int = 8,
-          seed: int = 0, fixed: bool = False, log_every: int = 0, tools: list[dict] = TOOLS) -> dict:
-    """Fine-tune MODEL_DIR in place on the agent conversations of `records` (prompt, solution), the
-    calculator offered as `tools` (the calc agent's own by default)."""
+def teach(model_dir: str | Path, conversations: list[list[dict]], steps: int = 400, lr: float = 1e-2,
+          batch: int = 8, seed: int = 0, log_every: int = 0, tools: list[dict] = TOOLS) -> dict:
+    """Fine-tune MODEL_DIR in place on `conversations` (drawn at random), `tools` offered in each."""
     import torch
     import transformers
     torch.manual_seed(seed)
     rng = random.Random(seed)
     fmt = ChatFormat.load(str(model_dir))
+    encoded = [encode(fmt, c, tools) for c in conversations]
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for step in range(steps):
-        seqs, masks = [], []
-        for _ in range(batch):
-            rec = rng.choice(records)
-            expr, result = FIXED if fixed else (expression(rec), rec["answer"])
-            ids, mask = encode(fmt, conversation(rec["prompt"], expr, result), tools)
-            seqs.append(ids)
-            masks.append(mask)
+        seqs, masks = zip(*(rng.choice(encoded) for _ in range(batch)), strict=True)
         width = max(map(len, seqs))
         ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
         att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
@@ -109,7 +108,7 @@ def main() -> None:
     import torch
     torch.set_num_threads(2)
     records = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()]
-    print(teach(a.model_dir, records, a.steps, a.lr, seed=a.seed, log_every=50))
+    print(teach(a.model_dir, calc_conversations(records), a.steps, a.lr, seed=a.seed, log_every=50))
 
 
 if __name__ == "__main__":

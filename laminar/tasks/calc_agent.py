@@ -4,14 +4,15 @@
 
 An ordinary OpenAI-client program, as an outside team would write one: the agent role
 (roles/agent/) runs it once per episode in its sandbox, with the gateway's URL, the episode id
-and the prompt (the file `prompt.txt`, or LAMINAR_PROMPT). Each turn it sends the conversation
+and the prompt (the file `prompt.txt`, or LAMINAR_PROMPT), and `laminar_episode.py` beside it
+(laminar/tasks/episode_client.py: the episode's id, prompt, settings, end). Each turn it sends the conversation
 with the `calculator` tool; when the reply calls the tool it appends the result as a `tool`
 message and asks again, until the reply calls no tool or `LAMINAR_MAX_TURNS` turns are spent.
 It then ends its episode without a reward of its own: the rollout's reward function (the boxed
 answer checked by math-verify) scores what the policy wrote.
 
-It imports only the standard library and `openai` (what the sandbox shows it), so the agent role
-runs its source file as it is. laminar/tasks/agent_warmstart.py teaches the tiny model this
+It imports only the standard library, `openai` and `laminar_episode` (what the sandbox shows it),
+so the agent role runs its source file as it is. laminar/tasks/agent_warmstart.py teaches the tiny model this
 conversation format from the same TOOLS.
 """
 from __future__ import annotations
@@ -19,11 +20,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
-import os
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression of integers with + - * /",
@@ -49,18 +46,6 @@ def calculate(expression: str) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
-def end_episode(base_url: str, key: str, episode: str, reward: float | None = None, reason: str = "agent") -> int:
-    """POST /v1/episodes/{id}/end; the HTTP status (409: it had ended already)."""
-    url = f"{base_url.rstrip('/')}/episodes/{urllib.parse.quote(episode, safe='')}/end"
-    req = urllib.request.Request(url, data=json.dumps({"reward": reward, "reason": reason}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
 def solve(client, episode: str, prompt: str, model: str, max_turns: int = 4, max_tokens: int = 96,
           temperature: float = 1.0) -> list[dict]:
     """The conversation of one episode (the policy's turns and the tool's results)."""
@@ -84,16 +69,11 @@ def solve(client, episode: str, prompt: str, model: str, max_turns: int = 4, max
 
 
 def main() -> int:
-    import openai  # here, not at import: laminar imports TOOLS from this module without the client
-    base, episode = os.environ["OPENAI_BASE_URL"], os.environ["LAMINAR_EPISODE_ID"]
-    key = os.environ.get("OPENAI_API_KEY", "laminar")
-    prompt = os.environ.get("LAMINAR_PROMPT") or open("prompt.txt", encoding="utf-8").read()
-    client = openai.OpenAI(base_url=base, api_key=key, max_retries=5, timeout=600)
-    messages = solve(client, episode, prompt, os.environ.get("LAMINAR_MODEL", "laminar-policy"),
-                     int(os.environ.get("LAMINAR_MAX_TURNS", "4")), int(os.environ.get("LAMINAR_MAX_TOKENS", "96")),
-                     float(os.environ.get("LAMINAR_TEMPERATURE", "1.0")))
-    status = end_episode(base, key, episode)
-    print(json.dumps({"episode": episode, "turns": sum(m["role"] == "assistant" for m in messages),
+    from laminar_episode import client, end_episode, episode_id, prompt, setting  # beside it (episode_client.py)
+    messages = solve(client(), episode_id(), prompt(), setting("model", "laminar-policy"), setting("max_turns", 4),
+                     setting("max_tokens", 96), setting("temperature", 1.0))
+    status = end_episode()
+    print(json.dumps({"episode": episode_id(), "turns": sum(m["role"] == "assistant" for m in messages),
                       "tool_calls": sum(m["role"] == "tool" for m in messages), "end": status,
                       "answer": messages[-1].get("content")}))
     return 0

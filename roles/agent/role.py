@@ -6,7 +6,8 @@
 
 The program is a file of source (`script`: a module name or a path) run as main.py in the sandbox
 (laminar/envs/sandbox.py: namespaces, seccomp, a cgroup, a uid of its own, a private scratch
-folder holding `prompt.txt` and `episode.json`), with OPENAI_BASE_URL, OPENAI_API_KEY,
+folder holding `prompt.txt`, `episode.json` and `laminar_episode.py`, the helpers of
+laminar/tasks/episode_client.py), with OPENAI_BASE_URL, OPENAI_API_KEY,
 LAMINAR_EPISODE_ID, LAMINAR_MODEL and `env` in its environment. Its only way out is the
 gateway: the role's GatewayDoor (net.py) is bound into the sandbox and reached there as
 127.0.0.1:`port_inside`. With `isolation: process` it runs as a plain child process instead, with
@@ -57,7 +58,7 @@ class AgentRole(Role):
         super().__init__(ctx)
         self.counts: Counter[str] = Counter()
         self.running = 0
-        self.url = self.key = self.code = None
+        self.url = self.key = self.code = self.helper = None
         self.sandbox: Sandbox | None = None
         self.door: GatewayDoor | None = None
         self._door_dir: str | None = None
@@ -65,6 +66,7 @@ class AgentRole(Role):
     async def setup(self) -> None:
         s = self.settings
         self.code = script_source(s.script)
+        self.helper = script_source("laminar.tasks.episode_client")  # laminar_episode.py beside every program
         self.url, key_file = self._gateway()
         self.key = Path(key_file).read_text().strip() if key_file else None
         if s.isolation == "sandbox":
@@ -145,7 +147,7 @@ class AgentRole(Role):
         s, eid = self.settings, ep["id"]
         env = {"OPENAI_API_KEY": self.key or "laminar", "LAMINAR_EPISODE_ID": eid,
                "LAMINAR_MODEL": str(ep.get("model", "")), **s.env}
-        files = {"prompt.txt": ep.get("prompt", ""), "episode.json": json.dumps(ep)}
+        files = {"prompt.txt": ep.get("prompt", ""), "episode.json": json.dumps(ep), "laminar_episode.py": self.helper}
         self.running += 1
         t0 = time.monotonic()
         try:

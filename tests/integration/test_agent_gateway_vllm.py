@@ -34,15 +34,16 @@ from laminar.chat import ChatFormat  # noqa: E402
 from laminar.config import parse_config  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.protocol import SampleGroups  # noqa: E402
-from laminar.tasks.agent_warmstart import teach  # noqa: E402
+from laminar.tasks.agent_warmstart import conversation, teach  # noqa: E402
 from laminar.testing.inproc_cluster import InprocCluster  # noqa: E402
 from laminar.weights.local_write import write_version  # noqa: E402
 from laminar.weights.store import ShmStore  # noqa: E402
 from tests.support import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
-TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+TOOLS = [{"type": "function", "function": {"name": "calc"}}]
 PROMPTS = ["What is 6*7?", "Compute 6*7."]
+STEPS = 160  # SFT steps: the fixed call and answer, learnt by heart
 
 
 def make_cfg(tmp, model_dir, shm, port):
@@ -67,7 +68,8 @@ def make_cfg(tmp, model_dir, shm, port):
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent-vllm")
     model_dir = build_tiny_model(tmp / "model", seed=1)
-    teach(model_dir, [{"prompt": p} for p in PROMPTS], steps=250, lr=1e-2, batch=4, fixed=True, tools=TOOLS)
+    convs = [conversation(p, "6*7", "42", tool="calc", arg="x", answer="\\boxed{42}") for p in PROMPTS]
+    teach(model_dir, convs, steps=STEPS, lr=0.02, batch=4, tools=TOOLS)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     shm = f"/dev/shm/laminar-test-agent-{uuid.uuid4().hex[:10]}"
     store = ShmStore(shm, retain=4)
@@ -141,7 +143,7 @@ def test_openai_client_episode_is_token_exact_on_one_version(world):
     r1, msgs, chunks, t, failed, c = loop.run_until_complete(go())
 
     assert r1.system_fingerprint == "laminar-v1" and r1.choices[0].finish_reason == "tool_calls"
-    assert json.loads(r1.choices[0].message.tool_calls[0].function.arguments) == {"expression": "6 * 7"}
+    assert json.loads(r1.choices[0].message.tool_calls[0].function.arguments) == {"x": "6*7"}
     assert {ch.system_fingerprint for ch in chunks} == {"laminar-v1"}  # every chunk: the episode's version
     answer = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert "\\boxed{42}" in answer
