@@ -18,7 +18,8 @@ so the trajectory is what the engine saw and produced, never re-tokenized from t
 message the agent echoes back is rendered from the exact text the model sampled (matched by its
 content and tool calls), so a template that would write it differently does not break the chain.
 A context that still does not extend the recording is a history rewrite: refused (`rewritten`)
-or, with `on_rewrite: segment`, the start of a new segment (both counted). A retry of the last
+or, with `on_rewrite: segment`, the start of a new segment (agent_record.py: its whole context
+appended as an observation; later calls extend that segment; both counted). A retry of the last
 call (its context is the recording before that call's reply) is answered from the recording.
 
 Versions and moves. The batch loop changes weights only when nothing is active, so every call of
@@ -43,6 +44,7 @@ from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError
 from laminar.roles.rollout.agent_call import CallParams, CallRun
 from laminar.roles.rollout.agent_config import RolloutAgentConfig
+from laminar.roles.rollout.agent_record import calls, segment_start, turns
 from laminar.roles.rollout.trajectory import Active
 
 from laminar.chat import ChatError, ChatFormat
@@ -124,7 +126,7 @@ class AgentEpisodes:
         reason = {"failed": "agent_failed", "agent_killed": "agent_killed"}.get(req.reason, "stop")
         self._end(ep, reason, 0.0 if reason == "agent_failed" else req.reward)
         self.log.info("episode_end", episode=req.episode_id, reward=req.reward, reason=req.reason,
-                      calls=len(ep.a.obs_spans))
+                      calls=calls(ep.a.obs_spans))
         return Ack("ended")
 
     async def on_call(self, req: AgentCall) -> AgentCallReply:
@@ -159,7 +161,7 @@ class AgentEpisodes:
         if isinstance(obs, CallRun):  # the last call, retried
             ep.call = obs
             return obs
-        if len(a.obs_spans) >= self.s.max_calls:
+        if calls(a.obs_spans) >= self.s.max_calls:
             self._end(ep, "turns", None)
             raise RequestError("ended", f"episode {a.id}: its {self.s.max_calls} calls are spent")
         context = recorded + obs
@@ -196,25 +198,32 @@ class AgentEpisodes:
         return m
 
     def _extension(self, ep: Episode, text, ids, recorded: list[int], p: CallParams, req: AgentCall):
-        """(observation tokens, rewrite?) of a call: all of its context on the first call, the part
-        past the recording after that; or the CallRun of a retried last call."""
+        """(observation tokens, new segment?) of a call: all of its context on the first call, the part
+        past the current segment's tokens after that; or the CallRun of a retried last call."""
         if not recorded:
             return (self.fmt.encode(text) if ids is None else ids), False
+        a = ep.a
+        seg = segment_start(a.obs_spans)
+        base = recorded if seg is None else a.tokens[seg:]   # what the call's context must extend
         if ids is not None:
-            if ids[:len(recorded)] == recorded:
-                return ids[len(recorded):], False
+            if ids[:len(base)] == base:
+                return ids[len(base):], False
         else:
-            done = self.fmt.decode(recorded)
+            done = self.fmt.decode(base)
             if text.startswith(done):
                 return self.fmt.encode(text[len(done):]), False
-        if ep.a.obs_spans:  # the context the last call saw: a retry of it
-            before = recorded[:len(ep.a.spec.prompt_tokens) + ep.a.obs_spans[-1][1]]
-            if (ids == before) if ids is not None else (text == self.fmt.decode(before)):
-                return self._replay(ep, p, req, before), False
+        if a.obs_spans:  # the context the last call saw: a retry of it
+            end = a.obs_spans[-1][1]
+            seen = base[:(len(a.spec.prompt_tokens) + end) if seg is None else end - seg]
+            if (ids == seen) if ids is not None else (text == self.fmt.decode(seen)):
+                return self._replay(ep, p, req, recorded[:len(a.spec.prompt_tokens) + end]), False
         self.counts["history_rewrites"] += 1
-        self.log.warning("history_rewritten", episode=ep.a.id, calls=len(ep.a.obs_spans), policy=self.s.on_rewrite)
-        raise RequestError("rewritten", f"episode {ep.a.id}: the call's context does not extend the "
-                                        f"{len(recorded)} tokens recorded so far (history rewritten); continue "
+        self.log.warning("history_rewritten", episode=a.id, calls=calls(a.obs_spans), policy=self.s.on_rewrite)
+        if self.s.on_rewrite == "segment":  # its whole context starts a new segment of the episode
+            self.counts["segments"] += 1
+            return (self.fmt.encode(text) if ids is None else ids), True
+        raise RequestError("rewritten", f"episode {a.id}: the call's context does not extend the "
+                                        f"{len(base)} tokens recorded so far (history rewritten); continue "
                                         "from the conversation as returned, or start a new episode")
 
     def _replay(self, ep: Episode, p: CallParams, req: AgentCall, before: list[int]) -> CallRun:
@@ -230,7 +239,7 @@ class AgentEpisodes:
         seed = run.params.seed
         if seed is None and self.seed is not None:
             seed = zlib.crc32(f"{self.seed}:{a.id}:{len(a.tokens)}".encode())
-        rid = f"{a.id}#{self.rollout_id}.{a.attempt}.c{len(a.obs_spans)}"
+        rid = f"{a.id}#{self.rollout_id}.{a.attempt}.c{len(a.obs_spans)}.{run.call_id[:8]}"
         try:
             await run.generate(self.engine, rid, seed)
             self._record(ep, run, obs)
@@ -249,38 +258,41 @@ class AgentEpisodes:
         self.counts["calls"] += 1
         if a.remaining <= 0:
             self._end(ep, "length", None)
-        elif len(a.obs_spans) >= self.s.max_calls:
+        elif calls(a.obs_spans) >= self.s.max_calls:
             self._end(ep, "turns", None)
 
     def _record(self, ep: Episode, run: CallRun, obs: list[int]) -> None:
         a, c = ep.a, run.choices[0]
+        if not c.tokens:
+            return  # nothing sampled (an aborted request): nothing to record, the call is as if unmade
         if a.hold:  # the first call: its context is the trajectory's prompt
             a.spec = dataclasses.replace(a.spec, prompt_tokens=np.asarray(run.context, np.int32))
             a.hold = False
+        if run.rewrite:
+            a.add_observation([])  # the marker of a new segment (agent_record.py)
         a.add_observation(obs)
         a.add_generated(c.tokens, c.logprobs)
         self.on_tokens(sum(len(x.tokens) for x in run.choices))
         raw = c.tokens[:-1] if c.tokens and c.tokens[-1] == self.fmt.eos_id else c.tokens
-        content, calls = parse_tool_calls(c.text) if c.tools is not None else (c.text, [])
-        key = message_key({"content": content, "tool_calls": [{"function": x} for x in calls]})
+        content, found = parse_tool_calls(c.text) if c.tools is not None else (c.text, [])
+        key = message_key({"content": content, "tool_calls": [{"function": x} for x in found]})
         ep.echoes[key] = self.fmt.decode(raw)
 
     def _rebuild_echoes(self, ep: Episode) -> None:
         """After a move: each recorded turn's text, by the message a client would echo for it."""
         a = ep.a
-        ends = [s for s, _ in a.obs_spans[1:]] + [len(a.tokens)]
-        for (_, start), end in zip(a.obs_spans, ends, strict=True):
+        for start, end in turns(a.obs_spans, len(a.tokens)):
             toks = a.tokens[start:end]
             raw = toks[:-1] if toks and toks[-1] == self.fmt.eos_id else toks
-            content, calls = parse_tool_calls(self.fmt.display(raw))
-            ep.echoes[message_key({"content": content, "tool_calls": [{"function": x} for x in calls]})] = \
+            content, found = parse_tool_calls(self.fmt.display(raw))
+            ep.echoes[message_key({"content": content, "tool_calls": [{"function": x} for x in found]})] = \
                 self.fmt.decode(raw)
 
     # -- announcements ------------------------------------------------------------------------------
     def _info(self, ep: Episode, state: str = "open") -> EpisodeInfo:
         a = ep.a
         return EpisodeInfo(episode_id=a.id, version=a.version, lineage=a.lineage, prompt=self._prompt_text(a),
-                           group_id=a.spec.group_id, sample_index=a.spec.sample_index, calls=len(a.obs_spans),
+                           group_id=a.spec.group_id, sample_index=a.spec.sample_index, calls=calls(a.obs_spans),
                            tokens=len(a.tokens), state=state)
 
     def _prompt_text(self, a: Active) -> str:

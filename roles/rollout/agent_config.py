@@ -22,8 +22,9 @@ class RolloutAgentConfig(BaseModel):
                                     "(never more than the episode's token budget leaves)")
     on_rewrite: Literal["refuse", "segment"] = Field(
         "refuse", description="a call whose rendered context does not extend the episode's recorded tokens (the "
-        "agent rewrote its history): refuse it (HTTP 409, counted), or start a new segment of the episode from "
-        "that context (counted; trained as its own sequence with the episode's reward)")
+        "agent rewrote its history): refuse it (HTTP 409), or start a new segment: its whole context appended as "
+        "an observation, which later calls extend (the engine still sees the earlier segments first: the "
+        "trajectory stays one sequence the engine saw); counted either way")
     announce_interval_s: float = Field(1.0, gt=0, description="how often the rollout announces all its episodes "
                                        "to the gateway (new and ended ones go at once)")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of one announce to the gateway")

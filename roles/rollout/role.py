@@ -21,7 +21,8 @@ The role wires its components in setup() and keeps the batch loop and its intake
 
 Tasks: `loop` (run), `gen:<id>`/`finish:<id>` (one per trajectory), `flush` (every
 delta_interval_s), `report` (rollout.stats every report_interval_s), `versions` (weights.version
-events), and the control server's MigrateOut/MigrateIn handlers. They share one event loop, so
+events), and the control server's MigrateOut/MigrateIn handlers; in agent mode `announce` and
+`call:<id>` (one per agent call) and the AgentCall/EndEpisode handlers. They share one event loop, so
 nothing interleaves between two awaits; work.lock spans the awaits where it matters. Who writes
 what, and how the others ask:
 
@@ -40,6 +41,10 @@ what, and how the others ask:
   taken_on_version,    the loop alone.
     batches, seqs
   work.state           the loop, weight loads and MigrateIn (a label, only reported).
+  agents.open          agent mode (agent.py): an episode is added by its trajectory's task and removed
+                       by it (moved away) or by the runner once stored (release); its Active's
+                       `hold` is cleared, and `busy` set and cleared, only by the episode's own call
+                       task, which is the only writer of its tokens until it ends.
   counters             each by its component: work.generated (trajectory tasks),
                        weights.pull_failures, runner.puts_refused and gave_up, stream.fenced_off;
                        take_failures (the loop).

@@ -195,3 +195,34 @@ def test_streamed_episode_call_ends_only_once_durable():
         await ag.on_end(EndEpisode("e0", None))
         assert await task == ("stop", None)
     run(main())
+
+
+def test_episode_rewrite_starts_a_segment_that_later_calls_extend_also_after_a_move():
+    async def main():
+        engine = Script(["one", "two", "three"])
+        ag, _ = episodes(engine, on_rewrite="segment")
+        a = Active(spec=spec(), version=0)
+        task = asyncio.ensure_future(ag.run(a))
+        await settle()
+        r1 = await ag.on_call(call("e0", "c1", [USER]))
+        short = [{"role": "user", "content": "Summary: 6*7"}]   # the agent rewrote its history
+        r2 = await ag.on_call(call("e0", "c2", short))
+        assert r2.rewrite and not r1.rewrite and ag.counts["history_rewrites"] == ag.counts["segments"] == 1
+        seg = FMT.encode(FMT.render(short, TOOLS))
+        n1 = len(CODEC.encode("one")) + 1
+        assert a.obs_spans == [(0, 0), (n1, n1), (n1, n1 + len(seg))]         # a marker, then the segment
+        assert engine.prompts[1] == [int(t) for t in a.spec.prompt_tokens] + a.tokens[:n1] + seg
+        # moved to another rollout between calls: the segment and the echoes are read back from the spans
+        moved = Active.resume(a.partial("r0"))
+        ag2, _ = episodes(engine, on_rewrite="segment")
+        task.cancel()
+        task2 = asyncio.ensure_future(ag2.run(moved))
+        await settle()
+        r3 = await ag2.on_call(call("e0", "c3", short + [echo(r2), {"role": "user", "content": "and?"}]))
+        assert not r3.rewrite and ag2.counts["history_rewrites"] == 0
+        obs = CODEC.encode("\n<|user|>\nand?<|end|>\n<|assistant|>\n")
+        assert engine.prompts[2][-len(obs):] == obs and len(engine.prompts[2]) == len(engine.prompts[1]) + 4 + len(obs)
+        assert [len(s) for s in (moved.obs_spans,)] == [4]
+        await ag2.on_end(EndEpisode("e0", 1.0))
+        assert await task2 == ("stop", 1.0)
+    run(main())
