@@ -31,8 +31,9 @@ class Policy:
         calls = None if isinstance(r, str) else [
             SimpleNamespace(id=f"call_{k}", function=SimpleNamespace(name=n, arguments=json.dumps(a)))
             for k, (n, a) in enumerate(r)]
-        msg = SimpleNamespace(content=r if isinstance(r, str) else None, tool_calls=calls,
-                              model_dump=lambda **_: {"role": "assistant", "content": r if isinstance(r, str) else None})
+        text = r if isinstance(r, str) else None
+        msg = SimpleNamespace(content=text, tool_calls=calls,
+                              model_dump=lambda **_: {"role": "assistant", "content": text})
         return SimpleNamespace(choices=[SimpleNamespace(message=msg)])
 
 
