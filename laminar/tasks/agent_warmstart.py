@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 from pathlib import Path
 
 from laminar.chat import ChatFormat
 from laminar.tasks.calc_agent import TOOLS
+from laminar.tasks.warmstart import masked_loss
 
 FIXED = ("6 * 7", "42")
 _STEP = re.compile(r"(gets|loses) (\d+):")
@@ -63,7 +65,8 @@ def encode(fmt: ChatFormat, messages: list[dict], tools: list[dict] = TOOLS) -> 
 
 def teach(model_dir: str | Path, conversations: list[list[dict]], steps: int = 400, lr: float = 1e-2,
           batch: int = 8, seed: int = 0, log_every: int = 0, tools: list[dict] = TOOLS) -> dict:
-    """Fine-tune MODEL_DIR in place on `conversations` (drawn at random), `tools` offered in each."""
+    """Fine-tune MODEL_DIR in place on `conversations` (drawn at random), `tools` offered in each; the
+    rate decays from `lr` to 0 (cosine) over the steps."""
     import torch
     import transformers
     torch.manual_seed(seed)
@@ -73,21 +76,16 @@ def teach(model_dir: str | Path, conversations: list[list[dict]], steps: int = 4
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))  # cosine
     losses = []
     for step in range(steps):
         seqs, masks = zip(*(rng.choice(encoded) for _ in range(batch)), strict=True)
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-        att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)[:, 1:]
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="none").view(batch, -1)
-        loss = (nll * m).sum() / m.sum()
+        loss = masked_loss(model, list(seqs), list(masks))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         losses.append(float(loss.detach()))
         if log_every and (step + 1) % log_every == 0:
             print(f"agent warm start step {step + 1}/{steps}: loss {sum(losses[-log_every:]) / log_every:.3f}",

@@ -22,6 +22,11 @@ import json
 import operator
 import sys
 
+try:  # beside the program in the agent role's runs; the package's own copy when imported
+    from laminar_episode import converse
+except ImportError:
+    from laminar.tasks.episode_client import converse
+
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression of integers with + - * /",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
@@ -46,26 +51,20 @@ def calculate(expression: str) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
+def use_tool(name: str, raw_args: str) -> str:
+    try:
+        args = json.loads(raw_args or "{}")
+    except ValueError:
+        args = {}
+    if name != "calculator" or not isinstance(args, dict):
+        return f"error: no tool {name!r} (or its arguments are not an object)"
+    return calculate(str(args.get("expression", "")))
+
+
 def solve(client, episode: str, prompt: str, model: str, max_turns: int = 4, max_tokens: int = 96,
           temperature: float = 1.0) -> list[dict]:
     """The conversation of one episode (the policy's turns and the tool's results)."""
-    messages: list[dict] = [{"role": "user", "content": prompt}]
-    for _ in range(max_turns):
-        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, user=episode,
-                                               max_tokens=max_tokens, temperature=temperature)
-        msg = reply.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True))
-        if not msg.tool_calls:
-            break
-        for call in msg.tool_calls:
-            try:
-                args = json.loads(call.function.arguments or "{}")
-            except ValueError:
-                args = {}
-            result = calculate(str(args.get("expression", ""))) if call.function.name == "calculator" \
-                else f"error: no tool {call.function.name!r}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return messages
+    return converse(client, episode, prompt, TOOLS, use_tool, model, max_turns, max_tokens, temperature)
 
 
 def main() -> int:

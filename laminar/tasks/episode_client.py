@@ -6,6 +6,7 @@ a program does `from laminar_episode import ...`:
     episode_id(), prompt()        the episode it serves, the prompt pool's prompt
     client()                      an openai.OpenAI on the gateway (OPENAI_BASE_URL, OPENAI_API_KEY)
     setting(name, default)        a LAMINAR_<NAME> setting of the agent role (`env`), typed as its default
+    converse(client, ...)         the usual tool loop: ask, answer each tool call, ask again
     end_episode(reward, reason)   POST /v1/episodes/{id}/end; no reward: the rollout's reward scores it
 
 Standard library only (and `openai` inside client()), like every agent program.
@@ -41,6 +42,24 @@ def client():
     import openai
     return openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ.get("OPENAI_API_KEY", "laminar"),
                          max_retries=5, timeout=600)
+
+
+def converse(client, episode: str, prompt: str, tools: list[dict], use_tool, model: str, max_turns: int = 4,
+             max_tokens: int = 256, temperature: float = 1.0) -> list[dict]:
+    """Ask with `tools`; while the reply calls tools, append `use_tool(name, arguments)` for each as a
+    `tool` message and ask again, at most `max_turns` times. The conversation, the replies included."""
+    messages: list[dict] = [{"role": "user", "content": prompt}]
+    for _ in range(max_turns):
+        reply = client.chat.completions.create(model=model, messages=messages, tools=tools, user=episode,
+                                               max_tokens=max_tokens, temperature=temperature)
+        msg = reply.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            break
+        for call in msg.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": use_tool(call.function.name, call.function.arguments)})
+    return messages
 
 
 def end_episode(reward: float | None = None, reason: str = "agent") -> int:

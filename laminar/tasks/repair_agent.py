@@ -18,6 +18,11 @@ import os
 import subprocess
 import sys
 
+try:  # beside the program in the agent role's runs; the package's own copy when imported
+    from laminar_episode import converse
+except ImportError:
+    from laminar.tasks.episode_client import converse
+
 TOOLS = [
     {"type": "function", "function": {
         "name": "write_file", "description": "Replace the content of a file of the repository",
@@ -71,17 +76,8 @@ def repair(client, episode: str, prompt: str, folder: str, model: str, max_turns
     for name, text in files_of(prompt).items():
         with open(os.path.join(folder, os.path.basename(name)), "w", encoding="utf-8") as f:
             f.write(text)
-    messages: list[dict] = [{"role": "user", "content": prompt}]
-    for _ in range(max_turns):
-        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, user=episode,
-                                               max_tokens=max_tokens, temperature=temperature)
-        msg = reply.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True))
-        if not msg.tool_calls:
-            break
-        for call in msg.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": use_tool(folder, call.function.name, call.function.arguments)})
+    converse(client, episode, prompt, TOOLS, lambda name, args: use_tool(folder, name, args), model, max_turns,
+             max_tokens, temperature)
     return run_tests(folder)[0]
 
 

@@ -90,6 +90,19 @@ def _reply_ids(tok, text: str) -> list[int]:
     return list(tok.tok.encode(text, add_special_tokens=False)) + [tok.eos_id]
 
 
+def masked_loss(model, seqs: list[list[int]], masks: list[list[int]], pad_id: int = 0):
+    """Mean next-token loss of a padded batch over the positions whose mask is 1 (the replies)."""
+    import torch
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)[:, 1:]
+    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                            reduction="none").view(len(seqs), -1)
+    return (nll * m).sum() / m.sum()
+
+
 def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: float = 3e-3, seed: int = 0,
                log_every: int = 50, sft: list[dict] | None = None, schedule: str | None = None,
                stop_early: float = 0.0, chat_template: str = "auto") -> dict:
@@ -126,14 +139,7 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
                 r = _reply_ids(tok, reply(rng))
             seqs.append(p + r)
             masks.append([0] * len(p) + [1] * len(r))
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
-        m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)
-        att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="none").view(batch, -1)
-        loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
+        loss = masked_loss(model, seqs, masks, pad_id)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
