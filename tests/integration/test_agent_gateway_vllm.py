@@ -187,4 +187,5 @@ def test_openai_client_episode_is_token_exact_on_one_version(world):
     assert failed.finish_reason == "agent_failed" and not len(failed.response_tokens)
     assert c["version"] == 2  # newer weights only for new episodes
     status = cluster.roles["gateway.0"].status()
-    assert status["calls"] == 2 and status["episodes_finished"] == 2 and status["history_rewrites"] == 0
+    assert status["calls"] == 2 and status["history_rewrites"] == 0
+    assert status["episodes_finished"] == 1 and status["episodes_failed"] == 1  # b: never called
