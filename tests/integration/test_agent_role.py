@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -121,3 +124,48 @@ def test_agent_role_kills_a_hung_agent_at_its_budget(tmp_path):
     for t in got.values():  # never called: nothing to train on, but stored (its group completes)
         assert t.finish_reason == "agent_failed" and not t.loss_mask.any() and t.reward == 0.0
     assert gw["episodes_failed"] == 2
+
+
+DOOR_PROBE = """import asyncio, json, os, sys, tempfile
+from laminar.envs.sandbox import Sandbox, SandboxConfig, SandboxError
+async def main():
+    d = tempfile.mkdtemp()
+    path = os.path.join(d, 'gw.sock')
+    async def answer(r, w):
+        await r.read(10)
+        w.write(b'ok')
+        await w.drain()
+        w.close()
+    server = await asyncio.start_unix_server(answer, path)
+    os.chmod(path, 0o666)
+    sb = Sandbox(SandboxConfig(wall_s=30, slots=1))
+    await sb.check()
+    code = ("import socket\\ns = socket.create_connection(('127.0.0.1', 8000), timeout=5)\\n"
+            "s.sendall(b'hi')\\nprint(s.recv(10).decode())")
+    try:
+        r = await sb.run(code, connect=(path, 8000))
+        out = {"stdout": r.stdout, "ok": r.ok}
+    except SandboxError as exc:
+        out = {"error": str(exc)}
+    server.close()
+    print(json.dumps(out))
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(Sandbox.unavailable_reason() is not None or shutil.which("setpriv") is None,
+                    reason=str(Sandbox.unavailable_reason() or "util-linux setpriv not found"))
+def test_agent_role_door_runs_with_the_agent_units_capabilities_only(tmp_path):
+    """The agent unit's bounding set (the env unit's plus CAP_NET_ADMIN, laminar/systemd.py) is what
+    the door needs: with it an agent reaches the gateway's socket; with the env unit's, the run's
+    loopback cannot be brought up and the sandbox says so."""
+    from laminar.systemd import SANDBOX_CAPABILITIES
+    got = {}
+    for role in ("agent", "env"):
+        bounding = "-all," + ",".join("+" + c.lower().removeprefix("cap_") for c in SANDBOX_CAPABILITIES[role])
+        r = subprocess.run(["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all", sys.executable, "-c",
+                            DOOR_PROBE], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[role] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["agent"] == {"stdout": "ok\n", "ok": True}
+    assert "gateway forwarder" in got["env"]["error"] and "Operation not permitted" in got["env"]["error"]
