@@ -133,26 +133,28 @@ class ChatFormat:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     # -- rendering --------------------------------------------------------------------------------
-    def render(self, messages: list[dict], tools: list[dict] | None = None, generation_prompt: bool = True) -> str:
-        """The conversation as the model's text, the assistant's turn opened (`generation_prompt`)."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None, generation_prompt: bool = True,
+               **variables) -> str:
+        """The conversation as the model's text, the assistant's turn opened (`generation_prompt`);
+        `variables` (e.g. `tool_choice`) are handed to the template as they are."""
         msgs = self.prepare(messages, tools)
         try:
             if self._byte:
-                return self._jinja_render(msgs, tools, generation_prompt)
+                return self._jinja_render(msgs, tools, generation_prompt, variables)
             kw: dict[str, Any] = {"tools": tools} if tools and self.supports_tools else {}
             return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt,
-                                                chat_template=self.template, **kw)
+                                                chat_template=self.template, **kw, **variables)
         except ChatError:
             raise
         except Exception as exc:  # the template's own error (a role it refuses, a missing field)
             raise ChatError(f"the chat template of {self.name} cannot render this conversation: {exc}") from None
 
-    def _jinja_render(self, msgs: list[dict], tools, generation_prompt: bool) -> str:
+    def _jinja_render(self, msgs: list[dict], tools, generation_prompt: bool, variables: dict) -> str:
         if self._jinja is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
             self._jinja = ImmutableSandboxedEnvironment().from_string(self.template)
         return self._jinja.render(messages=msgs, tools=tools if self.supports_tools else None,
-                                  add_generation_prompt=generation_prompt)
+                                  add_generation_prompt=generation_prompt, **variables)
 
     def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> list[dict]:
         """Messages as the template can take them: text content (parts joined, None as ""), tool

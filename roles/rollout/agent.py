@@ -182,7 +182,8 @@ class AgentEpisodes:
         try:
             if p.api == "chat":
                 msgs = [self._echo(ep, m) for m in p.messages]
-                return self.fmt.render(msgs, p.tools), None
+                extra = {"tool_choice": p.tool_choice} if p.tool_choice not in (None, "none") else {}
+                return self.fmt.render(msgs, p.tools, **extra), None
         except ChatError as exc:
             raise RequestError("bad_request", str(exc)) from None
         if isinstance(p.prompt, str):

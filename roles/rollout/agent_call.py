@@ -51,6 +51,7 @@ class CallParams:
     api: str
     messages: list | None = None        # chat
     tools: list | None = None
+    tool_choice: str | dict | None = None  # handed to the chat template (`none` leaves the tools out)
     prompt: str | list | None = None    # completions: text, or token ids
     n: int = 1
     max_tokens: int | None = None
@@ -75,7 +76,8 @@ class CallParams:
             if not p.messages:
                 raise RequestError("bad_request", "`messages` must be a non-empty list")
             p.tools = _field(body, "tools", list, what="a list of tools") or None
-            if body.get("tool_choice") == "none":
+            p.tool_choice = _field(body, "tool_choice", (str, dict), None, what="a string or an object")
+            if p.tool_choice == "none":
                 p.tools = None  # the model is told of no tools
             p.logprobs = bool(_field(body, "logprobs", bool, False, what="a boolean"))
             p.top_logprobs = _field(body, "top_logprobs", int, 0, lambda v: 0 <= v <= 20, "0..20")
