@@ -12,7 +12,8 @@ own seed. While they run, a new weight version is published every `--publish-s` 
 - gateway: completion tokens of all calls / wall time from the first claim to the last end;
 - direct: the very calls again, straight to the same warm engine (`engine.generate`), each with the
   context the engine saw for it through the gateway (read back from the stored trajectories) and
-  the same seed, `--episodes` sequences of calls at once -> the same tokens / wall time;
+  the same seed, `--episodes` sequences of calls at once -> their tokens / wall time (the same
+  tokens but where another batch's arithmetic tips a near tie: each side counts its own);
 - `gateway_over_direct`: the ratio of the two, over `--rounds` alternations (gateway, direct, ...);
 - `episodes`: episodes the agents completed; `version_mixed_episodes`: episodes whose calls were
   not all served by one version, or whose stored trajectory names another (must be 0).
@@ -75,7 +76,7 @@ def make_cfg(tmp: Path, model_dir: Path, shm: str, n: int, port: int):
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
         "roles": {"prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": 2048},
                   "gateway": {"http_port": port},
-                  "rollout": {"model_dir": str(model_dir), "weights_dir": shm, "max_concurrency": n,
+                  "rollout": {"model_dir": str(model_dir), "weights_dir": shm, "max_concurrency": n, "seed": 0,
                               "max_model_len": 2048, "stop_when_exhausted": False, "idle_wait_s": 0.1,
                               "agent": {"max_calls": 64}}}})
 
