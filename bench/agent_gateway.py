@@ -9,7 +9,8 @@ in a child process (their event loop apart from the cluster's), `--episodes` at 
 claiming an episode and making `--calls` chat calls of `--max-tokens` tokens, every call with its
 own seed. While they run, a new weight version is published every `--publish-s` seconds.
 
-- gateway: completion tokens of all calls / wall time from the first claim to the last end;
+- gateway: completion tokens of all calls / wall time from the first call to the last reply (the
+  episodes are claimed before, ended after);
 - direct: the very calls again, straight to the same warm engine (`engine.generate`), each with the
   context the engine saw for it through the gateway (read back from the stored trajectories) and
   the same seed, `--episodes` sequences of calls at once -> their tokens / wall time (the same
@@ -40,26 +41,30 @@ def agents(base: str, n: int, calls: int, max_tokens: int, seed: int, out) -> No
     import httpx
     import openai
 
-    async def one(i: int) -> dict:
-        async with httpx.AsyncClient(base_url=base, timeout=600) as h:
-            ep = (await h.post("/episodes", json={"wait_s": 60})).json()
-            client = openai.AsyncOpenAI(base_url=base, api_key="bench", max_retries=0, timeout=600)
-            msgs, seeds, versions, tokens = [{"role": "user", "content": ep["prompt"]}], [], [], 0
-            for k in range(calls):
-                s = seed + 1000 * i + k
-                r = await client.chat.completions.create(model="laminar-policy", messages=msgs, user=ep["id"],
-                                                         max_tokens=max_tokens, temperature=1.0, seed=s)
-                seeds.append(s)
-                versions.append(r.system_fingerprint)
-                tokens += r.usage.completion_tokens
-                msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
-            await h.post(f"/episodes/{ep['id']}/end", json={"reward": 0.0})
-            return {"id": ep["id"], "seeds": seeds, "versions": versions, "tokens": tokens}
+    async def claim(h) -> dict:
+        return (await h.post("/episodes", json={"wait_s": 60})).json()
+
+    async def one(i: int, ep: dict) -> dict:
+        client = openai.AsyncOpenAI(base_url=base, api_key="bench", max_retries=0, timeout=600)
+        msgs, seeds, versions, tokens = [{"role": "user", "content": ep["prompt"]}], [], [], 0
+        for k in range(calls):
+            s = seed + 1000 * i + k
+            r = await client.chat.completions.create(model="laminar-policy", messages=msgs, user=ep["id"],
+                                                     max_tokens=max_tokens, temperature=1.0, seed=s)
+            seeds.append(s)
+            versions.append(r.system_fingerprint)
+            tokens += r.usage.completion_tokens
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+        return {"id": ep["id"], "seeds": seeds, "versions": versions, "tokens": tokens}
 
     async def main():
-        t0 = time.perf_counter()
-        eps = await asyncio.gather(*(one(i) for i in range(n)))
-        return {"wall_s": time.perf_counter() - t0, "episodes": eps}
+        async with httpx.AsyncClient(base_url=base, timeout=600) as h:
+            eps = await asyncio.gather(*(claim(h) for _ in range(n)))  # claimed first: the clock is the calls'
+            t0 = time.perf_counter()
+            done = await asyncio.gather(*(one(i, ep) for i, ep in enumerate(eps)))
+            wall = time.perf_counter() - t0
+            await asyncio.gather(*(h.post(f"/episodes/{ep['id']}/end", json={"reward": 0.0}) for ep in eps))
+        return {"wall_s": wall, "episodes": done}
     out.send(asyncio.run(main()))
 
 
