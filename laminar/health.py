@@ -48,16 +48,19 @@ from typing import Any
 
 import structlog
 
-from laminar.health_metrics import _EVAL_FACTS, _HB_FACTS, _TRAINER_FACTS, FAMILIES
+from laminar.health_facts import (
+    DOWN_ON_PURPOSE,
+    EVAL_FACTS,
+    FAMILIES,
+    GAVE_UP_ALARM_S,
+    HB_FACTS,
+    REFUSED_ALARM_S,
+    SUPERVISOR_STATES,
+    TRAINER_FACTS,
+)
 from laminar.protocol import Heartbeat, Metrics, RelayProgress, RolloutStats
 
 log = structlog.get_logger("laminar.health")
-
-SUPERVISOR_STATES = ("pending", "starting", "ready", "backoff", "finished", "failed", "stopped",
-                     "stopped_by_operator")
-DOWN_ON_PURPOSE = ("finished", "stopped_by_operator")  # not up, and not unhealthy
-GAVE_UP_ALARM_S = 600.0  # a partial pool's reward_gave_up alarm stays up this long after its newest give-up
-
 
 @dataclass
 class RoleHealth:
@@ -137,7 +140,7 @@ class HealthCollector:
         if isinstance(ev, Heartbeat):
             r = self._role(ev.role, ev.id, ev.host)
             r.beat, r.beat_at = ev, self.clock()
-            for skey, name in _HB_FACTS.get(ev.role, {}).items():
+            for skey, name in HB_FACTS.get(ev.role, {}).items():
                 if (v := _number(ev.status.get(skey))) is not None:
                     r.values[name] = v
             if ev.role == "relay" and (v := _number(ev.status.get("receiving"))) is not None:
@@ -156,14 +159,14 @@ class HealthCollector:
                             chunks_total=ev.chunks_total, corrupt_chunks=ev.corrupt_chunks)
         elif isinstance(ev, Metrics) and ev.role == "trainer":
             r = self._role("trainer", ev.id)
-            r.values.update({k: ev.values[k] for k in _TRAINER_FACTS if _number(ev.values.get(k)) is not None})
+            r.values.update({k: ev.values[k] for k in TRAINER_FACTS if _number(ev.values.get(k)) is not None})
             prev = self._last_update.get(r.key)
             if prev is not None and ev.ts > prev:   # prompt + response tokens of the batch / time between versions
                 r.values["throughput"] = ev.values.get("batch_tokens", 0.0) / (ev.ts - prev)
             self._last_update[r.key] = ev.ts
         elif isinstance(ev, Metrics) and ev.role == "evaluator":
             r = self._role("evaluator", ev.id)
-            r.values.update({name: ev.values[k] for k, name in _EVAL_FACTS.items()
+            r.values.update({name: ev.values[k] for k, name in EVAL_FACTS.items()
                              if _number(ev.values.get(k)) is not None})
             # per eval set and metric (eval/<set>/<metric>): laminar_eval_metric{set, metric}
             r.sets = {k: float(v) for k, v in ev.values.items()
@@ -191,7 +194,9 @@ class HealthCollector:
     def alarms(self) -> list[str]:
         """Alarms raised by roles of this node that are up: a manager's `weights_stalled`; a partial
         pool's `reward_gave_up` while its newest give-up is younger than GAVE_UP_ALARM_S; an env
-        role whose sandbox runs without a per-run cgroup (`cgroup: auto` found none)."""
+        role whose sandbox runs without a per-run cgroup (`cgroup: auto` found none); a partial pool
+        holding parked trajectories (`reward_parked`); a pool that refused a write for want of a
+        hand-out within REFUSED_ALARM_S (`writes_refused`, naming the key and its host)."""
         stalled = [f"weights_stalled ({k}: lag {int(r.values.get('weights_lag', 0))} versions)"
                    for k, r in self.roles.items() if r.values.get("weights_stalled") and self.up(r)]
         gave_up = [f"reward_gave_up ({k}: {int(r.values.get('gave_up', 0))} trajectories scored by the fallback, "
@@ -200,7 +205,21 @@ class HealthCollector:
         no_cgroup = [f"sandbox_no_cgroup ({k}: {(r.beat.status or {}).get('sandbox_cgroup_reason', '?')})"
                      for k, r in self.roles.items()
                      if r.beat is not None and (r.beat.status or {}).get("sandbox_cgroup") == "none" and self.up(r)]
-        return sorted(stalled + gave_up + no_cgroup)
+        parked = [f"reward_parked ({k}: {int(r.values['parked'])} scored trajectories the buffer refuses for good)"
+                  for k, r in self.roles.items() if r.values.get("parked", 0) > 0 and self.up(r)]
+        return sorted(stalled + gave_up + no_cgroup + parked + self._refused_alarms())
+
+    def _refused_alarms(self) -> list[str]:
+        """A pool's `writes_refused` while its newest refusal is younger than REFUSED_ALARM_S: a key
+        wrote work it was never handed (a compromised host, or a misconfigured one), named with its host."""
+        out = []
+        for k, r in self.roles.items():
+            if 0 <= r.values.get("writes_refused_age_s", -1) < REFUSED_ALARM_S and self.up(r):
+                st = r.beat.status or {}
+                out.append(f"writes_refused ({k}: {int(r.values.get('writes_refused', 0))} writes without a "
+                           f"hand-out, the newest from {st.get('writes_refused_key', '?')} on host "
+                           f"{st.get('writes_refused_host', '?')}, {r.values['writes_refused_age_s']:.0f} s ago)")
+        return out
 
     def snapshot(self) -> dict[str, dict]:
         """Per role: liveness, the supervisor's view, the newest heartbeat and every fact (JSON-able)."""

@@ -266,8 +266,9 @@ class AgentEpisodes:
         a, c = ep.a, run.choices[0]
         if not c.tokens:
             return  # nothing sampled (an aborted request): nothing to record, the call is as if unmade
-        if a.hold:  # the first call: its context is the trajectory's prompt
-            a.spec = dataclasses.replace(a.spec, prompt_tokens=np.asarray(run.context, np.int32))
+        if a.hold:  # the first call: its context is the trajectory's prompt (the hand-out covers the pool's)
+            handed = a.spec.prompt_tokens if a.spec.handed_prompt is None else a.spec.handed_prompt
+            a.spec = dataclasses.replace(a.spec, prompt_tokens=np.asarray(run.context, np.int32), handed_prompt=handed)
             a.hold = False
         if run.rewrite:
             a.add_observation([])  # the marker of a new segment (agent_record.py)

@@ -91,7 +91,8 @@ class TrajectoryRunner:
                           logprobs=np.asarray(a.logprobs, dtype=np.float32), version=a.version,
                           rollout_id=self.rollout_id, reward=reward, finish_reason=reason, timings=a.timings,
                           loss_mask=mask, obs_spans=a.spans(),
-                          lineage=a.lineage if a.lineage >= 0 else self.weights.lineage, reward_components=parts)
+                          lineage=a.lineage if a.lineage >= 0 else self.weights.lineage, reward_components=parts,
+                          run_id=self.weights.run_id)  # weights change only with nothing active: these made it
         try:
             if pending:
                 await self._await_reward(traj, a, pending)

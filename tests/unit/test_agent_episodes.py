@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import numpy as np
@@ -226,3 +227,26 @@ def test_episode_rewrite_starts_a_segment_that_later_calls_extend_also_after_a_m
         await ag2.on_end(EndEpisode("e0", 1.0))
         assert await task2 == ("stop", 1.0)
     run(main())
+
+
+def test_episode_prompt_replaced_by_its_first_call_keeps_its_hand_out():
+    """The pools accept an agent episode's writes by the prompt pool's hand-out, a MAC that covers the
+    prompt as handed out: the first call's rendering replaces the prompt, the handed one stays."""
+    from laminar.roles.handout import Handouts
+    pools = Handouts(b"k" * 32)
+
+    async def main():
+        ag, _ = episodes(Script(["x"]))
+        a = Active(spec=pools.sign(spec(), "r0"), version=0)
+        task = asyncio.ensure_future(ag.run(a))
+        await settle()
+        await ag.on_call(call("e0", "c1", [USER]))
+        await ag.on_end(EndEpisode("e0", 1.0))
+        await task
+        return a.spec
+    replaced = run(main())
+    assert replaced.prompt_tokens.tolist() == FMT.encode(FMT.render([USER], TOOLS))
+    assert replaced.handed_prompt.tolist() == spec().prompt_tokens.tolist()
+    assert pools.refusal(replaced, "r0") == "" and pools.refusal(replaced, "r1") != ""
+    forged = dataclasses.replace(replaced, handed_prompt=np.asarray([1, 2, 3], np.int32))
+    assert pools.refusal(forged, "r0") != ""   # another handed-out prompt: not the pool's hand-out

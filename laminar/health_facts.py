@@ -1,14 +1,19 @@
-"""What each role's facts are called on a node's Prometheus endpoint (laminar/health.py).
-
-`_HB_FACTS`: per role kind, the keys of its heartbeat status the collector keeps (status key -> fact
-name); `_TRAINER_FACTS`, `_EVAL_FACTS`: what the trainer's and the evaluator's Metrics events give;
-`FAMILIES`: every exported metric family (name, type, help, the role kinds it is reported for, the
-fact it reads). A table, kept apart from the collector that fills and serves it.
+"""What the node's health collector (laminar/health.py) takes from each role's reports, and what it
+exposes: the facts per role kind (heartbeat status keys, trainer and evaluator metrics), the
+Prometheus families, and the alarms' windows. Data only: adding a fact or a series is a line here.
 """
 from __future__ import annotations
 
+SUPERVISOR_STATES = ("pending", "starting", "ready", "backoff", "finished", "failed", "stopped",
+                     "stopped_by_operator")
+DOWN_ON_PURPOSE = ("finished", "stopped_by_operator")  # not up, and not unhealthy
+GAVE_UP_ALARM_S = 600.0  # a partial pool's reward_gave_up alarm stays up this long after its newest give-up
+REFUSED_ALARM_S = 600.0  # a pool's writes_refused alarm stays up this long after its newest refusal
+
+# every pool: writes refused for want of a hand-out (roles/handout.py), and how long ago the newest was
+_REFUSED = {"writes_refused": "writes_refused", "writes_refused_age_s": "writes_refused_age_s"}
 # Facts a role's heartbeat status carries, per role kind: status key -> value name.
-_HB_FACTS = {
+HB_FACTS = {
     "rollout": {"version": "version", "kv": "kv_usage", "active": "active", "batches": "batches"},
     "relay": {"version": "version", "chunks_have": "chunks_have", "chunks_total": "chunks_total",
               "corrupt_chunks": "corrupt_chunks"},
@@ -22,7 +27,9 @@ _HB_FACTS = {
     "partial_pool": {"awaiting_reward": "awaiting", "awaiting_oldest_s": "awaiting_oldest_s",
                      "reward_parse_failed": "parse_failed", "reward_lease_expired": "lease_expired",
                      "reward_late_scores": "late_scores", "reward_gave_up": "gave_up",
-                     "reward_gave_up_age_s": "gave_up_age_s"},
+                     "reward_gave_up_age_s": "gave_up_age_s", "reward_unserved": "unserved",
+                     "reward_parked": "parked", **_REFUSED},
+    "experience_buffer": dict(_REFUSED), "prompt_pool": dict(_REFUSED),
     "manager": {"repacks": "repacks", "moved": "moved", "dead_rollouts": "dead_rollouts", "recovered": "recovered",
                 "failed_moves": "failed_moves", "replaced": "replaced", "orphans": "orphans", "repairs": "repairs",
                 "last_repair_s": "last_repair_s", "epoch": "epoch", "weights_stalled": "weights_stalled",
@@ -33,12 +40,12 @@ _HB_FACTS = {
                 "latency_p50_s": "gateway_p50", "latency_p99_s": "gateway_p99",
                 "history_rewrites": "history_rewrites"},
 }
-_TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s",
+TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s",
                   "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3", "groups_generated", "groups_kept",
                   "groups_dropped_nosignal")
 # the evaluator's Metrics value -> fact name (the version it evaluated is `eval_version`, not the
 # weight version it holds: the node's laminar_weight_version stays what engines serve)
-_EVAL_FACTS = {"version": "eval_version", "eval/accuracy": "eval_accuracy",
+EVAL_FACTS = {"version": "eval_version", "eval/accuracy": "eval_accuracy",
                "eval/accuracy_sampled": "eval_accuracy_sampled"}
 
 # (metric, type, help, role kinds it is reported for, value name); role-level metrics are below.
@@ -117,6 +124,13 @@ FAMILIES = [
      ("partial_pool",), "late_scores"),
     ("laminar_partial_pool_reward_gave_up_total", "counter", "trajectories given up on by their scorer and "
      "scored by the fallback (since the pool started)", ("partial_pool",), "gave_up"),
+    ("laminar_partial_pool_reward_unserved_total", "counter", "trajectories given up on because no replica of "
+     "their scorer leased them (a scorer nobody serves)", ("partial_pool",), "unserved"),
+    ("laminar_partial_pool_reward_parked", "gauge", "scored trajectories the buffer refused for good, held back "
+     "(the reward_parked alarm)", ("partial_pool",), "parked"),
+    ("laminar_pool_writes_refused_total", "counter", "writes refused for want of a hand-out or a lease (a key "
+     "writing work it was never given: the writes_refused alarm)", ("partial_pool", "experience_buffer"),
+     "writes_refused"),
     ("laminar_manager_repacks_total", "counter", "repack moves executed", ("manager",), "repacks"),
     ("laminar_manager_moved_trajectories_total", "counter", "trajectories moved by repacks", ("manager",), "moved"),
     ("laminar_manager_dead_rollouts_total", "counter", "rollouts declared dead", ("manager",), "dead_rollouts"),
