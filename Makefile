@@ -143,7 +143,7 @@ $(AW)/prompts.jsonl: laminar/tasks/word_problems.py | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.word_problems $(AW)
 
 models/tiny-agent/config.json: $(AW)/prompts.jsonl laminar/tasks/agent_warmstart.py | $(STAMP_CPU)
-	$(BIN)/python -m laminar.models.tiny models/tiny-agent.tmp
+	$(BIN)/python -m laminar.models.tiny models/tiny-agent.tmp --hidden 256
 	$(BIN)/python -m laminar.tasks.agent_warmstart models/tiny-agent.tmp --data $(AW)/sft.jsonl \
 	  --steps $(AGENT_SFT_STEPS)
 	rm -rf models/tiny-agent && mv models/tiny-agent.tmp models/tiny-agent

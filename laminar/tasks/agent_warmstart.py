@@ -100,13 +100,14 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--data", required=True, help="word problems (JSONL with prompt, answer, solution)")
     ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--lr", type=float, default=5e-3, help="the first rate (it decays to 0, cosine)")
+    ap.add_argument("--batch", type=int, default=8, help="conversations a step")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     import torch
     torch.set_num_threads(2)
     records = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()]
-    print(teach(a.model_dir, calc_conversations(records), a.steps, a.lr, seed=a.seed, log_every=50))
+    print(teach(a.model_dir, calc_conversations(records), a.steps, a.lr, batch=a.batch, seed=a.seed, log_every=50))
 
 
 if __name__ == "__main__":
