@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import re
 from pathlib import Path
 
 from laminar.chat import ChatFormat
 from laminar.tasks.calc_agent import TOOLS
-from laminar.tasks.warmstart import masked_loss
+from laminar.tasks.warmstart import fit
 
 FIXED = ("6 * 7", "42")
 _STEP = re.compile(r"(gets|loses) (\d+):")
@@ -66,33 +65,17 @@ def encode(fmt: ChatFormat, messages: list[dict], tools: list[dict] = TOOLS) -> 
 def teach(model_dir: str | Path, conversations: list[list[dict]], steps: int = 400, lr: float = 1e-2,
           batch: int = 8, seed: int = 0, log_every: int = 0, tools: list[dict] = TOOLS) -> dict:
     """Fine-tune MODEL_DIR in place on `conversations` (drawn at random), `tools` offered in each; the
-    rate decays from `lr` to 0 (cosine) over the steps."""
+    rate warms up and decays from `lr` (warmstart.lr_factor's cosine)."""
     import torch
-    import transformers
     torch.manual_seed(seed)
     rng = random.Random(seed)
     fmt = ChatFormat.load(str(model_dir))
     encoded = [encode(fmt, c, tools) for c in conversations]
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))  # cosine
-    losses = []
-    for step in range(steps):
+
+    def next_batch() -> tuple[list[list[int]], list[list[int]]]:
         seqs, masks = zip(*(rng.choice(encoded) for _ in range(batch)), strict=True)
-        loss = masked_loss(model, list(seqs), list(masks))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-        if log_every and (step + 1) % log_every == 0:
-            print(f"agent warm start step {step + 1}/{steps}: loss {sum(losses[-log_every:]) / log_every:.3f}",
-                  flush=True)
-    model.eval()
-    model.save_pretrained(model_dir)
-    return {"steps": steps, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / min(10, len(losses))}
+        return list(seqs), list(masks)
+    return fit(model_dir, next_batch, steps, lr, "cosine", 0, log_every, "agent warm start")
 
 
 def main() -> None:

@@ -111,7 +111,6 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     constant rate the word-problem loss stalls near 0.56 after 600 steps; decayed, it reaches ~0.29),
     constant for the uppercase task."""
     import torch
-    import transformers
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = load_tokenizer(str(model_dir))
@@ -119,15 +118,10 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     if sft is None and not isinstance(tok, ByteTokenizer):
         raise ValueError(f"{model_dir}: the uppercase warm start is for the byte-level tiny model only")
     pad_id = tok.pad_id if isinstance(tok, ByteTokenizer) else tok.eos_id
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = schedule or ("cosine" if sft else "constant")
-    lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, schedule))
     prompts = [r["prompt"] for r in make_prompts(512, seed)]
-    losses = []
-    for step in range(steps):
+
+    def next_batch() -> tuple[list[list[int]], list[list[int]]]:
         seqs, masks = [], []
         for _ in range(batch):
             if sft:
@@ -139,6 +133,25 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
                 r = _reply_ids(tok, reply(rng))
             seqs.append(p + r)
             masks.append([0] * len(p) + [1] * len(r))
+        return seqs, masks
+    return fit(model_dir, next_batch, steps, lr, schedule, pad_id, log_every)
+
+
+def fit(model_dir: str | Path, next_batch, steps: int, lr: float, schedule: str, pad_id: int = 0,
+        log_every: int = 50, label: str = "warm start") -> dict:
+    """Supervised fine-tuning of MODEL_DIR in place: `steps` AdamW steps on `next_batch()` -> (token
+    sequences, loss masks), the rate `lr` times lr_factor(`schedule`), gradients clipped to norm 1;
+    saved at the end. The first and the last losses."""
+    import torch
+    import transformers
+    lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, schedule))
+    losses = []
+    for step in range(steps):
+        seqs, masks = next_batch()
         loss = masked_loss(model, seqs, masks, pad_id)
         opt.zero_grad()
         loss.backward()
@@ -147,7 +160,7 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
         sched.step()
         losses.append(float(loss.detach()))
         if log_every and (step + 1) % log_every == 0:
-            print(f"warm start step {step + 1}/{steps}: loss {sum(losses[-log_every:]) / log_every:.3f}", flush=True)
+            print(f"{label} step {step + 1}/{steps}: loss {sum(losses[-log_every:]) / log_every:.3f}", flush=True)
     model.eval()
     model.save_pretrained(model_dir)
     return {"steps": steps, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / min(10, len(losses))}
