@@ -95,13 +95,18 @@ def group_of(tid: str) -> str:
 class MultiHost:
     def __init__(self, tmp: Path, model_dir: Path, rollout_hosts: int = 3, rollouts_per_host: int = 2,
                  iterations: int = 20, roles: dict | None = None, engine: str = "sim", rate_mbit: float | None = None,
-                 late_hosts: int = 0, reward_hosts: tuple[int, ...] = ()):
+                 late_hosts: int = 0, reward_hosts: tuple[int, ...] = (), scoped: bool = False,
+                 idle_rollouts: tuple[str, ...] = (), metrics_port: int | None = None):
         self.tmp, self.model_dir = Path(tmp), Path(model_dir)
         self.n = rollout_hosts + 1 + late_hosts
         self.initial = rollout_hosts + 1
         self.rollouts_per_host, self.iterations, self.engine = rollouts_per_host, iterations, engine
         self.extra_roles = roles or {}
         self.reward_hosts = tuple(reward_hosts)  # a `reward` replica `rm<h>` on each (settings: roles["reward"])
+        # scoped: one key folder per host holding only that host's keys (laminar/testing/host_keys.py)
+        self.scoped, self.metrics_port = scoped, metrics_port
+        self.idle_rollouts = set(idle_rollouts)  # placed in the config, never started (a host taken over)
+        self.key_folders: dict[str, Path] = {}
         self.net = NetnsCluster(self.n, rate_mbit=rate_mbit)
         self.configs: dict[int, Path] = {}
         self.sup: dict[int, subprocess.Popen] = {}
@@ -121,11 +126,16 @@ class MultiHost:
     def rollout_ids(self, host: int) -> list[str]:
         return [f"{host}{chr(ord('a') + k)}" for k in range(self.rollouts_per_host)]
 
+    def live_rollout_ids(self, host: int) -> list[str]:
+        """The rollouts host `host` runs: its placed ones but the idle ones (`idle_rollouts`)."""
+        return [r for r in self.rollout_ids(host) if r not in self.idle_rollouts]
+
     def reward_ids(self) -> list[str]:
         return [f"rm{h}" for h in self.reward_hosts]
 
     def write_config(self) -> Path:
-        generate_keys(self.tmp / "keys")
+        if not self.scoped:
+            generate_keys(self.tmp / "keys")
         data = write_prompts(self.tmp / "prompts.jsonl", 256)
         hosts = {"h0": {"address": self.net.address(0), "bind": self.net.address(0), "roles": [
             {"role": "broker"}, {"role": "manager", "port": 7000}, {"role": "prompt_pool", "port": 7001},
@@ -143,6 +153,8 @@ class MultiHost:
                 for k, r in enumerate(roles[1:1 + self.rollouts_per_host]):
                     r["cores"] = [((h - 1) * self.rollouts_per_host + k) % ncores]
             hosts[f"h{h}"] = {"address": self.net.address(h), "bind": self.net.address(h), "roles": roles}
+        if self.metrics_port:
+            hosts["h0"]["metrics_port"] = self.metrics_port
         rollout = dict(SIM_ROLLOUT) if self.engine == "sim" else {"engine": "vllm", "max_model_len": 256}
         settings = {
             # orphans whose version no live rollout holds resume on it from a relay's retained copy
@@ -158,17 +170,34 @@ class MultiHost:
         }
         for kind, extra in self.extra_roles.items():
             settings.setdefault(kind, {}).update(extra)
-        def write(path: Path, upto: int) -> Path:
+        def write(path: Path, upto: int, keys: Path, own: int | None = None) -> Path:
+            placed = {h: v for h, v in hosts.items() if int(h[1:]) < upto}
+            if own is not None:  # this host's own copy: without the rollouts it does not start
+                placed[f"h{own}"] = {**placed[f"h{own}"], "roles": [
+                    r for r in placed[f"h{own}"]["roles"] if r.get("id") not in self.idle_rollouts]}
             cfg = {"run": {"name": self.name, "workdir": str(self.run_dir)},
-                   "cluster": {"keys_dir": str(self.tmp / "keys"), "heartbeat_s": 0.5, "dead_after_s": 3.0,
+                   "cluster": {"keys_dir": str(keys), "heartbeat_s": 0.5, "dead_after_s": 3.0,
                                "shutdown_s": 10, "broker": {"host": "h0", "pub_port": 6550, "sub_port": 6551},
-                               "hosts": {h: v for h, v in hosts.items() if int(h[1:]) < upto}},
+                               "hosts": placed},
                    "roles": settings}
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
             return path
-        self.config = write(self.tmp / "cluster.yaml", self.initial)
-        joined = write(self.tmp / "cluster-joined.yaml", self.n) if self.n > self.initial else self.config
-        self.configs = {i: (self.config if i < self.initial else joined) for i in range(self.n)}
+        keys = self.tmp / "keys"
+        self.config = write(self.tmp / "cluster.yaml", self.initial, keys)
+        if self.scoped:  # the operator's folder, then one per host with that host's keys only
+            from laminar.config import load_config
+            from laminar.testing.host_keys import host_key_folders
+            self.key_folders = host_key_folders(keys, load_config(write(self.tmp / "cluster-all.yaml", self.n, keys)))
+        joined = write(self.tmp / "cluster-joined.yaml", self.n, keys) if self.n > self.initial else self.config
+        for i in range(self.n):
+            if self.scoped or self.idle_rollouts & set(self.rollout_ids(i)):  # a copy of its own
+                self.configs[i] = write(self.tmp / f"cluster-h{i}.yaml", self.initial if i < self.initial else self.n,
+                                        self.key_folders.get(f"h{i}", keys), own=i)
+            else:
+                self.configs[i] = self.config if i < self.initial else joined
+        if self.scoped:  # what the pools, the manager and the ledger read: h0's own copy
+            self.config = self.configs[0]
+            shutil.copyfile(self.config, self.tmp / "cluster.yaml")
         return self.config
 
     # -- lifecycle ---------------------------------------------------------------------------------
