@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from laminar.testing.multihost import group_of, log_events, member_of
+from laminar.testing.ledger import group_of, log_events, member_of
 
 
 @dataclass
