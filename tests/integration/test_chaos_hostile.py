@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.bench_proc import run_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(600),
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")]
@@ -31,19 +31,10 @@ REFUSED = ("squat", "forge_put", "forge_await", "claim", "read", "take_other", "
 
 def test_hostile_hosts_train_nothing_beyond_their_handouts(tmp_path):
     out = tmp_path / "hostile.json"
-    p = subprocess.Popen([sys.executable, str(BENCH), "--hostile", "--minutes", "1", "--kinds", "", "--drain-s", "20",
-                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = p.communicate(timeout=540)
-    except subprocess.TimeoutExpired:  # SIGTERM first: the bench stops its cluster; SIGKILL if it overstays
-        p.terminate()
-        try:
-            stdout, stderr = p.communicate(timeout=45)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            stdout, stderr = p.communicate()
+    rc, stdout, stderr = run_bench(BENCH, ["--hostile", "--minutes", "1", "--kinds", "", "--drain-s", "20",
+                                           "--out", str(out)], timeout=540)
     print(stdout[-8000:])
-    assert p.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    assert rc == 0, stdout[-4000:] + stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["iterations_during_run"] >= 5
     assert r["members_unrecorded"] == 0 and r["honest_groups"] > 0
