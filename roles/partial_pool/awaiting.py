@@ -255,8 +255,8 @@ class AwaitingBook:
     def stats(self, now: float | None = None) -> dict:
         now = time.monotonic() if now is None else now
         oldest = max((now - a.since for a in self.items.values()), default=0.0)
-        counts = {k: 0 for k in ("scored", "parse_failed", "lease_expired", "late_scores", "gave_up", "unserved",
-                                 "unleased_scores")}
+        counts = {k: 0 for k in ("scored", "parse_failed", "lease_expired", "lease_shared", "late_scores", "gave_up",
+                                 "unserved", "unleased_scores")}
         counts |= dict(self.counts)
         age = -1.0 if self.last_gave_up is None else round(now - self.last_gave_up, 3)  # -1: none yet
         return {"awaiting_reward": len(self.items), "awaiting_oldest_s": round(oldest, 3), "awaiting_bytes": self.bytes,
