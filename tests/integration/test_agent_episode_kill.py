@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import time
 import uuid
 
 import numpy as np
@@ -31,7 +30,7 @@ from laminar.bus.zmq_transport import ZmqTransport  # noqa: E402
 from laminar.protocol import SampleGroups  # noqa: E402
 from laminar.weights.local_write import write_version  # noqa: E402
 from laminar.weights.store import ShmStore  # noqa: E402
-from tests.support import free_port  # noqa: E402
+from tests.support import free_port, until  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 SIM = {"model": "7B", "tp": 1, "lengths": "7B_math", "speedup": 50, "token_id": 100, "max_output_tokens": 12}
@@ -66,16 +65,6 @@ def publish(store: ShmStore, version: int) -> None:
     write_version(store, {"w": torch.full((256,), float(version))}, version, chunk_bytes=4096)
 
 
-def wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)  # polling a process's log or state
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture
 def shm():
     path = f"/dev/shm/laminar-test-agentkill-{uuid.uuid4().hex[:10]}"
@@ -99,7 +88,7 @@ def test_episode_survives_its_rollout_sigkilled(tmp_path, procs, shm):
     assert r1.system_fingerprint == "laminar-v1"
 
     publish(store, 2)  # the idle rollout moves on to version 2; the episode's stays on 1
-    wait(lambda: any(e.get("version") == 2 for e in p[f"rollout.{other}"].events("weights_loaded")), 30,
+    until(lambda: any(e.get("version") == 2 for e in p[f"rollout.{other}"].events("weights_loaded")), 30,
          f"rollout {other} to load version 2")
     p[f"rollout.{holder}"].kill()
     msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and then?"}]
@@ -108,7 +97,7 @@ def test_episode_survives_its_rollout_sigkilled(tmp_path, procs, shm):
     assert httpx.post(f"{base}/episodes/{ep['id']}/end", json={"reward": 1.0}, timeout=30).status_code == 200
 
     survivor = p[f"rollout.{other}"]
-    stored = wait(lambda: survivor.events("trajectory_stored"), 30, "the episode stored")
+    stored = until(lambda: survivor.events("trajectory_stored"), 30, "the episode stored")
     assert [(e["trajectory"], e["version"], e["status"]) for e in stored] == [(ep["id"], 1, "stored")]
     assert [e["version"] for e in survivor.events("adopted_resumed")] == [1]
 
@@ -130,5 +119,5 @@ def test_episode_survives_its_rollout_sigkilled(tmp_path, procs, shm):
     assert (s0, e0, s1) == (0, 0, n1) and len(toks) == e1 + n2  # both calls, the observation between
     assert toks[:n1] == [SIM["token_id"]] * n1 and not traj.loss_mask[s1:e1].any()
     assert np.all(traj.loss_mask[:s1]) and np.all(traj.loss_mask[e1:])
-    wait(lambda: sum(e.get("version") == 2 for e in survivor.events("weights_loaded")) >= 2, 30,
+    until(lambda: sum(e.get("version") == 2 for e in survivor.events("weights_loaded")) >= 2, 30,
          "the survivor back on the newest version")
