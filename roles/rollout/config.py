@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from laminar.roles.env.config import EnvRoleConfig
+from laminar.roles.rollout.agent_config import RolloutAgentConfig
 from laminar.roles.rollout.rewards import RewardTerm
 from laminar.roles.rollout.sim_settings import SimRolloutSettings
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -98,3 +99,11 @@ class RolloutConfig(EngineSettings, EngineChoice):
     stop_when_exhausted: bool = Field(True, description="finish (exit 0) when the prompt pool has no more epochs")
     env: RolloutEnvConfig | None = Field(None, description="multi-turn: the environment of every trajectory "
                                          "(None: single-turn, scored by `reward`)")
+    agent: RolloutAgentConfig | None = Field(None, description="agent mode: every trajectory is an episode an "
+                                             "outside agent drives through the gateway role (roles/rollout/agent.py)")
+
+    @model_validator(mode="after")
+    def _one_driver(self):
+        if self.env is not None and self.agent is not None:
+            raise ValueError("env and agent: a trajectory is driven by an environment or by an agent, not both")
+        return self

@@ -14,7 +14,8 @@
       distributed:  world_size, rank, address, port, timeout_s                 (FSDP2 ranks)
       publishing:   enabled, relay_id, relay_address, manager_id, transport, transport_options,
                     chunk_mb, overlap, dtype                  how each version reaches the relays
-      logging:      samples_every, samples, tensorboard, entropy, mismatch_previous_version
+      logging:      samples_every, samples, tensorboard, entropy, mismatch_previous_version,
+                    record_members
 
 A key of the older flat layout (`roles.trainer.lr`) is refused with its new path (`MOVED`, read
 by laminar/config.py: "roles.trainer.lr: moved to roles.trainer.optimizer.lr").
@@ -208,6 +209,10 @@ class LoggingSettings(Section):
     mismatch_previous_version: bool = Field(True, description="train-inference mismatch of one-version-stale "
                                             "samples too: keeps a frozen copy of the weights before the newest "
                                             "update (one more model in memory, one no-grad forward of those samples)")
+    record_members: bool = Field(False, description="write every trained sample's trajectory id, rollout and run "
+                                 "into its version's metrics.jsonl record (`members`), for audits that check who "
+                                 "wrote what was trained (the hostile chaos run); off by default: one entry per "
+                                 "sample, 8,192 a version at a batch of 512 prompts x 16")
 
 
 class TrainerConfig(BaseModel):
@@ -265,4 +270,5 @@ class TrainerConfig(BaseModel):
         "log_samples_every": "logging.samples_every", "log_samples": "logging.samples",
         "tensorboard": "logging.tensorboard", "entropy_metric": "logging.entropy",
         "mismatch_previous_version": "logging.mismatch_previous_version",
+        "record_members": "logging.record_members",
     }
