@@ -145,7 +145,9 @@ class _Node:
         self.calls.append("master")
         self.master = True
 
-    def reset_links(self) -> None:
+    link_key = b"k" * 32
+
+    def reset_links(self, link_key: bytes = b"") -> None:
         self.calls.append("reset")
         self.master = False
 
