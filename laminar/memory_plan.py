@@ -8,22 +8,22 @@ configs/models/<folder name>/ (laminar/models/shape.py), so a recipe can be chec
 weights are not. Every placement with `gpus:` gets a plan; the numbers are bytes, printed in GiB
 (2^30). They are estimates of the steady state, built from the terms that dominate:
 
-Trainer rank (FSDP2 over `world_size` ranks, full sharding; parameters, gradients and Adam's two
+Trainer rank (FSDP2 over `distributed.world_size` ranks, full sharding; parameters, gradients and Adam's two
 states in float32 whatever the compute dtype):
 - parameters, gradients, Adam m and v: 4 + 4 + 8 bytes per parameter, ÷ world_size;
-- frozen copies (fp32 shards): the reference model when kl_coef > 0, the previous version when
-  mismatch_previous_version, the critic (with its gradients and Adam states) for PPO;
+- frozen copies (fp32 shards): the reference model when loss.kl_coef > 0, the previous version when
+  logging.mismatch_previous_version, the critic (with its gradients and Adam states) for PPO;
 - gathered units: two decoder layers in the compute dtype (the one computing, the one prefetched)
   plus one layer's unsharded gradients (compute dtype + the float32 reduce), and the root unit
   (embeddings, final norm, head: FSDP2 keeps the root gathered from forward through backward)
   with its gradients;
-- activations of one micro-batch of T tokens (T = micro_batch_size x max_model_len, or the
-  trainer's max_tokens_per_micro_batch, at least max_model_len): with activation checkpointing,
+- activations of one micro-batch of T tokens (T = performance.micro_batch_size x max_model_len, or
+  performance.max_tokens_per_micro_batch, at least max_model_len): with activation checkpointing,
   every layer's input (T x hidden) plus one layer recomputed; without, every layer's working set,
   taken as (4 hidden + 3 q + 3 kv + 4 intermediate) values per token per layer (attention by
   flash/flex kernels: nothing quadratic in T is stored);
 - logits: C x vocabulary x (the compute dtype + three float32 copies: logits, log-softmax,
-  gradient), C = the trainer's logprob_chunk_tokens, or T when it computes the full logits;
+  gradient), C = the trainer's performance.logprob_chunk_tokens, or T when it computes the full logits;
 - a reserve of RESERVE_GIB for the CUDA context, NCCL buffers and the allocator's slack.
 
 Rollout (vLLM, tensor_parallel_size ranks, one GPU each; vLLM takes gpu_memory_utilization of
@@ -95,25 +95,17 @@ def trainer_layer_values(s: ModelShape, dense: bool) -> int:
     return 4 * s.hidden + (5 * q if dense else 3 * q + 2 * kv) + 4 * s.intermediate
 
 
-def context_parallel(t: Any) -> int:
-    """The trainer's context_parallel_size (settings as a model, a namespace or a dumped dict)."""
-    par = getattr(t, "parallelism", None)
-    if isinstance(par, dict):
-        return int(par.get("context_parallel_size", 1) or 1)
-    return int(getattr(par, "context_parallel_size", 1) or 1)
-
-
 def dense_attention(t: Any) -> bool:
     """Whether the trainer's attention is a dense kernel (sdpa, eager: what the CPU runs, and what
     `auto` picks there) rather than flash-attention or flex (what `auto` picks on a GPU)."""
-    impl = getattr(t, "attn_implementation", "auto")
+    impl = getattr(t.performance, "attn_implementation", "auto")
     if impl == "auto":
         return getattr(t, "device", "auto") == "cpu"
     return impl in ("sdpa", "eager")
 
 
 def packed(t: Any) -> bool:
-    p = getattr(t, "packing", None)
+    p = getattr(t.performance, "packing", None)
     return p if p is not None else getattr(t, "device", "auto") != "cpu"
 
 
@@ -142,7 +134,7 @@ def _field(obj: Any, name: str, default: Any) -> Any:
 def _weights(s: ModelShape, t: Any) -> dict[str, float]:
     """Parameters, gradients and Adam's states (float32 shards), and the frozen copies; with LoRA the
     base in its dtype and the adapter (float32, with gradients and Adam's states)."""
-    w, p = t.world_size, s.params
+    w, p = t.distributed.world_size, s.params
     lora = getattr(t, "lora", None)
     if lora is None:
         items = {"parameters (fp32 shard)": 4 * p / w, "gradients (fp32 shard)": 4 * p / w,
@@ -154,9 +146,9 @@ def _weights(s: ModelShape, t: Any) -> dict[str, float]:
         items = {f"base (frozen, {base} shard)": DTYPE_BYTES[base] * p / w,
                  "LoRA adapter + gradients + Adam (fp32 shards)": adapter}
         copy, name = DTYPE_BYTES[base] * p / w + adapter / 4, f"{base} shard + adapter"
-    if t.kl_coef > 0 and lora is None:  # with LoRA the reference is the policy with its adapter off
+    if t.loss.kl_coef > 0 and lora is None:  # with LoRA the reference is the policy with its adapter off
         items["reference model (fp32 shard)"] = copy
-    if t.mismatch_previous_version:
+    if t.logging.mismatch_previous_version:
         items[f"previous version ({name})"] = copy
     if t.algorithm == "ppo":
         items["critic + gradients + Adam (fp32 shards)"] = 16 * p / w
@@ -166,7 +158,7 @@ def _weights(s: ModelShape, t: Any) -> dict[str, float]:
 def _gathered(s: ModelShape, t: Any) -> dict[str, float]:
     """What FSDP2 gathers (two layers and one layer's gradients; the head or the embeddings with the
     head's gradient), or on one rank the head gradient being added to the last micro-batch's."""
-    w, cb = t.world_size, DTYPE_BYTES[t.dtype]
+    w, cb = t.distributed.world_size, DTYPE_BYTES[t.performance.dtype]
     lora = getattr(t, "lora", None)
     vh = s.vocab * s.hidden
     if lora is not None:  # the base does not train: no gradient of a layer or of the head
@@ -182,28 +174,29 @@ def _gathered(s: ModelShape, t: Any) -> dict[str, float]:
 def _activations(s: ModelShape, t: Any, max_model_len: int) -> dict[str, float]:
     """One micro-batch's activations on this rank's tokens (context parallelism splits them), the
     attention masks a dense kernel keeps, the all-to-all buffers, the logits of one chunk."""
-    w, cp, cb = t.world_size, context_parallel(t), DTYPE_BYTES[t.dtype]
+    w, cp, cb = t.distributed.world_size, t.distributed.context_parallel_size, DTYPE_BYTES[t.performance.dtype]
+    perf = t.performance
     lora = getattr(t, "lora", None)
     half_base = lora is not None and DTYPE_BYTES[_field(lora, "base_dtype", "float32")] < 4
     ab = cb if w > 1 or half_base else 4   # one full-weight rank: autocast keeps the residual stream float32
-    budget_tokens = getattr(t, "max_tokens_per_micro_batch", None)
-    tokens = max(budget_tokens or t.micro_batch_size * max_model_len, max_model_len)
+    budget_tokens = perf.max_tokens_per_micro_batch
+    tokens = max(budget_tokens or perf.micro_batch_size * max_model_len, max_model_len)
     local = math.ceil(tokens / cp)        # the tokens of a micro-batch one rank forwards
     dense = dense_attention(t)
     layer = local * trainer_layer_values(s, dense) * ab
     who = f"{local} tokens" + (f" of {tokens}, context parallel {cp}" if cp > 1 else "")
     items = {}
-    if t.activation_checkpointing:
+    if perf.activation_checkpointing:
         items[f"activations ({who}, checkpointed)"] = s.layers * local * s.hidden * ab + layer
     else:
         items[f"activations ({who})"] = s.layers * layer + local * EDGE_TOKEN_VALUES * s.hidden * ab
-    several = t.micro_batch_size > 1 or bool(budget_tokens)
+    several = perf.micro_batch_size > 1 or bool(budget_tokens)
     if dense and packed(t) and several:  # sdpa keeps a float32 mask over a row of several sequences, every layer
-        layers = 1 if t.activation_checkpointing else s.layers
+        layers = 1 if perf.activation_checkpointing else s.layers
         items[f"attention masks ({layers} x {tokens}^2, float32)"] = layers * tokens * tokens * 4
     if cp > 1:
         items["all-to-all buffers (one layer's q, k, v)"] = 2 * local * (s.heads + 2 * s.kv_heads) * s.head_dim * ab
-    chunk = getattr(t, "logprob_chunk_tokens", 0) or 0
+    chunk = perf.logprob_chunk_tokens or 0
     rows = min(chunk, local) if chunk else local
     per = CHUNK_BYTES + (cb if cb < 4 else 0) if chunk else ab + 12
     items[f"logits ({rows} tokens x {s.vocab})"] = rows * s.vocab * per
@@ -270,7 +263,8 @@ def _plan_trainer(cfg, host, spec, t, gpu: float) -> Plan:
     if plan.need > gpu:
         top = sorted(plan.items.items(), key=lambda kv: -kv[1])[:3]
         plan.problem = (f"{plan.key} on {host} (GPU {spec.gpus[0]}): needs {_gib(plan.need)} GiB of the GPU's "
-                        f"{_gib(gpu)} GiB ({', '.join(f'{k} {_gib(v)}' for k, v in top)}; {t.world_size} ranks "
+                        f"{_gib(gpu)} GiB ({', '.join(f'{k} {_gib(v)}' for k, v in top)}; "
+                        f"{t.distributed.world_size} ranks "
                         f"share the model's {s.params / 1e9:.1f}B parameters)")
     return plan
 

@@ -3,8 +3,8 @@ logprobs, entropies, loss and every gradient, then two versions of training.
 
     python -m laminar.testing.cp_ranks RANK WORLD ADDRESS MODEL_DIR OUT --variants JSON
 
-Each variant is a dict of trainer settings (e.g. {"parallelism": {"context_parallel_size": 2},
-"packing": true}). Every rank builds an engine with it and
+Each variant is a dict of trainer settings (e.g. {"distributed": {"context_parallel_size": 2},
+"performance": {"packing": true}}). Every rank builds an engine with it and
 1. forwards one micro-batch of long-tailed sequences (the first `--micro` of the first batch; odd
    lengths, so the CP split pads), the policy loss (Clip-Higher, against random behaviour logprobs
    and advantages) scaled as the engine scales it, and its backward; then
@@ -50,6 +50,7 @@ def main() -> None:
 
     from laminar.roles.trainer import dist
     from laminar.roles.trainer.engine import TrainEngine
+    from laminar.testing.settings import deep_merge
     from laminar.testing.trainer_ranks import long_tailed_batches, make_config
     ap = argparse.ArgumentParser()
     ap.add_argument("rank", type=int)
@@ -67,7 +68,8 @@ def main() -> None:
     try:
         for settings in json.loads(a.variants):
             torch.manual_seed(0)
-            cfg = make_config(a.model_dir, "grpo", "cpu", **{"world_size": a.world, **settings})
+            cfg = make_config(a.model_dir, "grpo", "cpu",
+                              **deep_merge({"distributed": {"world_size": a.world}}, settings))
             eng = TrainEngine(cfg, 0, torch.device("cpu"), info)
             eng.load()
             batches = long_tailed_batches(a.versions)

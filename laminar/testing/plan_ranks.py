@@ -28,10 +28,11 @@ def settings(world: int, cp: int, tokens: int, chunk: int, checkpointing: bool, 
     """The trainer settings of a measurement (what the plan is asked about too); `lora`: a rank-16
     adapter on a base in the compute dtype."""
     extra = {"lora": {"rank": 16, "alpha": 32, "base_dtype": dtype}} if lora else {}
-    return dict(world_size=world, parallelism={"context_parallel_size": cp}, logprob_chunk_tokens=chunk,
-                activation_checkpointing=checkpointing, dtype=dtype, device=device, micro_batch_size=1,
-                mismatch_previous_version=False, packing=True, minibatch_steps=1, lr=1e-5, entropy_metric=True,
-                **extra)
+    return dict(distributed={"world_size": world, "context_parallel_size": cp},
+                performance={"logprob_chunk_tokens": chunk, "activation_checkpointing": checkpointing,
+                             "dtype": dtype, "micro_batch_size": 1, "packing": True},
+                logging={"mismatch_previous_version": False, "entropy": True}, device=device, minibatch_steps=1,
+                optimizer={"lr": 1e-5}, **extra)
 
 
 def predicted(model_dir: str, t, tokens: int) -> float:
@@ -125,7 +126,8 @@ def main() -> None:
     try:
         s = settings(a.world, a.cp, a.tokens, a.chunk, a.checkpointing, a.dtype, a.device, a.lora)
         compiled = {"auto": None, "on": True, "off": False}[a.compile]
-        cfg = TrainerConfig(model_dir=a.model_dir, attn_implementation=a.attn, compile=compiled, **s)
+        s["performance"].update(attn_implementation=a.attn, compile=compiled)
+        cfg = TrainerConfig(model_dir=a.model_dir, **s)
         base = memory_now(device)
         torch.manual_seed(0)
         eng = TrainEngine(cfg, 0, device, info)

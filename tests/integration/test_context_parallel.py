@@ -28,13 +28,14 @@ from tests.integration.test_trainer import feed, proc_cluster, wait_events  # no
 
 pytestmark = pytest.mark.timeout(900)
 TOL = 1e-5
-VARIANTS = [dict(packing=False, logprob_chunk_tokens=0),
-            dict(packing=True, logprob_chunk_tokens=16, activation_checkpointing=True),
-            dict(packing=True, logprob_chunk_tokens=16, lora=dict(rank=4, alpha=8), kl_coef=0.1)]
+VARIANTS = [dict(performance=dict(packing=False, logprob_chunk_tokens=0)),
+            dict(performance=dict(packing=True, logprob_chunk_tokens=16, activation_checkpointing=True)),
+            dict(performance=dict(packing=True, logprob_chunk_tokens=16), lora=dict(rank=4, alpha=8),
+                 loss=dict(kl_coef=0.1))]
 
 
 def run(tmp, model, world: int, variants: list[dict], name: str, cp: int) -> list[dict]:
-    vs = [{**v, "parallelism": {"context_parallel_size": cp}} for v in variants]
+    vs = [{**v, "distributed": {"context_parallel_size": cp}} for v in variants]
     out = tmp / f"{name}.pt"
     launch_ranks("laminar.testing.cp_ranks", world, [str(model), str(out), "--variants", json.dumps(vs),
                                                      "--versions", "1"], timeout=800)
@@ -66,7 +67,8 @@ def test_context_parallel_two_ranks_equal_one(tmp_path, tiny):
 
 @pytest.mark.slow  # 4 gloo ranks on 2 cores, two engines each (~3 minutes)
 def test_context_parallel_with_data_parallel_and_kv_copies(tmp_path, tiny):
-    budget = dict(packing=True, logprob_chunk_tokens=16, max_tokens_per_micro_batch=80, micro_batch_balance="tokens")
+    budget = dict(performance=dict(packing=True, logprob_chunk_tokens=16, max_tokens_per_micro_batch=80,
+                                   micro_batch_balance="tokens"))
     one = run(tmp_path, tiny, 1, [budget], "one", cp=1)[0]
     cp2 = run(tmp_path, tiny, 4, [budget], "cp2", cp=2)[0]   # 2 data-parallel groups of 2
     cp4 = run(tmp_path, tiny, 4, [budget], "cp4", cp=4)[0]   # 4 ranks, 2 key/value heads: copies
@@ -79,8 +81,9 @@ def test_context_parallel_trainer_role_two_ranks(tmp_path, tiny):
     """trainer.0 and trainer.1 (context_parallel_size 2, one data-parallel group) with a real
     experience buffer: both step through the same versions; rank 0 writes the metrics."""
     from laminar.roles.trainer.metrics import read_jsonl
-    path = proc_cluster(tmp_path, tiny, ranks=2, world_size=2, dist_port=free_port(), device="cpu",
-                        micro_batch_size=4, packing=True, parallelism={"context_parallel_size": 2})
+    path = proc_cluster(tmp_path, tiny, ranks=2, device="cpu",
+                        distributed={"world_size": 2, "port": free_port(), "context_parallel_size": 2},
+                        performance={"micro_batch_size": 4, "packing": True})
     procs = []
     try:
         buf = RoleProc("experience_buffer", "0", path, tmp_path).start()

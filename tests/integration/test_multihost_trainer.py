@@ -60,7 +60,7 @@ def test_multihost_trainer_ranks_on_two_hosts_equal_one(tmp_path):
 def test_multihost_trainer_rank_killed_restarts_group_lose_nothing(tmp_path):
     model = build_tiny_model(tmp_path / "tiny")
     with MultiHost(tmp_path, model, rollout_hosts=2, rollouts_per_host=1, iterations=100_000, trainer_hosts=(0, 1),
-                   roles={"trainer": {"checkpoint_every": 2}}) as mh:
+                   roles={"trainer": {"checkpoint": {"every": 2}}}) as mh:
         mh.start_all()
         mh.wait_version(3, 400)
         while mh.version() % 2 == 0:  # kill it with a version past its newest checkpoint

@@ -104,8 +104,8 @@ def test_sharded_load_lora_base_and_adapter(tmp_path):
 def test_sharded_load_trains_as_the_full_load(tmp_path, tiny, algorithm):
     """2 ranks: the sharded load and the old full load train the same long-tailed batches to the
     same weights and metrics, exactly (PPO: its critic loaded sharded too, value head zero)."""
-    variants = [{"parallelism": {"sharded_load": False}, "micro_batch_size": 2},
-                {"parallelism": {"sharded_load": True}, "micro_batch_size": 2}]
+    variants = [{"distributed": {"sharded_load": False}, "performance": {"micro_batch_size": 2}},
+                {"distributed": {"sharded_load": True}, "performance": {"micro_batch_size": 2}}]
     out = tmp_path / "v.pt"
     launch_ranks("laminar.testing.trainer_ranks", 2, [str(tiny), str(out), "--variants", json.dumps(variants),
                                                       "--algorithm", algorithm], timeout=240)

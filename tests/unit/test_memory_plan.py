@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from laminar.roles.trainer.config import TrainerConfig
+from laminar.roles.trainer.config import LoraSettings, TrainerConfig
 
 from laminar.config import load_config, parse_config
 from laminar.memory_plan import GiB, check_memory, lora_params, main, plan_memory, rollout_plan, trainer_plan
@@ -41,9 +41,9 @@ def test_memory_plan_shape_counts_by_hand():
 
 def test_memory_plan_trainer_items_by_hand():
     s = shape_from_config(HAND)
-    t = types.SimpleNamespace(world_size=2, dtype="bfloat16", kl_coef=0.0, mismatch_previous_version=False,
-                              algorithm="grpo", micro_batch_size=1, activation_checkpointing=True,
-                              logprob_chunk_tokens=32)
+    t = TrainerConfig(model_dir="m", distributed={"world_size": 2}, logging={"mismatch_previous_version": False},
+                      performance={"dtype": "bfloat16", "micro_batch_size": 1, "activation_checkpointing": True,
+                                   "logprob_chunk_tokens": 32})
     items = trainer_plan(s, t, max_model_len=256)
     assert items["parameters (fp32 shard)"] == 4 * 87_104 / 2 == 174_208
     assert items["gradients (fp32 shard)"] == 174_208
@@ -56,7 +56,7 @@ def test_memory_plan_trainer_items_by_hand():
     assert items["activations (256 tokens, checkpointed)"] == 2 * 256 * 64 * 2 + 256 * 1_024 * 2 == 589_824
     assert items["logits (32 tokens x 100)"] == 32 * 100 * (8 + 2) == 32_000
     assert sum(items.values()) == 174_208 * 2 + 348_416 + 371_200 + 51_200 + 589_824 + 32_000 + 3 * GiB
-    t.activation_checkpointing, t.logprob_chunk_tokens = False, 0  # every layer kept; the full logits
+    t.performance.activation_checkpointing, t.performance.logprob_chunk_tokens = False, 0  # all layers; full logits
     items = trainer_plan(s, t, max_model_len=256)
     # every layer's values, plus the embedding's output and the final norm's input and output (3 x 64)
     assert items["activations (256 tokens)"] == 2 * 256 * 1_024 * 2 + 256 * 3 * 64 * 2
@@ -68,17 +68,17 @@ def test_memory_plan_context_parallel_by_hand():
     one layer's all-to-all buffers; a dense kernel on the CPU (sdpa) adds repeated keys and values and,
     for rows of several sequences, a float32 mask over the whole row."""
     s = shape_from_config(HAND)
-    t = types.SimpleNamespace(world_size=2, dtype="bfloat16", kl_coef=0.0, mismatch_previous_version=False,
-                              algorithm="grpo", micro_batch_size=1, activation_checkpointing=True,
-                              logprob_chunk_tokens=32, parallelism=types.SimpleNamespace(context_parallel_size=2))
+    t = TrainerConfig(model_dir="m", distributed={"world_size": 2, "context_parallel_size": 2},
+                      logging={"mismatch_previous_version": False},
+                      performance={"dtype": "bfloat16", "micro_batch_size": 1, "activation_checkpointing": True,
+                                   "logprob_chunk_tokens": 32})
     items = trainer_plan(s, t, max_model_len=256)
     assert items["activations (128 tokens of 256, context parallel 2, checkpointed)"] == \
         2 * 128 * 64 * 2 + 128 * 1_024 * 2
     assert items["all-to-all buffers (one layer's q, k, v)"] == 2 * 128 * (4 + 2 * 2) * 16 * 2
     assert items["logits (32 tokens x 100)"] == 32_000
-    t.parallelism = {"context_parallel_size": 2}  # a dumped config reads the same
-    assert "activations (128 tokens of 256, context parallel 2, checkpointed)" in trainer_plan(s, t, 256)
-    t.device, t.packing, t.micro_batch_size, t.dtype = "cpu", True, 2, "float32"
+    t.device = "cpu"
+    t.performance.packing, t.performance.micro_batch_size, t.performance.dtype = True, 2, "float32"
     items = trainer_plan(s, t, max_model_len=256)
     # dense: q, keys and values repeated to 4 heads, output and o_proj input: 5 x 64; 512 tokens a micro-batch
     assert items["activations (256 tokens of 512, context parallel 2, checkpointed)"] == \
@@ -90,13 +90,12 @@ def test_memory_plan_lora_by_hand():
     """LoRA: the frozen base in its dtype, the adapter (r x (in + out) per target) with float32
     gradients and Adam's states; no reference copy (the adapter off), no base gradients gathered."""
     s = shape_from_config(HAND)
-    lora = types.SimpleNamespace(rank=4, base_dtype="bfloat16", target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora = LoraSettings(rank=4, base_dtype="bfloat16")  # every linear layer by default
     # per layer: q 64+64, k 64+32, v 64+32, o 64+64, gate/up/down 64+128 each, times r = 4
     assert lora_params(s, lora) == 2 * 4 * (128 + 96 + 96 + 128 + 3 * 192) == 8_192
-    t = types.SimpleNamespace(world_size=2, dtype="bfloat16", kl_coef=0.1, mismatch_previous_version=False,
-                              algorithm="grpo", micro_batch_size=1, activation_checkpointing=True,
-                              logprob_chunk_tokens=32, lora=lora)
+    t = TrainerConfig(model_dir="m", distributed={"world_size": 2}, logging={"mismatch_previous_version": False},
+                      performance={"dtype": "bfloat16", "micro_batch_size": 1, "activation_checkpointing": True,
+                                   "logprob_chunk_tokens": 32}, loss={"kl_coef": 0.1}, lora=lora)
     items = trainer_plan(s, t, max_model_len=256)
     assert items["base (frozen, bfloat16 shard)"] == 87_104 * 2 / 2
     assert items["LoRA adapter + gradients + Adam (fp32 shards)"] == 16 * 8_192 / 2
@@ -128,8 +127,7 @@ def test_memory_plan_shipped_shapes_match_the_published_sizes():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_memory_plan_recipes_fit_80_gib_with_chunked_logprobs(path):
     """Every rank and rollout of the recipe within 80 GiB, the trainer computing logprobs 1,024
-    tokens at a time (the trainer's logprob_chunk_tokens); and check_memory agrees when this
-    branch's trainer has that setting."""
+    tokens at a time (the trainer's performance.logprob_chunk_tokens); and check_memory agrees."""
     cfg = load_config(path)
     plans = plan_memory(cfg, 80)
     assert {p.kind for p in plans} == {"trainer", "rollout"}
@@ -138,11 +136,9 @@ def test_memory_plan_recipes_fit_80_gib_with_chunked_logprobs(path):
             assert p.problem is None, p.problem
             continue
         t = cfg.settings_of("trainer", p.key.split(".")[1])
-        chunked = types.SimpleNamespace(**{**t.model_dump(), "logprob_chunk_tokens": 1024})
+        chunked = t.model_copy(update={"performance": t.performance.model_copy(update={"logprob_chunk_tokens": 1024})})
         need = sum(trainer_plan(model_shape(t.model_dir), chunked, 18_432).values())
         assert need <= 80 * GiB, f"{p.key}: {need / GiB:.1f} GiB"
-    if "logprob_chunk_tokens" not in TrainerConfig.model_fields:
-        pytest.skip("this branch's trainer computes the full [tokens, vocabulary] logits (no logprob_chunk_tokens)")
     assert check_memory(cfg, 80) == []
 
 
@@ -202,7 +198,7 @@ def test_memory_plan_command_prints_the_plan_and_exits_0_when_it_fits(tmp_path, 
 def recipe(tmp_path, name: str, cp: int, **rollout) -> Path:
     """configs/<name>.yaml with the trainer's context_parallel_size set to `cp` (and rollout settings)."""
     data = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
-    data["roles"]["trainer"].setdefault("parallelism", {})["context_parallel_size"] = cp
+    data["roles"]["trainer"].setdefault("distributed", {})["context_parallel_size"] = cp
     data["roles"]["rollout"].update(rollout)
     if rollout.get("max_model_len", 0) > 32_768:  # 32K-token responses: the folder with YaRN's rope scaling
         for role in ("trainer", "rollout"):
@@ -219,7 +215,7 @@ def test_memory_plan_72b_at_64_gpus_needs_context_parallelism(tmp_path):
     from laminar.cli import main as cli
     path = ROOT / "configs" / "gpu-72b-64.yaml"
     assert cli(["check", str(path), "--gpu-memory-gib", "80"]) == 0
-    assert load_config(path).settings_of("trainer").parallelism.context_parallel_size == 2
+    assert load_config(path).settings_of("trainer").distributed.context_parallel_size == 2
     problems = check_memory(load_config(recipe(tmp_path, "gpu-72b-64", 1)), 80)
     assert len(problems) == 1 and "(and 31 more alike" in problems[0], problems
     assert re.search(r"trainer\.0 on n0 \(GPU 0\): needs (8[0-9]\.\d) GiB of the GPU's 80\.0 GiB", problems[0])
