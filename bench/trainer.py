@@ -6,7 +6,7 @@ waits for in WeightPublisher.publish: the copy into staging) next to one plain m
     python bench/trainer.py [--quick] [--out FILE] [--device auto|cpu|cuda] [--models tiny,qwen2-100m]
     python bench/trainer.py --long --out FILE [--hidden 16] [--chunk 1024] [--budget-gib 8]
     python bench/trainer.py --balance --out FILE [--batches 8] [--prompt 256] [--micro 4] [--max-tokens 32768]
-    python bench/trainer.py --load --out FILE
+    python bench/trainer.py --load --out FILE [--quick]
     python bench/trainer.py --plan-check --out FILE [--quick] [--tokens 2048] [--plan-chunk 256] [--checkpointing]
 
 --long: peak memory of the chunked logprob pass against the full logits (bench/trainer_long.py);

@@ -2,7 +2,8 @@
 (laminar/memory_plan.py) against the trainer's measured memory, on gloo ranks of this machine.
 
 --load: a randomly initialised Qwen2.5-0.5B (494M parameters: 24 layers, hidden 896, the real
-151,936-token vocabulary, tied head) saved as safetensors (bf16, as published), loaded as the
+151,936-token vocabulary, tied head; with --quick a 4-layer, hidden-128 model of ~20M parameters, to
+check that it runs) saved as safetensors (bf16, as published), loaded as the
 trainer loads its policy (float32 master weights) by 1, 2 and 4 gloo ranks: sharded (each rank reads
 its rows), and the old way at 4 ranks (every rank loads the whole model, then shards). Peak resident
 memory of each rank's load above its memory before it (roles/trainer/memory.py: VmHWM reset through
@@ -39,6 +40,7 @@ SHAPES = {
 }
 CHECKPOINTED = {"qwen2.5-7b-h224"}
 LOAD_SHAPE = dict(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, tied=True)  # Qwen2.5-0.5B
+LOAD_QUICK = dict(layers=4, hidden=128, heads=2, kv_heads=1, intermediate=512, tied=True)  # --quick: ~20M, seconds
 VOCAB = 151_936
 
 
@@ -72,10 +74,11 @@ def main_load(a) -> dict:
     """--load (module docstring): peak bytes per rank at 1, 2 and 4 ranks sharded, and at 4 the old way."""
     import shutil
     free = shutil.disk_usage(tempfile.gettempdir()).free
-    print(f"--load: Qwen2.5-0.5B shape, random init, bf16 safetensors ({free / GiB:.0f} GiB free in tmp)")
-    out: dict = {}
+    shape, name = (LOAD_QUICK, "quick") if a.quick else (LOAD_SHAPE, "Qwen2.5-0.5B")
+    print(f"--load: {name} shape, random init, bf16 safetensors ({free / GiB:.0f} GiB free in tmp)")
+    out: dict = {"shape": name}
     with tempfile.TemporaryDirectory() as tmp:
-        d = build(Path(tmp) / "q05b", **LOAD_SHAPE)
+        d = build(Path(tmp) / "model", **shape)
         rows = []
         for world, mode in ((1, "sharded"), (2, "sharded"), (4, "sharded"), (4, "full")):
             tag = Path(tmp) / f"{mode}{world}"
@@ -92,7 +95,8 @@ def main_load(a) -> dict:
         out["params"] = _params(d)
     out["load_4ranks_over_1rank"] = out["peak_bytes_load_4ranks"] / out["peak_bytes_load_1rank"]
     out["load_4ranks_full_over_sharded"] = out["peak_bytes_load_4ranks_full"] / out["peak_bytes_load_4ranks"]
-    print_table("sharded load of a 0.5B model (float32 master weights from bf16 safetensors), gloo ranks",
+    print_table(f"sharded load of a {out['params'] / 1e6:.0f}M-parameter model ({name} shape; float32 master "
+                "weights from bf16 safetensors), gloo ranks",
                 ["load", "ranks", "peak GiB / rank", "shard GiB", "seconds (loaded machine)"], rows)
     return out
 

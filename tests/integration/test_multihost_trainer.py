@@ -1,8 +1,9 @@
 """Trainer ranks on two hosts (docs/architecture.md §10): network namespaces as hosts, FSDP2 over gloo
 between them, rendezvous at rank 0's host address.
 
-- engine: rank 0 in h0's namespace and rank 1 in h1's train the same batches as one process, to
-  the same losses and weights (the collectives cross the bridge: each rank's gloo sockets are on
+- engine (slow): rank 0 in h0's namespace and rank 1 in h1's load the model sharded (each reads
+  its own rows of the safetensors files) and train the same batches as one process, to the same
+  losses and weights (the collectives cross the bridge: each rank's gloo sockets are on
   the interface it reaches rank 0's address through, dist.route_interface);
 - cluster (slow): the multi-host cluster with its trainer as two ranks, rank 1 on h1 beside a relay
   and rollouts: rank 1 is killed, the whole trainer group fails and restarts from its newest
@@ -13,6 +14,7 @@ between them, rendezvous at rank 0's host address.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +34,13 @@ from laminar.testing.netns import NetnsCluster  # noqa: E402
 from laminar.testing.trainer_ranks import train_reference  # noqa: E402
 
 
+def loaded(log: str) -> dict:
+    """The policy's `model_loaded` fields from a rank's console log (structlog's key=value)."""
+    line = next(x for x in log.splitlines() if "model_loaded" in x and " model=model " in x)
+    return {k: v for k, v in re.findall(r"(\w+)=(\S+)", line)}
+
+
+@pytest.mark.slow  # two ranks in two namespaces and one process, 2 versions each (~100 s on 2 loaded cores)
 def test_multihost_trainer_ranks_on_two_hosts_equal_one(tmp_path):
     model = build_tiny_model(tmp_path / "tiny")
     out = tmp_path / "two.pt"
@@ -44,6 +53,11 @@ def test_multihost_trainer_ranks_on_two_hosts_equal_one(tmp_path):
                  for r in range(2)]
         logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    # a sharded load: each rank read its own rows from the safetensors files, half the model each
+    reports = [loaded(x) for x in logs]
+    total = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    for r in reports:
+        assert 0 < int(r["bytes_read"]) < 0.75 * total, (r, total)
     two = torch.load(out)
     one = train_reference(str(model))
     for m2, m1 in zip(two["metrics"], one["metrics"], strict=True):
