@@ -9,7 +9,10 @@ Ulysses all-to-all over the attention heads, against one process training the sa
 - 4 ranks (slow): CP 2 x 2 data-parallel groups with token-budget micro-batches, and CP 4 on a model
   with 2 key/value heads (each rank gets a copy of the one its queries use);
 - the trainer role on 2 ranks at CP 2, as role processes with a real experience buffer, trains
-  versions from groups put into the buffer.
+  versions from groups put into the buffer;
+- the same in an in-process cluster (laminar/testing/inproc_cluster.py): the experience buffer and
+  trainer.0 in the test's process, trainer.1 a role process following rank 0's command stream;
+  rank 0 steps through a version and its metrics are those of the whole group.
 """
 from __future__ import annotations
 
@@ -104,3 +107,47 @@ def test_context_parallel_trainer_role_two_ranks(tmp_path, tiny):
     assert [r["version"] for r in recs] == [1, 2]
     assert all(r["tokens"] > 0 and r["response_tokens"] > 0 for r in recs)
     assert loaded and loaded[0]["model"] == "model" and loaded[0]["rank"] == 1
+
+
+def test_context_parallel_trainer_step_in_an_inproc_cluster(tmp_path, tiny, monkeypatch):
+    """trainer.0 at context_parallel_size 2 in an in-process cluster with the experience buffer;
+    trainer.1 (rank 1, the other half of every sequence) a role process: one version is trained."""
+    from laminar.config import load_config
+    from laminar.protocol import PutTrajectory
+    from laminar.testing.inproc_cluster import InprocCluster
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # dist.init sets it in this process otherwise
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = proc_cluster(tmp_path, tiny, ranks=2, device="cpu", max_iterations=1,
+                        distributed={"world_size": 2, "port": free_port(), "context_parallel_size": 2},
+                        performance={"micro_batch_size": 4, "packing": True, "logprob_chunk_tokens": 16})
+    follower = RoleProc("trainer", "1", path, tmp_path).start()  # waits in the rendezvous for rank 0
+
+    async def main() -> list[dict]:
+        cluster = InprocCluster(load_config(path))
+        try:
+            await cluster.start("experience_buffer")
+            trainer = await cluster.start("trainer", "0", ready_timeout_s=240)
+            assert trainer.info.cp_size == 2 and trainer.info.dp_size == 1
+            buf = cluster.client("experience_buffer")
+            for g in random_groups(2, 4, "ip", seed=7):
+                for t in g:
+                    assert (await buf.call(PutTrajectory(t))).status == "stored"
+            for _ in range(2400):  # up to 240 s on a loaded machine
+                done = [f for name, f in trainer.events if name == "iteration" and f["version"] == 1]
+                if done:
+                    return done
+                assert follower.alive(), follower.tail()
+                await asyncio.sleep(0.1)
+            raise TimeoutError(trainer.events[-5:])
+        finally:
+            await cluster.close()
+
+    try:
+        (it,) = asyncio.run(main())
+        followed = wait_events(follower, "iteration", lambda e: any(x["version"] == 1 for x in e), timeout=60)
+    finally:
+        follower.stop(30)
+    from laminar.roles.trainer.metrics import read_jsonl
+    (rec,) = read_jsonl(tmp_path / "run" / "trainer" / "metrics.jsonl")
+    assert rec["version"] == 1 and rec["tokens"] > 0 and rec["response_tokens"] > 0
+    assert followed[-1]["version"] == it["version"] == 1
