@@ -209,12 +209,17 @@ def recipe(tmp_path, name: str, cp: int, **rollout) -> Path:
     return path
 
 
-def test_memory_plan_72b_at_64_gpus_needs_context_parallelism(tmp_path):
-    """The paper's 64-GPU placement of 72B (32 trainer ranks): accepted at context_parallel_size 2
-    (what the recipe sets), refused without it, naming the GiB."""
+def test_memory_plan_72b_at_64_gpus_needs_context_parallelism(tmp_path, capsys):
+    """The paper's 64-GPU placement of 72B (32 trainer ranks): `laminar-node check` accepts it at
+    context_parallel_size 2 (what the recipe sets) and refuses it without, naming the GiB."""
     from laminar.cli import main as cli
     path = ROOT / "configs" / "gpu-72b-64.yaml"
     assert cli(["check", str(path), "--gpu-memory-gib", "80"]) == 0
+    capsys.readouterr()
+    assert cli(["check", str(path), "--gpu-memory-gib", "80",
+                "--set", "roles.trainer.distributed.context_parallel_size=1"]) != 0
+    said = "".join(capsys.readouterr())
+    assert re.search(r"trainer\.0 on n0 \(GPU 0\): needs 8\d\.\d GiB of the GPU's 80\.0 GiB", said), said
     assert load_config(path).settings_of("trainer").distributed.context_parallel_size == 2
     problems = check_memory(load_config(recipe(tmp_path, "gpu-72b-64", 1)), 80)
     assert len(problems) == 1 and "(and 31 more alike" in problems[0], problems
