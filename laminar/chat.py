@@ -19,6 +19,8 @@ Why it is shaped this way:
   tool list goes into the system message, and an assistant message's tool calls are written as
   `<tool_call>{...}</tool_call>` after its content (the Hermes convention that laminar/toolcalls.py
   parses back out of the model's text).
+- `message_key(message)` is what identifies an assistant message the gateway returned, so that
+  an echo of it can be replaced by the exact text the model sampled.
 """
 from __future__ import annotations
 
@@ -200,3 +202,22 @@ def content_text(content: Any, where: str = "content") -> str:
                 raise ChatError(f"{where}: only text parts are supported")
         return "".join(texts)
     raise ChatError(f"{where}: must be a string, a list of text parts, or null")
+
+
+def _canonical_args(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+def message_key(message: dict) -> str:
+    """An assistant message's identity: its text content and its calls' names and arguments (ids,
+    whitespace of the arguments' JSON and key order left out: clients rebuild those)."""
+    calls = [(fn.get("name"), _canonical_args(fn.get("arguments")))
+             for c in message.get("tool_calls") or [] if isinstance(c, dict)
+             for fn in [c.get("function", c)] if isinstance(fn, dict)]
+    return json.dumps({"content": (content_text(message.get("content")) or "").strip(), "calls": calls},
+                      sort_keys=True)

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from laminar import checkpoint_files
 from laminar.config import UsageError
 
 EXPORT_STAGES = {"read": 3, "cast": 1, "save": 4}   # rough shares of an export's time, for the command's ETA
@@ -88,17 +89,16 @@ def read_version(source: str | os.PathLike, version: int | None = None,
         with held:
             adapter = held.manifest.adapter_config if held.manifest.content == "lora" else ""
             return {k: t.clone() for k, t in held.tensors()}, held.version, adapter
-    from laminar.roles.trainer import checkpoint
-    if not (src / "model.pt").exists() and not (src / checkpoint.DCP_DIR).is_dir():
-        newest = checkpoint.latest(src)
+    if not (src / "model.pt").exists() and not (src / checkpoint_files.DCP_DIR).is_dir():
+        newest = checkpoint_files.latest(src)
         if newest is None:
             raise FileNotFoundError(f"{src}: neither a checkpoint (model.pt), a folder of checkpoints, "
                                     f"nor a relay folder (current)")
         src = newest
     state = json.loads((src / "state.json").read_text()) if (src / "state.json").exists() else {}
     adapter = state.get("adapter_config", "")  # a LoRA trainer's checkpoint
-    if checkpoint.is_sharded(state):  # written by several ranks (DCP): read whole here
-        return checkpoint.load(src, only={"model"})[0]["model"], state.get("version"), adapter
+    if checkpoint_files.is_sharded(state):  # written by several ranks (DCP): read whole here
+        return checkpoint_files.load(src, only={"model"})[0]["model"], state.get("version"), adapter
     sd = torch.load(src / "model.pt", map_location="cpu", weights_only=True)
     return sd, state.get("version"), adapter
 

@@ -37,8 +37,8 @@ from laminar.bus.zmq_transport import ZmqTransport
 from laminar.config import load_config
 from laminar.extras import MissingExtra, missing_extras
 from laminar.protocol import Shutdown
-from laminar.roles.base import Role, RoleContext, RoleFailed
-from laminar.roles.registry import role_class
+from laminar.registry import role_class
+from laminar.role_base import Role, RoleContext, RoleFailed
 from laminar.secrets import redact
 from laminar.threads import leave
 

@@ -193,7 +193,7 @@ def main() -> None:
     torch.set_num_threads(2)
     sft = None
     if a.sft:
-        from laminar.roles.trainer.metrics import read_jsonl
+        from laminar.report import read_jsonl  # late: only with --sft
         sft = read_jsonl(a.sft)
         if not sft:
             raise SystemExit(f"{a.sft}: no records")

@@ -22,6 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from laminar.roles.rollout.engine import EngineStats, Sampling
 
+from laminar.engine_settings import engine_seqs
+
 
 @runtime_checkable
 class RolloutEngineAPI(Protocol):
@@ -55,13 +57,6 @@ class RolloutEngineAPI(Protocol):
     async def close(self) -> None:
         """Stop the engine and release what it holds (processes, shared memory)."""
         ...
-
-
-def engine_seqs(settings: Any) -> int:
-    """Sequences the engine runs at once: `max_num_seqs`, never more than the trajectories the
-    rollout takes (`max_concurrency`, also the default)."""
-    n = getattr(settings, "max_num_seqs", None)
-    return min(n, settings.max_concurrency) if n else settings.max_concurrency
 
 
 def build_rollout_engine(settings: Any, cores: Sequence[int] | None = None) -> RolloutEngineAPI:

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from laminar.bus.errors import RpcError
-from laminar.roles.base import Role
 from laminar.roles.trainer import checkpoint, dist
 from laminar.roles.trainer.best import BestCheckpoint
 from laminar.roles.trainer.config import TrainerConfig
@@ -37,6 +36,7 @@ from laminar.roles.trainer.metrics import MetricsLog, batch_stats, trained_membe
 from laminar.roles.trainer.publishing import PublishLink
 
 from laminar.protocol import BufferStatsRequest, Metrics, SampleGroups, Samples
+from laminar.role_base import Role
 from laminar.samples import SampleLog, trained_rows
 from laminar.threads import work_thread
 

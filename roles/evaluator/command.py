@@ -1,7 +1,7 @@
 """`laminar-node eval MODEL --sets CONFIG`: weights evaluated on a config's eval sets outside a run,
-with the evaluator role's own harness (roles/evaluator/harness.py: its vLLM engine settings, greedy,
-avg@k, pass@k, maj@k, its seeds), so the numbers are the ones the role reports for the same
-weights and version.
+with the evaluator role's own harness (roles/evaluator/harness.py, beside this command: its vLLM
+engine settings, greedy, avg@k, pass@k, maj@k, its seeds), so the numbers are the ones the role
+reports for the same weights and version. `laminar-node` (laminar/cli.py) dispatches to `run`.
 
 MODEL is one of:
 - a Hugging Face folder (config.json and weights): an export (`laminar-node export`), the
@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+from laminar import checkpoint_files
 from laminar.config import UsageError, load_config
 
 
@@ -65,8 +66,8 @@ def kind_of(model: Path) -> str:
     if (model / "adapter_config.json").is_file():
         raise UsageError(f"{model}: a LoRA adapter folder: evaluate the relay version, or export it with --merge")
     if model.is_dir():
-        from laminar.roles.trainer import checkpoint  # late: torch's checkpoint helpers
-        if (model / "model.pt").exists() or (model / checkpoint.DCP_DIR).is_dir() or checkpoint.latest(model):
+        ck = checkpoint_files
+        if (model / "model.pt").exists() or (model / ck.DCP_DIR).is_dir() or ck.latest(model):
             return "checkpoint"
     raise UsageError(f"{model}: neither a Hugging Face folder (config.json), a relay folder (current) nor a "
                      "trainer checkpoint")
@@ -90,6 +91,7 @@ def seal_keys(cfg):
     if not d:
         return None
     from laminar.bus.auth import load_weights_key
+
     from laminar.weights.seal import verifier_of
     if not Path(d).is_dir():
         raise FileNotFoundError(f"{cfg.source}: cluster.keys_dir {d} does not exist: relay versions cannot be "
@@ -122,7 +124,8 @@ def recorded_version(folder: Path) -> int | None:
 
 async def evaluate(model: Path, kind: str, settings, base: str, version: int | None, keys, tmp: Path) -> dict:
     """Start the engine on MODEL's weights, run the harness; {values, version}."""
-    from laminar.roles.evaluator.harness import Harness, load_sets, make_engine
+    from laminar.roles.evaluator.harness import Harness, load_sets, make_engine  # late: cli.py's parser imports
+    # this module for its arguments; the harness's datasets and engine are for a model being evaluated
     sets = await asyncio.to_thread(load_sets, settings)
     if kind == "checkpoint":
         from laminar.export import export
