@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from laminar.datasets import HFTokenizer, load_tokenizer
 from laminar.toolcalls import render_tool_calls
 
 BYTE_TEMPLATE = ("<|bos|>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -96,7 +97,6 @@ class ChatFormat:
     def load(cls, tokenizer_dir: str | None, chat_template: str = "auto") -> ChatFormat:
         """The format of a model folder: its tokenizer and its own template (`auto`), or a template
         file; a folder without tokenizer files gets the byte codec and BYTE_TEMPLATE."""
-        from laminar.datasets import HFTokenizer, load_tokenizer
         tok = load_tokenizer(tokenizer_dir)
         if chat_template not in ("auto", "none"):
             path = Path(chat_template)
@@ -153,7 +153,7 @@ class ChatFormat:
 
     def _jinja_render(self, msgs: list[dict], tools, generation_prompt: bool, variables: dict) -> str:
         if self._jinja is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # late: jinja2, only for a model's own template
             self._jinja = ImmutableSandboxedEnvironment().from_string(self.template)
         return self._jinja.render(messages=msgs, tools=tools if self.supports_tools else None,
                                   add_generation_prompt=generation_prompt, **variables)

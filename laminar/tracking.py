@@ -116,7 +116,7 @@ def _mlflow_key(k: str) -> str:
 
 def _mlflow(run: Path, m: MlflowSpec, name: str, config: dict, by_step, numbers, rows) -> str:
     require("mlflow", "tracking.mlflow")
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Metric, Param  # late: the tracking extra, only when MLflow is configured
     from mlflow.tracking import MlflowClient
     uri = m.tracking_uri or f"file:{(run / 'mlruns').resolve()}"
     if uri.startswith("file:"):  # MLflow 3.17+ refuses its file store unless asked for it (in maintenance mode)

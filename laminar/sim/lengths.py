@@ -36,6 +36,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from laminar.sim import load_workload
+
 _N = NormalDist()
 _erf = np.vectorize(math.erf, otypes=[float])
 _Z_GRID = np.linspace(-7.0, 7.0, 897)  # 1/64 steps; Φ(±7) is 1e-12 from 0 or 1
@@ -180,7 +182,6 @@ def _nelder_mead(f, x0: np.ndarray, step: float = 0.25, iters: int = 1500, tol: 
 def workload_lengths(name: str, workload: dict | None = None, cap: int | None = None) -> LengthDistribution:
     """The fitted distribution of workload `name` (e.g. '32B_math'); cap = the run's max output."""
     if workload is None:
-        from laminar.sim import load_workload
         workload = load_workload()
     table = workload["response_length_tokens"]
     if name not in table:

@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -174,7 +175,6 @@ async def run_process(code: str, files: dict[str, str], env: dict[str, str], wal
                       max_output: int) -> SandboxResult:
     """`code` as main.py of a fresh temporary folder, a plain child process (its own process group,
     killed whole at `wall_s`)."""
-    import sys
     with tempfile.TemporaryDirectory(prefix="laminar-agent-run-") as d:
         for name, text in {**files, "main.py": code}.items():
             Path(d, name).write_text(text, encoding="utf-8")

@@ -41,6 +41,7 @@ from types import SimpleNamespace
 
 from laminar import checkpoint_files
 from laminar.config import UsageError, load_config
+from laminar.export import export
 
 
 def add_arguments(s: argparse.ArgumentParser) -> None:
@@ -90,6 +91,7 @@ def seal_keys(cfg):
     d = cfg.cluster.keys_dir
     if not d:
         return None
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.bus.auth import load_weights_key
 
     from laminar.weights.seal import verifier_of
@@ -103,6 +105,7 @@ def seal_keys(cfg):
 
 def check_relay(model: Path, key: bytes):
     """The relay's newest manifest, after its seals verified (with a key); UsageError: refused."""
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.weights.pull import LocalWeights, WeightsRefused
     weights = LocalWeights(model, verify_key=key)
     try:
@@ -128,9 +131,9 @@ async def evaluate(model: Path, kind: str, settings, base: str, version: int | N
     # this module for its arguments; the harness's datasets and engine are for a model being evaluated
     sets = await asyncio.to_thread(load_sets, settings)
     if kind == "checkpoint":
-        from laminar.export import export
         model = await asyncio.to_thread(export, model, tmp / "model", base)
         kind = "hf"
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.weights.seal import arm_engine_checks
     engine = make_engine(settings, model_dir=str(model) if kind == "hf" else base)
     arm_engine_checks(keys)   # with keys, the engine's workers check the seals again as they load
@@ -186,6 +189,7 @@ def run(a) -> int:
     lineage = check_relay(model, key).lineage if kind == "relay" else None   # refused before any engine starts
     if kind != "hf" and not (Path(base) / "config.json").is_file():
         raise UsageError(f"{base}: not a model folder (the base of a {kind}): pass --model-dir")
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.node import run as run_loop
     with tempfile.TemporaryDirectory(prefix="laminar-eval-") as tmp:
         got: dict = {}

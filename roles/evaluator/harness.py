@@ -82,7 +82,7 @@ class Harness:
         self.legacy_seeds = not settings.sets  # the one `heldout` set keeps the seeds it always had
 
     async def answer(self, rid: str, prompt, temperature: float, seed: int | None) -> list[int]:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # late: vLLM, loaded only in an engine process
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         sp = SamplingParams(max_tokens=self.settings.max_tokens, temperature=temperature, top_p=1.0, seed=seed,

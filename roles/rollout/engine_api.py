@@ -65,12 +65,12 @@ def build_rollout_engine(settings: Any, cores: Sequence[int] | None = None) -> R
     tensor-parallel rank: RolloutConfig.omp_bind) or "sim" (`settings.sim`:
     the simulator's model, time compressed by its `speedup`)."""
     if settings.engine == "vllm":
-        from laminar.roles.rollout.engine import VllmEngine
+        from laminar.roles.rollout.engine import VllmEngine  # late: the engine module pulls vLLM's helpers
         return VllmEngine.from_settings(settings, max_num_seqs=engine_seqs(settings), temperature=settings.temperature,
                                         top_p=settings.top_p, seeded=settings.seed is not None,
                                         omp_threads_bind=settings.omp_bind(cores))
     if settings.engine == "sim":
-        from laminar.roles.rollout.sim_engine import SimEngine
+        from laminar.roles.rollout.sim_engine import SimEngine  # late: only for engine: sim
         if settings.sim is None:
             raise ValueError("roles.rollout.sim: engine sim needs the simulated engine's settings (model, tp, lengths)")
         return SimEngine.from_settings(settings.sim, max_num_seqs=engine_seqs(settings),

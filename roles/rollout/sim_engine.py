@@ -295,7 +295,7 @@ class SimEngine(RolloutEngine):
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
         if os.path.isdir(shm_dir):
-            from laminar.weights.pull import LocalWeights
+            from laminar.weights.pull import LocalWeights  # late: only when the simulated rollout reads a relay
             w = LocalWeights(shm_dir)
             if exact is not None:
                 if not await asyncio.to_thread(w.has, exact):

@@ -46,7 +46,7 @@ def nonfinite_tensors(tree, prefix: str = "", local: bool = False) -> list[str]:
     """Dotted names of the floating-point tensors in a (nested) state dict with a NaN or inf.
     A DTensor is gathered (a collective) unless `local`: then only this rank's shard is looked at.
     One host synchronization per device for the whole tree (not one per tensor)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     found: list[tuple[str, object]] = []  # (name, a 0-d flag on the tensor's device, or None if empty)
 
     def walk(node, pre: str) -> None:
@@ -92,7 +92,7 @@ def _name(version: int) -> str:
 
 
 def rng_state() -> dict:
-    import torch
+    import torch  # late: torch; configs validate without it
     st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = torch.cuda.get_rng_state_all()
@@ -100,7 +100,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(st: dict) -> None:
-    import torch
+    import torch  # late: torch; configs validate without it
     torch.set_rng_state(st["torch"])
     np.random.set_state(st["numpy"])
     random.setstate(st["python"])
@@ -109,7 +109,7 @@ def set_rng_state(st: dict) -> None:
 
 
 def save(root: str | Path, version: int, parts: dict, state: dict, keep: int = 2) -> Path:
-    import torch
+    import torch  # late: torch; configs validate without it
     check_finite(parts, f"checkpoint version {version}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -154,6 +154,7 @@ def _optimizer_name(part: str) -> str:
 def _options(model):
     """A model with frozen parameters (a LoRA base) checkpoints its trained ones alone: the base
     is the model folder's, loaded at start."""
+    # late: torch; configs validate without it
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     frozen = any(not p.requires_grad for p in model.parameters())
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
@@ -162,6 +163,7 @@ def _options(model):
 def _dcp_state(pairs: dict, only=None) -> dict:
     """{part: model state, <part>_optimizer: optimizer state} as this rank holds them (DTensor
     shards under FSDP2; optimizer states keyed by parameter names, so any sharding can load them)."""
+    # late: torch; configs validate without it
     from torch.distributed.checkpoint.state_dict import get_state_dict
     out = {}
     for name, (model, opt) in pairs.items():
@@ -177,7 +179,7 @@ def save_sharded(root: str | Path | None, version: int, pairs: dict, info, state
     0's `root` (the others' `root` is ignored); the path on rank 0, None elsewhere. Atomic as
     `save`: the ranks write into rank 0's temporary folder, which rank 0 renames once every file
     is synced. Refused on every rank when a shard holds a NaN or inf."""
-    import torch
+    import torch  # late: torch; configs validate without it
     import torch.distributed.checkpoint as dcp
     sd = _dcp_state(pairs)
     bad = nonfinite_tensors(sd, local=True)
@@ -209,7 +211,7 @@ def load_sharded(path: str | Path, pairs: dict, info) -> None:
     process group): load a "dcp" checkpoint into {part: (module, optimizer)}, each rank reading
     the pieces of its own shards. A part the checkpoint lacks (a GRPO checkpoint resumed with
     PPO: the critic) keeps its fresh state."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # late: torch; configs validate without it
     from torch.distributed.checkpoint.state_dict import set_state_dict
     saved = set(read_state(path)["parts"])
     sd = _dcp_state(pairs, only={n for n in pairs if n in saved})
@@ -222,5 +224,5 @@ def load_sharded(path: str | Path, pairs: dict, info) -> None:
 
 
 def load_rng(path: str | Path) -> None:
-    import torch
+    import torch  # late: torch; configs validate without it
     set_rng_state(torch.load(Path(path) / "rng.pt", weights_only=False))

@@ -449,3 +449,33 @@ def test_no_import_circle(level):
     found = cycles(edges)
     assert not found, "import circles:\n" + "\n".join(
         " ; ".join(f"{where[(a, b)]}: {a} -> {b}" for a in c for b in c if (a, b) in where) for c in found)
+
+
+def late_import_blocks(tree: ast.Module) -> list[tuple[int, int]]:
+    """(first, last line) of each run of consecutive import statements inside a function."""
+    found = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            for body in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
+                run: list[ast.stmt] = []
+                for stmt in [*body, None] if isinstance(body, list) else []:
+                    if isinstance(stmt, ast.Import | ast.ImportFrom):
+                        run.append(stmt)
+                    elif run:
+                        found.add((run[0].lineno, run[-1].end_lineno))
+                        run = []
+    return sorted(found)
+
+
+def test_every_late_import_says_why():
+    """§1: an import inside a function carries a comment, on its lines or the line above, saying why
+    it is late (a heavy or optional package, a circle it avoids, a parser that imports the module)."""
+    bare = []
+    for rel, tree in production_trees():
+        lines = (ROOT / rel).read_text().splitlines()
+        for first, last in late_import_blocks(tree):
+            if not any("#" in x for x in lines[first - 1:last]) and not lines[first - 2].strip().startswith("#"):
+                bare.append(f"{rel}:{first}: {lines[first - 1].strip()}")
+    assert not bare, "late imports that do not say why they are late:\n" + "\n".join(bare)
