@@ -479,3 +479,19 @@ def test_every_late_import_says_why():
             if not any("#" in x for x in lines[first - 1:last]) and not lines[first - 2].strip().startswith("#"):
                 bare.append(f"{rel}:{first}: {lines[first - 1].strip()}")
     assert not bare, "late imports that do not say why they are late:\n" + "\n".join(bare)
+
+
+def import_table_rows() -> list[str]:
+    """The rows of §1's import table of laminar/ as the code has them (to paste after a change)."""
+    made: dict[str, set[str]] = {}
+    for _, src, dst in import_arrows():
+        if src.startswith("laminar/") and src != "laminar/testing/":
+            made.setdefault(src, set()).add(short_unit(dst))
+    units = {unit_of_file(str(p.relative_to(ROOT))) for p in (ROOT / "laminar").rglob("*.py")
+             if "__pycache__" not in p.parts} - {"laminar/testing/", "laminar/__init__.py"}
+    return [f"| `{u}` | " + (", ".join(f"`{d}`" for d in sorted(made.get(u, ()))) or "nothing") + " |"
+            for u in sorted(units)]
+
+
+if __name__ == "__main__":  # python tests/unit/test_architecture_docs.py: print the import table's rows
+    print("\n".join(import_table_rows()))
