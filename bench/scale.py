@@ -95,8 +95,9 @@ def parser() -> argparse.ArgumentParser:
                          "is on its relay, then drains and loads it; --no-refill: a batch of max_concurrency at a "
                          "time (default: paper.yaml's rollout.refill, on; --components: off, as the paper ran)")
     ap.add_argument("--jobs", type=int, default=default_jobs(),
-                    help=f"runs at once, one process each (default {default_jobs()} here: the usable cores - 1, "
-                         "1 to 3; each run needs a core at its peaks)")
+                    help=f"runs at once, one process each (default {default_jobs()} here: the usable cores, "
+                         "1 to 3; each run's speed is calibrated to the share of a core it gets; 1 is the cautious "
+                         "choice on a machine shared with other work)")
     ap.add_argument("--lag-retries", type=int, default=3, help="a run that lags behind compressed time is rerun "
                     "at half its speedup, at most this many times; still lagging, it is reported INVALID (default 3)")
     ap.add_argument("--out", help="write the results as JSON here (plot beside it, .png)")

@@ -1,12 +1,13 @@
 """The sweep's processes: one child process per run, `jobs` at a time, a lagging run rerun slower,
 and nothing left behind however the sweep ends.
 
-- How many at once (`default_jobs`): compressed time is faithful only while a run's Python keeps
-  up, and each run is sized (its speedup) to use about 0.4 of a core on average with bursts of
-  about three times that, i.e. a core's worth at its peaks. So the default runs at most one child
-  per core and keeps one core for everything else (the sweep itself, the kernel, the tmpfs the
-  pools write to): `cores − 1`, at least 1, at most 3 (memory: the largest runs take ~10 GB).
-  On 2 cores that is 1. `--jobs` may ask for more; lag (below) shows what it cost.
+- How many at once (`default_jobs`): one child a core, 1 to 3 (memory: the largest runs take
+  ~10 GB). Each run's speed is calibrated before it starts (calibrate.py): picked so that its
+  busiest moments use `TARGET` of the share of a core the machine gives it then — with a child
+  already running on one of two cores, the other core. Before calibration each run got a guessed
+  speed and the default kept a core free for its bursts (`cores − 1`: 1 on two cores), which put
+  the contract command at an hour once the guesses lagged. `--jobs 1` is the cautious choice on a
+  machine shared with other work.
 - Lag: a run whose engines fell behind their simulated timeline (`lagged`, bench/sim/runs.py)
   measured less than the modeled hardware would do; the child ends it as soon as that is
   certain. A run that did not reach its last version by its deadline (three times its expected
@@ -49,9 +50,9 @@ def usable_cores() -> int:
 
 
 def default_jobs(cores: int | None = None) -> int:
-    """Runs at once by default: one a core, one core kept free, 1 to 3 (module docstring)."""
+    """Runs at once by default: one a core, 1 to 3 (module docstring)."""
     cores = usable_cores() if cores is None else cores
-    return max(1, min(3, cores - 1))
+    return max(1, min(3, cores))
 
 
 def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True,
