@@ -105,7 +105,8 @@ def calibrated(spec: dict, cache: PaceCache) -> dict:
 
 def after_probe(spec: dict, r: dict | None) -> dict:
     """The run's spec once its probe has ended: its speed picked from the probe's busiest window ×
-    PROBE_MARGIN; from the estimate if the probe measured nothing (it failed)."""
+    PROBE_MARGIN; from the estimate if it ran but measured no progress (a probe that failed is
+    reported as its run's failure: processes._run_all)."""
     run = {k: v for k, v in spec.items() if k != "probe"}
     pace = (r or {}).get("pace")
     probe = {"speedup": spec["speedup"], "wall_s": (r or {}).get("wall_s"), "cpu_s": (r or {}).get("cpu_s"),
@@ -198,7 +199,7 @@ def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path,
             if not keep:
                 shutil.rmtree(folder, ignore_errors=True)
             r = json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else None
-            if spec.get("probe"):
+            if spec.get("probe") and r is not None:  # a probe that failed is the run's failure (below)
                 _probed(spec, r, pending)
                 continue
             _ended(spec, r, proc.returncode, over, log, t0, pending, results, cache)
@@ -228,12 +229,12 @@ def _ended(spec: dict, r: dict | None, code: int | None, over: bool, log, t0: fl
             cache.put(spec["pace_key"], r["harness"], r["speedup"], "run")
     else:
         tail = Path(log.name).read_text()[-2000:]
-        error = f"exit {code}" + (" (killed: overran)" if over else "")
+        error = f"exit {code}" + (" (killed: overran)" if over else "") + (" (its probe)" if spec.get("probe") else "")
         r = {"error": error, "log_tail": tail, "pace": spec.get("pace"),
              "attempts": spec.get("attempts", []) + [{"speedup": spec["speedup"], "error": error,
                                                        "wall_s": round(time.monotonic() - t0, 1)}]}
         print(f"[{time.strftime('%H:%M:%S')}] FAILED {key}: {error}\n{tail}", flush=True)
-        too_slow = "overran its deadline" if over else None
+        too_slow = "overran its deadline" if over and not spec.get("probe") else None
     busy = (r.get("harness") or {}).get("cpu_per_sim_s_busy")
     picked = pick_speedup(busy, cpu_share(), lo=spec["min_speedup"], hi=spec["max_speedup"]) if busy else None
     if too_slow and (again := slower(spec, r["attempts"], picked)) is not None:
