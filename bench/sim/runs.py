@@ -115,14 +115,15 @@ def run_mode(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *
 
 
 def run_probe(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *, root: Path, speedup: float,
-              relays: bool, weights_root: str, ahead: int | None = None, max_staleness: int | None = None,
-              probe_s: float = PROBE_S) -> dict:
-    """The calibration probe: the same scenario for `probe_s` real seconds after its roles have
-    started, at `speedup`; what it cost the harness per simulated second (calibrate.py), and what
-    the probe itself cost (wall and CPU, its start-up included)."""
+              relays: bool, weights_root: str, iterations: int, ahead: int | None = None,
+              max_staleness: int | None = None, probe_s: float = PROBE_S) -> dict:
+    """The calibration probe: the same scenario (`iterations` versions, the run's: it never gets
+    that far) for `probe_s` real seconds after its roles have started, at `speedup`; what it cost
+    the harness per simulated second (calibrate.py), and what the probe itself cost (wall and CPU,
+    its start-up included)."""
     w0, c0 = time.monotonic(), time.process_time()
     _, cfg = scenario(setup, workload, size, gpus, mode, workdir=run_dir(root, size, gpus, mode), speedup=speedup,
-                      iterations=1000, relays=relays, weights_root=weights_root, ahead=ahead,
+                      iterations=iterations, relays=relays, weights_root=weights_root, ahead=ahead,
                       max_staleness=max_staleness)
     quiet_logs()
     first: list[float] = []
@@ -274,7 +275,7 @@ def run_child(spec: dict) -> dict:
     if spec.get("probe"):
         common["weights_root"] = common["weights_root"] or new_weights_root()
         return run_probe(setup, workload, spec["model"], spec["gpus"], spec["mode"],
-                         probe_s=spec.get("probe_s", PROBE_S), **common)
+                         iterations=spec["warmup"] + spec["measure"], probe_s=spec.get("probe_s", PROBE_S), **common)
     return run_mode(setup, workload, spec["model"], spec["gpus"], spec["mode"], warmup=spec["warmup"],
                     measure=spec["measure"], timeout_s=spec["timeout_s"], **common)
 
