@@ -194,7 +194,8 @@ def quiet_logs() -> None:
 
 
 async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_version=None,
-                  pause_gc: bool = True, stop_when=None, check_s: float = 1.0, scoped: bool = False) -> SimRun:
+                  pause_gc: bool = True, stop_when=None, check_s: float = 1.0, scoped: bool = False,
+                  collect: bool = True) -> SimRun:
     """Run `cfg` (a parsed sim LaminarConfig) until the trainer finishes or `timeout_s` passes.
     `on_version(version, rollouts)` is called at each new trainer version (e.g. to reset counters
     after a warm-up). `stop_when(rollouts)`, asked every `check_s` real seconds, ends the run
@@ -205,7 +206,9 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
     compressed time turns into 10+ simulated seconds of lag. The roles' objects are reference-
     counted away; what cycles remain cost memory until the end of the run (~+40% RSS there).
     `scoped`: every role acts as its scoped key would (bus/inproc.py), so the pools check each
-    write against its hand-out and each score against its lease."""
+    write against its hand-out and each score against its lease. `collect` False (a sweep's child,
+    which exits after measuring): the objects left are frozen (gc.freeze) instead of collected — a
+    full collection over a 1,024-GPU run's heap takes seconds, and the process's exit frees it."""
     trainer_cfg = cfg.roles["trainer"]
     speedup = float(trainer_cfg.get("sim", {}).get("speedup", 1.0))
     roll_ids = [s.id for _, s in cfg.find("rollout")]
@@ -271,8 +274,11 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
             delivery.close()
         remove_folders(cfg)
         if pause_gc and gc_was_enabled:
+            if not collect:
+                gc.freeze()
             gc.enable()
-            gc.collect()
+            if collect:
+                gc.collect()
     run.records = read_jsonl(Path(cfg.workdir()) / "trainer" / "metrics.jsonl")
     run.max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return run

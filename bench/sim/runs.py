@@ -70,9 +70,10 @@ def scenario(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *
 
 def run_mode(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *, root: Path, speedup: float,
              warmup: int, measure: int, relays: bool, timeout_s: float, ahead: int | None = None,
-             max_staleness: int | None = None, weights_root: str | None = None) -> dict:
+             max_staleness: int | None = None, weights_root: str | None = None, collect: bool = True) -> dict:
     """Run one (model, GPUs, mode) cluster to its last version and measure it (`measure_run`),
-    with `lagged` judged on the measured window."""
+    with `lagged` judged on the measured window. `collect` False: a child process, which exits
+    after measuring, skips the final garbage collection (cluster.run_sim)."""
     weights_root = weights_root or new_weights_root()
     raw, cfg = scenario(setup, workload, size, gpus, mode, workdir=run_dir(root, size, gpus, mode), speedup=speedup,
                         iterations=warmup + measure, relays=relays, weights_root=weights_root, ahead=ahead,
@@ -99,7 +100,8 @@ def run_mode(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *
         return None
 
     try:
-        run = asyncio.run(run_sim(cfg, timeout_s=timeout_s, on_version=after_warmup, stop_when=lagging))
+        run = asyncio.run(run_sim(cfg, timeout_s=timeout_s, on_version=after_warmup, stop_when=lagging,
+                                  collect=collect))
     finally:
         shutil.rmtree(weights_root, ignore_errors=True)
     out = measure_run(run, raw, setup, workload, size, gpus, mode, warmup, measure)
@@ -116,7 +118,7 @@ def run_mode(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *
 
 def run_probe(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *, root: Path, speedup: float,
               relays: bool, weights_root: str, iterations: int, ahead: int | None = None,
-              max_staleness: int | None = None, probe_s: float = PROBE_S) -> dict:
+              max_staleness: int | None = None, probe_s: float = PROBE_S, collect: bool = True) -> dict:
     """The calibration probe: the same scenario (`iterations` versions, the run's: it never gets
     that far) for `probe_s` real seconds after its roles have started, at `speedup`; what it cost
     the harness per simulated second (calibrate.py), and what the probe itself cost (wall and CPU,
@@ -133,7 +135,7 @@ def run_probe(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, 
         return "probe done" if first[-1] - first[0] >= probe_s else None
 
     try:
-        run = asyncio.run(run_sim(cfg, timeout_s=probe_s + PROBE_SETUP_S, stop_when=probed))
+        run = asyncio.run(run_sim(cfg, timeout_s=probe_s + PROBE_SETUP_S, stop_when=probed, collect=collect))
     finally:
         shutil.rmtree(weights_root, ignore_errors=True)
     return {"pace": pace_summary(run.pace, window_s=probe_s / 6), "speedup": speedup,
@@ -271,7 +273,7 @@ def run_child(spec: dict) -> dict:
     setup = setup_of(spec["setups"], spec.get("concurrency"), spec.get("engine_seqs"), spec.get("refill"))
     workload = load_workload(setup.workload)
     common = dict(root=Path(spec["root"]), speedup=spec["speedup"], relays=spec["relays"], ahead=spec.get("ahead"),
-                  max_staleness=spec.get("max_staleness"), weights_root=spec.get("weights_root"))
+                  max_staleness=spec.get("max_staleness"), weights_root=spec.get("weights_root"), collect=False)
     if spec.get("probe"):
         common["weights_root"] = common["weights_root"] or new_weights_root()
         return run_probe(setup, workload, spec["model"], spec["gpus"], spec["mode"],
