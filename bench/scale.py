@@ -174,21 +174,22 @@ def main(argv: list[str] | None = None) -> int:
                     for s, g in runs for m in modes}
         write_configs(setup, workload, runs, modes, Path(a.write_configs), speedups, a.relays)
         return 0
-    root = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="laminar-scale-", dir="/dev/shm"))
-    root.mkdir(parents=True, exist_ok=True)
-    specs = [run_spec(a, setup, estimate(setup, workload, size, gpus, mode), size, gpus, mode, warmup_of(mode),
-                      measure_of(size, gpus, mode), root, relays=a.relays,
-                      **dict(zip(("ahead", "max_staleness"), staleness_bound(setup, mode, a.ahead, a.max_staleness),
-                                 strict=True)))
-             for size, gpus in runs for mode in modes]
-    specs.sort(key=lambda sp: -sp["timeout_s"])  # longest first: the last to start is a short one
-    t0, load = time.monotonic(), {"start": machine()}
-    print(f"{len(specs)} runs, {a.jobs} at a time on {load['start']['cores']} usable cores "
-          f"(load average {load['start']['loadavg'][0]}); workdir {root}", flush=True)
-    try:
+    root = Path(a.workdir) if a.workdir else None
+    try:  # from the folder's making: a SIGTERM while the specs are estimated must not leave it behind
+        root = root or Path(tempfile.mkdtemp(prefix="laminar-scale-", dir="/dev/shm"))
+        root.mkdir(parents=True, exist_ok=True)
+        specs = [run_spec(a, setup, estimate(setup, workload, size, gpus, mode), size, gpus, mode, warmup_of(mode),
+                          measure_of(size, gpus, mode), root, relays=a.relays,
+                          **dict(zip(("ahead", "max_staleness"),
+                                     staleness_bound(setup, mode, a.ahead, a.max_staleness), strict=True)))
+                 for size, gpus in runs for mode in modes]
+        specs.sort(key=lambda sp: -sp["timeout_s"])  # longest first: the last to start is a short one
+        t0, load = time.monotonic(), {"start": machine()}
+        print(f"{len(specs)} runs, {a.jobs} at a time on {load['start']['cores']} usable cores "
+              f"(load average {load['start']['loadavg'][0]}); workdir {root}", flush=True)
         results = execute(specs, a.jobs, root, keep=bool(a.workdir), cache=PaceCache(pace_cache_path(a)))
     finally:
-        if not a.workdir:
+        if not a.workdir and root is not None:
             shutil.rmtree(root, ignore_errors=True)
     load["end"] = machine()
     objs = [assemble(size, gpus, {m: results[(size, gpus, m)] for m in modes}, {m: warmup_of(m) for m in modes},
