@@ -24,12 +24,16 @@ HB_FACTS = {
                "queue_depth": "reward_queue", "parse_failures": "reward_parse_failures",
                "latency_p50_s": "reward_p50", "latency_max_s": "reward_max", "batches": "reward_batches",
                "scoring_s_total": "reward_seconds"},
-    "partial_pool": {"awaiting_reward": "awaiting", "awaiting_oldest_s": "awaiting_oldest_s",
+    "partial_pool": {"in_flight": "in_flight", "tokens": "in_flight_tokens", "awaiting_reward": "awaiting",
+                     "awaiting_oldest_s": "awaiting_oldest_s",
                      "reward_parse_failed": "parse_failed", "reward_lease_expired": "lease_expired",
                      "reward_late_scores": "late_scores", "reward_gave_up": "gave_up",
                      "reward_gave_up_age_s": "gave_up_age_s", "reward_unserved": "unserved",
                      "reward_parked": "parked", **_REFUSED},
-    "experience_buffer": dict(_REFUSED), "prompt_pool": dict(_REFUSED),
+    "experience_buffer": {"stored": "stored", "capacity": "capacity", "complete_groups": "complete_groups",
+                          "leased": "leased", **_REFUSED},
+    "prompt_pool": {"groups_handed": "groups_handed", "outstanding": "outstanding", "requeued": "requeued",
+                    "epoch": "epoch", **_REFUSED},
     "manager": {"repacks": "repacks", "moved": "moved", "dead_rollouts": "dead_rollouts", "recovered": "recovered",
                 "failed_moves": "failed_moves", "replaced": "replaced", "orphans": "orphans", "repairs": "repairs",
                 "last_repair_s": "last_repair_s", "epoch": "epoch", "weights_stalled": "weights_stalled",
@@ -148,4 +152,32 @@ FAMILIES = [
      "rollout serves (same lineage)", ("manager",), "weights_lag"),
     ("laminar_manager_weights_stalled_total", "counter", "times the weights_stalled alarm was raised",
      ("manager",), "weights_stalled_total"),
+    ("laminar_prompt_pool_groups_handed_total", "counter", "GRPO groups the prompt pool handed out", ("prompt_pool",),
+     "groups_handed"),
+    ("laminar_prompt_pool_outstanding_groups", "gauge", "groups handed out and neither settled nor requeued",
+     ("prompt_pool",), "outstanding"),
+    ("laminar_prompt_pool_requeued_groups", "gauge", "groups waiting to be handed out again", ("prompt_pool",),
+     "requeued"),
+    ("laminar_prompt_pool_epoch", "gauge", "passes over the dataset so far", ("prompt_pool",), "epoch"),
+    ("laminar_experience_buffer_stored", "gauge", "trajectories the buffer holds", ("experience_buffer",), "stored"),
+    ("laminar_experience_buffer_capacity", "gauge", "trajectories the buffer may hold", ("experience_buffer",),
+     "capacity"),
+    ("laminar_experience_buffer_complete_groups", "gauge", "complete groups ready to be sampled",
+     ("experience_buffer",), "complete_groups"),
+    ("laminar_experience_buffer_leased_groups", "gauge", "groups leased to the trainer, not yet covered by a "
+     "checkpoint", ("experience_buffer",), "leased"),
+    ("laminar_partial_pool_in_flight", "gauge", "in-flight trajectories the partial pool holds", ("partial_pool",),
+     "in_flight"),
+    ("laminar_partial_pool_in_flight_tokens", "gauge", "generated tokens of those trajectories", ("partial_pool",),
+     "in_flight_tokens"),
 ]
+
+# written for every role (or the node itself) by HealthCollector.exposition
+NODE_FAMILIES = ("laminar_node_info", "laminar_node_dropped_frames_total", "laminar_role_up", "laminar_role_state",
+                 "laminar_role_restarts_total", "laminar_role_heartbeat_age_seconds", "laminar_role_uptime_seconds",
+                 "laminar_role_dropped_frames_total", "laminar_eval_metric", "laminar_alarm")
+
+
+def metric_names() -> set[str]:
+    """Every series name the node exporter can write (the dashboard, laminar/dashboard.py, queries only these)."""
+    return {f[0] for f in FAMILIES} | set(NODE_FAMILIES)
