@@ -64,8 +64,11 @@ def pace_summary(samples: list[tuple[float, float, float]], window_s: float = WI
                  skip_s: float = 0.0) -> dict | None:
     """Samples (real s, CPU s, simulated progress s), from the run's start -> {cpu_per_sim_s_mean,
     cpu_per_sim_s_busy (90th percentile of the windows, the busiest of fewer than 10), windows,
-    real_s, cpu_s, sim_s}, after the first `skip_s` real seconds; None if there is no progress."""
+    real_s, cpu_s, sim_s}, after the first `skip_s` real seconds (all of a run shorter than that);
+    None if there is no progress."""
     pts = [p for p in samples if p[0] >= skip_s]
+    if len(pts) < 2 or pts[-1][2] <= pts[0][2]:
+        pts = samples
     if len(pts) < 2 or pts[-1][2] <= pts[0][2]:
         return None
     rates, i = [], 0

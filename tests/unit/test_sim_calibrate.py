@@ -43,6 +43,8 @@ def test_pace_summary_reports_the_busy_windows_not_only_the_mean():
     assert s["cpu_per_sim_s_busy"] == pytest.approx(0.5)  # fewer than 10 windows: the busiest
     assert pace_summary(samples, skip_s=45.0)["cpu_per_sim_s_busy"] == pytest.approx(0.1)
     assert pace_summary([(0.0, 0.0, 0.0), (1.0, 0.1, 0.0)]) is None  # no progress, nothing to say
+    short = pace_summary(samples[:6], skip_s=10.0)  # a run shorter than what is skipped: all of it
+    assert short["sim_s"] == 25.0 and short["cpu_per_sim_s_busy"] == pytest.approx(0.1)
 
 
 def test_progress_is_what_the_engines_reached_not_the_clock():
