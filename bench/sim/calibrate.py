@@ -15,9 +15,11 @@ speedup × cpu_per_sim_s stays below that share, at its busiest moments too. So:
 - cached: each run's summary is kept in the pace cache (`--pace-cache`, by default
   bench/results/sim/harness-pace.json, beside the results), keyed by the scenario and the setup's
   hash (`pace_key`), so a later run of the same scenario picks from it at once;
-- probed: a scenario with no cache entry is first run for `PROBE_S` real seconds (bench/sim/
-  runs.py `run_probe`) at a cautious speedup, and its busiest window × `PROBE_MARGIN` stands for
-  the run's (a probe sees only the start of a run);
+- probed: a scenario with no cache entry is first run for `PROBE_S` real seconds, longer until it
+  has covered `PROBE_SIM_S` simulated ones (at most 3 × PROBE_S: a slow probe on a busy machine
+  would see only the cluster's first admissions) (bench/sim/runs.py `run_probe`) at a cautious
+  speedup, and its busiest window × `PROBE_MARGIN` stands for the run's (a probe sees only the
+  start of a run);
 - picked (`pick_speedup`, a pure function): the speedup at which the busy rate uses `TARGET` of
   the share, less `RESERVE` of a core for the work that is paid per real second (the event loop's
   ticker, the driver's polling, heartbeats), within paper.yaml's compressed_time [min, max].
@@ -34,7 +36,8 @@ import time
 from pathlib import Path
 
 WINDOW_S = 10.0      # real seconds per window of the busy rate
-PROBE_S = 30.0       # real seconds a probe runs after its roles have started
+PROBE_S = 30.0       # real seconds a probe runs after its roles have started, at least
+PROBE_SIM_S = 120.0  # simulated seconds it covers before it ends (at most 3 × PROBE_S real seconds)
 PROBE_MARGIN = 1.3   # a probe's busiest window understates a whole run's by about this much
 TARGET = 0.75        # of the core's share the busy rate may use
 RESERVE = 0.05       # of a core, for work paid per real second, not per simulated second

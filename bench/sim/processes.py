@@ -100,7 +100,7 @@ def calibrated(spec: dict, cache: PaceCache) -> dict:
         return decided(spec, entry["cpu_per_sim_s_busy"], "cache")
     start = min(spec["max_speedup"], max(spec["min_speedup"], spec["estimate"]["speedup"] * cpu_share() * PROBE_START))
     return {**spec, "probe": True, "speedup": round(start, 2),
-            "timeout_s": round(spec.get("probe_s", PROBE_S) + PROBE_SETUP_S)}
+            "timeout_s": round(3 * spec.get("probe_s", PROBE_S) + PROBE_SETUP_S)}
 
 
 def after_probe(spec: dict, r: dict | None) -> dict:

@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.sim.calibrate import PROBE_S, WINDOW_S, pace_key, pace_summary
+from bench.sim.calibrate import PROBE_S, PROBE_SIM_S, WINDOW_S, pace_key, pace_summary
 from bench.sim.cluster import engines_behind, quiet_logs, run_sim
 from laminar.config import parse_config
 from laminar.logs import read_rotated_jsonl
@@ -131,11 +131,15 @@ def run_probe(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, 
     first: list[float] = []
 
     def probed(rollouts) -> str | None:
+        """Done after `probe_s` real seconds once it has covered PROBE_SIM_S simulated ones (a
+        slow probe on a busy machine sees little of the run otherwise), or after 3 × probe_s."""
         first.append(time.monotonic())
-        return "probe done" if first[-1] - first[0] >= probe_s else None
+        real = first[-1] - first[0]
+        covered = real * speedup - engines_behind(rollouts)
+        return "probe done" if real >= probe_s and (covered >= PROBE_SIM_S or real >= 3 * probe_s) else None
 
     try:
-        run = asyncio.run(run_sim(cfg, timeout_s=probe_s + PROBE_SETUP_S, stop_when=probed, collect=collect))
+        run = asyncio.run(run_sim(cfg, timeout_s=3 * probe_s + PROBE_SETUP_S, stop_when=probed, collect=collect))
     finally:
         shutil.rmtree(weights_root, ignore_errors=True)
     return {"pace": pace_summary(run.pace, window_s=probe_s / 6), "speedup": speedup,
