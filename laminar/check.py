@@ -219,6 +219,8 @@ def listen_ports(cfg: LaminarConfig, host: str) -> list[tuple[str, int]]:
             continue
         if spec.role == "relay" and getattr(s, "data_port", 0):
             out.append((f"roles.relay.data_port ({spec.key})", s.data_port))
+        if spec.role == "gateway" and getattr(s, "http_port", 0):
+            out.append((f"roles.gateway.http_port ({spec.key})", s.http_port))
         if (spec.role == "trainer" and getattr(s, "world_size", 1) > 1 and not s.dist_address
                 and (s.rank if s.rank is not None else int(spec.id) if spec.id.isdigit() else -1) == 0):
             out.append((f"roles.trainer.dist_port ({spec.key})", s.dist_port))
@@ -341,6 +343,8 @@ def _callables(settings: BaseModel, prefix: str = "") -> Iterable[tuple[str, str
             yield f"{prefix}{name}", value, "reward"
         elif isinstance(value, str) and name == "environment":
             yield f"{prefix}{name}", value, "environment"
+        elif isinstance(value, str) and name == "script":
+            yield f"{prefix}{name}", value, "script"
 
 
 @check("reward functions and environments", when=on_a_host)
@@ -354,6 +358,11 @@ def check_callables(ctx: CheckContext) -> Iterable[str]:
         for name, path, kind in _callables(s):
             if path not in seen:
                 try:
+                    if kind == "script":  # an agent program: its source is read, never imported
+                        from laminar.roles.agent.role import script_source
+                        script_source(path)
+                        seen[path] = None
+                        continue
                     fn = load_environment(path) if kind == "environment" else load_callable(path)
                     seen[path] = None if kind == "environment" or callable(fn) else f"{path!r} is not callable"
                 except Exception as exc:  # whatever importing user code raises is the problem to report

@@ -114,9 +114,9 @@ class SystemdSettings(Strict):
     """What `laminar-node systemd` writes into every unit (see laminar/systemd.py)."""
     user: str = Field("laminar", description="user every unit runs as: a dedicated system user (`useradd "
                       "--system laminar`) that owns the key folder and the run's workdir; root only if set here")
-    role_users: dict[str, str] = Field(default_factory=lambda: {"env": "root"}, description="user per role kind, "
-                                       "overriding `user` (the env role's sandbox makes namespaces and mounts, "
-                                       "which needs root)")
+    role_users: dict[str, str] = Field(default_factory=lambda: {"env": "root", "agent": "root"},
+                                       description="user per role kind, overriding `user` (the env and agent "
+                                       "roles' sandbox makes namespaces and mounts, which needs root)")
     limit_nofile: int = Field(65536, ge=1024, description="LimitNOFILE of every unit")
     restart_steps: int = Field(8, ge=1, description="RestartSteps: restarts over which the delay grows from "
                                "RestartSec to restart_max_delay_s (systemd >= 254)")

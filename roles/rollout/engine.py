@@ -61,6 +61,17 @@ KV_BLOCK = 32  # tokens per KV block when the cache is sized in tokens (kv_cache
 
 
 @dataclass
+class Sampling:
+    """Per-request sampling that overrides the engine's own settings (agent calls: roles/rollout/agent.py).
+    `top_logprobs` > 0 asks for that many alternatives per token, appended to `top` as
+    {token id: logprob} (one dict per generated token)."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int = 0
+    top: list | None = None
+
+
+@dataclass
 class EngineStats:
     kv_usage: float = 0.0
     running: int = 0
@@ -73,8 +84,8 @@ class RolloutEngine:
 
     async def start(self) -> None: ...
 
-    def generate(self, request_id: str, prompt: list[int], max_tokens: int,
-                 seed: int | None) -> AsyncIterator[tuple[list[int], list[float], str | None]]: ...
+    def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
+                 sampling: Sampling | None = None) -> AsyncIterator[tuple[list[int], list[float], str | None]]: ...
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
         """Load the relay's newest version if newer than min_version (or exactly the weights `exact`
@@ -167,12 +178,16 @@ class VllmEngine(RolloutEngine):
         self.shm = ShmLedger()  # only the processes this start created (other engines may share our process)
         self.shm.note([p for p in descendants(os.getpid()) if p not in before])
 
-    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None):
+    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
+                       sampling: Sampling | None = None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-        sp = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                            logprobs=0, detokenize=False, seed=seed,
+        sm = sampling or Sampling()
+        sp = SamplingParams(max_tokens=max_tokens,
+                            temperature=self.temperature if sm.temperature is None else sm.temperature,
+                            top_p=self.top_p if sm.top_p is None else sm.top_p,
+                            logprobs=sm.top_logprobs, detokenize=False, seed=seed,
                             output_kind=RequestOutputKind.DELTA)
         with self.adapters.use() if self.adapters is not None else _no_adapter() as lora:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp,
@@ -180,6 +195,8 @@ class VllmEngine(RolloutEngine):
                 c = out.outputs[0]
                 toks = list(c.token_ids)
                 lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
+                if sm.top is not None:
+                    sm.top += [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
                 yield toks, lps, (c.finish_reason if out.finished else None)
         await self.drop_unused_adapters()  # this request's adapter, if it was the last one on an older version
 
