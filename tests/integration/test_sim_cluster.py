@@ -74,7 +74,7 @@ def check_versions(run) -> None:
 def test_sim_trainer_cost_and_config(tmp_path):
     cfg, raw = scenario(tmp_path, "laminar")
     trainer = raw["roles"]["trainer"]
-    assert trainer["engine"] == "sim" and trainer["sim"]["gpus"] == 32 and not trainer["publish"]
+    assert trainer["engine"] == "sim" and trainer["sim"]["gpus"] == 32 and not trainer["publishing"]["enabled"]
     assert len(trainer["sim"]["deliver"]) == 4  # one 8-GPU host per TP8 rollout
     assert len(cfg.find("rollout")) == 4
     sync, raw_sync = scenario(tmp_path, "sync")
