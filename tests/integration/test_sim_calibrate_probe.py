@@ -51,6 +51,10 @@ def test_the_first_run_is_probed_and_the_second_picks_from_the_cache(tmp_path):
     r = got["runs"]["laminar"]
     assert r["speedup"] > 0 and r["harness"]["cpu_per_sim_s_busy"] > 0 and r["harness"]["sim_s"] > 0
     assert got["probe_wall_s"] == pace["probe"]["wall_s"]  # the probe's cost, in the JSON
+    # what the contract run is judged on, at the top of the JSON (docs/sim.md, "The contract run")
+    assert {"ceiling_fraction", "max_staleness", "wall_s", "lagged_or_unfinished"} <= set(got)
+    assert got["wall_s"] > 0 and isinstance(got["lagged_or_unfinished"], list)
+    assert got["staleness_bound"] == {"ahead": 3, "max_staleness": 4}  # paper.yaml's bound, by default
     assert " probe " in first.split("Qwen2.5-72B")[1]  # ... and in the table's speedup column
     cache = json.loads((tmp_path / "pace.json").read_text())["entries"]
     (key, entry), = cache.items()
