@@ -169,9 +169,11 @@ def _start(spec: dict, root: Path):
     how = (f"for {spec.get('probe_s', PROBE_S):g} s" if spec.get("probe")
            else f"{spec['warmup']}+{spec['measure']} versions")
     src = "" if spec.get("probe") else f" ({(spec.get('pace') or {}).get('source', '?')})"
+    # a run's expected wall at its speed: where a sweep's time will go, read off its transcript
+    wall = "" if spec.get("probe") else f", ~{spec['expected_sim_s'] / spec['speedup']:.0f} s of wall expected"
     print(f"[{time.strftime('%H:%M:%S')}] {what} {spec['model']} @ {spec['gpus']} GPUs, {spec['mode']}: "
           f"{how}, speedup {spec['speedup']:g}{src} "
-          f"(expected iteration {spec['estimate']['iteration_s']:.0f} s simulated)"
+          f"(expected iteration {spec['estimate']['iteration_s']:.0f} s simulated{wall})"
           + (f", attempt {len(spec['attempts']) + 1} (the last lagged)" if spec.get("attempts") else ""), flush=True)
     out.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "scale.py"), "--child", json.dumps(spec),

@@ -44,6 +44,7 @@ def test_the_first_run_is_probed_and_the_second_picks_from_the_cache(tmp_path):
     setups = tiny_setups(tmp_path)
     first = sweep(tmp_path, setups, tmp_path / "first.json")
     assert "probe 72B @ 64 GPUs, laminar" in first and "probed 72B @ 64, laminar" in first, first[-3000:]
+    assert "s of wall expected" in first.split("start 72B @ 64 GPUs, laminar")[1]  # where the time will go
     got = json.loads((tmp_path / "first.json").read_text())
     pace = got["runs_by_scale"][0]["pace"]["laminar"]
     assert pace["source"] == "probe" and pace["probe"]["wall_s"] > 0 and pace["probe"]["cpu_per_sim_s_busy"] > 0
