@@ -87,11 +87,16 @@ class TrainerConfig(BaseModel):
     old_logprobs: str = Field("behaviour", pattern="^(behaviour|recompute)$",
                               description="old policy of the ratio: the rollout's behaviour logprobs or recomputed "
                                           "by the trainer")
-    off_policy: str = Field("none", pattern="^(none|tis|decoupled)$",
-                            description="stale-sample correction: truncated IS or decoupled PPO (both recompute the "
-                                        "proximal policy)")
+    off_policy: str = Field("none", pattern="^(none|tis|mis|decoupled)$",
+                            description="stale-sample correction (laminar/algorithms/off_policy.py): tis (truncated "
+                                        "IS), mis (masked IS: tokens or sequences whose ratio leaves [is_low, is_cap] "
+                                        "are dropped) or decoupled PPO; each recomputes the proximal policy")
+    is_level: str = Field("token", pattern="^(token|sequence|geometric)$",
+                          description="the importance ratio of tis, mis and decoupled: per token, per sequence (the "
+                                      "product of its tokens' ratios) or geometric (that product's per-token mean)")
     is_cap: float | None = Field(2.0, gt=0, description="truncation of the importance weight (tis; optional for "
-                                 "decoupled)")
+                                 "decoupled) and the top of mis's band")
+    is_low: float | None = Field(None, gt=0, description="the bottom of mis's band (None: 1 / is_cap)")
     mismatch_previous_version: bool = Field(True, description="train-inference mismatch of one-version-stale samples "
                                             "too: keeps a frozen copy of the weights before the newest update (one "
                                             "more model in memory, one no-grad forward of those samples)")
