@@ -7,12 +7,15 @@ run; each line names the file and the field (`configs/x.yaml: roles.prompt_pool.
 What is checked:
 
 - the schema, every error at once, an unknown key with the nearest known one (laminar/config.py);
+  a file the schema refuses (two roles on one port, a value of the wrong type) is still checked
+  by every other check, on a config made without the refused values;
 - host addresses and bind addresses are valid IP addresses or host names;
 - files, on the host that uses them (`--host`, or the only host; a config of several hosts
   checked without --host checks no host's files and says so): every placed role's model folder
   holds a config.json that parses, every dataset loads (with the role's field names), every
   tokenizer folder exists;
 - code, likewise: reward functions and environment classes import;
+- every scorer a rollout's reward names is served by a placed reward role;
 - this host (`--host`, or the only host): its bind addresses are addresses of this machine and
   every port it will listen on is free; a config of several hosts names the cluster key, which
   must exist and be private;
@@ -20,6 +23,9 @@ What is checked:
   dedicated user cannot read /root);
 - with `--gpu-memory-gib G`: the GPU memory plan (`laminar.memory_plan.check_memory(cfg, G)`, a
   module of its own; without it the option is refused with that reason).
+
+Nothing is said twice: an address reported once (malformed, or not this machine's) is not probed
+again for each port that would listen on it, and a line two checks find is printed once.
 
 A new check is one function decorated with `@check("name")` (or `@check("name", when=...)` for
 one that runs only on request); it never raises for a problem, it yields the line. A check that
@@ -52,18 +58,19 @@ WILDCARDS = ("0.0.0.0", "::", "*", "")
 @dataclass
 class CheckContext:
     """What every check looks at: the validated config and where the checks run."""
-    cfg: LaminarConfig
+    cluster: LaminarConfig
     host: str | None                      # the host these checks are for (ports, binds); None: none named
     systemd: bool = False                 # also check what the systemd units need
     gpu_memory_gib: float | None = None   # also check the GPU memory plan against this much per GPU
     python: str = sys.executable          # the interpreter the roles (and units) run with
     cwd: str = field(default_factory=os.getcwd)
+    reported_binds: set[str] = field(default_factory=set)  # addresses already reported: their ports are not probed
 
     def settings(self) -> list[tuple[str, str, BaseModel]]:
         """(role kind, id, validated settings) of every role placed on this host (every role when
         checks are for the whole cluster) whose settings are valid."""
         out = []
-        for hid, spec in self.cfg.placements():
+        for hid, spec in self.cluster.placements():
             if self.host is not None and hid != self.host:
                 continue  # its files are paths on its own host
             if (s := self._lenient(spec.role, spec.id)) is not None:
@@ -75,7 +82,7 @@ class CheckContext:
         (their problem is reported already), so its other fields are still checked. None: still not."""
         try:
             model = role_config_class(role)
-            raw = self.cfg.role_settings(role, id)
+            raw = self.cluster.role_settings(role, id)
         except (KeyError, ConfigError):
             return None
         for _ in range(2):
@@ -88,9 +95,9 @@ class CheckContext:
 
     def where(self, role: str, id: str, name: str) -> str:
         """`file: roles.<kind>.<field>`, naming the instance when its options override the field."""
-        _, spec = self.cfg.spec(role, id)
+        _, spec = self.cluster.spec(role, id)
         inst = f" (options of {spec.key})" if name.split(".")[0] in spec.options else ""
-        return f"{self.cfg.source}: roles.{role}.{name}{inst}"
+        return f"{self.cluster.source}: roles.{role}.{name}{inst}"
 
 
 Check = Callable[[CheckContext], Iterable[str]]
@@ -155,13 +162,14 @@ def address_problem(value: str) -> str | None:
 
 @check("addresses")
 def check_addresses(ctx: CheckContext) -> Iterable[str]:
-    for hid, h in ctx.cfg.cluster.hosts.items():
+    for hid, h in ctx.cluster.cluster.hosts.items():
         for name in ("address", "bind", "metrics_bind"):
             value = getattr(h, name)
             if value is None or (name != "address" and value in WILDCARDS):
                 continue
             if (why := address_problem(value)) is not None:
-                yield f"{ctx.cfg.source}: cluster.hosts.{hid}.{name}: {value!r} is {why}"
+                ctx.reported_binds.add(value)
+                yield f"{ctx.cluster.source}: cluster.hosts.{hid}.{name}: {value!r} is {why}"
 
 
 def _resolve(value: str) -> str | None:
@@ -173,21 +181,23 @@ def _resolve(value: str) -> str | None:
 
 @check("bind addresses are local", when=lambda ctx: ctx.host is not None)
 def check_binds(ctx: CheckContext) -> Iterable[str]:
-    h = ctx.cfg.cluster.hosts[ctx.host]
+    h = ctx.cluster.cluster.hosts[ctx.host]
     for name in ("bind", "metrics_bind"):
         value = getattr(h, name)
         if value is None or value in WILDCARDS or address_problem(value):
             continue
         ip = _resolve(value)
         if ip is None:
-            yield f"{ctx.cfg.source}: cluster.hosts.{ctx.host}.{name}: {value!r} does not resolve on this machine"
+            ctx.reported_binds.add(value)
+            yield f"{ctx.cluster.source}: cluster.hosts.{ctx.host}.{name}: {value!r} does not resolve on this machine"
             continue
         try:
             with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind((ip, 0))
         except OSError as exc:
             if exc.errno == errno.EADDRNOTAVAIL:
-                yield (f"{ctx.cfg.source}: cluster.hosts.{ctx.host}.{name}: {value!r} is not an address of this "
+                ctx.reported_binds.add(value)
+                yield (f"{ctx.cluster.source}: cluster.hosts.{ctx.host}.{name}: {value!r} is not an address of this "
                        f"machine (is this host {ctx.host}? use --host, or bind 0.0.0.0)")
 
 
@@ -209,9 +219,12 @@ def listen_ports(cfg: LaminarConfig, host: str) -> list[tuple[str, int]]:
             continue
         if spec.role == "relay" and getattr(s, "data_port", 0):
             out.append((f"roles.relay.data_port ({spec.key})", s.data_port))
-        if (spec.role == "trainer" and getattr(s, "world_size", 1) > 1 and not s.dist_address
-                and (s.rank if s.rank is not None else int(spec.id) if spec.id.isdigit() else -1) == 0):
-            out.append((f"roles.trainer.dist_port ({spec.key})", s.dist_port))
+        if spec.role == "gateway" and getattr(s, "http_port", 0):
+            out.append((f"roles.gateway.http_port ({spec.key})", s.http_port))
+        d = getattr(s, "distributed", None) if spec.role == "trainer" else None
+        if (d is not None and d.world_size > 1 and not d.address
+                and (d.rank if d.rank is not None else int(spec.id) if spec.id.isdigit() else -1) == 0):
+            out.append((f"roles.trainer.distributed.port ({spec.key})", d.port))
     return out
 
 
@@ -231,14 +244,17 @@ def port_taken(bind: str, port: int) -> str | None:
 
 @check("ports are free", when=lambda ctx: ctx.host is not None)
 def check_ports(ctx: CheckContext) -> Iterable[str]:
-    h = ctx.cfg.cluster.hosts[ctx.host]
-    for where, port in listen_ports(ctx.cfg, ctx.host):
+    h = ctx.cluster.cluster.hosts[ctx.host]
+    for where, port in listen_ports(ctx.cluster, ctx.host):
         bind = h.bind
         if where.endswith("metrics_port"):
             from laminar.health import metrics_bind  # late: health imports the protocol, which check needn't
             bind = metrics_bind(h)
+        if bind in ctx.reported_binds:
+            continue   # its address is reported already: every port on it would fail the same way
         if (why := port_taken(bind, port)) is not None:
-            yield f"{ctx.cfg.source}: {where}: port {port} on {bind or '*'}: {why} (is another run up on this host?)"
+            yield (f"{ctx.cluster.source}: {where}: port {port} on {bind or '*'}: {why} "
+                   "(is another run up on this host?)")
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -329,6 +345,8 @@ def _callables(settings: BaseModel, prefix: str = "") -> Iterable[tuple[str, str
             yield f"{prefix}{name}", value, "reward"
         elif isinstance(value, str) and name == "environment":
             yield f"{prefix}{name}", value, "environment"
+        elif isinstance(value, str) and name == "script":
+            yield f"{prefix}{name}", value, "script"
 
 
 @check("reward functions and environments", when=on_a_host)
@@ -342,6 +360,11 @@ def check_callables(ctx: CheckContext) -> Iterable[str]:
         for name, path, kind in _callables(s):
             if path not in seen:
                 try:
+                    if kind == "script":  # an agent program: its source is read, never imported
+                        from laminar.roles.agent.role import script_source
+                        script_source(path)
+                        seen[path] = None
+                        continue
                     fn = load_environment(path) if kind == "environment" else load_callable(path)
                     seen[path] = None if kind == "environment" or callable(fn) else f"{path!r} is not callable"
                 except Exception as exc:  # whatever importing user code raises is the problem to report
@@ -350,42 +373,65 @@ def check_callables(ctx: CheckContext) -> Iterable[str]:
                 yield f"{ctx.where(role, id, name)}: {seen[path]}"
 
 
+@check("reward scorers")
+def check_scorers(ctx: CheckContext) -> Iterable[str]:
+    """Every scorer a rollout's reward waits for (`rewards: [{role: NAME}]`) is served by a placed
+    reward role (`roles.reward.scorer`): else its trajectories wait for a score that never comes
+    (until the partial pool gives up on them). The whole cluster, whatever `--host`."""
+    placed = [(s.role, s.id) for _, s in ctx.cluster.placements()]
+    served = {getattr(s, "scorer", None) for r, i in placed if r == "reward" and (s := ctx._lenient(r, i)) is not None}
+    for role, id in placed:
+        s = ctx._lenient(role, id) if role == "rollout" else None
+        for k, term in enumerate(getattr(s, "rewards", None) or []):
+            if term.role is not None and term.role not in served:
+                yield (f"{ctx.where(role, id, f'rewards[{k}].role')}: scorer {term.role!r} is served by no placed "
+                       f"reward role (they serve: {', '.join(sorted(x for x in served if x)) or 'none'})")
+
+
 @check("optional extras", when=on_a_host)
 def check_extras(ctx: CheckContext) -> Iterable[str]:
-    yield from missing_extras(ctx.cfg)
+    yield from missing_extras(ctx.cluster)
 
 
 @check("cluster key", when=on_a_host)
 def check_keys(ctx: CheckContext) -> Iterable[str]:
-    d = ctx.cfg.cluster.keys_dir
+    d = ctx.cluster.cluster.keys_dir
     if not d:
         return
     from laminar.bus.auth import KeyFileError, check_private  # late: zmq, for this check only
     if not (Path(d) / "cluster.key_secret").exists():
-        if len(ctx.cfg.cluster.hosts) > 1:
-            yield (f"{ctx.cfg.source}: cluster.keys_dir: no cluster key in {d}: run `laminar-node keygen {d}` "
+        if len(ctx.cluster.cluster.hosts) > 1:
+            yield (f"{ctx.cluster.source}: cluster.keys_dir: no cluster key in {d}: run `laminar-node keygen {d}` "
                    "once and copy that folder to every host")
         return
     try:
         check_private(d)
     except (KeyFileError, OSError, ValueError) as exc:
-        yield f"{ctx.cfg.source}: cluster.keys_dir: {exc}"
+        yield f"{ctx.cluster.source}: cluster.keys_dir: {exc}"
+    pools = {"prompt_pool", "partial_pool", "experience_buffer"}
+    if (Path(d) / "clients").is_dir() and any(s.role in pools for h, s in ctx.cluster.placements() if h == ctx.host):
+        from laminar.roles.handout import handout_key  # the pools sign hand-outs with the pool key
+        try:
+            handout_key(ctx.cluster)
+        except (KeyFileError, OSError, ValueError) as exc:
+            yield f"{ctx.cluster.source}: cluster.keys_dir: {exc}"
 
 
 @check("workdir")
 def check_workdir(ctx: CheckContext) -> Iterable[str]:
-    p = ctx.cfg.workdir().resolve()
+    p = ctx.cluster.workdir().resolve()
     while not p.exists():
         p = p.parent
     if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
-        yield f"{ctx.cfg.source}: run.workdir: {ctx.cfg.run.workdir}: cannot create or write it ({p} is not writable)"
+        yield (f"{ctx.cluster.source}: run.workdir: {ctx.cluster.run.workdir}: cannot create or write it "
+               f"({p} is not writable)")
 
 
 # -- systemd units ------------------------------------------------------------------------------
 def unit_path_problems(ctx: CheckContext, host: str) -> Iterable[str]:
     """Paths the units of `host` would use that their sandbox hides: PrivateTmp=yes gives each
     unit its own empty /tmp; /root is private to root, whom the units do not run as."""
-    cfg, sd = ctx.cfg, ctx.cfg.cluster.systemd
+    cfg, sd = ctx.cluster, ctx.cluster.cluster.systemd
     paths = [("the Python interpreter", ctx.python), ("the working directory", ctx.cwd),
              ("the config file", cfg.source), ("run.workdir", cfg.run.workdir)]
     if cfg.cluster.keys_dir:
@@ -413,7 +459,7 @@ def unit_path_problems(ctx: CheckContext, host: str) -> Iterable[str]:
 
 @check("systemd units would start", when=lambda ctx: ctx.systemd)
 def check_systemd(ctx: CheckContext) -> Iterable[str]:
-    for host in ([ctx.host] if ctx.host else list(ctx.cfg.cluster.hosts)):
+    for host in ([ctx.host] if ctx.host else list(ctx.cluster.cluster.hosts)):
         yield from unit_path_problems(ctx, host)
 
 
@@ -425,5 +471,5 @@ def check_gpu_memory(ctx: CheckContext) -> Iterable[str]:
     except ImportError:
         yield "--gpu-memory-gib: this build has no GPU memory plan (laminar/memory_plan.py)"
         return
-    for line in memory_plan.check_memory(ctx.cfg, ctx.gpu_memory_gib):
-        yield line if line.startswith(ctx.cfg.source) else f"{ctx.cfg.source}: {line}"
+    for line in memory_plan.check_memory(ctx.cluster, ctx.gpu_memory_gib):
+        yield line if line.startswith(ctx.cluster.source) else f"{ctx.cluster.source}: {line}"

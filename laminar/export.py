@@ -7,14 +7,20 @@ SOURCE is one of:
 - a trainer checkpoint (`<checkpoints>/v00000012`, holding model.pt), or the checkpoint folder
   itself (its newest complete checkpoint is taken);
 - a relay's shared-memory folder (the newest complete version; `--version N` for a retained one):
-  the weights exactly as the rollouts load them, already in the published dtype.
+  the weights exactly as the rollouts load them, already in the published dtype. Its seals are
+  checked against its bytes first, as a rollout checks them before it loads: always their
+  digests (a byte changed in shared memory is refused), and their signature with the trainer's
+  public key when there is one (`--keys DIR`, the cluster's key folder with `weights.key`, or the
+  key the process was armed with, LAMINAR_WEIGHTS_VERIFY_KEY). A refused version is not exported
+  (`WeightsRefused`, exit 2).
 
 The model's architecture comes from `--model-dir` (the trainer's model_dir: its config.json, and
 its tokenizer and generation config files when it has them, which are copied). OUT_DIR gets
 config.json, model.safetensors (sharded by transformers when large) and those files; it is
 written as a temporary folder next to OUT_DIR and renamed into place, so it is whole or absent.
 An existing OUT_DIR is never deleted: the export refuses it (exit 2), and with `--force` moves it
-aside to `OUT_DIR.<YYYYmmdd-HHMMSS>` first.
+aside to `OUT_DIR.<YYYYmmdd-HHMMSS>` first. The command shows its stages (read, cast, save) on
+stderr with an ETA (laminar/progress.py).
 
 A LoRA run's SOURCE holds an adapter (a relay version whose content is "lora", or a checkpoint of a trainer
 with `lora`): OUT_DIR gets it in peft's format (adapter_model.safetensors, adapter_config.json
@@ -34,31 +40,51 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from laminar.config import UsageError
 
+EXPORT_STAGES = {"read": 3, "cast": 1, "save": 4}   # rough shares of an export's time, for the command's ETA
 EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                "generation_config.json")
 
 
-def read_weights(source: str | os.PathLike, version: int | None = None) -> tuple[dict, int | None]:
+def read_weights(source: str | os.PathLike, version: int | None = None,
+                 verify_key: bytes | None = None) -> tuple[dict, int | None]:
     """(state dict, version) from a checkpoint, a checkpoint folder or a relay's shm folder."""
-    sd, got, _ = read_version(source, version)
+    sd, got, _ = read_version(source, version, verify_key)
     return sd, got
 
 
-def read_version(source: str | os.PathLike, version: int | None = None) -> tuple[dict, int | None, str]:
-    """(state dict, version, adapter config JSON: "" for full weights) of SOURCE."""
+def _relay_verifier(verify_key: bytes | None):
+    """The trainer's public key to check a relay version's signature with (None: digests only)."""
+    from laminar.weights import seal
+    if verify_key is None:
+        env = os.environ.get(seal.VERIFY_KEY_ENV, "")
+        verify_key = bytes.fromhex(env) if env else b""
+    return seal.Verifier(verify_key) if verify_key else None
+
+
+def read_version(source: str | os.PathLike, version: int | None = None,
+                 verify_key: bytes | None = None) -> tuple[dict, int | None, str]:
+    """(state dict, version, adapter config JSON: "" for full weights) of SOURCE. A relay
+    version's seals are checked first (module docstring; `verify_key`: the trainer's public key,
+    raw, None: the armed one if any)."""
     import torch
     src = Path(source)
     if (src / "current").exists() or (version is not None and (src / f"v{version}.manifest").exists()):
-        from laminar.weights.pull import LocalWeights
-        weights = LocalWeights(src)
+        from laminar.weights.pull import LocalWeights, WeightsRefused, seal_refusal
+        weights = LocalWeights(src, verify_key=b"")  # checked below, with or without a key
         held = weights.latest() if version is None else weights.version(version)
         if held is None:
             raise FileNotFoundError(f"{src}: no complete version{'' if version is None else f' {version}'}")
+        why = seal_refusal(held, _relay_verifier(verify_key))
+        if why:
+            held.close()
+            raise WeightsRefused(f"{src}: v{held.version} refused: {why} (changed in shared memory, or not published "
+                                 "by this cluster's trainer): not exported")
         with held:
             adapter = held.manifest.adapter_config if held.manifest.content == "lora" else ""
             return {k: t.clone() for k, t in held.tensors()}, held.version, adapter
@@ -82,19 +108,28 @@ def config_dtype(cfg) -> str | None:
     return None if dt is None else str(dt).removeprefix("torch.")
 
 
+def _no_stage(name: str) -> None:
+    pass
+
+
 def export(source: str | os.PathLike, out_dir: str | os.PathLike, model_dir: str | os.PathLike,
-           dtype: str | None = None, version: int | None = None, merge: bool = False) -> Path:
+           dtype: str | None = None, version: int | None = None, merge: bool = False,
+           verify_key: bytes | None = None, stage: Callable[[str], None] = _no_stage) -> Path:
     """Write the Hugging Face folder (an adapter: peft's folder, or merged into the base with
-    `merge`); returns its path. dtype None: the base config's dtype."""
-    sd, got_version, adapter = read_version(source, version)
+    `merge`); returns its path. dtype None: the base config's dtype. `verify_key`: the trainer's
+    public key (raw) a relay version's seals are checked with (read_version). `stage(name)` is
+    told each stage as it starts (read, cast, save: the command's progress)."""
+    stage("read")
+    sd, got_version, adapter = read_version(source, version, verify_key)
     where = str(Path(source).resolve())
     if adapter and merge:
-        return write_folder(merged_state(sd, adapter, model_dir), out_dir, model_dir, dtype, got_version, where)
-    if adapter:
+        sd = merged_state(sd, adapter, model_dir)
+    elif adapter:
+        stage("save")
         return write_adapter(sd, adapter, out_dir, model_dir, got_version, where)
-    if merge:
+    elif merge:
         raise UsageError(f"--merge: {source} holds full weights, not a LoRA adapter (nothing to merge)")
-    return write_folder(sd, out_dir, model_dir, dtype, got_version, where)
+    return write_folder(sd, out_dir, model_dir, dtype, got_version, where, stage)
 
 
 def _adapter_files(folder: Path, sd: dict, adapter_config: str, model_dir) -> None:
@@ -139,13 +174,15 @@ def merged_state(sd: dict, adapter_config: str, model_dir) -> dict:
 
 
 def write_folder(sd: dict, out_dir: str | os.PathLike, model_dir: str | os.PathLike, dtype: str | None = None,
-                 got_version: int | None = None, source: str | None = None) -> Path:
+                 got_version: int | None = None, source: str | None = None,
+                 stage: Callable[[str], None] = _no_stage) -> Path:
     """Write a state dict (e.g. the trainer's final weights, in memory) as the Hugging Face folder;
     an existing `out_dir` is moved aside to `<out_dir>.<date-time>`, never deleted."""
     import torch
     import transformers
 
     from laminar.weights.pull import torch_dtype
+    stage("cast")
     cfg = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
     name = config_dtype(cfg) if dtype is None else (None if dtype == "same" else dtype)
     target = torch_dtype(name) if name else None
@@ -167,6 +204,7 @@ def write_folder(sd: dict, out_dir: str | os.PathLike, model_dir: str | os.PathL
     out = Path(out_dir)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    stage("save")
     model.save_pretrained(tmp, safe_serialization=True)
     for f in EXTRA_FILES:
         p = Path(model_dir) / f
@@ -202,6 +240,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--version", type=int, default=None, help="relay folder: a retained version instead of the newest")
     ap.add_argument("--merge", action="store_true", help="SOURCE holds a LoRA adapter: write the base with the "
                     "adapter merged in (a plain Hugging Face folder) instead of the adapter in peft's format")
+    ap.add_argument("--keys", default=None, help="the cluster's key folder: a relay version's seals are checked "
+                    "with its weights.key (the trainer's public key); without it, only their digests")
     ap.add_argument("--force", action="store_true", help="OUT_DIR exists: move it aside to OUT_DIR.<date-time> "
                     "first (it is never deleted; without --force the export refuses it)")
 
@@ -213,7 +253,22 @@ def run(a) -> int:
     if Path(a.out_dir).exists() and not a.force:
         raise UsageError(f"{a.out_dir} exists: choose another OUT_DIR, or pass --force to move it aside to "
                          f"{a.out_dir}.<date-time> first (nothing is deleted)")
-    print(export(a.source, a.out_dir, model_dir, a.dtype, a.version, merge=getattr(a, "merge", False)))
+    verify_key = None
+    if getattr(a, "keys", None):
+        from laminar.bus.auth import load_weights_key
+        verify_key, _ = load_weights_key(a.keys, secret=False)
+        if verify_key is None:
+            raise UsageError(f"--keys {a.keys}: no weights.key there (the trainer's public key)")
+    from laminar.progress import Progress
+    from laminar.weights.pull import WeightsRefused
+    try:
+        with Progress.stages("export", EXPORT_STAGES) as bar:
+            out = export(a.source, a.out_dir, model_dir, a.dtype, a.version, merge=getattr(a, "merge", False),
+                         verify_key=verify_key, stage=bar.stage)
+    except WeightsRefused as exc:  # the seals do not vouch for the bytes
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
     return 0
 
 

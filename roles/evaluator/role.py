@@ -1,6 +1,6 @@
 """EvaluatorRole: every `eval_every` versions, the newest weights answer a held-out split.
 
-    setup: its own vLLM engine (the rollouts' settings: model_dir, max_model_len, dtype), the
+    setup: its own vLLM engine (EngineSettings, the rollouts' model: model_dir, max_model_len, ...), the
            held-out records (`dataset`, tokenized like the prompt pool does), the relay folder
     run:   evaluate version 0 (model_dir's weights, before any training), then follow the relay
            like a rollout: when its newest version is at least `eval_every` past the last one
@@ -39,28 +39,29 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import zlib
 from pathlib import Path
-from types import SimpleNamespace
+from typing import ClassVar
 
 from laminar.roles.base import Role
-from laminar.roles.evaluator.scoring import ProblemResult, score
-from laminar.roles.evaluator.sets import BestKeeper, EvalSet, EvalSetConfig, legacy_keys, set_configs
-from laminar.roles.rollout.engine import VllmEngine
-from pydantic import BaseModel, ConfigDict, Field
+from laminar.roles.evaluator.harness import Harness, load_sets, make_engine
+from laminar.roles.evaluator.sets import BestKeeper, EvalSet, EvalSetConfig
+from pydantic import ConfigDict, Field
 
-from laminar.datasets import chat_template_field, load_records, prompt_encoder, system_prompt_field, tokenize_records
+from laminar.datasets import chat_template_field, system_prompt_field
+from laminar.engine_settings import EngineSettings
 from laminar.export import export
 from laminar.protocol import Heartbeat, Metrics
 from laminar.samples import SampleLog
-from laminar.tasks import load_callable
 from laminar.weights.manifest import ident
 from laminar.weights.pull import LocalWeights
+from laminar.weights.seal import arm_engine_checks
 
 
-class EvaluatorConfig(BaseModel):
-    """Settings of the evaluator: the held-out split, its reward, when and how to evaluate."""
+class EvaluatorConfig(EngineSettings):
+    """Settings of the evaluator: its vLLM engine's (EngineSettings, as the rollouts'), the held-out
+    split, its reward, when and how to evaluate."""
     model_config = ConfigDict(extra="forbid")
+    MOVED: ClassVar[dict[str, str]] = {"weights_dir": "shm_dir"}  # older keys (laminar/config.py names them)
     dataset: str | None = Field(None, description="held-out JSONL/Parquet file (prompt, answer; never given to the "
                                 "prompt pool): the one set `heldout` when `sets` is empty")
     sets: dict[str, EvalSetConfig] = Field(default_factory=dict, description="named eval sets (roles/evaluator/"
@@ -86,19 +87,15 @@ class EvaluatorConfig(BaseModel):
     last_version: int | None = Field(None, ge=1, description="the run's last version: evaluated, then the role "
                                      "finishes (default: the trainer's max_iterations; None there: run until stopped)")
     samples: int = Field(4, ge=0, description="sampled answers per problem (0: greedy only; the `heldout` set)")
-    temperature: float = Field(1.0, gt=0, description="temperature of the sampled answers (the `heldout` set)")
+    temperature: float = Field(1.0, gt=0, description="temperature of the sampled answers (the `heldout` set; "
+                               "greedy answers are their own metric, so 0 is refused as for any set's)")
     max_tokens: int = Field(256, ge=1, description="answer token budget (the prompt pool's max_tokens)")
     seed: int = Field(0, description="sampling seed (per answer: hash of seed, version, problem, sample)")
-    model_dir: str = Field("models/tiny", description="initial weights (version 0)")
-    max_model_len: int = Field(1024, ge=16)
-    max_concurrency: int = Field(64, ge=1, description="answers generated at once (engine max_num_seqs)")
-    kv_cache_tokens: int | None = Field(None, ge=16, description="KV cache in tokens (default: kv_cache_gib)")
-    lora: dict | None = Field(None, description="the run's versions are LoRA adapters: as roles.rollout.lora "
-                              "({max_lora_rank, max_loras}); each version is evaluated with its adapter on model_dir")
-    kv_cache_gib: float = Field(1.0, gt=0)
-    dtype: str = Field("float32")
+    max_concurrency: int = Field(64, ge=1, description="answers generated at once (the engine's max_num_seqs "
+                                 "unless that is set)")
     relay_id: str | None = Field(None, description="relay on this host to take weights from")
-    weights_dir: str | None = Field(None, description="that relay's shared-memory folder (default: its shm_dir)")
+    shm_dir: str | None = Field(None, description="that relay's shared-memory folder (default: the relay's own "
+                                "shm_dir)")
     poll_s: float = Field(0.5, gt=0, description="how often the relay's newest version is looked at")
     final_wait_s: float = Field(20.0, gt=0, description="once the trainer reported its last version: how long to "
                                 "wait for it on the relay before evaluating the relay's newest and finishing")
@@ -175,27 +172,17 @@ class EvaluatorRole(Role):
         return out
 
     async def setup(self) -> None:
-        c, cfg = self.cfg, self.ctx.config
-        self.reward = load_callable(c.reward)
-        encoder = prompt_encoder(c.tokenizer_dir, c.chat_template, c.system_prompt)
-        self.sets: list[EvalSet] = []
-        for name, s in set_configs(c).items():
-            records, _ = await asyncio.to_thread(load_records, s.dataset, s.prompt_field, s.answer_field, s.id_field)
-            problems = tokenize_records(records[:s.limit] if s.limit else records, encoder)
-            if not problems:
-                raise ValueError(f"{s.dataset}: no held-out records (evaluator set {name!r})")
-            answer = s.answer or c.answer
-            self.sets.append(EvalSet(name, s, problems, load_callable(s.reward) if s.reward else self.reward,
-                                     load_callable(answer) if answer else None))
+        c, cluster = self.settings, self.cluster
+        self.sets: list[EvalSet] = await asyncio.to_thread(load_sets, c)
         self.problems = self.sets[0].problems
         self.last_version = c.last_version
-        self.weights_dir = c.weights_dir
-        if cfg is not None:
-            if self.last_version is None and cfg.find("trainer"):
-                self.last_version = cfg.role_settings("trainer").get("max_iterations")
-            if c.relay_id is not None and self.weights_dir is None:
-                self.weights_dir = cfg.relay_shm_dir(c.relay_id)
-            self.out = cfg.workdir() / "evaluator"
+        self.shm_dir = c.shm_dir
+        if cluster is not None:
+            if self.last_version is None and cluster.find("trainer"):
+                self.last_version = cluster.role_settings("trainer").get("max_iterations")
+            if c.relay_id is not None and self.shm_dir is None:
+                self.shm_dir = cluster.relay_shm_dir(c.relay_id)
+            self.out = cluster.workdir() / "evaluator"
         else:
             self.out = Path(self.ctx.settings.get("out_dir", "evaluator"))
         self.out.mkdir(parents=True, exist_ok=True)
@@ -205,22 +192,20 @@ class EvaluatorRole(Role):
         # the first evaluation runs is not missed (a subscription made later can miss its events)
         self.trainer_sub = self.ctx.transport.subscriber(["metrics.trainer", "hb.trainer."])
         self.trainer_heard_at = time.monotonic()
-        bind = None
-        if cfg is not None:
-            _, spec = cfg.spec("evaluator", self.ctx.id)
-            bind = ",".join(str(x) for x in spec.cores) if spec.cores else None
-        self.engine = VllmEngine(c.model_dir, max_model_len=c.max_model_len, max_num_seqs=c.max_concurrency,
-                                 kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=1.0, dtype=c.dtype,
-                                 omp_threads_bind=bind, seeded=True, kv_cache_tokens=c.kv_cache_tokens,
-                                 lora=c.lora)
+        cores = cluster.spec("evaluator", self.ctx.id)[1].cores if cluster is not None else None
+        self.engine = make_engine(c, omp_threads_bind=c.omp_bind(cores))
+        # its worker processes check each version's seals before they load it, as a rollout's do;
+        # the best version's export checks them too (laminar/export.py)
+        arm_engine_checks(getattr(self.ctx.transport, "keys", None))
         await self.engine.start()
+        self.harness = Harness(self.engine, self.sets, c)
         self.version, self.lineage = 0, None  # model_dir's weights: version 0 of no lineage
         self.log.info("evaluator_ready", problems=len(self.problems), eval_every=c.eval_every,
-                      last_version=self.last_version, weights_dir=self.weights_dir)
+                      last_version=self.last_version, shm_dir=self.shm_dir)
 
     async def run(self) -> None:
         await self.evaluate()  # version 0: the initial weights, before any training
-        if not self.weights_dir:
+        if not self.shm_dir:
             self.log.info("evaluations_done", versions=self.evaluated, why="no relay to take newer weights from")
             return
         self.spawn(self._follow_trainer(), "trainer")
@@ -234,10 +219,10 @@ class EvaluatorRole(Role):
             now = time.monotonic()
             why = ("the last version did not reach the relay"
                    if give_up_waiting(self.trainer_version, self.last_version, self.relay_version,
-                                      self.trainer_done_at, now, self.cfg.final_wait_s)
+                                      self.trainer_done_at, now, self.settings.final_wait_s)
                    else "the trainer went silent before the last version reached the relay"
                    if trainer_gone(self.last_version, self.relay_version, self.trainer_heard_at, now,
-                                   self.cfg.trainer_silent_s) else "")
+                                   self.settings.trainer_silent_s) else "")
             if why:  # evaluate the newest version the relay holds, and finish
                 if self.relay_version > (self.evaluated[-1] if self.evaluated else -1) and await self._load_due(True):
                     await self.evaluate()
@@ -246,7 +231,7 @@ class EvaluatorRole(Role):
                 return
             self.state = "waiting"
             try:
-                await asyncio.wait_for(self.stopping.wait(), self.cfg.poll_s)
+                await asyncio.wait_for(self.stopping.wait(), self.settings.poll_s)
             except TimeoutError:
                 pass
 
@@ -266,9 +251,9 @@ class EvaluatorRole(Role):
 
     async def _load_due(self, force: bool = False) -> bool:
         """Load the relay's newest version if it is due (or `force`); True when loaded and named."""
-        if not self.weights_dir:
+        if not self.shm_dir:
             return False
-        lw = LocalWeights(self.weights_dir)
+        lw = LocalWeights(self.shm_dir)
         try:
             m = await asyncio.to_thread(lw.manifest)
         except (OSError, ValueError) as exc:
@@ -281,12 +266,12 @@ class EvaluatorRole(Role):
         # a new lineage (a resumed trainer) replaces what was evaluated: evaluate it at once; the
         # first relay version after model_dir's weights (lineage None) waits its turn like any other
         new_lineage = self.lineage is not None and m.lineage != self.lineage
-        if not force and not new_lineage and not due(m.version, last, self.cfg.eval_every, self.last_version):
+        if not force and not new_lineage and not due(m.version, last, self.settings.eval_every, self.last_version):
             return False
         self.state = "loading"
         for _ in range(3):
             try:
-                got = await self.engine.load_relay(self.weights_dir, -1)
+                got = await self.engine.load_relay(self.shm_dir, -1)
                 after = await asyncio.to_thread(lw.manifest)
             except Exception as exc:  # noqa: BLE001 - keep the weights held; try again on the next poll
                 self.log.warning("eval_weights_load_failed", version=m.version, error=repr(exc))
@@ -299,80 +284,22 @@ class EvaluatorRole(Role):
             m = after  # the relay committed a version during the load: load again
         return False
 
-    async def _answer(self, rid: str, prompt, temperature: float, seed: int | None) -> list[int]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-        sp = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=temperature, top_p=1.0, seed=seed,
-                            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-        tokens: list[int] = []
-        lora = self.engine.adapters.current if self.engine.adapters is not None else None  # the version's adapter
-        async for out in self.engine.llm.generate(TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), sp,
-                                                  request_id=rid, lora_request=lora):
-            tokens = list(out.outputs[0].token_ids)
-        return tokens
-
-    async def _answer_set(self, es: EvalSet, v: int) -> tuple[dict[str, float], list[ProblemResult], list]:
-        """Every problem of one set: greedy (when a metric needs it) and k sampled answers, scored."""
-        c, k = self.cfg, es.cfg.k
-        jobs, kinds = [], []
-        legacy = es.name == "heldout" and not c.sets  # the seeds the single held-out split always had
-        for i, p in enumerate(es.problems):
-            if es.greedy:
-                jobs.append(self._answer(f"eval-v{v}-{es.name}-{i}-g", p.prompt_tokens, 0.0, None))
-                kinds.append((i, -1))
-            for s in range(k):
-                key = f"{c.seed}:{v}:{p.prompt_id}:{s}" if legacy else f"{c.seed}:{es.name}:{v}:{p.prompt_id}:{s}"
-                jobs.append(self._answer(f"eval-v{v}-{es.name}-{i}-s{s}", p.prompt_tokens, es.cfg.temperature,
-                                         zlib.crc32(key.encode())))
-                kinds.append((i, s))
-        answers = await asyncio.gather(*jobs)
-        results = [ProblemResult() for _ in es.problems]
-        rows, lens = [], []
-        for (i, s), toks in zip(kinds, answers, strict=True):
-            p = es.problems[i]
-            spec = SimpleNamespace(prompt_id=p.prompt_id, answer=p.answer, max_tokens=c.max_tokens,
-                                   prompt_tokens=p.prompt_tokens)
-            r = float(es.reward(spec, toks))
-            if s < 0:
-                results[i].greedy = r >= 1.0
-                continue
-            results[i].correct.append(r >= 1.0)
-            results[i].answers.append(es.answer(spec, toks) if es.answer is not None else tuple(toks))
-            lens.append(len(toks))
-            if s == 0:
-                rows.append({"prompt_tokens": p.prompt_tokens, "response_tokens": toks, "reward": r,
-                             "prompt_id": p.prompt_id})
-        values = {f"eval/{es.name}/{m}": x for m, x in score(results, es.cfg.metrics).items()}
-        values[f"eval/{es.name}/problems"] = float(len(es.problems))
-        if lens:
-            values[f"eval/{es.name}/response_len_mean"] = sum(lens) / len(lens)
-        return values, results, rows
-
     async def evaluate(self) -> dict:
-        """Answer every eval set with the weights held now; publish and record the result."""
-        c, v = self.cfg, self.version
+        """Answer every eval set with the weights held now (the harness); publish and record the result."""
+        c, v = self.settings, self.version
         self.state = "evaluating"
-        t0 = time.monotonic()
-        values = {"version": float(v)}
-        for es in self.sets:
-            got, _, rows = await self._answer_set(es, v)
-            values.update(got)
-            if self.sample_log is not None and rows:
-                await asyncio.to_thread(self.sample_log.write, f"eval/{es.name}", v, rows[:c.log_samples])
-        first = self.sets[0]
-        values.update(legacy_keys(first.name, values, first.cfg.metrics))
-        values["eval/problems"] = float(len(first.problems))
-        if f"eval/{first.name}/response_len_mean" in values:
-            values["eval/response_len_mean"] = values[f"eval/{first.name}/response_len_mean"]
-        values["eval/seconds"] = time.monotonic() - t0
+        result = await self.harness.evaluate(v)
+        values = result.values
+        if self.sample_log is not None:
+            for name, rows in result.rows.items():
+                if rows:
+                    await asyncio.to_thread(self.sample_log.write, f"eval/{name}", v, rows[:c.log_samples])
         self.evaluated.append(v)
         self.last = values
         if self.best.better(values):
             await self._keep_best(v, values)
         ts = time.time()
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({**values, "lineage": self.lineage, "ts": ts}) + "\n")
+        await asyncio.to_thread(self._record, result, ts)
         self.pub.publish("metrics.evaluator", Metrics(role="evaluator", id=self.ctx.id, ts=ts, values=values))
         self.log.info("evaluated", version=v, accuracy=round(values.get("eval/accuracy", float("nan")), 4),
                       accuracy_sampled=round(values.get("eval/accuracy_sampled", float("nan")), 4),
@@ -381,10 +308,20 @@ class EvaluatorRole(Role):
         self.state = "waiting"
         return values
 
+    def _record(self, result, ts: float) -> None:
+        """One line of metrics.jsonl (the values) and one of scores.jsonl (each problem's scores,
+        for the summary's paired comparison of the first and last versions)."""
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({**result.values, "lineage": self.lineage, "ts": ts}) + "\n")
+        with open(self.out / "scores.jsonl", "a") as f:
+            f.write(json.dumps({"version": int(result.values["version"]), "lineage": self.lineage, "ts": ts,
+                                "sets": {n: {"ids": result.prompt_ids[n], "scores": sc}
+                                         for n, sc in result.scores.items()}}) + "\n")
+
     async def _keep_best(self, v: int, values: dict) -> None:
         """A new best version: its weights (the relay's copy; version 0: model_dir's) to best/."""
-        c = self.cfg
-        src = self.weights_dir if (v > 0 and self.weights_dir) else None
+        c = self.settings
+        src = self.shm_dir if (v > 0 and self.shm_dir) else None
         do = (lambda out: export(src, out, c.model_dir, version=v)) if src else None
         try:
             best = await asyncio.to_thread(self.best.record, v, self.lineage, values, do)

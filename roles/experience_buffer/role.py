@@ -21,6 +21,11 @@ Dynamic sampling: a SampleGroups that names a filter metric gets only groups who
 (state.py); the others are dropped as `no_signal`, durably, and counted per prompt pool in the
 published counts, from which the prompt pool's gate learns to hand out replacements.
 
+Hand-outs: a put from a rollout key (or the pool key: the partial pool's scored trajectories)
+is stored only if its spec carries a hand-out for the trajectory's rollout (roles/handout.py); else
+it is answered `refused`, counted against the key and never held. A member whose group size is not
+its group's is refused too (state.py).
+
 Curriculum: for a prompt pool whose `curriculum` is on, the put that completes a group also
 records (group id, samples with reward >= 1, size) in the `results` table, in its transaction; the
 same loop as the requeues sends them to that pool (GroupResults, idempotent there) and deletes
@@ -34,7 +39,9 @@ import inspect
 import json
 
 from laminar.bus.errors import RemoteError, RpcError
+from laminar.bus.rpc import current_peer
 from laminar.roles.experience_buffer.state import EXPIRED, OFF_LINEAGE, BufferBook, Change, group_metric
+from laminar.roles.handout import checked
 from laminar.roles.pool_base import PoolRole
 from laminar.roles.sqlite_store import pack, unpack
 from pydantic import BaseModel, ConfigDict, Field
@@ -92,13 +99,13 @@ class ExperienceBufferRole(PoolRole):
     MIGRATABLE = frozenset({"capacity"})
 
     def fingerprint(self) -> dict:
-        return {"capacity": self.cfg.capacity}
+        return {"capacity": self.settings.capacity}
 
     def migrate_setting(self, key: str, old, new) -> None:
         """A new capacity: growing needs nothing; shrinking with drop_oldest evicts the oldest groups
         now, on disk too (with reject, new groups wait until enough are sampled)."""
         b, ch = self.book, Change()
-        if self.cfg.eviction == "drop_oldest":
+        if self.settings.eviction == "drop_oldest":
             while b.stored > b.capacity and b.groups:
                 victim = next((x for x in b.groups.values() if x.complete), None) or next(iter(b.groups.values()))
                 b._remove(victim.group_id, "evicted", ch)
@@ -111,15 +118,15 @@ class ExperienceBufferRole(PoolRole):
     def _max_staleness(self) -> int | None:
         """A barrier mode bounds staleness (sync 0, one_step and stream 1): groups that finish too
         late for it are dropped (and counted), as those systems' global sync would never train them."""
-        cfg, bound = self.ctx.config, self.cfg.max_staleness
-        lag = cfg.run.barrier_lag if cfg is not None else None
+        cluster, bound = self.cluster, self.settings.max_staleness
+        lag = cluster.run.barrier_lag if cluster is not None else None
         if lag is not None and (bound is None or bound > lag):
-            self.log.info("staleness_bound_from_mode", mode=cfg.run.mode, max_staleness=lag, configured=bound)
+            self.log.info("staleness_bound_from_mode", mode=cluster.run.mode, max_staleness=lag, configured=bound)
             return lag
         return bound
 
     def recover(self) -> None:
-        c = self.cfg
+        c = self.settings
         # replayed with room for every stored row, so replay never refuses what was acknowledged (a
         # capacity that shrank is applied afterwards, on disk too: migrate_setting)
         book = BufferBook(1 << 62, c.eviction, c.sampler, self._max_staleness(), c.remember_removed,
@@ -142,6 +149,7 @@ class ExperienceBufferRole(PoolRole):
         book.counts.update(json.loads(meta.get("counts", "{}")))
         lin = json.loads(meta.get("lineage", "{}"))
         book.lineage, book.forks = int(lin.get("lineage", -1)), dict(lin.get("forks", {}))
+        book.run_id = str(lin.get("run_id", ""))
         self.requeue_out = [gid for (gid,) in self.store.read("SELECT gid FROM requeue ORDER BY rowid")]
         self.results_out = {gid: (s, n) for gid, s, n in self.store.read("SELECT gid, solved, n FROM results")}
         book.capacity = c.capacity
@@ -171,7 +179,8 @@ class ExperienceBufferRole(PoolRole):
         st += [("DELETE FROM handed WHERE pos = ?", (pos,)) for pos in ch.unleased]
         if ch.lineage_changed or ch.requeue:
             st.append(("INSERT OR REPLACE INTO meta VALUES ('lineage', ?)",
-                       (json.dumps({"lineage": self.book.lineage, "forks": self.book.forks}),)))
+                       (json.dumps({"lineage": self.book.lineage, "forks": self.book.forks,
+                                    "run_id": self.book.run_id}),)))
         if ch.released_below is not None:
             st += [("DELETE FROM trajs WHERE gid IN (SELECT gid FROM handed WHERE pos < ?)", (ch.released_below,)),
                    ("DELETE FROM handed WHERE pos < ?", (ch.released_below,))]
@@ -183,7 +192,11 @@ class ExperienceBufferRole(PoolRole):
         return st
 
     async def on_put(self, req: PutTrajectory) -> PutResult:
-        status, ch = self.book.put(req.trajectory)
+        t, peer = req.trajectory, current_peer.get()
+        if checked(peer, ("rollout", "pool")) and (why := self.handouts.refusal(t.spec, t.rollout_id)):
+            self.refusals.record(peer, PutTrajectory.kind, [t.spec.trajectory_id], why)
+            return PutResult("refused", why)  # the writer was never handed it: nothing stored, nothing held
+        status, ch = self.book.put(t)
         self._queue(ch)  # incomplete groups whose reservation timed out (state.py)
         await self.durable(self._statements(ch) + self._result_of(req.trajectory.spec.group_id, ch))
         head, _, detail = status.partition(": ")
@@ -194,12 +207,12 @@ class ExperienceBufferRole(PoolRole):
         (whole groups, at least one); the trainer asks again for the rest."""
         size = max((g.size for g in self.book.groups.values()), default=1)
         size = max(size, getattr(self, "_largest_leased", 1))
-        return max(1, min(asked, self.cfg.page_trajectories // max(size, 1)))
+        return max(1, min(asked, self.settings.page_trajectories // max(size, 1)))
 
     async def on_sample(self, req: SampleGroups) -> Samples:
         req = dataclasses.replace(req, num_groups=self._page_groups(req.num_groups))
         b, released = self.book, Change()
-        b.set_lineage(req.lineage, req.forks, released)
+        b.set_lineage(req.lineage, req.forks, released, req.run_id)
         if req.committed is not None:
             b.release(req.committed, released)
         if req.cursor is not None and req.cursor < b.cursor:  # behind us: leased groups again, in order
@@ -239,9 +252,9 @@ class ExperienceBufferRole(PoolRole):
     def _curricula(self) -> set[str]:
         """The prompt pools whose curriculum is on (from the cluster config, read once)."""
         if getattr(self, "_curriculum_pools", None) is None:
-            cfg = self.ctx.config
-            ids = [s.id for _, s in cfg.find("prompt_pool")] if cfg is not None else []
-            self._curriculum_pools = {i for i in ids if cfg.settings_of("prompt_pool", i).curriculum is not None}
+            cluster = self.cluster
+            ids = [s.id for _, s in cluster.find("prompt_pool")] if cluster is not None else []
+            self._curriculum_pools = {i for i in ids if cluster.settings_of("prompt_pool", i).curriculum is not None}
         return self._curriculum_pools
 
     def results_pending(self) -> dict:
@@ -255,7 +268,7 @@ class ExperienceBufferRole(PoolRole):
         for pool, gids in by_pool.items():
             gids = gids[:4096]  # one bounded request; the rest next round
             if pool not in clients:
-                clients[pool] = self.ctx.transport.client(self.ctx.config.endpoint("prompt_pool", pool))
+                clients[pool] = self.ctx.transport.client(self.cluster.endpoint("prompt_pool", pool))
             rows = [self.results_out[g] for g in gids]
             try:
                 await clients[pool].call(GroupResults(gids, [s for s, _ in rows], [n for _, n in rows]), timeout=5.0)
@@ -294,7 +307,7 @@ class ExperienceBufferRole(PoolRole):
         expired = [g for g in ch.requeue if self.book.gone.get(g, "").startswith(EXPIRED)]
         if expired:
             self.log.warning("incomplete_groups_expired", groups=expired[:64], count=len(expired),
-                             reserve_timeout_s=self.cfg.reserve_timeout_s)
+                             reserve_timeout_s=self.settings.reserve_timeout_s)
         if len(expired) < len(ch.requeue):
             off = [g for g in ch.requeue if g not in set(expired)]
             self.log.warning("off_lineage_groups_dropped", groups=off[:64], count=len(off),
@@ -309,7 +322,7 @@ class ExperienceBufferRole(PoolRole):
         await super().run()
 
     def _prompt_pool_of(self, gid: str) -> str | None:
-        ids = [s.id for _, s in self.ctx.config.find("prompt_pool")] if self.ctx.config is not None else []
+        ids = [s.id for _, s in self.cluster.find("prompt_pool")] if self.cluster is not None else []
         named = [i for i in ids if i != "0" and gid.startswith(f"{i}.")]  # pools other than "0" prefix their id
         return named[0] if named else ("0" if "0" in ids else None)
 
@@ -345,7 +358,7 @@ class ExperienceBufferRole(PoolRole):
             self.log.error("requeue_impossible", groups=gids[:64], why="no prompt pool in the config")
             return gids
         if pool not in clients:
-            clients[pool] = self.ctx.transport.client(self.ctx.config.endpoint("prompt_pool", pool))
+            clients[pool] = self.ctx.transport.client(self.cluster.endpoint("prompt_pool", pool))
         try:
             res = await clients[pool].call(RequeueGroups(gids), timeout=5.0)
         except RemoteError as exc:

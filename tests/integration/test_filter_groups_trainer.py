@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +21,7 @@ from laminar.protocol import PutTrajectory  # noqa: E402
 from laminar.summary import summarize  # noqa: E402
 from laminar.testing.inproc_cluster import InprocCluster  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
+from tests.support import wandb_records  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,10 +48,10 @@ def trained(tmp_path_factory, tiny) -> Path:
         "cluster": {"keys_dir": None, "heartbeat_s": 0.5, "broker": {"host": "h0"},
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": [
                         {"role": "experience_buffer", "port": 7131}, {"role": "trainer"}]}}},
-        "roles": {"trainer": {"model_dir": str(tiny), "lr": 1e-3, "groups_per_batch": 2, "publish": False,
-                              "checkpoint_every": 100, "sample_wait_s": 0.02, "log_samples_every": 2,
-                              "log_samples": 3,
-                              "filter_groups": {"metric": "reward", "max_dropped": 2}}}})
+        "roles": {"trainer": {"model_dir": str(tiny), "optimizer": {"lr": 1e-3}, "groups_per_batch": 2,
+                              "publishing": {"enabled": False}, "checkpoint": {"every": 100}, "sample_wait_s": 0.02,
+                              "logging": {"samples_every": 2, "samples": 3},
+                              "loss": {"filter_groups": {"metric": "reward", "max_dropped": 2}}}}})
 
     async def go():
         cl = InprocCluster(cfg)
@@ -98,28 +98,6 @@ def test_filter_groups_trainer_waits_for_informative_groups_and_counts_them(trai
     assert all(isinstance(r["prompt"], str) and isinstance(r["response"], str) for r in rows)
 
 
-def wandb_records(path: Path) -> list:
-    """The records of a W&B offline run file, parsed with wandb's own protobuf messages (the file
-    is W&B's block log: 32 KiB blocks of [crc32 4][length 2][type 1][data] chunks after a 7-byte header)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-    b, pos, block, part, out = path.read_bytes(), 7, 32768, b"", []
-    assert b[:4] == b":W&B"
-    while pos + 7 <= len(b):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        _, n, kind = struct.unpack("<IHB", b[pos:pos + 7])
-        data, pos = b[pos + 7:pos + 7 + n], pos + 7 + n
-        if kind == 0:
-            break
-        part = data if kind in (1, 2) else part + data
-        if kind in (1, 4):  # a full record, or the last chunk of one
-            r = pb.Record()
-            r.ParseFromString(part)
-            out.append(r)
-    return out
-
-
 @pytest.mark.slow  # wandb's and mlflow's imports and W&B's core process: ~15 s more on 2 cores
 def test_tracking_wandb_offline_and_mlflow_file_store_read_back(trained: Path, monkeypatch):
     pytest.importorskip("wandb")
@@ -133,7 +111,7 @@ def test_tracking_wandb_offline_and_mlflow_file_store_read_back(trained: Path, m
     s = write(trained)
     uri = f"file:{trained / 'mlruns'}"
     got = send(trained, TrackingSpec.model_validate({"wandb": {"project": "t"}, "mlflow": {"tracking_uri": uri}}),
-               "ds", {"roles": {"trainer": {"lr": 1e-3}}})
+               "ds", {"roles": {"trainer": {"optimizer": {"lr": 1e-3}}}})
     assert got[0].startswith("wandb: ") and got[1].startswith(f"mlflow: {uri}")
     # W&B: one history row per version, the summary's numbers, the samples table
     (run_file,) = (trained / "wandb").glob("offline-run-*/run-*.wandb")
@@ -153,6 +131,7 @@ def test_tracking_wandb_offline_and_mlflow_file_store_read_back(trained: Path, m
     (run,) = client.search_runs([client.get_experiment_by_name("ds").experiment_id])
     hist = client.get_metric_history(run.info.run_id, "trainer/groups_kept")
     assert sorted((m.step, m.value) for m in hist) == [(1, 2.0), (2, 1.0), (3, 0.0)]
-    assert run.data.metrics["summary/groups_generated"] == 11 and run.data.params["roles.trainer.lr"] == "0.001"
+    assert run.data.metrics["summary/groups_generated"] == 11
+    assert run.data.params["roles.trainer.optimizer.lr"] == "0.001"
     table = json.loads(Path(client.download_artifacts(run.info.run_id, "samples.json", str(trained))).read_text())
     assert table["columns"][:3] == ["source", "version", "prompt"] and len(table["data"]) == 3

@@ -130,11 +130,12 @@ def test_seq_is_ratio_distribution_matches_its_definitions():
 def test_seq_is_settings_are_validated():
     from laminar.roles.trainer.config import TrainerConfig
     from pydantic import ValidationError
-    c = TrainerConfig(model_dir="m", off_policy="mis", is_level="geometric", is_cap=1.01, is_low=0.99)
-    assert (c.off_policy, c.is_level, c.is_low) == ("mis", "geometric", 0.99)
+    c = TrainerConfig(model_dir="m", loss={"off_policy": "mis", "is_level": "geometric", "is_cap": 1.01,
+                                           "is_low": 0.99})
+    assert (c.loss.off_policy, c.loss.is_level, c.loss.is_low) == ("mis", "geometric", 0.99)
     for bad in ({"is_level": "batch"}, {"off_policy": "gspo"}, {"is_low": 0}):
         with pytest.raises(ValidationError):
-            TrainerConfig(model_dir="m", **bad)
+            TrainerConfig(model_dir="m", loss=bad)
     old, beh = batch()
     with pytest.raises(ValueError, match="band"):
         importance_weights(old, beh, MASK, mode="mis", cap=1.0, low=2.0)
@@ -159,7 +160,8 @@ def test_seq_is_trainer_logs_the_ratio_distribution_per_version(tmp_path):
     groups = generate_groups(load_causal_lm(tiny, "cpu", train=False), 3, 4, version=0, max_new_tokens=6)
     groups = [[replace(t, logprobs=(t.logprobs + np.float32(0.1)).astype(np.float32)) for t in g] for g in groups]
     lens = np.array([len(t.response_tokens) for g in groups for t in g], np.float64)
-    e = TrainEngine(TrainerConfig(model_dir=str(tiny), lr=1e-3, off_policy="mis", is_level="sequence", is_cap=1.5),
+    e = TrainEngine(TrainerConfig(model_dir=str(tiny), optimizer={"lr": 1e-3},
+                                  loss={"off_policy": "mis", "is_level": "sequence", "is_cap": 1.5}),
                     0, torch.device("cpu"))
     e.load()
     out = e.train(groups, 1)
