@@ -118,11 +118,12 @@ smollm2: $(STAMP_CPU) models/smollm2-math/config.json
 HR := runs/smollm2-headroom
 HR_SFT_STEPS ?= 40
 HR_DURATION ?= 2700
+HR_SET ?=
 $(HR)/data/heldout.jsonl: laminar/tasks/headroom.py | $(STAMP_CPU)
 	$(BIN)/python -m laminar.tasks.headroom $(HR)/data --sft-levels 1-4 --rl-levels 2-5 --eval-levels 2-7
 
 models/smollm2-headroom/config.json: models/smollm2/config.json $(HR)/data/heldout.jsonl laminar/tasks/warmstart.py
-	rm -rf models/smollm2-headroom.tmp && cp -r models/smollm2 models/smollm2-headroom.tmp
+	rm -rf models/smollm2-headroom.tmp && cp -rL models/smollm2 models/smollm2-headroom.tmp
 	$(BIN)/python -m laminar.tasks.warmstart models/smollm2-headroom.tmp --sft $(HR)/data/sft.jsonl \
 	  --steps $(HR_SFT_STEPS) --batch 8 --lr 3e-5
 	rm -rf models/smollm2-headroom && mv models/smollm2-headroom.tmp models/smollm2-headroom
@@ -131,24 +132,29 @@ models/smollm2-headroom/config.json: models/smollm2/config.json $(HR)/data/heldo
 # warm start (configs/smollm2-headroom.yaml), the same with dynamic sampling and the curriculum
 # (-ds), and with a LoRA adapter (-lora). Each ends at its max_iterations with the last version
 # evaluated (summary.json: eval.<set>.greedy first/last with 95% intervals) and exported to
-# runs/<target>/final; HR_DURATION is only a safety stop.
+# runs/<target>/final; HR_DURATION is only a safety stop; HR_SET adds `--set key=value` overrides
+# (a short smoke: HR_SET="--set roles.trainer.max_iterations=4 ...", docs/learning.md).
 smollm2-headroom smollm2-headroom-ds smollm2-headroom-lora: %: $(STAMP_CPU) models/smollm2-headroom/config.json
 	rm -rf runs/$*/pools runs/$*/trainer runs/$*/logs runs/$*/manager runs/$*/evaluator runs/$*/rollout-0 \
 	  runs/$*/final runs/$*/summary.* runs/$*/samples.jsonl
-	$(BIN)/laminar-node up configs/$*.yaml --plain --duration $(HR_DURATION)
+	$(BIN)/laminar-node up configs/$*.yaml --plain --duration $(HR_DURATION) $(HR_SET)
 
 # Before/after by difficulty, after a run (HR_RUN: its workdir name; a LoRA run's adapter is merged
-# first): greedy, avg@8 and pass@8 of the warm start and of the run's last version on the same
-# 512 problems of each level, with 95% intervals and the paired after - before intervals.
+# first): `laminar-node eval` on configs/smollm2-headroom-eval.yaml's sets (512 problems of each
+# level 2-7): greedy, avg@8 and pass@8 of the warm start, then of the run's last version with the
+# paired after - before intervals (runs/<run>/eval-before.json, eval-after.json). HR_EVAL_SET adds
+# `--set` overrides (e.g. a limit per set for a check).
 HR_RUN ?= smollm2-headroom
-HR_LEVELS ?= 2 3 4 5 6 7
+HR_EVAL_SET ?=
 smollm2-headroom-table: $(STAMP_CPU)
 	if [ -f runs/$(HR_RUN)/final/adapter_config.json ]; then rm -rf runs/$(HR_RUN)/final-merged && \
 	  $(BIN)/laminar-node export runs/$(HR_RUN)/trainer/checkpoints runs/$(HR_RUN)/final-merged \
 	  --model-dir models/smollm2-headroom --merge; fi
-	$(BIN)/python bench/difficulty.py models/smollm2-headroom $(foreach n,$(HR_LEVELS),$(HR)/data/heldout-d$(n).jsonl) \
-	  --after $$([ -d runs/$(HR_RUN)/final-merged ] && echo runs/$(HR_RUN)/final-merged || echo runs/$(HR_RUN)/final) \
-	  --k 8 --out runs/$(HR_RUN)/difficulty.json
+	$(BIN)/laminar-node eval models/smollm2-headroom --sets configs/smollm2-headroom-eval.yaml $(HR_EVAL_SET) \
+	  --out runs/$(HR_RUN)/eval-before.json
+	$(BIN)/laminar-node eval $$([ -d runs/$(HR_RUN)/final-merged ] && echo runs/$(HR_RUN)/final-merged || \
+	  echo runs/$(HR_RUN)/final) --sets configs/smollm2-headroom-eval.yaml $(HR_EVAL_SET) \
+	  --compare runs/$(HR_RUN)/eval-before.json --out runs/$(HR_RUN)/eval-after.json
 
 runs/smoke-upper/data/prompts.jsonl: | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.demo_data $@
