@@ -117,7 +117,7 @@ smollm2: $(STAMP_CPU) models/smollm2-math/config.json
 # often wrong greedily but often right in one of 8 samples.
 HR := runs/smollm2-headroom
 HR_SFT_STEPS ?= 40
-HR_DURATION ?= 2700
+HR_DURATION ?= 2400
 HR_SET ?=
 $(HR)/data/heldout.jsonl: laminar/tasks/headroom.py | $(STAMP_CPU)
 	$(BIN)/python -m laminar.tasks.headroom $(HR)/data --sft-levels 1-4 --rl-levels 2-5 --eval-levels 2-7
