@@ -141,20 +141,22 @@ smollm2-headroom smollm2-headroom-ds smollm2-headroom-lora: %: $(STAMP_CPU) mode
 
 # Before/after by difficulty, after a run (HR_RUN: its workdir name; a LoRA run's adapter is merged
 # first): `laminar-node eval` on configs/smollm2-headroom-eval.yaml's sets (512 problems of each
-# level 2-7): greedy, avg@8 and pass@8 of the warm start, then of the run's last version with the
-# paired after - before intervals (runs/<run>/eval-before.json, eval-after.json). HR_EVAL_SET adds
-# `--set` overrides (e.g. a limit per set for a check).
+# level 2-7): greedy, avg@8 and pass@8 of the warm start (once for every run: $(HR)/eval-before.json,
+# also the difficulty table before any RL), then of the run's last version with the paired
+# after - before intervals (runs/<run>/eval-after.json). HR_EVAL_SET adds `--set` overrides.
 HR_RUN ?= smollm2-headroom
 HR_EVAL_SET ?=
-smollm2-headroom-table: $(STAMP_CPU)
+$(HR)/eval-before.json: models/smollm2-headroom/config.json configs/smollm2-headroom-eval.yaml | $(STAMP_CPU)
+	$(BIN)/laminar-node eval models/smollm2-headroom --sets configs/smollm2-headroom-eval.yaml $(HR_EVAL_SET) \
+	  --out $@.tmp && mv $@.tmp $@
+
+smollm2-headroom-table: $(STAMP_CPU) $(HR)/eval-before.json
 	if [ -f runs/$(HR_RUN)/final/adapter_config.json ]; then rm -rf runs/$(HR_RUN)/final-merged && \
 	  $(BIN)/laminar-node export runs/$(HR_RUN)/trainer/checkpoints runs/$(HR_RUN)/final-merged \
 	  --model-dir models/smollm2-headroom --merge; fi
-	$(BIN)/laminar-node eval models/smollm2-headroom --sets configs/smollm2-headroom-eval.yaml $(HR_EVAL_SET) \
-	  --out runs/$(HR_RUN)/eval-before.json
 	$(BIN)/laminar-node eval $$([ -d runs/$(HR_RUN)/final-merged ] && echo runs/$(HR_RUN)/final-merged || \
 	  echo runs/$(HR_RUN)/final) --sets configs/smollm2-headroom-eval.yaml $(HR_EVAL_SET) \
-	  --compare runs/$(HR_RUN)/eval-before.json --out runs/$(HR_RUN)/eval-after.json
+	  --compare $(HR)/eval-before.json --out runs/$(HR_RUN)/eval-after.json
 
 runs/smoke-upper/data/prompts.jsonl: | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.demo_data $@
