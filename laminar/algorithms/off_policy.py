@@ -42,7 +42,7 @@ MAX_LOG = 30.0   # exp(30) ~ 1e13: any ratio past it is truncated or dropped any
 
 def level_log_ratio(old, behaviour, mask, level: str):
     """log rho per token position [B, T] at `level` (module docstring); 0 outside the mask."""
-    import torch
+    import torch  # late: torch; the trainer imports this module, configs validate without it
     if level not in LEVELS:
         raise ValueError(f"is_level must be one of {', '.join(LEVELS)}, got {level!r}")
     valid = mask > 0
@@ -60,7 +60,7 @@ def importance_weights(old, behaviour, mask, *, mode: str = "tis", level: str = 
     """(w, dropped): the constant weights [B, T] (0 outside the mask) and the boolean [B, T] of
     valid tokens a masked correction drops. `cap`: tis's truncation and the band's top (None: no
     truncation; mis needs a cap); `low`: the band's bottom (default 1 / cap)."""
-    import torch
+    import torch  # late: torch; the trainer imports this module, configs validate without it
     if mode not in MODES:
         raise ValueError(f"off-policy mode must be one of {', '.join(MODES)}, got {mode!r}")
     with torch.no_grad():

@@ -181,7 +181,7 @@ def _decoder(tokenizer_dir: str | None) -> Callable:
 
     def decode(tokens) -> str:
         if not held:
-            from laminar.datasets import HFTokenizer
+            from laminar.datasets import HFTokenizer  # late: transformers, on the first reward only
             held.append(HFTokenizer(tokenizer_dir))
         return held[0].decode(tokens)
 

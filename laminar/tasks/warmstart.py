@@ -47,11 +47,6 @@ from laminar.tasks.demo_data import make_prompts
 
 UPPER_P = 0.15
 MEDIAN_LEN, SIGMA, MAX_LEN = 12, 1.0, 160
-# a pretrained model's SFT loss takes its logprobs from the last hidden state this many positions at
-# a time (the trainer's chunked path, roles/trainer/logprobs.py): SmolLM2's [batch, tokens, 49,152]
-# float32 logits and their log-softmax never exist whole; with each layer's activations recomputed
-# in the backward (gradient checkpointing), its SFT holds little beyond weights, gradients and Adam
-LOGPROB_CHUNK = 256
 
 
 def reply(rng: random.Random) -> str:
@@ -123,7 +118,7 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     constant rate the word-problem loss stalls near 0.56 after 600 steps; decayed, it reaches ~0.29),
     constant for the uppercase task. A pretrained model (not the byte-level tiny one) is fitted with
     the memory savers of `fit`; the byte-level demo's SFT stays as it was."""
-    import torch
+    import torch  # late: torch; configs validate without it
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = load_tokenizer(str(model_dir))
@@ -138,22 +133,16 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
                pad_id, log_every, memory_saving=pretrained, freeze_embeddings=freeze_embeddings)
 
 
-def masked_loss(model, seqs: list[list[int]], masks: list[list[int]], pad_id: int = 0, chunk_tokens: int = 0):
-    """Mean next-token loss of a padded batch over the positions whose mask is 1 (the replies).
-    `chunk_tokens` > 0: the logprobs from the last hidden state that many positions at a time (the
-    trainer's token_logprobs), never the whole vocabulary's logits at once."""
-    import torch
+def masked_loss(model, seqs: list[list[int]], masks: list[list[int]], pad_id: int = 0):
+    """Mean next-token loss of a padded batch over the positions whose mask is 1 (the replies)."""
+    import torch  # late: torch; configs validate without it
     width = max(map(len, seqs))
     ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
     att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)[:, 1:]
-    if chunk_tokens > 0:
-        from laminar.roles.trainer.logprobs import token_logprobs
-        nll = -token_logprobs(model, ids, att, chunk_tokens=chunk_tokens)[0]
-    else:
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="none").view(len(seqs), -1)
+    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                            reduction="none").view(len(seqs), -1)
     return (nll * m).sum() / m.sum()
 
 
@@ -162,11 +151,11 @@ def fit(model_dir: str | Path, next_batch, steps: int, lr: float, schedule: str,
         freeze_embeddings: bool = False) -> dict:
     """Supervised fine-tuning of MODEL_DIR in place: `steps` AdamW steps on `next_batch()` -> (token
     sequences, loss masks), the rate `lr` times lr_factor(`schedule`), gradients clipped to norm 1;
-    saved at the end. The first and the last losses. `memory_saving`: gradient checkpointing and the
-    chunked loss (LOGPROB_CHUNK), for a large vocabulary. `freeze_embeddings`: the input embeddings
+    saved at the end. The first and the last losses. `memory_saving`: gradient checkpointing (each
+    layer's activations recomputed in the backward), for a pretrained model. `freeze_embeddings`: the input embeddings
     (and a head tied to them) are not trained: no gradient or Adam state for the vocabulary's rows
     (SmolLM2: 28M of its 135M parameters), which an SFT that teaches a format does not need."""
-    import torch
+    import torch  # late: torch; configs validate without it
     import transformers
     lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -184,7 +173,7 @@ def fit(model_dir: str | Path, next_batch, steps: int, lr: float, schedule: str,
     with Progress(steps, label, unit="steps", every_s=30.0) as bar:
         for _ in range(steps):
             seqs, masks = next_batch()
-            loss = masked_loss(model, seqs, masks, pad_id, chunk_tokens=LOGPROB_CHUNK if memory_saving else 0)
+            loss = masked_loss(model, seqs, masks, pad_id)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -218,11 +207,11 @@ def main() -> None:
     ap.add_argument("--chat-template", default="auto", help="with --sft: auto|none|PATH, as the prompt pool's "
                     "chat_template (auto: the model folder's own template, if it has one)")
     a = ap.parse_args()
-    import torch
+    import torch  # late: torch; configs validate without it
     torch.set_num_threads(2)
     sft = None
     if a.sft:
-        from laminar.roles.trainer.metrics import read_jsonl
+        from laminar.report import read_jsonl  # late: only with --sft
         sft = read_jsonl(a.sft)
         if not sft:
             raise SystemExit(f"{a.sft}: no records")

@@ -1,4 +1,4 @@
-"""`laminar-node eval` (laminar/evaluate.py) without an engine: its help, what MODEL is, the table
+"""`laminar-node eval` (roles/evaluator/command.py) without an engine: its help, what MODEL is, the table
 and JSON layout, and the refusal of a relay version whose seals do not verify when the cluster
 has keys (before any engine starts). The numbers themselves: tests/integration/test_eval_cli.py."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from laminar.roles.evaluator.command import by_set, kind_of, table
 
-from laminar.evaluate import by_set, kind_of, table
 from laminar.testing.procs import free_port
 
 CLI = [sys.executable, "-m", "laminar.cli"]
@@ -96,10 +96,11 @@ def test_eval_cli_refuses_a_relay_version_whose_seals_do_not_verify(tmp_path):
 
 
 def test_eval_compare_interval_is_paired_by_problem_id(tmp_path):
-    """--compare (laminar/eval_compare.py): problems matched by id whatever their order, the
+    """--compare (roles/evaluator/compare.py): problems matched by id whatever their order, the
     difference and its interval those of the matched pairs, and what only one side has named."""
-    from laminar.eval_compare import paired, read_doc
-    from laminar.eval_compare import table as diff_table
+    from laminar.roles.evaluator.compare import paired, read_doc
+    from laminar.roles.evaluator.compare import table as diff_table
+
     from laminar.intervals import paired_difference
     before = {"prompt_ids": {"d2": ["a", "b", "c", "d"], "d3": ["x"]},
               "scores": {"d2": {"greedy": [0.0, 0.0, 1.0, 0.0], "pass@8": [0.5, 0.25, 1.0, 0.0]},

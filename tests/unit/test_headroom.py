@@ -99,23 +99,19 @@ def test_headroom_levels_and_files(tmp_path):
     assert len(records) == 8
 
 
-def test_headroom_sft_chunked_loss_and_frozen_embeddings(tmp_path):
-    """The pretrained-model SFT (laminar/tasks/warmstart.py): the chunked loss equals the one from
-    whole logits, and with frozen embeddings `fit` leaves them (and a tied head) as they were while
-    the layers move."""
+def test_headroom_sft_frozen_embeddings(tmp_path):
+    """The pretrained-model SFT (laminar/tasks/warmstart.py): with gradient checkpointing and frozen
+    embeddings `fit` leaves the embeddings (and a tied head) as they were while the layers move,
+    and saves the model's use_cache as it was loaded."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from laminar.models.tiny import build_tiny_model
-    from laminar.tasks.warmstart import fit, masked_loss
+    from laminar.tasks.warmstart import fit
     tiny = build_tiny_model(tmp_path / "m", seed=0)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     rng = random.Random(0)
     seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (9, 14, 5)]
     masks = [[0] * 3 + [1] * (len(s) - 3) for s in seqs]
-    with torch.no_grad():
-        plain = masked_loss(model, seqs, masks, pad_id=0)
-        chunked = masked_loss(model, seqs, masks, pad_id=0, chunk_tokens=4)
-    assert float(chunked) == pytest.approx(float(plain), rel=1e-5)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     out = fit(tiny, lambda: (seqs, masks), steps=3, lr=1e-2, schedule="constant", memory_saving=True,
               freeze_embeddings=True)
