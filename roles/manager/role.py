@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 
 from laminar.bus.heartbeat import HeartbeatMonitor
-from laminar.roles.base import Role
 from laminar.roles.manager.chain_host import ChainHost
 from laminar.roles.manager.config import ManagerConfig
 from laminar.roles.manager.fleet import Fleet, FleetSettings
 from laminar.roles.manager.stall import StallAlarm
 
 from laminar.protocol import Heartbeat, LinkDown, MasterQuery, RelayJoin, RolloutStats, WeightsVersion
+from laminar.role_base import Role
 from laminar.stepcurve import StepCurve, roofline_batch_bound
 
 
@@ -140,7 +140,7 @@ class ManagerRole(Role):
 
     def status(self) -> dict:
         c = self.chain.coord
-        f = self.fleet.c
+        f = self.fleet.counters
         return {"chain": c.order(), "epoch": c.epoch, "master": self.chain.master_info().relay_id,
                 "repairs": self.chain.repairs, "last_repair_s": round(self.chain.last_repair_s, 4),
                 "repacks": f.repacks, "moved": f.moved_trajectories, "last_repack_s": round(f.last_repack_s, 4),

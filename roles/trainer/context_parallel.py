@@ -37,12 +37,14 @@ group computes alike are divided by cp after the all-reduce (`dp_sums`).
 """
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from laminar.roles.trainer.dist import all_reduce_sums
 from laminar.roles.trainer.logprobs import chunkable_head, chunked_logprobs, full_logprobs
 from laminar.roles.trainer.packing import pack, unpack
 
@@ -88,7 +90,7 @@ def check_heads(config, cp_size: int) -> None:
 
 def enable(model, cp_size: int) -> None:
     """Route `model`'s attention through `ulysses_attention` (its own implementation runs inside)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # late: transformers, only with context parallelism
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     body = getattr(base, "model", base)
     config = body.config
@@ -104,7 +106,6 @@ def enable(model, cp_size: int) -> None:
 
 def dp_sums(info, values: dict[str, float]) -> dict[str, float]:
     """Sums over the ranks of values every rank of a CP group holds alike: the sum over data-parallel ranks."""
-    from laminar.roles.trainer.dist import all_reduce_sums
     out = all_reduce_sums(info, values)
     cp = getattr(info, "cp_size", 1)
     return {k: v / cp for k, v in out.items()} if cp > 1 else out
@@ -159,7 +160,7 @@ def gather_seq(x, cp: CPContext):
 
 # -- attention ---------------------------------------------------------------------------------------
 def _inner_attention(module, name: str):
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # late: transformers, only with context parallelism
     if name == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
     return AttentionInterface._global_mapping[name]
@@ -194,9 +195,8 @@ def ulysses_attention(module, query, key, value, attention_mask, laminar_cp: CPC
 # -- forwards ----------------------------------------------------------------------------------------
 def _context(model, info, row_ids, positions, mask2d) -> CPContext:
     """The CP context of one forward: the group and the full row's mask in the inner implementation's format."""
-    import copy
 
-    from transformers.masking_utils import create_causal_mask
+    from transformers.masking_utils import create_causal_mask  # late: transformers, only under CP
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     body = getattr(base, "model", base)
     inner = getattr(body, "_laminar_cp_inner", None) or getattr(base, "_laminar_cp_inner", "sdpa")

@@ -50,7 +50,7 @@ from laminar.roles.trainer import checkpoint, context_parallel
 from laminar.roles.trainer.batching import collate, response_logprobs
 from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
 from laminar.roles.trainer.context_parallel import cp_logprobs, cp_values, dp_sums
-from laminar.roles.trainer.dist import DistInfo, all_reduce_sums, broadcast_ints
+from laminar.roles.trainer.dist import DistInfo, all_gather_objects, all_reduce_sums, broadcast_ints
 from laminar.roles.trainer.logprobs import token_logprobs
 from laminar.roles.trainer.lora import adapter_state, manifest_fields
 from laminar.roles.trainer.micro_batches import MicroBatchPlan, plan_micro_batches
@@ -58,6 +58,7 @@ from laminar.roles.trainer.packing import packed_token_logprobs, packed_values
 from laminar.roles.trainer.sharded_load import load_critic_model, load_model
 
 from laminar.algorithms.grpo import clipped_policy_loss, group_advantages
+from laminar.algorithms.off_policy import ratio_distribution, sequence_log_ratio
 from laminar.algorithms.ppo import sequence_gae, value_loss
 
 __all__ = ["NonFiniteWeightsError", "TrainEngine"]
@@ -93,7 +94,7 @@ class Mismatch:
 def _all_reduce_max(info: DistInfo, value: float) -> float:
     if not info.enabled:
         return value
-    import torch
+    import torch  # late: torch; configs validate without it
     import torch.distributed as dist
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.control)
@@ -140,7 +141,7 @@ class TrainEngine:
 
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
-        import torch
+        import torch  # late: torch; configs validate without it
 
         c = self.settings
         context_parallel.setup(self.info, c.distributed.context_parallel_size)
@@ -171,7 +172,7 @@ class TrainEngine:
                                                 **self._adamw_impl())
 
     def _mixed_precision(self):
-        import torch
+        import torch  # late: torch; configs validate without it
         # FSDP2's mixed precision (fp32 master weights)
         return torch.bfloat16 if self.settings.performance.dtype == "bfloat16" else None
 
@@ -206,7 +207,7 @@ class TrainEngine:
         if name != "auto":
             return name
         if self.device.type == "cuda":
-            import importlib.util
+            import importlib.util  # late: only on a GPU
             if importlib.util.find_spec("flash_attn") is not None:
                 return "flash_attention_2"  # varlen kernels: packed rows without a materialized mask
             if self.packing:
@@ -260,6 +261,7 @@ class TrainEngine:
                     parts[f"{name}_optimizer" if name != "model" else "optimizer"] = o.state_dict()
             self._check_weights(parts)
             return parts
+        # late: torch; configs validate without it
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -291,12 +293,13 @@ class TrainEngine:
                 if name != "model" and name not in parts:
                     continue  # e.g. a GRPO checkpoint resumed with PPO: the critic starts fresh
                 if name == "model" and self.settings.lora is not None:
-                    from laminar.roles.trainer.lora import load_adapter_state
+                    from laminar.roles.trainer.lora import load_adapter_state  # late: peft, only with LoRA
                     load_adapter_state(m, parts[name])
                 else:
                     m.load_state_dict(parts[name])
                 o.load_state_dict(parts["optimizer" if name == "model" else f"{name}_optimizer"])
             return
+        # late: torch; configs validate without it
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -313,7 +316,7 @@ class TrainEngine:
                 continue
             msd = parts.get(name, {})
             if name == "model" and self.settings.lora is not None:
-                from laminar.roles.trainer.lora import model_keys
+                from laminar.roles.trainer.lora import model_keys  # late: peft, only with LoRA
                 msd = model_keys(msd)
             set_model_state_dict(m, msd, options=opts)
             key = "optimizer" if name == "model" else f"{name}_optimizer"
@@ -339,7 +342,7 @@ class TrainEngine:
         """All updates of one global batch (every rank calls it with the same groups): what both
         algorithms share (order, behaviour/proximal/reference logprobs, mismatch), then GRPO's or
         PPO's mini-batch steps."""
-        import torch
+        import torch  # late: torch; configs validate without it
         c = self.settings
         self._set_lr(version)
         self.plans = {}
@@ -367,9 +370,20 @@ class TrainEngine:
             with self.model.disable_adapter():
                 per["ref"] = self._per_token(lambda i, a: self._logprobs(self.model, i, a)[0], trajs, order)
         batch = _Batch(trajs, order, per, version, needs_prox, mismatch)
+        ratios = self._ratio_distribution(trajs, per, version) if needs_prox else {}
         if c.algorithm == "ppo":
-            return self._train_ppo(batch)
-        return {**self._train_grpo(batch, groups), "groups_uniform": float(uniform), "no_signal_steps": 0.0}
+            return {**self._train_ppo(batch), **ratios}
+        return {**self._train_grpo(batch, groups), "groups_uniform": float(uniform), "no_signal_steps": 0.0, **ratios}
+
+    def _ratio_distribution(self, trajs, per, version: int) -> dict:
+        """The batch's proximal / behaviour ratios (laminar/algorithms/off_policy.py), over every
+        rank's sequences, by their staleness at this step (its weights are version - 1)."""
+        rows = [(*sequence_log_ratio(p, t.logprobs, t.loss_mask), version - 1 - t.version)
+                for t, p in zip(trajs, per["prox"], strict=True) if p is not None]
+        if self.info.cp_rank:  # a CP group's ranks hold the same sequences: its first rank speaks for it
+            rows = []
+        rows = [r for part in all_gather_objects(self.info, rows) for r in part]
+        return ratio_distribution([(lr, n) for lr, n, _ in rows], [s for *_, s in rows])
 
     def lr_at(self, version: int) -> float:
         """The policy's learning rate for the batch that makes `version` (lr_warmup_versions)."""
@@ -391,7 +405,7 @@ class TrainEngine:
 
     def _train_grpo(self, b: _Batch, groups) -> dict:
         """GRPO: one advantage per sequence (its group-normalized reward), the clipped policy loss."""
-        import torch
+        import torch  # late: torch; configs validate without it
 
         c = self.settings
         seq_adv = np.concatenate(group_advantages([[t.reward for t in g] for g in groups], 1e-6,
@@ -437,7 +451,8 @@ class TrainEngine:
         loss, m = clipped_policy_loss(logp, old, adv, mask, eps_low=lc.eps_low, eps_high=lc.eps_high,
                                       behaviour_logp=ex["beh"], off_policy=lc.off_policy, is_cap=lc.is_cap,
                                       ref_logp=ex.get("ref"), kl_coef=lc.kl_coef, num_tokens=ntok, entropy=ent,
-                                      dual_clip=lc.dual_clip_c if lc.dual_clip else None)
+                                      dual_clip=lc.dual_clip_c if lc.dual_clip else None, is_level=lc.is_level,
+                                      is_low=lc.is_low)
         (loss * self._grad_scale()).backward()
         return m
 
@@ -527,7 +542,7 @@ class TrainEngine:
                         mm.add(lp, trajs[i].logprobs, trajs[i].loss_mask)
             self._measure_no_grad(mm, self.lag, [t for t in left_out if t.version == self.lag_version])
         if self.lag_version != weights_version:
-            import torch
+            import torch  # late: torch; configs validate without it
             for m in (self.lag, self.model):  # FSDP2 may leave a root unsharded after a forward
                 if hasattr(m, "reshard"):
                     m.reshard()
@@ -632,7 +647,7 @@ class TrainEngine:
     def _per_token(self, fn, trajs, order: list[int]) -> list:
         """fn(ids, att) -> [b, T-1] under no_grad, for this rank's sequences of every mini-batch;
         one float32 array per owned response (None for the others)."""
-        import torch
+        import torch  # late: torch; configs validate without it
         out: list = [None] * len(trajs)
         with torch.no_grad(), self._autocast():
             for mb in self._minibatches(order):
@@ -648,7 +663,7 @@ class TrainEngine:
 
     def _autocast(self):
         """bfloat16 compute under autocast; parameters, gradients and Adam states stay float32."""
-        import torch
+        import torch  # late: torch; configs validate without it
         bf16 = self.settings.performance.dtype == "bfloat16"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
@@ -659,7 +674,7 @@ class TrainEngine:
         """One optimizer step of each (module, optimizer) after clipping its gradients, unless a
         loss of this mini-batch (on any rank) or a gradient norm is not finite: then no step, the
         gradients are dropped and the skip counted. Returns (pre-clip norms, stepped)."""
-        import torch
+        import torch  # late: torch; configs validate without it
         grads, norms = [], []
         for module, _ in pairs:
             params = [p for p in module.parameters() if p.grad is not None]

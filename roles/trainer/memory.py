@@ -56,7 +56,7 @@ def rss_peak_bytes() -> int:
 def memory_now(device=None) -> int:
     """What PeakMemory counts, now: the allocator's bytes on a GPU, the resident set on the CPU."""
     if device is not None and getattr(device, "type", str(device)) == "cuda":
-        import torch
+        import torch  # late: torch; configs validate without it
         return torch.cuda.memory_allocated(device)
     return rss_bytes()
 
@@ -74,7 +74,7 @@ class PeakMemory:
 
     def __enter__(self) -> PeakMemory:
         if self.cuda:
-            import torch
+            import torch  # late: torch; configs validate without it
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start, self.kind = torch.cuda.memory_allocated(self.device), "cuda_allocated"
@@ -85,7 +85,7 @@ class PeakMemory:
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
-            import torch
+            import torch  # late: torch; configs validate without it
             torch.cuda.synchronize(self.device)
             top = torch.cuda.max_memory_allocated(self.device)
         elif self.kind == "rss":

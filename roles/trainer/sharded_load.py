@@ -35,9 +35,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from laminar.roles.trainer.dist import shard
+from laminar.roles.trainer.lora import with_adapter
 from laminar.roles.trainer.memory import PeakMemory
 
-from laminar.models.loading import read_config, torch_dtype
+from laminar.models.loading import load_causal_lm, read_config, torch_dtype
 
 PEFT_PREFIX = "base_model.model."   # peft's wrapper in front of the base model's own names
 
@@ -62,7 +64,7 @@ class LoadReport:
 
 def safetensors_index(model_dir) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (model.safetensors, or the shards an index names)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # late: safetensors, only when a model is loaded
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -82,7 +84,7 @@ def has_safetensors(model_dir) -> bool:
 
 def build_on_meta(model_dir, dtype: str = "float32"):
     """The model of `model_dir`'s config.json on the meta device, in `dtype`: shapes, no storage."""
-    import torch
+    import torch  # late: torch; configs validate without it
     import transformers
     read_config(model_dir)
     config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
@@ -106,7 +108,7 @@ def local_rows(param) -> tuple[int, int]:
     """(first row, rows) of this rank's piece of `param` along dim 0 (the whole tensor when not a DTensor)."""
     if not hasattr(param, "device_mesh"):
         return 0, (param.shape[0] if param.dim() else 1)
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Shard  # late: torch; configs validate without it
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     for pl in param.placements:
         if isinstance(pl, Shard) and pl.dim != 0:
@@ -124,7 +126,7 @@ def materialize(model, model_dir, device, seed: int = 0, zeros: tuple[str, ...] 
     safetensors files of `model_dir`; buffers rebuilt, a LoRA adapter initialized, parameters whose
     names start with one of `zeros` (a critic's value head: not in the files) zero. Every rank calls
     it (no collective inside). Returns what the load took."""
-    import torch
+    import torch  # late: torch; configs validate without it
     report = LoadReport(str(model_dir))
     with PeakMemory(device) as peak:
         t0 = time.perf_counter()
@@ -189,7 +191,7 @@ def _fill(param, path: Path, key: str) -> int:
     file is mapped for this tensor alone (opening one costs a header parse, a fraction of a
     millisecond): the pages read through a mapping count in the process's memory until it is
     unmapped, so a mapping kept over the whole load would hold the rank's share of the file too."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # late: safetensors, only when a model is loaded
     local = local_tensor(param)
     start, rows = local_rows(param)
     with safe_open(str(path), framework="pt") as f:
@@ -227,7 +229,7 @@ def _retie(shared: list[list[tuple]]) -> None:
 def _rebuild_buffers_later(model) -> list:
     """Modules that own buffers but no parameters (rotary embeddings): [(module, fresh CPU copy)],
     the copy built from the model's config now (a meta build computed nothing)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     out = []
     config = getattr(base_of(model), "config", None) or model.model.config  # a critic: its body's
     for name, m in model.named_modules():
@@ -247,7 +249,7 @@ def _rebuild_buffers_later(model) -> list:
 
 
 def _restore_buffers(rebuilt: list, device) -> None:
-    import torch
+    import torch  # late: torch; configs validate without it
     for m, fresh in rebuilt:
         for bname, b in fresh.named_buffers(recurse=False):
             m._buffers[bname] = b.to(device)
@@ -259,7 +261,7 @@ def _restore_buffers(rebuilt: list, device) -> None:
 def _init_adapter(adapter: list, seed: int) -> None:
     """peft's default LoRA init, alike on every rank: A Kaiming-uniform (a = sqrt(5)) from a generator
     seeded by `seed`, drawn whole in name order; B zeros. Each rank keeps its rows."""
-    import torch
+    import torch  # late: torch; configs validate without it
     if not adapter:
         return
     gen = torch.Generator().manual_seed(seed * 7_919 + 17)
@@ -281,7 +283,6 @@ def load_model(model_dir, device, info, *, dtype: str = "float32", train: bool =
     is the frozen base in `dtype` with a fresh adapter. `sharded` and safetensors files: built on the
     meta device and each rank reads its own rows (module docstring); else the whole model is loaded
     on every rank and sharded afterwards (the old way: `.bin` folders, or `sharded_load: false`)."""
-    from laminar.models.loading import load_causal_lm
     steps = dict(info=info, device=device, train=train, frozen=frozen, prepare=prepare, lora=lora,
                  param_dtype=param_dtype)
     if sharded and has_safetensors(model_dir):
@@ -300,7 +301,7 @@ def load_critic_model(model_dir, device, info, *, prepare=None, param_dtype=None
     """(critic, LoadReport): PPO's critic (laminar.algorithms.ppo.load_critic: the policy's body and a
     zero value head), sharded; its body read rank by rank from the files as `load_model` reads a policy
     (the files' names are the critic's: its body is its `model`), the value head zero."""
-    import torch
+    import torch  # late: torch; configs validate without it
     import transformers
 
     from laminar.algorithms.ppo import load_critic
@@ -321,7 +322,6 @@ def load_critic_model(model_dir, device, info, *, prepare=None, param_dtype=None
 
 
 def _prepare_and_shard(critic, info, device, prepare, param_dtype) -> None:
-    from laminar.roles.trainer.dist import shard
     if prepare is not None:
         prepare(critic.model)
     shard(critic, info, device, param_dtype=param_dtype)
@@ -329,8 +329,6 @@ def _prepare_and_shard(critic, info, device, prepare, param_dtype) -> None:
 
 def _assemble(model, *, info, device, train: bool, frozen: bool, prepare, lora, param_dtype):
     """Wrap in a LoRA adapter, freeze (a frozen copy: adapter too), set the mode, prepare and shard."""
-    from laminar.roles.trainer.dist import shard
-    from laminar.roles.trainer.lora import with_adapter
     if lora is not None:
         model = with_adapter(model, lora)  # freezes the base; the adapter trains
     if frozen:

@@ -1,7 +1,7 @@
 """`laminar-node eval MODEL --sets CONFIG`: weights evaluated on a config's eval sets outside a run,
-with the evaluator role's own harness (roles/evaluator/harness.py: its vLLM engine settings, greedy,
-avg@k, pass@k, maj@k, its seeds), so the numbers are the ones the role reports for the same
-weights and version.
+with the evaluator role's own harness (roles/evaluator/harness.py, beside this command: its vLLM
+engine settings, greedy, avg@k, pass@k, maj@k, its seeds), so the numbers are the ones the role
+reports for the same weights and version. `laminar-node` (laminar/cli.py) dispatches to `run`.
 
 MODEL is one of:
 - a Hugging Face folder (config.json and weights): an export (`laminar-node export`), the
@@ -26,7 +26,13 @@ starts, and the engine's workers check it again as they load it.
 
 Output: a table (set, metric, value, its 95% interval, problems) and a JSON file (`--out`, default
 `eval-<model folder name>-v<version>.json`): {model, kind, version, lineage, config, evaluator,
-sets: {set: {problems, metrics: {metric: {value, lo, hi}}}}, values: the role's flat values}.
+sets: {set: {problems, metrics: {metric: {value, lo, hi}}}}, values: the role's flat values,
+scores: {set: {metric: [score per problem]}}, prompt_ids: {set: [id]}}.
+
+Before and after: `--compare BEFORE.json` (an earlier document of this command, e.g. the warm
+start's) adds each set's and metric's after − before on the same problems with the paired 95%
+interval (roles/evaluator/compare.py), as a second table and as `after_minus_before` (and
+`unpaired`) in the JSON.
 Exit codes: 0 done, 2 a usage or config error or a refused version.
 """
 from __future__ import annotations
@@ -39,7 +45,9 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+from laminar import checkpoint_files
 from laminar.config import UsageError, load_config
+from laminar.export import export
 
 
 def add_arguments(s: argparse.ArgumentParser) -> None:
@@ -54,6 +62,8 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model-dir", default=None, help="the base model folder of a relay version or a checkpoint "
                    "(default: the evaluator's model_dir)")
     s.add_argument("--out", default=None, help="the JSON file to write (default: eval-<name>-v<version>.json)")
+    s.add_argument("--compare", default=None, metavar="BEFORE_JSON", help="an earlier JSON of this command on the "
+                   "same sets: after - before per set and metric, with the paired 95%% interval over problems")
 
 
 def kind_of(model: Path) -> str:
@@ -65,8 +75,8 @@ def kind_of(model: Path) -> str:
     if (model / "adapter_config.json").is_file():
         raise UsageError(f"{model}: a LoRA adapter folder: evaluate the relay version, or export it with --merge")
     if model.is_dir():
-        from laminar.roles.trainer import checkpoint  # late: torch's checkpoint helpers
-        if (model / "model.pt").exists() or (model / checkpoint.DCP_DIR).is_dir() or checkpoint.latest(model):
+        ck = checkpoint_files
+        if (model / "model.pt").exists() or (model / ck.DCP_DIR).is_dir() or ck.latest(model):
             return "checkpoint"
     raise UsageError(f"{model}: neither a Hugging Face folder (config.json), a relay folder (current) nor a "
                      "trainer checkpoint")
@@ -89,7 +99,9 @@ def seal_keys(cfg):
     d = cfg.cluster.keys_dir
     if not d:
         return None
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.bus.auth import load_weights_key
+
     from laminar.weights.seal import verifier_of
     if not Path(d).is_dir():
         raise FileNotFoundError(f"{cfg.source}: cluster.keys_dir {d} does not exist: relay versions cannot be "
@@ -101,6 +113,7 @@ def seal_keys(cfg):
 
 def check_relay(model: Path, key: bytes):
     """The relay's newest manifest, after its seals verified (with a key); UsageError: refused."""
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.weights.pull import LocalWeights, WeightsRefused
     weights = LocalWeights(model, verify_key=key)
     try:
@@ -122,12 +135,13 @@ def recorded_version(folder: Path) -> int | None:
 
 async def evaluate(model: Path, kind: str, settings, base: str, version: int | None, keys, tmp: Path) -> dict:
     """Start the engine on MODEL's weights, run the harness; {values, version}."""
-    from laminar.roles.evaluator.harness import Harness, load_sets, make_engine
+    from laminar.roles.evaluator.harness import Harness, load_sets, make_engine  # late: cli.py's parser imports
+    # this module for its arguments; the harness's datasets and engine are for a model being evaluated
     sets = await asyncio.to_thread(load_sets, settings)
     if kind == "checkpoint":
-        from laminar.export import export
         model = await asyncio.to_thread(export, model, tmp / "model", base)
         kind = "hf"
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.weights.seal import arm_engine_checks
     engine = make_engine(settings, model_dir=str(model) if kind == "hf" else base)
     arm_engine_checks(keys)   # with keys, the engine's workers check the seals again as they load
@@ -143,7 +157,7 @@ async def evaluate(model: Path, kind: str, settings, base: str, version: int | N
         result = await Harness(engine, sets, settings).evaluate(version)
     finally:
         await engine.close()
-    return {"values": result.values, "version": version}
+    return {"values": result.values, "version": version, "scores": result.scores, "prompt_ids": result.prompt_ids}
 
 
 def by_set(values: dict[str, float]) -> dict:
@@ -181,8 +195,16 @@ def run(a) -> int:
     keys = seal_keys(cfg)
     key = keys.weights_public if keys is not None else b""
     lineage = check_relay(model, key).lineage if kind == "relay" else None   # refused before any engine starts
+    before = None
+    if a.compare:
+        from laminar.roles.evaluator.compare import read_doc  # late: numpy, with --compare only
+        try:
+            before = read_doc(a.compare)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--compare: {exc}") from None
     if kind != "hf" and not (Path(base) / "config.json").is_file():
         raise UsageError(f"{base}: not a model folder (the base of a {kind}): pass --model-dir")
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.node import run as run_loop
     with tempfile.TemporaryDirectory(prefix="laminar-eval-") as tmp:
         got: dict = {}
@@ -194,9 +216,19 @@ def run(a) -> int:
     sets = by_set(got["values"])
     out = Path(a.out or f"eval-{model.resolve().name}-v{got['version']}.json")
     doc = {"model": str(model.resolve()), "kind": kind, "version": got["version"], "lineage": lineage,
-           "config": a.sets, "evaluator": a.evaluator, "sets": sets, "values": got["values"]}
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+           "config": a.sets, "evaluator": a.evaluator, "sets": sets, "values": got["values"],
+           "scores": got["scores"], "prompt_ids": got["prompt_ids"]}
     print(f"{model} ({kind}) as version {got['version']} on the eval sets of {a.sets}:")
     print(table(sets))
+    if before is not None:
+        from laminar.roles.evaluator import compare as eval_compare  # late: numpy, with --compare only
+        doc["after_minus_before"], doc["unpaired"] = eval_compare.paired(before, doc)
+        doc["compared_with"] = a.compare
+        print(f"after - before ({a.compare}: {before.get('model')} as version {before.get('version')}; "
+              "paired 95% interval over problems, * excludes 0):")
+        print(eval_compare.table(doc["after_minus_before"]))
+        for line in doc["unpaired"]:
+            print(f"unpaired: {line}")
+    out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"written: {out}", file=sys.stderr)
     return 0
