@@ -5,7 +5,8 @@ Ulysses all-to-all over the attention heads, against one process training the sa
   logprobs and entropies of a micro-batch of long-tailed sequences (odd lengths: the split pads),
   its policy loss and every parameter's gradient within 1e-5, then the metrics of a version of
   training; for right-padded unchunked logits, for packed rows with chunked logprobs and
-  activation checkpointing, and for LoRA with a KL term (its reference: the adapter off);
+  activation checkpointing, for LoRA with a KL term (its reference: the adapter off), and with
+  recomputed old logprobs (the batch's ratio distribution counts each sequence once);
 - 4 ranks (slow): CP 2 x 2 data-parallel groups with token-budget micro-batches, and CP 4 on a model
   with 2 key/value heads (each rank gets a copy of the one its queries use);
 - the trainer role on 2 ranks at CP 2, as role processes with a real experience buffer, trains
@@ -34,7 +35,8 @@ TOL = 1e-5
 VARIANTS = [dict(performance=dict(packing=False, logprob_chunk_tokens=0)),
             dict(performance=dict(packing=True, logprob_chunk_tokens=16, activation_checkpointing=True)),
             dict(performance=dict(packing=True, logprob_chunk_tokens=16), lora=dict(rank=4, alpha=8),
-                 loss=dict(kl_coef=0.1))]
+                 loss=dict(kl_coef=0.1)),
+            dict(performance=dict(packing=True, logprob_chunk_tokens=16), loss=dict(old_logprobs="recompute"))]
 
 
 def run(tmp, model, world: int, variants: list[dict], name: str, cp: int) -> list[dict]:
@@ -55,7 +57,8 @@ def assert_equal_runs(one: dict, cp: dict, label: str) -> None:
     assert set(cp["grads"]) == set(one["grads"]) and one["grads"], label
     dg = max(float((one["grads"][k] - cp["grads"][k]).abs().max()) for k in one["grads"])
     assert dg <= TOL, (label, dg)
-    for k in ("loss", "pg_loss", "grad_norm", "entropy", "tokens", "response_tokens", "clip_frac_high"):
+    ratios = sorted(k for k in one["metrics"][0] if k.startswith("is_seq_"))  # with recomputed old logprobs
+    for k in ("loss", "pg_loss", "grad_norm", "entropy", "tokens", "response_tokens", "clip_frac_high", *ratios):
         assert cp["metrics"][0][k] == pytest.approx(one["metrics"][0][k], rel=TOL, abs=TOL), (label, k)
     print(f"\n{label}: max |d logp| {dlp:.1e}, |d entropy| {dent:.1e}, |d grad| {dg:.1e} "
           f"over {len(one['grads'])} gradients")
