@@ -24,12 +24,22 @@ from __future__ import annotations
 import asyncio
 import json
 
-import numpy as np
 from laminar.bus.auth import owned_by_other
 from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError, current_peer
 from laminar.roles.partial_pool.awaiting import AwaitingBook
-from laminar.roles.partial_pool.state import Delta, Outcome, PartialBook
+from laminar.roles.partial_pool.rows import (
+    DELTA_COLUMNS,
+    INSERT_DELTA,
+    chunk_of,
+    delta_from_row,
+    delta_row,
+)
+from laminar.roles.partial_pool.rows import (
+    MIGRATIONS as DELTA_MIGRATIONS,
+)
+from laminar.roles.partial_pool.rows import unbatch as _unbatch
+from laminar.roles.partial_pool.state import Outcome, PartialBook
 from laminar.roles.pool_base import PoolRole, now
 from laminar.roles.sqlite_store import Many, pack, unpack
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,7 +64,6 @@ from laminar.protocol import (
     RewardWork,
     ScoreResult,
     SubmitScores,
-    TokenDelta,
 )
 from laminar.protocol.data import attempt_of
 
@@ -92,7 +101,7 @@ class PartialPoolConfig(BaseModel):
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS deltas (tid TEXT, seq INTEGER, owner TEXT, version INTEGER, spec BLOB,
                                    tokens BLOB, logprobs BLOB, mask BLOB, spans BLOB, lineage INTEGER DEFAULT -1,
-                                   PRIMARY KEY (tid, seq));
+                                   routing BLOB, PRIMARY KEY (tid, seq));
 CREATE TABLE IF NOT EXISTS owners (tid TEXT PRIMARY KEY, owner TEXT, epoch INTEGER DEFAULT 0);
 CREATE TABLE IF NOT EXISTS completed (tid TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY, owner TEXT, blob BLOB);
@@ -106,27 +115,21 @@ class PartialPoolRole(PoolRole):
     Config = PartialPoolConfig
     SCHEMA = SCHEMA
 
-    SCHEMA_VERSION = 6  # v4: chunks (a new table); v5: deltas.lineage; v6: awaiting (a new table)
-    MIGRATIONS = {1: lambda c: _add_multiturn_columns(c), 2: lambda c: _add_owner_epochs(c),
-                  4: lambda c: _add_delta_lineage(c)}
+    SCHEMA_VERSION = 7  # v4: chunks (a new table); v5: deltas.lineage; v6: awaiting (a new table); v7: deltas.routing
+    MIGRATIONS = DELTA_MIGRATIONS
 
     def recover(self) -> None:
         st = PartialBook(self.cfg.max_held, self.cfg.remember_completed, self.cfg.max_held_only)
         for (tid,) in self.store.read("SELECT tid FROM completed ORDER BY rowid"):
             st.completed[tid] = None
-        rows = self.store.read("SELECT tid, seq, owner, version, spec, tokens, logprobs, mask, spans, lineage "
-                               "FROM deltas ORDER BY tid, seq")
+        rows = self.store.read(f"SELECT {DELTA_COLUMNS} FROM deltas ORDER BY tid, seq")
         bad: set[str] = set()
-        for tid, seq, owner, version, spec, toks, lps, mask, spans, lineage in rows:
+        for row in rows:
+            tid, seq, owner, spec = row[0], row[1], row[2], row[4]
             if tid in bad:
                 continue
             try:
-                d = TokenDelta(trajectory_id=tid, seq=seq, tokens=np.frombuffer(toks, np.int32),
-                               logprobs=np.frombuffer(lps, np.float32), version=version,
-                               spec=unpack(spec) if spec else None,
-                               loss_mask=None if mask is None else np.frombuffer(mask, np.uint8),
-                               obs_spans=None if spans is None else np.frombuffer(spans, np.int32).reshape(-1, 2),
-                               lineage=-1 if lineage is None else int(lineage))
+                d = delta_from_row(*row)
             except Exception as exc:  # a damaged record: the trajectory's rows go aside, the rest serves
                 bad.add(tid)
                 st.entries.pop(tid, None)
@@ -235,38 +238,13 @@ class PartialPoolRole(PoolRole):
         were applied, in its order (the chunk is then the request itself)."""
         if not out.applied:
             return []
+        if whole is None and all(d.loss_mask is None and d.obs_spans is None for _, d in out.applied):
+            whole = chunk_of(owner, [d for _, d in out.applied])
         if whole is not None:
             cid, self.next_chunk = self.next_chunk, self.next_chunk + 1
             self.state.add_chunk(cid, whole.trajectory_ids)
             return [("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, owner, pack(whole)))]
-        if all(d.loss_mask is None and d.obs_spans is None for _, d in out.applied):
-            ds = [d for _, d in out.applied]
-            tids = [d.trajectory_id for d in ds]
-            toks = [np.asarray(d.tokens, np.int32) for d in ds]
-            cid, self.next_chunk = self.next_chunk, self.next_chunk + 1
-            blob = pack(AppendDeltaBatch(
-                owner, tids, np.fromiter((d.seq for d in ds), np.int64, len(ds)),
-                np.fromiter((d.version for d in ds), np.int64, len(ds)),
-                np.concatenate([[0], np.cumsum([len(t) for t in toks])]).astype(np.int64),
-                np.concatenate(toks), np.concatenate([np.asarray(d.logprobs, np.float32) for d in ds]),
-                [d.spec for d in ds if d.seq == 0], np.fromiter((d.epoch for d in ds), np.int64, len(ds)),
-                lineages=np.fromiter((getattr(d, "lineage", -1) for d in ds), np.int64, len(ds))))
-            self.state.add_chunk(cid, tids)
-            return [("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, owner, blob))]
-        return [("INSERT OR IGNORE INTO deltas "
-                 "(tid, seq, owner, version, spec, tokens, logprobs, mask, spans, lineage) "
-                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", Many(
-                     (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
-                      d.tokens.tobytes(), d.logprobs.tobytes(), None if d.loss_mask is None else d.loss_mask.tobytes(),
-                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes(),
-                      getattr(d, "lineage", -1))
-                     if type(d) is Delta else
-                     (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
-                      np.asarray(d.tokens, np.int32).tobytes(), np.asarray(d.logprobs, np.float32).tobytes(),
-                      None if d.loss_mask is None else np.asarray(d.loss_mask, np.uint8).tobytes(),
-                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes(),
-                      getattr(d, "lineage", -1))
-                     for owner, d in out.applied))]
+        return [(INSERT_DELTA, Many(delta_row(owner, d) for owner, d in out.applied))]
 
     async def on_in_flight(self, req: InFlightOf) -> PartialList:
         """One page, in trajectory id order after `req.after`: at most `page_size` partials (or
@@ -280,7 +258,7 @@ class PartialPoolRole(PoolRole):
         out, size = [], 0
         for t in tids[:limit]:
             e = self.state.entries[t]
-            n = sum(len(x) for x in e.tokens) * 8 + len(e.spec.prompt_tokens) * 4
+            n = sum(len(x) for x in e.tokens) * 8 + len(e.spec.prompt_tokens) * 4 + sum(r.nbytes for r in e.routing)
             if out and size + n > self.cfg.page_bytes:
                 break
             out.append(e.state())
@@ -487,51 +465,3 @@ class PartialPoolRole(PoolRole):
                 "completed": len(self.state.completed), "chunks": len(self.state.chunk_live),
                 **self.awaiting.stats()}
 
-
-def _add_multiturn_columns(conn) -> None:
-    """v1 -> v2: the loss mask and observation spans columns (a store from before multi-turn)."""
-    have = {row[1] for row in conn.execute("PRAGMA table_info(deltas)")}
-    for c in ("mask", "spans"):
-        if c not in have:
-            conn.execute(f"ALTER TABLE deltas ADD COLUMN {c} BLOB")
-
-
-def _add_owner_epochs(conn) -> None:
-    """v2 -> v3: the ownership epoch of each reassigned trajectory (0 for what was there)."""
-    if "epoch" not in {row[1] for row in conn.execute("PRAGMA table_info(owners)")}:
-        conn.execute("ALTER TABLE owners ADD COLUMN epoch INTEGER DEFAULT 0")
-
-
-def _add_delta_lineage(conn) -> None:
-    """v4 -> v5: the lineage epoch a delta names (-1, not named, for what was there)."""
-    if "lineage" not in {row[1] for row in conn.execute("PRAGMA table_info(deltas)")}:
-        conn.execute("ALTER TABLE deltas ADD COLUMN lineage INTEGER DEFAULT -1")
-
-
-def _unbatch(req: AppendDeltaBatch) -> list[Delta]:
-    n = len(req.trajectory_ids)
-    seqs, versions, off = req.seqs.tolist(), req.versions.tolist(), req.offsets.tolist()
-    epochs = req.epochs.tolist() if req.epochs is not None else [0] * n
-    lineages = req.lineages.tolist() if req.lineages is not None else [-1] * n
-    if not (len(seqs) == len(versions) == len(epochs) == len(lineages) == n and len(off) == n + 1):
-        raise RequestError("bad_request", f"{n} trajectory ids but {len(seqs)} seqs, {len(versions)} versions, "
-                           f"{len(epochs)} epochs, {len(lineages)} lineages and {len(off)} offsets")
-    if req.tokens.ndim != 1 or req.logprobs.ndim != 1 or (req.loss_mask is not None and req.loss_mask.ndim != 1):
-        raise RequestError("bad_request", "tokens, logprobs and loss mask must be 1-D arrays")
-    if off and (off[0] != 0 or off[-1] != len(req.tokens) or len(req.logprobs) != len(req.tokens)
-                or any(b < a for a, b in zip(off, off[1:], strict=False))):
-        raise RequestError("bad_request", "offsets do not cut tokens and logprobs into deltas")
-    if req.loss_mask is not None and len(req.loss_mask) != len(req.tokens):
-        raise RequestError("bad_request", "loss mask and tokens differ in length")
-    if any(s < 0 for s in seqs):
-        raise RequestError("bad_request", "negative seq")
-    if sum(1 for s in seqs if s == 0) != len(req.specs):
-        raise RequestError("bad_request", f"{len(req.specs)} specs for {sum(1 for s in seqs if s == 0)} seq-0 deltas")
-    specs = iter(req.specs)
-    toks, lps = req.tokens.astype(np.int32, copy=False), req.logprobs.astype(np.float32, copy=False)
-    mask = req.loss_mask
-    mask = None if mask is None else mask.astype(np.uint8, copy=False)
-    return [Delta(tid, seq, toks[a:b], lps[a:b], v, next(specs) if seq == 0 else None,
-                  None if mask is None else mask[a:b], None, ep, lin)
-            for tid, seq, v, ep, lin, a, b in zip(req.trajectory_ids, seqs, versions, epochs, lineages, off, off[1:],
-                                                  strict=False)]
