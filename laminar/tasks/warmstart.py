@@ -29,7 +29,9 @@ budget clips it) made of words of letters of which ~15% are uppercase. The demo'
 (`rewards.upper_fraction`: the share of uppercase letters) then starts near 0.15 and has room
 to rise; RL must discover that more capitals pay.
 
-Runs in about a minute on one core (0.1 M parameters, CPU). Deterministic for a seed.
+Runs in about a minute on one core (0.1 M parameters, CPU). Deterministic for a seed. A
+mixture-of-experts model (`python -m laminar.models.tiny DIR --moe`) is warm-started the same way,
+its router's load-balancing loss (weighted by its config's router_aux_loss_coef) added to the loss.
 """
 from __future__ import annotations
 
@@ -108,6 +110,7 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     pad_id = tok.pad_id if isinstance(tok, ByteTokenizer) else tok.eos_id
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
+    moe_kw = {"output_router_logits": True} if getattr(model.config, "router_aux_loss_coef", 0) else {}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = schedule or ("cosine" if sft else "constant")
     lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
@@ -130,10 +133,13 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
         ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
         m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)
         att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
+        out = model(input_ids=ids, attention_mask=att, **moe_kw)
+        logits = out.logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                                 reduction="none").view(batch, -1)
         loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
+        if moe_kw:  # a mixture of experts: its load-balancing loss keeps every expert in use
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
