@@ -54,6 +54,18 @@ class RolloutEnvConfig(BaseModel):
         return self
 
 
+class RolloutMoe(BaseModel):
+    """`roles.rollout.moe`: mixture-of-experts policies (docs/moe.md)."""
+    model_config = ConfigDict(extra="forbid")
+    routing: bool = Field(False, description="record the experts the engine routes every token to and carry them "
+                          "with each trajectory (partial pool, migration, buffer) for the trainer's routing replay "
+                          "(roles.trainer.moe.routing_replay). On the CPU build the worker captures them at each MoE "
+                          "router and prefix caching is off; with CUDA, vLLM's enable_return_routed_experts")
+    expert_parallel: bool = Field(False, description="vLLM's enable_expert_parallel: the tensor-parallel ranks "
+                                  "hold whole experts (each rank a share of them) instead of a slice of every "
+                                  "expert; attention stays tensor parallel")
+
+
 class RolloutConfig(BaseModel):
     """Settings of one rollout replica (`roles.rollout`, per-instance `options` on top)."""
     model_config = ConfigDict(extra="forbid")
@@ -128,6 +140,8 @@ class RolloutConfig(BaseModel):
     stop_when_exhausted: bool = Field(True, description="finish (exit 0) when the prompt pool has no more epochs")
     env: RolloutEnvConfig | None = Field(None, description="multi-turn: the environment of every trajectory "
                                          "(None: single-turn, scored by `reward`)")
+    moe: RolloutMoe = Field(default_factory=RolloutMoe, description="mixture-of-experts policies: routing capture, "
+                            "expert parallelism (docs/moe.md)")
 
     @model_validator(mode="after")
     def _kv_holds_a_sequence(self):

@@ -13,6 +13,7 @@ define every method with the protocol's signature.
     version = await engine.load_relay(shm_dir, min_version)      # -1: nothing newer; one version on every
                                                                  # rank, or WeightsLoadError / WeightsLost
     engine.stats.kv_usage, engine.stats.running, engine.stats.waiting
+    rows = await engine.routing([(request_id, start, end)], drop=[request_id])  # MoE routing (docs/moe.md)
     await engine.close()
 """
 from __future__ import annotations
@@ -50,6 +51,13 @@ class RolloutEngineAPI(Protocol):
         """Load weights from a file (a checkpoint's exported state)."""
         ...
 
+    async def routing(self, asks: list[tuple[str, int, int]], drop: list[str]) -> list[tuple[int, Any] | None]:
+        """Mixture-of-experts routing: for each (request id, start, end), (start, rows) of the rows of
+        positions [start, end) the engine recorded (uint8/uint16 [rows, layers, top_k]; fewer when it
+        has not processed them yet), or None; then forget the requests named in `drop`. An engine
+        that records none answers None for each."""
+        ...
+
     async def close(self) -> None:
         """Stop the engine and release what it holds (processes, shared memory)."""
         ...
@@ -74,7 +82,8 @@ def build_rollout_engine(cfg: Any, cores: Sequence[int] | None = None) -> Rollou
                           dtype=cfg.dtype, omp_threads_bind=cfg.omp_bind(cores), seeded=cfg.seed is not None,
                           kv_cache_tokens=cfg.kv_cache_tokens, tensor_parallel_size=cfg.tensor_parallel_size,
                           enforce_eager=cfg.enforce_eager, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                          enable_prefix_caching=cfg.enable_prefix_caching, lora=cfg.lora)
+                          enable_prefix_caching=cfg.enable_prefix_caching, lora=cfg.lora,
+                          routing=cfg.moe.routing, expert_parallel=cfg.moe.expert_parallel)
     if cfg.engine == "sim":
         from laminar.roles.rollout.sim_engine import SimEngine
         return SimEngine.from_settings(cfg.sim, max_num_seqs=engine_seqs(cfg), max_model_len=cfg.max_model_len)

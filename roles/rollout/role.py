@@ -18,6 +18,8 @@ The role wires its components in setup() and keeps the batch loop and its intake
     runner.py     TrajectoryRunner: per trajectory: generate (or an episode: multiturn.py), score, store
     streaming.py  DeltaStream: token deltas to the partial pool, paged; fenced-off work dropped
     migration.py  Migration: MigrateOut, MigrateIn, adoption of an older version's work
+    routing.py    RoutingPuller: a MoE policy's routing rows from the engine into each trajectory
+                  (roles.rollout.moe.routing; used by streaming, runner and multiturn)
 
 Tasks: `loop` (run), `gen:<id>`/`finish:<id>` (one per trajectory), `flush` (every
 delta_interval_s), `report` (rollout.stats every report_interval_s), `versions` (weights.version
@@ -42,6 +44,8 @@ what, and how the others ask:
   work.state           the loop, weight loads and MigrateIn (a label, only reported).
   counters             each by its component: work.generated (trajectory tasks),
                        weights.pull_failures, runner.puts_refused and gave_up, stream.fenced_off;
+  Active.routing       appended only, by the RoutingPuller (flush, a turn's or a trajectory's end);
+                       the rows past those held, so concurrent pulls add each row once.
                        take_failures (the loop).
 
 Writes that must arrive (deltas, trajectories) are retried until acknowledged; all of them are
@@ -61,6 +65,7 @@ from laminar.roles.rollout.engine_api import build_rollout_engine, engine_seqs
 from laminar.roles.rollout.migration import Migration
 from laminar.roles.rollout.multiturn import EpisodeRunner
 from laminar.roles.rollout.rewards import RewardPlan
+from laminar.roles.rollout.routing import RoutingPuller
 from laminar.roles.rollout.runner import TrajectoryRunner
 from laminar.roles.rollout.streaming import DeltaStream
 from laminar.roles.rollout.trajectory import Active
@@ -169,9 +174,13 @@ class RolloutRole(Role):
         self.engine, self.prompts, self.partials, self.buffer = engine, prompts, partials, buffer
         self.seqs = BatchSeq(seq_file, log)
         self.weights = WeightFollower(engine, weights_dir, self.ctx.host, self.work, log, s.pull_retry_s)
-        self.stream = DeltaStream(rid, self.work, partials, s.rpc_timeout_s, log)
+        routing = RoutingPuller(engine, log) if s.moe.routing else None
+        self.stream = DeltaStream(rid, self.work, partials, s.rpc_timeout_s, log, routing=routing)
         self.runner = TrajectoryRunner(rid, s, self.work, self.weights, engine, self.episodes, reward, buffer,
                                        partials, self.spawn, log)
+        self.runner.routing = routing
+        if self.episodes is not None:
+            self.episodes.routing = routing
         self.migration = Migration(rid, self.work, self.weights, self.stream, partials, self.runner.start,
                                    self._call, s.max_concurrency, log)
         self.runner.give_up = self.migration.give_up
