@@ -1,6 +1,7 @@
 """TrainerConfig: every setting of the trainer role, with its meaning (validated by the config loader)."""
 from __future__ import annotations
 
+from laminar.roles.trainer.moe_settings import TrainerMoe
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -173,3 +174,5 @@ class TrainerConfig(BaseModel):
                                       description="dtype of published floating-point weights, cast on the "
                                       "trainer's device before the copy: rollout (the rollouts' engine dtype when "
                                       "they all agree, else same), same/None (the parameters' dtype), or a dtype")
+    moe: TrainerMoe = Field(default_factory=TrainerMoe, description="mixture-of-experts policies: routing replay "
+                            "of the rollouts' recorded experts, the load-balancing loss (docs/moe.md)")

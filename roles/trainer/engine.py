@@ -32,6 +32,12 @@ steps, its gradients dropped, its metrics left out, the step counted in `skipped
 (per version and in total) and logged as `nonfinite_step_skipped`. full_state(), the path of
 every publish and checkpoint, refuses weights with a NaN or inf (NonFiniteWeightsError).
 
+Mixture-of-experts policies (`moe`, routing_replay.py): the routers of the policy, reference and
+previous-version models read the routing each micro-batch stages in `_inputs`; with routing_replay
+every logprob pass routes tokens to the experts the rollout's engine chose. The load-balancing loss
+is added to the policy loss; the routing metrics (disagreement with the rollout's choice, bytes per
+trajectory) join the version's.
+
 LoRA (`lora`, lora.py): the policy is the base (frozen, in `lora.base_dtype`) with a peft adapter,
 the optimizer's only parameters; the model's state (publish, checkpoint, restore) is the adapter
 alone, and the KL term's reference is the same model with the adapter off. Everything else
@@ -54,6 +60,7 @@ from laminar.roles.trainer.logprobs import token_logprobs
 from laminar.roles.trainer.lora import adapter_state, manifest_fields, with_adapter
 from laminar.roles.trainer.micro_batches import MicroBatchPlan, plan_micro_batches
 from laminar.roles.trainer.packing import packed_token_logprobs, packed_values
+from laminar.roles.trainer.routing_replay import RoutingReplay
 
 from laminar.algorithms.grpo import clipped_policy_loss, group_advantages
 from laminar.algorithms.ppo import load_critic, sequence_gae, value_loss
@@ -135,6 +142,7 @@ class TrainEngine:
         # torch.compile of the decoder layers: likewise on by default on a GPU only
         self.compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
         self.plans: dict[tuple[int, ...], MicroBatchPlan] = {}  # this batch's (every pass reuses them)
+        self.moe: RoutingReplay | None = None  # set by load() for a mixture-of-experts policy
 
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
@@ -163,6 +171,9 @@ class TrainEngine:
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter's
         self.opt = torch.optim.AdamW(trained, lr=c.lr, weight_decay=c.weight_decay,
                                      **self._adamw_impl())
+        # MoE policies: routing replay and the load-balancing loss (routing_replay.py); None when dense
+        self.moe = RoutingReplay.attach(c.moe, [m for m in (self.model, self.ref, self.lag) if m is not None],
+                                        self.model.config)
         self.critic = self.critic_opt = None
         if c.algorithm == "ppo":
             self.critic = load_critic(c.model_dir, self.device)
@@ -425,6 +436,8 @@ class TrainEngine:
                                       behaviour_logp=ex["beh"], off_policy=c.off_policy, is_cap=c.is_cap,
                                       ref_logp=ex.get("ref"), kl_coef=c.kl_coef, num_tokens=ntok, entropy=ent,
                                       dual_clip=c.dual_clip_c if c.dual_clip else None)
+        if self.moe is not None:  # the load-balancing loss of this forward's routers
+            loss = loss + self.moe.aux_term(float(mask.sum()) / ntok, m)
         (loss * self._grad_scale()).backward()
         return m
 
@@ -489,6 +502,8 @@ class TrainEngine:
             out.update(rank_imbalance=float(np.mean(balance["rank"])), step_imbalance=float(np.mean(balance["step"])),
                        micro_batches=float(sum(balance["micro"])))
         out.update(b.mismatch.metrics(self.info))
+        if self.moe is not None:
+            out.update(self.moe.metrics(self.info, trajs))
         return out
 
     def _mismatch_before_update(self, trajs, order, per, weights_version: int, left_out=()) -> Mismatch:
@@ -608,6 +623,9 @@ class TrainEngine:
         if not idx:
             mask.zero_()
         d = self.device
+        if self.moe is not None:  # this micro-batch's recorded routing, for its routers
+            self.moe.stage([trajs[i].routing for i in take], [_length(trajs[i]) for i in take], ids.shape[1],
+                           self.packing, d)
         return ids.to(d), att.to(d), mask.to(d), {k: v.to(d) for k, v in ex.items()}
 
     def _per_token(self, fn, trajs, order: list[int]) -> list:
