@@ -15,8 +15,8 @@ so the model is exactly the quantized one, in float32.
 """
 from __future__ import annotations
 
-import importlib.util
 import argparse
+import importlib.util
 import json
 import sys
 import time

@@ -144,6 +144,20 @@ class RolloutConfig(BaseModel):
                             "expert parallelism (docs/moe.md)")
 
     @model_validator(mode="after")
+    def _experts_split(self):
+        """A MoE model's experts split over the tensor-parallel ranks as `moe.expert_parallel` says."""
+        if self.engine != "vllm" or self.tensor_parallel_size == 1:
+            return self
+        shape = model_shape(self.model_dir)
+        if shape is None or not shape.is_moe:
+            return self
+        why = shape.tp_problem(self.tensor_parallel_size, expert_parallel=self.moe.expert_parallel)
+        if why:
+            other = "on" if not self.moe.expert_parallel else "off"
+            raise ValueError(f"tensor_parallel_size: {why} ({shape.source}); try moe.expert_parallel {other}")
+        return self
+
+    @model_validator(mode="after")
     def _kv_holds_a_sequence(self):
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
             raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one whole sequence "
@@ -157,6 +171,8 @@ class RolloutConfig(BaseModel):
         file has a config.json: vLLM then checks at start)."""
         shape = _shape(info)
         why = shape and shape.tp_problem(tp)
+        if why and shape.is_moe and shape.tp_problem(tp, expert_parallel=True) is None:
+            why = None  # expert parallel splits it (moe.expert_parallel, checked once the section is read)
         if why:
             raise ValueError(f"{why} ({shape.source})")
         return tp
