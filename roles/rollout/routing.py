@@ -13,6 +13,10 @@ tokens), when a model turn ends (multi-turn: before the next turn's request repl
 observation tokens get their rows from the next turn's prefill, the forward that processed them)
 and when a trajectory's generation ends (`done`: the engine may forget the request).
 
+A pull that fails (the engine died) is logged and counted, never raised: the flush still sends the
+tokens, and the positions whose rows were lost get them from the re-prefill of whichever engine
+resumes the trajectory.
+
 Cost: the rows travel as raw bytes (one collective call per pull), and each trajectory carries
 layers x top_k bytes per position (uint8 for up to 256 experts).
 """
@@ -29,7 +33,7 @@ class RoutingPuller:
     def __init__(self, engine, log):
         self.engine, self.log = engine, log
         self.rows = 0          # rows taken in (this rollout's life)
-        self.pulls = 0
+        self.pulls = self.failures = 0
 
     async def pull(self, actives: list[Active], done: bool = False) -> None:
         """Rows up to each trajectory's known positions; `done`: their requests end here."""
@@ -42,7 +46,14 @@ class RoutingPuller:
         drop = [a.request_id for a in actives if done and a.request_id is not None]
         if not asks and not drop:
             return
-        got = await self.engine.routing(asks, drop)
+        try:
+            got = await self.engine.routing(asks, drop)
+        except Exception as exc:  # noqa: BLE001 - a dead engine: the tokens still go, rows come from the next engine
+            self.failures += 1
+            if self.failures <= 3 or self.failures % 100 == 0:  # a dead engine fails every flush: not each logged
+                self.log.warning("routing_pull_failed", trajectories=len(who), error=f"{type(exc).__name__}: {exc}",
+                                 failures=self.failures)
+            return
         self.pulls += 1
         for a, g in zip(who, got, strict=True):
             if g is not None:
