@@ -13,7 +13,8 @@ tokens), when a model turn ends (multi-turn: before the next turn's request repl
 observation tokens get their rows from the next turn's prefill, the forward that processed them)
 and when a trajectory's generation ends (`done`: the engine may forget the request).
 
-A pull that fails (the engine died) is logged and counted, never raised: the flush still sends the
+A pull that fails or takes longer than `timeout_s` (the engine died: a call in flight when the
+engine core is killed is never answered) is logged and counted, never raised: the flush still sends the
 tokens, and the positions whose rows were lost get them from the re-prefill of whichever engine
 resumes the trajectory.
 
@@ -21,6 +22,8 @@ Cost: the rows travel as raw bytes (one collective call per pull), and each traj
 layers x top_k bytes per position (uint8 for up to 256 experts).
 """
 from __future__ import annotations
+
+import asyncio
 
 from laminar.roles.rollout.trajectory import Active
 
@@ -30,8 +33,8 @@ from laminar.models.routing import nbytes
 class RoutingPuller:
     """Pulls routing rows from the engine into active trajectories."""
 
-    def __init__(self, engine, log):
-        self.engine, self.log = engine, log
+    def __init__(self, engine, log, timeout_s: float = 30.0):
+        self.engine, self.log, self.timeout_s = engine, log, timeout_s
         self.rows = 0          # rows taken in (this rollout's life)
         self.pulls = self.failures = 0
 
@@ -47,7 +50,7 @@ class RoutingPuller:
         if not asks and not drop:
             return
         try:
-            got = await self.engine.routing(asks, drop)
+            got = await asyncio.wait_for(self.engine.routing(asks, drop), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a dead engine: the tokens still go, rows come from the next engine
             self.failures += 1
             if self.failures <= 3 or self.failures % 100 == 0:  # a dead engine fails every flush: not each logged

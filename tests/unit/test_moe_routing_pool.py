@@ -118,3 +118,33 @@ def test_moe_routing_is_stored_and_sampled_unchanged(tmp_path):
         return s.groups[0][0]
     back = asyncio.run(go())
     assert back.routing.dtype == np.uint8 and np.array_equal(back.routing, t.routing)
+
+
+def test_moe_routing_pull_from_a_dead_or_hung_engine_costs_rows_not_tokens():
+    """A pull the engine never answers (a call in flight when its core was killed) or answers with
+    an error is counted and logged, not raised: the flush that called it still sends the tokens."""
+    import structlog
+    from laminar.roles.rollout.routing import RoutingPuller
+
+    class Engine:  # a stand-in: the engine's answers are the one piece under test
+        def __init__(self, how):
+            self.how = how
+
+        async def routing(self, asks, drop):
+            if self.how == "hang":
+                await asyncio.Event().wait()
+            if self.how == "dead":
+                raise RuntimeError("EngineDeadError")
+            return [(0, rows(0, end)) for _, _, end in asks]
+
+    async def go(how):
+        a = Active(spec=spec("h"), version=0, request_id="h#r0.1")
+        a.add_generated([5, 6], [-1.0, -1.0])
+        puller = RoutingPuller(Engine(how), structlog.get_logger("test"), timeout_s=0.2)
+        await puller.pull([a])
+        return a, puller
+    for how in ("hang", "dead"):
+        a, puller = asyncio.run(go(how))
+        assert puller.failures == 1 and a.routing is None and len(a.tokens) == 2
+    a, puller = asyncio.run(go("ok"))
+    assert puller.failures == 0 and np.array_equal(a.routing, rows(0, 5))
