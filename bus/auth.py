@@ -315,7 +315,8 @@ def topic_refusal(identity: str | None, topic: bytes) -> str:
     Control commands (`ctrl.*`: Shutdown) come from the operator only; a heartbeat (`hb.ROLE.ID`),
     metrics (`metrics.ROLE`) and rollout statistics (`rollout.stats.ID`) only from the scope of
     that role (and from the key named ID when the key has a name); the chain, version
-    announcements and relay progress (TOPIC_SCOPES) only from the scopes that produce them."""
+    announcements and relay progress (TOPIC_SCOPES) only from the scopes that produce them, a version
+    announcement (`weights.version.ID`) from a key named ID only its own."""
     if _everything(identity):
         return ""
     if topic.startswith(b"ctrl."):
@@ -325,6 +326,8 @@ def topic_refusal(identity: str | None, topic: bytes) -> str:
         if topic.startswith(prefix) and scope not in scopes:
             return f"a {identity} key may not publish {prefix.decode()}"
     text = topic.decode("utf-8", "replace")
+    if text.startswith("weights.version") and scope == "relay" and name and text != f"weights.version.{name}":
+        return f"a {identity} key may publish only weights.version.{name} (its own relay's announcements)"
     if text.startswith(("hb.", "metrics.", "rollout.stats.")):
         if text.startswith("rollout.stats."):
             role, rid = "rollout", text[len("rollout.stats."):]
@@ -342,8 +345,8 @@ def body_refusal(topic: str, ev) -> str:
     (`topic_refusal`); this binds the body to the topic, so a key cannot publish, on its own topic,
     a heartbeat or statistics naming another role (the manager would declare that one dead, or send
     its work to an address the forger chose). Checked for heartbeats (`hb.ROLE.ID`: role and id),
-    rollout statistics (`rollout.stats.ID`), relay progress (`relay.progress.ID`) and metrics
-    (`metrics.ROLE`: role)."""
+    rollout statistics (`rollout.stats.ID`), relay progress (`relay.progress.ID`), version
+    announcements (`weights.version.ID`: relay id) and metrics (`metrics.ROLE`: role)."""
     kind = getattr(type(ev), "kind", "")
     if kind == "heartbeat":
         if topic != f"hb.{ev.role}.{ev.id}":
@@ -354,6 +357,9 @@ def body_refusal(topic: str, ev) -> str:
     elif kind == "relay.progress":
         if topic != f"relay.progress.{ev.relay_id}":
             return f"progress of relay {ev.relay_id} on {topic[:60]}"
+    elif kind == "weights.version":
+        if topic != f"weights.version.{ev.relay_id}":
+            return f"version announcement of relay {ev.relay_id} on {topic[:60]}"
     elif topic.startswith("metrics.") and isinstance(getattr(ev, "role", None), str):
         if topic != f"metrics.{ev.role}":
             return f"metrics of {ev.role} on {topic[:60]}"
@@ -400,8 +406,8 @@ REQUESTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "env.close": (("env",), frozenset({"rollout"})),
     # model-scored rewards (docs/rewards.md)
     "reward.await": (("partial_pool",), frozenset({"rollout"})),       # named key: its own trajectories
-    "reward.lease": (("partial_pool",), frozenset({"reward"})),
-    "reward.submit": (("partial_pool",), frozenset({"reward"})),
+    "reward.lease": (("partial_pool",), frozenset({"reward"})),    # named key: its own scorer's work only
+    "reward.submit": (("partial_pool",), frozenset({"reward"})),   # named key: its scorer, its own leases
 }
 REQUEST_SCOPES = {kind: scopes for kind, (_, scopes) in REQUESTS.items()}
 
@@ -418,7 +424,8 @@ def request_refusal(identity: str | None, req) -> str:
     """Why a server refuses request `req` from `identity` ("" = allowed). Denied by default: the
     kind must be in REQUESTS and the key's scope among those that may send it; a rollout key named
     after a rollout ("rollout.r0") acts only as that rollout (the rollout a request names: TakeBatch,
-    deltas, puts, reassignments). What a request names by trajectory (reading or completing a
+    deltas, puts, reassignments); a reward key named after a scorer ("reward.judge") leases and
+    scores only that scorer's work. What a request names by trajectory (reading or completing a
     partial) is checked by the partial pool against the trajectory's owner (`owned_by_other`)."""
     if _everything(identity):
         return ""
@@ -433,6 +440,8 @@ def request_refusal(identity: str | None, req) -> str:
         owner = _owner(req)
         if owner is not None and str(owner) != name and not (kind == "data.reassign_partial" and owner == ""):
             return f"rollout key {identity} may not act as rollout {owner}"
+    if scope == "reward" and name and str(getattr(req, "scorer", name)) != name:
+        return f"reward key {identity} may not lease or score the work of scorer {req.scorer}"
     return ""
 
 

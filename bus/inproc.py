@@ -4,6 +4,13 @@ One `InprocHub` per simulated cluster; `hub.transport()` gives each role its own
 through the real codec by default (so anything that works here also serializes), which the
 simulator may turn off for speed. Queue bounds stand in for high-water marks: a full subscriber
 queue drops, exactly like a SUB socket at its HWM.
+
+Scoped identities (`InprocHub(scoped=True)`, `hub.transport(identity="rollout.r0")`): what CURVE
+with scoped keys gives over ZeroMQ (bus/auth.py), in one process. Every request a transport's
+clients send carries its identity to the server, which refuses it as a scoped ZeroMQ server does
+(`auth.request_refusal`) and hands the identity to the handler (`rpc.current_peer`); every
+publication is checked at the hub as the broker checks it (`auth.topic_refusal`). So a whole
+cluster, and a hostile key inside it, runs in one process with the same checks as over sockets.
 """
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from laminar.bus.auth import body_refusal
+from laminar.bus.auth import body_refusal, request_refusal, topic_refusal
 from laminar.bus.codec import decode, encode
 from laminar.bus.errors import DeadlineExceeded, PeerUnavailable, remote_error
 from laminar.bus.transport import Publisher, RpcClient, RpcServer, Subscriber, Transport
@@ -21,8 +28,9 @@ from laminar.protocol import ErrorReply
 
 
 class InprocHub:
-    def __init__(self, hwm: int = 10000, codec: bool = True):
-        self.hwm, self.codec = hwm, codec
+    def __init__(self, hwm: int = 10000, codec: bool = True, scoped: bool = False):
+        self.hwm, self.codec, self.scoped = hwm, codec, scoped
+        self.publish_refused = 0  # publications the hub dropped as the scoped broker would (topic_refusal)
         self.subscribers: list[InprocSubscriber] = []
         self.servers: dict[str, InprocServer] = {}
         self._bound: dict[str, asyncio.Event] = {}
@@ -31,8 +39,9 @@ class InprocHub:
         """Set while a server listens on `address` (clients wait on it, as a DEALER would)."""
         return self._bound.setdefault(address, asyncio.Event())
 
-    def transport(self) -> InprocTransport:
-        return InprocTransport(self)
+    def transport(self, identity: str | None = None) -> InprocTransport:
+        """A role's (or a tool's) view of the hub; `identity`: the key it acts as (scoped hubs)."""
+        return InprocTransport(self, identity)
 
     def roundtrip(self, ev: Any, meta: dict | None = None) -> tuple[Any, dict]:
         if not self.codec:
@@ -41,10 +50,13 @@ class InprocHub:
 
 
 class InprocPublisher(Publisher):
-    def __init__(self, hub: InprocHub):
-        self.hub, self.sent, self.dropped = hub, 0, 0
+    def __init__(self, hub: InprocHub, identity: str | None = None):
+        self.hub, self.identity, self.sent, self.dropped = hub, identity, 0, 0
 
     def publish(self, topic: str, ev: Any) -> bool:
+        if self.hub.scoped and topic_refusal(self.identity, topic.encode()):
+            self.hub.publish_refused += 1  # dropped where the broker would drop it
+            return True                    # a ZeroMQ publisher does not learn of it either
         ok = True
         for sub in self.hub.subscribers:
             if any(topic.startswith(p) for p in sub.topics):
@@ -84,12 +96,15 @@ class InprocServer(RpcServer):
     def __init__(self, hub: InprocHub, address: str, role: str, id: str, max_inflight: int):
         super().__init__(role, id, max_inflight)
         self.hub, self.address = hub, address
+        if hub.scoped:  # as a ZeroMQ server with scoped keys
+            self.dispatcher.authorize = request_refusal
         self.calls: set[asyncio.Task] = set()
 
-    def handle(self, req: Any, meta: dict) -> asyncio.Task:
+    def handle(self, req: Any, meta: dict, peer: str | None = None) -> asyncio.Task:
         """Run one request as the server's own task: it outlives a caller that gave up (as over
-        ZeroMQ) and is cancelled by close(), which fails its caller with PeerUnavailable."""
-        t = asyncio.create_task(self.dispatcher.handle(req, meta), name=f"rpc:{type(req).kind}")
+        ZeroMQ) and is cancelled by close(), which fails its caller with PeerUnavailable. `peer`:
+        the caller's identity (scoped hubs)."""
+        t = asyncio.create_task(self.dispatcher.handle(req, meta, None, peer), name=f"rpc:{type(req).kind}")
         self.calls.add(t)
         t.add_done_callback(self.calls.discard)
         return t
@@ -110,8 +125,8 @@ class InprocServer(RpcServer):
 
 
 class InprocClient(RpcClient):
-    def __init__(self, hub: InprocHub, address: str):
-        self.hub, self.address = hub, address
+    def __init__(self, hub: InprocHub, address: str, identity: str | None = None):
+        self.hub, self.address, self.identity = hub, address, identity
         self._closed = asyncio.Event()
 
     async def call(self, req: Any, timeout: float = 5.0) -> Any:
@@ -121,7 +136,7 @@ class InprocClient(RpcClient):
                 await self.hub.bound(self.address).wait()  # like a DEALER with IMMEDIATE
                 server = self.hub.servers[self.address]
                 req2, meta = self.hub.roundtrip(req, {"dl": deadline})
-                reply, _ = self.hub.roundtrip(await self._reply(server.handle(req2, meta)))
+                reply, _ = self.hub.roundtrip(await self._reply(server.handle(req2, meta, self.identity)))
         except TimeoutError:
             raise DeadlineExceeded(f"{type(req).kind} to {self.address}: no reply within {timeout:.3g}s") from None
         if isinstance(reply, ErrorReply):
@@ -144,12 +159,12 @@ class InprocClient(RpcClient):
 
 
 class InprocTransport(Transport):
-    def __init__(self, hub: InprocHub):
-        self.hub = hub
+    def __init__(self, hub: InprocHub, identity: str | None = None):
+        self.hub, self.identity = hub, identity
         self._subs: list[InprocSubscriber] = []
 
     def publisher(self) -> Publisher:
-        return InprocPublisher(self.hub)
+        return InprocPublisher(self.hub, self.identity)
 
     def subscriber(self, topics: Iterable[str]) -> Subscriber:
         s = InprocSubscriber(self.hub, topics)
@@ -160,7 +175,7 @@ class InprocTransport(Transport):
         return InprocServer(self.hub, address, role, id, max_inflight)
 
     def client(self, address: str) -> RpcClient:
-        return InprocClient(self.hub, address)
+        return InprocClient(self.hub, address, self.identity)
 
     async def close(self) -> None:
         for s in self._subs:

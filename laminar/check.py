@@ -13,6 +13,7 @@ What is checked:
   holds a config.json that parses, every dataset loads (with the role's field names), every
   tokenizer folder exists;
 - code, likewise: reward functions and environment classes import;
+- every scorer a rollout's reward names is served by a placed reward role;
 - this host (`--host`, or the only host): its bind addresses are addresses of this machine and
   every port it will listen on is free; a config of several hosts names the cluster key, which
   must exist and be private;
@@ -350,6 +351,21 @@ def check_callables(ctx: CheckContext) -> Iterable[str]:
                 yield f"{ctx.where(role, id, name)}: {seen[path]}"
 
 
+@check("reward scorers")
+def check_scorers(ctx: CheckContext) -> Iterable[str]:
+    """Every scorer a rollout's reward waits for (`rewards: [{role: NAME}]`) is served by a placed
+    reward role (`roles.reward.scorer`): else its trajectories wait for a score that never comes
+    (until the partial pool gives up on them). The whole cluster, whatever `--host`."""
+    placed = [(s.role, s.id) for _, s in ctx.cfg.placements()]
+    served = {getattr(s, "scorer", None) for r, i in placed if r == "reward" and (s := ctx._lenient(r, i)) is not None}
+    for role, id in placed:
+        s = ctx._lenient(role, id) if role == "rollout" else None
+        for k, term in enumerate(getattr(s, "rewards", None) or []):
+            if term.role is not None and term.role not in served:
+                yield (f"{ctx.where(role, id, f'rewards[{k}].role')}: scorer {term.role!r} is served by no placed "
+                       f"reward role (they serve: {', '.join(sorted(x for x in served if x)) or 'none'})")
+
+
 @check("optional extras", when=on_a_host)
 def check_extras(ctx: CheckContext) -> Iterable[str]:
     yield from missing_extras(ctx.cfg)
@@ -370,6 +386,13 @@ def check_keys(ctx: CheckContext) -> Iterable[str]:
         check_private(d)
     except (KeyFileError, OSError, ValueError) as exc:
         yield f"{ctx.cfg.source}: cluster.keys_dir: {exc}"
+    pools = {"prompt_pool", "partial_pool", "experience_buffer"}
+    if (Path(d) / "clients").is_dir() and any(s.role in pools for h, s in ctx.cfg.placements() if h == ctx.host):
+        from laminar.roles.handout import handout_key  # the pools sign hand-outs with the pool key
+        try:
+            handout_key(ctx.cfg)
+        except (KeyFileError, OSError, ValueError) as exc:
+            yield f"{ctx.cfg.source}: cluster.keys_dir: {exc}"
 
 
 @check("workdir")

@@ -7,7 +7,12 @@ SOURCE is one of:
 - a trainer checkpoint (`<checkpoints>/v00000012`, holding model.pt), or the checkpoint folder
   itself (its newest complete checkpoint is taken);
 - a relay's shared-memory folder (the newest complete version; `--version N` for a retained one):
-  the weights exactly as the rollouts load them, already in the published dtype.
+  the weights exactly as the rollouts load them, already in the published dtype. Its seals are
+  checked against its bytes first, as a rollout checks them before it loads: always their
+  digests (a byte changed in shared memory is refused), and their signature with the trainer's
+  public key when there is one (`--keys DIR`, the cluster's key folder with `weights.key`, or the
+  key the process was armed with, LAMINAR_WEIGHTS_VERIFY_KEY). A refused version is not exported
+  (`WeightsRefused`, exit 2).
 
 The model's architecture comes from `--model-dir` (the trainer's model_dir: its config.json, and
 its tokenizer and generation config files when it has them, which are copied). OUT_DIR gets
@@ -43,22 +48,40 @@ EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
                "generation_config.json")
 
 
-def read_weights(source: str | os.PathLike, version: int | None = None) -> tuple[dict, int | None]:
+def read_weights(source: str | os.PathLike, version: int | None = None,
+                 verify_key: bytes | None = None) -> tuple[dict, int | None]:
     """(state dict, version) from a checkpoint, a checkpoint folder or a relay's shm folder."""
-    sd, got, _ = read_version(source, version)
+    sd, got, _ = read_version(source, version, verify_key)
     return sd, got
 
 
-def read_version(source: str | os.PathLike, version: int | None = None) -> tuple[dict, int | None, str]:
-    """(state dict, version, adapter config JSON: "" for full weights) of SOURCE."""
+def _relay_verifier(verify_key: bytes | None):
+    """The trainer's public key to check a relay version's signature with (None: digests only)."""
+    from laminar.weights import seal
+    if verify_key is None:
+        env = os.environ.get(seal.VERIFY_KEY_ENV, "")
+        verify_key = bytes.fromhex(env) if env else b""
+    return seal.Verifier(verify_key) if verify_key else None
+
+
+def read_version(source: str | os.PathLike, version: int | None = None,
+                 verify_key: bytes | None = None) -> tuple[dict, int | None, str]:
+    """(state dict, version, adapter config JSON: "" for full weights) of SOURCE. A relay
+    version's seals are checked first (module docstring; `verify_key`: the trainer's public key,
+    raw, None: the armed one if any)."""
     import torch
     src = Path(source)
     if (src / "current").exists() or (version is not None and (src / f"v{version}.manifest").exists()):
-        from laminar.weights.pull import LocalWeights
-        weights = LocalWeights(src)
+        from laminar.weights.pull import LocalWeights, WeightsRefused, seal_refusal
+        weights = LocalWeights(src, verify_key=b"")  # checked below, with or without a key
         held = weights.latest() if version is None else weights.version(version)
         if held is None:
             raise FileNotFoundError(f"{src}: no complete version{'' if version is None else f' {version}'}")
+        why = seal_refusal(held, _relay_verifier(verify_key))
+        if why:
+            held.close()
+            raise WeightsRefused(f"{src}: v{held.version} refused: {why} (changed in shared memory, or not published "
+                                 "by this cluster's trainer): not exported")
         with held:
             adapter = held.manifest.adapter_config if held.manifest.content == "lora" else ""
             return {k: t.clone() for k, t in held.tensors()}, held.version, adapter
@@ -83,10 +106,12 @@ def config_dtype(cfg) -> str | None:
 
 
 def export(source: str | os.PathLike, out_dir: str | os.PathLike, model_dir: str | os.PathLike,
-           dtype: str | None = None, version: int | None = None, merge: bool = False) -> Path:
+           dtype: str | None = None, version: int | None = None, merge: bool = False,
+           verify_key: bytes | None = None) -> Path:
     """Write the Hugging Face folder (an adapter: peft's folder, or merged into the base with
-    `merge`); returns its path. dtype None: the base config's dtype."""
-    sd, got_version, adapter = read_version(source, version)
+    `merge`); returns its path. dtype None: the base config's dtype. `verify_key`: the trainer's
+    public key (raw) a relay version's seals are checked with (read_version)."""
+    sd, got_version, adapter = read_version(source, version, verify_key)
     where = str(Path(source).resolve())
     if adapter and merge:
         return write_folder(merged_state(sd, adapter, model_dir), out_dir, model_dir, dtype, got_version, where)
@@ -202,6 +227,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--version", type=int, default=None, help="relay folder: a retained version instead of the newest")
     ap.add_argument("--merge", action="store_true", help="SOURCE holds a LoRA adapter: write the base with the "
                     "adapter merged in (a plain Hugging Face folder) instead of the adapter in peft's format")
+    ap.add_argument("--keys", default=None, help="the cluster's key folder: a relay version's seals are checked "
+                    "with its weights.key (the trainer's public key); without it, only their digests")
     ap.add_argument("--force", action="store_true", help="OUT_DIR exists: move it aside to OUT_DIR.<date-time> "
                     "first (it is never deleted; without --force the export refuses it)")
 
@@ -213,7 +240,19 @@ def run(a) -> int:
     if Path(a.out_dir).exists() and not a.force:
         raise UsageError(f"{a.out_dir} exists: choose another OUT_DIR, or pass --force to move it aside to "
                          f"{a.out_dir}.<date-time> first (nothing is deleted)")
-    print(export(a.source, a.out_dir, model_dir, a.dtype, a.version, merge=getattr(a, "merge", False)))
+    verify_key = None
+    if getattr(a, "keys", None):
+        from laminar.bus.auth import load_weights_key
+        verify_key, _ = load_weights_key(a.keys, secret=False)
+        if verify_key is None:
+            raise UsageError(f"--keys {a.keys}: no weights.key there (the trainer's public key)")
+    from laminar.weights.pull import WeightsRefused
+    try:
+        print(export(a.source, a.out_dir, model_dir, a.dtype, a.version, merge=getattr(a, "merge", False),
+                     verify_key=verify_key))
+    except WeightsRefused as exc:  # the seals do not vouch for the bytes
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

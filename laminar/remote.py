@@ -171,8 +171,9 @@ def topic_role(topic: str) -> str | None:
     parts = topic.split(".")
     if parts[0] in _ROLE_SECOND:
         return parts[1] if len(parts) > 1 else None
-    if topic in _FIXED_TOPIC_ROLE:
-        return _FIXED_TOPIC_ROLE[topic]
+    fixed = topic if topic in _FIXED_TOPIC_ROLE else ".".join(parts[:2])  # weights.version.<relay id>
+    if fixed in _FIXED_TOPIC_ROLE:
+        return _FIXED_TOPIC_ROLE[fixed]
     return parts[0] if len(parts) > 1 else None
 
 

@@ -39,16 +39,34 @@ from laminar.extras import MissingExtra, missing_extras
 from laminar.protocol import Shutdown
 from laminar.roles.base import Role, RoleContext, RoleFailed
 from laminar.roles.registry import role_class
+from laminar.secrets import redact
 from laminar.threads import leave
 
 log = structlog.get_logger("laminar.shell")
 EXIT_STOPPED_BY_OPERATOR = 3
 
 
+def role_key(cfg, role: str, id: str) -> tuple[str, str]:
+    """(scope, name) of the client key role.id presents with scoped keys: its role's scope, named
+    after its id (`rollout.r0`), except a reward replica, named after its scorer (`reward.<scorer>`:
+    a key that may lease and score only that scorer's work; its replicas share it)."""
+    name = str(id)
+    if role == "reward":
+        name = str(cfg.settings_of("reward", str(id)).scorer)
+    return ROLE_SCOPE.get(role, role), name
+
+
+def resolved_config_fields(cfg, name: str, id: str, config_path: str, overrides) -> dict:
+    """What a role's `config_resolved` start line says, every secret-named literal redacted
+    (laminar/secrets.py: secrets themselves are references, read where they are used)."""
+    return {"config": config_path, "role": name, "id": id, "overrides": redact(list(overrides)),
+            "settings": redact(cfg.role_settings(name, id)), "run": redact(cfg.run.model_dump())}
+
+
 def make_transport(cfg, role: str | None = None, id: str | None = None) -> Transport:
     """The bus transport of a process; `role`/`id` pick its client key when the keys are scoped."""
-    keys = load_keys(cfg.cluster.keys_dir, scope=ROLE_SCOPE.get(role, role) if role else None,
-                     name=str(id) if id is not None else None) if cfg.cluster.keys_dir else None
+    scope, name = role_key(cfg, role, id) if role and id is not None else (role and ROLE_SCOPE.get(role, role), None)
+    keys = load_keys(cfg.cluster.keys_dir, scope=scope or None, name=name) if cfg.cluster.keys_dir else None
     pub, sub = cfg.broker_endpoints()
     b = cfg.cluster.bus
     return ZmqTransport(pub, sub, keys, hwm=b.hwm, linger_ms=b.linger_ms, max_msg=b.max_message_mb << 20)
@@ -140,10 +158,15 @@ def _bad_frames(role: Role) -> int:
 
 
 async def _follow_ctrl(role: Role) -> None:
-    sub = role.ctx.transport.subscriber([f"ctrl.{role.ctx.role}.{role.ctx.id}", "ctrl.all"])
+    """Stop on a `Shutdown` sent to this role or to all. Subscriptions match topic prefixes, so
+    `ctrl.rollout.r1` also receives `ctrl.rollout.r10`'s: only this role's own topic counts."""
+    mine = (f"ctrl.{role.ctx.role}.{role.ctx.id}", "ctrl.all")
+    sub = role.ctx.transport.subscriber(list(mine))
     try:
         while True:
-            _, ev = await sub.recv()
+            topic, ev = await sub.recv()
+            if topic not in mine:
+                continue  # another role's, whose name begins with this one's
             if isinstance(ev, Shutdown):
                 log.warning("shutdown_requested", reason=ev.reason)
                 role.stopped_by = ev.reason or "Shutdown"
@@ -207,8 +230,7 @@ def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
         raise
     mirror = logs.BusMirror(name, str(id))
     logs.configure(f"{name}.{id}", level, mirror)
-    log.info("config_resolved", config=config_path, role=name, id=id, overrides=list(overrides),
-             settings=cfg.role_settings(name, id), run=cfg.run.model_dump())
+    log.info("config_resolved", **resolved_config_fields(cfg, name, id, config_path, overrides))
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
 

@@ -21,6 +21,10 @@ A killed job (scancel, the time limit) sends SIGTERM to every task, and each `st
 roles within `cluster.shutdown_s`; Slurm's KillWait (30 s by default) must exceed that, or the
 roles are SIGKILLed. The Python interpreter, the checkout and the workdir must be on a
 filesystem every node sees, and so must the cluster key (`laminar-node keygen` once).
+
+The script is written 0700 and makes its job folder 0700 with 0600 files (`umask 077`): it holds
+the config. A config holding a literal secret (a secret-named field: laminar/secrets.py) is
+refused: secrets are references (`{env: NAME}`, exported to the job, or `{file: PATH}`).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from pathlib import Path
 import yaml
 
 from laminar.config import ConfigError, UsageError, apply_overrides, parse_config, read_config_data
+from laminar.secrets import literal_secrets
 
 WILDCARDS = ("0.0.0.0", "::", "*", "")
 MARK = "LAMINAR_CONFIG_END"
@@ -159,9 +164,10 @@ def render_script(cfg, data: dict, config_path: str, *, gpus: int, chdir: str, p
 # (write it again rather than edit it). The job ends when the trainer's host(s) {' '.join(lead)} finish.
 {chr(10).join(f'#SBATCH {o}' for o in sb)}
 set -euo pipefail
+umask 077                   # the job folder and its files are the user's alone (0700, 0600)
 PY={shlex.quote(python)}
 JOB_DIR={shlex.quote(str(workdir))}/slurm-$SLURM_JOB_ID
-mkdir -p "$JOB_DIR"
+mkdir -p -m 700 "$JOB_DIR"
 export LAMINAR_LOG_LEVEL={shlex.quote(log_level)} PYTHONUNBUFFERED=1
 
 # The config as it was when this script was written (overrides applied); the nodes go in below.
@@ -198,6 +204,10 @@ exit "$code"
 def cmd_slurm(a) -> int:
     data = apply_overrides(read_config_data(a.config), a.set)
     cfg = parse_config(data, a.config)
+    if leaks := literal_secrets(data):  # the script embeds the config: a secret there would be copied around
+        raise UsageError(f"{a.config}: {', '.join(leaks)}: a secret is never written in the config (it would be "
+                         "copied into the batch script and the job folder): give {env: VARIABLE} or {file: PATH} "
+                         "(a 0600 file on every node) instead")
     chdir = str(Path(a.chdir or os.getcwd()).absolute())
     workdir = Path(chdir, cfg.run.workdir)
     workdir.mkdir(parents=True, exist_ok=True)  # Slurm writes the job's output there and creates no folder
@@ -207,8 +217,10 @@ def cmd_slurm(a) -> int:
                          account=a.account, time_limit=a.time, extra=a.sbatch,
                          log_level=getattr(a, "log_level", "info"))
     out = Path(a.out)
-    out.write_text(text)
-    out.chmod(0o755)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700)  # the user's alone from its first byte
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o700)
+        f.write(text)
     print(f"wrote {out}: {len(cfg.cluster.hosts)} node(s){f', {gpus} GPU(s) each' if gpus else ''}; "
           f"submit it with `sbatch {out}` (output: {workdir}/slurm-<jobid>.out)")
     return 0

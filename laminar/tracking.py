@@ -13,7 +13,9 @@ another tracker). What is sent, the same to both:
 - every number of `summary.json` (flattened: `eval/<set>/<metric>/<first|last|best>`) as the run's
   summary;
 - the sample rows of `<workdir>/samples.jsonl` as a table (`samples`: W&B Table; MLflow: the
-  table as `samples.json` in the run's artifacts).
+  table as `samples.json` in the run's artifacts);
+- the run's config (W&B config, MLflow params), every secret-named literal redacted
+  (`tracked_config`; secrets themselves are references: laminar/secrets.py).
 
 MLflow metric names may not hold `@`: `pass@4` is sent as `pass_at_4`. MLflow 3.17 keeps its file
 store (`file:`) in maintenance mode and refuses it unless `MLFLOW_ALLOW_FILE_STORE=true`, which is
@@ -33,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.extras import require
 from laminar.report import read_jsonl
+from laminar.secrets import redact
 
 
 class WandbSpec(BaseModel):
@@ -163,11 +166,17 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def tracked_config(cfg) -> dict:
+    """The config a tracker records for the run (W&B config, MLflow params): the run and the role
+    settings, every secret-named literal redacted (laminar/secrets.py)."""
+    return redact({"run": cfg.run.model_dump(), "roles": cfg.roles})
+
+
 def send_config(cfg) -> list[str]:
     """Send the run of a parsed config (its workdir, its tracking section)."""
     if cfg.tracking is None:
         return []
-    return send(cfg.workdir(), cfg.tracking, cfg.run.name, {"run": cfg.run.model_dump(), "roles": cfg.roles})
+    return send(cfg.workdir(), cfg.tracking, cfg.run.name, tracked_config(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:

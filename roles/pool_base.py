@@ -25,6 +25,11 @@ rows their meaning: seed, dataset and its size, capacity, ...) when it is made. 
 different ones, the pool refuses to serve (fault naming each setting's stored and configured
 value) rather than repeat or skip prompts, unless the setting is one `migrate_setting` carries out
 (the buffer applies a new capacity on disk), after which the new value is recorded.
+
+Hand-outs (roles/handout.py): every pool holds the hand-out key (`handouts`: the prompt pool signs
+what it hands out, the partial pool and the buffer check a rollout's writes against it) and counts
+the writes it refused for want of one (`refusals`), which its status carries (the `writes_refused`
+alarm names the key and its host).
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from pathlib import Path
 
 from laminar.bus.rpc import RequestError
 from laminar.roles.base import Role
+from laminar.roles.handout import Handouts, Refusals, handout_key
 from laminar.roles.sqlite_store import GroupCommitStore, StoreBusy, StoreError
 
 from laminar.protocol import PoolCount
@@ -70,6 +76,8 @@ class PoolRole(Role):
         return base / f"{self.ctx.role}-{self.ctx.id}.sqlite"
 
     async def setup(self) -> None:
+        self.handouts = Handouts(await asyncio.to_thread(handout_key, self.cluster))
+        self.refusals = Refusals(self.cluster, self.log)
         self.store = await asyncio.to_thread(GroupCommitStore, self.store_path(), self.SCHEMA + QUARANTINE_SCHEMA,
                                              version=self.SCHEMA_VERSION, migrations=self.MIGRATIONS)
         self.refusal = await asyncio.to_thread(self._check_identity)
@@ -244,7 +252,7 @@ class PoolRole(Role):
             return {**health, "fault": self.refusal or self.fault}
         if self.store.salvaged is not None:
             health["store_salvaged"] = self.store.salvaged
-        return {**self.counts(), **health}
+        return {**self.counts(), **self.refusals.status(), **health}
 
 
 def now() -> float:

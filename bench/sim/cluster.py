@@ -58,8 +58,8 @@ class SimHub(InprocHub):
     thousand rollouts' first batches ending together) turns into a retry storm. Lifted, the
     burst queues once and drains at the pools' speed, which is what the throughput is made of."""
 
-    def transport(self) -> InprocTransport:
-        return _SimTransport(self)
+    def transport(self, identity: str | None = None) -> InprocTransport:
+        return _SimTransport(self, identity)
 
 
 @dataclass
@@ -121,7 +121,7 @@ def quiet_logs() -> None:
 
 
 async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_version=None,
-                  pause_gc: bool = True, stop_when=None, check_s: float = 1.0) -> SimRun:
+                  pause_gc: bool = True, stop_when=None, check_s: float = 1.0, scoped: bool = False) -> SimRun:
     """Run `cfg` (a parsed sim LaminarConfig) until the trainer finishes or `timeout_s` passes.
     `on_version(version, rollouts)` is called at each new trainer version (e.g. to reset counters
     after a warm-up). `stop_when(rollouts)`, asked every `check_s` real seconds, ends the run
@@ -130,14 +130,16 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
     once at the end). The collector's passes visit every item of the young token lists again and
     again: measured at 72B/1024 (sync), 85 of 119 CPU seconds and pauses of up to 2 s, which
     compressed time turns into 10+ simulated seconds of lag. The roles' objects are reference-
-    counted away; what cycles remain cost memory until the end of the run (~+40% RSS there)."""
+    counted away; what cycles remain cost memory until the end of the run (~+40% RSS there).
+    `scoped`: every role acts as its scoped key would (bus/inproc.py), so the pools check each
+    write against its hand-out and each score against its lease."""
     trainer_cfg = cfg.roles["trainer"]
     speedup = float(trainer_cfg.get("sim", {}).get("speedup", 1.0))
     roll_ids = [s.id for _, s in cfg.find("rollout")]
     relay_ids = [s.id for _, s in cfg.find("relay")]
     run = SimRun(cfg.workdir(), speedup, len(roll_ids))
-    cluster = InprocCluster(cfg, codec=False)
-    cluster.hub = SimHub(hwm=cfg.cluster.bus.hwm, codec=False)
+    cluster = InprocCluster(cfg, codec=False, scoped=scoped)
+    cluster.hub = SimHub(hwm=cfg.cluster.bus.hwm, codec=False, scoped=scoped)
     ticker = asyncio.create_task(_ticker(run.loop_lag_ms), name="sim-loop-lag")
     t0, cpu0 = time.monotonic(), time.process_time()
     gc_was_enabled = gc.isenabled()

@@ -31,7 +31,8 @@ class AwaitReward:
 @event("reward.lease")
 class LeaseRewards:
     """Up to `max_items` trajectories awaiting `scorer`, leased to `replica_id` for `lease_s`
-    seconds (work whose lease expired is handed out again)."""
+    seconds (work whose lease expired is handed out again). The pool bounds both (items, bytes,
+    lease time) and a `reward.<scorer>` key may lease only that scorer's work."""
     replica_id: str
     scorer: str
     max_items: int
@@ -40,14 +41,18 @@ class LeaseRewards:
 
 @event("reward.work")
 class RewardWork:
+    """One bounded page of leased work (the pool caps items, bytes and the lease's length): ask
+    again for more while `waiting` says there is."""
     trajectories: list[Trajectory]
     waiting: int = 0    # trajectories awaiting this scorer and not leased, after this lease
+    lease_s: float = 0.0  # the lease granted (at most the pool's lease_max_s); 0: as asked (an older pool)
 
 
 @event("reward.submit")
 class SubmitScores:
     """Scores of `scorer` for these trajectories (one per id, in order); `parse_failed` lists the
-    ids whose score is a configured fallback (a judge answer that did not parse)."""
+    ids whose score is a configured fallback (a judge answer that did not parse). A score is
+    applied only against `replica_id`'s own lease of that trajectory."""
     replica_id: str
     scorer: str
     trajectory_ids: list[str]

@@ -31,6 +31,7 @@ class RolloutStats:
     lineage: int = 0          # lineage epoch of the loaded weights (with version: which weights)
     weight_pull_failures: int = 0  # weight loads that failed (the rollout kept its weights)
     puts_refused: int = 0     # PutTrajectory answers other than stored/duplicate (retried)
+    run_id: str = ""          # the run of the loaded weights (with lineage and version: which weights)
 
 
 @event("rollout.migrate_out")

@@ -68,6 +68,7 @@ class RelayJoin:
     data_address: str      # host:port of its chunk listener
     control_address: str   # its request/reply server (SetDownstream)
     version: int = -1      # newest complete version it already holds (after a restart)
+    link_key: bytes = b""  # a fresh key per join: the manager proves to this relay which upstream it named
 
 
 @event("relay.assignment")
@@ -79,10 +80,13 @@ class ChainAssignment:
 
 @event("relay.set_downstream")
 class SetDownstream:
-    """Manager -> relay: forward to this relay from now on (address "" = you are the tail)."""
+    """Manager -> relay: forward to this relay from now on (address "" = you are the tail). `token`
+    proves to the downstream that the manager named this relay its upstream at `epoch`
+    (laminar/weights/handshake.py `link_token`, under the downstream's link key)."""
     epoch: int
     downstream_id: str
     address: str
+    token: bytes = b""
 
 
 @event("relay.link_down")

@@ -8,6 +8,11 @@
 
 The roles are the real classes driven by the real shell (`run_role`); only the transport differs
 (asyncio queues instead of sockets). Used by tests and by the simulator.
+
+`InprocCluster(cfg, scoped=True)` runs it as a cluster with scoped keys would (bus/inproc.py): each
+role acts as the key its process would present (`rollout.<id>`, `relay.<id>`, `reward.<scorer>`,
+`pool`, `manager`, ...; laminar/shell.py `role_key`), servers refuse what that key may not send,
+and `client_as("rollout.r0", ROLE)` is a client holding that key, e.g. a hostile one.
 """
 from __future__ import annotations
 
@@ -16,22 +21,33 @@ import asyncio
 from laminar.bus.inproc import InprocHub
 from laminar.roles.base import Role, RoleContext
 from laminar.roles.registry import role_class
-from laminar.shell import run_role
+from laminar.shell import role_key, run_role
+
+NAMED_KEYS = ("rollout", "relay", "reward")  # roles that act under a key of their own name when scoped
+
+
+def role_identity(cfg, role: str, id: str) -> str:
+    """The key identity role.id acts as in a scoped cluster: its scope, named for the roles whose
+    keys name them (a rollout, a relay, a reward replica's scorer)."""
+    scope, name = role_key(cfg, role, id)
+    return f"{scope}.{name}" if role in NAMED_KEYS else scope
 
 
 class InprocCluster:
-    def __init__(self, cfg, codec: bool = True):
+    def __init__(self, cfg, codec: bool = True, scoped: bool = False):
         # In one process an address is just a name: bind where peers connect.
         self.cfg = cfg = cfg.model_copy(deep=True)
         for host in cfg.cluster.hosts.values():
             host.bind = host.address
-        self.hub = InprocHub(hwm=cfg.cluster.bus.hwm, codec=codec)
+        self.scoped = scoped
+        self.hub = InprocHub(hwm=cfg.cluster.bus.hwm, codec=codec, scoped=scoped)
         self.roles: dict[str, Role] = {}
         self.tasks: dict[str, asyncio.Task] = {}
 
     async def start(self, role: str, id: str = "0", ready_timeout_s: float = 300.0) -> Role:
         host, _ = self.cfg.spec(role, id)
-        ctx = RoleContext(role=role, id=str(id), host=host, transport=self.hub.transport(),
+        identity = role_identity(self.cfg, role, str(id)) if self.scoped else None
+        ctx = RoleContext(role=role, id=str(id), host=host, transport=self.hub.transport(identity),
                           settings=self.cfg.role_settings(role, id), config=self.cfg)
         r = role_class(role)(ctx)
         ready = asyncio.get_running_loop().create_future()
@@ -48,7 +64,12 @@ class InprocCluster:
         return r
 
     def client(self, role: str, id: str = "0"):
+        """A client with every right (the operator's key, or the one cluster key)."""
         return self.hub.transport().client(self.cfg.endpoint(role, id))
+
+    def client_as(self, identity: str, role: str, id: str = "0"):
+        """A client of role.id holding the key `identity` ("rollout.r0", "reward.judge", ...)."""
+        return self.hub.transport(identity).client(self.cfg.endpoint(role, id))
 
     async def stop(self, role: str, id: str = "0") -> int:
         key = f"{role}.{id}"

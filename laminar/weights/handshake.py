@@ -16,6 +16,12 @@ and from it one key per direction: every later message carries a MAC under them 
   told it is the master keeps it, but drops a LINK upstream, which can only be a stale relay);
 - PART: one host of a multi-host trainer (it never displaces the upstream; several at once);
 - PROBE: the manager checking that the port really serves; answered and closed.
+A LINK to a relay that holds a link key (the relay role's: it gives the key to the manager when
+it joins, over its encrypted bus connection) must also prove it is the upstream the manager
+named: the manager hands that upstream, in SetDownstream, `link_token(key, epoch, upstream_id)`,
+and the PROOF carries (epoch, upstream_id, MAC of the transcript under that token). Any other
+peer, though it holds the cluster secret, is refused (`LinkRefused`) and never displaces the
+relay's upstream; the relay also refuses a claim older than the link it has (node.py).
 PUBLISH and PART come only from trainer hosts: when the accepting relay has the public key of the
 trainer's signing key (`verifier`), the PROOF must also carry an Ed25519 signature, by the
 matching secret, of the purpose and both nonces; a peer that only holds the cluster secret (any
@@ -29,6 +35,7 @@ import hmac
 import os
 
 import blake3
+import msgpack
 
 from laminar.weights import wire
 from laminar.weights.seal import SealError, Signer, verify_signature
@@ -39,6 +46,37 @@ PURPOSES = {PURPOSE_LINK: "link", PURPOSE_PROBE: "probe", PURPOSE_PART: "part", 
 _PROOF_TAG = {PURPOSE_LINK: b"C", PURPOSE_PROBE: b"P", PURPOSE_PART: b"S", PURPOSE_PUBLISH: b"T"}
 TRAINER_ONLY = frozenset({PURPOSE_PART, PURPOSE_PUBLISH})
 _TRANSCRIPT = b"laminar trainer upstream v3\0"
+_LINK_TOKEN = b"laminar named link v1\0"
+
+
+class LinkRefused(LinkError):
+    """A relay link whose peer did not prove it is the upstream the manager named."""
+
+
+def link_token(link_key: bytes, epoch: int, upstream_id: str) -> bytes:
+    """What the manager gives upstream `upstream_id` to link, at chain `epoch`, into the relay
+    whose link key is `link_key` (only that relay and the manager know the key)."""
+    return hmac.new(link_key, _LINK_TOKEN + f"{int(epoch)}\0{upstream_id}".encode(), hashlib.sha256).digest()
+
+
+def _link_claim(claim: tuple[int, str, bytes], nonce_c: bytes, nonce_a: bytes) -> bytes:
+    epoch, upstream_id, token = claim
+    mac = hmac.new(token, _transcript(PURPOSE_LINK, nonce_c, nonce_a), hashlib.sha256).digest()
+    return msgpack.packb([int(epoch), str(upstream_id), mac])
+
+
+def _check_claim(raw: bytes, link_key: bytes, nonce_c: bytes, nonce_a: bytes) -> tuple[int, str]:
+    """(epoch, upstream id) of a LINK's claim to be the named upstream, or LinkRefused."""
+    try:
+        epoch, upstream_id, mac = msgpack.unpackb(raw)
+        epoch, upstream_id, mac = int(epoch), str(upstream_id), bytes(mac)
+    except Exception:  # noqa: BLE001 - msgpack raises a zoo of types on garbage; none of them is a claim
+        raise LinkRefused("link refused: the peer does not claim to be the upstream the manager named") from None
+    want = _link_claim((epoch, upstream_id, link_token(link_key, epoch, upstream_id)), nonce_c, nonce_a)
+    if not hmac.compare_digest(msgpack.unpackb(want)[2], mac):
+        raise LinkRefused(f"link refused: the peer claims to be {upstream_id!r} at chain epoch {epoch} without "
+                          "the manager's token for it")
+    return epoch, upstream_id
 
 
 def _mac(key: bytes, who: bytes, nonce: bytes) -> bytes:
@@ -71,7 +109,8 @@ def _expect(conn: Conn, typ: int) -> tuple[wire.Header, bytes]:
 
 
 def client_handshake(conn: Conn, key: bytes, timeout: float = 5.0, purpose: int = PURPOSE_LINK,
-                     signer: Signer | None = None) -> wire.Channel:
+                     signer: Signer | None = None, claim: tuple[int, str, bytes] | None = None) -> wire.Channel:
+    """`claim`: (epoch, this relay's id, the manager's token) for a LINK into a relay that checks it."""
     conn.set_handshake_timeout(timeout)
     nonce_c = os.urandom(32)
     wire.send_plain(conn, wire.HELLO, a=wire.DATA_PROTOCOL, b=purpose, payload=nonce_c)
@@ -83,6 +122,8 @@ def client_handshake(conn: Conn, key: bytes, timeout: float = 5.0, purpose: int 
     proof = _mac(key, _PROOF_TAG[purpose], nonce_a)
     if signer is not None and purpose in TRAINER_ONLY:
         proof += signer.sign(_transcript(purpose, nonce_c, nonce_a))
+    elif claim is not None and purpose == PURPOSE_LINK:
+        proof += _link_claim(claim, nonce_c, nonce_a)
     wire.send_plain(conn, wire.PROOF, payload=proof)
     ch = _channel(conn, key, purpose, nonce_c, nonce_a, client=True)
     if ch.recv().type != wire.WELCOME:
@@ -91,10 +132,12 @@ def client_handshake(conn: Conn, key: bytes, timeout: float = 5.0, purpose: int 
     return ch
 
 
-def server_handshake(conn: Conn, key: bytes, timeout: float = 5.0,
-                     verifier: bytes | None = None) -> tuple[int, wire.Channel]:
+def server_handshake(conn: Conn, key: bytes, timeout: float = 5.0, verifier: bytes | None = None,
+                     link_key: bytes | None = None) -> tuple[int, wire.Channel]:
     """Authenticate the connecting peer: (its purpose, the link's Channel). With `verifier` (the
-    trainer's public signing key) a PART or PUBLISH peer must prove it holds the secret key."""
+    trainer's public signing key) a PART or PUBLISH peer must prove it holds the secret key; with
+    `link_key` a LINK peer must prove it is the upstream the manager named (LinkRefused), and the
+    Channel's `claim` is then its (epoch, upstream id)."""
     conn.set_handshake_timeout(timeout)
     h, nonce_c = _expect(conn, wire.HELLO)
     _check_protocol(h)
@@ -112,7 +155,9 @@ def server_handshake(conn: Conn, key: bytes, timeout: float = 5.0,
         except SealError:
             raise LinkError(f"{PURPOSES[purpose]} upstream refused: the peer does not hold the trainer's signing "
                             "key (weights.key_secret): only trainer hosts publish") from None
+    claim = _check_claim(proof[32:], link_key, nonce_c, nonce_a) if link_key and purpose == PURPOSE_LINK else None
     ch = _channel(conn, key, purpose, nonce_c, nonce_a, client=False)
+    ch.claim = claim
     ch.send(wire.WELCOME)
     conn.set_handshake_timeout(None)
     return purpose, ch
@@ -129,11 +174,12 @@ def probe(transport: ChunkTransport, address: str, key: bytes, timeout: float) -
 
 
 def connect(transport: ChunkTransport, address: str, key: bytes, timeout: float,
-            purpose: int = PURPOSE_LINK, signer: Signer | None = None) -> wire.Channel:
+            purpose: int = PURPOSE_LINK, signer: Signer | None = None,
+            claim: tuple[int, str, bytes] | None = None) -> wire.Channel:
     """Connect and authenticate (client side); the connection is closed if the handshake fails."""
     conn = transport.connect(address, timeout)
     try:
-        return client_handshake(conn, key, timeout, purpose=purpose, signer=signer)
+        return client_handshake(conn, key, timeout, purpose=purpose, signer=signer, claim=claim)
     except BaseException:
         conn.close()
         raise

@@ -39,6 +39,16 @@ silent heartbeat (the relay is taken out of the chain and re-joins when healthy)
 whose handshake says it is the manager's probe is answered and closed: it never displaces the
 upstream.
 
+Named links and pinned runs (docs/weights.md). With a `link_key` (the relay role always gives
+one, and hands it to the manager when it joins) a LINK is taken only from the upstream the
+manager named: its handshake proves the manager's token for (chain epoch, upstream id), and a
+claim older than the link held is refused too, so a host with the cluster secret can neither push
+the real upstream off nor feed the relay (`link_refused`, counted in `links_refused`). What any
+upstream offers passes the OfferGate (offer_gate.py): the trainer's own links pin the run; a relay
+link's offer of another run, or one too large, is refused before anything is allocated
+(`offer_refused`; `runs_refused`, `offers_too_large`). `announce_run` is the trainer's word on the
+run, from its heartbeat (the role follows it).
+
 Part upstreams (handshake purpose PART: the hosts of a trainer whose ranks span several hosts,
 each sending only its own byte ranges; part_receiver.py) never displace the upstream nor each
 other: each gets a PartReceiver thread of its own, at most `max_part_upstreams` at once (beyond
@@ -55,8 +65,10 @@ from collections.abc import Callable
 import structlog
 
 from laminar.weights import handshake, seal
+from laminar.weights.offer_gate import OfferGate
 from laminar.weights.part_receiver import PartReceiver
 from laminar.weights.receiver import Receiver
+from laminar.weights.run_pin import RunPin
 from laminar.weights.sender import Sender
 from laminar.weights.store import ShmStore
 from laminar.weights.transport import ChunkTransport, LinkError
@@ -71,13 +83,20 @@ class RelayNode:
                  connect_timeout_s: float = 3.0, ack_timeout_s: float = 30.0, retain: int = 0,
                  handshake_timeout_s: float = 5.0, max_pending_handshakes: int = 32, relisten_after: int = 5,
                  max_part_upstreams: int = 64, verifier: seal.Verifier | None = None, heartbeat_s: float = 1.0,
-                 idle_timeout_s: float = 10.0, stall_s: float = 30.0):
+                 idle_timeout_s: float = 10.0, stall_s: float = 30.0, link_key: bytes | None = None,
+                 run_wait_s: float = 5.0, max_version_bytes: int | None = None):
         self.id, self.transport, self.key = relay_id, transport, key
         # the trainer's public signing key: seals and trainer handshakes are checked with it
         # (None: auth off, seals are checked for integrity only)
         self.verifier = verifier
         self.heartbeat_s, self.idle_timeout_s, self.stall_s = heartbeat_s, idle_timeout_s, stall_s
         self.store = ShmStore(shm_dir, retain)
+        self.pin = RunPin()  # the run whose weights this relay takes (run_pin.py)
+        self.gate = OfferGate(relay_id, self.store, self.pin, run_wait_s, max_version_bytes)
+        # None: any cluster-secret holder may link in (tests, benchmarks); else only the named upstream
+        self.link_key = link_key
+        self.link_epoch = 0           # the chain epoch of the newest named link taken
+        self.links_refused_named = 0  # LINKs refused: not the named upstream, or an older claim
         self.bind_host, self.port = bind_host, port
         self.on_event = on_event
         self.connect_timeout_s, self.ack_timeout_s = connect_timeout_s, ack_timeout_s
@@ -174,7 +193,12 @@ class RelayNode:
 
     def _handshake(self, conn) -> None:
         try:
-            purpose, ch = handshake.server_handshake(conn, self.key, self.handshake_timeout_s, self.verifier)
+            purpose, ch = handshake.server_handshake(conn, self.key, self.handshake_timeout_s, self.verifier,
+                                                     link_key=self.link_key)
+        except handshake.LinkRefused as exc:
+            self._link_refused(conn.peer, str(exc))
+            conn.close()
+            return
         except (LinkError, OSError) as exc:
             self.handshakes_refused += 1
             if self.handshakes_refused & (self.handshakes_refused - 1) == 0:
@@ -216,18 +240,44 @@ class RelayNode:
             ch.close()
             return
         with self.upstream_lock:  # handshake threads finish concurrently: one swap at a time
-            if self._stop.is_set():
+            if self._stop.is_set() or not self._named_link(ch, purpose):
                 ch.close()
                 return
             self._drop_upstream()
+            gate = self.gate.link if purpose == handshake.PURPOSE_LINK else self.gate.trainer
             rcv = Receiver(self.store, ch, self._on_receiver_event, verifier=self.verifier,
-                           heartbeat_s=self.heartbeat_s)
+                           heartbeat_s=self.heartbeat_s, gate=gate)
             t = threading.Thread(target=self._run_receiver, args=(rcv,), name=f"relay-{self.id}-recv", daemon=True)
             with self.lock:
                 self.receiver, self.receiver_thread, self.upstream = rcv, t, ch.peer
                 self.upstream_purpose = purpose
             t.start()
         self.on_event("upstream", peer=ch.peer, purpose=handshake.PURPOSES[purpose])
+
+    def _named_link(self, ch, purpose: int) -> bool:
+        """A LINK's claim (proven in the handshake) is not older than the link this relay has
+        (caller holds upstream_lock); a former upstream keeps its token, never its place."""
+        if purpose != handshake.PURPOSE_LINK or self.link_key is None or ch.claim is None:
+            return True
+        epoch, upstream_id = ch.claim
+        if epoch < self.link_epoch:
+            self._link_refused(ch.peer, f"link refused: {upstream_id!r} claims chain epoch {epoch}, older than "
+                                        f"the link this relay has (epoch {self.link_epoch})")
+            return False
+        self.link_epoch = epoch
+        return True
+
+    def _link_refused(self, peer: str, why: str) -> None:
+        self.links_refused_named += 1
+        n = self.links_refused_named
+        if n & (n - 1) == 0:  # 1st, 2nd, 4th... : a flood does not flood the log
+            log.warning("link_refused", relay=self.id, peer=peer, why=why, refused=n)
+        self.on_event("link_refused", peer=peer, why=why)
+
+    def announce_run(self, run_id: str) -> None:
+        """The trainer names its run (its heartbeat): from now on only that run's versions are taken."""
+        if self.pin.announce(run_id):
+            log.info("run_pinned", relay=self.id, run_id=run_id, by="the trainer's announcement")
 
     def _drop_upstream(self, only_purpose: int | None = None) -> bool:
         """Stop the upstream receiver (only one of that purpose, if given) and wait for it to end;
@@ -253,10 +303,14 @@ class RelayNode:
                 self.stale_dropped += 1
                 log.warning("stale_upstream_dropped", relay=self.id, peer=peer, why="this relay is the master now")
 
-    def reset_links(self) -> None:
+    def reset_links(self, link_key: bytes | None = None) -> None:
         """Drop every link (downstream, upstream, parts): the relay re-joins the chain, where the
-        manager links it afresh (at the tail it has no downstream; its old upstream is stale)."""
+        manager links it afresh (at the tail it has no downstream; its old upstream is stale).
+        `link_key`: the key it joins with (every token of the old one is void, and a restarted
+        manager's epochs start low again)."""
         self.master = False
+        if link_key is not None:
+            self.link_key, self.link_epoch = link_key, 0
         with self.link_lock:
             self._drop_sender()
             self.downstream = ""
@@ -279,7 +333,7 @@ class RelayNode:
             else:
                 old.join(timeout=0.5)  # a trainer that just turned into parts closed its link: let it end
         rcv = PartReceiver(self.store, ch, self._on_receiver_event, verifier=self.verifier,
-                           heartbeat_s=self.heartbeat_s, siblings=self._part_receivers)
+                           heartbeat_s=self.heartbeat_s, siblings=self._part_receivers, gate=self.gate.trainer)
         t = threading.Thread(target=self._run_part, args=(rcv,), name=f"relay-{self.id}-part", daemon=True)
         with self.lock:
             linked = self.receiver_thread is not None and self.receiver_thread.is_alive()
@@ -332,20 +386,22 @@ class RelayNode:
         self.on_event(kind, **info)
 
     # -- downstream side -------------------------------------------------------------------
-    def set_downstream(self, address: str, peer_id: str = "") -> None:
+    def set_downstream(self, address: str, peer_id: str = "", token: bytes = b"", epoch: int = 0) -> None:
         """Forward to `address` from now on ("" = none). Blocks until connected and
-        authenticated (raises LinkError if that fails); the stream itself runs in a thread."""
+        authenticated (raises LinkError if that fails); the stream itself runs in a thread.
+        `token`: the manager's proof that this relay is the one it named upstream of `peer_id` at
+        chain `epoch` (a relay with a link key takes no LINK without it)."""
         with self.link_lock:
-            self._set_downstream(address, peer_id)
+            self._set_downstream(address, peer_id, (epoch, self.id, token) if token else None)
 
-    def _set_downstream(self, address: str, peer_id: str) -> None:
+    def _set_downstream(self, address: str, peer_id: str, claim: tuple | None) -> None:
         self._drop_sender()
         if not address:
             self.downstream = ""
             return
-        ch = handshake.connect(self.transport, address, self.key, self.connect_timeout_s)
+        ch = handshake.connect(self.transport, address, self.key, self.connect_timeout_s, claim=claim)
         ch.set_idle_timeout(self.idle_timeout_s)
-        sender = Sender(self.store, ch, name=f"relay-{self.id}->{peer_id or address}",
+        sender = Sender(self.store, ch, name=f"relay-{self.id}->{peer_id or address}", verifier=self.verifier,
                         ack_timeout_s=self.ack_timeout_s, heartbeat_s=self.heartbeat_s,
                         on_delivered=lambda v: self.on_event("delivered", peer=peer_id, version=v),
                         on_refused=lambda v, why: self._refused_downstream(peer_id or address, v, why))
@@ -398,7 +454,9 @@ class RelayNode:
                 "corrupt_chunks": self.corrupt, "lineage": cur.manifest.lineage if cur else -1,
                 "lineage_refused": self.lineage_refused, "seals_refused": self.seals_refused,
                 "stale_upstreams_dropped": self.stale_dropped, "incoming_abandoned": self.abandoned,
-                "links_refused_as_master": self.links_refused,
+                "links_refused_as_master": self.links_refused, "links_refused": self.links_refused_named,
+                "run": self.pin.pinned(cur.manifest.run_id if cur else ""), "runs_refused": self.gate.refused["run"],
+                "offers_too_large": self.gate.refused["size"],
                 "upstream": self.upstream, "downstream": self.downstream, "master": self.master,
             } | self._port_status()
 

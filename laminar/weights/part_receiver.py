@@ -105,8 +105,8 @@ class PartReceiver(UpstreamReceiver):
 
     def __init__(self, store: ShmStore, ch: wire.Channel, on_event: Callable[..., None] = lambda kind, **kw: None,
                  verifier: seal.Verifier | None = None, heartbeat_s: float = 0.0,
-                 siblings: Callable[[], list] = lambda: []):
-        super().__init__(store, ch, on_event, verifier, heartbeat_s)
+                 siblings: Callable[[], list] = lambda: [], gate=None):
+        super().__init__(store, ch, on_event, verifier, heartbeat_s, gate)
         self.siblings = siblings  # the relay's part receivers (this one among them), for _hold
         self.working: tuple | None = None  # ident of the version this part is being sent for (None: done)
         self.version = -1

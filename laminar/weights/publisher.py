@@ -453,6 +453,11 @@ class WeightPublisher:
             self.cond.notify_all()
         self.on_refused(why)
 
+    def _declined(self, version: int, why: str) -> None:
+        """The relay declined the version for another reason than a newer lineage (a relay gives
+        the trainer's own link no such answer: only a hostile or broken one does). Logged, not fatal."""
+        log.error("publish_declined", version=version, lineage=self.lineage, why=why)
+
     def make_seals(self, vb: VersionBuffer) -> list[bytes]:
         """The seals of a whole version (Sender source API; caller holds cond): one seal over
         every chunk's digest, signed, made once (the sender hashed the chunks it sent; a resumed
@@ -496,7 +501,8 @@ class WeightPublisher:
         ch.set_idle_timeout(self.idle_timeout_s)
         cls = PartSender if self.part else Sender
         sender = cls(self, ch, name=f"publisher->{relay_id or address}", ack_timeout_s=self.ack_timeout_s,
-                     on_delivered=self._delivered, on_refused=self._refused, heartbeat_s=self.heartbeat_s)
+                     on_delivered=self._delivered, on_refused=self._refused, heartbeat_s=self.heartbeat_s,
+                     verifier=self.signer.public if self.signer is not None else None, on_declined=self._declined)
         with self.cond:
             self._sender = sender
             stale = self.stopped or self._target_seq != seq  # retargeted while connecting

@@ -114,6 +114,17 @@ class WeightsRefused(ValueError):
     """A version whose chunks or manifest fail their MACs: it is not handed out."""
 
 
+def seal_refusal(held: PulledVersion, verifier: seal.Verifier | None) -> str:
+    """Why the seals of a held version do not vouch for its bytes ("" = they do). Without a
+    verifier the seals' digests are still checked (a changed byte is caught), not their signature."""
+    m = held.manifest
+    try:
+        bad = seal.check(m, m.seals, held.buf, verifier, manifest_digest(m))
+        return f"chunks {bad[:8]} are not the bytes the trainer sealed" if bad else ""
+    except seal.SealError as exc:
+        return str(exc)
+
+
 class PulledVersion:
     """One complete version, held (shared lock) until close()."""
 
@@ -159,7 +170,7 @@ class LocalWeights:
         unset); b"" never checks."""
         self.dir = Path(shm_dir)
         if verify_key is None:
-            env = os.environ.get("LAMINAR_WEIGHTS_VERIFY_KEY", "")
+            env = os.environ.get(seal.VERIFY_KEY_ENV, "")
             verify_key = bytes.fromhex(env) if env else b""
         self._verifier = seal.Verifier(verify_key) if verify_key else None
         self._maps: dict[int, tuple[int, int, mmap.mmap]] = {}  # slot -> (inode, size, mapping)
@@ -270,12 +281,7 @@ class LocalWeights:
         let go first)."""
         if self._verifier is None:
             return
-        m = held.manifest
-        try:
-            bad = seal.check(m, m.seals, held.buf, self._verifier, manifest_digest(m))
-            why = f"chunks {bad[:8]} are not the bytes the trainer sealed" if bad else ""
-        except seal.SealError as exc:
-            why = str(exc)
+        why = seal_refusal(held, self._verifier)
         if why:
             held.close()
             raise WeightsRefused(f"{where}: v{held.version} refused: {why} (changed in shared memory, or not "

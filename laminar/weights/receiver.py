@@ -16,20 +16,26 @@ abandoned (nothing of it is kept), counted (`seals_refused`) and the link ended.
 kept for local checks is computed here from the received bytes, never taken from the wire.
 
 An offer of an older lineage of the run than the one held is refused by name (WANT REFUSED, with
-the held lineage in its payload), logged and counted (`lineage_refused`): never 'have it'.
+the held lineage in its payload and, as proof, the held version's manifest and seals: the
+trainer's signature over that lineage), logged and counted (`lineage_refused`): never 'have it'.
+An offer the owner's `gate` declines (a relay link: another run than the pinned one, a layout too
+large; node.py) is refused the same way, its payload saying why (`why`: run, size), and logged as
+`offer_refused` naming the peer; nothing of it is allocated.
 
 `on_event(kind, **info)` is called from this thread: "offer", "progress", "complete", "corrupt",
-"refused" (an older lineage), "sealfail".
+"refused" (an older lineage), "declined" (the gate refused it), "sealfail".
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import msgpack
 import structlog
 
+from laminar.protocol import Manifest
 from laminar.weights import seal, wire
-from laminar.weights.manifest import checksum, chunk_count, manifest_from_bytes
+from laminar.weights.manifest import checksum, chunk_count, manifest_from_bytes, manifest_to_bytes
 from laminar.weights.store import ShmStore, VersionBuffer
 from laminar.weights.transport import LinkError
 
@@ -38,9 +44,22 @@ MAX_MAC_FAILURES = 4
 
 
 def refusal_payload(held) -> bytes:
-    """What a refused offer's WANT carries: the version held, so the sender's error names it."""
+    """What a refused offer's WANT carries: the version held, so the sender's error names it, and
+    its manifest with its seals, so a sender holding the trainer's public key can check that the
+    newer lineage exists (sender.py: a relay cannot make the trainer fail with a claim alone)."""
     m = held.manifest
-    return msgpack.packb({"run_id": m.run_id, "lineage": int(m.lineage), "version": int(m.version)})
+    proof = dataclasses.replace(m, checksums=[], macs=[], seals=list(held.seals))
+    return msgpack.packb({"run_id": m.run_id, "lineage": int(m.lineage), "version": int(m.version),
+                          "manifest": manifest_to_bytes(proof)})
+
+
+def decline_payload(kind: str, detail: str, held=None) -> bytes:
+    """What an offer the gate refused carries in its WANT REFUSED: why (`kind`: run, size) and, when
+    there is one, the version held."""
+    out = {"why": kind, "detail": detail}
+    if held is not None:
+        out.update(run_id=held.manifest.run_id, lineage=int(held.manifest.lineage), version=int(held.version))
+    return msgpack.packb(out)
 
 
 class UpstreamReceiver:
@@ -52,9 +71,12 @@ class UpstreamReceiver:
     WHO = "upstream"               # how errors name the peer
 
     def __init__(self, store: ShmStore, ch: wire.Channel, on_event: Callable[..., None] = lambda kind, **kw: None,
-                 verifier: seal.Verifier | None = None, heartbeat_s: float = 0.0):
+                 verifier: seal.Verifier | None = None, heartbeat_s: float = 0.0,
+                 gate: Callable[[Manifest], tuple[str, str] | None] | None = None):
         self.store, self.conn, self.on_event = store, ch, on_event
         self.verifier, self.heartbeat_s = verifier, heartbeat_s
+        # asked about every offer before the store: None takes it, (kind, why) refuses it (node.py)
+        self.gate = gate
         self.mdigest = b""
         self.failures: dict[int, int] = {}  # chunk (or range offset) -> digest failures in a row
         self.vb: VersionBuffer | None = None
@@ -82,6 +104,10 @@ class UpstreamReceiver:
             raise LinkError(f"{self.WHO} {self.conn.peer} offered a bad manifest: {exc}") from None
         if m.version != h.version:
             raise LinkError(f"OFFER header says v{h.version}, manifest says v{m.version}")
+        declined = self.gate(m) if self.gate is not None else None
+        if declined is not None:
+            self._decline(m, *declined)
+            return m, "refuse", None
         with self.store.cond:
             if hold is not None and hold(m):
                 return m, "hold", None
@@ -97,6 +123,14 @@ class UpstreamReceiver:
                       "checkpoint folder, or a second trainer of the same run)")
         self.on_event("refused", version=m.version, lineage=m.lineage, held_lineage=held.manifest.lineage)
         self.conn.send(wire.WANT, m.version, a=wire.REFUSED, b=m.lineage, payload=refusal_payload(held))
+
+    def _decline(self, m, kind: str, why: str) -> None:
+        with self.store.cond:
+            held = self.store.current
+        log.error("offer_refused", peer=self.conn.peer, kind=kind, run_id=m.run_id, lineage=m.lineage,
+                  version=m.version, total_bytes=m.total_bytes, why=why)
+        self.on_event("declined", refusal=kind, version=m.version, run_id=m.run_id, peer=self.conn.peer, why=why)
+        self.conn.send(wire.WANT, m.version, a=wire.REFUSED, b=m.lineage, payload=decline_payload(kind, why, held))
 
     def _finish(self, vb: VersionBuffer, known: dict) -> bool:
         """Check a complete version's seals against its bytes; commit it (True) or, when they do

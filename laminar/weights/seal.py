@@ -23,6 +23,7 @@ still catch corruption, nothing catches a forger (there is no key to forge again
 from __future__ import annotations
 
 import hmac
+import os
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
@@ -170,6 +171,20 @@ def check(m, seals, buf, verifier: Verifier | None, mdigest: bytes, known: dict 
         if bytes(view[start:end]).count(0) != end - start:
             bad.update(range(start // m.chunk_bytes, (end - 1) // m.chunk_bytes + 1))
     return sorted(bad)
+
+
+VERIFY_KEY_ENV = "LAMINAR_WEIGHTS_VERIFY_KEY"  # the public key (hex) an engine's worker processes check seals with
+
+
+def arm_engine_checks(keys) -> bool:
+    """Make the engine worker processes this process starts check every version's seals before
+    they load it (laminar/weights/pull.py reads the key from the environment): rollouts and the
+    evaluator call it before their engine starts. False with auth off (nothing to check with)."""
+    verifier = verifier_of(keys)
+    if verifier is None:
+        return False
+    os.environ[VERIFY_KEY_ENV] = verifier.raw.hex()
+    return True
 
 
 def verifier_of(keys) -> Verifier | None:

@@ -11,9 +11,9 @@ it (so its memory is not reused meanwhile), `stopped`.
 Per version: OFFER (b = lineage) -> the downstream's WANT k (b echoes the lineage, as do its
 NACK and DONE: an answer about an abandoned A:v is never taken for one about B:v) (the first
 chunk it lacks, so a re-linked chain resumes there; HAVE: it holds v or newer as current;
-REFUSED: it holds a newer lineage of the run, reported through `on_refused`, never counted
-delivered) -> chunks k..n-1, each sent as soon as the source holds the contiguous prefix up to
-it (so a relay forwards chunk i while chunk i+1 is still arriving) -> NACKed chunks again ->
+REFUSED: it holds a newer lineage of the run, or declined the offer (another run, too large:
+offer_gate.py), never counted delivered) -> chunks k..n-1, each sent as soon as the source holds
+the contiguous prefix up to it (so a relay forwards chunk i while chunk i+1 is still arriving) -> NACKed chunks again ->
 SEAL, once the source's version is sealed (a relay: its own upstream's SEAL verified; the
 publisher: signed here, over the digests of the chunks it sent) -> DONE.
 A version abandoned by the source (superseded before it completed) is dropped mid-way and the
@@ -25,6 +25,14 @@ Every CHUNK carries its content digest (wire.py): the one a relay's receiver ver
 with the chunk, or, from the publisher, one computed here over the trainer's bytes as it goes out
 (the same pass gives the publisher the digests its seal signs). The link sends a PING when idle
 (`heartbeat_s`) and gives up when the downstream sends nothing for its idle timeout.
+
+A refusal for a newer lineage is taken at its word only with proof: given the trainer's public key
+(`verifier`), the refusal must carry the held version's manifest with a seal that key signed, of
+this run and a higher lineage; a claim without one (a hostile relay answering the trainer's
+publisher with lineage 10**9, so that the trainer records it and fails at every restart) is
+logged (`refusal_unproven`, naming the peer) and counted, and the version is not offered again,
+but `on_refused` is not called. Declines of another kind (run, size) go to `on_declined` (by
+default `on_refused`).
 
 Backpressure: the kernel's socket buffer; nothing is queued in Python beyond the events the
 downstream sends back (bounded by the chunk count). Failures: any LinkError (including no WANT
@@ -40,10 +48,13 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import structlog
 
-from laminar.weights import wire
-from laminar.weights.manifest import manifest_to_bytes, with_version
+from laminar.weights import seal, wire
+from laminar.weights.manifest import manifest_from_bytes, manifest_to_bytes, with_version
 from laminar.weights.transport import LinkError
+
+log = structlog.get_logger("laminar.weights.sender")
 
 DELIVERED, SKIPPED, REFUSED = "delivered", "skipped", "refused"  # what became of a version sent
 
@@ -53,8 +64,11 @@ class Sender:
 
     def __init__(self, source: Any, conn: wire.Channel, name: str = "sender", ack_timeout_s: float = 30.0,
                  on_delivered: Callable[[int], None] = lambda v: None,
-                 on_refused: Callable[[int, str], None] = lambda v, why: None, heartbeat_s: float = 0.0):
+                 on_refused: Callable[[int, str], None] = lambda v, why: None, heartbeat_s: float = 0.0,
+                 verifier: seal.Verifier | None = None, on_declined: Callable[[int, str], None] | None = None):
         self.source, self.conn, self.name = source, conn, name
+        self.verifier = verifier  # the trainer's public key: a lineage refusal must prove itself with it
+        self.on_declined = on_declined or on_refused
         self.cond: threading.Condition = source.cond
         self.ack_timeout_s, self.heartbeat_s = ack_timeout_s, heartbeat_s
         self.on_delivered, self.on_refused = on_delivered, on_refused
@@ -64,7 +78,7 @@ class Sender:
         # ident (run, lineage, number) of the version delivered (or refused) last; -1 before the
         # first, which a source written for plain numbers (`version > delivered`) still understands
         self.delivered: tuple | int = -1
-        self.stats = {"chunks": 0, "bytes": 0, "resent": 0, "versions": 0, "refused": 0}
+        self.stats = {"chunks": 0, "bytes": 0, "resent": 0, "versions": 0, "refused": 0, "refused_unproven": 0}
         # A relay drops an older version mid-stream when a newer one starts arriving (its
         # upstream always completes what it streams, so the chain cannot starve); the publisher
         # never does (a trainer publishing faster than the link must not starve the master).
@@ -151,16 +165,49 @@ class Sender:
                 self.cond.wait(timeout=0.5)
 
     def _refused(self, vb, h: wire.Header) -> str:
-        """The downstream refused `vb` (it holds a newer lineage of the run): say so, loudly."""
+        """The downstream refused `vb`: a newer lineage it holds (with proof), or a decline; say so."""
         try:
             held = msgpack.unpackb(h.payload)
-            what = f"lineage {held['lineage']} (v{held['version']})"
         except Exception:  # noqa: BLE001 - the refusal stands; only its detail is unreadable
-            what = "a newer lineage"
+            held = None
+        held = held if isinstance(held, dict) else {}
+        kind = held.get("why", "lineage")
+        if kind != "lineage":
+            self.on_declined(vb.version, f"{self.conn.peer} refused v{vb.version} ({kind}): {held.get('detail', '')}")
+            return REFUSED
+        unproven, shown = self._unproven(vb, held)
+        if shown is not None:  # checked: name what the seal shows, not what the payload says
+            held = {"lineage": shown.lineage, "version": shown.version}
+        if unproven:
+            self.stats["refused_unproven"] += 1
+            log.error("refusal_unproven", sender=self.name, peer=self.conn.peer, version=vb.version,
+                      lineage=vb.manifest.lineage, claimed_lineage=held.get("lineage"), why=unproven)
+            return REFUSED
+        what = f"lineage {held.get('lineage', '?')} (v{held.get('version', '?')})" if held else "a newer lineage"
         why = (f"{self.conn.peer} refused v{vb.version} of lineage {vb.manifest.lineage}: it holds {what} of this "
                f"run, which is newer; a trainer's lineage only goes up (docs/weights.md)")
         self.on_refused(vb.version, why)
         return REFUSED
+
+    def _unproven(self, vb, held: dict) -> tuple[str, object]:
+        """Why a lineage refusal does not prove itself ("" = it does, or there is no key to check),
+        and the manifest it shows once checked: of this run, a higher lineage, sealed by the trainer."""
+        if self.verifier is None:
+            return "", None
+        try:
+            m = manifest_from_bytes(bytes(held.get("manifest", b"")))
+        except (ValueError, TypeError):
+            return "the refusal carries no manifest of the version it holds", None
+        if m.run_id != vb.manifest.run_id or m.lineage <= vb.manifest.lineage:
+            return (f"the version it shows is of run {m.run_id!r} lineage {m.lineage}, not a newer lineage of "
+                    "this run"), None
+        if not m.seals:
+            return "the version it shows carries no seal", None
+        try:
+            seal.open_seal(bytes(m.seals[0]), self.verifier, wire.manifest_digest(m))
+        except seal.SealError as exc:
+            return f"the seal it shows does not verify: {exc}", None
+        return "", m
 
     def _seals(self, vb) -> list[bytes] | None:
         """The version's seals, or None while its source has not sealed it (caller holds cond)."""

@@ -164,6 +164,7 @@ class Channel:
         self._closed = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.scratch = bytearray(0)
+        self.claim: tuple[int, str] | None = None  # a LINK's proven (chain epoch, upstream id): handshake.py
 
     @staticmethod
     def _mac(key: bytes, seq: int, body: bytes, payload) -> bytes:

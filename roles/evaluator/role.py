@@ -56,6 +56,7 @@ from laminar.samples import SampleLog
 from laminar.tasks import load_callable
 from laminar.weights.manifest import ident
 from laminar.weights.pull import LocalWeights
+from laminar.weights.seal import arm_engine_checks
 
 
 class EvaluatorConfig(BaseModel):
@@ -213,6 +214,9 @@ class EvaluatorRole(Role):
                                  kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=1.0, dtype=c.dtype,
                                  omp_threads_bind=bind, seeded=True, kv_cache_tokens=c.kv_cache_tokens,
                                  lora=c.lora)
+        # its worker processes check each version's seals before they load it, as a rollout's do;
+        # the best version's export checks them too (laminar/export.py)
+        arm_engine_checks(getattr(self.ctx.transport, "keys", None))
         await self.engine.start()
         self.version, self.lineage = 0, None  # model_dir's weights: version 0 of no lineage
         self.log.info("evaluator_ready", problems=len(self.problems), eval_every=c.eval_every,

@@ -21,6 +21,11 @@ Dynamic sampling: a SampleGroups that names a filter metric gets only groups who
 (state.py); the others are dropped as `no_signal`, durably, and counted per prompt pool in the
 published counts, from which the prompt pool's gate learns to hand out replacements.
 
+Hand-outs: a put from a rollout key (or the pool key: the partial pool's scored trajectories)
+is stored only if its spec carries a hand-out for the trajectory's rollout (roles/handout.py); else
+it is answered `refused`, counted against the key and never held. A member whose group size is not
+its group's is refused too (state.py).
+
 Curriculum: for a prompt pool whose `curriculum` is on, the put that completes a group also
 records (group id, samples with reward >= 1, size) in the `results` table, in its transaction; the
 same loop as the requeues sends them to that pool (GroupResults, idempotent there) and deletes
@@ -34,7 +39,9 @@ import inspect
 import json
 
 from laminar.bus.errors import RemoteError, RpcError
+from laminar.bus.rpc import current_peer
 from laminar.roles.experience_buffer.state import EXPIRED, OFF_LINEAGE, BufferBook, Change, group_metric
+from laminar.roles.handout import checked
 from laminar.roles.pool_base import PoolRole
 from laminar.roles.sqlite_store import pack, unpack
 from pydantic import BaseModel, ConfigDict, Field
@@ -142,6 +149,7 @@ class ExperienceBufferRole(PoolRole):
         book.counts.update(json.loads(meta.get("counts", "{}")))
         lin = json.loads(meta.get("lineage", "{}"))
         book.lineage, book.forks = int(lin.get("lineage", -1)), dict(lin.get("forks", {}))
+        book.run_id = str(lin.get("run_id", ""))
         self.requeue_out = [gid for (gid,) in self.store.read("SELECT gid FROM requeue ORDER BY rowid")]
         self.results_out = {gid: (s, n) for gid, s, n in self.store.read("SELECT gid, solved, n FROM results")}
         book.capacity = c.capacity
@@ -171,7 +179,8 @@ class ExperienceBufferRole(PoolRole):
         st += [("DELETE FROM handed WHERE pos = ?", (pos,)) for pos in ch.unleased]
         if ch.lineage_changed or ch.requeue:
             st.append(("INSERT OR REPLACE INTO meta VALUES ('lineage', ?)",
-                       (json.dumps({"lineage": self.book.lineage, "forks": self.book.forks}),)))
+                       (json.dumps({"lineage": self.book.lineage, "forks": self.book.forks,
+                                    "run_id": self.book.run_id}),)))
         if ch.released_below is not None:
             st += [("DELETE FROM trajs WHERE gid IN (SELECT gid FROM handed WHERE pos < ?)", (ch.released_below,)),
                    ("DELETE FROM handed WHERE pos < ?", (ch.released_below,))]
@@ -183,7 +192,11 @@ class ExperienceBufferRole(PoolRole):
         return st
 
     async def on_put(self, req: PutTrajectory) -> PutResult:
-        status, ch = self.book.put(req.trajectory)
+        t, peer = req.trajectory, current_peer.get()
+        if checked(peer, ("rollout", "pool")) and (why := self.handouts.refusal(t.spec, t.rollout_id)):
+            self.refusals.record(peer, PutTrajectory.kind, [t.spec.trajectory_id], why)
+            return PutResult("refused", why)  # the writer was never handed it: nothing stored, nothing held
+        status, ch = self.book.put(t)
         self._queue(ch)  # incomplete groups whose reservation timed out (state.py)
         await self.durable(self._statements(ch) + self._result_of(req.trajectory.spec.group_id, ch))
         head, _, detail = status.partition(": ")
@@ -199,7 +212,7 @@ class ExperienceBufferRole(PoolRole):
     async def on_sample(self, req: SampleGroups) -> Samples:
         req = dataclasses.replace(req, num_groups=self._page_groups(req.num_groups))
         b, released = self.book, Change()
-        b.set_lineage(req.lineage, req.forks, released)
+        b.set_lineage(req.lineage, req.forks, released, req.run_id)
         if req.committed is not None:
             b.release(req.committed, released)
         if req.cursor is not None and req.cursor < b.cursor:  # behind us: leased groups again, in order

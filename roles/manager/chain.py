@@ -26,6 +26,7 @@ class RelayInfo:
     host: str
     data_address: str
     control_address: str
+    link_key: bytes = b""  # the relay's key of its current join: SetDownstream tokens into it are made with it
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ A LinkDown is a suspicion, not a verdict: the manager probes the suspect's data 
 authenticated handshake (PROBE purpose: the relay answers and closes, its upstream untouched)
 under `probe_timeout_s`; a dead process's port refuses at once, and a port that only accepts TCP
 (a full backlog, a stalled accept thread) fails the handshake instead of passing for alive.
-Dead: remove it and re-link. Alive: tell the reporter to reconnect to it. A relay that fails its
+Dead: remove it and re-link. Alive: tell the reporter to reconnect to it. Every SetDownstream
+carries a token made with the downstream's link key (given in its RelayJoin): the downstream takes
+a LINK only from the upstream that presents it, so a host with the cluster secret cannot
+displace the upstream the manager named (laminar/weights/handshake.py). A relay that fails its
 own SetDownstream call (unreachable) is itself removed and the repair continues from there, so a
 chain with several dead relays converges in one pass; when both ends pass their probe, the link is
 tried again (`link_attempts` in all, with a short backoff) and then the downstream is taken out
@@ -20,6 +23,10 @@ A join cannot take another relay's place: a relay key named after a relay (`rela
 that relay only, and no key joins under the id of a listed relay that is alive (it answers a
 probe) at another data address, since the real relay, still listed, would never join again.
 A restarted relay joins freely: the old process no longer answers, or it is at the same address.
+One failed probe proves little (a loaded host, a flood of connections at the port), so only the
+relay's own key (`relay.<id>`: a restart at a new port) takes the id after one; a key without a
+name must find the listed relay unanswering for the whole `takeover_s` window (the heartbeat
+deadline), probed again and again outside the chain's lock, before the id is free.
 """
 from __future__ import annotations
 
@@ -39,8 +46,9 @@ from laminar.weights.transport import LinkError, get_transport
 class ChainHost:
     def __init__(self, transport: Transport, pub: Publisher, log, probe_timeout_s: float = 0.3,
                  rpc_timeout_s: float = 5.0, data_key: bytes | None = None, probe_transport: str = "tcp",
-                 link_attempts: int = 3, probe_transport_options: dict | None = None):
+                 link_attempts: int = 3, probe_transport_options: dict | None = None, takeover_s: float = 5.0):
         self.transport, self.pub, self.log = transport, pub, log
+        self.takeover_s = takeover_s  # how long a listed relay must not answer before a nameless key takes its id
         self.probe_timeout_s, self.rpc_timeout_s = probe_timeout_s, rpc_timeout_s
         if data_key is None:  # the relays' data-plane key, derived from the cluster key as they do
             keys = getattr(transport, "keys", None)
@@ -57,11 +65,17 @@ class ChainHost:
 
     # -- request handlers --------------------------------------------------------------------
     async def on_join(self, req: RelayJoin) -> ChainAssignment:
-        info = RelayInfo(req.relay_id, req.host, req.data_address, req.control_address)
+        info = RelayInfo(req.relay_id, req.host, req.data_address, req.control_address, req.link_key)
         who = current_peer.get()
         scope, _, name = (who or "").partition(".")
         if scope == "relay" and name and name != req.relay_id:
             self._refuse_join(req, who, f"forbidden: a {who} key may join only as relay {name}, not {req.relay_id}")
+        listed = self.coord.relays.get(req.relay_id)
+        if scope == "relay" and not name and listed is not None and listed.data_address != req.data_address:
+            if await self._answers_within(listed.data_address, self.takeover_s):
+                self._refuse_join(req, who, f"forbidden: relay {req.relay_id} is alive at {listed.data_address} "
+                                  f"(it answered within {self.takeover_s:g} s); a key without a name cannot take "
+                                  "its id")
         async with self.lock:
             listed = self.coord.relays.get(req.relay_id)
             if listed is not None and listed.data_address != req.data_address and await self.probe(listed.data_address):
@@ -119,6 +133,17 @@ class ChainHost:
     def publish_state(self) -> None:
         self.pub.publish("weights.chain", self.state())
 
+    async def _answers_within(self, data_address: str, window_s: float) -> bool:
+        """Probe until one answers (True) or `window_s` has passed with none answering (False)."""
+        deadline = time.monotonic() + window_s
+        while True:
+            if await self.probe(data_address):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(0.5, left))  # the spacing of the probes, not a wait for a peer
+
     async def probe(self, data_address: str) -> bool:
         """True when the relay at `data_address` completes an authenticated handshake in time."""
         # A dead process refuses at once; the floor only spares a live relay on a loaded host
@@ -156,7 +181,8 @@ class ChainHost:
             client = self.clients[a.upstream] = self.transport.client(up.control_address)
         for attempt in range(1, self.link_attempts + 1):
             try:
-                await client.call(SetDownstream(self.coord.epoch, a.downstream, a.address), timeout=self.rpc_timeout_s)
+                await client.call(SetDownstream(self.coord.epoch, a.downstream, a.address, self._token(a)),
+                                  timeout=self.rpc_timeout_s)
                 return
             except RpcError as exc:
                 self.log.warning("set_downstream_failed", relay=a.upstream, downstream=a.downstream, error=str(exc),
@@ -179,6 +205,13 @@ class ChainHost:
             self.log.error("link_failed", relay=a.upstream, downstream=a.downstream, attempts=self.link_attempts)
             self._drop_client(a.downstream)
             await self._apply(self.coord.remove(a.downstream), cause=f"{a.upstream} cannot link to {a.downstream}")
+
+    def _token(self, a: Link) -> bytes:
+        """The proof, for `a.downstream`, that this manager named `a.upstream` its upstream now."""
+        down = self.coord.relays.get(a.downstream) if a.downstream else None
+        if down is None or not down.link_key:
+            return b""
+        return handshake.link_token(down.link_key, self.coord.epoch, a.upstream)
 
     def _drop_client(self, relay_id: str) -> None:
         c = self.clients.pop(relay_id, None)

@@ -46,9 +46,12 @@ class ManagerConfig(BaseModel):
                                      "handed out that reached the partial pool or buffer are settled, and those of "
                                      "dead rollouts that reached neither are requeued")
     stall_lag_versions: int = Field(4, ge=0, description="K of the weights_stalled alarm: raised when the trainer's "
-                                    "newest version leads the newest any live rollout serves (same lineage) by more "
-                                    "than K versions ...")
+                                    "newest version leads the version live rollouts serve (same lineage; at "
+                                    "stall_quantile) by more than K versions ...")
     stall_after_s: float = Field(120.0, gt=0, description="... for T seconds; cleared when the lag is back within K")
+    stall_quantile: float = Field(0.0, ge=0, le=1, description="which rollout the weights_stalled alarm compares: "
+                                  "the quantile of the live rollouts' versions (0: the slowest, so any rollout "
+                                  "left behind raises it; 0.5: the median; 1: the newest)")
 
     def relay_dead_after_s(self, cluster) -> float:
         """Heartbeat silence that declares a relay dead: dead_after_s, else the cluster's (5 s when

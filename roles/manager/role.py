@@ -4,8 +4,9 @@ Chain (ChainHost): serves RelayJoin / LinkDown / MasterQuery on its request/repl
 relay heartbeats (`hb.relay.`) to declare silent relays dead, and republishes ChainState every
 `state_interval_s` so a subscriber that missed a change (pub/sub may drop) catches up.
 
-Stall alarm (stall.py): `weights_stalled` when the rollouts' newest version lags the trainer's
-(from its heartbeats) by more than `stall_lag_versions` for `stall_after_s`, whatever the cause.
+Stall alarm (stall.py): `weights_stalled` when the rollouts' versions (the slowest by default,
+`stall_quantile`) lag the trainer's (from its heartbeats) by more than `stall_lag_versions` for
+`stall_after_s`, whatever the cause; it names the rollouts (and hosts) left behind.
 
 Fleet (fleet.py): follows `rollout.stats.` and `hb.rollout.`, runs dynamic repack (periodic and
 on every `weights.version`; only in `laminar` mode unless `repack` says otherwise) and recovers
@@ -38,14 +39,16 @@ class ManagerRole(Role):
         address = cluster.bind_endpoint("manager", self.ctx.id) if cluster else settings.address
         probe, probe_options = self._relay_transport()
         self.chain = ChainHost(self.ctx.transport, self.pub, self.log, settings.probe_timeout_s,
-                               settings.rpc_timeout_s, probe_transport=probe, probe_transport_options=probe_options)
+                               settings.rpc_timeout_s, probe_transport=probe, probe_transport_options=probe_options,
+                               takeover_s=settings.relay_dead_after_s(cluster))
         self.monitor = HeartbeatMonitor(settings.relay_dead_after_s(cluster))
         self.dead: asyncio.Queue[str] = asyncio.Queue(maxsize=1024)
         self.hb_sub = self.ctx.transport.subscriber(["hb.relay."])
         self.fleet = self._make_fleet()
         self.fleet_sub = self.ctx.transport.subscriber(["rollout.stats.", "hb.rollout.", "hb.trainer.",
                                                         "weights.version"])
-        self.stall = StallAlarm(self.log, settings.stall_lag_versions, settings.stall_after_s)
+        self.stall = StallAlarm(self.log, settings.stall_lag_versions, settings.stall_after_s,
+                                quantile=settings.stall_quantile)
         self.server = self.ctx.transport.server(address, "manager", self.ctx.id)
         self.server.route(RelayJoin, self.chain.on_join)
         self.server.route(LinkDown, self.chain.on_link_down)
@@ -104,7 +107,8 @@ class ManagerRole(Role):
     async def _watch_stall(self) -> None:
         period = min(1.0, self.settings.stall_after_s / 4)
         while True:
-            self.stall.update([(v.stats.lineage, v.stats.version) for v in self.fleet.views.values() if v.alive])
+            self.stall.update([(v.stats.lineage, v.stats.version, f"{v.stats.rollout_id}@{v.stats.host}")
+                               for v in self.fleet.views.values() if v.alive])
             await asyncio.sleep(period)  # the alarm's evaluation period, not a wait for a peer
 
     def _peer_changed(self, key: str, alive: bool) -> None:

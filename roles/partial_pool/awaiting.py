@@ -17,10 +17,24 @@ already applied are on disk and stay applied).
 Giving up (`give_up`): a scorer that fails on an item forever (a service that errors on it, a
 replica that dies on it, no replica at all) must not hold it, and its group, out of training
 forever. After `give_up_expired` expired leases of one item for one scorer (the item is not
-leased again from then on), or `give_up_s` seconds awaiting, the pool applies the configured
-`fallback` as that scorer's score and flags it: `gave_up:<scorer>` = 1 in the components, the row's
-score entry carries a third element (1), and `gave_up` counts it. Expiry counts and ages are in
-memory: a restart starts them again.
+leased again from then on), or `give_up_s` seconds awaiting, or `never_leased_s` seconds without
+any replica of that scorer leasing it (a scorer no replica serves: counted `unserved`), the pool
+applies the configured `fallback` as that scorer's score and flags it: `gave_up:<scorer>` = 1 in
+the components, the row's score entry carries a third element (1), and `gave_up` counts it.
+Expiry counts and ages are in memory: a restart starts them again.
+
+Who may score what: a score is applied only against the submitting replica's own lease of that
+item for that scorer (live, or expired and not handed to another replica since: a slow replica's
+work is not thrown away while nobody else has it); a score for work it never leased is refused.
+The role binds the scorer to the key (a `reward.<scorer>` key scores only that scorer) and bounds
+each lease: at most `max_items` items and `max_bytes` of their arrays (at least one item), for a
+lease time the role caps.
+
+Bounds: `full()` says when the items held reach `max_items` or `max_bytes` (the role then answers
+AwaitReward `busy`: the rollout retries with backoff). An item the buffer refuses for good (it can
+never take it, e.g. a group larger than its capacity under `eviction: reject`) is `park`ed: kept
+(durable) but no longer offered to the buffer, counted (`parked`), so it cannot hold back the
+others, and `reward_parked` says how many are held so; a restart of the pool offers it again.
 """
 from __future__ import annotations
 
@@ -44,16 +58,27 @@ class Awaiting:
     since: float = field(default_factory=time.monotonic)
     expired: Counter = field(default_factory=Counter)  # scorer -> leases of it that expired
     gave_up: set[str] = field(default_factory=set)      # scorers whose score is the give-up fallback
+    nbytes: int = 0                                     # its arrays' bytes (lease pages, the bound)
+
+
+def nbytes(t: Trajectory) -> int:
+    """Bytes of a trajectory's arrays: what it costs in memory and in a reply's frames."""
+    arrays = (t.response_tokens, t.logprobs, t.spec.prompt_tokens, t.loss_mask, t.obs_spans)
+    return sum(int(getattr(a, "nbytes", 0)) for a in arrays if a is not None)
 
 
 class AwaitingBook:
     """The awaiting items, their leases, and the once-only application of scores."""
 
     def __init__(self, remember_done: int = 200_000, give_up_expired: int | None = None,
-                 give_up_s: float | None = None):
-        self.give_up_expired, self.give_up_s = give_up_expired, give_up_s
+                 give_up_s: float | None = None, never_leased_s: float | None = None,
+                 max_items: int = 1 << 62, max_bytes: int = 1 << 62):
+        self.give_up_expired, self.give_up_s, self.never_leased_s = give_up_expired, give_up_s, never_leased_s
+        self.max_items, self.max_bytes = max_items, max_bytes
         self.last_gave_up: float | None = None  # monotonic time of the newest give-up
         self.items: dict[str, Awaiting] = {}
+        self.bytes = 0                    # nbytes of the items held
+        self.parked: dict[str, str] = {}  # id -> why the buffer will never take it (not offered again)
         self.done: dict[str, None] = {}   # ids handed to the buffer (newest `remember_done`): late scores
         self.remember_done = remember_done
         self.counts: Counter = Counter()
@@ -66,7 +91,8 @@ class AwaitingBook:
         tid = traj.spec.trajectory_id
         if tid in self.items or tid in self.done:
             return False
-        a = self.items[tid] = Awaiting(traj, dict(pending))
+        a = self.items[tid] = Awaiting(traj, dict(pending), nbytes=nbytes(traj))
+        self.bytes += a.nbytes
         for s, (w, v, *flag) in (applied or {}).items():
             a.weights[s], a.scores[s] = w, v
             if flag and flag[0]:
@@ -80,12 +106,21 @@ class AwaitingBook:
         return json.dumps(a.pending), json.dumps({s: [a.weights[s], v, *([1] if s in a.gave_up else [])]
                                                   for s, v in a.scores.items()})
 
-    def lease(self, replica: str, scorer: str, n: int, lease_s: float, now: float | None = None) -> list[Trajectory]:
-        """Up to `n` trajectories awaiting `scorer` whose lease is free or expired, oldest first."""
+    def full(self) -> str:
+        """Why no further item may be added ("" = there is room)."""
+        if len(self.items) >= self.max_items or self.bytes >= self.max_bytes:
+            return (f"{len(self.items)} trajectories ({self.bytes} bytes) await their scores, the most this pool "
+                    f"holds ({self.max_items}, {self.max_bytes} bytes): retry once scorers caught up")
+        return ""
+
+    def lease(self, replica: str, scorer: str, n: int, lease_s: float, now: float | None = None,
+              max_bytes: int = 1 << 62) -> list[Trajectory]:
+        """Up to `n` trajectories (and `max_bytes` of arrays, at least one) awaiting `scorer` whose
+        lease is free or expired, oldest first."""
         now = time.monotonic() if now is None else now
-        out = []
+        out, size = [], 0
         for a in self.items.values():
-            if len(out) >= n:
+            if len(out) >= n or (out and size + a.nbytes > max_bytes):
                 break
             if scorer not in a.pending:
                 continue
@@ -100,6 +135,7 @@ class AwaitingBook:
                 continue                           # failed too often: give_up() scores it by the fallback
             a.leases[scorer] = (replica, now + lease_s)
             out.append(a.traj)
+            size += a.nbytes
         self.counts["leased"] += len(out)
         return out
 
@@ -114,6 +150,9 @@ class AwaitingBook:
                     why = f"{a.expired[s]} leases expired"
                 elif self.give_up_s is not None and now - a.since >= self.give_up_s:
                     why = f"awaited {now - a.since:.0f} s"
+                elif self.never_leased_s is not None and s not in a.leases and now - a.since >= self.never_leased_s:
+                    why = f"no replica of scorer {s} leased it in {now - a.since:.0f} s (none serves it?)"
+                    self.counts["unserved"] += 1
                 else:
                     continue
                 a.weights[s] = a.pending.pop(s)
@@ -131,8 +170,10 @@ class AwaitingBook:
         return sum(1 for a in self.items.values()
                    if scorer in a.pending and (scorer not in a.leases or a.leases[scorer][1] <= now))
 
-    def submit(self, scorer: str, tids: list[str], scores: list[float], parse_failed=()) -> tuple[list[str], dict]:
-        """Apply each score once. Returns (ids whose score was applied, {id: why refused})."""
+    def submit(self, scorer: str, tids: list[str], scores: list[float], parse_failed=(),
+               replica: str | None = None) -> tuple[list[str], dict]:
+        """Apply each score once, and (`replica` given) only against that replica's own lease.
+        Returns (ids whose score was applied, {id: why refused})."""
         applied, refused = [], {}
         failed = set(parse_failed)
         for tid, score in zip(tids, scores, strict=True):
@@ -142,6 +183,12 @@ class AwaitingBook:
                        else f"not awaiting {scorer}")
                 refused[tid] = why
                 self.counts["late_scores"] += 1
+                continue
+            holder = a.leases.get(scorer, ("", 0.0))[0]
+            if replica is not None and holder != replica:
+                refused[tid] = (f"not leased to replica {replica}: " +
+                                (f"replica {holder} holds its lease" if holder else "nobody holds its lease"))
+                self.counts["unleased_scores"] += 1
                 continue
             if score != score or score in (float("inf"), float("-inf")):
                 refused[tid] = f"score {score!r} is not a finite number"
@@ -158,8 +205,13 @@ class AwaitingBook:
         return applied, refused
 
     def ready(self) -> list[str]:
-        """Ids with every score applied (to hand to the buffer), oldest first."""
-        return [t for t, a in self.items.items() if not a.pending]
+        """Ids with every score applied (to hand to the buffer), oldest first; parked ones excepted."""
+        return [t for t, a in self.items.items() if not a.pending and t not in self.parked]
+
+    def park(self, tid: str, why: str) -> None:
+        """The buffer will never take `tid`: keep it, offer it no more (module docstring)."""
+        if tid in self.items:
+            self.parked[tid] = why
 
     def final(self, tid: str) -> Trajectory:
         """The scored trajectory: reward = the rule part + each scorer's weight x score; every
@@ -172,8 +224,10 @@ class AwaitingBook:
 
     def forwarded(self, tid: str) -> None:
         """The buffer holds `tid`: forget it (its id is remembered to refuse late scores)."""
-        if self.items.pop(tid, None) is not None:
+        if (a := self.items.pop(tid, None)) is not None:
             self.counts["forwarded"] += 1
+            self.bytes -= a.nbytes
+        self.parked.pop(tid, None)
         self.done[tid] = None
         while len(self.done) > self.remember_done:
             del self.done[next(iter(self.done))]
@@ -181,8 +235,10 @@ class AwaitingBook:
     def stats(self, now: float | None = None) -> dict:
         now = time.monotonic() if now is None else now
         oldest = max((now - a.since for a in self.items.values()), default=0.0)
-        counts = {k: 0 for k in ("scored", "parse_failed", "lease_expired", "late_scores", "gave_up")}
+        counts = {k: 0 for k in ("scored", "parse_failed", "lease_expired", "late_scores", "gave_up", "unserved",
+                                 "unleased_scores")}
         counts |= dict(self.counts)
         age = -1.0 if self.last_gave_up is None else round(now - self.last_gave_up, 3)  # -1: none yet
-        return {"awaiting_reward": len(self.items), "awaiting_oldest_s": round(oldest, 3),
+        return {"awaiting_reward": len(self.items), "awaiting_oldest_s": round(oldest, 3), "awaiting_bytes": self.bytes,
+                "reward_parked": len(self.parked),
                 **{f"reward_{k}": v for k, v in sorted(counts.items())}, "reward_gave_up_age_s": age}

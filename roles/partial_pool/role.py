@@ -21,13 +21,14 @@ them at start (ALTER TABLE ADD COLUMN, which leaves the old rows NULL = all toke
 """
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
 
 from laminar.bus.auth import owned_by_other
-from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError, current_peer
+from laminar.roles.handout import NOT_HANDED, checked
 from laminar.roles.partial_pool.awaiting import AwaitingBook
+from laminar.roles.partial_pool.config import PartialPoolConfig
 from laminar.roles.partial_pool.rows import (
     DELTA_COLUMNS,
     INSERT_DELTA,
@@ -39,10 +40,10 @@ from laminar.roles.partial_pool.rows import (
     MIGRATIONS as DELTA_MIGRATIONS,
 )
 from laminar.roles.partial_pool.rows import unbatch as _unbatch
+from laminar.roles.partial_pool.scoring import RewardDesk
 from laminar.roles.partial_pool.state import Outcome, PartialBook
 from laminar.roles.pool_base import PoolRole, now
 from laminar.roles.sqlite_store import Many, pack, unpack
-from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.protocol import (
     Ack,
@@ -59,44 +60,10 @@ from laminar.protocol import (
     LeaseRewards,
     PartialList,
     PartialState,
-    PutTrajectory,
     ReassignPartial,
-    RewardWork,
-    ScoreResult,
     SubmitScores,
 )
 from laminar.protocol.data import attempt_of
-
-GIVE_UP_CHECK_S = 1.0  # how often the pool looks for awaiting trajectories to give up on
-
-
-class PartialPoolConfig(BaseModel):
-    """Settings of the partial pool: held deltas, store, remembered completions."""
-    model_config = ConfigDict(extra="forbid")
-    max_held: int = Field(256, ge=1, description="out-of-order deltas held per trajectory")
-    store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
-    remember_completed: int = Field(200_000, ge=1, description="completed trajectory ids kept to refuse late "
-                                    "deltas; older ones are forgotten, which bounds memory and start-up")
-    max_held_only: int = Field(65_536, ge=1, description="trajectories seen only through out-of-order deltas "
-                               "(no seq 0 yet) held at once; beyond it the oldest are dropped")
-    page_size: int = Field(4096, ge=1, le=8192, description="most trajectories one InFlightOf reply lists (a "
-                           "partial is up to five arrays, one bus frame each: 8192 stays well below the frame limit)")
-    page_bytes: int = Field(8 << 20, ge=1 << 16, le=12 << 20, description="token bytes one InFlightOf reply carries "
-                            "at most (below the bus's 16 MiB body limit; a page holds at least one partial)")
-    experience_buffer: str = Field("0", description="id of the experience buffer that scored trajectories (those "
-                                   "that awaited a model's reward here) are handed to")
-    forward_retry_s: float = Field(0.2, gt=0, description="first wait before offering a scored trajectory to a "
-                                   "buffer that refused it (full) or is down again; doubles up to 5 s")
-    forward_window: int = Field(32, ge=1, le=1024, description="scored trajectories handed to the buffer at once "
-                                "(their puts overlap, their deletes here share one commit)")
-    reward_give_up_expired: int | None = Field(5, ge=1, description="expired leases of one trajectory for one "
-                                               "scorer (its replicas died, hung or failed on it) after which the "
-                                               "pool stops waiting and applies `reward_fallback`, flagged "
-                                               "(docs/rewards.md); None: never")
-    reward_give_up_s: float | None = Field(None, gt=0, description="seconds a trajectory may await a scorer before "
-                                           "the pool applies `reward_fallback`, flagged (None: wait for ever)")
-    reward_fallback: float = Field(0.0, description="the score a scorer given up on counts as (its weight applies)")
-
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS deltas (tid TEXT, seq INTEGER, owner TEXT, version INTEGER, spec BLOB,
@@ -119,7 +86,8 @@ class PartialPoolRole(PoolRole):
     MIGRATIONS = DELTA_MIGRATIONS
 
     def recover(self) -> None:
-        st = PartialBook(self.cfg.max_held, self.cfg.remember_completed, self.cfg.max_held_only)
+        c = self.settings
+        st = PartialBook(c.max_held, c.remember_completed, c.max_held_only, c.max_held_bytes)
         for (tid,) in self.store.read("SELECT tid FROM completed ORDER BY rowid"):
             st.completed[tid] = None
         rows = self.store.read(f"SELECT {DELTA_COLUMNS} FROM deltas ORDER BY tid, seq")
@@ -132,7 +100,7 @@ class PartialPoolRole(PoolRole):
                 d = delta_from_row(*row)
             except Exception as exc:  # a damaged record: the trajectory's rows go aside, the rest serves
                 bad.add(tid)
-                st.entries.pop(tid, None)
+                st.drop_entry(tid)
                 self.quarantine("deltas", f"{tid}#{seq}", spec, f"{type(exc).__name__}: {exc}",
                                 [("INSERT INTO quarantined SELECT 'deltas', tid || '#' || seq, tokens, "
                                   "'rest of a quarantined trajectory', ? FROM deltas WHERE tid = ? AND seq != ?",
@@ -152,7 +120,9 @@ class PartialPoolRole(PoolRole):
         self.awaiting = self._recover_awaiting()
 
     def _recover_awaiting(self) -> AwaitingBook:
-        book = AwaitingBook(self.cfg.remember_completed, self.cfg.reward_give_up_expired, self.cfg.reward_give_up_s)
+        c = self.settings
+        book = AwaitingBook(c.remember_completed, c.reward_give_up_expired, c.reward_give_up_s, c.reward_never_leased_s,
+                            c.max_awaiting, c.max_awaiting_bytes)
         for tid, blob, pending, scores in self.store.read("SELECT tid, blob, pending, scores FROM awaiting "
                                                           "ORDER BY rowid"):
             try:
@@ -164,7 +134,8 @@ class PartialPoolRole(PoolRole):
         return book
 
     def _replay_chunks(self, st: PartialBook) -> None:
-        held, st.max_held = st.max_held, 1 << 30  # the two tables interleave: nothing may be refused for a gap
+        # the two tables interleave: nothing may be refused for a gap, by count or by bytes
+        (held, held_bytes), (st.max_held, st.max_held_bytes) = (st.max_held, st.max_held_bytes), (1 << 30, 1 << 62)
         self.next_chunk = 1
         for cid, owner, blob in self.store.read("SELECT id, owner, blob FROM chunks ORDER BY id"):
             self.next_chunk = cid + 1
@@ -177,7 +148,7 @@ class PartialPoolRole(PoolRole):
                 continue
             st.apply(owner, deltas, checked=True)
             st.add_chunk(cid, req.trajectory_ids)
-        st.max_held = held
+        st.max_held, st.max_held_bytes = held, held_bytes
         if st.dead_chunks:
             self.store.write_sync(self._drop_chunks(st))
 
@@ -196,11 +167,13 @@ class PartialPoolRole(PoolRole):
         self.route(CompletePartial, self.on_complete)
         self.route(GroupPresence, self.on_presence, changes=False)
         self.route(AwaitReward, self.on_await_reward)
-        self.route(LeaseRewards, self.on_lease_rewards, changes=False)  # leases live in memory only
-        self.route(SubmitScores, self.on_submit_scores)
+        self.desk = RewardDesk(lambda: self.awaiting, self.settings, self.durable, self._buffer, self.log,
+                               self.refusals)
+        self.route(LeaseRewards, self.desk.lease, changes=False)  # leases live in memory only
+        self.route(SubmitScores, self.desk.submit)
 
     async def on_append(self, req: AppendDeltas) -> DeltaResult:
-        deltas, out = self._own(list(req.deltas))
+        deltas, out = self._own(list(req.deltas), req.rollout_id, AppendDeltas.kind)
         self.state.apply(req.rollout_id, deltas, out)
         await self.durable(self._rows(out, req.rollout_id))
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
@@ -208,28 +181,48 @@ class PartialPoolRole(PoolRole):
     async def on_append_batch(self, req: AppendDeltaBatch) -> DeltaResult:
         """The columnar AppendDeltas: unpacked into deltas (views into the request's arrays)."""
         everything = _unbatch(req)
-        deltas, out = self._own(everything)
+        deltas, out = self._own(everything, req.rollout_id, AppendDeltaBatch.kind)
         self.state.apply(req.rollout_id, deltas, out, checked=True)
         whole = len(out.applied) == len(everything) and req.loss_mask is None and all(
             d is a for (_, d), a in zip(out.applied, deltas, strict=False))
         await self.durable(self._rows(out, req.rollout_id, req if whole else None))
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 
-    def _own(self, deltas: list) -> tuple[list, Outcome]:
-        """A rollout key named after a rollout writes only into trajectories it owns (or new ones):
-        before, writing the next delta into another rollout's trajectory made the writer its owner.
-        The others are rejected as `fenced off` (the writer stops them, as after a fence); a delta
-        of an older epoch is left to `apply`, which rejects it as fenced off too."""
+    def _own(self, deltas: list, rollout_id: str, kind: str) -> tuple[list, Outcome]:
+        """A rollout key writes only into trajectories it owns, and creates only those handed to
+        the rollout it writes as: a trajectory not in flight here starts with its seq 0, whose spec
+        carries the prompt pool's hand-out for `rollout_id` (roles/handout.py). Before, writing
+        the first delta under another rollout's (predictable) id made the writer its owner, and
+        writing the next delta into another rollout's trajectory did too. The others are rejected:
+        `fenced off` (the writer stops them, as after a fence) or `not handed out` (refused and
+        counted against the key: the pool's writes_refused alarm). A delta of an older epoch is
+        left to `apply`, which rejects it as fenced off too. One keyed hash per new trajectory,
+        none per delta."""
         out = Outcome()
         peer = current_peer.get()
-        if not (peer or "").startswith("rollout."):
+        if not checked(peer):
             return deltas, out
-        entries = self.state.entries
+        st = self.state
+        entries, completed, handed = st.entries, st.completed, set()
         for d in deltas:
-            e = entries.get(d.trajectory_id)
-            if e is not None and d.epoch >= e.epoch and owned_by_other(peer, e.owner):
-                owner = e.owner or "(none: released)"
-                out.rejected[d.trajectory_id] = f"fenced off: owned by rollout {owner}, not {peer}"
+            tid = d.trajectory_id
+            e = entries.get(tid)
+            if e is not None and e.spec is not None:
+                if d.epoch >= e.epoch and owned_by_other(peer, e.owner):
+                    out.rejected[tid] = f"fenced off: owned by rollout {e.owner or '(none: released)'}, not {peer}"
+                continue
+            if tid in completed or tid in handed or tid in out.rejected:
+                continue  # `apply` refuses a completed one; the rest follow their seq 0
+            why = (self.handouts.refusal(d.spec, rollout_id) if d.seq == 0 else
+                   f"{NOT_HANDED}: {tid} is not in flight here and seq {d.seq} carries no spec (seq 0 comes first)")
+            if why:
+                out.rejected[tid] = why
+                continue
+            handed.add(tid)
+            if e is not None:  # deltas held for it that someone else wrote before its seq 0: never applied
+                st.forget_held_only(tid)
+        if refused := [t for t, why in out.rejected.items() if why.startswith(NOT_HANDED)]:
+            self.refusals.record(peer, kind, refused, out.rejected[refused[0]])
         return ([d for d in deltas if d.trajectory_id not in out.rejected] if out.rejected else deltas), out
 
     def _rows(self, out: Outcome, owner: str, whole: AppendDeltaBatch | None = None) -> list:
@@ -277,7 +270,8 @@ class PartialPoolRole(PoolRole):
         if owned_by_other(current_peer.get(), e.owner):  # scoped keys: a rollout reads only its own work
             raise RequestError("refused", f"forbidden: {current_peer.get()} may not read {req.trajectory_id} "
                                           f"of rollout {e.owner}")
-        return e.state()
+        st = e.state()  # signed for its owner: a rollout that took it over (granted) stores it with this
+        return dataclasses.replace(st, spec=self.handouts.sign(st.spec, e.owner)) if e.owner else st
 
     async def on_presence(self, req: GroupPresence) -> GroupPresenceReply:
         """Members of these groups in flight here (any owner, restarted copies `~r<n>` included).
@@ -349,15 +343,20 @@ class PartialPoolRole(PoolRole):
         traj = req.trajectory
         tid = traj.spec.trajectory_id
         e = self.state.entries.get(tid)
-        if e is not None and owned_by_other(current_peer.get(), e.owner):
-            raise RequestError("refused", f"forbidden: {current_peer.get()} may not finish {tid} (owned by rollout "
-                                          f"{e.owner})")
+        peer = current_peer.get()
+        if e is not None and owned_by_other(peer, e.owner):
+            raise RequestError("refused", f"forbidden: {peer} may not finish {tid} (owned by rollout {e.owner})")
+        if checked(peer) and (why := self._await_refusal(req)):
+            self.refusals.record(peer, AwaitReward.kind, [tid], why)
+            raise RequestError("refused", why)
         if not req.pending:
             raise RequestError("bad_request", f"{tid}: AwaitReward names no scorer (pending is empty); a trajectory "
                                               "scored by rule functions alone goes to the buffer")
         if tid in self.awaiting.items or tid in self.awaiting.done or tid in self.state.completed:
             await self.durable([])  # a retry: acknowledged once the original is durable
             return Ack("duplicate")
+        if why := self.awaiting.full():  # backpressure: the rollout keeps it and asks again
+            raise RequestError("busy", why)
         self.awaiting.add(traj, req.pending)
         self.state.complete(tid)
         pending, scores = self.awaiting.row(tid)
@@ -367,97 +366,27 @@ class PartialPoolRole(PoolRole):
                            + self._drop_chunks(self.state) + self._forget(self.state))
         return Ack()
 
-    async def on_lease_rewards(self, req: LeaseRewards) -> RewardWork:
-        if req.max_items < 1 or not req.lease_s > 0:
-            raise RequestError("bad_request", f"max_items {req.max_items} and lease_s {req.lease_s} must be positive")
-        work = self.awaiting.lease(req.replica_id, req.scorer, req.max_items, req.lease_s)
-        return RewardWork(work, waiting=self.awaiting.waiting(req.scorer))
-
-    async def on_submit_scores(self, req: SubmitScores) -> ScoreResult:
-        """Each score applied once (durable before the reply); a trajectory with every score goes
-        to the buffer (`_forward`)."""
-        if len(req.trajectory_ids) != len(req.scores):
-            raise RequestError("bad_request", f"{len(req.trajectory_ids)} trajectory ids but {len(req.scores)} scores")
-        applied, refused = self.awaiting.submit(req.scorer, req.trajectory_ids, req.scores, req.parse_failed)
-        if refused:
-            self.log.warning("scores_refused", scorer=req.scorer, replica=req.replica_id, count=len(refused),
-                             first=dict(list(refused.items())[:4]))
-        stmts = [("UPDATE awaiting SET pending = ?, scores = ? WHERE tid = ?", (*self.awaiting.row(t), t))
-                 for t in applied]
-        await self.durable(stmts)
-        if self.awaiting.ready():
-            self._scored.set()
-        return ScoreResult(applied=len(applied), refused=refused)
+    def _await_refusal(self, req: AwaitReward) -> str:
+        """Why a rollout key may not hand this trajectory over to await scores ("" = it may): the
+        spec must carry a hand-out for the rollout it names (as a first delta must)."""
+        traj = req.trajectory
+        if req.rollout_id != traj.rollout_id:
+            return f"{NOT_HANDED}: AwaitReward as rollout {req.rollout_id} of a trajectory of rollout {traj.rollout_id}"
+        return self.handouts.refusal(traj.spec, traj.rollout_id)
 
     async def run(self) -> None:
-        self._scored = asyncio.Event()
-        if self.awaiting.ready():
-            self._scored.set()
-        self.spawn(self._forward(), "forward")
-        self.spawn(self._give_up(), "give_up")
+        if getattr(self, "awaiting", None) is not None and self.awaiting.ready():
+            self.desk.scored.set()
+        self.spawn(self.desk.forward_loop(), "forward")
+        self.spawn(self.desk.give_up_loop(), "give_up")
         await super().run()
 
-    async def _give_up(self) -> None:
-        """Score by the fallback what its scorer failed on too often or too long (awaiting.py)."""
-        while True:
-            await asyncio.sleep(GIVE_UP_CHECK_S)  # a periodic sweep: give-ups need no precise timing
-            given = self.awaiting.give_up(self.cfg.reward_fallback)
-            if not given:
-                continue
-            await self.durable([("UPDATE awaiting SET pending = ?, scores = ? WHERE tid = ?",
-                                 (*self.awaiting.row(t), t)) for t in dict.fromkeys(t for t, _, _ in given)])
-            for tid, scorer, why in given:
-                self.log.error("reward_gave_up", trajectory=tid, scorer=scorer, why=why,
-                               fallback=self.cfg.reward_fallback)
-            if self.awaiting.ready():
-                self._scored.set()
-
-    async def _forward(self) -> None:
-        """Hand every fully scored trajectory to the experience buffer (PutTrajectory until it
-        holds it: stored or duplicate), then forget it here. Nothing leaves unscored. Up to
-        `forward_window` go at once: their puts overlap and their deletes share one commit."""
-        buffer = None
-        while True:
-            await self._scored.wait()
-            self._scored.clear()
-            ready = self.awaiting.ready()
-            if ready and buffer is None:
-                buffer = self.ctx.transport.client(self.cluster.endpoint("experience_buffer",
-                                                                         self.cfg.experience_buffer))
-            w = self.cfg.forward_window
-            for i in range(0, len(ready), w):
-                await asyncio.gather(*(self._forward_one(buffer, tid) for tid in ready[i:i + w]))
-
-    async def _forward_one(self, buffer, tid: str) -> None:
-        """One scored trajectory into the buffer (retried with backoff while it is full or down),
-        then deleted here; the delete's commit is shared with the others of its window."""
-        traj = self.awaiting.final(tid)
-        delay = self.cfg.forward_retry_s
-        while True:
-            try:
-                put = await buffer.call(PutTrajectory(traj), timeout=5.0)
-                if put.status in ("stored", "duplicate"):
-                    break
-                why = f"{put.status}: {put.detail}"
-            except (PeerUnavailable, RemoteError) as exc:
-                why = str(exc)
-            self.awaiting.counts["forward_retries"] += 1
-            self.log.warning("scored_put_retry", trajectory=tid, why=why, retry_in_s=delay)
-            await asyncio.sleep(delay)  # backoff: the buffer is full or down; the item stays durable here
-            delay = min(delay * 2, 5.0)
-        try:
-            await self.durable([("DELETE FROM awaiting WHERE tid = ?", (tid,))])
-        except RequestError as exc:  # the buffer holds it; a later round forgets it here (duplicate)
-            self.log.warning("forward_record_failed", trajectory=tid, error=str(exc))
-            await asyncio.sleep(delay)  # backoff: the store is refusing writes
-            self._scored.set()
-            return
-        self.awaiting.forwarded(tid)
-        # the provenance ledger's line for a trajectory that awaited its reward here
-        self.log.info("trajectory_stored", trajectory=tid, version=traj.version, lineage=traj.lineage,
-                      tokens=len(traj.response_tokens), status=put.status, reward=round(traj.reward, 4),
-                      components={k: round(v, 4) for k, v in traj.reward_components.items()},
-                      rollout=traj.rollout_id, via="partial_pool")
+    def _buffer(self):
+        """The experience buffer's client, made on first use (scored trajectories go there)."""
+        if getattr(self, "buffer", None) is None:
+            self.buffer = self.ctx.transport.client(self.cluster.endpoint("experience_buffer",
+                                                                          self.settings.experience_buffer))
+        return self.buffer
 
     def counts(self) -> dict:
         live = self.state.live()

@@ -9,9 +9,11 @@ delta for a completed trajectory is rejected. The result of any interleaving, du
 reordering of one stream is the state of the in-order stream.
 
 Memory stays bounded over any run length: only the newest `remember_completed` completed ids are
-kept (a late delta comes seconds after completion, not a million trajectories later), and
+kept (a late delta comes seconds after completion, not a million trajectories later),
 trajectories seen only through out-of-order deltas (no seq 0 yet: `held_only`) are capped at
-`max_held_only`, the oldest dropped first (nothing of theirs was acknowledged as applied).
+`max_held_only`, the oldest dropped first (nothing of theirs was acknowledged as applied), and the
+held deltas of all trajectories together at `max_held_bytes` (`held_bytes`; a delta past it is
+rejected like one past `max_held`: not acknowledged, so its writer sends it again).
 
 Chunks: the role may store the deltas one request applied as one row (a chunk) instead of one row
 each. The book tracks which live trajectories each chunk holds (`add_chunk`); completing the last
@@ -127,8 +129,17 @@ def malformed(d: TokenDelta) -> str | None:
     return None
 
 
+def held_size(d) -> int:
+    """Bytes a held delta keeps in memory (its arrays)."""
+    return sum(int(getattr(a, "nbytes", 0)) for a in (d.tokens, d.logprobs, d.loss_mask, d.obs_spans,
+                                                         getattr(d, "routing", None)) if a is not None)
+
+
 class PartialBook:
-    def __init__(self, max_held: int = 256, remember_completed: int = 200_000, max_held_only: int = 65_536):
+    def __init__(self, max_held: int = 256, remember_completed: int = 200_000, max_held_only: int = 65_536,
+                 max_held_bytes: int = 1 << 62):
+        self.max_held_bytes = max_held_bytes
+        self.held_bytes = 0                   # bytes of every held delta, over all trajectories
         self.entries: dict[str, Entry] = {}
         self.completed: dict[str, None] = {}  # insertion-ordered set: the oldest are forgotten first
         self.max_held = max_held
@@ -158,7 +169,7 @@ class PartialBook:
                 e = self.entries[tid] = Entry(spec=None, owner=owner, version=d.version)
                 self.held_only[tid] = None
                 if len(self.held_only) > self.max_held_only:
-                    self.entries.pop(next(iter(self.held_only)), None)
+                    self.drop_entry(next(iter(self.held_only)))
                     del self.held_only[next(iter(self.held_only))]
             if d.epoch < e.epoch:
                 out.rejected[tid] = f"fenced off: epoch {d.epoch} < {e.epoch} (owner now {e.owner!r})"
@@ -167,10 +178,16 @@ class PartialBook:
                 out.duplicates += 1
                 continue
             if d.seq > e.next_seq:
+                size = held_size(d)
                 if len(e.held) >= self.max_held:
                     out.rejected[tid] = f"more than {self.max_held} deltas held waiting for seq {e.next_seq}"
                     continue
+                if self.held_bytes + size > self.max_held_bytes:
+                    out.rejected[tid] = (f"held deltas would pass {self.max_held_bytes} bytes (waiting for seq "
+                                         f"{e.next_seq})")
+                    continue
                 e.held[d.seq] = d
+                self.held_bytes += size
                 out.held += 1
                 continue
             if d.seq == 0 and (d.spec is None or d.spec.trajectory_id != tid):
@@ -183,6 +200,7 @@ class PartialBook:
             while e.next_seq in e.held:
                 out.held -= 1
                 nxt = e.held.pop(e.next_seq)
+                self.held_bytes -= held_size(nxt)
                 if nxt.epoch < e.epoch:  # held from before a fence
                     out.rejected[tid] = f"fenced off: epoch {nxt.epoch} < {e.epoch} (owner now {e.owner!r})"
                     break
@@ -214,6 +232,21 @@ class PartialBook:
         e.next_seq = d.seq + 1
         out.applied.append((owner, d))
 
+    def forget_held_only(self, tid: str) -> None:
+        """Drop a trajectory seen only through held deltas (no seq 0 yet): its writer was not the
+        one its hand-out names, whose seq 0 is about to create it."""
+        e = self.entries.get(tid)
+        if e is not None and e.spec is None:
+            self.drop_entry(tid)
+            self.held_only.pop(tid, None)
+
+    def drop_entry(self, tid: str) -> Entry | None:
+        """Remove a trajectory's entry, and the bytes its held deltas kept."""
+        e = self.entries.pop(tid, None)
+        if e is not None:
+            self.held_bytes -= sum(held_size(d) for d in e.held.values())
+        return e
+
     def grant(self, tids, rollout: str) -> int:
         """Rollout `rollout` may claim these live trajectories (the manager's MigrateIn); how many."""
         live = [t for t in tids if t in self.entries and self.entries[t].spec is not None]
@@ -238,7 +271,9 @@ class PartialBook:
         e = self.entries[tid]
         self.grants.pop(tid, None)
         e.owner, e.epoch = owner, e.epoch + 1
-        e.held = {s: d for s, d in e.held.items() if d.epoch >= e.epoch}
+        kept = {s: d for s, d in e.held.items() if d.epoch >= e.epoch}
+        self.held_bytes -= sum(held_size(d) for s, d in e.held.items() if s not in kept)
+        e.held = kept
         return e.epoch
 
     def live(self) -> dict[str, Entry]:
@@ -271,7 +306,7 @@ class PartialBook:
         self.completed[tid] = None
         self.held_only.pop(tid, None)
         self.grants.pop(tid, None)
-        e = self.entries.pop(tid, None)
+        e = self.drop_entry(tid)
         for cid in e.chunks if e is not None else ():
             live = self.chunk_live.get(cid)
             if live is None:

@@ -9,6 +9,10 @@ never handed out is named in `refused`, the others go ahead.
 Order: epoch e visits the prompts in a permutation seeded by (seed, e). Whole groups only: a
 batch holds floor(max_trajectories / n) groups, but at least one when asked for fewer than n.
 
+Hand-outs: every spec goes out signed for the rollout that takes it (`spec.handout`,
+roles/handout.py), a retry's too; the partial pool and the buffer accept that rollout's writes of it
+and no other rollout's.
+
 Accounting: every entry handed out (a group, or one member `<group>/<i>` requeued alone) is
 recorded with the rollout (and its pid) that got it, in the same transaction as the cursor move,
 and the reply goes out only after that commit. An entry stays *outstanding* until the manager
@@ -46,11 +50,11 @@ from pathlib import Path
 import numpy as np
 from laminar.bus.rpc import RequestError
 from laminar.roles.pool_base import PoolRole
-from laminar.roles.prompt_pool.curriculum import SCHEMA as CURRICULUM_SCHEMA
-from laminar.roles.prompt_pool.curriculum import Curriculum, CurriculumConfig
-from pydantic import BaseModel, ConfigDict, Field
+from laminar.roles.prompt_pool.config import PromptPoolConfig
+from laminar.roles.prompt_pool.curriculum import Curriculum
+from laminar.roles.prompt_pool.store import SCHEMA, attempts_from_a_counter
 
-from laminar.datasets import chat_template_field, load_records, prompt_encoder, system_prompt_field
+from laminar.datasets import load_records, prompt_encoder
 from laminar.protocol import (
     Ack,
     Batch,
@@ -75,55 +79,6 @@ def untrained_groups(counts: dict, pool_id: str) -> int:
     return int(counts.get("dropped_stale", 0)) + int(counts.get("dropped_stale_incomplete", 0)) + nosignal
 
 
-class PromptPoolConfig(BaseModel):
-    """Settings of the prompt pool: the dataset and its fields, GRPO group size, the gate."""
-    model_config = ConfigDict(extra="forbid")
-    dataset: str = Field(description="JSONL/Parquet file or folder (relative to the working directory)")
-    prompt_field: str = Field("prompt", description="record field with the prompt text")
-    answer_field: str = Field("answer", description="record field with the reference answer")
-    id_field: str | None = Field(None, description="record field with a stable prompt id (default: row number)")
-    on_bad_row: str = Field("error", pattern="^(error|skip)$", description="malformed row: fail or skip")
-    tokenizer_dir: str | None = Field(None, description="model folder whose tokenizer to use (default: byte tokenizer)")
-    chat_template: str = chat_template_field()
-    system_prompt: str | None = system_prompt_field()
-    group_size: int = Field(4, ge=1, description="GRPO group size n (responses per prompt)")
-    max_tokens: int = Field(256, ge=1, description="response token budget of each trajectory")
-    max_epochs: int | None = Field(None, ge=1, description="stop handing out after this many epochs (None: forever)")
-    seed: int = Field(0, description="shuffle seed")
-    store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
-    groups_per_version: int | None = Field(
-        None,
-        ge=1,
-        description="groups of one global batch, for the barrier "
-        "modes' gate and max_batches_ahead (default: the trainer's groups_per_batch)",
-    )
-    max_batches_ahead: int | None = Field(
-        None,
-        ge=0,
-        description="laminar modes, flow control: a rollout holding "
-        "version v gets groups only while fewer than v + 1 + this many global batches "
-        "were handed out, so generation cannot run further ahead of training than "
-        "that (when rollouts outpace the trainer, what they make beyond it would only "
-        "grow stale in the buffer). None: no bound (the paper's setting). Unlike a "
-        "barrier mode's gate this never holds weights back: a rollout still loads the "
-        "newest version whenever its own batch ends",
-    )
-    max_batch_trajectories: int = Field(65_536, ge=1, description="most trajectories one TakeBatch gets, "
-                                        "whatever it asks for (a bound on the work and memory of one request)")
-    curriculum: CurriculumConfig | None = Field(None, description="difficulty curriculum: retire prompts always "
-                                                "solved, visit never-solved ones less often (None: off)")
-
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS cursor (k INTEGER PRIMARY KEY CHECK (k = 0), epoch INTEGER, pos INTEGER, handed INTEGER);
-CREATE TABLE IF NOT EXISTS requeued (group_id TEXT PRIMARY KEY, at REAL);
-CREATE TABLE IF NOT EXISTS last_batch (rollout_id TEXT PRIMARY KEY, seq INTEGER, groups TEXT);
-CREATE TABLE IF NOT EXISTS handed_to (entry TEXT PRIMARY KEY, rollout_id TEXT, pid INTEGER);
-CREATE TABLE IF NOT EXISTS accounting (k TEXT PRIMARY KEY, v INTEGER);
-CREATE TABLE IF NOT EXISTS attempts (entry TEXT PRIMARY KEY, n INTEGER);
-""" + CURRICULUM_SCHEMA
-
-
 CURRICULUM_FILE_S = 5.0  # how often the curriculum's counts file is rewritten (a reporting period)
 
 
@@ -137,7 +92,7 @@ class PromptPoolRole(PoolRole):
     # v4: curriculum and curriculum_skips (new tables: an older store starts with no results);
     # v5: attempt numbers from one counter, `attempts` rows only for open entries (an older Laminar
     # would compute a settled group's next attempt from the rows left and could reuse ids: refused)
-    MIGRATIONS = {4: lambda c: _attempts_from_a_counter(c)}
+    MIGRATIONS = {4: lambda c: attempts_from_a_counter(c)}
 
     async def setup(self) -> None:
         settings = self.settings
@@ -323,7 +278,7 @@ class PromptPoolRole(PoolRole):
             # the entries it still holds, under the attempt they were handed out as: one requeued
             # since runs elsewhere as its next attempt, and must not run here too under those ids
             held = [(g, k) for g, k in last[1] if self.out.get(g, ("",))[0] == req.rollout_id]
-            return Batch([s for g, k in held for s in self._specs_of(g, k)], exhausted=self.exhausted())
+            return self._batch(req, [s for g, k in held for s in self._specs_of(g, k)])
         n = self.cfg.group_size
         want = max(1, min(req.max_trajectories, self.cfg.max_batch_trajectories) // n)
         # Requeued groups (work lost with a rollout) go out first and pass the gate: they belong to
@@ -381,7 +336,12 @@ class PromptPoolRole(PoolRole):
         self.epoch, self.pos, self.handed = epoch, pos, self.handed + fresh
         self.requeued = self.requeued[len(took_requeued):]
         await self.durable(stmts)
-        return Batch(out, exhausted=self.exhausted())
+        return self._batch(req, out)
+
+    def _batch(self, req: TakeBatch, specs: list[TrajectorySpec]) -> Batch:
+        """The reply: each spec signed for the rollout it is handed to (roles/handout.py)."""
+        sign = self.handouts.sign
+        return Batch([sign(s, req.rollout_id) for s in specs], exhausted=self.exhausted())
 
     async def on_requeue(self, req: RequeueGroups) -> RequeueResult:
         """Item by item: entries this pool did not make, or never handed out, are named in
@@ -508,16 +468,3 @@ class PromptPoolRole(PoolRole):
 
     def _group_of(self, entry: str) -> str:
         return self._split(entry)[0]
-
-
-def _attempts_from_a_counter(c) -> None:
-    """Store v4 -> v5: the attempt counter starts above every attempt given so far, and the rows
-    of entries no longer open (neither handed out nor requeued) go."""
-    tables = {name for (name,) in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    if "attempts" not in tables:
-        return  # from before attempts: none was given
-    seq = c.execute("SELECT coalesce(max(n), 0) FROM attempts").fetchone()[0]
-    c.execute("CREATE TABLE IF NOT EXISTS accounting (k TEXT PRIMARY KEY, v INTEGER)")
-    c.execute("INSERT OR REPLACE INTO accounting VALUES ('attempt_seq', ?)", (seq,))
-    c.execute("DELETE FROM attempts WHERE entry NOT IN (SELECT entry FROM handed_to) "
-              "AND entry NOT IN (SELECT group_id FROM requeued)")

@@ -8,12 +8,17 @@ whoever the manager links to it (its predecessor, or the trainer's publisher whe
 Seals and the trainer's handshakes are checked with the public half of the trainer's signing key
 (`weights.key` in the key folder; required when the cluster has keys).
 
+Named links and the run (docs/weights.md): each join gives the manager a fresh link key, and the
+relay takes a LINK only from the upstream that proves the manager's token for it (SetDownstream
+hands the token to the upstream); the trainer's heartbeats (`hb.trainer.`) name its run, and the
+relay takes no version of another run (laminar/weights/run_pin.py).
+
 Chain changes it follows (`weights.chain`): named master, it drops a relay upstream it still has
 (the old master, stopped or taken out while alive, would otherwise keep the link open and keep
 parts out); absent from the chain, it drops every link it had and joins again at the tail.
 
 Reports: heartbeat status (version, progress, links, addresses); `relay.progress.<id>` at most
-every `progress_interval_s` while receiving and at every completion; `weights.version` when a
+every `progress_interval_s` while receiving and at every completion; `weights.version.<id>` when a
 version becomes visible (rollouts on this host pull it from `shm_dir`). A lost downstream is
 reported to the manager (LinkDown); reports are coalesced, one in flight at a time.
 
@@ -27,6 +32,7 @@ loop side is a bounded queue (progress is superseded, so a full queue drops it).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 from laminar.bus.errors import RpcError
@@ -34,7 +40,16 @@ from laminar.bus.rpc import RequestError
 from laminar.roles.base import Role
 from pydantic import BaseModel, ConfigDict, Field
 
-from laminar.protocol import Ack, ChainState, LinkDown, RelayJoin, RelayProgress, SetDownstream, WeightsVersion
+from laminar.protocol import (
+    Ack,
+    ChainState,
+    Heartbeat,
+    LinkDown,
+    RelayJoin,
+    RelayProgress,
+    SetDownstream,
+    WeightsVersion,
+)
 from laminar.weights.node import RelayNode
 from laminar.weights.seal import verifier_of
 from laminar.weights.transport import LinkError, get_transport
@@ -73,6 +88,10 @@ class RelayConfig(BaseModel):
         None,
         description="control bind address when the config gives no port (default: the host's bind address, any port)",
     )
+    run_wait_s: float = Field(5.0, gt=0, description="how long a relay upstream's offer of another run than the "
+                              "pinned one waits for the trainer to announce that run before it is refused")
+    max_version_mb: float | None = Field(None, gt=0, description="largest version a relay upstream may offer (MiB); "
+                                         "default: twice the version held of the same run, else what /dev/shm holds")
     keep_shm: bool = Field(False, description="leave shm_dir (its newest version) in place when the relay stops; a "
                            "relay started there later serves it again only if the trainer's lineage is the same. "
                            "Default: the folder is removed at stop")
@@ -97,7 +116,9 @@ class RelayRole(Role):
                               bind_host=host.bind, port=st.data_port, on_event=self._from_thread,
                               connect_timeout_s=st.connect_timeout_s, ack_timeout_s=st.ack_timeout_s,
                               retain=st.retain_versions, verifier=verifier_of(keys), heartbeat_s=st.heartbeat_s,
-                              idle_timeout_s=st.idle_timeout_s, stall_s=st.stall_s)
+                              idle_timeout_s=st.idle_timeout_s, stall_s=st.stall_s, link_key=os.urandom(32),
+                              run_wait_s=st.run_wait_s,
+                              max_version_bytes=int(st.max_version_mb * (1 << 20)) if st.max_version_mb else None)
         await asyncio.to_thread(self.node.start)
         self.data_address = f"{host.address}:{self.node.address.rsplit(':', 1)[1]}"
         control = cluster.bind_endpoint("relay", rid) if spec.port else (self.settings.address or f"tcp://{host.bind}:*")
@@ -108,18 +129,19 @@ class RelayRole(Role):
         self.epoch = 0
         self.manager = self.ctx.transport.client(cluster.endpoint("manager", self.settings.manager_id))
         self.shm_dir = shm_dir
-        self.chain_sub = self.ctx.transport.subscriber(["weights.chain"])
+        self.chain_sub = self.ctx.transport.subscriber(["weights.chain", "hb.trainer."])
         await self._join("start")
         self._last_progress = 0.0
         self._pending_down: tuple[str, str] | None = None
         self._report_task: asyncio.Future | None = None
 
     async def _join(self, why: str) -> None:
-        if why != "start":  # whatever links it had belong to a chain it is no longer in
-            await asyncio.to_thread(self.node.reset_links)
+        if why != "start":  # whatever links it had belong to a chain it is no longer in (and their tokens)
+            await asyncio.to_thread(self.node.reset_links, os.urandom(32))
         st = self.node.status()
         a = await self.manager.call(RelayJoin(self.ctx.id, self.ctx.host, self.data_address, self.control_address,
-                                              st["version"]), timeout=self.settings.join_timeout_s)
+                                              st["version"], link_key=self.node.link_key),
+                                    timeout=self.settings.join_timeout_s)
         self.epoch = a.epoch  # a restarted manager counts epochs from scratch: its word is current
         self.joined_at = time.monotonic()
         if a.is_master:
@@ -135,6 +157,10 @@ class RelayRole(Role):
         reports `unhealthy` (its data port is not accepting) it stays out."""
         while True:
             _, ev = await self.chain_sub.recv()
+            if isinstance(ev, Heartbeat):
+                if ev.role == "trainer" and ev.status.get("rank", 0) == 0:
+                    self.node.announce_run(str(ev.status.get("run_id") or ""))
+                continue
             if not isinstance(ev, ChainState):
                 continue
             if self.ctx.id in ev.order:
@@ -161,7 +187,7 @@ class RelayRole(Role):
             return Ack(detail=f"stale epoch {req.epoch} < {self.epoch}")
         self.epoch = req.epoch
         try:
-            await asyncio.to_thread(self.node.set_downstream, req.address, req.downstream_id)
+            await asyncio.to_thread(self.node.set_downstream, req.address, req.downstream_id, req.token, req.epoch)
         except LinkError as exc:
             raise RequestError("unavailable", f"relay {self.ctx.id} cannot reach {req.downstream_id}: {exc}") from None
         self.log.info("downstream_set", downstream=req.downstream_id or "(tail)", epoch=req.epoch)
@@ -188,7 +214,7 @@ class RelayRole(Role):
             kind, info = await self.events.get()
             if kind == "complete":
                 self.log.info("version_visible", version=info["version"], chunks=info["chunks"])
-                self.pub.publish("weights.version", WeightsVersion(
+                self.pub.publish(f"weights.version.{self.ctx.id}", WeightsVersion(
                     self.ctx.id, self.ctx.host, info["version"], self._total_bytes(), str(self.node.store.dir),
                     lineage=info.get("lineage", 0), run_id=info.get("run_id", "")))
                 self._progress(force=True)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from laminar.secrets import SecretRef, no_literal_secret
 
 
 class TextSettings(BaseModel):
@@ -58,10 +60,21 @@ class HttpSettings(BaseModel):
     url: str = Field(..., description="endpoint the batches are POSTed to")
     concurrency: int = Field(4, ge=1, description="requests in flight at once")
     batch_size: int = Field(16, ge=1, description="items per request")
-    timeout_s: float = Field(30.0, gt=0, description="deadline of one request (connect, send, wait, read)")
+    timeout_s: float = Field(30.0, gt=0, description="deadline of one request, all of it: connect, send, wait "
+                             "and read the whole reply (not each phase on its own)")
+    max_reply_bytes: int = Field(8 << 20, ge=1024, description="largest reply read; a longer one fails the request "
+                                 "(read no further)")
     retries: int = Field(3, ge=0, description="attempts after the first for a request that failed")
     backoff_s: float = Field(0.5, gt=0, description="wait before the first retry (doubles, at most 10 s)")
-    headers: dict[str, str] = Field(default_factory=dict, description="extra request headers (e.g. Authorization)")
+    headers: dict[str, str | SecretRef] = Field(default_factory=dict, description="extra request headers; a secret "
+                                               "one (Authorization, a token, an API key...) must be {env: NAME} or "
+                                               "{file: PATH} (0600), read when the replica starts (laminar/secrets.py)")
+
+    @field_validator("headers")
+    @classmethod
+    def _no_secret_in_config(cls, headers):
+        no_literal_secret(headers, "roles.reward.http.headers")
+        return headers
 
 
 class RewardRoleConfig(BaseModel):
@@ -75,7 +88,8 @@ class RewardRoleConfig(BaseModel):
     http: HttpSettings | None = Field(None, description="backend http's settings")
     text: TextSettings = Field(default_factory=TextSettings, description="decoding token ids to text (judge, http)")
     partial_pool: str = Field("0", description="id of the partial pool the work is leased from")
-    batch_size: int = Field(32, ge=1, description="trajectories leased (and scored) at once")
+    batch_size: int = Field(32, ge=1, le=8192, description="trajectories leased (and scored) at once (the partial "
+                            "pool gives at most its lease_max_items and page_bytes per lease: a reply is bounded)")
     lease_s: float = Field(60.0, gt=0, description="lease of a batch: past it, the batch is handed to another replica "
                            "(set above the longest batch's scoring time)")
     prefetch: bool = Field(True, description="lease the next batch while one scores and submit while the next "

@@ -108,6 +108,10 @@ class RewardRole(Role):
         work = await call_acked(self.pool, LeaseRewards(self.ctx.id, s.scorer, s.batch_size, s.lease_s),
                                 s.rpc_timeout_s, self.log)
         self.queue_depth = work.waiting
+        if 0 < work.lease_s < s.lease_s and not getattr(self, "_lease_cut", False):
+            self._lease_cut = True  # said once: the pool's lease_max_s is below this replica's lease_s
+            self.log.warning("reward_lease_cut", asked_s=s.lease_s, granted_s=work.lease_s,
+                             way_out="lower roles.reward.lease_s or raise roles.partial_pool.lease_max_s")
         return work
 
     async def _score(self, work) -> tuple | None:

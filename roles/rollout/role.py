@@ -73,7 +73,7 @@ from laminar.roles.rollout.weights import WeightFollower
 from laminar.roles.rollout.work import Work, call_acked
 
 from laminar.protocol import MigrateIn, MigrateOut, RolloutStats, TakeBatch
-from laminar.weights.seal import verifier_of
+from laminar.weights.seal import arm_engine_checks
 
 
 class RolloutRole(Role):
@@ -143,9 +143,8 @@ class RolloutRole(Role):
         if settings.relay_id is not None and weights_dir is None:  # the relay's own folder
             weights_dir = cluster.relay_shm_dir(settings.relay_id)
         keys = getattr(t, "keys", None)
-        if keys is not None and settings.relay_id is not None and settings.engine == "vllm":
-            # the engine's worker processes check each version's seals before loading (weights/pull.py)
-            os.environ["LAMINAR_WEIGHTS_VERIFY_KEY"] = verifier_of(keys).raw.hex()
+        if settings.relay_id is not None and settings.engine == "vllm":
+            arm_engine_checks(keys)  # its worker processes check each version's seals before loading
         self.engine = self._make_engine()
         await self.engine.start()
         self.wire(self.engine, prompts=prompts, partials=partials, buffer=buffer, reward=reward,
@@ -163,7 +162,7 @@ class RolloutRole(Role):
         self.server.route(MigrateOut, self.migration.on_migrate_out)
         self.server.route(MigrateIn, self.migration.on_migrate_in)
         await self.server.start()
-        self.versions_sub = t.subscriber(["weights.version"])
+        self.versions_sub = t.subscriber(["weights.version", "hb.trainer."])  # the trainer's heartbeat names its run
         self.log.info("rollout_ready", version=self.version, model=settings.model_dir, address=self.server.address)
 
     def wire(self, engine, *, prompts=None, partials=None, buffer=None, reward=None, weights_dir=None,
@@ -173,7 +172,7 @@ class RolloutRole(Role):
         s, rid, log = self.settings, self.ctx.id, self.log
         self.engine, self.prompts, self.partials, self.buffer = engine, prompts, partials, buffer
         self.seqs = BatchSeq(seq_file, log)
-        self.weights = WeightFollower(engine, weights_dir, self.ctx.host, self.work, log, s.pull_retry_s)
+        self.weights = WeightFollower(engine, weights_dir, self.ctx.host, self.work, log, s.pull_retry_s, s.relay_id)
         routing = RoutingPuller(engine, log) if s.moe.routing else None
         self.stream = DeltaStream(rid, self.work, partials, s.rpc_timeout_s, log, routing=routing)
         self.runner = TrajectoryRunner(rid, s, self.work, self.weights, engine, self.episodes, reward, buffer,
@@ -319,7 +318,7 @@ class RolloutRole(Role):
                 running=s.running, waiting=s.waiting, active=len(self.active), tokens_per_s=rate,
                 state=self.work.state, batches=self.batches, generated_tokens=self.work.generated,
                 control_address=self._address("rollout", self.ctx.id), ts=time.time(), lineage=w.lineage,
-                weight_pull_failures=w.pull_failures, puts_refused=self.runner.puts_refused))
+                weight_pull_failures=w.pull_failures, puts_refused=self.runner.puts_refused, run_id=w.run_id))
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def stop(self) -> None:
@@ -343,7 +342,8 @@ class RolloutRole(Role):
     def status(self) -> dict:
         """Carried by every heartbeat, also while setup() still runs (until wired: holding nothing)."""
         w, kv = self.weights, self.engine.stats.kv_usage if self.engine else 0.0
-        out = {"version": w.version if w else 0, "lineage": w.lineage if w else 0, "active": len(self.active),
+        out = {"version": w.version if w else 0, "lineage": w.lineage if w else 0, "run_id": w.run_id if w else "",
+               "active": len(self.active),
                "state": self.work.state, "batches": self.batches, "kv": round(kv, 3),
                "weight_pull_failures": w.pull_failures if w else 0,
                "puts_refused": self.runner.puts_refused if self.runner else 0,

@@ -90,6 +90,7 @@ class TrajectoryRunner:
                           rollout_id=self.rollout_id, reward=reward, finish_reason=reason, timings=a.timings,
                           loss_mask=mask, obs_spans=a.spans(),
                           lineage=a.lineage if a.lineage >= 0 else self.weights.lineage, reward_components=parts,
+                          run_id=self.weights.run_id,  # weights change only with nothing active: these made it
                           routing=a.routing)
         try:
             if pending:

@@ -15,6 +15,11 @@ Fencing: the partial pool refuses the writes of an owner it has fenced off (the 
 trajectory to another rollout while this one was cut off). Such a trajectory stops here: it is
 aborted in the engine, dropped from the active set, and never offered to the buffer (its new
 owner stores it). This is the one place outside the trajectory's own task that removes it.
+
+Hand-outs: the pool creates a trajectory only from a seq 0 whose spec was handed to this rollout
+(roles/handout.py). An honest rollout is refused so only if the pools' hand-out keys disagree (a
+misconfiguration): such deltas stay in the outbox, sent again each flush and logged as errors
+(`deltas_refused`), never acknowledged and never dropped.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import asyncio
 
 import numpy as np
 from laminar.bus.errors import PeerUnavailable, RemoteError
+from laminar.roles.handout import NOT_HANDED
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.work import Work
 
@@ -39,6 +45,7 @@ class DeltaStream:
         self.rollout_id, self.work, self.partials, self.timeout_s, self.log = rollout_id, work, partials, timeout_s, log
         self.routing = routing  # RoutingPuller (routing.py): MoE routing rows pulled in before each cut
         self.fenced_off = 0  # trajectories dropped because the partial pool fenced this rollout off them
+        self.refused = 0     # flushes of a trajectory the pool refused as not handed to this rollout
 
     async def run(self, interval_s: float) -> None:
         """The `flush` task."""
@@ -99,6 +106,10 @@ class DeltaStream:
             why = rejected.get(a.id, "")
             if why.startswith("fenced off"):
                 self._fenced(a, why)
+            elif why.startswith(NOT_HANDED):  # never acknowledged: kept and sent again (loud, not lost)
+                self.refused += 1
+                if self.refused & (self.refused - 1) == 0:
+                    self.log.error("deltas_refused", trajectory=a.id, why=why, refused=self.refused)
             elif a.outbox:
                 a.acked(max(d.seq for d in a.outbox))
 

@@ -8,6 +8,12 @@ object changes them, and only when the caller holds Work.lock with nothing activ
 holds, for adopted work). A relay version of a new lineage is loaded at once even under a lower
 number (a resumed trainer).
 
+Pinned to one run (laminar/weights/run_pin.py): the trainer's heartbeat names its run
+(`announce_run`, from the `versions` task), and only that run's weights replace ours; before any
+announcement, only the run already loaded (the model folder's weights have none: the first run
+is taken). A version of another run at the relay (a replayed recording of an earlier run, sealed
+by the same key) is never loaded: `weight_run_refused` is logged once per pointer, naming the run.
+
 A failed load (bad pointer, lock timeout, truncated file) keeps the loaded weights, is logged and
 counted (`pull_failures`), and is tried again on the next version (the same one after
 `pull_retry_s`): the relay's pointer file stamp (inode, mtime) tells a new version from the one
@@ -29,15 +35,21 @@ import types
 from laminar.roles.rollout.rank_load import WeightsLost
 from laminar.roles.rollout.work import Work
 
+from laminar.protocol import Heartbeat
 from laminar.weights.manifest import ident, supersedes
 from laminar.weights.pull import LocalWeights
+from laminar.weights.run_pin import RunPin
 
 
 class WeightFollower:
     """The engine's weight identity, its loads from this host's relay, and the newest version seen there."""
 
-    def __init__(self, engine, shm_dir: str | None, host: str, work: Work, log, pull_retry_s: float):
+    def __init__(self, engine, shm_dir: str | None, host: str, work: Work, log, pull_retry_s: float,
+                 relay_id: str | None = None):
         self.engine, self.dir, self.host, self.work, self.log = engine, shm_dir, host, work, log
+        self.relay_id = relay_id  # this host's relay: only its `weights.version` events name our folder
+        self.pin = RunPin()
+        self._run_refused: tuple | None = None  # the pointer a version of another run was refused on
         self.pull_retry_s = pull_retry_s
         self.version = 0
         self.lineage, self.run_id = 0, ""  # with version: which weights the engine holds (0, "": model_dir's)
@@ -49,10 +61,19 @@ class WeightFollower:
 
     # -- what is held, what is newer -----------------------------------------------------------
     def newer(self, m) -> bool:
-        """Whether `m` (a manifest or a WeightsVersion) names weights that replace the loaded ones."""
+        """Whether `m` (a manifest or a WeightsVersion) names weights that replace the loaded ones:
+        of the pinned run (run_pin.py), and newer by manifest.supersedes."""
+        run = getattr(m, "run_id", "")
+        if not self.pin.accepts(run, self.run_id):
+            return False
         held = types.SimpleNamespace(run_id=self.run_id, lineage=self.lineage, version=self.version)
-        return supersedes(types.SimpleNamespace(run_id=getattr(m, "run_id", ""), lineage=getattr(m, "lineage", 0),
-                                                version=m.version), held)
+        return supersedes(types.SimpleNamespace(run_id=run, lineage=getattr(m, "lineage", 0), version=m.version), held)
+
+    def announce_run(self, run_id: str) -> None:
+        """The trainer names its run: only its weights are loaded from now on."""
+        if self.pin.announce(run_id):
+            self.log.info("run_pinned", run_id=run_id, loaded_run=self.run_id)
+            self.work.new_weights.set()  # an idle loop looks at the relay again
 
     def newer_waiting(self) -> bool:
         """Whether this host's relay holds weights that replace the loaded ones."""
@@ -93,6 +114,7 @@ class WeightFollower:
         if not self.dir or self.work.active:
             return
         lw = LocalWeights(self.dir)
+        claimed = self.newest_here  # announced before this look at the pointer (a later one may be news)
         pointer = await asyncio.to_thread(self._pointer_stamp)
         if pointer is not None and pointer == self._failed_pull and time.monotonic() < self._retry_pull_at:
             return  # it failed a moment ago: wait for the next version (a new pointer) or pull_retry_s
@@ -101,7 +123,9 @@ class WeightFollower:
         except (OSError, ValueError) as exc:  # a bad pointer: nothing was loaded
             self._pull_failed(None, exc, pointer)
             return
-        if m is None or not self.newer(m):
+        if m is None or not self._loadable(m, pointer):
+            if self.newest_here is claimed:  # the pointer is what is here: an announcement it contradicts is void
+                self.newest_here = None
             return
         state, self.work.state = self.work.state, "loading"
         t0 = time.monotonic()
@@ -124,6 +148,8 @@ class WeightFollower:
                     return
                 if after is None:
                     break
+                if not self.pin.accepts(after.run_id, self.run_id):
+                    break  # the relay moved to another run meanwhile: what was loaded goes unnamed
                 m = after  # a version was committed during the load: load again
             self.log.warning("weights_unnamed", why="the relay committed versions during every load; loading again")
             self.version, self.lineage, self.run_id = -1, 0, ""  # no trajectory starts until it is named
@@ -149,6 +175,17 @@ class WeightFollower:
         self.version, self.lineage, self.run_id = version, lineage, name[0]
         return None
 
+    def _loadable(self, m, pointer: tuple | None) -> bool:
+        """Whether the relay's version `m` replaces ours; one of another run is refused, said once."""
+        if self.pin.accepts(m.run_id, self.run_id):
+            return self.newer(m)
+        if pointer != self._run_refused:
+            self._run_refused = pointer
+            self.log.error("weight_run_refused", run_id=m.run_id, lineage=m.lineage, version=m.version,
+                           pinned=self.pin.pinned(self.run_id), shm_dir=self.dir,
+                           why="the relay holds weights sealed for another run than the trainer's: never loaded")
+        return False
+
     def _pointer_stamp(self) -> tuple | None:
         """(inode, mtime) of the relay's pointer file: a relay replaces it with every version."""
         try:
@@ -169,9 +206,14 @@ class WeightFollower:
 
     # -- what the relay holds ---------------------------------------------------------------------
     async def follow(self, sub) -> None:
-        """The `versions` task: every newer `weights.version` wakes an idle loop; this relay's is kept."""
+        """The `versions` task: the trainer's heartbeat pins the run; every newer `weights.version`
+        wakes an idle loop; this relay's is kept."""
         while True:
             _, ev = await sub.recv()
+            if isinstance(ev, Heartbeat):
+                if ev.role == "trainer" and ev.status.get("rank", 0) == 0:
+                    self.announce_run(str(ev.status.get("run_id") or ""))
+                continue
             if hasattr(ev, "version") and self.newer(ev):
                 self.work.new_weights.set()
                 if self._names_our_folder(ev):
@@ -200,5 +242,7 @@ class WeightFollower:
         """Whether a `weights.version` event is about the relay folder this rollout loads from: the
         same folder on this host (relays of every host may share one configured path)."""
         shm_dir = getattr(ev, "shm_dir", "")
+        if self.relay_id is not None and getattr(ev, "relay_id", None) != self.relay_id:
+            return False  # another relay's word about our folder (the topic binds the relay id to its key)
         return (bool(self.dir) and bool(shm_dir) and getattr(ev, "host", None) == self.host
                 and os.path.normpath(shm_dir) == os.path.normpath(str(self.dir)))

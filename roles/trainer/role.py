@@ -255,6 +255,7 @@ class TrainerRole(Role):
                 s = await self.buffer.call(SampleGroups(need - len(groups), self.version, cursor=self.cursor,
                                                         committed=self.committed, lineage=getattr(self, "lineage", -1),
                                                         forks=getattr(self, "forks", {}),
+                                                        run_id=getattr(self, "run_id", ""),
                                                         filter_metric=f.metric if f is not None and left > 0 else "",
                                                         filter_min_std=f.min_std if f is not None else 0.0,
                                                         filter_max_drop=max(left, 0)), timeout=30.0)
@@ -438,7 +439,9 @@ class TrainerRole(Role):
             self.metrics.close()
 
     def status(self) -> dict:
-        return {"version": self.version, "lineage": getattr(self, "lineage", 0), "state": self.state,
+        # run_id: the trainer's word on its run, which relays and rollouts pin to (docs/weights.md)
+        return {"version": self.version, "lineage": getattr(self, "lineage", 0), "run_id": getattr(self, "run_id", ""),
+                "state": self.state,
                 "cursor": self.cursor, "rank": self.info.rank,
                 "publish_stall_s": round(self.link.last_stall_s, 6) if self.link else 0.0,
                 "delivered": self.publisher.delivered if self.publisher is not None else None}

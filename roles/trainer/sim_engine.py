@@ -259,7 +259,7 @@ class ModeledDelivery:
             return  # a later version got there first (never go backwards)
         write_stand_in(self._store(target.dir), version, self.s.weight_bytes)
         self.delivered[target.host] = version
-        self.publish("weights.version", WeightsVersion(f"sim-{target.host}", target.host, version,
+        self.publish(f"weights.version.sim-{target.host}", WeightsVersion(f"sim-{target.host}", target.host, version,
                                                        self.s.weight_bytes, target.dir))
 
     def _store(self, directory: str):

@@ -101,23 +101,29 @@ def shm():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_adoption_resumes_only_on_the_weights_the_work_names(tmp_path, shm):
+@pytest.mark.parametrize("scoped", [False, True])
+def test_adoption_resumes_only_on_the_weights_the_work_names(tmp_path, shm, scoped):
+    """`scoped`: every role and client acts as its key would in a cluster with scoped keys, so the
+    pools check every write against its hand-out: an adopted or restarted trajectory is stored by
+    the rollout that finished it only because the partial pool signed it again for that rollout."""
     async def main():
         store = ShmStore(shm, retain=8)
         store.open()
         for v in (12, 13, 14):
             publish(store, v, lineage=1)
         c = cfg(tmp_path, shm)
-        cl = InprocCluster(c)
+        cl = InprocCluster(c, scoped=scoped)
         for role, i in (("prompt_pool", "0"), ("prompt_pool", "1"), ("partial_pool", "0"), ("experience_buffer", "0")):
             await cl.start(role, i)
-        pool, partial, buf = cl.client("prompt_pool"), cl.client("partial_pool"), cl.client("experience_buffer")
-        old = (await pool.call(TakeBatch("a", 2, batch_seq=1, pid=1))).trajectories   # lineage 1, version 14
-        await partial.call(in_flight("a", old, 14, lineage=1))
+        def as_key(key, role):  # noqa: E306 — a client holding that key when scoped
+            return cl.client_as(key, role) if scoped else cl.client(role)
+        partial, buf = as_key("manager", "partial_pool"), as_key("manager", "experience_buffer")
+        old = (await as_key("rollout.a", "prompt_pool").call(TakeBatch("a", 2, batch_seq=1, pid=1))).trajectories
+        await as_key("rollout.a", "partial_pool").call(in_flight("a", old, 14, lineage=1))  # lineage 1, version 14
         for v in (12, 13, 14, 15):  # the trainer resumed from version 12: lineage 2 reuses 12, 13, 14
             publish(store, v, lineage=2)
-        kept = (await pool.call(TakeBatch("a2", 2, batch_seq=1, pid=2))).trajectories  # lineage 2, version 13
-        await partial.call(in_flight("a2", kept, 13, lineage=2))
+        kept = (await as_key("rollout.a2", "prompt_pool").call(TakeBatch("a2", 2, batch_seq=1, pid=2))).trajectories
+        await as_key("rollout.a2", "partial_pool").call(in_flight("a2", kept, 13, lineage=2))  # lineage 2, v13
         assert store.retained() == [12, 13, 14]
         assert manifest_from_bytes(Path(shm, "v14.manifest").read_bytes()).lineage == 2
 
@@ -130,7 +136,7 @@ def test_adoption_resumes_only_on_the_weights_the_work_names(tmp_path, shm):
             await generate(a)
         rb.runner._generate = recorded
         endpoint = c.endpoint("rollout", "b")
-        fleet = Fleet(cl.hub.transport(), structlog.get_logger(),
+        fleet = Fleet(cl.hub.transport("manager" if scoped else None), structlog.get_logger(),
                       FleetSettings(rollout_dead_after_s=60, orphan_wait_s=0.0, orphan_policy="retained"),
                       lambda rid: endpoint, c.endpoint("partial_pool"))
         for owner in ("a", "a2"):
@@ -152,7 +158,7 @@ def test_adoption_resumes_only_on_the_weights_the_work_names(tmp_path, shm):
 
         wrong = [r for r in ran if r[1] != r[2]]
         assert not wrong, f"generated on weights other than its label names (id, label, held): {wrong}"
-        s = await buf.call(SampleGroups(4, 16, lineage=2, forks=FORKS))
+        s = await as_key("trainer", "experience_buffer").call(SampleGroups(4, 16, lineage=2, forks=FORKS))
         stored = {t.spec.trajectory_id: (t.lineage, t.version, tuple(t.response_tokens[:3].tolist()))
                   for g in s.groups for t in g}
         # lineage 1's work: restarted from its prompt on current weights, under new ids

@@ -43,9 +43,9 @@ def scenario(tmp: Path, mode: str, speedup: float = 100.0) -> tuple[object, dict
     return parse_config(cfg, f"<sim {mode}>"), cfg
 
 
-def run_to_end(cfg):
+def run_to_end(cfg, scoped: bool = False):
     """Run a scenario to its last version; its weight folders must be gone afterwards."""
-    result = asyncio.run(run_sim(cfg, timeout_s=HANG_GUARD_S))
+    result = asyncio.run(run_sim(cfg, timeout_s=HANG_GUARD_S, scoped=scoped))
     folders = [t["dir"] for t in cfg.roles["trainer"]["sim"]["deliver"]]
     assert folders and not [f for f in folders if Path(f).exists()], "weight folders left in /dev/shm"
     assert not Path(folders[0]).parent.exists()
@@ -81,9 +81,12 @@ def test_sim_trainer_cost_and_config(tmp_path):
     assert raw_sync["roles"]["trainer"]["sim"]["gpus"] == 64 and len(sync.find("rollout")) == 8  # colocated
 
 
-def test_laminar_mode_repacks_and_advances(tmp_path):
+@pytest.mark.parametrize("scoped", [False, True])
+def test_laminar_mode_repacks_and_advances(tmp_path, scoped):
+    """`scoped`: the same run with every role acting as its scoped key, so every delta, put and
+    repack move goes through the pools' hand-out checks; nothing may be refused."""
     cfg, _ = scenario(tmp_path, "laminar")
-    run = run_to_end(cfg)
+    run = run_to_end(cfg, scoped)
     check_versions(run)
     assert run.fleet["repacks"] > 0 and run.fleet["moved"] > 0, run.fleet  # long tails consolidated
     assert max(staleness(run.records)) <= 4

@@ -100,7 +100,7 @@ def test_the_sim_trainer_is_built_by_its_factory_and_announces_version_0_on_ever
         try:
             assert isinstance(engine, TrainEngineAPI)
             assert engine.s.extra_forward_passes == 1   # one_step recomputes the old logprobs
-            assert [(t, ev.host, ev.version) for t, ev in seen] == [("weights.version", h, 0) for h in hosts]
+            assert [(t, ev.host, ev.version) for t, ev in seen] == [(f"weights.version.sim-{h}", h, 0) for h in hosts]
             assert all(d.is_dir() for d in dirs)
         finally:
             engine.delivery.close()

@@ -24,7 +24,7 @@ def test_first_members_cannot_fill_a_rejecting_buffer():
 def test_a_group_larger_than_the_capacity_is_refused_with_a_reason():
     book = BufferBook(3, eviction="reject")
     status, _ = book.put(traj(1, 0, 4, 0))
-    assert status.startswith("full") and "capacity 3" in status
+    assert status.startswith("refused") and "capacity 3" in status  # for good: no later offer can change it
 
 
 @settings(max_examples=200, deadline=None)

@@ -4,6 +4,7 @@ three (they share PoolRole); the store's writes are made to fail or wait by wrap
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -30,6 +31,11 @@ def delta(tid: str, seq: int) -> TokenDelta:
                           prompt_tokens=np.array([1, 2], np.int32)) if seq == 0 else None
     toks = np.array([10 + seq, 20 + seq], np.int32)
     return TokenDelta(trajectory_id=tid, seq=seq, tokens=toks, logprobs=np.zeros(2, np.float32), version=0, spec=spec)
+
+
+def handed(pool, d: TokenDelta, rollout_id: str) -> TokenDelta:
+    """`d` with its spec signed for `rollout_id`, as the prompt pool hands it out (roles/handout.py)."""
+    return dataclasses.replace(d, spec=pool.handouts.sign(d.spec, rollout_id))
 
 
 async def two_owner_pool(tmp_path, scoped: bool = True):

@@ -5,6 +5,7 @@ hands the finished trajectory to the partial pool instead of the buffer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -87,7 +88,7 @@ def test_reward_role_http_backend_retries_and_names_what_went_wrong(service):
         with pytest.raises(HttpScoreError, match="not JSON"):
             await scorer(retries=1).score([traj("a")])
         service.mode = "hang"
-        with pytest.raises(HttpScoreError, match="ReadTimeout"):
+        with pytest.raises(HttpScoreError, match="no whole reply within 0.3 s"):
             await scorer(retries=1, timeout_s=0.3).score([traj("a")])
         for s in (ok, flaky):
             await s.close()
@@ -96,7 +97,10 @@ def test_reward_role_http_backend_retries_and_names_what_went_wrong(service):
     assert scores == [0.2, 0.2, 0.2] and again == [0.2] and retries == 2
 
 
-def test_reward_role_http_service_down_then_up_loses_nothing_and_scores_once(tmp_path, service):
+@pytest.mark.parametrize("scoped", [False, True])
+def test_reward_role_http_service_down_then_up_loses_nothing_and_scores_once(tmp_path, service, scoped):
+    """`scoped`: as a cluster with scoped keys runs it: the replica leases and scores as
+    `reward.svc`, and the buffer takes the pool's scored puts only with their hand-outs."""
     service.mode = "garbage"
     c_ = cfg(tmp_path, roles={"reward": {"scorer": "svc", "backend": "http", "batch_size": 2, "lease_s": 0.5,
                                          "idle_wait_s": 0.05,
@@ -104,11 +108,13 @@ def test_reward_role_http_service_down_then_up_loses_nothing_and_scores_once(tmp
              extra_roles=[{"role": "reward", "id": "a"}])
 
     async def go():
-        c = InprocCluster(c_)
+        c = InprocCluster(c_, scoped=scoped)
         pool = await c.start("partial_pool")
         await c.start("experience_buffer")
         for i in range(3):
-            await c.client("partial_pool").call(AwaitReward("r0", traj(f"t{i}", group=f"g{i}"), {"svc": 1.0}))
+            t = traj(f"t{i}", group=f"g{i}")
+            t = dataclasses.replace(t, spec=pool.handouts.sign(t.spec, "r0"))  # as the prompt pool hands it out
+            await c.client("partial_pool").call(AwaitReward("r0", t, {"svc": 1.0}))
         rm = await c.start("reward", "a")
         while rm.failed_batches < 2:                        # garbage: batches fail, leases expire
             await asyncio.sleep(0.02)  # polling the replica's counter, bounded by the test's timeout

@@ -62,7 +62,7 @@ def runner(reward=lambda spec, toks: 1.0, buffer=None, **settings) -> Trajectory
         tasks.append(asyncio.ensure_future(coro))
         return tasks[-1]
     s = RolloutConfig(engine="sim", **settings)
-    r = TrajectoryRunner("r0", s, Work(), types.SimpleNamespace(lineage=3), Engine(), None, reward,
+    r = TrajectoryRunner("r0", s, Work(), types.SimpleNamespace(lineage=3, run_id="r"), Engine(), None, reward,
                          buffer or Client(default=PutResult("stored")), Client(), spawn, LOG)
     r.tasks = tasks
     return r

@@ -325,7 +325,8 @@ def test_status_answers_before_setup_wires_the_components(tmp_path):
     config = types.SimpleNamespace(workdir=lambda: tmp_path, endpoint=lambda role, id: f"inproc://{role}.{id}")
     role = RolloutRole(RoleContext(role="rollout", id="r0", host="h0", transport=None,
                                    settings={"engine": "sim"}, config=config))
-    assert role.status() == {"version": 0, "lineage": 0, "active": 0, "state": "idle", "batches": 0, "kv": 0.0,
+    assert role.status() == {"version": 0, "lineage": 0, "run_id": "", "active": 0, "state": "idle", "batches": 0,
+                             "kv": 0.0,
                              "weight_pull_failures": 0, "puts_refused": 0, "fenced_off": 0, "gave_up": 0,
                              "take_failures": 0}
     role = make_role(tmp_path)

@@ -24,7 +24,7 @@ from laminar.protocol import (
     RolloutStats,
 )
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_pool_write_failures import cfg, delta, two_owner_pool
+from tests.unit.test_pool_write_failures import cfg, delta, handed, two_owner_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,7 +80,7 @@ def test_a_new_manager_grants_what_it_places_so_the_destination_may_claim_it(tmp
         pool = await c.start("partial_pool")
         d = pool.server.dispatcher
         d.authorize = auth.request_refusal
-        await d.handle(AppendDeltas("r0", [delta("a", 0)]), {}, None, "rollout.r0")
+        await d.handle(AppendDeltas("r0", [handed(pool, delta("a", 0), "r0")]), {}, None, "rollout.r0")
         await d.handle(ReassignPartial("a", ""), {}, None, "rollout.r0")      # MigrateOut's release
         early = await d.handle(ReassignPartial("a", "r1", fence=True), {}, None, "rollout.r1")  # not granted yet
         claims = []

@@ -67,3 +67,55 @@ def test_a_relay_key_joins_only_as_its_own_relay_and_cannot_displace_a_live_one(
     finally:
         evil_node.stop()
         shutil.rmtree(evil_node.store.dir, ignore_errors=True)
+
+
+def test_a_key_without_a_name_takes_over_an_id_only_from_a_relay_dead_for_the_whole_window():
+    """Before: a `relay` key without a name took over relay r0's id after one failed probe of r0
+    (1 s: a loaded host, or a flood of connections at its port, is enough). Now such a key must
+    find r0 unanswering for the whole takeover window (the heartbeat deadline); r0's own key
+    (a restart at a new port) still needs only one failed probe."""
+    import structlog
+    from laminar.bus.rpc import current_peer
+    from laminar.roles.manager.chain_host import ChainHost
+
+    class Pub:
+        def publish(self, topic, ev):
+            pass
+
+    async def main():
+        host = ChainHost(None, Pub(), structlog.get_logger("test"))
+        host.takeover_s = 1.0  # the heartbeat deadline (dead_after_s) in a cluster
+        answers = {"tcp-a": [True]}
+
+        async def probe(address):  # r0 at tcp-a: slow once, then answering again
+            seq = answers.setdefault(address, [])
+            return seq.pop(0) if seq else address == "tcp-a"
+        host.probe = probe
+        token = current_peer.set("relay.r0")
+        try:
+            await host.on_join(RelayJoin("r0", "h0", "tcp-a", "tcp://c-a"))
+        finally:
+            current_peer.reset(token)
+        answers["tcp-a"] = [False]  # one probe fails
+        token = current_peer.set("relay")  # a key without a name
+        try:
+            with pytest.raises(Exception, match="alive"):
+                await host.on_join(RelayJoin("r0", "h9", "tcp-evil", "tcp://c-evil"))
+        finally:
+            current_peer.reset(token)
+        assert host.coord.relays["r0"].data_address == "tcp-a"
+        answers["tcp-a"] = [False] * 1000   # r0 really gone: the id is free after the window
+        token = current_peer.set("relay")
+        try:
+            await host.on_join(RelayJoin("r0", "h1", "tcp-b", "tcp://c-b"))
+        finally:
+            current_peer.reset(token)
+        assert host.coord.relays["r0"].data_address == "tcp-b"
+        answers["tcp-b"] = [False]          # r0's own key, restarted at a new port: one failed probe will do
+        token = current_peer.set("relay.r0")
+        try:
+            await host.on_join(RelayJoin("r0", "h1", "tcp-c", "tcp://c-c"))
+        finally:
+            current_peer.reset(token)
+        assert host.coord.relays["r0"].data_address == "tcp-c"
+    asyncio.run(main())

@@ -32,7 +32,7 @@ class Log:
 def test_alarm_raised_after_T_over_K_once_and_cleared():
     t = [0.0]
     log = Log()
-    a = StallAlarm(log, lag_versions=2, after_s=10.0, clock=lambda: t[0])
+    a = StallAlarm(log, lag_versions=2, after_s=10.0, clock=lambda: t[0], quantile=1.0)  # the newest rollout
     a.update([(1, 3)])
     assert not a.raised and a.lag == 0          # no trainer heard yet: nothing to compare
     a.on_trainer(1, 6)
