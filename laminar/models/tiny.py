@@ -27,18 +27,22 @@ VOCAB = 259
 def build_tiny_model(out_dir: str | Path, seed: int = 0, init_std: float = 0.02, hidden: int = 128,
                      layers: int = 2, intermediate: int = 256, heads: int = 4, kv_heads: int = 2,
                      max_positions: int = 2048) -> Path:
-    import torch
     import transformers
     cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
                                    num_hidden_layers=layers, num_attention_heads=heads,
                                    num_key_value_heads=kv_heads, tie_word_embeddings=True,
                                    max_position_embeddings=max_positions, initializer_range=init_std,
                                    bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+    return _save(transformers.Qwen2ForCausalLM, cfg, out_dir, seed)
+
+
+def _save(model_class, cfg, out_dir: str | Path, seed: int) -> Path:
+    """A `model_class` of `cfg`, initialized from `seed`, saved in `out_dir`."""
+    import torch
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model_class(cfg).save_pretrained(out)
     return out
 
 
@@ -46,7 +50,6 @@ def build_tiny_moe_model(out_dir: str | Path, seed: int = 0, init_std: float = 0
                          layers: int = 2, experts: int = 8, top_k: int = 2, expert_intermediate: int = 128,
                          heads: int = 2, kv_heads: int = 1, head_dim: int = 64, max_positions: int = 2048) -> Path:
     """The tiny Qwen3-MoE (module docstring) in `out_dir`, random-initialized from `seed`."""
-    import torch
     import transformers
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=expert_intermediate,
@@ -55,12 +58,7 @@ def build_tiny_moe_model(out_dir: str | Path, seed: int = 0, init_std: float = 0
         mlp_only_layers=[], router_aux_loss_coef=0.001, tie_word_embeddings=True,
         max_position_embeddings=max_positions, initializer_range=init_std, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, torch_dtype="float32")
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(cfg)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    return out
+    return _save(transformers.Qwen3MoeForCausalLM, cfg, out_dir, seed)
 
 
 def main() -> None:

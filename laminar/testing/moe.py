@@ -65,14 +65,16 @@ def routed_groups(model_dir: str, versions: int = 2) -> list:
 
 def train_moe(model_dir: str, info=None, device: str = "cpu", versions: int = 2) -> dict:
     """TrainEngine with routing replay over `routed_groups`: the full state (rank 0), every version's
-    metrics, and the local shapes of this rank's expert tensors."""
+    metrics, and the local shapes of this rank's expert tensors. The load-balancing loss is off: it
+    is taken per micro-batch (a product of the micro-batch's averages), so ranks that cut the batch
+    otherwise than one process train slightly other weights."""
     import torch
 
     from laminar.roles.trainer.config import TrainerConfig
     from laminar.roles.trainer.engine import TrainEngine
     torch.manual_seed(0)
     cfg = TrainerConfig(model_dir=model_dir, lr=1e-3, minibatch_steps=2, micro_batch_size=3, device=device,
-                        mismatch_previous_version=False, moe={"routing_replay": True})
+                        mismatch_previous_version=False, moe={"routing_replay": True, "router_aux_loss_coef": 0.0})
     eng = TrainEngine(cfg, 0, torch.device(device), info) if info is not None else \
         TrainEngine(cfg, 0, torch.device(device))
     eng.load()

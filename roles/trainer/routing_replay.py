@@ -17,8 +17,10 @@ the router keeps learning to weigh the experts it is shown, it just cannot chang
 a replayed token. The selection was never differentiable anyway (a top-k). The load-balancing
 loss (`router_aux_loss_coef`: Switch Transformer's E x sum_e f_e P_e per layer, averaged over
 layers, f_e the share of the tokens' expert slots that went to e, P_e the mean router probability)
-is taken over the training forward's real tokens, f_e counting the experts actually used
-(replayed ones under replay); its gradient flows through P_e.
+is taken over each micro-batch's training forward's real tokens, f_e counting the experts
+actually used (replayed ones under replay), weighted by the micro-batch's share of the mini-batch's
+tokens; its gradient flows through P_e. A product of per-micro-batch averages, it depends on how the
+batch is cut into micro-batches and ranks (as any per-micro-batch balancing loss does).
 
 Mechanism: `RoutingReplay.attach` replaces the forward of every supported router (Hugging Face's
 softmax top-k routers: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) of the given models (policy,
