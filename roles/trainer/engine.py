@@ -343,6 +343,8 @@ class TrainEngine:
         import torch
         c = self.cfg
         self._set_lr(version)
+        if self.moe is not None:  # the routing disagreement is measured on samples of the weights held
+            self.moe.weights_version = version - 1
         self.plans = {}
         signal, flat = [], []  # groups with and without a signal (GRPO: zero advantages)
         for g in groups:
@@ -478,6 +480,8 @@ class TrainEngine:
                     totals["tokens"] += float(att.sum())
             mb_norms, stepped = self._step(pairs, finite)
             b.stepped_any = b.stepped_any or stepped
+            if stepped and self.moe is not None:
+                self.moe.weights_version = None  # the weights moved on: no sample is of them any more
             if not stepped:
                 skipped += 1
                 log.warning("nonfinite_step_skipped", version=b.version, loss_finite=finite,
@@ -625,7 +629,7 @@ class TrainEngine:
         d = self.device
         if self.moe is not None:  # this micro-batch's recorded routing, for its routers
             self.moe.stage([trajs[i].routing for i in take], [_length(trajs[i]) for i in take], ids.shape[1],
-                           self.packing, d)
+                           self.packing, d, [trajs[i].version for i in take])
         return ids.to(d), att.to(d), mask.to(d), {k: v.to(d) for k, v in ex.items()}
 
     def _per_token(self, fn, trajs, order: list[int]) -> list:

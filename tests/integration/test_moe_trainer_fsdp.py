@@ -22,8 +22,8 @@ def test_moe_fsdp2_shards_the_experts_and_replays_like_one_process(tmp_path):
     for rank in two["shards"]:  # [experts, 2 x width, hidden] and [experts, hidden, width]: 4 of 8 each
         assert {s[0] for n, s in rank.items() if n.endswith(("gate_up_proj", "down_proj"))} == {4}, rank
     assert one["shards"]["model.layers.0.mlp.experts.gate_up_proj"] == (8, 256, 128)
+    assert two["metrics"][0]["routing_disagree_token_share"] > 0.5  # the recorded (shifted) experts were replayed
     for m2, m1 in zip(two["metrics"], one["metrics"], strict=True):
-        assert m2["routing_disagree_token_share"] > 0.5          # the recorded (shifted) experts were replayed
         for k in ("loss", "grad_norm", "mismatch_mean_abs", "routing_disagree_token_share"):
             assert (k in m2) == (k in m1), k  # the mismatch only where samples are of the weights held
             if k in m1:
