@@ -20,8 +20,10 @@ Then `--versions` GRPO versions train each model on the uppercase task (reward: 
 capitals; vLLM samples every version, the trainer trains with replay on, its weights go back into
 the engine in place), and the same measurement runs again on the trained weights.
 
---moe-model: a tiny Qwen3-MoE folder (`make models/tiny-moe`: random-init then warm-started);
-without one a random one is built (init std 0.02). --dense-model likewise (the tiny Qwen2).
+--moe-model: a tiny Qwen3-MoE folder (default models/tiny-moe when built: `make models/tiny-moe`,
+random-init then warm-started); "" (or none built) builds a random one (init std 0.02).
+--dense-model likewise (the tiny Qwen2, models/tiny). --dtype bfloat16 runs the engine in bf16 and
+the trainer under bf16 autocast (fp32 master weights), as GPU runs do; float32 is the default.
 Writes JSON with `mismatch_mean_replay`, `mismatch_mean_noreplay`, `topk_disagree_noreplay`,
 `routing_bytes_per_token` (and p99s, the dense model's, and `after_versions` with the same keys).
 """
@@ -99,7 +101,8 @@ def disagreement(te: TrainEngine, trajs) -> tuple[float, float]:
     tokens = differ = cells = cells_differ = 0
     for t in trajs:
         prompt = [int(x) for x in t.spec.prompt_tokens]
-        own = hf_routing(te.model, prompt + [int(x) for x in t.response_tokens])
+        with te._autocast():  # the trainer's compute dtype, as its logprob pass runs
+            own = hf_routing(te.model, prompt + [int(x) for x in t.response_tokens])
         a = np.sort(own, -1)[len(prompt) - 1:]
         b = np.sort(np.asarray(t.routing), -1)[len(prompt) - 1:len(own)]
         layer = (a != b).any(-1)
@@ -127,9 +130,9 @@ def measure(te: TrainEngine, groups, moe: bool) -> dict:
 
 async def run_model(model_dir: str, moe: bool, a, tmp: Path) -> dict:
     engine = VllmEngine(model_dir, max_model_len=512, max_num_seqs=64, kv_cache_gib=1, temperature=1.0, top_p=1.0,
-                        seeded=True, routing=moe)
+                        seeded=True, routing=moe, dtype=a.dtype)
     te = TrainEngine(TrainerConfig(model_dir=model_dir, lr=a.lr, groups_per_batch=a.prompts, minibatch_steps=2,
-                                   mismatch_previous_version=False, moe={"routing_replay": True}),
+                                   mismatch_previous_version=False, moe={"routing_replay": moe}, dtype=a.dtype),
                      a.seed, torch.device("cpu"))
     te.load()
     await engine.start()
@@ -168,6 +171,8 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=20, help="training versions before the second measurement")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the engine's dtype and the trainer's compute dtype (bfloat16: autocast, fp32 master weights)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     exit_on_signals()
@@ -188,8 +193,8 @@ def main() -> None:
         rows += [[label, "dense (no routing)", dn["mismatch_mean_dense"], dn["mismatch_p99_dense"], "-"],
                  [label, "MoE, own top-k", m["mismatch_mean_noreplay"], m["mismatch_p99_noreplay"],
                   m["topk_disagree_noreplay"]],
-                 [label, "MoE, routing replay", m["mismatch_mean_replay"], m["mismatch_p99_replay"], 0.0]]
-    print_table(f"train-inference |dlogprob| per token, float32 (MoE: {moe_what}; dense: {dense_what})",
+                 [label, "MoE, routing replay", m["mismatch_mean_replay"], m["mismatch_p99_replay"], "(replayed)"]]
+    print_table(f"train-inference |dlogprob| per token, {a.dtype} (MoE: {moe_what}; dense: {dense_what})",
                 ["weights", "trainer", "mean", "p99", "top-k differs (tokens)"], rows)
     b = moe["before"]
     print(f"routing: {b['routing_bytes_per_token']:.1f} bytes per token, "
@@ -199,7 +204,8 @@ def main() -> None:
            "dense_mismatch_p99": dense["before"]["mismatch_p99_dense"],
            "after_versions": {**(moe["after"] or {}), **{f"dense_{k}": v for k, v in (dense["after"] or {}).items()}},
            "versions": a.versions, "reward_per_version_moe": moe["reward_per_version"],
-           "reward_per_version_dense": dense["reward_per_version"], "moe_model": moe_what, "dense_model": dense_what}
+           "reward_per_version_dense": dense["reward_per_version"], "moe_model": moe_what, "dense_model": dense_what,
+           "dtype": a.dtype}
     write_json(a.out, out)
 
 
