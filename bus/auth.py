@@ -47,10 +47,10 @@ WEIGHTS_KEY = "weights"  # weights.key / weights.key_secret: the trainer's Ed255
 CLIENTS = "clients"
 # who may do what: see docs/security.md (the table there is this code in words)
 SCOPES = ("operator", "node", "trainer", "manager", "relay", "rollout", "env", "pool", "broker", "evaluator",
-          "reward")
+          "reward", "gateway", "agent")
 ROLE_SCOPE = {"trainer": "trainer", "manager": "manager", "relay": "relay", "rollout": "rollout", "env": "env",
               "prompt_pool": "pool", "partial_pool": "pool", "experience_buffer": "pool", "broker": "broker",
-              "evaluator": "evaluator", "reward": "reward"}
+              "evaluator": "evaluator", "reward": "reward", "gateway": "gateway", "agent": "agent"}
 ALL = "cluster"  # the identity of the single cluster key (one-key mode): may do everything
 
 
@@ -314,7 +314,8 @@ def topic_refusal(identity: str | None, topic: bytes) -> str:
     """Why the broker drops a message published on `topic` by `identity` ("" = forwarded).
     Control commands (`ctrl.*`: Shutdown) come from the operator only; a heartbeat (`hb.ROLE.ID`),
     metrics (`metrics.ROLE`) and rollout statistics (`rollout.stats.ID`) only from the scope of
-    that role (and from the key named ID when the key has a name); the chain, version
+    that role (and from the key named ID when the key has a name, except a reward key, named after
+    its scorer: any reward replica's); the chain, version
     announcements and relay progress (TOPIC_SCOPES) only from the scopes that produce them, a version
     announcement (`weights.version.ID`) from a key named ID only its own."""
     if _everything(identity):
@@ -334,7 +335,9 @@ def topic_refusal(identity: str | None, topic: bytes) -> str:
         else:
             parts = text.split(".", 2)
             role, rid = (parts + ["", ""])[1:3]
-        if ROLE_SCOPE.get(role, role) != scope or (name and rid and rid != name):
+        # a reward key is named after its scorer, which its replicas share, not after a replica id
+        by_name = name and rid and scope != "reward"
+        if ROLE_SCOPE.get(role, role) != scope or (by_name and rid != name):
             return f"a {identity} key may not publish {text[:60]} (another role's)"
     return ""
 
@@ -408,6 +411,10 @@ REQUESTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "reward.await": (("partial_pool",), frozenset({"rollout"})),       # named key: its own trajectories
     "reward.lease": (("partial_pool",), frozenset({"reward"})),    # named key: its own scorer's work only
     "reward.submit": (("partial_pool",), frozenset({"reward"})),   # named key: its scorer, its own leases
+    # agent episodes (docs/architecture.md §14): rollouts announce theirs, the gateway routes calls
+    "agent.announce": (("gateway",), frozenset({"rollout"})),         # named key: as itself
+    "agent.call": (("rollout",), frozenset({"gateway"})),
+    "agent.end": (("rollout",), frozenset({"gateway"})),
 }
 REQUEST_SCOPES = {kind: scopes for kind, (_, scopes) in REQUESTS.items()}
 

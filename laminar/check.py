@@ -7,6 +7,8 @@ run; each line names the file and the field (`configs/x.yaml: roles.prompt_pool.
 What is checked:
 
 - the schema, every error at once, an unknown key with the nearest known one (laminar/config.py);
+  a file the schema refuses (two roles on one port, a value of the wrong type) is still checked
+  by every other check, on a config made without the refused values;
 - host addresses and bind addresses are valid IP addresses or host names;
 - files, on the host that uses them (`--host`, or the only host; a config of several hosts
   checked without --host checks no host's files and says so): every placed role's model folder
@@ -21,6 +23,9 @@ What is checked:
   dedicated user cannot read /root);
 - with `--gpu-memory-gib G`: the GPU memory plan (`laminar.memory_plan.check_memory(cfg, G)`, a
   module of its own; without it the option is refused with that reason).
+
+Nothing is said twice: an address reported once (malformed, or not this machine's) is not probed
+again for each port that would listen on it, and a line two checks find is printed once.
 
 A new check is one function decorated with `@check("name")` (or `@check("name", when=...)` for
 one that runs only on request); it never raises for a problem, it yields the line. A check that
@@ -59,6 +64,7 @@ class CheckContext:
     gpu_memory_gib: float | None = None   # also check the GPU memory plan against this much per GPU
     python: str = sys.executable          # the interpreter the roles (and units) run with
     cwd: str = field(default_factory=os.getcwd)
+    reported_binds: set[str] = field(default_factory=set)  # addresses already reported: their ports are not probed
 
     def settings(self) -> list[tuple[str, str, BaseModel]]:
         """(role kind, id, validated settings) of every role placed on this host (every role when
@@ -162,6 +168,7 @@ def check_addresses(ctx: CheckContext) -> Iterable[str]:
             if value is None or (name != "address" and value in WILDCARDS):
                 continue
             if (why := address_problem(value)) is not None:
+                ctx.reported_binds.add(value)
                 yield f"{ctx.cfg.source}: cluster.hosts.{hid}.{name}: {value!r} is {why}"
 
 
@@ -181,6 +188,7 @@ def check_binds(ctx: CheckContext) -> Iterable[str]:
             continue
         ip = _resolve(value)
         if ip is None:
+            ctx.reported_binds.add(value)
             yield f"{ctx.cfg.source}: cluster.hosts.{ctx.host}.{name}: {value!r} does not resolve on this machine"
             continue
         try:
@@ -188,6 +196,7 @@ def check_binds(ctx: CheckContext) -> Iterable[str]:
                 s.bind((ip, 0))
         except OSError as exc:
             if exc.errno == errno.EADDRNOTAVAIL:
+                ctx.reported_binds.add(value)
                 yield (f"{ctx.cfg.source}: cluster.hosts.{ctx.host}.{name}: {value!r} is not an address of this "
                        f"machine (is this host {ctx.host}? use --host, or bind 0.0.0.0)")
 
@@ -210,6 +219,8 @@ def listen_ports(cfg: LaminarConfig, host: str) -> list[tuple[str, int]]:
             continue
         if spec.role == "relay" and getattr(s, "data_port", 0):
             out.append((f"roles.relay.data_port ({spec.key})", s.data_port))
+        if spec.role == "gateway" and getattr(s, "http_port", 0):
+            out.append((f"roles.gateway.http_port ({spec.key})", s.http_port))
         if (spec.role == "trainer" and getattr(s, "world_size", 1) > 1 and not s.dist_address
                 and (s.rank if s.rank is not None else int(spec.id) if spec.id.isdigit() else -1) == 0):
             out.append((f"roles.trainer.dist_port ({spec.key})", s.dist_port))
@@ -238,6 +249,8 @@ def check_ports(ctx: CheckContext) -> Iterable[str]:
         if where.endswith("metrics_port"):
             from laminar.health import metrics_bind  # late: health imports the protocol, which check needn't
             bind = metrics_bind(h)
+        if bind in ctx.reported_binds:
+            continue   # its address is reported already: every port on it would fail the same way
         if (why := port_taken(bind, port)) is not None:
             yield f"{ctx.cfg.source}: {where}: port {port} on {bind or '*'}: {why} (is another run up on this host?)"
 
@@ -330,6 +343,8 @@ def _callables(settings: BaseModel, prefix: str = "") -> Iterable[tuple[str, str
             yield f"{prefix}{name}", value, "reward"
         elif isinstance(value, str) and name == "environment":
             yield f"{prefix}{name}", value, "environment"
+        elif isinstance(value, str) and name == "script":
+            yield f"{prefix}{name}", value, "script"
 
 
 @check("reward functions and environments", when=on_a_host)
@@ -343,6 +358,11 @@ def check_callables(ctx: CheckContext) -> Iterable[str]:
         for name, path, kind in _callables(s):
             if path not in seen:
                 try:
+                    if kind == "script":  # an agent program: its source is read, never imported
+                        from laminar.roles.agent.role import script_source
+                        script_source(path)
+                        seen[path] = None
+                        continue
                     fn = load_environment(path) if kind == "environment" else load_callable(path)
                     seen[path] = None if kind == "environment" or callable(fn) else f"{path!r} is not callable"
                 except Exception as exc:  # whatever importing user code raises is the problem to report

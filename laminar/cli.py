@@ -1,6 +1,7 @@
 """`laminar-node`: the one command-line interface of Laminar (docs/operating.md).
 
-Subcommands: keygen, check, up, start, role, status, tail, stop, systemd, slurm, export, bench.
+Subcommands: keygen, check, up, start, role, status, tail, stop, systemd, slurm, export, eval, dashboard,
+bench.
 Config is parsed and validated before anything heavy is imported: each subcommand imports its
 modules when it runs (the one place late imports are the rule), so `--help` and every role
 process load only what they use. Exit codes: 0 done, 1 a run
@@ -244,6 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("args", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
+
+    s = sp.add_parser("eval", help="evaluate a model folder, a relay version or a checkpoint on a config's eval "
+                      "sets, as the evaluator role does, with 95% intervals")
+    _common(s, config=False)
+    from laminar import evaluate as evaluate_mod
+    evaluate_mod.add_arguments(s)
+    s.set_defaults(fn=evaluate_mod.run)
+
+    s = sp.add_parser("dashboard", help="write a Grafana dashboard of the nodes' Prometheus series and a "
+                      "Prometheus scrape config for the config's hosts")
+    _common(s)
+    from laminar import dashboard as dashboard_mod
+    dashboard_mod.add_arguments(s)
+    s.set_defaults(fn=dashboard_mod.run)
 
     s = sp.add_parser("export", help="write a checkpoint or a relay's newest version as a Hugging Face folder")
     from laminar import export as export_mod

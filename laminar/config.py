@@ -13,16 +13,15 @@ repository root for `make demo` and the WorkingDirectory of generated systemd un
 """
 from __future__ import annotations
 
-import difflib
+import copy
 import os
-import types
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from laminar.config_errors import drop_refused, problem_lines, suggest
 from laminar.roles.registry import REGISTRY, role_config_class
 from laminar.tracking import TrackingSpec
 
@@ -115,9 +114,9 @@ class SystemdSettings(Strict):
     """What `laminar-node systemd` writes into every unit (see laminar/systemd.py)."""
     user: str = Field("laminar", description="user every unit runs as: a dedicated system user (`useradd "
                       "--system laminar`) that owns the key folder and the run's workdir; root only if set here")
-    role_users: dict[str, str] = Field(default_factory=lambda: {"env": "root"}, description="user per role kind, "
-                                       "overriding `user` (the env role's sandbox makes namespaces and mounts, "
-                                       "which needs root)")
+    role_users: dict[str, str] = Field(default_factory=lambda: {"env": "root", "agent": "root"},
+                                       description="user per role kind, overriding `user` (the env and agent "
+                                       "roles' sandbox makes namespaces and mounts, which needs root)")
     limit_nofile: int = Field(65536, ge=1024, description="LimitNOFILE of every unit")
     restart_steps: int = Field(8, ge=1, description="RestartSteps: restarts over which the delay grows from "
                                "RestartSec to restart_max_delay_s (systemd >= 254)")
@@ -139,9 +138,21 @@ class ClusterSpec(Strict):
     hosts: dict[str, HostSpec]
 
     @model_validator(mode="after")
-    def _check(self) -> ClusterSpec:
+    def _check(self, info: ValidationInfo) -> ClusterSpec:
+        problems = self.placement_problems()
+        sink = (info.context or {}).get(PLACEMENT_PROBLEMS) if info is not None else None
+        if problems and sink is None:
+            raise ValueError("; ".join(problems))
+        if sink is not None:   # `check` collects them and goes on with the other layers
+            sink.extend(problems)
+        return self
+
+    def placement_problems(self) -> list[str]:
+        """Every clash of the placement, each once: a broker on no host, a role placed twice, two
+        listeners of one host on one port."""
+        out = []
         if self.broker.host not in self.hosts:
-            raise ValueError(f"broker.host {self.broker.host!r} is not one of hosts {sorted(self.hosts)}")
+            out.append(f"broker.host {self.broker.host!r} is not one of hosts {sorted(self.hosts)}")
         seen: dict[str, str] = {}
         for hid, host in self.hosts.items():
             ports: dict[int, str] = {}
@@ -149,19 +160,21 @@ class ClusterSpec(Strict):
                 ports = {self.broker.pub_port: "broker.pub_port", self.broker.sub_port: "broker.sub_port"}
             if host.metrics_port is not None:
                 if host.metrics_port in ports:
-                    raise ValueError(f"hosts.{hid}: metrics_port {host.metrics_port} already used by "
-                                     f"{ports[host.metrics_port]}")
-                ports[host.metrics_port] = "metrics_port"
+                    out.append(f"hosts.{hid}: metrics_port {host.metrics_port} already used by "
+                               f"{ports[host.metrics_port]}")
+                ports.setdefault(host.metrics_port, "metrics_port")
             for spec in host.roles:
                 if spec.key in seen:
-                    raise ValueError(f"role {spec.key} placed twice (hosts {seen[spec.key]} and {hid})")
-                seen[spec.key] = hid
+                    out.append(f"role {spec.key} placed twice (hosts {seen[spec.key]} and {hid})")
+                seen.setdefault(spec.key, hid)
                 if spec.port is not None:
                     if spec.port in ports:
-                        raise ValueError(f"hosts.{hid}: port {spec.port} of {spec.key} already used by "
-                                         f"{ports[spec.port]}")
-                    ports[spec.port] = spec.key
-        return self
+                        out.append(f"hosts.{hid}: port {spec.port} of {spec.key} already used by {ports[spec.port]}")
+                    ports.setdefault(spec.port, spec.key)
+        return out
+
+
+PLACEMENT_PROBLEMS = "placement_problems"   # validation context key: collect placement clashes instead of raising
 
 
 class RunSpec(Strict):
@@ -262,61 +275,6 @@ class LaminarConfig(Strict):
         return {s.id: self.settings_of("rollout", s.id).max_concurrency for _, s in self.find("rollout")}
 
 
-def _loc(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc) or "<top>"
-
-
-def _unwrap(tp: Any) -> Any:
-    """The model, dict or list type inside Optional[...] / Annotated[...] (what a key path walks into)."""
-    while True:
-        origin = typing.get_origin(tp)
-        if origin is typing.Annotated:
-            tp = typing.get_args(tp)[0]
-        elif origin in (typing.Union, types.UnionType):
-            inner = [a for a in typing.get_args(tp) if a is not type(None)]
-            if len(inner) != 1:
-                return tp
-            tp = inner[0]
-        else:
-            return tp
-
-
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """The field names of the model found at `loc` inside `model` ([] when the path leaves the models)."""
-    tp: Any = model
-    parts = list(loc)
-    while parts:
-        tp = _unwrap(tp)
-        part = parts.pop(0)
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            field = tp.model_fields.get(str(part))
-            if field is None:
-                return []
-            tp = field.annotation
-        elif typing.get_origin(tp) in (dict, list):
-            tp = typing.get_args(tp)[-1]
-        else:
-            return []
-    tp = _unwrap(tp)
-    return list(tp.model_fields) if isinstance(tp, type) and issubclass(tp, BaseModel) else []
-
-
-def _suggest(word: str, known) -> str:
-    close = difflib.get_close_matches(str(word), [str(k) for k in known], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _problems(exc: ValidationError, model: type[BaseModel], prefix: str) -> list[str]:
-    """One line per error of a validation, an unknown key with the nearest known one."""
-    out = []
-    for e in exc.errors():
-        hint = ""
-        if e["type"] == "extra_forbidden" and e["loc"]:
-            hint = _suggest(e["loc"][-1], _known_keys(model, tuple(e["loc"][:-1])))
-        out.append(f"{prefix}{_loc(e['loc'])}: {e['msg']}{hint}")
-    return out
-
-
 def parse_config(data: Any, source: str = "<memory>") -> LaminarConfig:
     """The validated config; raises ConfigError listing every problem (schema and role settings)."""
     cfg, problems = parse_config_collect(data, source)
@@ -326,15 +284,39 @@ def parse_config(data: Any, source: str = "<memory>") -> LaminarConfig:
 
 
 def parse_config_collect(data: Any, source: str = "<memory>") -> tuple[LaminarConfig | None, list[str]]:
-    """(config, problems): the config is None when the file's structure itself is wrong; with
-    problems only in role settings it is returned too, so other checks can still look at it."""
+    """(config, problems): every problem of the file's structure and of each role's settings. The
+    config is returned whenever one can be made, so that `check` looks at the other layers (files,
+    code, this host) too: placement clashes are collected, not raised, and the values the schema
+    refused are left out (their defaults taken) for a config made only for those checks. None when
+    even that fails (a required section missing or unusable)."""
     if not isinstance(data, dict):
         return None, [f"{source}: the top level must be a mapping with run/cluster/roles"]
+    clashes: list[str] = []
     try:
-        cfg = LaminarConfig.model_validate({**data, "source": source})
+        cfg = LaminarConfig.model_validate({**data, "source": source}, context={PLACEMENT_PROBLEMS: clashes})
     except ValidationError as exc:
-        return None, _problems(exc, LaminarConfig, f"{source}: ")
-    return cfg, role_settings_problems(cfg)
+        problems = problem_lines(exc, LaminarConfig, f"{source}: ")
+        cfg = _without_refused(data, source, exc)
+        if cfg is None:
+            return None, problems
+        clashes = cfg.cluster.placement_problems()
+    else:
+        problems = []
+    problems += [f"{source}: cluster: {p}" for p in clashes]
+    return cfg, problems + [p for p in role_settings_problems(cfg) if p not in problems]
+
+
+def _without_refused(data: dict, source: str, exc: ValidationError, tries: int = 3) -> LaminarConfig | None:
+    """The config made from `data` less every value the schema refused (so the checks of the
+    other layers still run); None when that is not a config either."""
+    data = copy.deepcopy(data)
+    for _ in range(tries):
+        drop_refused(data, exc)
+        try:
+            return LaminarConfig.model_validate({**data, "source": source}, context={PLACEMENT_PROBLEMS: []})
+        except ValidationError as again:
+            exc = again
+    return None
 
 
 def role_settings_problems(cfg: LaminarConfig) -> list[str]:
@@ -343,10 +325,10 @@ def role_settings_problems(cfg: LaminarConfig) -> list[str]:
     for hid, spec in cfg.placements():
         if spec.role not in REGISTRY:
             out.append(f"{cfg.source}: cluster.hosts.{hid}.roles: unknown role {spec.role!r}"
-                       f"{_suggest(spec.role, REGISTRY)}; known: {sorted(REGISTRY)}")
+                       f"{suggest(spec.role, REGISTRY)}; known: {sorted(REGISTRY)}")
     for name in cfg.roles:
         if name not in REGISTRY:
-            out.append(f"{cfg.source}: roles.{name}: unknown role kind{_suggest(name, REGISTRY)}; "
+            out.append(f"{cfg.source}: roles.{name}: unknown role kind{suggest(name, REGISTRY)}; "
                        f"known: {sorted(REGISTRY)}")
     for hid, spec in cfg.placements():
         if spec.role not in REGISTRY:
@@ -356,7 +338,7 @@ def role_settings_problems(cfg: LaminarConfig) -> list[str]:
         try:
             settings = model.model_validate(cfg.role_settings(spec.role, spec.id))
         except ValidationError as exc:
-            out += [p for p in _problems(exc, model, f"{cfg.source}: {where}.") if p not in out]
+            out += [p for p in problem_lines(exc, model, f"{cfg.source}: {where}.") if p not in out]
             continue
         check = getattr(settings, "check_placement", None)  # settings that depend on the placement (gpus, cores)
         if check is not None:

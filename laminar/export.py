@@ -19,7 +19,8 @@ its tokenizer and generation config files when it has them, which are copied). O
 config.json, model.safetensors (sharded by transformers when large) and those files; it is
 written as a temporary folder next to OUT_DIR and renamed into place, so it is whole or absent.
 An existing OUT_DIR is never deleted: the export refuses it (exit 2), and with `--force` moves it
-aside to `OUT_DIR.<YYYYmmdd-HHMMSS>` first.
+aside to `OUT_DIR.<YYYYmmdd-HHMMSS>` first. The command shows its stages (read, cast, save) on
+stderr with an ETA (laminar/progress.py).
 
 A LoRA run's SOURCE holds an adapter (a relay version whose content is "lora", or a checkpoint of a trainer
 with `lora`): OUT_DIR gets it in peft's format (adapter_model.safetensors, adapter_config.json
@@ -39,10 +40,12 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from laminar.config import UsageError
 
+EXPORT_STAGES = {"read": 3, "cast": 1, "save": 4}   # rough shares of an export's time, for the command's ETA
 EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                "generation_config.json")
@@ -105,21 +108,28 @@ def config_dtype(cfg) -> str | None:
     return None if dt is None else str(dt).removeprefix("torch.")
 
 
+def _no_stage(name: str) -> None:
+    pass
+
+
 def export(source: str | os.PathLike, out_dir: str | os.PathLike, model_dir: str | os.PathLike,
            dtype: str | None = None, version: int | None = None, merge: bool = False,
-           verify_key: bytes | None = None) -> Path:
+           verify_key: bytes | None = None, stage: Callable[[str], None] = _no_stage) -> Path:
     """Write the Hugging Face folder (an adapter: peft's folder, or merged into the base with
     `merge`); returns its path. dtype None: the base config's dtype. `verify_key`: the trainer's
-    public key (raw) a relay version's seals are checked with (read_version)."""
+    public key (raw) a relay version's seals are checked with (read_version). `stage(name)` is
+    told each stage as it starts (read, cast, save: the command's progress)."""
+    stage("read")
     sd, got_version, adapter = read_version(source, version, verify_key)
     where = str(Path(source).resolve())
     if adapter and merge:
-        return write_folder(merged_state(sd, adapter, model_dir), out_dir, model_dir, dtype, got_version, where)
-    if adapter:
+        sd = merged_state(sd, adapter, model_dir)
+    elif adapter:
+        stage("save")
         return write_adapter(sd, adapter, out_dir, model_dir, got_version, where)
-    if merge:
+    elif merge:
         raise UsageError(f"--merge: {source} holds full weights, not a LoRA adapter (nothing to merge)")
-    return write_folder(sd, out_dir, model_dir, dtype, got_version, where)
+    return write_folder(sd, out_dir, model_dir, dtype, got_version, where, stage)
 
 
 def _adapter_files(folder: Path, sd: dict, adapter_config: str, model_dir) -> None:
@@ -164,13 +174,15 @@ def merged_state(sd: dict, adapter_config: str, model_dir) -> dict:
 
 
 def write_folder(sd: dict, out_dir: str | os.PathLike, model_dir: str | os.PathLike, dtype: str | None = None,
-                 got_version: int | None = None, source: str | None = None) -> Path:
+                 got_version: int | None = None, source: str | None = None,
+                 stage: Callable[[str], None] = _no_stage) -> Path:
     """Write a state dict (e.g. the trainer's final weights, in memory) as the Hugging Face folder;
     an existing `out_dir` is moved aside to `<out_dir>.<date-time>`, never deleted."""
     import torch
     import transformers
 
     from laminar.weights.pull import torch_dtype
+    stage("cast")
     cfg = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
     name = config_dtype(cfg) if dtype is None else (None if dtype == "same" else dtype)
     target = torch_dtype(name) if name else None
@@ -192,6 +204,7 @@ def write_folder(sd: dict, out_dir: str | os.PathLike, model_dir: str | os.PathL
     out = Path(out_dir)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    stage("save")
     model.save_pretrained(tmp, safe_serialization=True)
     for f in EXTRA_FILES:
         p = Path(model_dir) / f
@@ -246,13 +259,16 @@ def run(a) -> int:
         verify_key, _ = load_weights_key(a.keys, secret=False)
         if verify_key is None:
             raise UsageError(f"--keys {a.keys}: no weights.key there (the trainer's public key)")
+    from laminar.progress import Progress
     from laminar.weights.pull import WeightsRefused
     try:
-        print(export(a.source, a.out_dir, model_dir, a.dtype, a.version, merge=getattr(a, "merge", False),
-                     verify_key=verify_key))
+        with Progress.stages("export", EXPORT_STAGES) as bar:
+            out = export(a.source, a.out_dir, model_dir, a.dtype, a.version, merge=getattr(a, "merge", False),
+                         verify_key=verify_key, stage=bar.stage)
     except WeightsRefused as exc:  # the seals do not vouch for the bytes
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(out)
     return 0
 
 

@@ -266,13 +266,17 @@ class HealthCollector:
                "versioned frames the role dropped (since its start)",
                [(lab(r), r.beat.dropped_frames) for r in roles if r.beat])
         for name, kind, help, kinds, value in FAMILIES:
-            with_role = name == "laminar_weight_version"
+            with_role = len(kinds) > 1   # a series several kinds report: their ids may repeat (pool "0"s)
             family(name, kind, help, [(lab(r) if with_role else {"id": r.id, "host": r.host}, r.values[value])
                                       for r in roles if r.role in kinds and value in r.values])
         family("laminar_eval_metric", "gauge", "the last evaluation's result of one eval set and metric (greedy, "
                "avg@k, pass@k, maj@k)",
                [({"id": r.id, "host": r.host, "set": k.split("/")[1], "metric": k.split("/")[2]}, v)
                 for r in roles if r.role == "evaluator" for k, v in sorted(r.sets.items())])
+        family("laminar_alarm", "gauge", "1 per alarm raised now by a role of this node (its name and role; the "
+               "text is /healthz's)",
+               [({"alarm": a.split(" ", 1)[0], "role": a.split("(", 1)[1].split(":", 1)[0], "host": self.host}, 1)
+                for a in self.alarms()])
         return "\n".join(out) + "\n"
 
 

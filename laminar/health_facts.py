@@ -24,16 +24,26 @@ HB_FACTS = {
                "queue_depth": "reward_queue", "parse_failures": "reward_parse_failures",
                "latency_p50_s": "reward_p50", "latency_max_s": "reward_max", "batches": "reward_batches",
                "scoring_s_total": "reward_seconds"},
-    "partial_pool": {"awaiting_reward": "awaiting", "awaiting_oldest_s": "awaiting_oldest_s",
+    "partial_pool": {"in_flight": "in_flight", "tokens": "in_flight_tokens", "awaiting_reward": "awaiting",
+                     "awaiting_oldest_s": "awaiting_oldest_s",
                      "reward_parse_failed": "parse_failed", "reward_lease_expired": "lease_expired",
+                     "reward_lease_shared": "lease_shared",
                      "reward_late_scores": "late_scores", "reward_gave_up": "gave_up",
                      "reward_gave_up_age_s": "gave_up_age_s", "reward_unserved": "unserved",
                      "reward_parked": "parked", **_REFUSED},
-    "experience_buffer": dict(_REFUSED), "prompt_pool": dict(_REFUSED),
+    "experience_buffer": {"stored": "stored", "capacity": "capacity", "complete_groups": "complete_groups",
+                          "leased": "leased", **_REFUSED},
+    "prompt_pool": {"groups_handed": "groups_handed", "outstanding": "outstanding", "requeued": "requeued",
+                    "epoch": "epoch", **_REFUSED},
     "manager": {"repacks": "repacks", "moved": "moved", "dead_rollouts": "dead_rollouts", "recovered": "recovered",
                 "failed_moves": "failed_moves", "replaced": "replaced", "orphans": "orphans", "repairs": "repairs",
                 "last_repair_s": "last_repair_s", "epoch": "epoch", "weights_stalled": "weights_stalled",
                 "weights_lag": "weights_lag", "weights_stalled_total": "weights_stalled_total"},
+    "gateway": {"episodes_open": "episodes_open", "episodes_active": "episodes_active",
+                "episodes_finished": "episodes_finished", "episodes_failed": "episodes_failed", "calls": "agent_calls",
+                "calls_per_episode": "calls_per_episode", "tokens_per_call": "tokens_per_call",
+                "latency_p50_s": "gateway_p50", "latency_p99_s": "gateway_p99",
+                "history_rewrites": "history_rewrites"},
 }
 TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s",
                   "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3", "groups_generated", "groups_kept",
@@ -115,6 +125,9 @@ FAMILIES = [
      "fallback (unparseable answer)", ("partial_pool",), "parse_failed"),
     ("laminar_partial_pool_reward_lease_expired_total", "counter", "reward leases that expired (a replica died, "
      "hung or failed): the work handed out again", ("partial_pool",), "lease_expired"),
+    ("laminar_partial_pool_reward_lease_shared_total", "counter", "leases of items already leased "
+     "lease_shared_after_s without a score (a slow or sitting replica): the first score wins", ("partial_pool",),
+     "lease_shared"),
     ("laminar_partial_pool_reward_late_scores_total", "counter", "scores refused as already applied",
      ("partial_pool",), "late_scores"),
     ("laminar_partial_pool_reward_gave_up_total", "counter", "trajectories given up on by their scorer and "
@@ -148,4 +161,50 @@ FAMILIES = [
      "rollout serves (same lineage)", ("manager",), "weights_lag"),
     ("laminar_manager_weights_stalled_total", "counter", "times the weights_stalled alarm was raised",
      ("manager",), "weights_stalled_total"),
+    ("laminar_prompt_pool_groups_handed_total", "counter", "GRPO groups the prompt pool handed out", ("prompt_pool",),
+     "groups_handed"),
+    ("laminar_prompt_pool_outstanding_groups", "gauge", "groups handed out and neither settled nor requeued",
+     ("prompt_pool",), "outstanding"),
+    ("laminar_prompt_pool_requeued_groups", "gauge", "groups waiting to be handed out again", ("prompt_pool",),
+     "requeued"),
+    ("laminar_prompt_pool_epoch", "gauge", "passes over the dataset so far", ("prompt_pool",), "epoch"),
+    ("laminar_experience_buffer_stored", "gauge", "trajectories the buffer holds", ("experience_buffer",), "stored"),
+    ("laminar_experience_buffer_capacity", "gauge", "trajectories the buffer may hold", ("experience_buffer",),
+     "capacity"),
+    ("laminar_experience_buffer_complete_groups", "gauge", "complete groups ready to be sampled",
+     ("experience_buffer",), "complete_groups"),
+    ("laminar_experience_buffer_leased_groups", "gauge", "groups leased to the trainer, not yet covered by a "
+     "checkpoint", ("experience_buffer",), "leased"),
+    ("laminar_partial_pool_in_flight", "gauge", "in-flight trajectories the partial pool holds", ("partial_pool",),
+     "in_flight"),
+    ("laminar_partial_pool_in_flight_tokens", "gauge", "generated tokens of those trajectories", ("partial_pool",),
+     "in_flight_tokens"),
+    ("laminar_gateway_episodes_open", "gauge", "agent episodes the rollouts hold open (claimed or waiting for an "
+     "agent)", ("gateway",), "episodes_open"),
+    ("laminar_gateway_episodes_active", "gauge", "open agent episodes an agent has claimed", ("gateway",),
+     "episodes_active"),
+    ("laminar_gateway_episodes_finished_total", "counter", "agent episodes stored", ("gateway",), "episodes_finished"),
+    ("laminar_gateway_episodes_failed_total", "counter", "agent episodes that failed (stored untrained, or lost)",
+     ("gateway",), "episodes_failed"),
+    ("laminar_gateway_calls_total", "counter", "API calls of agent episodes served", ("gateway",), "agent_calls"),
+    ("laminar_gateway_calls_per_episode", "gauge", "calls per episode that had any", ("gateway",),
+     "calls_per_episode"),
+    ("laminar_gateway_tokens_per_call", "gauge", "completion tokens per call (newest 4,096 calls)", ("gateway",),
+     "tokens_per_call"),
+    ("laminar_gateway_latency_p50_seconds", "gauge", "median seconds of an API call, generation included (newest "
+     "4,096)", ("gateway",), "gateway_p50"),
+    ("laminar_gateway_latency_p99_seconds", "gauge", "99th percentile seconds of an API call (newest 4,096)",
+     ("gateway",), "gateway_p99"),
+    ("laminar_gateway_history_rewrites_total", "counter", "calls whose context rewrote their episode's recorded "
+     "history", ("gateway",), "history_rewrites"),
 ]
+
+# written for every role (or the node itself) by HealthCollector.exposition
+NODE_FAMILIES = ("laminar_node_info", "laminar_node_dropped_frames_total", "laminar_role_up", "laminar_role_state",
+                 "laminar_role_restarts_total", "laminar_role_heartbeat_age_seconds", "laminar_role_uptime_seconds",
+                 "laminar_role_dropped_frames_total", "laminar_eval_metric", "laminar_alarm")
+
+
+def metric_names() -> set[str]:
+    """Every series name the node exporter can write (the dashboard, laminar/dashboard.py, queries only these)."""
+    return {f[0] for f in FAMILIES} | set(NODE_FAMILIES)

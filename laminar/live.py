@@ -31,17 +31,11 @@ from rich.console import Console
 from rich.text import Text
 
 from laminar.health import HealthCollector, RoleHealth
+from laminar.progress import duration
 from laminar.protocol import Metrics
 
 SHORT_STATE = {"stopped_by_operator": "op-stop"}
 DOWN = ("backoff", "failed", "starting")  # states in which a role's last error is worth showing
-
-
-def _duration(s: float) -> str:
-    s = int(max(s, 0))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class LiveView:
@@ -57,6 +51,7 @@ class LiveView:
         self._first: tuple[float, float] | None = None  # (clock, version) of the first version seen
         self._newest: tuple[float, float] | None = None
         self._printed_eval: dict[str, float] = {}
+        self.notes: list[Callable[[], str]] = []   # more facts for the detail line (live tracking's drops)
         health.listeners.append(self._heard)
 
     # -- input ---------------------------------------------------------------------------------
@@ -85,9 +80,11 @@ class LiveView:
     @staticmethod
     def eval_line(v: dict[str, float]) -> str:
         sampled = v.get("eval/accuracy_sampled")
+        lo = next((k for k in v if k.endswith("/greedy/lo") and k.count("/") == 3), None)  # the first set's
+        ci = f", greedy 95% [{v[lo]:.3f}, {v[lo[:-3] + '/hi']:.3f}]" if lo and lo[:-3] + "/hi" in v else ""
         return (f"eval version {int(v.get('version', 0))}: held-out accuracy {v.get('eval/accuracy', 0):.3f} greedy"
                 + (f", {sampled:.3f} sampled" if sampled is not None else "")
-                + f" ({int(v.get('eval/problems', 0))} problems, {v.get('eval/seconds', 0):.1f} s)")
+                + f" ({int(v.get('eval/problems', 0))} problems{ci}, {v.get('eval/seconds', 0):.1f} s)")
 
     def _of(self, kind: str) -> dict[str, float]:
         rs = [r for r in self.health.every_role().values() if r.role == kind and r.values]
@@ -100,7 +97,7 @@ class LiveView:
         if v1 <= v0 or t1 <= t0:
             return ""
         left = max(self.max_versions - v1, 0) * (t1 - t0) / (v1 - v0)
-        return f"ETA {_duration(left - (self.clock() - t1))}"
+        return f"ETA {duration(left - (self.clock() - t1))}"
 
     def training_line(self) -> str:
         """Progress: version N/max, ETA, reward, throughput, staleness (and the second line's facts)."""
@@ -115,7 +112,7 @@ class LiveView:
                 f"max {int(m.get('staleness_max', 0))}  " + self.detail_line()).rstrip()
 
     def detail_line(self) -> str:
-        """Held-out accuracy, train-inference mismatch, repacks: what is known of them."""
+        """Held-out accuracy, train-inference mismatch, repacks: what is known of them; then the notes."""
         ev, m, mgr = self._of("evaluator"), self._of("trainer"), self._of("manager")
         parts = []
         if "eval_accuracy" in ev:
@@ -124,6 +121,7 @@ class LiveView:
             parts.append(f"mismatch {m['mismatch_mean_abs']:.1e}")
         if "repacks" in mgr:
             parts.append(f"repacks {int(mgr['repacks'])}")
+        parts += [n for note in self.notes if (n := note())]
         return "  ".join(parts)
 
     # -- the table -------------------------------------------------------------------------------
@@ -141,12 +139,18 @@ class LiveView:
             return f"eval {v['eval_accuracy']:.3f} (v{int(v.get('eval_version', 0))}) {r.state}".strip()
         if r.role == "manager":
             return f"repacks {int(v.get('repacks', 0))} dead {int(v.get('dead_rollouts', 0))}"
+        if r.role == "gateway":
+            n = {k: int(v.get(k, 0)) for k in ("episodes_active", "episodes_open", "episodes_finished",
+                                               "episodes_failed", "agent_calls", "history_rewrites")}
+            return (f"episodes {n['episodes_active']}/{n['episodes_open']} done {n['episodes_finished']} failed "
+                    f"{n['episodes_failed']} calls {n['agent_calls']} p50 {v.get('gateway_p50', 0):.2f}s "
+                    f"p99 {v.get('gateway_p99', 0):.2f}s rewrites {n['history_rewrites']}")
         return f"{ver}{r.state}".strip()
 
     def _row(self, key: str, c, width: int) -> str:
         r = self.health.every_role().get(key)
         state = SHORT_STATE.get(c.state, c.state) if c else (r.beat.state if r and r.beat else "-")
-        up = _duration(self.clock() - c.started_at) if c and c.pid and c.started_at else "-"
+        up = duration(self.clock() - c.started_at) if c and c.pid and c.started_at else "-"
         return self._cells(key, state, str(c.pid or "-") if c else "-", up, str(c.restarts) if c else "-",
                            self.facts(r), width)
 
@@ -178,7 +182,7 @@ class LiveView:
         """The whole frame, at most `height` lines of at most `width` characters (default: the terminal's)."""
         width = width or self.console.size.width
         height = height or self.console.size.height
-        lines = [f"{self.title} · {_duration(self.clock() - self.started)}"]
+        lines = [f"{self.title} · {duration(self.clock() - self.started)}"]
         lines += self._wrap(self.training_line(), width, 2)
         errors = [f"! {k}: {c.last_error}" for k, c in sorted(self.children.items())
                   if getattr(c, "last_error", None) and c.state in DOWN]

@@ -223,11 +223,16 @@ async def _up(cfg, host: str, a) -> int:
     transport = make_transport(cfg)
     sub = transport.subscriber(["hb.", "metrics.", "rollout.stats.", "relay.progress."])
     health.dropped = lambda: sub.dropped
+    tracking = start_live_tracking(cfg, host, view)
+    # the one collector (/metrics, /healthz and the live view read it), and the live tracker's
+    # sender, which never blocks: a bounded queue per tracker (live_tracking.py)
+    hearers = [health.observe] + ([tracking.observe] if tracking is not None else [])
 
     async def feed() -> None:
         while True:
             _, ev = await sub.recv()
-            health.observe(ev)   # the one collector: /metrics, /healthz and the live view read it
+            for hear in hearers:
+                hear(ev)
 
     feed_failed: list[BaseException] = []
 
@@ -256,6 +261,8 @@ async def _up(cfg, host: str, a) -> int:
         trainer_done = None
         while not end.done():
             await asyncio.wait([end], timeout=0.5)  # redraw period of the view
+            if tracking is not None:
+                await asyncio.to_thread(tracking.poll_samples)
             if live:
                 live.update(view.render())
             if deadline and time.monotonic() > deadline:
@@ -288,13 +295,21 @@ async def _up(cfg, host: str, a) -> int:
     for c in given_up:
         print(f"error: gave up on {c.key} after {c.failed_starts} failed starts: {c.last_error}", file=sys.stderr,
               flush=True)
-    trained = cfg.workdir() / "trainer" / "metrics.jsonl"
-    here = any(c.role == "trainer" for c in sup.children)   # the node of the trainer sums the run up
-    if here and trained.exists() and trained.stat().st_size:  # and only once a version was trained
-        print_summary(cfg)
+    await _sum_up(cfg, sup.children, tracking)
     if signalled:
         return 128 + signalled[0]
     return 1 if given_up or feed_failed else 0
+
+
+async def _sum_up(cfg, children, tracking) -> None:
+    """The node of the trainer sums the run up once a version was trained (and completes the
+    live tracker runs); live tracker runs of a run that trained nothing are closed."""
+    trained = cfg.workdir() / "trainer" / "metrics.jsonl"
+    if any(c.role == "trainer" for c in children) and trained.exists() and trained.stat().st_size:
+        print_summary(cfg, tracking)
+    elif tracking is not None:
+        for line in await asyncio.to_thread(tracking.finish):
+            print(f"tracking: {line}", flush=True)
 
 
 class _MetricsUnavailable(Exception):
@@ -337,14 +352,36 @@ def _run_is_over(children, trainer_done: float) -> bool:
     return not evaluating or time.monotonic() - trainer_done > EVAL_GRACE_S
 
 
-def print_summary(cfg) -> None:
+def start_live_tracking(cfg, host: str, view=None):
+    """The live sender (laminar/live_tracking.py) when the config tracks live and this node runs
+    the trainer: it hears the trainer's and evaluator's metrics and reads the workdir's samples;
+    the live view shows what it drops."""
+    t = cfg.tracking
+    if t is None or not t.live or not any(s.role == "trainer" for s in cfg.cluster.hosts[host].roles):
+        return None
+    from laminar.live_tracking import LiveTracking  # late: only a tracked run's trainer node
+    from laminar.tracking import tracked_config
+    tracking = LiveTracking(t, cfg.workdir(), cfg.run.name, tracked_config(cfg),   # secrets redacted
+                            queue_size=t.queue_size, close_timeout_s=t.close_timeout_s)
+    tracking.start()
+    if view is not None:
+        view.notes.append(tracking.problems)
+    print(f"tracking:  live to {', '.join(s.tracker.name for s in tracking.senders)} "
+          f"(run ids in {cfg.workdir() / 'tracking.json'})", flush=True)
+    return tracking
+
+
+def print_summary(cfg, tracking=None) -> None:
     from laminar import summary  # late: matplotlib, at the end of a run only
     s = summary.write(cfg.workdir())
     tb = sorted(cfg.workdir().glob("trainer*/tb"))
     print(f"\nsummary of {cfg.run.name} ({cfg.run.mode} mode):\n{summary.table(s)}\n"
           f"written: {cfg.workdir() / 'summary.json'}" + (f", {s['plot']}" if s.get("plot") else "")
           + (f"\nTensorBoard curves: tensorboard --logdir {cfg.workdir()}" if tb else ""), flush=True)
-    if cfg.tracking is not None:
+    if tracking is not None:   # the live runs: what the bus dropped, the summary, then closed
+        for line in tracking.finish(s):
+            print(f"tracking: {line}", flush=True)
+    elif cfg.tracking is not None:
         from laminar.tracking import send_config  # late: wandb / mlflow, at the end of a run only
         try:
             for line in send_config(cfg):

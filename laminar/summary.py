@@ -28,16 +28,21 @@ each version's token mean, `mismatch_max_abs` the largest |delta| of the run;
 `skipped_nonfinite_steps` counts the optimizer steps the trainer skipped for a NaN/inf loss or
 gradient; `eval_accuracy_first/last` are the first and last held-out accuracies (`eval/accuracy`,
 greedy answers; the first is version 0, before training, when the evaluator ran from the start),
+`eval_accuracy_first_ci/last_ci` their 95% intervals [lo, hi] (Wilson's, laminar/intervals.py),
 `eval_accuracy_sampled_first/last` the same for the sampled answers, `eval_versions` the versions
 evaluated; None when the run did not evaluate. `groups_generated` / `groups_kept` /
 `groups_dropped_nosignal` / `versions_without_step` / `filter_cap_versions` say what the versions
 were made of (dynamic sampling, docs/learning.md). `eval` is {set: {metric: {first, last, best}}}
-over the evaluations of every eval set, `eval_best` the evaluator's best.json (docs/evaluation.md).
+over the evaluations of every eval set (with `first_ci`/`last_ci`, 95% intervals), `eval_best` the
+evaluator's best.json (docs/evaluation.md), `eval_change` {set: {metric: {from, to, diff, lo, hi}}}
+the last evaluation minus the first on the same problems with the 95% interval of that paired
+difference (from `<workdir>/evaluator/scores.jsonl`, each problem's scores per evaluation).
 `curriculum` is {prompt pool id: its difficulty curriculum's last counts} (retired, down-weighted,
 pass rate; `<workdir>/prompt_pool/curriculum-<id>.json`, docs/learning.md), {} when it was off.
 `reward` is what the model scorers did (replicas' latency and queue depth, parse failures, time
 awaiting a score, each model's agreement with the rule functions): laminar/summary_rewards.py,
-docs/rewards.md; None for a run without them.
+docs/rewards.md; None for a run without them. `agents` is what the agent roles ran (episodes, how
+they ended, episodes per second): laminar/summary_agents.py; None without an agent role.
 `sandbox_alarms` lists what an env role's code sandbox ran without ({env, event, warning}: no
 per-run cgroup, `sandbox_no_cgroup`; no system-call filter, `sandbox_degraded`), from
 `<workdir>/logs/env.*.log`; [] when every sandbox had all its layers (or the run had no env role).
@@ -52,6 +57,7 @@ from pathlib import Path
 
 from laminar.logs import read_rotated_jsonl
 from laminar.report import read_jsonl
+from laminar.summary_agents import agent_section
 from laminar.summary_rewards import reward_section
 
 
@@ -65,7 +71,9 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     evals = read_jsonl(run / "evaluator" / "metrics.jsonl")
     out.update(learning_stats(recs, evals))
     out["eval"] = eval_sets(evals)
+    out["eval_change"] = eval_change(run)
     out["reward"] = reward_section(run)  # model scorers (summary_rewards.py); None without any
+    out["agents"] = agent_section(run)   # agent programs run (summary_agents.py); None without an agent role
     try:
         out["eval_best"] = json.loads((run / "evaluator" / "best.json").read_text())
     except (OSError, ValueError):
@@ -110,6 +118,7 @@ def learning_stats(recs: list[dict], eval_recs: list[dict] | None = None) -> dic
     source = eval_recs if eval_recs else recs
     evals = [r[k] for r in source for k in ("eval/accuracy", "eval_accuracy") if r.get(k) is not None]
     sampled = [r["eval/accuracy_sampled"] for r in source if r.get("eval/accuracy_sampled") is not None]
+    cis = [_accuracy_ci(r) for r in (eval_recs or []) if r.get("eval/accuracy") is not None]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return {"mismatch_mean_abs": mean([r["mismatch_mean_abs"] for r in measured]),
             "mismatch_max_abs": max((r["mismatch_max_abs"] for r in measured), default=None),
@@ -119,6 +128,8 @@ def learning_stats(recs: list[dict], eval_recs: list[dict] | None = None) -> dic
             **intake_stats(recs),
             "eval_accuracy_first": evals[0] if evals else None,
             "eval_accuracy_last": evals[-1] if evals else None,
+            "eval_accuracy_first_ci": cis[0] if cis else None,
+            "eval_accuracy_last_ci": cis[-1] if cis else None,
             "eval_accuracy_sampled_first": sampled[0] if sampled else None,
             "eval_accuracy_sampled_last": sampled[-1] if sampled else None,
             "eval_versions": [int(r["version"]) for r in (eval_recs or []) if "version" in r]}
@@ -126,9 +137,11 @@ def learning_stats(recs: list[dict], eval_recs: list[dict] | None = None) -> dic
 
 def eval_sets(evals: list[dict]) -> dict:
     """{set: {metric: {first, last, best}}} over the evaluations (`eval/<set>/<metric>` values, in
-    the order written; best: the highest); runs from before named sets have their greedy and
-    sampled accuracy as the set `heldout` (greedy, avg)."""
-    series: dict[str, dict[str, list[float]]] = {}
+    the order written; best: the highest), with `first_ci` / `last_ci`, the 95% interval [lo, hi]
+    of the first and last value when the evaluator recorded it (`eval/<set>/<metric>/lo`, `/hi`);
+    runs from before named sets have their greedy and sampled accuracy as the set `heldout`
+    (greedy, avg)."""
+    series: dict[str, dict[str, list[tuple[float, list[float] | None]]]] = {}
     for e in evals:
         named = {k: v for k, v in e.items() if k.startswith("eval/") and k.count("/") == 2}
         if not named:  # an older evaluator: eval/accuracy and eval/accuracy_sampled only
@@ -138,9 +151,51 @@ def eval_sets(evals: list[dict]) -> dict:
             _, name, metric = k.split("/")
             if metric in ("problems", "response_len_mean") or not isinstance(v, (int, float)):
                 continue
-            series.setdefault(name, {}).setdefault(metric, []).append(float(v))
-    return {name: {m: {"first": xs[0], "last": xs[-1], "best": max(xs)} for m, xs in ms.items()}
-            for name, ms in series.items()}
+            ci = [e[f"{k}/lo"], e[f"{k}/hi"]] if f"{k}/lo" in e and f"{k}/hi" in e else None
+            series.setdefault(name, {}).setdefault(metric, []).append((float(v), ci))
+    out: dict = {}
+    for name, ms in series.items():
+        for m, xs in ms.items():
+            got = {"first": xs[0][0], "last": xs[-1][0], "best": max(x for x, _ in xs)}
+            if xs[0][1] is not None:
+                got.update(first_ci=xs[0][1], last_ci=xs[-1][1])
+            out.setdefault(name, {})[m] = got
+    return out
+
+
+def eval_change(run: Path) -> dict:
+    """{set: {metric: {from, to, diff, lo, hi}}}: the last evaluation minus the first on the same
+    problems, with the 95% interval of that paired difference (laminar/intervals.py: a bootstrap
+    over problems, far narrower than two separate intervals, since a problem's difficulty is shared
+    by both); the change is significant when [lo, hi] excludes 0. From the evaluator's per-problem
+    scores (`evaluator/scores.jsonl`); {} without two evaluations of a set."""
+    from laminar.intervals import paired_difference
+    recs = read_jsonl(run / "evaluator" / "scores.jsonl")
+    out: dict = {}
+    if len(recs) < 2:
+        return out
+    first, last = recs[0], recs[-1]
+    for name, a in (first.get("sets") or {}).items():
+        b = (last.get("sets") or {}).get(name)
+        if not b or a.get("ids") != b.get("ids"):
+            continue   # another set of problems: no paired comparison
+        for m, before in a["scores"].items():
+            after = b["scores"].get(m)
+            if after is None or len(after) != len(before):
+                continue
+            d, lo, hi = paired_difference(before, after)
+            out.setdefault(name, {})[m] = {"from": first["version"], "to": last["version"], "diff": d, "lo": lo,
+                                           "hi": hi}
+    return out
+
+
+def _accuracy_ci(rec: dict) -> list[float] | None:
+    """The 95% interval of a record's eval/accuracy: its first set's greedy interval (None: not recorded)."""
+    for k in rec:
+        if k.startswith("eval/") and k.endswith("/greedy/lo") and k.count("/") == 3:
+            if rec[k[:-3]] == rec["eval/accuracy"] and f"{k[:-3]}/hi" in rec:
+                return [rec[k], rec[f"{k[:-3]}/hi"]]
+    return None
 
 
 def intake_stats(recs: list[dict]) -> dict:
@@ -222,7 +277,20 @@ def table(s: dict) -> str:
             "mismatch_max_abs", "skipped_nonfinite_steps", "repacks", "moved_trajectories", "repack_s_mean",
             "rollout_idle_fraction", "kv_usage_mean", "publish_stall_s_max", "duration_s"]
     width = max(map(len, keys))
-    rows = [f"  {k:<{width}}  {f(s.get(k))}" for k in keys]
+
+    def cell(k):
+        ci = s.get(f"{k}_ci")
+        return f"{f(s.get(k))} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f(s.get(k))
+    rows = [f"  {k:<{width}}  {cell(k)}" for k in keys]
+    for name, ms in (s.get("eval_change") or {}).items():
+        for m, c in ms.items():
+            sig = "" if c["lo"] <= 0 <= c["hi"] else " (significant)"
+            rows.append(f"  {'change[' + name + '/' + m + ']':<{width}}  v{c['from']} -> v{c['to']}: "
+                        f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]{sig}")
+    if s.get("agents"):
+        a = s["agents"]
+        rows.append(f"  {'agent episodes':<{width}}  {a['episodes']} ({a['exit_ok']} exit 0, {a['killed']} killed), "
+                    f"{f(a['episodes_per_s'])} episodes/s")
     for a in s.get("sandbox_alarms") or []:
         rows.append(f"  {'sandbox[' + a['env'] + ']':<{width}}  {a['event']}: {a['warning']}")
     for name, sc in ((s.get("reward") or {}).get("scorers") or {}).items():
@@ -258,9 +326,13 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
         xs = [e["ts"] - t0 for e in evals]
         named = sorted({k for e in evals for k in e if k.startswith("eval/") and k.count("/") == 2
                         and k.rsplit("/", 1)[1] not in ("problems", "response_len_mean")})
-        for k in named:  # every eval set's metrics (named sets)
-            pts = [(x, e[k]) for x, e in zip(xs, evals, strict=True) if k in e]
-            axe.plot(*zip(*pts, strict=True), marker="o", label=k.split("/", 1)[1])
+        for k in named:  # every eval set's metrics (named sets), with their 95% intervals when recorded
+            pts = [(x, e[k], e.get(f"{k}/lo"), e.get(f"{k}/hi")) for x, e in zip(xs, evals, strict=True) if k in e]
+            line, = axe.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k.split("/", 1)[1])
+            band = [p for p in pts if p[2] is not None and p[3] is not None]
+            if band:
+                axe.fill_between([p[0] for p in band], [p[2] for p in band], [p[3] for p in band],
+                                 color=line.get_color(), alpha=0.15, linewidth=0)
         if not named:
             axe.plot(xs, [e["eval/accuracy"] for e in evals], marker="o", label="greedy")
         if not named and any("eval/accuracy_sampled" in e for e in evals):
@@ -270,7 +342,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
         for x, e in zip(xs, evals, strict=True):
             axe.annotate(f"v{int(e.get('version', 0))}", (x, e["eval/accuracy"]), fontsize=7,
                          textcoords="offset points", xytext=(0, 4))
-        axe.set_ylabel("held-out accuracy")
+        axe.set_ylabel("held-out accuracy (band: 95% interval)")
         axe.set_ylim(0, 1)
         axe.legend(loc="lower right")
         axe.grid(alpha=0.3)

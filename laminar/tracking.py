@@ -1,12 +1,14 @@
-"""Experiment tracking: a finished run's metrics and sample rows sent to W&B and/or MLflow.
+"""Experiment tracking: a run's metrics and sample rows sent to W&B and/or MLflow.
 
     tracking:
       wandb:  {project: laminar, mode: offline}             # offline: a run folder, no network
       mlflow: {tracking_uri: "file:runs/local/mlruns"}      # a file store, or a tracking server
 
-`laminar-node up` sends a run when it writes its summary (the trainer's node, at the end), and
-`python -m laminar.tracking CONFIG` sends the run of a config's workdir again (after a run, or to
-another tracker). What is sent, the same to both:
+With `live: true` (the default) the trainer's node streams each version as it happens
+(laminar/live_tracking.py) and completes that run at the end. With `live: false`, `laminar-node
+up` sends the whole run when it writes its summary (the trainer's node, at the end), as this module
+does; `python -m laminar.tracking CONFIG` sends the run of a config's workdir again (after a run,
+or to another tracker: an offline copy, a new run each time). What is sent, the same to both:
 
 - every per-version metric: the trainer's records (`trainer/<key>`, step = version) and the
   evaluator's (`eval/<set>/<metric>`, `eval/accuracy`..., at the version evaluated);
@@ -17,7 +19,9 @@ another tracker). What is sent, the same to both:
 - the run's config (W&B config, MLflow params), every secret-named literal redacted
   (`tracked_config`; secrets themselves are references: laminar/secrets.py).
 
-MLflow metric names may not hold `@`: `pass@4` is sent as `pass_at_4`. MLflow 3.17 keeps its file
+MLflow metric names may not hold `@`: `pass@4` is sent as `pass_at_4`; an interval's bounds
+`eval/<set>/<metric>/lo`, `/hi` go as `eval/<set>/<metric>_lo`, `_hi` (MLflow's file store makes
+a name a path, and a metric cannot also be a folder). MLflow 3.17 keeps its file
 store (`file:`) in maintenance mode and refuses it unless `MLFLOW_ALLOW_FILE_STORE=true`, which is
 set for a `file:` URI (a server or a `sqlite:` store needs nothing). The libraries are optional
 (`pip install -e '.[tracking]'`): a configured tracker whose library is missing is an error that
@@ -59,10 +63,17 @@ class MlflowSpec(BaseModel):
 
 
 class TrackingSpec(BaseModel):
-    """Experiment trackers a finished run is sent to (laminar/tracking.py)."""
+    """Experiment trackers the run is sent to: live as it trains (laminar/live_tracking.py) and at its end."""
     model_config = ConfigDict(extra="forbid")
     wandb: WandbSpec | None = Field(None, description="Weights & Biases; None: not sent")
     mlflow: MlflowSpec | None = Field(None, description="MLflow; None: not sent")
+    live: bool = Field(True, description="send each version's metrics, evaluations and sample rows as they happen "
+                       "(from the trainer's node; `--resume` continues the same tracker runs); false: the whole run "
+                       "once, at its end")
+    queue_size: int = Field(1000, ge=1, description="live updates waiting per tracker; beyond, updates for a slow "
+                            "or dead tracker are dropped and counted (training never waits for a tracker)")
+    close_timeout_s: float = Field(30.0, gt=0, description="at the end of the run, how long to wait for each "
+                                   "tracker to take what is queued before leaving it behind")
 
 
 def steps(run: Path) -> dict[int, dict[str, float]]:
@@ -129,7 +140,12 @@ def _wandb(run: Path, w: WandbSpec, name: str, config: dict, by_step, numbers, r
 
 
 def _mlflow_key(k: str) -> str:
-    return k.replace("@", "_at_")
+    """MLflow's name of a metric: no `@` (pass@4 -> pass_at_4), and an interval's bound beside its
+    metric, not under it (eval/s/greedy/lo -> eval/s/greedy_lo: its file store makes each name a
+    path, so a metric cannot also be a folder)."""
+    k = k.replace("@", "_at_")
+    head, _, tail = k.rpartition("/")
+    return f"{head}_{tail}" if head and tail in ("lo", "hi") else k
 
 
 def _mlflow(run: Path, m: MlflowSpec, name: str, config: dict, by_step, numbers, rows) -> str:

@@ -5,6 +5,8 @@
 - `write_cluster()`: a single-host cluster file (broker + echo roles, free ports, a cluster key);
 - `Procs`: every process a test starts, each ended by its pid at teardown (SIGTERM, then SIGKILL);
 - `same()`: structural equality of events that hold numpy arrays (dataclass == cannot compare them);
+- `until()`: poll a condition of outside state until it holds, with a deadline;
+- `wandb_records()`: the records of a W&B offline run file, parsed with wandb's own messages;
 - `ShmNames`: /dev/shm names that belong to one test session (`laminar-test-<session>-<tag>-<n>`),
   so that its finalizer removes exactly those, whatever other sessions on the machine are doing.
 """
@@ -17,7 +19,9 @@ import math
 import os
 import shutil
 import signal
+import struct
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,3 +217,36 @@ async def curve_echo_server(keys, dealers: int = 1, **transport_kw):
     finally:
         raw.destroy(linger=0)
         await t.close()
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a W&B offline run file, parsed with wandb's own protobuf messages (the file
+    is W&B's block log: 32 KiB blocks of [crc32 4][length 2][type 1][data] chunks after a 7-byte header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    b, pos, block, part, out = path.read_bytes(), 7, 32768, b"", []
+    assert b[:4] == b":W&B"
+    while pos + 7 <= len(b):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", b[pos:pos + 7])
+        data, pos = b[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind == 0:
+            break
+        part = data if kind in (1, 2) else part + data
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            r = pb.Record()
+            r.ParseFromString(part)
+            out.append(r)
+    return out
+
+
+def until(pred, timeout: float, what: str, pause: float = 0.2):
+    """Poll `pred` until it returns something true (returned), or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(pause)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -229,28 +229,39 @@ class Sandbox:
                                      f"{res.killed_reason}): {res.stderr.strip()[-500:]}")
 
     # -- running ------------------------------------------------------------------------------
-    async def run(self, code: str, files: dict[str, str] | None = None) -> SandboxResult:
-        """Run `code` as main.py in a fresh scratch dir holding `files` (relative path -> text)."""
+    async def run(self, code: str, files: dict[str, str] | None = None, *, env: dict[str, str] | None = None,
+                  connect: tuple[str, int] | None = None, wall_s: float | None = None) -> SandboxResult:
+        """Run `code` as main.py in a fresh scratch dir holding `files` (relative path -> text).
+        `env`: more environment variables for the program; `connect` (unix socket path, port): the
+        one way out of the sandbox's network, that socket reached as 127.0.0.1:port inside (an agent's
+        gateway); `wall_s`: this run's wall-clock limit instead of the configured one."""
         files = dict(files or {})
         for name in files:
             if name.startswith("/") or ".." in Path(name).parts or name == "main.py":
                 raise ValueError(f"sandbox file name {name!r}: must be relative, without '..', not main.py")
+        for k, v in (env or {}).items():
+            if not (isinstance(k, str) and k.replace("_", "").isalnum() and isinstance(v, str)):
+                raise ValueError(f"sandbox environment variable {k!r}: names are letters, digits and _, values text")
+        if connect is not None and not (os.path.exists(connect[0]) and 0 < int(connect[1]) < 65536):
+            raise ValueError(f"sandbox connect {connect!r}: an existing unix socket and a port")
         self.check_policy()
         if self._uids is None:
             self._uids = asyncio.Queue()
             for i in range(self.cfg.slots):
                 self._uids.put_nowait(self.cfg.uid_base + i)
         uid = await self._uids.get()
+        extra = {"env": {**CHILD_ENV, **(env or {})}, "connect": None if connect is None else
+                 {"socket": os.path.abspath(connect[0]), "port": int(connect[1])}}
         try:
-            return await self._run(uid, code, files)
+            return await self._run(uid, code, files, extra, wall_s or self.cfg.wall_s)
         finally:
             self._uids.put_nowait(uid)  # FIFO: this uid is reused last
             self.runs += 1
 
-    def _spec(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None) -> bytes:
+    def _spec(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None, extra: dict) -> bytes:
         c = self.cfg
         return json.dumps({
-            "uid": uid, "code": code, "files": files, "env": CHILD_ENV,
+            "uid": uid, "code": code, "files": files, **extra,
             "read_only": [str(Path(p)) for p in c.read_only_paths],
             "cgroup_procs": cgroup.procs_files() if cgroup else [],
             "seccomp": base64.b64encode(self._seccomp).decode() if self._seccomp else None,
@@ -259,7 +270,7 @@ class Sandbox:
                        "file_bytes": c.scratch_mb << 20, "open_files": c.max_open_files},
         }).encode()
 
-    async def _run(self, uid: int, code: str, files: dict[str, str]) -> SandboxResult:
+    async def _run(self, uid: int, code: str, files: dict[str, str], extra: dict, wall_s: float) -> SandboxResult:
         cgroup = None
         if self.cgroup_plan().kind != "none":
             try:
@@ -268,12 +279,13 @@ class Sandbox:
             except OSError as exc:
                 raise SandboxError(f"cannot create the run's cgroup ({self._plan.kind}): {exc}") from None
         try:
-            return await self._run_in(uid, code, files, cgroup)
+            return await self._run_in(uid, code, files, cgroup, extra, wall_s)
         finally:
             if cgroup and not await cgroup.remove():
                 log.warning("sandbox_cgroup_left", dirs=list(cgroup.dirs.values()))
 
-    async def _run_in(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None) -> SandboxResult:
+    async def _run_in(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None, extra: dict,
+                      wall_s: float) -> SandboxResult:
         c = self.cfg
         status_r, status_w = os.pipe()
         t0 = time.monotonic()
@@ -314,9 +326,9 @@ class Sandbox:
 
         readers = [asyncio.create_task(pump(proc.stdout, out)), asyncio.create_task(pump(proc.stderr, err))]
         try:
-            async with asyncio.timeout(c.wall_s):
+            async with asyncio.timeout(wall_s):
                 try:
-                    proc.stdin.write(self._spec(uid, code, files, cgroup))
+                    proc.stdin.write(self._spec(uid, code, files, cgroup, extra))
                     await proc.stdin.drain()
                     proc.stdin.close()
                 except (BrokenPipeError, ConnectionResetError):

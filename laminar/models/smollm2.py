@@ -11,7 +11,8 @@ chat template, but refuses `save_pretrained` on a model loaded that way (its con
 "quantized with GGUF"), so a plain model is rebuilt from the config without the quantization
 entry and the loaded state dict, and saved with the tokenizer. The output is what the trainer
 and the vLLM rollout engine load (`model_dir: OUT_DIR`); the weights are Q4_1 values made dense,
-so the model is exactly the quantized one, in float32.
+so the model is exactly the quantized one, in float32. Its stages (tokenizer, dequantize, rebuild,
+save) show on stderr with an ETA (laminar/progress.py).
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from laminar.progress import Progress
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+STAGES = {"tokenizer": 1, "dequantize": 8, "rebuild": 1, "save": 2}   # rough shares of the ~1 minute, for the ETA
 
 
 class MissingPackage(RuntimeError):
@@ -51,9 +55,27 @@ def convert(out_dir: str | Path, gguf: str | Path | None = None) -> dict:
     src = Path(gguf) if gguf else gguf_path()
     out = Path(out_dir)
     t0 = time.perf_counter()
-    tok = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                               dtype=torch.float32)
+    with Progress.stages("convert SmolLM2", STAGES) as bar:
+        bar.stage("tokenizer")
+        tok = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        bar.stage("dequantize")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                                   dtype=torch.float32)
+        bar.stage("rebuild")
+        plain = _plain(transformers, torch, loaded)
+        bar.stage("save")
+        out.mkdir(parents=True, exist_ok=True)
+        plain.save_pretrained(out)
+        tok.save_pretrained(out)
+    facts = {"source": str(src), "out": str(out), "architecture": type(plain).__name__,
+             "parameters": sum(p.numel() for p in plain.parameters()), "vocab_size": len(tok),
+             "chat_template": bool(getattr(tok, "chat_template", None)), "seconds": round(time.perf_counter() - t0, 1)}
+    (out / "laminar_source.json").write_text(json.dumps(facts, indent=2) + "\n")
+    return facts
+
+
+def _plain(transformers, torch, loaded):
+    """A plain model (no quantization entry) holding the loaded GGUF model's dequantized weights."""
     cfg = loaded.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
@@ -64,14 +86,7 @@ def convert(out_dir: str | Path, gguf: str | Path | None = None) -> dict:
         raise RuntimeError(f"state dict does not fit the rebuilt model: missing {missing}, unexpected {unexpected}")
     if cfg.tie_word_embeddings:
         plain.tie_weights()
-    out.mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(out)
-    tok.save_pretrained(out)
-    facts = {"source": str(src), "out": str(out), "architecture": type(plain).__name__,
-             "parameters": sum(p.numel() for p in plain.parameters()), "vocab_size": len(tok),
-             "chat_template": bool(getattr(tok, "chat_template", None)), "seconds": round(time.perf_counter() - t0, 1)}
-    (out / "laminar_source.json").write_text(json.dumps(facts, indent=2) + "\n")
-    return facts
+    return plain
 
 
 def main(argv: list[str] | None = None) -> int:

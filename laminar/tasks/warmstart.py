@@ -29,9 +29,11 @@ budget clips it) made of words of letters of which ~15% are uppercase. The demo'
 (`rewards.upper_fraction`: the share of uppercase letters) then starts near 0.15 and has room
 to rise; RL must discover that more capitals pay.
 
-Runs in about a minute on one core (0.1 M parameters, CPU). Deterministic for a seed. A
-mixture-of-experts model (`python -m laminar.models.tiny DIR --moe`) is warm-started the same way,
-its router's load-balancing loss (weighted by its config's router_aux_loss_coef) added to the loss.
+Runs in about a minute on one core (0.1 M parameters, CPU). Deterministic for a seed. Progress
+(steps done, ETA, the mean loss of the last `log_every` steps) goes to stderr: a bar on a
+terminal, a line every 30 s elsewhere (laminar/progress.py). A mixture-of-experts model
+(`python -m laminar.models.tiny DIR --moe`) is warm-started the same way, its router's
+load-balancing loss added (masked_loss).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ import re
 from pathlib import Path
 
 from laminar.datasets import ByteTokenizer, Record, load_tokenizer, prompt_encoder
+from laminar.progress import Progress
 from laminar.tasks.demo_data import make_prompts
 
 UPPER_P = 0.15
@@ -92,6 +95,23 @@ def _reply_ids(tok, text: str) -> list[int]:
     return list(tok.tok.encode(text, add_special_tokens=False)) + [tok.eos_id]
 
 
+def _batch(rng: random.Random, batch: int, tok, enc, sft: list[dict] | None, stop_early: float,
+           prompts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """One batch of (prompt + reply ids, loss mask: 1 on the reply)."""
+    seqs, masks = [], []
+    for _ in range(batch):
+        if sft:
+            rec = rng.choice(sft)
+            text = stopped_early(rec) if stop_early and rng.random() < stop_early else rec["solution"]
+            p, r = enc.encode(Record("", rec["prompt"], "")).tolist(), _reply_ids(tok, text)
+        else:
+            p = tok.encode(rng.choice(prompts))
+            r = _reply_ids(tok, reply(rng))
+        seqs.append(p + r)
+        masks.append([0] * len(p) + [1] * len(r))
+    return seqs, masks
+
+
 def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: float = 3e-3, seed: int = 0,
                log_every: int = 50, sft: list[dict] | None = None, schedule: str | None = None,
                stop_early: float = 0.0, chat_template: str = "auto") -> dict:
@@ -100,7 +120,6 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     constant rate the word-problem loss stalls near 0.56 after 600 steps; decayed, it reaches ~0.29),
     constant for the uppercase task."""
     import torch
-    import transformers
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = load_tokenizer(str(model_dir))
@@ -108,46 +127,54 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     if sft is None and not isinstance(tok, ByteTokenizer):
         raise ValueError(f"{model_dir}: the uppercase warm start is for the byte-level tiny model only")
     pad_id = tok.pad_id if isinstance(tok, ByteTokenizer) else tok.eos_id
+    schedule = schedule or ("cosine" if sft else "constant")
+    prompts = [r["prompt"] for r in make_prompts(512, seed)]
+    return fit(model_dir, lambda: _batch(rng, batch, tok, enc, sft, stop_early, prompts), steps, lr, schedule,
+               pad_id, log_every)
+
+
+def masked_loss(model, seqs: list[list[int]], masks: list[list[int]], pad_id: int = 0):
+    """Mean next-token loss of a padded batch over the positions whose mask is 1 (the replies); a
+    mixture-of-experts model's load-balancing loss added, weighted by its router_aux_loss_coef."""
+    import torch
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)[:, 1:]
+    coef = float(getattr(model.config, "router_aux_loss_coef", 0) or 0)  # a mixture of experts
+    out = model(input_ids=ids, attention_mask=att, **({"output_router_logits": True} if coef else {}))
+    logits = out.logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                            reduction="none").view(len(seqs), -1)
+    loss = (nll * m).sum() / m.sum()
+    return loss + coef * out.aux_loss if coef else loss  # the load-balancing loss keeps every expert in use
+
+
+def fit(model_dir: str | Path, next_batch, steps: int, lr: float, schedule: str, pad_id: int = 0,
+        log_every: int = 50, label: str = "warm start") -> dict:
+    """Supervised fine-tuning of MODEL_DIR in place: `steps` AdamW steps on `next_batch()` -> (token
+    sequences, loss masks), the rate `lr` times lr_factor(`schedule`), gradients clipped to norm 1;
+    saved at the end. The first and the last losses."""
+    import torch
+    import transformers
+    lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    moe_kw = {"output_router_logits": True} if getattr(model.config, "router_aux_loss_coef", 0) else {}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = schedule or ("cosine" if sft else "constant")
-    lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, schedule))
-    prompts = [r["prompt"] for r in make_prompts(512, seed)]
     losses = []
-    for step in range(steps):
-        seqs, masks = [], []
-        for _ in range(batch):
-            if sft:
-                rec = rng.choice(sft)
-                text = stopped_early(rec) if stop_early and rng.random() < stop_early else rec["solution"]
-                p, r = enc.encode(Record("", rec["prompt"], "")).tolist(), _reply_ids(tok, text)
-            else:
-                p = tok.encode(rng.choice(prompts))
-                r = _reply_ids(tok, reply(rng))
-            seqs.append(p + r)
-            masks.append([0] * len(p) + [1] * len(r))
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
-        m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)
-        att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        out = model(input_ids=ids, attention_mask=att, **moe_kw)
-        logits = out.logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="none").view(batch, -1)
-        loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
-        if moe_kw:  # a mixture of experts: its load-balancing loss keeps every expert in use
-            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-        if log_every and (step + 1) % log_every == 0:
-            print(f"warm start step {step + 1}/{steps}: loss {sum(losses[-log_every:]) / log_every:.3f}", flush=True)
+    with Progress(steps, label, unit="steps", every_s=30.0) as bar:
+        for _ in range(steps):
+            seqs, masks = next_batch()
+            loss = masked_loss(model, seqs, masks, pad_id)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            recent = losses[-log_every:] if log_every else losses[-1:]
+            bar.advance(note=f"loss {sum(recent) / len(recent):.3f}")
     model.eval()
     model.save_pretrained(model_dir)
     return {"steps": steps, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / min(10, len(losses))}

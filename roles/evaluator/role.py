@@ -39,21 +39,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import zlib
 from pathlib import Path
-from types import SimpleNamespace
 
 from laminar.roles.base import Role
-from laminar.roles.evaluator.scoring import ProblemResult, score
-from laminar.roles.evaluator.sets import BestKeeper, EvalSet, EvalSetConfig, legacy_keys, set_configs
-from laminar.roles.rollout.engine import VllmEngine
+from laminar.roles.evaluator.harness import Harness, load_sets, make_engine
+from laminar.roles.evaluator.sets import BestKeeper, EvalSet, EvalSetConfig
 from pydantic import BaseModel, ConfigDict, Field
 
-from laminar.datasets import chat_template_field, load_records, prompt_encoder, system_prompt_field, tokenize_records
+from laminar.datasets import chat_template_field, system_prompt_field
 from laminar.export import export
 from laminar.protocol import Heartbeat, Metrics
 from laminar.samples import SampleLog
-from laminar.tasks import load_callable
 from laminar.weights.manifest import ident
 from laminar.weights.pull import LocalWeights
 from laminar.weights.seal import arm_engine_checks
@@ -177,17 +173,7 @@ class EvaluatorRole(Role):
 
     async def setup(self) -> None:
         c, cfg = self.cfg, self.ctx.config
-        self.reward = load_callable(c.reward)
-        encoder = prompt_encoder(c.tokenizer_dir, c.chat_template, c.system_prompt)
-        self.sets: list[EvalSet] = []
-        for name, s in set_configs(c).items():
-            records, _ = await asyncio.to_thread(load_records, s.dataset, s.prompt_field, s.answer_field, s.id_field)
-            problems = tokenize_records(records[:s.limit] if s.limit else records, encoder)
-            if not problems:
-                raise ValueError(f"{s.dataset}: no held-out records (evaluator set {name!r})")
-            answer = s.answer or c.answer
-            self.sets.append(EvalSet(name, s, problems, load_callable(s.reward) if s.reward else self.reward,
-                                     load_callable(answer) if answer else None))
+        self.sets: list[EvalSet] = await asyncio.to_thread(load_sets, c)
         self.problems = self.sets[0].problems
         self.last_version = c.last_version
         self.weights_dir = c.weights_dir
@@ -210,14 +196,12 @@ class EvaluatorRole(Role):
         if cfg is not None:
             _, spec = cfg.spec("evaluator", self.ctx.id)
             bind = ",".join(str(x) for x in spec.cores) if spec.cores else None
-        self.engine = VllmEngine(c.model_dir, max_model_len=c.max_model_len, max_num_seqs=c.max_concurrency,
-                                 kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=1.0, dtype=c.dtype,
-                                 omp_threads_bind=bind, seeded=True, kv_cache_tokens=c.kv_cache_tokens,
-                                 lora=c.lora)
+        self.engine = make_engine(c, omp_threads_bind=bind)
         # its worker processes check each version's seals before they load it, as a rollout's do;
         # the best version's export checks them too (laminar/export.py)
         arm_engine_checks(getattr(self.ctx.transport, "keys", None))
         await self.engine.start()
+        self.harness = Harness(self.engine, self.sets, c)
         self.version, self.lineage = 0, None  # model_dir's weights: version 0 of no lineage
         self.log.info("evaluator_ready", problems=len(self.problems), eval_every=c.eval_every,
                       last_version=self.last_version, weights_dir=self.weights_dir)
@@ -303,80 +287,22 @@ class EvaluatorRole(Role):
             m = after  # the relay committed a version during the load: load again
         return False
 
-    async def _answer(self, rid: str, prompt, temperature: float, seed: int | None) -> list[int]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-        sp = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=temperature, top_p=1.0, seed=seed,
-                            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-        tokens: list[int] = []
-        lora = self.engine.adapters.current if self.engine.adapters is not None else None  # the version's adapter
-        async for out in self.engine.llm.generate(TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), sp,
-                                                  request_id=rid, lora_request=lora):
-            tokens = list(out.outputs[0].token_ids)
-        return tokens
-
-    async def _answer_set(self, es: EvalSet, v: int) -> tuple[dict[str, float], list[ProblemResult], list]:
-        """Every problem of one set: greedy (when a metric needs it) and k sampled answers, scored."""
-        c, k = self.cfg, es.cfg.k
-        jobs, kinds = [], []
-        legacy = es.name == "heldout" and not c.sets  # the seeds the single held-out split always had
-        for i, p in enumerate(es.problems):
-            if es.greedy:
-                jobs.append(self._answer(f"eval-v{v}-{es.name}-{i}-g", p.prompt_tokens, 0.0, None))
-                kinds.append((i, -1))
-            for s in range(k):
-                key = f"{c.seed}:{v}:{p.prompt_id}:{s}" if legacy else f"{c.seed}:{es.name}:{v}:{p.prompt_id}:{s}"
-                jobs.append(self._answer(f"eval-v{v}-{es.name}-{i}-s{s}", p.prompt_tokens, es.cfg.temperature,
-                                         zlib.crc32(key.encode())))
-                kinds.append((i, s))
-        answers = await asyncio.gather(*jobs)
-        results = [ProblemResult() for _ in es.problems]
-        rows, lens = [], []
-        for (i, s), toks in zip(kinds, answers, strict=True):
-            p = es.problems[i]
-            spec = SimpleNamespace(prompt_id=p.prompt_id, answer=p.answer, max_tokens=c.max_tokens,
-                                   prompt_tokens=p.prompt_tokens)
-            r = float(es.reward(spec, toks))
-            if s < 0:
-                results[i].greedy = r >= 1.0
-                continue
-            results[i].correct.append(r >= 1.0)
-            results[i].answers.append(es.answer(spec, toks) if es.answer is not None else tuple(toks))
-            lens.append(len(toks))
-            if s == 0:
-                rows.append({"prompt_tokens": p.prompt_tokens, "response_tokens": toks, "reward": r,
-                             "prompt_id": p.prompt_id})
-        values = {f"eval/{es.name}/{m}": x for m, x in score(results, es.cfg.metrics).items()}
-        values[f"eval/{es.name}/problems"] = float(len(es.problems))
-        if lens:
-            values[f"eval/{es.name}/response_len_mean"] = sum(lens) / len(lens)
-        return values, results, rows
-
     async def evaluate(self) -> dict:
-        """Answer every eval set with the weights held now; publish and record the result."""
+        """Answer every eval set with the weights held now (the harness); publish and record the result."""
         c, v = self.cfg, self.version
         self.state = "evaluating"
-        t0 = time.monotonic()
-        values = {"version": float(v)}
-        for es in self.sets:
-            got, _, rows = await self._answer_set(es, v)
-            values.update(got)
-            if self.sample_log is not None and rows:
-                await asyncio.to_thread(self.sample_log.write, f"eval/{es.name}", v, rows[:c.log_samples])
-        first = self.sets[0]
-        values.update(legacy_keys(first.name, values, first.cfg.metrics))
-        values["eval/problems"] = float(len(first.problems))
-        if f"eval/{first.name}/response_len_mean" in values:
-            values["eval/response_len_mean"] = values[f"eval/{first.name}/response_len_mean"]
-        values["eval/seconds"] = time.monotonic() - t0
+        result = await self.harness.evaluate(v)
+        values = result.values
+        if self.sample_log is not None:
+            for name, rows in result.rows.items():
+                if rows:
+                    await asyncio.to_thread(self.sample_log.write, f"eval/{name}", v, rows[:c.log_samples])
         self.evaluated.append(v)
         self.last = values
         if self.best.better(values):
             await self._keep_best(v, values)
         ts = time.time()
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({**values, "lineage": self.lineage, "ts": ts}) + "\n")
+        await asyncio.to_thread(self._record, result, ts)
         self.pub.publish("metrics.evaluator", Metrics(role="evaluator", id=self.ctx.id, ts=ts, values=values))
         self.log.info("evaluated", version=v, accuracy=round(values.get("eval/accuracy", float("nan")), 4),
                       accuracy_sampled=round(values.get("eval/accuracy_sampled", float("nan")), 4),
@@ -384,6 +310,16 @@ class EvaluatorRole(Role):
                       **{k.split("/", 1)[1]: round(x, 4) for k, x in values.items() if k.count("/") == 2})
         self.state = "waiting"
         return values
+
+    def _record(self, result, ts: float) -> None:
+        """One line of metrics.jsonl (the values) and one of scores.jsonl (each problem's scores,
+        for the summary's paired comparison of the first and last versions)."""
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({**result.values, "lineage": self.lineage, "ts": ts}) + "\n")
+        with open(self.out / "scores.jsonl", "a") as f:
+            f.write(json.dumps({"version": int(result.values["version"]), "lineage": self.lineage, "ts": ts,
+                                "sets": {n: {"ids": result.prompt_ids[n], "scores": sc}
+                                         for n, sc in result.scores.items()}}) + "\n")
 
     async def _keep_best(self, v: int, values: dict) -> None:
         """A new best version: its weights (the relay's copy; version 0: model_dir's) to best/."""

@@ -16,6 +16,9 @@ the set's problems, each metric is a mean:
 
 A metric name is `greedy`, or `avg@k` / `pass@k` / `maj@k` with k >= 1 no larger than the set's
 samples (`parse_metric` says which and checks it).
+
+Every mean comes with its 95% interval over the problems (`score_with_intervals`): the binomial
+(Wilson) interval when each problem scores 0 or 1 (greedy, avg@1), else a bootstrap over problems.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from math import comb
+
+from laminar.intervals import interval
 
 _METRIC = re.compile(r"^(greedy|(avg|pass|maj)@([1-9][0-9]*))$")
 
@@ -68,9 +73,9 @@ class ProblemResult:
     answers: list = field(default_factory=list)
 
 
-def score(results: list[ProblemResult], metrics: list[str]) -> dict[str, float]:
-    """{metric: mean over the problems} for the named metrics (parse_metric's names)."""
-    out: dict[str, float] = {}
+def per_problem(results: list[ProblemResult], metrics: list[str]) -> dict[str, list[float]]:
+    """{metric: one score in [0, 1] per problem} for the named metrics (parse_metric's names)."""
+    out: dict[str, list[float]] = {}
     if not results:
         return out
     n = min(len(r.correct) for r in results)
@@ -84,5 +89,21 @@ def score(results: list[ProblemResult], metrics: list[str]) -> dict[str, float]:
             vals = [pass_at_k(len(r.correct), sum(r.correct), k) for r in results]
         else:
             vals = [majority_correct(r.answers[:k], r.correct[:k]) for r in results]
-        out[name] = sum(vals) / len(vals)
+        out[name] = vals
+    return out
+
+
+def score(results: list[ProblemResult], metrics: list[str]) -> dict[str, float]:
+    """{metric: mean over the problems} for the named metrics (parse_metric's names)."""
+    return {name: sum(vals) / len(vals) for name, vals in per_problem(results, metrics).items()}
+
+
+def score_with_intervals(results: list[ProblemResult], metrics: list[str]) -> dict[str, tuple[float, float, float]]:
+    """{metric: (mean, lo, hi)}: each mean with its 95% interval over the problems
+    (laminar/intervals.py: Wilson's when every problem scores 0 or 1, as greedy accuracy does,
+    else a bootstrap over problems)."""
+    out = {}
+    for name, vals in per_problem(results, metrics).items():
+        lo, hi = interval(vals, binary=True if name == "greedy" else None)
+        out[name] = (sum(vals) / len(vals), lo, hi)
     return out

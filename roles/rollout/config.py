@@ -12,6 +12,7 @@ import os
 from typing import Literal
 
 from laminar.roles.env.config import EnvRoleConfig
+from laminar.roles.rollout.agent_config import RolloutAgentConfig
 from laminar.roles.rollout.rewards import RewardTerm
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -140,8 +141,16 @@ class RolloutConfig(BaseModel):
     stop_when_exhausted: bool = Field(True, description="finish (exit 0) when the prompt pool has no more epochs")
     env: RolloutEnvConfig | None = Field(None, description="multi-turn: the environment of every trajectory "
                                          "(None: single-turn, scored by `reward`)")
+    agent: RolloutAgentConfig | None = Field(None, description="agent mode: every trajectory is an episode an "
+                                             "outside agent drives through the gateway role (roles/rollout/agent.py)")
     moe: RolloutMoe = Field(default_factory=RolloutMoe, description="mixture-of-experts policies: routing capture, "
                             "expert parallelism (docs/moe.md)")
+
+    @model_validator(mode="after")
+    def _one_driver(self):
+        if self.env is not None and self.agent is not None:
+            raise ValueError("env and agent: a trajectory is driven by an environment or by an agent, not both")
+        return self
 
     @model_validator(mode="after")
     def _experts_split(self):

@@ -71,6 +71,17 @@ KV_BLOCK = 32  # tokens per KV block when the cache is sized in tokens (kv_cache
 
 
 @dataclass
+class Sampling:
+    """Per-request sampling that overrides the engine's own settings (agent calls: roles/rollout/agent.py).
+    `top_logprobs` > 0 asks for that many alternatives per token, appended to `top` as
+    {token id: logprob} (one dict per generated token)."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int = 0
+    top: list | None = None
+
+
+@dataclass
 class EngineStats:
     kv_usage: float = 0.0
     running: int = 0
@@ -83,8 +94,8 @@ class RolloutEngine:
 
     async def start(self) -> None: ...
 
-    def generate(self, request_id: str, prompt: list[int], max_tokens: int,
-                 seed: int | None) -> AsyncIterator[tuple[list[int], list[float], str | None]]: ...
+    def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
+                 sampling: Sampling | None = None) -> AsyncIterator[tuple[list[int], list[float], str | None]]: ...
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
         """Load the relay's newest version if newer than min_version (or exactly the weights `exact`
@@ -218,12 +229,17 @@ class VllmEngine(RolloutEngine):
         if bad:
             raise RuntimeError(f"routing capture could not start: {bad[0]}")
         self.routing_info = answers[0][1]
-    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None):
+
+    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
+                       sampling: Sampling | None = None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-        sp = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                            logprobs=0, detokenize=False, seed=seed,
+        sm = sampling or Sampling()
+        sp = SamplingParams(max_tokens=max_tokens,
+                            temperature=self.temperature if sm.temperature is None else sm.temperature,
+                            top_p=self.top_p if sm.top_p is None else sm.top_p,
+                            logprobs=sm.top_logprobs, detokenize=False, seed=seed,
                             output_kind=RequestOutputKind.DELTA)
         with self.adapters.use() if self.adapters is not None else _no_adapter() as lora:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp,
@@ -231,6 +247,8 @@ class VllmEngine(RolloutEngine):
                 c = out.outputs[0]
                 toks = list(c.token_ids)
                 lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
+                if sm.top is not None:
+                    sm.top += [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
                 if out.finished and getattr(c, "routed_experts", None) is not None:  # the CUDA path
                     self._finished_routing[request_id] = np.asarray(c.routed_experts)
                 yield toks, lps, (c.finish_reason if out.finished else None)

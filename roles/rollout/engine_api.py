@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from laminar.roles.rollout.engine import EngineStats
+from laminar.roles.rollout.engine import EngineStats, Sampling
 
 
 @runtime_checkable
@@ -36,9 +36,11 @@ class RolloutEngineAPI(Protocol):
         """Bring the engine up (spawn processes, start the scheduler); requests may follow."""
         ...
 
-    def generate(self, request_id: str, prompt: list[int], max_tokens: int,
-                 seed: int | None) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
-        """Stream (new token ids, their logprobs, finish reason or None) until the request ends."""
+    def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
+                 sampling: Sampling | None = None) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
+        """Stream (new token ids, their logprobs, finish reason or None) until the request ends;
+        `sampling` overrides the engine's temperature and top_p for this request (an engine that
+        models no sampling, the simulator's, ignores it)."""
         ...
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:

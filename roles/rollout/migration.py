@@ -61,8 +61,10 @@ class Migration:
     async def on_migrate_out(self, req: MigrateOut) -> PartialList:
         active = self.work.active
         ids = list(active) if req.everything else req.trajectory_ids
-        # only those still generating: a finished one is being scored and stored right now
-        moving = [a for a in (active.get(t) for t in ids) if a is not None and a.task and not a.task.done()]
+        # only those still generating: a finished one is being scored and stored right now; an agent
+        # episode in a call (or before its first one) stays
+        moving = [a for a in (active.get(t) for t in ids)
+                  if a is not None and a.task and not a.task.done() and not a.stays]
         for a in moving:
             a.task.cancel()
         await asyncio.gather(*(a.task for a in moving), return_exceptions=True)

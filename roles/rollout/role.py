@@ -15,7 +15,7 @@ The role wires its components in setup() and keeps the batch loop and its intake
     work.py       Work: the active trajectories, the lock and the loop's wake-up events (shared)
     weights.py    WeightFollower: the weights the engine holds, loads from the relay, what it holds
     batch_seq.py  BatchSeq: TakeBatch numbers reserved on disk, never reused across restarts
-    runner.py     TrajectoryRunner: per trajectory: generate (or an episode: multiturn.py), score, store
+    runner.py     TrajectoryRunner: per trajectory: generate (or an episode: multiturn.py, agent.py), score, store
     streaming.py  DeltaStream: token deltas to the partial pool, paged; fenced-off work dropped
     migration.py  Migration: MigrateOut, MigrateIn, adoption of an older version's work
     routing.py    RoutingPuller: a MoE policy's routing rows from the engine into each trajectory
@@ -23,7 +23,8 @@ The role wires its components in setup() and keeps the batch loop and its intake
 
 Tasks: `loop` (run), `gen:<id>`/`finish:<id>` (one per trajectory), `flush` (every
 delta_interval_s), `report` (rollout.stats every report_interval_s), `versions` (weights.version
-events), and the control server's MigrateOut/MigrateIn handlers. They share one event loop, so
+events), and the control server's MigrateOut/MigrateIn handlers; in agent mode `announce` and
+`call:<id>` (one per agent call) and the AgentCall/EndEpisode handlers. They share one event loop, so
 nothing interleaves between two awaits; work.lock spans the awaits where it matters. Who writes
 what, and how the others ask:
 
@@ -42,6 +43,10 @@ what, and how the others ask:
   taken_on_version,    the loop alone.
     batches, seqs
   work.state           the loop, weight loads and MigrateIn (a label, only reported).
+  agents.open          agent mode (agent.py): an episode is added by its trajectory's task and removed
+                       by it (moved away) or by the runner once stored (release); its Active's
+                       `hold` is cleared, and `busy` set and cleared, only by the episode's own call
+                       task, which is the only writer of its tokens until it ends.
   counters             each by its component: work.generated (trajectory tasks),
                        weights.pull_failures, runner.puts_refused and gave_up, stream.fenced_off;
   Active.routing       appended only, by the RoutingPuller (flush, a turn's or a trajectory's end);
@@ -59,6 +64,7 @@ import time
 
 from laminar.bus.errors import RemoteError
 from laminar.roles.base import Role
+from laminar.roles.rollout.agent import AgentEpisodes
 from laminar.roles.rollout.batch_seq import BatchSeq
 from laminar.roles.rollout.config import RolloutConfig
 from laminar.roles.rollout.engine_api import build_rollout_engine, engine_seqs
@@ -72,7 +78,7 @@ from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.weights import WeightFollower
 from laminar.roles.rollout.work import Work, call_acked
 
-from laminar.protocol import MigrateIn, MigrateOut, RolloutStats, TakeBatch
+from laminar.protocol import AgentCall, EndEpisode, MigrateIn, MigrateOut, RolloutStats, TakeBatch
 from laminar.weights.seal import arm_engine_checks
 
 
@@ -94,6 +100,7 @@ class RolloutRole(Role):
         # control server, the `weights.version` subscription (None until then: stop() after a failed
         # setup works)
         self.engine = self.episodes = self.seqs = self.weights = self.stream = self.runner = self.migration = None
+        self.agents = None  # agent mode (roles/rollout/agent.py)
         self.prompts = self.partials = self.buffer = None
         self.server = self.versions_sub = None
 
@@ -157,10 +164,18 @@ class RolloutRole(Role):
                 self.ctx.id, seed=settings.seed, make_durable=self.stream.make_durable, log=self.log,
                 on_tokens=self.work.count)
             await self.episodes.start()
+        if settings.agent is not None:
+            self.agents = self.runner.agents = AgentEpisodes(
+                settings.agent, settings.model_dir, self.engine, self.ctx.id, self._address("rollout", self.ctx.id),
+                t.client(self._address("gateway", settings.agent.gateway)), self.stream.make_durable, self.spawn,
+                self.log, max_model_len=settings.max_model_len, seed=settings.seed, on_tokens=self.work.count)
         await self.weights.update()
         self.server = t.server(cluster.bind_endpoint("rollout", self.ctx.id), "rollout", self.ctx.id)
         self.server.route(MigrateOut, self.migration.on_migrate_out)
         self.server.route(MigrateIn, self.migration.on_migrate_in)
+        if self.agents is not None:
+            self.server.route(AgentCall, self.agents.on_call)
+            self.server.route(EndEpisode, self.agents.on_end)
         await self.server.start()
         self.versions_sub = t.subscriber(["weights.version", "hb.trainer."])  # the trainer's heartbeat names its run
         self.log.info("rollout_ready", version=self.version, model=settings.model_dir, address=self.server.address)
@@ -210,6 +225,8 @@ class RolloutRole(Role):
         self.spawn(self.stream.run(self.settings.delta_interval_s), "flush")
         self.spawn(self._report_loop(), "report")
         self.spawn(self.weights.follow(self.versions_sub), "versions")
+        if self.agents is not None:
+            self.spawn(self.agents.announce_loop(), "announce")
         while not self.stopping.is_set():
             step = await self._decide()
             if step == self.EXHAUSTED:
@@ -275,7 +292,7 @@ class RolloutRole(Role):
         only what its engine runs at once (max_num_seqs): a queue behind the running ones would add
         nothing to the engine's pace but would have to drain, on the old version, before the next
         one loads."""
-        if self.refill and not self.gated and self.episodes is None:  # episodes wait on their env too
+        if self.refill and not self.gated and self.episodes is None and self.agents is None:  # episodes wait too
             return engine_seqs(self.settings)
         return self.settings.max_concurrency
 
@@ -351,4 +368,6 @@ class RolloutRole(Role):
                "gave_up": self.runner.gave_up if self.runner else 0, "take_failures": self.take_failures}
         if self.episodes is not None:
             out.update({f"env_{k}": v for k, v in self.episodes.counts.items()})
+        if self.agents is not None:
+            out.update(self.agents.status())
         return out

@@ -30,6 +30,8 @@ from laminar.roles.rollout.work import Work, call_acked
 
 from laminar.protocol import AwaitReward, CompletePartial, PutTrajectory, Trajectory
 
+FAILED = ("env_failed", "agent_failed")  # finish reasons of trajectories stored untrained (loss mask all 0)
+
 
 class TrajectoryRunner:
     """Generates, scores and stores each trajectory started on this rollout."""
@@ -38,6 +40,7 @@ class TrajectoryRunner:
                  reward, buffer, partials, spawn, log):
         self.rollout_id, self.settings, self.work, self.weights = rollout_id, settings, work, weights
         self.engine, self.episodes = engine, episodes   # episodes: multi-turn (or None)
+        self.agents = None                              # agent episodes (roles/rollout/agent.py), or None
         self.reward = RewardPlan.of(reward)             # rule functions here, model scorers awaited in the pool
         self.buffer, self.partials, self.spawn, self.log = buffer, partials, spawn, log
         self.puts_refused = 0
@@ -55,7 +58,9 @@ class TrajectoryRunner:
 
     async def _generate(self, a: Active) -> None:
         env_reward = None
-        if self.episodes is not None:
+        if self.agents is not None:
+            reason, env_reward = await self.agents.run(a)
+        elif self.episodes is not None:
             reason, env_reward = await self.episodes.run(a)
         else:
             prompt = [int(t) for t in a.spec.prompt_tokens] + a.tokens
@@ -75,16 +80,16 @@ class TrajectoryRunner:
 
     async def _finish(self, a: Active, reason: str, env_reward: float | None = None) -> None:
         pending: dict[str, float] = {}  # model scorers still to come (the partial pool waits for them)
-        if env_reward is not None:  # a multi-turn episode the environment ended (or env_failed: 0)
-            reward, parts = env_reward, {"env": env_reward}
+        if env_reward is not None:  # a multi-turn episode the environment (or an agent) ended (or failed: 0)
+            reward, parts = env_reward, {("agent" if self.agents is not None else "env"): env_reward}
         else:  # a multi-turn trajectory is scored on what the policy wrote, not on tool output
             reward, parts = self.reward.rule_part(a.spec, a.policy_tokens() if a.obs_spans else a.tokens, self.log)
             pending = dict(self.reward.scorers)
         a.timings["scored"] = time.time()
         if a.fenced:  # another owner continues it: nothing of it is stored from here
             return
-        # env_failed: stored so that its group completes, but nothing in it is trained on
-        mask = np.zeros(len(a.tokens), dtype=np.uint8) if reason == "env_failed" else a.loss_mask()
+        # env_failed, agent_failed: stored so that its group completes, but nothing in it is trained on
+        mask = np.zeros(len(a.tokens), dtype=np.uint8) if reason in FAILED else a.loss_mask()
         traj = Trajectory(spec=a.spec, response_tokens=np.asarray(a.tokens, dtype=np.int32),
                           logprobs=np.asarray(a.logprobs, dtype=np.float32), version=a.version,
                           rollout_id=self.rollout_id, reward=reward, finish_reason=reason, timings=a.timings,
@@ -125,6 +130,8 @@ class TrajectoryRunner:
             self.work.batch_done.set()
         if self.episodes is not None:  # only now: until stored, a resumed trajectory may re-ask it
             await self.episodes.release(a.id)
+        if self.agents is not None:
+            await self.agents.release(a.id, reason)
 
     async def _await_reward(self, traj: Trajectory, a: Active, pending: dict[str, float]) -> None:
         """Hand the finished trajectory to the partial pool to await its model scores (durable when
@@ -137,6 +144,8 @@ class TrajectoryRunner:
         self.work.room_freed.set()
         if not self.work.active:
             self.work.batch_done.set()
+        if self.agents is not None:
+            await self.agents.release(a.id, traj.finish_reason)
 
     async def _put(self, traj: Trajectory, a: Active | None = None):
         """PutTrajectory until the buffer holds it (stored, or duplicate: it already did). A refusal

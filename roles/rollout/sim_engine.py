@@ -259,7 +259,8 @@ class SimEngine(RolloutEngine):
         if self.reward_cost is not None:
             self._scorer = asyncio.create_task(self._score(), name="sim-engine-scorer")
 
-    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None):
+    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
+                       sampling=None):
         if self._failure is not None:
             raise self._failure
         if self._task is None:

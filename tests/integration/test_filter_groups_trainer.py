@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +21,7 @@ from laminar.protocol import PutTrajectory  # noqa: E402
 from laminar.summary import summarize  # noqa: E402
 from laminar.testing.inproc_cluster import InprocCluster  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
+from tests.support import wandb_records  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,28 +96,6 @@ def test_filter_groups_trainer_waits_for_informative_groups_and_counts_them(trai
     assert [(r["source"], r["version"], r["staleness"]) for r in rows] == [("trainer", 2, 1)] * 3
     assert [r["prompt_id"] for r in rows] == [rows[0]["prompt_id"], rows[1]["prompt_id"], rows[0]["prompt_id"]]
     assert all(isinstance(r["prompt"], str) and isinstance(r["response"], str) for r in rows)
-
-
-def wandb_records(path: Path) -> list:
-    """The records of a W&B offline run file, parsed with wandb's own protobuf messages (the file
-    is W&B's block log: 32 KiB blocks of [crc32 4][length 2][type 1][data] chunks after a 7-byte header)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-    b, pos, block, part, out = path.read_bytes(), 7, 32768, b"", []
-    assert b[:4] == b":W&B"
-    while pos + 7 <= len(b):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        _, n, kind = struct.unpack("<IHB", b[pos:pos + 7])
-        data, pos = b[pos + 7:pos + 7 + n], pos + 7 + n
-        if kind == 0:
-            break
-        part = data if kind in (1, 2) else part + data
-        if kind in (1, 4):  # a full record, or the last chunk of one
-            r = pb.Record()
-            r.ParseFromString(part)
-            out.append(r)
-    return out
 
 
 @pytest.mark.slow  # wandb's and mlflow's imports and W&B's core process: ~15 s more on 2 cores

@@ -15,7 +15,8 @@ from laminar.roles.evaluator.role import EvaluatorRole
 from laminar.roles.evaluator.sets import EvalSetConfig, set_configs
 
 from laminar.datasets import ByteTokenizer
-from laminar.summary import eval_sets
+from laminar.intervals import wilson
+from laminar.summary import eval_change, eval_sets
 
 
 class NoEngine:
@@ -33,7 +34,7 @@ def write_set(path, n):
 
 
 def test_pass_at_k_eval_sets_reach_metrics_best_and_samples(tmp_path, monkeypatch):
-    monkeypatch.setattr("laminar.roles.evaluator.role.VllmEngine", lambda *a, **k: NoEngine())
+    monkeypatch.setattr("laminar.roles.evaluator.role.make_engine", lambda *a, **k: NoEngine())
     tok = ByteTokenizer()
     # version 0: problem i answers i+1 (right) in samples < i, else 0; greedy right for even i
     script = {0: lambda i, s: i + 1 if (s >= 0 and s < i) or (s < 0 and i % 2 == 0) else 0,
@@ -54,8 +55,8 @@ def test_pass_at_k_eval_sets_reach_metrics_best_and_samples(tmp_path, monkeypatc
             v, name, i, s = rid.split("-")[1:]
             s = -1 if s == "g" else int(s[1:])
             return tok.encode(f"so \\boxed{{{script[int(v[1:])](int(i), s)}}}")
-        role._answer = answer
         await role.setup()
+        role.harness.answer = answer   # the harness the role answers with (roles/evaluator/harness.py)
         out = []
         for v in (0, 5, 9):
             role.version = v
@@ -75,11 +76,23 @@ def test_pass_at_k_eval_sets_reach_metrics_best_and_samples(tmp_path, monkeypatc
     assert (best["version"], best["metric"], best["value"], best["export"]) == (5, "a/pass@1", 1.0, None)
     evals = [json.loads(x) for x in (run / "evaluator" / "metrics.jsonl").read_text().splitlines()]
     summary = eval_sets(evals)
-    assert summary["a"]["pass@1"] == {"first": pytest.approx(0.5), "last": pytest.approx(2 / 3), "best": 1.0}
+    got = {k: summary["a"]["pass@1"][k] for k in ("first", "last", "best")}
+    assert got == {"first": pytest.approx(0.5), "last": pytest.approx(2 / 3), "best": 1.0}
     assert set(summary) == {"a", "b"} and set(summary["a"]) == {"greedy", "avg@3", "pass@1", "pass@2", "maj@3"}
     rows = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     assert [(r["source"], r["version"]) for r in rows] == [(f"eval/{s}", v) for v in (0, 5, 9) for s in "aa" "bb"]
     assert (rows[4]["prompt"], rows[4]["response"], rows[4]["reward"]) == ("0+1?", "so \\boxed{1}", 1.0)
+
+    # every number with its 95% interval: Wilson's for greedy (2 of 4 right), a bootstrap for the rest
+    assert (first["eval/a/greedy/lo"], first["eval/a/greedy/hi"]) == pytest.approx(wilson(2, 4))
+    for rec in (first, second, third):
+        for k in [k for k in rec if k.count("/") == 2 and k.split("/")[2] not in ("problems", "response_len_mean")]:
+            assert rec[f"{k}/lo"] <= rec[k] + 1e-12 and rec[k] <= rec[f"{k}/hi"] + 1e-12, k
+    assert summary["a"]["greedy"]["first_ci"] == [first["eval/a/greedy/lo"], first["eval/a/greedy/hi"]]
+    change = eval_change(run)   # the last evaluation (v9) minus the first (v0), paired by problem
+    c = change["a"]["pass@1"]
+    assert (c["from"], c["to"]) == (0, 9) and c["diff"] == pytest.approx(third["eval/a/pass@1"] - 0.5)
+    assert c["lo"] <= c["diff"] <= c["hi"]
 
 
 def test_pass_at_k_eval_set_config_errors_name_the_field():

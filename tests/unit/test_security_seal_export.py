@@ -114,7 +114,7 @@ class StubEngine:
 
 def test_seal_export_the_evaluator_arms_its_engine_workers(relay, keys, tmp_path, monkeypatch):
     monkeypatch.setenv(VERIFY_ENV, "")  # recorded, so whatever the code under test sets is undone
-    monkeypatch.setattr("laminar.roles.evaluator.role.VllmEngine", StubEngine)
+    monkeypatch.setattr("laminar.roles.evaluator.role.make_engine", StubEngine)   # the harness makes it
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text('{"id": "q0", "prompt": "1+1?", "answer": "2"}\n')
     transport = InprocHub().transport()

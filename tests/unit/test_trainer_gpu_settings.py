@@ -63,8 +63,12 @@ def test_activation_checkpointing_eager_attention_and_fused_adamw_train_the_same
     assert e.model.config._attn_implementation == "eager"
     for k in base:
         assert eager[k] == pytest.approx(base[k], rel=1e-5, abs=1e-6), k
-    for k in wb:  # Adam's normalized step turns 1e-8 gradient differences into ~1e-6 weight differences
-        assert torch.allclose(we[k], wb[k], atol=1e-5), k
+    for k in wb:
+        # Adam's first step is about lr·g/|g|: a gradient element near 0 turns a 1e-8 difference between
+        # the two attention kernels into up to ~1e-5 (one element of 32,768 here, and which one depends
+        # on the CPU's kernels); a wrong attention moves nearly every element by ~lr (1e-3)
+        diff = (we[k] - wb[k]).abs()
+        assert diff.max() < 1e-4 and (diff > 1e-5).float().mean() < 1e-3, (k, diff.max())
     e, fused, wf = train_once(tiny, optimizer_impl="fused")
     assert e.opt.defaults["fused"] is True
     assert fused["loss"] == base["loss"]  # the same forward; only the update's kernels differ
