@@ -81,7 +81,7 @@ def make_cfg(tmp: Path, model_dir: Path, shm: str, n: int, port: int):
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
         "roles": {"prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": 2048},
                   "gateway": {"http_port": port},
-                  "rollout": {"model_dir": str(model_dir), "weights_dir": shm, "max_concurrency": n, "seed": 0,
+                  "rollout": {"model_dir": str(model_dir), "shm_dir": shm, "max_concurrency": n, "seed": 0,
                               "max_model_len": 2048, "stop_when_exhausted": False, "idle_wait_s": 0.1,
                               "agent": {"max_calls": 64}}}})
 

@@ -131,8 +131,9 @@ def measure(te: TrainEngine, groups, moe: bool) -> dict:
 async def run_model(model_dir: str, moe: bool, a, tmp: Path) -> dict:
     engine = VllmEngine(model_dir, max_model_len=512, max_num_seqs=64, kv_cache_gib=1, temperature=1.0, top_p=1.0,
                         seeded=True, routing=moe, dtype=a.dtype)
-    te = TrainEngine(TrainerConfig(model_dir=model_dir, lr=a.lr, groups_per_batch=a.prompts, minibatch_steps=2,
-                                   mismatch_previous_version=False, moe={"routing_replay": moe}, dtype=a.dtype),
+    te = TrainEngine(TrainerConfig(model_dir=model_dir, optimizer={"lr": a.lr}, groups_per_batch=a.prompts,
+                                   minibatch_steps=2, logging={"mismatch_previous_version": False},
+                                   moe={"routing_replay": moe}, performance={"dtype": a.dtype}),
                      a.seed, torch.device("cpu"))
     te.load()
     await engine.start()

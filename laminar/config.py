@@ -338,7 +338,8 @@ def role_settings_problems(cfg: LaminarConfig) -> list[str]:
         try:
             settings = model.model_validate(cfg.role_settings(spec.role, spec.id))
         except ValidationError as exc:
-            out += [p for p in problem_lines(exc, model, f"{cfg.source}: {where}.") if p not in out]
+            out += [p for p in problem_lines(exc, model, f"{cfg.source}: {where}.", f"roles.{spec.role}")
+                    if p not in out]
             continue
         check = getattr(settings, "check_placement", None)  # settings that depend on the placement (gpus, cores)
         if check is not None:
@@ -359,7 +360,7 @@ def apply_overrides(data: Any, overrides: list[str] | tuple[str, ...] = ()) -> A
         path, eq, text = item.partition("=")
         parts = path.strip().split(".")
         if not eq or not all(parts):
-            raise ConfigError(f"--set {item}: expected key.path=value, e.g. roles.trainer.lr=0.0001")
+            raise ConfigError(f"--set {item}: expected key.path=value, e.g. roles.trainer.optimizer.lr=0.0001")
         try:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError as exc:

@@ -133,8 +133,8 @@ class SandboxResult:
 
 class Sandbox:
     def __init__(self, config: SandboxConfig | None = None):
-        self.cfg = config or SandboxConfig()
-        self.python = self.cfg.python or sys.executable
+        self.settings = config or SandboxConfig()
+        self.python = self.settings.python or sys.executable
         self._uids: asyncio.Queue[int] | None = None
         self.runs = 0
         self._plan: CgroupPlan | None = None
@@ -160,7 +160,7 @@ class Sandbox:
     def cgroup_plan(self) -> CgroupPlan:
         """Which cgroup hierarchy runs get on this machine (decided once)."""
         if self._plan is None:
-            if self.cfg.cgroup == "off":
+            if self.settings.cgroup == "off":
                 self._plan = CgroupPlan("none", {}, {}, "sandbox.cgroup is off")
             else:
                 try:
@@ -176,7 +176,7 @@ class Sandbox:
         """What confines runs here, for the role's status: {seccomp, cgroup, cgroup_reason, warnings}
         (`cgroup` is "v2", "v1", "none" (auto found none) or "off" (configured))."""
         plan = self.cgroup_plan()
-        kind = "off" if self.cfg.cgroup == "off" else plan.kind
+        kind = "off" if self.settings.cgroup == "off" else plan.kind
         return {"seccomp": self.seccomp_active, "cgroup": kind, "cgroup_reason": plan.reason,
                 "warnings": list(self.warnings or [])}
 
@@ -191,19 +191,19 @@ class Sandbox:
         except Exception as exc:  # noqa: BLE001 — ImportError (no pyseccomp), OSError (no libseccomp), ...
             why = (f"no system-call filter: libseccomp or pyseccomp is not usable ({exc!r}); install "
                    "libseccomp2 and `pip install pyseccomp`")
-            if not self.cfg.allow_no_seccomp:
+            if not self.settings.allow_no_seccomp:
                 raise SandboxUnavailable(f"{why}, or set sandbox.allow_no_seccomp: true to run without one") from None
             warnings.append(f"the sandbox runs model code WITHOUT a system-call filter ({why}); "
                             "unshare, bpf, io_uring, ptrace and the rest are open to it")
         plan = self.cgroup_plan()
         no_cgroup = None
         if plan.kind == "none":
-            if self.cfg.cgroup == "required":
+            if self.settings.cgroup == "required":
                 raise SandboxUnavailable(f"no usable cgroup for sandbox runs: {plan.reason}")
-            if self.cfg.cgroup == "auto":
+            if self.settings.cgroup == "auto":
+                cap = self.settings.max_processes * self.settings.memory_mb
                 no_cgroup = (f"no per-run cgroup ({plan.reason}): memory is bounded per process only "
-                             f"(up to max_processes x memory_mb = {self.cfg.max_processes * self.cfg.memory_mb} MB "
-                             "per run), CPU per process")
+                             f"(up to max_processes x memory_mb = {cap} MB per run), CPU per process")
                 warnings.append(no_cgroup)
         for w in warnings:
             if w is no_cgroup:  # an error, not a warning: `auto` promised a cgroup and has none
@@ -247,19 +247,19 @@ class Sandbox:
         self.check_policy()
         if self._uids is None:
             self._uids = asyncio.Queue()
-            for i in range(self.cfg.slots):
-                self._uids.put_nowait(self.cfg.uid_base + i)
+            for i in range(self.settings.slots):
+                self._uids.put_nowait(self.settings.uid_base + i)
         uid = await self._uids.get()
         extra = {"env": {**CHILD_ENV, **(env or {})}, "connect": None if connect is None else
                  {"socket": os.path.abspath(connect[0]), "port": int(connect[1])}}
         try:
-            return await self._run(uid, code, files, extra, wall_s or self.cfg.wall_s)
+            return await self._run(uid, code, files, extra, wall_s or self.settings.wall_s)
         finally:
             self._uids.put_nowait(uid)  # FIFO: this uid is reused last
             self.runs += 1
 
     def _spec(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None, extra: dict) -> bytes:
-        c = self.cfg
+        c = self.settings
         return json.dumps({
             "uid": uid, "code": code, "files": files, **extra,
             "read_only": [str(Path(p)) for p in c.read_only_paths],
@@ -274,8 +274,8 @@ class Sandbox:
         cgroup = None
         if self.cgroup_plan().kind != "none":
             try:
-                cgroup = RunCgroup.create(self._plan, self.cfg.run_memory_mb << 20, self.cfg.max_processes + 1,
-                                          self.cfg.run_cpus)
+                c = self.settings
+                cgroup = RunCgroup.create(self._plan, c.run_memory_mb << 20, c.max_processes + 1, c.run_cpus)
             except OSError as exc:
                 raise SandboxError(f"cannot create the run's cgroup ({self._plan.kind}): {exc}") from None
         try:
@@ -286,7 +286,7 @@ class Sandbox:
 
     async def _run_in(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None, extra: dict,
                       wall_s: float) -> SandboxResult:
-        c = self.cfg
+        c = self.settings
         status_r, status_w = os.pipe()
         t0 = time.monotonic()
         try:

@@ -73,10 +73,11 @@ def train_moe(model_dir: str, info=None, device: str = "cpu", versions: int = 2)
     from laminar.roles.trainer.config import TrainerConfig
     from laminar.roles.trainer.engine import TrainEngine
     torch.manual_seed(0)
-    cfg = TrainerConfig(model_dir=model_dir, lr=1e-3, minibatch_steps=2, micro_batch_size=3, device=device,
-                        mismatch_previous_version=False, moe={"routing_replay": True, "router_aux_loss_coef": 0.0})
-    eng = TrainEngine(cfg, 0, torch.device(device), info) if info is not None else \
-        TrainEngine(cfg, 0, torch.device(device))
+    settings = TrainerConfig(model_dir=model_dir, optimizer={"lr": 1e-3}, minibatch_steps=2, device=device,
+                             performance={"micro_batch_size": 3}, logging={"mismatch_previous_version": False},
+                             moe={"routing_replay": True, "router_aux_loss_coef": 0.0})
+    eng = TrainEngine(settings, 0, torch.device(device), info) if info is not None else \
+        TrainEngine(settings, 0, torch.device(device))
     eng.load()
     shards = {n: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape)
               for n, p in eng.model.named_parameters() if ".experts." in n}

@@ -32,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 from urllib.parse import quote
 
+from laminar.bus.retry import Backoff
 from laminar.roles.agent.config import AgentConfig
 from laminar.roles.agent.net import GatewayDoor, GatewayUnreachable, post_json
 from laminar.roles.base import Role
@@ -122,7 +123,7 @@ class AgentRole(Role):
 
     # -- one worker ---------------------------------------------------------------------------------
     async def _worker(self, i: int) -> None:
-        s, delay = self.settings, 0.2
+        s, wait = self.settings, Backoff(0.2, 10.0)
         while not self.stopping.is_set():
             if s.max_episodes is not None and self.counts["claims_made"] >= s.max_episodes:
                 return
@@ -132,11 +133,10 @@ class AgentRole(Role):
                                              s.claim_wait_s + 30)
             except GatewayUnreachable as exc:
                 self.counts["claims_made"] -= 1
-                self.log.warning("gateway_unreachable", error=str(exc), retry_in_s=delay)
-                await asyncio.sleep(delay)  # backoff: the gateway is (re)starting
-                delay = min(delay * 2, 10.0)
+                self.log.warning("gateway_unreachable", error=str(exc), retry_in_s=wait.delay)
+                await wait.sleep()  # backoff: the gateway is (re)starting
                 continue
-            delay = 0.2
+            wait.reset()
             if status != 200:
                 self.counts["claims_made"] -= 1
                 continue  # none open within claim_wait_s (503): ask again

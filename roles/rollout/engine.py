@@ -29,7 +29,7 @@ core dies (EngineDeadError) and takes every request with it. So an engine whose 
 seeds (`seeded=True`) on the CPU runs without chunked prefill, with a step budget of at least one
 whole sequence; a prompt then prefills in one step, and seeds reproduce as they should.
 
-LoRA (`lora`: {max_lora_rank, max_loras}): the engine serves the model folder's weights as a frozen
+LoRA (`lora`: LoraServing, max_lora_rank and max_loras): the engine serves the model folder's weights as a frozen
 base with vLLM's LoRA on, and a version is an adapter (roles/rollout/adapters.py): loading one
 writes it to a folder of its own under a new adapter id, each request carries the adapter current
 when it started (a trajectory is one version even while the next loads), and an adapter is removed
@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 from laminar.roles.rollout.rank_load import load_on_ranks
 
+from laminar.engine_settings import EngineSettings, LoraServing
 from laminar.shm import ShmLedger, descendants
 from laminar.weights.pull import LocalWeights
 
@@ -140,7 +141,7 @@ class VllmEngine(RolloutEngine):
                  omp_threads_bind: str | None = None, seeded: bool = False, kv_cache_tokens: int | None = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 lora: dict | None = None, adapter_dir: str | None = None, routing: bool = False,
+                 lora: LoraServing | None = None, adapter_dir: str | None = None, routing: bool = False,
                  expert_parallel: bool = False):
         self.model_dir, self.max_model_len, self.max_num_seqs = model_dir, max_model_len, max_num_seqs
         self.seeded, self.kv_cache_tokens = seeded, kv_cache_tokens
@@ -148,7 +149,7 @@ class VllmEngine(RolloutEngine):
         self.omp_threads_bind = omp_threads_bind
         self.tensor_parallel_size, self.enforce_eager = tensor_parallel_size, enforce_eager
         self.gpu_memory_utilization, self.enable_prefix_caching = gpu_memory_utilization, enable_prefix_caching
-        self.lora = lora  # {max_lora_rank, max_loras}: versions are LoRA adapters (None: full weights)
+        self.lora = lora  # versions are LoRA adapters (None: full weights)
         self.adapters = None
         if lora is not None:
             from laminar.roles.rollout.adapters import Adapters
@@ -162,6 +163,21 @@ class VllmEngine(RolloutEngine):
         self._finished_routing: dict[str, np.ndarray] = {}  # CUDA path: a finished request's rows
         self._cpu = True
 
+    @classmethod
+    def from_settings(cls, s: EngineSettings, *, max_num_seqs: int, temperature: float, top_p: float,
+                      seeded: bool, omp_threads_bind: str | None = None, routing: bool = False,
+                      expert_parallel: bool = False) -> VllmEngine:
+        """The engine an EngineSettings describes (the rollout's, the evaluator's or the judge's), with
+        what each role decides itself: how many sequences run at once, how it samples, where its
+        OpenMP threads go (`omp_threads_bind`: EngineSettings.omp_bind of the placement's cores), and
+        a rollout's MoE settings (`routing`, `expert_parallel`: its `moe` section)."""
+        return cls(s.model_dir, max_model_len=s.max_model_len, max_num_seqs=max_num_seqs,
+                   kv_cache_gib=s.kv_cache_gib, temperature=temperature, top_p=top_p, dtype=s.dtype,
+                   omp_threads_bind=omp_threads_bind, seeded=seeded, kv_cache_tokens=s.kv_cache_tokens,
+                   tensor_parallel_size=s.tensor_parallel_size, enforce_eager=s.enforce_eager,
+                   gpu_memory_utilization=s.gpu_memory_utilization, enable_prefix_caching=s.enable_prefix_caching,
+                   lora=s.lora, routing=routing, expert_parallel=expert_parallel)
+
     def engine_args(self, cpu: bool) -> dict:
         """The AsyncEngineArgs of this engine (`cpu`: vLLM's CPU build), as keyword arguments."""
         extra = {}
@@ -170,8 +186,7 @@ class VllmEngine(RolloutEngine):
         if self.kv_cache_tokens is not None:  # blocks of 32 tokens (the CPU attention needs multiples of 32)
             extra.update(block_size=KV_BLOCK, num_gpu_blocks_override=-(-self.kv_cache_tokens // KV_BLOCK))
         if self.lora is not None:
-            extra.update(enable_lora=True, max_lora_rank=int(self.lora["max_lora_rank"]),
-                         max_loras=int(self.lora["max_loras"]))
+            extra.update(enable_lora=True, max_lora_rank=self.lora.max_lora_rank, max_loras=self.lora.max_loras)
         if self.expert_parallel:
             extra["enable_expert_parallel"] = True
         prefix_caching = self.enable_prefix_caching

@@ -30,7 +30,8 @@ what, and how the others ask:
 
   work.active          the loop (new work) and MigrateIn (migrants), both under work.lock; removed
                        by the trajectory's own finish task (stored), by flush (fenced off) and by
-                       MigrateOut (handed over). A removal sets room_freed, the last batch_done:
+                       MigrateOut (handed over), all through work.left(). A removal sets
+                       room_freed (a hand-over only when it was the last), the last batch_done:
                        that is how the loop learns of it.
   weights.version,     the loop alone (weights.update; run_adopted -> weights.load_retained), under
     .lineage, .run_id  work.lock with nothing active (and setup's first load, before any task).
@@ -63,6 +64,7 @@ import os
 import time
 
 from laminar.bus.errors import RemoteError
+from laminar.bus.retry import call_acked
 from laminar.roles.base import Role
 from laminar.roles.rollout.agent import AgentEpisodes
 from laminar.roles.rollout.batch_seq import BatchSeq
@@ -76,7 +78,7 @@ from laminar.roles.rollout.runner import TrajectoryRunner
 from laminar.roles.rollout.streaming import DeltaStream
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.weights import WeightFollower
-from laminar.roles.rollout.work import Work, call_acked
+from laminar.roles.rollout.work import Work
 
 from laminar.protocol import AgentCall, EndEpisode, MigrateIn, MigrateOut, RolloutStats, TakeBatch
 from laminar.weights.seal import arm_engine_checks
@@ -146,16 +148,16 @@ class RolloutRole(Role):
         prompts = t.client(self._address("prompt_pool", settings.prompt_pool))
         partials = t.client(self._address("partial_pool", settings.partial_pool))
         buffer = t.client(self._address("experience_buffer", settings.experience_buffer))
-        weights_dir = settings.weights_dir
-        if settings.relay_id is not None and weights_dir is None:  # the relay's own folder
-            weights_dir = cluster.relay_shm_dir(settings.relay_id)
+        shm_dir = settings.shm_dir
+        if settings.relay_id is not None and shm_dir is None:  # the relay's own folder
+            shm_dir = cluster.relay_shm_dir(settings.relay_id)
         keys = getattr(t, "keys", None)
         if settings.relay_id is not None and settings.engine == "vllm":
             arm_engine_checks(keys)  # its worker processes check each version's seals before loading
         self.engine = self._make_engine()
         await self.engine.start()
         self.wire(self.engine, prompts=prompts, partials=partials, buffer=buffer, reward=reward,
-                  weights_dir=weights_dir, seq_file=cluster.workdir() / f"rollout-{self.ctx.id}" / "batch_seq.json")
+                  shm_dir=shm_dir, seq_file=cluster.workdir() / f"rollout-{self.ctx.id}" / "batch_seq.json")
         await asyncio.to_thread(self.seqs.start)
         if settings.env is not None:
             env = settings.env
@@ -180,14 +182,14 @@ class RolloutRole(Role):
         self.versions_sub = t.subscriber(["weights.version", "hb.trainer."])  # the trainer's heartbeat names its run
         self.log.info("rollout_ready", version=self.version, model=settings.model_dir, address=self.server.address)
 
-    def wire(self, engine, *, prompts=None, partials=None, buffer=None, reward=None, weights_dir=None,
+    def wire(self, engine, *, prompts=None, partials=None, buffer=None, reward=None, shm_dir=None,
              seq_file=None) -> None:
         """Build the components around a started engine and the pools' clients (setup; unit tests
         wire stubs). Each gets what it needs passed in; none of them knows the role."""
         s, rid, log = self.settings, self.ctx.id, self.log
         self.engine, self.prompts, self.partials, self.buffer = engine, prompts, partials, buffer
         self.seqs = BatchSeq(seq_file, log)
-        self.weights = WeightFollower(engine, weights_dir, self.ctx.host, self.work, log, s.pull_retry_s, s.relay_id)
+        self.weights = WeightFollower(engine, shm_dir, self.ctx.host, self.work, log, s.pull_retry_s, s.relay_id)
         routing = RoutingPuller(engine, log) if s.moe.routing else None
         self.stream = DeltaStream(rid, self.work, partials, s.rpc_timeout_s, log, routing=routing)
         self.runner = TrajectoryRunner(rid, s, self.work, self.weights, engine, self.episodes, reward, buffer,
@@ -207,7 +209,7 @@ class RolloutRole(Role):
         return build_rollout_engine(self.settings, cores)
 
     async def _call(self, client, req):
-        """Until answered (work.call_acked): TakeBatch here, the partial pool's calls in Migration."""
+        """Until answered (the bus's call_acked): TakeBatch here, the partial pool's calls in Migration."""
         return await call_acked(client, req, self.settings.rpc_timeout_s, self.log)
 
     # -- main loop --------------------------------------------------------------------------
@@ -324,7 +326,7 @@ class RolloutRole(Role):
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.report_interval_s)  # the reporting period
-            if self.refill and not self.gated and self.weights.dir:
+            if self.refill and not self.gated and self.weights.shm_dir:
                 await self.weights.look_at_relay()
             now = time.monotonic()
             rate = (self.work.generated - self._gen_at_last_report) / max(now - last, 1e-6)

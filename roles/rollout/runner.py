@@ -17,16 +17,16 @@ are the other two ways out); the last one to leave ends the batch.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import zlib
 
 import numpy as np
 from laminar.bus.errors import PeerUnavailable, RemoteError
+from laminar.bus.retry import Backoff, call_acked
 from laminar.roles.rollout.rewards import RewardPlan
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.weights import WeightFollower
-from laminar.roles.rollout.work import Work, call_acked
+from laminar.roles.rollout.work import Work
 
 from laminar.protocol import AwaitReward, CompletePartial, PutTrajectory, Trajectory
 
@@ -120,14 +120,11 @@ class TrajectoryRunner:
                       **({"env_replies": len(a.obs_spans)} if a.obs_spans else {}),
                       **({"routing_rows": len(a.routing), "routing_bytes": int(a.routing.nbytes)}
                          if a.routing is not None else {}))
-        self.work.active.pop(a.id, None)
-        self.work.room_freed.set()
+        self.work.left(a)
         try:
             await self.partials.call(CompletePartial([a.id]), timeout=self.settings.rpc_timeout_s)
         except (PeerUnavailable, RemoteError) as exc:  # harmless: the buffer already has it
             self.log.warning("complete_partial_failed", trajectory=a.id, error=str(exc))
-        if not self.work.active:
-            self.work.batch_done.set()
         if self.episodes is not None:  # only now: until stored, a resumed trajectory may re-ask it
             await self.episodes.release(a.id)
         if self.agents is not None:
@@ -140,17 +137,14 @@ class TrajectoryRunner:
                                self.log)
         self.log.info("trajectory_awaiting_reward", trajectory=a.id, version=a.version, tokens=len(a.tokens),
                       scorers=sorted(pending), rule_reward=round(traj.reward, 4), detail=ack.detail)
-        self.work.active.pop(a.id, None)
-        self.work.room_freed.set()
-        if not self.work.active:
-            self.work.batch_done.set()
+        self.work.left(a)
         if self.agents is not None:
             await self.agents.release(a.id, traj.finish_reason)
 
     async def _put(self, traj: Trajectory, a: Active | None = None):
         """PutTrajectory until the buffer holds it (stored, or duplicate: it already did). A refusal
         (full, or any other status) is offered again with backoff."""
-        delay = self.settings.put_retry_s
+        wait = Backoff(self.settings.put_retry_s, self.settings.put_retry_max_s)
         while True:
             if a is not None and a.fenced:
                 return None  # its new owner stores it
@@ -159,6 +153,5 @@ class TrajectoryRunner:
                 return put
             self.puts_refused += 1
             self.log.warning("put_refused", trajectory=traj.spec.trajectory_id, status=put.status, detail=put.detail,
-                             retry_in_s=delay, refused=self.puts_refused)
-            await asyncio.sleep(delay)  # backoff: the buffer is full until the trainer samples
-            delay = min(delay * 2, self.settings.put_retry_max_s)
+                             retry_in_s=wait.delay, refused=self.puts_refused)
+            await wait.sleep()  # backoff: the buffer is full until the trainer samples

@@ -52,7 +52,7 @@ def write_cfg(tmp, shm) -> tuple[str, dict]:
                                  "repack": False},
                      "prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": 300, "max_epochs": 1},
                      "gateway": {"http_port": ports["http"], "reroute_wait_s": 60},
-                     "rollout": {"engine": "sim", "sim": SIM, "model_dir": str(tmp), "weights_dir": shm,
+                     "rollout": {"engine": "sim", "sim": SIM, "model_dir": str(tmp), "shm_dir": shm,
                                  "max_concurrency": 2, "max_model_len": 2048, "stop_when_exhausted": False,
                                  "delta_interval_s": 0.05, "idle_wait_s": 0.1, "report_interval_s": 0.2,
                                  "agent": {"max_calls": 6, "wall_s": 120, "announce_interval_s": 0.3}}}}

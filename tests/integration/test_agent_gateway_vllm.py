@@ -58,7 +58,7 @@ def make_cfg(tmp, model_dir, shm, port):
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
         "roles": {"prompt_pool": {"dataset": str(data), "group_size": 2, "max_tokens": 400},
                   "gateway": {"http_port": port},
-                  "rollout": {"model_dir": str(model_dir), "weights_dir": str(shm), "max_concurrency": 2,
+                  "rollout": {"model_dir": str(model_dir), "shm_dir": str(shm), "max_concurrency": 2,
                               "max_model_len": 1024, "stop_when_exhausted": False, "delta_interval_s": 0.05,
                               "idle_wait_s": 0.2, "reward": "laminar.tasks.math:math_reward",
                               "agent": {"max_calls": 6}}}})

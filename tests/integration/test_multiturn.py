@@ -204,16 +204,16 @@ def test_env_restarted_mid_episode_is_replayed(world):
 def test_env_failure_policy_fail_stores_env_failed(world):
     loop, cluster, model, rollout, _ = world
     runner = rollout.episodes
-    retry = runner.cfg
+    retry = runner.settings
 
     async def go():
-        runner.cfg = retry.model_copy(update={"on_failure": "fail"})  # the setting, read at each failure
+        runner.settings = retry.model_copy(update={"on_failure": "fail"})  # the setting, read at each failure
         try:
             ids = await in_flight(rollout)
             await cluster.stop("env")
             trajs = await drain(cluster, lambda ts: ids <= {t.spec.trajectory_id for t in ts})
         finally:
-            runner.cfg = retry
+            runner.settings = retry
             await cluster.start("env")
         return ids, [t for t in trajs if t.spec.trajectory_id in ids]
     ids, failed = loop.run_until_complete(go())

@@ -44,7 +44,8 @@ def groups(moe_dir):
 
 def engine(moe_dir, **kw):
     moe = kw.pop("moe", {})
-    e = TrainEngine(TrainerConfig(model_dir=str(moe_dir), lr=1e-2, mismatch_previous_version=False, moe=moe, **kw),
+    e = TrainEngine(TrainerConfig(model_dir=str(moe_dir), optimizer={"lr": 1e-2},
+                                  logging={"mismatch_previous_version": False}, moe=moe, **kw),
                     0, torch.device("cpu"))
     e.load()
     return e
@@ -91,7 +92,8 @@ def test_moe_aux_loss_follows_router_aux_loss_coef(moe_dir, groups, tmp_path):
 
 def test_routing_replay_packed_and_padded_agree(moe_dir, groups):
     moved = [[t.__class__(**{**t.__dict__, "routing": shift_experts(t.routing)}) for t in g] for g in groups]
-    padded = engine(moe_dir, moe={"routing_replay": True}, packing=False).train(moved, 1)
-    packed = engine(moe_dir, moe={"routing_replay": True}, packing=True).train(moved, 1)
+    padded = engine(moe_dir, moe={"routing_replay": True}, performance={"packing": False}).train(moved, 1)
+    packed = engine(moe_dir, moe={"routing_replay": True}, performance={"packing": True}).train(moved, 1)
     assert packed["mismatch_mean_abs"] == pytest.approx(padded["mismatch_mean_abs"], rel=1e-4)
     assert packed["routing_disagree_token_share"] == pytest.approx(padded["routing_disagree_token_share"])
+
