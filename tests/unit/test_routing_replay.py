@@ -8,7 +8,9 @@
   the replayed experts come from the trainer's softmax);
 - the load-balancing loss follows `router_aux_loss_coef` (the model's by default, 0 = off), and a
   dense policy with routing_replay on is refused naming the setting;
-- packed and padded micro-batches replay the same routing.
+- packed and padded micro-batches replay the same routing;
+- the end-of-run summary of such a run lists every version's reward, staleness, mismatch and
+  routing bytes per trajectory (laminar/summary_moe.py).
 """
 from __future__ import annotations
 
@@ -97,3 +99,31 @@ def test_routing_replay_packed_and_padded_agree(moe_dir, groups):
     assert packed["mismatch_mean_abs"] == pytest.approx(padded["mismatch_mean_abs"], rel=1e-4)
     assert packed["routing_disagree_token_share"] == pytest.approx(padded["routing_disagree_token_share"])
 
+
+def test_routing_replay_run_summary_reports_each_version(moe_dir, groups, tmp_path, capsys):
+    """The end-of-run summary of a run with routing: per version its reward, staleness, mismatch,
+    top-k disagreement and routing bytes per trajectory, as the trainer recorded them."""
+    import time
+
+    from laminar.roles.trainer.metrics import MetricsLog, batch_stats
+
+    from laminar.summary import main as summary_main
+    e, log = engine(moe_dir, moe={"routing_replay": True}), MetricsLog(tmp_path / "run" / "trainer")
+    recorded = []
+    for v in (1, 2):  # version 2 trains samples of version 0: one version stale, no mismatch measured
+        rec = {**batch_stats(groups, v - 1), **e.train(groups, v), "version": float(v), "ts": time.time()}
+        log.append(rec)
+        recorded.append(rec)
+    assert summary_main([str(tmp_path / "run")]) == 0
+    s = __import__("json").loads((tmp_path / "run" / "summary.json").read_text())["moe"]
+    rows = s["per_version"]
+    assert [r["version"] for r in rows] == [1, 2]
+    for row, rec in zip(rows, recorded, strict=True):
+        assert row["reward"] == rec["reward_mean"] and row["staleness_max"] == rec["staleness_max"]
+        assert row["routing_bytes_per_trajectory"] == rec["routing_bytes_per_trajectory"] > 0
+        assert row["mismatch_mean_abs"] == rec.get("mismatch_mean_abs")
+    assert rows[0]["mismatch_mean_abs"] is not None and rows[1]["staleness_max"] == 1
+    assert s["mismatch_versions"] == sum(r["mismatch_mean_abs"] is not None for r in rows)
+    out = capsys.readouterr().out
+    assert "mixture of experts, per version:" in out
+    assert f"{rows[0]['routing_bytes_per_trajectory']:.4g}" in out
