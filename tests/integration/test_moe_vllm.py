@@ -164,7 +164,7 @@ async def moves(cluster):
     await cluster.client("rollout", "2").call(MigrateIn(list(at_kill.values())), timeout=60)
     buf, stored = cluster.client("experience_buffer"), []
     async with asyncio.timeout(240):
-        while {t.spec.trajectory_id for t in stored} < set(ids):
+        while not set(ids) <= {t.spec.trajectory_id for t in stored}:  # (a group may finish with others)
             s = await buf.call(SampleGroups(1, 99))
             stored += [t for g in s.groups for t in g]
             if not s.groups:
