@@ -72,3 +72,28 @@ def test_moe_recipe_expert_parallel_setting_is_checked(tmp_path):
         parse_config(data, "odd.yaml")
     data["roles"]["rollout"]["moe"]["expert_parallel"] = True
     parse_config(data, "odd.yaml")
+
+
+def test_moe_rollout_settings_reach_its_engine_and_only_a_rollout_splits_by_experts(tmp_path):
+    """The rollout's `moe` section through the shared engine settings (build_rollout_engine ->
+    VllmEngine.from_settings): routing asks vLLM for the routed experts with CUDA and turns prefix
+    caching off on the CPU build (a cached prompt is never routed); expert_parallel reaches vLLM.
+    An evaluator, which cannot turn expert parallelism on, is refused a split only it allows."""
+    from laminar.roles.evaluator.role import EvaluatorConfig
+    from laminar.roles.rollout.config import RolloutConfig
+    from laminar.roles.rollout.engine_api import build_rollout_engine
+    from pydantic import ValidationError
+    c = json.loads((ROOT / "configs" / "models" / "Qwen3-30B-A3B" / "config.json").read_text())
+    odd = tmp_path / "Odd-MoE"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({**c, "moe_intermediate_size": 769}))  # whole experts only
+    r = RolloutConfig(model_dir=str(odd), tensor_parallel_size=2, moe={"routing": True, "expert_parallel": True})
+    eng = build_rollout_engine(r, cores=[0, 1])
+    gpu, cpu = eng.engine_args(cpu=False), eng.engine_args(cpu=True)
+    assert gpu["enable_return_routed_experts"] and gpu["enable_expert_parallel"] and gpu["enable_prefix_caching"]
+    assert "enable_return_routed_experts" not in cpu and cpu["enable_prefix_caching"] is False
+    plain = build_rollout_engine(RolloutConfig(model_dir=str(odd), tensor_parallel_size=2,
+                                               moe={"expert_parallel": True}), cores=[0, 1]).engine_args(cpu=False)
+    assert "enable_return_routed_experts" not in plain and plain["enable_prefix_caching"]
+    with pytest.raises(ValidationError, match="expert MLP width 769"):
+        EvaluatorConfig(model_dir=str(odd), tensor_parallel_size=2)
