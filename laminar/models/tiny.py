@@ -27,7 +27,7 @@ VOCAB = 259
 def build_tiny_model(out_dir: str | Path, seed: int = 0, init_std: float = 0.02, hidden: int = 128,
                      layers: int = 2, intermediate: int = 256, heads: int = 4, kv_heads: int = 2,
                      max_positions: int = 2048) -> Path:
-    import transformers
+    import transformers  # late: transformers and torch; configs validate without them
     cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
                                    num_hidden_layers=layers, num_attention_heads=heads,
                                    num_key_value_heads=kv_heads, tie_word_embeddings=True,
@@ -38,7 +38,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, init_std: float = 0.02,
 
 def _save(model_class, cfg, out_dir: str | Path, seed: int) -> Path:
     """A `model_class` of `cfg`, initialized from `seed`, saved in `out_dir`."""
-    import torch
+    import torch  # late: torch; configs validate without it
     torch.manual_seed(seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,7 @@ def build_tiny_moe_model(out_dir: str | Path, seed: int = 0, init_std: float = 0
                          layers: int = 2, experts: int = 8, top_k: int = 2, expert_intermediate: int = 128,
                          heads: int = 2, kv_heads: int = 1, head_dim: int = 64, max_positions: int = 2048) -> Path:
     """The tiny Qwen3-MoE (module docstring) in `out_dir`, random-initialized from `seed`."""
-    import transformers
+    import transformers  # late: transformers and torch; configs validate without them
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=expert_intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,

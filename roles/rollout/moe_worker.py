@@ -79,6 +79,7 @@ class RoutingCapture:
     def install(self) -> dict:
         """Bind to every MoE layer's router and to the runner's input preparation; what the rows
         hold (layers, top_k, experts). ValueError when the model has no router this can bind."""
+        # late: vLLM, loaded only in an engine process
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
         runners = [m for m in self.runner.get_model().modules() if isinstance(m, MoERunner)]
@@ -177,6 +178,7 @@ def repack_cpu_experts(model_runner) -> int:
     if not hasattr(model_runner, "get_model"):
         return 0  # not vLLM's runner (a unit test's stand-in)
     try:
+        # late: vLLM, loaded only in an engine process
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:
         return 0

@@ -70,6 +70,7 @@ class LaminarWorkerExtension:
                                                      "touched": False})
 
     def laminar_rank(self) -> int:
+        # late: vLLM, loaded only in an engine process
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         return int(get_tensor_model_parallel_rank())
 
@@ -134,7 +135,7 @@ class LaminarWorkerExtension:
     # -- mixture of experts (moe_worker.py) ----------------------------------------------------
     def laminar_routing_start(self) -> tuple[bool, dict | str]:
         """Start capturing the routing of every step: (True, {layers, top_k, experts, dtype})."""
-        from laminar.roles.rollout.moe_worker import RoutingCapture
+        from laminar.roles.rollout.moe_worker import RoutingCapture  # late: only for a MoE policy's routing
         try:
             if "_laminar_routing" not in self.__dict__:
                 capture = RoutingCapture(self.model_runner)
@@ -231,7 +232,7 @@ def _fault_lines() -> set[str]:
 
 def _read_file(path: str) -> dict:
     """A state dict saved with torch.save (tests, warm starts)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -242,6 +243,7 @@ def _unwedge(model_runner) -> None:
     old or partly new ones), so the model is whole again and can be reloaded."""
     if not hasattr(model_runner, "get_model"):
         return  # not vLLM's runner (a unit test's stand-in): nothing is held on the meta device
+    # late: vLLM, loaded only in an engine process
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
     finalize_layerwise_reload(model_runner.get_model(), model_runner.vllm_config.model_config)
 
