@@ -29,6 +29,7 @@ from laminar.bus.auth import owned_by_other
 from laminar.bus.rpc import RequestError, current_peer
 from laminar.roles.handout import NOT_HANDED, checked
 from laminar.roles.partial_pool.awaiting import AwaitingBook
+from laminar.roles.partial_pool.columns import all_own, apply_continuing, check_batch, continues, unbatch
 from laminar.roles.partial_pool.config import PartialPoolConfig
 from laminar.roles.partial_pool.scoring import RewardDesk
 from laminar.roles.partial_pool.state import Delta, Outcome, PartialBook
@@ -138,7 +139,7 @@ class PartialPoolRole(PoolRole):
             self.next_chunk = cid + 1
             try:
                 req = unpack(blob)
-                deltas = _unbatch(req)
+                deltas = unbatch(req)
             except Exception as exc:  # a damaged chunk: set aside (its trajectories lose these deltas)
                 self.quarantine("chunks", str(cid), blob, f"{type(exc).__name__}: {exc}",
                                 [("DELETE FROM chunks WHERE id = ?", (cid,))])
@@ -176,8 +177,18 @@ class PartialPoolRole(PoolRole):
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 
     async def on_append_batch(self, req: AppendDeltaBatch) -> DeltaResult:
-        """The columnar AppendDeltas: unpacked into deltas (views into the request's arrays)."""
-        everything = _unbatch(req)
+        """The columnar AppendDeltas: the common flush applied as a whole (columns.py), any other
+        unpacked into deltas (views into the request's arrays) for the rules of state.py."""
+        check_batch(req)
+        peer = current_peer.get()
+        found = continues(self.state, req, peer if checked(peer) else None)
+        if found is not None:
+            cid, self.next_chunk = self.next_chunk, self.next_chunk + 1
+            n = apply_continuing(self.state, found, req, req.rollout_id, cid)
+            await self.durable([("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, req.rollout_id,
+                                                                                            pack(req)))])
+            return DeltaResult(applied=n, duplicates=0, held=0, rejected={})
+        everything = unbatch(req)
         deltas, out = self._own(everything, req.rollout_id, AppendDeltaBatch.kind)
         self.state.apply(req.rollout_id, deltas, out, checked=True)
         whole = len(out.applied) == len(everything) and req.loss_mask is None and all(
@@ -200,6 +211,8 @@ class PartialPoolRole(PoolRole):
         if not checked(peer):
             return deltas, out
         st = self.state
+        if all_own(st.entries, deltas, peer):
+            return deltas, out  # the usual flush: nothing new, nothing of another's (set operations)
         entries, completed, handed = st.entries, st.completed, set()
         for d in deltas:
             tid = d.trajectory_id
@@ -411,9 +424,9 @@ class PartialPoolRole(PoolRole):
         return self.buffer
 
     def counts(self) -> dict:
-        live = self.state.live()
-        return {"in_flight": len(live), "tokens": int(sum(sum(len(t) for t in e.tokens) for e in live.values())),
-                "completed": len(self.state.completed), "chunks": len(self.state.chunk_live),
+        st = self.state  # counted without copying: the heartbeat asks every second
+        return {"in_flight": sum(e.spec is not None for e in st.entries.values()), "tokens": st.tokens,
+                "completed": len(st.completed), "chunks": len(st.chunk_live),
                 **self.awaiting.stats()}
 
 
@@ -435,32 +448,3 @@ def _add_delta_lineage(conn) -> None:
     """v4 -> v5: the lineage epoch a delta names (-1, not named, for what was there)."""
     if "lineage" not in {row[1] for row in conn.execute("PRAGMA table_info(deltas)")}:
         conn.execute("ALTER TABLE deltas ADD COLUMN lineage INTEGER DEFAULT -1")
-
-
-def _unbatch(req: AppendDeltaBatch) -> list[Delta]:
-    n = len(req.trajectory_ids)
-    seqs, versions, off = req.seqs.tolist(), req.versions.tolist(), req.offsets.tolist()
-    epochs = req.epochs.tolist() if req.epochs is not None else [0] * n
-    lineages = req.lineages.tolist() if req.lineages is not None else [-1] * n
-    if not (len(seqs) == len(versions) == len(epochs) == len(lineages) == n and len(off) == n + 1):
-        raise RequestError("bad_request", f"{n} trajectory ids but {len(seqs)} seqs, {len(versions)} versions, "
-                           f"{len(epochs)} epochs, {len(lineages)} lineages and {len(off)} offsets")
-    if req.tokens.ndim != 1 or req.logprobs.ndim != 1 or (req.loss_mask is not None and req.loss_mask.ndim != 1):
-        raise RequestError("bad_request", "tokens, logprobs and loss mask must be 1-D arrays")
-    if off and (off[0] != 0 or off[-1] != len(req.tokens) or len(req.logprobs) != len(req.tokens)
-                or any(b < a for a, b in zip(off, off[1:], strict=False))):
-        raise RequestError("bad_request", "offsets do not cut tokens and logprobs into deltas")
-    if req.loss_mask is not None and len(req.loss_mask) != len(req.tokens):
-        raise RequestError("bad_request", "loss mask and tokens differ in length")
-    if any(s < 0 for s in seqs):
-        raise RequestError("bad_request", "negative seq")
-    if sum(1 for s in seqs if s == 0) != len(req.specs):
-        raise RequestError("bad_request", f"{len(req.specs)} specs for {sum(1 for s in seqs if s == 0)} seq-0 deltas")
-    specs = iter(req.specs)
-    toks, lps = req.tokens.astype(np.int32, copy=False), req.logprobs.astype(np.float32, copy=False)
-    mask = req.loss_mask
-    mask = None if mask is None else mask.astype(np.uint8, copy=False)
-    return [Delta(tid, seq, toks[a:b], lps[a:b], v, next(specs) if seq == 0 else None,
-                  None if mask is None else mask[a:b], None, ep, lin)
-            for tid, seq, v, ep, lin, a, b in zip(req.trajectory_ids, seqs, versions, epochs, lineages, off, off[1:],
-                                                  strict=False)]

@@ -62,6 +62,7 @@ class Entry:
     epoch: int = 0  # ownership epoch: deltas carrying an older one are refused
     chunks: list[int] = field(default_factory=list)  # stored chunks holding some of its deltas
     lineage: int = -1  # lineage epoch of `version`, as its writer named it (-1: not named)
+    ntokens: int = 0   # tokens applied (the sum over `tokens`, kept so counting costs nothing)
 
     def state(self) -> PartialState:
         cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
@@ -134,6 +135,7 @@ class PartialBook:
         self.pins: dict[str, int] = {}              # completed id -> live chunks holding it
         self.dead_chunks: list[int] = []            # chunks whose rows can go, since the role last looked
         self.grants: dict[str, str] = {}            # live trajectory -> the rollout that may claim it (Claims)
+        self.tokens = 0                             # tokens applied to the entries held (their ntokens)
 
     def apply(self, owner: str, deltas: list[TokenDelta], out: Outcome | None = None,
               checked: bool = False) -> Outcome:
@@ -204,6 +206,9 @@ class PartialBook:
             e.masks.append(None if d.loss_mask is None else np.asarray(d.loss_mask, dtype=np.uint8))
         if d.obs_spans is not None and len(d.obs_spans):
             e.spans.append(np.asarray(d.obs_spans, dtype=np.int32).reshape(-1, 2))
+        n = len(e.tokens[-1])
+        e.ntokens += n
+        self.tokens += n
         e.next_seq = d.seq + 1
         out.applied.append((owner, d))
 
@@ -220,6 +225,7 @@ class PartialBook:
         e = self.entries.pop(tid, None)
         if e is not None:
             self.held_bytes -= sum(held_size(d) for d in e.held.values())
+            self.tokens -= e.ntokens
         return e
 
     def grant(self, tids, rollout: str) -> int:
