@@ -54,6 +54,7 @@ _DTYPE_RE = re.compile(r"[<>|=]?[biuf][1-9][0-9]?")
 
 
 _NAMES: dict[type, tuple[str, ...]] = {}  # each event class's field names (dataclasses.fields is slow)
+_NAME_SETS: dict[type, frozenset[str]] = {}  # the same as sets (decoding: a message naming exactly these)
 
 
 def _fields(obj: Any) -> dict[str, Any]:
@@ -139,6 +140,7 @@ def decode(frames: Sequence[bytes], max_body: int = MAX_BODY_BYTES, max_frames: 
         raise MalformedFrame(f"undecodable frames: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
+_KINDS: dict[bytes, tuple[type, str]] = {}  # kind frame -> (class, kind) of the kinds seen
 _ENVELOPE = bytes([0x93, PROTOCOL_VERSION])  # msgpack: an array of 3 whose first item is the version
 
 
@@ -151,6 +153,9 @@ def _frames(frames: Sequence[bytes], max_body: int, max_frames: int) -> tuple[ty
     kind_raw, body = bytes(frames[0]), frames[1]
     if len(body) > max_body:
         raise OversizedFrame(f"body of {len(body)} bytes exceeds the limit of {max_body}")
+    known = _KINDS.get(kind_raw)
+    if known is not None:
+        return known[0], known[1], body, frames[2:]
     try:
         kind = kind_raw.decode("ascii")
     except UnicodeDecodeError:
@@ -158,6 +163,7 @@ def _frames(frames: Sequence[bytes], max_body: int, max_frames: int) -> tuple[ty
     cls = lookup(kind)
     if cls is None:
         raise UnknownKind(f"unknown message kind {kind[:64]!r}")
+    _KINDS[kind_raw] = (cls, kind)  # registered kinds only: a bounded map
     return cls, kind, body, frames[2:]
 
 
@@ -309,6 +315,15 @@ def _build(cls: type | None, kind: Any, fields: Any) -> Any:
     bad = field_errors(cls, fields)
     if bad:
         raise MalformedFrame(f"{kind}: wrong type for field(s) {', '.join(bad)}")
+    names = _NAME_SETS.get(cls)
+    if names is None:
+        names = _NAME_SETS[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    if fields.keys() == names:
+        # every field, and only those (what `encode` writes): set as __init__ would, without its
+        # frozen-dataclass setattr per field (the protocol's classes have no __post_init__)
+        obj = object.__new__(cls)
+        obj.__dict__.update(fields)
+        return obj
     try:
         return cls(**fields)
     except TypeError as exc:
