@@ -61,6 +61,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import chaos_hostile  # noqa: E402
 from _common import exit_on_signals, percentile, print_table, write_json  # noqa: E402
 
 KINDS = ["rollout", "relay", "prompt_pool", "partial_pool", "experience_buffer", "manager", "trainer", "broker",
@@ -98,7 +99,12 @@ def main() -> int:
                     "in incomplete_groups_after_drain")
     ap.add_argument("--reward-weight", type=float, default=0.1, help="weight of the model term (kind `reward`)")
     ap.add_argument("--reward-lease-s", type=float, default=5.0, help="the reward replicas' lease (kind `reward`)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from (default: all)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from (default: all; "
+                    "empty with --hostile: no faults)")
+    ap.add_argument("--hostile", action="store_true", help="the compromised-host scenario (bench/chaos_hostile.py): "
+                    "scoped keys, h3's rollout keys and h2's reward key driven by hostile scripts while the faults "
+                    "go on")
+    ap.add_argument("--hostile-period", type=float, default=3.0, help="seconds between the attackers' rounds")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if unknown := set(a.kinds.split(",")) - set(KINDS) - {""}:
@@ -122,16 +128,23 @@ def main() -> int:
                                                   "speedup": a.migrate_speedup}  # a long tail: batches that drain
     if a.buffer_capacity:
         roles["experience_buffer"] = {"capacity": a.buffer_capacity, "eviction": "reject"}
-    reward_hosts = reward_setup(roles, tmp, a) if "reward" in a.kinds.split(",") else ()
+    reward_hosts = reward_setup(roles, tmp, a) if "reward" in a.kinds.split(",") or a.hostile else ()
+    hostile_args = chaos_hostile.cluster_args(roles) if a.hostile else {}
     deck: list[str] = []
-    with MultiHost(tmp, model, rollout_hosts=3, iterations=100000, roles=roles, reward_hosts=reward_hosts) as mh:
+    kinds = [k for k in a.kinds.split(",") if k]
+    with MultiHost(tmp, model, rollout_hosts=3, iterations=100000, roles=roles, reward_hosts=reward_hosts,
+                   **hostile_args) as mh:
         mh.start_all()
         mh.wait_version(2, 300)
+        hostile = chaos_hostile.start(mh, model, 60 * a.minutes, a.hostile_period) if a.hostile else None
         start_version, t_end = mh.version(), time.monotonic() + 60 * a.minutes
-        print(f"cluster up at version {start_version}; injecting faults for {a.minutes} min", flush=True)
+        print(f"cluster up at version {start_version}; injecting faults for {a.minutes} min"
+              + (" with hostile hosts h3 (rollouts) and h2 (reward)" if hostile else ""), flush=True)
         while time.monotonic() < t_end:
+            if not kinds:  # no faults: only the attackers (--hostile)
+                time.sleep(min(5.0, max(0.0, t_end - time.monotonic())))
+                continue
             if not deck:
-                kinds = [k for k in a.kinds.split(",") if k]
                 deck = rng.sample(kinds, len(kinds))
             kind = deck.pop()
             v0, t0, at = mh.version(), time.monotonic(), time.time()
@@ -152,10 +165,14 @@ def main() -> int:
                   f"in {took:.1f}s", flush=True)
             time.sleep(max(0.0, a.every - took))  # the chaos schedule's period
         end_version = mh.version()
+        if hostile:
+            chaos_hostile.stop_attackers(hostile)
         drain_from = time.time()
         print(f"[{time.strftime('%H:%M:%S')}] faults over: draining for {a.drain_s:.0f}s", flush=True)
         time.sleep(a.drain_s)  # the drain: the cluster runs on without faults
         mh.close()
+        if hostile:
+            chaos_hostile.stop_monitor(hostile)
         ledger = mh.ledger()
         extra = mh.checks()
         incomplete = mh.incomplete_groups(drain_from)
@@ -197,6 +214,9 @@ def main() -> int:
                   incomplete["incomplete_groups_after_drain"]]])
     for v in extra["lineage_violation_examples"]:
         print("lineage violation: " + json.dumps(v))
+    hostile_keys = chaos_hostile.report(mh, hostile) if hostile else {}
+    if hostile:
+        chaos_hostile.print_report(hostile_keys)
     write_json(a.out, {
         "bench": "chaos", "minutes": a.minutes, "faults": faults,
         "faults_injected": len(faults), "faults_recovered": sum(f["recovered"] for f in faults),
@@ -221,7 +241,7 @@ def main() -> int:
         "stall_faults": len(stalls), "stall_faults_raised": sum(bool(f.get("stall_raised")) for f in stalls),
         "stall_faults_cleared": sum(bool(f.get("stall_cleared")) for f in stalls), "drain_s": a.drain_s,
         "checkpoint_every": a.checkpoint_every, "buffer_capacity": a.buffer_capacity or None,
-        "runs": str(tmp)})
+        **hostile_keys, "runs": str(tmp)})
     return 0
 
 
@@ -236,6 +256,8 @@ def reward_setup(roles: dict, tmp: Path, a) -> tuple[int, ...]:
     rm = build_tiny_classifier(tmp / "rm")
     roles["reward"] = {"scorer": "rm", "backend": "classifier", "batch_size": 16, "lease_s": a.reward_lease_s,
                        "classifier": {"model_dir": str(rm), "sigmoid": True, "threads": 1, "max_batch_tokens": 4096}}
+    # a lease no replica scores is shared after twice the replicas' own lease (a killed replica's, a sitter's)
+    roles.setdefault("partial_pool", {})["lease_shared_after_s"] = 2 * a.reward_lease_s
     roles.setdefault("rollout", {})["rewards"] = [
         {"fn": "laminar.tasks.rewards:upper_fraction", "weight": 1 - a.reward_weight},
         {"role": "rm", "weight": a.reward_weight}]
@@ -343,7 +365,8 @@ def inject(mh, kind: str, rng: random.Random, a) -> tuple[str, callable]:
         mh.kill_host(h)
         time.sleep(a.host_down_s)  # the host's down time (part of the fault)
         mh.start_host(h)
-        return f"host h{h} down {a.host_down_s:.0f}s", lambda: all(mh.role_pid("rollout", r) for r in mh.rollout_ids(h))
+        return f"host h{h} down {a.host_down_s:.0f}s", lambda: all(mh.role_pid("rollout", r)
+                                                                   for r in mh.live_rollout_ids(h))
     if kind == "link":
         h = rng.randrange(1, mh.initial)
         mh.net.set_link(h, False)
@@ -351,7 +374,7 @@ def inject(mh, kind: str, rng: random.Random, a) -> tuple[str, callable]:
         mh.net.set_link(h, True)
         return f"link h{h} cut {a.link_down_s:.0f}s", lambda: True
     if kind == "rollout":
-        rid = rng.choice([r for h in range(1, mh.initial) for r in mh.rollout_ids(h)])
+        rid = rng.choice([r for h in range(1, mh.initial) for r in mh.live_rollout_ids(h)])
     elif kind == "relay":
         rid = f"r{rng.randrange(1, mh.initial)}"
     elif kind == "reward":

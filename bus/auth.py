@@ -314,7 +314,8 @@ def topic_refusal(identity: str | None, topic: bytes) -> str:
     """Why the broker drops a message published on `topic` by `identity` ("" = forwarded).
     Control commands (`ctrl.*`: Shutdown) come from the operator only; a heartbeat (`hb.ROLE.ID`),
     metrics (`metrics.ROLE`) and rollout statistics (`rollout.stats.ID`) only from the scope of
-    that role (and from the key named ID when the key has a name); the chain, version
+    that role (and from the key named ID when the key has a name, except a reward key, named after
+    its scorer: any reward replica's); the chain, version
     announcements and relay progress (TOPIC_SCOPES) only from the scopes that produce them, a version
     announcement (`weights.version.ID`) from a key named ID only its own."""
     if _everything(identity):
@@ -334,7 +335,9 @@ def topic_refusal(identity: str | None, topic: bytes) -> str:
         else:
             parts = text.split(".", 2)
             role, rid = (parts + ["", ""])[1:3]
-        if ROLE_SCOPE.get(role, role) != scope or (name and rid and rid != name):
+        # a reward key is named after its scorer, which its replicas share, not after a replica id
+        by_name = name and rid and scope != "reward"
+        if ROLE_SCOPE.get(role, role) != scope or (by_name and rid != name):
             return f"a {identity} key may not publish {text[:60]} (another role's)"
     return ""
 

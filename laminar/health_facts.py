@@ -27,6 +27,7 @@ HB_FACTS = {
     "partial_pool": {"in_flight": "in_flight", "tokens": "in_flight_tokens", "awaiting_reward": "awaiting",
                      "awaiting_oldest_s": "awaiting_oldest_s",
                      "reward_parse_failed": "parse_failed", "reward_lease_expired": "lease_expired",
+                     "reward_lease_shared": "lease_shared",
                      "reward_late_scores": "late_scores", "reward_gave_up": "gave_up",
                      "reward_gave_up_age_s": "gave_up_age_s", "reward_unserved": "unserved",
                      "reward_parked": "parked", **_REFUSED},
@@ -119,6 +120,9 @@ FAMILIES = [
      "fallback (unparseable answer)", ("partial_pool",), "parse_failed"),
     ("laminar_partial_pool_reward_lease_expired_total", "counter", "reward leases that expired (a replica died, "
      "hung or failed): the work handed out again", ("partial_pool",), "lease_expired"),
+    ("laminar_partial_pool_reward_lease_shared_total", "counter", "leases of items already leased "
+     "lease_shared_after_s without a score (a slow or sitting replica): the first score wins", ("partial_pool",),
+     "lease_shared"),
     ("laminar_partial_pool_reward_late_scores_total", "counter", "scores refused as already applied",
      ("partial_pool",), "late_scores"),
     ("laminar_partial_pool_reward_gave_up_total", "counter", "trajectories given up on by their scorer and "

@@ -15,7 +15,7 @@ from typing import Any
 
 def print_table(title: str, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     rows = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]  # no rows: the header
     print(f"\n{title}")
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)))
     print("  ".join("-" * w for w in widths))

@@ -26,6 +26,11 @@ Expiry counts and ages are in memory: a restart starts them again.
 Who may score what: a score is applied only against the submitting replica's own lease of that
 item for that scorer (live, or expired and not handed to another replica since: a slow replica's
 work is not thrown away while nobody else has it); a score for work it never leased is refused.
+A lease is exclusive for `share_after_s` from the item's first lease: after that, any other
+replica that asks is leased the item too (`shareable`), and whichever holder scores first wins.
+Without that, a key leasing everything over and over under fresh replica ids held every item
+for the longest lease, then again once it expired (it asks first), and no honest replica of the
+scorer ever got work: training stopped (found by the hostile chaos run).
 The role binds the scorer to the key (a `reward.<scorer>` key scores only that scorer) and bounds
 each lease: at most `max_items` items and `max_bytes` of their arrays (at least one item), for a
 lease time the role caps.
@@ -54,7 +59,8 @@ class Awaiting:
     pending: dict[str, float]                       # scorer -> weight, not scored yet
     scores: dict[str, float] = field(default_factory=dict)  # scorer -> raw score applied
     weights: dict[str, float] = field(default_factory=dict)  # scorer -> weight, of the applied ones
-    leases: dict[str, tuple[str, float]] = field(default_factory=dict)  # scorer -> (replica, deadline)
+    leases: dict[str, dict[str, float]] = field(default_factory=dict)  # scorer -> {replica: deadline}
+    first_leased: dict[str, float] = field(default_factory=dict)      # scorer -> when it was first leased
     since: float = field(default_factory=time.monotonic)
     expired: Counter = field(default_factory=Counter)  # scorer -> leases of it that expired
     gave_up: set[str] = field(default_factory=set)      # scorers whose score is the give-up fallback
@@ -72,8 +78,9 @@ class AwaitingBook:
 
     def __init__(self, remember_done: int = 200_000, give_up_expired: int | None = None,
                  give_up_s: float | None = None, never_leased_s: float | None = None,
-                 max_items: int = 1 << 62, max_bytes: int = 1 << 62):
+                 max_items: int = 1 << 62, max_bytes: int = 1 << 62, share_after_s: float | None = None):
         self.give_up_expired, self.give_up_s, self.never_leased_s = give_up_expired, give_up_s, never_leased_s
+        self.share_after_s = share_after_s  # leased this long without a score: leased to others as well
         self.max_items, self.max_bytes = max_items, max_bytes
         self.last_gave_up: float | None = None  # monotonic time of the newest give-up
         self.items: dict[str, Awaiting] = {}
@@ -116,7 +123,7 @@ class AwaitingBook:
     def lease(self, replica: str, scorer: str, n: int, lease_s: float, now: float | None = None,
               max_bytes: int = 1 << 62) -> list[Trajectory]:
         """Up to `n` trajectories (and `max_bytes` of arrays, at least one) awaiting `scorer` whose
-        lease is free or expired, oldest first."""
+        lease is free or expired, or that `replica` may share (`shareable`), oldest first."""
         now = time.monotonic() if now is None else now
         out, size = [], 0
         for a in self.items.values():
@@ -124,20 +131,33 @@ class AwaitingBook:
                 break
             if scorer not in a.pending:
                 continue
-            held = a.leases.get(scorer)
-            if held is not None and held[1] > now:
-                continue
-            if held is not None and held[0]:
+            held = a.leases.get(scorer, {})
+            live = [r for r, deadline in held.items() if deadline > now]
+            if live:
+                if replica in live or not self.shareable(a, scorer, now):
+                    continue
+                self.counts["lease_shared"] += 1
+            elif held:                             # every lease of it expired: counted once, leased afresh
                 self.counts["lease_expired"] += 1
                 a.expired[scorer] += 1
-                a.leases[scorer] = ("", held[1])  # counted once; an item given up on stays here
+                held = a.leases[scorer] = {}       # an item given up on stays here, not counted again
             if self.give_up_expired is not None and a.expired[scorer] >= self.give_up_expired:
                 continue                           # failed too often: give_up() scores it by the fallback
-            a.leases[scorer] = (replica, now + lease_s)
+            held[replica] = now + lease_s
+            a.leases[scorer] = held
+            a.first_leased.setdefault(scorer, now)
             out.append(a.traj)
             size += a.nbytes
         self.counts["leased"] += len(out)
         return out
+
+    def shareable(self, a: Awaiting, scorer: str, now: float) -> bool:
+        """Whether a leased item may be leased to another replica as well: it has awaited `scorer`
+        under leases for `share_after_s` since its first one (new leases, and leases that expired
+        in between, do not restart that clock). Then a replica sitting on its leases, a hung one or
+        a key that leases everything over and over, holds it back that long at most: the first
+        score applied wins, and each holder may submit."""
+        return self.share_after_s is not None and now - a.first_leased.get(scorer, now) >= self.share_after_s
 
     def give_up(self, fallback: float, now: float | None = None) -> list[tuple[str, str, str]]:
         """Apply `fallback` for each (item, scorer) that failed `give_up_expired` leases or awaited
@@ -168,7 +188,7 @@ class AwaitingBook:
         """Items awaiting `scorer` that no live lease holds."""
         now = time.monotonic() if now is None else now
         return sum(1 for a in self.items.values()
-                   if scorer in a.pending and (scorer not in a.leases or a.leases[scorer][1] <= now))
+                   if scorer in a.pending and not any(d > now for d in a.leases.get(scorer, {}).values()))
 
     def submit(self, scorer: str, tids: list[str], scores: list[float], parse_failed=(),
                replica: str | None = None) -> tuple[list[str], dict]:
@@ -184,10 +204,10 @@ class AwaitingBook:
                 refused[tid] = why
                 self.counts["late_scores"] += 1
                 continue
-            holder = a.leases.get(scorer, ("", 0.0))[0]
-            if replica is not None and holder != replica:
-                refused[tid] = (f"not leased to replica {replica}: " +
-                                (f"replica {holder} holds its lease" if holder else "nobody holds its lease"))
+            holders = a.leases.get(scorer, {})
+            if replica is not None and replica not in holders:
+                who = f"replica {', '.join(sorted(holders)[:4])} holds its lease" if holders else "nobody holds it"
+                refused[tid] = f"not leased to replica {replica}: {who}"
                 self.counts["unleased_scores"] += 1
                 continue
             if score != score or score in (float("inf"), float("-inf")):
@@ -235,8 +255,8 @@ class AwaitingBook:
     def stats(self, now: float | None = None) -> dict:
         now = time.monotonic() if now is None else now
         oldest = max((now - a.since for a in self.items.values()), default=0.0)
-        counts = {k: 0 for k in ("scored", "parse_failed", "lease_expired", "late_scores", "gave_up", "unserved",
-                                 "unleased_scores")}
+        counts = {k: 0 for k in ("scored", "parse_failed", "lease_expired", "lease_shared", "late_scores", "gave_up",
+                                 "unserved", "unleased_scores")}
         counts |= dict(self.counts)
         age = -1.0 if self.last_gave_up is None else round(now - self.last_gave_up, 3)  # -1: none yet
         return {"awaiting_reward": len(self.items), "awaiting_oldest_s": round(oldest, 3), "awaiting_bytes": self.bytes,

@@ -42,6 +42,12 @@ class PartialPoolConfig(BaseModel):
                                  "whatever it asks (a trajectory is up to five arrays, one bus frame each)")
     lease_max_s: float = Field(600.0, gt=0, description="longest lease handed out: a longer lease_s asked for is cut "
                                "to it (RewardWork.lease_s says what was granted), so no replica holds work for ever")
+    lease_shared_after_s: float | None = Field(60.0, gt=0, description="an item leased this long (from its first "
+                                               "lease) without a score is leased to any other replica of its scorer "
+                                               "that asks as well, and the first score applied wins: a replica "
+                                               "sitting on its leases (hung, or a key leasing everything over and "
+                                               "over) holds an item back this long, not lease_max_s; keep it above "
+                                               "the replicas' own lease_s. null: a lease is exclusive until it ends")
     max_awaiting: int = Field(200_000, ge=1, description="trajectories awaiting their scores held at once; beyond it "
                               "AwaitReward is answered busy (the rollout retries)")
     max_awaiting_bytes: int = Field(4 << 30, ge=1 << 20, description="bytes of those trajectories' arrays held at "

@@ -120,7 +120,7 @@ class PartialPoolRole(PoolRole):
     def _recover_awaiting(self) -> AwaitingBook:
         c = self.settings
         book = AwaitingBook(c.remember_completed, c.reward_give_up_expired, c.reward_give_up_s, c.reward_never_leased_s,
-                            c.max_awaiting, c.max_awaiting_bytes)
+                            c.max_awaiting, c.max_awaiting_bytes, c.lease_shared_after_s)
         for tid, blob, pending, scores in self.store.read("SELECT tid, blob, pending, scores FROM awaiting "
                                                           "ORDER BY rowid"):
             try:

@@ -335,6 +335,12 @@ class PromptPoolRole(PoolRole):
             self.open[e] = self.open.get(e, 0) + 1
         self.epoch, self.pos, self.handed = epoch, pos, self.handed + fresh
         self.requeued = self.requeued[len(took_requeued):]
+        # the audit trail of hand-outs (who was given which trajectory ids: what a compromised
+        # rollout may write, docs/faults.md), logged before the commit so that no committed hand-out
+        # goes unlogged (one that never commits is handed out again, and logged again); a retry
+        # hands out the same ids and is not logged again
+        self.log.info("handed_out", rollout=req.rollout_id, pid=req.pid, batch_seq=req.batch_seq,
+                      trajectories=[s.trajectory_id for s in out])
         await self.durable(stmts)
         return self._batch(req, out)
 

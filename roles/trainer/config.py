@@ -153,6 +153,10 @@ class TrainerConfig(BaseModel):
                                    "trained batch (prompt, response, reward, version, staleness) to "
                                    "<workdir>/samples.jsonl (laminar/samples.py); 0: never")
     log_samples: int = Field(4, ge=1, description="rows a version writes when it logs samples")
+    record_members: bool = Field(False, description="write every trained sample's trajectory id, rollout and run "
+                                 "into its version's metrics.jsonl record (`members`), for audits that check who "
+                                 "wrote what was trained (the hostile chaos run); off by default: one entry per "
+                                 "sample, 8,192 a version at a batch of 512 prompts x 16")
     tensorboard: bool = Field(True, description="also write TensorBoard curves when tensorboardX is installed")
     world_size: int = Field(1, ge=1, description="ranks of this trainer (FSDP2); each rank is its own trainer role")
     rank: int | None = Field(None, ge=0, description="this process's rank (default: the role id, which must then be "

@@ -48,6 +48,12 @@ def trained_weights(groups) -> dict[str, int]:
     return dict(sorted(n.items()))
 
 
+def trained_members(groups) -> list[list[str]]:
+    """[trajectory id, rollout id, run id] of every sample of the batch (`record_members`): who
+    wrote what was trained, as the trainer received it."""
+    return [[t.spec.trajectory_id, t.rollout_id, getattr(t, "run_id", "")] for g in groups for t in g]
+
+
 class MetricsLog:
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)

@@ -32,7 +32,7 @@ from laminar.roles.base import Role
 from laminar.roles.trainer import checkpoint, dist
 from laminar.roles.trainer.best import BestCheckpoint
 from laminar.roles.trainer.config import TrainerConfig
-from laminar.roles.trainer.metrics import MetricsLog, batch_stats, trained_weights
+from laminar.roles.trainer.metrics import MetricsLog, batch_stats, trained_members, trained_weights
 from laminar.roles.trainer.publishing import PublishLink
 
 from laminar.protocol import BufferStatsRequest, Metrics, SampleGroups, Samples
@@ -305,8 +305,11 @@ class TrainerRole(Role):
                   "groups_kept": float(len(groups) - train.get("groups_uniform", 0.0)),
                   "train_s": train_s, "tokens_per_s": train["tokens"] / max(train_s, 1e-9),
                   "publish_stall_s": stall, "version": float(self.version), "cursor": float(self.cursor)}
-        self.metrics.append({**values, "ts": time.time(), "group_ids": [g[0].spec.group_id for g in groups],
-                             "weights": trained_weights(groups)})
+        record = {**values, "ts": time.time(), "group_ids": [g[0].spec.group_id for g in groups],
+                  "weights": trained_weights(groups)}
+        if self.settings.record_members:
+            record["members"] = trained_members(groups)
+        self.metrics.append(record)
         self.pub.publish("metrics.trainer", Metrics(role="trainer", id=self.ctx.id, ts=time.time(), values=values))
         every = self.cfg.log_samples_every
         if every and self.version % every == 0 and self.cfg.engine != "sim":

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.bench_proc import run_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(420),  # ~150 s on 2 cores
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")]
@@ -28,19 +28,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 
 def test_one_minute_of_chaos(tmp_path):
     out = tmp_path / "chaos.json"
-    p = subprocess.Popen([sys.executable, str(BENCH), "--minutes", "1", "--every", "6", "--seed", "7", "--drain-s",
-                          "20", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = p.communicate(timeout=360)
-    except subprocess.TimeoutExpired:  # SIGTERM first: the bench stops its cluster; SIGKILL if it overstays
-        p.terminate()
-        try:
-            stdout, stderr = p.communicate(timeout=45)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            stdout, stderr = p.communicate()
+    rc, stdout, stderr = run_bench(BENCH, ["--minutes", "1", "--every", "6", "--seed", "7", "--drain-s", "20",
+                                           "--out", str(out)], timeout=360)
     print(stdout[-6000:])
-    assert p.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    assert rc == 0, stdout[-4000:] + stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["faults_injected"] >= 4
     assert r["faults_recovered"] == r["faults_injected"], r["faults"]

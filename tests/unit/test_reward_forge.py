@@ -182,3 +182,52 @@ def test_reward_forge_an_item_the_buffer_never_takes_is_parked_not_wedging_the_r
         return bad, status
     bad, status = asyncio.run(go())
     assert status["reward_parked"] >= 1 and status["awaiting_reward"] == len(bad)
+
+
+def hostile_items(n: int):
+    from laminar.roles.partial_pool.awaiting import AwaitingBook
+    book = AwaitingBook(give_up_expired=5)
+    book.share_after_s = 10.0  # the partial pool's lease_shared_after_s
+    for i in range(n):
+        spec = hostile.forged_spec(i, 0, 1)
+        book.add(hostile.trajectory(spec, "r0", 0.5), {"rm": 1.0})
+    return book
+
+
+def test_reward_forge_a_hostile_key_leasing_in_a_loop_holds_no_item_past_the_share_window():
+    """A `reward.rm` key that asks for everything, for as long as the pool allows, over and over
+    under fresh replica ids (the hostile chaos run's reward host): before, each item stayed leased
+    to it for lease_max_s (600 s) and, once expired, went back to whoever asked first (the loop),
+    so no honest replica of the scorer got work and training stopped. Now an item leased for
+    lease_shared_after_s without a score is leased to any other replica that asks as well: the
+    first score applied wins, the sitter's lease gains it nothing."""
+    book = hostile_items(6)
+    assert len(book.lease("evil0", "rm", 10**6, 600.0, now=0.0)) == 6
+    for k, t in enumerate((1.0, 5.0, 9.5)):
+        assert book.lease(f"evil{k + 1}", "rm", 10**6, 600.0, now=t) == []
+    assert book.lease("rm1", "rm", 16, 5.0, now=9.5) == []            # still its lease alone
+    shared = book.lease("rm1", "rm", 16, 5.0, now=10.5)                # held past the window: shared
+    ids = [t.spec.trajectory_id for t in shared]
+    assert len(ids) == 6
+    assert book.lease("rm1", "rm", 16, 5.0, now=10.7) == []           # it holds them already
+    assert len(book.lease("evil9", "rm", 10**6, 600.0, now=10.8)) == 6  # another sitter shares too: no gain
+    applied, refused = book.submit("rm", ids, [0.25] * 6, replica="rm1")
+    assert applied == ids and not refused
+    late, why = book.submit("rm", ids, [9.0] * 6, replica="evil0")
+    assert late == [] and all(w.startswith("already scored") for w in why.values())
+
+
+def test_reward_forge_a_shared_item_is_scored_by_any_holder_and_expires_as_one():
+    book = hostile_items(1)
+    (item,) = book.lease("evil", "rm", 1, 600.0, now=0.0)
+    tid = item.spec.trajectory_id
+    assert book.lease("rm1", "rm", 1, 5.0, now=11.0) == [item]
+    assert book.submit("rm", [tid], [0.5], replica="rm2")[0] == []      # rm2 never leased it
+    assert book.submit("rm", [tid], [0.5], replica="evil")[0] == [tid]  # the sitter's own lease still counts
+    book = hostile_items(1)
+    book.lease("a", "rm", 1, 12.0, now=0.0)
+    book.lease("b", "rm", 1, 5.0, now=11.0)                             # shared: a's lease is 11 s old
+    assert book.waiting("rm", now=13.0) == 0                            # a's lease ended, b's is live
+    assert [t.spec.trajectory_id for t in book.lease("c", "rm", 1, 5.0, now=17.0)] == [tid]
+    assert book.counts["lease_expired"] == 1                            # both ended: one expiry
+    assert book.submit("rm", [tid], [0.5], replica="a")[0] == []        # c holds it now, alone

@@ -25,7 +25,7 @@ class LeaseWatcher:
 
     def leased_ahead(self) -> set:
         return {tid for tid, a in self.pool.awaiting.items.items()
-                if tid not in self.seen and "rm" in a.pending and a.leases.get("rm", ("", 0))[0] == self.replica}
+                if tid not in self.seen and "rm" in a.pending and self.replica in a.leases.get("rm", {})}
 
     async def score(self, trajs):
         ids = {t.spec.trajectory_id for t in trajs}

@@ -239,3 +239,14 @@ def test_health_shows_a_role_stopped_by_the_operator_as_such_not_as_unhealthy():
     s = parse(c.exposition())
     assert get(s, "laminar_role_state", role="rollout", id="0", state="stopped_by_operator") == 1
     assert "rollout.0" not in c.unhealthy()                # told to stop: not a failure to page on
+
+
+def test_a_reward_key_named_after_its_scorer_publishes_its_replicas_heartbeats():
+    """A reward replica's key is named after its scorer (`reward.rm`), not after the replica (rm1):
+    its heartbeat on hb.reward.rm1 must pass the broker (before, every one was refused as
+    another role's: with scoped keys no reward replica was ever seen up). Other roles' topics stay
+    closed to it."""
+    assert auth.topic_refusal("reward.rm", b"hb.reward.rm1") == ""
+    assert auth.topic_refusal("reward.rm", b"metrics.reward") == ""
+    for topic in (b"hb.rollout.r0", b"hb.relay.r1", b"rollout.stats.r0", b"ctrl.reward.rm1", b"weights.version"):
+        assert auth.topic_refusal("reward.rm", topic), topic
