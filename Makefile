@@ -9,8 +9,9 @@ STAMP_CPU := $(VENV)/.stamp-cpu
 PYTEST_ARGS ?=
 SFT_STEPS ?= 1000
 SFT_STOP_EARLY ?= 0.6
+AGENT_SFT_STEPS ?= 600
 
-.PHONY: demo demo-ci demo-upper smollm2 test test-all install install-test install-cpu bench-quick clean
+.PHONY: demo demo-ci demo-upper demo-agent smollm2 test test-all install install-test install-cpu bench-quick clean
 
 $(BIN)/python:
 	@echo "==> making the virtual environment $(VENV)"
@@ -146,6 +147,24 @@ demo-upper: $(STAMP_CPU) models/tiny/config.json runs/smoke-upper/data/prompts.j
 	rm -rf runs/smoke-upper/pools runs/smoke-upper/trainer runs/smoke-upper/logs runs/smoke-upper/manager \
 	  runs/smoke-upper/summary.*
 	$(BIN)/laminar-node up configs/smoke-upper.yaml
+
+# The agent smoke run (configs/agent-smoke.yaml): the calculator agent, sandboxed, on the word
+# problems through the gateway, and its policy: the tiny model warm-started on the agent's
+# conversations (the problem's arithmetic as a tool call, the result, the boxed answer).
+AW := runs/agent-smoke/data/word-problems
+$(AW)/prompts.jsonl: laminar/tasks/word_problems.py | $(STAMP_BASE)
+	$(BIN)/python -m laminar.tasks.word_problems $(AW)
+
+models/tiny-agent/config.json: $(AW)/prompts.jsonl laminar/tasks/agent_warmstart.py | $(STAMP_CPU)
+	$(BIN)/python -m laminar.models.tiny models/tiny-agent.tmp --hidden 256
+	$(BIN)/python -m laminar.tasks.agent_warmstart models/tiny-agent.tmp --data $(AW)/sft.jsonl \
+	  --steps $(AGENT_SFT_STEPS)
+	rm -rf models/tiny-agent && mv models/tiny-agent.tmp models/tiny-agent
+
+demo-agent: $(STAMP_CPU) models/tiny-agent/config.json $(AW)/prompts.jsonl
+	rm -rf runs/agent-smoke/pools runs/agent-smoke/trainer runs/agent-smoke/logs runs/agent-smoke/manager \
+	  runs/agent-smoke/summary.*
+	$(BIN)/laminar-node up configs/agent-smoke.yaml
 
 # Lint first (rules and line length in pyproject.toml [tool.ruff]), then the tests; the 25 slowest
 # are listed at the end, so a CI log says where the time went. test-all adds the `slow` ones.

@@ -119,7 +119,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="laminar-chaos-"))
     model = build_tiny_model(tmp / "tiny")
     faults = []
-    roles = {"trainer": {"checkpoint_every": a.checkpoint_every},
+    roles = {"trainer": {"checkpoint": {"every": a.checkpoint_every}},
              "manager": {"stall_lag_versions": a.stall_lag, "stall_after_s": a.stall_after_s}}
     if "migrate_window" in a.kinds.split(","):
         if a.migrate_batch_bound:

@@ -42,7 +42,7 @@ class Hostile:
 
 def cluster_args(roles: dict) -> dict:
     """MultiHost's arguments for the scenario (and the trainer's record of who wrote each sample)."""
-    roles.setdefault("trainer", {})["record_members"] = True
+    roles.setdefault("trainer", {}).setdefault("logging", {})["record_members"] = True
     return {"scoped": True, "idle_rollouts": HOSTILE_ROLLOUTS, "metrics_port": METRICS_PORT}
 
 

@@ -79,9 +79,10 @@ def run_variant(a) -> dict:
     from laminar.models.loading import pick_device
     from laminar.testing.trainer_task import random_groups
     dev = pick_device(a.device)
-    cfg = TrainerConfig(**{"model_dir": a.model_dir, "lr": 1e-6, "groups_per_batch": a.groups, "device": a.device,
-                           "publish": False, "micro_batch_size": a.micro,
-                           "dtype": "bfloat16" if dev.type == "cuda" else "float32", **settings(a.variant)})
+    perf = {"micro_batch_size": a.micro, "dtype": "bfloat16" if dev.type == "cuda" else "float32",
+            **settings(a.variant)}  # every variant flag is a performance setting
+    cfg = TrainerConfig(model_dir=a.model_dir, optimizer={"lr": 1e-6}, groups_per_batch=a.groups, device=a.device,
+                        publishing={"enabled": False}, performance=perf)
     torch.manual_seed(0)
     eng = TrainEngine(cfg, 0, dev)
     eng.load()

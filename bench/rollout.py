@@ -73,7 +73,7 @@ def cluster_cfg(tmp: Path, model_dir: str, n: int, max_tokens: int, shm: Path):
                     "max_concurrency": n,
                     "max_model_len": max_tokens + 64,
                     "seed": SEED,
-                    "weights_dir": str(shm),
+                    "shm_dir": str(shm),
                     "stop_when_exhausted": False,
                     "reward": "laminar.tasks.rewards:zero",
                 },

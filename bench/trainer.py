@@ -46,9 +46,10 @@ def make_engine(model_dir: Path, device: str, groups: int, packing: bool):
     from laminar.roles.trainer.engine import TrainEngine
 
     from laminar.models.loading import pick_device
-    cfg = TrainerConfig(model_dir=str(model_dir), lr=1e-5, groups_per_batch=groups, device=device, publish=False,
-                        micro_batch_size=16, dtype="bfloat16" if pick_device(device).type == "cuda" else "float32",
-                        packing=packing)
+    dtype = "bfloat16" if pick_device(device).type == "cuda" else "float32"
+    cfg = TrainerConfig(model_dir=str(model_dir), optimizer={"lr": 1e-5}, groups_per_batch=groups, device=device,
+                        publishing={"enabled": False},
+                        performance={"micro_batch_size": 16, "dtype": dtype, "packing": packing})
     torch.manual_seed(0)
     eng = TrainEngine(cfg, 0, pick_device(device))
     eng.load()
@@ -111,8 +112,9 @@ def bench_model(name: str, tmp: Path, device: str, groups: int, gsize: int, prom
     params = eng.params
     sd = eng.full_state()["model"]
     pubs = publish_stalls(sd, PUBLISHES_QUICK if iters <= 1 else PUBLISHES)
-    return {"model": name, "params": params, "device": str(eng.device), "dtype": eng.cfg.dtype,
-            "tokens_per_iteration": tokens, "padding": padding_fraction(batch, eng.cfg.micro_batch_size),
+    return {"model": name, "params": params, "device": str(eng.device), "dtype": eng.settings.performance.dtype,
+            "tokens_per_iteration": tokens,
+            "padding": padding_fraction(batch, eng.settings.performance.micro_batch_size),
             "train_tokens_per_s_padded": padded, "train_tokens_per_s_packed": packed,
             "packing_speedup": packed / padded, "train_tokens_per_s": packed if eng.device.type == "cuda" else padded,
             **pubs}

@@ -47,10 +47,10 @@ WEIGHTS_KEY = "weights"  # weights.key / weights.key_secret: the trainer's Ed255
 CLIENTS = "clients"
 # who may do what: see docs/security.md (the table there is this code in words)
 SCOPES = ("operator", "node", "trainer", "manager", "relay", "rollout", "env", "pool", "broker", "evaluator",
-          "reward")
+          "reward", "gateway", "agent")
 ROLE_SCOPE = {"trainer": "trainer", "manager": "manager", "relay": "relay", "rollout": "rollout", "env": "env",
               "prompt_pool": "pool", "partial_pool": "pool", "experience_buffer": "pool", "broker": "broker",
-              "evaluator": "evaluator", "reward": "reward"}
+              "evaluator": "evaluator", "reward": "reward", "gateway": "gateway", "agent": "agent"}
 ALL = "cluster"  # the identity of the single cluster key (one-key mode): may do everything
 
 
@@ -411,6 +411,10 @@ REQUESTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "reward.await": (("partial_pool",), frozenset({"rollout"})),       # named key: its own trajectories
     "reward.lease": (("partial_pool",), frozenset({"reward"})),    # named key: its own scorer's work only
     "reward.submit": (("partial_pool",), frozenset({"reward"})),   # named key: its scorer, its own leases
+    # agent episodes (docs/architecture.md §14): rollouts announce theirs, the gateway routes calls
+    "agent.announce": (("gateway",), frozenset({"rollout"})),         # named key: as itself
+    "agent.call": (("rollout",), frozenset({"gateway"})),
+    "agent.end": (("rollout",), frozenset({"gateway"})),
 }
 REQUEST_SCOPES = {kind: scopes for kind, (_, scopes) in REQUESTS.items()}
 

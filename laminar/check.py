@@ -58,7 +58,7 @@ WILDCARDS = ("0.0.0.0", "::", "*", "")
 @dataclass
 class CheckContext:
     """What every check looks at: the validated config and where the checks run."""
-    cfg: LaminarConfig
+    cluster: LaminarConfig
     host: str | None                      # the host these checks are for (ports, binds); None: none named
     systemd: bool = False                 # also check what the systemd units need
     gpu_memory_gib: float | None = None   # also check the GPU memory plan against this much per GPU
@@ -70,7 +70,7 @@ class CheckContext:
         """(role kind, id, validated settings) of every role placed on this host (every role when
         checks are for the whole cluster) whose settings are valid."""
         out = []
-        for hid, spec in self.cfg.placements():
+        for hid, spec in self.cluster.placements():
             if self.host is not None and hid != self.host:
                 continue  # its files are paths on its own host
             if (s := self._lenient(spec.role, spec.id)) is not None:
@@ -82,7 +82,7 @@ class CheckContext:
         (their problem is reported already), so its other fields are still checked. None: still not."""
         try:
             model = role_config_class(role)
-            raw = self.cfg.role_settings(role, id)
+            raw = self.cluster.role_settings(role, id)
         except (KeyError, ConfigError):
             return None
         for _ in range(2):
@@ -95,9 +95,9 @@ class CheckContext:
 
     def where(self, role: str, id: str, name: str) -> str:
         """`file: roles.<kind>.<field>`, naming the instance when its options override the field."""
-        _, spec = self.cfg.spec(role, id)
+        _, spec = self.cluster.spec(role, id)
         inst = f" (options of {spec.key})" if name.split(".")[0] in spec.options else ""
-        return f"{self.cfg.source}: roles.{role}.{name}{inst}"
+        return f"{self.cluster.source}: roles.{role}.{name}{inst}"
 
 
 Check = Callable[[CheckContext], Iterable[str]]
@@ -162,14 +162,14 @@ def address_problem(value: str) -> str | None:
 
 @check("addresses")
 def check_addresses(ctx: CheckContext) -> Iterable[str]:
-    for hid, h in ctx.cfg.cluster.hosts.items():
+    for hid, h in ctx.cluster.cluster.hosts.items():
         for name in ("address", "bind", "metrics_bind"):
             value = getattr(h, name)
             if value is None or (name != "address" and value in WILDCARDS):
                 continue
             if (why := address_problem(value)) is not None:
                 ctx.reported_binds.add(value)
-                yield f"{ctx.cfg.source}: cluster.hosts.{hid}.{name}: {value!r} is {why}"
+                yield f"{ctx.cluster.source}: cluster.hosts.{hid}.{name}: {value!r} is {why}"
 
 
 def _resolve(value: str) -> str | None:
@@ -181,7 +181,7 @@ def _resolve(value: str) -> str | None:
 
 @check("bind addresses are local", when=lambda ctx: ctx.host is not None)
 def check_binds(ctx: CheckContext) -> Iterable[str]:
-    h = ctx.cfg.cluster.hosts[ctx.host]
+    h = ctx.cluster.cluster.hosts[ctx.host]
     for name in ("bind", "metrics_bind"):
         value = getattr(h, name)
         if value is None or value in WILDCARDS or address_problem(value):
@@ -189,7 +189,7 @@ def check_binds(ctx: CheckContext) -> Iterable[str]:
         ip = _resolve(value)
         if ip is None:
             ctx.reported_binds.add(value)
-            yield f"{ctx.cfg.source}: cluster.hosts.{ctx.host}.{name}: {value!r} does not resolve on this machine"
+            yield f"{ctx.cluster.source}: cluster.hosts.{ctx.host}.{name}: {value!r} does not resolve on this machine"
             continue
         try:
             with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -197,7 +197,7 @@ def check_binds(ctx: CheckContext) -> Iterable[str]:
         except OSError as exc:
             if exc.errno == errno.EADDRNOTAVAIL:
                 ctx.reported_binds.add(value)
-                yield (f"{ctx.cfg.source}: cluster.hosts.{ctx.host}.{name}: {value!r} is not an address of this "
+                yield (f"{ctx.cluster.source}: cluster.hosts.{ctx.host}.{name}: {value!r} is not an address of this "
                        f"machine (is this host {ctx.host}? use --host, or bind 0.0.0.0)")
 
 
@@ -219,9 +219,12 @@ def listen_ports(cfg: LaminarConfig, host: str) -> list[tuple[str, int]]:
             continue
         if spec.role == "relay" and getattr(s, "data_port", 0):
             out.append((f"roles.relay.data_port ({spec.key})", s.data_port))
-        if (spec.role == "trainer" and getattr(s, "world_size", 1) > 1 and not s.dist_address
-                and (s.rank if s.rank is not None else int(spec.id) if spec.id.isdigit() else -1) == 0):
-            out.append((f"roles.trainer.dist_port ({spec.key})", s.dist_port))
+        if spec.role == "gateway" and getattr(s, "http_port", 0):
+            out.append((f"roles.gateway.http_port ({spec.key})", s.http_port))
+        d = getattr(s, "distributed", None) if spec.role == "trainer" else None
+        if (d is not None and d.world_size > 1 and not d.address
+                and (d.rank if d.rank is not None else int(spec.id) if spec.id.isdigit() else -1) == 0):
+            out.append((f"roles.trainer.distributed.port ({spec.key})", d.port))
     return out
 
 
@@ -241,8 +244,8 @@ def port_taken(bind: str, port: int) -> str | None:
 
 @check("ports are free", when=lambda ctx: ctx.host is not None)
 def check_ports(ctx: CheckContext) -> Iterable[str]:
-    h = ctx.cfg.cluster.hosts[ctx.host]
-    for where, port in listen_ports(ctx.cfg, ctx.host):
+    h = ctx.cluster.cluster.hosts[ctx.host]
+    for where, port in listen_ports(ctx.cluster, ctx.host):
         bind = h.bind
         if where.endswith("metrics_port"):
             from laminar.health import metrics_bind  # late: health imports the protocol, which check needn't
@@ -250,7 +253,8 @@ def check_ports(ctx: CheckContext) -> Iterable[str]:
         if bind in ctx.reported_binds:
             continue   # its address is reported already: every port on it would fail the same way
         if (why := port_taken(bind, port)) is not None:
-            yield f"{ctx.cfg.source}: {where}: port {port} on {bind or '*'}: {why} (is another run up on this host?)"
+            yield (f"{ctx.cluster.source}: {where}: port {port} on {bind or '*'}: {why} "
+                   "(is another run up on this host?)")
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -341,6 +345,8 @@ def _callables(settings: BaseModel, prefix: str = "") -> Iterable[tuple[str, str
             yield f"{prefix}{name}", value, "reward"
         elif isinstance(value, str) and name == "environment":
             yield f"{prefix}{name}", value, "environment"
+        elif isinstance(value, str) and name == "script":
+            yield f"{prefix}{name}", value, "script"
 
 
 @check("reward functions and environments", when=on_a_host)
@@ -354,6 +360,11 @@ def check_callables(ctx: CheckContext) -> Iterable[str]:
         for name, path, kind in _callables(s):
             if path not in seen:
                 try:
+                    if kind == "script":  # an agent program: its source is read, never imported
+                        from laminar.roles.agent.role import script_source
+                        script_source(path)
+                        seen[path] = None
+                        continue
                     fn = load_environment(path) if kind == "environment" else load_callable(path)
                     seen[path] = None if kind == "environment" or callable(fn) else f"{path!r} is not callable"
                 except Exception as exc:  # whatever importing user code raises is the problem to report
@@ -367,7 +378,7 @@ def check_scorers(ctx: CheckContext) -> Iterable[str]:
     """Every scorer a rollout's reward waits for (`rewards: [{role: NAME}]`) is served by a placed
     reward role (`roles.reward.scorer`): else its trajectories wait for a score that never comes
     (until the partial pool gives up on them). The whole cluster, whatever `--host`."""
-    placed = [(s.role, s.id) for _, s in ctx.cfg.placements()]
+    placed = [(s.role, s.id) for _, s in ctx.cluster.placements()]
     served = {getattr(s, "scorer", None) for r, i in placed if r == "reward" and (s := ctx._lenient(r, i)) is not None}
     for role, id in placed:
         s = ctx._lenient(role, id) if role == "rollout" else None
@@ -379,47 +390,48 @@ def check_scorers(ctx: CheckContext) -> Iterable[str]:
 
 @check("optional extras", when=on_a_host)
 def check_extras(ctx: CheckContext) -> Iterable[str]:
-    yield from missing_extras(ctx.cfg)
+    yield from missing_extras(ctx.cluster)
 
 
 @check("cluster key", when=on_a_host)
 def check_keys(ctx: CheckContext) -> Iterable[str]:
-    d = ctx.cfg.cluster.keys_dir
+    d = ctx.cluster.cluster.keys_dir
     if not d:
         return
     from laminar.bus.auth import KeyFileError, check_private  # late: zmq, for this check only
     if not (Path(d) / "cluster.key_secret").exists():
-        if len(ctx.cfg.cluster.hosts) > 1:
-            yield (f"{ctx.cfg.source}: cluster.keys_dir: no cluster key in {d}: run `laminar-node keygen {d}` "
+        if len(ctx.cluster.cluster.hosts) > 1:
+            yield (f"{ctx.cluster.source}: cluster.keys_dir: no cluster key in {d}: run `laminar-node keygen {d}` "
                    "once and copy that folder to every host")
         return
     try:
         check_private(d)
     except (KeyFileError, OSError, ValueError) as exc:
-        yield f"{ctx.cfg.source}: cluster.keys_dir: {exc}"
+        yield f"{ctx.cluster.source}: cluster.keys_dir: {exc}"
     pools = {"prompt_pool", "partial_pool", "experience_buffer"}
-    if (Path(d) / "clients").is_dir() and any(s.role in pools for h, s in ctx.cfg.placements() if h == ctx.host):
+    if (Path(d) / "clients").is_dir() and any(s.role in pools for h, s in ctx.cluster.placements() if h == ctx.host):
         from laminar.roles.handout import handout_key  # the pools sign hand-outs with the pool key
         try:
-            handout_key(ctx.cfg)
+            handout_key(ctx.cluster)
         except (KeyFileError, OSError, ValueError) as exc:
-            yield f"{ctx.cfg.source}: cluster.keys_dir: {exc}"
+            yield f"{ctx.cluster.source}: cluster.keys_dir: {exc}"
 
 
 @check("workdir")
 def check_workdir(ctx: CheckContext) -> Iterable[str]:
-    p = ctx.cfg.workdir().resolve()
+    p = ctx.cluster.workdir().resolve()
     while not p.exists():
         p = p.parent
     if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
-        yield f"{ctx.cfg.source}: run.workdir: {ctx.cfg.run.workdir}: cannot create or write it ({p} is not writable)"
+        yield (f"{ctx.cluster.source}: run.workdir: {ctx.cluster.run.workdir}: cannot create or write it "
+               f"({p} is not writable)")
 
 
 # -- systemd units ------------------------------------------------------------------------------
 def unit_path_problems(ctx: CheckContext, host: str) -> Iterable[str]:
     """Paths the units of `host` would use that their sandbox hides: PrivateTmp=yes gives each
     unit its own empty /tmp; /root is private to root, whom the units do not run as."""
-    cfg, sd = ctx.cfg, ctx.cfg.cluster.systemd
+    cfg, sd = ctx.cluster, ctx.cluster.cluster.systemd
     paths = [("the Python interpreter", ctx.python), ("the working directory", ctx.cwd),
              ("the config file", cfg.source), ("run.workdir", cfg.run.workdir)]
     if cfg.cluster.keys_dir:
@@ -447,7 +459,7 @@ def unit_path_problems(ctx: CheckContext, host: str) -> Iterable[str]:
 
 @check("systemd units would start", when=lambda ctx: ctx.systemd)
 def check_systemd(ctx: CheckContext) -> Iterable[str]:
-    for host in ([ctx.host] if ctx.host else list(ctx.cfg.cluster.hosts)):
+    for host in ([ctx.host] if ctx.host else list(ctx.cluster.cluster.hosts)):
         yield from unit_path_problems(ctx, host)
 
 
@@ -459,5 +471,5 @@ def check_gpu_memory(ctx: CheckContext) -> Iterable[str]:
     except ImportError:
         yield "--gpu-memory-gib: this build has no GPU memory plan (laminar/memory_plan.py)"
         return
-    for line in memory_plan.check_memory(ctx.cfg, ctx.gpu_memory_gib):
-        yield line if line.startswith(ctx.cfg.source) else f"{ctx.cfg.source}: {line}"
+    for line in memory_plan.check_memory(ctx.cluster, ctx.gpu_memory_gib):
+        yield line if line.startswith(ctx.cluster.source) else f"{ctx.cluster.source}: {line}"

@@ -129,8 +129,8 @@ def _common(s: argparse.ArgumentParser, config: bool = True, sets: bool = True) 
         s.add_argument("config", help="run config YAML (see configs/)")
     if sets:
         s.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
-                       help="change one value of the config, e.g. --set roles.trainer.lr=0.0001 (repeatable; the "
-                            "value is YAML; validated like the file; list items by index: "
+                       help="change one value of the config, e.g. --set roles.trainer.optimizer.lr=0.0001 "
+                            "(repeatable; the value is YAML; validated like the file; list items by index: "
                             "cluster.hosts.h0.roles.6.gpus=[0])")
     s.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
                    help="log level of every process started (also before the command)")

@@ -114,9 +114,9 @@ class SystemdSettings(Strict):
     """What `laminar-node systemd` writes into every unit (see laminar/systemd.py)."""
     user: str = Field("laminar", description="user every unit runs as: a dedicated system user (`useradd "
                       "--system laminar`) that owns the key folder and the run's workdir; root only if set here")
-    role_users: dict[str, str] = Field(default_factory=lambda: {"env": "root"}, description="user per role kind, "
-                                       "overriding `user` (the env role's sandbox makes namespaces and mounts, "
-                                       "which needs root)")
+    role_users: dict[str, str] = Field(default_factory=lambda: {"env": "root", "agent": "root"},
+                                       description="user per role kind, overriding `user` (the env and agent "
+                                       "roles' sandbox makes namespaces and mounts, which needs root)")
     limit_nofile: int = Field(65536, ge=1024, description="LimitNOFILE of every unit")
     restart_steps: int = Field(8, ge=1, description="RestartSteps: restarts over which the delay grows from "
                                "RestartSec to restart_max_delay_s (systemd >= 254)")
@@ -338,7 +338,8 @@ def role_settings_problems(cfg: LaminarConfig) -> list[str]:
         try:
             settings = model.model_validate(cfg.role_settings(spec.role, spec.id))
         except ValidationError as exc:
-            out += [p for p in problem_lines(exc, model, f"{cfg.source}: {where}.") if p not in out]
+            out += [p for p in problem_lines(exc, model, f"{cfg.source}: {where}.", f"roles.{spec.role}")
+                    if p not in out]
             continue
         check = getattr(settings, "check_placement", None)  # settings that depend on the placement (gpus, cores)
         if check is not None:
@@ -359,7 +360,7 @@ def apply_overrides(data: Any, overrides: list[str] | tuple[str, ...] = ()) -> A
         path, eq, text = item.partition("=")
         parts = path.strip().split(".")
         if not eq or not all(parts):
-            raise ConfigError(f"--set {item}: expected key.path=value, e.g. roles.trainer.lr=0.0001")
+            raise ConfigError(f"--set {item}: expected key.path=value, e.g. roles.trainer.optimizer.lr=0.0001")
         try:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError as exc:

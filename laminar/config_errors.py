@@ -1,6 +1,7 @@
 """From pydantic's validation errors to the config's problem lines: one line per error, `field:
-what`, an unknown key with the nearest known one ("did you mean"); and a config's raw data less the
-values the validation refused (what `check` validates again to look at the other layers).
+what`, an unknown key with the nearest known one ("did you mean"), a key of a settings model's
+older layout with its new path (the model's MOVED); and a config's raw data less the values the
+validation refused (what `check` validates again to look at the other layers).
 """
 from __future__ import annotations
 
@@ -56,12 +57,24 @@ def suggest(word: str, known) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def problem_lines(exc: ValidationError, model: type[BaseModel], prefix: str) -> list[str]:
-    """One line per error of a validation, an unknown key with the nearest known one."""
+def moved_to(model: type[BaseModel], loc: tuple) -> str | None:
+    """Where a key of a settings model's older flat layout lives now (its dotted path within the
+    model, from the model's MOVED: {old key: new path}); None when `loc` is not such a key."""
+    moved = getattr(model, "MOVED", None) or {}
+    return moved.get(str(loc[0])) if len(loc) == 1 else None
+
+
+def problem_lines(exc: ValidationError, model: type[BaseModel], prefix: str, path: str = "") -> list[str]:
+    """One line per error of a validation, an unknown key with the nearest known one, a moved key
+    with its new path (`path`: where the model sits in the file, e.g. "roles.trainer")."""
     out = []
     for e in exc.errors():
         hint = ""
         if e["type"] == "extra_forbidden" and e["loc"]:
+            new = moved_to(model, tuple(e["loc"]))
+            if new is not None:
+                out.append(f"{prefix}{_loc(e['loc'])}: moved to {path + '.' if path else ''}{new}")
+                continue
             hint = suggest(e["loc"][-1], _known_keys(model, tuple(e["loc"][:-1])))
         out.append(f"{prefix}{_loc(e['loc'])}: {e['msg']}{hint}")
     return out

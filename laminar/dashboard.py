@@ -9,7 +9,8 @@ config for the config's hosts.
 
 Panels: trainer and rollout throughput, reward, held-out evaluation, staleness, train-inference
 mismatch, KV-cache usage, relay progress, weight versions, relay lag, the pools, alarms and roles
-down, the reward role's queue and latency, the publish stall. Every query names only series the
+down, the reward role's queue and latency, the publish stall, agent episodes and the latency of
+their calls (the gateway). Every query names only series the
 exporter writes (`metric_names()`) and every panel has a unit; the variables `run` and `host`
 (from `laminar_node_info`) filter every query. Hosts without a `metrics_port` serve no metrics: they
 are left out of the scrape config and named on stderr.
@@ -74,6 +75,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         (m("laminar_reward_latency_p50_seconds"), "p50 {{id}}"),
         (m("laminar_reward_latency_max_seconds"), "max {{id}}")]),
     ("Publish stall of the trainer", "s", [(m("laminar_trainer_publish_stall_seconds"), "trainer {{id}}")]),
+    ("Agent episodes (gateway)", "short", [
+        (m("laminar_gateway_episodes_active"), "claimed {{id}}"),
+        (m("laminar_gateway_episodes_open"), "open {{id}}"),
+        (f"rate({m('laminar_gateway_episodes_finished_total')}[1m]) * 60", "finished a minute {{id}}"),
+        (f"rate({m('laminar_gateway_episodes_failed_total')}[1m]) * 60", "failed a minute {{id}}"),
+        (f"rate({m('laminar_gateway_history_rewrites_total')}[1m]) * 60", "history rewrites a minute {{id}}")]),
+    ("Agent calls: latency (gateway)", "s", [
+        (m("laminar_gateway_latency_p50_seconds"), "p50 {{id}}"),
+        (m("laminar_gateway_latency_p99_seconds"), "p99 {{id}}")]),
 ]
 
 _METRIC = re.compile(r"\blaminar_[a-z0-9_]+")

@@ -92,7 +92,9 @@ def _asks(role: str, settings) -> list[tuple[str, str, str]]:
         out.append(("lora", "peft", "LoRA training"))   # rollouts serve adapters with vLLM's own LoRA
     if role == "reward" and getattr(settings, "backend", None) == "http":
         out.append(("backend", "httpx", "the HTTP reward backend"))
-    for field in ("transport", "publish_transport"):
-        if getattr(settings, field, None) == "ucx":
+    publishing = getattr(settings, "publishing", None) if role == "trainer" else None
+    for field, value in (("transport", getattr(settings, "transport", None)),
+                         ("publishing.transport", getattr(publishing, "transport", None))):
+        if value == "ucx":
             out.append((field, "ucxx", "the UCX weight transport"))
     return out

@@ -39,6 +39,11 @@ HB_FACTS = {
                 "failed_moves": "failed_moves", "replaced": "replaced", "orphans": "orphans", "repairs": "repairs",
                 "last_repair_s": "last_repair_s", "epoch": "epoch", "weights_stalled": "weights_stalled",
                 "weights_lag": "weights_lag", "weights_stalled_total": "weights_stalled_total"},
+    "gateway": {"episodes_open": "episodes_open", "episodes_active": "episodes_active",
+                "episodes_finished": "episodes_finished", "episodes_failed": "episodes_failed", "calls": "agent_calls",
+                "calls_per_episode": "calls_per_episode", "tokens_per_call": "tokens_per_call",
+                "latency_p50_s": "gateway_p50", "latency_p99_s": "gateway_p99",
+                "history_rewrites": "history_rewrites"},
 }
 TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s",
                   "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3", "groups_generated", "groups_kept",
@@ -174,6 +179,24 @@ FAMILIES = [
      "in_flight"),
     ("laminar_partial_pool_in_flight_tokens", "gauge", "generated tokens of those trajectories", ("partial_pool",),
      "in_flight_tokens"),
+    ("laminar_gateway_episodes_open", "gauge", "agent episodes the rollouts hold open (claimed or waiting for an "
+     "agent)", ("gateway",), "episodes_open"),
+    ("laminar_gateway_episodes_active", "gauge", "open agent episodes an agent has claimed", ("gateway",),
+     "episodes_active"),
+    ("laminar_gateway_episodes_finished_total", "counter", "agent episodes stored", ("gateway",), "episodes_finished"),
+    ("laminar_gateway_episodes_failed_total", "counter", "agent episodes that failed (stored untrained, or lost)",
+     ("gateway",), "episodes_failed"),
+    ("laminar_gateway_calls_total", "counter", "API calls of agent episodes served", ("gateway",), "agent_calls"),
+    ("laminar_gateway_calls_per_episode", "gauge", "calls per episode that had any", ("gateway",),
+     "calls_per_episode"),
+    ("laminar_gateway_tokens_per_call", "gauge", "completion tokens per call (newest 4,096 calls)", ("gateway",),
+     "tokens_per_call"),
+    ("laminar_gateway_latency_p50_seconds", "gauge", "median seconds of an API call, generation included (newest "
+     "4,096)", ("gateway",), "gateway_p50"),
+    ("laminar_gateway_latency_p99_seconds", "gauge", "99th percentile seconds of an API call (newest 4,096)",
+     ("gateway",), "gateway_p99"),
+    ("laminar_gateway_history_rewrites_total", "counter", "calls whose context rewrote their episode's recorded "
+     "history", ("gateway",), "history_rewrites"),
 ]
 
 # written for every role (or the node itself) by HealthCollector.exposition

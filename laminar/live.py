@@ -139,6 +139,12 @@ class LiveView:
             return f"eval {v['eval_accuracy']:.3f} (v{int(v.get('eval_version', 0))}) {r.state}".strip()
         if r.role == "manager":
             return f"repacks {int(v.get('repacks', 0))} dead {int(v.get('dead_rollouts', 0))}"
+        if r.role == "gateway":
+            n = {k: int(v.get(k, 0)) for k in ("episodes_active", "episodes_open", "episodes_finished",
+                                               "episodes_failed", "agent_calls", "history_rewrites")}
+            return (f"episodes {n['episodes_active']}/{n['episodes_open']} done {n['episodes_finished']} failed "
+                    f"{n['episodes_failed']} calls {n['agent_calls']} p50 {v.get('gateway_p50', 0):.2f}s "
+                    f"p99 {v.get('gateway_p99', 0):.2f}s rewrites {n['history_rewrites']}")
         return f"{ver}{r.state}".strip()
 
     def _row(self, key: str, c, width: int) -> str:

@@ -11,19 +11,19 @@ weights are not. Every placement with `gpus:` gets a plan; the numbers are bytes
 Trainer rank (FSDP2 over `world_size` ranks, full sharding; parameters, gradients and Adam's two
 states in float32 whatever the compute dtype):
 - parameters, gradients, Adam m and v: 4 + 4 + 8 bytes per parameter, ÷ world_size;
-- frozen copies (fp32 shards): the reference model when kl_coef > 0, the previous version when
-  mismatch_previous_version, the critic (with its gradients and Adam states) for PPO;
+- frozen copies (fp32 shards): the reference model when loss.kl_coef > 0, the previous version when
+  logging.mismatch_previous_version, the critic (with its gradients and Adam states) for PPO;
 - gathered units: two decoder layers in the compute dtype (the one computing, the one prefetched)
   plus one layer's unsharded gradients (compute dtype + the float32 reduce), and the root unit
   (embeddings, final norm, head: FSDP2 keeps the root gathered from forward through backward)
   with its gradients;
-- activations of one micro-batch of T tokens (T = micro_batch_size x max_model_len, or the
-  trainer's max_tokens_per_micro_batch, at least max_model_len): with activation checkpointing,
+- activations of one micro-batch of T tokens (T = performance.micro_batch_size x max_model_len, or
+  performance.max_tokens_per_micro_batch, at least max_model_len): with activation checkpointing,
   every layer's input (T x hidden) plus one layer recomputed; without, every layer's working set,
   taken as (4 hidden + 3 q + 3 kv + 4 intermediate) values per token per layer (attention by
   flash/flex kernels: nothing quadratic in T is stored);
 - logits: C x vocabulary x (the compute dtype + three float32 copies: logits, log-softmax,
-  gradient), C = the trainer's logprob_chunk_tokens, or T when it computes the full logits;
+  gradient), C = the trainer's performance.logprob_chunk_tokens, or T when it computes the full logits;
 - a reserve of RESERVE_GIB for the CUDA context, NCCL buffers and the allocator's slack.
 
 Rollout (vLLM, tensor_parallel_size ranks, one GPU each; vLLM takes gpu_memory_utilization of
@@ -84,29 +84,28 @@ def per_token_layer_values(s: ModelShape, tp: int = 1) -> int:
 
 def trainer_plan(s: ModelShape, t: Any, max_model_len: int) -> dict[str, float]:
     """Bytes on one trainer rank's GPU (module docstring), from its settings `t` (TrainerConfig)."""
-    w = t.world_size
+    w, perf = t.distributed.world_size, t.performance
     p = s.params
-    cb = DTYPE_BYTES[t.dtype]            # compute dtype (autocast / FSDP2 mixed precision)
+    cb = DTYPE_BYTES[perf.dtype]         # compute dtype (autocast / FSDP2 mixed precision)
     ab = cb if w > 1 else 4              # one rank: autocast keeps the residual stream in float32
     items = {"parameters (fp32 shard)": 4 * p / w, "gradients (fp32 shard)": 4 * p / w,
              "Adam m, v (fp32 shards)": 8 * p / w}
-    if t.kl_coef > 0:
+    if t.loss.kl_coef > 0:
         items["reference model (fp32 shard)"] = 4 * p / w
-    if t.mismatch_previous_version:
+    if t.logging.mismatch_previous_version:
         items["previous version (fp32 shard)"] = 4 * p / w
     if t.algorithm == "ppo":
         items["critic + gradients + Adam (fp32 shards)"] = 16 * p / w
     if w > 1:
         items["gathered layers (2) + one layer's gradients"] = s.layer_params * (2 * cb + cb + 4)
         items["gathered root (embeddings, head) + gradients"] = s.embed_params * 2 * cb
-    budget_tokens = getattr(t, "max_tokens_per_micro_batch", None)
-    tokens = max(budget_tokens or t.micro_batch_size * max_model_len, max_model_len)
+    tokens = max(perf.max_tokens_per_micro_batch or perf.micro_batch_size * max_model_len, max_model_len)
     layer = tokens * per_token_layer_values(s) * ab
-    if t.activation_checkpointing:
+    if perf.activation_checkpointing:
         items[f"activations ({tokens} tokens, checkpointed)"] = s.layers * tokens * s.hidden * ab + layer
     else:
         items[f"activations ({tokens} tokens)"] = s.layers * layer
-    chunk = getattr(t, "logprob_chunk_tokens", 0) or tokens
+    chunk = perf.logprob_chunk_tokens or tokens
     items[f"logits ({min(chunk, tokens)} tokens x {s.vocab})"] = min(chunk, tokens) * s.vocab * (ab + 12)
     items["reserve (CUDA context, NCCL, allocator)"] = RESERVE_GIB * GiB
     return items
@@ -166,7 +165,8 @@ def _plan_trainer(cfg, host, spec, t, gpu: float) -> Plan:
     if plan.need > gpu:
         top = sorted(plan.items.items(), key=lambda kv: -kv[1])[:3]
         plan.problem = (f"{plan.key} on {host} (GPU {spec.gpus[0]}): needs {_gib(plan.need)} GiB of the GPU's "
-                        f"{_gib(gpu)} GiB ({', '.join(f'{k} {_gib(v)}' for k, v in top)}; {t.world_size} ranks "
+                        f"{_gib(gpu)} GiB ({', '.join(f'{k} {_gib(v)}' for k, v in top)}; "
+                        f"{t.distributed.world_size} ranks "
                         f"share the model's {s.params / 1e9:.1f}B parameters)")
     return plan
 

@@ -241,7 +241,7 @@ def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
             pipe.failed(one_line(exc))
             raise
         ctx = RoleContext(role=name, id=str(id), host=host or placed_host or socket.gethostname(),
-                          transport=transport, settings=cfg.role_settings(name, id), config=cfg)
+                          transport=transport, settings=cfg.role_settings(name, id), cluster=cfg)
         ctx.publisher = transport.publisher()
         mirror.publisher = ctx.publisher
         role = cls(ctx)

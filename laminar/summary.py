@@ -41,7 +41,8 @@ difference (from `<workdir>/evaluator/scores.jsonl`, each problem's scores per e
 pass rate; `<workdir>/prompt_pool/curriculum-<id>.json`, docs/learning.md), {} when it was off.
 `reward` is what the model scorers did (replicas' latency and queue depth, parse failures, time
 awaiting a score, each model's agreement with the rule functions): laminar/summary_rewards.py,
-docs/rewards.md; None for a run without them.
+docs/rewards.md; None for a run without them. `agents` is what the agent roles ran (episodes, how
+they ended, episodes per second): laminar/summary_agents.py; None without an agent role.
 `sandbox_alarms` lists what an env role's code sandbox ran without ({env, event, warning}: no
 per-run cgroup, `sandbox_no_cgroup`; no system-call filter, `sandbox_degraded`), from
 `<workdir>/logs/env.*.log`; [] when every sandbox had all its layers (or the run had no env role).
@@ -56,6 +57,7 @@ from pathlib import Path
 
 from laminar.logs import read_rotated_jsonl
 from laminar.report import read_jsonl
+from laminar.summary_agents import agent_section
 from laminar.summary_rewards import reward_section
 
 
@@ -71,6 +73,7 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     out["eval"] = eval_sets(evals)
     out["eval_change"] = eval_change(run)
     out["reward"] = reward_section(run)  # model scorers (summary_rewards.py); None without any
+    out["agents"] = agent_section(run)   # agent programs run (summary_agents.py); None without an agent role
     try:
         out["eval_best"] = json.loads((run / "evaluator" / "best.json").read_text())
     except (OSError, ValueError):
@@ -284,6 +287,10 @@ def table(s: dict) -> str:
             sig = "" if c["lo"] <= 0 <= c["hi"] else " (significant)"
             rows.append(f"  {'change[' + name + '/' + m + ']':<{width}}  v{c['from']} -> v{c['to']}: "
                         f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]{sig}")
+    if s.get("agents"):
+        a = s["agents"]
+        rows.append(f"  {'agent episodes':<{width}}  {a['episodes']} ({a['exit_ok']} exit 0, {a['killed']} killed), "
+                    f"{f(a['episodes_per_s'])} episodes/s")
     for a in s.get("sandbox_alarms") or []:
         rows.append(f"  {'sandbox[' + a['env'] + ']':<{width}}  {a['event']}: {a['warning']}")
     for name, sc in ((s.get("reward") or {}).get("scorers") or {}).items():

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import structlog
 
+from laminar.bus.retry import Backoff
 from laminar.logs import RotatingSink
 from laminar.shell import EXIT_STOPPED_BY_OPERATOR
 from laminar.shm import ShmLedger, group_members, groups_members
@@ -244,7 +245,7 @@ class Supervisor:
             os.close(fd)
 
     async def _watch(self, c: Child) -> None:
-        backoff = BACKOFF_START_S
+        wait = Backoff(BACKOFF_START_S, BACKOFF_MAX_S)
         while not self.stopping.is_set():
             not_ready = await self._spawn(c)
             if not_ready is not None and c.proc.returncode is None:
@@ -272,15 +273,15 @@ class Supervisor:
                 self._set(c, "failed")
                 return
             if time.monotonic() - c.started_at > HEALTHY_RESET_S:
-                backoff = BACKOFF_START_S
+                wait.reset()
             c.restarts += 1
-            log.warning("child_exited", child=c.key, code=code, error=why, restart_in_s=backoff, restarts=c.restarts)
+            log.warning("child_exited", child=c.key, code=code, error=why, restart_in_s=wait.delay,
+                        restarts=c.restarts)
             self._set(c, "backoff")
             try:
-                await asyncio.wait_for(self.stopping.wait(), backoff)
+                await asyncio.wait_for(self.stopping.wait(), wait.next())
             except TimeoutError:
                 pass
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _end_failed_start(self, c: Child, why: str) -> None:
         """A child that never became ready: one that said why (or closed the pipe) is on its way

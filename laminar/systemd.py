@@ -40,6 +40,9 @@ RESTART_STEPS_SINCE = 254  # systemd version that knows RestartSteps / RestartMa
 # exactly these): unshare/mount/pivot_root, setuid/setgid/setgroups to the sandbox uid, chown of the
 # scratch files, writing them into the scratch owned by that uid, signalling a run's processes
 ENV_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_KILL")
+# the agent role's sandbox also brings up the loopback of its run's own network namespace (the
+# door to the gateway): CAP_NET_ADMIN, used only inside that new namespace
+SANDBOX_CAPABILITIES = {"env": ENV_CAPABILITIES, "agent": (*ENV_CAPABILITIES, "CAP_NET_ADMIN")}
 
 
 def local_systemd_version() -> int | None:
@@ -88,13 +91,13 @@ def _confinement(cfg, role: str, workdir: str, systemd_version: int | None) -> s
     else:
         lines.append(f"# RestartSteps/RestartMaxDelaySec need systemd >= {RESTART_STEPS_SINCE} (this host has "
                      f"{systemd_version}): restarts wait RestartSec each")
-    if role == "env":
+    if role in SANDBOX_CAPABILITIES:
         # Delegate: the unit's cgroup is the role's to write, so its sandbox can make a cgroup per run
         # (cgroup v2: it moves itself into a leaf and enables memory, pids and cpu for children,
         # laminar/envs/cgroups.py). The bounding set: root, but only what the sandbox needs
         # (namespaces and mounts, switching to the sandbox uid, owning the scratch files, killing
         # a run): no raw I/O, modules, ptrace, network administration, ... for whoever escapes it.
-        lines += ["Delegate=yes", f"CapabilityBoundingSet={' '.join(ENV_CAPABILITIES)}"]
+        lines += ["Delegate=yes", f"CapabilityBoundingSet={' '.join(SANDBOX_CAPABILITIES[role])}"]
     else:  # its sandbox mounts and unshares; everything else needs none of this
         lines += ["ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
                   "ProtectControlGroups=yes", "ProtectClock=yes", "ProtectHostname=yes", "RestrictSUIDSGID=yes",

@@ -34,7 +34,7 @@ class RoleContext:
     host: str
     transport: Transport
     settings: dict[str, Any] = field(default_factory=dict)
-    config: Any = None  # the LaminarConfig, when run from a cluster file
+    cluster: Any = None  # the LaminarConfig (the cluster config), when run from a cluster file
     publisher: Publisher | None = None
 
 
@@ -71,19 +71,10 @@ class Role:
 
     # -- helpers ------------------------------------------------------------------------
     @property
-    def cfg(self) -> Any:
-        """The older name of self.settings (some roles and tests still use it): the same object."""
-        return self.settings
-
-    @cfg.setter
-    def cfg(self, value: Any) -> None:
-        self.settings = value
-
-    @property
     def cluster(self) -> Any:
         """The cluster config (LaminarConfig) this role was started from; None when started alone.
         Facts about other roles (global batch, group size, rollout concurrency) are read from it."""
-        return self.ctx.config
+        return self.ctx.cluster
 
     @property
     def pub(self) -> Publisher:

@@ -7,8 +7,10 @@ rollout key squat, replace or wedge another rollout's groups. Instead:
 
 - the prompt pool signs every spec it hands out for the rollout that takes it: `spec.handout` is
   a MAC over the spec's fields (ids, sample index, group size, budget, answer, prompt tokens) and
-  that rollout's id, under a key the three pools share and no rollout host holds (`handout_key`);
-  the attempt is in the trajectory id, so each attempt has its own hand-out;
+  that rollout's id (an agent episode replaces its prompt with its first call's rendering and keeps
+  the handed-out one in `handed_prompt`, which the MAC then covers), under a key the three pools
+  share and no rollout host holds (`handout_key`); the attempt is in the trajectory id, so each
+  attempt has its own hand-out;
 - the partial pool accepts a rollout key's first delta of a trajectory (and AwaitReward) only
   with a hand-out for the rollout the request names, and the buffer a put only with one for the
   trajectory's `rollout_id`; a spec whose group size is not the pool's fails the MAC with it;
@@ -89,7 +91,7 @@ class Handouts:
         h = self._keyed.copy()
         h.update(msgpack.packb([spec.trajectory_id, spec.prompt_id, spec.group_id, int(spec.sample_index),
                                 int(spec.group_size), int(spec.max_tokens), spec.answer, str(rollout_id)]))
-        toks = spec.prompt_tokens
+        toks = spec.prompt_tokens if spec.handed_prompt is None else spec.handed_prompt  # as handed out
         if not (isinstance(toks, np.ndarray) and toks.dtype == np.int32 and toks.flags.c_contiguous):
             toks = np.ascontiguousarray(toks, dtype=np.int32)
         h.update(toks.data)

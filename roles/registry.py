@@ -16,6 +16,8 @@ REGISTRY: dict[str, str] = {
     "env": "laminar.roles.env.role:EnvRole",
     "evaluator": "laminar.roles.evaluator.role:EvaluatorRole",
     "reward": "laminar.roles.reward.role:RewardRole",
+    "gateway": "laminar.roles.gateway.role:GatewayRole",
+    "agent": "laminar.roles.agent.role:AgentRole",
 }
 
 

@@ -5,6 +5,7 @@
 - `write_cluster()`: a single-host cluster file (broker + echo roles, free ports, a cluster key);
 - `Procs`: every process a test starts, each ended by its pid at teardown (SIGTERM, then SIGKILL);
 - `same()`: structural equality of events that hold numpy arrays (dataclass == cannot compare them);
+- `shape_only_model()`: a model folder with only a config.json (what the engine settings check);
 - `until()`: poll a condition of outside state until it holds, with a deadline;
 - `wandb_records()`: the records of a W&B offline run file, parsed with wandb's own messages;
 - `ShmNames`: /dev/shm names that belong to one test session (`laminar-test-<session>-<tag>-<n>`),
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import math
 import os
 import shutil
@@ -142,6 +144,15 @@ class Procs:
         for pid, started in self.adopted:
             if pid_alive(pid) and _start_time(pid) == started:
                 os.kill(pid, signal.SIGKILL)
+
+
+def shape_only_model(d: Path) -> Path:
+    """A model folder `d` with only a config.json: 4 attention heads, 2 KV heads, 2,048 positions."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 259, "max_position_embeddings": 2048}))
+    return d
 
 
 def same(a: Any, b: Any) -> bool:

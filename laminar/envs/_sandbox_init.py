@@ -18,13 +18,23 @@ Runs as root inside the namespaces, standard library only (it is started by path
    as bytes), exec PYTHON -E -s -u -B main.py;
 4. reaps until the program ends and writes {"exit"|"signal", "cpu_s"} (or {"error"}) on
    STATUS_FD. When pid 1 exits the kernel kills whatever else is left in the namespace.
+
+With `connect` in the spec ({socket, port}: an agent's way to its gateway), the host's unix
+socket is bound into the new root at GATEWAY (read-only: connecting needs no write), the
+namespace's loopback is brought up, and a forwarder (a child of the init, as the sandbox uid,
+no_new_privs, one thread) relays every connection to 127.0.0.1:port to that socket. Nothing else
+is reachable: the namespace has no other interface.
 """
 import base64
 import ctypes
+import fcntl
 import json
 import os
 import resource
+import selectors
+import socket
 import stat
+import struct
 import sys
 
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC = 0x2, 0x4, 0x8, 4096, 16384
@@ -40,6 +50,8 @@ SYSTEM_PATHS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
                 "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives", "/etc/nsswitch.conf"]
 DEVICES = ["null", "zero", "full", "random", "urandom"]
 RO_BIND = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
+GATEWAY = "/run/laminar/gateway.sock"
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -124,6 +136,7 @@ def prepare(spec: dict) -> None:
         else:
             binds[p] = os.open(p, os.O_PATH)
     devs = {d: os.open(f"/dev/{d}", os.O_PATH) for d in DEVICES if os.path.exists(f"/dev/{d}")}
+    gateway = os.open(spec["connect"]["socket"], os.O_PATH) if spec.get("connect") else None
     # 2. the new root: a tmpfs, read-only once built
     mount("tmpfs", STAGE, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
     root = STAGE
@@ -147,6 +160,9 @@ def prepare(spec: dict) -> None:
     for name, target in {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
                          "stderr": "/proc/self/fd/2"}.items():
         os.symlink(target, f"{root}/dev/{name}")
+    if gateway is not None:
+        _bind(gateway, root + GATEWAY, RO_BIND)
+        os.close(gateway)
     os.mkdir(root + "/dev/shm")  # private: POSIX semaphores and shared memory of multiprocessing
     mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
           f"size={spec['scratch_bytes']},nr_inodes=1024,mode=0700,uid={uid},gid={uid}")
@@ -212,6 +228,67 @@ def become_program(spec: dict) -> None:
     os._exit(127)
 
 
+def loopback_up() -> None:
+    """Bring the namespace's `lo` up (it starts down)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sH14s", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14s", b"lo", 0, b"")))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
+
+
+def start_forwarder(spec: dict) -> None:
+    """A child relaying 127.0.0.1:port to the gateway socket, listening before the program starts."""
+    loopback_up()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", int(spec["connect"]["port"])))
+    listener.listen(64)
+    if os.fork() == 0:
+        try:
+            uid = spec["uid"]
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl no_new_privs")
+            forward(listener, GATEWAY)
+        finally:
+            os._exit(0)
+    listener.close()
+
+
+def forward(listener: socket.socket, path: str) -> None:
+    """Relay bytes both ways between each accepted connection and a new connection to `path`."""
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    peer: dict[socket.socket, socket.socket] = {}
+    while True:
+        for key, _ in sel.select():
+            s = key.fileobj
+            if s is listener:
+                c, _ = listener.accept()
+                u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    u.connect(path)
+                except OSError:
+                    c.close()
+                    u.close()
+                    continue
+                peer[c], peer[u] = u, c
+                sel.register(c, selectors.EVENT_READ)
+                sel.register(u, selectors.EVENT_READ)
+                continue
+            try:
+                data = s.recv(65536)
+                if data:
+                    peer[s].sendall(data)
+                    continue
+            except OSError:
+                pass
+            other = peer.pop(s)
+            peer.pop(other, None)
+            for x in (s, other):
+                sel.unregister(x)
+                x.close()
+
+
 def main() -> None:
     status_fd = int(sys.argv[1])
     os.set_inheritable(status_fd, False)
@@ -221,6 +298,12 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 — the parent turns this into SandboxError
         where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
         os.write(status_fd, json.dumps({"error": repr(exc) + where}).encode())
+        sys.exit(1)
+    try:
+        if spec.get("connect"):
+            start_forwarder(spec)
+    except Exception as exc:  # noqa: BLE001 — reported like a failed setup
+        os.write(status_fd, json.dumps({"error": f"gateway forwarder: {exc!r}"}).encode())
         sys.exit(1)
     child = os.fork()
     if child == 0:

@@ -133,8 +133,8 @@ class SandboxResult:
 
 class Sandbox:
     def __init__(self, config: SandboxConfig | None = None):
-        self.cfg = config or SandboxConfig()
-        self.python = self.cfg.python or sys.executable
+        self.settings = config or SandboxConfig()
+        self.python = self.settings.python or sys.executable
         self._uids: asyncio.Queue[int] | None = None
         self.runs = 0
         self._plan: CgroupPlan | None = None
@@ -160,7 +160,7 @@ class Sandbox:
     def cgroup_plan(self) -> CgroupPlan:
         """Which cgroup hierarchy runs get on this machine (decided once)."""
         if self._plan is None:
-            if self.cfg.cgroup == "off":
+            if self.settings.cgroup == "off":
                 self._plan = CgroupPlan("none", {}, {}, "sandbox.cgroup is off")
             else:
                 try:
@@ -176,7 +176,7 @@ class Sandbox:
         """What confines runs here, for the role's status: {seccomp, cgroup, cgroup_reason, warnings}
         (`cgroup` is "v2", "v1", "none" (auto found none) or "off" (configured))."""
         plan = self.cgroup_plan()
-        kind = "off" if self.cfg.cgroup == "off" else plan.kind
+        kind = "off" if self.settings.cgroup == "off" else plan.kind
         return {"seccomp": self.seccomp_active, "cgroup": kind, "cgroup_reason": plan.reason,
                 "warnings": list(self.warnings or [])}
 
@@ -191,19 +191,19 @@ class Sandbox:
         except Exception as exc:  # noqa: BLE001 — ImportError (no pyseccomp), OSError (no libseccomp), ...
             why = (f"no system-call filter: libseccomp or pyseccomp is not usable ({exc!r}); install "
                    "libseccomp2 and `pip install pyseccomp`")
-            if not self.cfg.allow_no_seccomp:
+            if not self.settings.allow_no_seccomp:
                 raise SandboxUnavailable(f"{why}, or set sandbox.allow_no_seccomp: true to run without one") from None
             warnings.append(f"the sandbox runs model code WITHOUT a system-call filter ({why}); "
                             "unshare, bpf, io_uring, ptrace and the rest are open to it")
         plan = self.cgroup_plan()
         no_cgroup = None
         if plan.kind == "none":
-            if self.cfg.cgroup == "required":
+            if self.settings.cgroup == "required":
                 raise SandboxUnavailable(f"no usable cgroup for sandbox runs: {plan.reason}")
-            if self.cfg.cgroup == "auto":
+            if self.settings.cgroup == "auto":
+                cap = self.settings.max_processes * self.settings.memory_mb
                 no_cgroup = (f"no per-run cgroup ({plan.reason}): memory is bounded per process only "
-                             f"(up to max_processes x memory_mb = {self.cfg.max_processes * self.cfg.memory_mb} MB "
-                             "per run), CPU per process")
+                             f"(up to max_processes x memory_mb = {cap} MB per run), CPU per process")
                 warnings.append(no_cgroup)
         for w in warnings:
             if w is no_cgroup:  # an error, not a warning: `auto` promised a cgroup and has none
@@ -229,28 +229,39 @@ class Sandbox:
                                      f"{res.killed_reason}): {res.stderr.strip()[-500:]}")
 
     # -- running ------------------------------------------------------------------------------
-    async def run(self, code: str, files: dict[str, str] | None = None) -> SandboxResult:
-        """Run `code` as main.py in a fresh scratch dir holding `files` (relative path -> text)."""
+    async def run(self, code: str, files: dict[str, str] | None = None, *, env: dict[str, str] | None = None,
+                  connect: tuple[str, int] | None = None, wall_s: float | None = None) -> SandboxResult:
+        """Run `code` as main.py in a fresh scratch dir holding `files` (relative path -> text).
+        `env`: more environment variables for the program; `connect` (unix socket path, port): the
+        one way out of the sandbox's network, that socket reached as 127.0.0.1:port inside (an agent's
+        gateway); `wall_s`: this run's wall-clock limit instead of the configured one."""
         files = dict(files or {})
         for name in files:
             if name.startswith("/") or ".." in Path(name).parts or name == "main.py":
                 raise ValueError(f"sandbox file name {name!r}: must be relative, without '..', not main.py")
+        for k, v in (env or {}).items():
+            if not (isinstance(k, str) and k.replace("_", "").isalnum() and isinstance(v, str)):
+                raise ValueError(f"sandbox environment variable {k!r}: names are letters, digits and _, values text")
+        if connect is not None and not (os.path.exists(connect[0]) and 0 < int(connect[1]) < 65536):
+            raise ValueError(f"sandbox connect {connect!r}: an existing unix socket and a port")
         self.check_policy()
         if self._uids is None:
             self._uids = asyncio.Queue()
-            for i in range(self.cfg.slots):
-                self._uids.put_nowait(self.cfg.uid_base + i)
+            for i in range(self.settings.slots):
+                self._uids.put_nowait(self.settings.uid_base + i)
         uid = await self._uids.get()
+        extra = {"env": {**CHILD_ENV, **(env or {})}, "connect": None if connect is None else
+                 {"socket": os.path.abspath(connect[0]), "port": int(connect[1])}}
         try:
-            return await self._run(uid, code, files)
+            return await self._run(uid, code, files, extra, wall_s or self.settings.wall_s)
         finally:
             self._uids.put_nowait(uid)  # FIFO: this uid is reused last
             self.runs += 1
 
-    def _spec(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None) -> bytes:
-        c = self.cfg
+    def _spec(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None, extra: dict) -> bytes:
+        c = self.settings
         return json.dumps({
-            "uid": uid, "code": code, "files": files, "env": CHILD_ENV,
+            "uid": uid, "code": code, "files": files, **extra,
             "read_only": [str(Path(p)) for p in c.read_only_paths],
             "cgroup_procs": cgroup.procs_files() if cgroup else [],
             "seccomp": base64.b64encode(self._seccomp).decode() if self._seccomp else None,
@@ -259,22 +270,23 @@ class Sandbox:
                        "file_bytes": c.scratch_mb << 20, "open_files": c.max_open_files},
         }).encode()
 
-    async def _run(self, uid: int, code: str, files: dict[str, str]) -> SandboxResult:
+    async def _run(self, uid: int, code: str, files: dict[str, str], extra: dict, wall_s: float) -> SandboxResult:
         cgroup = None
         if self.cgroup_plan().kind != "none":
             try:
-                cgroup = RunCgroup.create(self._plan, self.cfg.run_memory_mb << 20, self.cfg.max_processes + 1,
-                                          self.cfg.run_cpus)
+                c = self.settings
+                cgroup = RunCgroup.create(self._plan, c.run_memory_mb << 20, c.max_processes + 1, c.run_cpus)
             except OSError as exc:
                 raise SandboxError(f"cannot create the run's cgroup ({self._plan.kind}): {exc}") from None
         try:
-            return await self._run_in(uid, code, files, cgroup)
+            return await self._run_in(uid, code, files, cgroup, extra, wall_s)
         finally:
             if cgroup and not await cgroup.remove():
                 log.warning("sandbox_cgroup_left", dirs=list(cgroup.dirs.values()))
 
-    async def _run_in(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None) -> SandboxResult:
-        c = self.cfg
+    async def _run_in(self, uid: int, code: str, files: dict[str, str], cgroup: RunCgroup | None, extra: dict,
+                      wall_s: float) -> SandboxResult:
+        c = self.settings
         status_r, status_w = os.pipe()
         t0 = time.monotonic()
         try:
@@ -314,9 +326,9 @@ class Sandbox:
 
         readers = [asyncio.create_task(pump(proc.stdout, out)), asyncio.create_task(pump(proc.stderr, err))]
         try:
-            async with asyncio.timeout(c.wall_s):
+            async with asyncio.timeout(wall_s):
                 try:
-                    proc.stdin.write(self._spec(uid, code, files, cgroup))
+                    proc.stdin.write(self._spec(uid, code, files, cgroup, extra))
                     await proc.stdin.drain()
                     proc.stdin.close()
                 except (BrokenPipeError, ConnectionResetError):

@@ -10,12 +10,14 @@ PROTOCOL_VERSION, which every frame carries and every handshake compares.
 Submodules group the kinds by area (core: handshakes, errors, heartbeats, logs, metrics; later
 areas add their own files here) but this package is the only place kinds are defined.
 """
+from laminar.protocol import agent as _agent
 from laminar.protocol import core as _core
 from laminar.protocol import data as _data
 from laminar.protocol import env as _env
 from laminar.protocol import reward as _reward
 from laminar.protocol import rollout as _rollout
 from laminar.protocol import weights as _weights
+from laminar.protocol.agent import *  # noqa: F401,F403
 from laminar.protocol.core import *  # noqa: F401,F403  (re-export every kind)
 from laminar.protocol.data import *  # noqa: F401,F403
 from laminar.protocol.env import *  # noqa: F401,F403
@@ -36,4 +38,5 @@ __all__ = [
     *_weights.__all__,
     *_env.__all__,
     *_reward.__all__,
+    *_agent.__all__,
 ]

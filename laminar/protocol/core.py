@@ -28,6 +28,9 @@ ERROR_CODES = (
     "refused",            # semantically refused (e.g. wrong weight version)
     "internal",           # handler raised
     "unavailable",        # server shutting down
+    "not_here",           # an agent episode this rollout does not hold (moved or ended): ask where it is
+    "rewritten",          # an agent call whose context does not extend its episode's recorded tokens
+    "ended",              # an agent episode that is over
 )
 
 

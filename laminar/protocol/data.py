@@ -75,6 +75,9 @@ class TrajectorySpec:
     answer: str = ""
     max_tokens: int = 256
     handout: bytes = b""
+    handed_prompt: np.ndarray | None = None  # int32: the prompt as handed out, when the rollout replaced it
+    #                                          (an agent episode's first call: roles/rollout/agent.py); the
+    #                                          hand-out covers this one
 
 
 # -- prompt pool ------------------------------------------------------------------------------

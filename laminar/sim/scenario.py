@@ -172,7 +172,7 @@ def build_config(setup: SimSetup, size: str, gpus: int, mode: str, *, workdir: s
             i = h * per_host_replicas + k
             if i >= replicas:
                 break
-            opts = {"relay_id": f"r{h}"} if relays else {"weights_dir": hosts_dirs[f"n{h}"]}
+            opts = {"relay_id": f"r{h}"} if relays else {"shm_dir": hosts_dirs[f"n{h}"]}
             roles.append({"role": "rollout", "id": str(i), "port": next(port), "options": opts})
         hosts[f"n{h}"] = {"address": "127.0.0.1", "roles": roles}
 
@@ -241,9 +241,10 @@ def build_config(setup: SimSetup, size: str, gpus: int, mode: str, *, workdir: s
                         "idle_wait_s": period(setup, "idle_wait", speedup),
                         "rpc_timeout_s": setup.real_s.rpc_timeout, "sim": rollout_sim},
             "trainer": {"engine": "sim", "model_dir": "sim", "groups_per_batch": shape.prompts_per_batch,
-                        "publish": relays, "tensorboard": False, "checkpoint_every": 1_000_000, "resume": False,
+                        "publishing": {"enabled": relays}, "logging": {"tensorboard": False},
+                        "checkpoint": {"every": 1_000_000, "resume": False},
                         "sample_wait_s": period(setup, "sample_wait", speedup), "max_iterations": iterations,
-                        "old_logprobs": old_logprobs(setup, mode), "sim": trainer_sim},
+                        "loss": {"old_logprobs": old_logprobs(setup, mode)}, "sim": trainer_sim},
             **({"relay": {"progress_interval_s": period(setup, "heartbeat", speedup)}} if relays else {}),
         },
     }

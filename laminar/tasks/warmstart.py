@@ -118,7 +118,6 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     constant rate the word-problem loss stalls near 0.56 after 600 steps; decayed, it reaches ~0.29),
     constant for the uppercase task."""
     import torch
-    import transformers
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = load_tokenizer(str(model_dir))
@@ -126,25 +125,42 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     if sft is None and not isinstance(tok, ByteTokenizer):
         raise ValueError(f"{model_dir}: the uppercase warm start is for the byte-level tiny model only")
     pad_id = tok.pad_id if isinstance(tok, ByteTokenizer) else tok.eos_id
+    schedule = schedule or ("cosine" if sft else "constant")
+    prompts = [r["prompt"] for r in make_prompts(512, seed)]
+    return fit(model_dir, lambda: _batch(rng, batch, tok, enc, sft, stop_early, prompts), steps, lr, schedule,
+               pad_id, log_every)
+
+
+def masked_loss(model, seqs: list[list[int]], masks: list[list[int]], pad_id: int = 0):
+    """Mean next-token loss of a padded batch over the positions whose mask is 1 (the replies)."""
+    import torch
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)[:, 1:]
+    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                            reduction="none").view(len(seqs), -1)
+    return (nll * m).sum() / m.sum()
+
+
+def fit(model_dir: str | Path, next_batch, steps: int, lr: float, schedule: str, pad_id: int = 0,
+        log_every: int = 50, label: str = "warm start") -> dict:
+    """Supervised fine-tuning of MODEL_DIR in place: `steps` AdamW steps on `next_batch()` -> (token
+    sequences, loss masks), the rate `lr` times lr_factor(`schedule`), gradients clipped to norm 1;
+    saved at the end. The first and the last losses."""
+    import torch
+    import transformers
+    lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = schedule or ("cosine" if sft else "constant")
-    lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, schedule))
-    prompts = [r["prompt"] for r in make_prompts(512, seed)]
     losses = []
-    with Progress(steps, "warm start", unit="steps", every_s=30.0) as bar:
+    with Progress(steps, label, unit="steps", every_s=30.0) as bar:
         for _ in range(steps):
-            seqs, masks = _batch(rng, batch, tok, enc, sft, stop_early, prompts)
-            width = max(map(len, seqs))
-            ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
-            m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)
-            att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-            logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                    reduction="none").view(batch, -1)
-            loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
+            seqs, masks = next_batch()
+            loss = masked_loss(model, seqs, masks, pad_id)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -136,7 +136,7 @@ class RolloutAttacker:
     """One compromised rollout host: its rollout keys, its relay's data-plane key."""
 
     def __init__(self, cfg, keys_dir: str, rollouts: list[str], record: Record, recorded: str | None):
-        self.cfg, self.rollouts, self.record = cfg, rollouts, record
+        self.cluster, self.rollouts, self.record = cfg, rollouts, record
         pub, sub = cfg.broker_endpoints()
         self.transports = {r: ZmqTransport(pub, sub, load_keys(keys_dir, "rollout", r)) for r in rollouts}
         self.clients = {r: {role: t.client(cfg.endpoint(role)) for role in
@@ -159,7 +159,7 @@ class RolloutAttacker:
             await self.forge_put(rid, c, specs[:4])
             await self.forge_await(rid, c, specs[4:6])
             await self.claim(rid, c, specs[6:8])
-        other = next(r for h, s in self.cfg.find("rollout") if (r := str(s.id)) not in self.rollouts)
+        other = next(r for h, s in self.cluster.find("rollout") if (r := str(s.id)) not in self.rollouts)
         got = await call(c["prompt_pool"], TakeBatch(other, 8, batch_seq=10**6 + self.rounds, pid=os.getpid()))
         self.record("take_other", f"rollout.{rid}", 1, int(not isinstance(got, Exception)), _why(got))
         if self.rounds % 4 == 1:
@@ -237,11 +237,12 @@ class RolloutAttacker:
         from laminar.weights import handshake, wire
         from laminar.weights.manifest import chunk_count, manifest_from_bytes
         from laminar.weights.transport import LinkError, get_transport
-        mine = {h for h, s in self.cfg.find("rollout") if str(s.id) in self.rollouts}
-        for host, spec in self.cfg.find("relay"):
+        mine = {h for h, s in self.cluster.find("rollout") if str(s.id) in self.rollouts}
+        for host, spec in self.cluster.find("relay"):
             if host in mine:
                 continue
-            address = f"{self.cfg.cluster.hosts[host].address}:{self.cfg.settings_of('relay', str(spec.id)).data_port}"
+            port = self.cluster.settings_of("relay", str(spec.id)).data_port
+            address = f"{self.cluster.cluster.hosts[host].address}:{port}"
             for claim in (None, *((e, str(spec.id), os.urandom(32)) for e in (1, 2, 3))):
                 try:
                     ch = handshake.connect(get_transport("tcp"), address, self.data_key, 3.0, claim=claim)

@@ -36,7 +36,7 @@ def role_identity(cfg, role: str, id: str) -> str:
 class InprocCluster:
     def __init__(self, cfg, codec: bool = True, scoped: bool = False):
         # In one process an address is just a name: bind where peers connect.
-        self.cfg = cfg = cfg.model_copy(deep=True)
+        self.config = cfg = cfg.model_copy(deep=True)  # the cluster config it runs (a private copy)
         for host in cfg.cluster.hosts.values():
             host.bind = host.address
         self.scoped = scoped
@@ -45,14 +45,14 @@ class InprocCluster:
         self.tasks: dict[str, asyncio.Task] = {}
 
     async def start(self, role: str, id: str = "0", ready_timeout_s: float = 300.0) -> Role:
-        host, _ = self.cfg.spec(role, id)
-        identity = role_identity(self.cfg, role, str(id)) if self.scoped else None
+        host, _ = self.config.spec(role, id)
+        identity = role_identity(self.config, role, str(id)) if self.scoped else None
         ctx = RoleContext(role=role, id=str(id), host=host, transport=self.hub.transport(identity),
-                          settings=self.cfg.role_settings(role, id), config=self.cfg)
+                          settings=self.config.role_settings(role, id), cluster=self.config)
         r = role_class(role)(ctx)
         ready = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(run_role(r, heartbeat_s=self.cfg.cluster.heartbeat_s,
-                                            shutdown_s=self.cfg.cluster.shutdown_s,
+        task = asyncio.create_task(run_role(r, heartbeat_s=self.config.cluster.heartbeat_s,
+                                            shutdown_s=self.config.cluster.shutdown_s,
                                             on_ready=lambda: ready.done() or ready.set_result(True),
                                             stop_signals=False), name=f"role:{role}.{id}")
         key = f"{role}.{id}"
@@ -65,11 +65,11 @@ class InprocCluster:
 
     def client(self, role: str, id: str = "0"):
         """A client with every right (the operator's key, or the one cluster key)."""
-        return self.hub.transport().client(self.cfg.endpoint(role, id))
+        return self.hub.transport().client(self.config.endpoint(role, id))
 
     def client_as(self, identity: str, role: str, id: str = "0"):
         """A client of role.id holding the key `identity` ("rollout.r0", "reward.judge", ...)."""
-        return self.hub.transport(identity).client(self.cfg.endpoint(role, id))
+        return self.hub.transport(identity).client(self.config.endpoint(role, id))
 
     async def stop(self, role: str, id: str = "0") -> int:
         key = f"{role}.{id}"

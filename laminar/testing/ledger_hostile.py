@@ -7,7 +7,7 @@
 Who was handed what comes from the prompt pool's own audit trail (its `handed_out` log lines: the
 trajectory ids of each TakeBatch and the rollout that took them); what was trained from the
 trainer's (`members` in metrics.jsonl: trajectory id, rollout and run of every sample of every
-kept version, written with `record_members`). Neither is what the hostile keys wrote, and neither
+kept version, written with `logging.record_members`). Neither is what the hostile keys wrote, and neither
 is the hand-out MAC the pools check: the ledger does not trust the mechanism it audits.
 
 Definitions (docs/faults.md, "The compromised-host scenario"):

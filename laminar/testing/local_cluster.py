@@ -19,6 +19,7 @@ import yaml
 from laminar.bus.auth import generate_keys
 from laminar.tasks.demo_data import make_prompts
 from laminar.testing.procs import free_port
+from laminar.testing.settings import deep_merge
 
 
 def write_prompts(path: Path, n: int = 64) -> Path:
@@ -46,11 +47,12 @@ def write_local_cluster(tmp: Path, model_dir: str | Path, mode: str = "laminar",
         "relay": {"data_port": free_port(), "shm_dir": str(tmp / "shm-r0")},
         "rollout": {"model_dir": str(model_dir), "max_concurrency": 8, "max_model_len": 256, "relay_id": "r0",
                     "reward": "laminar.tasks.rewards:upper_fraction", "delta_interval_s": 0.1, "idle_wait_s": 0.2},
-        "trainer": {"model_dir": str(model_dir), "lr": 0.005, "groups_per_batch": 4, "minibatch_steps": 1,
-                    "relay_id": "r0", "checkpoint_every": 100, "max_iterations": iterations},
+        "trainer": {"model_dir": str(model_dir), "optimizer": {"lr": 0.005}, "groups_per_batch": 4,
+                    "minibatch_steps": 1,
+                    "publishing": {"relay_id": "r0"}, "checkpoint": {"every": 100}, "max_iterations": iterations},
     }
     for kind, extra in (roles or {}).items():
-        settings.setdefault(kind, {}).update(extra)
+        settings[kind] = deep_merge(settings.get(kind), extra)  # a section keeps its other keys
     cfg = {"run": {"name": name, "workdir": str(tmp / "run"), "mode": mode},
            "cluster": {"keys_dir": str(tmp / "keys"), "heartbeat_s": 0.5, "dead_after_s": 3.0, "shutdown_s": 15,
                        "broker": {"host": "h0", "pub_port": free_port(), "sub_port": free_port()},

@@ -47,6 +47,7 @@ from laminar.testing import ledger
 from laminar.testing.ledger import event_time, group_of, log_events, member_of, read_metrics  # noqa: F401 (re-exported)
 from laminar.testing.local_cluster import write_prompts
 from laminar.testing.netns import NetnsCluster
+from laminar.testing.settings import deep_merge
 
 # real time (speedup 1): six simulated 7B GPU rollouts then produce about what one CPU trainer of
 # the tiny model consumes (faster ones mostly fill the buffer with groups it must evict)
@@ -128,11 +129,12 @@ class MultiHost:
             "relay": {"data_port": 7101, "retain_versions": 48},
             "rollout": {**rollout, "model_dir": str(self.model_dir), "max_concurrency": 8,
                         "reward": "laminar.tasks.rewards:upper_fraction", "delta_interval_s": 0.1, "idle_wait_s": 0.2},
-            "trainer": {"model_dir": str(self.model_dir), "lr": 0.001, "groups_per_batch": 4, "minibatch_steps": 1,
-                        "relay_id": "r1", "checkpoint_every": 2, "max_iterations": self.iterations},
+            "trainer": {"model_dir": str(self.model_dir), "optimizer": {"lr": 0.001}, "groups_per_batch": 4,
+                        "minibatch_steps": 1, "publishing": {"relay_id": "r1"}, "checkpoint": {"every": 2},
+                        "max_iterations": self.iterations},
         }
         for kind, extra in self.extra_roles.items():
-            settings.setdefault(kind, {}).update(extra)
+            settings[kind] = deep_merge(settings.get(kind), extra)  # a section keeps its other keys
         def write(path: Path, upto: int, keys: Path, own: int | None = None) -> Path:
             placed = {h: v for h, v in hosts.items() if int(h[1:]) < upto}
             if own is not None:  # this host's own copy: without the rollouts it does not start

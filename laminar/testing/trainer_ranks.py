@@ -27,6 +27,7 @@ from laminar.roles.trainer import checkpoint, dist
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.engine import TrainEngine
 from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
+from laminar.testing.settings import deep_merge
 from laminar.testing.trainer_task import random_groups
 from laminar.weights import wire
 from laminar.weights.node import RelayNode
@@ -34,7 +35,8 @@ from laminar.weights.publisher import WeightPublisher
 from laminar.weights.pull import LocalWeights
 from laminar.weights.transport import get_transport
 
-SETTINGS = dict(lr=1e-3, critic_lr=1e-3, minibatch_steps=2, micro_batch_size=3)
+SETTINGS = {"optimizer": {"lr": 1e-3}, "ppo": {"critic_lr": 1e-3}, "minibatch_steps": 2,
+            "performance": {"micro_batch_size": 3}}
 
 
 def batches(versions: int) -> list:
@@ -61,7 +63,8 @@ def long_tailed_batches(versions: int) -> list:
 
 
 def make_config(model_dir: str, algorithm: str, device: str, **overrides):
-    return TrainerConfig(model_dir=model_dir, algorithm=algorithm, device=device, **{**SETTINGS, **overrides})
+    """The ranks' TrainerConfig: SETTINGS with `overrides` (nested sections merge)."""
+    return TrainerConfig(model_dir=model_dir, algorithm=algorithm, device=device, **deep_merge(SETTINGS, overrides))
 
 
 def train_reference(model_dir: str, algorithm: str = "grpo", versions: int = 2, device: str = "cpu") -> dict:

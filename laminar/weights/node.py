@@ -64,6 +64,7 @@ from collections.abc import Callable
 
 import structlog
 
+from laminar.bus.retry import Backoff
 from laminar.weights import handshake, seal
 from laminar.weights.offer_gate import OfferGate
 from laminar.weights.part_receiver import PartReceiver
@@ -136,7 +137,7 @@ class RelayNode:
 
     # -- upstream side ---------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        backoff = 0.05
+        wait = Backoff(0.05, 1.0)
         while not self._stop.is_set():
             try:
                 conn = self.listener.accept(timeout=0.5)
@@ -144,10 +145,9 @@ class RelayNode:
                 if self._stop.is_set():
                     return
                 self._accept_failed(exc)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
+                self._stop.wait(wait.next())
                 continue
-            backoff = 0.05
+            wait.reset()
             self.failing_accepts = 0
             if conn is not None:
                 self._start_handshake(conn)

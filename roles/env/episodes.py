@@ -58,9 +58,9 @@ def encode_continuation(tok, text: str) -> list[int]:
 
 
 class EpisodeHost:
-    def __init__(self, cfg, log, name: str = "env"):
-        """`cfg`: an EnvRoleConfig; `name` appears in busy messages (e.g. "env.0")."""
-        self.cfg, self.log, self.name = cfg, log, name
+    def __init__(self, settings, log, name: str = "env"):
+        """`settings`: an EnvRoleConfig; `name` appears in busy messages (e.g. "env.0")."""
+        self.settings, self.log, self.name = settings, log, name
         self.sessions: dict[str, Session] = {}
         self.counts: Counter[str] = Counter()
         self.sandbox: Sandbox | None = None
@@ -68,7 +68,7 @@ class EpisodeHost:
     async def start(self) -> None:
         """Load the class and the tokenizer, check the sandbox and the options (fails at start,
         not at the first episode)."""
-        c = self.cfg
+        c = self.settings
         self.env_cls = load_environment(c.environment)
         self.tok = load_tokenizer(c.tokenizer_dir)
         if getattr(self.env_cls, "needs_sandbox", False):
@@ -93,9 +93,9 @@ class EpisodeHost:
                 if s.step == 0 and s.last is not None:
                     return s.last
             raise RequestError("refused", f"episode {eid!r} already started (at step {s.step})")
-        if len(self.sessions) >= self.cfg.max_sessions:
+        if len(self.sessions) >= self.settings.max_sessions:
             raise RequestError("busy", f"{self.name} holds {len(self.sessions)} episodes")
-        s = self.sessions[eid] = Session(build_environment(self.env_cls, self.cfg.options, self.sandbox))
+        s = self.sessions[eid] = Session(build_environment(self.env_cls, self.settings.options, self.sandbox))
         spec = req.spec
         prompt = Prompt(text=self.tok.decode(spec.prompt_tokens), answer=spec.answer,
                         prompt_id=spec.prompt_id, max_tokens=spec.max_tokens)
@@ -134,10 +134,10 @@ class EpisodeHost:
 
     async def expire_idle(self) -> None:
         """Close episodes untouched for idle_timeout_s (runs until cancelled)."""
-        period = max(0.5, self.cfg.idle_timeout_s / 4)
+        period = max(0.5, self.settings.idle_timeout_s / 4)
         while True:
             await asyncio.sleep(period)  # the sweep period
-            old = time.monotonic() - self.cfg.idle_timeout_s
+            old = time.monotonic() - self.settings.idle_timeout_s
             for eid in [e for e, s in self.sessions.items() if s.touched < old and not s.lock.locked()]:
                 self.counts["expired"] += 1
                 await self._drop(eid)
@@ -157,12 +157,12 @@ class EpisodeHost:
     async def _guarded(self, eid: str, call, what: str):
         """Run an environment call under the step deadline; a failure ends the episode."""
         try:
-            async with asyncio.timeout(self.cfg.step_timeout_s):
+            async with asyncio.timeout(self.settings.step_timeout_s):
                 return await call
         except TimeoutError:
             self.counts["timeouts"] += 1
             await self._drop(eid)
-            raise RequestError("deadline", f"episode {eid!r}: {what} took over {self.cfg.step_timeout_s}s; "
+            raise RequestError("deadline", f"episode {eid!r}: {what} took over {self.settings.step_timeout_s}s; "
                                            "episode dropped") from None
         except EnvError as exc:
             await self._drop(eid)

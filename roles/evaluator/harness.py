@@ -55,12 +55,13 @@ def load_sets(c) -> list[EvalSet]:
 
 
 def make_engine(c, model_dir: str | None = None, omp_threads_bind: str | None = None):
-    """The vLLM engine of the evaluator settings `c` (not started), on `model_dir` (default: c.model_dir)."""
+    """The vLLM engine of the evaluator settings `c` (EngineSettings; not started), on `model_dir`
+    (default: c.model_dir)."""
     from laminar.roles.rollout.engine import VllmEngine  # late: the engine module pulls vLLM's helpers
-    return VllmEngine(model_dir or c.model_dir, max_model_len=c.max_model_len, max_num_seqs=c.max_concurrency,
-                      kv_cache_gib=c.kv_cache_gib, temperature=c.temperature, top_p=1.0, dtype=c.dtype,
-                      omp_threads_bind=omp_threads_bind, seeded=True, kv_cache_tokens=c.kv_cache_tokens,
-                      lora=c.lora)
+    from laminar.roles.rollout.engine_api import engine_seqs
+    settings = c if model_dir is None else c.model_copy(update={"model_dir": model_dir})
+    return VllmEngine.from_settings(settings, max_num_seqs=engine_seqs(c), temperature=c.temperature, top_p=1.0,
+                                    seeded=True, omp_threads_bind=omp_threads_bind)
 
 
 @dataclass
@@ -106,8 +107,8 @@ class Harness:
             if es.greedy:
                 jobs.append(self.answer(f"eval-v{v}-{es.name}-{i}-g", p.prompt_tokens, 0.0, None))
                 kinds.append((i, -1))
-            for s in range(es.cfg.k):
-                jobs.append(self.answer(f"eval-v{v}-{es.name}-{i}-s{s}", p.prompt_tokens, es.cfg.temperature,
+            for s in range(es.settings.k):
+                jobs.append(self.answer(f"eval-v{v}-{es.name}-{i}-s{s}", p.prompt_tokens, es.settings.temperature,
                                         self.seed(es, v, p.prompt_id, s)))
                 kinds.append((i, s))
         answers = await asyncio.gather(*jobs)
@@ -128,7 +129,7 @@ class Harness:
                 rows.append({"prompt_tokens": p.prompt_tokens, "response_tokens": toks, "reward": r,
                              "prompt_id": p.prompt_id})
         values = {}
-        for m, (mean, lo, hi) in score_with_intervals(results, es.cfg.metrics).items():
+        for m, (mean, lo, hi) in score_with_intervals(results, es.settings.metrics).items():
             values.update({f"eval/{es.name}/{m}": mean, f"eval/{es.name}/{m}/lo": lo, f"eval/{es.name}/{m}/hi": hi})
         values[f"eval/{es.name}/problems"] = float(len(es.problems))
         if lens:
@@ -142,11 +143,11 @@ class Harness:
         for es in self.sets:
             got, results, rows = await self.answer_set(es, v)
             out.values.update(got)
-            out.scores[es.name] = per_problem(results, es.cfg.metrics)
+            out.scores[es.name] = per_problem(results, es.settings.metrics)
             out.prompt_ids[es.name] = [p.prompt_id for p in es.problems]
             out.rows[es.name] = rows
         first = self.sets[0]
-        out.values.update(legacy_keys(first.name, out.values, first.cfg.metrics))
+        out.values.update(legacy_keys(first.name, out.values, first.settings.metrics))
         out.values["eval/problems"] = float(len(first.problems))
         if f"eval/{first.name}/response_len_mean" in out.values:
             out.values["eval/response_len_mean"] = out.values[f"eval/{first.name}/response_len_mean"]

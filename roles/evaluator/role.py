@@ -1,6 +1,6 @@
 """EvaluatorRole: every `eval_every` versions, the newest weights answer a held-out split.
 
-    setup: its own vLLM engine (the rollouts' settings: model_dir, max_model_len, dtype), the
+    setup: its own vLLM engine (EngineSettings, the rollouts' model: model_dir, max_model_len, ...), the
            held-out records (`dataset`, tokenized like the prompt pool does), the relay folder
     run:   evaluate version 0 (model_dir's weights, before any training), then follow the relay
            like a rollout: when its newest version is at least `eval_every` past the last one
@@ -40,13 +40,15 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from laminar.roles.base import Role
 from laminar.roles.evaluator.harness import Harness, load_sets, make_engine
 from laminar.roles.evaluator.sets import BestKeeper, EvalSet, EvalSetConfig
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from laminar.datasets import chat_template_field, system_prompt_field
+from laminar.engine_settings import EngineSettings
 from laminar.export import export
 from laminar.protocol import Heartbeat, Metrics
 from laminar.samples import SampleLog
@@ -55,9 +57,11 @@ from laminar.weights.pull import LocalWeights
 from laminar.weights.seal import arm_engine_checks
 
 
-class EvaluatorConfig(BaseModel):
-    """Settings of the evaluator: the held-out split, its reward, when and how to evaluate."""
+class EvaluatorConfig(EngineSettings):
+    """Settings of the evaluator: its vLLM engine's (EngineSettings, as the rollouts'), the held-out
+    split, its reward, when and how to evaluate."""
     model_config = ConfigDict(extra="forbid")
+    MOVED: ClassVar[dict[str, str]] = {"weights_dir": "shm_dir"}  # older keys (laminar/config.py names them)
     dataset: str | None = Field(None, description="held-out JSONL/Parquet file (prompt, answer; never given to the "
                                 "prompt pool): the one set `heldout` when `sets` is empty")
     sets: dict[str, EvalSetConfig] = Field(default_factory=dict, description="named eval sets (roles/evaluator/"
@@ -83,19 +87,15 @@ class EvaluatorConfig(BaseModel):
     last_version: int | None = Field(None, ge=1, description="the run's last version: evaluated, then the role "
                                      "finishes (default: the trainer's max_iterations; None there: run until stopped)")
     samples: int = Field(4, ge=0, description="sampled answers per problem (0: greedy only; the `heldout` set)")
-    temperature: float = Field(1.0, gt=0, description="temperature of the sampled answers (the `heldout` set)")
+    temperature: float = Field(1.0, gt=0, description="temperature of the sampled answers (the `heldout` set; "
+                               "greedy answers are their own metric, so 0 is refused as for any set's)")
     max_tokens: int = Field(256, ge=1, description="answer token budget (the prompt pool's max_tokens)")
     seed: int = Field(0, description="sampling seed (per answer: hash of seed, version, problem, sample)")
-    model_dir: str = Field("models/tiny", description="initial weights (version 0)")
-    max_model_len: int = Field(1024, ge=16)
-    max_concurrency: int = Field(64, ge=1, description="answers generated at once (engine max_num_seqs)")
-    kv_cache_tokens: int | None = Field(None, ge=16, description="KV cache in tokens (default: kv_cache_gib)")
-    lora: dict | None = Field(None, description="the run's versions are LoRA adapters: as roles.rollout.lora "
-                              "({max_lora_rank, max_loras}); each version is evaluated with its adapter on model_dir")
-    kv_cache_gib: float = Field(1.0, gt=0)
-    dtype: str = Field("float32")
+    max_concurrency: int = Field(64, ge=1, description="answers generated at once (the engine's max_num_seqs "
+                                 "unless that is set)")
     relay_id: str | None = Field(None, description="relay on this host to take weights from")
-    weights_dir: str | None = Field(None, description="that relay's shared-memory folder (default: its shm_dir)")
+    shm_dir: str | None = Field(None, description="that relay's shared-memory folder (default: the relay's own "
+                                "shm_dir)")
     poll_s: float = Field(0.5, gt=0, description="how often the relay's newest version is looked at")
     final_wait_s: float = Field(20.0, gt=0, description="once the trainer reported its last version: how long to "
                                 "wait for it on the relay before evaluating the relay's newest and finishing")
@@ -172,17 +172,17 @@ class EvaluatorRole(Role):
         return out
 
     async def setup(self) -> None:
-        c, cfg = self.cfg, self.ctx.config
+        c, cluster = self.settings, self.cluster
         self.sets: list[EvalSet] = await asyncio.to_thread(load_sets, c)
         self.problems = self.sets[0].problems
         self.last_version = c.last_version
-        self.weights_dir = c.weights_dir
-        if cfg is not None:
-            if self.last_version is None and cfg.find("trainer"):
-                self.last_version = cfg.role_settings("trainer").get("max_iterations")
-            if c.relay_id is not None and self.weights_dir is None:
-                self.weights_dir = cfg.relay_shm_dir(c.relay_id)
-            self.out = cfg.workdir() / "evaluator"
+        self.shm_dir = c.shm_dir
+        if cluster is not None:
+            if self.last_version is None and cluster.find("trainer"):
+                self.last_version = cluster.role_settings("trainer").get("max_iterations")
+            if c.relay_id is not None and self.shm_dir is None:
+                self.shm_dir = cluster.relay_shm_dir(c.relay_id)
+            self.out = cluster.workdir() / "evaluator"
         else:
             self.out = Path(self.ctx.settings.get("out_dir", "evaluator"))
         self.out.mkdir(parents=True, exist_ok=True)
@@ -192,11 +192,8 @@ class EvaluatorRole(Role):
         # the first evaluation runs is not missed (a subscription made later can miss its events)
         self.trainer_sub = self.ctx.transport.subscriber(["metrics.trainer", "hb.trainer."])
         self.trainer_heard_at = time.monotonic()
-        bind = None
-        if cfg is not None:
-            _, spec = cfg.spec("evaluator", self.ctx.id)
-            bind = ",".join(str(x) for x in spec.cores) if spec.cores else None
-        self.engine = make_engine(c, omp_threads_bind=bind)
+        cores = cluster.spec("evaluator", self.ctx.id)[1].cores if cluster is not None else None
+        self.engine = make_engine(c, omp_threads_bind=c.omp_bind(cores))
         # its worker processes check each version's seals before they load it, as a rollout's do;
         # the best version's export checks them too (laminar/export.py)
         arm_engine_checks(getattr(self.ctx.transport, "keys", None))
@@ -204,11 +201,11 @@ class EvaluatorRole(Role):
         self.harness = Harness(self.engine, self.sets, c)
         self.version, self.lineage = 0, None  # model_dir's weights: version 0 of no lineage
         self.log.info("evaluator_ready", problems=len(self.problems), eval_every=c.eval_every,
-                      last_version=self.last_version, weights_dir=self.weights_dir)
+                      last_version=self.last_version, shm_dir=self.shm_dir)
 
     async def run(self) -> None:
         await self.evaluate()  # version 0: the initial weights, before any training
-        if not self.weights_dir:
+        if not self.shm_dir:
             self.log.info("evaluations_done", versions=self.evaluated, why="no relay to take newer weights from")
             return
         self.spawn(self._follow_trainer(), "trainer")
@@ -222,10 +219,10 @@ class EvaluatorRole(Role):
             now = time.monotonic()
             why = ("the last version did not reach the relay"
                    if give_up_waiting(self.trainer_version, self.last_version, self.relay_version,
-                                      self.trainer_done_at, now, self.cfg.final_wait_s)
+                                      self.trainer_done_at, now, self.settings.final_wait_s)
                    else "the trainer went silent before the last version reached the relay"
                    if trainer_gone(self.last_version, self.relay_version, self.trainer_heard_at, now,
-                                   self.cfg.trainer_silent_s) else "")
+                                   self.settings.trainer_silent_s) else "")
             if why:  # evaluate the newest version the relay holds, and finish
                 if self.relay_version > (self.evaluated[-1] if self.evaluated else -1) and await self._load_due(True):
                     await self.evaluate()
@@ -234,7 +231,7 @@ class EvaluatorRole(Role):
                 return
             self.state = "waiting"
             try:
-                await asyncio.wait_for(self.stopping.wait(), self.cfg.poll_s)
+                await asyncio.wait_for(self.stopping.wait(), self.settings.poll_s)
             except TimeoutError:
                 pass
 
@@ -254,9 +251,9 @@ class EvaluatorRole(Role):
 
     async def _load_due(self, force: bool = False) -> bool:
         """Load the relay's newest version if it is due (or `force`); True when loaded and named."""
-        if not self.weights_dir:
+        if not self.shm_dir:
             return False
-        lw = LocalWeights(self.weights_dir)
+        lw = LocalWeights(self.shm_dir)
         try:
             m = await asyncio.to_thread(lw.manifest)
         except (OSError, ValueError) as exc:
@@ -269,12 +266,12 @@ class EvaluatorRole(Role):
         # a new lineage (a resumed trainer) replaces what was evaluated: evaluate it at once; the
         # first relay version after model_dir's weights (lineage None) waits its turn like any other
         new_lineage = self.lineage is not None and m.lineage != self.lineage
-        if not force and not new_lineage and not due(m.version, last, self.cfg.eval_every, self.last_version):
+        if not force and not new_lineage and not due(m.version, last, self.settings.eval_every, self.last_version):
             return False
         self.state = "loading"
         for _ in range(3):
             try:
-                got = await self.engine.load_relay(self.weights_dir, -1)
+                got = await self.engine.load_relay(self.shm_dir, -1)
                 after = await asyncio.to_thread(lw.manifest)
             except Exception as exc:  # noqa: BLE001 - keep the weights held; try again on the next poll
                 self.log.warning("eval_weights_load_failed", version=m.version, error=repr(exc))
@@ -289,7 +286,7 @@ class EvaluatorRole(Role):
 
     async def evaluate(self) -> dict:
         """Answer every eval set with the weights held now (the harness); publish and record the result."""
-        c, v = self.cfg, self.version
+        c, v = self.settings, self.version
         self.state = "evaluating"
         result = await self.harness.evaluate(v)
         values = result.values
@@ -323,8 +320,8 @@ class EvaluatorRole(Role):
 
     async def _keep_best(self, v: int, values: dict) -> None:
         """A new best version: its weights (the relay's copy; version 0: model_dir's) to best/."""
-        c = self.cfg
-        src = self.weights_dir if (v > 0 and self.weights_dir) else None
+        c = self.settings
+        src = self.shm_dir if (v > 0 and self.shm_dir) else None
         do = (lambda out: export(src, out, c.model_dir, version=v)) if src else None
         try:
             best = await asyncio.to_thread(self.best.record, v, self.lineage, values, do)

@@ -46,14 +46,14 @@ class EvalSetConfig(BaseModel):
 class EvalSet:
     """A set resolved for one run: its settings and tokenized problems."""
     name: str
-    cfg: EvalSetConfig
+    settings: EvalSetConfig
     problems: list
     reward: object
     answer: object | None
 
     @property
     def greedy(self) -> bool:
-        return "greedy" in self.cfg.metrics
+        return "greedy" in self.settings.metrics
 
 
 def set_configs(c) -> dict[str, EvalSetConfig]:

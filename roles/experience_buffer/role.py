@@ -99,13 +99,13 @@ class ExperienceBufferRole(PoolRole):
     MIGRATABLE = frozenset({"capacity"})
 
     def fingerprint(self) -> dict:
-        return {"capacity": self.cfg.capacity}
+        return {"capacity": self.settings.capacity}
 
     def migrate_setting(self, key: str, old, new) -> None:
         """A new capacity: growing needs nothing; shrinking with drop_oldest evicts the oldest groups
         now, on disk too (with reject, new groups wait until enough are sampled)."""
         b, ch = self.book, Change()
-        if self.cfg.eviction == "drop_oldest":
+        if self.settings.eviction == "drop_oldest":
             while b.stored > b.capacity and b.groups:
                 victim = next((x for x in b.groups.values() if x.complete), None) or next(iter(b.groups.values()))
                 b._remove(victim.group_id, "evicted", ch)
@@ -118,15 +118,15 @@ class ExperienceBufferRole(PoolRole):
     def _max_staleness(self) -> int | None:
         """A barrier mode bounds staleness (sync 0, one_step and stream 1): groups that finish too
         late for it are dropped (and counted), as those systems' global sync would never train them."""
-        cfg, bound = self.ctx.config, self.cfg.max_staleness
-        lag = cfg.run.barrier_lag if cfg is not None else None
+        cluster, bound = self.cluster, self.settings.max_staleness
+        lag = cluster.run.barrier_lag if cluster is not None else None
         if lag is not None and (bound is None or bound > lag):
-            self.log.info("staleness_bound_from_mode", mode=cfg.run.mode, max_staleness=lag, configured=bound)
+            self.log.info("staleness_bound_from_mode", mode=cluster.run.mode, max_staleness=lag, configured=bound)
             return lag
         return bound
 
     def recover(self) -> None:
-        c = self.cfg
+        c = self.settings
         # replayed with room for every stored row, so replay never refuses what was acknowledged (a
         # capacity that shrank is applied afterwards, on disk too: migrate_setting)
         book = BufferBook(1 << 62, c.eviction, c.sampler, self._max_staleness(), c.remember_removed,
@@ -207,7 +207,7 @@ class ExperienceBufferRole(PoolRole):
         (whole groups, at least one); the trainer asks again for the rest."""
         size = max((g.size for g in self.book.groups.values()), default=1)
         size = max(size, getattr(self, "_largest_leased", 1))
-        return max(1, min(asked, self.cfg.page_trajectories // max(size, 1)))
+        return max(1, min(asked, self.settings.page_trajectories // max(size, 1)))
 
     async def on_sample(self, req: SampleGroups) -> Samples:
         req = dataclasses.replace(req, num_groups=self._page_groups(req.num_groups))
@@ -252,9 +252,9 @@ class ExperienceBufferRole(PoolRole):
     def _curricula(self) -> set[str]:
         """The prompt pools whose curriculum is on (from the cluster config, read once)."""
         if getattr(self, "_curriculum_pools", None) is None:
-            cfg = self.ctx.config
-            ids = [s.id for _, s in cfg.find("prompt_pool")] if cfg is not None else []
-            self._curriculum_pools = {i for i in ids if cfg.settings_of("prompt_pool", i).curriculum is not None}
+            cluster = self.cluster
+            ids = [s.id for _, s in cluster.find("prompt_pool")] if cluster is not None else []
+            self._curriculum_pools = {i for i in ids if cluster.settings_of("prompt_pool", i).curriculum is not None}
         return self._curriculum_pools
 
     def results_pending(self) -> dict:
@@ -268,7 +268,7 @@ class ExperienceBufferRole(PoolRole):
         for pool, gids in by_pool.items():
             gids = gids[:4096]  # one bounded request; the rest next round
             if pool not in clients:
-                clients[pool] = self.ctx.transport.client(self.ctx.config.endpoint("prompt_pool", pool))
+                clients[pool] = self.ctx.transport.client(self.cluster.endpoint("prompt_pool", pool))
             rows = [self.results_out[g] for g in gids]
             try:
                 await clients[pool].call(GroupResults(gids, [s for s, _ in rows], [n for _, n in rows]), timeout=5.0)
@@ -307,7 +307,7 @@ class ExperienceBufferRole(PoolRole):
         expired = [g for g in ch.requeue if self.book.gone.get(g, "").startswith(EXPIRED)]
         if expired:
             self.log.warning("incomplete_groups_expired", groups=expired[:64], count=len(expired),
-                             reserve_timeout_s=self.cfg.reserve_timeout_s)
+                             reserve_timeout_s=self.settings.reserve_timeout_s)
         if len(expired) < len(ch.requeue):
             off = [g for g in ch.requeue if g not in set(expired)]
             self.log.warning("off_lineage_groups_dropped", groups=off[:64], count=len(off),
@@ -322,7 +322,7 @@ class ExperienceBufferRole(PoolRole):
         await super().run()
 
     def _prompt_pool_of(self, gid: str) -> str | None:
-        ids = [s.id for _, s in self.ctx.config.find("prompt_pool")] if self.ctx.config is not None else []
+        ids = [s.id for _, s in self.cluster.find("prompt_pool")] if self.cluster is not None else []
         named = [i for i in ids if i != "0" and gid.startswith(f"{i}.")]  # pools other than "0" prefix their id
         return named[0] if named else ("0" if "0" in ids else None)
 
@@ -358,7 +358,7 @@ class ExperienceBufferRole(PoolRole):
             self.log.error("requeue_impossible", groups=gids[:64], why="no prompt pool in the config")
             return gids
         if pool not in clients:
-            clients[pool] = self.ctx.transport.client(self.ctx.config.endpoint("prompt_pool", pool))
+            clients[pool] = self.ctx.transport.client(self.cluster.endpoint("prompt_pool", pool))
         try:
             res = await clients[pool].call(RequeueGroups(gids), timeout=5.0)
         except RemoteError as exc:

@@ -128,16 +128,17 @@ class FleetSettings:
     timeline_keep: int | None = None
 
     @classmethod
-    def from_config(cls, cfg: ManagerConfig, cluster=None, batch_bound: int | None = None) -> FleetSettings:
+    def from_config(cls, settings: ManagerConfig, cluster=None, batch_bound: int | None = None) -> FleetSettings:
         """The settings of a manager's fleet (`cluster`: the LaminarConfig, None when the manager runs
-        alone). `batch_bound`: B as derived from cfg.curve_path (None: cfg.batch_bound)."""
+        alone). `batch_bound`: B as derived from settings.curve_path (None: settings.batch_bound)."""
         mode = cluster.run.mode if cluster is not None else "laminar"
         folder = cluster.workdir() / "manager" if cluster is not None else None
-        shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls) if f.name in ManagerConfig.model_fields}
+        shared = {f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)
+                  if f.name in ManagerConfig.model_fields}
         return cls(**{**shared,  # then what the cluster resolves:
-                      "repack": cfg.repack if cfg.repack is not None else mode == "laminar",
-                      "batch_bound": batch_bound or cfg.batch_bound,
-                      "rollout_dead_after_s": cfg.rollout_dead_after_s or cfg.relay_dead_after_s(cluster)},
+                      "repack": settings.repack if settings.repack is not None else mode == "laminar",
+                      "batch_bound": batch_bound or settings.batch_bound,
+                      "rollout_dead_after_s": settings.rollout_dead_after_s or settings.relay_dead_after_s(cluster)},
                    concurrency=cluster.rollout_concurrency() if cluster is not None else {},
                    log_path=folder / "repacks.jsonl" if folder else None,
                    timeline_path=folder / "fleet.jsonl" if folder else None)

@@ -279,7 +279,7 @@ class PartialPoolRole(PoolRole):
         `limit`) and `page_bytes` of their arrays (at least one), so any population in flight is
         listed through bounded replies. An id completed between two pages is simply not listed; one
         created meanwhile is listed if it sorts after the cursor (a live owner's new work)."""
-        limit = min(req.limit or self.cfg.page_size, self.cfg.page_size)
+        limit = min(req.limit or self.settings.page_size, self.settings.page_size)
         tids = sorted(t for t, e in self.state.entries.items()
                       if e.spec is not None and t > req.after
                       and (req.rollout_id in ("", "*") or e.owner == req.rollout_id))
@@ -287,7 +287,7 @@ class PartialPoolRole(PoolRole):
         for t in tids[:limit]:
             e = self.state.entries[t]
             n = sum(len(x) for x in e.tokens) * 8 + len(e.spec.prompt_tokens) * 4
-            if out and size + n > self.cfg.page_bytes:
+            if out and size + n > self.settings.page_bytes:
                 break
             out.append(e.state())
             size += n

@@ -28,12 +28,14 @@ import asyncio
 import time
 
 from laminar.bus.errors import PeerUnavailable, RemoteError
+from laminar.bus.retry import Backoff
 from laminar.bus.rpc import RequestError, current_peer
 
 from laminar.protocol import LeaseRewards, PutTrajectory, RewardWork, ScoreResult, SubmitScores
 
 GIVE_UP_CHECK_S = 1.0  # how often the pool looks for awaiting trajectories to give up on
 FOREVER = ("refused", "bad_request", "unknown_kind")  # buffer answers that a later offer cannot change
+FORWARD_RETRY_MAX_S = 5.0  # the longest wait between two offers of one scored trajectory
 
 
 class RewardDesk:
@@ -44,7 +46,11 @@ class RewardDesk:
         self.buffer = buffer          # buffer(): the experience buffer's client (made on first use)
         self.refusals = refusals
         self.scored = asyncio.Event()  # an item became ready: the forward loop looks
-        self.backoff: dict[str, tuple[float, float]] = {}  # id -> (offer again at (monotonic), next delay)
+        self.backoff: dict[str, tuple[float, Backoff]] = {}  # id -> (offer again at (monotonic), its waits)
+
+    def _waits(self) -> Backoff:
+        """An item's waits between offers the buffer refused for now: forward_retry_s doubling to 5 s."""
+        return Backoff(self.settings.forward_retry_s, FORWARD_RETRY_MAX_S)
 
     @property
     def awaiting(self):
@@ -100,7 +106,7 @@ class RewardDesk:
         while True:
             await self._wake()
             now = time.monotonic()
-            ready = [t for t in self.awaiting.ready() if self.backoff.get(t, (0.0, 0.0))[0] <= now]
+            ready = [t for t in self.awaiting.ready() if self.backoff.get(t, (0.0, None))[0] <= now]
             w = self.settings.forward_window
             for i in range(0, len(ready), w):
                 window = ready[i:i + w]
@@ -137,8 +143,9 @@ class RewardDesk:
                            way_out="the buffer will never take it (e.g. a group larger than its capacity under "
                                    "eviction reject): fix that and restart the partial pool, which offers it again")
             return None
-        delay = self.backoff.get(tid, (0.0, self.settings.forward_retry_s))[1]
-        self.backoff[tid] = (time.monotonic() + delay, min(delay * 2, 5.0))
+        wait = self.backoff[tid][1] if tid in self.backoff else self._waits()
+        delay = wait.next()
+        self.backoff[tid] = (time.monotonic() + delay, wait)
         self.awaiting.counts["forward_retries"] += 1
         self.log.warning("scored_put_retry", trajectory=tid, why=why, retry_in_s=delay)
         return None
@@ -152,7 +159,7 @@ class RewardDesk:
         except RequestError as exc:  # the buffer holds them; the next round forgets them here (duplicate)
             self.log.warning("forward_record_failed", trajectories=len(held), error=str(exc))
             for tid, _ in held:
-                self.backoff[tid] = (time.monotonic() + self.settings.forward_retry_s, self.settings.forward_retry_s)
+                self.backoff[tid] = (time.monotonic() + self.settings.forward_retry_s, self._waits())
             return
         for tid, put in held:
             traj = self.awaiting.final(tid)

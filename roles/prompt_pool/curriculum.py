@@ -49,8 +49,8 @@ class CurriculumConfig(BaseModel):
 class Curriculum:
     """Recent results per prompt, the weight they give it, and the cursor's skips (module docstring)."""
 
-    def __init__(self, cfg: CurriculumConfig, prompt_ids: list[str], seed: int):
-        self.cfg = cfg
+    def __init__(self, settings: CurriculumConfig, prompt_ids: list[str], seed: int):
+        self.settings = settings
         self.hist: dict[str, deque] = {}      # prompt id -> its last `window` (group id, solved, n)
         self.seen: set[str] = set()           # group ids in `hist` (a resent result is ignored)
         self.skips: dict[str, int] = {}       # group id -> epoch: skips of the last two epochs
@@ -69,7 +69,7 @@ class Curriculum:
         h = self.hist.setdefault(prompt, deque())
         h.append((gid, solved, n))
         self.seen.add(gid)
-        if len(h) > self.cfg.window:
+        if len(h) > self.settings.window:
             old = h.popleft()[0]
             self.seen.discard(old)
             return old
@@ -88,7 +88,7 @@ class Curriculum:
     def state(self, prompt: str) -> str:
         """"solved" (every sample, every time), "unsolved" (no sample, ever) over a full window; else "open"."""
         h = self.hist.get(prompt)
-        if h is None or len(h) < self.cfg.window:
+        if h is None or len(h) < self.settings.window:
             return "open"
         if all(s >= n for _, s, n in h):
             return "solved"
@@ -97,8 +97,8 @@ class Curriculum:
     def weight(self, prompt: str) -> float:
         st = self.state(prompt)
         if st == "solved":
-            return 0.0 if self.cfg.retire_solved else self.cfg.solved_weight
-        return self.cfg.unsolved_weight if st == "unsolved" else 1.0
+            return 0.0 if self.settings.retire_solved else self.settings.solved_weight
+        return self.settings.unsolved_weight if st == "unsolved" else 1.0
 
     def visits(self, epoch: int, prompt: str) -> bool:
         """Whether the cursor hands `prompt` out in `epoch` (module docstring, Visits)."""
@@ -113,11 +113,11 @@ class Curriculum:
     def scan_bound(self, n_prompts: int) -> int:
         """Cursor positions one hand-out may pass over: enough to reach every prompt of weight > 0
         at least once (one epoch in 1/w visits it), so a scan that finds none means there is none."""
-        w = min(self.cfg.unsolved_weight, 1.0 if self.cfg.retire_solved else self.cfg.solved_weight)
+        w = min(self.settings.unsolved_weight, 1.0 if self.settings.retire_solved else self.settings.solved_weight)
         return n_prompts * (math.ceil(1 / w) + 1)
 
     def all_retired(self, prompt_ids: list[str]) -> bool:
-        return self.cfg.retire_solved and all(self.state(p) == "solved" for p in prompt_ids)
+        return self.settings.retire_solved and all(self.state(p) == "solved" for p in prompt_ids)
 
     def skip(self, gid: str, epoch: int) -> list:
         """The cursor passed over `gid` (epoch `epoch`): the rows recording it, and the pruning of
@@ -142,8 +142,8 @@ class Curriculum:
         for r in rates:
             hist[0 if r == 0 else len(HISTOGRAM_EDGES) if r >= 1 else int(np.searchsorted(HISTOGRAM_EDGES, r))] += 1
         solved = states.count("solved")
-        return {"curriculum_retired": solved if self.cfg.retire_solved else 0,
-                "curriculum_downweighted": (0 if self.cfg.retire_solved else solved) + states.count("unsolved"),
+        return {"curriculum_retired": solved if self.settings.retire_solved else 0,
+                "curriculum_downweighted": (0 if self.settings.retire_solved else solved) + states.count("unsolved"),
                 "curriculum_unsolved": states.count("unsolved"),
                 "curriculum_results": sum(len(h) for h in self.hist.values()),
                 "curriculum_skipped": self.skipped,

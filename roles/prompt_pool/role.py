@@ -110,7 +110,7 @@ class PromptPoolRole(PoolRole):
         await super().setup()
 
     def fingerprint(self) -> dict:
-        c = self.cfg
+        c = self.settings
         return {"seed": c.seed, "dataset": str(Path(c.dataset).resolve()), "prompts": len(self.records),
                 "group_size": c.group_size, "id_field": c.id_field}
 
@@ -136,7 +136,7 @@ class PromptPoolRole(PoolRole):
     async def run(self) -> None:
         if self.buffer_counts is not None:
             self.spawn(self._follow_buffer_counts(), "buffer-counts")
-        if self.cfg.curriculum is not None and self.cluster is not None:
+        if self.settings.curriculum is not None and self.cluster is not None:
             self.spawn(self._write_curriculum(), "curriculum-file")
         await super().run()
 
@@ -198,8 +198,8 @@ class PromptPoolRole(PoolRole):
             g = self._group_of(e)
             self.open[g] = self.open.get(g, 0) + 1
         self.curriculum = None
-        if self.cfg.curriculum is not None:
-            self.curriculum = Curriculum(self.cfg.curriculum, self._prompt_ids, self.cfg.seed)
+        if self.settings.curriculum is not None:
+            self.curriculum = Curriculum(self.settings.curriculum, self._prompt_ids, self.settings.seed)
             self.curriculum.load(self.store.read("SELECT gid, prompt, solved, n FROM curriculum ORDER BY rowid"),
                                  self.store.read("SELECT gid, epoch FROM curriculum_skips"),
                                  int(acc.get("curriculum_skipped", 0)))
@@ -218,7 +218,7 @@ class PromptPoolRole(PoolRole):
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
-            self._perm = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.records))
+            self._perm = np.random.default_rng([self.settings.seed, epoch]).permutation(len(self.records))
             self._order_epoch = epoch
         return self._perm
 
@@ -227,15 +227,15 @@ class PromptPoolRole(PoolRole):
             return False
         if self.curriculum is not None and self.curriculum.all_retired(self._prompt_ids):
             return True  # the curriculum retired every prompt: nothing fresh is left
-        return self.cfg.max_epochs is not None and self.epoch >= self.cfg.max_epochs
+        return self.settings.max_epochs is not None and self.epoch >= self.settings.max_epochs
 
     def _group(self, epoch: int, idx: int, attempt: int = 0) -> list[TrajectorySpec]:
-        r, n = self.records[idx], self.cfg.group_size
+        r, n = self.records[idx], self.settings.group_size
         gid = f"{self.prefix}e{epoch}-p{r.prompt_id}"
         tail = f"~a{attempt}" if attempt else ""
         return [TrajectorySpec(trajectory_id=f"{gid}/{i}{tail}", prompt_id=r.prompt_id, group_id=gid, sample_index=i,
                                group_size=n, prompt_tokens=self.tokens[idx], answer=r.answer,
-                               max_tokens=self.cfg.max_tokens) for i in range(n)]
+                               max_tokens=self.settings.max_tokens) for i in range(n)]
 
     @property
     def prefix(self) -> str:
@@ -248,7 +248,7 @@ class PromptPoolRole(PoolRole):
         if not group_id.startswith(self.prefix + "e"):
             return None
         e, sep, pid = group_id[len(self.prefix) + 1:].partition("-p")
-        if member is not None and not (member.isdigit() and int(member) < self.cfg.group_size):
+        if member is not None and not (member.isdigit() and int(member) < self.settings.group_size):
             return None
         return (int(e), pid) if sep and e.isdigit() and pid in self.index else None
 
@@ -279,8 +279,8 @@ class PromptPoolRole(PoolRole):
             # since runs elsewhere as its next attempt, and must not run here too under those ids
             held = [(g, k) for g, k in last[1] if self.out.get(g, ("",))[0] == req.rollout_id]
             return self._batch(req, [s for g, k in held for s in self._specs_of(g, k)])
-        n = self.cfg.group_size
-        want = max(1, min(req.max_trajectories, self.cfg.max_batch_trajectories) // n)
+        n = self.settings.group_size
+        want = max(1, min(req.max_trajectories, self.settings.max_batch_trajectories) // n)
         # Requeued groups (work lost with a rollout) go out first and pass the gate: they belong to
         # batches already counted, which the trainer may be waiting for. The gate bounds the fresh
         # groups, and `handed` counts only those.
@@ -299,7 +299,7 @@ class PromptPoolRole(PoolRole):
         cur = self.curriculum
         bound = cur.scan_bound(len(self.records)) if cur is not None else None
         while len(out) // n < want and fresh < fresh_room:
-            if self.cfg.max_epochs is not None and epoch >= self.cfg.max_epochs:
+            if self.settings.max_epochs is not None and epoch >= self.settings.max_epochs:
                 break
             if bound is not None and scanned >= bound:
                 break  # every prompt left is retired
@@ -422,7 +422,8 @@ class PromptPoolRole(PoolRole):
                 break
             got.append((e, r, pid))
         split = [self._split(e) for e, _, _ in got]
-        return HandedList([e for e, _, _ in got], [r for _, r, _ in got], [self.cfg.group_size] * len(got), more=more,
+        n = self.settings.group_size
+        return HandedList([e for e, _, _ in got], [r for _, r, _ in got], [n] * len(got), more=more,
                           group_ids=[g for g, _ in split], members=[-1 if m is None else int(m) for _, m in split],
                           pids=[pid for _, _, pid in got], attempts=[self.attempts.get(e, 0) for e, _, _ in got])
 

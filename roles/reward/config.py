@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from laminar.engine_settings import EngineSettings
 from laminar.secrets import SecretRef, no_literal_secret
 
 
@@ -32,8 +33,10 @@ class ClassifierSettings(BaseModel):
     device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1)")
 
 
-class JudgeSettings(BaseModel):
-    """A generative model on a vLLM engine that reads a prompt made from a template and answers."""
+class JudgeSettings(EngineSettings):
+    """A generative model on a vLLM engine (EngineSettings, as a rollout's) that reads a prompt made
+    from a template and answers. Its model folder is required and its max_model_len defaults longer
+    (the prompt holds a question, a reference and a response)."""
     model_config = ConfigDict(extra="forbid")
     model_dir: str = Field(..., description="folder of the judge's Hugging Face model")
     template: str = Field("Question: {question}\nReference answer: {reference}\nStudent answer: {response}\n"
@@ -49,9 +52,8 @@ class JudgeSettings(BaseModel):
     fallback: float = Field(0.0, description="score of an answer the parser cannot read (counted as a parse failure)")
     max_tokens: int = Field(16, ge=1, description="tokens the judge may answer with")
     temperature: float = Field(0.0, ge=0, description="judge sampling temperature (0: greedy)")
-    max_model_len: int = Field(2048, ge=64, description="vLLM max_model_len")
-    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache of the vLLM CPU engine")
-    dtype: str = Field("float32", description="engine dtype")
+    max_model_len: int = Field(2048, ge=64, description="vLLM max_model_len: prompt (question, reference, "
+                               "response; cut on the left) + answer")
 
 
 class HttpSettings(BaseModel):

@@ -19,6 +19,7 @@ import json
 import math
 
 import httpx
+from laminar.bus.retry import Backoff
 
 from laminar.protocol import Trajectory
 from laminar.secrets import resolve
@@ -58,12 +59,11 @@ class HttpScorer:
         return [x for p in parts for x in p], []
 
     async def _post(self, items: list[dict]) -> list[float]:
-        delay, why = self.s.backoff_s, ""
+        wait, why = Backoff(self.s.backoff_s, 10.0), ""
         for attempt in range(self.s.retries + 1):
             if attempt:
                 self.retries += 1
-                await asyncio.sleep(delay)  # backoff before retrying the service
-                delay = min(delay * 2, 10.0)
+                await wait.sleep()  # backoff before retrying the service
             try:
                 async with self.gate:
                     status, body = await self._request(items)

@@ -44,8 +44,8 @@ class JudgeScorer:
     def __init__(self, s, decode):
         self.s, self.decode = s, decode
         self.tok = load_tokenizer(s.model_dir)  # the judge's own; the byte tokenizer for a folder without one
-        self.engine = VllmEngine(s.model_dir, max_model_len=s.max_model_len, max_num_seqs=64,
-                                 kv_cache_gib=s.kv_cache_gib, temperature=s.temperature, top_p=1.0, dtype=s.dtype)
+        self.engine = VllmEngine.from_settings(s, max_num_seqs=s.max_num_seqs or 64, temperature=s.temperature,
+                                               top_p=1.0, seeded=False)
         self.parse_failures = 0
         self._n = 0
 

@@ -26,12 +26,12 @@ import asyncio
 import time
 from collections import deque
 
+from laminar.bus.retry import call_acked
 from laminar.roles.base import Role
 from laminar.roles.reward.classifier import ClassifierScorer
 from laminar.roles.reward.config import RewardRoleConfig
 from laminar.roles.reward.http import HttpScoreError, HttpScorer
 from laminar.roles.reward.text import Decoder
-from laminar.roles.rollout.work import call_acked
 
 from laminar.protocol import LeaseRewards, SubmitScores
 

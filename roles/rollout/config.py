@@ -1,28 +1,20 @@
 """Settings of a rollout replica (`roles.rollout` in the run config).
 
-The engine settings that depend on the model and the placement are checked when the config is
-read, not when the engine starts minutes later: tensor parallelism must split the model's heads
-(its config.json, or the shape file shipped under configs/models/: laminar/models/shape.py) and
-match the placement (`check_placement`: as many GPUs as ranks; on the CPU build, cores that split
-evenly between the ranks), and `max_model_len` must lie within the model's positions.
+Its engine's settings are EngineSettings (roles/rollout/engine_settings.py), the one model the
+evaluator and the reward judge use too; their checks against the model and the placement run when
+the config is read. `sim` (engine: sim) is SimRolloutSettings (roles/rollout/sim_settings.py).
 """
 from __future__ import annotations
 
-import os
-from typing import Literal
+from typing import ClassVar, Literal
 
 from laminar.roles.env.config import EnvRoleConfig
+from laminar.roles.rollout.agent_config import RolloutAgentConfig
 from laminar.roles.rollout.rewards import RewardTerm
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from laminar.roles.rollout.sim_settings import SimRolloutSettings
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from laminar.models.shape import model_shape
-
-
-def _shape(info: ValidationInfo):
-    """The model's shape for a vLLM rollout's field validators (None: another engine, or no shape)."""
-    if info.data.get("engine", "vllm") != "vllm" or "model_dir" not in info.data:
-        return None
-    return model_shape(info.data["model_dir"])
+from laminar.engine_settings import EngineSettings
 
 
 class RolloutEnvConfig(BaseModel):
@@ -54,44 +46,23 @@ class RolloutEnvConfig(BaseModel):
         return self
 
 
-class RolloutConfig(BaseModel):
-    """Settings of one rollout replica (`roles.rollout`, per-instance `options` on top)."""
+class EngineChoice(BaseModel):
+    """Which engine a rollout generates with. A base of its own so that, listed after
+    EngineSettings in RolloutConfig's bases, its field comes first (pydantic orders fields from the
+    last base to the first) and the engine settings' model checks can skip a sim engine."""
     model_config = ConfigDict(extra="forbid")
     engine: str = Field("vllm", description="generation engine: vllm (real) or sim (simulator)")
-    model_dir: str = Field("models/tiny", description="local Hugging Face model directory")
-    max_concurrency: int = Field(64, ge=1, description="trajectories taken per batch (engine max_num_seqs)")
-    max_num_seqs: int | None = Field(None, ge=1, description="sequences the engine runs at once (vLLM's "
-                                     "max_num_seqs); None: max_concurrency. Below it, the rest of a batch waits in "
-                                     "the engine's queue: KV capacity ÷ the tokens a sequence holds on average "
-                                     "avoids most preemptions of long-tailed lengths (docs/sim.md). A rollout "
-                                     "that refills in a laminar mode takes only this many")
-    max_model_len: int = Field(1024, ge=16, description="prompt + response tokens the engine admits (32K and beyond "
-                               "as far as the model's positions go: max_position_embeddings, times a rope_scaling "
-                               "factor in its config.json)")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: ranks one engine is split over (tensor "
-                                      "parallelism). With CUDA, the GPUs of the rollout's placement (`gpus:`, one "
-                                      "host), as many as ranks; on the CPU build, processes that each take an equal "
-                                      "share of the placement's `cores`. Must divide the model's attention heads")
-    enforce_eager: bool | None = Field(None, description="vLLM: run without CUDA graphs and compilation; None: off "
-                                       "with CUDA (graphs remove the per-step launch overhead that dominates decode "
-                                       "at small batch), on for the CPU build (its compilation costs minutes)")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM with CUDA: share of each GPU's memory "
-                                          "the engine takes for weights, activations and KV cache (the KV cache "
-                                          "gets what the other two leave); the CPU build sizes it by kv_cache_gib")
-    enable_prefix_caching: bool = Field(True, description="vLLM: keep the KV blocks of prompts and reuse them for a "
-                                        "later request with the same prefix (a GRPO group's responses share their "
-                                        "prompt: it is prefilled once, not group_size times)")
-    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache of the vLLM CPU engine (VLLM_CPU_KVCACHE_SPACE)")
-    lora: dict | None = Field(None, description="versions are LoRA adapters on model_dir's frozen weights (the "
-                              "trainer's roles.trainer.lora; roles/rollout/adapters.py): {max_lora_rank: at least "
-                              "the adapter's rank, max_loras: adapters in one batch, at least 2 so a version's "
-                              "trajectories run on while the next one's start}; None: full-weights versions")
-    kv_cache_tokens: int | None = Field(None, ge=16, description="vLLM only: size the KV cache in tokens instead "
-                                        "(whole blocks of 32, vLLM's num_gpu_blocks_override), at least "
-                                        "max_model_len. A tiny model's 1 GiB cache holds about a million tokens and "
-                                        "reads ~0% used whatever runs; sized to the workload, KV usage (the repack's "
-                                        "input, docs/architecture.md §7) rises and falls as it does on a GPU")
-    dtype: str = Field("float32", description="engine dtype")
+
+
+class RolloutConfig(EngineSettings, EngineChoice):
+    """Settings of one rollout replica (`roles.rollout`, per-instance `options` on top): its vLLM
+    engine's (EngineSettings, shared with the evaluator and the reward judge), then how it samples,
+    scores and talks to the pools."""
+    model_config = ConfigDict(extra="forbid")
+    MOVED: ClassVar[dict[str, str]] = {"weights_dir": "shm_dir"}  # older keys (laminar/config.py names them)
+    max_concurrency: int = Field(64, ge=1, description="trajectories taken per batch (the engine's max_num_seqs "
+                                 "unless that is set); a rollout that refills in a laminar mode takes only "
+                                 "max_num_seqs")
     temperature: float = Field(1.0, ge=0, description="sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     seed: int | None = Field(None, description="base sampling seed; per trajectory seed = hash(seed, id)")
@@ -105,8 +76,8 @@ class RolloutConfig(BaseModel):
     relay_id: str | None = Field(
         None, description="relay on this host to pull weights from (None: keep initial weights)"
     )
-    weights_dir: str | None = Field(
-        None, description="shared-memory folder of that relay (default: the relay's shm_dir setting)"
+    shm_dir: str | None = Field(
+        None, description="shared-memory folder of that relay (default: the relay's own shm_dir)"
     )
     prompt_pool: str = Field("0", description="id of the prompt pool role")
     partial_pool: str = Field("0", description="id of the partial pool role")
@@ -118,8 +89,8 @@ class RolloutConfig(BaseModel):
                                "again; doubles up to put_retry_max_s. It stays in the partial pool meanwhile")
     put_retry_max_s: float = Field(5.0, gt=0, description="longest wait between offers of a refused trajectory")
     idle_wait_s: float = Field(0.5, gt=0, description="wait before asking an empty prompt pool again")
-    sim: dict = Field(default_factory=dict, description="engine: sim settings, passed to SimEngine.from_workload "
-                      "(model, tp, lengths, gpu, curve_path, ...) plus `speedup` (compressed time, default 1)")
+    sim: SimRolloutSettings | None = Field(None, description="engine: sim: the simulated engine's model, GPUs, "
+                                           "lengths and `speedup` (roles/rollout/sim_settings.py); needed then")
     refill: bool | None = Field(
         None, description="take new groups as trajectories finish, not at batch end (default: on in stream mode only); "
         "in the laminar modes until this host's relay holds a newer version and max_concurrency were taken on "
@@ -128,61 +99,11 @@ class RolloutConfig(BaseModel):
     stop_when_exhausted: bool = Field(True, description="finish (exit 0) when the prompt pool has no more epochs")
     env: RolloutEnvConfig | None = Field(None, description="multi-turn: the environment of every trajectory "
                                          "(None: single-turn, scored by `reward`)")
+    agent: RolloutAgentConfig | None = Field(None, description="agent mode: every trajectory is an episode an "
+                                             "outside agent drives through the gateway role (roles/rollout/agent.py)")
 
     @model_validator(mode="after")
-    def _kv_holds_a_sequence(self):
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
-            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one whole sequence "
-                             f"(max_model_len {self.max_model_len})")
+    def _one_driver(self):
+        if self.env is not None and self.agent is not None:
+            raise ValueError("env and agent: a trajectory is driven by an environment or by an agent, not both")
         return self
-
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _tp_splits_the_model(cls, tp: int, info: ValidationInfo) -> int:
-        """Against the model's shape (skipped when neither the model folder nor a shipped shape
-        file has a config.json: vLLM then checks at start)."""
-        shape = _shape(info)
-        why = shape and shape.tp_problem(tp)
-        if why:
-            raise ValueError(f"{why} ({shape.source})")
-        return tp
-
-    @field_validator("max_model_len")
-    @classmethod
-    def _within_the_positions(cls, n: int, info: ValidationInfo) -> int:
-        shape = _shape(info)
-        if shape is not None and shape.max_positions is not None and n > shape.max_positions:
-            raise ValueError(f"{n} is beyond the model's {shape.max_positions} positions ({shape.source}: "
-                             f"max_position_embeddings, times a rope_scaling factor)")
-        return n
-
-    def check_placement(self, spec) -> None:
-        """ValueError when the placement `spec` (a RoleSpec) cannot host this engine: with `gpus:`,
-        one GPU per tensor-parallel rank; on the CPU, `cores:` that split evenly between the ranks
-        (one OpenMP CPU list per rank)."""
-        tp = self.tensor_parallel_size
-        if self.engine != "vllm":
-            return
-        if spec.gpus:
-            if len(spec.gpus) != tp:
-                raise ValueError(f"tensor_parallel_size {tp} must equal the number of GPUs of the placement "
-                                 f"(gpus: {spec.gpus}, {len(spec.gpus)} GPUs): one GPU per rank")
-        elif spec.cores and len(spec.cores) % tp:
-            raise ValueError(f"tensor_parallel_size {tp}: the placement's cores {spec.cores} do not split evenly "
-                             f"between {tp} ranks (each rank's OpenMP threads get an equal share)")
-
-    def omp_bind(self, cores) -> str | None:
-        """VLLM_CPU_OMP_THREADS_BIND for `cores` (the placement's, or this process's affinity when
-        None and the engine has several ranks): one comma-separated list per rank, `|` between
-        ranks. None: leave vLLM's own binding (one rank, no cores given)."""
-        tp = self.tensor_parallel_size
-        if not cores:
-            if tp == 1:
-                return None
-            mine = sorted(os.sched_getaffinity(0))
-            cores = mine[: len(mine) - len(mine) % tp] or mine  # an equal share each (too few: refused below)
-        cores = list(cores)
-        if len(cores) < tp or len(cores) % tp:
-            raise ValueError(f"tensor_parallel_size {tp}: cores {cores} do not split evenly between {tp} ranks")
-        n = len(cores) // tp
-        return "|".join(",".join(str(c) for c in cores[r * n:(r + 1) * n]) for r in range(tp))

@@ -29,7 +29,7 @@ core dies (EngineDeadError) and takes every request with it. So an engine whose 
 seeds (`seeded=True`) on the CPU runs without chunked prefill, with a step budget of at least one
 whole sequence; a prompt then prefills in one step, and seeds reproduce as they should.
 
-LoRA (`lora`: {max_lora_rank, max_loras}): the engine serves the model folder's weights as a frozen
+LoRA (`lora`: LoraServing, max_lora_rank and max_loras): the engine serves the model folder's weights as a frozen
 base with vLLM's LoRA on, and a version is an adapter (roles/rollout/adapters.py): loading one
 writes it to a folder of its own under a new adapter id, each request carries the adapter current
 when it started (a trajectory is one version even while the next loads), and an adapter is removed
@@ -54,10 +54,22 @@ from dataclasses import dataclass
 
 from laminar.roles.rollout.rank_load import load_on_ranks
 
+from laminar.engine_settings import EngineSettings, LoraServing
 from laminar.shm import ShmLedger, descendants
 from laminar.weights.pull import LocalWeights
 
 KV_BLOCK = 32  # tokens per KV block when the cache is sized in tokens (kv_cache_tokens)
+
+
+@dataclass
+class Sampling:
+    """Per-request sampling that overrides the engine's own settings (agent calls: roles/rollout/agent.py).
+    `top_logprobs` > 0 asks for that many alternatives per token, appended to `top` as
+    {token id: logprob} (one dict per generated token)."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int = 0
+    top: list | None = None
 
 
 @dataclass
@@ -73,8 +85,8 @@ class RolloutEngine:
 
     async def start(self) -> None: ...
 
-    def generate(self, request_id: str, prompt: list[int], max_tokens: int,
-                 seed: int | None) -> AsyncIterator[tuple[list[int], list[float], str | None]]: ...
+    def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
+                 sampling: Sampling | None = None) -> AsyncIterator[tuple[list[int], list[float], str | None]]: ...
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
         """Load the relay's newest version if newer than min_version (or exactly the weights `exact`
@@ -115,14 +127,14 @@ class VllmEngine(RolloutEngine):
                  omp_threads_bind: str | None = None, seeded: bool = False, kv_cache_tokens: int | None = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 lora: dict | None = None, adapter_dir: str | None = None):
+                 lora: LoraServing | None = None, adapter_dir: str | None = None):
         self.model_dir, self.max_model_len, self.max_num_seqs = model_dir, max_model_len, max_num_seqs
         self.seeded, self.kv_cache_tokens = seeded, kv_cache_tokens
         self.kv_cache_gib, self.temperature, self.top_p, self.dtype = kv_cache_gib, temperature, top_p, dtype
         self.omp_threads_bind = omp_threads_bind
         self.tensor_parallel_size, self.enforce_eager = tensor_parallel_size, enforce_eager
         self.gpu_memory_utilization, self.enable_prefix_caching = gpu_memory_utilization, enable_prefix_caching
-        self.lora = lora  # {max_lora_rank, max_loras}: versions are LoRA adapters (None: full weights)
+        self.lora = lora  # versions are LoRA adapters (None: full weights)
         self.adapters = None
         if lora is not None:
             from laminar.roles.rollout.adapters import Adapters
@@ -130,6 +142,19 @@ class VllmEngine(RolloutEngine):
         self.stats = EngineStats()
         self.llm = None
         self.shm = None
+
+    @classmethod
+    def from_settings(cls, s: EngineSettings, *, max_num_seqs: int, temperature: float, top_p: float,
+                      seeded: bool, omp_threads_bind: str | None = None) -> VllmEngine:
+        """The engine an EngineSettings describes (the rollout's, the evaluator's or the judge's), with
+        what each role decides itself: how many sequences run at once, how it samples, where its
+        OpenMP threads go (`omp_threads_bind`: EngineSettings.omp_bind of the placement's cores)."""
+        return cls(s.model_dir, max_model_len=s.max_model_len, max_num_seqs=max_num_seqs,
+                   kv_cache_gib=s.kv_cache_gib, temperature=temperature, top_p=top_p, dtype=s.dtype,
+                   omp_threads_bind=omp_threads_bind, seeded=seeded, kv_cache_tokens=s.kv_cache_tokens,
+                   tensor_parallel_size=s.tensor_parallel_size, enforce_eager=s.enforce_eager,
+                   gpu_memory_utilization=s.gpu_memory_utilization, enable_prefix_caching=s.enable_prefix_caching,
+                   lora=s.lora)
 
     def engine_args(self, cpu: bool) -> dict:
         """The AsyncEngineArgs of this engine (`cpu`: vLLM's CPU build), as keyword arguments."""
@@ -139,8 +164,7 @@ class VllmEngine(RolloutEngine):
         if self.kv_cache_tokens is not None:  # blocks of 32 tokens (the CPU attention needs multiples of 32)
             extra.update(block_size=KV_BLOCK, num_gpu_blocks_override=-(-self.kv_cache_tokens // KV_BLOCK))
         if self.lora is not None:
-            extra.update(enable_lora=True, max_lora_rank=int(self.lora["max_lora_rank"]),
-                         max_loras=int(self.lora["max_loras"]))
+            extra.update(enable_lora=True, max_lora_rank=self.lora.max_lora_rank, max_loras=self.lora.max_loras)
         eager = cpu if self.enforce_eager is None else self.enforce_eager
         return dict(model=self.model_dir, skip_tokenizer_init=True, enforce_eager=eager, dtype=self.dtype,
                     max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
@@ -167,12 +191,16 @@ class VllmEngine(RolloutEngine):
         self.shm = ShmLedger()  # only the processes this start created (other engines may share our process)
         self.shm.note([p for p in descendants(os.getpid()) if p not in before])
 
-    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None):
+    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
+                       sampling: Sampling | None = None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-        sp = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                            logprobs=0, detokenize=False, seed=seed,
+        sm = sampling or Sampling()
+        sp = SamplingParams(max_tokens=max_tokens,
+                            temperature=self.temperature if sm.temperature is None else sm.temperature,
+                            top_p=self.top_p if sm.top_p is None else sm.top_p,
+                            logprobs=sm.top_logprobs, detokenize=False, seed=seed,
                             output_kind=RequestOutputKind.DELTA)
         with self.adapters.use() if self.adapters is not None else _no_adapter() as lora:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp,
@@ -180,6 +208,8 @@ class VllmEngine(RolloutEngine):
                 c = out.outputs[0]
                 toks = list(c.token_ids)
                 lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
+                if sm.top is not None:
+                    sm.top += [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
                 yield toks, lps, (c.finish_reason if out.finished else None)
         await self.drop_unused_adapters()  # this request's adapter, if it was the last one on an older version
 

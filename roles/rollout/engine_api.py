@@ -7,7 +7,7 @@ docs/sim.md). The protocol is structural (`typing.Protocol`, runtime-checkable):
 not inherit from anything to qualify, and tests/unit/test_engine_api.py checks that both engines
 define every method with the protocol's signature.
 
-    engine = build_rollout_engine(cfg, cores)   # cfg: the role's RolloutConfig
+    engine = build_rollout_engine(settings, cores)   # settings: the role's RolloutConfig
     await engine.start()
     async for tokens, logprobs, finish in engine.generate(request_id, prompt, max_tokens, seed): ...
     version = await engine.load_relay(shm_dir, min_version)      # -1: nothing newer; one version on every
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from laminar.roles.rollout.engine import EngineStats
+from laminar.roles.rollout.engine import EngineStats, Sampling
 
 
 @runtime_checkable
@@ -35,9 +35,11 @@ class RolloutEngineAPI(Protocol):
         """Bring the engine up (spawn processes, start the scheduler); requests may follow."""
         ...
 
-    def generate(self, request_id: str, prompt: list[int], max_tokens: int,
-                 seed: int | None) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
-        """Stream (new token ids, their logprobs, finish reason or None) until the request ends."""
+    def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
+                 sampling: Sampling | None = None) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
+        """Stream (new token ids, their logprobs, finish reason or None) until the request ends;
+        `sampling` overrides the engine's temperature and top_p for this request (an engine that
+        models no sampling, the simulator's, ignores it)."""
         ...
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
@@ -55,27 +57,27 @@ class RolloutEngineAPI(Protocol):
         ...
 
 
-def engine_seqs(cfg: Any) -> int:
+def engine_seqs(settings: Any) -> int:
     """Sequences the engine runs at once: `max_num_seqs`, never more than the trajectories the
     rollout takes (`max_concurrency`, also the default)."""
-    n = getattr(cfg, "max_num_seqs", None)
-    return min(n, cfg.max_concurrency) if n else cfg.max_concurrency
+    n = getattr(settings, "max_num_seqs", None)
+    return min(n, settings.max_concurrency) if n else settings.max_concurrency
 
 
-def build_rollout_engine(cfg: Any, cores: Sequence[int] | None = None) -> RolloutEngineAPI:
+def build_rollout_engine(settings: Any, cores: Sequence[int] | None = None) -> RolloutEngineAPI:
     """The engine `roles.rollout.engine` names, from the role's settings (`RolloutConfig`):
     "vllm" (its OpenMP threads bound to `cores`, the rollout's placement, an equal share per
-    tensor-parallel rank: RolloutConfig.omp_bind) or "sim" (`cfg.sim`:
+    tensor-parallel rank: RolloutConfig.omp_bind) or "sim" (`settings.sim`:
     the simulator's model, time compressed by its `speedup`)."""
-    if cfg.engine == "vllm":
+    if settings.engine == "vllm":
         from laminar.roles.rollout.engine import VllmEngine
-        return VllmEngine(cfg.model_dir, max_model_len=cfg.max_model_len, max_num_seqs=engine_seqs(cfg),
-                          kv_cache_gib=cfg.kv_cache_gib, temperature=cfg.temperature, top_p=cfg.top_p,
-                          dtype=cfg.dtype, omp_threads_bind=cfg.omp_bind(cores), seeded=cfg.seed is not None,
-                          kv_cache_tokens=cfg.kv_cache_tokens, tensor_parallel_size=cfg.tensor_parallel_size,
-                          enforce_eager=cfg.enforce_eager, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                          enable_prefix_caching=cfg.enable_prefix_caching, lora=cfg.lora)
-    if cfg.engine == "sim":
+        return VllmEngine.from_settings(settings, max_num_seqs=engine_seqs(settings), temperature=settings.temperature,
+                                        top_p=settings.top_p, seeded=settings.seed is not None,
+                                        omp_threads_bind=settings.omp_bind(cores))
+    if settings.engine == "sim":
         from laminar.roles.rollout.sim_engine import SimEngine
-        return SimEngine.from_settings(cfg.sim, max_num_seqs=engine_seqs(cfg), max_model_len=cfg.max_model_len)
-    raise ValueError(f"roles.rollout.engine: unknown engine {cfg.engine!r} (vllm or sim)")
+        if settings.sim is None:
+            raise ValueError("roles.rollout.sim: engine sim needs the simulated engine's settings (model, tp, lengths)")
+        return SimEngine.from_settings(settings.sim, max_num_seqs=engine_seqs(settings),
+                                       max_model_len=settings.max_model_len)
+    raise ValueError(f"roles.rollout.engine: unknown engine {settings.engine!r} (vllm or sim)")

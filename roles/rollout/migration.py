@@ -26,6 +26,7 @@ import dataclasses
 import time
 
 from laminar.bus.errors import DeadlineExceeded, PeerUnavailable, RemoteError
+from laminar.bus.retry import ACKED_BACKOFF, Backoff
 from laminar.bus.rpc import RequestError
 from laminar.roles.rollout.streaming import DeltaStream
 from laminar.roles.rollout.trajectory import Active
@@ -54,15 +55,17 @@ class Migration:
         self.rollout_id, self.work, self.weights, self.stream = rollout_id, work, weights, stream
         self.partials, self.log, self.max_concurrency = partials, log, max_concurrency
         self.start = start   # start(Active): make it active and generate it (TrajectoryRunner.start)
-        self.call = call     # call(client, req): until answered (work.call_acked)
+        self.call = call     # call(client, req): until answered (bus/retry.py call_acked)
         self.adopted: list[PartialState] = []   # of an older version, queued (MigrateIn adopt)
         self.pinned = False                     # running adopted work: no new prompts, no weight update
 
     async def on_migrate_out(self, req: MigrateOut) -> PartialList:
         active = self.work.active
         ids = list(active) if req.everything else req.trajectory_ids
-        # only those still generating: a finished one is being scored and stored right now
-        moving = [a for a in (active.get(t) for t in ids) if a is not None and a.task and not a.task.done()]
+        # only those still generating: a finished one is being scored and stored right now; an agent
+        # episode in a call (or before its first one) stays
+        moving = [a for a in (active.get(t) for t in ids)
+                  if a is not None and a.task and not a.task.done() and not a.stays]
         for a in moving:
             a.task.cancel()
         await asyncio.gather(*(a.task for a in moving), return_exceptions=True)
@@ -78,11 +81,7 @@ class Migration:
                     self.start(a)
             raise RequestError("unavailable", "partial pool unreachable; trajectories resumed here")
         out = [a.partial(self.rollout_id) for a in moving]
-        for a in moving:
-            active.pop(a.id, None)
-        if not active:
-            self.work.batch_done.set()
-            self.work.room_freed.set()
+        self.work.left(*moving, make_room=False)
         self.log.info("migrated_out", trajectories=len(out), reason=req.reason)
         return PartialList(out)
 
@@ -110,12 +109,11 @@ class Migration:
         its deltas durable and release it in the partial pool (owner none), then drop it. The
         manager's reconcile finds it as an orphan and places it again (its tokens are all there: the
         new owner stores it at once). Until the pool takes both, it is asked again with backoff."""
-        delay = 0.1
+        wait = Backoff(*ACKED_BACKOFF)
         while not (await self.stream.flush([a.id]) and await self._release([a])):
             if a.fenced:  # another owner has it meanwhile
                 break
-            await asyncio.sleep(delay)  # backoff: the partial pool is unreachable
-            delay = min(delay * 2, 2.0)
+            await wait.sleep()  # backoff: the partial pool is unreachable
         self.log.warning("trajectory_released", trajectory=a.id, tokens=len(a.tokens), why="given up here")
         self.work.left(a)
 

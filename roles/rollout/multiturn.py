@@ -53,6 +53,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 from laminar.bus.errors import Busy, PeerUnavailable, RemoteError, remote_error
+from laminar.bus.retry import Backoff
 from laminar.bus.rpc import RequestError
 from laminar.roles.env.episodes import encode_continuation
 from laminar.roles.rollout.trajectory import Active
@@ -156,29 +157,29 @@ def stop_cut(tail: Sequence[int], new: Sequence[int], seqs: Sequence[Sequence[in
 
 # -- the episode loop -----------------------------------------------------------------------
 class EpisodeRunner:
-    def __init__(self, cfg, engine, env, rollout_id: str, *, stops: list[list[int]], eos_id: int | None,
+    def __init__(self, settings, engine, env, rollout_id: str, *, stops: list[list[int]], eos_id: int | None,
                  seed: int | None, make_durable: Callable[[Active], Awaitable[None]], log,
                  on_tokens: Callable[[int], None] = lambda n: None):
-        """`cfg`: a RolloutEnvConfig; `env`: BusEnv or LocalEnv; `make_durable(a)` returns once every
+        """`settings`: a RolloutEnvConfig; `env`: BusEnv or LocalEnv; `make_durable(a)` returns once every
         token of `a` is acknowledged by the partial pool; `on_tokens(n)` counts generated tokens."""
-        self.cfg, self.engine, self.env, self.rollout_id = cfg, engine, env, rollout_id
+        self.settings, self.engine, self.env, self.rollout_id = settings, engine, env, rollout_id
         self.stops, self.eos_id, self.seed = stops, eos_id, seed
         self.max_stop = max((len(s) for s in stops), default=0)
         self.make_durable, self.log, self.on_tokens = make_durable, log, on_tokens
         self.counts: Counter[str] = Counter()
 
     @classmethod
-    def build(cls, cfg, engine, transport, endpoint: str | None, rollout_id: str, **kw) -> EpisodeRunner:
+    def build(cls, settings, engine, transport, endpoint: str | None, rollout_id: str, **kw) -> EpisodeRunner:
         """The runner for a RolloutEnvConfig: its env (bus or local), stop sequences and EOS."""
-        tok = load_tokenizer(cfg.tokenizer_dir)
-        if cfg.local is not None:
+        tok = load_tokenizer(settings.tokenizer_dir)
+        if settings.local is not None:
             import structlog
             from laminar.roles.env.episodes import EpisodeHost
             log = structlog.get_logger("laminar.env.local")
-            env = LocalEnv(EpisodeHost(cfg.local, log, f"rollout.{rollout_id}.env"))
+            env = LocalEnv(EpisodeHost(settings.local, log, f"rollout.{rollout_id}.env"))
         else:
-            env = BusEnv(transport.client(endpoint), cfg.rpc_timeout_s)
-        return cls(cfg, engine, env, rollout_id, stops=stop_sequences(tok, cfg.stop),
+            env = BusEnv(transport.client(endpoint), settings.rpc_timeout_s)
+        return cls(settings, engine, env, rollout_id, stops=stop_sequences(tok, settings.stop),
                    eos_id=getattr(tok, "eos_id", None), **kw)
 
     async def start(self) -> None:
@@ -235,14 +236,14 @@ class EpisodeRunner:
             return False
         if a.remaining <= 0 or a.tokens[-1] == self.eos_id:
             return True
-        if self.cfg.max_turn_tokens is not None and n >= self.cfg.max_turn_tokens:
+        if self.settings.max_turn_tokens is not None and n >= self.settings.max_turn_tokens:
             return True
         return any(n >= len(s) and a.tokens[-len(s):] == s for s in self.stops)
 
     async def _generate(self, a: Active) -> None:
         budget = a.remaining
-        if self.cfg.max_turn_tokens is not None:
-            budget = min(budget, self.cfg.max_turn_tokens - (len(a.tokens) - a.turn_start))
+        if self.settings.max_turn_tokens is not None:
+            budget = min(budget, self.settings.max_turn_tokens - (len(a.tokens) - a.turn_start))
         prompt = [int(t) for t in a.spec.prompt_tokens] + a.tokens
         seed = None if self.seed is None else zlib.crc32(f"{self.seed}:{a.id}:{len(a.tokens)}".encode())
         rid = f"{a.id}#{self.rollout_id}.{a.attempt}.{len(a.obs_spans)}"
@@ -278,7 +279,8 @@ class EpisodeRunner:
 
     async def _env_call(self, a: Active, call: Callable[[], Awaitable[EnvReply]]) -> EnvReply:
         """One env exchange under the failure policy (module docstring)."""
-        failures, delay, busy_delay, replay = 0, self.cfg.retry_backoff_s, 0.05, False
+        failures, replay = 0, False
+        replays, busy = Backoff(self.settings.retry_backoff_s, 10.0), Backoff(0.05, 2.0)
         t0 = time.monotonic()
         try:
             while True:
@@ -288,18 +290,17 @@ class EpisodeRunner:
                         replay = False
                     return await call()
                 except Busy as exc:
-                    self.log.warning("env_busy", trajectory=a.id, error=exc.message, retry_in_s=busy_delay)
-                    await asyncio.sleep(busy_delay)  # backpressure from the env role
-                    busy_delay = min(busy_delay * 2, 2.0)
+                    self.log.warning("env_busy", trajectory=a.id, error=exc.message, retry_in_s=busy.delay)
+                    await busy.sleep()  # backpressure from the env role
                 except (PeerUnavailable, RemoteError) as exc:
                     failures += 1
                     self.counts["errors"] += 1
-                    if self.cfg.on_failure == "fail" or failures > self.cfg.retries:
+                    if self.settings.on_failure == "fail" or failures > self.settings.retries:
                         raise EnvFailed(f"{exc} ({failures - 1} replays tried)") from None
                     self.log.warning("env_retry", trajectory=a.id, error=str(exc), failures=failures,
-                                     replay_in_s=delay)
-                    await asyncio.sleep(delay)  # backoff: e.g. the env role being restarted
-                    delay, replay = min(delay * 2, 10.0), True
+                                     replay_in_s=replays.delay)
+                    await replays.sleep()  # backoff: e.g. the env role being restarted
+                    replay = True
         finally:
             a.timings["env_s"] += time.monotonic() - t0
 

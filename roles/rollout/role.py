@@ -15,19 +15,21 @@ The role wires its components in setup() and keeps the batch loop and its intake
     work.py       Work: the active trajectories, the lock and the loop's wake-up events (shared)
     weights.py    WeightFollower: the weights the engine holds, loads from the relay, what it holds
     batch_seq.py  BatchSeq: TakeBatch numbers reserved on disk, never reused across restarts
-    runner.py     TrajectoryRunner: per trajectory: generate (or an episode: multiturn.py), score, store
+    runner.py     TrajectoryRunner: per trajectory: generate (or an episode: multiturn.py, agent.py), score, store
     streaming.py  DeltaStream: token deltas to the partial pool, paged; fenced-off work dropped
     migration.py  Migration: MigrateOut, MigrateIn, adoption of an older version's work
 
 Tasks: `loop` (run), `gen:<id>`/`finish:<id>` (one per trajectory), `flush` (every
 delta_interval_s), `report` (rollout.stats every report_interval_s), `versions` (weights.version
-events), and the control server's MigrateOut/MigrateIn handlers. They share one event loop, so
+events), and the control server's MigrateOut/MigrateIn handlers; in agent mode `announce` and
+`call:<id>` (one per agent call) and the AgentCall/EndEpisode handlers. They share one event loop, so
 nothing interleaves between two awaits; work.lock spans the awaits where it matters. Who writes
 what, and how the others ask:
 
   work.active          the loop (new work) and MigrateIn (migrants), both under work.lock; removed
                        by the trajectory's own finish task (stored), by flush (fenced off) and by
-                       MigrateOut (handed over). A removal sets room_freed, the last batch_done:
+                       MigrateOut (handed over), all through work.left(). A removal sets
+                       room_freed (a hand-over only when it was the last), the last batch_done:
                        that is how the loop learns of it.
   weights.version,     the loop alone (weights.update; run_adopted -> weights.load_retained), under
     .lineage, .run_id  work.lock with nothing active (and setup's first load, before any task).
@@ -40,6 +42,10 @@ what, and how the others ask:
   taken_on_version,    the loop alone.
     batches, seqs
   work.state           the loop, weight loads and MigrateIn (a label, only reported).
+  agents.open          agent mode (agent.py): an episode is added by its trajectory's task and removed
+                       by it (moved away) or by the runner once stored (release); its Active's
+                       `hold` is cleared, and `busy` set and cleared, only by the episode's own call
+                       task, which is the only writer of its tokens until it ends.
   counters             each by its component: work.generated (trajectory tasks),
                        weights.pull_failures, runner.puts_refused and gave_up, stream.fenced_off;
                        take_failures (the loop).
@@ -54,7 +60,9 @@ import os
 import time
 
 from laminar.bus.errors import RemoteError
+from laminar.bus.retry import call_acked
 from laminar.roles.base import Role
+from laminar.roles.rollout.agent import AgentEpisodes
 from laminar.roles.rollout.batch_seq import BatchSeq
 from laminar.roles.rollout.config import RolloutConfig
 from laminar.roles.rollout.engine_api import build_rollout_engine, engine_seqs
@@ -65,9 +73,9 @@ from laminar.roles.rollout.runner import TrajectoryRunner
 from laminar.roles.rollout.streaming import DeltaStream
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.weights import WeightFollower
-from laminar.roles.rollout.work import Work, call_acked
+from laminar.roles.rollout.work import Work
 
-from laminar.protocol import MigrateIn, MigrateOut, RolloutStats, TakeBatch
+from laminar.protocol import AgentCall, EndEpisode, MigrateIn, MigrateOut, RolloutStats, TakeBatch
 from laminar.weights.seal import arm_engine_checks
 
 
@@ -89,6 +97,7 @@ class RolloutRole(Role):
         # control server, the `weights.version` subscription (None until then: stop() after a failed
         # setup works)
         self.engine = self.episodes = self.seqs = self.weights = self.stream = self.runner = self.migration = None
+        self.agents = None  # agent mode (roles/rollout/agent.py)
         self.prompts = self.partials = self.buffer = None
         self.server = self.versions_sub = None
 
@@ -134,16 +143,16 @@ class RolloutRole(Role):
         prompts = t.client(self._address("prompt_pool", settings.prompt_pool))
         partials = t.client(self._address("partial_pool", settings.partial_pool))
         buffer = t.client(self._address("experience_buffer", settings.experience_buffer))
-        weights_dir = settings.weights_dir
-        if settings.relay_id is not None and weights_dir is None:  # the relay's own folder
-            weights_dir = cluster.relay_shm_dir(settings.relay_id)
+        shm_dir = settings.shm_dir
+        if settings.relay_id is not None and shm_dir is None:  # the relay's own folder
+            shm_dir = cluster.relay_shm_dir(settings.relay_id)
         keys = getattr(t, "keys", None)
         if settings.relay_id is not None and settings.engine == "vllm":
             arm_engine_checks(keys)  # its worker processes check each version's seals before loading
         self.engine = self._make_engine()
         await self.engine.start()
         self.wire(self.engine, prompts=prompts, partials=partials, buffer=buffer, reward=reward,
-                  weights_dir=weights_dir, seq_file=cluster.workdir() / f"rollout-{self.ctx.id}" / "batch_seq.json")
+                  shm_dir=shm_dir, seq_file=cluster.workdir() / f"rollout-{self.ctx.id}" / "batch_seq.json")
         await asyncio.to_thread(self.seqs.start)
         if settings.env is not None:
             env = settings.env
@@ -152,22 +161,30 @@ class RolloutRole(Role):
                 self.ctx.id, seed=settings.seed, make_durable=self.stream.make_durable, log=self.log,
                 on_tokens=self.work.count)
             await self.episodes.start()
+        if settings.agent is not None:
+            self.agents = self.runner.agents = AgentEpisodes(
+                settings.agent, settings.model_dir, self.engine, self.ctx.id, self._address("rollout", self.ctx.id),
+                t.client(self._address("gateway", settings.agent.gateway)), self.stream.make_durable, self.spawn,
+                self.log, max_model_len=settings.max_model_len, seed=settings.seed, on_tokens=self.work.count)
         await self.weights.update()
         self.server = t.server(cluster.bind_endpoint("rollout", self.ctx.id), "rollout", self.ctx.id)
         self.server.route(MigrateOut, self.migration.on_migrate_out)
         self.server.route(MigrateIn, self.migration.on_migrate_in)
+        if self.agents is not None:
+            self.server.route(AgentCall, self.agents.on_call)
+            self.server.route(EndEpisode, self.agents.on_end)
         await self.server.start()
         self.versions_sub = t.subscriber(["weights.version", "hb.trainer."])  # the trainer's heartbeat names its run
         self.log.info("rollout_ready", version=self.version, model=settings.model_dir, address=self.server.address)
 
-    def wire(self, engine, *, prompts=None, partials=None, buffer=None, reward=None, weights_dir=None,
+    def wire(self, engine, *, prompts=None, partials=None, buffer=None, reward=None, shm_dir=None,
              seq_file=None) -> None:
         """Build the components around a started engine and the pools' clients (setup; unit tests
         wire stubs). Each gets what it needs passed in; none of them knows the role."""
         s, rid, log = self.settings, self.ctx.id, self.log
         self.engine, self.prompts, self.partials, self.buffer = engine, prompts, partials, buffer
         self.seqs = BatchSeq(seq_file, log)
-        self.weights = WeightFollower(engine, weights_dir, self.ctx.host, self.work, log, s.pull_retry_s, s.relay_id)
+        self.weights = WeightFollower(engine, shm_dir, self.ctx.host, self.work, log, s.pull_retry_s, s.relay_id)
         self.stream = DeltaStream(rid, self.work, partials, s.rpc_timeout_s, log)
         self.runner = TrajectoryRunner(rid, s, self.work, self.weights, engine, self.episodes, reward, buffer,
                                        partials, self.spawn, log)
@@ -183,7 +200,7 @@ class RolloutRole(Role):
         return build_rollout_engine(self.settings, cores)
 
     async def _call(self, client, req):
-        """Until answered (work.call_acked): TakeBatch here, the partial pool's calls in Migration."""
+        """Until answered (the bus's call_acked): TakeBatch here, the partial pool's calls in Migration."""
         return await call_acked(client, req, self.settings.rpc_timeout_s, self.log)
 
     # -- main loop --------------------------------------------------------------------------
@@ -201,6 +218,8 @@ class RolloutRole(Role):
         self.spawn(self.stream.run(self.settings.delta_interval_s), "flush")
         self.spawn(self._report_loop(), "report")
         self.spawn(self.weights.follow(self.versions_sub), "versions")
+        if self.agents is not None:
+            self.spawn(self.agents.announce_loop(), "announce")
         while not self.stopping.is_set():
             step = await self._decide()
             if step == self.EXHAUSTED:
@@ -266,7 +285,7 @@ class RolloutRole(Role):
         only what its engine runs at once (max_num_seqs): a queue behind the running ones would add
         nothing to the engine's pace but would have to drain, on the old version, before the next
         one loads."""
-        if self.refill and not self.gated and self.episodes is None:  # episodes wait on their env too
+        if self.refill and not self.gated and self.episodes is None and self.agents is None:  # episodes wait too
             return engine_seqs(self.settings)
         return self.settings.max_concurrency
 
@@ -298,7 +317,7 @@ class RolloutRole(Role):
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.report_interval_s)  # the reporting period
-            if self.refill and not self.gated and self.weights.dir:
+            if self.refill and not self.gated and self.weights.shm_dir:
                 await self.weights.look_at_relay()
             now = time.monotonic()
             rate = (self.work.generated - self._gen_at_last_report) / max(now - last, 1e-6)
@@ -342,4 +361,6 @@ class RolloutRole(Role):
                "gave_up": self.runner.gave_up if self.runner else 0, "take_failures": self.take_failures}
         if self.episodes is not None:
             out.update({f"env_{k}": v for k, v in self.episodes.counts.items()})
+        if self.agents is not None:
+            out.update(self.agents.status())
         return out

@@ -17,18 +17,20 @@ are the other two ways out); the last one to leave ends the batch.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import zlib
 
 import numpy as np
 from laminar.bus.errors import PeerUnavailable, RemoteError
+from laminar.bus.retry import Backoff, call_acked
 from laminar.roles.rollout.rewards import RewardPlan
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.weights import WeightFollower
-from laminar.roles.rollout.work import Work, call_acked
+from laminar.roles.rollout.work import Work
 
 from laminar.protocol import AwaitReward, CompletePartial, PutTrajectory, Trajectory
+
+FAILED = ("env_failed", "agent_failed")  # finish reasons of trajectories stored untrained (loss mask all 0)
 
 
 class TrajectoryRunner:
@@ -38,6 +40,7 @@ class TrajectoryRunner:
                  reward, buffer, partials, spawn, log):
         self.rollout_id, self.settings, self.work, self.weights = rollout_id, settings, work, weights
         self.engine, self.episodes = engine, episodes   # episodes: multi-turn (or None)
+        self.agents = None                              # agent episodes (roles/rollout/agent.py), or None
         self.reward = RewardPlan.of(reward)             # rule functions here, model scorers awaited in the pool
         self.buffer, self.partials, self.spawn, self.log = buffer, partials, spawn, log
         self.puts_refused = 0
@@ -54,7 +57,9 @@ class TrajectoryRunner:
 
     async def _generate(self, a: Active) -> None:
         env_reward = None
-        if self.episodes is not None:
+        if self.agents is not None:
+            reason, env_reward = await self.agents.run(a)
+        elif self.episodes is not None:
             reason, env_reward = await self.episodes.run(a)
         else:
             prompt = [int(t) for t in a.spec.prompt_tokens] + a.tokens
@@ -72,16 +77,16 @@ class TrajectoryRunner:
 
     async def _finish(self, a: Active, reason: str, env_reward: float | None = None) -> None:
         pending: dict[str, float] = {}  # model scorers still to come (the partial pool waits for them)
-        if env_reward is not None:  # a multi-turn episode the environment ended (or env_failed: 0)
-            reward, parts = env_reward, {"env": env_reward}
+        if env_reward is not None:  # a multi-turn episode the environment (or an agent) ended (or failed: 0)
+            reward, parts = env_reward, {("agent" if self.agents is not None else "env"): env_reward}
         else:  # a multi-turn trajectory is scored on what the policy wrote, not on tool output
             reward, parts = self.reward.rule_part(a.spec, a.policy_tokens() if a.obs_spans else a.tokens, self.log)
             pending = dict(self.reward.scorers)
         a.timings["scored"] = time.time()
         if a.fenced:  # another owner continues it: nothing of it is stored from here
             return
-        # env_failed: stored so that its group completes, but nothing in it is trained on
-        mask = np.zeros(len(a.tokens), dtype=np.uint8) if reason == "env_failed" else a.loss_mask()
+        # env_failed, agent_failed: stored so that its group completes, but nothing in it is trained on
+        mask = np.zeros(len(a.tokens), dtype=np.uint8) if reason in FAILED else a.loss_mask()
         traj = Trajectory(spec=a.spec, response_tokens=np.asarray(a.tokens, dtype=np.int32),
                           logprobs=np.asarray(a.logprobs, dtype=np.float32), version=a.version,
                           rollout_id=self.rollout_id, reward=reward, finish_reason=reason, timings=a.timings,
@@ -109,16 +114,15 @@ class TrajectoryRunner:
                       reward=round(reward, 4), started=a.timings.get("started"), generated=a.timings["generated"],
                       migrated_in=a.timings.get("migrated_in"), finish=reason,
                       **({"env_replies": len(a.obs_spans)} if a.obs_spans else {}))
-        self.work.active.pop(a.id, None)
-        self.work.room_freed.set()
+        self.work.left(a)
         try:
             await self.partials.call(CompletePartial([a.id]), timeout=self.settings.rpc_timeout_s)
         except (PeerUnavailable, RemoteError) as exc:  # harmless: the buffer already has it
             self.log.warning("complete_partial_failed", trajectory=a.id, error=str(exc))
-        if not self.work.active:
-            self.work.batch_done.set()
         if self.episodes is not None:  # only now: until stored, a resumed trajectory may re-ask it
             await self.episodes.release(a.id)
+        if self.agents is not None:
+            await self.agents.release(a.id, reason)
 
     async def _await_reward(self, traj: Trajectory, a: Active, pending: dict[str, float]) -> None:
         """Hand the finished trajectory to the partial pool to await its model scores (durable when
@@ -127,15 +131,14 @@ class TrajectoryRunner:
                                self.log)
         self.log.info("trajectory_awaiting_reward", trajectory=a.id, version=a.version, tokens=len(a.tokens),
                       scorers=sorted(pending), rule_reward=round(traj.reward, 4), detail=ack.detail)
-        self.work.active.pop(a.id, None)
-        self.work.room_freed.set()
-        if not self.work.active:
-            self.work.batch_done.set()
+        self.work.left(a)
+        if self.agents is not None:
+            await self.agents.release(a.id, traj.finish_reason)
 
     async def _put(self, traj: Trajectory, a: Active | None = None):
         """PutTrajectory until the buffer holds it (stored, or duplicate: it already did). A refusal
         (full, or any other status) is offered again with backoff."""
-        delay = self.settings.put_retry_s
+        wait = Backoff(self.settings.put_retry_s, self.settings.put_retry_max_s)
         while True:
             if a is not None and a.fenced:
                 return None  # its new owner stores it
@@ -144,6 +147,5 @@ class TrajectoryRunner:
                 return put
             self.puts_refused += 1
             self.log.warning("put_refused", trajectory=traj.spec.trajectory_id, status=put.status, detail=put.detail,
-                             retry_in_s=delay, refused=self.puts_refused)
-            await asyncio.sleep(delay)  # backoff: the buffer is full until the trainer samples
-            delay = min(delay * 2, self.settings.put_retry_max_s)
+                             retry_in_s=wait.delay, refused=self.puts_refused)
+            await wait.sleep()  # backoff: the buffer is full until the trainer samples

@@ -74,6 +74,7 @@ from typing import Protocol
 
 import numpy as np
 from laminar.roles.rollout.engine import EngineStats, RolloutEngine
+from laminar.roles.rollout.sim_settings import SimRolloutSettings
 
 from laminar.sim import load_workload
 from laminar.sim.hardware import gpu as gpu_spec
@@ -242,13 +243,13 @@ class SimEngine(RolloutEngine):
                    prefill_ms_per_token=prefill_ms_per_token(m, g, tp), max_num_seqs=max_num_seqs, **kw)
 
     @classmethod
-    def from_settings(cls, sim: dict, *, max_num_seqs: int = 1024, max_model_len: int | None = None) -> SimEngine:
+    def from_settings(cls, sim: SimRolloutSettings, *, max_num_seqs: int = 1024,
+                      max_model_len: int | None = None) -> SimEngine:
         """From the rollout role's `sim` settings (the scenario writes them: model, tp, lengths,
-        ..., and `speedup`, simulated seconds per real second, for its CompressedClock)."""
-        opts = dict(sim)
-        speedup = float(opts.pop("speedup", 1.0))
+        ..., and `speedup`, simulated seconds per real second, for its CompressedClock); a setting
+        left out keeps this engine's default."""
         return cls.from_workload(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                 clock=CompressedClock(speedup=speedup), **opts)
+                                 clock=CompressedClock(speedup=sim.speedup), **sim.engine_kwargs())
 
     # -- RolloutEngineAPI (roles/rollout/engine_api.py) ---------------------------------------------
     async def start(self) -> None:
@@ -259,7 +260,8 @@ class SimEngine(RolloutEngine):
         if self.reward_cost is not None:
             self._scorer = asyncio.create_task(self._score(), name="sim-engine-scorer")
 
-    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None):
+    async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
+                       sampling=None):
         if self._failure is not None:
             raise self._failure
         if self._task is None:

@@ -24,6 +24,7 @@ import asyncio
 
 import numpy as np
 from laminar.bus.errors import PeerUnavailable, RemoteError
+from laminar.bus.retry import ACKED_BACKOFF, Backoff
 from laminar.roles.handout import NOT_HANDED
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.work import Work
@@ -75,10 +76,9 @@ class DeltaStream:
 
     async def make_durable(self, a: Active) -> None:
         """Until every token of `a` is acknowledged by the partial pool (before an env step)."""
-        delay = 0.1
+        wait = Backoff(*ACKED_BACKOFF)
         while not await self.flush([a.id]):
-            await asyncio.sleep(delay)  # backoff: the partial pool is unreachable
-            delay = min(delay * 2, 2.0)
+            await wait.sleep()  # backoff: the partial pool is unreachable
 
     def _pages(self, items: list[Active]) -> list[list[Active]]:
         pages, page, n, toks = [], [], 0, 0

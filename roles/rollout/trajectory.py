@@ -52,6 +52,8 @@ class Active:
     epoch: int = 0             # ownership epoch in the partial pool (PartialState.epoch): on every delta
     fenced: bool = False       # the partial pool refused its writes (another owner continues it): never stored
     lineage: int = -1          # lineage epoch of `version` (-1: not known yet; the rollout sets its own at start)
+    hold: bool = False         # agent episode before its first call: no delta yet (its prompt is still to come)
+    busy: bool = False         # an agent call of it is running: it stays on this rollout until the call is done
 
     @property
     def id(self) -> str:
@@ -103,8 +105,15 @@ class Active:
         return _spans_array(self.obs_spans)
 
     # -- deltas --------------------------------------------------------------------------------
+    @property
+    def stays(self) -> bool:
+        """Not movable now (an agent episode held back, or in a call): MigrateOut leaves it here."""
+        return self.hold or self.busy
+
     def cut_delta(self) -> None:
         """Freeze tokens and replies since the last cut into the next delta (seq 0 carries spec)."""
+        if self.hold:
+            return
         if self.cut == len(self.tokens) and self.spans_cut == len(self.obs_spans) and self.next_seq > 0:
             return
         self.outbox.append(TokenDelta(

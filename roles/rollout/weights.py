@@ -46,7 +46,7 @@ class WeightFollower:
 
     def __init__(self, engine, shm_dir: str | None, host: str, work: Work, log, pull_retry_s: float,
                  relay_id: str | None = None):
-        self.engine, self.dir, self.host, self.work, self.log = engine, shm_dir, host, work, log
+        self.engine, self.shm_dir, self.host, self.work, self.log = engine, shm_dir, host, work, log
         self.relay_id = relay_id  # this host's relay: only its `weights.version` events name our folder
         self.pin = RunPin()
         self._run_refused: tuple | None = None  # the pointer a version of another run was refused on
@@ -81,7 +81,7 @@ class WeightFollower:
 
     def unnamed(self) -> bool:
         """The engine holds weights it cannot name (a load the relay raced): load before new work."""
-        return bool(self.dir) and self.version < 0
+        return bool(self.shm_dir) and self.version < 0
 
     def retained_copy(self, lineage: int, version: int) -> tuple[tuple[str, int, int] | None, str]:
         """The relay's copy of the weights (lineage, version) as (run_id, lineage, version), or None
@@ -89,9 +89,9 @@ class WeightFollower:
         serves now. Blocking (reads the relay folder)."""
         if lineage < 0:
             return None, f"the work names no lineage for version {version}: its weights cannot be named"
-        if not self.dir:
+        if not self.shm_dir:
             return None, "no relay folder"
-        lw = LocalWeights(self.dir)
+        lw = LocalWeights(self.shm_dir)
         try:
             m, current = lw.named(version), lw.manifest()
         except (OSError, ValueError) as exc:
@@ -111,9 +111,9 @@ class WeightFollower:
         """Load the relay's newest version if it replaces ours. The version loaded is named only
         when the relay's pointer was the same before and after the load (a relay's versions only
         move forward, so nothing was committed in between); otherwise it is loaded again."""
-        if not self.dir or self.work.active:
+        if not self.shm_dir or self.work.active:
             return
-        lw = LocalWeights(self.dir)
+        lw = LocalWeights(self.shm_dir)
         claimed = self.newest_here  # announced before this look at the pointer (a later one may be news)
         pointer = await asyncio.to_thread(self._pointer_stamp)
         if pointer is not None and pointer == self._failed_pull and time.monotonic() < self._retry_pull_at:
@@ -133,7 +133,7 @@ class WeightFollower:
             for _ in range(3):
                 same = (m.run_id, m.lineage) == (self.run_id, self.lineage) and self.version >= 0
                 try:
-                    got = await self.engine.load_relay(self.dir, self.version if same else -1)
+                    got = await self.engine.load_relay(self.shm_dir, self.version if same else -1)
                     after = await asyncio.to_thread(lw.manifest)
                 except Exception as exc:  # noqa: BLE001 - the engine keeps its weights; reported, retried
                     self._pull_failed(m, exc, pointer)
@@ -166,7 +166,7 @@ class WeightFollower:
             return why or "version no longer retained"
         self.work.state = "loading"
         try:
-            got = await self.engine.load_relay(self.dir, -1, exact=name)
+            got = await self.engine.load_relay(self.shm_dir, -1, exact=name)
         except (OSError, ValueError, RuntimeError) as exc:
             self.version = -1  # a half-done load is no version: the next loop pulls the newest
             return f"load failed: {exc}"
@@ -182,14 +182,14 @@ class WeightFollower:
         if pointer != self._run_refused:
             self._run_refused = pointer
             self.log.error("weight_run_refused", run_id=m.run_id, lineage=m.lineage, version=m.version,
-                           pinned=self.pin.pinned(self.run_id), shm_dir=self.dir,
+                           pinned=self.pin.pinned(self.run_id), shm_dir=self.shm_dir,
                            why="the relay holds weights sealed for another run than the trainer's: never loaded")
         return False
 
     def _pointer_stamp(self) -> tuple | None:
         """(inode, mtime) of the relay's pointer file: a relay replaces it with every version."""
         try:
-            st = os.stat(os.path.join(self.dir, "current"))
+            st = os.stat(os.path.join(self.shm_dir, "current"))
         except OSError:
             return None
         return st.st_ino, st.st_mtime_ns
@@ -202,7 +202,7 @@ class WeightFollower:
         self._retry_pull_at = time.monotonic() + self.pull_retry_s
         self.log.error("weight_pull_failed", version=getattr(m, "version", None), lineage=getattr(m, "lineage", None),
                        holding=self.version, holding_lineage=self.lineage, failures=self.pull_failures,
-                       error=repr(exc), shm_dir=self.dir)
+                       error=repr(exc), shm_dir=self.shm_dir)
 
     # -- what the relay holds ---------------------------------------------------------------------
     async def follow(self, sub) -> None:
@@ -227,7 +227,7 @@ class WeightFollower:
             return
         self._looked_at = pointer
         try:
-            m = await asyncio.to_thread(LocalWeights(self.dir).manifest)
+            m = await asyncio.to_thread(LocalWeights(self.shm_dir).manifest)
         except (OSError, ValueError):
             return  # a bad pointer: the pull reports it
         if m is not None and self.newer(m):
@@ -244,5 +244,5 @@ class WeightFollower:
         shm_dir = getattr(ev, "shm_dir", "")
         if self.relay_id is not None and getattr(ev, "relay_id", None) != self.relay_id:
             return False  # another relay's word about our folder (the topic binds the relay id to its key)
-        return (bool(self.dir) and bool(shm_dir) and getattr(ev, "host", None) == self.host
-                and os.path.normpath(shm_dir) == os.path.normpath(str(self.dir)))
+        return (bool(self.shm_dir) and bool(shm_dir) and getattr(ev, "host", None) == self.host
+                and os.path.normpath(shm_dir) == os.path.normpath(str(self.shm_dir)))

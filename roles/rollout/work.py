@@ -1,4 +1,4 @@
-"""Work: what the rollout's concurrent tasks share, and the one way writes to the pools are retried.
+"""Work: what the rollout's concurrent tasks share.
 
 The batch loop, the trajectory tasks, the flush task, the weight follower and the migration RPCs
 all run on one event loop and meet here: the trajectories in flight (`active`), the lock that
@@ -6,24 +6,16 @@ orders weight changes against new work, and the events that wake the loop. The r
 may change what are in roles/rollout/role.py's docstring; this object only holds the state, so
 every component gets it passed in and none of them imports another.
 
-`call_acked` is the rollout's rule for requests that must arrive (TakeBatch, PutTrajectory,
-ReassignPartial, GetPartial): all of them are idempotent, so a peer that is down, busy or past a
-deadline is asked again with backoff until it answers; any other refusal is the caller's. An
-`internal` answer (an exception in the peer's handler: a bug, or a store it cannot write) is asked
-again only INTERNAL_TRIES times in a row, then given up (`call_gave_up`, an error): retried
-forever, it kept a trajectory, and with it the whole batch, from ever ending. What each caller does
-then is its own: the runner releases the trajectory in the partial pool (migration.give_up), the
-batch loop waits idle_wait_s before asking for a batch again.
+Writes to the pools that must arrive go through the bus's `call_acked` (bus/retry.py). When one
+is given up (an `internal` answer past its bound), what happens is the caller's: the runner
+releases the trajectory in the partial pool (migration.give_up), the batch loop waits idle_wait_s
+before asking for a batch again.
 """
 from __future__ import annotations
 
 import asyncio
 
-from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.roles.rollout.trajectory import Active
-
-INTERNAL_TRIES = 6  # `internal` answers in a row before call_acked gives up (a bug of the peer, not load)
-RETRIED = ("busy", "unavailable", "internal", "deadline")  # RemoteError codes call_acked retries
 
 
 class Work:
@@ -45,11 +37,17 @@ class Work:
         self.active[a.id] = a
         self.batch_done.clear()
 
-    def left(self, a: Active) -> None:
-        """`a` is no longer generated here (fenced off, or handed to another rollout)."""
-        if self.active.get(a.id) is a:
-            del self.active[a.id]
-        self.room_freed.set()
+    def left(self, *gone: Active, make_room: bool = True) -> None:
+        """`gone` are no longer generated here: stored (their own task), fenced off, released, or
+        handed to another rollout (MigrateOut). Each is dropped if it is still the one held under
+        its id; the batch loop learns of it: room_freed wakes the refill wait, batch_done ends the
+        batch when none is left. MigrateOut passes make_room=False: the manager took that work away
+        to balance the fleet, which makes no room for new groups here until the last one is gone."""
+        for a in gone:
+            if self.active.get(a.id) is a:
+                del self.active[a.id]
+        if make_room or not self.active:
+            self.room_freed.set()
         if not self.active:
             self.batch_done.set()
 
@@ -62,22 +60,3 @@ class Work:
         finally:
             for w in waits:
                 w.cancel()
-
-
-async def call_acked(client, req, timeout_s: float, log):
-    """Call until answered (the request is idempotent); backoff on a peer that is down, busy, or
-    answered `deadline` (the request waited past its deadline in a loaded pool)."""
-    delay, internal = 0.1, 0
-    while True:
-        try:
-            return await client.call(req, timeout=timeout_s)
-        except (PeerUnavailable, RemoteError) as exc:
-            if isinstance(exc, RemoteError) and exc.code not in RETRIED:
-                raise
-            internal = internal + 1 if isinstance(exc, RemoteError) and exc.code == "internal" else 0
-            if internal >= INTERNAL_TRIES:
-                log.error("call_gave_up", kind=type(req).kind, error=str(exc), tries=internal)
-                raise
-            log.warning("call_retry", kind=type(req).kind, error=str(exc), retry_in_s=delay)
-            await asyncio.sleep(delay)  # backoff before retrying a peer that is down
-            delay = min(delay * 2, 2.0)

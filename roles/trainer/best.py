@@ -2,7 +2,7 @@
 
 The evaluator judges versions by its `best_metric` (`<set>/<metric>`) and exports the best one's
 weights as a Hugging Face folder; only the trainer has what a resume needs besides the weights (the
-optimizer state, RNGs, the buffer cursor). With `keep_best_checkpoint`, rank 0 follows the
+optimizer state, RNGs, the buffer cursor). With `checkpoint.keep_best`, rank 0 follows the
 evaluator's results (`metrics.evaluator`) and, when an evaluated version scores higher than every
 earlier one *and its checkpoint is still on disk*, copies that checkpoint folder to
 `<trainer dir>/best/v<version>/` (hard links where the file system allows, so it costs no space

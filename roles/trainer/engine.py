@@ -124,25 +124,26 @@ class _Batch:
 
 
 class TrainEngine:
-    def __init__(self, cfg, seed: int, device, info: DistInfo | None = None):
-        self.cfg, self.seed, self.device = cfg, seed, device
+    def __init__(self, settings, seed: int, device, info: DistInfo | None = None):
+        self.settings, self.seed, self.device = settings, seed, device
         self.info = info or DistInfo()
         self.skipped_nonfinite_steps = 0  # over the engine's life (this process)
         # called once before the next optimizer step writes the parameters (an overlapped
         # publish's PendingPublish.guard: publishing.py)
         self.before_update: Callable[[], None] | None = None
         # packed micro-batches (no compute on padding): on by default on a GPU, off on the CPU
-        self.packing = cfg.packing if cfg.packing is not None else device.type == "cuda"
+        perf = settings.performance
+        self.packing = perf.packing if perf.packing is not None else device.type == "cuda"
         # torch.compile of the decoder layers: likewise on by default on a GPU only
-        self.compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+        self.compile = perf.compile if perf.compile is not None else device.type == "cuda"
         self.plans: dict[tuple[int, ...], MicroBatchPlan] = {}  # this batch's (every pass reuses them)
 
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
         import torch
 
-        c = self.cfg
-        mp = torch.bfloat16 if c.dtype == "bfloat16" else None  # FSDP2 mixed precision (fp32 master weights)
+        c = self.settings
+        mp = torch.bfloat16 if c.performance.dtype == "bfloat16" else None  # FSDP2 mixed precision (fp32 masters)
         self.model = self._policy(load_causal_lm)
         self.params = sum(p.numel() for p in self.model.parameters())
         mc = self.model.config  # a sequence of L tokens costs ~ L + L^2 / attention_tokens (micro_batches.py)
@@ -152,32 +153,33 @@ class TrainEngine:
         if not self.info.enabled and self.device.type == "cpu" and c.lora is None:
             flatten_parameters(self.model)  # a publish is then one memcpy (flat_params.py)
         self.ref = None
-        if c.kl_coef > 0 and c.lora is None:  # with LoRA: the policy with its adapter off
+        if c.loss.kl_coef > 0 and c.lora is None:  # with LoRA: the policy with its adapter off
             self.ref = load_causal_lm(c.model_dir, self.device, train=False)
             self.ref.requires_grad_(False)
             self._prepare(self.ref, trained=False)
             shard(self.ref, self.info, self.device, param_dtype=mp)
         self.lag, self.lag_version = None, None  # the weights before the newest update (mismatch)
-        if c.mismatch_previous_version:
+        if c.logging.mismatch_previous_version:
             self.lag = self._policy(load_causal_lm, train=False)
             self.lag.requires_grad_(False)
             self._prepare(self.lag, trained=False)
             shard(self.lag, self.info, self.device, param_dtype=mp)
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter's
-        self.opt = torch.optim.AdamW(trained, lr=c.lr, weight_decay=c.weight_decay,
+        self.opt = torch.optim.AdamW(trained, lr=c.optimizer.lr, weight_decay=c.optimizer.weight_decay,
                                      **self._adamw_impl())
         self.critic = self.critic_opt = None
         if c.algorithm == "ppo":
             self.critic = load_critic(c.model_dir, self.device)
             self._prepare(self.critic.model, trained=True)
             shard(self.critic, self.info, self.device, param_dtype=mp)
-            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay,
+            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.ppo.critic_lr,
+                                                weight_decay=c.optimizer.weight_decay,
                                                 **self._adamw_impl())
 
     def _policy(self, load, train: bool = True):
         """The policy's model: the model folder's, or with LoRA its base (frozen, in the serving
         dtype) with a fresh adapter."""
-        c = self.cfg
+        c = self.settings
         if c.lora is None:
             return load(c.model_dir, self.device, train=train)
         return with_adapter(load(c.model_dir, self.device, dtype=c.lora.base_dtype, train=train), c.lora)
@@ -185,19 +187,19 @@ class TrainEngine:
     def manifest_fields(self) -> dict:
         """What a published version says it holds beyond its tensors: with LoRA the adapter's kind,
         config and base identity (lora.py); nothing for full weights."""
-        if self.cfg.lora is None:
+        if self.settings.lora is None:
             return {}
-        return manifest_fields(self.model, self.cfg.model_dir)
+        return manifest_fields(self.model, self.settings.model_dir)
 
     def _model_state(self, state: dict) -> dict:
         """The policy's part of a state dict: with LoRA the adapter's tensors alone."""
-        if self.cfg.lora is None:
+        if self.settings.lora is None:
             return state
         return adapter_state(state)
 
     def attn_implementation(self) -> str | None:
         """The attention kernels to switch the models to (None: keep what the model folder loads with)."""
-        name = self.cfg.attn_implementation
+        name = self.settings.performance.attn_implementation
         if name != "auto":
             return name
         if self.device.type == "cuda":
@@ -213,13 +215,13 @@ class TrainEngine:
     def _prepare(self, model, trained: bool) -> None:
         """Before sharding: the attention kernels, and for the trained models (policy, critic body)
         activation checkpointing and torch.compile of each decoder layer, as configured."""
-        c = self.cfg
+        c = self.settings
         impl = self.attn_implementation()
         if impl is not None and hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(impl)
         if not trained:
             return
-        if c.activation_checkpointing:
+        if c.performance.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.compile:
             base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
@@ -230,7 +232,7 @@ class TrainEngine:
     def _adamw_impl(self) -> dict:
         """AdamW's implementation: fused kernels on CUDA by default; on the CPU torch's default
         (what the trainer always used, so CPU runs are unchanged)."""
-        impl = self.cfg.optimizer_impl
+        impl = self.settings.optimizer.impl
         if impl == "auto":
             impl = "fused" if self.device.type == "cuda" else "default"
         return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False},
@@ -283,7 +285,7 @@ class TrainEngine:
             for name, (m, o) in self._pairs().items():
                 if name != "model" and name not in parts:
                     continue  # e.g. a GRPO checkpoint resumed with PPO: the critic starts fresh
-                if name == "model" and self.cfg.lora is not None:
+                if name == "model" and self.settings.lora is not None:
                     from laminar.roles.trainer.lora import load_adapter_state
                     load_adapter_state(m, parts[name])
                 else:
@@ -297,7 +299,7 @@ class TrainEngine:
         )
         # with LoRA the model part is the adapter alone: the frozen base is the model folder's
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True,
-                                strict=self.cfg.lora is None)
+                                strict=self.settings.lora is None)
         parts = parts or {}
         flags = broadcast_ints(self.info, [int(n in parts) for n in self._pairs()])  # rank 0 read the files
         have = {n for n, flag in zip(self._pairs(), flags, strict=False) if flag}
@@ -305,7 +307,7 @@ class TrainEngine:
             if name != "model" and name not in have:
                 continue
             msd = parts.get(name, {})
-            if name == "model" and self.cfg.lora is not None:
+            if name == "model" and self.settings.lora is not None:
                 from laminar.roles.trainer.lora import model_keys
                 msd = model_keys(msd)
             set_model_state_dict(m, msd, options=opts)
@@ -333,7 +335,7 @@ class TrainEngine:
         algorithms share (order, behaviour/proximal/reference logprobs, mismatch), then GRPO's or
         PPO's mini-batch steps."""
         import torch
-        c = self.cfg
+        c = self.settings
         self._set_lr(version)
         self.plans = {}
         signal, flat = [], []  # groups with and without a signal (GRPO: zero advantages)
@@ -341,7 +343,7 @@ class TrainEngine:
             (signal if _reward_spread(g) else flat).append(g)
         uniform = len(flat)
         left_out: list = []  # trained on by no one, but their mismatch is measured all the same
-        if c.algorithm == "grpo" and c.skip_uniform_groups:
+        if c.algorithm == "grpo" and c.loss.skip_uniform_groups:
             if not signal:
                 return self._no_signal(groups, version)
             left_out = [t for g in flat for t in g]
@@ -350,13 +352,13 @@ class TrainEngine:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + version)
         order = torch.randperm(len(trajs), generator=gen).tolist()
         per = {"beh": [np.asarray(t.logprobs, np.float32) for t in trajs]}
-        needs_prox = c.old_logprobs == "recompute" or c.off_policy != "none"
+        needs_prox = c.loss.old_logprobs == "recompute" or c.loss.off_policy != "none"
         if needs_prox:
             per["prox"] = self._per_token(lambda i, a: self._logprobs(self.model, i, a)[0], trajs, order)
         mismatch = self._mismatch_before_update(trajs, order, per, version - 1, left_out)
         if self.ref is not None:
             per["ref"] = self._per_token(lambda i, a: self._logprobs(self.ref, i, a)[0], trajs, order)
-        elif c.kl_coef > 0:  # LoRA: the reference is the base, the policy with its adapter off
+        elif c.loss.kl_coef > 0:  # LoRA: the reference is the base, the policy with its adapter off
             with self.model.disable_adapter():
                 per["ref"] = self._per_token(lambda i, a: self._logprobs(self.model, i, a)[0], trajs, order)
         batch = _Batch(trajs, order, per, version, needs_prox, mismatch)
@@ -366,8 +368,9 @@ class TrainEngine:
 
     def lr_at(self, version: int) -> float:
         """The policy's learning rate for the batch that makes `version` (lr_warmup_versions)."""
-        c = self.cfg
-        return c.lr * (min(1.0, version / c.lr_warmup_versions) if c.lr_warmup_versions else 1.0)
+        c = self.settings
+        o = c.optimizer
+        return o.lr * (min(1.0, version / o.warmup_versions) if o.warmup_versions else 1.0)
 
     def _set_lr(self, version: int) -> None:
         for group in self.opt.param_groups:
@@ -385,8 +388,9 @@ class TrainEngine:
         """GRPO: one advantage per sequence (its group-normalized reward), the clipped policy loss."""
         import torch
 
-        c = self.cfg
-        seq_adv = np.concatenate(group_advantages([[t.reward for t in g] for g in groups], 1e-6, c.adv_std_normalize))
+        c = self.settings
+        seq_adv = np.concatenate(group_advantages([[t.reward for t in g] for g in groups], 1e-6,
+                                                  c.loss.adv_std_normalize))
         out = {"advantage_abs_mean": float(np.abs(seq_adv).mean())}
 
         def micro(idx, ids, att, mask, ex, ntok) -> dict[str, float]:
@@ -399,14 +403,14 @@ class TrainEngine:
     def _train_ppo(self, b: _Batch) -> dict:
         """PPO: per-token GAE advantages over the critic's values; the same clipped policy loss,
         plus the critic's clipped value loss (its own optimizer, stepped with the policy's)."""
-        c = self.cfg
+        c = self.settings
         out = self._gae(b.trajs, b.order, b.per)
 
         def micro(idx, ids, att, mask, ex, ntok) -> dict[str, float]:
             m = self._policy_backward(b, idx, ids, att, mask, ex, ex["adv"], ntok)
             with self._autocast():
                 values = self._values(ids, att)
-            vl = value_loss(values, ex["val"], ex["ret"], mask, c.value_clip, num_tokens=ntok)
+            vl = value_loss(values, ex["val"], ex["ret"], mask, c.ppo.value_clip, num_tokens=ntok)
             (vl * self._grad_scale()).backward()
             m["value_loss"] = float(vl.detach())
             return m
@@ -418,16 +422,17 @@ class TrainEngine:
         """The policy's forward and backward of one micro-batch (both algorithms): the clipped
         policy loss (Clip-Higher, dual clip, TIS/decoupled, k3 KL) over the advantages `adv`.
         Until the batch's first optimizer step, the forward also measures the mismatch."""
-        c = self.cfg
+        c = self.settings
         with self._autocast():
-            logp, ent = self._logprobs(self.model, ids, att, with_entropy=c.entropy_metric)
+            logp, ent = self._logprobs(self.model, ids, att, with_entropy=c.logging.entropy)
         if not b.needs_prox and not b.stepped_any and idx:
             self._measure(b.mismatch, b.trajs, idx, logp, b.version - 1)
         old = ex["prox"] if b.needs_prox else ex["beh"]
-        loss, m = clipped_policy_loss(logp, old, adv, mask, eps_low=c.eps_low, eps_high=c.eps_high,
-                                      behaviour_logp=ex["beh"], off_policy=c.off_policy, is_cap=c.is_cap,
-                                      ref_logp=ex.get("ref"), kl_coef=c.kl_coef, num_tokens=ntok, entropy=ent,
-                                      dual_clip=c.dual_clip_c if c.dual_clip else None)
+        lc = c.loss
+        loss, m = clipped_policy_loss(logp, old, adv, mask, eps_low=lc.eps_low, eps_high=lc.eps_high,
+                                      behaviour_logp=ex["beh"], off_policy=lc.off_policy, is_cap=lc.is_cap,
+                                      ref_logp=ex.get("ref"), kl_coef=lc.kl_coef, num_tokens=ntok, entropy=ent,
+                                      dual_clip=lc.dual_clip_c if lc.dual_clip else None)
         (loss * self._grad_scale()).backward()
         return m
 
@@ -550,7 +555,7 @@ class TrainEngine:
 
     def _gae(self, trajs, order, per) -> dict:
         """Old values, GAE advantages and returns of this rank's sequences into `per`."""
-        c = self.cfg
+        c = self.settings
         per["val"] = self._per_token(self._values, trajs, order)
         per["adv"], per["ret"] = [None] * len(trajs), [None] * len(trajs)
         s = {"n": 0.0, "sum": 0.0, "sq": 0.0}
@@ -558,7 +563,7 @@ class TrainEngine:
             if v is None:
                 continue
             t = trajs[i]
-            per["adv"][i], per["ret"][i] = sequence_gae(t.reward, v, c.gamma, c.lam, t.loss_mask)
+            per["adv"][i], per["ret"][i] = sequence_gae(t.reward, v, c.ppo.gamma, c.ppo.lam, t.loss_mask)
             m = np.ones(len(v), np.float32) if t.loss_mask is None else np.asarray(t.loss_mask, np.float32)
             a = per["adv"][i]
             s["n"] += float(m.sum())
@@ -567,7 +572,7 @@ class TrainEngine:
         s = all_reduce_sums(self.info, s)
         mean = s["sum"] / max(s["n"], 1.0)
         std = math.sqrt(max(s["sq"] / max(s["n"], 1.0) - mean * mean, 0.0))
-        if c.whiten_advantages:
+        if c.ppo.whiten_advantages:
             per["adv"] = [None if a is None else ((a - mean) / (std + 1e-6)).astype(np.float32) for a in per["adv"]]
         return {"advantage_mean_raw": mean, "advantage_std_raw": std}
 
@@ -575,7 +580,7 @@ class TrainEngine:
     def _logprobs(self, model, ids, att, with_entropy: bool = False):
         """Per-token logprobs (and entropies) [B, T-1] of a right-padded micro-batch: from its
         packed row when packing is on (no compute on padding), else from the padded batch."""
-        chunk = self.cfg.logprob_chunk_tokens
+        chunk = self.settings.performance.logprob_chunk_tokens
         if self.packing:
             return packed_token_logprobs(model, ids, att, with_entropy=with_entropy, chunk_tokens=chunk)
         return token_logprobs(model, ids, att, with_entropy=with_entropy, chunk_tokens=chunk)
@@ -588,11 +593,12 @@ class TrainEngine:
 
     def _plan(self, trajs, idx: list[int]) -> MicroBatchPlan:
         """Every rank's micro-batches of the mini-batch `idx` (the same on every rank; made once a batch)."""
-        c, lengths = self.cfg, [_length(trajs[i]) for i in idx]
+        c, lengths = self.settings, [_length(trajs[i]) for i in idx]
         key = (*idx, -1, *lengths)  # the plan is a function of these alone
         if key not in self.plans:
-            self.plans[key] = plan_micro_batches(idx, lengths, self.info.world_size, c.micro_batch_size,
-                                                 c.max_tokens_per_micro_batch, c.micro_batch_balance,
+            p = c.performance
+            self.plans[key] = plan_micro_batches(idx, lengths, self.info.world_size, p.micro_batch_size,
+                                                 p.max_tokens_per_micro_batch, p.micro_batch_balance,
                                                  padded=not self.packing,
                                                  attention_tokens=getattr(self, "attention_tokens", None))
         return self.plans[key]
@@ -633,10 +639,11 @@ class TrainEngine:
     def _autocast(self):
         """bfloat16 compute under autocast; parameters, gradients and Adam states stay float32."""
         import torch
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16")
+        bf16 = self.settings.performance.dtype == "bfloat16"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def _minibatches(self, order: list[int]) -> list[list[int]]:
-        return [m.tolist() for m in np.array_split(np.array(order, dtype=np.int64), self.cfg.minibatch_steps)]
+        return [m.tolist() for m in np.array_split(np.array(order, dtype=np.int64), self.settings.minibatch_steps)]
 
     def _step(self, pairs, losses_finite: bool) -> tuple[list[float], bool]:
         """One optimizer step of each (module, optimizer) after clipping its gradients, unless a
@@ -664,6 +671,6 @@ class TrainEngine:
         if hook is not None:  # an overlapped publish still copies the weights this step overwrites
             hook()
         for (_, opt), params, norm in zip(pairs, grads, norms, strict=False):
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(params, self.settings.optimizer.max_grad_norm, norm)
             opt.step()
         return values, True

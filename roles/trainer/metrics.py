@@ -49,7 +49,7 @@ def trained_weights(groups) -> dict[str, int]:
 
 
 def trained_members(groups) -> list[list[str]]:
-    """[trajectory id, rollout id, run id] of every sample of the batch (`record_members`): who
+    """[trajectory id, rollout id, run id] of every sample of the batch (`logging.record_members`): who
     wrote what was trained, as the trainer received it."""
     return [[t.spec.trajectory_id, t.rollout_id, getattr(t, "run_id", "")] for g in groups for t in g]
 

@@ -1,6 +1,6 @@
 """PublishLink: rank 0's connection to the relay tier (laminar.weights.WeightPublisher).
 
-    link = PublishLink(role, cfg); await link.start()   # target: the manager's master, or relay_address/relay_id
+    link = PublishLink(role, settings); await link.start()   # target: the manager's master, or relay_address/relay_id
     link.publish_engine(engine, version)                # worker thread: returns after the staging copy
     await link.deliver_last(version)                    # the run's last version: wait until the master has it
     await link.close()
@@ -36,6 +36,7 @@ import asyncio
 import re
 import threading
 
+from laminar.bus.retry import Backoff
 from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
 
 from laminar.weights.publisher import WeightPublisher, note_lineage
@@ -48,8 +49,8 @@ FINAL_DELIVERY_S = 60.0  # how long a finished trainer waits for its last versio
 
 
 class PublishLink:
-    def __init__(self, role, cfg):
-        self.role, self.cfg = role, cfg
+    def __init__(self, role, settings):
+        self.role, self.settings = role, settings
         self.publisher = None
         self.follower = None
         self.sharded = None  # ShardedPublish when the trainer has several ranks
@@ -60,14 +61,14 @@ class PublishLink:
         self._refusal: asyncio.Future | None = None  # set (with the reason) when the master refuses a version
 
     def _relay_address(self) -> str | None:
-        c, cfg = self.cfg, self.role.ctx.config
-        if c.relay_address:
-            return c.relay_address
-        if c.relay_id is not None:
-            host, _ = cfg.spec("relay", c.relay_id)
-            port = cfg.relay_settings(c.relay_id).data_port
+        c, cluster = self.settings, self.role.cluster
+        if c.publishing.relay_address:
+            return c.publishing.relay_address
+        if c.publishing.relay_id is not None:
+            host, _ = cluster.spec("relay", c.publishing.relay_id)
+            port = cluster.relay_settings(c.publishing.relay_id).data_port
             if port:
-                return f"{cfg.cluster.hosts[host].address}:{port}"
+                return f"{cluster.cluster.hosts[host].address}:{port}"
         return None
 
     def _pin(self, address: str, relay_id: str) -> None:
@@ -76,7 +77,7 @@ class PublishLink:
         back to 0.5 s once a version got through. Without it the publisher waited for a
         set_target that nothing would send."""
         loop = asyncio.get_running_loop()
-        pub, state = self.publisher, {"delay": RETRY_S[0], "delivered": -1}
+        pub, wait, state = self.publisher, Backoff(*RETRY_S), {"delivered": -1}
 
         def retry() -> None:
             if not self._stop.is_set():
@@ -86,29 +87,30 @@ class PublishLink:
             if self._stop.is_set():
                 return
             if pub.delivered > state["delivered"]:
-                state["delay"], state["delivered"] = RETRY_S[0], pub.delivered
-            d, state["delay"] = state["delay"], min(RETRY_S[1], state["delay"] * 2)
-            loop.call_soon_threadsafe(loop.call_later, d, retry)
+                state["delivered"] = pub.delivered
+                wait.reset()
+            loop.call_soon_threadsafe(loop.call_later, wait.next(), retry)
         pub.on_link_down = down
         pub.set_target(address, relay_id)
 
     def publish_dtype(self) -> str | None:
         """The dtype published weights are cast to (None: the parameters' own)."""
-        want = getattr(self.cfg, "publish_dtype", "rollout")
+        want = self.settings.publishing.dtype
         if want != "rollout":
             return None if want in (None, "same") else want
-        return rollout_dtype(self.role.ctx.config)
+        return rollout_dtype(self.role.cluster)
 
     async def start(self) -> None:
 
-        c, ctx = self.cfg, self.role.ctx
+        c, ctx = self.settings, self.role.ctx
         keys = getattr(ctx.transport, "keys", None)
         info = getattr(self.role, "info", None)
         multi = info is not None and info.enabled
-        transport = get_transport(c.publish_transport, **c.publish_transport_options)
+        transport = get_transport(c.publishing.transport, **c.publishing.transport_options)
         loop = asyncio.get_running_loop()
         self._refusal = loop.create_future()
-        self.publisher = WeightPublisher(c.chunk_mb << 20, transport, derive_key(keys.secret if keys else None),
+        self.publisher = WeightPublisher(c.publishing.chunk_mb << 20, transport,
+                                         derive_key(keys.secret if keys else None),
                                          publish_dtype=self.publish_dtype(),
                                          staging_prefix=staging_prefix() if multi else None, signer=signer_of(keys),
                                          on_refused=lambda why: loop.call_soon_threadsafe(self._refused, why))
@@ -117,18 +119,19 @@ class PublishLink:
             self.sharded = ShardedPublish(info, self.publisher)
         # With a manager in the cluster, the master is whoever heads its chain (it changes when a
         # master dies): follow it. relay_id/relay_address pin a target only in a cluster without one.
-        has_manager = bool(ctx.config.find("manager"))
-        address = c.relay_address or (None if has_manager else self._relay_address())
+        has_manager = bool(self.role.cluster.find("manager"))
+        address = c.publishing.relay_address or (None if has_manager else self._relay_address())
         if address:
-            self._pin(address, c.relay_id or "")
+            self._pin(address, c.publishing.relay_id or "")
         elif has_manager:
             from laminar.weights.follow import MasterFollower
-            self.follower = MasterFollower(self.publisher, ctx.transport, ctx.config.endpoint("manager", c.manager_id))
+            self.follower = MasterFollower(self.publisher, ctx.transport,
+                                           self.role.cluster.endpoint("manager", c.publishing.manager_id))
             await self.follower.start()
             self.role.spawn(self.follower.watch(), "master-follower")  # a failed follow loop fails the trainer
         else:
-            raise ValueError("trainer.publish is on but there is no relay_address, relay_id with a data_port, "
-                             "or manager to name the master relay")
+            raise ValueError("trainer.publishing.enabled is on but there is no publishing.relay_address, "
+                             "publishing.relay_id with a data_port, or manager to name the master relay")
         self._watcher = threading.Thread(target=self._watch, args=(loop,), name="trainer-delivery", daemon=True)
         self._watcher.start()
 
@@ -153,7 +156,7 @@ class PublishLink:
     @classmethod
     def follower(cls, role) -> PublishLink:
         """A rank > 0's link: it copies its shards into rank 0's staging, nothing else."""
-        link = cls(role, role.cfg)
+        link = cls(role, role.settings)
         link.sharded = ShardedPublish(role.info, make_publisher=link._part_publisher)
         return link
 
@@ -162,9 +165,10 @@ class PublishLink:
         (staging shared with the host's other ranks), sent to the master relay rank 0 names;
         ShardedPublish owns and closes it."""
 
-        c = self.cfg
+        c = self.settings
         keys = getattr(self.role.ctx.transport, "keys", None)
-        return WeightPublisher(c.chunk_mb << 20, get_transport(c.publish_transport, **c.publish_transport_options),
+        p = c.publishing
+        return WeightPublisher(p.chunk_mb << 20, get_transport(p.transport, **p.transport_options),
                                derive_key(keys.secret if keys else None), publish_dtype=self.publish_dtype(),
                                staging_prefix=staging_prefix(), part=True, reconnect_s=1.0, signer=signer_of(keys))
 
@@ -182,7 +186,7 @@ class PublishLink:
             self._described = True
         if self.sharded is not None:
             self.sharded.publish(engine.publish_state(), version)
-        elif self.cfg.publish_overlap:  # GPU copies run on while the next forward/backward does
+        elif self.settings.publishing.overlap:  # GPU copies run on while the next forward/backward does
             engine.before_update = self.publisher.publish_async(engine.full_state()["model"], version).guard
         else:
             self.publisher.publish(engine.full_state()["model"], version)

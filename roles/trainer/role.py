@@ -1,20 +1,21 @@
 """TrainerRole: GRPO (or PPO) on whole groups from the experience buffer; one version per global batch.
 
-    setup: seed, join the other ranks (world_size > 1), load the model (+ reference, + critic) and
+    setup: seed, join the other ranks (distributed.world_size > 1), load the model (+ reference, + critic) and
            optimizers (TrainEngine); resume from the newest complete checkpoint (model, optimizer,
            RNGs, version, buffer cursor); rank 0 connects to the experience buffer and starts the
            WeightPublisher towards the master relay. Each SampleGroups carries our cursor and the
            newest checkpoint's (`committed`): the buffer keeps what it handed us since that
            checkpoint and, after a resume, hands it again in the same order
     loop:  SampleGroups until groups_per_batch whole groups are held (a short buffer is asked
-           again after sample_wait_s; with filter_groups, dynamic sampling: the buffer drops groups
+           again after sample_wait_s; with loss.filter_groups, dynamic sampling: the buffer drops groups
            without a spread, up to max_dropped a version, and the version's metrics count them)
            -> `step_started` -> minibatch_steps optimizer steps (in a
            worker thread, so the loop keeps heartbeating) -> version += 1 -> publish (only the
            copy into staging is waited for: `published` logs that stall) -> metrics -> every
-           checkpoint_every versions an atomic checkpoint -> next iteration at once. With export_dir,
-           the version that reaches max_iterations is also written there as a Hugging Face folder.
-           With keep_best_checkpoint, rank 0 follows the evaluator's results and keeps the
+           checkpoint.every versions an atomic checkpoint -> next iteration at once. With
+           checkpoint.export_dir, the version that reaches max_iterations is also written there as
+           a Hugging Face folder.
+           With checkpoint.keep_best, rank 0 follows the evaluator's results and keeps the
            checkpoint of the best-scoring version in best/ (best.py).
 Ranks > 0 have no loop of their own: they follow rank 0's command stream (dist.py) and join each
 collective. The relay tier's progress is watched by a thread that logs `publish_delivered` when
@@ -77,11 +78,11 @@ class TrainerRole(Role):
         self.resumed_from = None
         self._iter: asyncio.Future | None = None
         self._stop_sent = False
-        self.best: BestCheckpoint | None = None  # keep_best_checkpoint's keeper (rank 0)
+        self.best: BestCheckpoint | None = None  # checkpoint.keep_best's keeper (rank 0)
 
     # -- helpers --------------------------------------------------------------------------
     def workdir(self) -> Path:
-        base = self.ctx.config.workdir() if self.ctx.config is not None else Path("runs/run")
+        base = self.cluster.workdir() if self.cluster is not None else Path("runs/run")
         return base / ("trainer" if self.ctx.id == "0" else f"trainer-{self.ctx.id}")
 
     def event(self, name: str, **fields) -> None:
@@ -97,21 +98,21 @@ class TrainerRole(Role):
         return self.link.publisher if self.link is not None else None
 
     def _rank_and_address(self) -> tuple[int, str]:
-        c, cfg = self.cfg, self.ctx.config
-        rank = c.rank if c.rank is not None else int(self.ctx.id)
-        if not 0 <= rank < c.world_size:
-            raise ValueError(f"trainer.{self.ctx.id}: rank {rank} is not in 0..{c.world_size - 1}")
-        if c.dist_address:
-            return rank, c.dist_address
-        host, _ = cfg.spec("trainer", "0")
-        return rank, f"{cfg.cluster.hosts[host].address}:{c.dist_port}"
+        c, cluster = self.settings, self.cluster
+        rank = c.distributed.rank if c.distributed.rank is not None else int(self.ctx.id)
+        if not 0 <= rank < c.distributed.world_size:
+            raise ValueError(f"trainer.{self.ctx.id}: rank {rank} is not in 0..{c.distributed.world_size - 1}")
+        if c.distributed.address:
+            return rank, c.distributed.address
+        host, _ = cluster.spec("trainer", "0")
+        return rank, f"{cluster.cluster.hosts[host].address}:{c.distributed.port}"
 
     # -- setup ----------------------------------------------------------------------------
     async def setup(self) -> None:
-        c = self.cfg
+        c = self.settings
         self.dir = self.workdir()
         self.metrics = None
-        self.ckpt_root = Path(c.checkpoint_dir) if c.checkpoint_dir else self.dir / "checkpoints"
+        self.ckpt_root = Path(c.checkpoint.dir) if c.checkpoint.dir else self.dir / "checkpoints"
         if c.engine == "sim":  # the scale simulator's trainer: no torch, no model, no checkpoint (sim_engine.py)
             from laminar.roles.trainer.sim_engine import SimTrainEngine
             self.engine = SimTrainEngine.from_trainer_config(c, self.pub.publish, self.stopping)
@@ -131,10 +132,10 @@ class TrainerRole(Role):
         # a trainer killed in between gets them again on resume (trained exactly once in what it keeps)
         self.committed = self.cursor if c.engine != "sim" else None
         self.metrics.truncate_after(self.version)
-        if c.tensorboard:
+        if c.logging.tensorboard:
             self.metrics.open_tensorboard()
         self.best = self._best_keeper()
-        self.buffer = self.ctx.transport.client(self.ctx.config.endpoint("experience_buffer", c.experience_buffer))
+        self.buffer = self.ctx.transport.client(self.cluster.endpoint("experience_buffer", c.experience_buffer))
         if self.resumed_from is not None:
             lost = None
             try:
@@ -144,7 +145,7 @@ class TrainerRole(Role):
                 pass
             self.event("resumed", version=self.version, checkpoint=str(self.resumed_from), cursor=self.cursor,
                        groups_handed_out_since=lost)
-        if c.publish:
+        if c.publishing.enabled:
             # Every start or resume is a new lineage (recorded next to the checkpoints first), and
             # its weights go out at once: version 0 of a new run, or the checkpoint's version,
             # which relays and rollouts take even over a higher number of the discarded lineage.
@@ -159,7 +160,7 @@ class TrainerRole(Role):
             await self._publish()
         self.state = "ready"
         self.event("trainer_ready", version=self.version, device=str(self.device), model=c.model_dir,
-                   params=self.engine.params, world_size=c.world_size)
+                   params=self.engine.params, world_size=c.distributed.world_size)
 
     def _load(self) -> None:
         import random
@@ -169,22 +170,22 @@ class TrainerRole(Role):
         from laminar.roles.trainer.engine import TrainEngine
 
         from laminar.models.loading import pick_device
-        c = self.cfg
-        seed = c.seed if c.seed is not None else (self.ctx.config.run.seed if self.ctx.config else 0)
-        rank, address = self._rank_and_address() if c.world_size > 1 else (0, "")
+        c = self.settings
+        seed = c.seed if c.seed is not None else (self.cluster.run.seed if self.cluster else 0)
+        rank, address = self._rank_and_address() if c.distributed.world_size > 1 else (0, "")
         torch.manual_seed(seed + rank)
         np.random.seed(seed + rank)
         random.seed(seed + rank)
         self.device = pick_device(c.device)
-        if self.device.type == "cuda" and c.world_size > 1:
+        if self.device.type == "cuda" and c.distributed.world_size > 1:
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
-        self.info = dist.init(rank, c.world_size, address, self.device, c.dist_timeout_s)
+        self.info = dist.init(rank, c.distributed.world_size, address, self.device, c.distributed.timeout_s)
         self.engine = TrainEngine(c, seed, self.device, self.info)
         self.engine.load()
         parts, kind = None, 0  # the checkpoint: 0 none, 1 full state dicts, 2 sharded (any number of ranks)
         if self.main:
             checkpoint.clean_temp(self.ckpt_root)
-            self.resumed_from = checkpoint.latest(self.ckpt_root) if c.resume else None
+            self.resumed_from = checkpoint.latest(self.ckpt_root) if c.checkpoint.resume else None
             if self.resumed_from is not None:
                 st = checkpoint.read_state(self.resumed_from)
                 kind = 2 if checkpoint.is_sharded(st) else 1
@@ -205,7 +206,7 @@ class TrainerRole(Role):
 
     async def _deliver_last(self) -> None:
         """The last version reaches the master relay before the trainer leaves (publishing.py)."""
-        if self.link is None or not self.cfg.publish:
+        if self.link is None or not self.settings.publishing.enabled:
             return
         t0 = time.monotonic()
         try:
@@ -223,7 +224,7 @@ class TrainerRole(Role):
 
     def _publish_gathers(self) -> bool:
         """Whether each publish is a collective (every rank copies its shards: sharded_publish.py)."""
-        return self.cfg.publish and self.info.enabled
+        return self.settings.publishing.enabled and self.info.enabled
 
     # -- main loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -231,7 +232,7 @@ class TrainerRole(Role):
         if not self.main:
             return await self._follow()
         while not self.stopping.is_set():
-            if self.cfg.max_iterations is not None and self.version >= self.cfg.max_iterations:
+            if self.settings.max_iterations is not None and self.version >= self.settings.max_iterations:
                 await self._deliver_last()
                 self.event("training_finished", version=self.version)
                 return
@@ -243,8 +244,8 @@ class TrainerRole(Role):
             await asyncio.shield(self._iter)
 
     async def _collect(self):
-        need, groups, warned = self.cfg.groups_per_batch, [], 0.0
-        f = self.cfg.filter_groups
+        need, groups, warned = self.settings.groups_per_batch, [], 0.0
+        f = self.settings.loss.filter_groups
         cap = (f.max_dropped if f.max_dropped is not None else 3 * need) if f is not None else 0
         self.intake = {"groups_dropped_nosignal": 0, "nosignal_tokens": 0, "filter_cap_reached": 0}
         while len(groups) < need:
@@ -263,7 +264,7 @@ class TrainerRole(Role):
                 if time.monotonic() - warned > 10:
                     self.log.warning("buffer_unavailable", error=str(exc))
                     warned = time.monotonic()
-                await asyncio.sleep(max(self.cfg.sample_wait_s, 0.5))
+                await asyncio.sleep(max(self.settings.sample_wait_s, 0.5))
                 continue
             groups += s.groups
             self.cursor = s.cursor
@@ -275,7 +276,7 @@ class TrainerRole(Role):
                                  why="this version dropped max_dropped groups for no signal: it trains on what "
                                      "the buffer hands out next, informative or not")
             if len(groups) < need:
-                await asyncio.sleep(self.cfg.sample_wait_s)
+                await asyncio.sleep(self.settings.sample_wait_s)
         return groups
 
     async def _publish(self) -> float:
@@ -307,18 +308,18 @@ class TrainerRole(Role):
                   "publish_stall_s": stall, "version": float(self.version), "cursor": float(self.cursor)}
         record = {**values, "ts": time.time(), "group_ids": [g[0].spec.group_id for g in groups],
                   "weights": trained_weights(groups)}
-        if self.settings.record_members:
+        if self.settings.logging.record_members:
             record["members"] = trained_members(groups)
         self.metrics.append(record)
         self.pub.publish("metrics.trainer", Metrics(role="trainer", id=self.ctx.id, ts=time.time(), values=values))
-        every = self.cfg.log_samples_every
-        if every and self.version % every == 0 and self.cfg.engine != "sim":
-            rows = trained_rows(groups, self.version - 1, self.cfg.log_samples)
+        every = self.settings.logging.samples_every
+        if every and self.version % every == 0 and self.settings.engine != "sim":
+            rows = trained_rows(groups, self.version - 1, self.settings.logging.samples)
             await asyncio.to_thread(self._sample_log().write, "trainer", self.version, rows)
         self.event("iteration", version=self.version, reward_mean=round(stats["reward_mean"], 4),
                    loss=round(train.get("loss", 0.0), 6), tokens_per_s=round(values["tokens_per_s"], 1),
                    publish_stall_s=round(stall, 6))
-        if self.version % self.cfg.checkpoint_every == 0 and self.cfg.engine != "sim":  # sim: no state
+        if self.version % self.settings.checkpoint.every == 0 and self.settings.engine != "sim":  # sim: no state
             path = await in_thread(self._checkpoint, "trainer-checkpoint")
             self.committed = self.cursor  # the buffer may forget the groups before it (next request)
             self.event("checkpoint_saved", version=self.version, path=str(path), cursor=self.cursor)
@@ -329,16 +330,16 @@ class TrainerRole(Role):
             self.event("exported", version=self.version, path=str(path))
 
     def _best_keeper(self) -> BestCheckpoint | None:
-        """With keep_best_checkpoint: the keeper, and a task following the evaluator's results."""
-        c, cfg = self.cfg, self.ctx.config
-        if not c.keep_best_checkpoint or c.engine == "sim":
+        """With checkpoint.keep_best: the keeper, and a task following the evaluator's results."""
+        c, cluster = self.settings, self.cluster
+        if not c.checkpoint.keep_best or c.engine == "sim":
             return None
-        evaluators = [s.id for _, s in cfg.find("evaluator")] if cfg is not None else []
-        metric = cfg.settings_of("evaluator", evaluators[0]).best_metric if evaluators else None
+        evaluators = [s.id for _, s in cluster.find("evaluator")] if cluster is not None else []
+        metric = cluster.settings_of("evaluator", evaluators[0]).best_metric if evaluators else None
         if metric is None:
             self.log.warning("best_checkpoint_off", why="keep_best_checkpoint needs an evaluator with best_metric")
             return None
-        keeper = BestCheckpoint(self.dir, self.ckpt_root, metric, c.checkpoint_every)
+        keeper = BestCheckpoint(self.dir, self.ckpt_root, metric, c.checkpoint.every)
         self.eval_sub = self.ctx.transport.subscriber(["metrics.evaluator"])
         self.spawn(self._follow_evaluations(keeper), "best-checkpoint")
         return keeper
@@ -367,13 +368,13 @@ class TrainerRole(Role):
 
     def _sample_log(self) -> SampleLog:
         if getattr(self, "sample_log", None) is None:
-            self.sample_log = SampleLog(self.dir.parent / "samples.jsonl", self.cfg.model_dir)
+            self.sample_log = SampleLog(self.dir.parent / "samples.jsonl", self.settings.model_dir)
         return self.sample_log
 
     def _exports_now(self, version: int) -> bool:
         """Whether `version` is the run's final one and goes to `export_dir` (a collective on every rank)."""
-        c = self.cfg
-        return c.export_dir is not None and c.engine != "sim" and version == c.max_iterations
+        c = self.settings
+        return c.checkpoint.export_dir is not None and c.engine != "sim" and version == c.max_iterations
 
     def _export(self):
         """The final weights as a Hugging Face folder in export_dir (laminar/export.py)."""
@@ -382,23 +383,24 @@ class TrainerRole(Role):
         if not self.main:
             return None
         adapter = self.engine.manifest_fields().get("adapter_config")
+        out, model_dir = self.settings.checkpoint.export_dir, self.settings.model_dir
         if adapter:  # LoRA: the adapter in peft's format (`laminar-node export --merge` merges it)
-            return write_adapter({k: v.detach() for k, v in parts["model"].items()}, adapter, self.cfg.export_dir,
-                                 self.cfg.model_dir, self.version, f"trainer {self.ctx.id}")
-        return write_folder({k: v.detach() for k, v in parts["model"].items()}, self.cfg.export_dir,
-                            self.cfg.model_dir, got_version=self.version, source=f"trainer {self.ctx.id}")
+            return write_adapter({k: v.detach() for k, v in parts["model"].items()}, adapter, out, model_dir,
+                                 self.version, f"trainer {self.ctx.id}")
+        return write_folder({k: v.detach() for k, v in parts["model"].items()}, out, model_dir,
+                            got_version=self.version, source=f"trainer {self.ctx.id}")
 
     def _checkpoint(self):
         if self.info.enabled:  # every rank writes its own shards (DCP): nothing is gathered
             return self.engine.save_sharded(self.ckpt_root, self.version, {"cursor": self.cursor},
-                                            self.cfg.keep_checkpoints)
+                                            self.settings.checkpoint.keep)
         parts = self.engine.full_state(with_optimizer=True)
         if not self.main:
             return None
         # a LoRA adapter's config and base identity, for `laminar-node export` (laminar/export.py)
         fields = {k: v for k, v in self.engine.manifest_fields().items() if k != "content"}
         return checkpoint.save(self.ckpt_root, self.version, parts, {"cursor": self.cursor, **fields},
-                               self.cfg.keep_checkpoints)
+                               self.settings.checkpoint.keep)
 
     # -- ranks > 0 ------------------------------------------------------------------------------
     async def _follow(self) -> None:
@@ -417,8 +419,8 @@ class TrainerRole(Role):
         self.engine.train(groups, version + 1)
         if self._publish_gathers():
             self.link.publish_engine(self.engine, version + 1)
-        if (version + 1) % self.cfg.checkpoint_every == 0:
-            self.engine.save_sharded(None, version + 1, {}, self.cfg.keep_checkpoints)
+        if (version + 1) % self.settings.checkpoint.every == 0:
+            self.engine.save_sharded(None, version + 1, {}, self.settings.checkpoint.keep)
         if self._exports_now(version + 1):
             self.engine.full_state()
 

@@ -4,7 +4,7 @@ It stands in for TrainEngine behind the trainer role: the role still samples who
 the real experience buffer, counts versions, writes the same metrics records (reward, staleness,
 batch_tokens, version, ts) and publishes every version; only the torch work is replaced by time.
 
-    roles.trainer: {engine: sim, model_dir: sim, publish: false,
+    roles.trainer: {engine: sim, model_dir: sim, publishing: {enabled: false},
                     sim: {model: 72B, gpus: 768, gpu: H800, mfu: 0.35, recompute: true, speedup: 20,
                           relay: {bandwidth_gbps: 200, chunk_mib: 64, alpha_s: 0.001},
                           deliver: [{host: n0, dir: /dev/shm/..-n0}, ...]}}
@@ -19,12 +19,12 @@ blocking NCCL broadcast that the rollouts wait out too) is slept too, so the tra
 period is iteration + stall.
 
 Weights: a version is a few KB (`weight_bytes`), never the model's size. Two ways to deliver it:
-- through the real relay tier (relays placed, `publish: true`): `full_state()` sleeps the stall
+- through the real relay tier (relays placed, `publishing.enabled: true`): `full_state()` sleeps the stall
   and returns a tiny state dict that the role's PublishLink streams down the real chain; the
   relays announce `weights.version` and the rollouts pull from their host's shared memory. This
   imports torch (the publisher stages torch tensors).
 - modeled, without relays (`sim.deliver` lists the hosts' weight folders in chain order, and
-  `publish: false`): the engine itself writes each version into host i's folder (the same
+  `publishing.enabled: false`): the engine itself writes each version into host i's folder (the same
   shared-memory store format a relay writes, so the rollouts' LocalWeights reads it) when the
   relay model says it arrives there — S/B for the master, + (i − 1)(c/B + α) for the i-th host
   (the relay chain), so the last of p hosts has it after `broadcast_s(p)` — and publishes
@@ -43,74 +43,14 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from laminar.roles.trainer.sim_settings import DeliverTarget, SimTrainerSettings
 
 from laminar.protocol import WeightsVersion
 from laminar.sim.reward_cost import RewardCost
-from laminar.sim.trainer_cost import TRAIN_MFU, NcclBroadcast, RelayLink, TrainerCost
+from laminar.sim.trainer_cost import NcclBroadcast, RelayLink, TrainerCost
 from laminar.weights.local_write import begin_local, commit_local
 from laminar.weights.manifest import build_manifest
 from laminar.weights.store import ShmStore
-
-
-class RelaySettings(BaseModel):
-    """The modeled relay chain the sim trainer charges for delivering a version."""
-    model_config = ConfigDict(extra="forbid")
-    bandwidth_gbps: float = Field(RelayLink.bandwidth_gbps, gt=0,
-                                  description="one hop's bandwidth, GB/s (trainer_cost.RelayLink)")
-    chunk_mib: float = Field(RelayLink.chunk_mib, gt=0, description="chunk size of the chain, MiB")
-    alpha_s: float = Field(RelayLink.alpha_s, ge=0, description="per-chunk overhead of one hop, s")
-
-
-class DeliverTarget(BaseModel):
-    """One rollout host whose relay folder the sim trainer fills with each version."""
-    model_config = ConfigDict(extra="forbid")
-    host: str = Field(description="rollout host whose relay this stands for")
-    dir: str = Field(description="the host's weight folder (the rollouts' weights_dir)")
-
-
-class NcclSettings(BaseModel):
-    """The blocking NCCL broadcast the sim trainer may charge instead of the relay stall."""
-    model_config = ConfigDict(extra="forbid")
-    bandwidth_gbps: float = Field(NcclBroadcast.bandwidth_gbps, gt=0,
-                                  description="S/B term (trainer_cost.NcclBroadcast)")
-    per_doubling_gbps: float = Field(NcclBroadcast.per_doubling_gbps, gt=0, description="S·log2(n)/C term")
-    rollout_gpus: int = Field(1, ge=1, description="GPUs the broadcast reaches")
-
-
-class SimTrainerSettings(BaseModel):
-    """`roles.trainer.sim`: what the simulated trainer costs, and how its versions travel."""
-    model_config = ConfigDict(extra="forbid")
-    model: str = Field(description="model shape: 7B, 32B or 72B (laminar/sim/hardware.py)")
-    gpus: int = Field(ge=1, description="training GPUs (for colocated sync: every GPU of the cluster)")
-    gpu: str = Field("H800", description="GPU kind (hardware.GPUS)")
-    mfu: float = Field(TRAIN_MFU, gt=0, le=1,
-                       description="model FLOPs utilization of training (trainer_cost.TRAIN_MFU)")
-    recompute: bool = Field(True, description="full activation recomputation: one more forward pass (× 4/3)")
-    extra_forward_passes: int = Field(0, ge=0, description="recomputed old logprobs, KL reference: 2·P·T each "
-                                      "(the role's old_logprobs: recompute adds one)")
-    fsdp: int = Field(0, ge=0, description="FSDP group size: parameter traffic per optimizer step (0: none)")
-    sp: int = Field(1, ge=1, description="sequence-parallel group: GPUs per data-parallel rank")
-    optimizer_steps: int = Field(16, ge=1, description="mini-batches per iteration")
-    collective_gbps: float = Field(160.0, gt=0, description="per-GPU collective bandwidth, GB/s")
-    balance: bool = Field(True, description="charge the slowest data-parallel rank of each step")
-    controller_s_per_trajectory: float = Field(0.0, ge=0, description="single controller: s per trajectory")
-    controller_fixed_s: float = Field(0.0, ge=0, description="single controller: s per iteration")
-    reward_s_by_tokens: list[tuple[float, float]] | None = Field(
-        None, description="single controller: [[response tokens, seconds to score one]], summed over the batch's "
-                          "responses one after another (laminar/sim/reward_cost.py; None: scoring not charged here)")
-    switch_s: float = Field(0.0, ge=0, description="colocated phase switches per iteration, s")
-    attention: bool = Field(False, description="charge causal self-attention's FLOPs, quadratic in each "
-                            "sequence's length (trainer_cost.TrainerCost.sequence_flops)")
-    colocated: bool = Field(False, description="colocated generation and training: the weights are resharded in "
-                            "place (charged in switch_s), no relay stall, every host has a version at once")
-    nccl: NcclSettings | None = Field(None, description="blocking NCCL broadcast instead of the relay stall: "
-                                      "versions reach every host when it begins, trainer and rollouts wait it")
-    speedup: float = Field(1.0, gt=0, description="simulated seconds per real second (compressed time)")
-    relay: RelaySettings = Field(default_factory=RelaySettings)
-    weight_bytes: int = Field(4096, ge=8, description="bytes of the published stand-in version")
-    deliver: list[DeliverTarget] | None = Field(None, description="modeled delivery without relays: host folders "
-                                                "in chain order (None: publish through the real relay tier)")
 
 
 class SimTrainEngine:
@@ -121,20 +61,23 @@ class SimTrainEngine:
     delivery: ModeledDelivery | None = None
 
     @classmethod
-    def from_trainer_config(cls, cfg, publish: Callable[[str, Any], None] | None = None,
+    def from_trainer_config(cls, settings, publish: Callable[[str, Any], None] | None = None,
                             stopping: asyncio.Event | None = None) -> SimTrainEngine:
-        """The engine for the trainer role's settings (`TrainerConfig`: `sim`, `publish`,
-        `old_logprobs`): its cost model, and with `sim.deliver` the modeled delivery, which writes
+        """The engine for the trainer role's settings (`TrainerConfig`: `sim`, `publishing.enabled`,
+        `loss.old_logprobs`): its cost model, and with `sim.deliver` the modeled delivery, which writes
         version 0 into every host's folder now and announces each version through `publish`
         (topic, event) until `stopping` is set. Call it on the role's event loop."""
-        if cfg.world_size > 1:
+        if settings.distributed.world_size > 1:
             raise ValueError(f"roles.trainer: engine sim models one trainer process (world_size 1, not "
-                             f"{cfg.world_size}); its cost model already spreads the work over the simulated GPUs")
-        s = SimTrainerSettings.model_validate(cfg.sim)
-        if s.deliver is not None and cfg.publish:
-            raise ValueError("roles.trainer.sim.deliver (modeled delivery) needs roles.trainer.publish: false; "
-                             "with publish: true versions go through the real relay tier")
-        extra = old_logprob_passes(cfg)
+                             f"{settings.distributed.world_size}); its cost model already spreads the work over the "
+                             "simulated GPUs")
+        s = settings.sim
+        if s is None:
+            raise ValueError("roles.trainer.sim: engine sim needs the simulated trainer's settings (model, gpus, ...)")
+        if s.deliver is not None and settings.publishing.enabled:
+            raise ValueError("roles.trainer.sim.deliver (modeled delivery) needs roles.trainer.publishing.enabled: "
+                             "false; with publishing enabled versions go through the real relay tier")
+        extra = old_logprob_passes(settings)
         if extra:
             s = s.model_copy(update={"extra_forward_passes": s.extra_forward_passes + extra})
         engine = cls(s)
@@ -291,8 +234,8 @@ def write_stand_in(store, version: int, nbytes: int) -> None:
     commit_local(store, vb)
 
 
-def old_logprob_passes(cfg) -> int:
+def old_logprob_passes(settings) -> int:
     """Forward passes the trainer's settings add to an iteration: the old (proximal) policy's
     logprobs recomputed (`old_logprobs: recompute`, or an off-policy correction), as the real
     engine does for those settings: one pass."""
-    return int(cfg.old_logprobs == "recompute" or getattr(cfg, "off_policy", "none") != "none")
+    return int(settings.loss.old_logprobs == "recompute" or settings.loss.off_policy != "none")

@@ -65,7 +65,7 @@ def cfg(tmp, shm):
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
         "roles": {"prompt_pool": {"dataset": str(data), "group_size": 2, "max_tokens": 16},
                   "rollout": {"engine": "sim", "sim": SIM, "max_model_len": 4096, "seed": 1, "model_dir": str(tmp),
-                              "max_concurrency": 4, "weights_dir": str(shm), "stop_when_exhausted": False,
+                              "max_concurrency": 4, "shm_dir": str(shm), "stop_when_exhausted": False,
                               "delta_interval_s": 0.05, "idle_wait_s": 0.1, "report_interval_s": 0.2}}})
 
 

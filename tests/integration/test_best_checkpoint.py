@@ -70,8 +70,9 @@ def test_best_checkpoint_trainer_follows_the_evaluator(tmp_path, tiny):
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": [
                         {"role": "experience_buffer", "port": free_port()}, {"role": "trainer"},
                         {"role": "evaluator"}]}}},
-        "roles": {"trainer": {"model_dir": str(tiny), "lr": 1e-3, "groups_per_batch": 2, "publish": False,
-                              "checkpoint_every": 1, "keep_checkpoints": 1, "keep_best_checkpoint": True},
+        "roles": {"trainer": {"model_dir": str(tiny), "optimizer": {"lr": 1e-3}, "groups_per_batch": 2,
+                              "publishing": {"enabled": False},
+                              "checkpoint": {"every": 1, "keep": 1, "keep_best": True}},
                   "evaluator": {"dataset": str(heldout), "best_metric": METRIC}}})
 
     async def go():

@@ -67,7 +67,7 @@ def test_eval_cli_gives_the_evaluator_roles_numbers(tmp_path):
                                   "metrics": ["greedy", "avg@3", "pass@2", "maj@3"]}},
                 "reward": "tests.integration.test_eval_cli:first_token_even", "max_tokens": 12,
                 "model_dir": str(model), "max_model_len": 256, "max_concurrency": 32, "kv_cache_tokens": 2048,
-                "weights_dir": str(shm), "last_version": 3, "eval_every": 1, "log_samples": 0}}}))
+                "shm_dir": str(shm), "last_version": 3, "eval_every": 1, "log_samples": 0}}}))
         role = run([*CLI, "role", "evaluator", "--id", "0", str(cfg)])
         assert role.returncode == 0, role.stderr[-3000:]
         evals = [json.loads(x) for x in (tmp_path / "run" / "evaluator" / "metrics.jsonl").read_text().splitlines()]

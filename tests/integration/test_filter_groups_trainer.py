@@ -48,10 +48,10 @@ def trained(tmp_path_factory, tiny) -> Path:
         "cluster": {"keys_dir": None, "heartbeat_s": 0.5, "broker": {"host": "h0"},
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": [
                         {"role": "experience_buffer", "port": 7131}, {"role": "trainer"}]}}},
-        "roles": {"trainer": {"model_dir": str(tiny), "lr": 1e-3, "groups_per_batch": 2, "publish": False,
-                              "checkpoint_every": 100, "sample_wait_s": 0.02, "log_samples_every": 2,
-                              "log_samples": 3,
-                              "filter_groups": {"metric": "reward", "max_dropped": 2}}}})
+        "roles": {"trainer": {"model_dir": str(tiny), "optimizer": {"lr": 1e-3}, "groups_per_batch": 2,
+                              "publishing": {"enabled": False}, "checkpoint": {"every": 100}, "sample_wait_s": 0.02,
+                              "logging": {"samples_every": 2, "samples": 3},
+                              "loss": {"filter_groups": {"metric": "reward", "max_dropped": 2}}}}})
 
     async def go():
         cl = InprocCluster(cfg)
@@ -111,7 +111,7 @@ def test_tracking_wandb_offline_and_mlflow_file_store_read_back(trained: Path, m
     s = write(trained)
     uri = f"file:{trained / 'mlruns'}"
     got = send(trained, TrackingSpec.model_validate({"wandb": {"project": "t"}, "mlflow": {"tracking_uri": uri}}),
-               "ds", {"roles": {"trainer": {"lr": 1e-3}}})
+               "ds", {"roles": {"trainer": {"optimizer": {"lr": 1e-3}}}})
     assert got[0].startswith("wandb: ") and got[1].startswith(f"mlflow: {uri}")
     # W&B: one history row per version, the summary's numbers, the samples table
     (run_file,) = (trained / "wandb").glob("offline-run-*/run-*.wandb")
@@ -131,6 +131,7 @@ def test_tracking_wandb_offline_and_mlflow_file_store_read_back(trained: Path, m
     (run,) = client.search_runs([client.get_experiment_by_name("ds").experiment_id])
     hist = client.get_metric_history(run.info.run_id, "trainer/groups_kept")
     assert sorted((m.step, m.value) for m in hist) == [(1, 2.0), (2, 1.0), (3, 0.0)]
-    assert run.data.metrics["summary/groups_generated"] == 11 and run.data.params["roles.trainer.lr"] == "0.001"
+    assert run.data.metrics["summary/groups_generated"] == 11
+    assert run.data.params["roles.trainer.optimizer.lr"] == "0.001"
     table = json.loads(Path(client.download_artifacts(run.info.run_id, "samples.json", str(trained))).read_text())
     assert table["columns"][:3] == ["source", "version", "prompt"] and len(table["data"]) == 3

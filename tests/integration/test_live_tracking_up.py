@@ -36,7 +36,8 @@ def up(path: Path, out: Path, *extra: str) -> subprocess.Popen:
 def test_live_tracking_under_up_mid_run_resume_and_a_hanging_tracker(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")   # this process reads the store too
     model = build_tiny_model(tmp_path / "tiny", seed=3)
-    path = write_local_cluster(tmp_path, model, iterations=4, rollouts=1, roles={"trainer": {"checkpoint_every": 1}})
+    path = write_local_cluster(tmp_path, model, iterations=4, rollouts=1,
+                               roles={"trainer": {"checkpoint": {"every": 1}}})
     cfg = yaml.safe_load(path.read_text())
     run = tmp_path / "run"
     uri = f"file:{run / 'mlruns'}"

@@ -24,6 +24,7 @@ from laminar.roles.rollout.engine import VllmEngine  # noqa: E402
 from laminar.roles.trainer.config import LoraSettings  # noqa: E402
 from laminar.roles.trainer.lora import adapter_state, manifest_fields, with_adapter  # noqa: E402
 
+from laminar.engine_settings import LoraServing  # noqa: E402
 from laminar.export import export  # noqa: E402
 from laminar.models.loading import load_causal_lm  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
@@ -67,7 +68,7 @@ def test_lora_versions_pin_requests_and_refuse_another_base(tmp_path):
     store = ShmStore(shm, retain=4)
     store.open()
     eng = VllmEngine(str(base), max_model_len=256, max_num_seqs=4, kv_cache_gib=1, temperature=0.0, top_p=1.0,
-                     lora={"max_lora_rank": 8, "max_loras": 2}, adapter_dir=str(tmp_path / "adapters"))
+                     lora=LoraServing(max_lora_rank=8, max_loras=2), adapter_dir=str(tmp_path / "adapters"))
 
     async def collect(tag, started=None, go_on=None):
         out = []

@@ -68,7 +68,7 @@ def test_kill_anything_lose_nothing(tmp_path):
     # stores, two more versions) come after a variable share of the run, and a trainer that had
     # finished its max_iterations by then failed the test (once at version 80, after a slow join).
     with MultiHost(tmp_path, model, rollout_hosts=3, iterations=100_000, late_hosts=1,
-                   roles={"trainer": {"checkpoint_every": CHECKPOINT_EVERY}}) as mh:
+                   roles={"trainer": {"checkpoint": {"every": CHECKPOINT_EVERY}}}) as mh:
         mh.start_all()
         mh.wait_version(2, 240)
 

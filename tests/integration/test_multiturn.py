@@ -34,6 +34,7 @@ from laminar.roles.rollout.trajectory import Active
 from laminar.config import parse_config
 from laminar.datasets import ByteTokenizer
 from laminar.protocol import SampleGroups
+from laminar.tasks.warmstart import masked_loss
 from laminar.testing.inproc_cluster import InprocCluster
 from tests.unit.test_multiturn import ScriptEngine, spec
 
@@ -70,14 +71,7 @@ def teach_tool_calls(model_dir, steps: int = 100, seed: int = 0) -> None:
                 mask += [k % 2] * len(b(part))
             seqs.append(ids)
             masks.append(mask)
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-        att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)[:, 1:]
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="none").view(len(seqs), -1)
-        loss = (nll * m).sum() / m.sum()
+        loss = masked_loss(model, seqs, masks)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -210,16 +204,16 @@ def test_env_restarted_mid_episode_is_replayed(world):
 def test_env_failure_policy_fail_stores_env_failed(world):
     loop, cluster, model, rollout, _ = world
     runner = rollout.episodes
-    retry = runner.cfg
+    retry = runner.settings
 
     async def go():
-        runner.cfg = retry.model_copy(update={"on_failure": "fail"})  # the setting, read at each failure
+        runner.settings = retry.model_copy(update={"on_failure": "fail"})  # the setting, read at each failure
         try:
             ids = await in_flight(rollout)
             await cluster.stop("env")
             trajs = await drain(cluster, lambda ts: ids <= {t.spec.trajectory_id for t in ts})
         finally:
-            runner.cfg = retry
+            runner.settings = retry
             await cluster.start("env")
         return ids, [t for t in trajs if t.spec.trajectory_id in ids]
     ids, failed = loop.run_until_complete(go())

@@ -47,8 +47,8 @@ def test_old_attempt_members_in_flight_do_not_settle_the_new_attempt(tmp_path):
         assert [t.trajectory_id for t in second.trajectories] == [f"{g}/0~a1", f"{g}/1~a1"]
         t = c.hub.transport()
         fleet = Fleet(t, structlog.get_logger("test"), FleetSettings(), lambda rid: "",
-                      c.cfg.endpoint("partial_pool", "0"), {"0": c.cfg.endpoint("prompt_pool", "0")},
-                      c.cfg.endpoint("experience_buffer", "0"))
+                      c.config.endpoint("partial_pool", "0"), {"0": c.config.endpoint("prompt_pool", "0")},
+                      c.config.endpoint("experience_buffer", "0"))
         ok = await fleet.settle_handed("r1", dead=True)                      # r1 died before its first flush
         third = await pp.call(TakeBatch("r2", 2, batch_seq=1))
         old_style = await parts.call(GroupPresence([g]))                     # no attempts named: any member

@@ -59,7 +59,7 @@ def make_cfg(tmp, model_dir, shm, n_prompts=6):
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
         "roles": {"prompt_pool": {"dataset": str(data), "group_size": 2, "max_tokens": MAX_TOKENS},
                   "rollout": {"model_dir": str(model_dir), "max_concurrency": 4, "temperature": 0.0,
-                              "max_model_len": 256, "weights_dir": str(shm), "stop_when_exhausted": False,
+                              "max_model_len": 256, "shm_dir": str(shm), "stop_when_exhausted": False,
                               "delta_interval_s": 0.05, "idle_wait_s": 0.2}}})
 
 
@@ -136,12 +136,12 @@ def test_logprobs_match_trainer_model(world):
     loop, cluster, model, store, cfg = world
 
     async def go():
-        cluster.cfg.roles["rollout"]["temperature"] = 1.0
-        cluster.cfg.roles["rollout"]["seed"] = 7
+        cluster.config.roles["rollout"]["temperature"] = 1.0
+        cluster.config.roles["rollout"]["seed"] = 7
         r = await cluster.start("rollout", "0")
         trajs = await drain(cluster, 2)
         await cluster.stop("rollout", "0")
-        cluster.cfg.roles["rollout"]["temperature"] = 0.0
+        cluster.config.roles["rollout"]["temperature"] = 0.0
         return r, trajs
     r, trajs = run(world, go())
     assert all(t.version == 1 for t in trajs)
@@ -191,7 +191,7 @@ def test_migration_reproduces_greedy_tokens_and_wrong_version_is_refused(world):
 def test_new_version_waits_for_the_batch_boundary(world):
     loop, cluster, model, store, cfg = world
     new_sd = {k: (v * 1.7 if "mlp" in k else v) for k, v in model.state_dict().items()}
-    new_model = transformers.AutoModelForCausalLM.from_pretrained(cluster.cfg.roles["rollout"]["model_dir"],
+    new_model = transformers.AutoModelForCausalLM.from_pretrained(cluster.config.roles["rollout"]["model_dir"],
                                                                   torch_dtype=torch.float32).eval()
     new_model.load_state_dict(new_sd)
 
@@ -230,7 +230,7 @@ def test_adopted_work_resumes_on_its_retained_version(world):
     loop, cluster, model, store, cfg = world
     base = model.state_dict()
     v2_sd = {k: (v * 1.7 if "mlp" in k else v) for k, v in base.items()}  # what the previous test published
-    v2_model = transformers.AutoModelForCausalLM.from_pretrained(cluster.cfg.roles["rollout"]["model_dir"],
+    v2_model = transformers.AutoModelForCausalLM.from_pretrained(cluster.config.roles["rollout"]["model_dir"],
                                                                  torch_dtype=torch.float32).eval()
     v2_model.load_state_dict(v2_sd)
     v3_sd = {k: (v * 0.6 if "mlp" in k else v) for k, v in base.items()}

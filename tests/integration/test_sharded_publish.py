@@ -134,9 +134,10 @@ def role_run(tmp_path_factory):
     from tests.integration.test_trainer_fsdp import start_ranks, stop_rank0
     tmp = tmp_path_factory.mktemp("role")
     model = build_tiny_model(tmp / "tiny", seed=0)
-    path = proc_cluster(tmp, model, ranks=2, world_size=2, dist_port=free_port(), device="cpu",
-                        micro_batch_size=4, publish=True, publish_dtype="bfloat16", chunk_mb=1,
-                        relay_address="127.0.0.1:1", relay_id="r0")
+    path = proc_cluster(tmp, model, ranks=2, distributed={"world_size": 2, "port": free_port()}, device="cpu",
+                        performance={"micro_batch_size": 4},
+                        publishing={"enabled": True, "dtype": "bfloat16", "chunk_mb": 1,
+                                    "relay_address": "127.0.0.1:1", "relay_id": "r0"})
     shm = f"/dev/shm/laminar-test-{uuid.uuid4().hex[:8]}-sharded"
     node = RelayNode("r0", shm, TcpTransport(), derive_key(load_keys(tmp / "keys").secret))
     node.start()

@@ -23,6 +23,7 @@ from laminar.config import parse_config  # noqa: E402
 from laminar.protocol import PutTrajectory  # noqa: E402
 from laminar.testing.inproc_cluster import InprocCluster  # noqa: E402
 from laminar.testing.procs import RoleProc, free_port  # noqa: E402
+from laminar.testing.settings import deep_merge  # noqa: E402
 from laminar.testing.trainer_task import generate_groups, random_groups  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -63,8 +64,9 @@ ITERS, GROUPS, GSIZE, MARGIN = 10, 16, 8, 0.3
 async def learn(tmp: Path, model_dir: Path, settings: dict) -> list[float]:
     import transformers
     torch.manual_seed(1234)
-    cfg = inproc_cfg(tmp, {"model_dir": str(model_dir), "lr": 3e-3, "groups_per_batch": GROUPS,
-                           "minibatch_steps": 2, "publish": False, "checkpoint_every": 100, "seed": 0, **settings})
+    cfg = inproc_cfg(tmp, {"model_dir": str(model_dir), "optimizer": {"lr": 3e-3}, "groups_per_batch": GROUPS,
+                           "minibatch_steps": 2, "publishing": {"enabled": False}, "checkpoint": {"every": 100},
+                           "seed": 0, **settings})
     cluster = InprocCluster(cfg)
     try:
         await cluster.start("experience_buffer")
@@ -83,7 +85,7 @@ async def learn(tmp: Path, model_dir: Path, settings: dict) -> list[float]:
         await cluster.close()
 
 
-@pytest.mark.parametrize("settings", [{}, {"algorithm": "ppo", "critic_lr": 3e-3}], ids=["grpo", "ppo"])
+@pytest.mark.parametrize("settings", [{}, {"algorithm": "ppo", "ppo": {"critic_lr": 3e-3}}], ids=["grpo", "ppo"])
 def test_reward_rises_on_verifiable_task(tmp_path, tiny, settings):
     t0 = time.monotonic()
     rewards = asyncio.run(learn(tmp_path, tiny, settings))
@@ -111,8 +113,8 @@ def proc_cluster(tmp: Path, model_dir: Path, ranks: int = 1, **trainer) -> Path:
     from laminar.bus.auth import generate_keys
     generate_keys(tmp / "keys")
     trainers = [{"role": "trainer", "id": str(r), **({"cores": [r % 2]} if ranks > 1 else {})} for r in range(ranks)]
-    settings = {"model_dir": str(model_dir), "lr": 1e-3, "groups_per_batch": 2, "checkpoint_every": 2,
-                "keep_checkpoints": 2, "publish": False, **trainer}
+    settings = deep_merge({"model_dir": str(model_dir), "optimizer": {"lr": 1e-3}, "groups_per_batch": 2,
+                           "checkpoint": {"every": 2, "keep": 2}, "publishing": {"enabled": False}}, trainer)
     cfg = {"run": {"workdir": str(tmp / "run"), "seed": 0},
            "cluster": {"keys_dir": str(tmp / "keys"), "heartbeat_s": 0.5, "shutdown_s": 20.0,
                        "broker": {"host": "h0", "pub_port": free_port(), "sub_port": free_port()},
@@ -207,10 +209,11 @@ async def publish_order(tmp: Path, model_dir: Path) -> list[tuple[str, dict]]:
     node.start()
     try:
         # ~1.2 MB of weights at 4 Mbit/s: each broadcast takes seconds, an iteration milliseconds
-        cfg = inproc_cfg(tmp, {"model_dir": str(model_dir), "lr": 1e-3, "groups_per_batch": 2,
-                               "checkpoint_every": 100, "relay_address": node.address, "relay_id": "r0",
-                               "publish_transport": "laminar.testing.transports:ThrottledTcp",
-                               "publish_transport_options": {"rate_mbps": 4}, "chunk_mb": 1})
+        cfg = inproc_cfg(tmp, {"model_dir": str(model_dir), "optimizer": {"lr": 1e-3}, "groups_per_batch": 2,
+                               "checkpoint": {"every": 100},
+                               "publishing": {"relay_address": node.address, "relay_id": "r0",
+                                              "transport": "laminar.testing.transports:ThrottledTcp",
+                                              "transport_options": {"rate_mbps": 4}, "chunk_mb": 1}})
         cluster = InprocCluster(cfg)
         try:
             await cluster.start("experience_buffer")

@@ -28,9 +28,10 @@ async def run_trainer(tmp, tiny, iterations_fed: int, max_iterations: int):
         "cluster": {"keys_dir": None, "heartbeat_s": 0.5, "broker": {"host": "h0"},
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": [
                         {"role": "experience_buffer", "port": free_port()}, {"role": "trainer"}]}}},
-        "roles": {"trainer": {"model_dir": str(tiny), "lr": 1e-3, "groups_per_batch": 2, "publish": False,
-                              "checkpoint_every": 100, "max_iterations": max_iterations,
-                              "export_dir": str(tmp / "export")}}})
+        "roles": {"trainer": {"model_dir": str(tiny), "optimizer": {"lr": 1e-3}, "groups_per_batch": 2,
+                              "publishing": {"enabled": False},
+                              "checkpoint": {"every": 100, "export_dir": str(tmp / "export")},
+                              "max_iterations": max_iterations}}})
     cluster = InprocCluster(cfg)
     try:
         await cluster.start("experience_buffer")

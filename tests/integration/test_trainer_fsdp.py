@@ -83,9 +83,9 @@ def test_balanced_micro_batches_two_gloo_ranks_match_round_robin(tmp_path, tiny)
     """Long-tailed lengths on 2 ranks: sequences dealt by count (round robin, micro-batches of 2)
     and by a balanced token budget (packed, and right-padded) make the same losses, gradient norms
     and update; the balanced plans put about the same tokens on both ranks."""
-    variants = [dict(micro_batch_balance="round_robin", micro_batch_size=2, packing=True),
-                dict(micro_batch_balance="tokens", max_tokens_per_micro_batch=80, packing=True),
-                dict(micro_batch_balance="tokens", max_tokens_per_micro_batch=80, packing=False)]
+    variants = [{"performance": dict(micro_batch_balance="round_robin", micro_batch_size=2, packing=True)},
+                {"performance": dict(micro_batch_balance="tokens", max_tokens_per_micro_batch=80, packing=True)},
+                {"performance": dict(micro_batch_balance="tokens", max_tokens_per_micro_batch=80, packing=False)}]
     out = tmp_path / "variants.pt"
     launch_two_ranks(tiny, out, ["--variants", json.dumps(variants)], timeout=180)
     rr, *balanced = torch.load(out)["variants"]
@@ -106,7 +106,7 @@ def test_balanced_micro_batches_two_gloo_ranks_match_round_robin(tmp_path, tiny)
 def test_lora_two_gloo_ranks_match_one_process(tmp_path, tiny):
     """LoRA under FSDP2: 2 ranks train the adapter on the same long-tailed batches as 1 process,
     with the same losses and gradient norms and the same adapter weights; the base stays frozen."""
-    lora = [dict(lora=dict(rank=4, alpha=8, dropout=0.0), micro_batch_size=2)]
+    lora = [dict(lora=dict(rank=4, alpha=8, dropout=0.0), performance=dict(micro_batch_size=2))]
     runs = {}
     for world in (1, 2):
         out = tmp_path / f"lora{world}.pt"
@@ -143,7 +143,8 @@ def stop_rank0(ranks: list[RoleProc]) -> list[int | None]:
 
 @pytest.mark.slow  # ~20 s on a quiet 2-core machine, 40+ s under load: four torch processes start
 def test_trainer_role_on_two_ranks_stops_and_resumes(tmp_path, tiny):
-    path = proc_cluster(tmp_path, tiny, ranks=2, world_size=2, dist_port=free_port(), device="cpu", micro_batch_size=4)
+    path = proc_cluster(tmp_path, tiny, ranks=2, distributed={"world_size": 2, "port": free_port()}, device="cpu",
+                        performance={"micro_batch_size": 4})
     procs = []
     try:
         buf = RoleProc("experience_buffer", "0", path, tmp_path).start()

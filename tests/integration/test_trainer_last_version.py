@@ -33,8 +33,8 @@ pytestmark = pytest.mark.timeout(180)
 def test_the_last_version_reaches_the_relay_before_the_trainer_exits(tmp_path):
     model = build_tiny_model(tmp_path / "tiny", seed=0)
     port = free_port()
-    path = proc_cluster(tmp_path, model, publish=True, max_iterations=2, relay_address=f"127.0.0.1:{port}",
-                        relay_id="r0")
+    path = proc_cluster(tmp_path, model, max_iterations=2,
+                        publishing={"enabled": True, "relay_address": f"127.0.0.1:{port}", "relay_id": "r0"})
     shm = f"/dev/shm/laminar-test-{uuid.uuid4().hex[:8]}-last"
     procs, node = [], None
     try:

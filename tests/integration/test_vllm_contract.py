@@ -65,8 +65,10 @@ def test_vllm_contract_lora_surface(tmp_path):
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
     model = build_tiny_model(tmp_path / "m")
+    from laminar.engine_settings import LoraServing
     kw = VllmEngine(str(model), max_model_len=256, max_num_seqs=4, kv_cache_gib=1, temperature=0, top_p=1,
-                    lora={"max_lora_rank": 16, "max_loras": 2}, adapter_dir=str(tmp_path / "a")).engine_args(cpu=True)
+                    lora=LoraServing(max_lora_rank=16, max_loras=2),
+                    adapter_dir=str(tmp_path / "a")).engine_args(cpu=True)
     assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, 16, 2)
     cfg = AsyncEngineArgs(**kw).create_engine_config()
     assert cfg.lora_config is not None and cfg.lora_config.max_lora_rank == 16 and cfg.lora_config.max_loras == 2

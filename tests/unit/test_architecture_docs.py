@@ -74,11 +74,10 @@ def test_the_kind_counts_are_the_registry_s():
     for cls in kinds.values():
         area = cls.__module__.rsplit(".", 1)[-1]
         by_area[area] = by_area.get(area, 0) + 1
-    stated = f"**{len(kinds)} kinds**: " + ", ".join(f"{by_area[a]} {a}" for a in
-                                                      ("core", "data", "rollout", "weights", "env", "reward"))
-    modules = {"core", "data", "rollout", "weights", "env", "reward"}
-    assert sum(by_area.values()) == len(kinds) and set(by_area) <= modules, \
-        f"a kind is registered outside the six protocol modules: {by_area}"
+    areas = ("core", "data", "rollout", "weights", "env", "reward", "agent")
+    stated = f"**{len(kinds)} kinds**: " + ", ".join(f"{by_area[a]} {a}" for a in areas)
+    assert sum(by_area.values()) == len(kinds) and set(by_area) <= set(areas), \
+        f"a kind is registered outside the seven protocol modules: {by_area}"
     assert stated in " ".join(section(4).split()), f"docs/architecture.md §4 should say: {stated}"
     assert f"**Counts.** {len(kinds)} kinds." in section(4)
 
@@ -283,3 +282,20 @@ def test_every_config_model_has_a_class_docstring():
     bare = sorted(f"{where} {name}" for name, (where, node) in classes.items()
                   if name in models and ast.get_docstring(node) is None)
     assert not bare, "config models without a class docstring:\n" + "\n".join(bare)
+
+
+def test_the_trainer_sections_table_of_section_12_is_trainer_config_s():
+    """§12's table of the trainer's sections: one row per section of TrainerConfig, listing its
+    settings in the model's order; the top-level settings named above it are the model's others."""
+    from laminar.roles.trainer.config import TrainerConfig
+    from pydantic import BaseModel
+
+    from laminar.config_errors import _unwrap
+    sections = {name: _unwrap(f.annotation) for name, f in TrainerConfig.model_fields.items()
+                if isinstance(_unwrap(f.annotation), type) and issubclass(_unwrap(f.annotation), BaseModel)
+                and name not in ("sim", "lora")}
+    rows = {row[0].strip("`"): re.findall(r"`([^`]+)`", row[1]) for row in table_rows(section(12))
+            if len(row) == 3 and row[0].startswith("`")}
+    assert rows == {name: list(model.model_fields) for name, model in sections.items()}
+    top = [n for n in TrainerConfig.model_fields if n not in sections]
+    assert all(f"`{n}`" in section(12) for n in top)

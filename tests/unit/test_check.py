@@ -110,8 +110,8 @@ def test_overrides_are_checked_like_the_file(tmp_path):
     path = write(tmp_path, config(tmp_path))
     _, problems = run_checks(path, ["roles.prompt_pool.dataset=" + str(tmp_path / "gone.jsonl")])
     assert len(problems) == 1 and "gone.jsonl: dataset file not found" in problems[0]
-    _, problems = run_checks(path, ["roles.trainer.lr=-1"])
-    assert len(problems) == 1 and "roles.trainer.lr" in problems[0]
+    _, problems = run_checks(path, ["roles.trainer.optimizer.lr=-1"])
+    assert len(problems) == 1 and "roles.trainer.optimizer.lr" in problems[0]
 
 
 def test_systemd_paths_are_checked_on_request(tmp_path):

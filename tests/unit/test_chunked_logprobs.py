@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from laminar.models.loading import load_causal_lm  # noqa: E402
 from laminar.models.tiny import VOCAB, build_tiny_model  # noqa: E402
+from laminar.testing.settings import deep_merge  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
 
 
@@ -138,19 +139,21 @@ def test_chunked_logprobs_never_make_the_full_token_by_vocab_tensor(narrow):
 
 def engine(model_dir, **kw):
     torch.manual_seed(0)
-    e = TrainEngine(TrainerConfig(model_dir=str(model_dir), lr=1e-3, micro_batch_size=5, minibatch_steps=2,
-                                  activation_checkpointing=True, **kw), 0, torch.device("cpu"))
+    base = {"model_dir": str(model_dir), "optimizer": {"lr": 1e-3}, "minibatch_steps": 2,
+            "performance": {"micro_batch_size": 5, "activation_checkpointing": True}}
+    e = TrainEngine(TrainerConfig(**deep_merge(base, kw)), 0, torch.device("cpu"))
     e.load()
     return e
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(kl_coef=0.1, off_policy="decoupled", packing=True)],
+@pytest.mark.parametrize("kw", [dict(), dict(loss=dict(kl_coef=0.1, off_policy="decoupled"),
+                                            performance=dict(packing=True))],
                          ids=["grpo", "kl-decoupled-packed"])
 def test_chunked_training_matches_unchunked_training(narrow, kw):
     """The policy, reference and proximal passes all chunked: the same metrics and weights."""
     outs, ws = {}, {}
     for chunk in (0, 6):
-        e = engine(narrow, logprob_chunk_tokens=chunk, **kw)
+        e = engine(narrow, **deep_merge({"performance": {"logprob_chunk_tokens": chunk}}, kw))
         groups = [random_groups(3, 4, f"c{v}", resp_len=9 + v, prompt_len=6, seed=v) for v in range(2)]
         outs[chunk] = [e.train(g, v + 1) for v, g in enumerate(groups)]
         ws[chunk] = {k: v.detach().clone() for k, v in e.model.state_dict().items()}
@@ -163,6 +166,6 @@ def test_chunked_training_matches_unchunked_training(narrow, kw):
 
 
 def test_chunked_is_the_default_and_zero_turns_it_off(narrow):
-    assert TrainerConfig(model_dir=str(narrow)).logprob_chunk_tokens > 0
+    assert TrainerConfig(model_dir=str(narrow)).performance.logprob_chunk_tokens > 0
     with pytest.raises(ValueError):
-        TrainerConfig(model_dir=str(narrow), logprob_chunk_tokens=-1)
+        TrainerConfig(model_dir=str(narrow), performance={"logprob_chunk_tokens": -1})

@@ -21,7 +21,7 @@ from tests.unit.test_health import child, hb, parse
 
 CLI = [sys.executable, "-m", "laminar.cli"]
 EVERY_ROLE = ("broker.0", "manager.0", "prompt_pool.0", "partial_pool.0", "experience_buffer.0", "relay.r0",
-              "rollout.0", "trainer.0", "evaluator.0", "reward.0", "env.0")
+              "rollout.0", "trainer.0", "evaluator.0", "reward.0", "env.0", "gateway.0")
 
 
 def every_series_written() -> set[str]:
@@ -80,7 +80,7 @@ def test_dashboard_every_query_names_an_exported_metric_and_every_panel_has_a_un
 
 
 @pytest.mark.parametrize("topic", ["throughput", "reward", "staleness", "mismatch", "kv", "relay progress",
-                                   "relay lag", "pools", "alarms", "reward role: queue"])
+                                   "relay lag", "pools", "alarms", "reward role: queue", "agent episodes"])
 def test_dashboard_has_a_panel_for(topic):
     assert any(topic in title.lower() for title, _, _ in PANELS), topic
 

@@ -91,8 +91,8 @@ def test_the_rollout_factory_builds_each_engine_behind_the_protocol():
 def test_the_sim_trainer_is_built_by_its_factory_and_announces_version_0_on_every_host():
     cfg = scenario("one_step")
     tc = TrainerConfig(**cfg["roles"]["trainer"])
-    hosts = [t["host"] for t in tc.sim["deliver"]]
-    dirs = [Path(t["dir"]) for t in tc.sim["deliver"]]
+    hosts = [t.host for t in tc.sim.deliver]
+    dirs = [Path(t.dir) for t in tc.sim.deliver]
 
     async def go():
         seen: list[tuple[str, object]] = []
@@ -115,8 +115,9 @@ def test_the_sim_trainer_is_built_by_its_factory_and_announces_version_0_on_ever
     if root.exists():
         root.rmdir()
     assert not any(d.exists() for d in dirs)
-    with pytest.raises(ValueError, match="publish: false"):
-        SimTrainEngine.from_trainer_config(tc.model_copy(update={"publish": True}))
+    with pytest.raises(ValueError, match="publishing.enabled: false"):
+        SimTrainEngine.from_trainer_config(tc.model_copy(update={"publishing": tc.publishing.model_copy(
+            update={"enabled": True})}))
 
 
 def test_the_multi_rank_methods_the_role_calls_are_declared_and_the_real_engine_has_them():
@@ -129,7 +130,8 @@ def test_the_multi_rank_methods_the_role_calls_are_declared_and_the_real_engine_
     assert {"publish_state", "save_sharded", "restore_sharded"} <= set(protocol_methods(ShardedTrainEngineAPI))
     check_implements(TrainEngine, ShardedTrainEngineAPI)
     with pytest.raises(ValueError, match="world_size"):
-        SimTrainEngine.from_trainer_config(TrainerConfig.model_validate({"engine": "sim", "world_size": 2}))
+        SimTrainEngine.from_trainer_config(TrainerConfig.model_validate(
+            {"engine": "sim", "model_dir": "sim", "sim": {"model": "7B", "gpus": 8}, "distributed": {"world_size": 2}}))
 
 
 def test_the_engine_runs_at_most_max_num_seqs_of_the_rollouts_trajectories():

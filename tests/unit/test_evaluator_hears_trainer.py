@@ -69,7 +69,7 @@ def test_a_last_version_reported_during_setup_is_heard(tmp_path, monkeypatch):
         monkeypatch.setattr("laminar.roles.evaluator.role.make_engine",
                             lambda *a, **k: EngineWhileTrainerFinishes(trainer_pub))
         role = EvaluatorRole(RoleContext(role="evaluator", id="0", host="h0", transport=hub.transport(), settings={
-            "dataset": str(heldout), "weights_dir": str(relay), "last_version": 4, "final_wait_s": 0.2,
+            "dataset": str(heldout), "shm_dir": str(relay), "last_version": 4, "final_wait_s": 0.2,
             "poll_s": 0.05, "samples": 0}))
         role.ctx.settings["out_dir"] = str(tmp_path / "out")
         done = []

@@ -28,8 +28,8 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     base = build_tiny_model(root / "base", seed=0, init_std=0.5)
     (base / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))  # copied along
-    eng = TrainEngine(TrainerConfig(model_dir=str(base), lr=1e-2, mismatch_previous_version=False), 0,
-                      torch.device("cpu"))
+    cfg = TrainerConfig(model_dir=str(base), optimizer={"lr": 1e-2}, logging={"mismatch_previous_version": False})
+    eng = TrainEngine(cfg, 0, torch.device("cpu"))
     eng.load()
     eng.train(random_groups(2, 4, "ex"), 1)
     ckpts = root / "ckpts"

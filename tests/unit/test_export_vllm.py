@@ -41,8 +41,8 @@ print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 
 def test_exported_folder_gives_the_trainers_greedy_tokens_in_vllm(tmp_path):
     base = build_tiny_model(tmp_path / "base", seed=0, init_std=0.5)
-    eng = TrainEngine(TrainerConfig(model_dir=str(base), lr=1e-2, mismatch_previous_version=False), 0,
-                      torch.device("cpu"))
+    cfg = TrainerConfig(model_dir=str(base), optimizer={"lr": 1e-2}, logging={"mismatch_previous_version": False})
+    eng = TrainEngine(cfg, 0, torch.device("cpu"))
     eng.load()
     eng.train(random_groups(2, 4, "vx"), 1)
     from laminar.roles.trainer import checkpoint

@@ -27,8 +27,9 @@ def test_gpu_node_config_validates_and_gives_each_role_its_gpus():
     cpu_only = {"broker.0", "manager.0", "prompt_pool.0", "partial_pool.0", "experience_buffer.0", "relay.r0"}
     assert {k for k, v in env.items() if v is None} == cpu_only
     trainer = cfg.settings_of("trainer", "0")
-    assert trainer.world_size == len(cfg.find("trainer")) == 4
-    assert trainer.dtype == "bfloat16" and trainer.packing is True and trainer.export_dir
+    assert trainer.distributed.world_size == len(cfg.find("trainer")) == 4
+    assert trainer.performance.dtype == "bfloat16" and trainer.performance.packing is True
+    assert trainer.checkpoint.export_dir
     assert {cfg.settings_of("rollout", str(i)).dtype for i in range(4)} == {"bfloat16"}
 
 

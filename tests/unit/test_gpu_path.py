@@ -166,8 +166,8 @@ def test_publish_dtype_follows_the_rollouts_engine_dtype():
     assert rollout_dtype(FakeConfig({})) is None
 
     def link(setting, rollouts):
-        role = SimpleNamespace(ctx=SimpleNamespace(config=FakeConfig(rollouts)))
-        return PublishLink(role, SimpleNamespace(publish_dtype=setting)).publish_dtype()
+        role = SimpleNamespace(cluster=FakeConfig(rollouts))
+        return PublishLink(role, SimpleNamespace(publishing=SimpleNamespace(dtype=setting))).publish_dtype()
     assert link("rollout", {"0": {"dtype": "bfloat16"}}) == "bfloat16"
     assert link("same", {"0": {"dtype": "bfloat16"}}) is None
     assert link(None, {"0": {"dtype": "bfloat16"}}) is None

@@ -47,9 +47,9 @@ async def trainer_run(tmp: Path, model_dir: Path, node: RelayNode, groups):
         "cluster": {"keys_dir": None, "heartbeat_s": 0.5, "broker": {"host": "h0"},
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": [
                         {"role": "experience_buffer", "port": 7101}, {"role": "trainer"}]}}},
-        "roles": {"trainer": {"model_dir": str(model_dir), "lr": 1e-3, "groups_per_batch": 2,
-                              "checkpoint_every": 2, "relay_address": node.address, "relay_id": "r0",
-                              "chunk_mb": 1}}})
+        "roles": {"trainer": {"model_dir": str(model_dir), "optimizer": {"lr": 1e-3}, "groups_per_batch": 2,
+                              "checkpoint": {"every": 2},
+                              "publishing": {"relay_address": node.address, "relay_id": "r0", "chunk_mb": 1}}}})
     cluster = InprocCluster(cfg)
     try:
         await cluster.start("experience_buffer")

@@ -65,7 +65,7 @@ def wandb_rows(run: Path) -> tuple[set[str], dict[int, dict]]:
 
 def test_live_tracking_versions_reach_both_trackers_before_the_end(tmp_path):
     uri = f"file:{tmp_path / 'mlruns'}"
-    t = LiveTracking(spec(tmp_path), tmp_path, "demo", {"roles": {"trainer": {"lr": 0.001}}})
+    t = LiveTracking(spec(tmp_path), tmp_path, "demo", {"roles": {"trainer": {"optimizer": {"lr": 0.001}}}})
     t.start()
     for v in (1, 2, 3):
         t.observe(trainer(v, 0.1 * v))
@@ -88,7 +88,7 @@ def test_live_tracking_versions_reach_both_trackers_before_the_end(tmp_path):
     assert lines[0].startswith("wandb: ") and "dropped" not in " ".join(lines) and "failed" not in " ".join(lines)
     runs, _ = mlflow_history(uri, "trainer/reward_mean")
     assert runs[0].info.status == "FINISHED" and runs[0].data.metrics["summary/eval/heldout/greedy/last"] == 0.5
-    assert runs[0].data.params["roles.trainer.lr"] == "0.001"
+    assert runs[0].data.params["roles.trainer.optimizer.lr"] == "0.001"
 
 
 def test_live_tracking_a_resume_continues_the_same_runs(tmp_path):

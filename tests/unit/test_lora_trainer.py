@@ -35,7 +35,8 @@ def sampled(tiny):
 
 
 def engine(tiny, **kw):
-    e = TrainEngine(TrainerConfig(model_dir=str(tiny), lr=5e-2, lora=LORA, **kw), 0, torch.device("cpu"))
+    e = TrainEngine(TrainerConfig(model_dir=str(tiny), optimizer={"lr": 5e-2}, lora=LORA, **kw), 0,
+                    torch.device("cpu"))
     e.load()
     return e
 
@@ -55,7 +56,7 @@ def test_lora_trains_only_the_adapter(tiny, sampled):
 
 
 def test_lora_reference_is_the_base_with_the_adapter_off(tiny, sampled):
-    e = engine(tiny, kl_coef=0.1)
+    e = engine(tiny, loss={"kl_coef": 0.1})
     assert e.ref is None                                   # no second model
     e.train(sampled, 1)
     e.train(sampled, 2)                                    # the adapter now differs from zero

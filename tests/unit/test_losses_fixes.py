@@ -154,8 +154,8 @@ def test_dual_clip_bounds_negative_advantage_tokens():
 def test_dual_clip_is_a_trainer_setting_with_c_3():
     from laminar.roles.trainer.config import TrainerConfig
     from pydantic import ValidationError
-    c = TrainerConfig(model_dir="m", dual_clip=True)
-    assert c.dual_clip and c.dual_clip_c == 3.0
-    assert not TrainerConfig(model_dir="m").dual_clip   # off unless asked for
+    c = TrainerConfig(model_dir="m", loss={"dual_clip": True})
+    assert c.loss.dual_clip and c.loss.dual_clip_c == 3.0
+    assert not TrainerConfig(model_dir="m").loss.dual_clip   # off unless asked for
     with pytest.raises(ValidationError):
-        TrainerConfig(model_dir="m", dual_clip=True, dual_clip_c=1.0)
+        TrainerConfig(model_dir="m", loss={"dual_clip": True, "dual_clip_c": 1.0})

@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 
 
 def engine(tiny, **kw):
-    e = TrainEngine(TrainerConfig(model_dir=str(tiny), lr=1e-3, **kw), 0, torch.device("cpu"))
+    e = TrainEngine(TrainerConfig(model_dir=str(tiny), optimizer={"lr": 1e-3}, **kw), 0, torch.device("cpu"))
     e.load()
     return e
 

@@ -40,9 +40,9 @@ def test_memory_plan_shape_counts_by_hand():
 
 def test_memory_plan_trainer_items_by_hand():
     s = shape_from_config(HAND)
-    t = types.SimpleNamespace(world_size=2, dtype="bfloat16", kl_coef=0.0, mismatch_previous_version=False,
-                              algorithm="grpo", micro_batch_size=1, activation_checkpointing=True,
-                              logprob_chunk_tokens=32)
+    t = TrainerConfig(model_dir="m", distributed={"world_size": 2}, logging={"mismatch_previous_version": False},
+                      performance={"dtype": "bfloat16", "micro_batch_size": 1, "activation_checkpointing": True,
+                                   "logprob_chunk_tokens": 32})
     items = trainer_plan(s, t, max_model_len=256)
     assert items["parameters (fp32 shard)"] == 4 * 87_104 / 2 == 174_208
     assert items["gradients (fp32 shard)"] == 174_208
@@ -54,7 +54,7 @@ def test_memory_plan_trainer_items_by_hand():
     assert items["activations (256 tokens, checkpointed)"] == 2 * 256 * 64 * 2 + 256 * 1_056 * 2 == 606_208
     assert items["logits (32 tokens x 100)"] == 32 * 100 * (2 + 12) == 44_800
     assert sum(items.values()) == 174_208 * 2 + 348_416 + 371_200 + 51_456 + 606_208 + 44_800 + 3 * GiB
-    t.activation_checkpointing, t.logprob_chunk_tokens = False, 0  # every layer kept; the full logits
+    t.performance.activation_checkpointing, t.performance.logprob_chunk_tokens = False, 0  # all layers; full logits
     items = trainer_plan(s, t, max_model_len=256)
     assert items["activations (256 tokens)"] == 2 * 256 * 1_056 * 2
     assert items["logits (256 tokens x 100)"] == 256 * 100 * 14
@@ -83,8 +83,7 @@ def test_memory_plan_shipped_shapes_match_the_published_sizes():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_memory_plan_recipes_fit_80_gib_with_chunked_logprobs(path):
     """Every rank and rollout of the recipe within 80 GiB, the trainer computing logprobs 1,024
-    tokens at a time (the trainer's logprob_chunk_tokens); and check_memory agrees when this
-    branch's trainer has that setting."""
+    tokens at a time (the trainer's performance.logprob_chunk_tokens); and check_memory agrees."""
     cfg = load_config(path)
     plans = plan_memory(cfg, 80)
     assert {p.kind for p in plans} == {"trainer", "rollout"}
@@ -93,11 +92,9 @@ def test_memory_plan_recipes_fit_80_gib_with_chunked_logprobs(path):
             assert p.problem is None, p.problem
             continue
         t = cfg.settings_of("trainer", p.key.split(".")[1])
-        chunked = types.SimpleNamespace(**{**t.model_dump(), "logprob_chunk_tokens": 1024})
+        chunked = t.model_copy(update={"performance": t.performance.model_copy(update={"logprob_chunk_tokens": 1024})})
         need = sum(trainer_plan(model_shape(t.model_dir), chunked, 18_432).values())
         assert need <= 80 * GiB, f"{p.key}: {need / GiB:.1f} GiB"
-    if "logprob_chunk_tokens" not in TrainerConfig.model_fields:
-        pytest.skip("this branch's trainer computes the full [tokens, vocabulary] logits (no logprob_chunk_tokens)")
     assert check_memory(cfg, 80) == []
 
 

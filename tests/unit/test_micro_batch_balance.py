@@ -95,7 +95,8 @@ def test_balance_engine_reports_rank_imbalance_and_micro_batches(tmp_path):
     from laminar.testing.trainer_task import random_groups
     d = build_tiny_model(tmp_path / "m", hidden=32, layers=1, intermediate=64)
     torch.manual_seed(0)
-    cfg = TrainerConfig(model_dir=str(d), max_tokens_per_micro_batch=40, skip_uniform_groups=False)
+    cfg = TrainerConfig(model_dir=str(d), performance={"max_tokens_per_micro_batch": 40},
+                        loss={"skip_uniform_groups": False})
     e = TrainEngine(cfg, 0, torch.device("cpu"))
     e.load()
     out = e.train(random_groups(2, 4, "b", resp_len=10, prompt_len=6), 1)

@@ -32,7 +32,7 @@ def sampled(tiny):
 
 
 def engine(tiny, **kw):
-    e = TrainEngine(TrainerConfig(model_dir=str(tiny), lr=1e-2, **kw), 0, torch.device("cpu"))
+    e = TrainEngine(TrainerConfig(model_dir=str(tiny), optimizer={"lr": 1e-2}, **kw), 0, torch.device("cpu"))
     e.load()
     return e
 
@@ -70,7 +70,7 @@ def test_one_version_stale_samples_are_measured_against_the_previous_weights(tin
     assert stale["mismatch_mean_abs"] < 1e-4             # measured against version 0's weights
     older = e.train(sampled, 3)                          # two versions old: nobody holds those weights
     assert older["mismatch_tokens"] == 0 and "mismatch_mean_abs" not in older
-    off = engine(tiny, mismatch_previous_version=False)
+    off = engine(tiny, logging={"mismatch_previous_version": False})
     off.train(sampled, 1)
     assert off.train(sampled, 2)["mismatch_tokens"] == 0
 
@@ -79,5 +79,5 @@ def test_measured_on_the_first_minibatch_or_on_the_recomputed_proximal(tiny, sam
     split = engine(tiny, minibatch_steps=2).train(sampled, 1)
     assert 0 < split["mismatch_tokens"] < n_tokens(sampled)   # later mini-batches follow a step
     assert split["mismatch_mean_abs"] < 1e-4
-    prox = engine(tiny, minibatch_steps=2, off_policy="tis").train(sampled, 1)
+    prox = engine(tiny, minibatch_steps=2, loss={"off_policy": "tis"}).train(sampled, 1)
     assert prox["mismatch_tokens"] == n_tokens(sampled) and prox["mismatch_mean_abs"] < 1e-4

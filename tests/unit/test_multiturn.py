@@ -352,7 +352,8 @@ def test_trainer_counts_only_policy_tokens(tmp_path):
     from laminar.models.tiny import build_tiny_model
     from laminar.protocol import Trajectory
     model = build_tiny_model(tmp_path / "m", seed=0)
-    e = TrainEngine(TrainerConfig(model_dir=str(model), lr=1e-3, entropy_metric=False), 0, torch.device("cpu"))
+    cfg = TrainerConfig(model_dir=str(model), optimizer={"lr": 1e-3}, logging={"entropy": False})
+    e = TrainEngine(cfg, 0, torch.device("cpu"))
     e.load()
 
     def traj(i, reward, mask, n=4):

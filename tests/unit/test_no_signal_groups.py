@@ -15,8 +15,10 @@ def _engine(tmp_path, **kw):
     from laminar.roles.trainer.engine import TrainEngine
 
     from laminar.models.tiny import build_tiny_model
+    from laminar.testing.settings import deep_merge
     model = build_tiny_model(tmp_path / "m", seed=0)
-    e = TrainEngine(TrainerConfig(model_dir=str(model), lr=1e-2, entropy_metric=False, **kw), 0, torch.device("cpu"))
+    base = {"model_dir": str(model), "optimizer": {"lr": 1e-2}, "logging": {"entropy": False}}
+    e = TrainEngine(TrainerConfig(**deep_merge(base, kw)), 0, torch.device("cpu"))
     e.load()
     return e
 
@@ -64,7 +66,7 @@ def test_uniform_groups_are_left_out_of_the_loss(tmp_path):
 
 
 def test_the_filter_can_be_turned_off(tmp_path):
-    e = _engine(tmp_path, skip_uniform_groups=False)
+    e = _engine(tmp_path, loss={"skip_uniform_groups": False})
     e.train(_groups("a", [[1.0, 0.0, 1.0, 0.0]]), version=1)
     before = _weights(e)
     out = e.train(_groups("bb", [[0.0] * 4]), version=2)
@@ -74,7 +76,7 @@ def test_the_filter_can_be_turned_off(tmp_path):
 
 
 def test_lr_warm_up_is_linear_in_the_version(tmp_path):
-    e = _engine(tmp_path, lr_warmup_versions=4)
+    e = _engine(tmp_path, optimizer={"warmup_versions": 4})
     assert [e.lr_at(v) for v in (1, 2, 4, 9)] == pytest.approx([2.5e-3, 5e-3, 1e-2, 1e-2])
     e.train(_groups("a", [[1.0, 0.0, 1.0, 0.0]]), version=2)
     assert e.opt.param_groups[0]["lr"] == pytest.approx(5e-3)

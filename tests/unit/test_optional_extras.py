@@ -91,7 +91,7 @@ def test_optional_extras_check_reports_a_feature_without_its_extra(tmp_path):
         "cluster": {"broker": {"host": "h0", "pub_port": 45150, "sub_port": 45151},
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": [{"role": "broker"}, {"role": "trainer"}]}}},
         "tracking": {"wandb": {"project": "p", "mode": "offline"}},
-        "roles": {"trainer": {"model_dir": str(tmp_path), "lora": {"rank": 4}}},
+        "roles": {"trainer": {"model_dir": str(tmp_path), "lora": {"rank": 4}, "publishing": {"transport": "ucx"}}},
     }))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     got = run_hidden(f"""
@@ -103,3 +103,4 @@ def test_optional_extras_check_reports_a_feature_without_its_extra(tmp_path):
     text = "\n".join(got["problems"])
     assert "pip install -e '.[lora]'" in text, text
     assert "pip install -e '.[tracking]'" in text, text
+    assert "roles.trainer.publishing.transport: the UCX weight transport needs the ucxx package" in text, text

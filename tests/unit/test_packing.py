@@ -20,6 +20,7 @@ from laminar.roles.trainer.packing import pack, packed_token_logprobs, packed_va
 
 from laminar.models.loading import load_causal_lm  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
+from laminar.testing.settings import deep_merge  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
 
 
@@ -110,7 +111,9 @@ def test_a_packed_sequence_never_sees_its_neighbours(tiny):
 
 def engine(tiny, **kw):
     torch.manual_seed(0)
-    e = TrainEngine(TrainerConfig(model_dir=str(tiny), lr=1e-3, micro_batch_size=5, minibatch_steps=2, **kw), 0,
+    base = {"model_dir": str(tiny), "optimizer": {"lr": 1e-3}, "performance": {"micro_batch_size": 5},
+            "minibatch_steps": 2}
+    e = TrainEngine(TrainerConfig(**deep_merge(base, kw)), 0,
                     torch.device("cpu"))
     e.load()
     return e
@@ -124,12 +127,12 @@ def weights(e):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(algorithm="ppo"),
-                                dict(kl_coef=0.1, off_policy="decoupled", dual_clip=True)],
+                                dict(loss=dict(kl_coef=0.1, off_policy="decoupled", dual_clip=True))],
                          ids=["grpo", "ppo", "grpo-kl-decoupled"])
 def test_packed_training_matches_padded_training(tiny, kw):
     outs, ws = {}, {}
     for packing in (False, True):
-        e = engine(tiny, packing=packing, **kw)
+        e = engine(tiny, **deep_merge({"performance": {"packing": packing}}, kw))
         assert e.packing is packing
         outs[packing] = [e.train(ragged_groups(3), 1), e.train(ragged_groups(4), 2)]
         ws[packing] = weights(e)
@@ -154,7 +157,7 @@ def assert_same_update(a: dict, b: dict, lr: float) -> None:
 
 
 def test_packing_is_off_on_the_cpu_by_default_and_then_identical(tiny):
-    a, b = engine(tiny), engine(tiny, packing=False)
+    a, b = engine(tiny), engine(tiny, performance={"packing": False})
     assert a.packing is False
     assert a.train(ragged_groups(5), 1) == b.train(ragged_groups(5), 1)
     wa, wb = weights(a), weights(b)

@@ -253,8 +253,8 @@ def test_a_host_leaders_link_makes_a_part_publisher_with_the_trainers_settings()
     from laminar.roles.trainer.config import TrainerConfig
     from laminar.roles.trainer.dist import DistInfo
     from laminar.roles.trainer.publishing import PublishLink
-    cfg = TrainerConfig(model_dir="m", chunk_mb=2, publish_dtype="bfloat16")
-    role = SimpleNamespace(cfg=cfg, info=DistInfo(rank=1, world_size=2),
+    cfg = TrainerConfig(model_dir="m", publishing={"chunk_mb": 2, "dtype": "bfloat16"})
+    role = SimpleNamespace(settings=cfg, info=DistInfo(rank=1, world_size=2),
                            ctx=SimpleNamespace(transport=SimpleNamespace(keys=None)))
     link = PublishLink.follower(role)
     assert link.sharded.make_publisher is not None and link.publisher is None

@@ -96,7 +96,8 @@ def test_guard_waits_until_the_copies_are_queued_then_orders_after_them():
 
 def test_engine_calls_before_update_once_before_the_step_writes_the_weights(tiny):
     torch.manual_seed(0)
-    e = TrainEngine(TrainerConfig(model_dir=str(tiny), lr=1e-3, micro_batch_size=4), 0, torch.device("cpu"))
+    cfg = TrainerConfig(model_dir=str(tiny), optimizer={"lr": 1e-3}, performance={"micro_batch_size": 4})
+    e = TrainEngine(cfg, 0, torch.device("cpu"))
     e.load()
     before = {k: v.detach().clone() for k, v in e.model.state_dict().items()}
     seen = []
@@ -110,11 +111,11 @@ def test_engine_calls_before_update_once_before_the_step_writes_the_weights(tiny
 @pytest.mark.parametrize("overlap", [True, False])
 def test_one_rank_publish_link_overlaps_when_configured(tiny, overlap):
     torch.manual_seed(0)
-    cfg = TrainerConfig(model_dir=str(tiny), publish_overlap=overlap)
+    cfg = TrainerConfig(model_dir=str(tiny), publishing={"overlap": overlap})
     e = TrainEngine(cfg, 0, torch.device("cpu"))
     e.load()
     link = PublishLink.__new__(PublishLink)  # only what publish_engine reads
-    link.cfg, link.sharded, link.publisher, link._described = cfg, None, WeightPublisher(), False
+    link.settings, link.sharded, link.publisher, link._described = cfg, None, WeightPublisher(), False
     try:
         link.publish_engine(e, 4)
         assert link.publisher.version == 4

@@ -70,11 +70,11 @@ class Client:
         return self.answers.pop(0) if self.answers else PutResult("stored")
 
 
-def make_role(tmp_path, weights_dir=None, partials=None, buffer=None, **settings) -> RolloutRole:
+def make_role(tmp_path, shm_dir=None, partials=None, buffer=None, **settings) -> RolloutRole:
     config = types.SimpleNamespace(workdir=lambda: tmp_path, endpoint=lambda role, id: f"inproc://{role}.{id}")
     role = RolloutRole(RoleContext(role="rollout", id="r0", host="h0", transport=None,
-                                   settings={"engine": "sim", **settings}, config=config))
-    role.wire(Engine(), partials=partials, buffer=buffer, reward=lambda spec, tokens: 1.0, weights_dir=weights_dir,
+                                   settings={"engine": "sim", **settings}, cluster=config))
+    role.wire(Engine(), partials=partials, buffer=buffer, reward=lambda spec, tokens: 1.0, shm_dir=shm_dir,
               seq_file=tmp_path / "rollout-r0" / "batch_seq.json")
     return role
 
@@ -116,7 +116,7 @@ def same(a: dict, b: dict) -> bool:
 
 def test_failed_pulls_keep_the_weights_and_are_counted(tmp_path, relay):
     store = relay()
-    role = make_role(tmp_path, weights_dir=str(store.dir), pull_retry_s=60.0)
+    role = make_role(tmp_path, shm_dir=str(store.dir), pull_retry_s=60.0)
     v1, v2, v3 = weights(1), weights(2), weights(3)
 
     async def go():
@@ -154,7 +154,7 @@ def test_weights_lost_in_a_failed_commit_are_forgotten_until_a_version_loads(tmp
     starts), counts the failure, and loads the relay's newest at the next try."""
     from laminar.roles.rollout.worker_ext import FAULT_ENV
     store = relay()
-    role = make_role(tmp_path, weights_dir=str(store.dir), pull_retry_s=0.001)
+    role = make_role(tmp_path, shm_dir=str(store.dir), pull_retry_s=0.001)
     fault = tmp_path / "fault"
     monkeypatch.setenv(FAULT_ENV, str(fault))
 
@@ -178,7 +178,7 @@ def test_weights_lost_in_a_failed_commit_are_forgotten_until_a_version_loads(tmp
 
 def test_a_new_lineage_is_loaded_under_a_lower_number_and_named_in_trajectories(tmp_path, relay):
     store = relay()
-    role = make_role(tmp_path, weights_dir=str(store.dir), buffer=Client(), partials=Client())
+    role = make_role(tmp_path, shm_dir=str(store.dir), buffer=Client(), partials=Client())
     a5, b3 = weights(5), weights(103)
 
     async def go():
@@ -267,7 +267,7 @@ def test_adopted_work_is_not_run_on_another_lineage_under_its_number(tmp_path):
     store = ShmStore(f"/dev/shm/laminar-unit-{uuid.uuid4().hex[:10]}", retain=4)
     store.open()
     try:
-        role = make_role(tmp_path, weights_dir=str(store.dir), partials=Client([None]))
+        role = make_role(tmp_path, shm_dir=str(store.dir), partials=Client([None]))
         role.runner._generate = lambda a: asyncio.sleep(0)          # not generating anything here
         w = {(lin, v): weights(100 * lin + v) for lin, v in [(1, 14), (1, 15), (2, 14), (2, 15), (2, 16)]}
 

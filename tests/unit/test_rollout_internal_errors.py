@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import structlog
 from laminar.bus.errors import RemoteError
-from laminar.roles.rollout.work import INTERNAL_TRIES, call_acked
+from laminar.bus.retry import INTERNAL_TRIES, call_acked
 
 from laminar.protocol import Ack, PutTrajectory, TakeBatch
 from tests.unit.test_rollout_wiring import Book, Client, active, make_role

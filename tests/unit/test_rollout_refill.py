@@ -31,8 +31,8 @@ THEIRS = "/dev/shm/laminar-unit-refill-n1"
 def make_role(mode: str | None = "laminar", **settings) -> RolloutRole:
     cluster = None if mode is None else types.SimpleNamespace(run=RunSpec(mode=mode))
     role = RolloutRole(RoleContext(role="rollout", id="r0", host="n0", transport=None,
-                                   settings={"engine": "sim", "max_concurrency": 8, **settings}, config=cluster))
-    role.wire(types.SimpleNamespace(stats=types.SimpleNamespace(kv_usage=0.0, running=0, waiting=0)), weights_dir=OURS)
+                                   settings={"engine": "sim", "max_concurrency": 8, **settings}, cluster=cluster))
+    role.wire(types.SimpleNamespace(stats=types.SimpleNamespace(kv_usage=0.0, running=0, waiting=0)), shm_dir=OURS)
     role.weights.version, role.weights.lineage, role.weights.run_id = 3, 1, "run"
     return role
 
@@ -144,7 +144,7 @@ def test_a_lost_event_does_not_hang_the_drain(tmp_path):
     try:
         role = make_role(refill=True, report_interval_s=0.01)
         role.taken_on_version = 8
-        role.weights.dir = str(store.dir)
+        role.weights.shm_dir = str(store.dir)
         role.ctx.publisher = types.SimpleNamespace(publish=lambda topic, ev: None)
         start_one(role)
         sd = {"w": torch.zeros(256)}

@@ -82,7 +82,7 @@ class Book:
 def make_role(tmp_path, prompts=None, partials=None, buffer=None, **settings) -> RolloutRole:
     config = types.SimpleNamespace(workdir=lambda: tmp_path, endpoint=lambda role, id: f"inproc://{role}.{id}")
     role = RolloutRole(RoleContext(role="rollout", id="r0", host="h0", transport=None,
-                                   settings={"engine": "sim", **settings}, config=config))
+                                   settings={"engine": "sim", **settings}, cluster=config))
     role.wire(types.SimpleNamespace(stats=types.SimpleNamespace(kv_usage=0.0, running=0, waiting=0)),
               prompts=prompts, partials=partials, buffer=buffer, reward=lambda spec, tokens: 1.0)
     return role
@@ -324,7 +324,7 @@ def test_status_answers_before_setup_wires_the_components(tmp_path):
     start: until the components are wired the status is the one of a rollout holding nothing."""
     config = types.SimpleNamespace(workdir=lambda: tmp_path, endpoint=lambda role, id: f"inproc://{role}.{id}")
     role = RolloutRole(RoleContext(role="rollout", id="r0", host="h0", transport=None,
-                                   settings={"engine": "sim"}, config=config))
+                                   settings={"engine": "sim"}, cluster=config))
     assert role.status() == {"version": 0, "lineage": 0, "run_id": "", "active": 0, "state": "idle", "batches": 0,
                              "kv": 0.0,
                              "weight_pull_failures": 0, "puts_refused": 0, "fenced_off": 0, "gave_up": 0,

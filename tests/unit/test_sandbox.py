@@ -48,7 +48,7 @@ def test_plain_run_uid_scratch_and_files():
         res = await sb.run("import os, sys\nprint(os.getuid(), os.getcwd(), open('data/in.txt').read())\n"
                            "print('to stderr', file=sys.stderr)\nsys.exit(3)", files={"data/in.txt": "hello"})
         uid, cwd, text = res.stdout.split()
-        assert int(uid) >= sb.cfg.uid_base and cwd == "/tmp" and text == "hello"
+        assert int(uid) >= sb.settings.uid_base and cwd == "/tmp" and text == "hello"
         assert res.stderr == "to stderr\n" and res.exit_code == 3 and res.killed_reason is None and not res.ok
         with pytest.raises(ValueError):
             await sb.run("pass", files={"../x": ""})
@@ -68,7 +68,7 @@ def test_cpu_and_wall_limits():
                            "    time.sleep(60)\nprint('started', flush=True)\ntime.sleep(60)")
         assert res.timed_out and res.killed_reason == "wall_time" and res.stdout == "started\n"
         await still_serving(sb)
-        assert sandbox_pids(sb.cfg) == []
+        assert sandbox_pids(sb.settings) == []
     run(main())
 
 
@@ -79,11 +79,11 @@ def test_fork_bomb_is_bounded_and_leaves_nothing():
                            "            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
                            "except OSError as e:\n    print(n, e.errno)")
         n, errno = map(int, res.stdout.split())
-        assert n < sb.cfg.max_processes and errno == 11  # EAGAIN: RLIMIT_NPROC of the sandbox uid
+        assert n < sb.settings.max_processes and errno == 11  # EAGAIN: RLIMIT_NPROC of the sandbox uid
         # the classic bomb: every process forks forever; the run is killed, its namespace with it
         res = await sb.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
         assert res.killed_reason in ("cpu_time", "wall_time")
-        assert sandbox_pids(sb.cfg) == []
+        assert sandbox_pids(sb.settings) == []
         await still_serving(sb)
     run(main())
 
@@ -148,13 +148,13 @@ def test_output_flood_is_cut_and_runs_are_concurrent():
     async def main():
         sb = Sandbox(SandboxConfig(**{**CFG, "wall_s": 20.0}))
         res = await sb.run("while True:\n    print('x' * 1000)")
-        assert res.killed_reason == "output_limit" and res.truncated and len(res.stdout) <= sb.cfg.max_output_bytes
+        assert res.killed_reason == "output_limit" and res.truncated and len(res.stdout) <= sb.settings.max_output_bytes
         slow = asyncio.ensure_future(sb.run("import time\ntime.sleep(4)\nprint('slow')"))
         fast = asyncio.ensure_future(sb.run("print('fast')"))
         done, _ = await asyncio.wait([slow, fast], return_when=asyncio.FIRST_COMPLETED)
         assert done == {fast} and fast.result().stdout == "fast\n"
         assert (await slow).stdout == "slow\n"
-        assert sandbox_pids(sb.cfg) == [] and os.geteuid() == 0
+        assert sandbox_pids(sb.settings) == [] and os.geteuid() == 0
     run(main())
 
 
@@ -163,6 +163,6 @@ def test_cancelled_run_leaves_nothing():
         sb = Sandbox(SandboxConfig(**{**CFG, "wall_s": 30.0}))
         with pytest.raises(TimeoutError):  # the caller gives up: the run is cancelled and killed
             await asyncio.wait_for(sb.run("import os, time\nos.fork()\ntime.sleep(60)"), 1.0)
-        assert sandbox_pids(sb.cfg) == []
+        assert sandbox_pids(sb.settings) == []
         await still_serving(sb)
     run(main())

@@ -228,7 +228,7 @@ print("holding", len(reported - dead), "killed", len(dead), flush=True)
         peak = 0
         task = asyncio.ensure_future(sb.run(code))
         while not task.done():
-            peak = max(peak, sum(_anon_kib(p) for p in sandbox_pids(sb.cfg)) << 10)
+            peak = max(peak, sum(_anon_kib(p) for p in sandbox_pids(sb.settings)) << 10)
             await asyncio.sleep(0.02)
         res = await task
         assert peak > 0
@@ -238,7 +238,7 @@ print("holding", len(reported - dead), "killed", len(dead), flush=True)
         assert held == [] or held[0] * hold_mb <= limit_mb, res
         assert res.memory_peak_bytes is not None and res.memory_peak_bytes <= limit_mb << 20
         assert res.oom_kills > 0
-        assert sandbox_pids(sb.cfg) == []
+        assert sandbox_pids(sb.settings) == []
         ok = await sb.run("print(sum(range(10)))")
         assert ok.ok and ok.stdout == "45\n"
     run(main())
@@ -253,7 +253,7 @@ def test_run_has_its_own_cgroup_with_the_configured_limits():
         task = asyncio.ensure_future(sb.run("import time\nprint('up', flush=True)\ntime.sleep(3)"))
         pids: list[int] = []
         for _ in range(300):
-            pids = sandbox_pids(sb.cfg)
+            pids = sandbox_pids(sb.settings)
             if pids:
                 break
             await asyncio.sleep(0.02)

@@ -95,7 +95,7 @@ def test_a_new_manager_grants_what_it_places_so_the_destination_may_claim_it(tmp
         dest.route(MigrateIn, migrate_in)
         await dest.start()
         fleet = Fleet(t, structlog.get_logger("test"), FleetSettings(), lambda rid: f"inproc://rollout.{rid}",
-                      c.cfg.endpoint("partial_pool", "0"))
+                      c.config.endpoint("partial_pool", "0"))
         fleet.on_stats(RolloutStats("r1", "h0", 0, 0.0, 0, 0, 0, 0.0, "idle"))
         await fleet.reconcile()
         await fleet._place_orphans()

@@ -105,6 +105,10 @@ class StubEngine:
     def __init__(self, *a, **k):
         self.armed = None
 
+    @classmethod
+    def from_settings(cls, *a, **k) -> StubEngine:
+        return cls()
+
     async def start(self) -> None:
         self.armed = os.environ.get(VERIFY_ENV)
 
@@ -122,7 +126,7 @@ def test_seal_export_the_evaluator_arms_its_engine_workers(relay, keys, tmp_path
 
     async def main():
         role = EvaluatorRole(RoleContext(role="evaluator", id="0", host="h0", transport=transport, settings={
-            "dataset": str(heldout), "weights_dir": str(relay.dir), "samples": 0}))
+            "dataset": str(heldout), "shm_dir": str(relay.dir), "samples": 0}))
         role.ctx.settings["out_dir"] = str(tmp_path / "out")
         await role.setup()
         armed = role.engine.armed

@@ -228,8 +228,8 @@ def test_each_mode_pays_what_its_counterpart_pays():
     ro = {m: c["roles"]["rollout"]["sim"] for m, c in cfgs.items()}
     for m in tr:  # every mode: FSDP traffic, SP ranks, the same MFU
         assert tr[m]["sim"]["fsdp"] == 32 and tr[m]["sim"]["sp"] == 8 and tr[m]["sim"]["mfu"] == 0.35
-    assert tr["laminar"]["old_logprobs"] == "behaviour"
-    assert all(tr[m]["old_logprobs"] == "recompute" for m in ("sync", "one_step", "stream"))
+    assert tr["laminar"]["loss"]["old_logprobs"] == "behaviour"
+    assert all(tr[m]["loss"]["old_logprobs"] == "recompute" for m in ("sync", "one_step", "stream"))
     assert "controller_s_per_trajectory" not in tr["laminar"]["sim"]
     assert all(tr[m]["sim"]["controller_s_per_trajectory"] > 0 for m in ("sync", "one_step", "stream"))
     assert tr["sync"]["sim"]["switch_s"] == pytest.approx(colocated_switch_s(model("72B"), 8, 32, 160.0))

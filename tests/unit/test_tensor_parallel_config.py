@@ -14,19 +14,14 @@ from laminar.roles.rollout.config import RolloutConfig
 from laminar.roles.rollout.engine import VllmEngine
 
 from laminar.config import ConfigError, load_config, parse_config
+from tests.support import shape_only_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def model(tmp_path) -> Path:
-    """A model folder with only a config.json: 4 attention heads, 2 KV heads, 2,048 positions."""
-    d = tmp_path / "m"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 259, "max_position_embeddings": 2048}))
-    return d
+    return shape_only_model(tmp_path / "m")
 
 
 def config(model, rollout: dict | None = None, **placement):

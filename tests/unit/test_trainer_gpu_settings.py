@@ -18,6 +18,7 @@ from laminar.roles.trainer.config import TrainerConfig  # noqa: E402
 from laminar.roles.trainer.engine import TrainEngine  # noqa: E402
 
 from laminar.models.tiny import build_tiny_model  # noqa: E402
+from laminar.testing.settings import deep_merge  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
 
 
@@ -34,21 +35,25 @@ def test_auto_settings_resolve_per_device(tiny):
     assert gpu.attn_implementation() == ("flash_attention_2" if has_flash else "flex_attention")
     cpu = TrainEngine(cfg, 0, torch.device("cpu"))
     assert cpu.packing is False and cpu._adamw_impl() == {} and cpu.attn_implementation() is None
-    explicit = TrainerConfig(model_dir=str(tiny), packing=False, optimizer_impl="foreach", attn_implementation="eager")
+    explicit = TrainerConfig(model_dir=str(tiny), performance={"packing": False, "attn_implementation": "eager"},
+                             optimizer={"impl": "foreach"})
     e = TrainEngine(explicit, 0, torch.device("cuda"))
     assert e.packing is False and e._adamw_impl() == {"foreach": True} and e.attn_implementation() == "eager"
-    unpacked = TrainEngine(TrainerConfig(model_dir=str(tiny), packing=False), 0, torch.device("cuda"))
+    unpacked = TrainEngine(TrainerConfig(model_dir=str(tiny), performance={"packing": False}), 0, torch.device("cuda"))
     assert unpacked.attn_implementation() == ("flash_attention_2" if has_flash else None)  # padded: sdpa is fine
-    assert not cfg.activation_checkpointing  # off unless asked for
+    assert not cfg.performance.activation_checkpointing  # off unless asked for
     # compile: on by default on a GPU (flex attention uncompiled did not finish 3 iterations of a 1B
     # model in 75 s on an H100), off on the CPU; an explicit setting wins
-    assert cfg.compile is None and cpu.compile is False and TrainEngine(cfg, 0, torch.device("cuda")).compile is True
-    assert TrainEngine(TrainerConfig(model_dir=str(tiny), compile=False), 0, torch.device("cuda")).compile is False
+    assert cfg.performance.compile is None and cpu.compile is False
+    assert TrainEngine(cfg, 0, torch.device("cuda")).compile is True
+    no_compile = TrainerConfig(model_dir=str(tiny), performance={"compile": False})
+    assert TrainEngine(no_compile, 0, torch.device("cuda")).compile is False
 
 
 def train_once(tiny, **kw):
     torch.manual_seed(0)
-    e = TrainEngine(TrainerConfig(model_dir=str(tiny), lr=1e-3, micro_batch_size=4, **kw), 0, torch.device("cpu"))
+    base = {"model_dir": str(tiny), "optimizer": {"lr": 1e-3}, "performance": {"micro_batch_size": 4}}
+    e = TrainEngine(TrainerConfig(**deep_merge(base, kw)), 0, torch.device("cpu"))
     e.load()
     out = e.train(random_groups(2, 4, "s", seed=1), 1)
     return e, out, {k: v.detach().clone() for k, v in e.model.state_dict().items()}
@@ -56,10 +61,10 @@ def train_once(tiny, **kw):
 
 def test_activation_checkpointing_eager_attention_and_fused_adamw_train_the_same(tiny):
     _, base, wb = train_once(tiny)
-    e, ac, wa = train_once(tiny, activation_checkpointing=True)
+    e, ac, wa = train_once(tiny, performance={"activation_checkpointing": True})
     assert e.model.is_gradient_checkpointing
     assert ac == base and all(torch.equal(wa[k], wb[k]) for k in wb)  # a recompute of the same ops
-    e, eager, we = train_once(tiny, attn_implementation="eager")
+    e, eager, we = train_once(tiny, performance={"attn_implementation": "eager"})
     assert e.model.config._attn_implementation == "eager"
     for k in base:
         assert eager[k] == pytest.approx(base[k], rel=1e-5, abs=1e-6), k
@@ -69,7 +74,7 @@ def test_activation_checkpointing_eager_attention_and_fused_adamw_train_the_same
         # on the CPU's kernels); a wrong attention moves nearly every element by ~lr (1e-3)
         diff = (we[k] - wb[k]).abs()
         assert diff.max() < 1e-4 and (diff > 1e-5).float().mean() < 1e-3, (k, diff.max())
-    e, fused, wf = train_once(tiny, optimizer_impl="fused")
+    e, fused, wf = train_once(tiny, optimizer={"impl": "fused"})
     assert e.opt.defaults["fused"] is True
     assert fused["loss"] == base["loss"]  # the same forward; only the update's kernels differ
     for k in wb:
@@ -78,8 +83,8 @@ def test_activation_checkpointing_eager_attention_and_fused_adamw_train_the_same
 
 @pytest.mark.slow  # inductor compiles the decoder layers on the CPU (~45 s on 2 shared cores)
 def test_compiled_layers_train_the_same(tiny):
-    _, base, wb = train_once(tiny, packing=True)
-    e, comp, wc = train_once(tiny, packing=True, compile=True)
+    _, base, wb = train_once(tiny, performance={"packing": True})
+    e, comp, wc = train_once(tiny, performance={"packing": True, "compile": True})
     assert all(hasattr(layer, "_compiled_call_impl") and layer._compiled_call_impl is not None
                for layer in e.model.model.layers)
     for k in base:

@@ -69,7 +69,7 @@ def test_rank_shares_have_equal_call_counts(tiny):
     from laminar.testing.trainer_task import random_groups
     trajs = [t for g in random_groups(1, 7, "shares") for t in g]  # equal lengths
     for balance in ("round_robin", "tokens"):
-        cfg = TrainerConfig(model_dir=str(tiny), micro_batch_size=3, micro_batch_balance=balance)
+        cfg = TrainerConfig(model_dir=str(tiny), performance={"micro_batch_size": 3, "micro_batch_balance": balance})
         shares = [TrainEngine(cfg, 0, torch.device("cpu"), DistInfo(r, 2))._chunks(trajs, list(range(7)))
                   for r in range(2)]
         assert len(shares[0]) == len(shares[1]) == 2  # rank 1 forwards an empty (dummy) chunk

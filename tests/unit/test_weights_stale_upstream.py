@@ -145,7 +145,9 @@ class _Node:
         self.calls.append("master")
         self.master = True
 
-    def reset_links(self) -> None:
+    link_key = b"k" * 32
+
+    def reset_links(self, link_key: bytes = b"") -> None:
         self.calls.append("reset")
         self.master = False
 
@@ -153,7 +155,7 @@ class _Node:
 def _relay() -> RelayRole:
     r = RelayRole.__new__(RelayRole)
     r.ctx = types.SimpleNamespace(id="r1", role="relay", host="h0")
-    r.cfg = types.SimpleNamespace(rejoin_grace_s=0.0, join_timeout_s=5.0)
+    r.settings = types.SimpleNamespace(rejoin_grace_s=0.0, join_timeout_s=5.0)
     r.log = structlog.get_logger("test")
     r.joined_at = -1e9
     r.epoch = 2

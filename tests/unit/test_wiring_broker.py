@@ -30,7 +30,7 @@ def test_broker_role_passes_the_configured_message_limit(monkeypatch, tmp_path):
                                     "hosts": {"h0": {"address": "127.0.0.1", "roles": []}}}})
     monkeypatch.setattr(broker_role, "Broker", FakeBroker)
     r = broker_role.BrokerRole.__new__(broker_role.BrokerRole)
-    r.ctx = types.SimpleNamespace(config=cfg, transport=None, role="broker", id="0")
+    r.ctx = types.SimpleNamespace(cluster=cfg, transport=None, role="broker", id="0")
     r.log = structlog.get_logger("test")
     asyncio.run(r.setup())
     assert FakeBroker.made[-1].max_msg == 3 << 20

@@ -26,7 +26,7 @@ class Sub:
 def relay(status: dict) -> RelayRole:
     r = RelayRole.__new__(RelayRole)
     r.ctx = types.SimpleNamespace(id="r1", role="relay")
-    r.cfg = types.SimpleNamespace(rejoin_grace_s=0.0)
+    r.settings = types.SimpleNamespace(rejoin_grace_s=0.0)
     r.log = structlog.get_logger("test")
     r.joined_at = -1e9
     r.chain_sub = Sub()
