@@ -47,7 +47,8 @@ def test_memcpy_runs_merge_only_what_continues_on_both_sides():
 
 
 def test_the_engines_publish_is_one_copy_and_stays_exact_through_training_and_restore(tiny):
-    e = TrainEngine(TrainerConfig(model_dir=str(tiny), optimizer={"lr": 1e-2}, performance={"micro_batch_size": 4}), 0, torch.device("cpu"))
+    cfg = TrainerConfig(model_dir=str(tiny), optimizer={"lr": 1e-2}, performance={"micro_batch_size": 4})
+    e = TrainEngine(cfg, 0, torch.device("cpu"))
     e.load()
     sd = e.full_state()["model"]
     pub = WeightPublisher()
