@@ -73,6 +73,7 @@ class TrajectoryRunner:
                     if finish is not None:
                         reason = finish
         a.timings["generated"] = time.time()
+        self.work.generation_ended(a.id)  # the batch loop may take new work while this one is stored
         self.spawn(self._finish(a, reason, env_reward), f"finish:{a.id}", oneshot=True)
 
     async def _finish(self, a: Active, reason: str, env_reward: float | None = None) -> None:
