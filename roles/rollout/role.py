@@ -340,7 +340,8 @@ class RolloutRole(Role):
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.report_interval_s)  # the reporting period
-            if (self.refill or (self.work.generating and self._intake_early())) and not self.gated and self.weights.shm_dir:
+            overlapping = self.refill or (self.work.generating and self._intake_early())
+            if overlapping and not self.gated and self.weights.shm_dir:
                 await self.weights.look_at_relay()  # batches may overlap: see newer weights without a gap
             now = time.monotonic()
             rate = (self.work.generated - self._gen_at_last_report) / max(now - last, 1e-6)
