@@ -11,7 +11,7 @@ bench does not know (an older tree's) are left out, and the run records which we
     rollout    bench/rollout.py --quick --ratio-only            role_over_engine (spread over rounds)
     pools      bench/pools.py --quick --deltas-only             deltas_per_s (spread over windows)
     trainer    bench/trainer.py --quick --publish-only          publish_stall_over_memcpy (spread over publishes)
-    broadcast  bench/broadcast.py --quick   (root: namespaces)  chain_over_raw_k8
+    broadcast  bench/broadcast.py --quick --skip-auth --methods=chain   (root)  chain_over_raw_k8 (MACs on)
     bus        bench/bus.py --quick --scoped --repeats 3        pubsub_ratio_to_raw, rpc_p99_ms (spread over repeats)
 
 `--out F` gets every key above at the top level, `spread` (each key's (max - min) / median over
@@ -47,7 +47,7 @@ BENCHES = [
     ("pools", "pools.py", ["--quick", "--deltas-only"], {"deltas_per_s": "deltas_per_s_spread"}),
     ("trainer", "trainer.py", ["--quick", "--publish-only"],
      {"publish_stall_over_memcpy": "publish_stall_spread"}),
-    ("broadcast", "broadcast.py", ["--quick"], {"chain_over_raw_k8": None}),
+    ("broadcast", "broadcast.py", ["--quick", "--skip-auth", "--methods=chain"], {"chain_over_raw_k8": None}),
     ("bus", "bus.py", ["--quick", "--scoped", "--repeats=3"],
      {"pubsub_ratio_to_raw": "pubsub_ratio_spread", "rpc_p99_ms": "rpc_p99_spread"}),
 ]
