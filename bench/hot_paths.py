@@ -23,6 +23,8 @@ file exists (the numbers of the last release), flagging a key that moved by more
 `--compare` prints (and with `--md` writes) before, after, after/before and whether the move is
 beyond the spread of either run, for every key. `--wrap` puts a prefix before each bench's command,
 e.g. `--wrap "py-spy record --subprocesses -o prof/{name}.svg --"` for a profile per bench.
+`--repeats N` runs each bench N times: the median, and the spread over the runs where that is
+larger than the bench's own (the relay chain reports none of its own).
 Not a timed test: nothing here fails on a number.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,15 +69,15 @@ def known_flags(python: str, script: Path, env: dict) -> str:
         return ""
 
 
-def run_one(python: str, bench_dir: Path, tree: Path, spec: tuple, wrap: str, tmp: Path) -> dict:
+def run_one(python: str, bench_dir: Path, tree: Path, spec: tuple, wrap: str, tmp: Path, i: int = 0) -> dict:
     """One bench in its own process tree: its command, exit status, wall time, JSON."""
     name, script, flags, _ = spec
     path = bench_dir / script
     env = dict(os.environ)
     helptext = known_flags(python, path, env)
     used = [f for f in flags if f.split("=")[0] in helptext]
-    out = tmp / f"{name}.json"
-    cmd = shlex.split(wrap.format(name=name)) if wrap else []
+    out = tmp / f"{name}-{i}.json"
+    cmd = shlex.split(wrap.format(name=f"{name}-{i}")) if wrap else []
     cmd += [python, str(path), *used, "--out", str(out)]
     print(f"\n== {name}: {shlex.join(cmd)}", flush=True)
     t0 = time.monotonic()
@@ -96,6 +99,24 @@ def tree_commit(tree: Path) -> str:
     return r.stdout.strip() + ("+uncommitted" if dirty else "")
 
 
+def gather(res: dict, spec: tuple, rows: list[dict]) -> None:
+    """A bench's keys from its runs: one run gives its value and the spread the bench reports;
+    several give the median over the runs and their spread (the bench's own, if larger)."""
+    name, _, _, keys = spec
+    res["benches"][name] = rows[0] if len(rows) == 1 else {"runs": rows}
+    for key, spread_key in keys.items():
+        got = [r["json"] for r in rows if key in r.get("json", {})]
+        if not got:
+            res["missing"][key] = f"{name}: exit {[r['rc'] for r in rows]}, no {key} in its JSON"
+            continue
+        values = [g[key] for g in got]
+        res[key] = statistics.median(values)
+        own = [g[spread_key] for g in got if spread_key and spread_key in g]
+        across = [(max(values) - min(values)) / abs(res[key])] if len(values) > 1 and res[key] else []
+        if own or across:
+            res["spread"][key] = max(own + across)
+
+
 def run_all(a) -> dict:
     tree = Path(a.tree).resolve()
     python = a.python or str(tree / ".venv" / "bin" / "python")
@@ -107,18 +128,9 @@ def run_all(a) -> dict:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="laminar-hot-paths-") as tmp:
         for spec in BENCHES:
-            if only and spec[0] not in only:
-                continue
-            row = run_one(python, bench_dir, tree, spec, a.wrap, Path(tmp))
-            res["benches"][spec[0]] = row
-            got = row.get("json", {})
-            for key, spread_key in spec[3].items():
-                if key not in got:
-                    res["missing"][key] = f"{spec[0]}: exit {row['rc']}, no {key} in its JSON"
-                    continue
-                res[key] = got[key]
-                if spread_key and spread_key in got:
-                    res["spread"][key] = got[spread_key]
+            if not only or spec[0] in only:
+                gather(res, spec, [run_one(python, bench_dir, tree, spec, a.wrap, Path(tmp), i)
+                                   for i in range(a.repeats)])
     res["wall_s"] = time.monotonic() - t0
     return res
 
@@ -171,7 +183,9 @@ def main() -> int:
     ap.add_argument("--python", help="interpreter (default: TREE/.venv/bin/python)")
     ap.add_argument("--benches", help="folder of the bench scripts (default: TREE/bench)")
     ap.add_argument("--only", help="comma-separated subset of " + ",".join(b[0] for b in BENCHES))
-    ap.add_argument("--wrap", default="", help="prefix for each bench's command; {name} is the bench's name")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each bench: the median over them, and their spread (default 1: the bench's own)")
+    ap.add_argument("--wrap", default="", help="prefix for each bench's command; {name}: the bench's name and run, e.g. pools-0")
     ap.add_argument("--against", default=str(HERE / "results" / "hot_paths.json"),
                     help="earlier run to set this one beside (default: the committed release numbers)")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two runs' JSON, run nothing")

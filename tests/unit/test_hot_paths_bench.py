@@ -27,7 +27,7 @@ sys.exit(3)
 '''
 
 
-def run_hot_paths(tmp_path, deltas: int, name: str) -> dict:
+def run_hot_paths(tmp_path, deltas: int, name: str, *more: str) -> dict:
     benches = tmp_path / f"bench-{name}"
     benches.mkdir()
     (benches / "pools.py").write_text(POOLS.replace("DELTAS", str(deltas)))
@@ -35,7 +35,7 @@ def run_hot_paths(tmp_path, deltas: int, name: str) -> dict:
     out = tmp_path / f"{name}.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--tree", str(ROOT), "--python",
                     sys.executable, "--benches", str(benches), "--only", "pools,rollout", "--out", str(out),
-                    "--against", str(tmp_path / "none.json")], check=True, capture_output=True, timeout=120)
+                    "--against", str(tmp_path / "none.json"), *more], check=True, capture_output=True, timeout=120)
     return json.loads(out.read_text())
 
 
@@ -45,7 +45,7 @@ def test_keys_spreads_flags_and_failures_are_recorded(tmp_path):
     pools = res["benches"]["pools"]
     assert pools["rc"] == 0 and pools["flags_left_out"] == ["--deltas-only"] and pools["json"]["quick"] is True
     assert res["benches"]["rollout"]["rc"] == 3 and res["benches"]["rollout"]["flags_left_out"] == []
-    assert "role_over_engine" not in res and "exit 3" in res["missing"]["role_over_engine"]
+    assert "role_over_engine" not in res and "exit [3]" in res["missing"]["role_over_engine"]
     assert set(res["benches"]) == {"pools", "rollout"}  # --only
 
 
@@ -62,3 +62,10 @@ def test_compare_gives_ratio_noise_and_goal(tmp_path):
     assert cells[2:] == ["100,000 (±2%)", "150,000 (±2%)", "1.500", "yes", "yes"]
     role = next(r for r in md.read_text().splitlines() if r.startswith("| role_over_engine"))
     assert "missing" in role
+
+
+def test_repeats_take_the_median_and_keep_every_run(tmp_path):
+    res = run_hot_paths(tmp_path, 120_000, "r", "--repeats", "2")
+    runs = res["benches"]["pools"]["runs"]
+    assert len(runs) == 2 and all(r["rc"] == 0 for r in runs)
+    assert res["deltas_per_s"] == 120_000 and res["spread"]["deltas_per_s"] == 0.04  # the bench's own, larger
