@@ -185,7 +185,8 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated subset of " + ",".join(b[0] for b in BENCHES))
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each bench: the median over them, and their spread (default 1: the bench's own)")
-    ap.add_argument("--wrap", default="", help="prefix for each bench's command; {name}: the bench's name and run, e.g. pools-0")
+    ap.add_argument("--wrap", default="",
+                    help="prefix for each bench's command; {name}: the bench's name and run, e.g. pools-0")
     ap.add_argument("--against", default=str(HERE / "results" / "hot_paths.json"),
                     help="earlier run to set this one beside (default: the committed release numbers)")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two runs' JSON, run nothing")
