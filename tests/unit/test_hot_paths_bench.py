@@ -44,7 +44,8 @@ def test_keys_spreads_flags_and_failures_are_recorded(tmp_path):
     assert res["deltas_per_s"] == 100_000 and res["spread"] == {"deltas_per_s": 0.04}
     pools = res["benches"]["pools"]
     assert pools["rc"] == 0 and pools["flags_left_out"] == ["--deltas-only"] and pools["json"]["quick"] is True
-    assert res["benches"]["rollout"]["rc"] == 3 and res["benches"]["rollout"]["flags_left_out"] == []
+    rollout = res["benches"]["rollout"]
+    assert rollout["rc"] == 3 and rollout["flags_left_out"] == [] and rollout["failed_first"]["rc"] == 3  # twice
     assert "role_over_engine" not in res and "exit [3]" in res["missing"]["role_over_engine"]
     assert set(res["benches"]) == {"pools", "rollout"}  # --only
 
