@@ -72,9 +72,10 @@ def spec(tid: str, gid: str, i: int, n: int):
 
 def handed_out(cfg_path: Path, specs: list, rollout: str) -> list:
     """The specs as the prompt pool hands them to `rollout`: signed with the pools' hand-out key."""
-    from laminar.roles.handout import Handouts, handout_key
+    from laminar.roles.handout import Handouts  # the benches import the project when they run
 
     from laminar.config import load_config
+    from laminar.handout_key import handout_key
     h = Handouts(handout_key(load_config(str(cfg_path))))
     return [h.sign(s, rollout) for s in specs]
 

@@ -32,35 +32,57 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `bench.sim`
 
+from bench.sim.calibrate import PROBE_S, PaceCache, pace_cache_path  # noqa: E402
 from bench.sim.components import components  # noqa: E402
 from bench.sim.processes import default_jobs, execute, exit_on_sigterm  # noqa: E402
 from bench.sim.report import machine, report, write_configs  # noqa: E402
 from bench.sim.results import assemble, combine  # noqa: E402
 from bench.sim.runs import as_the_paper_ran, run_child, run_spec, setup_of  # noqa: E402
 from laminar.sim import load_workload  # noqa: E402
-from laminar.sim.scenario import estimate, scales, wave_versions  # noqa: E402
-from laminar.sim.setup import MODES  # noqa: E402
+from laminar.sim.scenario import estimate, scales, staleness_bound, wave_versions  # noqa: E402
+from laminar.sim.setup import DEFAULT_MODES, MODES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def bound(value: str) -> int | None | str:
+    """--ahead / --max-staleness: a count, `none` (no bound) or `setup` (paper.yaml's)."""
+    if value in ("none", "setup"):
+        return None if value == "none" else value
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a count, none or setup, got {value!r}")
+    return int(value)
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench/scale.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="7B, 32B or 72B (default: every model)")
     ap.add_argument("--gpus", help="GPU count(s), comma-separated (default: every count with a placement)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)} (default: all)")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help=f"comma-separated, of {', '.join(MODES)} (default: {', '.join(DEFAULT_MODES)}; "
+                         "laminar_unbounded: laminar without the staleness bound, to measure what it costs)")
     ap.add_argument("--quick", action="store_true", help="the subset in paper.yaml `quick`")
     ap.add_argument("--setups", default=str(ROOT / "configs" / "sim" / "paper.yaml"),
                     help="the sim setup file (default: configs/sim/paper.yaml)")
     ap.add_argument("--speedup", type=float, help="simulated seconds per real second for every run "
-                    "(default: each run's own, from its expected CPU load; paper.yaml compressed_time)")
+                    "(default: each run's own, calibrated: from its measured harness cost in the pace cache, "
+                    "else a short probe, and the share of a core the machine gives now; bench/sim/calibrate.py)")
+    ap.add_argument("--probe-seconds", type=float, default=PROBE_S,
+                    help=f"real seconds a calibration probe runs (default {PROBE_S:g})")
+    ap.add_argument("--pace-cache", default=None, metavar="FILE|none",
+                    help="the harness's measured cost per scenario, read to pick each run's speed and updated "
+                         "by every run (default: bench/results/sim/harness-pace.json; none: probe every run)")
     ap.add_argument("--warmup", type=int, help="warm-up versions (default: paper.yaml)")
     ap.add_argument("--measure", type=int, help="measured versions (default: paper.yaml's, rounded up "
                     "for the laminar modes to whole waves of updates: scenario.wave_versions)")
     ap.add_argument("--relays", action="store_true",
                     help="weights through the real relay tier (default: modeled chain)")
-    ap.add_argument("--ahead", type=int, default=None, help="laminar modes: the prompt pool's max_batches_ahead "
-                    "(flow control; default: no bound, as in the paper)")
+    ap.add_argument("--ahead", type=bound, default="setup", metavar="N|none",
+                    help="laminar modes: the prompt pool's max_batches_ahead (flow control; default: paper.yaml "
+                         "staleness.ahead; none: no bound, as in the paper)")
+    ap.add_argument("--max-staleness", type=bound, default="setup", metavar="N|none",
+                    help="laminar modes: the experience buffer's max_staleness, groups staler than this are "
+                         "dropped (default: paper.yaml staleness.max; none: no bound, as in the paper)")
     ap.add_argument("--concurrency", type=int, default=None, help="trajectories a rollout takes per batch "
                     "(max_concurrency; default: paper.yaml's, the paper's 1,024). Fewer in flight, less staleness")
     ap.add_argument("--engine-seqs", default=None, metavar="kv|all|N",
@@ -73,8 +95,9 @@ def parser() -> argparse.ArgumentParser:
                          "is on its relay, then drains and loads it; --no-refill: a batch of max_concurrency at a "
                          "time (default: paper.yaml's rollout.refill, on; --components: off, as the paper ran)")
     ap.add_argument("--jobs", type=int, default=default_jobs(),
-                    help=f"runs at once, one process each (default {default_jobs()} here: the usable cores - 1, "
-                         "1 to 3; each run needs a core at its peaks)")
+                    help=f"runs at once, one process each (default {default_jobs()} here: the usable cores, "
+                         "1 to 3; each run's speed is calibrated to the share of a core it gets; 1 is the cautious "
+                         "choice on a machine shared with other work)")
     ap.add_argument("--lag-retries", type=int, default=3, help="a run that lags behind compressed time is rerun "
                     "at half its speedup, at most this many times; still lagging, it is reported INVALID (default 3)")
     ap.add_argument("--out", help="write the results as JSON here (plot beside it, .png)")
@@ -105,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--jobs must be at least 1 and --lag-retries at least 0")
     if a.components:
         a.engine_seqs, a.refill = as_the_paper_ran(a.engine_seqs, a.refill)
+        a.ahead = None if a.ahead == "setup" else a.ahead  # the paper's: no bound
+        a.max_staleness = None if a.max_staleness == "setup" else a.max_staleness
     setup = setup_of(a.setups, a.concurrency, a.engine_seqs, a.refill)
     workload = load_workload(setup.workload)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -149,19 +174,22 @@ def main(argv: list[str] | None = None) -> int:
                     for s, g in runs for m in modes}
         write_configs(setup, workload, runs, modes, Path(a.write_configs), speedups, a.relays)
         return 0
-    root = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="laminar-scale-", dir="/dev/shm"))
-    root.mkdir(parents=True, exist_ok=True)
-    specs = [run_spec(a, setup, estimate(setup, workload, size, gpus, mode), size, gpus, mode, warmup_of(mode),
-                      measure_of(size, gpus, mode), root, relays=a.relays, ahead=a.ahead)
-             for size, gpus in runs for mode in modes]
-    specs.sort(key=lambda sp: -sp["timeout_s"])  # longest first: the last to start is a short one
-    t0, load = time.monotonic(), {"start": machine()}
-    print(f"{len(specs)} runs, {a.jobs} at a time on {load['start']['cores']} usable cores "
-          f"(load average {load['start']['loadavg'][0]}); workdir {root}", flush=True)
-    try:
-        results = execute(specs, a.jobs, root, keep=bool(a.workdir))
+    root = Path(a.workdir) if a.workdir else None
+    try:  # from the folder's making: a SIGTERM while the specs are estimated must not leave it behind
+        root = root or Path(tempfile.mkdtemp(prefix="laminar-scale-", dir="/dev/shm"))
+        root.mkdir(parents=True, exist_ok=True)
+        specs = [run_spec(a, setup, estimate(setup, workload, size, gpus, mode), size, gpus, mode, warmup_of(mode),
+                          measure_of(size, gpus, mode), root, relays=a.relays,
+                          **dict(zip(("ahead", "max_staleness"),
+                                     staleness_bound(setup, mode, a.ahead, a.max_staleness), strict=True)))
+                 for size, gpus in runs for mode in modes]
+        specs.sort(key=lambda sp: -sp["timeout_s"])  # longest first: the last to start is a short one
+        t0, load = time.monotonic(), {"start": machine()}
+        print(f"{len(specs)} runs, {a.jobs} at a time on {load['start']['cores']} usable cores "
+              f"(load average {load['start']['loadavg'][0]}); workdir {root}", flush=True)
+        results = execute(specs, a.jobs, root, keep=bool(a.workdir), cache=PaceCache(pace_cache_path(a)))
     finally:
-        if not a.workdir:
+        if not a.workdir and root is not None:
             shutil.rmtree(root, ignore_errors=True)
     load["end"] = machine()
     objs = [assemble(size, gpus, {m: results[(size, gpus, m)] for m in modes}, {m: warmup_of(m) for m in modes},

@@ -130,6 +130,7 @@ def _weights_cert(public: bytes, secret: bytes | None) -> str:
 
 def generate_weights_key(directory: str | os.PathLike, overwrite: bool = False) -> tuple[Path, Path]:
     """Write a new weights signing key pair (`weights.key`, `weights.key_secret`, both 0600)."""
+    # late: cryptography, only when a weights key is made
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     d = Path(directory)
     pub, sec = d / f"{WEIGHTS_KEY}.key", d / f"{WEIGHTS_KEY}.key_secret"
@@ -280,9 +281,9 @@ def start_authenticator(ctx: zmq.Context, keys: CurveKeys | None, threaded: bool
     if keys is None:
         return None
     if threaded:
-        from zmq.auth.thread import ThreadAuthenticator as Auth
+        from zmq.auth.thread import ThreadAuthenticator as Auth  # late: the one of the two the caller runs
     else:
-        from zmq.auth.asyncio import AsyncioAuthenticator as Auth
+        from zmq.auth.asyncio import AsyncioAuthenticator as Auth  # late: the one of the two the caller runs
     auth = Auth(ctx)
     if keys.scoped:
         ids = client_identities(Path(keys.public_dir).parent)

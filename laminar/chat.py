@@ -19,6 +19,8 @@ Why it is shaped this way:
   tool list goes into the system message, and an assistant message's tool calls are written as
   `<tool_call>{...}</tool_call>` after its content (the Hermes convention that laminar/toolcalls.py
   parses back out of the model's text).
+- `message_key(message)` is what identifies an assistant message the gateway returned, so that
+  an echo of it can be replaced by the exact text the model sampled.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from laminar.datasets import HFTokenizer, load_tokenizer
 from laminar.toolcalls import render_tool_calls
 
 BYTE_TEMPLATE = ("<|bos|>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -94,7 +97,6 @@ class ChatFormat:
     def load(cls, tokenizer_dir: str | None, chat_template: str = "auto") -> ChatFormat:
         """The format of a model folder: its tokenizer and its own template (`auto`), or a template
         file; a folder without tokenizer files gets the byte codec and BYTE_TEMPLATE."""
-        from laminar.datasets import HFTokenizer, load_tokenizer
         tok = load_tokenizer(tokenizer_dir)
         if chat_template not in ("auto", "none"):
             path = Path(chat_template)
@@ -151,7 +153,7 @@ class ChatFormat:
 
     def _jinja_render(self, msgs: list[dict], tools, generation_prompt: bool, variables: dict) -> str:
         if self._jinja is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            from jinja2.sandbox import ImmutableSandboxedEnvironment  # late: jinja2, only for a model's own template
             self._jinja = ImmutableSandboxedEnvironment().from_string(self.template)
         return self._jinja.render(messages=msgs, tools=tools if self.supports_tools else None,
                                   add_generation_prompt=generation_prompt, **variables)
@@ -200,3 +202,22 @@ def content_text(content: Any, where: str = "content") -> str:
                 raise ChatError(f"{where}: only text parts are supported")
         return "".join(texts)
     raise ChatError(f"{where}: must be a string, a list of text parts, or null")
+
+
+def _canonical_args(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+def message_key(message: dict) -> str:
+    """An assistant message's identity: its text content and its calls' names and arguments (ids,
+    whitespace of the arguments' JSON and key order left out: clients rebuild those)."""
+    calls = [(fn.get("name"), _canonical_args(fn.get("arguments")))
+             for c in message.get("tool_calls") or [] if isinstance(c, dict)
+             for fn in [c.get("function", c)] if isinstance(fn, dict)]
+    return json.dumps({"content": (content_text(message.get("content")) or "").strip(), "calls": calls},
+                      sort_keys=True)

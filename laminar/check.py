@@ -50,7 +50,7 @@ from pydantic import BaseModel, ValidationError
 
 from laminar.config import ConfigError, LaminarConfig, apply_overrides, parse_config_collect, read_config_data
 from laminar.extras import missing_extras
-from laminar.roles.registry import role_config_class
+from laminar.registry import role_config_class
 
 WILDCARDS = ("0.0.0.0", "::", "*", "")
 
@@ -352,7 +352,7 @@ def _callables(settings: BaseModel, prefix: str = "") -> Iterable[tuple[str, str
 @check("reward functions and environments", when=on_a_host)
 def check_callables(ctx: CheckContext) -> Iterable[str]:
     from laminar.envs.base import load_environment  # late: imports each named module, as the role would
-    from laminar.tasks import load_callable
+    from laminar.tasks import load_callable, script_source
     seen: dict[str, str | None] = {}
     for role, id, s in ctx.settings():
         if getattr(s, "engine", None) == "sim":
@@ -361,7 +361,6 @@ def check_callables(ctx: CheckContext) -> Iterable[str]:
             if path not in seen:
                 try:
                     if kind == "script":  # an agent program: its source is read, never imported
-                        from laminar.roles.agent.role import script_source
                         script_source(path)
                         seen[path] = None
                         continue
@@ -410,7 +409,7 @@ def check_keys(ctx: CheckContext) -> Iterable[str]:
         yield f"{ctx.cluster.source}: cluster.keys_dir: {exc}"
     pools = {"prompt_pool", "partial_pool", "experience_buffer"}
     if (Path(d) / "clients").is_dir() and any(s.role in pools for h, s in ctx.cluster.placements() if h == ctx.host):
-        from laminar.roles.handout import handout_key  # the pools sign hand-outs with the pool key
+        from laminar.handout_key import handout_key  # late: zmq, for this check only (the pools sign hand-outs with it)
         try:
             handout_key(ctx.cluster)
         except (KeyFileError, OSError, ValueError) as exc:

@@ -26,6 +26,7 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 # ---------------------------------------------------------------------------------------
 def cmd_keygen(a) -> int:
+    # late: each command imports what it runs (module docstring)
     from laminar.bus.auth import SCOPES, generate_client_key, generate_keys, generate_weights_key
     clients = list(SCOPES if a.scopes else []) + list(a.client or [])
     if not ((clients or a.weights) and (Path(a.dir) / "cluster.key_secret").exists()):
@@ -45,7 +46,7 @@ def cmd_keygen(a) -> int:
 
 
 def cmd_check(a) -> int:
-    from laminar.check import run_checks, unchecked_note
+    from laminar.check import run_checks, unchecked_note  # late: each command imports what it runs (module docstring)
     cfg, problems = run_checks(a.config, a.set, host=a.host, systemd=a.systemd, gpu_memory_gib=a.gpu_memory_gib)
     for p in problems:
         print(p)
@@ -63,34 +64,35 @@ def cmd_check(a) -> int:
 
 
 def cmd_up(a) -> int:
-    from laminar.node import cmd_up as up
+    from laminar.node import cmd_up as up  # late: each command imports what it runs (module docstring)
     return up(a)
 
 
 def cmd_role(a) -> int:
-    from laminar.shell import main_role
+    from laminar.shell import main_role  # late: each command imports what it runs (module docstring)
     return main_role(a.name, a.id, a.config, ready_fd=a.ready_fd, level=a.log_level, host=a.host, overrides=a.set)
 
 
 def cmd_status(a) -> int:
-    from laminar import remote
+    from laminar import remote  # late: each command imports what it runs (module docstring)
     from laminar.node import run
     return run(remote.status(load_config(a.config, a.set), a))
 
 
 def cmd_tail(a) -> int:
-    from laminar import remote
+    from laminar import remote  # late: each command imports what it runs (module docstring)
     from laminar.node import run
     return run(remote.tail(load_config(a.config, a.set), a))
 
 
 def cmd_stop(a) -> int:
-    from laminar import remote
+    from laminar import remote  # late: each command imports what it runs (module docstring)
     from laminar.node import run
     return run(remote.stop(load_config(a.config, a.set), a))
 
 
 def cmd_systemd(a) -> int:
+    # late: each command imports what it runs (module docstring)
     from laminar.check import CheckContext, unit_path_problems
     from laminar.systemd import render_units, write_units
     cfg = load_config(a.config, a.set)
@@ -104,7 +106,7 @@ def cmd_systemd(a) -> int:
 
 
 def cmd_slurm(a) -> int:
-    from laminar.slurm import cmd_slurm as slurm
+    from laminar.slurm import cmd_slurm as slurm  # late: each command imports what it runs (module docstring)
     return slurm(a)
 
 
@@ -235,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--watchdog-s", type=int, default=30, help="WatchdogSec of every unit")
     s.set_defaults(fn=cmd_systemd)
 
-    from laminar import slurm as slurm_mod
+    from laminar import slurm as slurm_mod  # late: each command imports what it runs (module docstring)
     s = sp.add_parser("slurm", help="write a Slurm batch script that runs the config's hosts on the job's nodes")
     _common(s)
     slurm_mod.add_arguments(s)
@@ -249,19 +251,19 @@ def build_parser() -> argparse.ArgumentParser:
     s = sp.add_parser("eval", help="evaluate a model folder, a relay version or a checkpoint on a config's eval "
                       "sets, as the evaluator role does, with 95% intervals")
     _common(s, config=False)
-    from laminar import evaluate as evaluate_mod
+    from laminar.roles.evaluator import command as evaluate_mod  # the evaluator's harness, outside a run
     evaluate_mod.add_arguments(s)
     s.set_defaults(fn=evaluate_mod.run)
 
     s = sp.add_parser("dashboard", help="write a Grafana dashboard of the nodes' Prometheus series and a "
                       "Prometheus scrape config for the config's hosts")
     _common(s)
-    from laminar import dashboard as dashboard_mod
+    from laminar import dashboard as dashboard_mod  # late: each command imports what it runs (module docstring)
     dashboard_mod.add_arguments(s)
     s.set_defaults(fn=dashboard_mod.run)
 
     s = sp.add_parser("export", help="write a checkpoint or a relay's newest version as a Hugging Face folder")
-    from laminar import export as export_mod
+    from laminar import export as export_mod  # late: each command imports what it runs (module docstring)
     export_mod.add_arguments(s)
     s.set_defaults(fn=export_mod.run)
     return p

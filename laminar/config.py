@@ -22,8 +22,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from laminar.config_errors import drop_refused, problem_lines, suggest
-from laminar.roles.registry import REGISTRY, role_config_class
-from laminar.tracking import TrackingSpec
+from laminar.registry import REGISTRY, role_config_class
+from laminar.tracking_spec import TrackingSpec
 
 
 class ConfigError(ValueError):

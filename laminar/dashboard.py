@@ -21,9 +21,13 @@ import json
 import re
 import sys
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import yaml
+
+from laminar.config import load_config
 
 F = 'host=~"$host"'   # every selector carries the host filter of the dashboard's variable
 
@@ -145,8 +149,6 @@ def scrape_config(cfg, interval_s: float = 5.0) -> tuple[dict, list[str]]:
 
 def query_range(url: str, expr: str, start: float, end: float, step: float) -> list[dict]:
     """The series of a PromQL range query against a Prometheus server's HTTP API."""
-    import urllib.parse
-    import urllib.request
     q = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
     with urllib.request.urlopen(f"{url.rstrip('/')}/api/v1/query_range?{q}", timeout=30) as r:
         body = json.loads(r.read())
@@ -162,9 +164,9 @@ def legend(template: str, labels: dict) -> str:
 def render_png(url: str, run: str, out: Path, minutes: float = 30.0, end: float | None = None) -> Path:
     """The dashboard's panels drawn with matplotlib from a Prometheus server (where no Grafana is
     at hand): the last `minutes` of data, every host."""
-    import matplotlib
+    import matplotlib  # late: matplotlib (heavy), only when panels are drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # late: as matplotlib, after its backend is chosen
     end = end or time.time()
     start, step = end - 60 * minutes, max(1.0, 60 * minutes / 300)
     rows = (len(PANELS) + 1) // 2
@@ -203,7 +205,6 @@ def add_arguments(s) -> None:
 
 
 def run(a) -> int:
-    from laminar.config import load_config
     cfg = load_config(a.config, a.set)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -73,7 +73,7 @@ class ByteTokenizer:
 
 class HFTokenizer:
     def __init__(self, model_dir: str):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # late: transformers (heavy), only for a real tokenizer
         self.tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.eos_id = self.tok.eos_token_id
 
@@ -185,7 +185,7 @@ def _files(path: Path) -> list[Path]:
 def _rows(path: Path) -> Iterator[tuple[int, object]]:
     if path.suffix == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # late: pyarrow (heavy), only for a parquet file
         except ImportError:
             raise DatasetError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
         yield from enumerate(pq.read_table(path).to_pylist())

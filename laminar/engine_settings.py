@@ -134,3 +134,10 @@ class EngineSettings(BaseModel):
             raise ValueError(f"tensor_parallel_size {tp}: cores {cores} do not split evenly between {tp} ranks")
         n = len(cores) // tp
         return "|".join(",".join(str(c) for c in cores[r * n:(r + 1) * n]) for r in range(tp))
+
+
+def engine_seqs(settings) -> int:
+    """Sequences the engine runs at once: `max_num_seqs`, never more than the trajectories the
+    rollout takes (`max_concurrency`, also the default)."""
+    n = getattr(settings, "max_num_seqs", None)
+    return min(n, settings.max_concurrency) if n else settings.max_concurrency

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from laminar import checkpoint_files
 from laminar.config import UsageError
 
 EXPORT_STAGES = {"read": 3, "cast": 1, "save": 4}   # rough shares of an export's time, for the command's ETA
@@ -60,6 +61,7 @@ def read_weights(source: str | os.PathLike, version: int | None = None,
 
 def _relay_verifier(verify_key: bytes | None):
     """The trainer's public key to check a relay version's signature with (None: digests only)."""
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.weights import seal
     if verify_key is None:
         env = os.environ.get(seal.VERIFY_KEY_ENV, "")
@@ -72,9 +74,10 @@ def read_version(source: str | os.PathLike, version: int | None = None,
     """(state dict, version, adapter config JSON: "" for full weights) of SOURCE. A relay
     version's seals are checked first (module docstring; `verify_key`: the trainer's public key,
     raw, None: the armed one if any)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     src = Path(source)
     if (src / "current").exists() or (version is not None and (src / f"v{version}.manifest").exists()):
+        # late: cli.py imports this module to build its parser; this is for a run of the command
         from laminar.weights.pull import LocalWeights, WeightsRefused, seal_refusal
         weights = LocalWeights(src, verify_key=b"")  # checked below, with or without a key
         held = weights.latest() if version is None else weights.version(version)
@@ -88,17 +91,16 @@ def read_version(source: str | os.PathLike, version: int | None = None,
         with held:
             adapter = held.manifest.adapter_config if held.manifest.content == "lora" else ""
             return {k: t.clone() for k, t in held.tensors()}, held.version, adapter
-    from laminar.roles.trainer import checkpoint
-    if not (src / "model.pt").exists() and not (src / checkpoint.DCP_DIR).is_dir():
-        newest = checkpoint.latest(src)
+    if not (src / "model.pt").exists() and not (src / checkpoint_files.DCP_DIR).is_dir():
+        newest = checkpoint_files.latest(src)
         if newest is None:
             raise FileNotFoundError(f"{src}: neither a checkpoint (model.pt), a folder of checkpoints, "
                                     f"nor a relay folder (current)")
         src = newest
     state = json.loads((src / "state.json").read_text()) if (src / "state.json").exists() else {}
     adapter = state.get("adapter_config", "")  # a LoRA trainer's checkpoint
-    if checkpoint.is_sharded(state):  # written by several ranks (DCP): read whole here
-        return checkpoint.load(src, only={"model"})[0]["model"], state.get("version"), adapter
+    if checkpoint_files.is_sharded(state):  # written by several ranks (DCP): read whole here
+        return checkpoint_files.load(src, only={"model"})[0]["model"], state.get("version"), adapter
     sd = torch.load(src / "model.pt", map_location="cpu", weights_only=True)
     return sd, state.get("version"), adapter
 
@@ -133,7 +135,7 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, model_dir: str
 
 
 def _adapter_files(folder: Path, sd: dict, adapter_config: str, model_dir) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # late: safetensors pulls torch, only when a folder is written
     folder.mkdir(parents=True)
     save_file({k: t.contiguous() for k, t in sd.items()}, folder / "adapter_model.safetensors")
     cfg = json.loads(adapter_config)
@@ -160,7 +162,7 @@ def write_adapter(sd: dict, adapter_config: str, out_dir, model_dir, got_version
 
 def merged_state(sd: dict, adapter_config: str, model_dir) -> dict:
     """The base's state dict with the adapter merged into its weights (peft's merge_and_unload)."""
-    import tempfile
+    import tempfile  # late: the merge path only (peft, transformers)
 
     from laminar.extras import require
     from laminar.models.loading import load_causal_lm
@@ -178,7 +180,7 @@ def write_folder(sd: dict, out_dir: str | os.PathLike, model_dir: str | os.PathL
                  stage: Callable[[str], None] = _no_stage) -> Path:
     """Write a state dict (e.g. the trainer's final weights, in memory) as the Hugging Face folder;
     an existing `out_dir` is moved aside to `<out_dir>.<date-time>`, never deleted."""
-    import torch
+    import torch  # late: torch; configs validate without it
     import transformers
 
     from laminar.weights.pull import torch_dtype
@@ -255,10 +257,12 @@ def run(a) -> int:
                          f"{a.out_dir}.<date-time> first (nothing is deleted)")
     verify_key = None
     if getattr(a, "keys", None):
+        # late: cli.py imports this module to build its parser; this is for a run of the command
         from laminar.bus.auth import load_weights_key
         verify_key, _ = load_weights_key(a.keys, secret=False)
         if verify_key is None:
             raise UsageError(f"--keys {a.keys}: no weights.key there (the trainer's public key)")
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.progress import Progress
     from laminar.weights.pull import WeightsRefused
     try:

@@ -42,7 +42,7 @@ import uuid
 from pathlib import Path
 
 from laminar.extras import require
-from laminar.tracking import SAMPLE_COLUMNS, _flat, _mlflow_key, _num, steps
+from laminar.tracking import SAMPLE_COLUMNS, _flat, _mlflow_key, _num, steps, summary_numbers
 
 STATE_FILE = "tracking.json"
 FLUSH_S = 2.0   # W&B: seconds between writes of the offline run file
@@ -120,7 +120,7 @@ class MlflowRun:
 
     def open(self, state: dict) -> dict:
         require("mlflow", "tracking.mlflow")
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # late: the tracking extra, only when MLflow is configured
         from mlflow.tracking import MlflowClient
         uri = self.spec.tracking_uri or f"file:{(self.run_dir / 'mlruns').resolve()}"
         if uri.startswith("file:"):  # MLflow 3.17+ refuses its file store unless asked for it
@@ -140,7 +140,7 @@ class MlflowRun:
         return {"run_id": self.run_id, "tracking_uri": uri}
 
     def log(self, version: int, values: dict) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # late: the tracking extra, only when MLflow is configured
         ts = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(_mlflow_key(k), float(v), ts, version)
                                                     for k, v in values.items()])
@@ -151,7 +151,7 @@ class MlflowRun:
                              f"samples/v{version:06d}-{os.getpid()}-{self.batches}.json")
 
     def summary(self, numbers: dict) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # late: the tracking extra, only when MLflow is configured
         ts = int(time.time() * 1000)
         metrics = [Metric(_mlflow_key(f"summary/{k}"), v, ts, 0) for k, v in numbers.items()]
         for i in range(0, len(metrics), 1000):
@@ -302,7 +302,6 @@ class LiveTracking:
             if evals and ("evaluator", v) not in self.versions:
                 self._submit("log", v, evals)
         if summary:
-            from laminar.tracking import summary_numbers
             self._submit("summary", summary_numbers(summary))
         self._submit("finish")
         return self.close()

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laminar.config import ConfigError, LaminarConfig, load_config
+from laminar.engine_settings import engine_seqs
 from laminar.models.shape import ModelShape, model_shape
-from laminar.roles.rollout.engine_api import engine_seqs
 
 GiB = 2**30
 RESERVE_GIB = 3.0          # trainer: CUDA context, NCCL buffers, allocator slack

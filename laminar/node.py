@@ -168,7 +168,7 @@ def cmd_up(a) -> int:
 
 def run(coro) -> int:
     try:
-        import uvloop
+        import uvloop  # late: uvloop is optional (the default loop without it)
         return uvloop.run(coro)
     except ImportError:
         return asyncio.run(coro)

@@ -57,7 +57,7 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self.bar:
-            from rich.console import Console
+            from rich.console import Console  # late: rich, only for a terminal bar
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             from rich.progress import Progress as Bar
             self._rich = Bar(

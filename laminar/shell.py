@@ -37,8 +37,8 @@ from laminar.bus.zmq_transport import ZmqTransport
 from laminar.config import load_config
 from laminar.extras import MissingExtra, missing_extras
 from laminar.protocol import Shutdown
-from laminar.roles.base import Role, RoleContext, RoleFailed
-from laminar.roles.registry import role_class
+from laminar.registry import role_class
+from laminar.role_base import Role, RoleContext, RoleFailed
 from laminar.secrets import redact
 from laminar.threads import leave
 
@@ -193,7 +193,7 @@ class ReadyPipe:
     def ready(self) -> None:
         self._send(b"READY\n")
         if os.environ.get("NOTIFY_SOCKET"):
-            import sdnotify
+            import sdnotify  # late: sdnotify, only under systemd (NOTIFY_SOCKET)
             sdnotify.SystemdNotifier().notify("READY=1")
 
     def failed(self, why: str) -> None:
@@ -209,7 +209,7 @@ async def _watchdog() -> None:
     usec = int(os.environ.get("WATCHDOG_USEC", "0"))
     if not usec or not os.environ.get("NOTIFY_SOCKET"):
         return
-    import sdnotify
+    import sdnotify  # late: sdnotify, only under systemd (NOTIFY_SOCKET)
     n = sdnotify.SystemdNotifier()
     while True:  # ping at half the watchdog period, from the loop: a stuck loop gets restarted
         n.notify("WATCHDOG=1")
@@ -255,7 +255,7 @@ def main_role(name: str, id: str, config_path: str, ready_fd: int | None = None,
             await transport.close()
 
     try:
-        import uvloop
+        import uvloop  # late: uvloop is optional (the default loop without it)
         run = uvloop.run
     except ImportError:
         run = asyncio.run

@@ -55,6 +55,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from laminar.intervals import paired_difference
 from laminar.logs import read_rotated_jsonl
 from laminar.report import read_jsonl
 from laminar.summary_agents import agent_section
@@ -169,7 +170,6 @@ def eval_change(run: Path) -> dict:
     over problems, far narrower than two separate intervals, since a problem's difficulty is shared
     by both); the change is significant when [lo, hi] excludes 0. From the evaluator's per-problem
     scores (`evaluator/scores.jsonl`); {} without two evaluations of a set."""
-    from laminar.intervals import paired_difference
     recs = read_jsonl(run / "evaluator" / "scores.jsonl")
     out: dict = {}
     if len(recs) < 2:
@@ -304,9 +304,9 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     """Reward, held-out accuracy (when the run evaluated) and throughput over time (PNG). None when
     matplotlib is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # late: matplotlib (heavy, optional), only for the plot
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # late: as matplotlib, after its backend is chosen
     except ImportError:
         return None
     run = Path(run_dir)

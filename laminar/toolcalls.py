@@ -2,13 +2,12 @@
 
 The model writes its calls as text (the Hermes convention, which Qwen-style templates also
 use); the agent gateway hands them to the client as `tool_calls`, and a client that echoes the
-assistant message back gets it rendered the same way (laminar/chat.py). Functions:
+assistant message back gets it rendered the same way (laminar/chat.py, which also keys such a
+message: `message_key`). Functions:
 
     parse_tool_calls(text)      -> (content or None, [{"name", "arguments" (a JSON string)}]); a
                                    block that is not valid JSON leaves the whole text as content
     render_tool_calls(calls)    -> the text of OpenAI `tool_calls` (for templates without them)
-    message_key(message)        -> what identifies an assistant message the gateway returned, so an
-                                   echo of it can be replaced by the exact text the model sampled
     HoldBack                    -> streaming: content deltas without any tool-call markup
 """
 from __future__ import annotations
@@ -55,26 +54,6 @@ def render_tool_calls(calls: list) -> str:
             pass  # not JSON: kept as the string the client sent
         out.append(OPEN + json.dumps({"name": fn.get("name", ""), "arguments": args}) + CLOSE)
     return "".join(out)
-
-
-def _canonical_args(args: Any) -> Any:
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except ValueError:
-            return args
-    return args
-
-
-def message_key(message: dict) -> str:
-    """An assistant message's identity: its text content and its calls' names and arguments (ids,
-    whitespace of the arguments' JSON and key order left out: clients rebuild those)."""
-    from laminar.chat import content_text
-    calls = [(fn.get("name"), _canonical_args(fn.get("arguments")))
-             for c in message.get("tool_calls") or [] if isinstance(c, dict)
-             for fn in [c.get("function", c)] if isinstance(fn, dict)]
-    return json.dumps({"content": (content_text(message.get("content")) or "").strip(), "calls": calls},
-                      sort_keys=True)
 
 
 class HoldBack:

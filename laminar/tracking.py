@@ -35,45 +35,11 @@ import os
 import sys
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from laminar.config import load_config
 from laminar.extras import require
 from laminar.report import read_jsonl
 from laminar.secrets import redact
-
-
-class WandbSpec(BaseModel):
-    """Where a run goes in Weights & Biases."""
-    model_config = ConfigDict(extra="forbid")
-    project: str = Field("laminar", description="W&B project")
-    entity: str | None = Field(None, description="W&B entity (team or user); None: the account's default")
-    name: str | None = Field(None, description="run name (default: run.name)")
-    mode: str = Field("offline", pattern="^(offline|online)$", description="offline: written under dir only (send "
-                      "later with `wandb sync`); online: needs WANDB_API_KEY and network")
-    dir: str | None = Field(None, description="folder of the wandb/ run folders (default: the run's workdir)")
-
-
-class MlflowSpec(BaseModel):
-    """Where a run goes in MLflow."""
-    model_config = ConfigDict(extra="forbid")
-    tracking_uri: str | None = Field(None, description="a tracking server, or a file store `file:<folder>` "
-                                     "(default: file:<workdir>/mlruns)")
-    experiment: str | None = Field(None, description="experiment name (default: run.name)")
-    run_name: str | None = Field(None, description="run name (default: run.name)")
-
-
-class TrackingSpec(BaseModel):
-    """Experiment trackers the run is sent to: live as it trains (laminar/live_tracking.py) and at its end."""
-    model_config = ConfigDict(extra="forbid")
-    wandb: WandbSpec | None = Field(None, description="Weights & Biases; None: not sent")
-    mlflow: MlflowSpec | None = Field(None, description="MLflow; None: not sent")
-    live: bool = Field(True, description="send each version's metrics, evaluations and sample rows as they happen "
-                       "(from the trainer's node; `--resume` continues the same tracker runs); false: the whole run "
-                       "once, at its end")
-    queue_size: int = Field(1000, ge=1, description="live updates waiting per tracker; beyond, updates for a slow "
-                            "or dead tracker are dropped and counted (training never waits for a tracker)")
-    close_timeout_s: float = Field(30.0, gt=0, description="at the end of the run, how long to wait for each "
-                                   "tracker to take what is queued before leaving it behind")
+from laminar.tracking_spec import MlflowSpec, TrackingSpec, WandbSpec
 
 
 def steps(run: Path) -> dict[int, dict[str, float]]:
@@ -150,7 +116,7 @@ def _mlflow_key(k: str) -> str:
 
 def _mlflow(run: Path, m: MlflowSpec, name: str, config: dict, by_step, numbers, rows) -> str:
     require("mlflow", "tracking.mlflow")
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Metric, Param  # late: the tracking extra, only when MLflow is configured
     from mlflow.tracking import MlflowClient
     uri = m.tracking_uri or f"file:{(run / 'mlruns').resolve()}"
     if uri.startswith("file:"):  # MLflow 3.17+ refuses its file store unless asked for it (in maintenance mode)
@@ -196,7 +162,6 @@ def send_config(cfg) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from laminar.config import load_config  # late: laminar.config imports this module's TrackingSpec (a cycle)
     ap = argparse.ArgumentParser(prog="python -m laminar.tracking", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="the run's config YAML (its workdir and tracking section)")
     a = ap.parse_args(argv)

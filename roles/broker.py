@@ -4,7 +4,8 @@ from __future__ import annotations
 import asyncio
 
 from laminar.bus.broker import Broker
-from laminar.roles.base import Role, RoleFailed
+
+from laminar.role_base import Role, RoleFailed
 
 
 class BrokerRole(Role):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from laminar.roles.base import Role
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.protocol import Metrics, Ping, Pong
+from laminar.role_base import Role
 
 
 class EchoConfig(BaseModel):

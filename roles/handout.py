@@ -9,7 +9,7 @@ rollout key squat, replace or wedge another rollout's groups. Instead:
   a MAC over the spec's fields (ids, sample index, group size, budget, answer, prompt tokens) and
   that rollout's id (an agent episode replaces its prompt with its first call's rendering and keeps
   the handed-out one in `handed_prompt`, which the MAC then covers), under a key the three pools
-  share and no rollout host holds (`handout_key`); the attempt is in the trajectory id, so each
+  share and no rollout host holds (`handout_key`, laminar/handout_key.py); the attempt is in the trajectory id, so each
   attempt has its own hand-out;
 - the partial pool accepts a rollout key's first delta of a trajectory (and AwaitReward) only
   with a hand-out for the rollout the request names, and the buffer a put only with one for the
@@ -44,40 +44,15 @@ import hashlib
 import hmac
 import time
 from collections import Counter
-from pathlib import Path
 
 import msgpack
 import numpy as np
-import zmq.auth
-from laminar.bus.auth import CLIENTS, _check_secret_file, check_private, scope_of
+from laminar.bus.auth import scope_of
 
+from laminar.handout_key import PERSON
 from laminar.protocol import TrajectorySpec
 
-POOL_KEY = "pool"          # clients/pool.key_secret: the pools' client key with scoped keys
-PERSON = b"laminar-handout"
 NOT_HANDED = "not handed out"  # every refusal's reason starts so (the rollout keeps such a write, unacknowledged)
-
-
-def handout_key(cluster) -> bytes:
-    """The key hand-outs are signed with (module docstring); raises naming the missing file."""
-    d = cluster.cluster.keys_dir if cluster is not None else None
-    if not d:
-        run = cluster.run.name if cluster is not None else ""
-        return hashlib.blake2b(f"laminar hand-outs of run {run}".encode(), digest_size=32).digest()
-    clients = Path(d) / CLIENTS
-    if clients.is_dir():
-        path = clients / f"{POOL_KEY}.key_secret"
-        if not path.exists():
-            raise FileNotFoundError(f"{d} uses scoped keys but holds no {CLIENTS}/{POOL_KEY}.key_secret, which the "
-                                    f"pools sign hand-outs with: run `laminar-node keygen {d} --client {POOL_KEY}` "
-                                    "where the keys are made and copy it to the pools' hosts (only there)")
-        _check_secret_file(path)
-    else:
-        path = check_private(d)
-    _, secret = zmq.auth.load_certificate(str(path))
-    if not secret:
-        raise ValueError(f"{path} holds no secret key")
-    return hashlib.blake2b(secret, digest_size=32, person=PERSON).digest()
 
 
 class Handouts:

@@ -39,11 +39,12 @@ import time
 from pathlib import Path
 
 from laminar.bus.rpc import RequestError
-from laminar.roles.base import Role
-from laminar.roles.handout import Handouts, Refusals, handout_key
+from laminar.roles.handout import Handouts, Refusals
 from laminar.roles.sqlite_store import GroupCommitStore, StoreBusy, StoreError
 
+from laminar.handout_key import handout_key
 from laminar.protocol import PoolCount
+from laminar.role_base import Role
 
 QUARANTINE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS quarantined (tbl TEXT, key TEXT, blob BLOB, why TEXT, at REAL);

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
-from laminar.bus.inproc import InprocHub, InprocTransport
+from laminar.bus.inproc import InprocHub, InprocPublisher, InprocTransport
 from laminar.roles.trainer.metrics import read_jsonl
 
 from laminar import summary
@@ -46,17 +46,73 @@ from laminar.testing.inproc_cluster import InprocCluster
 SIM_MAX_INFLIGHT = 1 << 20
 
 
+class _Subscribers(list):
+    """The hub's subscriber list, counting its changes so routes can be cached (`SimHub.route`)."""
+    changes = 0
+
+    def append(self, sub) -> None:
+        self.changes += 1
+        super().append(sub)
+
+    def remove(self, sub) -> None:
+        self.changes += 1
+        super().remove(sub)
+
+
+class _SimPublisher(InprocPublisher):
+    """InprocPublisher's delivery over the hub's cached route of a topic: the same subscribers,
+    in the same order, with the same drop on a full queue (codec off: the event as is)."""
+
+    def publish(self, topic: str, ev) -> bool:
+        if self.hub.scoped or self.hub.codec:
+            return super().publish(topic, ev)
+        ok = True
+        for sub in self.hub.route(topic):
+            try:
+                sub.queue.put_nowait((topic, ev))
+            except asyncio.QueueFull:
+                ok = False
+        self.sent += ok
+        self.dropped += not ok
+        return ok
+
+
 class _SimTransport(InprocTransport):
     def server(self, address: str, role: str, id: str, max_inflight: int = 256):
         return super().server(address, role, id, max(max_inflight, SIM_MAX_INFLIGHT))
 
+    def publisher(self) -> InprocPublisher:
+        return _SimPublisher(self.hub, self.identity)
+
 
 class SimHub(InprocHub):
-    """The in-process hub with the servers' in-flight bound lifted. A pool's bound (256 handlers)
-    sheds load for a process of its own; here every client shares the pool's CPU, so a refused
-    call comes back as a retry that costs the pool's CPU again, and a burst of completions (a
-    thousand rollouts' first batches ending together) turns into a retry storm. Lifted, the
-    burst queues once and drains at the pools' speed, which is what the throughput is made of."""
+    """The in-process hub with the servers' in-flight bound lifted, and publications routed by a
+    cached topic -> subscribers table.
+
+    The bound: a pool's bound (256 handlers) sheds load for a process of its own; here every
+    client shares the pool's CPU, so a refused call comes back as a retry that costs the pool's
+    CPU again, and a burst of completions (a thousand rollouts' first batches ending together)
+    turns into a retry storm. Lifted, the burst queues once and drains at the pools' speed, which
+    is what the throughput is made of.
+
+    The routes: the plain hub matches every publication against every subscriber's prefixes, so
+    with 128 rollouts each publishing its report every simulated second that matching was 17% of
+    a 72B/1,024 sync run's CPU. The table is rebuilt whenever a subscriber comes or goes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.subscribers = _Subscribers()
+        self._routes: dict[str, list] = {}
+        self._routes_at = 0
+
+    def route(self, topic: str) -> list:
+        """The subscribers a publication on `topic` reaches, in subscription order."""
+        if self._routes_at != self.subscribers.changes:
+            self._routes, self._routes_at = {}, self.subscribers.changes
+        subs = self._routes.get(topic)
+        if subs is None:
+            subs = self._routes[topic] = [s for s in self.subscribers if any(topic.startswith(p) for p in s.topics)]
+        return subs
 
     def transport(self, identity: str | None = None) -> InprocTransport:
         return _SimTransport(self, identity)
@@ -79,6 +135,10 @@ class SimRun:
     cpu_s: float = 0.0            # process CPU time (all threads) while the cluster ran
     max_rss_mb: float = 0.0
     stopped: str | None = None    # why the run was ended before its last version (`stop_when`)
+    # (real s, CPU s, simulated progress s) since the rollouts started, once every `check_s`:
+    # the harness's cost per simulated second (bench/sim/calibrate.py)
+    pace: list[tuple[float, float, float]] = field(default_factory=list)
+    buffer_counts: dict = field(default_factory=dict)  # the experience buffer's counters (drops among them)
 
 
 def sim_folders(cfg) -> list[Path]:
@@ -107,6 +167,19 @@ def _engine_tokens(rollouts) -> int:
     return sum(r.engine.counters["tokens"] for r in rollouts if r.engine is not None)
 
 
+def engines_behind(rollouts) -> float:
+    """How far the furthest busy engine is behind its simulated timeline now (simulated s)."""
+    return max((max(0.0, r.engine.clock.now() - r.engine.sim_stats()["sim_time_s"])
+                for r in rollouts if r.engine is not None and r.engine.running), default=0.0)
+
+
+def pace_sample(t0: float, cpu0: float, speedup: float, rollouts) -> tuple[float, float, float]:
+    """(real s, CPU s, simulated progress s) since (t0, cpu0): progress is the compressed clock's
+    time less how far the busy engines are behind it."""
+    real = time.monotonic() - t0
+    return real, time.process_time() - cpu0, max(0.0, real * speedup - engines_behind(rollouts))
+
+
 async def _ticker(lags: list[float], period: float = 0.02) -> None:
     while True:
         t0 = time.perf_counter()
@@ -121,7 +194,8 @@ def quiet_logs() -> None:
 
 
 async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_version=None,
-                  pause_gc: bool = True, stop_when=None, check_s: float = 1.0, scoped: bool = False) -> SimRun:
+                  pause_gc: bool = True, stop_when=None, check_s: float = 1.0, scoped: bool = False,
+                  collect: bool = True) -> SimRun:
     """Run `cfg` (a parsed sim LaminarConfig) until the trainer finishes or `timeout_s` passes.
     `on_version(version, rollouts)` is called at each new trainer version (e.g. to reset counters
     after a warm-up). `stop_when(rollouts)`, asked every `check_s` real seconds, ends the run
@@ -132,7 +206,9 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
     compressed time turns into 10+ simulated seconds of lag. The roles' objects are reference-
     counted away; what cycles remain cost memory until the end of the run (~+40% RSS there).
     `scoped`: every role acts as its scoped key would (bus/inproc.py), so the pools check each
-    write against its hand-out and each score against its lease."""
+    write against its hand-out and each score against its lease. `collect` False (a sweep's child,
+    which exits after measuring): the objects left are frozen (gc.freeze) instead of collected — a
+    full collection over a 1,024-GPU run's heap takes seconds, and the process's exit frees it."""
     trainer_cfg = cfg.roles["trainer"]
     speedup = float(trainer_cfg.get("sim", {}).get("speedup", 1.0))
     roll_ids = [s.id for _, s in cfg.find("rollout")]
@@ -159,12 +235,15 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
         task = cluster.tasks["trainer.0"]
         seen = trainer.version
         run.marks.append((seen, time.monotonic(), _engine_tokens(rollouts)))
-        checked = time.monotonic()
+        checked = started = time.monotonic()
+        cpu_started = time.process_time()
+        run.pace.append((0.0, 0.0, 0.0))
         while not task.done() and time.monotonic() - t0 < timeout_s:
             await asyncio.sleep(poll_s)  # sampling the trainer's version (a probe, not a wait for a peer)
-            if stop_when is not None and time.monotonic() - checked > check_s:
+            if time.monotonic() - checked > check_s:
                 checked = time.monotonic()
-                if (reason := stop_when(rollouts)) is not None:
+                run.pace.append(pace_sample(started, cpu_started, speedup, rollouts))
+                if stop_when is not None and (reason := stop_when(rollouts)) is not None:
                     run.stopped = reason
                     break
             if trainer.version != seen:
@@ -177,6 +256,9 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
         run.cpu_s = time.process_time() - cpu0
         run.engines = [{**r.engine.sim_stats(), "id": r.ctx.id} for r in rollouts]
         run.rollout_versions = [r.version for r in rollouts]
+        buffer = cluster.roles.get("experience_buffer.0")
+        if buffer is not None and getattr(buffer, "book", None) is not None:
+            run.buffer_counts = dict(buffer.book.counts)
         manager = cluster.roles.get("manager.0")
         if manager is not None:
             c = manager.fleet.c
@@ -192,8 +274,11 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
             delivery.close()
         remove_folders(cfg)
         if pause_gc and gc_was_enabled:
+            if not collect:
+                gc.freeze()
             gc.enable()
-            gc.collect()
+            if collect:
+                gc.collect()
     run.records = read_jsonl(Path(cfg.workdir()) / "trainer" / "metrics.jsonl")
     run.max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return run

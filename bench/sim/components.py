@@ -32,6 +32,7 @@ from pathlib import Path
 
 from laminar.roles.rollout.sim_engine import SimEngine, VirtualClock
 
+from bench.sim.calibrate import PaceCache, pace_cache_path
 from bench.sim.processes import execute
 from bench.sim.report import _f, _shown
 from bench.sim.runs import engine_settings, run_spec
@@ -226,7 +227,7 @@ def components(setup: SimSetup, workload: dict, a) -> int:
                       a.warmup or COMPONENT_RUNS["warmup"], a.measure or COMPONENT_RUNS["measure"], root)
              for mode in ("laminar", "laminar_norepack")]
     try:
-        results = execute(specs, a.jobs, root, keep=bool(a.workdir))
+        results = execute(specs, a.jobs, root, keep=bool(a.workdir), cache=PaceCache(pace_cache_path(a)))
     finally:
         if not a.workdir:
             shutil.rmtree(root, ignore_errors=True)

@@ -1,12 +1,13 @@
 """The sweep's processes: one child process per run, `jobs` at a time, a lagging run rerun slower,
 and nothing left behind however the sweep ends.
 
-- How many at once (`default_jobs`): compressed time is faithful only while a run's Python keeps
-  up, and each run is sized (its speedup) to use about 0.4 of a core on average with bursts of
-  about three times that, i.e. a core's worth at its peaks. So the default runs at most one child
-  per core and keeps one core for everything else (the sweep itself, the kernel, the tmpfs the
-  pools write to): `cores − 1`, at least 1, at most 3 (memory: the largest runs take ~10 GB).
-  On 2 cores that is 1. `--jobs` may ask for more; lag (below) shows what it cost.
+- How many at once (`default_jobs`): one child a core, 1 to 3 (memory: the largest runs take
+  ~10 GB). Each run's speed is calibrated before it starts (calibrate.py): picked so that its
+  busiest moments use `TARGET` of the share of a core the machine gives it then — with a child
+  already running on one of two cores, the other core. Before calibration each run got a guessed
+  speed and the default kept a core free for its bursts (`cores − 1`: 1 on two cores), which put
+  the contract command at an hour once the guesses lagged. `--jobs 1` is the cautious choice on a
+  machine shared with other work.
 - Lag: a run whose engines fell behind their simulated timeline (`lagged`, bench/sim/runs.py)
   measured less than the modeled hardware would do; the child ends it as soon as that is
   certain. A run that did not reach its last version by its deadline (three times its expected
@@ -23,6 +24,7 @@ and nothing left behind however the sweep ends.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -31,10 +33,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench.sim.runs import new_weights_root, run_dir
+from bench.sim.calibrate import PROBE_MARGIN, PROBE_S, PaceCache, cpu_share, pick_speedup
+from bench.sim.runs import PROBE_SETUP_S, new_weights_root, run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOWDOWN = 0.5  # a lagging run's next speedup, as a fraction of its last
+PROBE_START = 0.7  # a probe's speed: the estimate's × the core's share × this (cautious: the estimate is a guess)
 
 
 def usable_cores() -> int:
@@ -46,25 +50,70 @@ def usable_cores() -> int:
 
 
 def default_jobs(cores: int | None = None) -> int:
-    """Runs at once by default: one a core, one core kept free, 1 to 3 (module docstring)."""
+    """Runs at once by default: one a core, 1 to 3 (module docstring)."""
     cores = usable_cores() if cores is None else cores
-    return max(1, min(3, cores - 1))
+    return max(1, min(3, cores))
 
 
-def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True) -> dict[tuple, dict]:
-    """Run every spec in its own process, at most `jobs` at once; a child that fails or overruns
-    yields an error record, not an abort; a lagging one is rerun slower (module docstring)."""
+def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True,
+            cache: PaceCache | None = None) -> dict[tuple, dict]:
+    """Run every spec in its own process, at most `jobs` at once, each at its calibrated speed
+    (`calibrated`); a child that fails or overruns yields an error record, not an abort; a
+    lagging one is rerun slower (module docstring)."""
     pending, running, results = [dict(sp) for sp in specs], [], {}
+    cache = cache or PaceCache(None)
     for sp in pending:
         sp.setdefault("weights_root", new_weights_root())
     try:
-        _run_all(pending, running, results, jobs, root, keep)
+        _run_all(pending, running, results, jobs, root, keep, cache)
     except BaseException:  # Ctrl-C, or SIGTERM (exit_on_sigterm): no child outlives the sweep
         stop_children([proc for _, proc, *_ in running])
         for spec, *_ in running:
             shutil.rmtree(spec["weights_root"], ignore_errors=True)
         raise
     return results
+
+
+def with_speedup(spec: dict, speedup: float, pace: dict) -> dict:
+    """The spec at `speedup`, its deadline with it (three times the expected wall time plus two
+    minutes), and how the speed was chosen (`pace`, reported with the run)."""
+    timeout = 3 * spec["expected_sim_s"] / speedup + 120
+    return {**spec, "speedup": speedup, "timeout_s": round(timeout), "pace": pace}
+
+
+def decided(spec: dict, busy: float, source: str, probe: dict | None = None) -> dict:
+    """The spec at the speed picked for a busy rate of `busy` CPU seconds per simulated second
+    and the share of a core this process gets now (calibrate.py)."""
+    share = cpu_share()
+    speedup = pick_speedup(busy, share, lo=spec["min_speedup"], hi=spec["max_speedup"])
+    return with_speedup(spec, speedup, {"source": source, "cpu_share": round(share, 2),
+                                        "cpu_per_sim_s_busy": round(busy, 5), "probe": probe})
+
+
+def calibrated(spec: dict, cache: PaceCache) -> dict:
+    """The spec to start next: as it is once its speed is decided (--speedup, a rerun, after its
+    probe); else at the speed its cached pace picks; else its probe (`probe` set), at a cautious
+    speed: the estimate's (scenario.estimate) × the core's share now × PROBE_START."""
+    if spec.get("pace") is not None:
+        return spec
+    if (entry := cache.get(spec["pace_key"])) is not None:
+        return decided(spec, entry["cpu_per_sim_s_busy"], "cache")
+    start = min(spec["max_speedup"], max(spec["min_speedup"], spec["estimate"]["speedup"] * cpu_share() * PROBE_START))
+    return {**spec, "probe": True, "speedup": round(start, 2),
+            "timeout_s": round(3 * spec.get("probe_s", PROBE_S) + PROBE_SETUP_S)}
+
+
+def after_probe(spec: dict, r: dict | None) -> dict:
+    """The run's spec once its probe has ended: its speed picked from the probe's busiest window ×
+    PROBE_MARGIN; from the estimate if it ran but measured no progress (a probe that failed is
+    reported as its run's failure: processes._run_all)."""
+    run = {k: v for k, v in spec.items() if k != "probe"}
+    pace = (r or {}).get("pace")
+    probe = {"speedup": spec["speedup"], "wall_s": (r or {}).get("wall_s"), "cpu_s": (r or {}).get("cpu_s"),
+             "cpu_per_sim_s_busy": pace["cpu_per_sim_s_busy"] if pace else None}
+    if pace is None:
+        return with_speedup(run, spec["estimate"]["speedup"], {"source": "estimate (probe failed)", "probe": probe})
+    return decided(run, pace["cpu_per_sim_s_busy"] * PROBE_MARGIN, "probe", probe)
 
 
 def stop_children(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
@@ -100,23 +149,31 @@ def attempt(r: dict) -> dict:
             "throughput_tokens_per_s": r.get("throughput_tokens_per_s"), "wall_s": r["wall_s"]}
 
 
-def slower(spec: dict, attempts: list[dict]) -> dict | None:
-    """The spec to rerun a lagging run with (half the speedup, the timeout scaled with it), or None
-    when its retries are spent or its speedup is already the lowest allowed."""
+def slower(spec: dict, attempts: list[dict], picked: float | None = None) -> dict | None:
+    """The spec to rerun a lagging run with (half the speedup, or `picked` if lower: the speed the
+    lagging attempt's own measured pace picks; the timeout scaled with it), or None when its
+    retries are spent or its speedup is already the lowest allowed."""
     if len(attempts) > spec.get("lag_retries", 0) or spec["speedup"] <= spec.get("min_speedup", 1.0):
         return None
-    speedup = max(spec.get("min_speedup", 1.0), spec["speedup"] * SLOWDOWN)
+    speedup = max(spec.get("min_speedup", 1.0), min(spec["speedup"] * SLOWDOWN, picked or math.inf))
+    pace = {**(spec.get("pace") or {}), "source": "rerun", "rerun_picked": picked}
     return {**spec, "speedup": round(speedup, 3), "timeout_s": round(spec["timeout_s"] * spec["speedup"] / speedup),
-            "attempts": attempts, "weights_root": new_weights_root()}
+            "attempts": attempts, "weights_root": new_weights_root(), "pace": pace}
 
 
 def _start(spec: dict, root: Path):
     folder = run_dir(root, spec["model"], spec["gpus"], spec["mode"])
     out = folder.with_name(folder.name + ".result.json")
     log = open(folder.with_name(folder.name + ".log"), "a")
-    print(f"[{time.strftime('%H:%M:%S')}] start {spec['model']} @ {spec['gpus']} GPUs, {spec['mode']}: "
-          f"{spec['warmup']}+{spec['measure']} versions, speedup {spec['speedup']:g} "
-          f"(expected iteration {spec['estimate']['iteration_s']:.0f} s simulated)"
+    what = "probe" if spec.get("probe") else "start"
+    how = (f"for {spec.get('probe_s', PROBE_S):g} s" if spec.get("probe")
+           else f"{spec['warmup']}+{spec['measure']} versions")
+    src = "" if spec.get("probe") else f" ({(spec.get('pace') or {}).get('source', '?')})"
+    # a run's expected wall at its speed: where a sweep's time will go, read off its transcript
+    wall = "" if spec.get("probe") else f", ~{spec['expected_sim_s'] / spec['speedup']:.0f} s of wall expected"
+    print(f"[{time.strftime('%H:%M:%S')}] {what} {spec['model']} @ {spec['gpus']} GPUs, {spec['mode']}: "
+          f"{how}, speedup {spec['speedup']:g}{src} "
+          f"(expected iteration {spec['estimate']['iteration_s']:.0f} s simulated{wall})"
           + (f", attempt {len(spec['attempts']) + 1} (the last lagged)" if spec.get("attempts") else ""), flush=True)
     out.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "scale.py"), "--child", json.dumps(spec),
@@ -124,10 +181,11 @@ def _start(spec: dict, root: Path):
     return (spec, proc, folder, out, log, time.monotonic())
 
 
-def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path, keep: bool) -> None:
+def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path, keep: bool,
+             cache: PaceCache) -> None:
     while pending or running:
         while pending and len(running) < jobs:
-            running.append(_start(pending.pop(0), root))
+            running.append(_start(calibrated(pending.pop(0), cache), root))
         time.sleep(0.5)  # polling the children (they report by their exit and result file)
         for item in list(running):
             spec, proc, folder, out, log, t0 = item
@@ -140,27 +198,53 @@ def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path,
             running.remove(item)
             log.close()
             shutil.rmtree(spec["weights_root"], ignore_errors=True)  # the child's own cleanup may not have run
-            key = (spec["model"], spec["gpus"], spec["mode"])
             if not keep:
                 shutil.rmtree(folder, ignore_errors=True)
-            if proc.returncode == 0 and out.exists():
-                r = json.loads(out.read_text())
-                r["attempts"] = spec.get("attempts", []) + [attempt(r)]
-                _done(r)
-                too_slow = "lagged" if r["lagged"] else None if r["finished"] else "did not finish in time"
-            else:
-                tail = Path(log.name).read_text()[-2000:]
-                error = f"exit {proc.returncode}" + (" (killed: overran)" if over else "")
-                r = {"error": error, "log_tail": tail,
-                     "attempts": spec.get("attempts", []) + [{"speedup": spec["speedup"], "error": error,
-                                                               "wall_s": round(time.monotonic() - t0, 1)}]}
-                print(f"[{time.strftime('%H:%M:%S')}] FAILED {key}: {error}\n{tail}", flush=True)
-                too_slow = "overran its deadline" if over else None
-            if too_slow and (again := slower(spec, r["attempts"])) is not None:
-                print(f"  {too_slow} at speedup {spec['speedup']:g}: rerunning at {again['speedup']:g}", flush=True)
-                pending.insert(0, again)
+            r = json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else None
+            if spec.get("probe") and r is not None:  # a probe that failed is the run's failure (below)
+                _probed(spec, r, pending)
                 continue
-            results[key] = r
+            _ended(spec, r, proc.returncode, over, log, t0, pending, results, cache)
+
+
+def _probed(spec: dict, r: dict | None, pending: list) -> None:
+    """A probe ended: its run starts next, at the speed the probe picked."""
+    nxt = after_probe(spec, r)
+    probe = nxt["pace"]["probe"]
+    print(f"[{time.strftime('%H:%M:%S')}] probed {spec['model']} @ {spec['gpus']}, {spec['mode']} in "
+          f"{_f(probe['wall_s'])} s: {_f(probe['cpu_per_sim_s_busy'], 4)} CPU s per simulated s at its busiest, "
+          f"share of a core {nxt['pace'].get('cpu_share', '-')}: speedup {nxt['speedup']:g}", flush=True)
+    pending.insert(0, {**nxt, "weights_root": new_weights_root()})
+
+
+def _ended(spec: dict, r: dict | None, code: int | None, over: bool, log, t0: float, pending: list,
+           results: dict, cache: PaceCache) -> None:
+    """A run ended: its result (or error record), its measured pace kept in the cache, and a
+    rerun at a lower speed if it lagged or overran."""
+    key = (spec["model"], spec["gpus"], spec["mode"])
+    if r is not None:
+        r["pace"] = spec.get("pace")
+        r["attempts"] = spec.get("attempts", []) + [attempt(r)]
+        _done(r)
+        too_slow = "lagged" if r["lagged"] else None if r["finished"] else "did not finish in time"
+        if r.get("harness"):
+            cache.put(spec["pace_key"], r["harness"], r["speedup"], "run")
+    else:
+        tail = Path(log.name).read_text()[-2000:]
+        error = f"exit {code}" + (" (killed: overran)" if over else "") + (" (its probe)" if spec.get("probe") else "")
+        r = {"error": error, "log_tail": tail, "pace": spec.get("pace"),
+             "attempts": spec.get("attempts", []) + [{"speedup": spec["speedup"], "error": error,
+                                                       "wall_s": round(time.monotonic() - t0, 1)}]}
+        print(f"[{time.strftime('%H:%M:%S')}] FAILED {key}: {error}\n{tail}", flush=True)
+        too_slow = "overran its deadline" if over and not spec.get("probe") else None
+    busy = (r.get("harness") or {}).get("cpu_per_sim_s_busy")
+    picked = pick_speedup(busy, cpu_share(), lo=spec["min_speedup"], hi=spec["max_speedup"]) if busy else None
+    if too_slow and (again := slower(spec, r["attempts"], picked)) is not None:
+        print(f"  {too_slow} at speedup {spec['speedup']:g}: rerunning at {again['speedup']:g}", flush=True)
+        pending.insert(0, again)
+        return
+    results[key] = r
+
 
 def _f(v, digits: int = 0) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"

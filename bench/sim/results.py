@@ -40,12 +40,20 @@ def assemble(size: str, gpus: int, runs: dict[str, dict], warmup: dict[str, int]
            "speedup": {m: r["speedup"] for m, r in ok.items()},
            "throughput_tokens_per_s": tp,
            "speedup_over": {b: _ratio(lam, tp.get(b)) for b in BASELINES + ["laminar_norepack"] if b in tp},
+           # laminar with its staleness bound ÷ without (laminar_unbounded, when run): what the bound costs
+           "staleness_bound_cost": _ratio(lam, tp.get("laminar_unbounded")),
+           "dropped_stale_groups": {m: r.get("dropped_stale_groups") for m, r in ok.items()},
+           # how each run's speed was chosen (calibrate.py) and what its probe cost, every run that ran
+           "pace": {m: r.get("pace") for m, r in runs.items()},
+           "probe_wall_s": round(sum(((r.get("pace") or {}).get("probe") or {}).get("wall_s") or 0.0
+                                     for r in runs.values()), 1),
            "kv_usage_mean": {"with_repack": _get(ok, "laminar", "kv_usage_mean"),
                              "without_repack": _get(ok, "laminar_norepack", "kv_usage_mean")},
            "generation_tokens_per_s": {"with_repack": _get(ok, "laminar", "generation_tokens_per_s"),
                                        "without_repack": _get(ok, "laminar_norepack", "generation_tokens_per_s")},
-           "max_staleness": max((r["max_staleness"] for r in ok.values() if r["max_staleness"] is not None),
-                                default=None),
+           # laminar_unbounded is the reference the bound is measured against, not a setting to report
+           "max_staleness": max((r["max_staleness"] for m, r in ok.items()
+                                 if r["max_staleness"] is not None and m != "laminar_unbounded"), default=None),
            "max_staleness_by_mode": {m: r["max_staleness"] for m, r in ok.items()},
            "staleness_histogram": {m: r["staleness_histogram_all"] for m, r in ok.items()},
            "fraction_of_ideal": {m: r["fraction_of_ideal"] for m, r in ok.items()},

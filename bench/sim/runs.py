@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 import uuid
 from pathlib import Path
 
-from bench.sim.cluster import quiet_logs, run_sim
+from bench.sim.calibrate import PROBE_S, PROBE_SIM_S, WINDOW_S, pace_key, pace_summary
+from bench.sim.cluster import engines_behind, quiet_logs, run_sim
 from laminar.config import parse_config
 from laminar.logs import read_rotated_jsonl
 from laminar.sim import load_workload
@@ -41,6 +43,7 @@ LAG_FLAG_S, LAG_PEAK_FLAG_S = 5.0, 30.0
 # window by more than this factor: it was draining a backlog (e.g. laminar's first wave), so the
 # throughput is not a steady state one; warm up for more versions (--warmup)
 DRAIN_FLAG = 1.05
+PROBE_SETUP_S = 600.0  # a probe's deadline beyond its own seconds: its cluster's start-up (a hang guard)
 
 
 def run_dir(root: Path, size: str, gpus: int, mode: str) -> Path:
@@ -53,19 +56,28 @@ def new_weights_root() -> str:
     return f"/dev/shm/laminar-sim-{uuid.uuid4().hex[:8]}"
 
 
+def scenario(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *, workdir: Path, speedup: float,
+             iterations: int, relays: bool, weights_root: str, ahead: int | None = None,
+             max_staleness: int | None = None) -> tuple[dict, object]:
+    """A run's cluster config (the raw dict and the parsed LaminarConfig), its prompts written."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    raw = build_config(setup, size, gpus, mode, workdir=str(workdir), speedup=speedup, iterations=iterations,
+                       workload=workload, weights_root=weights_root, relays=relays, ahead=ahead,
+                       max_staleness=max_staleness)
+    write_prompts(raw, setup, setup.run_shape.prompts_per_batch * (iterations + 8))  # more than are handed out
+    return raw, parse_config(raw, f"<sim {size}-{gpus}-{mode}>")
+
+
 def run_mode(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *, root: Path, speedup: float,
              warmup: int, measure: int, relays: bool, timeout_s: float, ahead: int | None = None,
-             weights_root: str | None = None) -> dict:
+             max_staleness: int | None = None, weights_root: str | None = None, collect: bool = True) -> dict:
     """Run one (model, GPUs, mode) cluster to its last version and measure it (`measure_run`),
-    with `lagged` judged on the measured window."""
-    workdir = run_dir(root, size, gpus, mode)
-    shutil.rmtree(workdir, ignore_errors=True)
+    with `lagged` judged on the measured window. `collect` False: a child process, which exits
+    after measuring, skips the final garbage collection (cluster.run_sim)."""
     weights_root = weights_root or new_weights_root()
-    iterations = warmup + measure
-    raw = build_config(setup, size, gpus, mode, workdir=str(workdir), speedup=speedup, iterations=iterations,
-                       workload=workload, weights_root=weights_root, relays=relays, ahead=ahead)
-    write_prompts(raw, setup, setup.run_shape.prompts_per_batch * (iterations + 8))  # more than are handed out
-    cfg = parse_config(raw, f"<sim {size}-{gpus}-{mode}>")
+    raw, cfg = scenario(setup, workload, size, gpus, mode, workdir=run_dir(root, size, gpus, mode), speedup=speedup,
+                        iterations=warmup + measure, relays=relays, weights_root=weights_root, ahead=ahead,
+                        max_staleness=max_staleness)
     quiet_logs()
 
     lags: list[float] = []
@@ -77,8 +89,7 @@ def run_mode(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *
             for r in rollouts:
                 r.engine.counters["max_lag_s"] = 0.0
         if version > warmup:  # how far behind its timeline the furthest busy engine is, now
-            lags.append(max((max(0.0, r.engine.clock.now() - r.engine.sim_stats()["sim_time_s"])
-                             for r in rollouts if r.engine.running), default=0.0))
+            lags.append(engines_behind(rollouts))
 
     def lagging(rollouts) -> str | None:
         """Once an engine is further behind its timeline than LAG_PEAK_FLAG_S in the measured
@@ -89,7 +100,8 @@ def run_mode(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *
         return None
 
     try:
-        run = asyncio.run(run_sim(cfg, timeout_s=timeout_s, on_version=after_warmup, stop_when=lagging))
+        run = asyncio.run(run_sim(cfg, timeout_s=timeout_s, on_version=after_warmup, stop_when=lagging,
+                                  collect=collect))
     finally:
         shutil.rmtree(weights_root, ignore_errors=True)
     out = measure_run(run, raw, setup, workload, size, gpus, mode, warmup, measure)
@@ -97,7 +109,41 @@ def run_mode(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *
     out["engine_lag_at_updates_s"] = (sum(lags) / len(lags)) if lags else None
     out["lagged"] = bool(out["engine_lag_at_updates_s"] and out["engine_lag_at_updates_s"] > LAG_FLAG_S) \
         or out["engine_max_lag_s"] > LAG_PEAK_FLAG_S
+    out["harness"] = pace_summary(run.pace, skip_s=WINDOW_S)  # what this run cost the harness (calibrate.py)
+    out["staleness_bound"] = {"ahead": ahead, "max_staleness": max_staleness}
+    c = run.buffer_counts  # groups the buffer dropped as staler than max_staleness (never trained)
+    out["dropped_stale_groups"] = int(c.get("dropped_stale", 0)) + int(c.get("dropped_stale_incomplete", 0))
     return out
+
+
+def run_probe(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *, root: Path, speedup: float,
+              relays: bool, weights_root: str, iterations: int, ahead: int | None = None,
+              max_staleness: int | None = None, probe_s: float = PROBE_S, collect: bool = True) -> dict:
+    """The calibration probe: the same scenario (`iterations` versions, the run's: it never gets
+    that far) for `probe_s` real seconds after its roles have started, at `speedup`; what it cost
+    the harness per simulated second (calibrate.py), and what the probe itself cost (wall and CPU,
+    its start-up included)."""
+    w0, c0 = time.monotonic(), time.process_time()
+    _, cfg = scenario(setup, workload, size, gpus, mode, workdir=run_dir(root, size, gpus, mode), speedup=speedup,
+                      iterations=iterations, relays=relays, weights_root=weights_root, ahead=ahead,
+                      max_staleness=max_staleness)
+    quiet_logs()
+    first: list[float] = []
+
+    def probed(rollouts) -> str | None:
+        """Done after `probe_s` real seconds once it has covered PROBE_SIM_S simulated ones (a
+        slow probe on a busy machine sees little of the run otherwise), or after 3 × probe_s."""
+        first.append(time.monotonic())
+        real = first[-1] - first[0]
+        covered = real * speedup - engines_behind(rollouts)
+        return "probe done" if real >= probe_s and (covered >= PROBE_SIM_S or real >= 3 * probe_s) else None
+
+    try:
+        run = asyncio.run(run_sim(cfg, timeout_s=3 * probe_s + PROBE_SETUP_S, stop_when=probed, collect=collect))
+    finally:
+        shutil.rmtree(weights_root, ignore_errors=True)
+    return {"pace": pace_summary(run.pace, window_s=probe_s / 6), "speedup": speedup,
+            "wall_s": round(time.monotonic() - w0, 1), "cpu_s": round(time.process_time() - c0, 1)}
 
 
 def measure_run(run, raw: dict, setup: SimSetup, workload: dict, size: str, gpus: int, mode: str,
@@ -226,23 +272,35 @@ def setup_of(path, concurrency, engine_seqs, refill) -> SimSetup:
 
 
 def run_child(spec: dict) -> dict:
-    """The body of a child process: one (model, GPUs, mode) run -> its result dict."""
+    """The body of a child process: one (model, GPUs, mode) run, or its calibration probe
+    (`probe` set) -> its result dict."""
     setup = setup_of(spec["setups"], spec.get("concurrency"), spec.get("engine_seqs"), spec.get("refill"))
     workload = load_workload(setup.workload)
-    return run_mode(setup, workload, spec["model"], spec["gpus"], spec["mode"], root=Path(spec["root"]),
-                    speedup=spec["speedup"], warmup=spec["warmup"], measure=spec["measure"], relays=spec["relays"],
-                    timeout_s=spec["timeout_s"], ahead=spec.get("ahead"), weights_root=spec.get("weights_root"))
+    common = dict(root=Path(spec["root"]), speedup=spec["speedup"], relays=spec["relays"], ahead=spec.get("ahead"),
+                  max_staleness=spec.get("max_staleness"), weights_root=spec.get("weights_root"), collect=False)
+    if spec.get("probe"):
+        common["weights_root"] = common["weights_root"] or new_weights_root()
+        return run_probe(setup, workload, spec["model"], spec["gpus"], spec["mode"],
+                         iterations=spec["warmup"] + spec["measure"], probe_s=spec.get("probe_s", PROBE_S), **common)
+    return run_mode(setup, workload, spec["model"], spec["gpus"], spec["mode"], warmup=spec["warmup"],
+                    measure=spec["measure"], timeout_s=spec["timeout_s"], **common)
 
 
 def run_spec(a, setup: SimSetup, est: dict, size: str, gpus: int, mode: str, warmup: int, measure: int,
-             root: Path, *, relays: bool = False, ahead: int | None = None) -> dict:
+             root: Path, *, relays: bool = False, ahead: int | None = None, max_staleness: int | None = None) -> dict:
     """What a child process is told to run (`run_child`), from the command line `a` and the
-    run's estimate (scenario.estimate: its speedup unless --speedup, and its timeout)."""
-    speedup = a.speedup or est["speedup"]
-    # expected wall: the first wave (~2 iterations) + every version, at the speedup; x3 + 2 min
-    timeout = 3 * (warmup + measure + 2) * est["iteration_s"] / speedup + 120
-    return {"setups": a.setups, "model": size, "gpus": gpus, "mode": mode, "speedup": speedup,
+    run's estimate (scenario.estimate: its iteration time). Its speed is calibrated before it
+    starts (processes.calibrated: from its pace in the cache, else a probe) unless --speedup
+    fixes it; its deadline follows the speed (processes.with_speedup)."""
+    overrides = {"relays": relays, "ahead": ahead, "max_staleness": max_staleness}
+    spec = {"setups": a.setups, "model": size, "gpus": gpus, "mode": mode, "speedup": a.speedup or est["speedup"],
             "warmup": warmup, "measure": measure, "relays": relays, "root": str(root), "ahead": ahead,
-            "concurrency": a.concurrency, "engine_seqs": a.engine_seqs, "refill": a.refill,
-            "timeout_s": round(timeout), "estimate": est, "lag_retries": a.lag_retries,
-            "min_speedup": setup.compressed_time.min}
+            "max_staleness": max_staleness, "concurrency": a.concurrency, "engine_seqs": a.engine_seqs,
+            "refill": a.refill, "estimate": est, "lag_retries": a.lag_retries,
+            # expected: the first wave (~2 iterations) + every version, in simulated seconds
+            "expected_sim_s": (warmup + measure + 2) * est["iteration_s"],
+            "min_speedup": setup.compressed_time.min, "max_speedup": setup.compressed_time.max,
+            "pace_key": pace_key(setup, size, gpus, mode, overrides), "pace": None,
+            "probe_s": getattr(a, "probe_seconds", PROBE_S)}
+    timeout = 3 * spec["expected_sim_s"] / spec["speedup"] + 120
+    return {**spec, "timeout_s": round(timeout), "pace": {"source": "--speedup"} if a.speedup else None}

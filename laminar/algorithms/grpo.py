@@ -52,7 +52,7 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.
     module docstring. `advantages` is [B] (one per sequence: GRPO) or [B, T-1] (per token: PPO's
     GAE). Returns (loss, metrics) where each metric is a sum over the valid
     tokens divided by N (so micro-batch metrics add up to the mini-batch mean)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip!r}")
     mask = mask.float()

@@ -19,7 +19,7 @@ def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 0.95):
     where n is the next *valid* token after t (none: V_n = A_n = 0), computed right to left.
     Masked positions get 0 and neither their values nor their rewards enter the recursion.
     returns = A + V."""
-    import torch
+    import torch  # late: torch; configs validate without it
     mask = mask.float()
     B, T = rewards.shape
     adv = torch.zeros_like(rewards, dtype=torch.float32)
@@ -37,7 +37,7 @@ def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 0.95):
 
 def value_loss(values, old_values, returns, mask, clip: float | None = 0.2, num_tokens: float | None = None):
     """0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), token-level mean over mask."""
-    import torch
+    import torch  # late: torch; configs validate without it
     mask = mask.float()
     n = float(num_tokens) if num_tokens is not None else max(float(mask.sum()), 1.0)
     err = (values - returns) ** 2
@@ -52,7 +52,7 @@ def sequence_gae(reward: float, values, gamma: float = 1.0, lam: float = 0.95, m
     float32 numpy arrays of the response's length. `values` are the critic's values of the states
     before each response token; a token with mask 0 (tool output) gets 0 and is skipped: the
     value and the advantage of the next policy token carry across it."""
-    import numpy as np
+    import numpy as np  # late: numpy beside torch, both loaded only when a loss is computed
     import torch
     v = torch.as_tensor(np.asarray(values, np.float32))[None]
     m = torch.ones_like(v) if mask is None else torch.as_tensor(np.asarray(mask, np.float32))[None]
@@ -67,7 +67,7 @@ def sequence_gae(reward: float, values, gamma: float = 1.0, lam: float = 0.95, m
 def load_critic(model_dir, device="cpu", dtype: str = "float32"):
     """The critic: the policy's transformer body (from the same local folder) + a zero-initialised
     linear value head; forward(input_ids, attention_mask) -> one value per input position [B, T]."""
-    import torch
+    import torch  # late: torch; configs validate without it
     import transformers
 
     read_config(model_dir)

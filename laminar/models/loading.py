@@ -36,7 +36,7 @@ def read_config(model_dir: str | os.PathLike) -> dict:
 
 def pick_device(device: str = "auto"):
     """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error, not a fallback."""
-    import torch
+    import torch  # late: torch; configs validate without it
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     d = torch.device(device)
@@ -46,7 +46,7 @@ def pick_device(device: str = "auto"):
 
 
 def torch_dtype(name: str):
-    import torch
+    import torch  # late: torch; configs validate without it
     try:
         return getattr(torch, DTYPES[name])
     except KeyError:
@@ -55,7 +55,7 @@ def torch_dtype(name: str):
 
 def load_causal_lm(model_dir: str | os.PathLike, device="cpu", dtype: str = "float32", train: bool = True):
     """The model of a local folder, on `device`, in `dtype`; nothing is downloaded."""
-    import transformers
+    import transformers  # late: transformers (heavy), only when a model is loaded
     read_config(model_dir)  # fail early with a useful message
     old = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -81,7 +81,7 @@ def base_identity(model_dir: str | os.PathLike) -> str:
     trained on, and a rollout refuses one trained on another base. Reading the files costs a pass
     over them (~25 GB/s of hashing, so the disk's speed); the answer is cached beside them, keyed
     by the files' sizes and modification times."""
-    import xxhash
+    import xxhash  # late: only when a model's files are hashed
     p = Path(model_dir)
     read_config(p)
     files = sorted(f for f in p.iterdir()

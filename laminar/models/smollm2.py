@@ -50,7 +50,7 @@ def convert(out_dir: str | Path, gguf: str | Path | None = None) -> dict:
     for mod, pip in (("gguf", "gguf"), ("accelerate", "accelerate")):
         if importlib.util.find_spec(mod) is None:
             raise MissingPackage(f"reading GGUF files needs `{pip}`: pip install {pip}")
-    import torch
+    import torch  # late: torch; configs validate without it
     import transformers
     src = Path(gguf) if gguf else gguf_path()
     out = Path(out_dir)

@@ -18,7 +18,7 @@ VOCAB = 259
 def build_tiny_model(out_dir: str | Path, seed: int = 0, init_std: float = 0.02, hidden: int = 128,
                      layers: int = 2, intermediate: int = 256, heads: int = 4, kv_heads: int = 2,
                      max_positions: int = 2048) -> Path:
-    import torch
+    import torch  # late: torch; configs validate without it
     import transformers
     cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
                                    num_hidden_layers=layers, num_attention_heads=heads,

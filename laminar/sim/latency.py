@@ -102,7 +102,7 @@ class RooflineFit:
     @classmethod
     def fit(cls, workload: dict, keys=("32B_TP4", "32B_TP8"), gpu: str = "H800") -> RooflineFit:
         """Least squares on the relative error over the paper's curves `keys` (default: 32B)."""
-        import numpy as np
+        import numpy as np  # late: numpy, only when a fit is made
 
         g, table = gpu_spec(gpu), workload["decode_step_latency_ms_at_seq4096"]
         roof, meas = [], []

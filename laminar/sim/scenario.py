@@ -139,12 +139,30 @@ def period(setup: SimSetup, name: str, speedup: float) -> float:
     return max(getattr(setup.periods_sim_s, name) / speedup, getattr(setup.real_floor_s, name))
 
 
+def run_mode_of(mode: str) -> str:
+    """The cluster's run mode of a sim mode (laminar_unbounded is laminar without the bound)."""
+    return "laminar" if mode == "laminar_unbounded" else mode
+
+
+def staleness_bound(setup: SimSetup, mode: str, ahead: int | None | str = "setup",
+                    max_staleness: int | None | str = "setup") -> tuple[int | None, int | None]:
+    """(max_batches_ahead, max_staleness) of a run: paper.yaml `staleness` for laminar and
+    laminar_norepack unless given ("setup": the file's); none for laminar_unbounded (the paper's
+    setting) and the barrier modes (their gate and buffer bound come from the mode itself)."""
+    if mode not in ("laminar", "laminar_norepack"):
+        return None, None
+    st = setup.staleness
+    return (st.ahead if ahead == "setup" else ahead), (st.max if max_staleness == "setup" else max_staleness)
+
+
 def build_config(setup: SimSetup, size: str, gpus: int, mode: str, *, workdir: str, speedup: float,
                  iterations: int, workload: dict, weights_root: str, relays: bool = False,
-                 name: str | None = None, ahead: int | None = None) -> dict:
+                 name: str | None = None, ahead: int | None = None, max_staleness: int | None = None) -> dict:
     """The LaminarConfig (as a dict) of one scenario. `weights_root`: folder under which each
     rollout host gets its weight folder (shared memory, e.g. /dev/shm/laminar-sim-<tag>).
-    `ahead`: the prompt pool's max_batches_ahead in the laminar modes (None: no bound, the paper's)."""
+    `ahead`, `max_staleness`: the prompt pool's max_batches_ahead and the experience buffer's
+    max_staleness in the laminar modes (None: no bound, the paper's; `staleness_bound` gives
+    paper.yaml's defaults)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {MODES}")
     m = setup.model_setup(size)
@@ -209,7 +227,7 @@ def build_config(setup: SimSetup, size: str, gpus: int, mode: str, *, workdir: s
         trainer_sim["deliver"] = [{"host": h, "dir": d} for h, d in hosts_dirs.items()]
     data = str(Path(workdir) / "data" / "prompts.jsonl")
     return {
-        "run": {"name": name or f"sim-{size}-{gpus}-{mode}", "seed": 0, "workdir": workdir, "mode": mode},
+        "run": {"name": name or f"sim-{size}-{gpus}-{mode}", "seed": 0, "workdir": workdir, "mode": run_mode_of(mode)},
         "cluster": {
             "keys_dir": None,
             "heartbeat_s": period(setup, "heartbeat", speedup),
@@ -228,7 +246,8 @@ def build_config(setup: SimSetup, size: str, gpus: int, mode: str, *, workdir: s
                             "max_tokens": shape.max_output_tokens,
                             **({"max_batches_ahead": ahead} if ahead is not None else {})},
             "partial_pool": {},
-            "experience_buffer": {"capacity": 4 * shape.prompts_per_batch * shape.group_size * 4},
+            "experience_buffer": {"capacity": 4 * shape.prompts_per_batch * shape.group_size * 4,
+                                  **({"max_staleness": max_staleness} if max_staleness is not None else {})},
             "rollout": {"engine": "sim", "model_dir": "sim", "max_concurrency": concurrency,
                         **engine_seqs(setup, workload, size, mode, concurrency),
                         **({"refill": True} if rs.refill and mode not in BARRIER_MODES else {}),
@@ -373,7 +392,7 @@ def estimate(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str) -
     per_replica, _ = ideal_replica_tokens_per_s(setup, workload, size, mode)
     gen = batch * ls["mean"] / (replicas * per_replica)
     tail = ls["batch_max"] * step_ms(setup, workload, size, tp, 1, None) / 1000.0
-    if mode in ("laminar", "laminar_norepack"):
+    if mode.startswith("laminar"):
         it = max(train, gen)
     elif mode == "sync":
         it = max(gen, tail) + train

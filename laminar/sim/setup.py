@@ -18,7 +18,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-MODES = ("laminar", "laminar_norepack", "sync", "one_step", "stream")
+# laminar_unbounded: laminar without the staleness bound and flow control (`staleness`), the
+# paper's setting, run beside laminar to measure what the bound costs (never by default)
+MODES = ("laminar", "laminar_norepack", "sync", "one_step", "stream", "laminar_unbounded")
+DEFAULT_MODES = MODES[:5]
 BARRIER_MODES = ("sync", "one_step", "stream")
 
 
@@ -169,6 +172,15 @@ class CompressedTime(_Strict):
     max: float = Field(gt=0, description="highest speedup")
 
 
+class StalenessSetup(_Strict):
+    """The laminar modes' default bound on staleness (trainer version − the version a trajectory
+    was generated with), by the real roles' own settings."""
+    max: int | None = Field(4, ge=0, description="experience_buffer.max_staleness: a group with a member older "
+                            "than this is dropped, never trained (None: no bound)")
+    ahead: int | None = Field(3, ge=0, description="prompt_pool.max_batches_ahead: global batches handed out "
+                              "beyond the trainer's version (flow control; None: no bound)")
+
+
 class Iterations(_Strict):
     """Versions of a run: warm-up, then measured."""
     warmup: int = Field(ge=1, description="laminar modes' warm-up versions")
@@ -204,6 +216,8 @@ class SimSetup(_Strict):
     real_floor_s: Floors = Field(default_factory=Floors)
     real_s: RealTimes
     compressed_time: CompressedTime
+    staleness: StalenessSetup = Field(default_factory=lambda: StalenessSetup(max=None, ahead=None),
+                                      description="laminar modes' staleness bound (absent: none)")
     iterations: Iterations
     quick: QuickSetup | None = Field(None, description="--quick's subset")
 

@@ -66,7 +66,7 @@ def teach(model_dir: str | Path, conversations: list[list[dict]], steps: int = 4
           batch: int = 8, seed: int = 0, log_every: int = 0, tools: list[dict] = TOOLS) -> dict:
     """Fine-tune MODEL_DIR in place on `conversations` (drawn at random), `tools` offered in each; the
     rate warms up and decays from `lr` (warmstart.lr_factor's cosine)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     torch.manual_seed(seed)
     rng = random.Random(seed)
     fmt = ChatFormat.load(str(model_dir))
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="conversations a step")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    import torch
+    import torch  # late: torch; configs validate without it
     torch.set_num_threads(2)
     records = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()]
     print(teach(a.model_dir, calc_conversations(records), a.steps, a.lr, batch=a.batch, seed=a.seed, log_every=50))

@@ -39,7 +39,7 @@ def setting(name: str, default):
 
 
 def client():
-    import openai
+    import openai  # late: openai, only in an agent program that calls the gateway
     return openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ.get("OPENAI_API_KEY", "laminar"),
                          max_retries=5, timeout=600)
 

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from laminar.datasets import HFTokenizer
 from laminar.tasks.rewards import decode_bytes
 
 log = logging.getLogger("laminar.tasks.math")
@@ -110,7 +111,7 @@ def is_equivalent(pred: str, gold: str, timeout_s: int = 2) -> bool:
     if pred == gold:
         return True
     try:
-        from math_verify import parse, verify
+        from math_verify import parse, verify  # late: math_verify (sympy, heavy), only when scoring
         t = timeout_s if threading.current_thread() is threading.main_thread() else None
         g = parse(f"${gold}$", parsing_timeout=t) or parse(gold, parsing_timeout=t)
         p = parse(f"${pred}$", parsing_timeout=t)
@@ -158,7 +159,6 @@ def make_math_reward(correct: float = 1.0, incorrect: float = 0.0, format_penalt
         if tokenizer_dir is None:
             return decode_bytes(tokens)
         if not tokenizer:
-            from laminar.datasets import HFTokenizer
             tokenizer.append(HFTokenizer(tokenizer_dir))
         return tokenizer[0].decode(tokens)
 
@@ -201,7 +201,6 @@ def make_math_answer(tokenizer_dir: str | None = None, require_boxed: bool = Fal
             text = decode_bytes(response_tokens)
         else:
             if not tokenizer:
-                from laminar.datasets import HFTokenizer
                 tokenizer.append(HFTokenizer(tokenizer_dir))
             text = tokenizer[0].decode(response_tokens)
         got = extract_answer(text, require_boxed)

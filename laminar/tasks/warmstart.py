@@ -117,7 +117,7 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     uppercase task's synthetic replies. `schedule` (lr_factor): default cosine with `sft` (at a
     constant rate the word-problem loss stalls near 0.56 after 600 steps; decayed, it reaches ~0.29),
     constant for the uppercase task."""
-    import torch
+    import torch  # late: torch; configs validate without it
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = load_tokenizer(str(model_dir))
@@ -133,7 +133,7 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
 
 def masked_loss(model, seqs: list[list[int]], masks: list[list[int]], pad_id: int = 0):
     """Mean next-token loss of a padded batch over the positions whose mask is 1 (the replies)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     width = max(map(len, seqs))
     ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
     att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
@@ -149,7 +149,7 @@ def fit(model_dir: str | Path, next_batch, steps: int, lr: float, schedule: str,
     """Supervised fine-tuning of MODEL_DIR in place: `steps` AdamW steps on `next_batch()` -> (token
     sequences, loss masks), the rate `lr` times lr_factor(`schedule`), gradients clipped to norm 1;
     saved at the end. The first and the last losses."""
-    import torch
+    import torch  # late: torch; configs validate without it
     import transformers
     lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -189,11 +189,11 @@ def main() -> None:
     ap.add_argument("--chat-template", default="auto", help="with --sft: auto|none|PATH, as the prompt pool's "
                     "chat_template (auto: the model folder's own template, if it has one)")
     a = ap.parse_args()
-    import torch
+    import torch  # late: torch; configs validate without it
     torch.set_num_threads(2)
     sft = None
     if a.sft:
-        from laminar.roles.trainer.metrics import read_jsonl
+        from laminar.report import read_jsonl  # late: only with --sft
         sft = read_jsonl(a.sft)
         if not sft:
             raise SystemExit(f"{a.sft}: no records")

@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 
 from laminar.bus.inproc import InprocHub
-from laminar.roles.base import Role, RoleContext
-from laminar.roles.registry import role_class
+from laminar.registry import role_class
+from laminar.role_base import Role, RoleContext
 from laminar.shell import role_key, run_role
 
 NAMED_KEYS = ("rollout", "relay", "reward")  # roles that act under a key of their own name when scoped

@@ -38,7 +38,7 @@ def write_version(store: ShmStore, state_dict: Mapping, version: int,
                   chunk_bytes: int = CHUNK_BYTES_DEFAULT, signer: seal.Signer | None = None,
                   fields: dict | None = None) -> None:
     """`fields`: what the manifest says beyond the tensors (a LoRA adapter's kind, adapter_config, base_id)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     items = list(state_dict.items())
     m = build_manifest([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in items], version,
                        chunk_bytes)

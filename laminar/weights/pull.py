@@ -61,7 +61,7 @@ _CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the rollout maps 
 
 def torch_dtype(name: str):
     """The torch dtype named `name` ("bfloat16", "torch.float16"...); ValueError if there is none."""
-    import torch
+    import torch  # late: torch; configs validate without it
     dt = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
@@ -81,7 +81,7 @@ def copy_kind(t) -> str:
 def cuda_host_register(buf, read_only: bool = False) -> int | None:
     """Page-lock `buf` (an mmap) for CUDA and return its address, or None when there is no CUDA
     or the driver refuses (the copies then still work, at pageable speed)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     if not torch.cuda.is_available() or len(buf) == 0:
         return None
     with warnings.catch_warnings():
@@ -106,7 +106,7 @@ def _clear_cuda_error() -> None:
 
 def cuda_host_unregister(ptr: int | None) -> None:
     if ptr is not None:
-        import torch
+        import torch  # late: torch; configs validate without it
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
@@ -133,7 +133,7 @@ class PulledVersion:
         self.version = manifest.version
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        import torch
+        import torch  # late: torch; configs validate without it
         m = self.manifest
         with warnings.catch_warnings():  # read-only on purpose: torch warns about that
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -374,7 +374,7 @@ class LocalWeights:
                 else:
                     d.copy_(t)  # a strided destination
             if cuda:
-                import torch
+                import torch  # late: torch; configs validate without it
                 for dev in cuda:  # the slot may be rewritten once the lock is dropped
                     torch.cuda.current_stream(dev).synchronize()
             return pulled.version

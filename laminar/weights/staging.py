@@ -97,7 +97,7 @@ def map_shared_staging(path: str | os.PathLike, size: int) -> mmap.mmap:
 
 def _record(streams: dict) -> dict:
     """{device: a CUDA event recorded now on that device's stream in `streams`}."""
-    import torch
+    import torch  # late: torch; configs validate without it
     events = {}
     for dev, stream in streams.items():
         events[dev] = torch.cuda.Event()
@@ -114,7 +114,7 @@ class InFlight:
     def guard(self) -> None:
         """Make each device's current stream wait for the copies (no CPU wait): call it before
         anything overwrites the source tensors, i.e. before the next optimizer step."""
-        import torch
+        import torch  # late: torch; configs validate without it
         for dev, ev in self.events.items():
             torch.cuda.current_stream(dev).wait_event(ev)
 
@@ -185,7 +185,7 @@ class StagingCopier:
         wait=False: GPU copies are only queued (CPU sources are still copied at once) and the
         InFlight that tracks them is returned (None when nothing is left in flight). `after`:
         {device: event} the copies wait for instead of the current streams (mark())."""
-        import torch
+        import torch  # late: torch; configs validate without it
         flat = torch.frombuffer(buf, dtype=torch.uint8)
         jobs = [(t.detach(), dt, off) for t, dt, off in jobs if t.numel()]
         devices = {t.device for t, _, _ in jobs if copy_kind(t) == "cuda"}
@@ -200,12 +200,12 @@ class StagingCopier:
         which copies issued later (from another thread: copy(..., after=...)) read the sources.
         Work on other streams is not covered: the writes must be on that stream (the trainer's
         threads all run on the default stream)."""
-        import torch
+        import torch  # late: torch; configs validate without it
         return _record({dev: torch.cuda.current_stream(dev) for dev in devices})
 
     @staticmethod
     def _copy_host(jobs, flat) -> None:
-        import torch
+        import torch  # late: torch; configs validate without it
         base, threads = flat.data_ptr(), torch.get_num_threads()
         try:
             for src, off, n in memcpy_runs(jobs):
@@ -223,7 +223,7 @@ class StagingCopier:
 
     def _copy_cuda(self, jobs, flat, pinned: bool, devices, wait: bool = True, after: dict | None = None
                    ) -> InFlight | None:
-        import torch
+        import torch  # late: torch; configs validate without it
         streams = {}
         for dev in devices:
             s = self.streams.get(dev)

@@ -22,10 +22,10 @@ limits; a claim waits at most `claim_wait_s` and an unreachable gateway is asked
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -35,19 +35,10 @@ from urllib.parse import quote
 from laminar.bus.retry import Backoff
 from laminar.roles.agent.config import AgentConfig
 from laminar.roles.agent.net import GatewayDoor, GatewayUnreachable, post_json
-from laminar.roles.base import Role
 
 from laminar.envs.sandbox import Sandbox, SandboxResult
-
-
-def script_source(script: str) -> str:
-    """The source text of `script`: a .py path, or a module found by import machinery (not run)."""
-    if script.endswith(".py") or os.sep in script:
-        return Path(script).read_text(encoding="utf-8")
-    spec = importlib.util.find_spec(script)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        raise ValueError(f"agent script {script!r}: no such module (or not a .py source file)")
-    return Path(spec.origin).read_text(encoding="utf-8")
+from laminar.role_base import Role
+from laminar.tasks import script_source
 
 
 class AgentRole(Role):
@@ -184,7 +175,6 @@ async def run_process(code: str, files: dict[str, str], env: dict[str, str], wal
                       max_output: int) -> SandboxResult:
     """`code` as main.py of a fresh temporary folder, a plain child process (its own process group,
     killed whole at `wall_s`)."""
-    import sys
     with tempfile.TemporaryDirectory(prefix="laminar-agent-run-") as d:
         for name, text in {**files, "main.py": code}.items():
             Path(d, name).write_text(text, encoding="utf-8")

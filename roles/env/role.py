@@ -10,11 +10,11 @@ idle_timeout_s) plus at most `max_inflight` requests in handling (then `busy`).
 """
 from __future__ import annotations
 
-from laminar.roles.base import Role
 from laminar.roles.env.config import EnvRoleConfig
 from laminar.roles.env.episodes import EpisodeHost, Session, encode_continuation  # noqa: F401 (re-exported)
 
 from laminar.protocol import Ack, EnvClose, EnvReply, EnvReset, EnvStep
+from laminar.role_base import Role
 
 
 class EnvRole(Role):

@@ -34,6 +34,7 @@ from laminar.roles.evaluator.scoring import ProblemResult, per_problem, score_wi
 from laminar.roles.evaluator.sets import EvalSet, legacy_keys, set_configs
 
 from laminar.datasets import load_records, prompt_encoder, tokenize_records
+from laminar.engine_settings import engine_seqs
 from laminar.tasks import load_callable
 
 
@@ -58,7 +59,6 @@ def make_engine(c, model_dir: str | None = None, omp_threads_bind: str | None = 
     """The vLLM engine of the evaluator settings `c` (EngineSettings; not started), on `model_dir`
     (default: c.model_dir)."""
     from laminar.roles.rollout.engine import VllmEngine  # late: the engine module pulls vLLM's helpers
-    from laminar.roles.rollout.engine_api import engine_seqs
     settings = c if model_dir is None else c.model_copy(update={"model_dir": model_dir})
     return VllmEngine.from_settings(settings, max_num_seqs=engine_seqs(c), temperature=c.temperature, top_p=1.0,
                                     seeded=True, omp_threads_bind=omp_threads_bind)
@@ -82,7 +82,7 @@ class Harness:
         self.legacy_seeds = not settings.sets  # the one `heldout` set keeps the seeds it always had
 
     async def answer(self, rid: str, prompt, temperature: float, seed: int | None) -> list[int]:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # late: vLLM, loaded only in an engine process
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         sp = SamplingParams(max_tokens=self.settings.max_tokens, temperature=temperature, top_p=1.0, seed=seed,

@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from laminar.roles.base import Role
 from laminar.roles.evaluator.harness import Harness, load_sets, make_engine
 from laminar.roles.evaluator.sets import BestKeeper, EvalSet, EvalSetConfig
 from pydantic import ConfigDict, Field
@@ -51,6 +50,7 @@ from laminar.datasets import chat_template_field, system_prompt_field
 from laminar.engine_settings import EngineSettings
 from laminar.export import export
 from laminar.protocol import Heartbeat, Metrics
+from laminar.role_base import Role
 from laminar.samples import SampleLog
 from laminar.weights.manifest import ident
 from laminar.weights.pull import LocalWeights

@@ -35,13 +35,13 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from laminar.bus.errors import PeerUnavailable, RemoteError
-from laminar.roles.base import Role
 from laminar.roles.gateway.book import EpisodeBook, Row
 from laminar.roles.gateway.config import GatewayConfig
 from laminar.roles.gateway.http import HttpServer, Request, Response, Stream, error_body
 from laminar.roles.gateway.openai_api import DONE, ChunkStream, chat_completion, completion, sse
 
 from laminar.protocol import Ack, AgentCall, AgentCallReply, AnnounceEpisodes, EndEpisode
+from laminar.role_base import Role
 
 POLL_S = 20.0  # a rollout answers a poll within this (roles/rollout/agent.py), plus the bus deadline
 ERRORS = {"rewritten": (409, "history_rewritten"), "ended": (409, "episode_ended"), "busy": (409, "call_in_progress"),

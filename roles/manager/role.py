@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 
 from laminar.bus.heartbeat import HeartbeatMonitor
-from laminar.roles.base import Role
 from laminar.roles.manager.chain_host import ChainHost
 from laminar.roles.manager.config import ManagerConfig
 from laminar.roles.manager.fleet import Fleet, FleetSettings
 from laminar.roles.manager.stall import StallAlarm
 
 from laminar.protocol import Heartbeat, LinkDown, MasterQuery, RelayJoin, RolloutStats, WeightsVersion
+from laminar.role_base import Role
 from laminar.stepcurve import StepCurve, roofline_batch_bound
 
 

@@ -37,7 +37,6 @@ import time
 
 from laminar.bus.errors import RpcError
 from laminar.bus.rpc import RequestError
-from laminar.roles.base import Role
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.protocol import (
@@ -50,6 +49,7 @@ from laminar.protocol import (
     SetDownstream,
     WeightsVersion,
 )
+from laminar.role_base import Role
 from laminar.weights.node import RelayNode
 from laminar.weights.seal import verifier_of
 from laminar.weights.transport import LinkError, get_transport

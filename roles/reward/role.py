@@ -27,13 +27,13 @@ import time
 from collections import deque
 
 from laminar.bus.retry import call_acked
-from laminar.roles.base import Role
 from laminar.roles.reward.classifier import ClassifierScorer
 from laminar.roles.reward.config import RewardRoleConfig
 from laminar.roles.reward.http import HttpScoreError, HttpScorer
 from laminar.roles.reward.text import Decoder
 
 from laminar.protocol import LeaseRewards, SubmitScores
+from laminar.role_base import Role
 
 
 def build_backend(s: RewardRoleConfig):

@@ -69,7 +69,7 @@ class Adapters:
     def load(self, pulled):
         """Write the pulled adapter version to its own folder; it becomes the current adapter
         (its LoRARequest, returned). Blocking (file writes)."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # late: safetensors pulls torch, only with LoRA
         from vllm.lora.request import LoRARequest
         m = pulled.manifest
         self.check(m)

@@ -47,10 +47,10 @@ from laminar.roles.rollout.agent_config import RolloutAgentConfig
 from laminar.roles.rollout.agent_record import calls, segment_start, turns
 from laminar.roles.rollout.trajectory import Active
 
-from laminar.chat import ChatError, ChatFormat
+from laminar.chat import ChatError, ChatFormat, message_key
 from laminar.datasets import load_tokenizer
 from laminar.protocol import Ack, AgentCall, AgentCallReply, AnnounceEpisodes, EndEpisode, EpisodeInfo
-from laminar.toolcalls import message_key, parse_tool_calls
+from laminar.toolcalls import parse_tool_calls
 
 POLL_S = 20.0  # longest a poll of a running call waits before answering with what there is
 

@@ -98,7 +98,7 @@ class RolloutEngine:
 
 
 def _stat_logger_class(stats: EngineStats):
-    from vllm.v1.metrics.loggers import StatLoggerBase
+    from vllm.v1.metrics.loggers import StatLoggerBase  # late: vLLM, loaded only in an engine process
 
     class LaminarStatLogger(StatLoggerBase):
         """Receives vLLM's scheduler statistics every engine step (the repack inputs)."""
@@ -137,7 +137,7 @@ class VllmEngine(RolloutEngine):
         self.lora = lora  # versions are LoRA adapters (None: full weights)
         self.adapters = None
         if lora is not None:
-            from laminar.roles.rollout.adapters import Adapters
+            from laminar.roles.rollout.adapters import Adapters  # late: only with LoRA
             self.adapters = Adapters(model_dir, adapter_dir)
         self.stats = EngineStats()
         self.llm = None
@@ -178,7 +178,7 @@ class VllmEngine(RolloutEngine):
         if self.omp_threads_bind:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_threads_bind
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import AsyncEngineArgs
+        from vllm import AsyncEngineArgs  # late: vLLM, loaded only in an engine process
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -193,7 +193,7 @@ class VllmEngine(RolloutEngine):
 
     async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
                        sampling: Sampling | None = None):
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # late: vLLM, loaded only in an engine process
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         sm = sampling or Sampling()
@@ -294,7 +294,7 @@ def _untrack(names: list[str]) -> None:
     """The engine's processes registered what they created with this process's multiprocessing
     resource tracker (they share it); forget what was just removed, or the tracker tries to unlink
     it again when this process exits (a FileNotFoundError traceback)."""
-    from multiprocessing import resource_tracker
+    from multiprocessing import resource_tracker  # late: a private module, only at close
     if not names or getattr(resource_tracker._resource_tracker, "_fd", None) is None:
         return
     for n in names:

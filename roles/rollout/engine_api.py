@@ -22,6 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from laminar.roles.rollout.engine import EngineStats, Sampling
 
+from laminar.engine_settings import engine_seqs
+
 
 @runtime_checkable
 class RolloutEngineAPI(Protocol):
@@ -57,25 +59,18 @@ class RolloutEngineAPI(Protocol):
         ...
 
 
-def engine_seqs(settings: Any) -> int:
-    """Sequences the engine runs at once: `max_num_seqs`, never more than the trajectories the
-    rollout takes (`max_concurrency`, also the default)."""
-    n = getattr(settings, "max_num_seqs", None)
-    return min(n, settings.max_concurrency) if n else settings.max_concurrency
-
-
 def build_rollout_engine(settings: Any, cores: Sequence[int] | None = None) -> RolloutEngineAPI:
     """The engine `roles.rollout.engine` names, from the role's settings (`RolloutConfig`):
     "vllm" (its OpenMP threads bound to `cores`, the rollout's placement, an equal share per
     tensor-parallel rank: RolloutConfig.omp_bind) or "sim" (`settings.sim`:
     the simulator's model, time compressed by its `speedup`)."""
     if settings.engine == "vllm":
-        from laminar.roles.rollout.engine import VllmEngine
+        from laminar.roles.rollout.engine import VllmEngine  # late: the engine module pulls vLLM's helpers
         return VllmEngine.from_settings(settings, max_num_seqs=engine_seqs(settings), temperature=settings.temperature,
                                         top_p=settings.top_p, seeded=settings.seed is not None,
                                         omp_threads_bind=settings.omp_bind(cores))
     if settings.engine == "sim":
-        from laminar.roles.rollout.sim_engine import SimEngine
+        from laminar.roles.rollout.sim_engine import SimEngine  # late: only for engine: sim
         if settings.sim is None:
             raise ValueError("roles.rollout.sim: engine sim needs the simulated engine's settings (model, tp, lengths)")
         return SimEngine.from_settings(settings.sim, max_num_seqs=engine_seqs(settings),

@@ -173,7 +173,7 @@ class EpisodeRunner:
         """The runner for a RolloutEnvConfig: its env (bus or local), stop sequences and EOS."""
         tok = load_tokenizer(settings.tokenizer_dir)
         if settings.local is not None:
-            import structlog
+            import structlog  # late: only for a local environment (its host runs in this process)
             from laminar.roles.env.episodes import EpisodeHost
             log = structlog.get_logger("laminar.env.local")
             env = LocalEnv(EpisodeHost(settings.local, log, f"rollout.{rollout_id}.env"))

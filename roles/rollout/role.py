@@ -66,11 +66,10 @@ import time
 
 from laminar.bus.errors import RemoteError
 from laminar.bus.retry import call_acked
-from laminar.roles.base import Role
 from laminar.roles.rollout.agent import AgentEpisodes
 from laminar.roles.rollout.batch_seq import BatchSeq
 from laminar.roles.rollout.config import RolloutConfig
-from laminar.roles.rollout.engine_api import build_rollout_engine, engine_seqs
+from laminar.roles.rollout.engine_api import build_rollout_engine
 from laminar.roles.rollout.migration import Migration
 from laminar.roles.rollout.multiturn import EpisodeRunner
 from laminar.roles.rollout.rewards import RewardPlan
@@ -80,7 +79,9 @@ from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.weights import WeightFollower
 from laminar.roles.rollout.work import Work
 
+from laminar.engine_settings import engine_seqs
 from laminar.protocol import AgentCall, EndEpisode, MigrateIn, MigrateOut, RolloutStats, TakeBatch
+from laminar.role_base import Role
 from laminar.weights.seal import arm_engine_checks
 
 

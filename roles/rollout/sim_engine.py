@@ -38,20 +38,11 @@ running requests' tokens are streamed only every max(1, running // stream_batch)
 wake-ups per boundary instead of 1,024; a small batch (a long tail, what repack moves) still
 streams at every boundary. Tokens not yet streamed when a request is aborted are generated again
 by whoever resumes it (vLLM streams every step; this is the simulator's price for speed). The
-loop keeps its own simulated
-timeline and sleeps on a `Clock` until it: `CompressedClock(speedup)` sleeps seconds/speedup of
-real time (overhead is absorbed, not accumulated; `max_lag_s` says when the machine cannot keep
-up), `VirtualClock` advances instantly (only correct with one engine per clock: tests and
-single-engine studies).
+loop keeps its own simulated timeline and sleeps on a `Clock` until it (roles/rollout/sim_clock.py:
+compressed or virtual time; `max_lag_s` says when the machine cannot keep up).
 
-Scoring (`reward_cost`, laminar/sim/reward_cost.py; None: free): the rollout role scores each
-trajectory inline when its stream ends, one after another on its event loop, but the sim
-rollouts' reward function is a stand-in that costs nothing (`laminar.tasks.rewards:zero`), so the
-engine charges it: a finished request's last chunk is handed over only once the request has been
-scored, on a scorer timeline of its own (sequential: a request waits for the ones that finished
-before it), `reward_cost.seconds(response tokens)` of simulated time each. The GPU does not wait
-(in vLLM the engine core runs in its own process and keeps stepping); the trajectory reaches the
-buffer that much later. Needs a CompressedClock (a VirtualClock has one sleeper).
+Scoring (`reward_cost`; None: free): a finished request is handed over only once scored, on a
+scorer timeline of its own (roles/rollout/sim_scorer.py).
 
 Weights: `load_relay` reads the newest version in the relay folder (LocalWeights) if the folder
 exists, else counts versions itself; an exact load (run, lineage, version) checks the folder holds
@@ -70,10 +61,11 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Protocol
 
 import numpy as np
 from laminar.roles.rollout.engine import EngineStats, RolloutEngine
+from laminar.roles.rollout.sim_clock import Clock, CompressedClock, VirtualClock
+from laminar.roles.rollout.sim_scorer import ScorerTimeline
 from laminar.roles.rollout.sim_settings import SimRolloutSettings
 
 from laminar.sim import load_workload
@@ -88,47 +80,15 @@ from laminar.stepcurve import StepCurve
 _N = NormalDist()
 
 
+__all__ = ["Clock", "CompressedClock", "SimEngine", "SimEngineClosed", "SimEngineDead", "VirtualClock"]
+
+
 class SimEngineClosed(RuntimeError):
     pass
 
 
 class SimEngineDead(RuntimeError):
     pass
-
-
-# -- clocks -------------------------------------------------------------------------------------
-class Clock(Protocol):
-    def now(self) -> float: ...                    # simulated seconds
-    async def sleep(self, seconds: float) -> None: ...  # simulated seconds
-
-
-class CompressedClock:
-    """Simulated time = real time × speedup."""
-
-    def __init__(self, speedup: float = 1.0):
-        if speedup <= 0:
-            raise ValueError(f"speedup must be > 0, got {speedup}")
-        self.speedup, self._t0 = speedup, time.monotonic()
-
-    def now(self) -> float:
-        return (time.monotonic() - self._t0) * self.speedup
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(max(0.0, seconds) / self.speedup)  # the simulated step itself
-
-
-class VirtualClock:
-    """Time moves only when its (single) sleeper sleeps; other tasks get one turn per sleep."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    async def sleep(self, seconds: float) -> None:
-        self.t += max(0.0, seconds)
-        await asyncio.sleep(0)  # let consumers run between steps
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -177,10 +137,8 @@ class SimEngine(RolloutEngine):
         self.kv_ms_per_token, self.curve_context, self.host_step_ms = kv_ms_per_token, curve_context, host_step_ms
         self.host_ms_per_seq = host_ms_per_seq
         self.reward_cost = reward_cost
-        self._to_score: deque[tuple[_Request, float]] = deque()  # (finished request, simulated time it ended)
-        self._score_ready = asyncio.Event()
+        self.scoring: ScorerTimeline | None = None  # set at start() with a reward cost
         self._scorer: asyncio.Task | None = None
-        self._scored_until = 0.0  # simulated time the scorer is busy until
         self.block_size = block_size
         self.num_blocks = kv_capacity_tokens // block_size
         self.max_model_len = max_model_len or self.num_blocks * block_size
@@ -255,9 +213,11 @@ class SimEngine(RolloutEngine):
     async def start(self) -> None:
         if self.reward_cost is not None and isinstance(self.clock, VirtualClock):
             raise ValueError("sim engine: a reward cost needs a CompressedClock (a VirtualClock has one sleeper)")
-        self._timeline = self._scored_until = self.clock.now()
+        self._timeline = self.clock.now()
         self._task = asyncio.create_task(self._run(), name="sim-engine-scheduler")
         if self.reward_cost is not None:
+            self.scoring = ScorerTimeline(self.reward_cost, self.clock)
+            self.scoring.until = self._timeline
             self._scorer = asyncio.create_task(self._score(), name="sim-engine-scorer")
 
     async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
@@ -295,7 +255,7 @@ class SimEngine(RolloutEngine):
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:
         if os.path.isdir(shm_dir):
-            from laminar.weights.pull import LocalWeights
+            from laminar.weights.pull import LocalWeights  # late: only when the simulated rollout reads a relay
             w = LocalWeights(shm_dir)
             if exact is not None:
                 if not await asyncio.to_thread(w.has, exact):
@@ -372,8 +332,7 @@ class SimEngine(RolloutEngine):
             r.in_cache = False
 
     def _fail_all(self, exc: BaseException) -> None:
-        scoring = [r for r, _ in self._to_score]
-        self._to_score.clear()
+        scoring = self.scoring.drain() if self.scoring is not None else []
         for r in list(self.running) + list(self.waiting) + scoring:
             self._release(r)
             r.done, r.error = True, exc
@@ -500,11 +459,10 @@ class SimEngine(RolloutEngine):
                 self._free(r)
                 r.done = True
                 self.counters["finished"] += 1
-                if self.reward_cost is None:
+                if self.scoring is None:
                     r.wake.set()
-                else:  # handed over once scored (module docstring)
-                    self._to_score.append((r, self._timeline))
-                    self._score_ready.set()
+                else:  # handed over once scored (sim_scorer.py), in the order they end
+                    self.counters["scoring_s"] += self.scoring.add(r, self._timeline, r.response_tokens)
                 continue
             still.append(r)
             if boundary:
@@ -516,19 +474,9 @@ class SimEngine(RolloutEngine):
         self._update_stats()
 
     async def _score(self) -> None:
-        """The scorer timeline: each finished request, in the order they ended, takes its scoring
-        time after the previous one's (or after it ended, if the scorer was idle then)."""
+        """The scorer timeline's task; a failure fails every stream, as the scheduler's does."""
         try:
-            while True:
-                while not self._to_score:
-                    self._score_ready.clear()
-                    await self._score_ready.wait()
-                r, ended = self._to_score.popleft()
-                cost = self.reward_cost.seconds(r.response_tokens)
-                self._scored_until = max(self._scored_until, ended) + cost
-                self.counters["scoring_s"] += cost
-                await self.clock.sleep(self._scored_until - self.clock.now())
-                r.wake.set()
+            await self.scoring.run()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

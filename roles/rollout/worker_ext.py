@@ -62,6 +62,7 @@ class LaminarWorkerExtension:
                                                      "touched": False})
 
     def laminar_rank(self) -> int:
+        # late: vLLM, loaded only in an engine process
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         return int(get_tensor_model_parallel_rank())
 
@@ -200,7 +201,7 @@ def _fault_lines() -> set[str]:
 
 def _read_file(path: str) -> dict:
     """A state dict saved with torch.save (tests, warm starts)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -211,6 +212,7 @@ def _unwedge(model_runner) -> None:
     old or partly new ones), so the model is whole again and can be reloaded."""
     if not hasattr(model_runner, "get_model"):
         return  # not vLLM's runner (a unit test's stand-in): nothing is held on the meta device
+    # late: vLLM, loaded only in an engine process
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
     finalize_layerwise_reload(model_runner.get_model(), model_runner.vllm_config.model_config)
 

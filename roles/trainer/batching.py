@@ -22,7 +22,7 @@ def collate(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
     """Right-pad `prompt + response` sequences; returns (input_ids [B,T], attention_mask [B,T],
     response_mask [B,T-1] float, {name: [B,T-1] float}) with per-response-token arrays (e.g.
     behaviour logprobs) placed at their target positions (0 elsewhere)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     B = len(prompts)
     lens = [len(p) + len(r) for p, r in zip(prompts, responses, strict=False)]
     T = max(lens)

@@ -15,8 +15,11 @@ Two formats, told apart by state.json's "format":
   state.json and the marker and renames the folder into place after the last rank's data is
   synced. `load_sharded` reads it back on any number of ranks (DCP reshards: a checkpoint of 2
   ranks resumes on 1 or on 4), and `load` turns it into full state dicts in one process (export).
-Either is resumable by a trainer of any number of ranks. A state dict holding a NaN or inf is
-refused (NonFiniteWeightsError) before anything is written: a checkpoint is something to resume from.
+Either is resumable by a trainer of any number of ranks. The layout and the reading side (`latest`,
+`load`, `is_sharded`, `read_state`) live in laminar/checkpoint_files.py, which the core's export
+and eval read checkpoints with; they are named here too, as the trainer's checkpoint API. A state
+dict holding a NaN or inf is refused (NonFiniteWeightsError) before anything is written: a
+checkpoint is something to resume from.
 """
 from __future__ import annotations
 
@@ -24,14 +27,15 @@ import json
 import os
 import random
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
 from laminar.roles.trainer import dist
 
-MARK = "COMPLETE"
-DCP_DIR = "dcp"
+from laminar.checkpoint_files import DCP_DIR, MARK, complete, read_state, single_process
+from laminar.checkpoint_files import is_sharded as is_sharded  # re-exported: the trainer's checkpoint API
+from laminar.checkpoint_files import latest as latest
+from laminar.checkpoint_files import load as load
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -42,7 +46,7 @@ def nonfinite_tensors(tree, prefix: str = "", local: bool = False) -> list[str]:
     """Dotted names of the floating-point tensors in a (nested) state dict with a NaN or inf.
     A DTensor is gathered (a collective) unless `local`: then only this rank's shard is looked at.
     One host synchronization per device for the whole tree (not one per tensor)."""
-    import torch
+    import torch  # late: torch; configs validate without it
     found: list[tuple[str, object]] = []  # (name, a 0-d flag on the tensor's device, or None if empty)
 
     def walk(node, pre: str) -> None:
@@ -88,7 +92,7 @@ def _name(version: int) -> str:
 
 
 def rng_state() -> dict:
-    import torch
+    import torch  # late: torch; configs validate without it
     st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = torch.cuda.get_rng_state_all()
@@ -96,7 +100,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(st: dict) -> None:
-    import torch
+    import torch  # late: torch; configs validate without it
     torch.set_rng_state(st["torch"])
     np.random.set_state(st["numpy"])
     random.setstate(st["python"])
@@ -105,7 +109,7 @@ def set_rng_state(st: dict) -> None:
 
 
 def save(root: str | Path, version: int, parts: dict, state: dict, keep: int = 2) -> Path:
-    import torch
+    import torch  # late: torch; configs validate without it
     check_finite(parts, f"checkpoint version {version}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -135,76 +139,11 @@ def _finish(root: Path, tmp: Path, version: int, keep: int) -> Path:
     return final
 
 
-def complete(root: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first (half-written temp folders are never listed)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        if p.name.startswith("v") and p.name[1:].isdigit() and (p / MARK).exists():
-            out.append(p)
-    return sorted(out, key=lambda p: int(p.name[1:]))
-
-
-def latest(root: str | Path) -> Path | None:
-    found = complete(root)
-    return found[-1] if found else None
-
-
 def clean_temp(root: str | Path) -> None:
     root = Path(root)
     if root.is_dir():
         for p in root.glob(".tmp-*"):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def load(path: str | Path, map_location="cpu", only: set | None = None) -> tuple[dict, dict]:
-    """(parts, state): full state dicts, whatever the format (a "dcp" one is read whole into
-    this process: for export and tools, not for resuming a trainer, see load_sharded); `only`:
-    just these parts (e.g. {"model"}: no optimizer state read)."""
-    import torch
-    path = Path(path)
-    state = json.loads((path / "state.json").read_text())
-    if is_sharded(state):
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-        from torch.distributed.tensor import DTensor
-        with _single_process():
-            flat = _load_state_dict_from_keys(set(state["parts"]) & (only or set(state["parts"])),
-                                              checkpoint_id=path / DCP_DIR)
-        parts = {k: _to_full(v, DTensor) for k, v in flat.items()}
-        return parts, state
-    parts = {name: torch.load(path / f"{name}.pt", map_location=map_location)
-             for name in state.get("parts", ["model", "optimizer"]) if only is None or name in only}
-    return parts, state
-
-
-def is_sharded(state: dict) -> bool:
-    """Whether a checkpoint's state.json names the DCP format."""
-    return state.get("format") == "dcp"
-
-
-def read_state(path: str | Path) -> dict:
-    return json.loads((Path(path) / "state.json").read_text())
-
-
-def _to_full(tree, dtensor):
-    if isinstance(tree, dict):
-        return {k: _to_full(v, dtensor) for k, v in tree.items()}
-    return tree.full_tensor() if isinstance(tree, dtensor) else tree
-
-
-class _single_process:
-    """DCP in one process without a process group warns that it assumes so: it is meant."""
-
-    def __enter__(self):
-        self._w = warnings.catch_warnings()
-        self._w.__enter__()
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*uninitialized")
-        return self
-
-    def __exit__(self, *exc):
-        self._w.__exit__(*exc)
 
 
 # -- sharded (torch.distributed.checkpoint) -------------------------------------------------------
@@ -215,6 +154,7 @@ def _optimizer_name(part: str) -> str:
 def _options(model):
     """A model with frozen parameters (a LoRA base) checkpoints its trained ones alone: the base
     is the model folder's, loaded at start."""
+    # late: torch; configs validate without it
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     frozen = any(not p.requires_grad for p in model.parameters())
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
@@ -223,6 +163,7 @@ def _options(model):
 def _dcp_state(pairs: dict, only=None) -> dict:
     """{part: model state, <part>_optimizer: optimizer state} as this rank holds them (DTensor
     shards under FSDP2; optimizer states keyed by parameter names, so any sharding can load them)."""
+    # late: torch; configs validate without it
     from torch.distributed.checkpoint.state_dict import get_state_dict
     out = {}
     for name, (model, opt) in pairs.items():
@@ -238,7 +179,7 @@ def save_sharded(root: str | Path | None, version: int, pairs: dict, info, state
     0's `root` (the others' `root` is ignored); the path on rank 0, None elsewhere. Atomic as
     `save`: the ranks write into rank 0's temporary folder, which rank 0 renames once every file
     is synced. Refused on every rank when a shard holds a NaN or inf."""
-    import torch
+    import torch  # late: torch; configs validate without it
     import torch.distributed.checkpoint as dcp
     sd = _dcp_state(pairs)
     bad = nonfinite_tensors(sd, local=True)
@@ -254,7 +195,7 @@ def save_sharded(root: str | Path | None, version: int, pairs: dict, info, state
         tmp.mkdir()
     tmp = Path(dist.broadcast_bytes(info, str(tmp).encode() if info.is_main else None).decode())
     # the write is a collective: it returns on every rank once rank 0 has written the metadata
-    with _single_process():
+    with single_process():
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp / DCP_DIR, sync_files=True),
                  process_group=info.control, no_dist=not info.enabled)
     if not info.is_main:
@@ -270,11 +211,11 @@ def load_sharded(path: str | Path, pairs: dict, info) -> None:
     process group): load a "dcp" checkpoint into {part: (module, optimizer)}, each rank reading
     the pieces of its own shards. A part the checkpoint lacks (a GRPO checkpoint resumed with
     PPO: the critic) keeps its fresh state."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # late: torch; configs validate without it
     from torch.distributed.checkpoint.state_dict import set_state_dict
     saved = set(read_state(path)["parts"])
     sd = _dcp_state(pairs, only={n for n in pairs if n in saved})
-    with _single_process():
+    with single_process():
         dcp.load(sd, checkpoint_id=Path(path) / DCP_DIR, process_group=info.control, no_dist=not info.enabled)
     for name, (model, opt) in pairs.items():
         if name in sd:
@@ -283,5 +224,5 @@ def load_sharded(path: str | Path, pairs: dict, info) -> None:
 
 
 def load_rng(path: str | Path) -> None:
-    import torch
+    import torch  # late: torch; configs validate without it
     set_rng_state(torch.load(Path(path) / "rng.pt", weights_only=False))

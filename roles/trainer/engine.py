@@ -93,7 +93,7 @@ class Mismatch:
 def _all_reduce_max(info: DistInfo, value: float) -> float:
     if not info.enabled:
         return value
-    import torch
+    import torch  # late: torch; configs validate without it
     import torch.distributed as dist
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.control)
@@ -140,7 +140,7 @@ class TrainEngine:
 
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
-        import torch
+        import torch  # late: torch; configs validate without it
 
         c = self.settings
         mp = torch.bfloat16 if c.performance.dtype == "bfloat16" else None  # FSDP2 mixed precision (fp32 masters)
@@ -203,7 +203,7 @@ class TrainEngine:
         if name != "auto":
             return name
         if self.device.type == "cuda":
-            import importlib.util
+            import importlib.util  # late: only on a GPU
             if importlib.util.find_spec("flash_attn") is not None:
                 return "flash_attention_2"  # varlen kernels: packed rows without a materialized mask
             if self.packing:
@@ -255,6 +255,7 @@ class TrainEngine:
                     parts[f"{name}_optimizer" if name != "model" else "optimizer"] = o.state_dict()
             self._check_weights(parts)
             return parts
+        # late: torch; configs validate without it
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -286,12 +287,13 @@ class TrainEngine:
                 if name != "model" and name not in parts:
                     continue  # e.g. a GRPO checkpoint resumed with PPO: the critic starts fresh
                 if name == "model" and self.settings.lora is not None:
-                    from laminar.roles.trainer.lora import load_adapter_state
+                    from laminar.roles.trainer.lora import load_adapter_state  # late: peft, only with LoRA
                     load_adapter_state(m, parts[name])
                 else:
                     m.load_state_dict(parts[name])
                 o.load_state_dict(parts["optimizer" if name == "model" else f"{name}_optimizer"])
             return
+        # late: torch; configs validate without it
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -308,7 +310,7 @@ class TrainEngine:
                 continue
             msd = parts.get(name, {})
             if name == "model" and self.settings.lora is not None:
-                from laminar.roles.trainer.lora import model_keys
+                from laminar.roles.trainer.lora import model_keys  # late: peft, only with LoRA
                 msd = model_keys(msd)
             set_model_state_dict(m, msd, options=opts)
             key = "optimizer" if name == "model" else f"{name}_optimizer"
@@ -334,7 +336,7 @@ class TrainEngine:
         """All updates of one global batch (every rank calls it with the same groups): what both
         algorithms share (order, behaviour/proximal/reference logprobs, mismatch), then GRPO's or
         PPO's mini-batch steps."""
-        import torch
+        import torch  # late: torch; configs validate without it
         c = self.settings
         self._set_lr(version)
         self.plans = {}
@@ -386,7 +388,7 @@ class TrainEngine:
 
     def _train_grpo(self, b: _Batch, groups) -> dict:
         """GRPO: one advantage per sequence (its group-normalized reward), the clipped policy loss."""
-        import torch
+        import torch  # late: torch; configs validate without it
 
         c = self.settings
         seq_adv = np.concatenate(group_advantages([[t.reward for t in g] for g in groups], 1e-6,
@@ -522,7 +524,7 @@ class TrainEngine:
                         mm.add(lp, trajs[i].logprobs, trajs[i].loss_mask)
             self._measure_no_grad(mm, self.lag, [t for t in left_out if t.version == self.lag_version])
         if self.lag_version != weights_version:
-            import torch
+            import torch  # late: torch; configs validate without it
             for m in (self.lag, self.model):  # FSDP2 may leave a root unsharded after a forward
                 if hasattr(m, "reshard"):
                     m.reshard()
@@ -622,7 +624,7 @@ class TrainEngine:
     def _per_token(self, fn, trajs, order: list[int]) -> list:
         """fn(ids, att) -> [b, T-1] under no_grad, for this rank's sequences of every mini-batch;
         one float32 array per owned response (None for the others)."""
-        import torch
+        import torch  # late: torch; configs validate without it
         out: list = [None] * len(trajs)
         with torch.no_grad(), self._autocast():
             for mb in self._minibatches(order):
@@ -638,7 +640,7 @@ class TrainEngine:
 
     def _autocast(self):
         """bfloat16 compute under autocast; parameters, gradients and Adam states stay float32."""
-        import torch
+        import torch  # late: torch; configs validate without it
         bf16 = self.settings.performance.dtype == "bfloat16"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
@@ -649,7 +651,7 @@ class TrainEngine:
         """One optimizer step of each (module, optimizer) after clipping its gradients, unless a
         loss of this mini-batch (on any rank) or a gradient norm is not finite: then no step, the
         gradients are dropped and the skip counted. Returns (pre-clip norms, stepped)."""
-        import torch
+        import torch  # late: torch; configs validate without it
         grads, norms = [], []
         for module, _ in pairs:
             params = [p for p in module.parameters() if p.grad is not None]

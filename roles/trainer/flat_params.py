@@ -23,7 +23,7 @@ def flatten_parameters(model) -> int:
     """Move `model`'s parameters into one zeroed buffer at the offsets a publish of its state dict
     uses (with the tensors' own dtypes); returns the buffer's size in bytes (0: left as they
     were, e.g. a state dict with tensors that are not parameters, or mixed devices)."""
-    import torch
+    import torch  # heavy: only a trainer that flattens its parameters loads it here
     sd = model.state_dict(keep_vars=True)
     params = {id(p) for p in model.parameters()}
     if not sd or any(id(t) not in params for t in sd.values()) or len({t.device for t in sd.values()}) != 1:

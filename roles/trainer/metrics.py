@@ -66,7 +66,7 @@ class MetricsLog:
     def open_tensorboard(self) -> bool:
         """Start TensorBoard output if tensorboardX is importable; False when it is not."""
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter  # late: tensorboardX is optional
         except ImportError:
             return False
         self.tb = SummaryWriter(str(self.dir / "tb"), flush_secs=10)

@@ -35,7 +35,7 @@ class Packed:
 
 def pack(input_ids, attention_mask) -> Packed:
     """Pack a right-padded batch (the layout of `collate`): each row's first L_b tokens."""
-    import torch
+    import torch  # late: torch; configs validate without it
     lens = attention_mask.sum(1).long()
     B, T = input_ids.shape
     packed = input_ids[attention_mask.bool()][None]
@@ -50,7 +50,7 @@ def pack(input_ids, attention_mask) -> Packed:
 def unpack(values, p: Packed):
     """[1, N'] per-position values (N' >= N-1; position k of the row) -> the padded target layout
     [B, T-1], 0 where a padded position has no token."""
-    import torch
+    import torch  # late: torch; configs validate without it
     out = values[0][p.index]
     return torch.where(p.valid, out, torch.zeros_like(out))
 

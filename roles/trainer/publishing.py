@@ -124,6 +124,7 @@ class PublishLink:
         if address:
             self._pin(address, c.publishing.relay_id or "")
         elif has_manager:
+            # late: only with a manager (the follower of its relay chain)
             from laminar.weights.follow import MasterFollower
             self.follower = MasterFollower(self.publisher, ctx.transport,
                                            self.role.cluster.endpoint("manager", c.publishing.manager_id))

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from laminar.bus.errors import RpcError
-from laminar.roles.base import Role
 from laminar.roles.trainer import checkpoint, dist
 from laminar.roles.trainer.best import BestCheckpoint
 from laminar.roles.trainer.config import TrainerConfig
@@ -37,6 +36,7 @@ from laminar.roles.trainer.metrics import MetricsLog, batch_stats, trained_membe
 from laminar.roles.trainer.publishing import PublishLink
 
 from laminar.protocol import BufferStatsRequest, Metrics, SampleGroups, Samples
+from laminar.role_base import Role
 from laminar.samples import SampleLog, trained_rows
 from laminar.threads import work_thread
 
@@ -114,7 +114,7 @@ class TrainerRole(Role):
         self.metrics = None
         self.ckpt_root = Path(c.checkpoint.dir) if c.checkpoint.dir else self.dir / "checkpoints"
         if c.engine == "sim":  # the scale simulator's trainer: no torch, no model, no checkpoint (sim_engine.py)
-            from laminar.roles.trainer.sim_engine import SimTrainEngine
+            from laminar.roles.trainer.sim_engine import SimTrainEngine  # late: only for engine: sim
             self.engine = SimTrainEngine.from_trainer_config(c, self.pub.publish, self.stopping)
             self.device = "sim"
             self.log.info("sim_trainer", **self.engine.describe())
@@ -151,7 +151,7 @@ class TrainerRole(Role):
             # which relays and rollouts take even over a higher number of the discarded lineage.
             from laminar.weights.publisher import advance_lineage
             self.run_id, self.lineage = advance_lineage(self.ckpt_root, self.version)
-            from laminar.weights.publisher import read_lineage
+            from laminar.weights.publisher import read_lineage  # late: only on a resume
             self.forks = (read_lineage(self.ckpt_root) or {}).get("forks", {})
             self.link = PublishLink(self, c)
             await self.link.start()
@@ -163,7 +163,7 @@ class TrainerRole(Role):
                    params=self.engine.params, world_size=c.distributed.world_size)
 
     def _load(self) -> None:
-        import random
+        import random  # late: this block is the real trainer's (torch, the engine); engine: sim has none
 
         import numpy as np
         import torch
@@ -378,6 +378,7 @@ class TrainerRole(Role):
 
     def _export(self):
         """The final weights as a Hugging Face folder in export_dir (laminar/export.py)."""
+        # late: torch and transformers, only at the end with export_dir
         from laminar.export import write_adapter, write_folder
         parts = self.engine.full_state()
         if not self.main:

@@ -70,13 +70,13 @@ def staging_prefix(root: Path = SHM) -> str:
 def _row_ranges(t) -> bool:
     """Whether every rank's part of DTensor `t` is a range of whole dim-0 rows (Shard(0) or
     Replicate on every mesh dim): decided by placements alone, the same on every rank."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard  # late: torch; configs validate without it
     return t.ndim > 0 and all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in t.placements)
 
 
 def _gathered(items, layout) -> list:
     """(tensor, dtype, offset) of the DTensors that are not row ranges: gathered (a collective)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # late: torch; configs validate without it
     return [(t, torch_dtype(dt), off) for (_, t), dt, off in zip(items, layout.dtypes, layout.offsets, strict=True)
             if isinstance(t, DTensor) and not _row_ranges(t)]
 
@@ -85,7 +85,7 @@ def shard_rows(t) -> tuple[object, int] | None:
     """(local tensor, first global row) when this rank's part of DTensor `t` is a range of whole
     dim-0 rows that it alone writes (Shard(0) on every sharded mesh dim; on a replicated mesh dim
     only coordinate 0 writes: its local part is None then). None: not a row range (gather it)."""
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate  # late: torch; configs validate without it
     if not _row_ranges(t):
         return None
     coord = t.device_mesh.get_coordinate() or []
@@ -96,6 +96,7 @@ def shard_rows(t) -> tuple[object, int] | None:
 
 def _first_row(t, local) -> int:
     try:
+        # late: torch; configs validate without it
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         if tuple(shape) == tuple(local.shape):
@@ -104,7 +105,7 @@ def _first_row(t, local) -> int:
         pass
     mesh, rows = t.device_mesh, t.shape[0]
     coord = mesh.get_coordinate() or []
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Shard  # late: torch; configs validate without it
     start, size = 0, rows
     for c, p, n in zip(coord, t.placements, mesh.shape, strict=True):
         if isinstance(p, Shard):
@@ -118,7 +119,7 @@ def _first_row(t, local) -> int:
 def nonfinite(named) -> list[str]:
     """Names of the (name, tensor) pairs holding a NaN or inf: one device sync per device in the
     common all-finite case, a per-tensor look only when something is off."""
-    import torch
+    import torch  # late: torch; configs validate without it
     by_device: dict = {}
     for name, x in named:
         if x.numel():
@@ -294,7 +295,7 @@ class ShardedPublish:
     def _jobs(self, items, layout):
         """(copy jobs of this rank, names of the non-finite tensors it holds); the tensors that
         are not row ranges are left to `_gathered`."""
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # late: torch; configs validate without it
         main = self.info.is_main
         jobs, checks = [], []
         for (name, t), dt_name, off in zip(items, layout.dtypes, layout.offsets, strict=True):
@@ -318,7 +319,7 @@ class ShardedPublish:
         """A collective: cast this rank's part on its device, gather the tensor to rank 0 (in the
         serving dtype), and rank 0 copies it into its staging (so its host sends those bytes);
         with no `buf` (this rank failed already) only the collective."""
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # late: torch; configs validate without it
         cast = DTensor.from_local(t.to_local().to(dt), t.device_mesh, t.placements, run_check=False,
                                   shape=t.shape, stride=t.stride())
         full = cast.full_tensor()

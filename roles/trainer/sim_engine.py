@@ -157,7 +157,7 @@ class SimTrainEngine:
 
     def full_state(self, with_optimizer: bool = False) -> dict:
         """The stand-in weights, after the modeled stall of copying the real ones out (relay mode)."""
-        import torch
+        import torch  # late: torch; configs validate without it
         time.sleep(self.stall_s / self.s.speedup)
         self.sim_busy_s += self.stall_s
         return {"model": {"sim.weights": torch.zeros(max(1, self.s.weight_bytes // 4), dtype=torch.float32)}}

@@ -13,10 +13,10 @@ import argparse
 import asyncio
 
 import numpy as np
-from laminar.roles.base import Role, RoleContext
 
 from laminar.config import load_config
 from laminar.protocol import Batch, TrajectorySpec
+from laminar.role_base import Role, RoleContext
 from laminar.shell import ReadyPipe, make_transport, run_role
 
 TOPIC = "test.batch"

@@ -105,7 +105,8 @@ def test_tracking_wandb_offline_and_mlflow_file_store_read_back(trained: Path, m
     from mlflow.tracking import MlflowClient
 
     from laminar.summary import write
-    from laminar.tracking import TrackingSpec, send
+    from laminar.tracking import send
+    from laminar.tracking_spec import TrackingSpec
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     s = write(trained)

@@ -74,7 +74,7 @@ def check_versions(run) -> None:
 def test_sim_trainer_cost_and_config(tmp_path):
     cfg, raw = scenario(tmp_path, "laminar")
     trainer = raw["roles"]["trainer"]
-    assert trainer["engine"] == "sim" and trainer["sim"]["gpus"] == 32 and not trainer["publish"]
+    assert trainer["engine"] == "sim" and trainer["sim"]["gpus"] == 32 and not trainer["publishing"]["enabled"]
     assert len(trainer["sim"]["deliver"]) == 4  # one 8-GPU host per TP8 rollout
     assert len(cfg.find("rollout")) == 4
     sync, raw_sync = scenario(tmp_path, "sync")
@@ -112,6 +112,22 @@ def test_laminar_refill_drains_for_every_new_version(tmp_path):
     assert run.fleet["repacks"] == 0  # nothing but the drain emptied them
 
 
+def test_laminar_staleness_bound_holds_in_a_running_cluster(tmp_path):
+    """The laminar modes' bound (paper.yaml `staleness`, the real prompt pool's max_batches_ahead
+    and experience buffer's max_staleness): no trained sample is staler than max_staleness, and
+    the run still reaches its last version (the pool's gate replaces dropped groups)."""
+    setup = small_setup()
+    raw = build_config(setup, "72B", 64, "laminar", workdir=str(tmp_path / "bound"), speedup=100.0,
+                       iterations=ITERATIONS, workload=load_workload(), ahead=0, max_staleness=1,
+                       weights_root=f"/dev/shm/laminar-test-sim-{tmp_path.name}-bound")
+    assert raw["roles"]["experience_buffer"]["max_staleness"] == 1
+    write_prompts(raw, setup, 256)
+    run = run_to_end(parse_config(raw, "<sim laminar bounded>"))
+    assert run.finished and [int(r["version"]) for r in run.records] == list(range(1, ITERATIONS + 1))
+    assert max(staleness(run.records)) <= 1
+    assert len(run.pace) > 1 and run.pace[-1][2] > 0  # the harness's pace was sampled (calibrate.py)
+
+
 def test_sync_mode_is_on_policy(tmp_path):
     cfg, _ = scenario(tmp_path, "sync")
     run = run_to_end(cfg)
@@ -142,7 +158,8 @@ def test_generated_sim_configs_load(tmp_path):
     for path in paths:
         cfg = load_config(path)
         assert cfg.roles["trainer"]["engine"] == "sim" and cfg.roles["rollout"]["engine"] == "sim"
-        assert path.stem.endswith(cfg.run.mode)
+        sim_mode = path.stem.split("-", 2)[2]
+        assert cfg.run.mode == ("laminar" if sim_mode == "laminar_unbounded" else sim_mode)
     assert not list((ROOT / "configs" / "sim").glob("*-*.yaml")), "generated cluster files are not committed"
 
 

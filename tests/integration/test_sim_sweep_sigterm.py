@@ -48,7 +48,8 @@ def spec_of(pid: int) -> dict | None:
 def sweep(modes: str, jobs: int, out: Path) -> subprocess.Popen:
     """bench/scale.py at 7B/16 in its own process group (as a shell job or a systemd unit runs it)."""
     return subprocess.Popen([sys.executable, "bench/scale.py", "--model", "7B", "--gpus", "16", "--modes", modes,
-                             "--jobs", str(jobs), "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                             "--jobs", str(jobs), "--pace-cache", "none",  # never the repository's cache
+                             "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from laminar.roles.gateway.openai_api import ChunkStream, chat_completion, completion, merge
 
-from laminar.chat import ByteChatCodec, ChatError, ChatFormat
+from laminar.chat import ByteChatCodec, ChatError, ChatFormat, message_key
 from laminar.protocol import AgentCallReply, AgentChunk
-from laminar.toolcalls import HoldBack, message_key, parse_tool_calls, render_tool_calls
+from laminar.toolcalls import HoldBack, parse_tool_calls, render_tool_calls
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]

@@ -15,10 +15,10 @@ import re
 from pathlib import Path
 
 import pytest
-from laminar.roles.registry import REGISTRY
 
 from laminar.cli import build_parser
 from laminar.protocol import registered_kinds
+from laminar.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_PATH = ROOT / "docs" / "architecture.md"
@@ -48,7 +48,7 @@ def first_cells(text: str) -> list[str]:
 def test_every_registered_role_has_a_row_in_section_2():
     rows = first_cells(section(2))
     assert not sorted(set(REGISTRY) - set(rows)), \
-        f"roles in roles/registry.py missing from docs/architecture.md §2: {sorted(set(REGISTRY) - set(rows))}"
+        f"roles in laminar/registry.py missing from docs/architecture.md §2: {sorted(set(REGISTRY) - set(rows))}"
     assert not sorted(set(rows) - set(REGISTRY)), \
         f"docs/architecture.md §2 names roles that are not registered: {sorted(set(rows) - set(REGISTRY))}"
 
@@ -299,3 +299,199 @@ def test_the_trainer_sections_table_of_section_12_is_trainer_config_s():
     assert rows == {name: list(model.model_fields) for name, model in sections.items()}
     top = [n for n in TrainerConfig.model_fields if n not in sections]
     assert all(f"`{n}`" in section(12) for n in top)
+
+
+# -- the import graph (§1, "Import direction") ---------------------------------------------------------
+# Units: `bus/`, `roles/`, and inside laminar/ each module (`laminar/config.py`) and each subpackage
+# (`laminar/weights/`). Every import counts, at module level or inside a function.
+def unit_of(module: str) -> str | None:
+    """The unit a dotted module name belongs to (None: another package, or laminar/__init__.py)."""
+    parts = module.split(".")
+    if parts[0] != "laminar" or len(parts) < 2:
+        return None
+    if parts[1] in ("bus", "roles"):
+        return f"{parts[1]}/"
+    if (ROOT / "laminar" / parts[1]).is_dir():
+        return f"laminar/{parts[1]}/"
+    return f"laminar/{parts[1]}.py" if (ROOT / "laminar" / f"{parts[1]}.py").exists() else None
+
+
+def unit_of_file(rel: str) -> str:
+    parts = Path(rel).parts
+    if parts[0] != "laminar":
+        return f"{parts[0]}/"
+    return f"laminar/{parts[1]}/" if len(parts) > 2 else rel
+
+
+@functools.cache
+def composition_root() -> str:
+    """The one core file that may import roles, as §1 names it."""
+    root = re.search(r"composition root[^`]*`(laminar/[a-z_]+\.py)`", " ".join(section(1).split()))
+    assert root, "docs/architecture.md §1 names no composition root (`laminar/<file>.py`)"
+    return root.group(1)
+
+
+def package_of(unit: str) -> str:
+    """Where a unit sits in the package graph: bus/, roles/, laminar/protocol/, laminar/testing/, the
+    composition root (above every package: nothing imports it) or laminar/ (the core)."""
+    special = ("bus/", "roles/", "laminar/protocol/", "laminar/testing/", composition_root())
+    return unit if unit in special else "laminar/"
+
+
+@functools.cache
+def import_arrows() -> list[tuple[str, str, str]]:
+    """(file:line, from unit, to unit) for every import between two units, laminar/testing included."""
+    files = sorted(p for folder in PRODUCTION for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+    found = []
+    for p in files:
+        rel = str(p.relative_to(ROOT))
+        for node in ast.walk(ast.parse(p.read_text(), rel)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                src, dst = unit_of_file(rel), unit_of(name)
+                if dst is not None and dst != src and (f"{rel}:{node.lineno}", src, dst) not in found[-3:]:
+                    found.append((f"{rel}:{node.lineno}", src, dst))
+    return found
+
+
+def graph_table(header: str) -> dict[str, set[str]]:
+    """§1's table whose first header cell is `header`: {unit: the units it imports}."""
+    text = section(1)
+    start = text.index(f"| {header} | imports |")
+    rows = table_rows(text[start:text.find("\n\n", start)])[2:]
+    return {re.fullmatch(r"`([^`]+)`.*", r[0]).group(1): set(re.findall(r"`([^`]+)`", r[1])) for r in rows}
+
+
+def compare(doc: dict[str, set[str]], arrows: list[tuple[str, str, str]], short=lambda u: u) -> list[str]:
+    """What the doc's table misses (naming the file and the arrow) and what it lists that no file does."""
+    made: dict[tuple[str, str], str] = {}
+    for where, src, dst in arrows:
+        made.setdefault((src, short(dst)), where)
+    problems = [f"{where}: {src} -> {dst} is not in the table" for (src, dst), where in sorted(made.items())
+                if dst not in doc.get(src, set())]
+    problems += [f"{src} -> {dst} is listed but no file imports it" for src, dsts in sorted(doc.items())
+                 for dst in sorted(dsts) if (src, dst) not in made]
+    units = {src for _, src, _ in arrows} | set(doc)
+    problems += [f"{u} has no row" for u in sorted(units - set(doc))]
+    return problems
+
+
+def test_the_import_graph_between_the_top_level_packages_is_section_1_s():
+    arrows = [(w, package_of(s), package_of(d)) for w, s, d in import_arrows() if package_of(s) != package_of(d)]
+    problems = compare(graph_table("package"), arrows)
+    assert not problems, "docs/architecture.md §1's package import table:\n" + "\n".join(problems)
+
+
+def short_unit(unit: str) -> str:
+    """How the inside-laminar table names a unit it imports: `config.py`, `weights/`, `bus/`, `roles/`."""
+    return unit.removeprefix("laminar/")
+
+
+def test_the_import_graph_inside_laminar_is_section_1_s():
+    arrows = [a for a in import_arrows() if a[1].startswith("laminar/") and a[1] != "laminar/testing/"]
+    doc = graph_table("module")
+    problems = compare(doc, arrows, short_unit)
+    assert not problems, "docs/architecture.md §1's import table of laminar/:\n" + "\n".join(problems)
+
+
+def test_no_arrow_runs_from_the_core_back_to_roles_but_from_the_composition_root():
+    back = [f"{where}: {src} -> roles/" for where, src, dst in import_arrows()
+            if dst == "roles/" and package_of(src) == "laminar/"]
+    assert not back, (f"the core imports roles outside its composition root {composition_root()} (move what it "
+                      "needs into the core, or the command under roles/):\n" + "\n".join(back))
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a graph: its strongly connected components of more than one unit."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            if comp:
+                found.append(sorted([v, *comp]))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.mark.parametrize("level", ["package", "unit"])
+def test_no_import_circle(level):
+    """No circle between the top-level packages, nor between the modules and subpackages of laminar/
+    (laminar/testing/ is test support: it may import anything, and nothing imports it)."""
+    of = package_of if level == "package" else (lambda u: u)
+    edges: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
+    for w, s, d in import_arrows():
+        if "laminar/testing/" not in (s, d) and of(s) != of(d):
+            edges.setdefault(of(s), set()).add(of(d))
+            where.setdefault((of(s), of(d)), w)
+    found = cycles(edges)
+    assert not found, "import circles:\n" + "\n".join(
+        " ; ".join(f"{where[(a, b)]}: {a} -> {b}" for a in c for b in c if (a, b) in where) for c in found)
+
+
+def late_import_blocks(tree: ast.Module) -> list[tuple[int, int]]:
+    """(first, last line) of each run of consecutive import statements inside a function."""
+    found = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            for body in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
+                run: list[ast.stmt] = []
+                for stmt in [*body, None] if isinstance(body, list) else []:
+                    if isinstance(stmt, ast.Import | ast.ImportFrom):
+                        run.append(stmt)
+                    elif run:
+                        found.add((run[0].lineno, run[-1].end_lineno))
+                        run = []
+    return sorted(found)
+
+
+def test_every_late_import_says_why():
+    """§1: an import inside a function carries a comment, on its lines or the line above, saying why
+    it is late (a heavy or optional package, a circle it avoids, a parser that imports the module)."""
+    bare = []
+    for rel, tree in production_trees():
+        lines = (ROOT / rel).read_text().splitlines()
+        for first, last in late_import_blocks(tree):
+            if not any("#" in x for x in lines[first - 1:last]) and not lines[first - 2].strip().startswith("#"):
+                bare.append(f"{rel}:{first}: {lines[first - 1].strip()}")
+    assert not bare, "late imports that do not say why they are late:\n" + "\n".join(bare)
+
+
+def import_table_rows() -> list[str]:
+    """The rows of §1's import table of laminar/ as the code has them (to paste after a change)."""
+    made: dict[str, set[str]] = {}
+    for _, src, dst in import_arrows():
+        if src.startswith("laminar/") and src != "laminar/testing/":
+            made.setdefault(src, set()).add(short_unit(dst))
+    units = {unit_of_file(str(p.relative_to(ROOT))) for p in (ROOT / "laminar").rglob("*.py")
+             if "__pycache__" not in p.parts} - {"laminar/testing/", "laminar/__init__.py"}
+    return [f"| `{u}` | " + (", ".join(f"`{d}`" for d in sorted(made.get(u, ()))) or "nothing") + " |"
+            for u in sorted(units)]
+
+
+if __name__ == "__main__":  # python tests/unit/test_architecture_docs.py: print the import table's rows
+    print("\n".join(import_table_rows()))

@@ -1,4 +1,4 @@
-"""`laminar-node eval` (laminar/evaluate.py) without an engine: its help, what MODEL is, the table
+"""`laminar-node eval` (roles/evaluator/command.py) without an engine: its help, what MODEL is, the table
 and JSON layout, and the refusal of a relay version whose seals do not verify when the cluster
 has keys (before any engine starts). The numbers themselves: tests/integration/test_eval_cli.py."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from laminar.roles.evaluator.command import by_set, kind_of, table
 
-from laminar.evaluate import by_set, kind_of, table
 from laminar.testing.procs import free_port
 
 CLI = [sys.executable, "-m", "laminar.cli"]

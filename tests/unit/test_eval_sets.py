@@ -10,12 +10,12 @@ import json
 
 import pytest
 from laminar.bus.inproc import InprocHub
-from laminar.roles.base import RoleContext
 from laminar.roles.evaluator.role import EvaluatorRole
 from laminar.roles.evaluator.sets import EvalSetConfig, set_configs
 
 from laminar.datasets import ByteTokenizer
 from laminar.intervals import wilson
+from laminar.role_base import RoleContext
 from laminar.summary import eval_change, eval_sets
 
 

@@ -11,10 +11,10 @@ import time
 
 import pytest
 from laminar.bus.inproc import InprocHub
-from laminar.roles.base import RoleContext
 from laminar.roles.evaluator.role import EvaluatorRole, heard_version, trainer_gone
 
 from laminar.protocol import Heartbeat, Metrics
+from laminar.role_base import RoleContext
 
 
 def heartbeat(version) -> Heartbeat:

@@ -16,7 +16,7 @@ import pytest
 
 from laminar.live_tracking import LiveTracking
 from laminar.protocol import Metrics
-from laminar.tracking import TrackingSpec
+from laminar.tracking_spec import TrackingSpec
 from tests.support import until, wandb_records
 
 pytest.importorskip("wandb")

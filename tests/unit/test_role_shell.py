@@ -11,9 +11,9 @@ import structlog.testing
 from laminar.bus.errors import Busy, DeadlineExceeded, Refused, RemoteError
 from laminar.bus.inproc import InprocHub
 from laminar.bus.rpc import RequestError
-from laminar.roles.base import Role, RoleContext
 
 from laminar.protocol import PROTOCOL_VERSION, ErrorReply, Heartbeat, Hello, Ping, Pong, Shutdown, Welcome
+from laminar.role_base import Role, RoleContext
 from laminar.shell import EXIT_STOPPED_BY_OPERATOR, run_role
 
 pytestmark = pytest.mark.timeout(30)

@@ -20,13 +20,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from laminar.roles.base import RoleContext  # noqa: E402
 from laminar.roles.rollout.rank_load import load_on_ranks  # noqa: E402
 from laminar.roles.rollout.role import RolloutRole  # noqa: E402
 from laminar.roles.rollout.trajectory import Active  # noqa: E402
 from laminar.roles.rollout.worker_ext import LaminarWorkerExtension  # noqa: E402
 
 from laminar.protocol import CompletePartial, PutResult, PutTrajectory, TrajectorySpec  # noqa: E402
+from laminar.role_base import RoleContext  # noqa: E402
 from laminar.weights.local_write import write_version  # noqa: E402
 from laminar.weights.manifest import with_lineage  # noqa: E402
 from laminar.weights.store import ShmStore, read_pointer  # noqa: E402

@@ -15,12 +15,12 @@ import types
 
 import numpy as np
 import pytest
-from laminar.roles.base import RoleContext
 from laminar.roles.rollout.role import RolloutRole
 from laminar.roles.rollout.trajectory import Active
 
 from laminar.config import RunSpec
 from laminar.protocol import Batch, TrajectorySpec, WeightsVersion
+from laminar.role_base import RoleContext
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,7 +14,6 @@ import types
 import numpy as np
 import pytest
 from laminar.bus.errors import RemoteError
-from laminar.roles.base import RoleContext
 from laminar.roles.partial_pool.columns import unbatch as _unbatch
 from laminar.roles.partial_pool.state import PartialBook
 from laminar.roles.rollout.role import RolloutRole
@@ -34,6 +33,7 @@ from laminar.protocol import (
     TakeBatch,
     TrajectorySpec,
 )
+from laminar.role_base import RoleContext
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,9 +19,9 @@ from laminar.bus.broker import Broker
 from laminar.bus.errors import Refused
 from laminar.bus.inproc import InprocHub
 from laminar.bus.zmq_transport import ZmqTransport
-from laminar.roles.base import Role, RoleContext
 
 from laminar.protocol import Ack, Heartbeat, PutResult, PutTrajectory, RelayJoin, Shutdown, Trajectory, TrajectorySpec
+from laminar.role_base import Role, RoleContext
 from laminar.shell import EXIT_STOPPED_BY_OPERATOR, run_role
 from tests.support import free_port
 

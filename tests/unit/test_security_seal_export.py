@@ -24,11 +24,11 @@ pytest.importorskip("transformers")
 
 from laminar.bus.auth import generate_keys, load_keys  # noqa: E402
 from laminar.bus.inproc import InprocHub  # noqa: E402
-from laminar.roles.base import RoleContext  # noqa: E402
 from laminar.roles.evaluator.role import EvaluatorRole  # noqa: E402
 
 from laminar.export import export  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
+from laminar.role_base import RoleContext  # noqa: E402
 from laminar.weights import seal  # noqa: E402
 from laminar.weights.local_write import write_version  # noqa: E402
 from laminar.weights.pull import WeightsRefused  # noqa: E402

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from laminar.bus.auth import generate_client_key, generate_keys
-from laminar.roles.handout import Handouts, handout_key
+from laminar.roles.handout import Handouts
 
+from laminar.handout_key import handout_key
 from laminar.protocol import TrajectorySpec
 
 

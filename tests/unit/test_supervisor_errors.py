@@ -10,8 +10,8 @@ import os
 import sys
 
 import pytest
-from laminar.roles.base import Role, RoleContext
 
+from laminar.role_base import Role, RoleContext
 from laminar.shell import ReadyPipe, run_role
 from laminar.supervisor import Child, Supervisor, last_error_line
 

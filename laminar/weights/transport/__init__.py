@@ -88,10 +88,10 @@ def split_address(address: str) -> tuple[str, int]:
 def get_transport(name: str, **options) -> ChunkTransport:
     """'tcp' (default), 'ucx' (needs the `ucx` extra), or 'module:Class' for test transports."""
     if name == "tcp":
-        from laminar.weights.transport.tcp import TcpTransport
+        from laminar.weights.transport.tcp import TcpTransport  # late: the transports import this package (their base)
         return TcpTransport(**options)
     if name == "ucx":
-        from laminar.weights.transport.ucx import UcxTransport
+        from laminar.weights.transport.ucx import UcxTransport  # late: ucxx (the ucx extra), only when named
         return UcxTransport(**options)
     if ":" in name:
         module, cls = name.split(":", 1)

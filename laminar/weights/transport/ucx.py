@@ -66,7 +66,7 @@ class UcxConn(Conn):
         self._timeout = seconds
 
     def send(self, header: bytes, payload=None) -> None:
-        import numpy as np
+        import numpy as np  # late: numpy, only on the send path
 
         async def go():
             await self.ep.send(np.frombuffer(header, dtype=np.uint8))
@@ -80,7 +80,7 @@ class UcxConn(Conn):
         return bytes(buf)
 
     def recv_into(self, view: memoryview) -> None:
-        import numpy as np
+        import numpy as np  # late: numpy, only on the receive path
         if self._closed:
             raise LinkError(f"connection to {self.peer} is closed")
         _run(self.ep.recv(np.frombuffer(view, dtype=np.uint8)), self._timeout)
@@ -109,7 +109,7 @@ class UcxListener(Listener):
                 ep.abort()
 
         async def make():
-            import ucxx
+            import ucxx  # late: ucxx on the UCX loop thread (configured first)
             return ucxx.create_listener(on_connect, port=port)
         self.listener = _run(make())
         self.address = f"{host}:{self.listener.port}"
@@ -139,6 +139,6 @@ class UcxTransport(ChunkTransport):
         host, port = split_address(address)
 
         async def go():
-            import ucxx
+            import ucxx  # late: ucxx on the UCX loop thread (configured first)
             return await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
         return UcxConn(_run(go()), address)

@@ -1,4 +1,11 @@
-"""Role kind -> implementing class, imported lazily by dotted path."""
+"""The role registry: role kind -> the class that implements it, and its settings model.
+
+This is the one place roles are named. The core (the config, the shell, `laminar-node check`)
+needs every role's class and settings model, but must not import `laminar.roles` (the roles import
+the core, and arrows run one way: docs/architecture.md §1): so each role is named here by its
+import path, a string, and resolved with importlib when a process asks for it. Adding a role is a
+line here and a row in docs/architecture.md §2.
+"""
 from __future__ import annotations
 
 import importlib
@@ -22,6 +29,7 @@ REGISTRY: dict[str, str] = {
 
 
 def role_class(name: str) -> type:
+    """The class of role `name`, imported now (KeyError naming the known roles)."""
     try:
         module, cls = REGISTRY[name].split(":")
     except KeyError:
@@ -30,4 +38,5 @@ def role_class(name: str) -> type:
 
 
 def role_config_class(name: str) -> type:
+    """The settings model of role `name` (its class's `Config`)."""
     return role_class(name).Config

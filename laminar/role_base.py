@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import structlog
-from laminar.bus.transport import Publisher, Transport
 from pydantic import BaseModel, ConfigDict
+
+from laminar.bus.transport import Publisher, Transport
 
 
 class NoSettings(BaseModel):

@@ -1,7 +1,7 @@
 """`laminar-node eval MODEL --sets CONFIG`: weights evaluated on a config's eval sets outside a run,
-with the evaluator role's own harness (roles/evaluator/harness.py: its vLLM engine settings, greedy,
-avg@k, pass@k, maj@k, its seeds), so the numbers are the ones the role reports for the same
-weights and version.
+with the evaluator role's own harness (roles/evaluator/harness.py, beside this command: its vLLM
+engine settings, greedy, avg@k, pass@k, maj@k, its seeds), so the numbers are the ones the role
+reports for the same weights and version. `laminar-node` (laminar/cli.py) dispatches to `run`.
 
 MODEL is one of:
 - a Hugging Face folder (config.json and weights): an export (`laminar-node export`), the
@@ -39,7 +39,9 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+from laminar import checkpoint_files
 from laminar.config import UsageError, load_config
+from laminar.export import export
 
 
 def add_arguments(s: argparse.ArgumentParser) -> None:
@@ -65,8 +67,8 @@ def kind_of(model: Path) -> str:
     if (model / "adapter_config.json").is_file():
         raise UsageError(f"{model}: a LoRA adapter folder: evaluate the relay version, or export it with --merge")
     if model.is_dir():
-        from laminar.roles.trainer import checkpoint  # late: torch's checkpoint helpers
-        if (model / "model.pt").exists() or (model / checkpoint.DCP_DIR).is_dir() or checkpoint.latest(model):
+        ck = checkpoint_files
+        if (model / "model.pt").exists() or (model / ck.DCP_DIR).is_dir() or ck.latest(model):
             return "checkpoint"
     raise UsageError(f"{model}: neither a Hugging Face folder (config.json), a relay folder (current) nor a "
                      "trainer checkpoint")
@@ -89,7 +91,9 @@ def seal_keys(cfg):
     d = cfg.cluster.keys_dir
     if not d:
         return None
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.bus.auth import load_weights_key
+
     from laminar.weights.seal import verifier_of
     if not Path(d).is_dir():
         raise FileNotFoundError(f"{cfg.source}: cluster.keys_dir {d} does not exist: relay versions cannot be "
@@ -101,6 +105,7 @@ def seal_keys(cfg):
 
 def check_relay(model: Path, key: bytes):
     """The relay's newest manifest, after its seals verified (with a key); UsageError: refused."""
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.weights.pull import LocalWeights, WeightsRefused
     weights = LocalWeights(model, verify_key=key)
     try:
@@ -122,12 +127,13 @@ def recorded_version(folder: Path) -> int | None:
 
 async def evaluate(model: Path, kind: str, settings, base: str, version: int | None, keys, tmp: Path) -> dict:
     """Start the engine on MODEL's weights, run the harness; {values, version}."""
-    from laminar.roles.evaluator.harness import Harness, load_sets, make_engine
+    from laminar.roles.evaluator.harness import Harness, load_sets, make_engine  # late: cli.py's parser imports
+    # this module for its arguments; the harness's datasets and engine are for a model being evaluated
     sets = await asyncio.to_thread(load_sets, settings)
     if kind == "checkpoint":
-        from laminar.export import export
         model = await asyncio.to_thread(export, model, tmp / "model", base)
         kind = "hf"
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.weights.seal import arm_engine_checks
     engine = make_engine(settings, model_dir=str(model) if kind == "hf" else base)
     arm_engine_checks(keys)   # with keys, the engine's workers check the seals again as they load
@@ -183,6 +189,7 @@ def run(a) -> int:
     lineage = check_relay(model, key).lineage if kind == "relay" else None   # refused before any engine starts
     if kind != "hf" and not (Path(base) / "config.json").is_file():
         raise UsageError(f"{base}: not a model folder (the base of a {kind}): pass --model-dir")
+    # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.node import run as run_loop
     with tempfile.TemporaryDirectory(prefix="laminar-eval-") as tmp:
         got: dict = {}
