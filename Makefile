@@ -11,7 +11,7 @@ SFT_STEPS ?= 1000
 SFT_STOP_EARLY ?= 0.6
 AGENT_SFT_STEPS ?= 600
 
-.PHONY: demo demo-ci demo-upper demo-agent smollm2 test test-all install install-test install-cpu bench-quick clean
+.PHONY: demo demo-ci demo-upper demo-agent smollm2 smollm2-headroom smollm2-headroom-ds smollm2-headroom-lora smollm2-headroom-table test test-all install install-test install-cpu bench-quick clean
 
 $(BIN)/python:
 	@echo "==> making the virtual environment $(VENV)"
@@ -108,6 +108,55 @@ smollm2: $(STAMP_CPU) models/smollm2-math/config.json
 	rm -rf runs/smollm2-math/pools runs/smollm2-math/trainer runs/smollm2-math/logs runs/smollm2-math/manager \
 	  runs/smollm2-math/evaluator runs/smollm2-math/rollout-0 runs/smollm2-math/summary.*
 	$(BIN)/laminar-node up configs/smollm2-math.yaml --duration 2100
+
+# The headroom task (laminar/tasks/headroom.py, docs/learning.md): chain word problems whose level
+# is their number of steps. Data: SFT split of levels 1-4, RL prompts of levels 2-5, held-out files
+# of 512 problems per level 2-7 (heldout-d<N>.jsonl), of the RL levels mixed (heldout.jsonl) and of
+# levels 6-7 (beyond.jsonl). The warm start: SmolLM2-135M-Instruct after HR_SFT_STEPS SFT steps of 8
+# on the SFT split (cosine-decayed 3e-5), which teaches the format and leaves the longer chains
+# often wrong greedily but often right in one of 8 samples.
+HR := runs/smollm2-headroom
+HR_SFT_STEPS ?= 40
+HR_DURATION ?= 2400
+HR_SET ?=
+$(HR)/data/heldout.jsonl: laminar/tasks/headroom.py | $(STAMP_CPU)
+	$(BIN)/python -m laminar.tasks.headroom $(HR)/data --sft-levels 1-4 --rl-levels 2-5 --eval-levels 2-7
+
+models/smollm2-headroom/config.json: models/smollm2/config.json $(HR)/data/heldout.jsonl laminar/tasks/warmstart.py
+	rm -rf models/smollm2-headroom.tmp && cp -rL models/smollm2 models/smollm2-headroom.tmp
+	$(BIN)/python -m laminar.tasks.warmstart models/smollm2-headroom.tmp --sft $(HR)/data/sft.jsonl \
+	  --steps $(HR_SFT_STEPS) --batch 8 --lr 3e-5
+	rm -rf models/smollm2-headroom && mv models/smollm2-headroom.tmp models/smollm2-headroom
+
+# The three ~40-minute runs, each a fresh run in its own workdir (runs/<target>): RL from the clean
+# warm start (configs/smollm2-headroom.yaml), the same with dynamic sampling and the curriculum
+# (-ds), and with a LoRA adapter (-lora). Each ends at its max_iterations with the last version
+# evaluated (summary.json: eval.<set>.greedy first/last with 95% intervals) and exported to
+# runs/<target>/final; HR_DURATION is only a safety stop; HR_SET adds `--set key=value` overrides
+# (a short smoke: HR_SET="--set roles.trainer.max_iterations=4 ...", docs/learning.md).
+smollm2-headroom smollm2-headroom-ds smollm2-headroom-lora: %: $(STAMP_CPU) models/smollm2-headroom/config.json
+	rm -rf runs/$*/pools runs/$*/trainer runs/$*/logs runs/$*/manager runs/$*/evaluator runs/$*/rollout-0 \
+	  runs/$*/final runs/$*/summary.* runs/$*/samples.jsonl
+	$(BIN)/laminar-node up configs/$*.yaml --plain --duration $(HR_DURATION) $(HR_SET)
+
+# Before/after by difficulty, after a run (HR_RUN: its workdir name; a LoRA run's adapter is merged
+# first): `laminar-node eval` on configs/smollm2-headroom-eval.yaml's sets (512 problems of each
+# level 2-7): greedy, avg@8 and pass@8 of the warm start (once for every run: $(HR)/eval-before.json,
+# also the difficulty table before any RL), then of the run's last version with the paired
+# after - before intervals (runs/<run>/eval-after.json). HR_EVAL_SET adds `--set` overrides.
+HR_RUN ?= smollm2-headroom
+HR_EVAL_SET ?=
+$(HR)/eval-before.json: models/smollm2-headroom/config.json configs/smollm2-headroom-eval.yaml | $(STAMP_CPU)
+	$(BIN)/laminar-node eval models/smollm2-headroom --sets configs/smollm2-headroom-eval.yaml $(HR_EVAL_SET) \
+	  --out $@.tmp && mv $@.tmp $@
+
+smollm2-headroom-table: $(STAMP_CPU) $(HR)/eval-before.json
+	if [ -f runs/$(HR_RUN)/final/adapter_config.json ]; then rm -rf runs/$(HR_RUN)/final-merged && \
+	  $(BIN)/laminar-node export runs/$(HR_RUN)/trainer/checkpoints runs/$(HR_RUN)/final-merged \
+	  --model-dir models/smollm2-headroom --merge; fi
+	$(BIN)/laminar-node eval $$([ -d runs/$(HR_RUN)/final-merged ] && echo runs/$(HR_RUN)/final-merged || \
+	  echo runs/$(HR_RUN)/final) --sets configs/smollm2-headroom-eval.yaml $(HR_EVAL_SET) \
+	  --compare $(HR)/eval-before.json --out runs/$(HR_RUN)/eval-after.json
 
 runs/smoke-upper/data/prompts.jsonl: | $(STAMP_BASE)
 	$(BIN)/python -m laminar.tasks.demo_data $@

@@ -8,6 +8,9 @@ checkpoints, logs carry on; the banner says what is there); `--fresh` first move
 run's state aside to `<workdir>.<YYYYmmdd-HHMMSS>/` (nothing is deleted; the inputs the config
 reads from inside the workdir, such as the demo's data/, stay).
 
+A node's run is a NodeRun: its steps (metrics, supervisor, signals, event feed, the supervising
+loop, shutdown, summary) are methods; when the run is over is laminar/run_end.py's pure policy.
+
 How it ends (the exit code):
 - 0: the trainer(s) of this host finished (then the others are stopped), `--duration` ran out,
   every role finished or was stopped by the operator (`laminar-node stop`);
@@ -29,8 +32,8 @@ from pathlib import Path
 from laminar.check import CheckContext, run_checks, setting_dirs
 from laminar.config import ConfigError, UsageError, load_config
 from laminar.export import move_aside
+from laminar.run_end import run_end
 
-EVAL_GRACE_S = 120.0  # how long `up` waits, after the trainer finished, for an evaluator's last evaluation
 STATE = ("pools", "trainer", "manager", "evaluator", "logs")  # what a resumed run goes on with
 
 
@@ -183,122 +186,157 @@ def _max_versions(cfg) -> int | None:
 
 
 async def _up(cfg, host: str, a) -> int:
-    # late: the bus, rich and the supervisor are needed only when a node runs, and the CLI imports
-    # this module for every command (`check` and `--help` stay light)
-    from rich.live import Live
+    return await NodeRun(cfg, host, a).run()
 
-    from laminar.health import HealthCollector
-    from laminar.live import LiveView
-    from laminar.shell import make_transport
-    from laminar.supervisor import Supervisor, children_for_host
 
-    health = HealthCollector.for_node(cfg, host)
-    view = LiveView(f"laminar {cfg.run.name} on {host} · {cfg.run.mode}", health, max_versions=_max_versions(cfg),
-                    plain=True if a.plain else None)
-    try:  # first: a taken port fails before any role starts
-        metrics = await _start_metrics(cfg, host, health)
-    except _MetricsUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+class NodeRun:
+    """One `laminar-node up` / `start` of this host: its roles under a Supervisor, the live view,
+    /metrics and /healthz, the event feed that fills them, the signals, and the run-end policy
+    (laminar/run_end.py, decided on every redraw); then the summary and the exit code (module
+    docstring). run() calls the steps in order; everything they share is declared here."""
 
-    def child_changed(c) -> None:
-        view.child_changed(c)
-        health.child_changed(c)
+    def __init__(self, cfg, host: str, a):
+        # late: the bus, rich and the supervisor are needed only when a node runs, and the CLI imports
+        # this module for every command (`check` and `--help` stay light)
+        from laminar.health import HealthCollector
+        from laminar.live import LiveView
+        self.cfg, self.host, self.a = cfg, host, a
+        self.health = HealthCollector.for_node(cfg, host)
+        self.view = LiveView(f"laminar {cfg.run.name} on {host} · {cfg.run.mode}", self.health,
+                             max_versions=_max_versions(cfg), plain=True if a.plain else None)
+        self.metrics = None           # this node's /metrics server (None: the host has no metrics_port)
+        self.sup = None               # the Supervisor of this host's roles (_supervisor)
+        self.transport = None         # the bus, for the event feed (_feed)
+        self.tracking = None          # the live tracker (a tracked run's trainer node)
+        self.feeder: asyncio.Task | None = None  # the event feed into the view, /metrics and the tracker
+        self.end: asyncio.Task | None = None     # the supervisor's wait (_supervise)
+        self.live = None              # rich's Live display (None: plain output)
+        self.signalled: list[int] = []              # SIGINT / SIGTERM received, in order
+        self.feed_failed: list[BaseException] = []  # why the event feed stopped early
 
-    write_run_record(cfg, a.config, a.set)
-    log_dir = str(cfg.workdir() / "logs")
-    sup = Supervisor(children_for_host(cfg, a.config, host, a.log_level, a.set), shutdown_s=cfg.cluster.shutdown_s,
-                     on_change=child_changed, log_dir=None if a.foreground_logs else log_dir,
-                     give_up_after=a.give_up_after)
-    if not a.foreground_logs:
-        print(f"role logs: {log_dir}/<role>.<id>.log", flush=True)
-    print(f"events:    laminar-node tail {a.config}", flush=True)
-    if any(s.role == "trainer" for s in cfg.cluster.hosts[host].roles):
-        print(f"curves:    {cfg.workdir()}/trainer/metrics.jsonl\nTensorBoard: tensorboard --logdir {cfg.workdir()}",
-              flush=True)
-    loop = asyncio.get_running_loop()
-    signalled: list[int] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda sig=sig: (signalled.append(sig), sup.stopping.set()))
-    transport = make_transport(cfg)
-    sub = transport.subscriber(["hb.", "metrics.", "rollout.stats.", "relay.progress."])
-    health.dropped = lambda: sub.dropped
-    tracking = start_live_tracking(cfg, host, view)
-    # the one collector (/metrics, /healthz and the live view read it), and the live tracker's
-    # sender, which never blocks: a bounded queue per tracker (live_tracking.py)
-    hearers = [health.observe] + ([tracking.observe] if tracking is not None else [])
+    async def run(self) -> int:
+        """The node from start to exit code."""
+        try:  # first: a taken port fails before any role starts
+            self.metrics = await _start_metrics(self.cfg, self.host, self.health)
+        except _MetricsUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        self._supervisor()
+        self._signals()
+        self._feed()
+        try:
+            await self._supervise()
+        finally:
+            await self._shut_down()
+        return await self._result()
 
-    async def feed() -> None:
-        while True:
-            _, ev = await sub.recv()
-            for hear in hearers:
-                hear(ev)
+    def _child_changed(self, c) -> None:
+        self.view.child_changed(c)
+        self.health.child_changed(c)
 
-    feed_failed: list[BaseException] = []
+    def _supervisor(self) -> None:
+        """The run record, the Supervisor of this host's roles, and where to look (printed)."""
+        from laminar.supervisor import Supervisor, children_for_host  # late: see __init__
+        cfg, a = self.cfg, self.a
+        write_run_record(cfg, a.config, a.set)
+        log_dir = str(cfg.workdir() / "logs")
+        self.sup = Supervisor(children_for_host(cfg, a.config, self.host, a.log_level, a.set),
+                              shutdown_s=cfg.cluster.shutdown_s, on_change=self._child_changed,
+                              log_dir=None if a.foreground_logs else log_dir, give_up_after=a.give_up_after)
+        if not a.foreground_logs:
+            print(f"role logs: {log_dir}/<role>.<id>.log", flush=True)
+        print(f"events:    laminar-node tail {a.config}", flush=True)
+        if any(s.role == "trainer" for s in cfg.cluster.hosts[self.host].roles):
+            print(f"curves:    {cfg.workdir()}/trainer/metrics.jsonl\nTensorBoard: tensorboard --logdir "
+                  f"{cfg.workdir()}", flush=True)
 
-    def feed_ended(task: asyncio.Task) -> None:
+    def _signals(self) -> None:
+        """SIGINT and SIGTERM stop the supervisor (roles in order); the exit code remembers the signal."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda sig=sig: (self.signalled.append(sig), self.sup.stopping.set()))
+
+    def _feed(self) -> None:
+        """The node's event feed: every heartbeat, metric and report to the one collector (/metrics,
+        /healthz and the live view read it) and to the live tracker's sender, which never blocks (a
+        bounded queue per tracker, live_tracking.py)."""
+        from laminar.shell import make_transport  # late: see __init__
+        self.transport = make_transport(self.cfg)
+        sub = self.transport.subscriber(["hb.", "metrics.", "rollout.stats.", "relay.progress."])
+        self.health.dropped = lambda: sub.dropped
+        self.tracking = start_live_tracking(self.cfg, self.host, self.view)
+        hearers = [self.health.observe] + ([self.tracking.observe] if self.tracking is not None else [])
+
+        async def feed() -> None:
+            while True:
+                _, ev = await sub.recv()
+                for hear in hearers:
+                    hear(ev)
+        self.feeder = asyncio.create_task(feed(), name="view-feed")
+        self.feeder.add_done_callback(self._feed_ended)
+
+    def _feed_ended(self, task: asyncio.Task) -> None:
         """The feed runs until `up` ends: one that stops before leaves the view, /metrics and /healthz
         frozen, so it is reported at once and makes `up` exit 1."""
         if task.cancelled():
             return
         exc = task.exception() or RuntimeError("ended")
-        feed_failed.append(exc)
+        self.feed_failed.append(exc)
         print(f"error: the node's event feed (live view, /metrics, /healthz) stopped: {exc!r}", file=sys.stderr,
               flush=True)
 
-    feeder = asyncio.create_task(feed(), name="view-feed")
-    feeder.add_done_callback(feed_ended)
-    end = None
-    live = None if view.plain else Live(view.render(), console=view.console, refresh_per_second=2,
-                                        vertical_overflow="crop")
-    given_up: list = []
-    try:
-        if live:
-            live.start()
-        await sup.start()
-        end = asyncio.create_task(sup.wait(), name="supervise")
-        deadline = time.monotonic() + a.duration if a.duration else None
+    async def _supervise(self) -> None:
+        """Start the roles and redraw until the supervisor is done; run_end decides when to stop."""
+        from rich.live import Live  # late: see __init__
+        if not self.view.plain:
+            self.live = Live(self.view.render(), console=self.view.console, refresh_per_second=2,
+                             vertical_overflow="crop")
+            self.live.start()
+        await self.sup.start()
+        self.end = asyncio.create_task(self.sup.wait(), name="supervise")
+        deadline = time.monotonic() + self.a.duration if self.a.duration else None
         trainer_done = None
-        while not end.done():
-            await asyncio.wait([end], timeout=0.5)  # redraw period of the view
-            if tracking is not None:
-                await asyncio.to_thread(tracking.poll_samples)
-            if live:
-                live.update(view.render())
-            if deadline and time.monotonic() > deadline:
-                sup.stopping.set()
-            given_up = [c for c in sup.children if c.state == "failed"]
-            if given_up and not sup.stopping.is_set():
-                sup.stopping.set()  # a role that cannot start: the node cannot run, say why and stop
-            if _trainers_finished(sup.children):  # the run is done
-                trainer_done = trainer_done or time.monotonic()
-            if (_trainers_finished(sup.children) and _run_is_over(sup.children, trainer_done)
-                    and not sup.stopping.is_set()):
+        while not self.end.done():
+            await asyncio.wait([self.end], timeout=0.5)  # redraw period of the view
+            if self.tracking is not None:
+                await asyncio.to_thread(self.tracking.poll_samples)
+            if self.live:
+                self.live.update(self.view.render())
+            decision = run_end(self.sup.children, now=time.monotonic(), deadline=deadline,
+                               trainer_done=trainer_done, stopping=self.sup.stopping.is_set())
+            trainer_done = decision.trainer_done
+            if decision.why == "trainer":
                 print("trainer finished: stopping the cluster", flush=True)
-                sup.stopping.set()
-    finally:
-        await sup.stop()
-        if end is not None:  # done when the loop above ended; cancelled when `up` itself was interrupted
-            end.cancel()
-            await asyncio.gather(end, return_exceptions=True)
-        if live:
-            live.update(view.render())
-            live.stop()
-        feeder.cancel()
-        await asyncio.gather(feeder, return_exceptions=True)
-        if metrics is not None:
-            await metrics.close()
-        await transport.close()
-    if not end.cancelled():
-        end.result()  # a supervisor that failed is raised, not dropped
-    given_up = [c for c in sup.children if c.state == "failed"]
-    for c in given_up:
-        print(f"error: gave up on {c.key} after {c.failed_starts} failed starts: {c.last_error}", file=sys.stderr,
-              flush=True)
-    await _sum_up(cfg, sup.children, tracking)
-    if signalled:
-        return 128 + signalled[0]
-    return 1 if given_up or feed_failed else 0
+            if decision.why:  # given_up: a role that cannot start: the node cannot run, say why and stop
+                self.sup.stopping.set()
+
+    async def _shut_down(self) -> None:
+        """Stop the roles, then the view, the feed, /metrics and the bus."""
+        await self.sup.stop()
+        if self.end is not None:  # done when the loop ended; cancelled when `up` itself was interrupted
+            self.end.cancel()
+            await asyncio.gather(self.end, return_exceptions=True)
+        if self.live:
+            self.live.update(self.view.render())
+            self.live.stop()
+        self.feeder.cancel()
+        await asyncio.gather(self.feeder, return_exceptions=True)
+        if self.metrics is not None:
+            await self.metrics.close()
+        await self.transport.close()
+
+    async def _result(self) -> int:
+        """Report roles given up, sum the run up, and the exit code (module docstring)."""
+        if not self.end.cancelled():
+            self.end.result()  # a supervisor that failed is raised, not dropped
+        given_up = [c for c in self.sup.children if c.state == "failed"]
+        for c in given_up:
+            print(f"error: gave up on {c.key} after {c.failed_starts} failed starts: {c.last_error}",
+                  file=sys.stderr, flush=True)
+        await _sum_up(self.cfg, self.sup.children, self.tracking)
+        if self.signalled:
+            return 128 + self.signalled[0]
+        return 1 if given_up or self.feed_failed else 0
 
 
 async def _sum_up(cfg, children, tracking) -> None:
@@ -337,19 +375,6 @@ async def _start_metrics(cfg, host: str, health):
     print(f"metrics: http://{bind}:{metrics.port}/metrics{' (bearer token)' if token else ''}  (and /healthz)",
           flush=True)
     return metrics
-
-
-def _trainers_finished(children) -> bool:
-    """This node runs trainers and every one of them finished."""
-    trainers = [c for c in children if c.role == "trainer"]
-    return bool(trainers) and all(c.state == "finished" for c in trainers)
-
-
-def _run_is_over(children, trainer_done: float) -> bool:
-    """The trainers finished: the run is over once no evaluator is still evaluating the last version
-    (it finishes after that), or after EVAL_GRACE_S."""
-    evaluating = [c for c in children if c.role == "evaluator" and c.state not in ("finished", "failed", "stopped")]
-    return not evaluating or time.monotonic() - trainer_done > EVAL_GRACE_S
 
 
 def start_live_tracking(cfg, host: str, view=None):

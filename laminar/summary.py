@@ -139,7 +139,8 @@ def learning_stats(recs: list[dict], eval_recs: list[dict] | None = None) -> dic
 def eval_sets(evals: list[dict]) -> dict:
     """{set: {metric: {first, last, best}}} over the evaluations (`eval/<set>/<metric>` values, in
     the order written; best: the highest), with `first_ci` / `last_ci`, the 95% interval [lo, hi]
-    of the first and last value when the evaluator recorded it (`eval/<set>/<metric>/lo`, `/hi`);
+    of the first and last value when the evaluator recorded it (`eval/<set>/<metric>/lo`, `/hi`),
+    and the same bounds by name, `first_lo`, `first_hi`, `last_lo`, `last_hi`;
     runs from before named sets have their greedy and sampled accuracy as the set `heldout`
     (greedy, avg)."""
     series: dict[str, dict[str, list[tuple[float, list[float] | None]]]] = {}
@@ -158,8 +159,10 @@ def eval_sets(evals: list[dict]) -> dict:
     for name, ms in series.items():
         for m, xs in ms.items():
             got = {"first": xs[0][0], "last": xs[-1][0], "best": max(x for x, _ in xs)}
-            if xs[0][1] is not None:
-                got.update(first_ci=xs[0][1], last_ci=xs[-1][1])
+            if xs[0][1] is not None:   # the bounds also by name (first_lo ... last_hi): what a check reads
+                (flo, fhi), (llo, lhi) = xs[0][1], xs[-1][1] or [None, None]
+                got.update(first_ci=xs[0][1], last_ci=xs[-1][1], first_lo=flo, first_hi=fhi, last_lo=llo,
+                           last_hi=lhi)
             out.setdefault(name, {})[m] = got
     return out
 

@@ -261,7 +261,7 @@ async def run_sim(cfg, timeout_s: float = 600.0, poll_s: float = 0.02, on_versio
             run.buffer_counts = dict(buffer.book.counts)
         manager = cluster.roles.get("manager.0")
         if manager is not None:
-            c = manager.fleet.c
+            c = manager.fleet.counters
             run.fleet = {"repacks": c.repacks, "plans": c.plans, "moved": c.moved_trajectories,
                          "failed_moves": c.failed_moves, "replaced": c.replaced, "dead": c.dead,
                          "recovered": c.recovered}

@@ -9,9 +9,11 @@ Loss (per valid token, A = the sequence's advantage, r = exp(logp - old)):
     pg   = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))      (Clip-Higher: eps_high > eps_low)
     pg   = min(pg, c |A|)  where A < 0, with dual_clip = c > 1 (optional): a stale token whose
            ratio exploded cannot dominate the batch (without it -A r is unbounded)
-    pg  *= w   with off-policy correction, w = exp(old - behaviour) (detached):
-               "tis": w = min(w, is_cap) (truncated importance sampling);
-               "decoupled": clip against the proximal policy `old`, times w (decoupled PPO)
+    pg  *= w   with off-policy correction, w from rho = old / behaviour (detached; off_policy.py):
+               "tis": w = min(rho, is_cap) (truncated importance sampling);
+               "mis": w = rho inside the band [is_low, is_cap], else the token is dropped (masked IS);
+               "decoupled": clip against the proximal policy `old`, times tis's w (decoupled PPO);
+               rho per token, per sequence (their product) or geometric (its per-token mean), is_level
     kl   = exp(ref - logp) - (ref - logp) - 1                     (k3 estimator, if ref given)
     loss = (sum pg + kl_coef * sum kl) / N                       N = valid tokens in the mini-batch
 Every exponent is masked first (0 at prompt, pad and tool-output positions), so logprobs there,
@@ -25,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from laminar.algorithms.off_policy import importance_weights
 
 
 def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6,
@@ -47,7 +51,7 @@ def group_advantages(rewards: Sequence[Sequence[float]], eps: float = 1e-6,
 def clipped_policy_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
               behaviour_logp=None, off_policy: str = "none", is_cap: float | None = 2.0,
               ref_logp=None, kl_coef: float = 0.0, num_tokens: float | None = None, entropy=None,
-              dual_clip: float | None = None):
+              dual_clip: float | None = None, is_level: str = "token", is_low: float | None = None):
     """The clipped policy loss of a (micro-)batch, GRPO's and PPO's policy term alike; see the
     module docstring. `advantages` is [B] (one per sequence: GRPO) or [B, T-1] (per token: PPO's
     GAE). Returns (loss, metrics) where each metric is a sum over the valid
@@ -71,16 +75,15 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.
         bound = -A * dual_clip
         dual = (A < 0) & (pg > bound)
         pg = torch.where(A < 0, torch.minimum(pg, bound), pg)
-    w = None
-    if off_policy in ("tis", "decoupled"):
+    w = dropped = None
+    if off_policy in ("tis", "mis", "decoupled"):
         if behaviour_logp is None:
             raise ValueError(f"off_policy={off_policy!r} needs behaviour logprobs")
-        w = torch.exp(masked(old_logp - behaviour_logp)).detach()
-        if is_cap is not None:
-            w = torch.clamp(w, max=is_cap)
+        w, dropped = importance_weights(old_logp, behaviour_logp, mask, mode="mis" if off_policy == "mis" else "tis",
+                                        level=is_level, cap=is_cap, low=is_low)
         pg = pg * w
     elif off_policy != "none":
-        raise ValueError(f"off_policy must be none, tis or decoupled, got {off_policy!r}")
+        raise ValueError(f"off_policy must be none, tis, mis or decoupled, got {off_policy!r}")
     pg_loss = (pg * mask).sum() / n
     loss = pg_loss
     with torch.no_grad():
@@ -94,6 +97,9 @@ def clipped_policy_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.
             metrics["clip_frac_dual"] = float((dual & valid).sum()) / n
         if w is not None:
             metrics["is_weight_mean"] = float((w * mask).sum()) / n
+            metrics["is_dropped_frac"] = float(dropped.sum()) / n
+            if is_cap is not None and off_policy != "mis":
+                metrics["is_truncated_frac"] = float(((w >= is_cap * (1 - 1e-6)) & valid).sum()) / n
         if entropy is not None:
             metrics["entropy"] = float((entropy * mask).sum()) / n
     if ref_logp is not None:

@@ -112,11 +112,12 @@ def _batch(rng: random.Random, batch: int, tok, enc, sft: list[dict] | None, sto
 
 def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: float = 3e-3, seed: int = 0,
                log_every: int = 50, sft: list[dict] | None = None, schedule: str | None = None,
-               stop_early: float = 0.0, chat_template: str = "auto") -> dict:
+               stop_early: float = 0.0, chat_template: str = "auto", freeze_embeddings: bool = False) -> dict:
     """Fine-tune MODEL_DIR in place: on `sft` records (prompt -> solution) if given, else on the
     uppercase task's synthetic replies. `schedule` (lr_factor): default cosine with `sft` (at a
     constant rate the word-problem loss stalls near 0.56 after 600 steps; decayed, it reaches ~0.29),
-    constant for the uppercase task."""
+    constant for the uppercase task. A pretrained model (not the byte-level tiny one) is fitted with
+    the memory savers of `fit`; the byte-level demo's SFT stays as it was."""
     import torch  # late: torch; configs validate without it
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -127,8 +128,9 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
     pad_id = tok.pad_id if isinstance(tok, ByteTokenizer) else tok.eos_id
     schedule = schedule or ("cosine" if sft else "constant")
     prompts = [r["prompt"] for r in make_prompts(512, seed)]
+    pretrained = not isinstance(tok, ByteTokenizer)
     return fit(model_dir, lambda: _batch(rng, batch, tok, enc, sft, stop_early, prompts), steps, lr, schedule,
-               pad_id, log_every)
+               pad_id, log_every, memory_saving=pretrained, freeze_embeddings=freeze_embeddings)
 
 
 def masked_loss(model, seqs: list[list[int]], masks: list[list[int]], pad_id: int = 0):
@@ -145,16 +147,27 @@ def masked_loss(model, seqs: list[list[int]], masks: list[list[int]], pad_id: in
 
 
 def fit(model_dir: str | Path, next_batch, steps: int, lr: float, schedule: str, pad_id: int = 0,
-        log_every: int = 50, label: str = "warm start") -> dict:
+        log_every: int = 50, label: str = "warm start", memory_saving: bool = False,
+        freeze_embeddings: bool = False) -> dict:
     """Supervised fine-tuning of MODEL_DIR in place: `steps` AdamW steps on `next_batch()` -> (token
     sequences, loss masks), the rate `lr` times lr_factor(`schedule`), gradients clipped to norm 1;
-    saved at the end. The first and the last losses."""
+    saved at the end. The first and the last losses. `memory_saving`: gradient checkpointing (each
+    layer's activations recomputed in the backward), for a pretrained model. `freeze_embeddings`: the input embeddings
+    (and a head tied to them) are not trained: no gradient or Adam state for the vocabulary's rows
+    (SmolLM2: 28M of its 135M parameters), which an SFT that teaches a format does not need."""
     import torch  # late: torch; configs validate without it
     import transformers
     lr_factor(0, steps, schedule)  # an unknown schedule fails before any training
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    use_cache = model.config.use_cache
+    if memory_saving:  # recompute each layer's activations in the backward
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, schedule))
     losses = []
     with Progress(steps, label, unit="steps", every_s=30.0) as bar:
@@ -163,13 +176,16 @@ def fit(model_dir: str | Path, next_batch, steps: int, lr: float, schedule: str,
             loss = masked_loss(model, seqs, masks, pad_id)
             opt.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
             losses.append(float(loss.detach()))
             recent = losses[-log_every:] if log_every else losses[-1:]
             bar.advance(note=f"loss {sum(recent) / len(recent):.3f}")
     model.eval()
+    if memory_saving:
+        model.gradient_checkpointing_disable()
+        model.config.use_cache = use_cache  # saved as it was loaded
     model.save_pretrained(model_dir)
     return {"steps": steps, "loss_first": losses[0], "loss_last": sum(losses[-10:]) / min(10, len(losses))}
 
@@ -186,6 +202,8 @@ def main() -> None:
                     help="learning-rate schedule (default: cosine with --sft, else constant)")
     ap.add_argument("--stop-early", type=float, default=0.0, metavar="F",
                     help="with --sft: this share of the solutions stop one step short (an answer given too soon)")
+    ap.add_argument("--freeze-embeddings", action="store_true", help="do not train the input embeddings (nor "
+                    "a head tied to them): less memory for a large vocabulary")
     ap.add_argument("--chat-template", default="auto", help="with --sft: auto|none|PATH, as the prompt pool's "
                     "chat_template (auto: the model folder's own template, if it has one)")
     a = ap.parse_args()
@@ -198,7 +216,8 @@ def main() -> None:
         if not sft:
             raise SystemExit(f"{a.sft}: no records")
     print(warm_start(a.model_dir, a.steps, batch=a.batch, lr=a.lr, seed=a.seed, sft=sft, schedule=a.schedule,
-                     stop_early=a.stop_early, chat_template=a.chat_template))
+                     stop_early=a.stop_early, chat_template=a.chat_template,
+                     freeze_embeddings=a.freeze_embeddings))
 
 
 if __name__ == "__main__":

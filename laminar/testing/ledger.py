@@ -30,8 +30,8 @@ from laminar.testing.ledger_rewards import (
     unscored_members,
 )
 from laminar.testing.procs import log_events as events_in
+from laminar.weights.lineage import read_lineage
 from laminar.weights.manifest import off_lineage
-from laminar.weights.publisher import read_lineage
 
 
 def log_events(path: str | Path, name: str) -> list[dict]:

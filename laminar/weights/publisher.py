@@ -34,29 +34,50 @@ lineage of the run refuses the version: `refused` then says why (naming both lin
 version never counts as delivered, and `on_refused(why)` tells the owner (the trainer fails
 loudly rather than train on while nothing it publishes reaches a rollout).
 
-Lineage records (`advance_lineage`): `lineage.json` in the checkpoint folder and the same record
-beside it, `<folder>.lineage.json`, outside it: restoring an older copy of the folder cannot take
-the epoch back, since the next epoch is one more than the newest of the two (docs/weights.md).
+Every version carries the trainer's lineage (`run_id`, `lineage`: lineage.py's records, set
+before the first publish). publish_async's in-flight copies are a PendingPublish (pending.py).
+
+Threads: the trainer's (publish, publish_async, begin/commit, wait_*, set_target via follow.py,
+close), the link thread `weight-publisher` (_link_loop, and the Sender it runs, through the
+Source API: pick/acquire under `cond`, release, _delivered/_refused), and one
+`weight-publish-copy` thread per publish_async with GPU tensors (the copies, then commit()).
+Who guards what:
+
+  cond (Condition)     stopped, target, _target_seq, _sender, part (set by become_part), layout,
+                       slots, _generation, newest, busy_slot, version, delivered, refused. Waits on
+                       it: the link loop (a new target, stop), wait_delivered (delivered, stop),
+                       a reconnect's pause. Its writers notify_all. The Sender calls pick/acquire/
+                       make_seals with it held (sender.py).
+  _publishing (RLock)  the window of one publish between begin() and its hand-off (commit, or the
+                       PendingPublish with its thread started) against close(): close cannot drop
+                       the staging under a copy; publish_async sets _pending under it.
+  trainer-confined     _pending (read by wait_pending, which only the trainer's thread calls),
+                       last_publish_s, run_id, lineage, manifest_fields (set before publishing),
+                       copier (its copies run on the caller's thread or a publish_async's copy
+                       thread, one at a time: begin() waits for the pending one first).
+  fixed at __init__    chunk_bytes, publish_dtype, staging_prefix, transport, key, signer,
+                       timeouts, reconnect_s, the callbacks, _thread.
+Reads of `version` in begin() (no lock) are safe: only the trainer's threads write it, one at a
+time (begin waits for the pending publish).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import mmap
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from laminar.weights import handshake, seal, wire
+from laminar.weights.kwlog import kw_logger
 from laminar.weights.manifest import CHUNK_BYTES_DEFAULT, build_manifest, same_layout, with_lineage, with_version
 from laminar.weights.part_sender import PartSender, split_ranges
+from laminar.weights.pending import PendingPublish
 from laminar.weights.pull import copy_kind, torch_dtype
 from laminar.weights.sender import Sender
-from laminar.weights.staging import InFlight, StagingCopier, alloc_shared_staging, alloc_staging
+from laminar.weights.staging import StagingCopier, alloc_shared_staging, alloc_staging
 from laminar.weights.store import VersionBuffer
 from laminar.weights.transport import LinkError, get_transport
 
@@ -65,18 +86,7 @@ if TYPE_CHECKING:
 
     from laminar.protocol import Manifest
 
-try:
-    import structlog
-    log = structlog.get_logger("laminar.weights.publisher")
-except ImportError:  # a bare GPU box (bench/gpu.py): only the link-down warning uses it
-    import logging
-
-    class _KwLog:
-        def warning(self, event: str, **kw) -> None:
-            logging.getLogger("laminar.weights.publisher").warning("%s %s", event, kw)
-    log = _KwLog()
-
-LINEAGE_FILE = "lineage.json"  # next to the trainer's checkpoints: the run id and its last epoch
+log = kw_logger("laminar.weights.publisher")
 
 
 def publish_layout(specs, publish_dtype: str | None, chunk_bytes: int) -> Manifest:
@@ -88,55 +98,12 @@ def publish_layout(specs, publish_dtype: str | None, chunk_bytes: int) -> Manife
                            for k, dt, shape, fp in specs], 0, chunk_bytes)
 
 
-class PendingPublish:
-    """A publish_async whose GPU copies may still run; its version is committed when they land."""
-
-    def __init__(self, version: int):
-        self.version = version
-        self.inflight: InFlight | None = None
-        self.issued = threading.Event()  # the copies are queued (inflight is set)
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self, issue: Callable[[], InFlight | None], commit: Callable[[], None]) -> None:
-        """Queue the copies, wait until they have landed, commit (the publish thread)."""
-        try:
-            try:
-                self.inflight = issue()
-            finally:
-                self.issued.set()
-            if self.inflight is not None:
-                self.inflight.wait()
-            commit()
-        except BaseException as e:  # handed to whoever waits (the trainer's next publish)
-            self.error = e
-        finally:
-            self.done.set()
-
-    def fail(self, error: BaseException) -> None:
-        """Never started (publish_async failed before its thread ran): waiters get `error`."""
-        self.error = error
-        self.issued.set()
-        self.done.set()
-
-    def guard(self, timeout: float | None = None) -> None:
-        """Order later writes of the source tensors after the copies: the calling thread's current
-        CUDA stream waits for them (the trainer's threads all use the default stream). Blocks the
-        CPU only until they are queued (a few ms after publish_async), at most `timeout`."""
-        if not self.issued.wait(timeout):
-            raise TimeoutError(f"version {self.version}'s copies were not queued in {timeout} s")
-        if self.inflight is not None:
-            self.inflight.guard()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until committed; raises the commit's error, or TimeoutError."""
-        if not self.done.wait(timeout):
-            raise TimeoutError(f"version {self.version}'s copies have not landed in {timeout} s")
-        if self.error is not None:
-            raise self.error
-
-
 class WeightPublisher:
+    """The trainer's end of the weight chain: owns the two staging slots and their layout, the
+    newest committed version, and the link thread that streams it to the master relay (Sender, or
+    PartSender for one host's part) and records what was delivered or refused. The guards table
+    is in the module docstring."""
+
     close_wait_s = 30.0  # close(): how long a pending publish_async may still take
     def __init__(self, chunk_bytes: int = CHUNK_BYTES_DEFAULT, transport: str = "tcp", key: bytes = b"",
                  on_link_down: Callable[[str], None] = lambda peer: None,
@@ -509,72 +476,3 @@ class WeightPublisher:
         if stale:
             sender.stop()
         sender.run()
-
-
-def _outside(folder: Path) -> Path:
-    """The lineage record kept beside the checkpoint folder, outside it."""
-    return folder.parent / f"{folder.name}.{LINEAGE_FILE}"
-
-
-def _read_record(path: Path) -> dict | None:
-    if not path.exists():
-        return None
-    d = json.loads(path.read_text())
-    return {"run_id": str(d["run_id"]), "epoch": int(d["epoch"]),
-            "forks": {str(k): int(v) for k, v in d.get("forks", {}).items()}}
-
-
-def _write_record(path: Path, d: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(d))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _merged(folder: Path) -> dict | None:
-    """The folder's record, its epoch raised to the record outside it of the same run (the newest
-    epoch this trainer ever used) and their forks merged: None for a new run."""
-    inside, outside = _read_record(folder / LINEAGE_FILE), _read_record(_outside(folder))
-    if inside is None:
-        return None
-    if outside is not None and outside["run_id"] == inside["run_id"]:
-        inside = {"run_id": inside["run_id"], "epoch": max(inside["epoch"], outside["epoch"]),
-                  "forks": {**outside["forks"], **inside["forks"]}}
-    return inside
-
-
-def advance_lineage(folder: str | Path, start_version: int = 0) -> tuple[str, int]:
-    """Start a new lineage: (run id, epoch) for a trainer starting or resuming at `start_version`
-    with its checkpoints in `folder`. The epoch is one more than the newest one recorded, in the
-    folder or beside it (1 for a new run, whose run id is made now); the record, with the version
-    each epoch started from (`forks`, what manifest.off_lineage needs), is written atomically and
-    fsynced in both places before the epoch is used, so epochs only increase across restarts, even
-    when an older copy of the folder is restored. See docs/weights.md."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    d = _merged(folder) or {"run_id": uuid.uuid4().hex, "epoch": 0, "forks": {}}
-    epoch = int(d["epoch"]) + 1
-    record = {"run_id": d["run_id"], "epoch": epoch, "forks": {**d.get("forks", {}), str(epoch): int(start_version)}}
-    _write_record(_outside(folder), record)  # outside first: a crash in between still never reuses it
-    _write_record(folder / LINEAGE_FILE, record)
-    return str(d["run_id"]), epoch
-
-
-def note_lineage(folder: str | Path, run_id: str, epoch: int) -> None:
-    """Record that lineage `epoch` of `run_id` exists (a relay refused this trainer's older one):
-    the next start takes a higher epoch (both records are raised, never lowered)."""
-    folder = Path(folder)
-    d = _merged(folder)
-    if d is None or d["run_id"] != run_id or d["epoch"] >= epoch:
-        return
-    d["epoch"] = int(epoch)
-    _write_record(_outside(folder), d)
-    _write_record(folder / LINEAGE_FILE, d)
-
-
-def read_lineage(folder: str | Path) -> dict | None:
-    """The lineage record of a checkpoint folder: run_id, epoch (the newest), forks ({epoch: the
-    version it started from}), merged with the record kept beside the folder; None if there is none."""
-    return _merged(Path(folder))

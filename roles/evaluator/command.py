@@ -26,7 +26,13 @@ starts, and the engine's workers check it again as they load it.
 
 Output: a table (set, metric, value, its 95% interval, problems) and a JSON file (`--out`, default
 `eval-<model folder name>-v<version>.json`): {model, kind, version, lineage, config, evaluator,
-sets: {set: {problems, metrics: {metric: {value, lo, hi}}}}, values: the role's flat values}.
+sets: {set: {problems, metrics: {metric: {value, lo, hi}}}}, values: the role's flat values,
+scores: {set: {metric: [score per problem]}}, prompt_ids: {set: [id]}}.
+
+Before and after: `--compare BEFORE.json` (an earlier document of this command, e.g. the warm
+start's) adds each set's and metric's after − before on the same problems with the paired 95%
+interval (roles/evaluator/compare.py), as a second table and as `after_minus_before` (and
+`unpaired`) in the JSON.
 Exit codes: 0 done, 2 a usage or config error or a refused version.
 """
 from __future__ import annotations
@@ -56,6 +62,8 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model-dir", default=None, help="the base model folder of a relay version or a checkpoint "
                    "(default: the evaluator's model_dir)")
     s.add_argument("--out", default=None, help="the JSON file to write (default: eval-<name>-v<version>.json)")
+    s.add_argument("--compare", default=None, metavar="BEFORE_JSON", help="an earlier JSON of this command on the "
+                   "same sets: after - before per set and metric, with the paired 95%% interval over problems")
 
 
 def kind_of(model: Path) -> str:
@@ -149,7 +157,7 @@ async def evaluate(model: Path, kind: str, settings, base: str, version: int | N
         result = await Harness(engine, sets, settings).evaluate(version)
     finally:
         await engine.close()
-    return {"values": result.values, "version": version}
+    return {"values": result.values, "version": version, "scores": result.scores, "prompt_ids": result.prompt_ids}
 
 
 def by_set(values: dict[str, float]) -> dict:
@@ -187,6 +195,13 @@ def run(a) -> int:
     keys = seal_keys(cfg)
     key = keys.weights_public if keys is not None else b""
     lineage = check_relay(model, key).lineage if kind == "relay" else None   # refused before any engine starts
+    before = None
+    if a.compare:
+        from laminar.roles.evaluator.compare import read_doc  # late: numpy, with --compare only
+        try:
+            before = read_doc(a.compare)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--compare: {exc}") from None
     if kind != "hf" and not (Path(base) / "config.json").is_file():
         raise UsageError(f"{base}: not a model folder (the base of a {kind}): pass --model-dir")
     # late: cli.py imports this module to build its parser; this is for a run of the command
@@ -201,9 +216,19 @@ def run(a) -> int:
     sets = by_set(got["values"])
     out = Path(a.out or f"eval-{model.resolve().name}-v{got['version']}.json")
     doc = {"model": str(model.resolve()), "kind": kind, "version": got["version"], "lineage": lineage,
-           "config": a.sets, "evaluator": a.evaluator, "sets": sets, "values": got["values"]}
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+           "config": a.sets, "evaluator": a.evaluator, "sets": sets, "values": got["values"],
+           "scores": got["scores"], "prompt_ids": got["prompt_ids"]}
     print(f"{model} ({kind}) as version {got['version']} on the eval sets of {a.sets}:")
     print(table(sets))
+    if before is not None:
+        from laminar.roles.evaluator import compare as eval_compare  # late: numpy, with --compare only
+        doc["after_minus_before"], doc["unpaired"] = eval_compare.paired(before, doc)
+        doc["compared_with"] = a.compare
+        print(f"after - before ({a.compare}: {before.get('model')} as version {before.get('version')}; "
+              "paired 95% interval over problems, * excludes 0):")
+        print(eval_compare.table(doc["after_minus_before"]))
+        for line in doc["unpaired"]:
+            print(f"unpaired: {line}")
+    out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"written: {out}", file=sys.stderr)
     return 0

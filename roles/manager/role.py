@@ -140,7 +140,7 @@ class ManagerRole(Role):
 
     def status(self) -> dict:
         c = self.chain.coord
-        f = self.fleet.c
+        f = self.fleet.counters
         return {"chain": c.order(), "epoch": c.epoch, "master": self.chain.master_info().relay_id,
                 "repairs": self.chain.repairs, "last_repair_s": round(self.chain.last_repair_s, 4),
                 "repacks": f.repacks, "moved": f.moved_trajectories, "last_repack_s": round(f.last_repack_s, 4),

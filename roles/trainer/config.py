@@ -5,7 +5,8 @@
       device, experience_buffer, sample_wait_s, lora      what is trained, on what, for how long
       optimizer:    lr, warmup_versions, weight_decay, max_grad_norm, impl
       loss:         eps_low, eps_high, dual_clip, dual_clip_c, kl_coef, adv_std_normalize,
-                    skip_uniform_groups, filter_groups, old_logprobs, off_policy, is_cap
+                    skip_uniform_groups, filter_groups, old_logprobs, off_policy, is_level, is_cap,
+                    is_low
       ppo:          gamma, lam, critic_lr, value_clip, whiten_advantages     (algorithm: ppo)
       performance:  dtype, packing, attn_implementation, activation_checkpointing, compile,
                     micro_batch_size, max_tokens_per_micro_batch, micro_batch_balance,
@@ -92,11 +93,16 @@ class LossSettings(Section):
     old_logprobs: str = Field("behaviour", pattern="^(behaviour|recompute)$",
                               description="old policy of the ratio: the rollout's behaviour logprobs or recomputed "
                                           "by the trainer")
-    off_policy: str = Field("none", pattern="^(none|tis|decoupled)$",
-                            description="stale-sample correction: truncated IS or decoupled PPO (both recompute the "
-                                        "proximal policy)")
+    off_policy: str = Field("none", pattern="^(none|tis|mis|decoupled)$",
+                            description="stale-sample correction (laminar/algorithms/off_policy.py): tis (truncated "
+                                        "IS), mis (masked IS: tokens or sequences whose ratio leaves [is_low, is_cap] "
+                                        "are dropped) or decoupled PPO; each recomputes the proximal policy")
+    is_level: str = Field("token", pattern="^(token|sequence|geometric)$",
+                          description="the importance ratio of tis, mis and decoupled: per token, per sequence (the "
+                                      "product of its tokens' ratios) or geometric (that product's per-token mean)")
     is_cap: float | None = Field(2.0, gt=0, description="truncation of the importance weight (tis; optional for "
-                                 "decoupled)")
+                                 "decoupled) and the top of mis's band")
+    is_low: float | None = Field(None, gt=0, description="the bottom of mis's band (None: 1 / is_cap)")
 
 
 class PpoSettings(Section):
@@ -253,7 +259,8 @@ class TrainerConfig(BaseModel):
         **{k: f"optimizer.{k}" for k in ("lr", "weight_decay", "max_grad_norm")},
         "lr_warmup_versions": "optimizer.warmup_versions", "optimizer_impl": "optimizer.impl",
         **{k: f"loss.{k}" for k in ("eps_low", "eps_high", "dual_clip", "dual_clip_c", "kl_coef", "adv_std_normalize",
-                                    "skip_uniform_groups", "filter_groups", "old_logprobs", "off_policy", "is_cap")},
+                                    "skip_uniform_groups", "filter_groups", "old_logprobs", "off_policy", "is_cap",
+                                    "is_level", "is_low")},
         **{k: f"ppo.{k}" for k in ("gamma", "lam", "critic_lr", "value_clip", "whiten_advantages")},
         **{k: f"performance.{k}" for k in ("dtype", "packing", "attn_implementation", "activation_checkpointing",
                                            "compile", "micro_batch_size", "max_tokens_per_micro_batch",

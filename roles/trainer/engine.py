@@ -49,7 +49,7 @@ import structlog
 from laminar.roles.trainer import checkpoint
 from laminar.roles.trainer.batching import collate, response_logprobs
 from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
-from laminar.roles.trainer.dist import DistInfo, all_reduce_sums, broadcast_ints, shard
+from laminar.roles.trainer.dist import DistInfo, all_gather_objects, all_reduce_sums, broadcast_ints, shard
 from laminar.roles.trainer.flat_params import flatten_parameters
 from laminar.roles.trainer.logprobs import token_logprobs
 from laminar.roles.trainer.lora import adapter_state, manifest_fields, with_adapter
@@ -57,6 +57,7 @@ from laminar.roles.trainer.micro_batches import MicroBatchPlan, plan_micro_batch
 from laminar.roles.trainer.packing import packed_token_logprobs, packed_values
 
 from laminar.algorithms.grpo import clipped_policy_loss, group_advantages
+from laminar.algorithms.off_policy import ratio_distribution, sequence_log_ratio
 from laminar.algorithms.ppo import load_critic, sequence_gae, value_loss
 from laminar.models.loading import load_causal_lm
 
@@ -364,9 +365,18 @@ class TrainEngine:
             with self.model.disable_adapter():
                 per["ref"] = self._per_token(lambda i, a: self._logprobs(self.model, i, a)[0], trajs, order)
         batch = _Batch(trajs, order, per, version, needs_prox, mismatch)
+        ratios = self._ratio_distribution(trajs, per, version) if needs_prox else {}
         if c.algorithm == "ppo":
-            return self._train_ppo(batch)
-        return {**self._train_grpo(batch, groups), "groups_uniform": float(uniform), "no_signal_steps": 0.0}
+            return {**self._train_ppo(batch), **ratios}
+        return {**self._train_grpo(batch, groups), "groups_uniform": float(uniform), "no_signal_steps": 0.0, **ratios}
+
+    def _ratio_distribution(self, trajs, per, version: int) -> dict:
+        """The batch's proximal / behaviour ratios (laminar/algorithms/off_policy.py), over every
+        rank's sequences, by their staleness at this step (its weights are version - 1)."""
+        rows = [(*sequence_log_ratio(p, t.logprobs, t.loss_mask), version - 1 - t.version)
+                for t, p in zip(trajs, per["prox"], strict=True) if p is not None]
+        rows = [r for part in all_gather_objects(self.info, rows) for r in part]
+        return ratio_distribution([(lr, n) for lr, n, _ in rows], [s for *_, s in rows])
 
     def lr_at(self, version: int) -> float:
         """The policy's learning rate for the batch that makes `version` (lr_warmup_versions)."""
@@ -434,7 +444,8 @@ class TrainEngine:
         loss, m = clipped_policy_loss(logp, old, adv, mask, eps_low=lc.eps_low, eps_high=lc.eps_high,
                                       behaviour_logp=ex["beh"], off_policy=lc.off_policy, is_cap=lc.is_cap,
                                       ref_logp=ex.get("ref"), kl_coef=lc.kl_coef, num_tokens=ntok, entropy=ent,
-                                      dual_clip=lc.dual_clip_c if lc.dual_clip else None)
+                                      dual_clip=lc.dual_clip_c if lc.dual_clip else None, is_level=lc.is_level,
+                                      is_low=lc.is_low)
         (loss * self._grad_scale()).backward()
         return m
 

@@ -39,7 +39,8 @@ import threading
 from laminar.bus.retry import Backoff
 from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
 
-from laminar.weights.publisher import WeightPublisher, note_lineage
+from laminar.weights.lineage import note_lineage
+from laminar.weights.publisher import WeightPublisher
 from laminar.weights.seal import signer_of
 from laminar.weights.transport import get_transport
 from laminar.weights.wire import derive_key

@@ -149,9 +149,9 @@ class TrainerRole(Role):
             # Every start or resume is a new lineage (recorded next to the checkpoints first), and
             # its weights go out at once: version 0 of a new run, or the checkpoint's version,
             # which relays and rollouts take even over a higher number of the discarded lineage.
-            from laminar.weights.publisher import advance_lineage
+            from laminar.weights.lineage import advance_lineage
             self.run_id, self.lineage = advance_lineage(self.ckpt_root, self.version)
-            from laminar.weights.publisher import read_lineage  # late: only on a resume
+            from laminar.weights.lineage import read_lineage  # late: only on a resume
             self.forks = (read_lineage(self.ckpt_root) or {}).get("forks", {})
             self.link = PublishLink(self, c)
             await self.link.start()

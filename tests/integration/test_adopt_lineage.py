@@ -147,7 +147,7 @@ def test_adoption_resumes_only_on_the_weights_the_work_names(tmp_path, shm, scop
                 await asyncio.sleep(0.05)  # polling the role's state
             while fleet.orphans:  # the manager's tick: place, adopt, or restart what is stuck
                 fleet.on_stats(view(rb, endpoint))
-                await fleet._place_orphans()
+                await fleet.recovery.place_orphans()
                 await asyncio.sleep(0.1)
             gids = sorted({s.group_id for s in old + kept})
             while True:  # every member of both groups stored
@@ -166,7 +166,7 @@ def test_adoption_resumes_only_on_the_weights_the_work_names(tmp_path, shm, scop
         assert not {sp.trajectory_id for sp in old} & set(stored)
         # lineage 2's version 13: adopted and resumed on its retained copy, nothing lost
         assert {stored[sp.trajectory_id] for sp in kept} == {(2, 13, (5, 6, 7))}, stored
-        assert (fleet.c.adopted, fleet.c.restarted) == (2, 2)
+        assert (fleet.counters.adopted, fleet.counters.restarted) == (2, 2)
 
         # the refusal names both lineages
         p13 = PartialState(spec=old[0], tokens=np.array([5], np.int32), logprobs=np.zeros(1, np.float32),

@@ -54,7 +54,7 @@ def test_old_attempt_members_in_flight_do_not_settle_the_new_attempt(tmp_path):
         old_style = await parts.call(GroupPresence([g]))                     # no attempts named: any member
         fleet.close()
         await c.close()
-        return ok, g, fleet.c, third, old_style
+        return ok, g, fleet.counters, third, old_style
     ok, g, counters, third, old_style = asyncio.run(main())
     assert ok
     assert counters.requeued == 1 and counters.settled == 0

@@ -81,8 +81,8 @@ def test_dead_rollouts_unstarted_groups_are_requeued(tmp_path):
         fleet.on_stats(stats("r1"))
         fleet.on_heartbeat(Heartbeat(role="rollout", id="r1", host="h0", pid=111, seq=1, uptime_s=1.0, state="ready"))
         fleet._declare_dead(fleet.views["r1"], "test: killed")
-        rid, pid = fleet.lost.get_nowait()
-        await fleet._recover(rid, pid)
+        rid, pid = fleet.recovery.lost.get_nowait()
+        await fleet.recovery.recover(rid, pid)
 
         again = await pp.call(TakeBatch("r2", 8, batch_seq=1, pid=222))
         # first the unstarted group whole and the half-finished group's missing member alone (as

@@ -40,7 +40,7 @@ def test_a_restarted_orphan_is_durable_before_the_old_copy_goes(tmp_path):
         fleet.on_stats(RolloutStats(**{**stats("dest").__dict__, "version": 3}))
         p = (await partial.call(InFlightOf("old"))).partials[0]
         fleet.orphans[p.spec.trajectory_id] = (p, 0.0)
-        await fleet._restart([p.spec.trajectory_id])
+        await fleet.recovery.restart([p.spec.trajectory_id])
         assert [t.spec.trajectory_id for t in took] == [spec.trajectory_id + "~r1"]
         held = (await partial.call(InFlightOf("dest"))).partials  # dest died here: its work is still found
         assert [h.spec.trajectory_id for h in held] == [spec.trajectory_id + "~r1"]

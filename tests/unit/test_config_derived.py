@@ -47,7 +47,7 @@ def test_manager_uses_each_rollouts_own_max_concurrency(tmp_path):
         cl = InprocCluster(cfg)
         try:
             mgr = await cl.start("manager")
-            s = mgr.fleet.s
+            s = mgr.fleet.settings
             assert (s.max_concurrency_of("0"), s.max_concurrency_of("1")) == (64, 8)
         finally:
             await cl.close()

@@ -93,3 +93,32 @@ def test_eval_cli_refuses_a_relay_version_whose_seals_do_not_verify(tmp_path):
     finally:
         store.close()
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_eval_compare_interval_is_paired_by_problem_id(tmp_path):
+    """--compare (roles/evaluator/compare.py): problems matched by id whatever their order, the
+    difference and its interval those of the matched pairs, and what only one side has named."""
+    from laminar.roles.evaluator.compare import paired, read_doc
+    from laminar.roles.evaluator.compare import table as diff_table
+
+    from laminar.intervals import paired_difference
+    before = {"prompt_ids": {"d2": ["a", "b", "c", "d"], "d3": ["x"]},
+              "scores": {"d2": {"greedy": [0.0, 0.0, 1.0, 0.0], "pass@8": [0.5, 0.25, 1.0, 0.0]},
+                         "d3": {"greedy": [1.0]}}}
+    after = {"prompt_ids": {"d2": ["d", "c", "b", "a", "e"]},
+             "scores": {"d2": {"greedy": [1.0, 1.0, 1.0, 1.0, 0.0], "pass@8": [0.5, 1.0, 0.5, 0.75, 0.0],
+                               "avg@8": [0.1] * 5}}}
+    diffs, unpaired = paired(before, after)
+    g = diffs["d2"]["greedy"]
+    assert (g["before"], g["after"], g["diff"], g["problems"]) == (0.25, 1.0, 0.75, 4)
+    assert (g["diff"], g["lo"], g["hi"]) == paired_difference([0, 0, 1, 0], [1, 1, 1, 1])
+    p = diffs["d2"]["pass@8"]
+    assert (p["diff"], p["lo"], p["hi"]) == paired_difference([0.5, 0.25, 1.0, 0.0], [0.75, 0.5, 1.0, 0.5])
+    assert sorted(unpaired) == sorted(["set d3: only before", "set d2: 0 problems only before, 1 only after",
+                                       "set d2: metric avg@8 only after"])
+    lines = diff_table(diffs).splitlines()
+    assert lines[1].split()[:5] == ["d2", "greedy", "0.250", "1.000", "+0.750"] and lines[1].endswith("4")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"sets": {}}))
+    with pytest.raises(ValueError, match="per-problem scores"):
+        read_doc(old)

@@ -106,3 +106,18 @@ def test_pass_at_k_eval_set_config_errors_name_the_field():
     C.sets = {}
     with pytest.raises(ValueError, match="set `dataset`"):
         set_configs(C)
+
+
+def test_summary_eval_interval_bounds_by_name():
+    """summary.json's eval.<set>.<metric> carries the first and last value's 95% bounds by name
+    (first_lo, first_hi, last_lo, last_hi) besides the [lo, hi] pairs; none without intervals."""
+    evals = [{"version": 0, "eval/d2/greedy": 0.25, "eval/d2/greedy/lo": 0.1, "eval/d2/greedy/hi": 0.4,
+              "eval/d2/problems": 512},
+             {"version": 20, "eval/d2/greedy": 0.5, "eval/d2/greedy/lo": 0.45, "eval/d2/greedy/hi": 0.55,
+              "eval/d2/problems": 512},
+             {"version": 0, "eval/accuracy": 0.3}]
+    got = eval_sets(evals[:2])["d2"]["greedy"]
+    assert (got["first"], got["first_lo"], got["first_hi"]) == (0.25, 0.1, 0.4)
+    assert (got["last"], got["last_lo"], got["last_hi"]) == (0.5, 0.45, 0.55)
+    assert got["first_ci"] == [0.1, 0.4] and got["last_ci"] == [0.45, 0.55]
+    assert "first_lo" not in eval_sets(evals[2:])["heldout"]["greedy"]

@@ -46,5 +46,5 @@ def test_only_known_failpoints_can_be_armed(tmp_path):
 def test_the_repack_move_reaches_its_failpoint_between_migrate_out_and_migrate_in():
     src = inspect.getsource(Fleet._move)
     out, hit, into = (src.index(s) for s in ("MigrateOut(", 'failpoints.hit("manager.after_migrate_out")',
-                                               "self._migrate_in("))
+                                               "self.mover.migrate_in("))
     assert out < hit < into

@@ -32,15 +32,15 @@ def test_orphans_go_only_to_a_rollout_of_their_lineage():
     fleet.on_stats(stats("other", 3, lineage=1))   # same number, discarded branch
     fleet.on_stats(stats("same", 3, lineage=2))
     fleet.on_stats(stats("newer", 4, lineage=2))
-    fleet.orphans = {"t": (orphan("t", 3, lineage=2), time.monotonic())}
+    fleet.recovery.orphans = {"t": (orphan("t", 3, lineage=2), time.monotonic())}
     asked: list[str] = []
 
     async def migrate_in(dest, batch):
         asked.append(dest)
         return [p.spec.trajectory_id for p in batch] if dest == "same" else []
 
-    fleet._migrate_in = migrate_in
-    asyncio.run(fleet._place_orphans())
+    fleet.mover.migrate_in = migrate_in
+    asyncio.run(fleet.recovery.place_orphans())
     assert asked == ["same"]
     assert fleet.orphans == {}
 
@@ -49,8 +49,8 @@ def test_work_without_a_lineage_is_matched_by_version_as_before():
     fleet = Fleet(_NoTransport(), structlog.get_logger("test"), FleetSettings(orphan_wait_s=1e9), lambda r: "",
                   partial_pool_address=None)
     fleet.on_stats(stats("a", 3, lineage=1))
-    assert [v.id for v in fleet._hosts_of(3, -1)] == ["a"]
-    assert fleet._hosts_of(3, 2) == []
+    assert [v.id for v in fleet.recovery.hosts_of(3, -1)] == ["a"]
+    assert fleet.recovery.hosts_of(3, 2) == []
 
 
 def test_work_of_a_failed_move_is_replaced_not_counted_as_recovered():
@@ -69,19 +69,20 @@ def test_work_of_a_failed_move_is_replaced_not_counted_as_recovered():
         async def call(self, req, timeout):
             return types.SimpleNamespace(partials=parts)
 
-    fleet._client = lambda rid: Source()
+    fleet.mover.client = lambda rid: Source()
 
     async def migrate_in(dest, batch):
         return set() if dest == "refuses" else {p.spec.trajectory_id for p in batch}
 
-    fleet._migrate_in = migrate_in
+    fleet.mover.migrate_in = migrate_in
     assert asyncio.run(fleet._move("src", "refuses", 3)) == 0
     assert fleet.orphans == {}  # placed at once on the rollout that takes them
-    assert (fleet.c.failed_moves, fleet.c.replaced, fleet.c.recovered, fleet.c.dead) == (1, 4, 0, 0)
+    c = fleet.counters
+    assert (c.failed_moves, c.replaced, c.recovered, c.dead) == (1, 4, 0, 0)
     # a dead rollout's work is still counted as recovered
-    fleet.orphans = {"d": (orphan("d", 3, lineage=2), time.monotonic())}
-    asyncio.run(fleet._place_orphans())
-    assert (fleet.c.replaced, fleet.c.recovered) == (4, 1)
+    fleet.recovery.orphans = {"d": (orphan("d", 3, lineage=2), time.monotonic())}
+    asyncio.run(fleet.recovery.place_orphans())
+    assert (fleet.counters.replaced, fleet.counters.recovered) == (4, 1)
 
 
 class _Recorder:
@@ -111,8 +112,8 @@ def test_stuck_orphans_are_offered_for_adoption_by_lineage_and_version():
     fleet = Fleet(t, structlog.get_logger("test"), FleetSettings(orphan_wait_s=0.0, orphan_policy="retained"),
                   lambda r: "inproc://r", partial_pool_address=None)
     fleet.on_stats(stats("r", 20, lineage=2))
-    fleet.orphans = {tid: (orphan(tid, 14, lineage), 0.0) for tid, lineage in (("a", 1), ("b", 2), ("c", 1))}
-    left = asyncio.run(fleet._adopt(["a", "b", "c"]))
+    fleet.recovery.orphans = {tid: (orphan(tid, 14, lineage), 0.0) for tid, lineage in (("a", 1), ("b", 2), ("c", 1))}
+    left = asyncio.run(fleet.recovery.adopt(["a", "b", "c"]))
     offers = sorted(sorted((p.lineage, p.version, p.spec.trajectory_id) for p in req.partials) for req in t.sent)
     assert offers == [[(1, 14, "a"), (1, 14, "c")], [(2, 14, "b")]] and all(req.adopt for req in t.sent)
-    assert left == [] and fleet.c.adopted == 3
+    assert left == [] and fleet.counters.adopted == 3

@@ -59,10 +59,10 @@ def test_an_in_flight_population_above_the_frame_bound_is_listed_completely(tmp_
         # the manager reads them through the paging: recovery of one owner, reconcile of all
         fleet = Fleet(c.hub.transport(), structlog.get_logger(), FleetSettings(), lambda rid: "",
                       c.config.endpoint("partial_pool"))
-        await fleet._recover("dead", 0)
+        await fleet.recovery.recover("dead", 0)
         dead = {t for t in tids[:((N // 2 + 4095) // 4096) * 4096]}
         assert set(fleet.orphans) == dead
-        await fleet.reconcile()
+        await fleet.recovery.reconcile()
         assert set(fleet.orphans) == set(tids)
         fleet.close()
         await c.close()

@@ -151,8 +151,8 @@ def test_a_restarted_relay_serves_its_left_version_again_once_its_lineage_is_off
 
 
 def test_epochs_advance_across_restarts_and_name_which_old_versions_stay_valid(tmp_path):
+    from laminar.weights.lineage import advance_lineage, read_lineage
     from laminar.weights.manifest import off_lineage
-    from laminar.weights.publisher import advance_lineage, read_lineage
     run, e1 = advance_lineage(tmp_path, start_version=0)      # a new run
     run2, e2 = advance_lineage(tmp_path, start_version=4)     # resumed from the v4 checkpoint
     run3, e3 = advance_lineage(tmp_path, start_version=2)     # killed again before v6; resumed from v2

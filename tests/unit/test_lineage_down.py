@@ -18,8 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from laminar.weights import wire  # noqa: E402
+from laminar.weights.lineage import advance_lineage, read_lineage  # noqa: E402
 from laminar.weights.node import RelayNode  # noqa: E402
-from laminar.weights.publisher import WeightPublisher, advance_lineage, read_lineage  # noqa: E402
+from laminar.weights.publisher import WeightPublisher  # noqa: E402
 from laminar.weights.transport import get_transport  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)

@@ -51,7 +51,7 @@ def test_reconcile_finds_released_work_of_a_live_rollout(tmp_path):
         fleet = Fleet(c.hub.transport(), structlog.get_logger("test"), FleetSettings(), lambda rid: "",
                       c.config.endpoint("partial_pool", "0"))
         fleet.on_stats(RolloutStats("r0", "h0", 3, 0.0, 0, 0, 0, 0.0, "idle"))   # r0 is alive
-        await fleet.reconcile()                                      # a manager that never saw the move
+        await fleet.recovery.reconcile()                                      # a manager that never saw the move
         orphans = sorted(fleet.orphans)
         fleet.close()
         await c.close()

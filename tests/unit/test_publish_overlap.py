@@ -17,7 +17,8 @@ from laminar.roles.trainer.publishing import PublishLink  # noqa: E402
 
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
-from laminar.weights.publisher import PendingPublish, WeightPublisher  # noqa: E402
+from laminar.weights.pending import PendingPublish  # noqa: E402
+from laminar.weights.publisher import WeightPublisher  # noqa: E402
 
 
 @pytest.fixture(scope="module")

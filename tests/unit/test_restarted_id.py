@@ -3,7 +3,7 @@ dataset id field may) no longer crashes the manager (before: `int("x/0")` on eve
 loop)."""
 from __future__ import annotations
 
-from laminar.roles.manager.fleet import restarted_id
+from laminar.roles.manager.recovery import restarted_id
 
 
 def test_restart_suffix_is_the_trailing_one_only():

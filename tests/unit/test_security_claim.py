@@ -97,8 +97,8 @@ def test_a_new_manager_grants_what_it_places_so_the_destination_may_claim_it(tmp
         fleet = Fleet(t, structlog.get_logger("test"), FleetSettings(), lambda rid: f"inproc://rollout.{rid}",
                       c.config.endpoint("partial_pool", "0"))
         fleet.on_stats(RolloutStats("r1", "h0", 0, 0.0, 0, 0, 0, 0.0, "idle"))
-        await fleet.reconcile()
-        await fleet._place_orphans()
+        await fleet.recovery.reconcile()
+        await fleet.recovery.place_orphans()
         thief = await d.handle(ReassignPartial("a", "r2", fence=True), {}, None, "rollout.r2")
         a = await c.client("partial_pool").call(GetPartial("a"))
         left = dict(fleet.orphans)
