@@ -28,6 +28,7 @@ from laminar.bus.auth import owned_by_other
 from laminar.bus.rpc import RequestError, current_peer
 from laminar.roles.handout import NOT_HANDED, checked
 from laminar.roles.partial_pool.awaiting import AwaitingBook
+from laminar.roles.partial_pool.columns import all_own, apply_continuing, check_batch, continues, unbatch
 from laminar.roles.partial_pool.config import PartialPoolConfig
 from laminar.roles.partial_pool.rows import (
     DELTA_COLUMNS,
@@ -39,7 +40,6 @@ from laminar.roles.partial_pool.rows import (
 from laminar.roles.partial_pool.rows import (
     MIGRATIONS as DELTA_MIGRATIONS,
 )
-from laminar.roles.partial_pool.rows import unbatch as _unbatch
 from laminar.roles.partial_pool.scoring import RewardDesk
 from laminar.roles.partial_pool.state import Outcome, PartialBook
 from laminar.roles.pool_base import PoolRole, now
@@ -141,7 +141,7 @@ class PartialPoolRole(PoolRole):
             self.next_chunk = cid + 1
             try:
                 req = unpack(blob)
-                deltas = _unbatch(req)
+                deltas = unbatch(req)
             except Exception as exc:  # a damaged chunk: set aside (its trajectories lose these deltas)
                 self.quarantine("chunks", str(cid), blob, f"{type(exc).__name__}: {exc}",
                                 [("DELETE FROM chunks WHERE id = ?", (cid,))])
@@ -179,8 +179,18 @@ class PartialPoolRole(PoolRole):
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 
     async def on_append_batch(self, req: AppendDeltaBatch) -> DeltaResult:
-        """The columnar AppendDeltas: unpacked into deltas (views into the request's arrays)."""
-        everything = _unbatch(req)
+        """The columnar AppendDeltas: the common flush applied as a whole (columns.py), any other
+        unpacked into deltas (views into the request's arrays) for the rules of state.py."""
+        check_batch(req)
+        peer = current_peer.get()
+        found = continues(self.state, req, peer if checked(peer) else None)
+        if found is not None:
+            cid, self.next_chunk = self.next_chunk, self.next_chunk + 1
+            n = apply_continuing(self.state, found, req, req.rollout_id, cid)
+            await self.durable([("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, req.rollout_id,
+                                                                                            pack(req)))])
+            return DeltaResult(applied=n, duplicates=0, held=0, rejected={})
+        everything = unbatch(req)
         deltas, out = self._own(everything, req.rollout_id, AppendDeltaBatch.kind)
         self.state.apply(req.rollout_id, deltas, out, checked=True)
         whole = len(out.applied) == len(everything) and req.loss_mask is None and all(
@@ -203,6 +213,8 @@ class PartialPoolRole(PoolRole):
         if not checked(peer):
             return deltas, out
         st = self.state
+        if all_own(st.entries, deltas, peer):
+            return deltas, out  # the usual flush: nothing new, nothing of another's (set operations)
         entries, completed, handed = st.entries, st.completed, set()
         for d in deltas:
             tid = d.trajectory_id
@@ -389,8 +401,7 @@ class PartialPoolRole(PoolRole):
         return self.buffer
 
     def counts(self) -> dict:
-        live = self.state.live()
-        return {"in_flight": len(live), "tokens": int(sum(sum(len(t) for t in e.tokens) for e in live.values())),
-                "completed": len(self.state.completed), "chunks": len(self.state.chunk_live),
+        st = self.state  # counted without copying: the heartbeat asks every second
+        return {"in_flight": sum(e.spec is not None for e in st.entries.values()), "tokens": st.tokens,
+                "completed": len(st.completed), "chunks": len(st.chunk_live),
                 **self.awaiting.stats()}
-

@@ -18,11 +18,9 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from laminar.bus.rpc import RequestError
-from laminar.roles.partial_pool.state import Delta
 from laminar.roles.sqlite_store import pack, unpack
 
-from laminar.models.routing import routing_columns, split_rows
+from laminar.models.routing import routing_columns
 from laminar.protocol import AppendDeltaBatch, TokenDelta
 
 _ROUTING_CODES = {np.dtype(np.uint8): 1, np.dtype(np.uint16): 2}
@@ -83,41 +81,6 @@ def chunk_of(owner: str, ds: list) -> AppendDeltaBatch:
         [d.spec for d in ds if d.seq == 0], np.fromiter((d.epoch for d in ds), np.int64, n),
         lineages=np.fromiter((getattr(d, "lineage", -1) for d in ds), np.int64, n),
         routing=routing, routing_offsets=routing_offsets)
-
-
-def unbatch(req: AppendDeltaBatch) -> list[Delta]:
-    """A columnar request (or a stored chunk) as its deltas, views into its arrays; RequestError
-    `bad_request` when its columns do not fit together."""
-    n = len(req.trajectory_ids)
-    seqs, versions, off = req.seqs.tolist(), req.versions.tolist(), req.offsets.tolist()
-    epochs = req.epochs.tolist() if req.epochs is not None else [0] * n
-    lineages = req.lineages.tolist() if req.lineages is not None else [-1] * n
-    if not (len(seqs) == len(versions) == len(epochs) == len(lineages) == n and len(off) == n + 1):
-        raise RequestError("bad_request", f"{n} trajectory ids but {len(seqs)} seqs, {len(versions)} versions, "
-                           f"{len(epochs)} epochs, {len(lineages)} lineages and {len(off)} offsets")
-    if req.tokens.ndim != 1 or req.logprobs.ndim != 1 or (req.loss_mask is not None and req.loss_mask.ndim != 1):
-        raise RequestError("bad_request", "tokens, logprobs and loss mask must be 1-D arrays")
-    if off and (off[0] != 0 or off[-1] != len(req.tokens) or len(req.logprobs) != len(req.tokens)
-                or any(b < a for a, b in zip(off, off[1:], strict=False))):
-        raise RequestError("bad_request", "offsets do not cut tokens and logprobs into deltas")
-    if req.loss_mask is not None and len(req.loss_mask) != len(req.tokens):
-        raise RequestError("bad_request", "loss mask and tokens differ in length")
-    if any(s < 0 for s in seqs):
-        raise RequestError("bad_request", "negative seq")
-    if sum(1 for s in seqs if s == 0) != len(req.specs):
-        raise RequestError("bad_request", f"{len(req.specs)} specs for {sum(1 for s in seqs if s == 0)} seq-0 deltas")
-    try:
-        routing = split_rows(req.routing, req.routing_offsets, n)
-    except ValueError as exc:
-        raise RequestError("bad_request", str(exc)) from None
-    specs = iter(req.specs)
-    toks, lps = req.tokens.astype(np.int32, copy=False), req.logprobs.astype(np.float32, copy=False)
-    mask = req.loss_mask
-    mask = None if mask is None else mask.astype(np.uint8, copy=False)
-    return [Delta(tid, seq, toks[a:b], lps[a:b], v, next(specs) if seq == 0 else None,
-                  None if mask is None else mask[a:b], None, ep, lin, rows)
-            for tid, seq, v, ep, lin, a, b, rows in zip(req.trajectory_ids, seqs, versions, epochs, lineages, off,
-                                                        off[1:], routing, strict=False)]
 
 
 def _columns(conn, table: str) -> set[str]:

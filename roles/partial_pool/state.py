@@ -69,6 +69,7 @@ class Entry:
     chunks: list[int] = field(default_factory=list)  # stored chunks holding some of its deltas
     lineage: int = -1  # lineage epoch of `version`, as its writer named it (-1: not named)
     routing: list[np.ndarray] = field(default_factory=list)  # MoE routing rows, one part per delta that had some
+    ntokens: int = 0   # tokens applied (the sum over `tokens`, kept so counting costs nothing)
 
     def routing_misfit(self, d) -> str | None:
         """Why `d`'s routing rows cannot follow this trajectory's (another layer count or top_k)."""
@@ -151,6 +152,7 @@ class PartialBook:
         self.pins: dict[str, int] = {}              # completed id -> live chunks holding it
         self.dead_chunks: list[int] = []            # chunks whose rows can go, since the role last looked
         self.grants: dict[str, str] = {}            # live trajectory -> the rollout that may claim it (Claims)
+        self.tokens = 0                             # tokens applied to the entries held (their ntokens)
 
     def apply(self, owner: str, deltas: list[TokenDelta], out: Outcome | None = None,
               checked: bool = False) -> Outcome:
@@ -229,6 +231,9 @@ class PartialBook:
             e.spans.append(np.asarray(d.obs_spans, dtype=np.int32).reshape(-1, 2))
         if getattr(d, "routing", None) is not None and len(d.routing):
             e.routing.append(np.asarray(d.routing))
+        n = len(e.tokens[-1])
+        e.ntokens += n
+        self.tokens += n
         e.next_seq = d.seq + 1
         out.applied.append((owner, d))
 
@@ -245,6 +250,7 @@ class PartialBook:
         e = self.entries.pop(tid, None)
         if e is not None:
             self.held_bytes -= sum(held_size(d) for d in e.held.values())
+            self.tokens -= e.ntokens
         return e
 
     def grant(self, tids, rollout: str) -> int:

@@ -76,6 +76,7 @@ class TrajectoryRunner:
             if self.routing is not None:
                 await self.routing.pull([a], done=True)
         a.timings["generated"] = time.time()
+        self.work.generation_ended(a.id)  # the batch loop may take new work while this one is stored
         self.spawn(self._finish(a, reason, env_reward), f"finish:{a.id}", oneshot=True)
 
     async def _finish(self, a: Active, reason: str, env_reward: float | None = None) -> None:

@@ -56,6 +56,7 @@ from laminar.roles.trainer import checkpoint
 from laminar.roles.trainer.batching import collate, response_logprobs
 from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
 from laminar.roles.trainer.dist import DistInfo, all_gather_objects, all_reduce_sums, broadcast_ints, shard
+from laminar.roles.trainer.flat_params import flatten_parameters
 from laminar.roles.trainer.logprobs import token_logprobs
 from laminar.roles.trainer.lora import adapter_state, manifest_fields, with_adapter
 from laminar.roles.trainer.micro_batches import MicroBatchPlan, plan_micro_batches
@@ -158,6 +159,8 @@ class TrainEngine:
         self.attention_tokens = self.params / max(1, mc.num_hidden_layers * mc.hidden_size)
         self._prepare(self.model, trained=True)
         shard(self.model, self.info, self.device, param_dtype=mp)
+        if not self.info.enabled and self.device.type == "cpu" and c.lora is None:
+            flatten_parameters(self.model)  # a publish is then one memcpy (flat_params.py)
         self.ref = None
         if c.loss.kl_coef > 0 and c.lora is None:  # with LoRA: the policy with its adapter off
             self.ref = load_causal_lm(c.model_dir, self.device, train=False)
