@@ -2,7 +2,7 @@
 
 Two forms (role.py's docstring says when each is used):
 - a chunk: the deltas one request applied, in columns, as one AppendDeltaBatch blob (`chunk_of`,
-  and `unbatch` to read a request or a chunk back into deltas);
+  and `unbatch` of columns.py to read a request or a chunk back into deltas);
 - a row of the `deltas` table per delta (`delta_row`, `delta_from_row`): multi-turn deltas, whose
   loss masks and observation spans are columns of their own.
 
