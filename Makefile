@@ -11,7 +11,7 @@ SFT_STEPS ?= 1000
 SFT_STOP_EARLY ?= 0.6
 AGENT_SFT_STEPS ?= 600
 
-.PHONY: demo demo-ci demo-upper demo-agent smollm2 smollm2-headroom smollm2-headroom-ds smollm2-headroom-lora smollm2-headroom-table test test-all install install-test install-cpu bench-quick clean
+.PHONY: demo demo-ci demo-upper demo-moe demo-agent smollm2 smollm2-headroom smollm2-headroom-ds smollm2-headroom-lora smollm2-headroom-table test test-all install install-test install-cpu bench-quick clean
 
 $(BIN)/python:
 	@echo "==> making the virtual environment $(VENV)"
@@ -59,6 +59,13 @@ models/tiny/config.json: | $(STAMP_CPU)
 	$(BIN)/python -m laminar.models.tiny models/tiny.tmp
 	$(BIN)/python -m laminar.tasks.warmstart models/tiny.tmp
 	rm -rf models/tiny && mv models/tiny.tmp models/tiny
+
+# Its mixture-of-experts sibling (docs/moe.md): a tiny Qwen3-MoE (8 experts, top-2), warm-started
+# the same way (its router's load-balancing loss added); ~10 minutes on 2 cores.
+models/tiny-moe/config.json: | $(STAMP_CPU)
+	$(BIN)/python -m laminar.models.tiny models/tiny-moe.tmp --moe
+	$(BIN)/python -m laminar.tasks.warmstart models/tiny-moe.tmp
+	rm -rf models/tiny-moe && mv models/tiny-moe.tmp models/tiny-moe
 
 # The demo's task: arithmetic word problems with worked solutions, three disjoint splits (SFT,
 # RL prompts, held-out), and its policy: the tiny model after a short SFT on the SFT split
@@ -196,6 +203,15 @@ demo-upper: $(STAMP_CPU) models/tiny/config.json runs/smoke-upper/data/prompts.j
 	rm -rf runs/smoke-upper/pools runs/smoke-upper/trainer runs/smoke-upper/logs runs/smoke-upper/manager \
 	  runs/smoke-upper/summary.*
 	$(BIN)/laminar-node up configs/smoke-upper.yaml
+
+# The smoke run of a mixture-of-experts policy: routing recorded by the rollouts, replayed by the trainer.
+demo-moe: $(STAMP_CPU) models/tiny-moe/config.json runs/smoke-moe/data/prompts.jsonl
+	rm -rf runs/smoke-moe/pools runs/smoke-moe/trainer runs/smoke-moe/logs runs/smoke-moe/manager \
+	  runs/smoke-moe/summary.*
+	$(BIN)/laminar-node up configs/smoke-moe.yaml
+
+runs/smoke-moe/data/prompts.jsonl: | $(STAMP_BASE)
+	$(BIN)/python -m laminar.tasks.demo_data $@
 
 # The agent smoke run (configs/agent-smoke.yaml): the calculator agent, sandboxed, on the word
 # problems through the gateway, and its policy: the tiny model warm-started on the agent's

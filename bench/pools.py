@@ -5,9 +5,15 @@ SQLite inserting the same rows directly in this process (same synchronous=FULL W
 
 - partial pool: one columnar AppendDeltaBatch of `--flush` deltas per call (a rollout's whole
   flush, one delta per trajectory), `--callers` rollouts at once: deltas/s acknowledged
-  (`deltas_per_s`), against the paper's largest fleets (64 replicas x 1,024 trajectories streaming
-  every 0.5 s: 131,072 deltas/s) and one replica's 2,048; next to it the same through AppendDeltas,
-  one event per delta, `--batch` per call (how rollouts sent them before);
+  (`deltas_per_s`, the median of `--windows` timed windows, with their spread), against the
+  paper's largest fleets (64 replicas x 1,024 trajectories streaming every 0.5 s: 131,072
+  deltas/s) and one replica's 2,048; next to it the same through AppendDeltas, one event per
+  delta, `--batch` per call (how rollouts sent them before). Every check a cluster runs with is
+  on: scoped keys (each caller is rollout r<c> with its own key), every trajectory created by a
+  seq 0 whose spec carries the prompt pool's hand-out for that rollout, ownership and epoch of
+  every later delta, lineage named on every delta, durable (fsynced) before the acknowledgement.
+  `pool_cpu_us_per_delta`: the pool process's CPU time (user + system) over the timed windows per
+  delta acknowledged, a count of work that a loaded machine moves far less than a rate;
 - experience buffer: PutTrajectory (128-token responses) acknowledged/s, then SampleGroups
   samples/s (trajectories handed out per second);
 - direct: the same delta rows inserted by one SQLite connection, one transaction per row and
@@ -23,6 +29,7 @@ import asyncio
 import json
 import os
 import sqlite3
+import statistics
 import sys
 import tempfile
 import time
@@ -39,9 +46,12 @@ PAPER_SCALE = 131_072  # 64 replicas x 1,024 trajectories in flight, a delta eac
 TOK = 8  # tokens per delta: ~0.5 s of decode at ~16 tokens/s per trajectory
 
 
-def make_cluster(tmp: Path) -> tuple[Path, dict]:
-    from laminar.bus.auth import generate_keys
+def make_cluster(tmp: Path, callers: int = 0) -> tuple[Path, dict]:
+    """A config for the two pools; with `callers`, scoped keys: one per scope and rollout.r<c>."""
+    from laminar.bus.auth import SCOPES, generate_client_key, generate_keys
     generate_keys(tmp / "keys")
+    for identity in (list(SCOPES) + [f"rollout.r{c}" for c in range(callers)]) if callers else []:
+        generate_client_key(tmp / "keys", identity)
     (tmp / "d.jsonl").write_text(json.dumps({"prompt": "x", "answer": "1"}) + "\n")
     ports = {r: free_port() for r in ("partial_pool", "experience_buffer")}
     cfg = {"run": {"workdir": str(tmp / "run")},
@@ -58,6 +68,22 @@ def spec(tid: str, gid: str, i: int, n: int):
     from laminar.protocol import TrajectorySpec
     return TrajectorySpec(trajectory_id=tid, prompt_id=gid, group_id=gid, sample_index=i, group_size=n,
                           prompt_tokens=np.arange(64, dtype=np.int32))
+
+
+def handed_out(cfg_path: Path, specs: list, rollout: str) -> list:
+    """The specs as the prompt pool hands them to `rollout`: signed with the pools' hand-out key."""
+    from laminar.roles.handout import Handouts  # the benches import the project when they run
+
+    from laminar.config import load_config
+    from laminar.handout_key import handout_key
+    h = Handouts(handout_key(load_config(str(cfg_path))))
+    return [h.sign(s, rollout) for s in specs]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    f = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def bench_deltas(client, seconds: float, batch: int, callers: int) -> float:
@@ -80,29 +106,51 @@ async def bench_deltas(client, seconds: float, batch: int, callers: int) -> floa
     return done / (time.perf_counter() - t0)
 
 
-async def bench_columnar(client, seconds: float, flush: int, callers: int) -> float:
+async def bench_columnar(clients: list, cfg_path: Path, seconds: float, windows: int, flush: int,
+                         pid: int) -> tuple[list[float], float]:
+    """Each client is rollout r<c> (its own key), flushing one delta for each of its `flush`
+    trajectories per call, the first call creating them (seq 0, signed hand-outs). Untimed until
+    every trajectory exists, then `windows` timed windows of `seconds`: (deltas/s of each window,
+    the pool's CPU microseconds per delta over all of them)."""
     from laminar.protocol import AppendDeltaBatch
     toks, lps = np.arange(TOK, dtype=np.int32), np.zeros(TOK, np.float32)
-    done = 0
-    stop = time.perf_counter() + seconds
     tokens, logprobs = np.tile(toks, flush), np.tile(lps, flush)
     offsets, versions = np.arange(flush + 1, dtype=np.int64) * TOK, np.zeros(flush, np.int64)
+    lineages = np.ones(flush, np.int64)
+    done, stop, created = 0, 0.0, asyncio.Event()
+    made = [0]
 
     async def caller(c: int) -> None:
         nonlocal done
-        seq = 0
-        specs = [spec(f"b{c}t{t}", f"b{c}t{t}", 0, 1) for t in range(flush)]
+        specs = handed_out(cfg_path, [spec(f"e0-p{c}_{t}/0", f"e0-p{c}_{t}", 0, 1) for t in range(flush)], f"r{c}")
         ids = [s.trajectory_id for s in specs]
-        while time.perf_counter() < stop:
-            req = AppendDeltaBatch(f"rb{c}", ids, np.full(flush, seq, np.int64), versions, offsets, tokens, logprobs,
-                                   specs if seq == 0 else [])
-            res = await client.call(req, timeout=30)
+        seq = 0
+        while seq == 0 or time.perf_counter() < stop:
+            req = AppendDeltaBatch(f"r{c}", ids, np.full(flush, seq, np.int64), versions, offsets, tokens, logprobs,
+                                   specs if seq == 0 else [], lineages=lineages)
+            res = await clients[c].call(req, timeout=60)
             assert res.applied == flush, res
-            done += flush
+            if seq == 0:
+                made[0] += 1
+                if made[0] == len(clients):
+                    created.set()
+                await created.wait()  # the timed windows start with every trajectory in flight
+            else:
+                done += flush
             seq += 1
-    t0 = time.perf_counter()
-    await asyncio.gather(*(caller(c) for c in range(callers)))
-    return done / (time.perf_counter() - t0)
+
+    rates, cpu = [], 0.0
+    stop = float("inf")
+    tasks = [asyncio.ensure_future(caller(c)) for c in range(len(clients))]
+    await created.wait()
+    for _ in range(windows):
+        d0, c0, t0 = done, cpu_s(pid), time.perf_counter()
+        await asyncio.sleep(seconds)  # the timed window: the callers run meanwhile
+        rates.append((done - d0) / (time.perf_counter() - t0))
+        cpu += (cpu_s(pid) - c0) / max(1, done - d0)
+    stop = 0.0
+    await asyncio.gather(*tasks)
+    return rates, 1e6 * cpu / windows
 
 
 async def bench_buffer(client, n: int, group: int, callers: int) -> tuple[float, float]:
@@ -189,6 +237,47 @@ def startup_times(tmp: Path, cfg_path: Path, unbounded: bool) -> dict[str, float
     return out
 
 
+CHECKS = "scoped keys (rollout.r<c>), hand-outs on seq 0, ownership and epoch, lineage, fsync before ack"
+
+
+def spread(xs: list[float]) -> float:
+    """(max - min) / median of repeated measurements (0 for fewer than two)."""
+    return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 and statistics.median(xs) else 0.0
+
+
+def deltas_only(a, windows: int) -> int:
+    """The columnar phase alone, on a partial pool of its own (bench/hot_paths.py)."""
+    from laminar.bus.auth import load_keys
+    from laminar.bus.zmq_transport import ZmqTransport
+
+    from laminar.testing.procs import RoleProc
+    tmp = Path(tempfile.mkdtemp(prefix="laminar-bench-pools-"))
+    cfg, ports = make_cluster(tmp, a.callers)
+    proc = RoleProc("partial_pool", "0", cfg, tmp).start()
+    try:
+        proc.wait_ready(60)
+
+        async def run() -> tuple[list[float], float]:
+            rollouts = [ZmqTransport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2",
+                                     load_keys(tmp / "keys", "rollout", f"r{c}")) for c in range(a.callers)]
+            try:
+                return await bench_columnar([t.client(f"tcp://127.0.0.1:{ports['partial_pool']}") for t in rollouts],
+                                            cfg, 2.0 if a.quick else 4.0, windows, a.flush, proc.proc.pid)
+            finally:
+                for t in rollouts:
+                    await t.close()
+        runs, cpu = asyncio.run(run())
+    finally:
+        proc.stop()
+    out = {"quick": a.quick, "deltas_per_s": statistics.median(runs), "deltas_per_s_runs": runs,
+           "deltas_per_s_spread": spread(runs), "pool_cpu_us_per_delta": cpu, "checks": CHECKS,
+           "paper_scale_required_deltas_per_s": PAPER_SCALE}
+    print_table("partial pool, acknowledged deltas (columnar, every check on)", ["measure", "value"],
+                [[k, v] for k, v in out.items() if k != "deltas_per_s_runs"])
+    write_json(a.out, out)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short phases (well under 60 s)")
@@ -196,34 +285,47 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64, help="deltas per AppendDeltas call")
     ap.add_argument("--callers", type=int, default=8, help="concurrent rollouts calling")
     ap.add_argument("--flush", type=int, default=1024, help="deltas per AppendDeltaBatch call (a rollout's flush)")
+    ap.add_argument("--windows", type=int, default=None, help="timed windows of the columnar phase (default 5, "
+                    "quick 3): the median and spread are reported")
+    ap.add_argument("--deltas-only", action="store_true", help="only the columnar delta phase (what "
+                    "bench/hot_paths.py runs)")
     ap.add_argument("--startup-trajectories", type=int, default=1_000_000,
                     help="synthetic run length for the start-up measure (0: skip it)")
     a = ap.parse_args()
     secs, n_traj = (4.0, 2000) if a.quick else (15.0, 10000)
+    windows = a.windows or (3 if a.quick else 5)
+    if a.deltas_only:
+        return deltas_only(a, windows)
     from laminar.bus.auth import load_keys
     from laminar.bus.zmq_transport import ZmqTransport
 
     from laminar.testing.procs import RoleProc
     tmp = Path(tempfile.mkdtemp(prefix="laminar-bench-pools-"))
-    cfg, ports = make_cluster(tmp)
+    cfg, ports = make_cluster(tmp, a.callers)
     procs = [RoleProc(r, "0", cfg, tmp).start() for r in ports]
     for p in procs:
         p.wait_ready(60)
 
-    async def run() -> tuple[float, float, float, float]:
-        t = ZmqTransport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", load_keys(tmp / "keys"))
-        pool = t.client(f"tcp://127.0.0.1:{ports['partial_pool']}")
-        columnar = await bench_columnar(pool, secs, a.flush, a.callers)
-        per_event = await bench_deltas(pool, secs, a.batch, a.callers)
+    async def run() -> tuple[list[float], float, float, float, float]:
+        keys = tmp / "keys"
+        rollouts = [ZmqTransport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", load_keys(keys, "rollout", f"r{c}"))
+                    for c in range(a.callers)]
+        pool = f"tcp://127.0.0.1:{ports['partial_pool']}"
+        columnar, cpu = await bench_columnar([t.client(pool) for t in rollouts], cfg, secs / windows * 2, windows,
+                                             a.flush, procs[0].proc.pid)
+        t = ZmqTransport("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", load_keys(keys, "operator"))
+        per_event = await bench_deltas(t.client(pool), secs, a.batch, a.callers)
         puts, samples = await bench_buffer(t.client(f"tcp://127.0.0.1:{ports['experience_buffer']}"),
                                            n_traj, 16, a.callers)
-        await t.close()
-        return columnar, per_event, puts, samples
+        for x in [t, *rollouts]:
+            await x.close()
+        return columnar, cpu, per_event, puts, samples
     try:
-        deltas, per_event, puts, samples = asyncio.run(run())
+        runs, cpu_per_delta, per_event, puts, samples = asyncio.run(run())
     finally:
         for p in procs:
             p.stop()
+    deltas = statistics.median(runs)
     startup: dict[str, dict[str, float]] = {}
     if a.startup_trajectories:  # a cluster of its own: the throughput phases' stores stay out of it
         stmp = tmp / "startup"
@@ -244,7 +346,8 @@ def main() -> int:
             [
                 "partial pool: token deltas (columnar)",
                 deltas,
-                f"{a.callers} callers x {a.flush} deltas/AppendDeltaBatch, {TOK} tokens each",
+                f"{a.callers} rollout keys x {a.flush} deltas/AppendDeltaBatch, {TOK} tokens each; median of "
+                f"{len(runs)} windows, spread {spread(runs):.0%}; {cpu_per_delta:.2f} us CPU/delta in the pool",
             ],
             ["  required at paper scale (64 x 1,024 / 0.5 s)", PAPER_SCALE, f"headroom {deltas / PAPER_SCALE:.2f}x"],
             ["  required by 1,024 trajectories / 0.5 s", REQUIRED, f"headroom {deltas / REQUIRED:.1f}x"],
@@ -264,7 +367,9 @@ def main() -> int:
                     ["pool", "bounded memory", "same, later starts", "unbounded replay"],
                     [[r, startup["bounded"][r], startup["bounded_again"][r], startup["unbounded"][r]]
                      for r in ("partial_pool", "experience_buffer")])
-    write_json(a.out, {"quick": a.quick, "deltas_per_s": deltas, "paper_scale_required_deltas_per_s": PAPER_SCALE,
+    write_json(a.out, {"quick": a.quick, "deltas_per_s": deltas, "deltas_per_s_runs": runs,
+                       "deltas_per_s_spread": spread(runs), "pool_cpu_us_per_delta": cpu_per_delta,
+                       "checks": CHECKS, "paper_scale_required_deltas_per_s": PAPER_SCALE,
                        "deltas_over_paper_scale": deltas / PAPER_SCALE, "deltas_per_s_one_event_each": per_event,
                        "flush_deltas_per_call": a.flush, "startup_s": startup,
                        "startup_trajectories": a.startup_trajectories, "required_deltas_per_s": REQUIRED,

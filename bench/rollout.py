@@ -1,19 +1,29 @@
 """Rollout benchmark on this machine's vLLM CPU engine (tiny model unless --model-dir).
 
-    python bench/rollout.py [--quick] [--out FILE]
+    python bench/rollout.py [--quick] [--out FILE] [--rounds R] [--ratio-only]
 
-1. inside the rollout role (prompt pool -> generation -> token deltas streamed to the partial
-   pool every 0.25 s -> scoring -> experience buffer, stats reported every second) -> tokens/s
-   of each of TIMED_EPOCHS batches, after a warm-up batch;
-2. engine alone: the first timed batch's trajectories (same prompts, same per-trajectory seeds,
-   so the same tokens) generated again straight through the same warm engine, all at once,
-   TIMED_EPOCHS times -> tokens/s; the ratio of the medians is the role's overhead (a batch
-   lasts well under a second here, so single passes are noisy);
+1. the role against the bare engine, same work: R rounds on one warm engine. In each round the
+   rollout role (prompt pool -> generation -> token deltas streamed to the partial pool every
+   0.25 s -> scoring -> experience buffer, stats every second; an in-process cluster with scoped
+   identities, so hand-outs, ownership and lineage are checked as in a cluster) runs one batch
+   of N trajectories, and the same trajectories (same prompts, same per-trajectory seeds, so the
+   same tokens) run again straight through the same engine, all at once. The role's time is one
+   whole cycle of its batch loop: from the TakeBatch reply to its next TakeBatch, plus that
+   request's own round trip; the bench holds the loop at the prompt pool's door between rounds
+   (a gate on the role's client), so nothing else runs while either side is timed (a loop with
+   early intake asks once nothing generates: its last stores, which a run overlaps with the next
+   batch, then end untimed before the engine's pass starts). The order
+   alternates (role first in even rounds, engine first in odd ones: the gate hands the batch's
+   specs to the bench before the role starts them), so a load that drifts during the run reaches
+   both sides alike. `role_over_engine` is the median of the R rounds' ratios; the spread
+   (max - min) / median says how far apart two runs may land (with R = 7 and a quiet machine it
+   must be well under 0.1 to tell 0.9 from 1.0);
+2. migration: MigrateOut on one rollout + MigrateIn on another, timed until every moved
+   trajectory has produced a new token on the destination; for 1 and for N trajectories;
 3. weight load: a new version written into the host's shared-memory store, loaded in place
    (engine.load_relay) into the warm engine; then per model size (Qwen2 shapes of ~0.4M to
-   ~100M parameters, one fresh engine each: median of 3 loads) -> seconds and GB/s;
-4. migration: MigrateOut on one rollout + MigrateIn on another, timed until every moved
-   trajectory has produced a new token on the destination; for 1 and for N trajectories.
+   ~100M parameters, one fresh engine each: median of 3 loads) -> seconds and GB/s.
+--ratio-only: phase 1 alone (what bench/hot_paths.py runs).
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import exit_on_signals, free_port, print_table, write_json  # noqa: E402
 
 SEED = 11
-TIMED_EPOCHS = 3
+ROUNDS, ROUNDS_QUICK = 7, 5  # timed rounds of role/engine pairs
 
 
 def prompts(n: int) -> list[str]:
@@ -39,6 +50,8 @@ def prompts(n: int) -> list[str]:
 
 
 def cluster_cfg(tmp: Path, model_dir: str, n: int, max_tokens: int, shm: Path):
+    """Prompt pool 0 hands rollout 0 batches of N single-trajectory groups, for ever; prompt
+    pool 1 gives rollout 1 one trajectory of its own (then room for migrants)."""
     from laminar.config import parse_config
     data = tmp / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in prompts(n)))
@@ -66,7 +79,6 @@ def cluster_cfg(tmp: Path, model_dir: str, n: int, max_tokens: int, shm: Path):
                     "dataset": str(data),
                     "group_size": 1,
                     "max_tokens": max_tokens,
-                    "max_epochs": 2 + TIMED_EPOCHS,
                 },
                 "rollout": {
                     "model_dir": model_dir,
@@ -82,48 +94,156 @@ def cluster_cfg(tmp: Path, model_dir: str, n: int, max_tokens: int, shm: Path):
     )
 
 
-async def run_bench(cfg, n: int, migrate_n: int, model_dir: str) -> dict:
-    """Phases on one warm engine: role batch (timed) -> migrations -> same tokens bare -> load."""
-    import torch
-    import transformers
+class Gate:
+    """Stands in front of a rollout's prompt-pool client: each TakeBatch is fetched at once (its
+    round trip timed), then held until the bench lets it through, so the role's batch loop waits
+    between rounds and the bench sees each batch's specs before the role starts them."""
 
-    from laminar.datasets import ByteTokenizer
-    from laminar.protocol import MigrateIn, MigrateOut, SampleGroups
+    def __init__(self, client):
+        self.client = client
+        self.arrived = asyncio.Event()  # a TakeBatch was fetched and waits to be let through
+        self.go = asyncio.Event()
+        self.open = False               # let everything through (after the rounds)
+        self.reply, self.fetch_s, self.asked_at = None, 0.0, 0.0
+
+    async def call(self, req, timeout: float = 5.0):
+        self.asked_at = time.perf_counter()  # the loop finished its batch and asks for the next
+        reply = await self.client.call(req, timeout=timeout)
+        self.fetch_s = time.perf_counter() - self.asked_at
+        if self.open:
+            return reply
+        self.reply = reply
+        self.arrived.set()
+        await self.go.wait()
+        self.go.clear()
+        return reply
+
+    def release(self) -> None:
+        self.arrived.clear()
+        self.go.set()
+
+
+async def engine_pass(eng, specs, tag: str) -> tuple[int, float]:
+    """The specs' trajectories straight through the engine, all at once, with the seeds the role
+    gives them: (tokens, seconds)."""
+    async def one(spec) -> int:
+        count = 0
+        async for toks, _, _ in eng.generate(f"{spec.trajectory_id}#{tag}", [int(t) for t in spec.prompt_tokens],
+                                             spec.max_tokens, zlib.crc32(f"{SEED}:{spec.trajectory_id}".encode())):
+            count += len(toks)
+        return count
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(x) for x in specs))
+    return sum(counts), time.perf_counter() - t0
+
+
+async def role_pass(r0, gate: Gate) -> tuple[int, float]:
+    """Let the held batch through and time the loop's whole cycle until it asks for the next one:
+    (tokens generated, seconds, the held TakeBatch's round trip included)."""
+    fetch, g0 = gate.fetch_s, r0.work.generated
+    t0 = time.perf_counter()
+    gate.release()
+    await gate.arrived.wait()
+    tokens, secs = r0.work.generated - g0, gate.asked_at - t0 + fetch
+    while r0.active:  # untimed: the batch's last stores end before the engine's pass starts
+        await asyncio.sleep(0.005)  # watching the role's own state
+    return tokens, secs
+
+
+def cpu_split() -> tuple[float, float]:
+    """CPU seconds used so far by this process (the role, the pools, vLLM's client side) and by its
+    children (the engine core and its worker)."""
+    here = time.process_time()
+    kids = 0.0
+    for pid in _children(os.getpid()):
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            kids += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            pass
+    return here, kids
+
+
+def _children(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(x) for x in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except FileNotFoundError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+async def timed(coro) -> tuple[int, float, float, float]:
+    """(tokens, seconds, CPU seconds here, CPU seconds in the engine's processes) of a pass."""
+    h0, k0 = cpu_split()
+    tokens, secs = await coro
+    h1, k1 = cpu_split()
+    return tokens, secs, h1 - h0, k1 - k0
+
+
+async def ratio_rounds(r0, gate: Gate, rounds: int) -> dict:
+    """One warm-up round, then `rounds` timed ones, role and engine in alternating order."""
+    rows = []
+    for k in range(rounds + 1):
+        await gate.arrived.wait()
+        specs = list(gate.reply.trajectories)
+        if k % 2:  # engine first
+            eng = await timed(engine_pass(r0.engine, specs, f"bare{k}"))
+            role = await timed(role_pass(r0, gate))
+        else:
+            role = await timed(role_pass(r0, gate))
+            eng = await timed(engine_pass(r0.engine, specs, f"bare{k}"))
+        if k:  # round 0 warms both up
+            rows.append({"role_tokens": role[0], "role_s": role[1], "engine_tokens": eng[0], "engine_s": eng[1],
+                         "role_first": k % 2 == 0, "ratio": (role[0] / role[1]) / (eng[0] / eng[1]),
+                         "role_cpu_us_per_token": {"here": 1e6 * role[2] / role[0], "engine": 1e6 * role[3] / role[0]},
+                         "engine_cpu_us_per_token": {"here": 1e6 * eng[2] / eng[0], "engine": 1e6 * eng[3] / eng[0]}})
+    ratios = [r["ratio"] for r in rows]
+    med = statistics.median(ratios)
+    return {"rounds": rows, "role_over_engine": med, "role_over_engine_runs": ratios,
+            "role_over_engine_spread": (max(ratios) - min(ratios)) / med if len(ratios) > 1 else 0.0,
+            "role_tokens_per_s": statistics.median(r["role_tokens"] / r["role_s"] for r in rows),
+            "engine_tokens_per_s": statistics.median(r["engine_tokens"] / r["engine_s"] for r in rows),
+            "same_tokens": all(r["role_tokens"] == r["engine_tokens"] for r in rows),
+            # CPU per token in this process (role, pools, vLLM's client side): what the role adds
+            "role_cpu_us_per_token": statistics.median(r["role_cpu_us_per_token"]["here"] for r in rows),
+            "engine_cpu_us_per_token": statistics.median(r["engine_cpu_us_per_token"]["here"] for r in rows)}
+
+
+async def run_bench(cfg, n: int, migrate_n: int, model_dir: str, rounds: int, ratio_only: bool) -> dict:
+    """Phases on one warm engine: role vs engine rounds -> migrations -> weight load."""
     from laminar.testing.inproc_cluster import InprocCluster
-    from laminar.weights.local_write import write_version
-    from laminar.weights.store import ShmStore
-    c = InprocCluster(cfg)
-    for r, i in (("prompt_pool", "0"), ("prompt_pool", "1"), ("partial_pool", "0"), ("experience_buffer", "0")):
+    c = InprocCluster(cfg, scoped=True)  # every role acts as its key would: hand-outs and owners checked
+    for r, i in (("prompt_pool", "0"), ("partial_pool", "0"), ("experience_buffer", "0")):
         await c.start(r, i)
     r0 = await c.start("rollout", "0")
-    r1 = await c.start("rollout", "1")
-    buf, got = c.client("experience_buffer"), []
+    gate = r0.prompts = Gate(r0.prompts)  # its first batch may pass before this: it warms the engine
+    try:
+        res = await ratio_rounds(r0, gate, rounds)
+        gate.open = True
+        gate.release()
+        if not ratio_only:
+            await c.start("prompt_pool", "1")
+            r1 = await c.start("rollout", "1")
+            res.update(await migrations(c, r0, r1, sorted({1, migrate_n})))
+            res.update(await weight_load(r0.engine, model_dir))
+    finally:
+        gate.open = True
+        gate.release()
+        await c.close()
+    return res
 
-    async def wait_done(total: int) -> None:
-        deadline = time.monotonic() + 120
-        while len(got) < total:
-            if time.monotonic() > deadline:
-                stats = await c.client("experience_buffer").call(
-                    __import__("laminar.protocol", fromlist=["x"]).BufferStatsRequest()
-                )
-                raise TimeoutError(f"{len(got)}/{total} trajectories; buffer {stats}; r0 {r0.status()} "
-                                   f"r1 {r1.status()} r0 active {list(r0.active)[:5]} r1 active {list(r1.active)[:5]}")
-            s = await buf.call(SampleGroups(total, 0))
-            got.extend(t for g in s.groups for t in g)
-            if not s.groups:
-                await asyncio.sleep(0.02)  # polling the buffer for finished work
-    await wait_done(n + 1)                 # epoch 0 on r0 (engine warm-up) and r1's warm-up
-    t0 = time.perf_counter()
-    role_rates = []
-    for e in range(1, TIMED_EPOCHS + 1):   # epochs 1..TIMED_EPOCHS on r0: the timed batches
-        await wait_done((e + 1) * n + 1)
-        role_s = time.perf_counter() - t0
-        tokens = sum(len(t.response_tokens) for t in got if t.spec.group_id.startswith(f"e{e}-"))
-        role_rates.append(tokens / role_s)
-        t0 = time.perf_counter()
-    timed = [t for t in got if t.spec.group_id.startswith("e1-")]
-    res = {"role_rates": role_rates, "role_tokens": sum(len(t.response_tokens) for t in timed)}
-    for k in sorted({1, migrate_n}):       # the next epoch on r0: move k trajectories to r1
+
+async def migrations(c, r0, r1, sizes: list[int]) -> dict:
+    """MigrateOut k trajectories of rollout 0's running batch, MigrateIn on rollout 1: seconds until
+    every moved one generated a token there."""
+    from laminar.protocol import MigrateIn, MigrateOut
+    res = {}
+    for k in sizes:
         deadline = time.monotonic() + 60
         while len(r0.active) < k or min(len(a.tokens) for a in r0.active.values()) < 4:
             if time.monotonic() > deadline:  # n must leave k trajectories on r0 after the earlier moves
@@ -137,34 +257,23 @@ async def run_bench(cfg, n: int, migrate_n: int, model_dir: str) -> dict:
         while any(tid in r1.active and len(r1.active[tid].tokens) <= base[tid] for tid in base):
             await asyncio.sleep(0.001)     # watching the role's own state
         res[f"migration_s_{k}"] = time.perf_counter() - t
-    await wait_done((TIMED_EPOCHS + 2) * n + 1)
-    while r0.active or r1.active:
-        await asyncio.sleep(0.01)
-    # the same epoch-1 trajectories (same seeds, so the same tokens) straight through the engine
-    tok, eng = ByteTokenizer(), r0.engine
+    return res
 
-    async def one(t, rep: int) -> int:
-        tid, count = t.spec.trajectory_id, 0
-        async for toks, _, _ in eng.generate(f"{tid}#bare{rep}", tok.encode(cfg_prompt(t)), t.spec.max_tokens,
-                                             zlib.crc32(f"{SEED}:{tid}".encode())):
-            count += len(toks)
-        return count
-    res["engine_rates"] = []
-    for rep in range(TIMED_EPOCHS):
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(t, rep) for t in timed))
-        res["engine_rates"].append(sum(counts) / (time.perf_counter() - t0))
-        res["engine_tokens"] = sum(counts)
-    # weight load: a new version written into the host store, loaded in place
+
+async def weight_load(eng, model_dir: str) -> dict:
+    """A new version written into a host store, loaded in place into the warm engine."""
+    import torch
+    import transformers
+
+    from laminar.weights.local_write import write_version
+    from laminar.weights.store import ShmStore
     store = ShmStore(Path(tempfile.mkdtemp(prefix="laminar-bench-shm-")))
     store.open()
     sd = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     write_version(store, sd, 1)
     t = time.perf_counter()
     assert await eng.load_relay(str(store.dir), 0) == 1
-    res.update(weight_load_s=time.perf_counter() - t, params=sum(x.numel() for x in sd.values()))
-    await c.close()
-    return res
+    return {"weight_load_s": time.perf_counter() - t, "params": sum(x.numel() for x in sd.values())}
 
 
 # (hidden, layers) of the Qwen2 models whose in-place weight load is timed (params include the
@@ -210,59 +319,53 @@ async def load_by_size(tmp: Path, sizes: list[tuple[int, int]]) -> list[dict]:
     return rows
 
 
-def cfg_prompt(t) -> str:
-    from laminar.datasets import ByteTokenizer
-    return ByteTokenizer().decode([int(x) for x in t.spec.prompt_tokens[1:]])
-
-
 def main() -> int:
     import faulthandler
-    faulthandler.dump_traceback_later(float(os.environ.get("BENCH_HANG_S", "600")), exit=True)
+    faulthandler.dump_traceback_later(float(os.environ.get("BENCH_HANG_S", "900")), exit=True)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer trajectories (under 90 s)")
+    ap.add_argument("--quick", action="store_true", help="smaller batches, fewer rounds")
     ap.add_argument("--out", default=None)
     ap.add_argument("--model-dir", default=None, help="HF model folder (default: build the tiny model)")
+    ap.add_argument("--rounds", type=int, default=None, help=f"timed role/engine rounds (default {ROUNDS}, "
+                    f"quick {ROUNDS_QUICK})")
+    ap.add_argument("--ratio-only", action="store_true", help="only the role/engine rounds")
     a = ap.parse_args()
     exit_on_signals()  # SIGTERM/SIGHUP unwind like Ctrl-C: engines closed, the /dev/shm store removed
-    n, max_tokens, migrate_n = (32, 64, 16) if a.quick else (128, 192, 100)
+    n, max_tokens, migrate_n = (64, 128, 16) if a.quick else (128, 192, 100)
+    rounds = a.rounds or (ROUNDS_QUICK if a.quick else ROUNDS)
     from laminar.models.tiny import build_tiny_model
     tmp = Path(tempfile.mkdtemp(prefix="laminar-bench-rollout-"))
     model_dir = a.model_dir or str(build_tiny_model(tmp / "tiny", init_std=0.1))
-    res = asyncio.run(run_bench(cluster_cfg(tmp, model_dir, n, max_tokens, tmp / "shm"), n, migrate_n, model_dir))
-    by_size = asyncio.run(load_by_size(tmp, LOAD_SIZES_QUICK if a.quick else LOAD_SIZES))
-    import statistics
-    engine_rate, engine_tokens = statistics.median(res["engine_rates"]), res["engine_tokens"]
-    res["role_tokens_per_s"] = statistics.median(res["role_rates"])
-    ratio = res["role_tokens_per_s"] / engine_rate
-    print_table(f"rollout on the vLLM CPU engine ({n} trajectories, up to {max_tokens} tokens, temperature 1)",
-                ["measure", "value", "note"],
-                [["engine alone, tokens/s", engine_rate, f"{engine_tokens} tokens; median of {TIMED_EPOCHS}"],
-                 ["inside the rollout role, tokens/s", res["role_tokens_per_s"],
-                  f"{res['role_tokens']} tokens per batch; median of {TIMED_EPOCHS}; pools + streaming + stats on"],
-                 ["role / engine", ratio, "target >= 0.85"],
-                 ["weight load (in place), s", res["weight_load_s"], f"{res['params'] / 1e6:.2f} M parameters"],
-                 ["migration, 1 trajectory, s", res["migration_s_1"], "command -> generating on the destination"],
-                 [f"migration, {migrate_n} trajectories, s", res[f"migration_s_{migrate_n}"], ""]])
-    print_table("in-place weight load vs model size (fresh engine each, median of 3 versions)",
-                ["params", "MB (fp32)", "load s", "GB/s"],
-                [[f"{r['params'] / 1e6:.2f} M", r["bytes"] / 1e6, r["load_s"], r["load_gb_per_s"]] for r in by_size])
-    write_json(
-        a.out,
-        {
-            "quick": a.quick,
-            "engine_tokens_per_s": engine_rate,
-            "role_tokens_per_s": res["role_tokens_per_s"],
-            "engine_tokens_per_s_runs": res["engine_rates"],
-            "role_tokens_per_s_runs": res["role_rates"],
-            "role_over_engine": ratio,
-            "weight_load_s": res["weight_load_s"],
-            "weight_params": res["params"],
-            "migration_s_per_trajectory": res["migration_s_1"],
-            f"migration_s_{migrate_n}_trajectories": res[f"migration_s_{migrate_n}"],
-            "migration_s_per_trajectory_batched": res[f"migration_s_{migrate_n}"] / migrate_n,
-            "weight_load_by_size": by_size,
-        },
-    )
+    res = asyncio.run(run_bench(cluster_cfg(tmp, model_dir, n, max_tokens, tmp / "shm"), n, migrate_n, model_dir,
+                                rounds, a.ratio_only))
+    print_table(f"rollout role vs the bare vLLM CPU engine, same work ({n} trajectories of up to {max_tokens} "
+                f"tokens a round, temperature 1; every check on)",
+                ["round", "first", "role tokens/s", "engine tokens/s", "role / engine"],
+                [[i + 1, "role" if r["role_first"] else "engine", r["role_tokens"] / r["role_s"],
+                  r["engine_tokens"] / r["engine_s"], r["ratio"]] for i, r in enumerate(res["rounds"])])
+    print(f"\nrole / engine: median {res['role_over_engine']:.3f} of {rounds} rounds, spread "
+          f"{res['role_over_engine_spread']:.3f} (goal >= 0.95); same tokens both ways: {res['same_tokens']}; "
+          f"CPU per token in this process: role {res['role_cpu_us_per_token']:.1f} us, engine alone "
+          f"{res['engine_cpu_us_per_token']:.1f} us")
+    out = {"quick": a.quick, "trajectories": n, "max_tokens": max_tokens,
+           **{k: v for k, v in res.items() if k != "rounds"}, "rounds": res["rounds"]}
+    if not a.ratio_only:
+        by_size = asyncio.run(load_by_size(tmp, LOAD_SIZES_QUICK if a.quick else LOAD_SIZES))
+        print_table("migration and in-place weight load",
+                    ["measure", "value", "note"],
+                    [["weight load (in place), s", res["weight_load_s"], f"{res['params'] / 1e6:.2f} M parameters"],
+                     ["migration, 1 trajectory, s", res["migration_s_1"], "command -> generating on the destination"],
+                     [f"migration, {migrate_n} trajectories, s", res[f"migration_s_{migrate_n}"], ""]])
+        print_table("in-place weight load vs model size (fresh engine each, median of 3 versions)",
+                    ["params", "MB (fp32)", "load s", "GB/s"],
+                    [[f"{r['params'] / 1e6:.2f} M", r["bytes"] / 1e6, r["load_s"], r["load_gb_per_s"]]
+                     for r in by_size])
+        out.update({"weight_load_s": res["weight_load_s"], "weight_params": res["params"],
+                    "migration_s_per_trajectory": res["migration_s_1"],
+                    f"migration_s_{migrate_n}_trajectories": res[f"migration_s_{migrate_n}"],
+                    "migration_s_per_trajectory_batched": res[f"migration_s_{migrate_n}"] / migrate_n,
+                    "weight_load_by_size": by_size})
+    write_json(a.out, out)
     return 0
 
 

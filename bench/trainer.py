@@ -1,9 +1,14 @@
 """Trainer benchmark: tokens/s of one training iteration (TrainEngine.train, what the trainer role runs: GRPO,
 AdamW step) on the tiny model and on a ~100M-parameter Qwen2, with sequence packing off (right-padded
 micro-batches) and on (one packed row per micro-batch), and the publish stall (what the training loop
-waits for in WeightPublisher.publish: the copy into staging) next to one plain memcpy of the same bytes.
+waits for in WeightPublisher.publish: the copy into staging) next to one plain memcpy of the same bytes,
+with every check on: each version is sealed (chunk digests, an Ed25519 signature) and streamed over
+a MAC'd link to a relay on loopback that verifies it before it counts as delivered; the median over
+repeated publishes (each after the previous one was delivered, each paired with a memcpy), with
+its spread.
 
     python bench/trainer.py [--quick] [--out FILE] [--device auto|cpu|cuda] [--models tiny,qwen2-100m]
+    python bench/trainer.py --publish-only --out FILE     # the ~100M model's publish stall alone
     python bench/trainer.py --long --out FILE [--hidden 16] [--chunk 1024] [--budget-gib 8]
     python bench/trainer.py --balance --out FILE [--batches 8] [--prompt 256] [--micro 4] [--max-tokens 32768]
     python bench/trainer.py --load --out FILE [--quick]
@@ -104,41 +109,91 @@ def padding_fraction(batch: list, micro: int) -> float:
 
 def bench_model(name: str, tmp: Path, device: str, groups: int, gsize: int, prompt: int, resp: int,
                 iters: int) -> dict:
-    import torch
 
     from laminar.models.tiny import build_tiny_model
-    from laminar.weights.publisher import WeightPublisher
     d = build_tiny_model(tmp / name, **MODELS[name])
     batch = ragged_groups(groups, gsize, name, prompt, resp)
     eng, padded, packed, tokens = train_rates(d, device, batch, iters)
     params = eng.params
     sd = eng.full_state()["model"]
-    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    pub = WeightPublisher()
-    try:
-        pub.publish(sd, 0)  # first publish allocates and pre-faults the staging buffers
-        stalls = []
-        for v in range(1, 4):
-            t0 = time.perf_counter()
-            pub.publish(sd, v)
-            stalls.append(time.perf_counter() - t0)
-    finally:
-        pub.close()
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
-    memcpys = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-        memcpys.append(time.perf_counter() - t0)
-    stall, memcpy = min(stalls), min(memcpys)
+    pubs = publish_stalls(sd, PUBLISHES_QUICK if iters <= 1 else PUBLISHES)
     return {"model": name, "params": params, "device": str(eng.device), "dtype": eng.settings.performance.dtype,
             "tokens_per_iteration": tokens,
             "padding": padding_fraction(batch, eng.settings.performance.micro_batch_size),
             "train_tokens_per_s_padded": padded, "train_tokens_per_s_packed": packed,
             "packing_speedup": packed / padded, "train_tokens_per_s": packed if eng.device.type == "cuda" else padded,
-            "weights_mb": nbytes / 1e6, "publish_stall_s": stall,
-            "memcpy_s": memcpy, "publish_stall_over_memcpy": stall / memcpy}
+            **pubs}
+
+
+PUBLISHES, PUBLISHES_QUICK = 11, 7  # timed publishes (each paired with a memcpy of the same bytes)
+
+
+def publish_stalls(sd: dict, n: int) -> dict:
+    """The publish stall with every check on: the publisher signs each version (digests of every
+    chunk, an Ed25519 seal) and streams it over an authenticated link (a MAC on every message) to
+    a relay on loopback that verifies digests and seal before the version counts as delivered.
+    Each of `n` publishes follows the delivery of the previous one (a version per training
+    iteration: the usual case) and is paired with one memcpy of the same bytes between two warm
+    buffers once it was delivered (nothing else running); the ratio is the median of the pairs'
+    ratios, with their spread."""
+    import os
+    import shutil
+    import statistics
+    import uuid
+
+    import torch
+
+    from laminar.weights import seal, wire
+    from laminar.weights.node import RelayNode
+    from laminar.weights.publisher import WeightPublisher
+    from laminar.weights.transport import get_transport
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    key, signer = wire.derive_key(b"bench-trainer"), seal.Signer(os.urandom(32))
+    shm = f"/dev/shm/laminar-bench-trainer-{uuid.uuid4().hex[:8]}"
+    node = RelayNode("r0", shm, get_transport("tcp"), key, verifier=signer.public)
+    node.start()
+    pub = WeightPublisher(key=key, signer=signer)
+    pub.run_id, pub.lineage = "bench", 1
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    stalls, memcpys = [], []
+    try:
+        pub.set_target(node.address, "r0")
+        for v in range(n + 2):  # the first two (one per staging slot) allocate and pre-fault: untimed
+            t0 = time.perf_counter()
+            pub.publish(sd, v)
+            stall = time.perf_counter() - t0
+            if not pub.wait_delivered(v, 300):  # the sender, its hashing and the relay are idle again
+                raise RuntimeError(f"the relay did not take v{v}: {pub.refused or 'no answer'}")
+            t0 = time.perf_counter()
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+            memcpy = time.perf_counter() - t0
+            if v >= 2:
+                stalls.append(stall)
+                memcpys.append(memcpy)
+    finally:
+        pub.close()
+        node.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+    ratios = [a / b for a, b in zip(stalls, memcpys, strict=True)]
+    med = statistics.median(ratios)
+    return {"weights_mb": nbytes / 1e6, "publish_stall_s": statistics.median(stalls),
+            "memcpy_s": statistics.median(memcpys), "publish_stall_over_memcpy": med,
+            "publish_stall_over_memcpy_runs": ratios,
+            "publish_stall_spread": (max(ratios) - min(ratios)) / med if len(ratios) > 1 and med else 0.0,
+            "publish_checks": "chunk digests, Ed25519 seal, MAC'd link, relay verifies before delivery"}
+
+
+def publish_only(a) -> dict:
+    """The publish stall of the ~100M model as the trainer holds it (TrainEngine.load), no training."""
+    from laminar.models.tiny import build_tiny_model
+    with tempfile.TemporaryDirectory() as tmp:
+        d = build_tiny_model(Path(tmp) / "m", **MODELS["qwen2-100m"])
+        eng = make_engine(d, a.device, 2, False)
+        out = publish_stalls(eng.full_state()["model"], PUBLISHES_QUICK if a.quick else PUBLISHES)
+    print_table("publish stall, ~100M model, every check on", ["measure", "value"],
+                [[k, v] for k, v in out.items() if k != "publish_stall_over_memcpy_runs"])
+    return {"quick": a.quick, "model": "qwen2-100m", **out}
 
 
 def main() -> None:
@@ -159,9 +214,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="--balance: prompt tokens of every sequence")
     ap.add_argument("--micro", type=int, default=4, help="--balance: round robin's sequences a micro-batch")
     ap.add_argument("--max-tokens", type=int, default=32768, help="--balance: the balanced token budget")
+    ap.add_argument("--publish-only", action="store_true", help="only the ~100M model's publish stall (no "
+                    "training): what bench/hot_paths.py runs")
     add_arguments(ap)
     a = ap.parse_args()
     t_start = time.perf_counter()
+    if a.publish_only:
+        write_json(a.out, {**publish_only(a), "elapsed_s": time.perf_counter() - t_start})
+        return
     if a.load or a.plan_check:
         out = main_load(a) if a.load else main_plan_check(a)
         write_json(a.out, {**out, "elapsed_s": time.perf_counter() - t_start})
@@ -187,6 +247,7 @@ def main() -> None:
                   x["publish_stall_over_memcpy"]] for x in rows])
     big = rows[-1]
     write_json(a.out, {"quick": a.quick, "models": rows, "train_tokens_per_s": big["train_tokens_per_s"],
+                       "publish_stall_spread": big["publish_stall_spread"],
                        "train_tokens_per_s_padded": big["train_tokens_per_s_padded"],
                        "train_tokens_per_s_packed": big["train_tokens_per_s_packed"],
                        "publish_stall_s": big["publish_stall_s"],

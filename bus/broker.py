@@ -16,7 +16,10 @@ scoped keys it forwards in Python instead of zmq.proxy: each message's publisher
 CURVE User-Id ZeroMQ attaches) and topic go through `auth.topic_refusal`, and a refused message
 (a Shutdown on `ctrl.*` from anything but the operator key, a heartbeat in another role's name)
 is dropped, counted in `refused` and logged (the 1st, 2nd, 4th... time). Subscribers cannot make
-that check themselves: the identity of a message's publisher does not travel past the broker.
+that check themselves: the identity of a message's publisher does not travel past the broker. The
+verdict depends on the (key, topic) pair alone, so it is computed once per pair and looked up
+after that (at most DECIDED_MAX pairs remembered: a key cycling through endless topics only makes
+the broker decide again, never forward what it should not).
 """
 from __future__ import annotations
 
@@ -31,6 +34,24 @@ from laminar.bus import auth as _auth
 from laminar.bus.pubsub import MAX_SUBSCRIPTION_BYTES
 
 log = structlog.get_logger("laminar.bus.broker")
+DECIDED_MAX = 1 << 16  # (key, topic) pairs whose verdict the scoped broker remembers (then starts over)
+
+
+class Verdicts:
+    """`auth.topic_refusal` remembered per (publisher key, topic): the rule depends on nothing else."""
+
+    def __init__(self, limit: int = DECIDED_MAX):
+        self.limit = limit
+        self.decided: dict[tuple[str | None, bytes], str] = {}
+
+    def why(self, who: str | None, topic: bytes) -> str:
+        why = self.decided.get((who, topic))
+        if why is None:
+            why = _auth.topic_refusal(who, topic)
+            if len(self.decided) >= self.limit:
+                self.decided.clear()
+            self.decided[(who, topic)] = why
+        return why
 
 
 class Broker:
@@ -92,6 +113,7 @@ class Broker:
     def _filter(self, xsub: zmq.Socket, xpub: zmq.Socket, ctrl: zmq.Socket) -> None:
         """zmq.proxy_steerable in Python, checking every published message's publisher and topic."""
         poller = zmq.Poller()
+        verdicts = Verdicts()
         for s in (xsub, xpub, ctrl):
             poller.register(s, zmq.POLLIN)
         while True:
@@ -116,7 +138,7 @@ class Broker:
                         who = frames[0].get("User-Id")
                     except zmq.ZMQError:
                         who = None
-                    why = _auth.topic_refusal(who, frames[0].bytes)
+                    why = verdicts.why(who, frames[0].bytes)
                     if why:
                         self.refused[who or "?"] += 1
                         n = sum(self.refused.values())

@@ -20,6 +20,13 @@ A hostile body therefore costs at most about MAX_CONTAINERS empty dicts plus one
 (~9 MiB) and a few milliseconds, whatever its size; legitimate messages (a 4,096-trajectory
 batch uses ~20k containers) stay far inside the budget. Trusted internal paths (the trainer's
 own ranks) pass larger limits explicitly.
+
+Cost of an accepted message (the hot path: every delta batch, event and reply). A body of this
+protocol version is unpacked in one pass: msgpack calls back into Python only for arrays and
+nested events (`ext_hook`) and to count containers, never per element, so a batch naming a
+thousand trajectories costs what msgpack's C loop costs. Anything else (another version, an
+envelope that is not [version, meta, fields], any error) is decoded again the careful way
+(`_decode_checked`): the envelope first, so a refusal names the request id and the peer's version.
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ _DTYPE_RE = re.compile(r"[<>|=]?[biuf][1-9][0-9]?")
 
 
 _NAMES: dict[type, tuple[str, ...]] = {}  # each event class's field names (dataclasses.fields is slow)
+_NAME_SETS: dict[type, frozenset[str]] = {}  # the same as sets (decoding: a message naming exactly these)
 
 
 def _fields(obj: Any) -> dict[str, Any]:
@@ -96,8 +104,9 @@ class _Budget:
 
     def __init__(self, max_body: int, max_containers: int):
         self.left = self.limit = max_containers
-        self.kwargs = dict(unpack_limits(max_body, max_containers), strict_map_key=False,
-                           list_hook=self._count, object_hook=self._count)
+        limits = UNPACK_LIMITS if (max_body, max_containers) == (MAX_BODY_BYTES, MAX_CONTAINERS) else \
+            unpack_limits(max_body, max_containers)
+        self.kwargs = dict(limits, strict_map_key=False, list_hook=self._count, object_hook=self._count)
 
     def _count(self, v: Any) -> Any:
         self.left -= 1
@@ -109,18 +118,34 @@ class _Budget:
         return msgpack.unpackb(data, **self.kwargs)
 
 
+class _Uncounted:
+    """msgpack's limits without the container count (a body too small to exceed it)."""
+    kwargs = dict(UNPACK_LIMITS, strict_map_key=False)
+
+
 def decode(frames: Sequence[bytes], max_body: int = MAX_BODY_BYTES, max_frames: int = MAX_FRAMES,
            max_containers: int = MAX_CONTAINERS) -> tuple[Any, dict[str, Any]]:
     """Decode frames into (event, meta). Raises a CodecError subclass on any bad input."""
     try:
-        return _decode(frames, max_body, max_frames, max_containers)
+        cls, kind, body, buffers = _frames(frames, max_body, max_frames)
+        if body[:2] == _ENVELOPE:  # [version, ...] of this protocol version: one pass (module docstring)
+            try:
+                return _decode_fast(cls, kind, body, buffers, max_body, max_containers)
+            except Exception:  # noqa: BLE001 -- decoded again below, for the error that names the request
+                pass
+        return _decode_checked(cls, kind, body, buffers, max_body, max_containers)
     except CodecError:
         raise
     except Exception as exc:  # a check this codec missed must still never reach a receive loop raw
         raise MalformedFrame(f"undecodable frames: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
-def _decode(frames: Sequence[bytes], max_body: int, max_frames: int, max_containers: int) -> tuple[Any, dict[str, Any]]:
+_KINDS: dict[bytes, tuple[type, str]] = {}  # kind frame -> (class, kind) of the kinds seen
+_ENVELOPE = bytes([0x93, PROTOCOL_VERSION])  # msgpack: an array of 3 whose first item is the version
+
+
+def _frames(frames: Sequence[bytes], max_body: int, max_frames: int) -> tuple[type, str, Any, Sequence[bytes]]:
+    """The message's class, kind, body and array frames, after the checks that need no unpacking."""
     if len(frames) < 2:
         raise MalformedFrame(f"expected at least 2 frames (kind, body), got {len(frames)}")
     if len(frames) > max_frames:
@@ -128,6 +153,9 @@ def _decode(frames: Sequence[bytes], max_body: int, max_frames: int, max_contain
     kind_raw, body = bytes(frames[0]), frames[1]
     if len(body) > max_body:
         raise OversizedFrame(f"body of {len(body)} bytes exceeds the limit of {max_body}")
+    known = _KINDS.get(kind_raw)
+    if known is not None:
+        return known[0], known[1], body, frames[2:]
     try:
         kind = kind_raw.decode("ascii")
     except UnicodeDecodeError:
@@ -135,7 +163,58 @@ def _decode(frames: Sequence[bytes], max_body: int, max_frames: int, max_contain
     cls = lookup(kind)
     if cls is None:
         raise UnknownKind(f"unknown message kind {kind[:64]!r}")
-    buffers = frames[2:]
+    _KINDS[kind_raw] = (cls, kind)  # registered kinds only: a bounded map
+    return cls, kind, body, frames[2:]
+
+
+def _decode_fast(cls: type, kind: str, body, buffers: Sequence[bytes], max_body: int,
+                 max_containers: int) -> tuple[Any, dict[str, Any]]:
+    """One unpack, arrays and nested events resolved by msgpack's ext_hook as it meets them; raises
+    on anything unusual (the caller then decodes the careful way)."""
+    used: set[int] = set()
+    # a body of fewer bytes than the budget cannot name more containers (one byte each at least,
+    # nested events included: they are bytes of the body), so only a larger one is counted
+    budget = _Budget(max_body, max_containers) if len(body) >= max_containers else _Uncounted
+    depth = [0]
+
+    def ext(code: int, data: bytes) -> Any:
+        if code == EXT_ARRAY:
+            return _array(data, buffers, used)
+        if code != EXT_EVENT or depth[0] >= MAX_DEPTH // 2:
+            raise MalformedFrame("not for the fast path")
+        depth[0] += 1
+        inner_kind, inner_fields = msgpack.unpackb(data, ext_hook=ext, **budget.kwargs)
+        depth[0] -= 1
+        _shallow(inner_fields, 2)
+        return _build(lookup(inner_kind) if isinstance(inner_kind, str) else None, inner_kind, inner_fields)
+    version, meta, fields = msgpack.unpackb(body, ext_hook=ext, **budget.kwargs)
+    if type(version) is not int or version != PROTOCOL_VERSION or not isinstance(meta, dict):
+        raise MalformedFrame("not for the fast path")
+    _shallow(fields, 2)
+    obj = _build(cls, kind, fields)
+    if len(used) != len(buffers):
+        raise MalformedFrame("not for the fast path")
+    return obj, meta
+
+
+_CONTAINERS = (list, dict)
+
+
+def _shallow(v: Any, depth: int) -> None:
+    """Raise unless lists and maps in `v` nest at most MAX_DEPTH deep (counting from `depth`).
+    Looks inside a container only when it holds containers: one C-level pass over its items' types."""
+    if depth > MAX_DEPTH:
+        raise MalformedFrame(f"message nests deeper than {MAX_DEPTH} levels")
+    items = v.values() if type(v) is dict else v
+    kinds = set(map(type, items))
+    if list in kinds or dict in kinds:
+        for x in items:
+            if type(x) in _CONTAINERS:
+                _shallow(x, depth + 1)
+
+
+def _decode_checked(cls: type, kind: str, body, buffers: Sequence[bytes], max_body: int,
+                    max_containers: int) -> tuple[Any, dict[str, Any]]:
     budget = _Budget(max_body, max_containers)
     # Two phases: unpack with extensions left opaque, read the envelope (so errors can still
     # name the request id), then resolve arrays and nested events with every check applied.
@@ -190,19 +269,33 @@ def _resolve(v: Any, buffers: Sequence[bytes], used: set[int], budget: _Budget, 
     return v
 
 
-def _array(head: bytes, buffers: Sequence[bytes], used: set[int]) -> np.ndarray:
-    try:
-        index, dtype_str, shape = msgpack.unpackb(head, **_ARRAY_HEAD_LIMITS)
-    except Exception:
-        raise MalformedFrame("bad array header") from None
+_DTYPES: dict[str, np.dtype] = {}  # dtype strings already checked and parsed (at most a few dozen)
+
+
+def _dtype(dtype_str: Any) -> np.dtype:
     # Checked as a string before numpy parses it: np.dtype accepts None, sub-array and
     # deprecated spellings that have no business on the bus.
-    if not (isinstance(dtype_str, str) and _DTYPE_RE.fullmatch(dtype_str)) or not isinstance(index, int):
+    if not (isinstance(dtype_str, str) and _DTYPE_RE.fullmatch(dtype_str)):
         raise MalformedFrame(f"array dtype {str(dtype_str)[:32]!r} not allowed")
     try:
         dtype = np.dtype(dtype_str)
     except TypeError:  # e.g. 'i3'
         raise MalformedFrame(f"array dtype {dtype_str!r} not allowed") from None
+    if len(_DTYPES) < 256:
+        _DTYPES[dtype_str] = dtype
+    return dtype
+
+
+def _array(head: bytes, buffers: Sequence[bytes], used: set[int]) -> np.ndarray:
+    try:
+        index, dtype_str, shape = msgpack.unpackb(head, **_ARRAY_HEAD_LIMITS)
+    except Exception:
+        raise MalformedFrame("bad array header") from None
+    dtype = _DTYPES.get(dtype_str) if type(dtype_str) is str else None  # one seen (and checked) before
+    if dtype is None:
+        dtype = _dtype(dtype_str)
+    if not isinstance(index, int):
+        raise MalformedFrame(f"array dtype {str(dtype_str)[:32]!r} not allowed")
     if not (0 <= index < len(buffers)) or index in used:
         raise MalformedFrame(f"array frame index {index} out of range or reused")
     if not isinstance(shape, list) or len(shape) > 32 or not all(isinstance(d, int) and d >= 0 for d in shape):
@@ -222,6 +315,15 @@ def _build(cls: type | None, kind: Any, fields: Any) -> Any:
     bad = field_errors(cls, fields)
     if bad:
         raise MalformedFrame(f"{kind}: wrong type for field(s) {', '.join(bad)}")
+    names = _NAME_SETS.get(cls)
+    if names is None:
+        names = _NAME_SETS[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    if fields.keys() == names:
+        # every field, and only those (what `encode` writes): set as __init__ would, without its
+        # frozen-dataclass setattr per field (the protocol's classes have no __post_init__)
+        obj = object.__new__(cls)
+        obj.__dict__.update(fields)
+        return obj
     try:
         return cls(**fields)
     except TypeError as exc:

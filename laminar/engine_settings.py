@@ -91,6 +91,8 @@ class EngineSettings(BaseModel):
         file has a config.json: vLLM then checks at start)."""
         shape = _shape(info)
         why = shape and shape.tp_problem(tp)
+        if why and "moe" in cls.model_fields and shape.is_moe and shape.tp_problem(tp, expert_parallel=True) is None:
+            why = None  # expert parallel splits it (the rollout's moe.expert_parallel, checked once that is read)
         if why:
             raise ValueError(f"{why} ({shape.source})")
         return tp

@@ -36,6 +36,14 @@ each GPU and gives its KV cache what the rest leaves):
 - the KV cache: what is left, which must hold at least one sequence of max_model_len (2 x layers
   x KV heads per rank x head_dim x dtype bytes per token); the plan shows how many it holds.
 
+Mixture-of-experts models (laminar/models/shape.py): the parameter counts are the total (every
+expert: weights, gradients and optimizer states of all of them are sharded, FSDP2 splitting the
+expert dimension of each layer's expert tensors); a gathered layer holds all its experts; the
+activations count each token's top-k experts (plus its router logits and dispatched copies), and
+with routing replay the staged expert ids (int64) of a micro-batch. A rollout holds all experts
+÷ TP whether its ranks split each expert (tensor parallel) or hold whole ones (expert parallel);
+the plan notes total and active parameters.
+
 A GPU that two placements share must hold both (a rollout counts gpu_memory_utilization of it).
 What these estimates leave out is said in docs/gpu.md ("The memory plan").
 """
@@ -82,7 +90,7 @@ def per_token_layer_values(s: ModelShape, tp: int = 1) -> int:
     widths split over `tp` ranks): norm inputs and outputs, q/k/v (and their rotated copies),
     the attention output, the MLP's gate, up, activation and product."""
     q, kv = s.heads * s.head_dim // tp, s.kv_heads_per_rank(tp) * s.head_dim
-    return 4 * s.hidden + 3 * q + 3 * kv + 4 * s.intermediate // tp
+    return 4 * s.hidden + 3 * q + 3 * kv + s.mlp_values_per_token(tp)
 
 
 def trainer_layer_values(s: ModelShape, dense: bool) -> int:
@@ -90,9 +98,10 @@ def trainer_layer_values(s: ModelShape, dense: bool) -> int:
     saved-tensor hooks on Hugging Face's Qwen2): the two norms' inputs and outputs (4 x hidden); the
     rotated queries, the keys, the values, the attention output and the output projection's input
     (3 q + 2 kv; a dense kernel, sdpa or eager, keeps the keys and values repeated to every query
-    head: 5 q); the MLP's gate, up, activation and product (4 x intermediate)."""
+    head: 5 q); the MLP's gate, up, activation and product (4 x intermediate; with a mixture
+    of experts, those of each of a token's experts, with its router logits and dispatched copies: shape.py)."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    return 4 * s.hidden + (5 * q if dense else 3 * q + 2 * kv) + 4 * s.intermediate
+    return 4 * s.hidden + (5 * q if dense else 3 * q + 2 * kv) + s.mlp_values_per_token()
 
 
 def dense_attention(t: Any) -> bool:
@@ -200,6 +209,9 @@ def _activations(s: ModelShape, t: Any, max_model_len: int) -> dict[str, float]:
     rows = min(chunk, local) if chunk else local
     per = CHUNK_BYTES + (cb if cb < 4 else 0) if chunk else ab + 12
     items[f"logits ({rows} tokens x {s.vocab})"] = rows * s.vocab * per
+    moe = getattr(t, "moe", None)
+    if s.is_moe and moe is not None and moe.routing_replay:  # staged as int64 ids per MoE layer (routing_replay.py)
+        items[f"replayed routing ({tokens} tokens, int64)"] = tokens * s.moe_layers * s.experts_per_token * 8
     return items
 
 
@@ -217,6 +229,11 @@ def rollout_plan(s: ModelShape, r: Any, max_num_seqs: int) -> tuple[dict[str, fl
              f"sampler logits ({max_num_seqs} seqs, fp32)": max_num_seqs * s.vocab * 8,
              "reserve (CUDA context, NCCL, graphs)": ROLLOUT_RESERVE_GIB * GiB}
     return items, s.kv_bytes_per_token(wb, tp)
+
+
+def _moe_note(s: ModelShape) -> str:
+    return (f"MoE: {s.params / 1e9:.1f}B parameters ({s.expert_params / 1e9:.1f}B in {s.moe_layers} x {s.experts} "
+            f"experts), {s.active_params / 1e9:.1f}B active per token (top-{s.experts_per_token})")
 
 
 def _gib(x: float) -> str:
@@ -260,6 +277,9 @@ def _plan_trainer(cfg, host, spec, t, gpu: float) -> Plan:
     if s is None:
         return _no_shape(plan, t.model_dir)
     plan.items = trainer_plan(s, t, _rollout_len(cfg))
+    if s.is_moe:
+        plan.notes.append(_moe_note(s) + f"; every rank holds 1/{t.distributed.world_size} of each layer's experts "
+                          f"(FSDP2 shards the expert dimension) and gathers one layer's at a time")
     if plan.need > gpu:
         top = sorted(plan.items.items(), key=lambda kv: -kv[1])[:3]
         plan.problem = (f"{plan.key} on {host} (GPU {spec.gpus[0]}): needs {_gib(plan.need)} GiB of the GPU's "
@@ -280,6 +300,11 @@ def _plan_rollout(host, spec, r, gpu: float, seqs: int) -> Plan:
     left = budget - fixed
     items[f"KV cache (>= one {r.max_model_len}-token sequence)"] = max(left, one_seq)
     plan.items = items
+    if s.is_moe:
+        moe = getattr(r, "moe", None)
+        how = "whole experts spread over the ranks (expert parallel)" if moe is not None and moe.expert_parallel \
+            else "every expert split over the ranks (tensor parallel)"
+        plan.notes.append(_moe_note(s) + f"; {how}")
     if left >= one_seq:
         plan.notes.append(f"KV cache {_gib(left)} GiB: {int(left // kv_token):,} tokens, "
                           f"{left / one_seq:.1f} sequences of {r.max_model_len}")

@@ -42,7 +42,9 @@ pass rate; `<workdir>/prompt_pool/curriculum-<id>.json`, docs/learning.md), {} w
 `reward` is what the model scorers did (replicas' latency and queue depth, parse failures, time
 awaiting a score, each model's agreement with the rule functions): laminar/summary_rewards.py,
 docs/rewards.md; None for a run without them. `agents` is what the agent roles ran (episodes, how
-they ended, episodes per second): laminar/summary_agents.py; None without an agent role.
+they ended, episodes per second): laminar/summary_agents.py; None without an agent role. `moe` is
+a mixture-of-experts run's versions one by one (reward, staleness, mismatch, the share of tokens
+whose top-k differs, routing bytes per trajectory): laminar/summary_moe.py; None without routing.
 `sandbox_alarms` lists what an env role's code sandbox ran without ({env, event, warning}: no
 per-run cgroup, `sandbox_no_cgroup`; no system-call filter, `sandbox_degraded`), from
 `<workdir>/logs/env.*.log`; [] when every sandbox had all its layers (or the run had no env role).
@@ -59,6 +61,7 @@ from laminar.intervals import paired_difference
 from laminar.logs import read_rotated_jsonl
 from laminar.report import read_jsonl
 from laminar.summary_agents import agent_section
+from laminar.summary_moe import moe_section, moe_table
 from laminar.summary_rewards import reward_section
 
 
@@ -75,6 +78,7 @@ def summarize(run_dir: str | Path, warmup: int = 1, window: int = 5) -> dict:
     out["eval_change"] = eval_change(run)
     out["reward"] = reward_section(run)  # model scorers (summary_rewards.py); None without any
     out["agents"] = agent_section(run)   # agent programs run (summary_agents.py); None without an agent role
+    out["moe"] = moe_section(recs)       # per version, with routing (summary_moe.py); None without routing
     try:
         out["eval_best"] = json.loads((run / "evaluator" / "best.json").read_text())
     except (OSError, ValueError):
@@ -300,6 +304,8 @@ def table(s: dict) -> str:
         vs = ", ".join(f"{fn[3:]}: r {f(v['pearson'])}, agree {f(v['agree'])}" for fn, v in sc["vs"].items())
         rows.append(f"  {'reward[' + name + ']':<{width}}  {sc['trajectories']} scored, mean {f(sc['mean'])}"
                     + (f"; vs {vs}" if vs else ""))
+    if s.get("moe"):
+        rows.append(moe_table(s["moe"]))
     return "\n".join(rows)
 
 

@@ -13,6 +13,14 @@ without tokens has start == end): action k is the tokens between reply k-1's end
 start, which is what a rollout needs to resume or replay an episode (the final reply, which ends
 the episode, is not appended). Both default to None, which means a single-turn trajectory: all
 tokens are the policy's.
+
+Mixture-of-experts policies: `routing` holds the experts the inference engine chose for each
+processed position of prompt + response (laminar/models/routing.py: `[positions, layers, top_k]`,
+uint8 or uint16, position 0 = the first prompt token). A delta carries the rows after those its
+trajectory recorded before (rows and tokens are cut separately: a position gets its row when the
+engine has processed it, a step after its token was sampled); the partial pool concatenates them and
+hands them back in PartialState, so a trajectory resumed elsewhere keeps them; the trainer replays
+them (docs/moe.md). None: not recorded (a dense model, or capture off).
 """
 from __future__ import annotations
 
@@ -145,6 +153,8 @@ class TokenDelta:
     obs_spans: np.ndarray | None = None  # int32 [n, 2]: environment replies appended in this delta (module docstring)
     epoch: int = 0  # ownership epoch the writer holds (PartialState.epoch); older than the pool's = fenced off
     lineage: int = -1  # lineage epoch of `version` (with version: which weights; -1 = not known)
+    routing: np.ndarray | None = None  # MoE: uint8/uint16 [rows, layers, top_k] expert ids of the positions
+    #                                    after those earlier deltas recorded (module docstring); None = none
 
 
 @event("data.append_deltas")
@@ -171,6 +181,8 @@ class AppendDeltaBatch:
     epochs: np.ndarray | None = None     # int64 ownership epoch per delta (None: all 0)
     loss_mask: np.ndarray | None = None  # uint8 per token (None: all 1)
     lineages: np.ndarray | None = None   # int64 lineage epoch of each delta's version (None: all -1, not known)
+    routing: np.ndarray | None = None    # MoE: every delta's routing rows, concatenated (None: no delta has any)
+    routing_offsets: np.ndarray | None = None  # int64, one more than deltas: delta k's rows [off[k]:off[k+1]]
 
 
 @event("data.delta_result")
@@ -209,6 +221,7 @@ class PartialState:
     obs_spans: np.ndarray | None = None  # int32 [n, 2]: every environment reply so far (module docstring)
     lineage: int = -1    # lineage epoch of `version` (-1: not known, e.g. written without one to the partial pool)
     epoch: int = 0  # ownership epoch: a new owner writes with it; writes with an older one are refused
+    routing: np.ndarray | None = None  # MoE: [positions, layers, top_k] expert ids recorded so far (docstring)
 
     @property
     def remaining_tokens(self) -> int:
@@ -278,6 +291,8 @@ class Trajectory:
     reward_components: dict[str, float] = field(default_factory=dict)  # name -> raw score ("fn:<module:fn>",
     #                                 a scorer's name); `reward` is their weighted sum (docs/rewards.md)
     run_id: str = ""                # the run of the weights that generated it ("": none, the model folder's)
+    routing: np.ndarray | None = None  # MoE: uint8/uint16 [positions, layers, top_k] experts the rollout's engine
+    #                                 chose, from the first prompt token on (module docstring); None = not recorded
 
 
 @event("data.put_trajectory")

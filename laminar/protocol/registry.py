@@ -45,11 +45,28 @@ def registered_kinds() -> dict[str, type]:
     return dict(_REGISTRY)
 
 
+# Scalar types whose check is the exact type of each item (what msgpack builds: bool is not an
+# int here, an int is a float; str subclasses never come out of msgpack).
+_EXACT: dict[Any, frozenset] = {str: frozenset({str}), bytes: frozenset({bytes}), int: frozenset({int}),
+                                float: frozenset({int, float}), bool: frozenset({bool})}
+
+
+def _exact(tp: Any) -> frozenset | None:
+    """The exact types a decoded value of type `tp` may have, when a type test says it all."""
+    if tp is type(None) or tp is np.ndarray or (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+        return frozenset({tp})
+    return _EXACT.get(tp)
+
+
 def _checker(tp: Any) -> Callable[[Any], bool]:
     origin = typing.get_origin(tp)
     if tp is Any:
         return lambda v: True
     if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        exact = [_exact(a) for a in typing.get_args(tp)]
+        if all(e is not None for e in exact):  # e.g. `np.ndarray | None`: one set lookup
+            allowed = frozenset().union(*exact)
+            return lambda v: type(v) in allowed
         parts = [_checker(a) for a in typing.get_args(tp)]
         return lambda v: any(p(v) for p in parts)
     if tp is type(None):
@@ -64,6 +81,9 @@ def _checker(tp: Any) -> Callable[[Any], bool]:
         return lambda v: isinstance(v, np.ndarray)
     if origin in (list, tuple):
         args = typing.get_args(tp)
+        exact = _EXACT.get(args[0]) if args else None
+        if exact is not None:  # a list of scalars: the items' types in one C-level pass, not a call per item
+            return lambda v: isinstance(v, (list, tuple)) and set(map(type, v)) <= exact
         inner = _checker(args[0]) if args else (lambda v: True)
         return lambda v: isinstance(v, (list, tuple)) and all(inner(x) for x in v)
     if origin is dict or tp is dict:

@@ -31,7 +31,9 @@ to rise; RL must discover that more capitals pay.
 
 Runs in about a minute on one core (0.1 M parameters, CPU). Deterministic for a seed. Progress
 (steps done, ETA, the mean loss of the last `log_every` steps) goes to stderr: a bar on a
-terminal, a line every 30 s elsewhere (laminar/progress.py).
+terminal, a line every 30 s elsewhere (laminar/progress.py). A mixture-of-experts model
+(`python -m laminar.models.tiny DIR --moe`) is warm-started the same way, its router's
+load-balancing loss added (masked_loss).
 """
 from __future__ import annotations
 
@@ -134,16 +136,20 @@ def warm_start(model_dir: str | Path, steps: int = 200, batch: int = 32, lr: flo
 
 
 def masked_loss(model, seqs: list[list[int]], masks: list[list[int]], pad_id: int = 0):
-    """Mean next-token loss of a padded batch over the positions whose mask is 1 (the replies)."""
+    """Mean next-token loss of a padded batch over the positions whose mask is 1 (the replies); a
+    mixture-of-experts model's load-balancing loss added, weighted by its router_aux_loss_coef."""
     import torch  # late: torch; configs validate without it
     width = max(map(len, seqs))
     ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
     att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     m = torch.tensor([x + [0] * (width - len(x)) for x in masks], dtype=torch.float32)[:, 1:]
-    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
+    coef = float(getattr(model.config, "router_aux_loss_coef", 0) or 0)  # a mixture of experts
+    out = model(input_ids=ids, attention_mask=att, **({"output_router_logits": True} if coef else {}))
+    logits = out.logits[:, :-1]
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                             reduction="none").view(len(seqs), -1)
-    return (nll * m).sum() / m.sum()
+    loss = (nll * m).sum() / m.sum()
+    return loss + coef * out.aux_loss if coef else loss  # the load-balancing loss keeps every expert in use
 
 
 def fit(model_dir: str | Path, next_batch, steps: int, lr: float, schedule: str, pad_id: int = 0,

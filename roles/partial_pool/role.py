@@ -24,14 +24,24 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import numpy as np
 from laminar.bus.auth import owned_by_other
 from laminar.bus.rpc import RequestError, current_peer
 from laminar.roles.handout import NOT_HANDED, checked
 from laminar.roles.partial_pool.awaiting import AwaitingBook
+from laminar.roles.partial_pool.columns import all_own, apply_continuing, check_batch, continues, unbatch
 from laminar.roles.partial_pool.config import PartialPoolConfig
+from laminar.roles.partial_pool.rows import (
+    DELTA_COLUMNS,
+    INSERT_DELTA,
+    chunk_of,
+    delta_from_row,
+    delta_row,
+)
+from laminar.roles.partial_pool.rows import (
+    MIGRATIONS as DELTA_MIGRATIONS,
+)
 from laminar.roles.partial_pool.scoring import RewardDesk
-from laminar.roles.partial_pool.state import Delta, Outcome, PartialBook
+from laminar.roles.partial_pool.state import Outcome, PartialBook
 from laminar.roles.pool_base import PoolRole, now
 from laminar.roles.sqlite_store import Many, pack, unpack
 
@@ -52,14 +62,13 @@ from laminar.protocol import (
     PartialState,
     ReassignPartial,
     SubmitScores,
-    TokenDelta,
 )
 from laminar.protocol.data import attempt_of
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS deltas (tid TEXT, seq INTEGER, owner TEXT, version INTEGER, spec BLOB,
                                    tokens BLOB, logprobs BLOB, mask BLOB, spans BLOB, lineage INTEGER DEFAULT -1,
-                                   PRIMARY KEY (tid, seq));
+                                   routing BLOB, PRIMARY KEY (tid, seq));
 CREATE TABLE IF NOT EXISTS owners (tid TEXT PRIMARY KEY, owner TEXT, epoch INTEGER DEFAULT 0);
 CREATE TABLE IF NOT EXISTS completed (tid TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS chunks (id INTEGER PRIMARY KEY, owner TEXT, blob BLOB);
@@ -73,28 +82,22 @@ class PartialPoolRole(PoolRole):
     Config = PartialPoolConfig
     SCHEMA = SCHEMA
 
-    SCHEMA_VERSION = 6  # v4: chunks (a new table); v5: deltas.lineage; v6: awaiting (a new table)
-    MIGRATIONS = {1: lambda c: _add_multiturn_columns(c), 2: lambda c: _add_owner_epochs(c),
-                  4: lambda c: _add_delta_lineage(c)}
+    SCHEMA_VERSION = 7  # v4: chunks (a new table); v5: deltas.lineage; v6: awaiting (a new table); v7: deltas.routing
+    MIGRATIONS = DELTA_MIGRATIONS
 
     def recover(self) -> None:
         c = self.settings
         st = PartialBook(c.max_held, c.remember_completed, c.max_held_only, c.max_held_bytes)
         for (tid,) in self.store.read("SELECT tid FROM completed ORDER BY rowid"):
             st.completed[tid] = None
-        rows = self.store.read("SELECT tid, seq, owner, version, spec, tokens, logprobs, mask, spans, lineage "
-                               "FROM deltas ORDER BY tid, seq")
+        rows = self.store.read(f"SELECT {DELTA_COLUMNS} FROM deltas ORDER BY tid, seq")
         bad: set[str] = set()
-        for tid, seq, owner, version, spec, toks, lps, mask, spans, lineage in rows:
+        for row in rows:
+            tid, seq, owner, spec = row[0], row[1], row[2], row[4]
             if tid in bad:
                 continue
             try:
-                d = TokenDelta(trajectory_id=tid, seq=seq, tokens=np.frombuffer(toks, np.int32),
-                               logprobs=np.frombuffer(lps, np.float32), version=version,
-                               spec=unpack(spec) if spec else None,
-                               loss_mask=None if mask is None else np.frombuffer(mask, np.uint8),
-                               obs_spans=None if spans is None else np.frombuffer(spans, np.int32).reshape(-1, 2),
-                               lineage=-1 if lineage is None else int(lineage))
+                d = delta_from_row(*row)
             except Exception as exc:  # a damaged record: the trajectory's rows go aside, the rest serves
                 bad.add(tid)
                 st.drop_entry(tid)
@@ -138,7 +141,7 @@ class PartialPoolRole(PoolRole):
             self.next_chunk = cid + 1
             try:
                 req = unpack(blob)
-                deltas = _unbatch(req)
+                deltas = unbatch(req)
             except Exception as exc:  # a damaged chunk: set aside (its trajectories lose these deltas)
                 self.quarantine("chunks", str(cid), blob, f"{type(exc).__name__}: {exc}",
                                 [("DELETE FROM chunks WHERE id = ?", (cid,))])
@@ -176,8 +179,18 @@ class PartialPoolRole(PoolRole):
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)
 
     async def on_append_batch(self, req: AppendDeltaBatch) -> DeltaResult:
-        """The columnar AppendDeltas: unpacked into deltas (views into the request's arrays)."""
-        everything = _unbatch(req)
+        """The columnar AppendDeltas: the common flush applied as a whole (columns.py), any other
+        unpacked into deltas (views into the request's arrays) for the rules of state.py."""
+        check_batch(req)
+        peer = current_peer.get()
+        found = continues(self.state, req, peer if checked(peer) else None)
+        if found is not None:
+            cid, self.next_chunk = self.next_chunk, self.next_chunk + 1
+            n = apply_continuing(self.state, found, req, req.rollout_id, cid)
+            await self.durable([("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, req.rollout_id,
+                                                                                            pack(req)))])
+            return DeltaResult(applied=n, duplicates=0, held=0, rejected={})
+        everything = unbatch(req)
         deltas, out = self._own(everything, req.rollout_id, AppendDeltaBatch.kind)
         self.state.apply(req.rollout_id, deltas, out, checked=True)
         whole = len(out.applied) == len(everything) and req.loss_mask is None and all(
@@ -200,6 +213,8 @@ class PartialPoolRole(PoolRole):
         if not checked(peer):
             return deltas, out
         st = self.state
+        if all_own(st.entries, deltas, peer):
+            return deltas, out  # the usual flush: nothing new, nothing of another's (set operations)
         entries, completed, handed = st.entries, st.completed, set()
         for d in deltas:
             tid = d.trajectory_id
@@ -228,38 +243,13 @@ class PartialPoolRole(PoolRole):
         were applied, in its order (the chunk is then the request itself)."""
         if not out.applied:
             return []
+        if whole is None and all(d.loss_mask is None and d.obs_spans is None for _, d in out.applied):
+            whole = chunk_of(owner, [d for _, d in out.applied])
         if whole is not None:
             cid, self.next_chunk = self.next_chunk, self.next_chunk + 1
             self.state.add_chunk(cid, whole.trajectory_ids)
             return [("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, owner, pack(whole)))]
-        if all(d.loss_mask is None and d.obs_spans is None for _, d in out.applied):
-            ds = [d for _, d in out.applied]
-            tids = [d.trajectory_id for d in ds]
-            toks = [np.asarray(d.tokens, np.int32) for d in ds]
-            cid, self.next_chunk = self.next_chunk, self.next_chunk + 1
-            blob = pack(AppendDeltaBatch(
-                owner, tids, np.fromiter((d.seq for d in ds), np.int64, len(ds)),
-                np.fromiter((d.version for d in ds), np.int64, len(ds)),
-                np.concatenate([[0], np.cumsum([len(t) for t in toks])]).astype(np.int64),
-                np.concatenate(toks), np.concatenate([np.asarray(d.logprobs, np.float32) for d in ds]),
-                [d.spec for d in ds if d.seq == 0], np.fromiter((d.epoch for d in ds), np.int64, len(ds)),
-                lineages=np.fromiter((getattr(d, "lineage", -1) for d in ds), np.int64, len(ds))))
-            self.state.add_chunk(cid, tids)
-            return [("INSERT INTO chunks (id, owner, blob) VALUES (?, ?, ?)", (cid, owner, blob))]
-        return [("INSERT OR IGNORE INTO deltas "
-                 "(tid, seq, owner, version, spec, tokens, logprobs, mask, spans, lineage) "
-                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", Many(
-                     (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
-                      d.tokens.tobytes(), d.logprobs.tobytes(), None if d.loss_mask is None else d.loss_mask.tobytes(),
-                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes(),
-                      getattr(d, "lineage", -1))
-                     if type(d) is Delta else
-                     (d.trajectory_id, d.seq, owner, d.version, pack(d.spec) if d.spec is not None else None,
-                      np.asarray(d.tokens, np.int32).tobytes(), np.asarray(d.logprobs, np.float32).tobytes(),
-                      None if d.loss_mask is None else np.asarray(d.loss_mask, np.uint8).tobytes(),
-                      None if d.obs_spans is None else np.asarray(d.obs_spans, np.int32).tobytes(),
-                      getattr(d, "lineage", -1))
-                     for owner, d in out.applied))]
+        return [(INSERT_DELTA, Many(delta_row(owner, d) for owner, d in out.applied))]
 
     async def on_in_flight(self, req: InFlightOf) -> PartialList:
         """One page, in trajectory id order after `req.after`: at most `page_size` partials (or
@@ -273,7 +263,7 @@ class PartialPoolRole(PoolRole):
         out, size = [], 0
         for t in tids[:limit]:
             e = self.state.entries[t]
-            n = sum(len(x) for x in e.tokens) * 8 + len(e.spec.prompt_tokens) * 4
+            n = sum(len(x) for x in e.tokens) * 8 + len(e.spec.prompt_tokens) * 4 + sum(r.nbytes for r in e.routing)
             if out and size + n > self.settings.page_bytes:
                 break
             out.append(e.state())
@@ -411,56 +401,7 @@ class PartialPoolRole(PoolRole):
         return self.buffer
 
     def counts(self) -> dict:
-        live = self.state.live()
-        return {"in_flight": len(live), "tokens": int(sum(sum(len(t) for t in e.tokens) for e in live.values())),
-                "completed": len(self.state.completed), "chunks": len(self.state.chunk_live),
+        st = self.state  # counted without copying: the heartbeat asks every second
+        return {"in_flight": sum(e.spec is not None for e in st.entries.values()), "tokens": st.tokens,
+                "completed": len(st.completed), "chunks": len(st.chunk_live),
                 **self.awaiting.stats()}
-
-
-def _add_multiturn_columns(conn) -> None:
-    """v1 -> v2: the loss mask and observation spans columns (a store from before multi-turn)."""
-    have = {row[1] for row in conn.execute("PRAGMA table_info(deltas)")}
-    for c in ("mask", "spans"):
-        if c not in have:
-            conn.execute(f"ALTER TABLE deltas ADD COLUMN {c} BLOB")
-
-
-def _add_owner_epochs(conn) -> None:
-    """v2 -> v3: the ownership epoch of each reassigned trajectory (0 for what was there)."""
-    if "epoch" not in {row[1] for row in conn.execute("PRAGMA table_info(owners)")}:
-        conn.execute("ALTER TABLE owners ADD COLUMN epoch INTEGER DEFAULT 0")
-
-
-def _add_delta_lineage(conn) -> None:
-    """v4 -> v5: the lineage epoch a delta names (-1, not named, for what was there)."""
-    if "lineage" not in {row[1] for row in conn.execute("PRAGMA table_info(deltas)")}:
-        conn.execute("ALTER TABLE deltas ADD COLUMN lineage INTEGER DEFAULT -1")
-
-
-def _unbatch(req: AppendDeltaBatch) -> list[Delta]:
-    n = len(req.trajectory_ids)
-    seqs, versions, off = req.seqs.tolist(), req.versions.tolist(), req.offsets.tolist()
-    epochs = req.epochs.tolist() if req.epochs is not None else [0] * n
-    lineages = req.lineages.tolist() if req.lineages is not None else [-1] * n
-    if not (len(seqs) == len(versions) == len(epochs) == len(lineages) == n and len(off) == n + 1):
-        raise RequestError("bad_request", f"{n} trajectory ids but {len(seqs)} seqs, {len(versions)} versions, "
-                           f"{len(epochs)} epochs, {len(lineages)} lineages and {len(off)} offsets")
-    if req.tokens.ndim != 1 or req.logprobs.ndim != 1 or (req.loss_mask is not None and req.loss_mask.ndim != 1):
-        raise RequestError("bad_request", "tokens, logprobs and loss mask must be 1-D arrays")
-    if off and (off[0] != 0 or off[-1] != len(req.tokens) or len(req.logprobs) != len(req.tokens)
-                or any(b < a for a, b in zip(off, off[1:], strict=False))):
-        raise RequestError("bad_request", "offsets do not cut tokens and logprobs into deltas")
-    if req.loss_mask is not None and len(req.loss_mask) != len(req.tokens):
-        raise RequestError("bad_request", "loss mask and tokens differ in length")
-    if any(s < 0 for s in seqs):
-        raise RequestError("bad_request", "negative seq")
-    if sum(1 for s in seqs if s == 0) != len(req.specs):
-        raise RequestError("bad_request", f"{len(req.specs)} specs for {sum(1 for s in seqs if s == 0)} seq-0 deltas")
-    specs = iter(req.specs)
-    toks, lps = req.tokens.astype(np.int32, copy=False), req.logprobs.astype(np.float32, copy=False)
-    mask = req.loss_mask
-    mask = None if mask is None else mask.astype(np.uint8, copy=False)
-    return [Delta(tid, seq, toks[a:b], lps[a:b], v, next(specs) if seq == 0 else None,
-                  None if mask is None else mask[a:b], None, ep, lin)
-            for tid, seq, v, ep, lin, a, b in zip(req.trajectory_ids, seqs, versions, epochs, lineages, off, off[1:],
-                                                  strict=False)]

@@ -34,6 +34,11 @@ Multi-turn trajectories also carry a loss mask per delta (None = all 1, as in ev
 delta) and the environment replies' spans; both accumulate like the tokens, so a partial state
 handed to a new owner keeps them (a state is masked only if one of its deltas was).
 
+Routing (mixture-of-experts policies): a delta may carry routing rows (the expert ids of the
+positions after those recorded before, laminar/models/routing.py); they accumulate like the tokens
+and the state handed back carries them all, so a trajectory resumed elsewhere keeps them. A delta
+whose rows have another layer count or top_k than the trajectory's earlier rows is rejected.
+
 Lineage: a delta may name the lineage epoch of its weight version (rollouts do on every delta);
 the state handed back carries it, so work read back from the pool is checked by (lineage, version)
 and not by version alone. -1: never named (a writer from before lineages).
@@ -45,6 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from laminar.models.routing import concat_rows, routing_problem
 from laminar.protocol import PartialState, TokenDelta, TrajectorySpec
 
 
@@ -62,6 +68,15 @@ class Entry:
     epoch: int = 0  # ownership epoch: deltas carrying an older one are refused
     chunks: list[int] = field(default_factory=list)  # stored chunks holding some of its deltas
     lineage: int = -1  # lineage epoch of `version`, as its writer named it (-1: not named)
+    routing: list[np.ndarray] = field(default_factory=list)  # MoE routing rows, one part per delta that had some
+    ntokens: int = 0   # tokens applied (the sum over `tokens`, kept so counting costs nothing)
+
+    def routing_misfit(self, d) -> str | None:
+        """Why `d`'s routing rows cannot follow this trajectory's (another layer count or top_k)."""
+        rows = getattr(d, "routing", None)
+        if rows is None or not self.routing or rows.shape[1:] == self.routing[0].shape[1:]:
+            return None
+        return f"routing rows of shape {rows.shape[1:]} after rows of shape {self.routing[0].shape[1:]}"
 
     def state(self) -> PartialState:
         cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
@@ -74,14 +89,14 @@ class Entry:
         return PartialState(spec=self.spec, tokens=cat(self.tokens, np.int32),
                             logprobs=cat(self.logprobs, np.float32), version=self.version,
                             rollout_id=self.owner, next_seq=self.next_seq, loss_mask=mask, obs_spans=spans,
-                            epoch=self.epoch, lineage=self.lineage)
+                            epoch=self.epoch, lineage=self.lineage, routing=concat_rows(self.routing))
 
 
 # A TokenDelta's fields without the frozen dataclass's cost (a tuple): what a columnar request
 # (AppendDeltaBatch) is cut into, its arrays already of the right dtypes. Anything with these
 # attributes can be applied.
 Delta = namedtuple("Delta", ["trajectory_id", "seq", "tokens", "logprobs", "version", "spec", "loss_mask",
-                             "obs_spans", "epoch", "lineage"], defaults=[None, None, None, 0, -1])
+                             "obs_spans", "epoch", "lineage", "routing"], defaults=[None, None, None, 0, -1, None])
 
 
 @dataclass
@@ -110,12 +125,15 @@ def malformed(d: TokenDelta) -> str | None:
         spans = np.asarray(d.obs_spans)
         if spans.size % 2 or (spans.ndim == 2 and spans.shape[1] != 2) or spans.ndim > 2:
             return f"observation spans of shape {spans.shape} are not (start, end) pairs"
+    if getattr(d, "routing", None) is not None:
+        return routing_problem(d.routing)
     return None
 
 
 def held_size(d) -> int:
     """Bytes a held delta keeps in memory (its arrays)."""
-    return sum(int(getattr(a, "nbytes", 0)) for a in (d.tokens, d.logprobs, d.loss_mask, d.obs_spans) if a is not None)
+    return sum(int(getattr(a, "nbytes", 0)) for a in (d.tokens, d.logprobs, d.loss_mask, d.obs_spans,
+                                                         getattr(d, "routing", None)) if a is not None)
 
 
 class PartialBook:
@@ -134,6 +152,7 @@ class PartialBook:
         self.pins: dict[str, int] = {}              # completed id -> live chunks holding it
         self.dead_chunks: list[int] = []            # chunks whose rows can go, since the role last looked
         self.grants: dict[str, str] = {}            # live trajectory -> the rollout that may claim it (Claims)
+        self.tokens = 0                             # tokens applied to the entries held (their ntokens)
 
     def apply(self, owner: str, deltas: list[TokenDelta], out: Outcome | None = None,
               checked: bool = False) -> Outcome:
@@ -176,6 +195,9 @@ class PartialBook:
             if d.seq == 0 and (d.spec is None or d.spec.trajectory_id != tid):
                 out.rejected[tid] = "seq 0 must carry the trajectory's own spec"
                 continue
+            if (why := e.routing_misfit(d)) is not None:
+                out.rejected[tid] = f"seq {d.seq}: {why}"
+                continue
             self._apply_one(e, owner, d, out)
             while e.next_seq in e.held:
                 out.held -= 1
@@ -183,6 +205,9 @@ class PartialBook:
                 self.held_bytes -= held_size(nxt)
                 if nxt.epoch < e.epoch:  # held from before a fence
                     out.rejected[tid] = f"fenced off: epoch {nxt.epoch} < {e.epoch} (owner now {e.owner!r})"
+                    break
+                if (why := e.routing_misfit(nxt)) is not None:
+                    out.rejected[tid] = f"seq {nxt.seq}: {why}"
                     break
                 self._apply_one(e, owner, nxt, out)
         return out
@@ -204,6 +229,11 @@ class PartialBook:
             e.masks.append(None if d.loss_mask is None else np.asarray(d.loss_mask, dtype=np.uint8))
         if d.obs_spans is not None and len(d.obs_spans):
             e.spans.append(np.asarray(d.obs_spans, dtype=np.int32).reshape(-1, 2))
+        if getattr(d, "routing", None) is not None and len(d.routing):
+            e.routing.append(np.asarray(d.routing))
+        n = len(e.tokens[-1])
+        e.ntokens += n
+        self.tokens += n
         e.next_seq = d.seq + 1
         out.applied.append((owner, d))
 
@@ -220,6 +250,7 @@ class PartialBook:
         e = self.entries.pop(tid, None)
         if e is not None:
             self.held_bytes -= sum(held_size(d) for d in e.held.values())
+            self.tokens -= e.ntokens
         return e
 
     def grant(self, tids, rollout: str) -> int:

@@ -213,7 +213,8 @@ class RelayRole(Role):
         while True:
             kind, info = await self.events.get()
             if kind == "complete":
-                self.log.info("version_visible", version=info["version"], chunks=info["chunks"])
+                self.log.info("version_visible", version=info["version"], chunks=info["chunks"],
+                              bytes=self._total_bytes())
                 self.pub.publish(f"weights.version.{self.ctx.id}", WeightsVersion(
                     self.ctx.id, self.ctx.host, info["version"], self._total_bytes(), str(self.node.store.dir),
                     lineage=info.get("lineage", 0), run_id=info.get("run_id", "")))

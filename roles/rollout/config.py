@@ -15,6 +15,7 @@ from laminar.roles.rollout.sim_settings import SimRolloutSettings
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from laminar.engine_settings import EngineSettings
+from laminar.models.shape import model_shape
 
 
 class RolloutEnvConfig(BaseModel):
@@ -44,6 +45,18 @@ class RolloutEnvConfig(BaseModel):
         if not self.stop and self.max_turn_tokens is None:
             raise ValueError("roles.rollout.env: a turn must end somewhere: give stop markers or max_turn_tokens")
         return self
+
+
+class RolloutMoe(BaseModel):
+    """`roles.rollout.moe`: mixture-of-experts policies (docs/moe.md)."""
+    model_config = ConfigDict(extra="forbid")
+    routing: bool = Field(False, description="record the experts the engine routes every token to and carry them "
+                          "with each trajectory (partial pool, migration, buffer) for the trainer's routing replay "
+                          "(roles.trainer.moe.routing_replay). On the CPU build the worker captures them at each MoE "
+                          "router and prefix caching is off; with CUDA, vLLM's enable_return_routed_experts")
+    expert_parallel: bool = Field(False, description="vLLM's enable_expert_parallel: the tensor-parallel ranks "
+                                  "hold whole experts (each rank a share of them) instead of a slice of every "
+                                  "expert; attention stays tensor parallel")
 
 
 class EngineChoice(BaseModel):
@@ -101,9 +114,26 @@ class RolloutConfig(EngineSettings, EngineChoice):
                                          "(None: single-turn, scored by `reward`)")
     agent: RolloutAgentConfig | None = Field(None, description="agent mode: every trajectory is an episode an "
                                              "outside agent drives through the gateway role (roles/rollout/agent.py)")
+    moe: RolloutMoe = Field(default_factory=RolloutMoe, description="mixture-of-experts policies: routing capture, "
+                            "expert parallelism (docs/moe.md)")
 
     @model_validator(mode="after")
     def _one_driver(self):
         if self.env is not None and self.agent is not None:
             raise ValueError("env and agent: a trajectory is driven by an environment or by an agent, not both")
         return self
+
+    @model_validator(mode="after")
+    def _experts_split(self):
+        """A MoE model's experts split over the tensor-parallel ranks as `moe.expert_parallel` says."""
+        if self.engine != "vllm" or self.tensor_parallel_size == 1:
+            return self
+        shape = model_shape(self.model_dir)
+        if shape is None or not shape.is_moe:
+            return self
+        why = shape.tp_problem(self.tensor_parallel_size, expert_parallel=self.moe.expert_parallel)
+        if why:
+            other = "on" if not self.moe.expert_parallel else "off"
+            raise ValueError(f"tensor_parallel_size: {why} ({shape.source}); try moe.expert_parallel {other}")
+        return self
+

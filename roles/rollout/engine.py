@@ -36,6 +36,14 @@ when it started (a trajectory is one version even while the next loads), and an 
 once no request uses it. The prefix cache is not reset on an adapter load: vLLM keys its blocks
 by adapter, so no block of one version serves another.
 
+Mixture-of-experts routing (`routing=True`, docs/moe.md): the engine records the experts it routes
+each token to, and `routing(asks, drop)` hands out the rows of positions [start, end) of the requests
+asked for. On the CPU build the worker extension captures them at every MoE layer's router
+(roles/rollout/moe_worker.py), readable while a request runs; prefix caching is then off, so every
+request computes (and records) its prompt itself. With CUDA, vLLM's own `enable_return_routed_experts`
+returns them with a finished request (`CompletionOutput.routed_experts`, every decoder layer; the MoE
+layers are kept); that path is gated and not exercised on the CPU.
+
 Shared memory: the engine core and its worker create POSIX segments in /dev/shm (`psm_*`, the
 message queues between them, 160 + 240 MiB with vLLM's defaults) and multiprocessing semaphores.
 vLLM unlinks them on a clean shutdown only. The processes that appear while the engine starts are
@@ -51,7 +59,9 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 from laminar.roles.rollout.rank_load import load_on_ranks
 
 from laminar.engine_settings import EngineSettings, LoraServing
@@ -94,6 +104,10 @@ class RolloutEngine:
 
     async def load_file(self, path: str) -> None: ...
 
+    async def routing(self, asks: list[tuple[str, int, int]], drop: list[str]) -> list[tuple[int, Any] | None]:
+        """MoE routing rows of positions [start, end) of each (request id, start, end) asked: (start,
+        rows) of those the engine holds, None for none; then it forgets the requests in `drop`."""
+
     async def close(self) -> None: ...
 
 
@@ -127,7 +141,8 @@ class VllmEngine(RolloutEngine):
                  omp_threads_bind: str | None = None, seeded: bool = False, kv_cache_tokens: int | None = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 lora: LoraServing | None = None, adapter_dir: str | None = None):
+                 lora: LoraServing | None = None, adapter_dir: str | None = None, routing: bool = False,
+                 expert_parallel: bool = False):
         self.model_dir, self.max_model_len, self.max_num_seqs = model_dir, max_model_len, max_num_seqs
         self.seeded, self.kv_cache_tokens = seeded, kv_cache_tokens
         self.kv_cache_gib, self.temperature, self.top_p, self.dtype = kv_cache_gib, temperature, top_p, dtype
@@ -142,19 +157,26 @@ class VllmEngine(RolloutEngine):
         self.stats = EngineStats()
         self.llm = None
         self.shm = None
+        self.routing_on = routing      # record the MoE routing of every token (module docstring)
+        self.expert_parallel = expert_parallel  # vLLM: experts spread over the ranks instead of split
+        self.routing_info: dict = {}   # layers, top_k, experts, dtype of the rows (after start)
+        self._finished_routing: dict[str, np.ndarray] = {}  # CUDA path: a finished request's rows
+        self._cpu = True
 
     @classmethod
     def from_settings(cls, s: EngineSettings, *, max_num_seqs: int, temperature: float, top_p: float,
-                      seeded: bool, omp_threads_bind: str | None = None) -> VllmEngine:
+                      seeded: bool, omp_threads_bind: str | None = None, routing: bool = False,
+                      expert_parallel: bool = False) -> VllmEngine:
         """The engine an EngineSettings describes (the rollout's, the evaluator's or the judge's), with
         what each role decides itself: how many sequences run at once, how it samples, where its
-        OpenMP threads go (`omp_threads_bind`: EngineSettings.omp_bind of the placement's cores)."""
+        OpenMP threads go (`omp_threads_bind`: EngineSettings.omp_bind of the placement's cores), and
+        a rollout's MoE settings (`routing`, `expert_parallel`: its `moe` section)."""
         return cls(s.model_dir, max_model_len=s.max_model_len, max_num_seqs=max_num_seqs,
                    kv_cache_gib=s.kv_cache_gib, temperature=temperature, top_p=top_p, dtype=s.dtype,
                    omp_threads_bind=omp_threads_bind, seeded=seeded, kv_cache_tokens=s.kv_cache_tokens,
                    tensor_parallel_size=s.tensor_parallel_size, enforce_eager=s.enforce_eager,
                    gpu_memory_utilization=s.gpu_memory_utilization, enable_prefix_caching=s.enable_prefix_caching,
-                   lora=s.lora)
+                   lora=s.lora, routing=routing, expert_parallel=expert_parallel)
 
     def engine_args(self, cpu: bool) -> dict:
         """The AsyncEngineArgs of this engine (`cpu`: vLLM's CPU build), as keyword arguments."""
@@ -165,12 +187,20 @@ class VllmEngine(RolloutEngine):
             extra.update(block_size=KV_BLOCK, num_gpu_blocks_override=-(-self.kv_cache_tokens // KV_BLOCK))
         if self.lora is not None:
             extra.update(enable_lora=True, max_lora_rank=self.lora.max_lora_rank, max_loras=self.lora.max_loras)
+        if self.expert_parallel:
+            extra["enable_expert_parallel"] = True
+        prefix_caching = self.enable_prefix_caching
+        if self.routing_on:
+            if cpu:
+                prefix_caching = False  # a prompt served from the cache is never routed, so never recorded
+            else:
+                extra["enable_return_routed_experts"] = True
         eager = cpu if self.enforce_eager is None else self.enforce_eager
         return dict(model=self.model_dir, skip_tokenizer_init=True, enforce_eager=eager, dtype=self.dtype,
                     max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                     tensor_parallel_size=self.tensor_parallel_size,
                     gpu_memory_utilization=self.gpu_memory_utilization,
-                    enable_prefix_caching=self.enable_prefix_caching,
+                    enable_prefix_caching=prefix_caching,
                     worker_extension_cls="laminar.roles.rollout.worker_ext.LaminarWorkerExtension", **extra)
 
     async def start(self) -> None:
@@ -183,13 +213,37 @@ class VllmEngine(RolloutEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         before = set(descendants(os.getpid()))
-        args = AsyncEngineArgs(**self.engine_args(cpu=current_platform.is_cpu()))
+        self._cpu = current_platform.is_cpu()
+        args = AsyncEngineArgs(**self.engine_args(cpu=self._cpu))
         # This blocks the loop for the engine core's start-up (seconds). AsyncLLM must be built on
         # the loop's thread (built in a worker thread it never delivers outputs); a rollout has
         # its own process, and peers of an in-process cluster ride it out by retrying.
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_class(self.stats)])
         self.shm = ShmLedger()  # only the processes this start created (other engines may share our process)
         self.shm.note([p for p in descendants(os.getpid()) if p not in before])
+        if self.routing_on:
+            await self._start_routing()
+
+    async def _start_routing(self) -> None:
+        """Bind the routing capture in every worker (CPU build), or read what vLLM's own returns
+        will hold (CUDA). RuntimeError naming the cause when the model routes nothing."""
+        from laminar.models.loading import read_config  # late: only for a MoE policy's routing
+        from laminar.models.routing import moe_layer_ids, moe_shape, routing_dtype
+        shape = moe_shape(read_config(self.model_dir))
+        if shape is None:
+            raise RuntimeError(f"routing capture is on (roles.rollout.moe.routing) but {self.model_dir} is not a "
+                               f"mixture-of-experts model")
+        if not self._cpu:
+            layers, top_k, experts = shape
+            self.routing_info = {"layers": layers, "top_k": top_k, "experts": experts,
+                                 "dtype": routing_dtype(experts).str,
+                                 "moe_layers": moe_layer_ids(read_config(self.model_dir))}
+            return
+        answers = await self._on_ranks("laminar_routing_start")
+        bad = [v for ok, v in answers if not ok]
+        if bad:
+            raise RuntimeError(f"routing capture could not start: {bad[0]}")
+        self.routing_info = answers[0][1]
 
     async def generate(self, request_id: str, prompt: list[int], max_tokens: int, seed: int | None,
                        sampling: Sampling | None = None):
@@ -210,8 +264,40 @@ class VllmEngine(RolloutEngine):
                 lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
                 if sm.top is not None:
                     sm.top += [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
+                if out.finished and getattr(c, "routed_experts", None) is not None:  # the CUDA path
+                    self._finished_routing[request_id] = np.asarray(c.routed_experts)
                 yield toks, lps, (c.finish_reason if out.finished else None)
         await self.drop_unused_adapters()  # this request's adapter, if it was the last one on an older version
+
+    async def routing(self, asks: list[tuple[str, int, int]], drop: list[str]) -> list[tuple[int, Any] | None]:
+        """The rows held of each (request id, start, end), then forget `drop` (module docstring)."""
+        if not self.routing_on or not (asks or drop):
+            return [None] * len(asks)
+        if not self._cpu:
+            return self._finished_rows(asks, drop)
+        ok, got = (await self._on_ranks("laminar_routing_take", list(asks), list(drop)))[0]  # every rank routes alike
+        if not ok:
+            raise RuntimeError(f"routing take failed: {got}")
+        info = self.routing_info
+        dtype, shape = np.dtype(info["dtype"]), (info["layers"], info["top_k"])
+        return [None if g is None else (g[0], np.frombuffer(g[2], dtype).reshape(g[1], *shape)) for g in got]
+
+    def _finished_rows(self, asks, drop) -> list:
+        """The CUDA path: rows of finished requests (vLLM returns them at the end), MoE layers only."""
+        keep = self.routing_info["moe_layers"]
+        out = []
+        for rid, start, end in asks:
+            rows = self._finished_routing.get(rid)
+            if rows is None or end <= start or start >= len(rows):
+                out.append(None)
+                continue
+            block = rows[start:end]
+            if block.shape[1] != len(keep):
+                block = block[:, keep]
+            out.append((start, block.astype(self.routing_info["dtype"], copy=False)))
+        for rid in drop:
+            self._finished_routing.pop(rid, None)
+        return out
 
     async def _on_ranks(self, method: str, *args) -> list:
         """Run a worker-extension method on every rank; their answers in rank order."""

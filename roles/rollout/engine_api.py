@@ -13,6 +13,7 @@ define every method with the protocol's signature.
     version = await engine.load_relay(shm_dir, min_version)      # -1: nothing newer; one version on every
                                                                  # rank, or WeightsLoadError / WeightsLost
     engine.stats.kv_usage, engine.stats.running, engine.stats.waiting
+    rows = await engine.routing([(request_id, start, end)], drop=[request_id])  # MoE routing (docs/moe.md)
     await engine.close()
 """
 from __future__ import annotations
@@ -54,6 +55,13 @@ class RolloutEngineAPI(Protocol):
         """Load weights from a file (a checkpoint's exported state)."""
         ...
 
+    async def routing(self, asks: list[tuple[str, int, int]], drop: list[str]) -> list[tuple[int, Any] | None]:
+        """Mixture-of-experts routing: for each (request id, start, end), (start, rows) of the rows of
+        positions [start, end) the engine recorded (uint8/uint16 [rows, layers, top_k]; fewer when it
+        has not processed them yet), or None; then forget the requests named in `drop`. An engine
+        that records none answers None for each."""
+        ...
+
     async def close(self) -> None:
         """Stop the engine and release what it holds (processes, shared memory)."""
         ...
@@ -68,7 +76,8 @@ def build_rollout_engine(settings: Any, cores: Sequence[int] | None = None) -> R
         from laminar.roles.rollout.engine import VllmEngine  # late: the engine module pulls vLLM's helpers
         return VllmEngine.from_settings(settings, max_num_seqs=engine_seqs(settings), temperature=settings.temperature,
                                         top_p=settings.top_p, seeded=settings.seed is not None,
-                                        omp_threads_bind=settings.omp_bind(cores))
+                                        omp_threads_bind=settings.omp_bind(cores), routing=settings.moe.routing,
+                                        expert_parallel=settings.moe.expert_parallel)
     if settings.engine == "sim":
         from laminar.roles.rollout.sim_engine import SimEngine  # late: only for engine: sim
         if settings.sim is None:

@@ -167,6 +167,7 @@ class EpisodeRunner:
         self.max_stop = max((len(s) for s in stops), default=0)
         self.make_durable, self.log, self.on_tokens = make_durable, log, on_tokens
         self.counts: Counter[str] = Counter()
+        self.routing = None  # RoutingPuller (routing.py) of a MoE policy whose routing is recorded
 
     @classmethod
     def build(cls, settings, engine, transport, endpoint: str | None, rollout_id: str, **kw) -> EpisodeRunner:
@@ -248,6 +249,7 @@ class EpisodeRunner:
         seed = None if self.seed is None else zlib.crc32(f"{self.seed}:{a.id}:{len(a.tokens)}".encode())
         rid = f"{a.id}#{self.rollout_id}.{a.attempt}.{len(a.obs_spans)}"
         t0 = time.monotonic()
+        a.request_id = rid
         stream = self.engine.generate(rid, prompt, budget, seed)
         try:
             async for toks, lps, finish in stream:
@@ -263,6 +265,8 @@ class EpisodeRunner:
         finally:
             await stream.aclose()  # at a marker: aborts the request in the engine
             a.timings["gen_s"] += time.monotonic() - t0
+            if self.routing is not None:  # this turn's rows, before the next turn's request replaces it
+                await self.routing.pull([a], done=True)
 
     # -- environment calls ---------------------------------------------------------------------
     def _observe(self, a: Active, r: EnvReply) -> None:

@@ -3,6 +3,8 @@
     loop:  [pull newest weights if newer] -> TakeBatch -> generate all of it with ONE version
            -> each finished trajectory: score -> PutTrajectory (durable) -> CompletePartial
            -> batch done (or emptied by a repack) -> loop
+           (early intake: once nothing generates, the next batch of the same version starts while
+           the last ones are still stored; a newer version waiting on the relay drains it first)
     modes: TakeBatch carries this rollout's version, so the prompt pool's barrier gate (sync,
            one_step, stream) holds it back until the trainer's next version; `weights.version`
            events wake an idle rollout at once. `refill` (stream mode's default) takes new
@@ -18,6 +20,8 @@ The role wires its components in setup() and keeps the batch loop and its intake
     runner.py     TrajectoryRunner: per trajectory: generate (or an episode: multiturn.py, agent.py), score, store
     streaming.py  DeltaStream: token deltas to the partial pool, paged; fenced-off work dropped
     migration.py  Migration: MigrateOut, MigrateIn, adoption of an older version's work
+    routing.py    RoutingPuller: a MoE policy's routing rows from the engine into each trajectory
+                  (roles.rollout.moe.routing; used by streaming, runner and multiturn)
 
 Tasks: `loop` (run), `gen:<id>`/`finish:<id>` (one per trajectory), `flush` (every
 delta_interval_s), `report` (rollout.stats every report_interval_s), `versions` (weights.version
@@ -31,6 +35,9 @@ what, and how the others ask:
                        MigrateOut (handed over), all through work.left(). A removal sets
                        room_freed (a hand-over only when it was the last), the last batch_done:
                        that is how the loop learns of it.
+  work.generating      added with work.active; removed when the trajectory's generation ends (its
+                       task, before scoring) or it leaves; the last removal sets gen_done (the
+                       loop's early intake).
   weights.version,     the loop alone (weights.update; run_adopted -> weights.load_retained), under
     .lineage, .run_id  work.lock with nothing active (and setup's first load, before any task).
                        MigrateIn reads them under the lock: no load slips between check and start.
@@ -48,6 +55,8 @@ what, and how the others ask:
                        task, which is the only writer of its tokens until it ends.
   counters             each by its component: work.generated (trajectory tasks),
                        weights.pull_failures, runner.puts_refused and gave_up, stream.fenced_off;
+  Active.routing       appended only, by the RoutingPuller (flush, a turn's or a trajectory's end);
+                       the rows past those held, so concurrent pulls add each row once.
                        take_failures (the loop).
 
 Writes that must arrive (deltas, trajectories) are retried until acknowledged; all of them are
@@ -68,6 +77,7 @@ from laminar.roles.rollout.engine_api import build_rollout_engine
 from laminar.roles.rollout.migration import Migration
 from laminar.roles.rollout.multiturn import EpisodeRunner
 from laminar.roles.rollout.rewards import RewardPlan
+from laminar.roles.rollout.routing import RoutingPuller
 from laminar.roles.rollout.runner import TrajectoryRunner
 from laminar.roles.rollout.streaming import DeltaStream
 from laminar.roles.rollout.trajectory import Active
@@ -94,6 +104,7 @@ class RolloutRole(Role):
         self.taken_on_version = 0  # new trajectories taken since nothing last ran (weights change only then)
         self._group_size = 1
         self._gen_at_last_report = 0
+        self._took = False  # the last turn of the loop started new trajectories (early intake waits on them)
         # set in setup() (wire): the engine and the components around it, the pools' clients, the
         # control server, the `weights.version` subscription (None until then: stop() after a failed
         # setup works)
@@ -186,9 +197,13 @@ class RolloutRole(Role):
         self.engine, self.prompts, self.partials, self.buffer = engine, prompts, partials, buffer
         self.seqs = BatchSeq(seq_file, log)
         self.weights = WeightFollower(engine, shm_dir, self.ctx.host, self.work, log, s.pull_retry_s, s.relay_id)
-        self.stream = DeltaStream(rid, self.work, partials, s.rpc_timeout_s, log)
+        routing = RoutingPuller(engine, log) if s.moe.routing else None
+        self.stream = DeltaStream(rid, self.work, partials, s.rpc_timeout_s, log, routing=routing)
         self.runner = TrajectoryRunner(rid, s, self.work, self.weights, engine, self.episodes, reward, buffer,
                                        partials, self.spawn, log)
+        self.runner.routing = routing
+        if self.episodes is not None:
+            self.episodes.routing = routing
         self.migration = Migration(rid, self.work, self.weights, self.stream, partials, self.runner.start,
                                    self._call, s.max_concurrency, log)
         self.runner.give_up = self.migration.give_up
@@ -249,6 +264,7 @@ class RolloutRole(Role):
                 self._group_size = max(1, spec.group_size)
                 self.runner.start(Active(spec=spec, version=self.version))
                 self.taken_on_version += 1
+            self._took = bool(batch and batch.trajectories)
         if batch is None and not self.active and (self.weights.unnamed() or room > 0):
             return self.IDLE  # no weights named yet, or the TakeBatch failed: idle_wait_s, then again
         if batch is not None and not batch.trajectories and not self.active:
@@ -271,6 +287,8 @@ class RolloutRole(Role):
     def _room(self) -> int:
         """How many new trajectories to take now (0: none)."""
         room = self._intake() - len(self.active)  # migrated-in work counts
+        if self.active and self._intake_early():  # those being stored take no room; one intake's worth at most
+            room = min(self._intake() - len(self.work.generating), 2 * self._intake() - len(self.active))
         if self.migration.pinned or self.migration.adopted:
             return 0  # an old version's work runs alone; the queue waits for the batch to end
         if self.active and room < self._group_size:  # refill takes whole groups only
@@ -290,12 +308,26 @@ class RolloutRole(Role):
             return engine_seqs(self.settings)
         return self.settings.max_concurrency
 
+    def _intake_early(self) -> bool:
+        """Whether the next batch starts once nothing generates, while the last trajectories of the
+        batch are still scored and stored (their puts wait on the buffer's disk; the engine need
+        not): a batch loop without refill or gate, on weights the relay does not replace, with no
+        adopted work pinning the engine to an older version and no episodes. Weights still change
+        only with nothing active: when a newer version waits, the batch drains as before."""
+        return (not self.refill and not self.gated and self.episodes is None and not self.migration.pinned
+                and not self.migration.adopted and not self.weights.newer_waiting() and not self.weights.unnamed())
+
     async def _await_room(self) -> None:
-        """Trajectories run: wait until one finishes (refill: room for new groups) or all have."""
+        """Trajectories run: wait until one finishes (refill: room for new groups), until none
+        generates (early intake), or until all have been stored."""
         self.work.state = "generating"
         if self.refill:
             await self.work.room_freed.wait()  # set by every finish (and by the last one)
-        else:
+        elif self._took and self._intake_early():  # (gen_done is already set if all ended by now)
+            await self.work.gen_done.wait()
+            if not self._intake_early():  # newer weights came meanwhile: drain, then load them
+                await self.work.batch_done.wait()
+        else:  # nothing new was taken (none left, or two intakes' worth held): wait for every store
             await self.work.batch_done.wait()
         if not self.active:
             self.work.state = "idle"
@@ -318,8 +350,9 @@ class RolloutRole(Role):
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.report_interval_s)  # the reporting period
-            if self.refill and not self.gated and self.weights.shm_dir:
-                await self.weights.look_at_relay()
+            overlapping = self.refill or (self.work.generating and self._intake_early())
+            if overlapping and not self.gated and self.weights.shm_dir:
+                await self.weights.look_at_relay()  # batches may overlap: see newer weights without a gap
             now = time.monotonic()
             rate = (self.work.generated - self._gen_at_last_report) / max(now - last, 1e-6)
             self._gen_at_last_report, last = self.work.generated, now

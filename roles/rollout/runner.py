@@ -46,6 +46,7 @@ class TrajectoryRunner:
         self.puts_refused = 0
         self.gave_up = 0       # trajectories whose store a peer answered `internal` past the bound
         self.give_up = None    # give_up(Active): durable, released in the partial pool, gone (Migration)
+        self.routing = None    # RoutingPuller (routing.py) of a MoE policy whose routing is recorded, else None
 
     def start(self, a: Active) -> None:
         """Make `a` active and run it (a resumed one keeps its lineage; a migrated one: the pool's)."""
@@ -66,13 +67,16 @@ class TrajectoryRunner:
             seed = None if self.settings.seed is None else zlib.crc32(f"{self.settings.seed}:{a.id}".encode())
             reason = "length"
             if a.remaining > 0:
-                async for toks, lps, finish in self.engine.generate(f"{a.id}#{self.rollout_id}.{a.attempt}",
-                                                                    prompt, a.remaining, seed):
+                a.request_id = f"{a.id}#{self.rollout_id}.{a.attempt}"
+                async for toks, lps, finish in self.engine.generate(a.request_id, prompt, a.remaining, seed):
                     a.add_generated(toks, lps)
                     self.work.generated += len(toks)
                     if finish is not None:
                         reason = finish
+            if self.routing is not None:
+                await self.routing.pull([a], done=True)
         a.timings["generated"] = time.time()
+        self.work.generation_ended(a.id)  # the batch loop may take new work while this one is stored
         self.spawn(self._finish(a, reason, env_reward), f"finish:{a.id}", oneshot=True)
 
     async def _finish(self, a: Active, reason: str, env_reward: float | None = None) -> None:
@@ -92,7 +96,8 @@ class TrajectoryRunner:
                           rollout_id=self.rollout_id, reward=reward, finish_reason=reason, timings=a.timings,
                           loss_mask=mask, obs_spans=a.spans(),
                           lineage=a.lineage if a.lineage >= 0 else self.weights.lineage, reward_components=parts,
-                          run_id=self.weights.run_id)  # weights change only with nothing active: these made it
+                          run_id=self.weights.run_id,  # weights change only with nothing active: these made it
+                          routing=a.routing)
         try:
             if pending:
                 await self._await_reward(traj, a, pending)
@@ -113,7 +118,9 @@ class TrajectoryRunner:
                       tokens=len(a.tokens), status=put.status,
                       reward=round(reward, 4), started=a.timings.get("started"), generated=a.timings["generated"],
                       migrated_in=a.timings.get("migrated_in"), finish=reason,
-                      **({"env_replies": len(a.obs_spans)} if a.obs_spans else {}))
+                      **({"env_replies": len(a.obs_spans)} if a.obs_spans else {}),
+                      **({"routing_rows": len(a.routing), "routing_bytes": int(a.routing.nbytes)}
+                         if a.routing is not None else {}))
         self.work.left(a)
         try:
             await self.partials.call(CompletePartial([a.id]), timeout=self.settings.rpc_timeout_s)

@@ -61,6 +61,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 from laminar.roles.rollout.engine import EngineStats, RolloutEngine
@@ -272,6 +273,9 @@ class SimEngine(RolloutEngine):
 
     async def load_file(self, path: str) -> None:
         await self.clock.sleep(self.load_s)
+
+    async def routing(self, asks: list[tuple[str, int, int]], drop: list[str]) -> list[tuple[int, Any] | None]:
+        return [None] * len(asks)  # the simulator models no experts
 
     async def close(self) -> None:
         for task in (self._task, self._scorer):

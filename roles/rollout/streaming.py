@@ -8,6 +8,9 @@ limits a message's frames, containers and body: bus/codec.py), so a large flush 
 trajectory's deltas never straddle two pages. A delta leaves its outbox only when acknowledged,
 so a page that fails is sent again by the next flush (the pool applies each seq once).
 
+A mixture-of-experts policy's routing rows (routing.py) are pulled from the engine right before
+each cut, so they go with the tokens they follow.
+
 Fencing: the partial pool refuses the writes of an owner it has fenced off (the manager gave the
 trajectory to another rollout while this one was cut off). Such a trajectory stops here: it is
 aborted in the engine, dropped from the active set, and never offered to the buffer (its new
@@ -29,6 +32,7 @@ from laminar.roles.handout import NOT_HANDED
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.work import Work
 
+from laminar.models.routing import routing_columns
 from laminar.protocol import AppendDeltaBatch, AppendDeltas
 
 
@@ -38,8 +42,9 @@ class DeltaStream:
     FLUSH_DELTAS = 4096       # deltas per request (a seq-0 spec is one more frame and a few containers)
     FLUSH_TOKENS = 1 << 20    # tokens per request (4 MiB of tokens and 4 of logprobs)
 
-    def __init__(self, rollout_id: str, work: Work, partials, timeout_s: float, log):
+    def __init__(self, rollout_id: str, work: Work, partials, timeout_s: float, log, routing=None):
         self.rollout_id, self.work, self.partials, self.timeout_s, self.log = rollout_id, work, partials, timeout_s, log
+        self.routing = routing  # RoutingPuller (routing.py): MoE routing rows pulled in before each cut
         self.fenced_off = 0  # trajectories dropped because the partial pool fenced this rollout off them
         self.refused = 0     # flushes of a trajectory the pool refused as not handed to this rollout
 
@@ -55,6 +60,8 @@ class DeltaStream:
         that fails stops the flush (the rest is sent next time: deltas stay in their outboxes)."""
         active = self.work.active
         items = [active[t] for t in only if t in active] if only else list(active.values())
+        if self.routing is not None:
+            await self.routing.pull(items)
         for a in items:
             a.cut_delta()
         items = [a for a in items if a.outbox]
@@ -131,9 +138,11 @@ def _columns(rollout_id: str, deltas: list) -> AppendDeltaBatch:
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     cat = lambda xs, dt: np.concatenate([np.asarray(x, dt) for x in xs]) if xs else np.zeros(0, dt)  # noqa: E731
+    routing, routing_offsets = routing_columns([d.routing for d in deltas])
     return AppendDeltaBatch(
         rollout_id, [d.trajectory_id for d in deltas], np.fromiter((d.seq for d in deltas), np.int64, n),
         np.fromiter((d.version for d in deltas), np.int64, n), offsets,
         cat([d.tokens for d in deltas], np.int32), cat([d.logprobs for d in deltas], np.float32),
         [d.spec for d in deltas if d.seq == 0], epochs=np.fromiter((d.epoch for d in deltas), np.int64, n),
-        lineages=np.fromiter((d.lineage for d in deltas), np.int64, n))
+        lineages=np.fromiter((d.lineage for d in deltas), np.int64, n), routing=routing,
+        routing_offsets=routing_offsets)

@@ -13,6 +13,13 @@ Every delta carries the trajectory's ownership epoch (`epoch`, kept from the Par
 resumed from): a write from an owner the partial pool has fenced off is refused, and the rollout
 then drops the trajectory (`fenced`), since its new owner continues it. Each delta also names the
 lineage epoch of its version (`lineage`), which the partial pool hands back in the PartialState.
+
+Mixture-of-experts routing (`routing`, laminar/models/routing.py): the experts the engine chose for
+each processed position, appended as the engine reports them (routing_capture.py's puller), cut
+into deltas like the tokens but on its own counter (`routing_cut`: a position's row comes a step
+after its token), carried by the partial state and kept on resume: rows recorded by an earlier
+rollout are never replaced. `request_id` names the engine request now generating it (the puller
+asks the engine for that request's rows).
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from laminar.models.routing import append_rows
 from laminar.protocol import PartialState, TokenDelta, TrajectorySpec
 
 
@@ -54,6 +62,9 @@ class Active:
     lineage: int = -1          # lineage epoch of `version` (-1: not known yet; the rollout sets its own at start)
     hold: bool = False         # agent episode before its first call: no delta yet (its prompt is still to come)
     busy: bool = False         # an agent call of it is running: it stays on this rollout until the call is done
+    routing: np.ndarray | None = None  # MoE: expert ids of positions [0, n) of prompt + tokens (module docstring)
+    routing_cut: int = 0       # routing rows already cut into deltas
+    request_id: str | None = None  # the engine request generating it now (routing is asked for by this id)
 
     @property
     def id(self) -> str:
@@ -87,6 +98,17 @@ class Active:
         self.mask += [0] * len(toks)
         self.obs_spans.append((start, len(self.tokens)))
 
+    @property
+    def positions(self) -> int:
+        """Positions of prompt + tokens so far (a routing row can exist for each, once processed)."""
+        return len(self.spec.prompt_tokens) + len(self.tokens)
+
+    def add_routing(self, rows: np.ndarray, start: int) -> int:
+        """Rows of positions [start, ...) from the engine: only those past the recorded ones are
+        kept (module docstring); how many were added."""
+        self.routing, n = append_rows(self.routing, rows, start)
+        return n
+
     def action(self, k: int) -> list[int]:
         """The policy's k-th action (k >= 1): the tokens between replies k-1 and k."""
         return self.tokens[self.obs_spans[k - 1][1]:self.obs_spans[k][0]]
@@ -114,7 +136,9 @@ class Active:
         """Freeze tokens and replies since the last cut into the next delta (seq 0 carries spec)."""
         if self.hold:
             return
-        if self.cut == len(self.tokens) and self.spans_cut == len(self.obs_spans) and self.next_seq > 0:
+        rows = 0 if self.routing is None else len(self.routing)
+        if (self.cut == len(self.tokens) and self.spans_cut == len(self.obs_spans) and self.routing_cut == rows
+                and self.next_seq > 0):
             return
         self.outbox.append(TokenDelta(
             trajectory_id=self.id, seq=self.next_seq,
@@ -122,10 +146,12 @@ class Active:
             logprobs=np.asarray(self.logprobs[self.cut:], dtype=np.float32),
             version=self.version, spec=self.spec if self.next_seq == 0 else None,
             loss_mask=_mask_array(self.mask[self.cut:]), obs_spans=_spans_array(self.obs_spans[self.spans_cut:]),
-            epoch=self.epoch, lineage=self.lineage))
+            epoch=self.epoch, lineage=self.lineage,
+            routing=self.routing[self.routing_cut:] if rows > self.routing_cut else None))
         self.next_seq += 1
         self.cut = len(self.tokens)
         self.spans_cut = len(self.obs_spans)
+        self.routing_cut = rows
 
     def acked(self, upto_seq: int) -> None:
         self.outbox = [d for d in self.outbox if d.seq > upto_seq]
@@ -135,7 +161,7 @@ class Active:
                             logprobs=np.asarray(self.logprobs, dtype=np.float32),
                             version=self.version, rollout_id=rollout_id, next_seq=self.next_seq,
                             loss_mask=self.loss_mask(), obs_spans=self.spans(), epoch=self.epoch,
-                            lineage=self.lineage)
+                            lineage=self.lineage, routing=self.routing)
 
     @classmethod
     def resume(cls, p: PartialState) -> Active:
@@ -146,5 +172,8 @@ class Active:
         spans = np.zeros((0, 2), np.int32) if p.obs_spans is None else np.asarray(p.obs_spans).reshape(-1, 2)
         a.obs_spans = [(int(s), int(e)) for s, e in spans]
         a.cut, a.spans_cut = len(a.tokens), len(a.obs_spans)
+        if p.routing is not None and len(p.routing):
+            a.routing = np.asarray(p.routing).copy()
+            a.routing_cut = len(a.routing)
         a.timings["migrated_in"] = time.time()
         return a

@@ -23,8 +23,10 @@ class Work:
 
     def __init__(self):
         self.active: dict[str, Active] = {}
+        self.generating: set[str] = set()    # active ones whose generation has not ended (the rest are stored)
         self.lock = asyncio.Lock()           # weight changes vs. new work (loop, MigrateIn, adoption)
         self.batch_done = asyncio.Event()    # the last active trajectory left
+        self.gen_done = asyncio.Event()      # the last generating trajectory ended its generation
         self.room_freed = asyncio.Event()    # an active trajectory left (refill takes more)
         self.new_weights = asyncio.Event()   # a newer version or adopted work: an idle loop wakes
         self.state = "idle"                  # idle | generating | loading (reported in rollout.stats)
@@ -35,7 +37,15 @@ class Work:
 
     def add(self, a: Active) -> None:
         self.active[a.id] = a
+        self.generating.add(a.id)
         self.batch_done.clear()
+        self.gen_done.clear()
+
+    def generation_ended(self, tid: str) -> None:
+        """`tid`'s generation ended (it is scored and stored next), or it left."""
+        self.generating.discard(tid)
+        if not self.generating:
+            self.gen_done.set()
 
     def left(self, *gone: Active, make_room: bool = True) -> None:
         """`gone` are no longer generated here: stored (their own task), fenced off, released, or
@@ -46,6 +56,7 @@ class Work:
         for a in gone:
             if self.active.get(a.id) is a:
                 del self.active[a.id]
+                self.generation_ended(a.id)  # (a stale one leaves its successor's generation alone)
         if make_room or not self.active:
             self.room_freed.set()
         if not self.active:

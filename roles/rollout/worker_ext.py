@@ -28,6 +28,12 @@ One `LocalWeights` per relay folder lives as long as the worker: its slot mappin
 CUDA once (`LocalWeights.pin`), so every later version in the same file reaches the GPU at pinned
 speed inside reload_weights. Without CUDA (the CPU build) pin() does nothing.
 
+Mixture-of-experts models (roles/rollout/moe_worker.py): `laminar_routing_start` binds the routing
+capture to every MoE layer's router (the CPU build's way to record the experts the engine chose),
+`laminar_routing_take` answers the rows of the requests asked for; after every in-place load the CPU
+expert kernels' prepack runs again (a vLLM 0.32 CPU-build bug: `repack_cpu_experts`). These
+answer (ok, value) and never raise, like the load phases.
+
 Test hook (tests only, never set in a deployment): when LAMINAR_TEST_FAIL_LOAD names a file, each
 prepare and commit reads it; a line "RANK PHASE" (PHASE: prepare or commit) makes that rank fail
 that phase, a commit after loading half of the tensors, as a rank that runs out of memory
@@ -36,6 +42,8 @@ part-way would. tests/integration/test_tensor_parallel.py injects failures this 
 from __future__ import annotations
 
 import os
+
+from laminar.roles.rollout.moe_worker import repack_cpu_experts
 
 from laminar.weights.manifest import ident
 from laminar.weights.pull import LocalWeights
@@ -124,6 +132,27 @@ class LaminarWorkerExtension:
         finally:
             self._laminar_release()
 
+    # -- mixture of experts (moe_worker.py) ----------------------------------------------------
+    def laminar_routing_start(self) -> tuple[bool, dict | str]:
+        """Start capturing the routing of every step: (True, {layers, top_k, experts, dtype})."""
+        from laminar.roles.rollout.moe_worker import RoutingCapture  # late: only for a MoE policy's routing
+        try:
+            if "_laminar_routing" not in self.__dict__:
+                capture = RoutingCapture(self.model_runner)
+                info = capture.install()
+                self._laminar_routing = capture
+                self._laminar_routing_info = info
+            return True, self._laminar_routing_info
+        except Exception as exc:  # noqa: BLE001 - answered, never raised (see the module docstring)
+            return False, _describe(exc)
+
+    def laminar_routing_take(self, asks: list, drop: list) -> tuple[bool, list | str]:
+        """The rows held of (request id, start, end) each (RoutingCapture.take)."""
+        try:
+            return True, self.__dict__["_laminar_routing"].take(asks, drop)
+        except Exception as exc:  # noqa: BLE001 - answered, never raised (see the module docstring)
+            return False, _describe(exc)
+
     # -- helpers -----------------------------------------------------------------------------
     def _laminar_release(self) -> None:
         st = self._laminar_state()
@@ -146,6 +175,7 @@ class LaminarWorkerExtension:
         except BaseException:
             _unwedge(self.model_runner)
             raise
+        repack_cpu_experts(self.model_runner)
 
     def _laminar_restore(self, runs: tuple) -> None:
         """Reload the weights this rank ran before a failed commit."""
@@ -155,6 +185,7 @@ class LaminarWorkerExtension:
             except BaseException:
                 _unwedge(self.model_runner)
                 raise
+            repack_cpu_experts(self.model_runner)
             return
         if runs[0] == "file":
             self._laminar_reload(_read_file(runs[1]))

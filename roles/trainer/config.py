@@ -2,14 +2,14 @@
 
     roles.trainer:
       model_dir, engine, sim, algorithm, groups_per_batch, minibatch_steps, max_iterations, seed,
-      device, experience_buffer, sample_wait_s, lora      what is trained, on what, for how long
+      device, experience_buffer, lora      what is trained, on what, for how long
       optimizer:    lr, warmup_versions, weight_decay, max_grad_norm, impl
       loss:         eps_low, eps_high, dual_clip, dual_clip_c, kl_coef, adv_std_normalize,
                     skip_uniform_groups, filter_groups, old_logprobs, off_policy, is_level, is_cap,
                     is_low
       ppo:          gamma, lam, critic_lr, value_clip, whiten_advantages     (algorithm: ppo)
-      performance:  dtype, packing, attn_implementation, activation_checkpointing, compile,
-                    micro_batch_size, max_tokens_per_micro_batch, micro_batch_balance,
+      performance:  sample_wait_s, dtype, packing, attn_implementation, activation_checkpointing,
+                    compile, micro_batch_size, max_tokens_per_micro_batch, micro_batch_balance,
                     logprob_chunk_tokens                 how the update is computed, not what it is
       checkpoint:   every, keep, dir, keep_best, resume, export_dir
       distributed:  world_size, rank, address, port, timeout_s,                (FSDP2 ranks)
@@ -18,6 +18,7 @@
                     chunk_mb, overlap, dtype                  how each version reaches the relays
       logging:      samples_every, samples, tensorboard, entropy, mismatch_previous_version,
                     record_members
+      moe:          routing_replay, router_aux_loss_coef          (mixture-of-experts policies)
 
 A key of the older flat layout (`roles.trainer.lr`) is refused with its new path (`MOVED`, read
 by laminar/config.py: "roles.trainer.lr: moved to roles.trainer.optimizer.lr").
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from laminar.roles.trainer.moe_settings import TrainerMoe
 from laminar.roles.trainer.sim_settings import SimTrainerSettings
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -119,6 +121,7 @@ class PpoSettings(Section):
 class PerformanceSettings(Section):
     """roles.trainer.performance: how the update is computed (precision, kernels, memory savers,
     micro-batches); apart from dtype none changes what is learned."""
+    sample_wait_s: float = Field(0.05, gt=0, description="wait before asking a short buffer again")
     dtype: str = Field("float32", pattern="^(float32|bfloat16)$",
                        description="compute dtype: bfloat16 runs forward/backward under autocast (and, "
                                    "with world_size > 1, FSDP2's mixed precision: bf16 all-gathered parameters, "
@@ -251,7 +254,6 @@ class TrainerConfig(BaseModel):
     seed: int | None = Field(None, description="seed of torch/numpy/python RNGs (default run.seed)")
     device: str = Field("auto", pattern="^(auto|cpu|cuda)$", description="auto: cuda when available")
     experience_buffer: str = Field("0", description="id of the experience buffer to sample from")
-    sample_wait_s: float = Field(0.05, gt=0, description="wait before asking a short buffer again")
     lora: LoraSettings | None = Field(None, description="train a LoRA adapter on the frozen base and publish "
                                       "the adapter alone (roles/trainer/lora.py, docs/lora.md); None: full fine-tuning")
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings, description="the policy's optimizer")
@@ -265,6 +267,8 @@ class TrainerConfig(BaseModel):
     publishing: PublishingSettings = Field(default_factory=PublishingSettings,
                                            description="how versions reach the master relay")
     logging: LoggingSettings = Field(default_factory=LoggingSettings, description="samples, curves, extra metrics")
+    moe: TrainerMoe = Field(default_factory=TrainerMoe, description="mixture-of-experts policies: routing replay "
+                            "of the rollouts' recorded experts, the load-balancing loss (docs/moe.md)")
 
     # the older flat layout: key -> its path now (laminar/config.py names it in the error)
     MOVED: ClassVar[dict[str, str]] = {
@@ -280,6 +284,7 @@ class TrainerConfig(BaseModel):
         "checkpoint_every": "checkpoint.every", "keep_checkpoints": "checkpoint.keep",
         "checkpoint_dir": "checkpoint.dir", "keep_best_checkpoint": "checkpoint.keep_best",
         "resume": "checkpoint.resume", "export_dir": "checkpoint.export_dir",
+        "sample_wait_s": "performance.sample_wait_s",
         "world_size": "distributed.world_size", "rank": "distributed.rank", "dist_address": "distributed.address",
         "dist_port": "distributed.port", "dist_timeout_s": "distributed.timeout_s",
         "publish": "publishing.enabled", "relay_id": "publishing.relay_id", "relay_address": "publishing.relay_address",

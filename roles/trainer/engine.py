@@ -32,6 +32,12 @@ steps, its gradients dropped, its metrics left out, the step counted in `skipped
 (per version and in total) and logged as `nonfinite_step_skipped`. full_state(), the path of
 every publish and checkpoint, refuses weights with a NaN or inf (NonFiniteWeightsError).
 
+Mixture-of-experts policies (`moe`, routing_replay.py): the routers of the policy, reference and
+previous-version models read the routing each micro-batch stages in `_inputs`; with routing_replay
+every logprob pass routes tokens to the experts the rollout's engine chose. The load-balancing loss
+is added to the policy loss; the routing metrics (disagreement with the rollout's choice, bytes per
+trajectory) join the version's.
+
 LoRA (`lora`, lora.py): the policy is the base (frozen, in `lora.base_dtype`) with a peft adapter,
 the optimizer's only parameters; the model's state (publish, checkpoint, restore) is the adapter
 alone, and the KL term's reference is the same model with the adapter off. Everything else
@@ -51,10 +57,12 @@ from laminar.roles.trainer.batching import collate, response_logprobs
 from laminar.roles.trainer.checkpoint import NonFiniteWeightsError, check_finite
 from laminar.roles.trainer.context_parallel import cp_logprobs, cp_values, dp_sums
 from laminar.roles.trainer.dist import DistInfo, all_gather_objects, all_reduce_sums, broadcast_ints
+from laminar.roles.trainer.flat_params import flatten_parameters
 from laminar.roles.trainer.logprobs import token_logprobs
 from laminar.roles.trainer.lora import adapter_state, manifest_fields
 from laminar.roles.trainer.micro_batches import MicroBatchPlan, plan_micro_batches
 from laminar.roles.trainer.packing import packed_token_logprobs, packed_values
+from laminar.roles.trainer.routing_replay import RoutingReplay
 from laminar.roles.trainer.sharded_load import load_critic_model, load_model
 
 from laminar.algorithms.grpo import clipped_policy_loss, group_advantages
@@ -138,6 +146,7 @@ class TrainEngine:
         # torch.compile of the decoder layers: likewise on by default on a GPU only
         self.compile = perf.compile if perf.compile is not None else device.type == "cuda"
         self.plans: dict[tuple[int, ...], MicroBatchPlan] = {}  # this batch's (every pass reuses them)
+        self.moe: RoutingReplay | None = None  # set by load() for a mixture-of-experts policy
 
     # -- models --------------------------------------------------------------------------------
     def load(self) -> None:
@@ -150,6 +159,8 @@ class TrainEngine:
         self.params = sum(p.numel() for p in self.model.parameters())
         mc = self.model.config  # a sequence of L tokens costs ~ L + L^2 / attention_tokens (micro_batches.py)
         self.attention_tokens = self.params / max(1, mc.num_hidden_layers * mc.hidden_size)
+        if not self.info.enabled and self.device.type == "cpu" and c.lora is None:
+            flatten_parameters(self.model)  # a publish is then one memcpy (flat_params.py)
         self.ref = None
         if c.loss.kl_coef > 0 and c.lora is None:  # with LoRA: the policy with its adapter off
             self.ref = self._load("reference", trained=False)
@@ -159,6 +170,12 @@ class TrainEngine:
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter's
         self.opt = torch.optim.AdamW(trained, lr=c.optimizer.lr, weight_decay=c.optimizer.weight_decay,
                                      **self._adamw_impl())
+        # MoE policies: routing replay and the load-balancing loss (routing_replay.py); None when dense
+        self.moe = RoutingReplay.attach(c.moe, [m for m in (self.model, self.ref, self.lag) if m is not None],
+                                        self.model.config)
+        if self.moe is not None and self.info.cp_size > 1:
+            raise ValueError("roles.trainer.distributed.context_parallel_size > 1 with a mixture-of-experts policy: "
+                             "not supported (each rank's routers would see only its share of a sequence's tokens)")
         self.critic = self.critic_opt = None
         if c.algorithm == "ppo":
             self.critic, report = load_critic_model(c.model_dir, self.device, self.info,
@@ -345,6 +362,8 @@ class TrainEngine:
         import torch  # late: torch; configs validate without it
         c = self.settings
         self._set_lr(version)
+        if self.moe is not None:  # the routing disagreement is measured on samples of the weights held
+            self.moe.weights_version = version - 1
         self.plans = {}
         signal, flat = [], []  # groups with and without a signal (GRPO: zero advantages)
         for g in groups:
@@ -453,6 +472,8 @@ class TrainEngine:
                                       ref_logp=ex.get("ref"), kl_coef=lc.kl_coef, num_tokens=ntok, entropy=ent,
                                       dual_clip=lc.dual_clip_c if lc.dual_clip else None, is_level=lc.is_level,
                                       is_low=lc.is_low)
+        if self.moe is not None:  # the load-balancing loss of this forward's routers
+            loss = loss + self.moe.aux_term(float(mask.sum()) / ntok, m)
         (loss * self._grad_scale()).backward()
         return m
 
@@ -493,6 +514,8 @@ class TrainEngine:
                     totals["tokens"] += float(att.sum())
             mb_norms, stepped = self._step(pairs, finite)
             b.stepped_any = b.stepped_any or stepped
+            if stepped and self.moe is not None:
+                self.moe.weights_version = None  # the weights moved on: no sample is of them any more
             if not stepped:
                 skipped += 1
                 log.warning("nonfinite_step_skipped", version=b.version, loss_finite=finite,
@@ -517,6 +540,8 @@ class TrainEngine:
             out.update(rank_imbalance=float(np.mean(balance["rank"])), step_imbalance=float(np.mean(balance["step"])),
                        micro_batches=float(sum(balance["micro"])))
         out.update(b.mismatch.metrics(self.info))
+        if self.moe is not None:
+            out.update(self.moe.metrics(self.info, trajs))
         return out
 
     def _mismatch_before_update(self, trajs, order, per, weights_version: int, left_out=()) -> Mismatch:
@@ -642,6 +667,9 @@ class TrainEngine:
         if not idx:
             mask.zero_()
         d = self.device
+        if self.moe is not None:  # this micro-batch's recorded routing, for its routers
+            self.moe.stage([trajs[i].routing for i in take], [_length(trajs[i]) for i in take], ids.shape[1],
+                           self.packing, d, [trajs[i].version for i in take])
         return ids.to(d), att.to(d), mask.to(d), {k: v.to(d) for k, v in ex.items()}
 
     def _per_token(self, fn, trajs, order: list[int]) -> list:

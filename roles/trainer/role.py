@@ -264,7 +264,7 @@ class TrainerRole(Role):
                 if time.monotonic() - warned > 10:
                     self.log.warning("buffer_unavailable", error=str(exc))
                     warned = time.monotonic()
-                await asyncio.sleep(max(self.settings.sample_wait_s, 0.5))
+                await asyncio.sleep(max(self.settings.performance.sample_wait_s, 0.5))
                 continue
             groups += s.groups
             self.cursor = s.cursor
@@ -276,7 +276,7 @@ class TrainerRole(Role):
                                  why="this version dropped max_dropped groups for no signal: it trains on what "
                                      "the buffer hands out next, informative or not")
             if len(groups) < need:
-                await asyncio.sleep(self.settings.sample_wait_s)
+                await asyncio.sleep(self.settings.performance.sample_wait_s)
         return groups
 
     async def _publish(self) -> float:

@@ -49,7 +49,8 @@ def trained(tmp_path_factory, tiny) -> Path:
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": [
                         {"role": "experience_buffer", "port": 7131}, {"role": "trainer"}]}}},
         "roles": {"trainer": {"model_dir": str(tiny), "optimizer": {"lr": 1e-3}, "groups_per_batch": 2,
-                              "publishing": {"enabled": False}, "checkpoint": {"every": 100}, "sample_wait_s": 0.02,
+                              "publishing": {"enabled": False}, "checkpoint": {"every": 100},
+                              "performance": {"sample_wait_s": 0.02},
                               "logging": {"samples_every": 2, "samples": 3},
                               "loss": {"filter_groups": {"metric": "reward", "max_dropped": 2}}}}})
 

@@ -33,11 +33,12 @@ from tests.integration.test_trainer import feed, proc_cluster, wait_events  # no
 pytestmark = pytest.mark.timeout(240)
 
 
-def launch_two_ranks(model_dir: Path, out: Path, extra: list[str], timeout: float, world: int = 2) -> None:
-    """laminar.testing.trainer_ranks as `world` gloo ranks on a fresh port; all must exit 0."""
+def launch_two_ranks(model_dir: Path, out: Path, extra: list[str], timeout: float, world: int = 2,
+                     module: str = "laminar.testing.trainer_ranks") -> None:
+    """`module` (a rank program) as `world` gloo ranks on a fresh port; all must exit 0."""
     addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "laminar.testing.trainer_ranks", str(r), str(world), addr,
+    procs = [subprocess.Popen([sys.executable, "-m", module, str(r), str(world), addr,
                                str(model_dir), str(out), *extra], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT)
              for r in range(world)]

@@ -16,7 +16,7 @@ import pytest
 import structlog
 from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.rpc import RequestError
-from laminar.roles.partial_pool.role import _unbatch
+from laminar.roles.partial_pool.columns import unbatch as _unbatch
 from laminar.roles.partial_pool.state import PartialBook
 from laminar.roles.rollout.migration import Migration
 from laminar.roles.rollout.streaming import DeltaStream

@@ -120,10 +120,12 @@ def test_in_a_barrier_mode_the_pools_gate_ends_a_versions_work(mode):
 
 def test_without_refill_the_batch_runs_to_its_end_as_before():
     role = make_role(refill=False)
-    start_one(role)
-    assert role._room() == 7  # room, but _await_room waits for the whole batch before taking any
-    asyncio.run(follow(role, [announce(4)]))
-    assert role._room() == 7 and not role.refill
+    role.work.add(Active(spec=spec(), version=role.version))  # generating
+    assert role._room() == 7  # room, but _await_room waits for the batch's generation before taking any
+    role.work.generation_ended("g/0")  # generated, now being stored: it takes no room (early intake)
+    assert role._room() == 8 and role.work.gen_done.is_set() and not role.work.batch_done.is_set()
+    asyncio.run(follow(role, [announce(4)]))  # newer weights wait on the relay: the batch drains first
+    assert role._room() == 7 and not role.refill and not role._intake_early()
 
 
 def test_a_lost_event_does_not_hang_the_drain(tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import structlog
 from laminar.bus.errors import PeerUnavailable
-from laminar.roles.partial_pool.role import _unbatch
+from laminar.roles.partial_pool.columns import unbatch as _unbatch
 from laminar.roles.rollout.streaming import DeltaStream, _columns
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.work import Work

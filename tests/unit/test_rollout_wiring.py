@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 from laminar.bus.errors import RemoteError
-from laminar.roles.partial_pool.role import _unbatch
+from laminar.roles.partial_pool.columns import unbatch as _unbatch
 from laminar.roles.partial_pool.state import PartialBook
 from laminar.roles.rollout.role import RolloutRole
 from laminar.roles.rollout.trajectory import Active

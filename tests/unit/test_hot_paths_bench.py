@@ -1,0 +1,72 @@
+"""bench/hot_paths.py: each bench runs with only the flags it knows, its keys and spreads are
+gathered (a failing bench leaves its keys missing, with the reason), and --compare sets two runs
+side by side. The benches here are small stand-in scripts (what a bench writes is the input);
+the hot_paths program runs for real, in its own process."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support import ROOT
+
+POOLS = '''import argparse, json
+ap = argparse.ArgumentParser()
+ap.add_argument("--quick", action="store_true")
+ap.add_argument("--out")
+a = ap.parse_args()
+json.dump({"deltas_per_s": DELTAS, "deltas_per_s_spread": 0.04, "quick": a.quick}, open(a.out, "w"))
+'''
+ROLLOUT = '''import argparse, sys
+ap = argparse.ArgumentParser()
+ap.add_argument("--quick", action="store_true")
+ap.add_argument("--ratio-only", action="store_true")
+ap.add_argument("--out")
+ap.parse_args()
+sys.exit(3)
+'''
+
+
+def run_hot_paths(tmp_path, deltas: int, name: str, *more: str) -> dict:
+    benches = tmp_path / f"bench-{name}"
+    benches.mkdir()
+    (benches / "pools.py").write_text(POOLS.replace("DELTAS", str(deltas)))
+    (benches / "rollout.py").write_text(ROLLOUT)
+    out = tmp_path / f"{name}.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--tree", str(ROOT), "--python",
+                    sys.executable, "--benches", str(benches), "--only", "pools,rollout", "--out", str(out),
+                    "--against", str(tmp_path / "none.json"), *more], check=True, capture_output=True, timeout=120)
+    return json.loads(out.read_text())
+
+
+def test_keys_spreads_flags_and_failures_are_recorded(tmp_path):
+    res = run_hot_paths(tmp_path, 100_000, "a")
+    assert res["deltas_per_s"] == 100_000 and res["spread"] == {"deltas_per_s": 0.04}
+    pools = res["benches"]["pools"]
+    assert pools["rc"] == 0 and pools["flags_left_out"] == ["--deltas-only"] and pools["json"]["quick"] is True
+    rollout = res["benches"]["rollout"]
+    assert rollout["rc"] == 3 and rollout["flags_left_out"] == [] and rollout["failed_first"]["rc"] == 3  # twice
+    assert "role_over_engine" not in res and "exit [3]" in res["missing"]["role_over_engine"]
+    assert set(res["benches"]) == {"pools", "rollout"}  # --only
+
+
+def test_compare_gives_ratio_noise_and_goal(tmp_path):
+    before, after = run_hot_paths(tmp_path, 100_000, "b"), run_hot_paths(tmp_path, 150_000, "a")
+    paths = [tmp_path / "before.json", tmp_path / "after.json"]
+    for p, r in zip(paths, (before, after), strict=True):
+        p.write_text(json.dumps(r))
+    md = tmp_path / "t.md"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--compare", *map(str, paths),
+                    "--md", str(md)], check=True, capture_output=True, timeout=60)
+    row = next(r for r in md.read_text().splitlines() if r.startswith("| deltas_per_s"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:] == ["100,000 (±2%)", "150,000 (±2%)", "1.500", "yes", "yes"]
+    role = next(r for r in md.read_text().splitlines() if r.startswith("| role_over_engine"))
+    assert "missing" in role
+
+
+def test_repeats_take_the_median_and_keep_every_run(tmp_path):
+    res = run_hot_paths(tmp_path, 120_000, "r", "--repeats", "2")
+    runs = res["benches"]["pools"]["runs"]
+    assert len(runs) == 2 and all(r["rc"] == 0 for r in runs)
+    assert res["deltas_per_s"] == 120_000 and res["spread"]["deltas_per_s"] == 0.04  # the bench's own, larger
