@@ -35,11 +35,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
 from laminar.roles.trainer.dist import shard
 from laminar.roles.trainer.lora import with_adapter
 from laminar.roles.trainer.memory import PeakMemory
 
 from laminar.models.loading import load_causal_lm, read_config, torch_dtype
+
+log = structlog.get_logger("laminar.trainer.sharded_load")
 
 PEFT_PREFIX = "base_model.model."   # peft's wrapper in front of the base model's own names
 
@@ -285,16 +288,36 @@ def load_model(model_dir, device, info, *, dtype: str = "float32", train: bool =
     on every rank and sharded afterwards (the old way: `.bin` folders, or `sharded_load: false`)."""
     steps = dict(info=info, device=device, train=train, frozen=frozen, prepare=prepare, lora=lora,
                  param_dtype=param_dtype)
+    why = "full load"
     if sharded and has_safetensors(model_dir):
-        model = _assemble(build_on_meta(model_dir, dtype), **steps)
-        return model, materialize(model, model_dir, device, seed)
+        meta = build_on_meta(model_dir, dtype)
+        missing = missing_in_files(meta, model_dir)
+        if missing is None:
+            model = _assemble(meta, **steps)
+            return model, materialize(model, model_dir, device, seed)
+        # the files name tensors otherwise than the model (a mixture of experts' fused expert tensors,
+        # which transformers converts as it loads): the old way, said in the report and the log
+        why = f"full load: the files lack {missing} by that name"
+        log.warning("sharded_load_unavailable", model_dir=str(model_dir), missing=missing)
     with PeakMemory(device) as peak:
         t0 = time.perf_counter()
         model = _assemble(load_causal_lm(model_dir, device, dtype=dtype, train=train), **steps)
         seconds = time.perf_counter() - t0
     local = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
     return model, LoadReport(str(model_dir), seconds=seconds, local_bytes=local, peak_bytes=peak.peak_bytes,
-                             peak_kind=f"{peak.kind}, full load")
+                             peak_kind=f"{peak.kind}, {why}")
+
+
+def missing_in_files(model, model_dir) -> str | None:
+    """The first parameter of `model` (built on the meta device) that the safetensors files do not
+    hold under its name (or, for a tied head, the embedding's); None when they hold every one."""
+    index = safetensors_index(model_dir)
+    for name, _ in model.named_parameters():
+        try:
+            _resolve(file_key(name), index, model)
+        except KeyError:
+            return file_key(name)
+    return None
 
 
 def load_critic_model(model_dir, device, info, *, prepare=None, param_dtype=None, sharded: bool = True):
@@ -305,6 +328,8 @@ def load_critic_model(model_dir, device, info, *, prepare=None, param_dtype=None
     import transformers
 
     from laminar.algorithms.ppo import load_critic
+    if sharded and has_safetensors(model_dir) and missing_in_files(build_on_meta(model_dir), model_dir) is not None:
+        sharded = False  # the files name tensors otherwise than the model (load_model says which)
     if not (sharded and has_safetensors(model_dir)):
         with PeakMemory(device) as peak:
             t0 = time.perf_counter()

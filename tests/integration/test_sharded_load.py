@@ -135,3 +135,21 @@ def test_sharded_load_peak_memory_is_the_ranks_share(tmp_path):
     print(f"\nmodel {model_bytes / 2**20:.0f} MiB; peak per rank: sharded "
           f"{[round(s['report']['peak_bytes'] / 2**20) for s in sharded]} MiB, full "
           f"{[round(f['report']['peak_bytes'] / 2**20) for f in full]} MiB")
+
+
+def test_sharded_load_falls_back_when_the_files_name_tensors_otherwise(tmp_path):
+    """A mixture of experts whose files hold one tensor per expert where the model has fused expert
+    tensors (transformers converts them as it loads): the sharded load cannot read rows by name, so
+    the model loads the old way, the report saying which tensor the files lack; a dense model's
+    files hold every parameter by name."""
+    from laminar.models.tiny import build_tiny_moe_model
+    from laminar.roles.trainer.dist import DistInfo
+    from laminar.roles.trainer.sharded_load import build_on_meta, load_model, missing_in_files
+    dense = build(tmp_path / "dense", tied=True)
+    assert missing_in_files(build_on_meta(dense), dense) is None
+    moe = build_tiny_moe_model(tmp_path / "moe", seed=0)
+    missing = missing_in_files(build_on_meta(moe), moe)
+    assert missing is not None and ".experts." in missing, missing
+    model, report = load_model(moe, torch.device("cpu"), DistInfo())
+    assert report.peak_kind.endswith(f"full load: the files lack {missing} by that name")
+    assert all(p.device.type == "cpu" for p in model.parameters())
