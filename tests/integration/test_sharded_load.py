@@ -142,9 +142,10 @@ def test_sharded_load_falls_back_when_the_files_name_tensors_otherwise(tmp_path)
     tensors (transformers converts them as it loads): the sharded load cannot read rows by name, so
     the model loads the old way, the report saying which tensor the files lack; a dense model's
     files hold every parameter by name."""
-    from laminar.models.tiny import build_tiny_moe_model
     from laminar.roles.trainer.dist import DistInfo
     from laminar.roles.trainer.sharded_load import build_on_meta, load_model, missing_in_files
+
+    from laminar.models.tiny import build_tiny_moe_model
     dense = build(tmp_path / "dense", tied=True)
     assert missing_in_files(build_on_meta(dense), dense) is None
     moe = build_tiny_moe_model(tmp_path / "moe", seed=0)
