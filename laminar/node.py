@@ -200,7 +200,7 @@ class NodeRun:
         # this module for every command (`check` and `--help` stay light)
         from laminar.health import HealthCollector
         from laminar.live import LiveView
-        self.cfg, self.host, self.a = cfg, host, a
+        self.cluster, self.host, self.a = cfg, host, a
         self.health = HealthCollector.for_node(cfg, host)
         self.view = LiveView(f"laminar {cfg.run.name} on {host} · {cfg.run.mode}", self.health,
                              max_versions=_max_versions(cfg), plain=True if a.plain else None)
@@ -217,7 +217,7 @@ class NodeRun:
     async def run(self) -> int:
         """The node from start to exit code."""
         try:  # first: a taken port fails before any role starts
-            self.metrics = await _start_metrics(self.cfg, self.host, self.health)
+            self.metrics = await _start_metrics(self.cluster, self.host, self.health)
         except _MetricsUnavailable as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -237,7 +237,7 @@ class NodeRun:
     def _supervisor(self) -> None:
         """The run record, the Supervisor of this host's roles, and where to look (printed)."""
         from laminar.supervisor import Supervisor, children_for_host  # late: see __init__
-        cfg, a = self.cfg, self.a
+        cfg, a = self.cluster, self.a
         write_run_record(cfg, a.config, a.set)
         log_dir = str(cfg.workdir() / "logs")
         self.sup = Supervisor(children_for_host(cfg, a.config, self.host, a.log_level, a.set),
@@ -261,10 +261,10 @@ class NodeRun:
         /healthz and the live view read it) and to the live tracker's sender, which never blocks (a
         bounded queue per tracker, live_tracking.py)."""
         from laminar.shell import make_transport  # late: see __init__
-        self.transport = make_transport(self.cfg)
+        self.transport = make_transport(self.cluster)
         sub = self.transport.subscriber(["hb.", "metrics.", "rollout.stats.", "relay.progress."])
         self.health.dropped = lambda: sub.dropped
-        self.tracking = start_live_tracking(self.cfg, self.host, self.view)
+        self.tracking = start_live_tracking(self.cluster, self.host, self.view)
         hearers = [self.health.observe] + ([self.tracking.observe] if self.tracking is not None else [])
 
         async def feed() -> None:
@@ -333,7 +333,7 @@ class NodeRun:
         for c in given_up:
             print(f"error: gave up on {c.key} after {c.failed_starts} failed starts: {c.last_error}",
                   file=sys.stderr, flush=True)
-        await _sum_up(self.cfg, self.sup.children, self.tracking)
+        await _sum_up(self.cluster, self.sup.children, self.tracking)
         if self.signalled:
             return 128 + self.signalled[0]
         return 1 if given_up or self.feed_failed else 0
