@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_bench)
 
     s = sp.add_parser("eval", help="evaluate a model folder, a relay version or a checkpoint on a config's eval "
-                      "sets, as the evaluator role does, with 95% intervals")
+                      "sets, as the evaluator role does, with 95%% intervals")
     _common(s, config=False)
     from laminar.roles.evaluator import command as evaluate_mod  # the evaluator's harness, outside a run
     evaluate_mod.add_arguments(s)
