@@ -42,7 +42,12 @@ def agents(base: str, n: int, calls: int, max_tokens: int, seed: int, out) -> No
     import openai
 
     async def claim(h) -> dict:
-        return (await h.post("/episodes", json={"wait_s": 60})).json()
+        deadline = time.monotonic() + 180  # 503 "no_episode": the rollout's next batch is not open yet
+        while True:
+            r = await h.post("/episodes", json={"wait_s": 60})
+            if r.status_code != 503 or time.monotonic() > deadline:
+                r.raise_for_status()
+                return r.json()
 
     async def one(i: int, ep: dict) -> dict:
         client = openai.AsyncOpenAI(base_url=base, api_key="bench", max_retries=0, timeout=600)
@@ -163,7 +168,8 @@ async def run(a) -> dict:
         for r in ("prompt_pool", "partial_pool", "experience_buffer", "gateway", "rollout"):
             await cluster.start(r)
         rollout = cluster.roles["rollout.0"]
-        await gateway_round(base, min(4, a.episodes), 1, 8, 1, publish)  # warm-up
+        # warm-up: one whole batch (a rollout opens its next batch's episodes once all of one ended)
+        await gateway_round(base, a.episodes, 1, 8, 1, publish)
         for rnd in range(a.rounds):
             res = await gateway_round(base, a.episodes, a.calls, a.max_tokens, 100 + rnd * 10**6, publish)
             tokens = sum(e["tokens"] for e in res["episodes"])
