@@ -279,12 +279,16 @@ def test_a_newer_part_waits_while_an_older_versions_parts_arrive_then_a_stalled_
         assert offer(conn, m).type == wire.WANT
         send_range(conn, m, 0, b"\x05" * 64)
         pubs = part_publish(weights(3), node, parts=2, version=2)
-        time.sleep(1.5)
+
+        def busy() -> list[int]:
+            return [p._sender.stats.get("busy", 0) for p in pubs if p._sender is not None]
+        deadline = time.monotonic() + 20  # each part's offer answered BUSY at least once (not a fixed sleep)
+        while not (busy() and min(busy()) >= 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
         with node.store.cond:
             assert node.store.incoming is not None and node.store.incoming.version == 1  # v1 kept
             assert node.store.current is None
-        busy = [p._sender.stats.get("busy", 0) for p in pubs if p._sender is not None]
-        assert busy and min(busy) >= 1
+        assert busy() and min(busy()) >= 1, busy()
         monkeypatch.setattr(part_receiver, "PART_STALL_S", 0.5)  # v1's host went silent
         assert wait_current(node, 2), node.status()
         with LocalWeights(node.store.dir).latest() as got:
