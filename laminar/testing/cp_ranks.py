@@ -15,8 +15,9 @@ compare a CP run with one process (WORLD 1, context_parallel_size 1) on the same
 """
 from __future__ import annotations
 
-import argparse
 import json
+
+from laminar.testing.load_ranks import rank_parser
 
 
 def one_micro_batch(eng, trajs, n: int) -> dict:
@@ -52,12 +53,7 @@ def main() -> None:
     from laminar.roles.trainer.engine import TrainEngine
     from laminar.testing.settings import deep_merge
     from laminar.testing.trainer_ranks import long_tailed_batches, make_config
-    ap = argparse.ArgumentParser()
-    ap.add_argument("rank", type=int)
-    ap.add_argument("world", type=int)
-    ap.add_argument("address")
-    ap.add_argument("model_dir")
-    ap.add_argument("out")
+    ap = rank_parser()
     ap.add_argument("--variants", required=True, help="JSON list of trainer settings")
     ap.add_argument("--versions", type=int, default=2)
     ap.add_argument("--micro", type=int, default=4, help="sequences of the checked micro-batch")

@@ -22,6 +22,15 @@ import subprocess
 import sys
 
 
+def rank_parser() -> argparse.ArgumentParser:
+    """The arguments every rank module takes: launch_ranks' RANK WORLD ADDRESS, then MODEL_DIR OUT
+    (the module adds its own options)."""
+    ap = argparse.ArgumentParser()
+    for name, kind in (("rank", int), ("world", int), ("address", str), ("model_dir", str), ("out", str)):
+        ap.add_argument(name, type=kind)
+    return ap
+
+
 def launch_ranks(module: str, world: int, extra: list[str], timeout: float, env: dict | None = None) -> list[str]:
     """`python -m module RANK WORLD ADDRESS *extra` for every rank; their output, all exit 0 or AssertionError."""
     from laminar.testing.procs import free_port
@@ -72,12 +81,7 @@ def main() -> None:
     from laminar.roles.trainer.config import LoraSettings
     from laminar.roles.trainer.memory import rss_bytes
     from laminar.roles.trainer.sharded_load import build_on_meta, load_model, local_rows, local_tensor
-    ap = argparse.ArgumentParser()
-    ap.add_argument("rank", type=int)
-    ap.add_argument("world", type=int)
-    ap.add_argument("address")
-    ap.add_argument("model_dir")
-    ap.add_argument("out")
+    ap = rank_parser()
     ap.add_argument("--mode", default="sharded", choices=["sharded", "full"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--lora", action="store_true", help="the base in --dtype with a LoRA adapter (peft)")

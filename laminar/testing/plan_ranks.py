@@ -15,12 +15,13 @@ plan's number for the same shape and settings is `predicted(...)` below.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
 
 import numpy as np
+
+from laminar.testing.load_ranks import rank_parser
 
 
 def settings(world: int, cp: int, tokens: int, chunk: int, checkpointing: bool, dtype: str, device: str,
@@ -102,12 +103,7 @@ def main() -> None:
     from laminar.roles.trainer.config import TrainerConfig
     from laminar.roles.trainer.engine import TrainEngine
     from laminar.roles.trainer.memory import PeakMemory, memory_now
-    ap = argparse.ArgumentParser()
-    ap.add_argument("rank", type=int)
-    ap.add_argument("world", type=int)
-    ap.add_argument("address")
-    ap.add_argument("model_dir")
-    ap.add_argument("out")
+    ap = rank_parser()
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=256)

@@ -17,7 +17,6 @@ after the other, and OUT gets {"variants": [{"model", "metrics"}, ...]} (micro-b
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -27,6 +26,7 @@ from laminar.roles.trainer import checkpoint, dist
 from laminar.roles.trainer.config import TrainerConfig
 from laminar.roles.trainer.engine import TrainEngine
 from laminar.roles.trainer.sharded_publish import ShardedPublish, staging_prefix
+from laminar.testing.load_ranks import rank_parser
 from laminar.testing.settings import deep_merge
 from laminar.testing.trainer_task import random_groups
 from laminar.weights import wire
@@ -157,12 +157,7 @@ def publish_both(eng, info, dtypes: list[str]) -> dict | None:
 def main() -> None:
     import torch
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("rank", type=int)
-    ap.add_argument("world", type=int)
-    ap.add_argument("address")
-    ap.add_argument("model_dir")
-    ap.add_argument("out")
+    ap = rank_parser()
     ap.add_argument("--algorithm", default="grpo")
     ap.add_argument("--versions", type=int, default=2)
     ap.add_argument("--device", default="cpu")
