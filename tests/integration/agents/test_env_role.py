@@ -135,7 +135,7 @@ def test_python_tool_episodes_inproc(tmp_path):
 
 def test_custom_environment_errors_and_deadline(tmp_path):
     async def main():
-        cfg = parse_config(config(tmp_path, {"environment": "tests.integration.test_env_role:CountdownEnv",
+        cfg = parse_config(config(tmp_path, {"environment": "tests.integration.agents.test_env_role:CountdownEnv",
                                              "options": {"n": 2}, "step_timeout_s": 0.5}))
         c = InprocCluster(cfg)
         role = await c.start("env")

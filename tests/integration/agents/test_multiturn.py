@@ -36,7 +36,7 @@ from laminar.datasets import ByteTokenizer
 from laminar.protocol import SampleGroups
 from laminar.tasks.warmstart import masked_loss
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_multiturn import ScriptEngine, spec
+from tests.unit.roles.rollout.test_multiturn import ScriptEngine, spec
 
 pytestmark = pytest.mark.timeout(300)
 TOK = ByteTokenizer()

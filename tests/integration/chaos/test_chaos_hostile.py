@@ -6,25 +6,25 @@ Then: training went on; no honest member lost or trained twice; nothing trained 
 hostile host's own hand-outs (its own are counted apart, and some were trained); every write,
 take-over, LINK and score it was not entitled to was refused; a /healthz alarm named h3; and the
 chaos ledger holds (nothing lost, nothing trained twice, no prompt skipped, lineage checked, no
-group stranded). The ledger's logic is tested on its own in tests/unit/test_hostile_ledger.py;
+group stranded). The ledger's logic is tested on its own in tests/unit/laminar/testing/test_ledger_hostile.py;
 the 3- and 5-minute runs with faults are `python bench/chaos.py --hostile --minutes 3`."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
 from tests.integration.bench_proc import run_bench
+from tests.support import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(600),
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")]
 
 pytest.importorskip("torch")
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
+BENCH = ROOT / "bench" / "chaos.py"
 REFUSED = ("squat", "forge_put", "forge_await", "claim", "read", "take_other", "link", "own_resized", "forge_score",
            "lease_other")
 

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ROOT
+
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")]
 
 pytest.importorskip("torch")
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
+BENCH = ROOT / "bench" / "chaos.py"
 
 
 def _children(pid: int) -> list[int]:

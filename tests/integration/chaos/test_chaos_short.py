@@ -12,18 +12,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
 from tests.integration.bench_proc import run_bench
+from tests.support import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(420),  # ~150 s on 2 cores
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")]
 
 pytest.importorskip("torch")
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
+BENCH = ROOT / "bench" / "chaos.py"
 
 
 def test_one_minute_of_chaos(tmp_path):

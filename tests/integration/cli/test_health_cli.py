@@ -20,7 +20,7 @@ import yaml
 import zmq
 from laminar.bus import auth
 
-from tests.unit.test_health import get, parse
+from tests.unit.laminar.test_health import get, parse
 
 pytestmark = pytest.mark.timeout(120)
 _SCRIPT = Path(sys.executable).with_name("laminar-node")

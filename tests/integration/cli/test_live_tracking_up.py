@@ -22,7 +22,7 @@ pytest.importorskip("mlflow")
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.local_cluster import write_local_cluster  # noqa: E402
 from tests.support import until  # noqa: E402
-from tests.unit.test_live_tracking import Hang, mlflow_history, wandb_rows  # noqa: E402
+from tests.unit.laminar.test_live_tracking import Hang, mlflow_history, wandb_rows  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 CLI = [sys.executable, "-m", "laminar.cli"]

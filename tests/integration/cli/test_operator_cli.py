@@ -204,7 +204,7 @@ def run_until_up_then_stop(up, path, *args) -> str:
 
 def test_fresh_moves_the_run_aside_and_set_reaches_the_roles(tmp_path, up):
     """Before: no --fresh (starting over meant deleting folders by hand) and no --set. Resuming, the
-    default, is tests/unit/test_fresh_resume.py."""
+    default, is tests/unit/laminar/test_node_fresh_resume.py."""
     path, _ = echo_cluster(tmp_path)
     quick_death(path)
     work = tmp_path / "run"

@@ -147,8 +147,8 @@ def test_kill_anything_lose_nothing(tmp_path):
     # prompts: every group handed out is settled, outstanding or requeued
     assert checks["prompts_skipped"] == 0, checks
     # orphans of a version no live rollout held resumed on it (retained by a relay), stored with it.
-    # Whether a fault leaves such orphans depends on timing (test_rollout_vllm.py tests adoption
-    # itself deterministically), so only the version they were stored with is asserted here.
+    # Whether a fault leaves such orphans depends on timing (tests/integration/rollout/test_rollout_vllm.py
+    # tests adoption itself deterministically), so only the version they were stored with is asserted here.
     assert ledger["adopted_wrong_version"] == 0, ledger
     # the host that came back: its relay got a version newer than the one at its death
     r3 = [e["version"] for e in log_events(run / "logs" / "relay.r3.log", "version_visible")]

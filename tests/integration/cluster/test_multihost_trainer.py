@@ -64,7 +64,8 @@ def test_multihost_trainer_ranks_on_two_hosts_equal_one(tmp_path):
         for k in ("pg_loss", "loss", "grad_norm", "response_tokens", "tokens", "entropy"):
             assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
     diff = torch.cat([(two["model"][k] - v).abs().flatten() for k, v in one["model"].items()])
-    assert float(diff.max()) <= 2 * 1e-3 + 1e-6  # Adam's near-zero gradients (test_trainer_fsdp.py)
+    # Adam's near-zero gradients (tests/integration/trainer/test_trainer_fsdp.py)
+    assert float(diff.max()) <= 2 * 1e-3 + 1e-6
     assert float((diff > 1e-5).float().mean()) < 1e-3
     print("\nlosses per version, two hosts / one:", [(round(a["loss"], 6), round(b["loss"], 6))
                                                    for a, b in zip(two["metrics"], one["metrics"], strict=True)])

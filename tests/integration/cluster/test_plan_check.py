@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ROOT
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from laminar.testing.load_ranks import launch_ranks  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(ROOT / "bench"))
 from trainer_scale import MALLOC, build  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)

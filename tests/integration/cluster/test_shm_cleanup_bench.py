@@ -15,9 +15,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
 
 INNER = '''
 import os, time

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support import ROOT
+
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
@@ -22,7 +24,6 @@ from laminar.tasks.headroom import write as write_headroom  # noqa: E402
 from laminar.testing.procs import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "laminar.cli"]
 METRICS = ["greedy", "avg@8", "pass@8"]
 
@@ -55,7 +56,7 @@ def test_eval_buckets_interval_before_after_by_difficulty(tmp_path):
                                                                       {"role": "evaluator", "cores": [0]}]}}},
         "roles": {"evaluator": {
             "sets": {f"d{n}": {"dataset": str(data[f"heldout-d{n}"]), "k": 8, "metrics": METRICS} for n in (2, 3)},
-            "reward": "tests.integration.test_eval_cli:first_token_even", "max_tokens": 8,
+            "reward": "tests.integration.evaluator.test_eval_cli:first_token_even", "max_tokens": 8,
             "model_dir": str(model), "max_model_len": 512, "max_concurrency": 32, "kv_cache_tokens": 4096,
             "log_samples": 0}}}))
     before, after = tmp_path / "before.json", tmp_path / "after.json"

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support import ROOT
+
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
@@ -22,7 +24,6 @@ from laminar.tasks.word_problems import write as write_problems  # noqa: E402
 from laminar.testing.procs import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "laminar.cli"]
 
 
@@ -65,7 +66,7 @@ def test_eval_cli_gives_the_evaluator_roles_numbers(tmp_path):
             "roles": {"evaluator": {
                 "sets": {"word": {"dataset": str(data["heldout"]), "k": 3,
                                   "metrics": ["greedy", "avg@3", "pass@2", "maj@3"]}},
-                "reward": "tests.integration.test_eval_cli:first_token_even", "max_tokens": 12,
+                "reward": "tests.integration.evaluator.test_eval_cli:first_token_even", "max_tokens": 12,
                 "model_dir": str(model), "max_model_len": 256, "max_concurrency": 32, "kv_cache_tokens": 2048,
                 "shm_dir": str(shm), "last_version": 3, "eval_every": 1, "log_samples": 0}}}))
         role = run([*CLI, "role", "evaluator", "--id", "0", str(cfg)])

@@ -13,7 +13,7 @@ import asyncio
 
 from laminar.protocol import RequeueGroups, RequeueResult, TakeBatch
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.integration.test_prompt_pool import cfg
+from tests.integration.pools.test_prompt_pool import cfg
 
 
 def test_a_retried_take_batch_never_hands_out_a_requeued_entrys_new_ids(tmp_path):

@@ -11,7 +11,7 @@ from laminar.roles.manager.fleet import Fleet, FleetSettings
 
 from laminar.protocol import AppendDeltas, InFlightOf, MigrateIn, MigrateInResult, RolloutStats
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.integration.test_requeue_dead_rollout import cfg, first_delta, stats
+from tests.integration.pools.test_requeue_dead_rollout import cfg, first_delta, stats
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,7 +3,7 @@ process per rank, each rank's OpenMP threads on one of the two cores (VLLM_CPU_O
 "0|1"), weights pulled by every rank from a relay folder in /dev/shm.
 
 - fast (`make test`): greedy tokens and logprobs at TP=2 match transformers' model on the same
-  weights (tolerance 1e-3, as at TP=1: tests/integration/test_rollout_vllm.py) before and after
+  weights (tolerance 1e-3, as at TP=1: tests/integration/rollout/test_rollout_vllm.py) before and after
   a weight update pulled from the relay, including for a prompt whose KV blocks the engine had
   cached under the old weights (the prefix cache is reset by every load); a load that fails on
   one rank, in its prepare or part-way through its commit (the worker extension's test hook),
@@ -36,8 +36,8 @@ from laminar.protocol import MigrateIn, MigrateOut  # noqa: E402
 from laminar.testing.inproc_cluster import InprocCluster  # noqa: E402
 from laminar.weights.local_write import write_version  # noqa: E402
 from laminar.weights.store import ShmStore  # noqa: E402
-from tests.integration.test_rollout_vllm import MAX_TOKENS as POOL_TOKENS  # noqa: E402
-from tests.integration.test_rollout_vllm import assert_greedy, drain, hf_logprobs, make_cfg  # noqa: E402
+from tests.integration.rollout.test_rollout_vllm import MAX_TOKENS as POOL_TOKENS  # noqa: E402
+from tests.integration.rollout.test_rollout_vllm import assert_greedy, drain, hf_logprobs, make_cfg  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 MAX_TOKENS = 24

@@ -18,7 +18,7 @@ by name, instead of inside a rollout minutes into a run.
   load through collective_rpc into the worker extension and back.
 
 The tensor-parallel engine itself (TP=2, weights pulled into both ranks, failures on one rank):
-tests/integration/test_tensor_parallel.py.
+tests/integration/rollout/test_tensor_parallel.py.
 """
 from __future__ import annotations
 

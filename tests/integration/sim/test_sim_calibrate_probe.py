@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
 
 pytestmark = pytest.mark.timeout(900)
 

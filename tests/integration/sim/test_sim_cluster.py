@@ -21,9 +21,9 @@ from laminar.config import parse_config
 from laminar.sim import load_workload
 from laminar.sim.scenario import build_config, write_prompts
 from laminar.sim.setup import SimSetup, load_setup
+from tests.support import ROOT
 
 pytestmark = pytest.mark.timeout(600)
-ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS = 4
 HANG_GUARD_S = 500.0  # not a speed bound: the trainer normally reaches its versions far sooner
 

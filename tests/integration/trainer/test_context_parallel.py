@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 from laminar.testing.load_ranks import launch_ranks  # noqa: E402
 from laminar.testing.procs import RoleProc, free_port  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
-from tests.integration.test_trainer import feed, proc_cluster, wait_events  # noqa: E402
+from tests.integration.trainer.test_trainer import feed, proc_cluster, wait_events  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 TOL = 1e-5

@@ -26,7 +26,7 @@ from laminar.roles.trainer import checkpoint  # noqa: E402
 from laminar.models.tiny import build_tiny_model  # noqa: E402
 from laminar.testing.procs import free_port  # noqa: E402
 from laminar.testing.trainer_ranks import resume_reference, train_reference  # noqa: E402
-from tests.integration.test_trainer_fsdp import launch_two_ranks  # noqa: E402
+from tests.integration.trainer.test_trainer_fsdp import launch_two_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -130,8 +130,8 @@ def role_run(tmp_path_factory):
     from laminar.weights.pull import LocalWeights
     from laminar.weights.transport.tcp import TcpTransport
     from laminar.weights.wire import derive_key
-    from tests.integration.test_trainer import feed, proc_cluster
-    from tests.integration.test_trainer_fsdp import start_ranks, stop_rank0
+    from tests.integration.trainer.test_trainer import feed, proc_cluster
+    from tests.integration.trainer.test_trainer_fsdp import start_ranks, stop_rank0
     tmp = tmp_path_factory.mktemp("role")
     model = build_tiny_model(tmp / "tiny", seed=0)
     path = proc_cluster(tmp, model, ranks=2, distributed={"world_size": 2, "port": free_port()}, device="cpu",

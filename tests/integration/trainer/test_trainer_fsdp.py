@@ -28,7 +28,7 @@ from laminar.roles.trainer.metrics import read_jsonl  # noqa: E402
 from laminar.testing.procs import RoleProc, free_port  # noqa: E402
 from laminar.testing.trainer_ranks import train_reference  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
-from tests.integration.test_trainer import feed, proc_cluster, wait_events  # noqa: E402
+from tests.integration.trainer.test_trainer import feed, proc_cluster, wait_events  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 

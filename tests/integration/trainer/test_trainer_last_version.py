@@ -25,7 +25,7 @@ from laminar.testing.trainer_task import random_groups  # noqa: E402
 from laminar.weights.node import RelayNode  # noqa: E402
 from laminar.weights.transport.tcp import TcpTransport  # noqa: E402
 from laminar.weights.wire import derive_key  # noqa: E402
-from tests.integration.test_trainer import feed, proc_cluster, start_buffer_and_trainer, wait_events  # noqa: E402
+from tests.integration.trainer.test_trainer import feed, proc_cluster, start_buffer_and_trainer, wait_events  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

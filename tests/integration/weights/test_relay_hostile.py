@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ROOT
+
 torch = pytest.importorskip("torch")
 
 from laminar.testing.relay_cluster import RelayCluster  # noqa: E402
@@ -106,7 +108,7 @@ def test_relay_with_a_dead_data_port_is_taken_out_and_the_rest_gets_the_next_ver
     s0, s1 = make_state(0), make_state(1)
     per_relay = {"r2": {"transport": f"{__name__}:DeafAfterOne"}}
     flag = tmp_path / "deaf"
-    env = {"PYTHONPATH": str(Path(__file__).parents[2]), "LAMINAR_DEAF_FLAG": str(flag)}
+    env = {"PYTHONPATH": str(ROOT), "LAMINAR_DEAF_FLAG": str(flag)}
     with RelayCluster(tmp_path, RELAYS, per_relay=per_relay, env=env) as c:
         async def go():
             async with c.trainer() as t:

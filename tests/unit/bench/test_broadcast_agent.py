@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from tests.support import ROOT
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def load_agent(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["broadcast_agent.py", "127.0.0.1", "/dev/shm/unused-test-agent"])
-    path = Path(__file__).resolve().parents[2] / "bench" / "broadcast_agent.py"
+    path = ROOT / "bench" / "broadcast_agent.py"
     spec = importlib.util.spec_from_file_location("bench_broadcast_agent_under_test", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

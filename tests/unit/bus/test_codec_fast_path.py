@@ -13,7 +13,7 @@ from laminar.bus.broker import Verdicts
 
 from laminar.protocol import registered_kinds
 from tests.support import same
-from tests.unit.test_codec import event_strategy
+from tests.unit.bus.test_codec import event_strategy
 
 
 @pytest.mark.parametrize("kind", sorted(registered_kinds()))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from laminar.protocol import Ping
-from tests.integration.test_health_cli import CLI, scrape, until, with_metrics_port
+from tests.integration.cli.test_health_cli import CLI, scrape, until, with_metrics_port
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,8 +14,8 @@ from laminar.bus import auth
 from laminar.bus.zmq_transport import ZmqTransport
 
 from laminar.protocol import Ping
-from tests.integration.test_health_cli import CLI, scrape, until, with_metrics_port
-from tests.unit.test_security_fuzz import status
+from tests.integration.cli.test_health_cli import CLI, scrape, until, with_metrics_port
+from tests.unit.bus.test_security_fuzz import status
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 from laminar.bus import auth
@@ -48,8 +47,8 @@ from laminar.protocol import (
     SetDownstream,
     TakeBatch,
 )
-from tests.support import free_port
-from tests.unit.test_pool_write_failures import two_owner_pool
+from tests.support import ROOT, free_port
+from tests.unit.roles.test_pool_write_failures import two_owner_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,7 +65,7 @@ def test_every_request_kind_is_in_the_table_and_the_rest_is_denied():
     assert [s for s in SCOPED if not auth.request_refusal(s, unknown)] == []     # not listed: nobody
     assert auth.request_refusal("operator", unknown) == "" and auth.request_refusal(None, unknown) == ""
     # docs/security.md has the table in words: a row per kind
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    doc = (ROOT / "docs" / "security.md").read_text()
     rows = [line for line in doc.splitlines() if line.startswith("| `") and "| Scopes" not in line]
     assert [k for k in auth.REQUESTS if not any(line.split("|")[1].count(f"`{k}`") for line in rows)] == []
 

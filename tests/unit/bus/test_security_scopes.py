@@ -216,7 +216,7 @@ def test_supervisor_keeps_a_child_stopped_by_the_operator_down(tmp_path):
 
 def test_systemd_units_keep_a_role_stopped_by_the_operator_down(tmp_path):
     from laminar.systemd import render_units
-    from tests.unit.test_security_systemd import _config, directives
+    from tests.unit.laminar.test_security_systemd import _config, directives
     cfg, path = _config(tmp_path)
     for name, text in render_units(cfg, path, "h0", workdir=str(tmp_path), systemd_version=254).items():
         if name.endswith(".service"):
@@ -227,7 +227,7 @@ def test_systemd_units_keep_a_role_stopped_by_the_operator_down(tmp_path):
 
 
 def test_health_shows_a_role_stopped_by_the_operator_as_such_not_as_unhealthy():
-    from tests.unit.test_health import child, fed, get, hb, parse
+    from tests.unit.laminar.test_health import child, fed, get, hb, parse
     c, clock = fed()
     clock.t += 4.0
     for role in ("broker", "manager", "trainer"):

@@ -13,6 +13,7 @@ import yaml
 from laminar import check as check_mod
 from laminar.check import address_problem, run_checks
 from laminar.testing.procs import free_port
+from tests.support import ROOT
 
 
 def model_folder(path):
@@ -160,8 +161,7 @@ def test_one_mistake_shared_by_several_roles_is_one_line(tmp_path):
 def test_the_gpu_memory_plan_of_a_recipe():
     """The real plan (laminar/memory_plan.py) through `check --gpu-memory-gib`: a 7B recipe does not fit
     8 GiB GPUs, and each placement that does not is one line naming the file."""
-    from pathlib import Path
-    recipe = Path(__file__).resolve().parents[2] / "configs" / "gpu-7b.yaml"
+    recipe = ROOT / "configs" / "gpu-7b.yaml"
     _, problems = run_checks(str(recipe), gpu_memory_gib=8.0)
     memory = [p for p in problems if "GiB" in p]
     assert memory and all(p.startswith(f"{recipe}: ") for p in memory), problems
@@ -194,8 +194,7 @@ def test_the_three_recipes_pass_the_memory_plan_at_80_gib():
     """`laminar-node check configs/gpu-*.yaml --gpu-memory-gib 80` on a machine that is none of their
     hosts: the plan passes, and the multi-node recipes require no host's files here (the 7B recipe
     is one host, this one, so its model folder and dataset must exist to pass as a whole)."""
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2] / "configs"
+    root = ROOT / "configs"
     for name in ("gpu-32b.yaml", "gpu-72b.yaml"):
         _, problems = run_checks(str(root / name), gpu_memory_gib=80.0)
         assert problems == [], (name, problems)

@@ -1,6 +1,6 @@
 """`laminar-node check` reports every problem of a file in one run, whatever layer finds it (the
 schema, files, code, this host), and nothing that only follows from a problem already reported.
-Real files and real sockets, as tests/unit/test_check.py."""
+Real files and real sockets, as tests/unit/laminar/test_check.py."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 from laminar.check import run_checks
 from laminar.testing.procs import free_port
-from tests.unit.test_check import config, write
+from tests.unit.laminar.test_check import config, write
 
 FOREIGN = "192.0.2.77"   # TEST-NET-1: never an address of this machine
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from laminar.config import ConfigError, load_config
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 BASE = """
 cluster:
   keys_dir: null

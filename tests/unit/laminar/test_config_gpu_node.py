@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
 from laminar.config import ConfigError, load_config, parse_config
 from laminar.supervisor import Child, Supervisor, children_for_host
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 GPU_NODE = ROOT / "configs" / "gpu-node.yaml"
 
 

@@ -17,7 +17,7 @@ from laminar.health import HealthCollector
 from laminar.health_facts import metric_names
 from laminar.protocol import Metrics, RelayProgress, RolloutStats
 from laminar.testing.procs import free_port
-from tests.unit.test_health import child, hb, parse
+from tests.unit.laminar.test_health import child, hb, parse
 
 CLI = [sys.executable, "-m", "laminar.cli"]
 EVERY_ROLE = ("broker.0", "manager.0", "prompt_pool.0", "partial_pool.0", "experience_buffer.0", "relay.r0",

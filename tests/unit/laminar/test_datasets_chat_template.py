@@ -15,11 +15,11 @@ import yaml
 from laminar.config import load_config, parse_config
 from laminar.datasets import DatasetError, Record, load_records, prompt_encoder
 from laminar.protocol import TakeBatch
+from tests.support import ROOT
 
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PLAIN_QA = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}ANSWER:"

@@ -16,8 +16,8 @@ from laminar.roles.trainer.config import LoraSettings, TrainerConfig
 from laminar.config import load_config, parse_config
 from laminar.memory_plan import GiB, check_memory, lora_params, main, plan_memory, rollout_plan, trainer_plan
 from laminar.models.shape import model_shape, shape_from_config
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 RECIPES = [ROOT / "configs" / f"gpu-{m}.yaml" for m in ("7b", "32b", "72b", "72b-64")]
 # A shape small enough to count by hand: 2 layers, hidden 64, MLP 128, 4 query heads and 2 KV
 # heads of 16, vocabulary 100, untied head, q/k/v biases (Qwen2).

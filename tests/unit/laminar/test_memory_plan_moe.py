@@ -6,7 +6,6 @@ exits 0) but not 48 GiB ones, naming the GiB."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
@@ -15,8 +14,8 @@ from laminar.check import run_checks
 from laminar.config import load_config, parse_config
 from laminar.memory_plan import check_memory, plan_memory
 from laminar.models.shape import model_shape, shape_from_config
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "gpu-qwen3-30b-a3b.yaml"
 
 

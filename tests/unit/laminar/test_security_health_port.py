@@ -9,7 +9,7 @@ import pytest
 
 from laminar.config import parse_config
 from laminar.health import MetricsServer, load_metrics_token, metrics_bind
-from tests.unit.test_health import _request, _split, fed
+from tests.unit.laminar.test_health import _request, _split, fed
 
 pytestmark = pytest.mark.timeout(60)
 

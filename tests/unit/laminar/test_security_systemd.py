@@ -88,7 +88,7 @@ def test_hardened_units_verify_and_security_score(tmp_path):
 def test_env_unit_delegates_its_cgroup_and_bounds_root_to_the_sandbox_capabilities(tmp_path):
     """Before: the env unit ran as full root without Delegate=yes, so on cgroup v2 its sandbox had no
     cgroup it could make children in (runs went without one). Now its cgroup is delegated and its
-    capabilities are only those the sandbox needs (test_sandbox_capabilities.py runs the sandbox
+    capabilities are only those the sandbox needs (tests/unit/laminar/envs/test_sandbox_capabilities.py runs the sandbox
     with exactly these); other roles keep their own confinement and no Delegate."""
     cfg, path = _config(tmp_path)
     units = render_units(cfg, path, "h0", workdir=str(tmp_path), systemd_version=254)

@@ -2,7 +2,7 @@
 job's nodes map onto the config's hosts in order, and the batch script, run by bash with
 stand-ins for `scontrol` and `srun`, writes the config once and starts one step for the
 trainer's nodes and one for the rest, ending with the trainer's. The real thing, under a real
-slurmctld and slurmd, is tests/integration/test_slurm.py."""
+slurmctld and slurmd, is tests/integration/cli/test_slurm.py."""
 from __future__ import annotations
 
 import os

@@ -19,8 +19,8 @@ import pytest
 from laminar.cli import build_parser
 from laminar.protocol import registered_kinds
 from laminar.registry import REGISTRY
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 DOC_PATH = ROOT / "docs" / "architecture.md"
 DOC = DOC_PATH.read_text()
 # Folders whose code is production (what the doc describes); laminar/testing is excluded.
@@ -493,5 +493,5 @@ def import_table_rows() -> list[str]:
             for u in sorted(units)]
 
 
-if __name__ == "__main__":  # python tests/unit/test_architecture_docs.py: print the import table's rows
+if __name__ == "__main__":  # python tests/unit/repo/test_architecture_docs.py: print the import table's rows
     print("\n".join(import_table_rows()))

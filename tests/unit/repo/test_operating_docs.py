@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 
 from laminar.cli import build_parser
 from laminar.node import print_summary
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "operating.md").read_text()
 
 

@@ -22,8 +22,7 @@ from laminar.roles.trainer.sim_engine import SimTrainEngine
 from laminar.sim import load_workload
 from laminar.sim.scenario import build_config
 from laminar.sim.setup import load_setup
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
 
 
 def protocol_methods(proto) -> dict:

@@ -14,8 +14,8 @@ from laminar.roles.partial_pool.state import PartialBook
 from laminar.config import parse_config
 from laminar.protocol import CompletePartial, PutTrajectory, SampleGroups
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_experience_buffer_book import traj
-from tests.unit.test_pool_write_failures import delta
+from tests.unit.roles.experience_buffer.test_state_properties import traj
+from tests.unit.roles.test_pool_write_failures import delta
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,7 +17,7 @@ from laminar.roles.sqlite_store import GroupCommitStore, pack, unpack
 
 from laminar.protocol import AppendDeltas, GetPartial, InFlightOf, Trajectory, TrajectorySpec
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_pool_write_failures import cfg, delta
+from tests.unit.roles.test_pool_write_failures import cfg, delta
 
 pytestmark = pytest.mark.timeout(60)
 

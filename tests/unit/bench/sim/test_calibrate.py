@@ -5,7 +5,7 @@ has the scenario, else from a short probe; a run that lags anyway is rerun at th
 its speed and what its own measurement picks. Before, every run started at a guessed speed
 (scenario.estimate) whatever the machine's load, and the contract command lost each mode's first
 attempt to lag. Pure functions on measured inputs; the end-to-end probe is in
-tests/integration/test_sim_calibrate_probe.py."""
+tests/integration/sim/test_sim_calibrate_probe.py."""
 from __future__ import annotations
 
 import json

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from bench.sim.results import assemble, ceiling, plateau
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
 
 
 def run(tp: float, it: float = 100.0, train: float = 80.0, stall: float = 1.0, ideal: float = 1e6) -> dict:

@@ -17,12 +17,13 @@ import pytest
 
 from laminar.envs.sandbox import Sandbox, SandboxConfig
 from laminar.tasks.demo_data import make_prompts
-from tests.unit.test_sandbox import sandbox_pids
+from tests.support import ROOT
+from tests.unit.laminar.envs.test_sandbox import sandbox_pids
 
 pytestmark = pytest.mark.skipif(Sandbox.unavailable_reason() is not None,
                                 reason=str(Sandbox.unavailable_reason()))
 CFG = dict(wall_s=20.0, cpu_s=5, memory_mb=256, max_processes=16, max_output_bytes=16384, slots=2)
-REPO = Path(__file__).resolve().parents[2]
+REPO = ROOT
 
 
 def run(coro):

@@ -14,7 +14,7 @@ from bench.sim.results import assemble
 from laminar.sim.scenario import staleness_bound
 from laminar.sim.setup import DEFAULT_MODES, load_setup
 from tests.support import ROOT
-from tests.unit.test_sim_sweep_validity import run
+from tests.unit.bench.sim.test_sweep_validity import run
 
 
 def test_the_cluster_files_of_the_contract_scale_bound_staleness_by_default(tmp_path):

@@ -1,6 +1,6 @@
 """The compromised-host scenario's ledger (laminar/testing/ledger_hostile.py) on records made by
 hand: it must see each way a hostile host could get something trained or lose honest work, and
-nothing in a clean run. The scenario itself runs in tests/integration/test_chaos_hostile.py."""
+nothing in a clean run. The scenario itself runs in tests/integration/chaos/test_chaos_hostile.py."""
 from __future__ import annotations
 
 from laminar.testing.ledger_hostile import Records, hostile_alarms, hostile_ledger

@@ -17,7 +17,7 @@ from laminar.roles.manager.chain_host import ChainHost
 
 from laminar.protocol import LinkDown, MasterQuery
 from laminar.weights.follow import MasterFollower
-from tests.unit.test_follow_failure import TargetLog
+from tests.unit.laminar.weights.test_follow_failure import TargetLog
 
 pytestmark = pytest.mark.timeout(30)
 

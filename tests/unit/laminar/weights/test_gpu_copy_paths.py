@@ -19,6 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support import ROOT
+
 torch = pytest.importorskip("torch")
 
 from laminar.roles.rollout.rank_load import load_on_ranks  # noqa: E402
@@ -30,8 +32,6 @@ from laminar.weights.local_write import write_version  # noqa: E402
 from laminar.weights.publisher import WeightPublisher  # noqa: E402
 from laminar.weights.pull import LocalWeights  # noqa: E402
 from laminar.weights.store import ShmStore  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeRuntime:

@@ -1,6 +1,6 @@
 """`laminar-node eval` (roles/evaluator/command.py) without an engine: its help, what MODEL is, the table
 and JSON layout, and the refusal of a relay version whose seals do not verify when the cluster
-has keys (before any engine starts). The numbers themselves: tests/integration/test_eval_cli.py."""
+has keys (before any engine starts). The numbers themselves: tests/integration/evaluator/test_eval_cli.py."""
 from __future__ import annotations
 
 import json

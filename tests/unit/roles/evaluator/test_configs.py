@@ -11,8 +11,7 @@ import yaml
 from laminar.roles.evaluator.role import EvaluatorConfig
 
 from laminar.config import ConfigError, load_config, parse_config
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
 
 
 @pytest.mark.parametrize("name", ["local.yaml", "smollm2-math.yaml"])

@@ -2,7 +2,7 @@
 metrics.jsonl as eval/<set>/<metric> (the first set also under the old keys), the best version by
 `best_metric` is kept in best.json, rows of actual answers go to samples.jsonl, and the summary's
 `eval` has first/last/best per set and metric. The vLLM engine is replaced by scripted answers
-(the role's wiring is what is tested; the metrics themselves: test_pass_at_k.py)."""
+(the role's wiring is what is tested; the metrics themselves: tests/unit/roles/evaluator/test_scoring.py)."""
 from __future__ import annotations
 
 import asyncio

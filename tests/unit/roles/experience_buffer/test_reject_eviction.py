@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from laminar.roles.experience_buffer.state import BufferBook
 
-from tests.unit.test_experience_buffer_book import traj
+from tests.unit.roles.experience_buffer.test_state_properties import traj
 
 
 def test_first_members_cannot_fill_a_rejecting_buffer():

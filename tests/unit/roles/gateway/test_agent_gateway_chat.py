@@ -23,8 +23,8 @@ from laminar.roles.gateway.openai_api import ChunkStream, chat_completion, compl
 from laminar.chat import ByteChatCodec, ChatError, ChatFormat, message_key
 from laminar.protocol import AgentCallReply, AgentChunk
 from laminar.toolcalls import HoldBack, parse_tool_calls, render_tool_calls
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
           "You are a helpful AI assistant<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "

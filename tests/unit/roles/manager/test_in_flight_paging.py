@@ -18,7 +18,7 @@ from laminar.roles.manager.fleet import Fleet, FleetSettings
 
 from laminar.protocol import AppendDeltaBatch, InFlightOf, TrajectorySpec
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_pool_write_failures import cfg
+from tests.unit.roles.test_pool_write_failures import cfg
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,7 +14,7 @@ from laminar.config import parse_config
 from laminar.health import HealthCollector, MetricsServer
 from laminar.protocol import Heartbeat, RolloutStats
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_health import _request, _split, get, parse
+from tests.unit.laminar.test_health import _request, _split, get, parse
 
 pytestmark = pytest.mark.timeout(30)
 

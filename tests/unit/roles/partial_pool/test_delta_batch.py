@@ -11,7 +11,7 @@ from laminar.bus.errors import RemoteError
 
 from laminar.protocol import AppendDeltaBatch, AppendDeltas, CompletePartial, GetPartial, InFlightOf
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_pool_write_failures import cfg, delta
+from tests.unit.roles.test_pool_write_failures import cfg, delta
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,7 @@ import pytest
 
 from laminar.protocol import AppendDeltas, GetPartial, ReassignPartial
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_pool_write_failures import cfg, delta
+from tests.unit.roles.test_pool_write_failures import cfg, delta
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,7 +3,7 @@ granted it for a MigrateIn. Before, a `rollout.r1` key that knew the id of r0's 
 fence it to itself (r0's later writes refused: the work stolen), reassign it to itself without a
 fence, or write the next delta into it and so become its owner. The pool and its dispatcher are
 real; the caller's key identity, which the CURVE transport supplies in a scoped cluster
-(tests/unit/test_security_scopes.py), is handed to the dispatcher directly."""
+(tests/unit/bus/test_security_scopes.py), is handed to the dispatcher directly."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +24,7 @@ from laminar.protocol import (
     RolloutStats,
 )
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_pool_write_failures import cfg, delta, handed, two_owner_pool
+from tests.unit.roles.test_pool_write_failures import cfg, delta, handed, two_owner_pool
 
 pytestmark = pytest.mark.timeout(60)
 

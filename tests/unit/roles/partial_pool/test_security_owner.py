@@ -1,7 +1,7 @@
 """With scoped keys the partial pool lets a rollout key named after a rollout complete or release
 only that rollout's trajectories (the pool knows each trajectory's current owner). The pool and
 its dispatcher are real; the caller's key identity, which the CURVE transport supplies in a
-scoped cluster (tests/unit/test_security_scopes.py), is handed to the dispatcher directly."""
+scoped cluster (tests/unit/bus/test_security_scopes.py), is handed to the dispatcher directly."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from laminar.protocol import CompletePartial, ErrorReply, GetPartial, ReassignPartial
-from tests.unit.test_pool_write_failures import two_owner_pool
+from tests.unit.roles.test_pool_write_failures import two_owner_pool
 
 pytestmark = pytest.mark.timeout(60)
 

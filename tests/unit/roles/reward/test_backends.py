@@ -22,8 +22,8 @@ from laminar.roles.rollout.trajectory import Active
 from laminar.protocol import Ack, AwaitReward, PutTrajectory, SampleGroups
 from laminar.tasks.reward_model import build_tiny_classifier
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_reward_role import cfg, forwarded, traj
-from tests.unit.test_rollout_runner import runner, settle, spec
+from tests.unit.roles.reward.test_role import cfg, forwarded, traj
+from tests.unit.roles.rollout.test_runner import runner, settle, spec
 
 pytestmark = pytest.mark.timeout(90)
 

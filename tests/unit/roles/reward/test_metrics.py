@@ -12,7 +12,7 @@ import pytest
 from laminar.health import HealthCollector
 from laminar.protocol import Heartbeat
 from laminar.summary import summarize, table
-from tests.unit.test_health import get, parse
+from tests.unit.laminar.test_health import get, parse
 
 RULE = "fn:laminar.tasks.rewards:upper_fraction"
 

@@ -9,7 +9,7 @@ import pytest
 
 from laminar.protocol import AwaitReward, LeaseRewards, SampleGroups, SubmitScores
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_reward_role import cfg, forwarded, traj
+from tests.unit.roles.reward.test_role import cfg, forwarded, traj
 
 pytestmark = pytest.mark.timeout(60)
 

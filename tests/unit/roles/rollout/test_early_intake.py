@@ -12,7 +12,7 @@ from laminar.roles.rollout.trajectory import Active
 
 from laminar.config import RunSpec
 from laminar.protocol import Batch, PutResult, PutTrajectory, TakeBatch
-from tests.unit.test_rollout_wiring import Book, make_role, spec
+from tests.unit.roles.rollout.test_wiring import Book, make_role, spec
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,7 +3,7 @@ times, then given up with an error logged; a trajectory whose store is given up 
 durable and released in the partial pool (owner none: the manager's reconcile finds it and places
 it again), never lost and never left active here. Before, `call_acked` retried `internal` forever:
 the trajectory's task, and with it the batch, never ended. Stub pools around the real partial-pool
-book (tests/unit/test_rollout_wiring.py)."""
+book (tests/unit/roles/rollout/test_wiring.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,7 @@ from laminar.bus.errors import RemoteError
 from laminar.bus.retry import INTERNAL_TRIES, call_acked
 
 from laminar.protocol import Ack, PutTrajectory, TakeBatch
-from tests.unit.test_rollout_wiring import Book, Client, active, make_role
+from tests.unit.roles.rollout.test_wiring import Book, Client, active, make_role
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,7 +1,7 @@
 """The rollout's adapter bookkeeping (roles/rollout/adapters.py) without an engine: a relay's
 adapter version becomes a peft folder holding exactly the published tensors, a version for another
 base (or full weights) is refused naming both, and an adapter is released only once it is neither
-current nor used by a request. The vLLM engine itself: tests/integration/test_lora_rollout.py."""
+current nor used by a request. The vLLM engine itself: tests/integration/rollout/test_lora_rollout.py."""
 from __future__ import annotations
 
 import json

@@ -4,7 +4,7 @@ the manager's memory knew they were on their way: a manager killed between Migra
 left them forever under a live owner that did not run them (`reconcile` orphans only partials of
 owners that are not live), so their group never completed. Now they are owned by nobody once the
 reply goes out, and any manager's `reconcile` finds them as orphans. The rollout's handler runs
-against the real partial-pool book (tests/unit/test_rollout_wiring.py's stub around it); the
+against the real partial-pool book (tests/unit/roles/rollout/test_wiring.py's stub around it); the
 reconcile pass is the real Fleet against the real partial pool role."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from laminar.roles.manager.fleet import Fleet, FleetSettings
 from laminar.config import parse_config
 from laminar.protocol import AppendDeltas, MigrateOut, ReassignPartial, RolloutStats, TokenDelta, TrajectorySpec
 from laminar.testing.inproc_cluster import InprocCluster
-from tests.unit.test_rollout_wiring import Book, active, make_role
+from tests.unit.roles.rollout.test_wiring import Book, active, make_role
 
 
 def test_migrate_out_leaves_the_moved_work_owned_by_nobody(tmp_path):

@@ -5,7 +5,7 @@ gone; adoption queues one older version (retained by the relay) and wakes the lo
 pins the engine to it or, when it cannot be loaded, gives the work back to the pool; MigrateOut
 hands over only what still generates and resumes it here when the pool is unreachable.
 
-The weights are a stand-in (the follower's own logic is tested in test_rollout_weights.py).
+The weights are a stand-in (the follower's own logic is tested in tests/unit/roles/rollout/test_weights.py).
 """
 from __future__ import annotations
 

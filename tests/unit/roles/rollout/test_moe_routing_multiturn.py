@@ -13,7 +13,7 @@ import structlog
 from laminar.roles.rollout.routing import RoutingPuller
 from laminar.roles.rollout.trajectory import Active
 
-from tests.unit.test_multiturn import OBS, ScriptEngine, runner, spec
+from tests.unit.roles.rollout.test_multiturn import OBS, ScriptEngine, runner, spec
 
 
 class RoutedScriptEngine(ScriptEngine):

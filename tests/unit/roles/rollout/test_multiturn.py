@@ -2,7 +2,7 @@
 engine against an in-process environment; stop markers cut mid-delta; loss masks and observation
 spans through deltas, the partial pool (and its pre-multi-turn stores) and resumption; the
 environment lost mid-episode (replayed, or failed cleanly); the trainer's loss ignoring masked
-tokens. The vLLM end to end is tests/integration/test_multiturn.py."""
+tokens. The vLLM end to end is tests/integration/agents/test_multiturn.py."""
 from __future__ import annotations
 
 import asyncio
@@ -193,7 +193,7 @@ def test_environment_lost_mid_episode(policy):
 
     async def main():
         eng = ScriptEngine("ab</tool>", chunk=9)
-        c = RolloutEnvConfig(local={"environment": "tests.unit.test_multiturn:CrashOnceEnv",
+        c = RolloutEnvConfig(local={"environment": "tests.unit.roles.rollout.test_multiturn:CrashOnceEnv",
                                     "options": {"steps": 3, "crash_at": 2, "observation": OBS}},
                              on_failure=policy, retry_backoff_s=0.01)
 
@@ -223,7 +223,7 @@ def test_a_replay_that_diverges_fails_the_trajectory():
     CrashOnceEnv.crashed.clear()
 
     async def main():
-        c = RolloutEnvConfig(local={"environment": "tests.unit.test_multiturn:DriftingEnv",
+        c = RolloutEnvConfig(local={"environment": "tests.unit.roles.rollout.test_multiturn:DriftingEnv",
                                     "options": {"steps": 3, "observation": OBS}}, retry_backoff_s=0.01)
 
         async def durable(a):

@@ -14,9 +14,7 @@ from laminar.roles.rollout.config import RolloutConfig
 from laminar.roles.rollout.engine import VllmEngine
 
 from laminar.config import ConfigError, load_config, parse_config
-from tests.support import shape_only_model
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT, shape_only_model
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ a real relay folder in /dev/shm. The model runner is a stand-in that writes each
 into its own weights as it goes, so a load that stops part-way leaves a rank on a mix, as vLLM's
 would. Failures are injected with the extension's test hook (a fault file naming rank and phase).
 
-The same protocol on a real vLLM engine at TP=2: tests/integration/test_tensor_parallel.py.
+The same protocol on a real vLLM engine at TP=2: tests/integration/rollout/test_tensor_parallel.py.
 """
 from __future__ import annotations
 

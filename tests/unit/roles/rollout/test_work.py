@@ -1,7 +1,7 @@
 """Work (roles/rollout/work.py): a trajectory leaving frees room and the last one ends the batch
 (only if it is still the one held under its id; work handed over by a MigrateOut frees no room
 until none is left). call_acked, which the rollout's writes go through, is tested with the bus
-(test_bus_retry.py).
+(tests/unit/bus/test_retry.py).
 """
 from __future__ import annotations
 

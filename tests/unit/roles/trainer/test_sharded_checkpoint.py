@@ -1,5 +1,5 @@
 """Sharded (DCP) checkpoints in one process: the format, atomicity, the NaN refusal, and a round
-trip of weights and optimizer state (tests/integration/test_sharded_publish.py writes one from two
+trip of weights and optimizer state (tests/integration/trainer/test_sharded_publish.py writes one from two
 ranks and resumes it on one)."""
 from __future__ import annotations
 
