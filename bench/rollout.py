@@ -50,8 +50,8 @@ from _common import exit_on_signals, free_port, print_table, write_json  # noqa:
 SEED = 11
 ROUNDS, ROUNDS_QUICK = 9, 7  # timed rounds of role/engine pairs (after one warm-up pass)
 # trajectories per batch and max tokens each: ~10 s a pass on a quiet 2-core machine (the tiny
-# model ends ~1 in 550 trajectories per token, so a batch is ~2/3 of N x M tokens)
-BATCH, MAX_TOKENS = 256, 640
+# model stops about half of them early: a batch is ~1/2 of N x M tokens, ~125k)
+BATCH, MAX_TOKENS = 384, 640
 MIGRATE_N = 100
 
 
@@ -275,6 +275,7 @@ async def run_bench(cfg, n: int, migrate_n: int, model_dir: str, rounds: int, ra
     for r, i in (("prompt_pool", "0"), ("partial_pool", "0"), ("experience_buffer", "0")):
         await c.start(r, i)
     r0 = await c.start("rollout", "0")
+    gc.freeze()  # what each role's own process does once its setup is done (laminar/shell.py when_ready)
     gate = r0.prompts = Gate(r0.prompts)  # its first batch may pass before this: it warms the engine
     try:
         res = await ratio_rounds(r0, gate, rounds)
