@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-from pathlib import Path
 
 import pytest
+
+from tests.support import ROOT
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def load_bench():
-    path = Path(__file__).resolve().parents[2] / "bench" / "rollout.py"
+    path = ROOT / "bench" / "rollout.py"
     spec = importlib.util.spec_from_file_location("bench_rollout_under_test", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
