@@ -18,7 +18,8 @@
    which a run overlaps with the next batch, then end untimed before the engine's pass starts).
    The order alternates (role first in even rounds, engine first in odd ones: the gate hands the
    batch's specs to the bench before the role starts them), so a load that drifts during the run
-   reaches both sides alike. Each round gives one ratio (role tokens/s over engine tokens/s, the
+   reaches both sides alike; an untimed second (SETTLE_S) before each pass keeps one side's
+   leftovers out of the other's window. Each round gives one ratio (role tokens/s over engine tokens/s, the
    same tokens); `role_over_engine` is the median of the R rounds' ratios, its spread
    (max - min) / median and its IQR / median say how far apart two runs may land (to tell 0.9
    from 1.0 the spread must be well under 0.1). Each pass also records this process's CPU per
@@ -53,6 +54,9 @@ ROUNDS, ROUNDS_QUICK = 9, 7  # timed rounds of role/engine pairs (after one warm
 # model stops about half of them early: a batch is ~1/2 of N x M tokens, ~125k)
 BATCH, MAX_TOKENS = 384, 640
 MIGRATE_N = 100
+# untimed pause before each pass, so what the last one left running (the pools' writes of the
+# role's last stores, which end after its loop asks again) does not land in the next one's window
+SETTLE_S = 1.0
 
 
 def prompts(n: int) -> list[str]:
@@ -245,11 +249,14 @@ async def ratio_rounds(r0, gate: Gate, rounds: int) -> dict:
     for k in range(1, rounds + 1):
         await gate.arrived.wait()
         specs = list(gate.reply.trajectories)
+        await asyncio.sleep(SETTLE_S)
         if k % 2:  # engine first
             eng = await timed(engine_pass(r0.engine, specs, f"bare{k}"))
+            await asyncio.sleep(SETTLE_S)
             role = await timed(role_pass(r0, gate))
         else:
             role = await timed(role_pass(r0, gate))
+            await asyncio.sleep(SETTLE_S)
             eng = await timed(engine_pass(r0.engine, specs, f"bare{k}"))
         rows.append(round_row(k, role, eng))
         print(f"  round {k}: role {role[0] / role[1]:,.0f} tokens/s ({role[1]:.1f} s), engine "
