@@ -8,6 +8,11 @@ limits a message's frames, containers and body: bus/codec.py), so a large flush 
 trajectory's deltas never straddle two pages. A delta leaves its outbox only when acknowledged,
 so a page that fails is sent again by the next flush (the pool applies each seq once).
 
+`make_durable(a)` is a group commit: callers that ask at once (agent calls that end at the same
+engine step, env steps) join one flush, one request and so one pool transaction; one that asks
+while that flush is in flight goes in the next, with everyone who asked meanwhile. Each returns
+only once a flush that covered its trajectory was acknowledged.
+
 A mixture-of-experts policy's routing rows (routing.py) are pulled from the engine right before
 each cut, so they go with the tokens they follow.
 
