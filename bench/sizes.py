@@ -7,7 +7,7 @@ excluded, to its last line; nested functions count on their own as well).
     python bench/sizes.py --write-doc     # rewrite the size block of docs/architecture.md §1
 
 docs/architecture.md §1 holds this table between `<!-- sizes -->` markers;
-tests/unit/test_architecture_docs.py fails when it differs from what this script prints, so a
+tests/unit/repo/test_architecture_docs.py fails when it differs from what this script prints, so a
 change that moves the numbers reruns `--write-doc` in the same commit.
 
 Lines are physical lines of the file (blank lines and comments included), as `wc -l` counts them.

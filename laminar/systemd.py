@@ -36,7 +36,7 @@ from pathlib import Path
 from laminar.supervisor import ready_timeout_for
 
 RESTART_STEPS_SINCE = 254  # systemd version that knows RestartSteps / RestartMaxDelaySec
-# what the env role's sandbox needs of root (tests/unit/test_sandbox_capabilities.py runs it with
+# what the env role's sandbox needs of root (tests/unit/laminar/envs/test_sandbox_capabilities.py runs it with
 # exactly these): unshare/mount/pivot_root, setuid/setgid/setgroups to the sandbox uid, chown of the
 # scratch files, writing them into the scratch owned by that uid, signalling a run's processes
 ENV_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_KILL")

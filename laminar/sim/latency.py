@@ -19,7 +19,7 @@ Design decisions:
   weights and KV over HBM, the decode GEMMs, two tensor-parallel all-reduces per layer over
   NVLink), corrected by a fixed runtime time and an efficiency fitted to the paper's *32B*
   curves (`RooflineFit`, the only place the roofline meets a measurement); the 7B curves are
-  left out of the fit and checked against it (tests/unit/test_sim_models.py).
+  left out of the fit and checked against it (tests/unit/laminar/sim/test_models.py).
 - In a running system a step costs more than the microbenchmark (`decode_step_ms`): the KV of
   the context the sequences really hold is read (the curves were measured at 4,096 tokens each),
   and the runtime's host side dispatches every layer's kernels one by one (`HOST_MS_PER_LAYER`,

@@ -24,7 +24,7 @@ rollouts pull batches from the pools and report to the manager with their contro
 
 `ledger()`, `checks()` and `incomplete_groups()` read, after the run, what every component
 recorded (laminar/testing/ledger.py, which also says how trajectory ids are made): to prove nothing
-was lost or trained twice. bench/chaos.py and tests/integration/test_multihost_faults.py use them.
+was lost or trained twice. bench/chaos.py and tests/integration/cluster/test_multihost_faults.py use them.
 
 The namespaces, processes and shared memory of the harness are its own: it removes exactly those
 on exit (NetnsCluster deletes its namespaces by name).

@@ -4,7 +4,7 @@ an engine is built from the role's settings.
 Two engines implement `RolloutEngineAPI`: `VllmEngine` (roles/rollout/engine.py, vLLM's AsyncLLM)
 and `SimEngine` (roles/rollout/sim_engine.py, the scale simulator's model of vLLM's scheduler;
 docs/sim.md). The protocol is structural (`typing.Protocol`, runtime-checkable): an engine need
-not inherit from anything to qualify, and tests/unit/test_engine_api.py checks that both engines
+not inherit from anything to qualify, and tests/unit/roles/test_engine_api.py checks that both engines
 define every method with the protocol's signature.
 
     engine = build_rollout_engine(settings, cores)   # settings: the role's RolloutConfig

@@ -26,7 +26,7 @@ repack_cpu_experts: a vLLM 0.32 CPU-build bug this module works around. Loading 
 skips the expert kernel's own step (`fused_experts.process_weights_after_loading`): the CPU kernel's
 prepack of w13/w2 into its grouped-gemm layout. The kernel then reads plain weights as packed ones
 (checked: greedy tokens survive, logprobs move by ~0.1). Calling that step after every in-place
-load restores the layout (tests/integration/test_moe_vllm.py checks a reload of the same weights
+load restores the layout (tests/integration/rollout/test_moe_vllm.py checks a reload of the same weights
 leaves every logprob unchanged).
 """
 from __future__ import annotations

@@ -37,7 +37,7 @@ answer (ok, value) and never raise, like the load phases.
 Test hook (tests only, never set in a deployment): when LAMINAR_TEST_FAIL_LOAD names a file, each
 prepare and commit reads it; a line "RANK PHASE" (PHASE: prepare or commit) makes that rank fail
 that phase, a commit after loading half of the tensors, as a rank that runs out of memory
-part-way would. tests/integration/test_tensor_parallel.py injects failures this way.
+part-way would. tests/integration/rollout/test_tensor_parallel.py injects failures this way.
 """
 from __future__ import annotations
 

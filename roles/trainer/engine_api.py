@@ -3,7 +3,7 @@
 Two engines implement `TrainEngineAPI`: `TrainEngine` (roles/trainer/engine.py: torch, FSDP2,
 GRPO/PPO) and `SimTrainEngine` (roles/trainer/sim_engine.py: the scale simulator's trainer, which
 spends the cost model's time instead; docs/sim.md). The protocol is structural (`typing.Protocol`,
-runtime-checkable): tests/unit/test_engine_api.py checks that both define every method with the
+runtime-checkable): tests/unit/roles/test_engine_api.py checks that both define every method with the
 protocol's signature and the attributes the role reads.
 
     engine.load()                                   # build the model (the sim: nothing)

@@ -14,7 +14,7 @@ backward (a custom autograd function that recomputes each chunk's logits):
 Saved for the backward: h, W, the targets and lse (N floats), so memory grows with chunk x V, not
 N x V. The compute dtype is what autocast would use for the head's matmul (bf16 logits under bf16
 autocast, as the unchunked path gets them), the log-softmax is float32 in both paths, and in float32
-the two agree within 1e-5 (values and gradients; tests/unit/test_chunked_logprobs.py). The entropy
+the two agree within 1e-5 (values and gradients; tests/unit/roles/trainer/test_logprobs_chunked.py). The entropy
 is a metric: it is not differentiated.
 
 How the head is reached: the model's own forward is called, with the head's forward replaced for

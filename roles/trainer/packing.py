@@ -16,7 +16,7 @@ sequence only:
 The per-token results (logprobs, entropies, critic values) are mapped back to the padded target
 layout [B, T-1] (0 at positions past a sequence's end), so every loss, mask and metric downstream
 is the padded path's code, unchanged: the packed and padded paths give the same per-token
-logprobs and losses within float tolerance (tests/unit/test_packing.py).
+logprobs and losses within float tolerance (tests/unit/roles/trainer/test_packing.py).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ those rows are one contiguous byte range of the tensor in the published layout, 
 master relay is fed from, and nothing is gathered: the trainer's stall is one (pinned, on a GPU)
 copy of 1/N of the weights, cast to the serving dtype on each rank's own device first. The
 version is byte-for-byte what a publish of the gathered state dict gives (same layout, same
-bytes; tests/integration/test_sharded_publish.py).
+bytes; tests/integration/trainer/test_sharded_publish.py).
 
 Modes, decided collectively at the first publish:
 - `shared` (every rank on rank 0's host): rank 0's publisher keeps its two staging slots as
