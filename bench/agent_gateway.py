@@ -49,8 +49,7 @@ def agents(base: str, n: int, calls: int, max_tokens: int, seed: int, out) -> No
                 r.raise_for_status()
                 return r.json()
 
-    async def one(i: int, ep: dict) -> dict:
-        client = openai.AsyncOpenAI(base_url=base, api_key="bench", max_retries=0, timeout=600)
+    async def one(i: int, ep: dict, client) -> dict:
         msgs, seeds, versions, tokens = [{"role": "user", "content": ep["prompt"]}], [], [], 0
         for k in range(calls):
             s = seed + 1000 * i + k
@@ -65,9 +64,14 @@ def agents(base: str, n: int, calls: int, max_tokens: int, seed: int, out) -> No
     async def main():
         async with httpx.AsyncClient(base_url=base, timeout=600) as h:
             eps = await asyncio.gather(*(claim(h) for _ in range(n)))  # claimed first: the clock is the calls'
+            # one client per agent, built before the clock: building one makes an SSL context (~10 ms
+            # of CPU), a cost of starting an agent program, not of its calls (docs/benchmarks.md)
+            clients = [openai.AsyncOpenAI(base_url=base, api_key="bench", max_retries=0, timeout=600)
+                       for _ in eps]
             t0 = time.perf_counter()
-            done = await asyncio.gather(*(one(i, ep) for i, ep in enumerate(eps)))
+            done = await asyncio.gather(*(one(i, ep, c) for i, (ep, c) in enumerate(zip(eps, clients, strict=True))))
             wall = time.perf_counter() - t0
+            await asyncio.gather(*(c.close() for c in clients))
             await asyncio.gather(*(h.post(f"/episodes/{ep['id']}/end", json={"reward": 0.0}) for ep in eps))
         return {"wall_s": wall, "episodes": done}
     out.send(asyncio.run(main()))
@@ -205,7 +209,12 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
     exit_on_signals()
-    res = asyncio.run(run(a))
+    try:  # the cluster's loop as a role's (laminar/shell.py): uvloop when it is installed
+        import uvloop
+        loop_run = uvloop.run
+    except ImportError:
+        loop_run = asyncio.run
+    res = loop_run(run(a))
     print(f"gateway/direct {res['gateway_over_direct']:.3f}  episodes {res['episodes']}  "
           f"version-mixed episodes {res['version_mixed_episodes']}")
     write_json(a.out, res)

@@ -24,7 +24,9 @@ Time = from the start on host 0 until the last relay holds the whole version (fo
 fan-out: made visible, i.e. verified and committed). Steady state: one untimed version goes down
 the whole chain first (relays and the publisher allocate their buffers once, then reuse them). CPU
 use is the machine's busy share during each run (/proc/stat), to show the cores were not what
-limited it.
+limited it. `--net-repeats N` runs every method N times (raw first in each round, each round's
+ratios to its own raw transfer): the ratios are the medians over the rounds, with their spread.
+Chunks are 256 KiB unless `--chunk-mib` says otherwise (CHUNK_MIB says why).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +48,12 @@ import broadcast_local  # noqa: E402
 from _common import print_table, write_json  # noqa: E402
 
 MiB = 1 << 20
+# The chain forwards a chunk once it has all arrived and its digest checked, so relay K holds the
+# last byte (K - 1) chunk times after relay 1 does: a pipeline's fill, (K - 1) * chunk / S of one
+# transfer. With S = 64 MiB and K = 8, 1 MiB chunks cost 7/64 = 11% (what this bench measured,
+# 1.11 x raw); 256 KiB chunks cost 2.7%, and their per-chunk work (a header, its MAC, a wakeup)
+# stays far below the link's time per chunk (5 ms at 400 Mbit/s).
+CHUNK_MIB = 0.25
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -100,7 +109,7 @@ class Agents:
 
 
 class Bench:
-    def __init__(self, agents: Agents, chunk_mib: int):
+    def __init__(self, agents: Agents, chunk_mib: float):
         self.a, self.chunk_mib = agents, chunk_mib
         self.version = 0
         self.addresses: dict[int, str] = {}
@@ -154,6 +163,52 @@ def measure(fn, *args) -> tuple[float, float]:
     return secs, 100.0 * (b1 - b0) / max(1, t1 - t0)
 
 
+def measure_row(b: Bench, net, method: str, s: int, k: int, fn, timeout: float) -> dict:
+    """One timed transfer of `method` (a row; a failure is kept in it, not raised, unless an agent died)."""
+    row = dict(size_mib=s // MiB, k=k, method=method)
+    try:
+        if fn is None:
+            row["seconds"], row["cpu_pct"] = measure(b.gloo, s, k, net.address(0))
+        else:
+            row["seconds"], row["cpu_pct"] = measure(fn, s, k, timeout)
+            row["relay_spread_s"] = max(b.last_times) - min(b.last_times)
+    except RuntimeError as exc:  # keep what was measured; say what was not
+        row["error"] = str(exc)[:300]
+        print(f"  {method} S={s // MiB} MiB K={k}: FAILED: {row['error']}", flush=True)
+        if "died" in row["error"]:
+            raise
+    return row
+
+
+def one_size(args, b: Bench, net, agents: Agents, s: int, ks: list[int], rows: list[dict], checkpoint) -> None:
+    """Every method at size `s`, `args.net_repeats` times: raw first, then the chain for K
+    descending (every relay stays in sync, so no catch-up is needed), fan-out; gloo (which frees
+    the relays) in the last repeat only. Each row's ratios are to its own repeat's raw transfer."""
+    k_max = max(ks)
+    b.start_relays(k_max)  # fresh stores: at most two versions per relay in memory
+    limit = s / (args.rate_mbit * 1e6 / 8)
+    timeout = 10 * k_max * limit + 30
+    b.chain(s, k_max, timeout)  # untimed warm-up: buffers allocated, as in steady state
+    for rep in range(args.net_repeats):
+        last = rep == args.net_repeats - 1
+        raw_s, cpu = measure(b.raw, s)
+        mine = [dict(size_mib=s // MiB, k=1, method="raw", seconds=raw_s, cpu_pct=cpu, rep=rep)]
+        plan = [("chain", k, b.chain) for k in sorted(ks, reverse=True)] + \
+               [("fanout", k, b.fanout) for k in ks] + ([("gloo", k, None) for k in ks] if last else [])
+        for method, k, fn in [p for p in plan if p[0] in args.methods]:
+            if method == "gloo" and b.addresses:  # free the relays' memory for gloo's
+                agents.call({i: {"op": "reset"} for i in b.addresses})
+                b.addresses = {}
+            mine.append({**measure_row(b, net, method, s, k, fn, timeout), "rep": rep})
+            if checkpoint:
+                checkpoint(rows + mine)
+        for r in mine:
+            if "seconds" in r:
+                r["over_raw"] = r["seconds"] / raw_s
+                r["over_limit"] = r["seconds"] / limit
+        rows += mine
+
+
 def network_part(args, sizes: list[int], ks: list[int], checkpoint=None) -> tuple[list[dict], dict]:
     from laminar.testing.netns import NetnsCluster
     k_max = max(ks)
@@ -164,52 +219,31 @@ def network_part(args, sizes: list[int], ks: list[int], checkpoint=None) -> tupl
             agents.call({i: {"op": "import_torch"} for i in range(k_max + 1)})
             b = Bench(agents, args.chunk_mib)
             for s in sizes:
-                b.start_relays(k_max)  # fresh stores: at most two versions per relay in memory
-                limit = s / (args.rate_mbit * 1e6 / 8)
-                timeout = 10 * k_max * limit + 30
-                b.chain(s, k_max, timeout)  # untimed warm-up: buffers allocated, as in steady state
-                raw_s, cpu = measure(b.raw, s)
-                rows.append(dict(size_mib=s // MiB, k=1, method="raw", seconds=raw_s, cpu_pct=cpu))
-                # chain for K descending: every relay stays in sync, so no catch-up is needed
-                plan = [("chain", k, b.chain) for k in sorted(ks, reverse=True)] + \
-                       [("fanout", k, b.fanout) for k in ks] + [("gloo", k, None) for k in ks]
-                plan = [p for p in plan if p[0] in args.methods]
-                for method, k, fn in plan:
-                    if method == "gloo" and b.addresses:  # free the relays' memory for gloo's
-                        agents.call({i: {"op": "reset"} for i in b.addresses})
-                        b.addresses = {}
-                    row = dict(size_mib=s // MiB, k=k, method=method)
-                    try:
-                        if fn is None:
-                            row["seconds"], row["cpu_pct"] = measure(b.gloo, s, k, net.address(0))
-                        else:
-                            row["seconds"], row["cpu_pct"] = measure(fn, s, k, timeout)
-                            row["relay_spread_s"] = max(b.last_times) - min(b.last_times)
-                    except RuntimeError as exc:  # keep what was measured; say what was not
-                        row["error"] = str(exc)[:300]
-                        print(f"  {method} S={s // MiB} MiB K={k}: FAILED: {row['error']}", flush=True)
-                        if "died" in row["error"]:
-                            raise
-                    rows.append(row)
-                    if checkpoint:
-                        checkpoint(rows)
-                for r in rows:
-                    if r["size_mib"] == s // MiB and "seconds" in r:
-                        r["over_raw"] = r["seconds"] / raw_s
-                        r["over_limit"] = r["seconds"] / limit
+                one_size(args, b, net, agents, s, ks, rows, checkpoint)
         finally:
             agents.close()
     return rows, {"rate_mbit": args.rate_mbit, "namespaces": "cleaned up"}
 
 
 def summary(rows: list[dict], size_mib: int, k: int) -> dict:
-    t = {r["method"]: r.get("seconds") for r in rows if r["size_mib"] == size_mib
-         and (r["k"] == k or r["method"] == "raw")}
+    """The ratios at `size_mib` and `k`: each repeat's from its own rows, their median, and with
+    several repeats `<key>_spread`, (max - min) / median over them."""
+    per = []
+    for rep in sorted({r.get("rep", 0) for r in rows}):
+        t = {r["method"]: r.get("seconds") for r in rows if r["size_mib"] == size_mib and r.get("rep", 0) == rep
+             and (r["k"] == k or r["method"] == "raw")}
 
-    def ratio(a: str, b: str) -> float | None:  # None where a measurement failed
-        return t[a] / t[b] if t.get(a) and t.get(b) else None
-    return {f"chain_over_raw_k{k}": ratio("chain", "raw"), f"fanout_over_chain_k{k}": ratio("fanout", "chain"),
-            f"gloo_over_chain_k{k}": ratio("gloo", "chain")}
+        def ratio(a: str, b: str, t=t) -> float | None:  # None where a measurement failed
+            return t[a] / t[b] if t.get(a) and t.get(b) else None
+        per.append({f"chain_over_raw_k{k}": ratio("chain", "raw"), f"fanout_over_chain_k{k}": ratio("fanout", "chain"),
+                    f"gloo_over_chain_k{k}": ratio("gloo", "chain")})
+    out: dict = {}
+    for key in per[0] if per else []:
+        vals = [p[key] for p in per if p[key] is not None]
+        out[key] = statistics.median(vals) if vals else None
+        if len(vals) > 1:
+            out[f"{key}_spread"] = (max(vals) - min(vals)) / out[key]
+    return out
 
 
 def main() -> int:
@@ -217,19 +251,23 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="S = 64 MiB, K in {1, 8} (under 60 s)")
     p.add_argument("--out", default=None, help="JSON output file")
     p.add_argument("--rate-mbit", type=float, default=400.0, help="egress rate R of every emulated host")
-    p.add_argument("--chunk-mib", type=int, default=1, help="chunk size of the chain and fan-out")
+    p.add_argument("--chunk-mib", type=float, default=CHUNK_MIB,
+                   help=f"chunk size of the chain and fan-out, MiB (default {CHUNK_MIB:g}: see CHUNK_MIB)")
     p.add_argument("--sizes-mib", type=int, nargs="*", default=None, help="override S (MiB)")
     p.add_argument("--ks", type=int, nargs="*", default=None, help="override K")
     p.add_argument("--methods", nargs="*", default=["chain", "fanout", "gloo"], help="which to measure (raw always)")
     p.add_argument("--skip-network", action="store_true", help="loopback measurements only (no root)")
     p.add_argument("--skip-auth", action="store_true", help="leave out the cost of authenticated links")
+    p.add_argument("--net-repeats", type=int, default=1,
+                   help="timed rounds of every method over the namespaces (raw first in each; ratios per round, "
+                        "their median and spread)")
     p.add_argument("--auth-rounds", type=int, default=2, help="processes per mode in the authentication part")
     args = p.parse_args()
     sizes = [s * MiB for s in (args.sizes_mib or ([64] if args.quick else [256, 1024]))]
     ks = args.ks or ([1, 8] if args.quick else [1, 2, 4, 8, 16])
     t_start = time.time()
 
-    local = broadcast_local.run(sizes[0], args.chunk_mib * MiB, reps=3 if args.quick else 7)
+    local = broadcast_local.run(sizes[0], int(args.chunk_mib * MiB), reps=3 if args.quick else 7)
     gc.collect()  # return the loopback run's buffers before the agents need the memory
     print_table(f"loopback, unshaped, S = {sizes[0] // MiB} MiB", ["measure", "value"],
                 [[k, v] for k, v in local.items()])
@@ -237,7 +275,7 @@ def main() -> int:
            "publish_stall_over_memcpy": local["publish_stall_over_memcpy"],
            "pull_over_memcpy": local["pull_over_memcpy"]}
     if not args.skip_auth:
-        auth = broadcast_auth.run(sizes[0], args.chunk_mib * MiB, reps=3 if args.quick else 5,
+        auth = broadcast_auth.run(sizes[0], int(args.chunk_mib * MiB), reps=3 if args.quick else 5,
                                   rounds=args.auth_rounds)
         print_table(f"authenticated chunk links, loopback, publisher -> relay -> relay, S = {sizes[0] // MiB} MiB",
                     broadcast_auth.TABLE, broadcast_auth.table_rows(auth))
@@ -250,15 +288,15 @@ def main() -> int:
         if partial:
             partial.unlink(missing_ok=True)
         out.update(net, rows=rows)
-        print_table(f"broadcast over namespaces, R = {args.rate_mbit:g} Mbit/s, chunk {args.chunk_mib} MiB",
-                    ["S MiB", "K", "method", "seconds", "x raw", "x S/R", "cpu %"],
-                    [[r["size_mib"], r["k"], r["method"], r.get("seconds", "FAILED"), r.get("over_raw", "-"),
+        print_table(f"broadcast over namespaces, R = {args.rate_mbit:g} Mbit/s, chunk {args.chunk_mib:g} MiB",
+                    ["round", "S MiB", "K", "method", "seconds", "x raw", "x S/R", "cpu %"],
+                    [[r["rep"], r["size_mib"], r["k"], r["method"], r.get("seconds", "FAILED"), r.get("over_raw", "-"),
                       r.get("over_limit", "-"), r.get("cpu_pct", "-")] for r in rows])
         k_ref = 8 if 8 in ks else max(ks)
         for s in sizes:
             out[f"summary_{s // MiB}mib"] = summary(rows, s // MiB, k_ref)
         out.update(out[f"summary_{sizes[0] // MiB}mib"])
-    keys = [k for k in ("chain_over_raw_k8", "fanout_over_chain_k8", "gloo_over_chain_k8",
+    keys = [k for k in ("chain_over_raw_k8", "chain_over_raw_k8_spread", "fanout_over_chain_k8", "gloo_over_chain_k8",
                         "publish_stall_over_memcpy", "pull_over_memcpy", "auth_full_over_none",
                         "auth_full_over_digests", "auth_cpu_full_over_none") if k in out]
     print_table("summary", ["key", "value"], [[k, out[k]] for k in keys])

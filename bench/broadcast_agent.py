@@ -42,7 +42,7 @@ class Agent:
         self.raw_done: float | None = None
 
     # -- relay -------------------------------------------------------------------------------
-    def op_relay(self, chunk_mib: int = 0) -> dict:
+    def op_relay(self, chunk_mib: float = 0) -> dict:
         self.op_reset()
 
         def on_event(kind, **kw):
@@ -64,11 +64,11 @@ class Agent:
         return {"t": self.visible.get(version), "ok": ok}
 
     # -- trainer side --------------------------------------------------------------------------
-    def op_target(self, address: str, chunk_mib: int) -> dict:
-        if self.pub is None or self.pub.chunk_bytes != chunk_mib << 20:
+    def op_target(self, address: str, chunk_mib: float) -> dict:
+        if self.pub is None or self.pub.chunk_bytes != int(chunk_mib * (1 << 20)):
             if self.pub is not None:
                 self.pub.close()
-            self.pub = WeightPublisher(chunk_bytes=chunk_mib << 20, key=KEY)
+            self.pub = WeightPublisher(chunk_bytes=int(chunk_mib * (1 << 20)), key=KEY)
         self.pub.set_target(address)
         return {}
 
@@ -87,10 +87,10 @@ class Agent:
         self.pub.publish(sd, version=version)
         return {"t0": t0, "stall_s": self.pub.last_publish_s}
 
-    def op_fanout(self, version: int, nbytes: int, chunk_mib: int, addresses: list[str]) -> dict:
+    def op_fanout(self, version: int, nbytes: int, chunk_mib: float, addresses: list[str]) -> dict:
         """The trainer's host sends the version to every relay itself, all streams at once
         (straight from the state dict's memory: no staging copy, the best case for fan-out)."""
-        m = build_manifest([("w", "uint8", (nbytes,))], version, chunk_mib << 20)
+        m = build_manifest([("w", "uint8", (nbytes,))], version, int(chunk_mib * (1 << 20)))
         vb = VersionBuffer(with_version(m, version), self._state(nbytes)["w"].numpy())
         vb.mark_all([0] * vb.n)
         src = _OneVersion(vb)

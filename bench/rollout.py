@@ -1,23 +1,29 @@
 """Rollout benchmark on this machine's vLLM CPU engine (tiny model unless --model-dir).
 
-    python bench/rollout.py [--quick] [--out FILE] [--rounds R] [--ratio-only]
+    python bench/rollout.py [--quick] [--out FILE] [--rounds R] [--ratio-only] [--trajectories N] [--max-tokens M]
 
-1. the role against the bare engine, same work: R rounds on one warm engine. In each round the
-   rollout role (prompt pool -> generation -> token deltas streamed to the partial pool every
-   0.25 s -> scoring -> experience buffer, stats every second; an in-process cluster with scoped
-   identities, so hand-outs, ownership and lineage are checked as in a cluster) runs one batch
-   of N trajectories, and the same trajectories (same prompts, same per-trajectory seeds, so the
-   same tokens) run again straight through the same engine, all at once. The role's time is one
-   whole cycle of its batch loop: from the TakeBatch reply to its next TakeBatch, plus that
-   request's own round trip; the bench holds the loop at the prompt pool's door between rounds
-   (a gate on the role's client), so nothing else runs while either side is timed (a loop with
-   early intake asks once nothing generates: its last stores, which a run overlaps with the next
-   batch, then end untimed before the engine's pass starts). The order
-   alternates (role first in even rounds, engine first in odd ones: the gate hands the batch's
-   specs to the bench before the role starts them), so a load that drifts during the run reaches
-   both sides alike. `role_over_engine` is the median of the R rounds' ratios; the spread
-   (max - min) / median says how far apart two runs may land (with R = 7 and a quiet machine it
-   must be well under 0.1 to tell 0.9 from 1.0);
+1. the role against the bare engine, same work: one warm-up pass, then R rounds on one warm
+   engine. In each round the rollout role (prompt pool -> generation -> token deltas streamed to
+   the partial pool every 0.25 s -> scoring -> experience buffer, stats every second; an
+   in-process cluster with scoped identities, so hand-outs, ownership and lineage are checked as
+   in a cluster) runs one batch of N trajectories of up to M tokens, and the same trajectories
+   (same prompts, same per-trajectory seeds, so the same tokens) run again straight through the
+   same engine, all at once. N and M are sized so that each pass lasts ~10 s on a quiet 2-core
+   machine (--trajectories, --max-tokens): passes of under a second let one scheduling hiccup or
+   one full garbage collection move a round's ratio by 20-50%, which is what the first version of
+   this bench measured. The role's time is one whole cycle of its batch loop: from the TakeBatch
+   reply to its next TakeBatch, plus that request's own round trip; the bench holds the loop at
+   the prompt pool's door between rounds (a gate on the role's client), so nothing else runs while
+   either side is timed (a loop with early intake asks once nothing generates: its last stores,
+   which a run overlaps with the next batch, then end untimed before the engine's pass starts).
+   The order alternates (role first in even rounds, engine first in odd ones: the gate hands the
+   batch's specs to the bench before the role starts them), so a load that drifts during the run
+   reaches both sides alike; an untimed second (SETTLE_S) before each pass keeps one side's
+   leftovers out of the other's window. Each round gives one ratio (role tokens/s over engine tokens/s, the
+   same tokens); `role_over_engine` is the median of the R rounds' ratios, its spread
+   (max - min) / median and its IQR / median say how far apart two runs may land (to tell 0.9
+   from 1.0 the spread must be well under 0.1). Each pass also records this process's CPU per
+   token and the seconds it spent in full garbage collections (`gc_s`);
 2. migration: MigrateOut on one rollout + MigrateIn on another, timed until every moved
    trajectory has produced a new token on the destination; for 1 and for N trajectories;
 3. weight load: a new version written into the host's shared-memory store, loaded in place
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -42,7 +49,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import exit_on_signals, free_port, print_table, write_json  # noqa: E402
 
 SEED = 11
-ROUNDS, ROUNDS_QUICK = 7, 5  # timed rounds of role/engine pairs
+ROUNDS, ROUNDS_QUICK = 9, 7  # timed rounds of role/engine pairs (after one warm-up pass)
+# trajectories per batch and max tokens each: ~10 s a pass on a quiet 2-core machine (the tiny
+# model stops about half of them early: a batch is ~1/2 of N x M tokens, ~125k)
+BATCH, MAX_TOKENS = 384, 640
+MIGRATE_N = 100
+# untimed pause before each pass, so what the last one left running (the pools' writes of the
+# role's last stores, which end after its loop asks again) does not land in the next one's window
+SETTLE_S = 1.0
 
 
 def prompts(n: int) -> list[str]:
@@ -177,41 +191,88 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-async def timed(coro) -> tuple[int, float, float, float]:
-    """(tokens, seconds, CPU seconds here, CPU seconds in the engine's processes) of a pass."""
+class GcClock:
+    """Seconds this process has spent in full (generation 2) garbage collections so far."""
+
+    def __init__(self):
+        self.total, self._t0 = 0.0, None
+        gc.callbacks.append(self._event)
+
+    def _event(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.total += time.perf_counter() - self._t0
+            self._t0 = None
+
+
+GC = GcClock()
+
+
+async def timed(coro) -> tuple[int, float, float, float, float]:
+    """(tokens, seconds, CPU seconds here, CPU seconds in the engine's processes, seconds of full
+    garbage collections here) of a pass."""
     h0, k0 = cpu_split()
+    g0 = GC.total
     tokens, secs = await coro
     h1, k1 = cpu_split()
-    return tokens, secs, h1 - h0, k1 - k0
+    return tokens, secs, h1 - h0, k1 - k0, GC.total - g0
+
+
+def spread_of(xs: list[float]) -> dict:
+    """Median of `xs`, and how far they scatter around it: (max - min) / median and the
+    interquartile range / median."""
+    med = statistics.median(xs)
+    if len(xs) < 2 or not med:
+        return {"median": med, "spread": 0.0, "iqr": 0.0, "min": min(xs), "max": max(xs)}
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return {"median": med, "spread": (max(xs) - min(xs)) / med, "iqr": (q3 - q1) / med, "min": min(xs),
+            "max": max(xs)}
+
+
+def round_row(k: int, role: tuple, eng: tuple) -> dict:
+    return {"role_tokens": role[0], "role_s": role[1], "engine_tokens": eng[0], "engine_s": eng[1],
+            "role_first": k % 2 == 0, "ratio": (role[0] / role[1]) / (eng[0] / eng[1]),
+            "role_cpu_us_per_token": {"here": 1e6 * role[2] / role[0], "engine": 1e6 * role[3] / role[0]},
+            "engine_cpu_us_per_token": {"here": 1e6 * eng[2] / eng[0], "engine": 1e6 * eng[3] / eng[0]},
+            "gc_s": {"role": role[4], "engine": eng[4]}}
 
 
 async def ratio_rounds(r0, gate: Gate, rounds: int) -> dict:
-    """One warm-up round, then `rounds` timed ones, role and engine in alternating order."""
+    """One warm-up pass of the role (untimed), then `rounds` timed rounds, role and engine in
+    alternating order."""
+    await gate.arrived.wait()
+    await role_pass(r0, gate)  # warm-up: the engine, the pools' tables, the role's loop
     rows = []
-    for k in range(rounds + 1):
+    for k in range(1, rounds + 1):
         await gate.arrived.wait()
         specs = list(gate.reply.trajectories)
+        await asyncio.sleep(SETTLE_S)
         if k % 2:  # engine first
             eng = await timed(engine_pass(r0.engine, specs, f"bare{k}"))
+            await asyncio.sleep(SETTLE_S)
             role = await timed(role_pass(r0, gate))
         else:
             role = await timed(role_pass(r0, gate))
+            await asyncio.sleep(SETTLE_S)
             eng = await timed(engine_pass(r0.engine, specs, f"bare{k}"))
-        if k:  # round 0 warms both up
-            rows.append({"role_tokens": role[0], "role_s": role[1], "engine_tokens": eng[0], "engine_s": eng[1],
-                         "role_first": k % 2 == 0, "ratio": (role[0] / role[1]) / (eng[0] / eng[1]),
-                         "role_cpu_us_per_token": {"here": 1e6 * role[2] / role[0], "engine": 1e6 * role[3] / role[0]},
-                         "engine_cpu_us_per_token": {"here": 1e6 * eng[2] / eng[0], "engine": 1e6 * eng[3] / eng[0]}})
-    ratios = [r["ratio"] for r in rows]
-    med = statistics.median(ratios)
-    return {"rounds": rows, "role_over_engine": med, "role_over_engine_runs": ratios,
-            "role_over_engine_spread": (max(ratios) - min(ratios)) / med if len(ratios) > 1 else 0.0,
+        rows.append(round_row(k, role, eng))
+        print(f"  round {k}: role {role[0] / role[1]:,.0f} tokens/s ({role[1]:.1f} s), engine "
+              f"{eng[0] / eng[1]:,.0f} tokens/s ({eng[1]:.1f} s), ratio {rows[-1]['ratio']:.3f}", flush=True)
+    ratios = spread_of([r["ratio"] for r in rows])
+    return {"rounds": rows, "role_over_engine": ratios["median"], "role_over_engine_runs": [r["ratio"] for r in rows],
+            "role_over_engine_spread": ratios["spread"], "role_over_engine_iqr": ratios["iqr"],
+            "role_over_engine_min": ratios["min"], "role_over_engine_max": ratios["max"],
+            "pass_s": statistics.median(s for r in rows for s in (r["role_s"], r["engine_s"])),
             "role_tokens_per_s": statistics.median(r["role_tokens"] / r["role_s"] for r in rows),
             "engine_tokens_per_s": statistics.median(r["engine_tokens"] / r["engine_s"] for r in rows),
             "same_tokens": all(r["role_tokens"] == r["engine_tokens"] for r in rows),
             # CPU per token in this process (role, pools, vLLM's client side): what the role adds
             "role_cpu_us_per_token": statistics.median(r["role_cpu_us_per_token"]["here"] for r in rows),
-            "engine_cpu_us_per_token": statistics.median(r["engine_cpu_us_per_token"]["here"] for r in rows)}
+            "engine_cpu_us_per_token": statistics.median(r["engine_cpu_us_per_token"]["here"] for r in rows),
+            "gc_s": {"role": sum(r["gc_s"]["role"] for r in rows), "engine": sum(r["gc_s"]["engine"] for r in rows)}}
 
 
 async def run_bench(cfg, n: int, migrate_n: int, model_dir: str, rounds: int, ratio_only: bool) -> dict:
@@ -221,6 +282,7 @@ async def run_bench(cfg, n: int, migrate_n: int, model_dir: str, rounds: int, ra
     for r, i in (("prompt_pool", "0"), ("partial_pool", "0"), ("experience_buffer", "0")):
         await c.start(r, i)
     r0 = await c.start("rollout", "0")
+    gc.freeze()  # what each role's own process does once its setup is done (laminar/shell.py when_ready)
     gate = r0.prompts = Gate(r0.prompts)  # its first batch may pass before this: it warms the engine
     try:
         res = await ratio_rounds(r0, gate, rounds)
@@ -323,15 +385,18 @@ def main() -> int:
     import faulthandler
     faulthandler.dump_traceback_later(float(os.environ.get("BENCH_HANG_S", "900")), exit=True)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller batches, fewer rounds")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds, smaller models in the weight-load phase")
     ap.add_argument("--out", default=None)
     ap.add_argument("--model-dir", default=None, help="HF model folder (default: build the tiny model)")
     ap.add_argument("--rounds", type=int, default=None, help=f"timed role/engine rounds (default {ROUNDS}, "
                     f"quick {ROUNDS_QUICK})")
     ap.add_argument("--ratio-only", action="store_true", help="only the role/engine rounds")
+    ap.add_argument("--trajectories", type=int, default=BATCH, help=f"trajectories per batch (default {BATCH})")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"tokens per trajectory at most (default "
+                    f"{MAX_TOKENS})")
     a = ap.parse_args()
     exit_on_signals()  # SIGTERM/SIGHUP unwind like Ctrl-C: engines closed, the /dev/shm store removed
-    n, max_tokens, migrate_n = (64, 128, 16) if a.quick else (128, 192, 100)
+    n, max_tokens, migrate_n = a.trajectories, a.max_tokens, min(MIGRATE_N, a.trajectories // 2)
     rounds = a.rounds or (ROUNDS_QUICK if a.quick else ROUNDS)
     from laminar.models.tiny import build_tiny_model
     tmp = Path(tempfile.mkdtemp(prefix="laminar-bench-rollout-"))
@@ -343,8 +408,12 @@ def main() -> int:
                 ["round", "first", "role tokens/s", "engine tokens/s", "role / engine"],
                 [[i + 1, "role" if r["role_first"] else "engine", r["role_tokens"] / r["role_s"],
                   r["engine_tokens"] / r["engine_s"], r["ratio"]] for i, r in enumerate(res["rounds"])])
-    print(f"\nrole / engine: median {res['role_over_engine']:.3f} of {rounds} rounds, spread "
-          f"{res['role_over_engine_spread']:.3f} (goal >= 0.95); same tokens both ways: {res['same_tokens']}; "
+    print(f"\nrole / engine: median {res['role_over_engine']:.3f} of {rounds} rounds (passes of "
+          f"{res['pass_s']:.1f} s), spread {res['role_over_engine_spread']:.3f} "
+          f"(min {res['role_over_engine_min']:.3f}, max {res['role_over_engine_max']:.3f}, "
+          f"IQR {res['role_over_engine_iqr']:.3f}; goal >= 0.95); same "
+          f"tokens both ways: {res['same_tokens']}; full GCs here: {res['gc_s']['role']:.2f} s in the role's "
+          f"passes, {res['gc_s']['engine']:.2f} s in the engine's; "
           f"CPU per token in this process: role {res['role_cpu_us_per_token']:.1f} us, engine alone "
           f"{res['engine_cpu_us_per_token']:.1f} us")
     out = {"quick": a.quick, "trajectories": n, "max_tokens": max_tokens,

@@ -83,7 +83,7 @@ class AgentEpisodes:
     # -- an episode's life (the trajectory's task) -------------------------------------------------
     async def run(self, a: Active) -> tuple[str, float | None]:
         ep = self.open[a.id] = Episode(a, ended=asyncio.get_running_loop().create_future())
-        a.hold = a.next_seq == 0 and not a.obs_spans  # nothing durable until the first call renders its prompt
+        self.held(a)
         if a.obs_spans:
             self._rebuild_echoes(ep)
         self.counts["opened"] += 1
@@ -106,6 +106,12 @@ class AgentEpisodes:
             reason, reward = "agent_failed", 0.0   # never called: nothing to train on
         self.counts["ended_" + reason] += 1
         return reason, reward
+
+    @staticmethod
+    def held(a: Active) -> None:
+        """Nothing of a new episode is durable until its first call renders its prompt (set when it
+        starts here, before anything can flush it; a resumed one, already durable, is not held)."""
+        a.hold = a.next_seq == 0 and not a.obs_spans
 
     def _end(self, ep: Episode, reason: str, reward: float | None) -> None:
         if not ep.ended.done():

@@ -114,7 +114,7 @@ class Choice:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[dict] = []
-        self.text = ""          # the display text so far (cut at a stop string)
+        self._text: str | None = ""  # the display text so far (cut at a stop string); None: not made yet
         self.sent = 0           # characters of it already in chunks
         self.finish = ""
         self.tools = HoldBack() if tools else None
@@ -131,8 +131,18 @@ class Choice:
             if at >= 0:
                 self.text, self.finish = text[:at], "stop"
                 return True
-        self.text = self.fmt.display(self.tokens)
+        self._text = None  # made from the tokens when read: a non-streamed call reads it once, at its end
         return False
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = self.fmt.display(self.tokens)
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
 
     def pending_text(self, final: bool) -> str:
         """New text safe to show: a possible stop-string start and `<tool_call>` markup held back."""

@@ -52,6 +52,8 @@ class TrajectoryRunner:
         """Make `a` active and run it (a resumed one keeps its lineage; a migrated one: the pool's)."""
         if a.lineage < 0:
             a.lineage = self.weights.lineage
+        if self.agents is not None:  # held from here: a flush before its task runs must not send the pool's prompt
+            self.agents.held(a)
         self.work.add(a)
         a.attempt += 1
         a.task = self.spawn(self._generate(a), f"gen:{a.id}", oneshot=True)

@@ -8,6 +8,11 @@ limits a message's frames, containers and body: bus/codec.py), so a large flush 
 trajectory's deltas never straddle two pages. A delta leaves its outbox only when acknowledged,
 so a page that fails is sent again by the next flush (the pool applies each seq once).
 
+`make_durable(a)` is a group commit: callers that ask at once (agent calls that end at the same
+engine step, env steps) join one flush, one request and so one pool transaction; one that asks
+while that flush is in flight goes in the next, with everyone who asked meanwhile. Each returns
+only once a flush that covered its trajectory was acknowledged.
+
 A mixture-of-experts policy's routing rows (routing.py) are pulled from the engine right before
 each cut, so they go with the tokens they follow.
 
@@ -47,6 +52,8 @@ class DeltaStream:
         self.routing = routing  # RoutingPuller (routing.py): MoE routing rows pulled in before each cut
         self.fenced_off = 0  # trajectories dropped because the partial pool fenced this rollout off them
         self.refused = 0     # flushes of a trajectory the pool refused as not handed to this rollout
+        self._group: tuple[dict[str, None], asyncio.Future] | None = None  # make_durable's next group
+        self._grouper: asyncio.Task | None = None                      # the task flushing groups
 
     async def run(self, interval_s: float) -> None:
         """The `flush` task."""
@@ -82,10 +89,41 @@ class DeltaStream:
         return True
 
     async def make_durable(self, a: Active) -> None:
-        """Until every token of `a` is acknowledged by the partial pool (before an env step)."""
+        """Until every token of `a` is acknowledged by the partial pool (before an env step, before
+        an agent call's reply). Group commit: the trajectories asked for while a flush of this
+        kind is in flight go together in the next one, one request for all of them."""
         wait = Backoff(*ACKED_BACKOFF)
-        while not await self.flush([a.id]):
+        while not await self._in_group(a.id):
             await wait.sleep()  # backoff: the partial pool is unreachable
+
+    async def _in_group(self, tid: str) -> bool:
+        """Join the group that flushes next (opening it, and starting its flusher, if none is open);
+        its flush's result."""
+        if self._group is None:
+            self._group = ({}, asyncio.get_running_loop().create_future())
+            if self._grouper is None or self._grouper.done():
+                self._grouper = asyncio.ensure_future(self._flush_groups())
+        ids, done = self._group
+        ids[tid] = None  # a dict: each trajectory once, in the order asked
+        return await asyncio.shield(done)
+
+    async def _flush_groups(self) -> None:
+        """Flush the open group, then the one that gathered meanwhile, until none is open."""
+        while self._group is not None:
+            (ids, done), self._group = self._group, None
+            try:
+                ok = await self.flush(list(ids))
+            except asyncio.CancelledError:  # the loop shuts down: nobody flushes the groups now
+                done.cancel()
+                if self._group is not None:
+                    self._group[1].cancel()
+                    self._group = None
+                raise
+            except Exception as exc:  # noqa: BLE001 - the group's callers get it, as from their own flush
+                done.set_exception(exc)
+                done.exception()  # retrieved here too: a group whose callers all left logs nothing
+                continue
+            done.set_result(ok)
 
     def _pages(self, items: list[Active]) -> list[list[Active]]:
         pages, page, n, toks = [], [], 0, 0

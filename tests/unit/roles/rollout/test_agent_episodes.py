@@ -250,3 +250,19 @@ def test_episode_prompt_replaced_by_its_first_call_keeps_its_hand_out():
     assert pools.refusal(replaced, "r0") == "" and pools.refusal(replaced, "r1") != ""
     forged = dataclasses.replace(replaced, handed_prompt=np.asarray([1, 2, 3], np.int32))
     assert pools.refusal(forged, "r0") != ""   # another handed-out prompt: not the pool's hand-out
+
+
+def test_a_choices_text_is_the_display_of_its_tokens_however_it_arrived():
+    """The display text is made when read: the same as decoding the tokens after each step, and a
+    stop string still cuts it at the token that completed it."""
+    from laminar.roles.rollout.agent_call import Choice
+    toks = CODEC.encode("héllo wörld") + [CODEC.eos_id]
+    c = Choice(0, FMT, [], tools=False)
+    for i in range(0, len(toks), 2):
+        c.add(toks[i:i + 2], [-0.5, -0.5])
+        assert c.text == FMT.display(toks[:i + 2])   # a split "é" reads as a replacement until whole
+    assert c.text == "héllo wörld" and c.tokens == toks
+    s = Choice(0, FMT, ["wö"], tools=False)
+    assert not s.add(toks[:5], [0.0] * 5) and s.text == "héll"
+    assert s.add(toks[5:], [0.0] * (len(toks) - 5)) and s.text == "héllo " and s.finish == "stop"
+    assert s.tokens == toks[:len(CODEC.encode("héllo wö"))]   # up to the token that completed it

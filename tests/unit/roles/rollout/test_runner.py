@@ -131,3 +131,27 @@ def test_a_trajectory_fenced_off_while_the_buffer_refuses_it_is_never_stored():
     asyncio.run(go())
     assert all(isinstance(x, PutTrajectory) for x in r.buffer.requests) and r.puts_refused >= 2
     assert not r.partials.requests and "a" in r.work.active   # never released here: its new owner stores it
+
+
+def test_an_agent_episode_is_held_from_its_start_not_from_when_its_task_first_runs():
+    """A flush between `start` and the episode's task (the flush task runs every delta_interval_s)
+    must not send the pool's prompt as seq 0: the first call's rendering becomes the prompt, and a
+    recording that began with the pool's prompt would refuse that call as a history rewrite."""
+    r = runner()
+
+    class Agents:
+        def held(self, a):
+            a.hold = a.next_seq == 0 and not a.obs_spans
+
+        async def run(self, a):
+            return "stop", 0.0
+    r.agents = Agents()
+    a = Active(spec=spec("e"), version=1)
+
+    async def go():
+        r.start(a)
+        a.cut_delta()  # a flush before the task has run
+        seen = (a.hold, a.next_seq, len(a.outbox))
+        await settle(r)
+        return seen
+    assert asyncio.run(go()) == (True, 0, 0)

@@ -119,3 +119,40 @@ def test_make_durable_waits_until_the_pool_acknowledges():
     assert len(a.outbox) == 1
     asyncio.run(s.make_durable(a))           # down once more, then acknowledged
     assert not a.outbox and len(s.partials.requests) == 1
+
+
+def test_concurrent_make_durable_calls_share_one_request():
+    """Group commit: callers that ask at once go in one request; one that asks while it is in
+    flight goes in the next, with everyone that asked meanwhile; each returns once its own
+    tokens are acknowledged."""
+    gate = asyncio.Event()
+
+    class SlowPool(Pool):
+        async def call(self, req, timeout: float):
+            await gate.wait()
+            return await super().call(req, timeout)
+    s = stream(SlowPool())
+    a, b, c, d, e = (add(s, t, [i]) for i, t in enumerate("abcde"))
+
+    async def go():
+        first = [asyncio.ensure_future(s.make_durable(x)) for x in (a, b, c)]
+        await asyncio.sleep(0.01)            # their request is in flight, held by the pool
+        later = [asyncio.ensure_future(s.make_durable(x)) for x in (d, e, a)]
+        await asyncio.sleep(0.01)
+        assert not any(t.done() for t in first + later)
+        gate.set()
+        await asyncio.gather(*first, *later)
+    asyncio.run(go())
+    assert [r.trajectory_ids for r in s.partials.requests] == [["a", "b", "c"], ["d", "e"]]
+    assert not any(x.outbox for x in (a, b, c, d, e))
+
+
+def test_a_group_whose_pool_is_down_is_flushed_again_for_each_caller():
+    s = stream(Pool(down=1))
+    a, b = add(s, "a", [1]), add(s, "b", [2])
+
+    async def go():
+        await asyncio.gather(s.make_durable(a), s.make_durable(b))
+    asyncio.run(go())
+    assert not a.outbox and not b.outbox
+    assert sorted(i for r in s.partials.requests for i in r.trajectory_ids) == ["a", "b"]
