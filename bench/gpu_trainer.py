@@ -86,8 +86,8 @@ def run_variant(a) -> dict:
     torch.manual_seed(0)
     eng = TrainEngine(cfg, 0, dev)
     eng.load()
-    emb = eng.model.get_input_embeddings().weight
-    n = sum(p.numel() for p in eng.model.parameters() if p is not emb)
+    emb = eng.models.model.get_input_embeddings().weight
+    n = sum(p.numel() for p in eng.models.model.parameters() if p is not emb)
     batch = random_groups(a.groups, a.group_size, "gpu", resp_len=a.resp, prompt_len=a.prompt)
     if a.lengths == "long-tailed":
         batch = long_tailed(batch, a.resp)
@@ -104,8 +104,8 @@ def run_variant(a) -> dict:
             torch.cuda.synchronize()
         rates.append(out["tokens"] / (time.perf_counter() - t0))
     rate, peak = max(rates), peak_flops(dev)
-    return {"variant": a.variant, "attn": eng.attn_implementation(), "packing": eng.packing, "flop_params": n,
-            "tokens_per_iteration": out["tokens"], "warmup_s": warm, "tokens_per_s": rate,
+    return {"variant": a.variant, "attn": eng.models.attn_implementation(), "packing": eng.forwards.packing,
+            "flop_params": n, "tokens_per_iteration": out["tokens"], "warmup_s": warm, "tokens_per_s": rate,
             "mfu": 6 * n * rate / peak if peak else None,
             "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
             "micro_batches": out.get("micro_batches"), "rank_imbalance": out.get("rank_imbalance")}

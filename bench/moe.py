@@ -85,13 +85,13 @@ async def sample(engine: VllmEngine, todo: list[TrajectorySpec], version: int, s
 
 def trainer_logprobs(te: TrainEngine, trajs, replay: bool) -> list[np.ndarray]:
     """The trainer's logprob pass over `trajs` (replay on or off for a MoE policy)."""
-    if te.moe is not None:
-        te.moe.replay = replay
-    te.plans = {}
-    out = te._per_token(lambda i, a: te._logprobs(te.model, i, a)[0], trajs, list(range(len(trajs))))
-    if te.moe is not None:
-        te.moe.clear()
-        te.moe.replay = True
+    if te.models.moe is not None:
+        te.models.moe.replay = replay
+    te.forwards.new_batch()
+    out = te.forwards.model_logprobs(te.models.model, trajs, list(range(len(trajs))))
+    if te.models.moe is not None:
+        te.models.moe.clear()
+        te.models.moe.replay = True
     return out
 
 
@@ -101,8 +101,8 @@ def disagreement(te: TrainEngine, trajs) -> tuple[float, float]:
     tokens = differ = cells = cells_differ = 0
     for t in trajs:
         prompt = [int(x) for x in t.spec.prompt_tokens]
-        with te._autocast():  # the trainer's compute dtype, as its logprob pass runs
-            own = hf_routing(te.model, prompt + [int(x) for x in t.response_tokens])
+        with te.forwards.autocast():  # the trainer's compute dtype, as its logprob pass runs
+            own = hf_routing(te.models.model, prompt + [int(x) for x in t.response_tokens])
         a = np.sort(own, -1)[len(prompt) - 1:]
         b = np.sort(np.asarray(t.routing), -1)[len(prompt) - 1:len(own)]
         layer = (a != b).any(-1)

@@ -28,20 +28,20 @@ def one_micro_batch(eng, trajs, n: int) -> dict:
     idx = list(range(n))
     gen = torch.Generator().manual_seed(5)
     per = {"beh": [(-torch.rand(len(trajs[i].response_tokens), generator=gen)).numpy() for i in range(len(trajs))]}
-    ids, att, mask, ex = eng._inputs(trajs, idx, per)
+    ids, att, mask, ex = eng.forwards.inputs(trajs, idx, per)
     adv = torch.randn(n, generator=gen)
-    eng.opt.zero_grad(set_to_none=True)
-    logp, ent = eng._logprobs(eng.model, ids, att, with_entropy=True)
+    eng.models.opt.zero_grad(set_to_none=True)
+    logp, ent = eng.forwards.logprobs(eng.models.model, ids, att, with_entropy=True)
     loss, _ = clipped_policy_loss(logp, ex["beh"], adv, mask, num_tokens=int(mask.sum()), entropy=ent)
     # the engine's scale (FSDP2 averages, the sum is wanted); every data-parallel group forwards this same
     # micro-batch here, so their sum is divided out: the gradient of one micro-batch, as one process has it
     (loss * eng._grad_scale() / eng.info.dp_size).backward()
     grads = {}
-    for name, p in eng.model.named_parameters():
+    for name, p in eng.models.model.named_parameters():
         if p.grad is not None:
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[name] = g.detach().clone()
-    eng.opt.zero_grad(set_to_none=True)
+    eng.models.opt.zero_grad(set_to_none=True)
     return {"logp": logp.detach().clone(), "entropy": ent.detach().clone() if ent is not None else None,
             "mask": mask.clone(), "loss": float(loss.detach()), "grads": grads}
 

@@ -80,7 +80,7 @@ def train_moe(model_dir: str, info=None, device: str = "cpu", versions: int = 2)
         TrainEngine(settings, 0, torch.device(device))
     eng.load()
     shards = {n: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape)
-              for n, p in eng.model.named_parameters() if ".experts." in n}
+              for n, p in eng.models.model.named_parameters() if ".experts." in n}
     metrics = [eng.train(b, v + 1) for v, b in enumerate(routed_groups(model_dir, versions))]
     state = eng.full_state()
     return {"model": state["model"] if state else None, "metrics": metrics, "shards": shards}

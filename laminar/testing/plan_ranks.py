@@ -62,13 +62,13 @@ def measure(eng, groups, device, base: int, steps: int) -> dict:
     eng.train(groups, 1)  # warm-up: Adam's states, the allocator's pools
     trajs = [t for g in groups for t in g]
     per = {"beh": [np.asarray(t.logprobs, np.float32) for t in trajs]}
-    ids, att, mask, ex = eng._inputs(trajs, [eng.info.dp_rank % len(trajs)], per)
+    ids, att, mask, ex = eng.forwards.inputs(trajs, [eng.info.dp_rank % len(trajs)], per)
     out = {}
-    for o in eng.opt, *([eng.critic_opt] if eng.critic_opt else []):
+    for o in eng.models.opt, *([eng.models.critic_opt] if eng.models.critic_opt else []):
         o.zero_grad(set_to_none=True)
     with PeakMemory(device, base) as p:
-        with eng._autocast():
-            logp, ent = eng._logprobs(eng.model, ids, att, with_entropy=True)
+        with eng.forwards.autocast():
+            logp, ent = eng.forwards.logprobs(eng.models.model, ids, att, with_entropy=True)
         loss, _ = clipped_policy_loss(logp, ex["beh"], torch.ones(1, device=device), mask,
                                       num_tokens=int(mask.sum()), entropy=ent)
     out["forward"] = p.peak_bytes
@@ -77,7 +77,7 @@ def measure(eng, groups, device, base: int, steps: int) -> dict:
     out["backward"] = p.peak_bytes
     del loss, logp, ent
     with PeakMemory(device, base) as p:
-        eng._step(list(eng._pairs().values()), True)
+        eng._step(list(eng.models.pairs().values()), True)
     out["step"] = p.peak_bytes
     tokens, seconds = 0.0, 0.0
     with PeakMemory(device, base) as p:

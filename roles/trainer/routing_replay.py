@@ -25,7 +25,7 @@ batch is cut into micro-batches and ranks (as any per-micro-batch balancing loss
 Mechanism: `RoutingReplay.attach` replaces the forward of every supported router (Hugging Face's
 softmax top-k routers: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) of the given models (policy,
 reference, previous version) by one that reads the staged routing. The engine stages a
-micro-batch's routing (`stage`) when it builds the micro-batch's inputs (TrainEngine._inputs); it
+micro-batch's routing (`stage`) when it builds the micro-batch's inputs (Forwards.inputs); it
 stays staged until the next micro-batch, so activation checkpointing's recomputation in the
 backward sees the same routing. Rows are laid out as the router sees its input: padded (row b*T + t)
 or packed (the sequences end to end). A position without a recorded row (a trajectory generated

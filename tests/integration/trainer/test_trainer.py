@@ -75,7 +75,7 @@ async def learn(tmp: Path, model_dir: Path, settings: dict) -> list[float]:
         gen = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
         rewards = []
         for it in range(ITERS):
-            gen.load_state_dict(trainer.engine.model.state_dict())  # on-policy: the trainer is idle here
+            gen.load_state_dict(trainer.engine.models.model.state_dict())  # on-policy: the trainer is idle here
             groups = generate_groups(gen, GROUPS, GSIZE, version=trainer.version, tag=f"it{it}")
             rewards.append(sum(t.reward for g in groups for t in g) / (GROUPS * GSIZE))
             await put_all(buf, groups)

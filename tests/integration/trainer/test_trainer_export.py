@@ -46,7 +46,7 @@ async def run_trainer(tmp, tiny, iterations_fed: int, max_iterations: int):
         while not any(name == target and f["version"] == iterations_fed for name, f in trainer.events):
             assert time.monotonic() < end, trainer.events[-5:]
             await asyncio.sleep(0.02)
-        return trainer, {k: v.detach().clone() for k, v in trainer.engine.model.state_dict().items()}
+        return trainer, {k: v.detach().clone() for k, v in trainer.engine.models.model.state_dict().items()}
     finally:
         await cluster.close()
 

@@ -33,8 +33,8 @@ def trained(tmp_path_factory):
     eng.load()
     eng.train(random_groups(2, 4, "ex"), 1)
     ckpts = root / "ckpts"
-    checkpoint.save(ckpts, 1, {"model": eng.model.state_dict()}, {"cursor": 0})
-    return base, ckpts, eng.model.eval()
+    checkpoint.save(ckpts, 1, {"model": eng.models.model.state_dict()}, {"cursor": 0})
+    return base, ckpts, eng.models.model.eval()
 
 
 def greedy(model, prompt: list[int]) -> list[int]:

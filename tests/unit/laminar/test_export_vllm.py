@@ -46,9 +46,9 @@ def test_exported_folder_gives_the_trainers_greedy_tokens_in_vllm(tmp_path):
     eng.load()
     eng.train(random_groups(2, 4, "vx"), 1)
     from laminar.roles.trainer import checkpoint
-    ckpt = checkpoint.save(tmp_path / "ckpts", 1, {"model": eng.model.state_dict()}, {"cursor": 0})
+    ckpt = checkpoint.save(tmp_path / "ckpts", 1, {"model": eng.models.model.state_dict()}, {"cursor": 0})
     out = export(ckpt, tmp_path / "hf", base)
-    model = eng.model.eval()
+    model = eng.models.model.eval()
     want = []
     with torch.no_grad():
         for p in PROMPTS:

@@ -100,13 +100,13 @@ def test_engine_calls_before_update_once_before_the_step_writes_the_weights(tiny
     cfg = TrainerConfig(model_dir=str(tiny), optimizer={"lr": 1e-3}, performance={"micro_batch_size": 4})
     e = TrainEngine(cfg, 0, torch.device("cpu"))
     e.load()
-    before = {k: v.detach().clone() for k, v in e.model.state_dict().items()}
+    before = {k: v.detach().clone() for k, v in e.models.model.state_dict().items()}
     seen = []
-    e.before_update = lambda: seen.append({k: v.detach().clone() for k, v in e.model.state_dict().items()})
+    e.before_update = lambda: seen.append({k: v.detach().clone() for k, v in e.models.model.state_dict().items()})
     e.train(random_groups(2, 4, "o", seed=1), 1)
     assert len(seen) == 1 and e.before_update is None
     assert all(torch.equal(seen[0][k], before[k]) for k in before)  # called before any write
-    assert any(not torch.equal(e.model.state_dict()[k], before[k]) for k in before)  # then the step wrote
+    assert any(not torch.equal(e.models.model.state_dict()[k], before[k]) for k in before)  # then the step wrote
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -66,7 +66,7 @@ def test_the_engines_publish_is_one_copy_and_stays_exact_through_training_and_re
         assert len(memcpy_runs(pub._jobs(sd, 1)[3])) == len(runs)  # the optimizer step kept the layout
         pub.publish(sd, 1)
         assert staged_equals(pub, sd)
-        e.restore({"model": before, "optimizer": e.opt.state_dict()})  # a checkpoint restore copies in place
+        e.restore({"model": before, "optimizer": e.models.opt.state_dict()})  # a checkpoint restore copies in place
         sd = e.full_state()["model"]
         assert all(torch.equal(before[k], t) for k, t in sd.items())
         assert len(memcpy_runs(pub._jobs(sd, 2)[3])) == len(runs)

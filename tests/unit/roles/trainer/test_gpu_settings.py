@@ -30,24 +30,25 @@ def tiny(tmp_path_factory):
 def test_auto_settings_resolve_per_device(tiny):
     cfg = TrainerConfig(model_dir=str(tiny))
     gpu = TrainEngine(cfg, 0, torch.device("cuda"))  # not loaded: nothing touches CUDA
-    assert gpu.packing is True and gpu._adamw_impl() == {"fused": True}
+    assert gpu.forwards.packing is True and gpu.models._adamw_impl() == {"fused": True}
     has_flash = importlib.util.find_spec("flash_attn") is not None
-    assert gpu.attn_implementation() == ("flash_attention_2" if has_flash else "flex_attention")
+    assert gpu.models.attn_implementation() == ("flash_attention_2" if has_flash else "flex_attention")
     cpu = TrainEngine(cfg, 0, torch.device("cpu"))
-    assert cpu.packing is False and cpu._adamw_impl() == {} and cpu.attn_implementation() is None
+    assert cpu.forwards.packing is False and cpu.models._adamw_impl() == {} and cpu.models.attn_implementation() is None
     explicit = TrainerConfig(model_dir=str(tiny), performance={"packing": False, "attn_implementation": "eager"},
                              optimizer={"impl": "foreach"})
     e = TrainEngine(explicit, 0, torch.device("cuda"))
-    assert e.packing is False and e._adamw_impl() == {"foreach": True} and e.attn_implementation() == "eager"
+    assert e.forwards.packing is False and e.models._adamw_impl() == {"foreach": True}
+    assert e.models.attn_implementation() == "eager"
     unpacked = TrainEngine(TrainerConfig(model_dir=str(tiny), performance={"packing": False}), 0, torch.device("cuda"))
-    assert unpacked.attn_implementation() == ("flash_attention_2" if has_flash else None)  # padded: sdpa is fine
+    assert unpacked.models.attn_implementation() == ("flash_attention_2" if has_flash else None)  # padded: sdpa is fine
     assert not cfg.performance.activation_checkpointing  # off unless asked for
     # compile: on by default on a GPU (flex attention uncompiled did not finish 3 iterations of a 1B
     # model in 75 s on an H100), off on the CPU; an explicit setting wins
-    assert cfg.performance.compile is None and cpu.compile is False
-    assert TrainEngine(cfg, 0, torch.device("cuda")).compile is True
+    assert cfg.performance.compile is None and cpu.models.compile is False
+    assert TrainEngine(cfg, 0, torch.device("cuda")).models.compile is True
     no_compile = TrainerConfig(model_dir=str(tiny), performance={"compile": False})
-    assert TrainEngine(no_compile, 0, torch.device("cuda")).compile is False
+    assert TrainEngine(no_compile, 0, torch.device("cuda")).models.compile is False
 
 
 def train_once(tiny, **kw):
@@ -56,16 +57,16 @@ def train_once(tiny, **kw):
     e = TrainEngine(TrainerConfig(**deep_merge(base, kw)), 0, torch.device("cpu"))
     e.load()
     out = e.train(random_groups(2, 4, "s", seed=1), 1)
-    return e, out, {k: v.detach().clone() for k, v in e.model.state_dict().items()}
+    return e, out, {k: v.detach().clone() for k, v in e.models.model.state_dict().items()}
 
 
 def test_activation_checkpointing_eager_attention_and_fused_adamw_train_the_same(tiny):
     _, base, wb = train_once(tiny)
     e, ac, wa = train_once(tiny, performance={"activation_checkpointing": True})
-    assert e.model.is_gradient_checkpointing
+    assert e.models.model.is_gradient_checkpointing
     assert ac == base and all(torch.equal(wa[k], wb[k]) for k in wb)  # a recompute of the same ops
     e, eager, we = train_once(tiny, performance={"attn_implementation": "eager"})
-    assert e.model.config._attn_implementation == "eager"
+    assert e.models.model.config._attn_implementation == "eager"
     for k in base:
         assert eager[k] == pytest.approx(base[k], rel=1e-5, abs=1e-6), k
     for k in wb:
@@ -75,7 +76,7 @@ def test_activation_checkpointing_eager_attention_and_fused_adamw_train_the_same
         diff = (we[k] - wb[k]).abs()
         assert diff.max() < 1e-4 and (diff > 1e-5).float().mean() < 1e-3, (k, diff.max())
     e, fused, wf = train_once(tiny, optimizer={"impl": "fused"})
-    assert e.opt.defaults["fused"] is True
+    assert e.models.opt.defaults["fused"] is True
     assert fused["loss"] == base["loss"]  # the same forward; only the update's kernels differ
     for k in wb:
         assert torch.allclose(wf[k], wb[k], atol=1e-6), k
@@ -86,7 +87,7 @@ def test_compiled_layers_train_the_same(tiny):
     _, base, wb = train_once(tiny, performance={"packing": True})
     e, comp, wc = train_once(tiny, performance={"packing": True, "compile": True})
     assert all(hasattr(layer, "_compiled_call_impl") and layer._compiled_call_impl is not None
-               for layer in e.model.model.layers)
+               for layer in e.models.model.model.layers)
     for k in base:
         assert comp[k] == pytest.approx(base[k], rel=1e-4, abs=1e-6), k
     for k in wb:

@@ -156,7 +156,7 @@ def test_chunked_training_matches_unchunked_training(narrow, kw):
         e = engine(narrow, **deep_merge({"performance": {"logprob_chunk_tokens": chunk}}, kw))
         groups = [random_groups(3, 4, f"c{v}", resp_len=9 + v, prompt_len=6, seed=v) for v in range(2)]
         outs[chunk] = [e.train(g, v + 1) for v, g in enumerate(groups)]
-        ws[chunk] = {k: v.detach().clone() for k, v in e.model.state_dict().items()}
+        ws[chunk] = {k: v.detach().clone() for k, v in e.models.model.state_dict().items()}
     for a, b in zip(outs[0], outs[6], strict=True):
         assert a.keys() == b.keys()
         for k in a:

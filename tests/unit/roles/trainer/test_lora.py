@@ -43,12 +43,12 @@ def engine(tiny, **kw):
 
 def test_lora_trains_only_the_adapter(tiny, sampled):
     e = engine(tiny)
-    before = {k: v.detach().clone() for k, v in e.model.state_dict().items()}
-    trained = {id(p) for g in e.opt.param_groups for p in g["params"]}
-    assert trained and all("lora_" in n for n, p in e.model.named_parameters() if id(p) in trained)
+    before = {k: v.detach().clone() for k, v in e.models.model.state_dict().items()}
+    trained = {id(p) for g in e.models.opt.param_groups for p in g["params"]}
+    assert trained and all("lora_" in n for n, p in e.models.model.named_parameters() if id(p) in trained)
     out = e.train(sampled, 1)
     assert out["grad_norm"] > 0
-    after = e.model.state_dict()
+    after = e.models.model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(".lora_" in k for k in changed)              # the base never moves
     assert any(".lora_B." in k for k in changed)                          # B starts at 0 and learns
@@ -57,7 +57,7 @@ def test_lora_trains_only_the_adapter(tiny, sampled):
 
 def test_lora_reference_is_the_base_with_the_adapter_off(tiny, sampled):
     e = engine(tiny, loss={"kl_coef": 0.1})
-    assert e.ref is None                                   # no second model
+    assert e.models.ref is None                            # no second model
     e.train(sampled, 1)
     e.train(sampled, 2)                                    # the adapter now differs from zero
     base = load_causal_lm(tiny, "cpu", train=False)
@@ -66,9 +66,9 @@ def test_lora_reference_is_the_base_with_the_adapter_off(tiny, sampled):
     att = torch.ones_like(ids)
     with torch.no_grad():
         want = torch.log_softmax(base(ids, attention_mask=att).logits.float(), -1)
-        with e.model.disable_adapter():
-            got = torch.log_softmax(e.model(input_ids=ids, attention_mask=att).logits.float(), -1)
-        adapted = torch.log_softmax(e.model(input_ids=ids, attention_mask=att).logits.float(), -1)
+        with e.models.model.disable_adapter():
+            got = torch.log_softmax(e.models.model(input_ids=ids, attention_mask=att).logits.float(), -1)
+        adapted = torch.log_softmax(e.models.model(input_ids=ids, attention_mask=att).logits.float(), -1)
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(adapted, want, atol=1e-4)   # the policy itself moved away from it
 
@@ -80,7 +80,7 @@ def test_lora_state_is_the_adapter_alone_and_restores(tiny, sampled):
     sd = parts["model"]
     assert sd and all(".lora_A." in k or ".lora_B." in k for k in sd)
     assert all(".default." not in k for k in sd)           # peft's file naming
-    n_adapter = sum(p.numel() for n, p in e.model.named_parameters() if p.requires_grad)
+    n_adapter = sum(p.numel() for n, p in e.models.model.named_parameters() if p.requires_grad)
     assert sum(v.numel() for v in sd.values()) == n_adapter
     assert len(parts["optimizer"]["state"]) == len(sd)      # Adam's states: the adapter's only
     fresh = engine(tiny)
@@ -103,7 +103,7 @@ def test_lora_version_manifest_names_kind_adapter_and_base(tiny, sampled):
     cfg = json.loads(m.adapter_config)
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0 and sorted(cfg["target_modules"]) == ["q_proj", "up_proj",
                                                                                              "v_proj"]
-    assert m.total_bytes < 0.2 * sum(p.numel() * 4 for p in e.model.parameters())
+    assert m.total_bytes < 0.2 * sum(p.numel() * 4 for p in e.models.model.parameters())
 
 
 def test_base_identity_follows_the_weights(tmp_path):

@@ -33,7 +33,7 @@ def _groups(tag: str, rewards: list[list[float]]) -> list:
 
 
 def _weights(e) -> list:
-    return [p.detach().clone() for p in e.model.parameters()]
+    return [p.detach().clone() for p in e.models.model.parameters()]
 
 
 def test_a_batch_of_uniform_groups_leaves_the_weights_alone(tmp_path):
@@ -61,7 +61,7 @@ def test_uniform_groups_are_left_out_of_the_loss(tmp_path):
     assert m["mismatch_tokens"] == a["mismatch_tokens"] + sum(len(t.response_tokens) for gr in uniform for t in gr)
     assert m["response_tokens"] == a["response_tokens"] == sum(len(t.response_tokens) for gr in g for t in gr)
     assert m["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
-    for p, q in zip(alone.model.parameters(), mixed.model.parameters(), strict=True):
+    for p, q in zip(alone.models.model.parameters(), mixed.models.model.parameters(), strict=True):
         np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
@@ -79,5 +79,5 @@ def test_lr_warm_up_is_linear_in_the_version(tmp_path):
     e = _engine(tmp_path, optimizer={"warmup_versions": 4})
     assert [e.lr_at(v) for v in (1, 2, 4, 9)] == pytest.approx([2.5e-3, 5e-3, 1e-2, 1e-2])
     e.train(_groups("a", [[1.0, 0.0, 1.0, 0.0]]), version=2)
-    assert e.opt.param_groups[0]["lr"] == pytest.approx(5e-3)
+    assert e.models.opt.param_groups[0]["lr"] == pytest.approx(5e-3)
     assert _engine(tmp_path / "n").lr_at(1) == pytest.approx(1e-2)  # no warm-up by default

@@ -32,7 +32,7 @@ def engine(tiny, **kw):
 
 
 def weights(e):
-    return {k: v.detach().clone() for k, v in e.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in e.models.model.state_dict().items()}
 
 
 def test_nan_loss_step_is_skipped_counted_and_logged(tiny):
@@ -47,7 +47,7 @@ def test_nan_loss_step_is_skipped_counted_and_logged(tiny):
     assert out["skipped_nonfinite_steps"] == 1 and e.skipped_nonfinite_steps == 1
     after = weights(e)
     assert all(torch.equal(before[k], after[k]) for k in before)   # the optimizer did not step
-    assert all(p.grad is None for p in e.model.parameters())       # and the NaN gradients are gone
+    assert all(p.grad is None for p in e.models.model.parameters())  # and the NaN gradients are gone
     assert all(math.isfinite(v) for v in out.values())             # no NaN leaks into the metrics
     # a clean batch afterwards trains as usual
     out2 = e.train(random_groups(2, 4, "ok", seed=2), 2)
@@ -59,19 +59,19 @@ def test_nan_loss_step_is_skipped_counted_and_logged(tiny):
 def test_inf_gradient_norm_is_skipped(tiny):
     e = engine(tiny)
     before = weights(e)
-    for p in e.model.parameters():
+    for p in e.models.model.parameters():
         p.grad = torch.zeros_like(p)
-    next(e.model.parameters()).grad.view(-1)[0] = float("inf")
-    norms, stepped = e._step([(e.model, e.opt)], losses_finite=True)
+    next(e.models.model.parameters()).grad.view(-1)[0] = float("inf")
+    norms, stepped = e._step([(e.models.model, e.models.opt)], losses_finite=True)
     assert not stepped and math.isinf(norms[0]) and e.skipped_nonfinite_steps == 1
-    assert all(p.grad is None for p in e.model.parameters())
+    assert all(p.grad is None for p in e.models.model.parameters())
     assert all(torch.equal(before[k], v) for k, v in weights(e).items())
 
 
 def test_nonfinite_weights_are_never_published_or_checkpointed(tiny, tmp_path):
     e = engine(tiny)
     assert "model" in e.full_state()   # finite: fine
-    name, p = next(iter(e.model.named_parameters()))
+    name, p = next(iter(e.models.model.named_parameters()))
     with torch.no_grad():
         p.view(-1)[5] = float("nan")
     with pytest.raises(NonFiniteWeightsError, match=name):

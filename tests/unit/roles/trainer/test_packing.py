@@ -120,9 +120,9 @@ def engine(tiny, **kw):
 
 
 def weights(e):
-    sd = {f"model.{k}": v for k, v in e.model.state_dict().items()}
-    if e.critic is not None:
-        sd.update({f"critic.{k}": v for k, v in e.critic.state_dict().items()})
+    sd = {f"model.{k}": v for k, v in e.models.model.state_dict().items()}
+    if e.models.critic is not None:
+        sd.update({f"critic.{k}": v for k, v in e.models.critic.state_dict().items()})
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
@@ -133,7 +133,7 @@ def test_packed_training_matches_padded_training(tiny, kw):
     outs, ws = {}, {}
     for packing in (False, True):
         e = engine(tiny, **deep_merge({"performance": {"packing": packing}}, kw))
-        assert e.packing is packing
+        assert e.forwards.packing is packing
         outs[packing] = [e.train(ragged_groups(3), 1), e.train(ragged_groups(4), 2)]
         ws[packing] = weights(e)
     for a, b in zip(outs[False], outs[True], strict=True):
@@ -158,7 +158,7 @@ def assert_same_update(a: dict, b: dict, lr: float) -> None:
 
 def test_packing_is_off_on_the_cpu_by_default_and_then_identical(tiny):
     a, b = engine(tiny), engine(tiny, performance={"packing": False})
-    assert a.packing is False
+    assert a.forwards.packing is False
     assert a.train(ragged_groups(5), 1) == b.train(ragged_groups(5), 1)
     wa, wb = weights(a), weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -70,13 +70,13 @@ def test_rank_shares_have_equal_call_counts(tiny):
     trajs = [t for g in random_groups(1, 7, "shares") for t in g]  # equal lengths
     for balance in ("round_robin", "tokens"):
         cfg = TrainerConfig(model_dir=str(tiny), performance={"micro_batch_size": 3, "micro_batch_balance": balance})
-        shares = [TrainEngine(cfg, 0, torch.device("cpu"), DistInfo(r, 2))._chunks(trajs, list(range(7)))
+        shares = [TrainEngine(cfg, 0, torch.device("cpu"), DistInfo(r, 2)).forwards.chunks(trajs, list(range(7)))
                   for r in range(2)]
         assert len(shares[0]) == len(shares[1]) == 2  # rank 1 forwards an empty (dummy) chunk
         assert sorted(i for s in shares for mb in s for i in mb) == list(range(7))
         if balance == "round_robin":  # as it always was
             assert shares == [[[0, 2, 4], [6]], [[1, 3, 5], []]]
-            one = TrainEngine(cfg, 0, torch.device("cpu"))._chunks(trajs, list(range(7)))
+            one = TrainEngine(cfg, 0, torch.device("cpu")).forwards.chunks(trajs, list(range(7)))
             assert one == [[0, 1, 2], [3, 4, 5], [6]]
 
 

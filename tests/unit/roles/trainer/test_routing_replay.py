@@ -75,10 +75,10 @@ def test_routing_replay_uses_the_recorded_experts_and_the_router_still_learns(mo
     assert off["mismatch_mean_abs"] < 1e-5                 # not replayed: the trainer's own experts
     assert off["routing_disagree_layer_share"] > 0.9       # ... which it reports differ from the recorded
     e = engine(moe_dir, moe={"routing_replay": True})
-    gates = [r.weight.detach().clone() for _, r in find_routers(e.model)]
+    gates = [r.weight.detach().clone() for _, r in find_routers(e.models.model)]
     on = e.train(moved, 1)
     assert on["mismatch_mean_abs"] > 0.05                  # replayed: other experts, other logprobs
-    after = [r.weight.detach() for _, r in find_routers(e.model)]
+    after = [r.weight.detach() for _, r in find_routers(e.models.model)]
     assert all(float((a - b).abs().max()) > 0 for a, b in zip(gates, after, strict=True))
 
 

@@ -32,15 +32,15 @@ def test_sharded_checkpoint_round_trips_weights_and_optimizer(tmp_path, tiny):
     trained = engine(tiny)
     trained.train(batches(1)[0], 1)
     root = tmp_path / "ck"
-    path = checkpoint.save_sharded(root, 1, trained._pairs(), DistInfo(), {"cursor": 7}, keep=2)
+    path = checkpoint.save_sharded(root, 1, trained.models.pairs(), DistInfo(), {"cursor": 7}, keep=2)
     assert path == checkpoint.latest(root) and not list(root.glob(".tmp-*"))
     state = checkpoint.read_state(path)
     assert checkpoint.is_sharded(state) and state["cursor"] == 7 and state["parts"] == ["model", "optimizer"]
     fresh = engine(tiny)
     fresh.restore_sharded(path)
-    for k, v in trained.model.state_dict().items():
-        assert torch.equal(fresh.model.state_dict()[k], v), k
-    a, b = trained.opt.state_dict()["state"], fresh.opt.state_dict()["state"]
+    for k, v in trained.models.model.state_dict().items():
+        assert torch.equal(fresh.models.model.state_dict()[k], v), k
+    a, b = trained.models.opt.state_dict()["state"], fresh.models.opt.state_dict()["state"]
     assert a.keys() == b.keys()
     for i in a:
         for name in ("exp_avg", "exp_avg_sq", "step"):
@@ -57,15 +57,15 @@ def test_sharded_checkpoint_round_trips_weights_and_optimizer(tmp_path, tiny):
 def engine_state(path, tiny) -> dict:
     eng = engine(tiny)
     eng.restore_sharded(path)
-    return eng.model.state_dict()
+    return eng.models.model.state_dict()
 
 
 def test_sharded_checkpoint_with_a_nan_is_refused_before_anything_is_written(tmp_path, tiny):
     eng = engine(tiny)
     with torch.no_grad():
-        next(iter(eng.model.parameters()))[0, 0] = float("nan")
+        next(iter(eng.models.model.parameters()))[0, 0] = float("nan")
     with pytest.raises(checkpoint.NonFiniteWeightsError, match="non-finite"):
-        checkpoint.save_sharded(tmp_path / "ck", 3, eng._pairs(), DistInfo(), {"cursor": 0})
+        checkpoint.save_sharded(tmp_path / "ck", 3, eng.models.pairs(), DistInfo(), {"cursor": 0})
     assert checkpoint.latest(tmp_path / "ck") is None and not list((tmp_path / "ck").glob(".tmp-*"))
 
 
@@ -74,8 +74,8 @@ def test_export_reads_a_sharded_checkpoint(tmp_path, tiny):
     from laminar.export import read_weights
     eng = engine(tiny)
     eng.train(batches(1)[0], 1)
-    path = checkpoint.save_sharded(tmp_path / "ck", 4, eng._pairs(), DistInfo(), {"cursor": 0})
+    path = checkpoint.save_sharded(tmp_path / "ck", 4, eng.models.pairs(), DistInfo(), {"cursor": 0})
     for source in (path, tmp_path / "ck"):
         sd, version = read_weights(source)
-        assert version == 4 and set(sd) == set(eng.model.state_dict())
-        assert all(torch.equal(sd[k], v) for k, v in eng.model.state_dict().items())
+        assert version == 4 and set(sd) == set(eng.models.model.state_dict())
+        assert all(torch.equal(sd[k], v) for k, v in eng.models.model.state_dict().items())
