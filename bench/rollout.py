@@ -50,9 +50,10 @@ from _common import exit_on_signals, free_port, print_table, write_json  # noqa:
 
 SEED = 11
 ROUNDS, ROUNDS_QUICK = 9, 7  # timed rounds of role/engine pairs (after one warm-up pass)
-# trajectories per batch and max tokens each: ~10 s a pass on a quiet 2-core machine (the tiny
-# model stops about half of them early: a batch is ~1/2 of N x M tokens, ~125k)
-BATCH, MAX_TOKENS = 384, 640
+# trajectories per batch and max tokens each. Measured on a quiet 2-core machine, a pass of 384 took
+# 17-57 s (the engine's own pace varied 3x from pass to pass), so --quick (the guard's) takes 192:
+# its 15 passes fit ~4 minutes
+BATCH, BATCH_QUICK, MAX_TOKENS = 384, 192, 640
 MIGRATE_N = 100
 # untimed pause before each pass, so what the last one left running (the pools' writes of the
 # role's last stores, which end after its loop asks again) does not land in the next one's window
@@ -391,12 +392,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help=f"timed role/engine rounds (default {ROUNDS}, "
                     f"quick {ROUNDS_QUICK})")
     ap.add_argument("--ratio-only", action="store_true", help="only the role/engine rounds")
-    ap.add_argument("--trajectories", type=int, default=BATCH, help=f"trajectories per batch (default {BATCH})")
+    ap.add_argument("--trajectories", type=int, default=None, help=f"trajectories per batch (default {BATCH}, "
+                    f"quick {BATCH_QUICK})")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help=f"tokens per trajectory at most (default "
                     f"{MAX_TOKENS})")
     a = ap.parse_args()
     exit_on_signals()  # SIGTERM/SIGHUP unwind like Ctrl-C: engines closed, the /dev/shm store removed
-    n, max_tokens, migrate_n = a.trajectories, a.max_tokens, min(MIGRATE_N, a.trajectories // 2)
+    n = a.trajectories or (BATCH_QUICK if a.quick else BATCH)
+    max_tokens, migrate_n = a.max_tokens, min(MIGRATE_N, n // 2)
     rounds = a.rounds or (ROUNDS_QUICK if a.quick else ROUNDS)
     from laminar.models.tiny import build_tiny_model
     tmp = Path(tempfile.mkdtemp(prefix="laminar-bench-rollout-"))
