@@ -1,6 +1,7 @@
-"""Size table of the code: lines per file and per function (median, p90, max) for each top-level
-package and in all, measured with `ast` (a function's lines run from its `def` line, decorators
-excluded, to its last line; nested functions count on their own as well).
+"""Size table of the code: lines per file and per function (median, p90, max), and the share of
+classes and of functions with a docstring, for each top-level package and in all, measured with
+`ast` (a function's lines run from its `def` line, decorators excluded, to its last line; nested
+functions count on their own as well).
 
     python bench/sizes.py                 # the table for laminar/, bus/, roles/, bench/
     python bench/sizes.py --json out.json # and the numbers as JSON
@@ -37,16 +38,20 @@ def quantile(xs: list[int], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def measure(paths: list[Path]) -> tuple[list[int], list[tuple[int, str]]]:
-    """Lines of every file, and (lines, where) of every function and method in them."""
-    files, funcs = [], []
+def measure(paths: list[Path]) -> tuple[list[int], list[tuple[int, str]], dict[str, list[bool]]]:
+    """Lines of every file, (lines, where) of every function and method in them, and whether each
+    class and each function has a docstring."""
+    files, funcs, docs = [], [], {"class": [], "function": []}
     for p in paths:
         text = p.read_text()
         files.append(len(text.splitlines()))
         for node in ast.walk(ast.parse(text, str(p))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 funcs.append((node.end_lineno - node.lineno + 1, f"{p.relative_to(ROOT)}:{node.lineno} {node.name}"))
-    return files, funcs
+                docs["function"].append(ast.get_docstring(node) is not None)
+            elif isinstance(node, ast.ClassDef):
+                docs["class"].append(ast.get_docstring(node) is not None)
+    return files, funcs, docs
 
 
 def measure_files(paths: list[Path]) -> list[tuple[int, str]]:
@@ -54,27 +59,36 @@ def measure_files(paths: list[Path]) -> list[tuple[int, str]]:
     return [(len(p.read_text().splitlines()), str(p.relative_to(ROOT))) for p in paths]
 
 
-def summarize(files: list[int], funcs: list[tuple[int, str]]) -> dict:
+def share(flags: list[bool]) -> float:
+    """The fraction of True in `flags` (0 for none)."""
+    return sum(flags) / len(flags) if flags else 0.0
+
+
+def summarize(files: list[int], funcs: list[tuple[int, str]], docs: dict[str, list[bool]]) -> dict:
     lines = [n for n, _ in funcs]
     biggest = max(funcs, default=(0, ""))
     return {"files": len(files), "lines": sum(files),
             "file_median": statistics.median(files) if files else 0, "file_p90": quantile(files, 0.9),
             "file_max": max(files, default=0), "functions": len(funcs),
             "function_median": statistics.median(lines) if lines else 0, "function_p90": quantile(lines, 0.9),
-            "function_max": biggest[0], "largest_function": biggest[1]}
+            "function_max": biggest[0], "largest_function": biggest[1],
+            "class_docstrings": share(docs["class"]), "function_docstrings": share(docs["function"])}
 
 
 def rows() -> tuple[dict[str, dict], tuple[int, str]]:
     """The summary of each folder and of all, and the largest file (lines, path)."""
     out, every_file, every_func, named = {}, [], [], []
+    every_doc: dict[str, list[bool]] = {"class": [], "function": []}
     for folder in FOLDERS:
         paths = sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
-        files, funcs = measure(paths)
-        out[folder] = summarize(files, funcs)
+        files, funcs, docs = measure(paths)
+        out[folder] = summarize(files, funcs, docs)
         every_file += files
         every_func += funcs
+        for kind in every_doc:
+            every_doc[kind] += docs[kind]
         named += measure_files(paths)
-    out["all"] = summarize(every_file, every_func)
+    out["all"] = summarize(every_file, every_func, every_doc)
     return out, max(named)
 
 
@@ -82,11 +96,12 @@ def table() -> str:
     """The size table as printed (and as docs/architecture.md §1 holds it)."""
     summary, (file_max, file_path) = rows()
     lines = [f"{'':8} {'files':>5} {'lines':>6}  {'file med':>8} {'p90':>5} {'max':>5}  {'funcs':>5} "
-             f"{'fn med':>6} {'p90':>5} {'max':>4}"]
+             f"{'fn med':>6} {'p90':>5} {'max':>4}  {'cls doc':>7} {'fn doc':>6}"]
     for name, r in summary.items():
         lines.append(f"{name:8} {r['files']:5d} {r['lines']:6d}  {r['file_median']:8.1f} {r['file_p90']:5.0f} "
                      f"{r['file_max']:5d}  {r['functions']:5d} {r['function_median']:6.1f} "
-                     f"{r['function_p90']:5.0f} {r['function_max']:4d}")
+                     f"{r['function_p90']:5.0f} {r['function_max']:4d}  {r['class_docstrings']:7.0%} "
+                     f"{r['function_docstrings']:6.0%}")
     lines.append(f"largest file: {file_path} ({file_max} lines)")
     lines.append(f"largest function: {summary['all']['largest_function']} ({summary['all']['function_max']} lines)")
     return "\n".join(lines)
