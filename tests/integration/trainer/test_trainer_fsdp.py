@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +22,7 @@ pytest.importorskip("transformers")
 
 from laminar.roles.trainer.metrics import read_jsonl  # noqa: E402
 
+from laminar.testing.load_ranks import launch_ranks  # noqa: E402
 from laminar.testing.procs import RoleProc, free_port  # noqa: E402
 from laminar.testing.trainer_ranks import train_reference  # noqa: E402
 from laminar.testing.trainer_task import random_groups  # noqa: E402
@@ -36,20 +34,7 @@ pytestmark = pytest.mark.timeout(240)
 def launch_two_ranks(model_dir: Path, out: Path, extra: list[str], timeout: float, world: int = 2,
                      module: str = "laminar.testing.trainer_ranks") -> None:
     """`module` (a rank program) as `world` gloo ranks on a fresh port; all must exit 0."""
-    addr = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", module, str(r), str(world), addr,
-                               str(model_dir), str(out), *extra], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
-             for r in range(world)]
-    try:
-        logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    launch_ranks(module, world, [str(model_dir), str(out), *extra], timeout)
 
 
 def run_ranks(tmp: Path, model_dir: Path, algorithm: str) -> dict:
