@@ -13,7 +13,8 @@ MODEL is one of:
 
 Settings: the config's evaluator (`--evaluator ID`; default the first one placed, else the
 `roles.evaluator` section): its `sets` (or `dataset`), reward, answer extractor, max_tokens, seed
-and engine settings. `--set` overrides values of the config as on every command.
+and engine settings; the engine's threads are bound to the placement's `cores:` as in the role.
+`--set` overrides values of the config as on every command.
 
 Version: the sampled answers are seeded by the version (as in the role), so the version number
 matters: by default the one MODEL records (the relay manifest's, the checkpoint's, an export's
@@ -23,6 +24,8 @@ Seals: when the config's cluster has keys (`cluster.keys_dir`), a relay version 
 if its seals verify against the trainer's public key (`weights.key`; laminar/weights/seal.py's
 check, through laminar/weights/pull.py): one that does not is refused (exit 2) before any engine
 starts, and the engine's workers check it again as they load it.
+
+Progress: a line on stderr per set every 30 s and when the set is done (answers so far, rate).
 
 Output: a table (set, metric, value, its 95% interval, problems) and a JSON file (`--out`, default
 `eval-<model folder name>-v<version>.json`): {model, kind, version, lineage, config, evaluator,
@@ -93,6 +96,14 @@ def evaluator_settings(cfg, ident: str | None):
     return settings
 
 
+def placed_cores(cfg, ident: str | None):
+    """The cores the config places the evaluator on (`cores:` of its placement; None: not placed
+    or no cores): its engine's OpenMP threads are bound to them as in the role, so a command on a
+    2-core machine computes with both (vLLM's own binding leaves one core for its engine process)."""
+    found = [s for _, s in cfg.find("evaluator") if ident is None or s.id == ident]
+    return found[0].cores if found else None
+
+
 def seal_keys(cfg):
     """The trainer's public signing key, as the keys seal.py reads it from, when the cluster has
     keys (None: no keys, nothing checked)."""
@@ -133,7 +144,8 @@ def recorded_version(folder: Path) -> int | None:
         return None
 
 
-async def evaluate(model: Path, kind: str, settings, base: str, version: int | None, keys, tmp: Path) -> dict:
+async def evaluate(model: Path, kind: str, settings, base: str, version: int | None, keys, tmp: Path,
+                   cores=None) -> dict:
     """Start the engine on MODEL's weights, run the harness; {values, version}."""
     from laminar.roles.evaluator.harness import Harness, load_sets, make_engine  # late: cli.py's parser imports
     # this module for its arguments; the harness's datasets and engine are for a model being evaluated
@@ -143,7 +155,8 @@ async def evaluate(model: Path, kind: str, settings, base: str, version: int | N
         kind = "hf"
     # late: cli.py imports this module to build its parser; this is for a run of the command
     from laminar.weights.seal import arm_engine_checks
-    engine = make_engine(settings, model_dir=str(model) if kind == "hf" else base)
+    engine = make_engine(settings, model_dir=str(model) if kind == "hf" else base,
+                         omp_threads_bind=settings.omp_bind(cores))
     arm_engine_checks(keys)   # with keys, the engine's workers check the seals again as they load
     await engine.start()
     try:
@@ -154,10 +167,16 @@ async def evaluate(model: Path, kind: str, settings, base: str, version: int | N
             version = got if version is None else version
         elif version is None:
             version = recorded_version(model) or 0
-        result = await Harness(engine, sets, settings).evaluate(version)
+        result = await Harness(engine, sets, settings, progress=print_progress).evaluate(version)
     finally:
         await engine.close()
     return {"values": result.values, "version": version, "scores": result.scores, "prompt_ids": result.prompt_ids}
+
+
+def print_progress(name: str, answered: int, total: int, seconds: float) -> None:
+    """One line on stderr as a set's answers come in (the harness's progress callback)."""
+    rate = answered / seconds if seconds > 0 else 0.0
+    print(f"eval {name}: {answered}/{total} answers in {seconds:.0f} s ({rate:.1f}/s)", file=sys.stderr, flush=True)
 
 
 def by_set(values: dict[str, float]) -> dict:
@@ -210,7 +229,8 @@ def run(a) -> int:
         got: dict = {}
 
         async def main() -> int:
-            got.update(await evaluate(model, kind, settings, base, a.version, keys, Path(tmp)))
+            got.update(await evaluate(model, kind, settings, base, a.version, keys, Path(tmp),
+                                      cores=placed_cores(cfg, a.evaluator)))
             return 0
         run_loop(main())
     sets = by_set(got["values"])

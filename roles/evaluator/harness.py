@@ -75,11 +75,33 @@ class EvalResult:
 
 
 class Harness:
-    """Answers and scores eval sets with a started engine (its weights are the version evaluated)."""
+    """Answers and scores eval sets with a started engine (its weights are the version evaluated).
+    `progress(set_name, answered, total, seconds)`, when given, is called as a set's answers come
+    in (at most every `progress_every_s` seconds, and once when the set is done)."""
 
-    def __init__(self, engine, sets: list[EvalSet], settings):
+    def __init__(self, engine, sets: list[EvalSet], settings, progress=None, progress_every_s: float = 30.0):
         self.engine, self.sets, self.settings = engine, sets, settings
         self.legacy_seeds = not settings.sets  # the one `heldout` set keeps the seeds it always had
+        self.progress, self.progress_every_s = progress, progress_every_s
+
+    async def gather_with_progress(self, name: str, jobs: list) -> list:
+        """The jobs' results in order; with `progress`, a call per `progress_every_s` and one at the end."""
+        if self.progress is None:
+            return await asyncio.gather(*jobs)
+        t0 = time.monotonic()
+        done = [0, t0]   # answered, time of the last report
+
+        async def counted(job):
+            got = await job
+            done[0] += 1
+            now = time.monotonic()
+            if now - done[1] >= self.progress_every_s:
+                done[1] = now
+                self.progress(name, done[0], len(jobs), now - t0)
+            return got
+        out = await asyncio.gather(*(counted(j) for j in jobs))
+        self.progress(name, len(jobs), len(jobs), time.monotonic() - t0)
+        return out
 
     async def answer(self, rid: str, prompt, temperature: float, seed: int | None) -> list[int]:
         from vllm import SamplingParams  # late: vLLM, loaded only in an engine process
@@ -111,7 +133,7 @@ class Harness:
                 jobs.append(self.answer(f"eval-v{v}-{es.name}-{i}-s{s}", p.prompt_tokens, es.settings.temperature,
                                         self.seed(es, v, p.prompt_id, s)))
                 kinds.append((i, s))
-        answers = await asyncio.gather(*jobs)
+        answers = await self.gather_with_progress(es.name, jobs)
         results = [ProblemResult() for _ in es.problems]
         rows, lens = [], []
         for (i, s), toks in zip(kinds, answers, strict=True):

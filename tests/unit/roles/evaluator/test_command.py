@@ -15,6 +15,7 @@ import yaml
 from laminar.roles.evaluator.command import by_set, kind_of, table
 
 from laminar.testing.procs import free_port
+from tests.support import ROOT
 
 CLI = [sys.executable, "-m", "laminar.cli"]
 
@@ -122,3 +123,35 @@ def test_eval_compare_interval_is_paired_by_problem_id(tmp_path):
     old.write_text(json.dumps({"sets": {}}))
     with pytest.raises(ValueError, match="per-problem scores"):
         read_doc(old)
+
+
+def test_eval_binds_the_engine_to_the_evaluators_placed_cores():
+    """The command's engine threads go where the config places the evaluator (as in the role):
+    both cores of configs/smollm2-headroom-eval.yaml, none when the evaluator has no `cores:`."""
+    from laminar.roles.evaluator.command import evaluator_settings, placed_cores
+
+    from laminar.config import load_config
+    cfg = load_config(str(ROOT / "configs/smollm2-headroom-eval.yaml"), [])
+    settings = evaluator_settings(cfg, None)
+    assert placed_cores(cfg, None) == [0, 1]
+    assert settings.omp_bind(placed_cores(cfg, None)) == "0,1"
+    assert placed_cores(cfg, "9") is None and settings.omp_bind(None) is None
+
+
+def test_eval_progress_reports_each_set_and_its_end():
+    """The harness calls `progress` as a set's answers come in and once when it is done, with the
+    count answered, the set's total and the seconds so far; the answers keep their order."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from laminar.roles.evaluator.harness import Harness
+    seen = []
+    h = Harness(None, [], SimpleNamespace(sets={"x": 1}), progress=lambda *a: seen.append(a), progress_every_s=0.0)
+
+    async def job(i):
+        await asyncio.sleep(0.001 * (5 - i))
+        return i
+    got = asyncio.run(h.gather_with_progress("d2", [job(i) for i in range(5)]))
+    assert got == [0, 1, 2, 3, 4]
+    assert [s[:3] for s in seen][-1] == ("d2", 5, 5)
+    assert [s[1] for s in seen[:-1]] == [1, 2, 3, 4, 5] and all(s[2] == 5 and s[3] >= 0 for s in seen)
