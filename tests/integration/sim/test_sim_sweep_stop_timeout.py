@@ -13,11 +13,16 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 from tests.integration.sim.test_sim_sweep_sigterm import sweep, wait_for_clusters
+from tests.support import ROOT
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -62,3 +67,30 @@ def test_every_process_removes_its_folders_before_the_stop_timeout(tmp_path):
                 os.kill(k, signal.SIGKILL)
         for p in ours:  # this sweep's own folders only: a failed check must not leak them either
             shutil.rmtree(p, ignore_errors=True)
+
+
+def test_the_cluster_driver_removes_its_weight_folders_on_sigterm(tmp_path):
+    """`python -m bench.sim.cluster FILE` (a cluster file of --write-configs) stops in order on
+    SIGTERM and removes the weight folders it wrote, well inside the stop timeout."""
+    subprocess.run([sys.executable, "bench/scale.py", "--write-configs", str(tmp_path), "--model", "7B", "--gpus", "16",
+                    "--modes", "laminar"], cwd=ROOT, check=True, capture_output=True, timeout=120)
+    weights = Path(f"/dev/shm/laminar-sim-test-{uuid.uuid4().hex[:8]}")  # this test's own, not the file's fixed name
+    cfg = tmp_path / "7B-16-laminar.yaml"
+    cfg.write_text(cfg.read_text().replace("/dev/shm/laminar-sim-7B-16-laminar", str(weights))
+                   .replace("runs/sim/7B-16-laminar", str(tmp_path / "run")))
+    proc = subprocess.Popen([sys.executable, "-m", "bench.sim.cluster", str(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        end = time.monotonic() + 150
+        while not weights.exists() and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)  # polling /dev/shm for the cluster's first weights
+        assert weights.exists(), "the cluster never wrote its weights"
+        time.sleep(2)  # the cluster running, not just made
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=STOP_TIMEOUT_S)
+        assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
+        assert not weights.exists(), out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(weights, ignore_errors=True)
