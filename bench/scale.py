@@ -34,10 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from bench.sim.calibrate import PROBE_S, PaceCache, pace_cache_path  # noqa: E402
 from bench.sim.components import components  # noqa: E402
-from bench.sim.processes import default_jobs, execute, exit_on_sigterm  # noqa: E402
+from bench.sim.processes import default_jobs, execute  # noqa: E402
 from bench.sim.report import machine, report, write_configs  # noqa: E402
 from bench.sim.results import assemble, combine  # noqa: E402
 from bench.sim.runs import as_the_paper_ran, run_child, run_spec, setup_of  # noqa: E402
+from bench.sim.terminate import exit_on_sigterm  # noqa: E402
 from laminar.sim import load_workload  # noqa: E402
 from laminar.sim.scenario import estimate, scales, staleness_bound, wave_versions  # noqa: E402
 from laminar.sim.setup import DEFAULT_MODES, MODES  # noqa: E402

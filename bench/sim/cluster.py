@@ -38,6 +38,7 @@ import structlog
 from laminar.bus.inproc import InprocHub, InprocPublisher, InprocTransport
 from laminar.roles.trainer.metrics import read_jsonl
 
+from bench.sim.terminate import asked, deferred, exit_on_sigterm
 from laminar import summary
 from laminar.config import load_config
 from laminar.sim.scenario import write_prompts
@@ -297,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         groups = cfg.roles["trainer"]["groups_per_batch"] * (cfg.roles["trainer"].get("max_iterations") or 20) * 4
         write_prompts(raw, a.prompt_tokens, groups)
     quiet_logs()
-    run = asyncio.run(run_sim(cfg, timeout_s=a.timeout))
+    exit_on_sigterm()
+    with deferred():  # SIGTERM: the cluster stops in order and removes its weight folders, then exit 143
+        run = asyncio.run(run_sim(cfg, timeout_s=a.timeout, stop_when=lambda _: asked()))
     s = summary.summarize(cfg.workdir())
     speedup = run.speedup
     if s.get("throughput_tokens_per_s"):  # summary.py reads real time: the simulated rate is x speedup

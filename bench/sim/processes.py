@@ -19,7 +19,11 @@ and nothing left behind however the sweep ends.
   is removed as soon as its result is read. The parent names each child's shared-memory weights
   root and removes it once the child has ended, however it ended: a child that was SIGKILLed (the
   OOM killer, an overrun) cannot clean up after itself. Ctrl-C or SIGTERM stops every child
-  (SIGTERM, then SIGKILL after a grace) before the sweep exits.
+  (SIGTERM, then SIGKILL after a grace) before the sweep exits; a child stops its cluster in
+  order and removes its own weights root on SIGTERM, in about a second (terminate.py), so a
+  SIGTERM to the whole tree at once leaves nothing either, well inside a service manager's stop
+  timeout. A SIGTERM that comes while a child is being started waits until the child is in the
+  list of those to stop (else it would outlive the sweep, unknown to it).
 """
 from __future__ import annotations
 
@@ -27,7 +31,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from bench.sim.calibrate import PROBE_MARGIN, PROBE_S, PaceCache, cpu_share, pick_speedup
 from bench.sim.runs import PROBE_SETUP_S, new_weights_root, run_dir
+from bench.sim.terminate import deferred
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOWDOWN = 0.5  # a lagging run's next speedup, as a fraction of its last
@@ -66,7 +70,7 @@ def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True,
         sp.setdefault("weights_root", new_weights_root())
     try:
         _run_all(pending, running, results, jobs, root, keep, cache)
-    except BaseException:  # Ctrl-C, or SIGTERM (exit_on_sigterm): no child outlives the sweep
+    except BaseException:  # Ctrl-C, or SIGTERM (terminate.py): no child outlives the sweep
         stop_children([proc for _, proc, *_ in running])
         for spec, *_ in running:
             shutil.rmtree(spec["weights_root"], ignore_errors=True)
@@ -131,17 +135,6 @@ def stop_children(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
             p.wait()
 
 
-def exit_on_sigterm() -> None:
-    """SIGTERM ends this process as Ctrl-C does, through its finally blocks: a child removes its
-    shared-memory weights folder, the sweep stops its children and removes its work folder.
-    A second SIGTERM (a process-group kill reaches a child directly and again through its parent's
-    stop) is ignored, so it cannot break off the cleanup the first one started."""
-    def once(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sys.exit(128 + signum)
-    signal.signal(signal.SIGTERM, once)
-
-
 def attempt(r: dict) -> dict:
     """What a run's result says about its pace (kept for each attempt of a rerun run)."""
     return {"speedup": r["speedup"], "lagged": r["lagged"], "finished": r["finished"],
@@ -185,7 +178,9 @@ def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path,
              cache: PaceCache) -> None:
     while pending or running:
         while pending and len(running) < jobs:
-            running.append(_start(calibrated(pending.pop(0), cache), root))
+            spec = calibrated(pending.pop(0), cache)
+            with deferred():  # a SIGTERM while the child starts acts once it is in `running` (stopped with it)
+                running.append(_start(spec, root))
         time.sleep(0.5)  # polling the children (they report by their exit and result file)
         for item in list(running):
             spec, proc, folder, out, log, t0 = item
@@ -195,11 +190,11 @@ def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path,
             if over and proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            running.remove(item)
             log.close()
             shutil.rmtree(spec["weights_root"], ignore_errors=True)  # the child's own cleanup may not have run
             if not keep:
                 shutil.rmtree(folder, ignore_errors=True)
+            running.remove(item)  # last: a SIGTERM before it still finds the folders (execute)
             r = json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else None
             if spec.get("probe") and r is not None:  # a probe that failed is the run's failure (below)
                 _probed(spec, r, pending)

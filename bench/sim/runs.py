@@ -29,6 +29,7 @@ from pathlib import Path
 
 from bench.sim.calibrate import PROBE_S, PROBE_SIM_S, WINDOW_S, pace_key, pace_summary
 from bench.sim.cluster import engines_behind, quiet_logs, run_sim
+from bench.sim.terminate import asked, deferred
 from laminar.config import parse_config
 from laminar.logs import read_rotated_jsonl
 from laminar.sim import load_workload
@@ -97,11 +98,12 @@ def run_mode(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, *
         worst = max((r.engine.counters["max_lag_s"] for r in rollouts), default=0.0)
         if measuring[0] and worst > LAG_PEAK_FLAG_S:
             return f"lagged: an engine {worst:.0f} s behind its timeline"
-        return None
+        return asked()  # SIGTERM: stop in order, remove the folders, exit (terminate.py)
 
     try:
-        run = asyncio.run(run_sim(cfg, timeout_s=timeout_s, on_version=after_warmup, stop_when=lagging,
-                                  collect=collect))
+        with deferred():
+            run = asyncio.run(run_sim(cfg, timeout_s=timeout_s, on_version=after_warmup, stop_when=lagging,
+                                      collect=collect))
     finally:
         shutil.rmtree(weights_root, ignore_errors=True)
     out = measure_run(run, raw, setup, workload, size, gpus, mode, warmup, measure)
@@ -136,10 +138,13 @@ def run_probe(setup: SimSetup, workload: dict, size: str, gpus: int, mode: str, 
         first.append(time.monotonic())
         real = first[-1] - first[0]
         covered = real * speedup - engines_behind(rollouts)
-        return "probe done" if real >= probe_s and (covered >= PROBE_SIM_S or real >= 3 * probe_s) else None
+        done = real >= probe_s and (covered >= PROBE_SIM_S or real >= 3 * probe_s)
+        return "probe done" if done else asked()  # asked: SIGTERM (terminate.py)
 
     try:
-        run = asyncio.run(run_sim(cfg, timeout_s=3 * probe_s + PROBE_SETUP_S, stop_when=probed, collect=collect))
+        with deferred():
+            run = asyncio.run(run_sim(cfg, timeout_s=3 * probe_s + PROBE_SETUP_S, stop_when=probed,
+                                      collect=collect))
     finally:
         shutil.rmtree(weights_root, ignore_errors=True)
     return {"pace": pace_summary(run.pace, window_s=probe_s / 6), "speedup": speedup,
