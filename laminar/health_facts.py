@@ -47,7 +47,7 @@ HB_FACTS = {
 }
 TRAINER_FACTS = ("version", "tokens_per_s", "staleness_mean", "staleness_max", "reward_mean", "publish_stall_s",
                   "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3", "groups_generated", "groups_kept",
-                  "groups_dropped_nosignal")
+                  "groups_dropped_nosignal", "rss_bytes")
 # the evaluator's Metrics value -> fact name (the version it evaluated is `eval_version`, not the
 # weight version it holds: the node's laminar_weight_version stays what engines serve)
 EVAL_FACTS = {"version": "eval_version", "eval/accuracy": "eval_accuracy",
@@ -83,6 +83,8 @@ FAMILIES = [
     ("laminar_trainer_reward_mean", "gauge", "mean reward of the last batch", ("trainer",), "reward_mean"),
     ("laminar_trainer_publish_stall_seconds", "gauge", "training stall of the last weight publish",
      ("trainer",), "publish_stall_s"),
+    ("laminar_trainer_resident_bytes", "gauge", "resident set of the trainer's process (rank 0) after the last "
+     "version: a growth from version to version ends in the kernel's OOM killer", ("trainer",), "rss_bytes"),
     ("laminar_trainer_mismatch_mean_abs", "gauge", "train-inference mismatch of the last version: mean "
      "|trainer - rollout| logprob of the same tokens under the same weights", ("trainer",), "mismatch_mean_abs"),
     ("laminar_trainer_mismatch_max_abs", "gauge", "train-inference mismatch of the last version: largest "

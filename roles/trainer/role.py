@@ -32,6 +32,7 @@ from laminar.bus.errors import RpcError
 from laminar.roles.trainer import checkpoint, dist
 from laminar.roles.trainer.best import BestCheckpoint
 from laminar.roles.trainer.config import TrainerConfig
+from laminar.roles.trainer.memory import rss_bytes
 from laminar.roles.trainer.metrics import MetricsLog, batch_stats, trained_members, trained_weights
 from laminar.roles.trainer.publishing import PublishLink
 
@@ -305,7 +306,8 @@ class TrainerRole(Role):
                   "groups_generated": float(len(groups) + dropped),
                   "groups_kept": float(len(groups) - train.get("groups_uniform", 0.0)),
                   "train_s": train_s, "tokens_per_s": train["tokens"] / max(train_s, 1e-9),
-                  "publish_stall_s": stall, "version": float(self.version), "cursor": float(self.cursor)}
+                  "publish_stall_s": stall, "version": float(self.version), "cursor": float(self.cursor),
+                  "rss_bytes": float(rss_bytes())}   # rank 0's resident set: a growth shows before the OOM killer
         record = {**values, "ts": time.time(), "group_ids": [g[0].spec.group_id for g in groups],
                   "weights": trained_weights(groups)}
         if self.settings.logging.record_members:

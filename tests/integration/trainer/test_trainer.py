@@ -96,8 +96,10 @@ def test_reward_rises_on_verifiable_task(tmp_path, tiny, settings):
     recs = read_jsonl(tmp_path / "run" / "trainer" / "metrics.jsonl")
     assert [r["version"] for r in recs] == list(range(1, ITERS + 1))
     for k in ("reward_mean", "reward_std", "response_len_mean", "response_len_max", "staleness/0", "pg_loss",
-              "clip_frac_low", "clip_frac_high", "grad_norm", "tokens_per_s", "publish_stall_s", "entropy"):
+              "clip_frac_low", "clip_frac_high", "grad_norm", "tokens_per_s", "publish_stall_s", "entropy",
+              "rss_bytes"):
         assert k in recs[-1], k
+    assert all(r["rss_bytes"] > 0 for r in recs)   # the trainer's resident set, each version
     if settings.get("algorithm") == "ppo":
         assert "value_loss" in recs[-1] and "critic_grad_norm" in recs[-1]
     try:

@@ -94,7 +94,7 @@ def fed() -> tuple[HealthCollector, Clock]:
     c.observe(Metrics(role="trainer", id="0", ts=1000.0, values={"version": 5.0, "batch_tokens": 4000.0}))
     c.observe(Metrics(role="trainer", id="0", ts=1002.0, values={
         "version": 6.0, "batch_tokens": 5000.0, "tokens_per_s": 1800.0, "staleness_mean": 0.75,
-        "staleness_max": 2.0, "reward_mean": 0.5, "publish_stall_s": 0.01}))
+        "staleness_max": 2.0, "reward_mean": 0.5, "publish_stall_s": 0.01, "rss_bytes": 7.5e9}))
     c.observe(Metrics(role="echo", id="0", ts=1.0, values={"served": 1.0}))     # not a fact we report
     return c, clock
 
@@ -130,6 +130,7 @@ def test_exposition_reports_every_fact_of_the_node():
     assert get(s, "laminar_trainer_throughput_tokens_per_second") == 5000 / 2.0
     assert get(s, "laminar_trainer_staleness_mean") == 0.75 and get(s, "laminar_trainer_staleness_max") == 2
     assert get(s, "laminar_trainer_reward_mean") == 0.5
+    assert get(s, "laminar_trainer_resident_bytes") == 7.5e9   # a trainer whose memory grows is seen early
     assert get(s, "laminar_manager_repacks_total") == 4
     assert get(s, "laminar_manager_moved_trajectories_total") == 31
     assert get(s, "laminar_manager_dead_rollouts_total") == 1
