@@ -258,16 +258,14 @@ class CallRun:
     async def reply(self, offset: int, timeout_s: float) -> AgentCallReply:
         """Chunks after `offset`: at once when there are some (streamed) or the call is done, else
         after waiting up to `timeout_s` for either (the gateway polls again)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.done and not (self.stream and len(self.chunks) > offset):
-            self.changed.clear()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                await asyncio.wait_for(self.changed.wait(), left)
-            except TimeoutError:
-                break
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):  # no task per wait, as wait_for would make
+                while not self.done and not (self.stream and len(self.chunks) > offset):
+                    self.changed.clear()
+                    await self.changed.wait()
+        except TimeoutError:
+            pass  # answered with what there is: the gateway polls again
         if self.error is not None:
             raise self.error
         return AgentCallReply(episode_id=self.episode_id, call_id=self.call_id, chunks=self.chunks[offset:],
