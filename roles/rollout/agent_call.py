@@ -177,6 +177,10 @@ class CallRun:
     # -- generation (the run's own task) ---------------------------------------------------------
     async def generate(self, engine, request_id: str, seed: int | None) -> None:
         """Every choice on the engine, concurrently; the chunks as they come (streamed calls)."""
+        if len(self.choices) == 1:  # the usual call: in this task, no task of its own
+            c = self.choices[0]
+            await self._one(engine, c, f"{request_id}.0", seed)
+            return
         await asyncio.gather(*(self._one(engine, c, f"{request_id}.{c.index}",
                                          None if seed is None else seed + c.index) for c in self.choices))
 
