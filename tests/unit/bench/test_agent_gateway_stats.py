@@ -43,3 +43,31 @@ def test_one_round_has_no_spread():
     s = load_bench().summary([row(700, 1000)])
     assert s["gateway_over_direct"] == pytest.approx(0.7)
     assert s["gateway_over_direct_spread"] == 0.0 and s["gateway_over_direct_iqr"] == 0.0
+
+
+class RecordingEngine:
+    """Stands in for the engine in this test of the replay's arithmetic only: records each request
+    and answers with as many tokens as it was asked for."""
+
+    def __init__(self):
+        self.asked = []
+
+    async def generate(self, request_id, prompt, max_tokens, seed, sampling):
+        self.asked.append((list(prompt), max_tokens, seed, sampling.ignore_eos))
+        yield [7] * max_tokens, [0.0] * max_tokens, "length"
+
+
+def test_the_direct_side_replays_each_call_on_its_context_to_the_length_it_had():
+    import asyncio
+    from types import SimpleNamespace
+
+    import numpy as np
+    bench = load_bench()
+    # a prompt of 3 tokens; call 0 sampled 4 tokens, then an observation of 2, then call 1 sampled 3 (one an end token)
+    traj = SimpleNamespace(spec=SimpleNamespace(prompt_tokens=np.array([1, 2, 3])),
+                           response_tokens=np.array([10, 11, 12, 13, 20, 21, 30, 31, 2]),
+                           obs_spans=np.array([[0, 0], [4, 6]]))
+    engine = RecordingEngine()
+    wall, tokens = asyncio.run(bench.direct_round(engine, {"e": traj}, [{"id": "e", "seeds": [5, 6]}]))
+    assert engine.asked == [([1, 2, 3], 4, 5, True), ([1, 2, 3, 10, 11, 12, 13, 20, 21], 3, 6, True)]
+    assert tokens == 7 and wall >= 0
