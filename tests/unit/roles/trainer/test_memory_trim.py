@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from laminar.roles.trainer import memory
 
 CHILD = r"""
