@@ -141,6 +141,9 @@ class PerformanceSettings(Section):
     compile: bool | None = Field(None, description="torch.compile each decoder layer (the first steps compile); "
                                  "None: on with CUDA (flex attention, which packing uses without flash_attn, is "
                                  "unusably slow uncompiled), off on the CPU")
+    trim_heap: bool = Field(True, description="on the CPU, give the C allocator's free pages back to the kernel "
+                            "after each step (glibc malloc_trim; metric heap_trimmed_bytes): without it the "
+                            "resident set keeps each batch's differently shaped activations and grows")
     micro_batch_size: int = Field(64, ge=1, description="most sequences per forward/backward (gradient "
                                   "accumulation)")
     max_tokens_per_micro_batch: int | None = Field(None, ge=1, description="token budget of one forward/backward: "

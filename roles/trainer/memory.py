@@ -17,9 +17,17 @@ MALLOC_MMAP_THRESHOLD_ is set; otherwise freed memory may stay resident), and fi
 and read (a memory-mapped safetensors slice counts while it is mapped). Where clear_refs cannot be
 written the peak is `ru_maxrss` (the process's lifetime peak) minus the start (kind "maxrss"), an
 upper bound. The stretches must not nest (the reset is process-wide).
+
+`trim_heap()` gives the C allocator's free pages back to the kernel (glibc's `malloc_trim(0)`, which
+also releases free pages inside each arena, not only at its top). A CPU trainer allocates and
+frees each step's activations in shapes that change with every batch; glibc keeps the freed
+blocks below its (adaptive) mmap threshold in its arenas, so without a trim the resident set
+grows from version to version although no tensor outlives its step.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 
 STATUS = "/proc/self/status"
@@ -32,6 +40,28 @@ def _status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def _load_malloc_trim():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim this way
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def trim_heap() -> int | None:
+    """Release the allocator's free pages (module docstring); the bytes the resident set fell by, None
+    where the C library has no malloc_trim."""
+    if _malloc_trim is None:
+        return None
+    before = rss_bytes()
+    _malloc_trim(0)
+    return max(0, before - rss_bytes())
 
 
 def rss_bytes() -> int:

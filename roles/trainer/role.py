@@ -32,7 +32,7 @@ from laminar.bus.errors import RpcError
 from laminar.roles.trainer import checkpoint, dist
 from laminar.roles.trainer.best import BestCheckpoint
 from laminar.roles.trainer.config import TrainerConfig
-from laminar.roles.trainer.memory import rss_bytes
+from laminar.roles.trainer.memory import rss_bytes, trim_heap
 from laminar.roles.trainer.metrics import MetricsLog, batch_stats, trained_members, trained_weights
 from laminar.roles.trainer.publishing import PublishLink
 
@@ -290,7 +290,14 @@ class TrainerRole(Role):
     def _train(self, groups):
         if self.info.enabled:
             dist.send_command(self.info, dist.OP_TRAIN, self.version, self.cursor, Samples(groups, self.cursor))
-        return self.engine.train(groups, self.version + 1)
+        return {**self.engine.train(groups, self.version + 1), **self._trim()}
+
+    def _trim(self) -> dict:
+        """After a step: the step's freed activations back to the kernel (memory.trim_heap), on the CPU."""
+        if not self.settings.performance.trim_heap or str(getattr(self.engine, "device", "cpu")) != "cpu":
+            return {}
+        freed = trim_heap()
+        return {} if freed is None else {"heap_trimmed_bytes": float(freed)}
 
     async def _iteration(self, groups) -> None:
         self.event("step_started", version=self.version + 1, groups=len(groups))
@@ -420,6 +427,7 @@ class TrainerRole(Role):
 
     def _follow_iteration(self, groups, version: int) -> None:
         self.engine.train(groups, version + 1)
+        self._trim()
         if self._publish_gathers():
             self.link.publish_engine(self.engine, version + 1)
         if (version + 1) % self.settings.checkpoint.every == 0:

@@ -100,6 +100,7 @@ def test_reward_rises_on_verifiable_task(tmp_path, tiny, settings):
               "rss_bytes"):
         assert k in recs[-1], k
     assert all(r["rss_bytes"] > 0 for r in recs)   # the trainer's resident set, each version
+    assert all(r["heap_trimmed_bytes"] >= 0 for r in recs)   # the allocator trimmed after each CPU step
     if settings.get("algorithm") == "ppo":
         assert "value_loss" in recs[-1] and "critic_grad_norm" in recs[-1]
     try:
