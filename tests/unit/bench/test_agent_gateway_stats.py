@@ -2,21 +2,15 @@
 scatter, each round's value in the order the rounds ran, and the median CPU per call of each side."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.support import ROOT
+from tests import support
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def load_bench():
-    path = ROOT / "bench" / "agent_gateway.py"
-    spec = importlib.util.spec_from_file_location("bench_agent_gateway_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return support.load_bench("agent_gateway")
 
 
 def row(gateway: float, direct: float, agents_cpu: float = 3.0) -> dict:
