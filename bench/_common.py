@@ -1,5 +1,5 @@
-"""Shared bits of the benchmark programs: free ports, percentiles, table printing, JSON output, and
-ending cleanly.
+"""Shared bits of the benchmark programs: free ports, percentiles, the spread of rounds, table
+printing, JSON output, and ending cleanly.
 
 A bench that is stopped (Ctrl-C, `timeout`'s SIGTERM, a closed terminal's SIGHUP) must still remove
 what it made: its clusters, their processes, and their shared memory in /dev/shm. `exit_on_signals()`
@@ -10,9 +10,12 @@ it kills it.
 """
 from __future__ import annotations
 
+import os
 import signal
+import statistics
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 
 from laminar.report import print_table, write_json  # noqa: F401  (re-exported for the benchmarks)
 from laminar.testing.procs import free_port  # noqa: F401  (re-exported for the benchmarks)
@@ -24,6 +27,41 @@ def percentile(xs: Sequence[float], q: float) -> float:
         return float("nan")
     i = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
     return s[i]
+
+
+def spread_of(xs: list[float]) -> dict:
+    """Median of `xs`, and how far they scatter around it: (max - min) / median and the
+    interquartile range / median."""
+    med = statistics.median(xs)
+    if len(xs) < 2 or not med:
+        return {"median": med, "spread": 0.0, "iqr": 0.0, "min": min(xs), "max": max(xs)}
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return {"median": med, "spread": (max(xs) - min(xs)) / med, "iqr": (q3 - q1) / med, "min": min(xs),
+            "max": max(xs)}
+
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process `pid` (0.0 once it is gone)."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return 0.0
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, theirs, ...)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(x) for x in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except FileNotFoundError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
 
 
 def exit_on_signals() -> None:

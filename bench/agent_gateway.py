@@ -1,21 +1,29 @@
 """Agent gateway benchmark: tokens/s of agent episodes through the gateway (the real `openai` client),
 over the same requests sent straight to the engine.
 
-    python bench/agent_gateway.py [--episodes 16] [--calls 3] [--max-tokens 64] [--rounds 2] [--out FILE]
+    python bench/agent_gateway.py [--episodes 16] [--calls 6] [--max-tokens 64] [--rounds 12] [--out FILE]
 
 One process holds the cluster (prompt pool, partial pool, buffer, gateway, one vLLM CPU rollout in
-agent mode, the tiny model; its weights from a relay folder this program writes); the agents run
-in a child process (their event loop apart from the cluster's), `--episodes` at once, each
-claiming an episode and making `--calls` chat calls of `--max-tokens` tokens, every call with its
-own seed. While they run, a new weight version is published every `--publish-s` seconds.
+agent mode, the tiny model; its weights from a relay folder this program writes, a new version
+every `--publish-s` seconds all along); the agents run in a child process (their event loop apart
+from the cluster's), `--episodes` at once, each claiming an episode and making `--calls` chat
+calls of up to `--max-tokens` tokens, every call with its own seed.
+
+A round times both sides once, the gateway first in even rounds and the direct side first in odd
+ones. Before each side the rollout's next batch is open (the last one stored) and the engine's
+prefix cache is emptied, so neither side reuses prompts the other computed.
 
 - gateway: completion tokens of all calls / wall time from the first call to the last reply (the
-  episodes are claimed before, ended after);
-- direct: the very calls again, straight to the same warm engine (`engine.generate`), each with the
-  context the engine saw for it through the gateway (read back from the stored trajectories) and
-  the same seed, `--episodes` sequences of calls at once -> their tokens / wall time (the same
-  tokens but where another batch's arithmetic tips a near tie: each side counts its own);
-- `gateway_over_direct`: the ratio of the two, over `--rounds` alternations (gateway, direct, ...);
+  episodes are claimed and the agents' clients built before, the episodes ended after);
+- direct: the calls of the latest gateway round again (that round's own in even rounds, the one
+  before in odd ones), straight to the same engine (`engine.generate`), each with the context the
+  engine saw for it through the gateway (read back from the stored trajectories), the same seed
+  and as many tokens (`ignore_eos`), `--episodes` sequences of calls at once -> tokens / wall time;
+- `gateway_over_direct`: the median over the rounds of each round's gateway / direct tokens/s;
+  `gateway_over_direct_spread` (max - min) / median of the rounds' ratios, `_iqr` their
+  interquartile range / median, `_rounds` each one;
+- per side, the CPU per call of the agents' process, this one and the engine's (each round's and
+  the medians), and the partial pool's commits during each gateway side;
 - `episodes`: episodes the agents completed; `version_mixed_episodes`: episodes whose calls were
   not all served by one version, or whose stored trajectory names another (must be 0).
 """
@@ -27,17 +35,20 @@ import json
 import multiprocessing
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import exit_on_signals, free_port, print_table, write_json  # noqa: E402
+from _common import cpu_s, descendants, exit_on_signals, free_port, print_table, spread_of, write_json  # noqa: E402
 
 
-def agents(base: str, n: int, calls: int, max_tokens: int, seed: int, out) -> None:
-    """The child process: n concurrent agents through the openai client; results to `out`."""
+def agents(base: str, conn) -> None:
+    """The child process: the agents of one round per command `(n, calls, max_tokens, seed)` on `conn`
+    (None ends it); each round's results go back on `conn`. One process for every round: importing
+    `openai` is paid once, and the agents' event loop stays apart from the cluster's."""
     import httpx
     import openai
 
@@ -49,7 +60,7 @@ def agents(base: str, n: int, calls: int, max_tokens: int, seed: int, out) -> No
                 r.raise_for_status()
                 return r.json()
 
-    async def one(i: int, ep: dict, client) -> dict:
+    async def one(i: int, ep: dict, client, calls: int, max_tokens: int, seed: int) -> dict:
         msgs, seeds, versions, tokens = [{"role": "user", "content": ep["prompt"]}], [], [], 0
         for k in range(calls):
             s = seed + 1000 * i + k
@@ -61,20 +72,80 @@ def agents(base: str, n: int, calls: int, max_tokens: int, seed: int, out) -> No
             msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
         return {"id": ep["id"], "seeds": seeds, "versions": versions, "tokens": tokens}
 
-    async def main():
+    async def round_(n: int, calls: int, max_tokens: int, seed: int) -> dict:
         async with httpx.AsyncClient(base_url=base, timeout=600) as h:
             eps = await asyncio.gather(*(claim(h) for _ in range(n)))  # claimed first: the clock is the calls'
             # one client per agent, built before the clock: building one makes an SSL context (~10 ms
             # of CPU), a cost of starting an agent program, not of its calls (docs/benchmarks.md)
             clients = [openai.AsyncOpenAI(base_url=base, api_key="bench", max_retries=0, timeout=600)
                        for _ in eps]
-            t0 = time.perf_counter()
-            done = await asyncio.gather(*(one(i, ep, c) for i, (ep, c) in enumerate(zip(eps, clients, strict=True))))
-            wall = time.perf_counter() - t0
+            conn.send("claimed")
+            conn.recv()  # "go": the cluster is settled (nothing else on this loop meanwhile)
+            t0, c0 = time.perf_counter(), time.process_time()
+            done = await asyncio.gather(*(one(i, ep, c, calls, max_tokens, seed)
+                                          for i, (ep, c) in enumerate(zip(eps, clients, strict=True))))
+            conn.send({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "episodes": done})
             await asyncio.gather(*(c.close() for c in clients))
             await asyncio.gather(*(h.post(f"/episodes/{ep['id']}/end", json={"reward": 0.0}) for ep in eps))
-        return {"wall_s": wall, "episodes": done}
-    out.send(asyncio.run(main()))
+        conn.send("ended")
+
+    for cmd in iter(conn.recv, None):
+        asyncio.run(round_(*cmd))
+
+
+class CpuClock:
+    """CPU seconds since it was made, of this process (the roles, the pools, vLLM's client side) and
+    of the engine's processes (its children but `exclude`, the agents' process)."""
+
+    def __init__(self, exclude: int | None = None):
+        self.exclude = exclude
+        self.t0 = self._now()
+
+    def _now(self) -> tuple[float, float]:
+        return time.process_time(), sum(cpu_s(p) for p in descendants(os.getpid()) if p != self.exclude)
+
+    def read(self) -> dict:
+        now = self._now()
+        return {"here": now[0] - self.t0[0], "engine": now[1] - self.t0[1]}
+
+
+class Agents:
+    """The agents' process, driven round by round from the cluster's loop."""
+
+    def __init__(self, base: str):
+        ctx = multiprocessing.get_context("spawn")
+        self.mine, theirs = ctx.Pipe()
+        self.p = ctx.Process(target=agents, args=(base, theirs), daemon=True)
+        self.p.start()
+
+    async def _recv(self):
+        while not self.mine.poll():
+            if not self.p.is_alive():
+                raise RuntimeError(f"the agents' process exited ({self.p.exitcode}); its error is above")
+            await asyncio.sleep(0.01)  # the cluster runs on this loop while the agents work
+        return self.mine.recv()
+
+    async def round(self, n: int, calls: int, max_tokens: int, seed: int, settle) -> dict:
+        """One round: the agents claim their episodes, `settle()` runs, then the timed calls (with
+        the CPU this process and the engine's used meanwhile), then the agents end their episodes."""
+        self.mine.send((n, calls, max_tokens, seed))
+        if await self._recv() != "claimed":
+            raise RuntimeError("the agents' process did not claim its episodes")
+        await settle()
+        cpu = CpuClock(exclude=self.p.pid)
+        self.mine.send("go")
+        res = await self._recv()
+        res["cpu_s"] = {"agents": res["cpu_s"], **cpu.read()}
+        if await self._recv() != "ended":
+            raise RuntimeError("the agents' process did not end its episodes")
+        return res
+
+    def close(self) -> None:
+        if self.p.is_alive():
+            self.mine.send(None)
+        self.p.join(30)
+        if self.p.is_alive():
+            self.p.kill()
 
 
 def make_cfg(tmp: Path, model_dir: Path, shm: str, n: int, port: int):
@@ -95,22 +166,6 @@ def make_cfg(tmp: Path, model_dir: Path, shm: str, n: int, port: int):
                               "agent": {"max_calls": 64}}}})
 
 
-async def gateway_round(base: str, n: int, calls: int, max_tokens: int, seed: int, publish) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    p = ctx.Process(target=agents, args=(base, n, calls, max_tokens, seed, theirs))
-    p.start()
-    pub = asyncio.ensure_future(publish())
-    try:
-        while not mine.poll():
-            await asyncio.sleep(0.05)  # the cluster runs on this loop while the agents work
-        res = mine.recv()
-    finally:
-        pub.cancel()
-        p.join(30)
-    return res
-
-
 async def stored(cluster, ids: set[str]) -> dict:
     from laminar.protocol import SampleGroups
     buf, got = cluster.client("experience_buffer"), {}
@@ -124,7 +179,8 @@ async def stored(cluster, ids: set[str]) -> dict:
 
 
 async def direct_round(engine, trajs: dict, eps: list[dict]) -> tuple[float, int]:
-    """The same calls straight to the engine: each call's context read from its trajectory."""
+    """The same calls straight to the engine: each call's context read from its trajectory, and as
+    many tokens as it had (`ignore_eos`: the batch holds the same sequences, step by step)."""
     from laminar.roles.rollout.engine import Sampling
 
     async def one(ep) -> int:
@@ -134,12 +190,101 @@ async def direct_round(engine, trajs: dict, eps: list[dict]) -> tuple[float, int
         for k, (_, start) in enumerate(spans):
             end = spans[k + 1][0] if k + 1 < len(spans) else len(toks)
             async for out, _, _ in engine.generate(f"direct-{ep['id']}-{k}-{time.time_ns()}", prompt + toks[:start],
-                                                   end - start, ep["seeds"][k], Sampling(temperature=1.0)):
+                                                   end - start, ep["seeds"][k],
+                                                   Sampling(temperature=1.0, ignore_eos=True)):
                 n += len(out)
         return n
     t0 = time.perf_counter()
     n = sum(await asyncio.gather(*(one(ep) for ep in eps)))
     return time.perf_counter() - t0, n
+
+
+class Bench:
+    """The cluster, the agents and the engine of one run; its rounds."""
+
+    def __init__(self, a, cluster, agents: Agents):
+        self.a, self.cluster, self.agents = a, cluster, agents
+        self.engine = cluster.roles["rollout.0"].engine
+        self.book = cluster.roles["gateway.0"].book
+        self.pool = cluster.roles["partial_pool.0"].store  # its commits: how well the calls' writes group
+        self.episodes = self.mixed = self.cache_kept = 0
+
+    async def settle(self) -> None:
+        """Before each side: the rollout's next batch open (the last one stored, its weights loaded),
+        and the engine's prefix cache empty, so neither side reuses the other's prompts."""
+        async with asyncio.timeout(300):
+            while len(self.book.unclaimed) < self.a.episodes:
+                await asyncio.sleep(0.05)  # the rollout opens its next batch
+        await self.empty_cache()
+
+    async def empty_cache(self) -> None:
+        """The engine's prefix cache emptied (vLLM declines while a request runs: counted)."""
+        self.cache_kept += not await self.engine.llm.reset_prefix_cache()
+
+    async def gateway(self, calls: int, max_tokens: int, seed: int) -> tuple[dict, dict]:
+        """A round of agents through the gateway: (their results, the stored trajectories)."""
+        commits = self.pool.commits
+        res = await self.agents.round(self.a.episodes, calls, max_tokens, seed, self.empty_cache)
+        res["pool_commits"] = self.pool.commits - commits  # the calls' (and the periodic flushes')
+        trajs = await stored(self.cluster, {e["id"] for e in res["episodes"]})
+        for e in res["episodes"]:
+            self.mixed += len(set(e["versions"])) != 1 or e["versions"][0] != f"laminar-v{trajs[e['id']].version}"
+        return res, trajs
+
+    async def direct(self, res: dict, trajs: dict) -> tuple[float, int, dict]:
+        await self.settle()
+        cpu = CpuClock(exclude=self.agents.p.pid)
+        wall, tokens = await direct_round(self.engine, trajs, res["episodes"])
+        n_calls = sum(len(e["seeds"]) for e in res["episodes"])
+        return wall, tokens, {k: 1000 * v / n_calls for k, v in cpu.read().items()}
+
+    async def rounds(self) -> list[dict]:
+        """Warm-up, then `--rounds` rounds, the gateway first in even ones and the direct side first in
+        odd ones (replaying the latest gateway round's calls, as it must know them)."""
+        a, out = self.a, []
+        last = await self.gateway(1, 8, 1)  # warm-up of both paths, not counted
+        await self.direct(*last)
+        for rnd in range(a.rounds):
+            seed = 100 + rnd * 10**6
+            if rnd % 2:
+                d_wall, d_tokens, d_cpu = await self.direct(*last)
+                last = await self.gateway(a.calls, a.max_tokens, seed)
+            else:
+                last = await self.gateway(a.calls, a.max_tokens, seed)
+                d_wall, d_tokens, d_cpu = await self.direct(*last)
+            res = last[0]
+            self.episodes += len(res["episodes"])
+            g_tokens = sum(e["tokens"] for e in res["episodes"])
+            g, d = g_tokens / res["wall_s"], d_tokens / d_wall
+            n_calls = sum(len(e["seeds"]) for e in res["episodes"])
+            out.append({"round": rnd, "order": "direct,gateway" if rnd % 2 else "gateway,direct",
+                        "gateway_tokens": g_tokens, "gateway_s": res["wall_s"], "gateway_tokens_per_s": g,
+                        "direct_tokens": d_tokens, "direct_s": d_wall, "direct_tokens_per_s": d,
+                        "gateway_over_direct": g / d, "pool_commits": res["pool_commits"],
+                        "gateway_cpu_ms_per_call": {k: 1000 * v / n_calls for k, v in res["cpu_s"].items()},
+                        "direct_cpu_ms_per_call": d_cpu})
+            print(f"round {rnd} ({out[-1]['order']}): gateway {g:.0f} tokens/s, direct {d:.0f}, ratio {g / d:.3f}",
+                  flush=True)
+        return out
+
+
+def summary(rows: list[dict]) -> dict:
+    """The median ratio over the rounds, how far the rounds scatter around it ((max - min) / median
+    and the interquartile range / median, as bench/rollout.py reports) and each round's; the
+    median CPU per call of each side, by process."""
+    ratios = [r["gateway_over_direct"] for r in rows]
+    s = spread_of(ratios)
+    return {"gateway_over_direct": s["median"], "gateway_over_direct_spread": s["spread"],
+            "gateway_over_direct_iqr": s["iqr"], "gateway_over_direct_range": [s["min"], s["max"]],
+            "gateway_over_direct_rounds": ratios,
+            "gateway_tokens_per_s": statistics.median(r["gateway_tokens_per_s"] for r in rows),
+            "direct_tokens_per_s": statistics.median(r["direct_tokens_per_s"] for r in rows),
+            "gateway_cpu_ms_per_call": _medians([r["gateway_cpu_ms_per_call"] for r in rows]),
+            "direct_cpu_ms_per_call": _medians([r["direct_cpu_ms_per_call"] for r in rows])}
+
+
+def _medians(dicts: list[dict]) -> dict:
+    return {k: statistics.median(d[k] for d in dicts) for k in dicts[0]}
 
 
 async def run(a) -> dict:
@@ -159,52 +304,46 @@ async def run(a) -> dict:
     cluster = InprocCluster(make_cfg(tmp, model_dir, shm, a.episodes, port))
     version = [1]
 
-    async def publish():
+    async def publish():  # all along, so both sides share its cost; episodes see versions come
         while True:
             await asyncio.sleep(a.publish_s)
             version[0] += 1
             await asyncio.to_thread(write_version, store, {k: v + 0.001 * version[0] for k, v in sd.items()},
                                     version[0])
-    base = f"http://127.0.0.1:{port}/v1"
-    rows, out = [], {"gateway": [], "direct": []}
-    mixed = episodes = 0
+    agents_ = Agents(f"http://127.0.0.1:{port}/v1")
+    pub = None
     try:
         for r in ("prompt_pool", "partial_pool", "experience_buffer", "gateway", "rollout"):
             await cluster.start(r)
-        rollout = cluster.roles["rollout.0"]
-        # warm-up: one whole batch (a rollout opens its next batch's episodes once all of one ended)
-        await gateway_round(base, a.episodes, 1, 8, 1, publish)
-        for rnd in range(a.rounds):
-            res = await gateway_round(base, a.episodes, a.calls, a.max_tokens, 100 + rnd * 10**6, publish)
-            tokens = sum(e["tokens"] for e in res["episodes"])
-            trajs = await stored(cluster, {e["id"] for e in res["episodes"]})
-            for e in res["episodes"]:
-                t = trajs[e["id"]]
-                mixed += len(set(e["versions"])) != 1 or e["versions"][0] != f"laminar-v{t.version}"
-            episodes += len(res["episodes"])
-            wall, direct_tokens = await direct_round(rollout.engine, trajs, res["episodes"])
-            out["gateway"].append(tokens / res["wall_s"])
-            out["direct"].append(direct_tokens / wall)
-            rows.append([rnd, tokens, round(res["wall_s"], 2), round(tokens / res["wall_s"]), direct_tokens,
-                         round(wall, 2), round(direct_tokens / wall)])
+        pub = asyncio.ensure_future(publish())
+        bench = Bench(a, cluster, agents_)
+        rows = await bench.rounds()
     finally:
+        if pub is not None:
+            pub.cancel()
+        agents_.close()
         await cluster.close()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    print_table("agent gateway vs direct engine", ["round", "gw tokens", "gw s", "gw tok/s", "direct tokens",
-                                                   "direct s", "direct tok/s"], rows)
-    g, d = sum(out["gateway"]) / len(out["gateway"]), sum(out["direct"]) / len(out["direct"])
-    return {"gateway_tokens_per_s": g, "direct_tokens_per_s": d, "gateway_over_direct": g / d,
-            "episodes": episodes, "version_mixed_episodes": mixed, "versions_published": version[0],
-            "settings": vars(a), "rounds": rows}
+    cpu = lambda c: "+".join(f"{c[k]:.1f}" for k in ("agents", "here", "engine") if k in c)  # noqa: E731
+    print_table("agent gateway vs direct engine (CPU ms per call: agents' process + this one + the engine's)",
+                ["round", "order", "gw tokens", "gw s", "gw tok/s", "direct tokens", "direct s", "direct tok/s",
+                 "ratio", "pool commits", "gw CPU", "direct CPU"],
+                [[r["round"], r["order"], r["gateway_tokens"], round(r["gateway_s"], 2),
+                  round(r["gateway_tokens_per_s"]), r["direct_tokens"], round(r["direct_s"], 2),
+                  round(r["direct_tokens_per_s"]), round(r["gateway_over_direct"], 3), r["pool_commits"],
+                  cpu(r["gateway_cpu_ms_per_call"]), cpu(r["direct_cpu_ms_per_call"])] for r in rows])
+    return {**summary(rows), "episodes": bench.episodes, "version_mixed_episodes": bench.mixed,
+            "prefix_cache_not_emptied": bench.cache_kept,
+            "versions_published": version[0], "settings": vars(a), "rounds": rows}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--episodes", type=int, default=16, help="agents (and episodes) at once")
-    ap.add_argument("--calls", type=int, default=3, help="chat calls per episode")
+    ap.add_argument("--calls", type=int, default=6, help="chat calls per episode")
     ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per call")
-    ap.add_argument("--rounds", type=int, default=2, help="alternations of gateway and direct")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds, each timing one gateway and one direct side")
     ap.add_argument("--publish-s", type=float, default=2.0, help="a new weight version this often")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
@@ -215,7 +354,9 @@ def main() -> int:
     except ImportError:
         loop_run = asyncio.run
     res = loop_run(run(a))
-    print(f"gateway/direct {res['gateway_over_direct']:.3f}  episodes {res['episodes']}  "
+    print(f"gateway/direct {res['gateway_over_direct']:.3f} (median of {a.rounds} rounds; spread "
+          f"{res['gateway_over_direct_spread']:.3f}, IQR {res['gateway_over_direct_iqr']:.3f})  "
+          f"episodes {res['episodes']}  "
           f"version-mixed episodes {res['version_mixed_episodes']}")
     write_json(a.out, res)
     return 0 if res["version_mixed_episodes"] == 0 else 1

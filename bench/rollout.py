@@ -46,7 +46,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import exit_on_signals, free_port, print_table, write_json  # noqa: E402
+from _common import cpu_s, descendants, exit_on_signals, free_port, print_table, spread_of, write_json  # noqa: E402
 
 SEED = 11
 ROUNDS, ROUNDS_QUICK = 9, 7  # timed rounds of role/engine pairs (after one warm-up pass)
@@ -168,28 +168,7 @@ async def role_pass(r0, gate: Gate) -> tuple[int, float]:
 def cpu_split() -> tuple[float, float]:
     """CPU seconds used so far by this process (the role, the pools, vLLM's client side) and by its
     children (the engine core and its worker)."""
-    here = time.process_time()
-    kids = 0.0
-    for pid in _children(os.getpid()):
-        try:
-            f = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            kids += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            pass
-    return here, kids
-
-
-def _children(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = [int(x) for x in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-        except FileNotFoundError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
+    return time.process_time(), sum(cpu_s(pid) for pid in descendants(os.getpid()))
 
 
 class GcClock:
@@ -220,17 +199,6 @@ async def timed(coro) -> tuple[int, float, float, float, float]:
     tokens, secs = await coro
     h1, k1 = cpu_split()
     return tokens, secs, h1 - h0, k1 - k0, GC.total - g0
-
-
-def spread_of(xs: list[float]) -> dict:
-    """Median of `xs`, and how far they scatter around it: (max - min) / median and the
-    interquartile range / median."""
-    med = statistics.median(xs)
-    if len(xs) < 2 or not med:
-        return {"median": med, "spread": 0.0, "iqr": 0.0, "min": min(xs), "max": max(xs)}
-    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    return {"median": med, "spread": (max(xs) - min(xs)) / med, "iqr": (q3 - q1) / med, "min": min(xs),
-            "max": max(xs)}
 
 
 def round_row(k: int, role: tuple, eng: tuple) -> dict:

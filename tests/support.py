@@ -7,6 +7,7 @@
 - `same()`: structural equality of events that hold numpy arrays (dataclass == cannot compare them);
 - `shape_only_model()`: a model folder with only a config.json (what the engine settings check);
 - `until()`: poll a condition of outside state until it holds, with a deadline;
+- `load_bench()`: a program of bench/ as a module, to test its arithmetic;
 - `wandb_records()`: the records of a W&B offline run file, parsed with wandb's own messages;
 - `ShmNames`: /dev/shm names that belong to one test session (`laminar-test-<session>-<tag>-<n>`),
   so that its finalizer removes exactly those, whatever other sessions on the machine are doing.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
 import json
 import math
@@ -261,3 +263,11 @@ def until(pred, timeout: float, what: str, pause: float = 0.2):
             return got
         time.sleep(pause)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def load_bench(name: str):
+    """bench/<name>.py loaded as a module of its own (bench/ is no package), its main() not run."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}_under_test", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

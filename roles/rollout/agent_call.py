@@ -177,6 +177,10 @@ class CallRun:
     # -- generation (the run's own task) ---------------------------------------------------------
     async def generate(self, engine, request_id: str, seed: int | None) -> None:
         """Every choice on the engine, concurrently; the chunks as they come (streamed calls)."""
+        if len(self.choices) == 1:  # the usual call: in this task, no task of its own
+            c = self.choices[0]
+            await self._one(engine, c, f"{request_id}.0", seed)
+            return
         await asyncio.gather(*(self._one(engine, c, f"{request_id}.{c.index}",
                                          None if seed is None else seed + c.index) for c in self.choices))
 
@@ -258,16 +262,14 @@ class CallRun:
     async def reply(self, offset: int, timeout_s: float) -> AgentCallReply:
         """Chunks after `offset`: at once when there are some (streamed) or the call is done, else
         after waiting up to `timeout_s` for either (the gateway polls again)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.done and not (self.stream and len(self.chunks) > offset):
-            self.changed.clear()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                await asyncio.wait_for(self.changed.wait(), left)
-            except TimeoutError:
-                break
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):  # no task per wait, as wait_for would make
+                while not self.done and not (self.stream and len(self.chunks) > offset):
+                    self.changed.clear()
+                    await self.changed.wait()
+        except TimeoutError:
+            pass  # answered with what there is: the gateway polls again
         if self.error is not None:
             raise self.error
         return AgentCallReply(episode_id=self.episode_id, call_id=self.call_id, chunks=self.chunks[offset:],

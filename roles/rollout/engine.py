@@ -75,11 +75,13 @@ KV_BLOCK = 32  # tokens per KV block when the cache is sized in tokens (kv_cache
 class Sampling:
     """Per-request sampling that overrides the engine's own settings (agent calls: roles/rollout/agent.py).
     `top_logprobs` > 0 asks for that many alternatives per token, appended to `top` as
-    {token id: logprob} (one dict per generated token)."""
+    {token id: logprob} (one dict per generated token). `ignore_eos`: generate `max_tokens` tokens
+    whatever is sampled (bench/agent_gateway.py replays a call to the length it had)."""
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int = 0
     top: list | None = None
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -254,7 +256,7 @@ class VllmEngine(RolloutEngine):
         sp = SamplingParams(max_tokens=max_tokens,
                             temperature=self.temperature if sm.temperature is None else sm.temperature,
                             top_p=self.top_p if sm.top_p is None else sm.top_p,
-                            logprobs=sm.top_logprobs, detokenize=False, seed=seed,
+                            logprobs=sm.top_logprobs, detokenize=False, seed=seed, ignore_eos=sm.ignore_eos,
                             output_kind=RequestOutputKind.DELTA)
         with self.adapters.use() if self.adapters is not None else _no_adapter() as lora:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp,

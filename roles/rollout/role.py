@@ -41,8 +41,8 @@ what, and how the others ask:
   weights.version,     the loop alone (weights.update; run_adopted -> weights.load_retained), under
     .lineage, .run_id  work.lock with nothing active (and setup's first load, before any task).
                        MigrateIn reads them under the lock: no load slips between check and start.
-  weights.newest_here  the `versions` task (events) and `report` (the relay's pointer); the loop's
-                       intake policy reads it (_draining_for_newer).
+  weights.newest_here  the `versions` task (events), `report` and the loop before an early intake
+                       (the relay's pointer); the loop's intake policy reads it (_draining_for_newer).
   migration.adopted    appended by MigrateIn(adopt) under the lock, which then sets new_weights to
                        wake an idle loop; emptied by the loop (run_adopted).
   migration.pinned     set by run_adopted; cleared by the loop once nothing is active.
@@ -325,6 +325,8 @@ class RolloutRole(Role):
             await self.work.room_freed.wait()  # set by every finish (and by the last one)
         elif self._took and self._intake_early():  # (gen_done is already set if all ended by now)
             await self.work.gen_done.wait()
+            if self.weights.shm_dir:  # a version no event or report told of yet counts too
+                await self.weights.look_at_relay()
             if not self._intake_early():  # newer weights came meanwhile: drain, then load them
                 await self.work.batch_done.wait()
         else:  # nothing new was taken (none left, or two intakes' worth held): wait for every store

@@ -3,21 +3,16 @@ round's ratio from its two passes, and the clock of full garbage collections a p
 from __future__ import annotations
 
 import gc
-import importlib.util
 
 import pytest
 
-from tests.support import ROOT
+from tests import support
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def load_bench():
-    path = ROOT / "bench" / "rollout.py"
-    spec = importlib.util.spec_from_file_location("bench_rollout_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return support.load_bench("rollout")
 
 
 def test_spread_is_range_and_iqr_over_the_median():

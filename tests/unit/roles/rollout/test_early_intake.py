@@ -97,3 +97,32 @@ def test_a_trajectory_generating_still_takes_room_and_a_migrant_counts(tmp_path)
     assert role._room() == 3
     role.work.generation_ended("m/0")
     assert role._room() == 4
+
+
+def test_weights_written_since_the_last_look_drain_the_batch_first(tmp_path):
+    """A version the relay got while the batch generated, that no event or report has told of yet
+    (a PUB/SUB event lost, the report not due): the rollout looks at the relay's pointer before
+    it takes the next batch early, and drains to load it instead of holding a batch more on the
+    old version."""
+    async def go():
+        pools = Pools(4)
+        role = rollout(tmp_path, pools)
+        role.weights.shm_dir = str(tmp_path)
+        on_relay = []  # the relay: the newer version is in its folder, unannounced
+
+        async def look_at_relay():
+            role.weights.newest_here = on_relay[-1] if on_relay else None
+        role.weights.look_at_relay = look_at_relay
+        role.weights.newer_waiting = lambda: role.weights.newest_here is not None
+        assert await role._decide() == role.GENERATING and pools.taken == 1
+        on_relay.append("version 2")
+        waiting = asyncio.ensure_future(role._await_room())
+        await asyncio.sleep(0.3)
+        assert not role.work.generating and not waiting.done()  # generated; drains instead of taking more
+        assert role._room() == 0
+        pools.released.set()
+        await asyncio.wait_for(waiting, 5)
+        assert not role.active and pools.taken == 1
+        role.stopping.set()
+        await role.cancel_tasks()
+    asyncio.run(go())
