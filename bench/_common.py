@@ -40,7 +40,6 @@ def spread_of(xs: list[float]) -> dict:
             "max": max(xs)}
 
 
-
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) used so far by process `pid` (0.0 once it is gone)."""
     try:

@@ -2,24 +2,19 @@
 the ident (run, lineage, number) delivered last, or -1 before the first."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 from types import SimpleNamespace
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import load_bench
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def load_agent(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["broadcast_agent.py", "127.0.0.1", "/dev/shm/unused-test-agent"])
-    path = ROOT / "bench" / "broadcast_agent.py"
-    spec = importlib.util.spec_from_file_location("bench_broadcast_agent_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("broadcast_agent")
 
 
 def test_one_version_source_picks_by_ident(monkeypatch):
