@@ -271,7 +271,7 @@ class PartialPoolRole(PoolRole):
         return PartialList(out, more=len(out) < len(tids), next_after=out[-1].spec.trajectory_id if out else req.after)
 
     def _entry(self, tid: str):
-        e = self.state.live().get(tid)
+        e = self.state.live_entry(tid)
         if e is None:
             why = "completed" if tid in self.state.completed else "unknown"
             raise RequestError("refused", f"trajectory {tid!r} is {why} in the partial pool")

@@ -286,6 +286,11 @@ class PartialBook:
         """Trajectories with a spec (seq 0 applied)."""
         return {t: e for t, e in self.entries.items() if e.spec is not None}
 
+    def live_entry(self, tid: str) -> Entry | None:
+        """`live().get(tid)` without building the map: one lookup, not a scan of every entry."""
+        e = self.entries.get(tid)
+        return e if e is not None and e.spec is not None else None
+
     def add_chunk(self, cid: int, tids) -> None:
         """Chunk `cid` holds deltas of these trajectories (completed ones pin their ids)."""
         live, done = set(), []

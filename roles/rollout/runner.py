@@ -65,7 +65,7 @@ class TrajectoryRunner:
         elif self.episodes is not None:
             reason, env_reward = await self.episodes.run(a)
         else:
-            prompt = [int(t) for t in a.spec.prompt_tokens] + a.tokens
+            prompt = np.asarray(a.spec.prompt_tokens).tolist() + a.tokens  # Python ints, one C call
             seed = None if self.settings.seed is None else zlib.crc32(f"{self.settings.seed}:{a.id}".encode())
             reason = "length"
             if a.remaining > 0:

@@ -28,18 +28,16 @@ by that many tokens). Finish reason "stop" at the drawn length, "length" at `max
 on being longer than what the request already generated.
 
 Time and cost: the scheduler advances in *macro-steps* of up to `emit_every` steps during which
-the batch composition does not change except for requests finishing (each takes its exact steps;
-the time is summed step by step with the batch shrinking). Admissions, preemptions and emission
-to the streams happen at macro-step boundaries, so Python work is O(running) per `emit_every`
-steps instead of per token; the price is that a new request or a finished one waits up to
-`emit_every` steps (~1 s of simulated time) for its boundary. With `stream_batch` > 0 the
-running requests' tokens are streamed only every max(1, running // stream_batch) boundaries
-(finished requests still at their own boundary), so a batch of 1,024 costs about `stream_batch`
-wake-ups per boundary instead of 1,024; a small batch (a long tail, what repack moves) still
-streams at every boundary. Tokens not yet streamed when a request is aborted are generated again
-by whoever resumes it (vLLM streams every step; this is the simulator's price for speed). The
-loop keeps its own simulated timeline and sleeps on a `Clock` until it (roles/rollout/sim_clock.py:
-compressed or virtual time; `max_lag_s` says when the machine cannot keep up).
+the batch does not change except for requests finishing (each takes its exact steps; the time is
+summed step by step with the batch shrinking, over numpy columns of the batch). Admissions,
+preemptions and emission happen at macro-step boundaries, so Python work is O(running) per
+`emit_every` steps, not per token; a new or finished request waits up to `emit_every` steps (~1 s
+simulated) for its boundary. With `stream_batch` > 0 running requests stream only every
+max(1, running // stream_batch) boundaries (finished ones at their own), so a batch of 1,024 costs
+about `stream_batch` wake-ups per boundary; a small batch (a tail, what repack moves) streams at
+every one. Tokens not streamed when a request is aborted are generated again by whoever resumes it
+(vLLM streams every step: the simulator's price for speed). The loop keeps its own simulated
+timeline and sleeps on a `Clock` until it (sim_clock.py; `max_lag_s`: the machine fell behind).
 
 Scoring (`reward_cost`; None: free): a finished request is handed over only once scored, on a
 scorer timeline of its own (roles/rollout/sim_scorer.py).
@@ -79,17 +77,15 @@ from laminar.sim.reward_cost import RewardCost
 from laminar.stepcurve import StepCurve
 
 _N = NormalDist()
-
-
 __all__ = ["Clock", "CompressedClock", "SimEngine", "SimEngineClosed", "SimEngineDead", "VirtualClock"]
 
 
 class SimEngineClosed(RuntimeError):
-    pass
+    """The engine was closed with the request outstanding."""
 
 
 class SimEngineDead(RuntimeError):
-    pass
+    """The scheduler (or the scorer) failed: every stream fails with it."""
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -177,16 +173,15 @@ class SimEngine(RolloutEngine):
                       workload_path: str | None = None, max_output_tokens: int | None = None,
                       load_gbps: float = 25.0, host_ms_per_layer: float | None = None,
                       context_dependence: bool = True, reward_s_by_tokens=None, **kw) -> SimEngine:
-        """Build from names: model '7B'/'32B'/'72B', `tp` GPUs of kind `gpu`, the workload's
-        length statistics `lengths` (e.g. '32B_math'), the paper's step curve for <model>_TP<tp>
-        (or the fitted roofline's where the paper has none, or `curve_path`, a measured curve);
-        lengths are clipped to `max_output_tokens` (default: the workload's run_shape).
-        load_s defaults to one GPU's share of the bf16 weights at `load_gbps` GB/s (PCIe from
-        pageable host memory: ~40% of Gen5 x16). A step is corrected for the context it reads
-        (`context_dependence`) and costs at least layers × `host_ms_per_layer` (default
-        latency.HOST_MS_PER_LAYER; 0 turns it off). `reward_s_by_tokens`: [[response tokens,
-        seconds]] of scoring a trajectory (RewardCost; None: free). Other keywords go to the
-        constructor."""
+        """Build from names: model '7B'/'32B'/'72B', `tp` GPUs of kind `gpu`, the workload's length
+        statistics `lengths` (e.g. '32B_math'), the paper's step curve for <model>_TP<tp> (or the
+        fitted roofline's where the paper has none, or `curve_path`, a measured curve); lengths are
+        clipped to `max_output_tokens` (default: the workload's run_shape). load_s defaults to one
+        GPU's share of the bf16 weights at `load_gbps` GB/s (PCIe from pageable host memory: ~40%
+        of Gen5 x16). A step is corrected for the context it reads (`context_dependence`) and costs
+        at least layers × `host_ms_per_layer` (default latency.HOST_MS_PER_LAYER; 0: off).
+        `reward_s_by_tokens`: [[response tokens, seconds]] of scoring a trajectory (RewardCost;
+        None: free). Other keywords go to the constructor."""
         m, g = model_shape(model), gpu_spec(gpu)
         workload = load_workload(workload_path)
         curve = StepCurve.load(curve_path) if curve_path else model_curve(model, tp, workload, gpu)
@@ -401,11 +396,17 @@ class SimEngine(RolloutEngine):
         self.waiting.appendleft(r)  # recomputed (prompt + output) when readmitted
         self.counters["preemptions"] += 1
 
+    def _columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """(held, rest) of the running requests, in order: the tokens each holds and has still to make."""
+        n = len(self.running)
+        gen = np.fromiter((r.generated for r in self.running), np.int64, n)
+        held = np.fromiter((r.prompt_len for r in self.running), np.int64, n) + gen
+        return held, np.fromiter((r.target for r in self.running), np.int64, n) - gen
+
     def _steps_possible(self) -> int:
         """Steps until the next emission boundary, fewer if the free blocks run out before."""
         k = self.emit_every - self._since_emit
-        held = np.fromiter((r.held for r in self.running), np.int64, len(self.running))
-        rest = np.fromiter((r.target - r.generated for r in self.running), np.int64, len(self.running))
+        held, rest = self._columns()
         base = _ceil_div(held, self.block_size)
 
         def need(steps: int) -> int:
@@ -421,23 +422,22 @@ class SimEngine(RolloutEngine):
 
     def _decode_s(self, k: int) -> float:
         """k steps, the batch shrinking as requests reach their target; each step at `step_ms`
-        of its batch and the context its sequences hold."""
-        pairs = sorted((r.target - r.generated, r.held) for r in self.running)
-        total, i, n = 0.0, 0, len(pairs)
-        held = sum(h for _, h in pairs)
-        for step in range(1, k + 1):
-            while i < n and pairs[i][0] < step:
-                held -= pairs[i][1]
-                i += 1
+        of its batch and the context its sequences hold (summed step by step, in order)."""
+        held, rest = self._columns()
+        n, order = len(rest), np.argsort(rest, kind="stable")
+        left = np.zeros(n + 1, np.int64)  # left[i]: tokens held by the i requests that end first
+        np.cumsum(held[order], out=left[1:])
+        ended = np.searchsorted(rest[order], np.arange(1, k + 1), side="left").tolist()  # done before each step
+        total, everyone = 0.0, int(left[-1])
+        for step, i in enumerate(ended, start=1):
             if i == n:
                 break
-            total += self.step_ms(n - i, held + (n - i) * (step - 1))
+            total += self.step_ms(n - i, everyone - int(left[i]) + (n - i) * (step - 1))
         return total / 1000.0
 
     def step_ms(self, batch: int, context_tokens: float | None = None) -> float:
-        """One decode step of `batch` sequences holding `context_tokens` tokens of KV in all
-        (None: the curve's own context): the curve, corrected for the KV actually read, at least
-        the batch-1 time, and at least the host's time per step."""
+        """One decode step of `batch` sequences holding `context_tokens` tokens of KV in all (None:
+        the curve's own context): latency.decode_step_ms with this engine's terms."""
         return decode_step_ms(self.curve, batch, context_tokens, kv_ms_per_token=self.kv_ms_per_token,
                               curve_context=self.curve_context, host_step_ms=self.host_step_ms,
                               host_ms_per_seq=self.host_ms_per_seq)
@@ -450,16 +450,18 @@ class SimEngine(RolloutEngine):
             self._boundaries += 1
             if self.stream_batch > 0:  # stream running requests only every few boundaries (docstring)
                 boundary = self._boundaries % max(1, len(self.running) // self.stream_batch) == 0
-        steps, still = 0, []
-        for r in self.running:
-            g = min(k, r.target - r.generated)
-            new_blocks = _ceil_div(r.held + g, self.block_size) - _ceil_div(r.held, self.block_size)
-            self.free_blocks -= new_blocks
-            r.blocks += new_blocks
-            r.generated += g
-            steps = max(steps, g)
-            self.counters["tokens"] += g
-            if r.generated >= r.target:
+        held, rest = self._columns()  # the batch may have changed while the step slept (aborts)
+        g = np.minimum(rest, k)
+        new_blocks = _ceil_div(held + g, self.block_size) - _ceil_div(held, self.block_size)
+        self.free_blocks -= int(new_blocks.sum())
+        self.counters["tokens"] += int(g.sum())
+        self.counters["steps"] += int(g.max()) if len(g) else 0
+        self.counters["macro_steps"] += 1
+        still = []  # then each request, as the arrays say
+        for r, n, b, ends in zip(self.running, g.tolist(), new_blocks.tolist(), (g >= rest).tolist(), strict=True):
+            r.blocks += b
+            r.generated += n
+            if ends:
                 self._free(r)
                 r.done = True
                 self.counters["finished"] += 1
@@ -473,8 +475,6 @@ class SimEngine(RolloutEngine):
                 r.wake.set()
         self.running = still
         assert self.free_blocks >= 0, "sim engine: KV blocks over-allocated"
-        self.counters["steps"] += steps
-        self.counters["macro_steps"] += 1
         self._update_stats()
 
     async def _score(self) -> None:
@@ -496,5 +496,5 @@ class SimEngine(RolloutEngine):
 
     def sim_stats(self) -> dict:
         """Counters plus the simulated time the scheduler has reached."""
-        return {**self.counters, "sim_time_s": self._timeline, "kv_usage": self.stats.kv_usage,
-                "running": len(self.running), "waiting": len(self.waiting), "free_blocks": self.free_blocks}
+        return {**self.counters, "sim_time_s": self._timeline, "kv_usage": self.stats.kv_usage, "running":
+                len(self.running), "waiting": len(self.waiting), "free_blocks": self.free_blocks}
