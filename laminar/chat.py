@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from laminar.datasets import HFTokenizer, load_tokenizer
 from laminar.toolcalls import render_tool_calls
 
@@ -68,7 +70,11 @@ class ByteChatCodec:
                 i = j + len(name)
         return out
 
+    LONG = 64  # ids from this many on are decoded in one array pass (an episode's recording, every call)
+
     def decode(self, ids: Sequence[int], specials: bool = True) -> str:
+        if len(ids) >= self.LONG:
+            return self._decode_long(ids, specials)
         buf, parts = bytearray(), []
         for t in ids:
             t = int(t)
@@ -80,6 +86,23 @@ class ByteChatCodec:
             if specials:
                 parts.append(self.NAMES.get(t, ""))
         parts.append(buf.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def _decode_long(self, ids: Sequence[int], specials: bool) -> str:
+        """As the loop above, without a step per token: the byte runs between special tokens are
+        shifted and decoded at once."""
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.max() > 255 + self.offset:
+            raise ValueError(f"token id {int(arr.max())} is not in the byte tokenizer's vocabulary "
+                             f"(0..{255 + self.offset})")
+        data = (arr - self.offset).astype(np.uint8).tobytes()  # at special tokens junk bytes, cut out below
+        parts, at = [], 0
+        for k in np.flatnonzero(arr < self.offset).tolist():
+            parts.append(data[at:k].decode("utf-8", errors="replace"))
+            if specials:
+                parts.append(self.NAMES.get(int(arr[k]), ""))
+            at = k + 1
+        parts.append(data[at:].decode("utf-8", errors="replace"))
         return "".join(parts)
 
 
@@ -219,5 +242,7 @@ def message_key(message: dict) -> str:
     calls = [(fn.get("name"), _canonical_args(fn.get("arguments")))
              for c in message.get("tool_calls") or [] if isinstance(c, dict)
              for fn in [c.get("function", c)] if isinstance(fn, dict)]
-    return json.dumps({"content": (content_text(message.get("content")) or "").strip(), "calls": calls},
-                      sort_keys=True)
+    return _KEY.encode({"content": (content_text(message.get("content")) or "").strip(), "calls": calls})
+
+
+_KEY = json.JSONEncoder(sort_keys=True)  # one encoder: json.dumps with an option builds one per call

@@ -74,6 +74,42 @@ def test_byte_chat_codec_is_lossless_with_its_special_markers():
     assert c.decode(ids, specials=False) == "héllo \n<|x|> <|"
 
 
+def test_byte_chat_codec_decodes_long_recordings_in_one_pass_as_token_by_token():
+    """From ByteChatCodec.LONG ids on the decoding is one array pass (an episode's whole recording
+    is decoded at every call): the same text as the per-token loop, split characters, stray
+    continuation bytes and special tokens included, from a list or an array; an id outside the
+    vocabulary is refused either way."""
+    c, rng = ByteChatCodec(), np.random.default_rng(5)
+    text = "<|bos|><|user|>\nhéllo wörld ✓ 𝄞<|end|>\n<|assistant|>\n" * 8
+    whole = c.encode(text)
+    assert len(whole) > 2 * c.LONG
+    for n in (c.LONG - 1, c.LONG, c.LONG + 1, len(whole)):
+        for start in (0, 1, 5):  # cut inside multi-byte characters too
+            ids = whole[start:start + n]
+            short = _loop(c, ids, True)
+            assert c.decode(ids) == short and c.decode(np.asarray(ids, np.int32)) == short
+            assert c.decode(ids, specials=False) == _loop(c, ids, False)
+    for _ in range(50):
+        ids = rng.integers(0, 259, size=int(rng.integers(c.LONG, 400))).tolist()
+        assert c.decode(ids) == _loop(c, ids, True) and c.decode(ids, specials=False) == _loop(c, ids, False)
+    assert c.decode(whole) == text
+    for ids in ([3] * (c.LONG - 1) + [259], [3] * c.LONG + [259]):
+        with pytest.raises(ValueError):
+            c.decode(ids)
+
+
+def _loop(c: ByteChatCodec, ids, specials: bool) -> str:
+    """The reference: one token at a time."""
+    buf, parts = bytearray(), []
+    for t in ids:
+        if t >= c.offset:
+            buf.append(t - c.offset)
+            continue
+        parts += [buf.decode("utf-8", errors="replace"), c.NAMES[t] if specials else ""]
+        buf = bytearray()
+    return "".join(parts + [buf.decode("utf-8", errors="replace")])
+
+
 def test_episode_rendering_extends_and_decodes_losslessly(chatml_dir):
     for fmt in formats(chatml_dir):
         first = fmt.render(CONVERSATION[:1], TOOLS)
