@@ -90,6 +90,7 @@ class Sender:
         self.make_seals = getattr(source, "make_seals", None)
         # a relay's store: chunks go out straight from the version's slot file (no copy into the socket)
         self.open_file = getattr(source, "open_file", None)
+        self.file: int | None = None  # the descriptor of the version being sent, while it is
 
     def stop(self) -> None:
         self.stopping = True
@@ -129,12 +130,13 @@ class Sender:
                     self._check()
                     vb = self.source.pick(self.delivered)
                     self.source.acquire(vb)
-                fd = self.open_file(vb) if self.open_file is not None else None
+                self.file = self.open_file(vb) if self.open_file is not None else None
                 try:
-                    result = self._send_version(vb, fd)
+                    result = self._send_version(vb)
                 finally:
-                    if fd is not None:
-                        os.close(fd)
+                    if self.file is not None:
+                        os.close(self.file)
+                        self.file = None
                     self.source.release(vb)
                 if result == DELIVERED:
                     self.delivered = vb.ident
@@ -229,10 +231,10 @@ class Sender:
             d = vb.digests[i] = wire.content_digest(view)
         return d
 
-    def _send_version(self, vb, fd: int | None = None) -> str:
+    def _send_version(self, vb) -> str:
         """Deliver one version: DELIVERED, SKIPPED (the source abandoned it first) or REFUSED.
         Each wake-up sends every chunk then ready (up to BATCH): the NACKed ones, else the
-        present prefix beyond what went out; `fd` (a file holding vb's bytes): sent from there."""
+        present prefix beyond what went out; from `self.file` when the source gave one."""
         h = self._offer(vb)
         if h.a == wire.REFUSED:
             return self._refused(vb, h)
@@ -283,7 +285,7 @@ class Sender:
                 continue
             for i in batch:
                 self._check()
-                self._send_chunk(vb, i, fd)
+                self._send_chunk(vb, i, self.file)
             if batch:
                 deadline = time.monotonic() + self.ack_timeout_s  # it accepted data: it is alive
         return DELIVERED
