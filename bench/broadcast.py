@@ -24,8 +24,13 @@ Time = from the start on host 0 until the last relay holds the whole version (fo
 fan-out: made visible, i.e. verified and committed). Steady state: one untimed version goes down
 the whole chain first (relays and the publisher allocate their buffers once, then reuse them). CPU
 use is the machine's busy share during each run (/proc/stat), to show the cores were not what
-limited it. `--net-repeats N` runs every method N times (raw first in each round, each round's
-ratios to its own raw transfer): the ratios are the medians over the rounds, with their spread.
+limited it; for the chain, each row also has `relay_cpu_s`, the CPU seconds (user + system, every
+thread, from rusage) a relay's process used for that one version, averaged over the K relays
+(`relay_cpu_max_s` the busiest, `relay_system_s` the kernel's part), and the summary their median
+over the rounds at K = 8 (`relay_cpu_s_k8`): a measure of the relays' own work that, unlike the
+ratios, load on the machine moves much less. `--net-repeats N` runs every method N times (raw
+first in each round, each round's ratios to its own raw transfer): the ratios are the medians over
+the rounds, with their spread.
 Chunks are 256 KiB unless `--chunk-mib` says otherwise (CHUNK_MIB says why).
 """
 from __future__ import annotations
@@ -138,8 +143,19 @@ class Bench:
         if self.version:  # untimed: newly linked relays first catch up with relay 1's version
             self._wait(list(range(1, k + 1)), self.version, timeout)
         self.version += 1
+        relays = list(range(1, k + 1))
+        cpu0 = self._cpu(relays)
         t0 = self.a.one(0, op="publish", version=self.version, nbytes=nbytes)["t0"]
-        return self._wait(list(range(1, k + 1)), self.version, timeout) - t0
+        secs = self._wait(relays, self.version, timeout) - t0
+        cpu1 = self._cpu(relays)
+        self.relay_cpu = [b["cpu_s"] - a["cpu_s"] for a, b in zip(cpu0, cpu1, strict=True)]
+        self.relay_sys = [b["system_s"] - a["system_s"] for a, b in zip(cpu0, cpu1, strict=True)]
+        return secs
+
+    def _cpu(self, relays: list[int]) -> list[dict]:
+        """CPU seconds (cpu_s = user + system, every thread; system_s) each relay's process used so far."""
+        got = self.a.call({i: {"op": "cpu"} for i in relays})
+        return [got[i] for i in relays]
 
     def fanout(self, nbytes: int, k: int, timeout: float) -> float:
         for i in range(1, k + 1):
@@ -172,6 +188,10 @@ def measure_row(b: Bench, net, method: str, s: int, k: int, fn, timeout: float) 
         else:
             row["seconds"], row["cpu_pct"] = measure(fn, s, k, timeout)
             row["relay_spread_s"] = max(b.last_times) - min(b.last_times)
+            if method == "chain":  # CPU-s per relay for this one version: mean, and the busiest relay
+                row["relay_cpu_s"] = statistics.mean(b.relay_cpu)
+                row["relay_cpu_max_s"] = max(b.relay_cpu)
+                row["relay_system_s"] = statistics.mean(b.relay_sys)
     except RuntimeError as exc:  # keep what was measured; say what was not
         row["error"] = str(exc)[:300]
         print(f"  {method} S={s // MiB} MiB K={k}: FAILED: {row['error']}", flush=True)
@@ -235,8 +255,10 @@ def summary(rows: list[dict], size_mib: int, k: int) -> dict:
 
         def ratio(a: str, b: str, t=t) -> float | None:  # None where a measurement failed
             return t[a] / t[b] if t.get(a) and t.get(b) else None
+        cpu = [r.get("relay_cpu_s") for r in rows if r["size_mib"] == size_mib and r.get("rep", 0) == rep
+               and r["method"] == "chain" and r["k"] == k]
         per.append({f"chain_over_raw_k{k}": ratio("chain", "raw"), f"fanout_over_chain_k{k}": ratio("fanout", "chain"),
-                    f"gloo_over_chain_k{k}": ratio("gloo", "chain")})
+                    f"gloo_over_chain_k{k}": ratio("gloo", "chain"), f"relay_cpu_s_k{k}": cpu[0] if cpu else None})
     out: dict = {}
     for key in per[0] if per else []:
         vals = [p[key] for p in per if p[key] is not None]
@@ -289,14 +311,17 @@ def main() -> int:
             partial.unlink(missing_ok=True)
         out.update(net, rows=rows)
         print_table(f"broadcast over namespaces, R = {args.rate_mbit:g} Mbit/s, chunk {args.chunk_mib:g} MiB",
-                    ["round", "S MiB", "K", "method", "seconds", "x raw", "x S/R", "cpu %"],
+                    ["round", "S MiB", "K", "method", "seconds", "x raw", "x S/R", "cpu %", "relay cpu s",
+                     "max relay cpu s"],
                     [[r["rep"], r["size_mib"], r["k"], r["method"], r.get("seconds", "FAILED"), r.get("over_raw", "-"),
-                      r.get("over_limit", "-"), r.get("cpu_pct", "-")] for r in rows])
+                      r.get("over_limit", "-"), r.get("cpu_pct", "-"), r.get("relay_cpu_s", "-"),
+                      r.get("relay_cpu_max_s", "-")] for r in rows])
         k_ref = 8 if 8 in ks else max(ks)
         for s in sizes:
             out[f"summary_{s // MiB}mib"] = summary(rows, s // MiB, k_ref)
         out.update(out[f"summary_{sizes[0] // MiB}mib"])
-    keys = [k for k in ("chain_over_raw_k8", "chain_over_raw_k8_spread", "fanout_over_chain_k8", "gloo_over_chain_k8",
+    keys = [k for k in ("chain_over_raw_k8", "chain_over_raw_k8_spread", "relay_cpu_s_k8", "fanout_over_chain_k8",
+                        "gloo_over_chain_k8",
                         "publish_stall_over_memcpy", "pull_over_memcpy", "auth_full_over_none",
                         "auth_full_over_digests", "auth_cpu_full_over_none") if k in out]
     print_table("summary", ["key", "value"], [[k, out[k]] for k in keys])

@@ -7,12 +7,14 @@ timestamp is time.time(), comparable across namespaces (one machine, one clock).
 Ops: relay (start a RelayNode), link (set its downstream), target (publisher's master),
 publish (one version through the publisher), wait_visible (block until a version is visible
 here), fanout (send one version to many relays directly), raw_listen / raw_send / raw_wait (one
-plain socket transfer), gloo (torch.distributed broadcast), reset, quit.
+plain socket transfer), gloo (torch.distributed broadcast), cpu (the CPU seconds this process used
+so far, every thread: user + system), reset, quit.
 """
 from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import socket
 import sys
@@ -157,6 +159,10 @@ class Agent:
         dist.barrier()
         dist.destroy_process_group()
         return {"t0": t0, "t1": t1}
+
+    def op_cpu(self) -> dict:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return {"cpu_s": r.ru_utime + r.ru_stime, "user_s": r.ru_utime, "system_s": r.ru_stime}
 
     def op_import_torch(self) -> dict:
         import torch  # noqa: F401  (paid once, before any measurement)

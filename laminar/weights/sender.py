@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -51,12 +52,13 @@ import msgpack
 import structlog
 
 from laminar.weights import seal, wire
-from laminar.weights.manifest import manifest_from_bytes, manifest_to_bytes, with_version
+from laminar.weights.manifest import chunk_range, manifest_from_bytes, manifest_to_bytes, with_version
 from laminar.weights.transport import LinkError
 
 log = structlog.get_logger("laminar.weights.sender")
 
 DELIVERED, SKIPPED, REFUSED = "delivered", "skipped", "refused"  # what became of a version sent
+BATCH = 16  # chunks sent per wake-up at most, so the downstream's answers are read between batches
 
 
 class Sender:
@@ -78,13 +80,17 @@ class Sender:
         # ident (run, lineage, number) of the version delivered (or refused) last; -1 before the
         # first, which a source written for plain numbers (`version > delivered`) still understands
         self.delivered: tuple | int = -1
-        self.stats = {"chunks": 0, "bytes": 0, "resent": 0, "versions": 0, "refused": 0, "refused_unproven": 0}
+        self.stats = {"chunks": 0, "bytes": 0, "resent": 0, "versions": 0, "refused": 0, "refused_unproven": 0,
+                      "from_file": 0}  # from_file: chunks sent straight from the source's file
         # A relay drops an older version mid-stream when a newer one starts arriving (its
         # upstream always completes what it streams, so the chain cannot starve); the publisher
         # never does (a trainer publishing faster than the link must not starve the master).
         self.preempt = getattr(source, "preempt", False)
         # the publisher seals its versions itself (signs them); a relay forwards the seals it verified
         self.make_seals = getattr(source, "make_seals", None)
+        # a relay's store: chunks go out straight from the version's slot file (no copy into the socket)
+        self.open_file = getattr(source, "open_file", None)
+        self.file: int | None = None  # the descriptor of the version being sent, while it is
 
     def stop(self) -> None:
         self.stopping = True
@@ -124,9 +130,13 @@ class Sender:
                     self._check()
                     vb = self.source.pick(self.delivered)
                     self.source.acquire(vb)
+                self.file = self.open_file(vb) if self.open_file is not None else None
                 try:
                     result = self._send_version(vb)
                 finally:
+                    if self.file is not None:
+                        os.close(self.file)
+                        self.file = None
                     self.source.release(vb)
                 if result == DELIVERED:
                     self.delivered = vb.ident
@@ -222,7 +232,9 @@ class Sender:
         return d
 
     def _send_version(self, vb) -> str:
-        """Deliver one version: DELIVERED, SKIPPED (the source abandoned it first) or REFUSED."""
+        """Deliver one version: DELIVERED, SKIPPED (the source abandoned it first) or REFUSED.
+        Each wake-up sends every chunk then ready (up to BATCH): the NACKed ones, else the
+        present prefix beyond what went out; from `self.file` when the source gave one."""
         h = self._offer(vb)
         if h.a == wire.REFUSED:
             return self._refused(vb, h)
@@ -233,7 +245,7 @@ class Sender:
         deadline = time.monotonic() + self.ack_timeout_s
         nxt, resend, done, sealed = h.a, collections.deque(), False, False
         while not done:
-            seals = None
+            seals, batch = None, ()
             with self.cond:
                 while True:
                     self._check()
@@ -245,7 +257,15 @@ class Sender:
                         elif h.type == wire.DONE:
                             done = True
                         continue
-                    if done or resend or (nxt < vb.n and vb.prefix > nxt):
+                    if done:
+                        break
+                    if resend:
+                        batch = [resend.popleft() for _ in range(min(len(resend), BATCH))]
+                        self.stats["resent"] += len(batch)
+                        break
+                    if nxt < vb.n and vb.prefix > nxt:
+                        upto = min(vb.prefix, nxt + BATCH)
+                        batch, nxt = range(nxt, upto), upto
                         break
                     if nxt >= vb.n and not sealed:
                         seals = self._seals(vb)
@@ -258,23 +278,26 @@ class Sender:
                     self.cond.wait(timeout=0.5)
             if done:
                 break
-            if seals is not None and not resend:
+            if seals is not None and not batch:
                 self.conn.send(wire.SEAL, vb.version, b=vb.manifest.lineage, payload=msgpack.packb(seals))
                 sealed = True
                 deadline = time.monotonic() + self.ack_timeout_s
                 continue
-            if resend:
-                i = resend.popleft()
-                self.stats["resent"] += 1
-            else:
-                i, nxt = nxt, nxt + 1
-            view = vb.chunk(i)
-            self.conn.send(wire.CHUNK, vb.version, a=i, b=vb.manifest.lineage, payload=view,
-                           digest=self._digest(vb, i, view))
-            deadline = time.monotonic() + self.ack_timeout_s  # it accepted data: it is alive
-            self.stats["chunks"] += 1
-            self.stats["bytes"] += len(view)
+            for i in batch:
+                self._check()
+                self._send_chunk(vb, i, self.file)
+            if batch:
+                deadline = time.monotonic() + self.ack_timeout_s  # it accepted data: it is alive
         return DELIVERED
+
+    def _send_chunk(self, vb, i: int, fd: int | None) -> None:
+        start, n = chunk_range(vb.manifest, i)
+        view = vb.view[start:start + n]
+        self.conn.send(wire.CHUNK, vb.version, a=i, b=vb.manifest.lineage, payload=view,
+                       digest=self._digest(vb, i, view), file=None if fd is None else (fd, start))
+        self.stats["chunks"] += 1
+        self.stats["bytes"] += n
+        self.stats["from_file"] += fd is not None
 
 
 class _Stopped(Exception):

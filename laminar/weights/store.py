@@ -64,13 +64,13 @@ CURRENT = "current"
 class VersionBuffer:
     """A flat buffer for one version plus which chunks of it are present and verified."""
 
-    def __init__(self, manifest: Manifest, buf, path: Path | None = None, slot: int = -1):
+    def __init__(self, manifest: Manifest, buf, path: Path | None = None, slot: int = -1, ino: int = -1):
         self.manifest = manifest
         self.version = manifest.version
         self.n = chunk_count(manifest)
         self.buf = buf                      # mmap (relay: a slot file; publisher: anonymous)
         self.view = memoryview(buf)[: manifest.total_bytes]
-        self.path, self.slot = path, slot
+        self.path, self.slot, self.ino = path, slot, ino  # its slot file and that file's inode
         self.fd: int | None = None          # the slot file, exclusively locked while filling
         self.checksums: list[int] = list(manifest.checksums) if manifest.checksums else [0] * self.n
         # each chunk's content digest (wire.content_digest), checked on arrival and forwarded
@@ -198,7 +198,7 @@ class ShmStore:
                 slot, ino, m = ptr
                 buf = self._map(slot, m.total_bytes, create=False)
                 if self.maps[slot][0] == ino and not verify(m, buf) and m.seals:
-                    vb = VersionBuffer(m, buf, self.slot_path(slot), slot)
+                    vb = VersionBuffer(m, buf, self.slot_path(slot), slot, ino)
                     vb.mark_all(m.checksums)
                     vb.sealed = True  # its seals verified before it became current; rollouts check them again
                     self.left, keep = vb, {self.slot_path(slot).name}
@@ -279,6 +279,23 @@ class ShmStore:
         vb = self.newest()
         return vb if vb is not None and vb.ident != delivered else None
 
+    @staticmethod
+    def open_file(vb: VersionBuffer) -> int | None:
+        """Source API (optional): a read-only descriptor of the file `vb`'s bytes lie in (its slot
+        file), so a forwarder sends chunks straight from it (Conn.send_file); None when `vb` has
+        no file or its path now names another file. The caller closes it."""
+        if vb.path is None or vb.ino < 0:
+            return None
+        try:
+            fd = os.open(vb.path, os.O_RDONLY)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if st.st_ino != vb.ino or st.st_size < vb.manifest.total_bytes:
+            os.close(fd)
+            return None
+        return fd
+
     def acquire(self, vb: VersionBuffer) -> None:
         vb.readers += 1
 
@@ -354,7 +371,7 @@ class ShmStore:
                 os.close(fd)
                 self.fresh_files += 1
                 continue
-            vb = VersionBuffer(m, buf, path, slot)
+            vb = VersionBuffer(m, buf, path, slot, self.maps[slot][0])
             vb.fd = fd
             return vb
         raise OSError(f"{path}: could not claim a slot file")

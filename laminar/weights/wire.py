@@ -65,8 +65,10 @@ DATA_PROTOCOL = 3  # 1: no MACs; 2: chunk MACs under the cluster key; 3: MAC'd m
 MAGIC = b"LMW3"
 HEADER = struct.Struct("!4sB3xqqQQ32s16s")
 HEADER_SIZE = HEADER.size
+SEQ = struct.Struct("!Q")  # a message's number on the link, first in what its MAC covers
 DIGEST_BYTES, MAC_BYTES = 32, 16
 NO_DIGEST = bytes(DIGEST_BYTES)
+NO_MAC = bytes(MAC_BYTES)
 MAX_CONTROL_PAYLOAD = 16 << 20  # a manifest / seal / handshake payload larger than this is garbage
 
 HELLO, PROOF, WELCOME, OFFER, WANT, CHUNK, NACK, DONE, RANGE, PART_END, SEAL, PING = range(1, 13)
@@ -168,30 +170,33 @@ class Channel:
 
     @staticmethod
     def _mac(key: bytes, seq: int, body: bytes, payload) -> bytes:
-        h = blake3.blake3(key=key)
-        h.update(struct.pack("!Q", seq))
-        h.update(body)
+        h = blake3.blake3(SEQ.pack(seq) + body, key=key)
         if payload is not None:
             h.update(payload)
         return h.digest(MAC_BYTES)
 
     def send(self, typ: int, version: int = 0, a: int = 0, b: int = 0, payload=None,
-             digest: bytes = NO_DIGEST) -> None:
-        """One message. For CHUNK and RANGE pass the bytes as `payload` and their content_digest."""
+             digest: bytes = NO_DIGEST, file: tuple[int, int] | None = None) -> None:
+        """One message. For CHUNK and RANGE pass the bytes as `payload` and their content_digest;
+        `file` = (fd, offset): the same bytes lie there in a file, which the connection may send
+        them from (Conn.send_file)."""
         n = len(payload) if payload is not None else 0
-        h = Header(typ, version, a, b, n, digest)
-        body = h.body()
+        body = HEADER.pack(MAGIC, typ, version, a, b, n, digest, NO_MAC)[:-MAC_BYTES]
         with self._lock:
             mac = self._mac(self._send_key, self._send_seq, body, None if typ in DATA else (payload or b""))
             self._send_seq += 1
-            self.conn.send(body + mac, payload)
+            if file is not None and n:
+                self.conn.send_file(body + mac, file[0], file[1], payload)
+            else:
+                self.conn.send(body + mac, payload)
             self._last_send = time.monotonic()
 
     def recv(self) -> Header:
         while True:
-            h = recv_header(self.conn)
+            raw = self.conn.recv_header(HEADER_SIZE)
+            h = unpack(raw)
             payload = None if h.type in DATA else recv_payload(self.conn, h)
-            want = self._mac(self._recv_key, self._recv_seq, h.body(), payload)
+            want = self._mac(self._recv_key, self._recv_seq, raw[:-MAC_BYTES], payload)  # every byte as sent
             if not hmac.compare_digest(want, h.mac):
                 raise LinkError(f"{NAMES[h.type]} from {self.peer} fails its MAC: not sent by the peer that "
                                 "completed the handshake (altered, injected, replayed or reordered on the way)")

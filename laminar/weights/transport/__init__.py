@@ -35,6 +35,12 @@ class Conn(abc.ABC):
     def send(self, header: bytes, payload=None) -> None:
         """Send one message (header + optional payload buffer); blocks until handed to the OS."""
 
+    def send_file(self, header: bytes, fd: int, offset: int, payload) -> None:
+        """Send one message whose payload (`payload`, len(payload) bytes) is also at `offset` in
+        the file `fd`: a transport that can send straight from the file (TCP: sendfile, no copy
+        into the socket) does; the default sends `payload` as `send` does."""
+        self.send(header, payload)
+
     @abc.abstractmethod
     def recv_header(self, size: int) -> bytes:
         """Next header of exactly `size` bytes; raises LinkError on EOF."""

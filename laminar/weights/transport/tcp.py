@@ -2,16 +2,19 @@
 
 Tuning: 4 MiB socket buffers (a shaped 400 Mbit/s link with 100 ms of tbf latency needs a few MiB
 in flight), TCP_NODELAY so small control messages (WANT, NACK, DONE) are not held back behind
-Nagle, and TCP keep-alive probing after KEEPALIVE_IDLE_S of silence every KEEPALIVE_INTERVAL_S,
+Nagle (a message's header and payload go in one sendmsg, so a chunk's header never travels
+alone), and TCP keep-alive probing after KEEPALIVE_IDLE_S of silence every KEEPALIVE_INTERVAL_S,
 KEEPALIVE_PROBES times, so a link to a host that vanished without a FIN fails in about 10 s
 instead of the system's default of over two hours. Sends use SO_SNDTIMEO (`send_timeout_s`): a
 downstream that stops reading for that long is treated as a dead link. Receives use SO_RCVTIMEO
 once the owner sets an idle timeout (`set_idle_timeout`): the peer's heartbeats (wire.py, PING)
 keep a live link busy, so a receive that gets nothing for that long means a stopped peer (a
 SIGSTOPped process still answers keep-alive probes from its kernel, but sends nothing).
+`send_file` sends a payload that lies in a file (a relay's shared-memory slot) with sendfile.
 """
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -54,12 +57,36 @@ class TcpConn(Conn):
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds or 0.0))
 
     def send(self, header: bytes, payload=None) -> None:
+        """Header and payload in one sendmsg (one syscall, and with TCP_NODELAY no packet that
+        carries the header alone); what a full socket buffer left unsent follows with sendall."""
         try:
             if payload is None or len(payload) == 0:
                 self.sock.sendall(header)
-            else:
-                self.sock.sendall(header)
-                self.sock.sendall(payload)
+                return
+            sent = self.sock.sendmsg([header, payload])
+            if sent < len(header):
+                self.sock.sendall(header[sent:])
+                sent = len(header)
+            if sent - len(header) < len(payload):
+                self.sock.sendall(memoryview(payload).cast("B")[sent - len(header):])
+        except OSError as exc:
+            raise LinkError(f"send to {self.peer} failed: {exc}") from None
+
+    def send_file(self, header: bytes, fd: int, offset: int, payload) -> None:
+        """The header (held back with MSG_MORE, so it leaves with the first bytes), then the
+        payload straight from the file with sendfile: the kernel sends the file's pages (shared
+        memory) without copying them into the socket first."""
+        n = len(payload)
+        try:
+            self.sock.sendall(header, socket.MSG_MORE)
+            sent = 0
+            while sent < n:
+                k = os.sendfile(self.sock.fileno(), fd, offset + sent, n - sent)
+                if k == 0:
+                    raise LinkError(f"send to {self.peer}: the file ended {n - sent} bytes short of the payload")
+                sent += k
+        except LinkError:
+            raise
         except OSError as exc:
             raise LinkError(f"send to {self.peer} failed: {exc}") from None
 
