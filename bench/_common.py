@@ -1,5 +1,5 @@
 """Shared bits of the benchmark programs: free ports, percentiles, the spread of rounds, table
-printing, JSON output, and ending cleanly.
+printing, JSON output, the event loop a role runs on, and ending cleanly.
 
 A bench that is stopped (Ctrl-C, `timeout`'s SIGTERM, a closed terminal's SIGHUP) must still remove
 what it made: its clusters, their processes, and their shared memory in /dev/shm. `exit_on_signals()`
@@ -10,6 +10,7 @@ it kills it.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import statistics
@@ -61,6 +62,15 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def run_loop(coro):
+    """Run `coro` on the loop a role runs on (laminar/shell.py): uvloop when it is installed."""
+    try:
+        import uvloop  # late: optional, as in the roles
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
 
 
 def exit_on_signals() -> None:

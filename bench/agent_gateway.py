@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_s, descendants, exit_on_signals, free_port, print_table, spread_of, write_json  # noqa: E402
+from _common import cpu_s, descendants, exit_on_signals, free_port, print_table, run_loop, spread_of, write_json  # noqa: E402
 
 
 def agents(base: str, conn) -> None:
@@ -148,7 +148,9 @@ class Agents:
             self.p.kill()
 
 
-def make_cfg(tmp: Path, model_dir: Path, shm: str, n: int, port: int):
+def cluster_cfg(tmp: Path, n: int, port: int, engine: dict):
+    """The bench's cluster (prompt pool, partial pool, buffer, gateway, one rollout in agent mode)
+    with `engine`'s rollout settings (its model, or the simulator's engine)."""
     from laminar.config import parse_config
     data = tmp / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i:04d} tell me a long story", "answer": ""}) + "\n"
@@ -161,9 +163,13 @@ def make_cfg(tmp: Path, model_dir: Path, shm: str, n: int, port: int):
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
         "roles": {"prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": 2048},
                   "gateway": {"http_port": port},
-                  "rollout": {"model_dir": str(model_dir), "shm_dir": shm, "max_concurrency": n, "seed": 0,
+                  "rollout": {**engine, "max_concurrency": n, "seed": 0,
                               "max_model_len": 2048, "stop_when_exhausted": False, "idle_wait_s": 0.1,
                               "agent": {"max_calls": 64}}}})
+
+
+def make_cfg(tmp: Path, model_dir: Path, shm: str, n: int, port: int):
+    return cluster_cfg(tmp, n, port, {"model_dir": str(model_dir), "shm_dir": shm})
 
 
 async def stored(cluster, ids: set[str]) -> dict:
@@ -348,12 +354,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
     exit_on_signals()
-    try:  # the cluster's loop as a role's (laminar/shell.py): uvloop when it is installed
-        import uvloop
-        loop_run = uvloop.run
-    except ImportError:
-        loop_run = asyncio.run
-    res = loop_run(run(a))
+    res = run_loop(run(a))  # the cluster's loop as a role's
     print(f"gateway/direct {res['gateway_over_direct']:.3f} (median of {a.rounds} rounds; spread "
           f"{res['gateway_over_direct_spread']:.3f}, IQR {res['gateway_over_direct_iqr']:.3f})  "
           f"episodes {res['episodes']}  "

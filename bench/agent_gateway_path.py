@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import json
 import os
 import shutil
 import statistics
@@ -30,8 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import exit_on_signals, free_port, write_json  # noqa: E402
-from agent_gateway import Agents  # noqa: E402
+from _common import exit_on_signals, free_port, run_loop, write_json  # noqa: E402
+from agent_gateway import Agents, cluster_cfg  # noqa: E402
 
 SIM = {"model": "7B", "tp": 1, "lengths": "7B_math", "speedup": 50, "token_id": 100, "max_output_tokens": 64}
 
@@ -58,24 +57,6 @@ async def stub_cpu_ms(gen, episodes: int, calls: int, max_tokens: int) -> float:
     return 1000 * (time.process_time() - c0) / (episodes * calls)
 
 
-def make_cfg(tmp: Path, n: int, port: int):
-    from laminar.config import parse_config
-    data = tmp / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i:04d} tell me a long story", "answer": ""}) + "\n"
-                            for i in range(4096)))
-    roles = [{"role": r, "port": free_port()} for r in ("prompt_pool", "partial_pool", "experience_buffer",
-                                                          "gateway", "rollout")]
-    return parse_config({
-        "run": {"workdir": str(tmp / "run")},
-        "cluster": {"keys_dir": None, "shutdown_s": 30, "broker": {"host": "h0"},
-                    "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
-        "roles": {"prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": 2048},
-                  "gateway": {"http_port": port},
-                  "rollout": {"engine": "sim", "sim": SIM, "model_dir": str(tmp), "max_concurrency": n, "seed": 0,
-                              "max_model_len": 2048, "stop_when_exhausted": False, "idle_wait_s": 0.1,
-                              "agent": {"max_calls": 64}}}})
-
-
 async def run(a) -> dict:
     from laminar.roles.rollout import sim_engine
 
@@ -85,7 +66,7 @@ async def run(a) -> dict:
     stub = await stub_cpu_ms(gen, a.episodes, a.calls, a.max_tokens)
     tmp = Path(tempfile.mkdtemp(prefix="agent-gateway-path-"))
     port = free_port()
-    cluster = InprocCluster(make_cfg(tmp, a.episodes, port))
+    cluster = InprocCluster(cluster_cfg(tmp, a.episodes, port, {"engine": "sim", "sim": SIM, "model_dir": str(tmp)}))
     agents = Agents(f"http://127.0.0.1:{port}/v1")
     prof = cProfile.Profile(time.thread_time) if a.profile else None
     rows = []
@@ -135,12 +116,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
     exit_on_signals()
-    try:  # the cluster's loop as a role's (laminar/shell.py): uvloop when it is installed
-        import uvloop
-        loop_run = uvloop.run
-    except ImportError:
-        loop_run = asyncio.run
-    res = loop_run(run(a))
+    res = run_loop(run(a))  # the cluster's loop as a role's
     print(f"gateway path: {res['path_cpu_ms_per_call']:.3f} ms of CPU a call (median of {a.rounds} rounds, lowest "
           f"{res['path_cpu_ms_per_call_min']:.3f}; the stub engine's own {res['stub_cpu_ms_per_call']:.3f} taken out)")
     write_json(a.out, res)
