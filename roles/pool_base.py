@@ -80,7 +80,8 @@ class PoolRole(Role):
         self.handouts = Handouts(await asyncio.to_thread(handout_key, self.cluster))
         self.refusals = Refusals(self.cluster, self.log)
         self.store = await asyncio.to_thread(GroupCommitStore, self.store_path(), self.SCHEMA + QUARANTINE_SCHEMA,
-                                             version=self.SCHEMA_VERSION, migrations=self.MIGRATIONS)
+                                             version=self.SCHEMA_VERSION, migrations=self.MIGRATIONS,
+                                             window_s=getattr(self.settings, "commit_window_s", 0.0))
         self.refusal = await asyncio.to_thread(self._check_identity)
         if self.refusal is not None:
             self.log.error("pool_refuses_store", store=str(self.store_path()), why=self.refusal)

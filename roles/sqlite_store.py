@@ -7,6 +7,13 @@ holds it has committed with synchronous=FULL, i.e. is fsynced: what was acknowle
 SIGKILL or a power cut. One writer thread owns the write connection and commits everything queued
 since its last commit in one transaction, so many concurrent writes share one fsync.
 
+The cheap path, for a pool that takes a write at a time at a high rate: the writer is woken only
+when it waits (a write queued while it commits joins the next group without a wake-up); with
+`window_s` > 0 it gathers for that long after a group's first write before committing, so the
+writes of a short span share one transaction (each write's acknowledgement waits up to the
+window longer; 0, the default, commits at once); and the futures of one committed group are
+settled in one call into their event loop, not one call each.
+
 A write is a list of (sql, params) or a callable taking the connection (its return value is the
 future's result). A callable may run twice (see failures below): it must only touch the connection.
 Params given as `Many(rows)` run the statement once per row in one `executemany` call (SQLite's C
@@ -53,12 +60,21 @@ import msgpack
 import structlog
 from laminar.bus import codec
 from laminar.bus.errors import ProtocolMismatch
+from pydantic import Field
 
 log = structlog.get_logger("laminar.sqlite_store")
 
 Statements = Sequence[tuple[str, Sequence[Any]]]
 Batch = Statements | Callable[[sqlite3.Connection], Any]
 Resolve = Callable[[Any, "BaseException | None"], None]
+Job = tuple[Batch, "Resolve | asyncio.Future"]  # an asyncio future is settled in its loop, a group at a time
+
+
+def commit_window_field():
+    """A pool's `commit_window_s` setting (the store's `window_s`), the same in every pool."""
+    return Field(0.0, ge=0, le=1.0, description="seconds the store's writer gathers writes after a group's first "
+                 "before committing them in one transaction (each acknowledgement waits up to this much longer; "
+                 "saves CPU when writes come one at a time at a high rate; 0: commit at once)")
 
 
 class Many(list):
@@ -89,8 +105,12 @@ Migration = Callable[[sqlite3.Connection], None]
 
 class GroupCommitStore:
     def __init__(self, path: str | Path, schema: str = "", max_pending: int = 10_000, max_batch: int = 512,
-                 *, version: int = 0, migrations: dict[int, Migration] | None = None, check: bool = True):
+                 *, version: int = 0, migrations: dict[int, Migration] | None = None, check: bool = True,
+                 window_s: float = 0.0):
+        if not window_s >= 0:
+            raise ValueError(f"window_s must be at least 0 (seconds the writer gathers writes), got {window_s!r}")
         self.path = Path(path)
+        self.window_s = window_s
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_pending, self.max_batch = max_pending, max_batch
         self.salvaged: dict | None = None  # what a salvage at open did (None: the file was sound)
@@ -108,7 +128,8 @@ class GroupCommitStore:
         self._rconn = self._connect()
         self._rlock = threading.Lock()
         self._cv = threading.Condition()
-        self._queue: deque[tuple[Batch, Resolve]] = deque()
+        self._queue: deque[Job] = deque()
+        self._idle = False      # the writer waits for a first write (only then is it notified)
         self._closing = False
         self._dead: str | None = None  # why the writer thread ended early
         self.commits = 0        # transactions committed (group commit: fewer than writes)
@@ -157,24 +178,18 @@ class GroupCommitStore:
         with self._cv:
             self._refuse_if_no_room()
 
-    def _enqueue(self, batch: Batch, resolve: Resolve) -> None:
+    def _enqueue(self, batch: Batch, resolve: Resolve | asyncio.Future) -> None:
         with self._cv:
             self._refuse_if_no_room()
             self._queue.append((batch, resolve))
-            self._cv.notify()
+            if self._idle or len(self._queue) == self.max_batch:  # a busy writer takes it unwoken,
+                self._idle = False                                 # one gathering stops at a full group
+                self._cv.notify()
 
     def submit(self, batch: Batch) -> asyncio.Future:
         """Queue one atomic write; the future resolves once it is committed (durable)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def resolve(result: Any, exc: BaseException | None) -> None:
-            try:
-                loop.call_soon_threadsafe(_settle, fut, result, exc)
-            except RuntimeError:
-                pass  # the loop is closed: nobody is waiting for this answer any more
-
-        self._enqueue(batch, resolve)
+        fut = asyncio.get_running_loop().create_future()
+        self._enqueue(batch, fut)
         return fut
 
     async def write(self, batch: Batch) -> Any:
@@ -199,12 +214,16 @@ class GroupCommitStore:
         return len(self._queue)
 
     # -- the writer thread ----------------------------------------------------------------------
-    def _next_group(self) -> list[tuple[Batch, Resolve]] | None:
+    def _next_group(self) -> list[Job] | None:
         with self._cv:
             while not self._queue and not self._closing:
+                self._idle = True
                 self._cv.wait()
+            self._idle = False
             if not self._queue:
                 return None  # closing and drained
+            if self.window_s and not self._closing and len(self._queue) < self.max_batch:
+                self._cv.wait(self.window_s)  # gather; only close() cuts it short
             return [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch))]
 
     def _writer(self) -> None:
@@ -218,10 +237,9 @@ class GroupCommitStore:
             with self._cv:
                 self._dead = f"writer thread died: {exc!r}"
                 left, self._queue = group + list(self._queue), deque()
-            for _, resolve in left:
-                resolve(None, StoreClosed(f"{self.path}: {self._dead}"))
+            _answer([(resolve, None, StoreClosed(f"{self.path}: {self._dead}")) for _, resolve in left])
 
-    def _commit_group(self, group: list[tuple[Batch, Resolve]]) -> None:
+    def _commit_group(self, group: list[Job]) -> None:
         try:
             results = self._transaction([b for b, _ in group])
         except Exception as exc:
@@ -229,11 +247,10 @@ class GroupCommitStore:
                 for job in group:
                     self._commit_group([job])
             else:
-                group[0][1](None, self._error(exc))
+                _answer([(group[0][1], None, self._error(exc))])
             return
         self.writes += len(group)
-        for (_, resolve), r in zip(group, results, strict=False):
-            resolve(r, None)
+        _answer([(resolve, r, None) for (_, resolve), r in zip(group, results, strict=False)])
 
     def _transaction(self, batches: list[Batch]) -> list[Any]:
         c = self._wconn
@@ -271,12 +288,12 @@ class GroupCommitStore:
         """Commit what is queued within `timeout` s; fail the rest with StoreClosed."""
         with self._cv:
             self._closing = True
-            self._cv.notify()
+            self._cv.notify()  # wakes the writer whether it waits for a write or gathers in its window
         self._thread.join(timeout)
         with self._cv:
             left, self._queue = list(self._queue), deque()
-        for _, resolve in left:
-            resolve(None, StoreClosed(f"{self.path}: closed before this write was committed"))
+        _answer([(resolve, None, StoreClosed(f"{self.path}: closed before this write was committed"))
+                 for _, resolve in left])
         with self._rlock:
             self._rconn.close()
         if self._thread.is_alive():  # stuck in fsync: the thread still owns the connection
@@ -296,6 +313,27 @@ def _run(conn: sqlite3.Connection, statements: Statements) -> None:
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
     if not fut.done():  # the waiter may have been cancelled
         fut.set_exception(exc) if exc else fut.set_result(result)
+
+
+def _settle_all(answers: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    for fut, result, exc in answers:
+        _settle(fut, result, exc)
+
+
+def _answer(answers: list[tuple[Resolve | asyncio.Future, Any, BaseException | None]]) -> None:
+    """From the writer thread: each write's answer. The asyncio futures of one loop are settled in
+    one call into that loop (one wake-up a group); a synchronous resolver is called here."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for resolve, result, exc in answers:
+        if isinstance(resolve, asyncio.Future):
+            by_loop.setdefault(resolve.get_loop(), []).append((resolve, result, exc))
+        else:
+            resolve(result, exc)
+    for loop, settled in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle_all, settled)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting for these answers any more
 
 
 def pack(ev: Any) -> bytes:

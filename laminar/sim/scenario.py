@@ -226,6 +226,7 @@ def build_config(setup: SimSetup, size: str, gpus: int, mode: str, *, workdir: s
     if not relays:
         trainer_sim["deliver"] = [{"host": h, "dir": d} for h, d in hosts_dirs.items()]
     data = str(Path(workdir) / "data" / "prompts.jsonl")
+    window = min(1.0, setup.periods_sim_s.commit_window / speedup)  # the pools' group-commit window, real s
     return {
         "run": {"name": name or f"sim-{size}-{gpus}-{mode}", "seed": 0, "workdir": workdir, "mode": run_mode_of(mode)},
         "cluster": {
@@ -242,11 +243,12 @@ def build_config(setup: SimSetup, size: str, gpus: int, mode: str, *, workdir: s
                         "rpc_timeout_s": setup.real_s.rpc_timeout,
                         "rollout_dead_after_s": setup.real_s.dead_after,
                         "state_interval_s": period(setup, "heartbeat", speedup)},
-            "prompt_pool": {"dataset": data, "group_size": shape.group_size,
+            "prompt_pool": {"dataset": data, "group_size": shape.group_size, "commit_window_s": window,
                             "max_tokens": shape.max_output_tokens,
                             **({"max_batches_ahead": ahead} if ahead is not None else {})},
-            "partial_pool": {},
+            "partial_pool": {"commit_window_s": window},
             "experience_buffer": {"capacity": 4 * shape.prompts_per_batch * shape.group_size * 4,
+                                  "commit_window_s": window,
                                   **({"max_staleness": max_staleness} if max_staleness is not None else {})},
             "rollout": {"engine": "sim", "model_dir": "sim", "max_concurrency": concurrency,
                         **engine_seqs(setup, workload, size, mode, concurrency),

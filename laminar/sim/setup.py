@@ -143,6 +143,8 @@ class Periods(_Strict):
     delta: float = Field(gt=0, description="token deltas to the partial pool")
     idle_wait: float = Field(gt=0, description="an idle rollout asks the prompt pool again")
     sample_wait: float = Field(gt=0, description="the trainer asks a short buffer again")
+    commit_window: float = Field(0.0, ge=0, description="the pools' group-commit window (their stores gather "
+                                 "writes this long before one commit; not a modeled cost: CPU saved per write)")
 
 
 class Floors(_Strict):

@@ -43,7 +43,7 @@ from laminar.bus.rpc import current_peer
 from laminar.roles.experience_buffer.state import EXPIRED, OFF_LINEAGE, BufferBook, Change, group_metric
 from laminar.roles.handout import checked
 from laminar.roles.pool_base import PoolRole
-from laminar.roles.sqlite_store import pack, unpack
+from laminar.roles.sqlite_store import commit_window_field, pack, unpack
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.protocol import (
@@ -73,6 +73,7 @@ class ExperienceBufferConfig(BaseModel):
                                             "held this long (from its first member) is dropped and its prompt "
                                             "requeued, so its reserved room cannot be held forever (None: never)")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
+    commit_window_s: float = commit_window_field()
     page_trajectories: int = Field(4096, ge=1, description="most trajectories in one Samples reply (whole groups, "
                                    "at least one): a larger batch goes over several replies, which the trainer asks "
                                    "for in turn, so no reply exceeds the bus's frame and size limits")

@@ -2,6 +2,7 @@
 completions, paging, and the bounds of the reward plane (docs/rewards.md)."""
 from __future__ import annotations
 
+from laminar.roles.sqlite_store import commit_window_field
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -13,6 +14,7 @@ class PartialPoolConfig(BaseModel):
                                 "(tokens and logprobs), over every trajectory; a delta past it is rejected "
                                 "(its writer sends it again after the gap fills)")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
+    commit_window_s: float = commit_window_field()
     remember_completed: int = Field(200_000, ge=1, description="completed trajectory ids kept to refuse late "
                                     "deltas; older ones are forgotten, which bounds memory and start-up")
     max_held_only: int = Field(65_536, ge=1, description="trajectories seen only through out-of-order deltas "

@@ -3,6 +3,7 @@ size, the flow-control gate and the curriculum."""
 from __future__ import annotations
 
 from laminar.roles.prompt_pool.curriculum import CurriculumConfig
+from laminar.roles.sqlite_store import commit_window_field
 from pydantic import BaseModel, ConfigDict, Field
 
 from laminar.datasets import chat_template_field, system_prompt_field
@@ -24,6 +25,7 @@ class PromptPoolConfig(BaseModel):
     max_epochs: int | None = Field(None, ge=1, description="stop handing out after this many epochs (None: forever)")
     seed: int = Field(0, description="shuffle seed")
     store_dir: str | None = Field(None, description="folder of the SQLite store (default: <workdir>/pools)")
+    commit_window_s: float = commit_window_field()
     groups_per_version: int | None = Field(
         None,
         ge=1,
