@@ -40,7 +40,13 @@ from bench.sim.results import assemble, combine  # noqa: E402
 from bench.sim.runs import as_the_paper_ran, run_child, run_spec, setup_of  # noqa: E402
 from bench.sim.terminate import exit_on_sigterm  # noqa: E402
 from laminar.sim import load_workload  # noqa: E402
-from laminar.sim.scenario import estimate, scales, staleness_bound, wave_versions  # noqa: E402
+from laminar.sim.scenario import (  # noqa: E402
+    estimate,
+    measured_versions,
+    scales,
+    staleness_bound,
+    wave_versions,
+)
 from laminar.sim.setup import DEFAULT_MODES, MODES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,8 +80,8 @@ def parser() -> argparse.ArgumentParser:
                     help="the harness's measured cost per scenario, read to pick each run's speed and updated "
                          "by every run (default: bench/results/sim/harness-pace.json; none: probe every run)")
     ap.add_argument("--warmup", type=int, help="warm-up versions (default: paper.yaml)")
-    ap.add_argument("--measure", type=int, help="measured versions (default: paper.yaml's, rounded up "
-                    "for the laminar modes to whole waves of updates: scenario.wave_versions)")
+    ap.add_argument("--measure", type=int, help="measured versions (default: paper.yaml's, for the laminar "
+                    "modes rounded down to whole waves of updates, at least one: scenario.measured_versions)")
     ap.add_argument("--relays", action="store_true",
                     help="weights through the real relay tier (default: modeled chain)")
     ap.add_argument("--ahead", type=bound, default="setup", metavar="N|none",
@@ -154,16 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         runs = [(s, g) for s in sizes for g in (counts or scales(workload, s))]
 
     def measure_of(size: str, gpus: int, mode: str) -> int:
-        """--measure, else paper.yaml's, rounded up for the laminar modes to whole waves: their
-        updates come in waves as long as the global batches the rollouts hold at once (4 at
-        72B/1,024), and a window of part of a wave over- or understates the steady state."""
+        """--measure, else paper.yaml's, for the laminar modes in whole waves (rounded down, at
+        least one: scenario.measured_versions): their updates come in waves as long as the global
+        batches the rollouts hold at once (4 at 72B/1,024), and a window of part of a wave over- or
+        understates the steady state."""
         if a.measure:
             return a.measure
-        n = it.measure
         if mode.startswith("laminar"):
-            w = wave_versions(setup, workload, size, gpus)
-            n = -(-n // w) * w
-        return n
+            return measured_versions(it.measure, wave_versions(setup, workload, size, gpus))
+        return it.measure
 
     def warmup_of(mode: str) -> int:
         if a.warmup:

@@ -187,7 +187,7 @@ class Iterations(_Strict):
     """Versions of a run: warm-up, then measured."""
     warmup: int = Field(ge=1, description="laminar modes' warm-up versions")
     warmup_barrier: int | None = Field(None, ge=1, description="barrier modes' warm-up (None: warmup)")
-    measure: int = Field(ge=1, description="measured versions (laminar's rounded up to whole waves)")
+    measure: int = Field(ge=1, description="measured versions (laminar's rounded down to whole waves, at least one)")
 
 
 class QuickSetup(_Strict):

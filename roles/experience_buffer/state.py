@@ -127,6 +127,7 @@ class BufferBook:
         self.reserve_timeout_s, self.clock = reserve_timeout_s, clock  # reject's reservations time out
         self.sampler: Sampler = make_sampler(sampler)
         self.groups: OrderedDict[str, Group] = OrderedDict()  # insertion = arrival of first member
+        self.ready: dict[str, Group] = {}  # the complete groups of `groups`, in completion order
         self.gone: dict[str, str] = {}   # group id -> handed | stale | evicted
         self.stored = 0
         self.reserved = 0                # members still missing from the incomplete groups held
@@ -210,6 +211,7 @@ class BufferBook:
             self.reserved -= 1
         if g.complete:
             g.order, self.completions = self.completions, self.completions + 1
+            self.ready[gid] = g
         ch.put.append(t)
         return "stored", ch
 
@@ -226,6 +228,7 @@ class BufferBook:
 
     def _remove(self, gid: str, why: str, ch: Change) -> Group:
         g = self.groups.pop(gid)
+        self.ready.pop(gid, None)
         self.stored -= len(g.members)
         self.reserved -= max(0, g.size - len(g.members))
         self.gone[gid] = why
@@ -302,7 +305,7 @@ class BufferBook:
                     else:  # already too stale to ever be trained: it must not hold room meanwhile
                         self.counts["dropped_stale_incomplete"] += 1
         self.counts["dropped_stale"] += dropped
-        ready = [g for g in self.groups.values() if g.complete]
+        ready = list(self.ready.values())  # kept as groups complete: no scan of every group a poll
         picked = self.sampler.pick(ready, k)
         if metric:
             picked = self._filter(ready, picked, k, metric, min_std, max_drop, ch)
@@ -342,7 +345,7 @@ class BufferBook:
         return kept
 
     def stats(self) -> dict[str, int]:
-        complete = sum(1 for g in self.groups.values() if g.complete)
+        complete = len(self.ready)
         return {"stored": self.stored, "capacity": self.capacity, "complete_groups": complete,
                 "incomplete_groups": len(self.groups) - complete, "handed_out": self.cursor,
                 "leased": len(self.leased),

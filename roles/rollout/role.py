@@ -103,6 +103,7 @@ class RolloutRole(Role):
         self.take_failures = 0  # TakeBatch answered `internal` past call_acked's bound (then idle_wait_s)
         self.taken_on_version = 0  # new trajectories taken since nothing last ran (weights change only then)
         self._group_size = 1
+        self._addresses: dict[tuple[str, str], str] = {}  # (role, id) -> address, looked up once
         self._gen_at_last_report = 0
         self._took = False  # the last turn of the loop started new trajectories (early intake waits on them)
         # set in setup() (wire): the engine and the components around it, the pools' clients, the
@@ -147,7 +148,12 @@ class RolloutRole(Role):
 
     # -- setup ------------------------------------------------------------------------------
     def _address(self, role: str, id: str) -> str:
-        return self.cluster.endpoint(role, id)
+        """role.id's request/reply address, looked up once (the config is fixed for the process;
+        every report carries this rollout's own, and a lookup scans every placement)."""
+        key = (role, id)
+        if (got := self._addresses.get(key)) is None:
+            got = self._addresses[key] = self.cluster.endpoint(role, id)
+        return got
 
     async def setup(self) -> None:
         settings, cluster, t = self.settings, self.cluster, self.ctx.transport

@@ -1,5 +1,6 @@
 """Experience buffer logic, property-based: groups stay whole, FIFO holds, the staleness filter
-drops exactly the stale groups, capacity is never exceeded, nothing is handed out twice."""
+drops exactly the stale groups, capacity is never exceeded, nothing is handed out twice, and the
+index of complete groups (`ready`) is exactly the complete groups in completion order."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,6 +61,9 @@ def test_buffer_invariants(ops, capacity, n, max_stale, eviction):
                 completion.remove(gid)
         assert book.stored <= capacity                       # capacity never exceeded
         assert book.stored == sum(len(grp.members) for grp in book.groups.values())
+        # the index of complete groups a sample reads instead of scanning: exactly them, in completion order
+        assert list(book.ready) == [gid for gid in completion if gid in book.groups]
+        assert set(book.ready) == {gid for gid, grp in book.groups.items() if grp.complete}
 
 
 def test_duplicate_and_late_member_refused():
