@@ -95,13 +95,18 @@ class Group:
     members: dict[str, Trajectory] = field(default_factory=dict)
     order: int = -1  # completion order (FIFO key); -1 while incomplete
     since: float = 0.0  # when its first member came (the book's monotonic clock): reservation timeout
+    low: int | None = None  # its members' lowest version, kept by `add` (None: no member yet)
 
     @property
     def complete(self) -> bool:
         return len(self.members) >= self.size
 
+    def add(self, t: Trajectory) -> None:
+        self.members[t.spec.trajectory_id] = t
+        self.low = t.version if self.low is None else min(self.low, t.version)
+
     def min_version(self) -> int:
-        return min(t.version for t in self.members.values())
+        return self.low if self.low is not None else min(t.version for t in self.members.values())
 
 
 @dataclass
@@ -205,7 +210,7 @@ class BufferBook:
         if g is None:
             g = self.groups[gid] = Group(gid, t.spec.group_size, since=self.clock())
             self.reserved += g.size
-        g.members[tid] = t
+        g.add(t)
         self.stored += 1
         if len(g.members) <= g.size:
             self.reserved -= 1

@@ -64,6 +64,7 @@ def test_buffer_invariants(ops, capacity, n, max_stale, eviction):
         # the index of complete groups a sample reads instead of scanning: exactly them, in completion order
         assert list(book.ready) == [gid for gid in completion if gid in book.groups]
         assert set(book.ready) == {gid for gid, grp in book.groups.items() if grp.complete}
+        assert all(grp.low == min(t.version for t in grp.members.values()) for grp in book.groups.values())
 
 
 def test_duplicate_and_late_member_refused():
