@@ -1,7 +1,7 @@
 """Agent gateway benchmark: tokens/s of agent episodes through the gateway (the real `openai` client),
 over the same requests sent straight to the engine.
 
-    python bench/agent_gateway.py [--episodes 16] [--calls 6] [--max-tokens 64] [--rounds 12] [--out FILE]
+    python bench/agent_gateway.py [--episodes 16] [--calls 6] [--max-tokens 64[,256,...]] [--rounds 12] [--out FILE]
 
 One process holds the cluster (prompt pool, partial pool, buffer, gateway, one vLLM CPU rollout in
 agent mode, the tiny model; its weights from a relay folder this program writes, a new version
@@ -26,6 +26,16 @@ prefix cache is emptied, so neither side reuses prompts the other computed.
   the medians), and the partial pool's commits during each gateway side;
 - `episodes`: episodes the agents completed; `version_mixed_episodes`: episodes whose calls were
   not all served by one version, or whose stored trajectory names another (must be 0).
+
+Call lengths. `--max-tokens` takes a list (`64,256`): `--rounds` rounds at each length in turn, each
+length summarised apart (`by_max_tokens`, `gateway_over_direct_by_max_tokens`); `gateway_over_direct`
+is the first length's. Per length, `path_cpu_ms_per_call_by_max_tokens`: the CPU per call of this
+process and the engine's through the gateway, less the same on the direct side (the agents' client
+apart); with two lengths or more, a line through those over the tokens a call made splits it into
+`path_cpu_ms_fixed_per_call` (what a call costs whatever its length: HTTP, the bus hop, rendering,
+the pool write) and `path_cpu_ms_per_token`. Each length must fit the model: `calls` calls of that
+many tokens, their observations and the prompt within the rollout's max_model_len and the prompt
+pool's response budget (checked before anything starts).
 """
 from __future__ import annotations
 
@@ -148,12 +158,41 @@ class Agents:
             self.p.kill()
 
 
+MAX_MODEL_LEN = 2048     # the rollout's (the tiny model's max_position_embeddings)
+RESPONSE_BUDGET = 2048   # the prompt pool's max_tokens: response tokens of an episode, observations included
+PROMPT = "{:04d} tell me a long story"
+
+
+def context_need(calls: int, max_tokens: int) -> dict:
+    """Tokens an episode of `calls` calls of `max_tokens` tokens takes at most with the tiny model's
+    chat format (its byte codec): its context at the last call's end, and its response (the context
+    less the first call's prompt)."""
+    from laminar.chat import ChatFormat
+    fmt = ChatFormat.load(None)
+    msgs = [{"role": "user", "content": PROMPT.format(4095)}]
+    prompt = len(fmt.encode(fmt.render(msgs)))
+    for _ in range(calls - 1):
+        msgs += [{"role": "assistant", "content": "x" * max_tokens}, {"role": "user", "content": "go on"}]
+    context = len(fmt.encode(fmt.render(msgs))) + max_tokens
+    return {"context": context, "response": context - prompt}
+
+
+def check_fits(calls: int, lengths: list[int]) -> None:
+    """Refuse a call length whose episodes would not fit (the last calls would be cut short)."""
+    for mt in lengths:
+        need = context_need(calls, mt)
+        if need["context"] > MAX_MODEL_LEN or need["response"] > RESPONSE_BUDGET:
+            raise SystemExit(f"--max-tokens {mt}: {calls} calls need a context of {need['context']} tokens "
+                             f"({need['response']} response tokens); the rollout's max_model_len is {MAX_MODEL_LEN} "
+                             f"and the prompt pool's budget {RESPONSE_BUDGET}: fewer --calls or shorter calls")
+
+
 def cluster_cfg(tmp: Path, n: int, port: int, engine: dict):
     """The bench's cluster (prompt pool, partial pool, buffer, gateway, one rollout in agent mode)
     with `engine`'s rollout settings (its model, or the simulator's engine)."""
     from laminar.config import parse_config
     data = tmp / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i:04d} tell me a long story", "answer": ""}) + "\n"
+    data.write_text("".join(json.dumps({"prompt": PROMPT.format(i), "answer": ""}) + "\n"
                             for i in range(4096)))
     roles = [{"role": r, "port": free_port()} for r in ("prompt_pool", "partial_pool", "experience_buffer",
                                                           "gateway", "rollout")]
@@ -161,10 +200,10 @@ def cluster_cfg(tmp: Path, n: int, port: int, engine: dict):
         "run": {"workdir": str(tmp / "run")},
         "cluster": {"keys_dir": None, "shutdown_s": 30, "broker": {"host": "h0"},
                     "hosts": {"h0": {"address": "127.0.0.1", "roles": roles}}},
-        "roles": {"prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": 2048},
+        "roles": {"prompt_pool": {"dataset": str(data), "group_size": 1, "max_tokens": RESPONSE_BUDGET},
                   "gateway": {"http_port": port},
                   "rollout": {**engine, "max_concurrency": n, "seed": 0,
-                              "max_model_len": 2048, "stop_when_exhausted": False, "idle_wait_s": 0.1,
+                              "max_model_len": MAX_MODEL_LEN, "stop_when_exhausted": False, "idle_wait_s": 0.1,
                               "agent": {"max_calls": 64}}}})
 
 
@@ -245,33 +284,42 @@ class Bench:
         return wall, tokens, {k: 1000 * v / n_calls for k, v in cpu.read().items()}
 
     async def rounds(self) -> list[dict]:
-        """Warm-up, then `--rounds` rounds, the gateway first in even ones and the direct side first in
-        odd ones (replaying the latest gateway round's calls, as it must know them)."""
+        """Warm-up, then `--rounds` rounds at each call length in turn, the gateway first in even ones
+        and the direct side first in odd ones (replaying the latest gateway round's calls, of the
+        same length: each length starts with a gateway-first round)."""
         a, out = self.a, []
         last = await self.gateway(1, 8, 1)  # warm-up of both paths, not counted
         await self.direct(*last)
-        for rnd in range(a.rounds):
-            seed = 100 + rnd * 10**6
-            if rnd % 2:
-                d_wall, d_tokens, d_cpu = await self.direct(*last)
-                last = await self.gateway(a.calls, a.max_tokens, seed)
-            else:
-                last = await self.gateway(a.calls, a.max_tokens, seed)
-                d_wall, d_tokens, d_cpu = await self.direct(*last)
-            res = last[0]
-            self.episodes += len(res["episodes"])
-            g_tokens = sum(e["tokens"] for e in res["episodes"])
-            g, d = g_tokens / res["wall_s"], d_tokens / d_wall
-            n_calls = sum(len(e["seeds"]) for e in res["episodes"])
-            out.append({"round": rnd, "order": "direct,gateway" if rnd % 2 else "gateway,direct",
-                        "gateway_tokens": g_tokens, "gateway_s": res["wall_s"], "gateway_tokens_per_s": g,
-                        "direct_tokens": d_tokens, "direct_s": d_wall, "direct_tokens_per_s": d,
-                        "gateway_over_direct": g / d, "pool_commits": res["pool_commits"],
-                        "gateway_cpu_ms_per_call": {k: 1000 * v / n_calls for k, v in res["cpu_s"].items()},
-                        "direct_cpu_ms_per_call": d_cpu})
-            print(f"round {rnd} ({out[-1]['order']}): gateway {g:.0f} tokens/s, direct {d:.0f}, ratio {g / d:.3f}",
-                  flush=True)
+        for k, mt in enumerate(a.max_tokens):
+            for rnd in range(a.rounds):
+                row, last = await self.round(rnd, mt, 100 + (k * a.rounds + rnd) * 10**6, last)
+                out.append(row)
         return out
+
+    async def round(self, rnd: int, max_tokens: int, seed: int, last) -> tuple[dict, tuple]:
+        """One round at `max_tokens` a call: its row, and its gateway side (the next round's `last`)."""
+        a = self.a
+        if rnd % 2:
+            d_wall, d_tokens, d_cpu = await self.direct(*last)
+            last = await self.gateway(a.calls, max_tokens, seed)
+        else:
+            last = await self.gateway(a.calls, max_tokens, seed)
+            d_wall, d_tokens, d_cpu = await self.direct(*last)
+        res = last[0]
+        self.episodes += len(res["episodes"])
+        g_tokens = sum(e["tokens"] for e in res["episodes"])
+        g, d = g_tokens / res["wall_s"], d_tokens / d_wall
+        n_calls = sum(len(e["seeds"]) for e in res["episodes"])
+        row = {"round": rnd, "max_tokens": max_tokens, "order": "direct,gateway" if rnd % 2 else "gateway,direct",
+               "gateway_tokens": g_tokens, "gateway_s": res["wall_s"], "gateway_tokens_per_s": g,
+               "gateway_tokens_per_call": g_tokens / n_calls,
+               "direct_tokens": d_tokens, "direct_s": d_wall, "direct_tokens_per_s": d,
+               "gateway_over_direct": g / d, "pool_commits": res["pool_commits"],
+               "gateway_cpu_ms_per_call": {k: 1000 * v / n_calls for k, v in res["cpu_s"].items()},
+               "direct_cpu_ms_per_call": d_cpu}
+        print(f"round {rnd} ({max_tokens} tokens a call, {row['order']}): gateway {g:.0f} tokens/s, direct {d:.0f}, "
+              f"ratio {g / d:.3f}", flush=True)
+        return row, last
 
 
 def summary(rows: list[dict]) -> dict:
@@ -287,6 +335,30 @@ def summary(rows: list[dict]) -> dict:
             "direct_tokens_per_s": statistics.median(r["direct_tokens_per_s"] for r in rows),
             "gateway_cpu_ms_per_call": _medians([r["gateway_cpu_ms_per_call"] for r in rows]),
             "direct_cpu_ms_per_call": _medians([r["direct_cpu_ms_per_call"] for r in rows])}
+
+
+def path_cpu_ms(row: dict) -> float:
+    """The gateway path's CPU in one round: this process's and the engine's per call through the
+    gateway, less the same on the direct side (the agents' client is counted apart)."""
+    g, d = row["gateway_cpu_ms_per_call"], row["direct_cpu_ms_per_call"]
+    return g["here"] + g["engine"] - d["here"] - d["engine"]
+
+
+def by_max_tokens(rows: list[dict], lengths: list[int]) -> dict:
+    """The summary of the first call length (the default's), each length's, and with two lengths or
+    more the path's CPU per call split into a fixed part and a part per token (a least-squares line
+    through each length's median path CPU over its median tokens per call)."""
+    per = {mt: [r for r in rows if r["max_tokens"] == mt] for mt in lengths}
+    each = {str(mt): summary(rs) for mt, rs in per.items()}
+    out = {**each[str(lengths[0])], "by_max_tokens": each,
+           "gateway_over_direct_by_max_tokens": {k: v["gateway_over_direct"] for k, v in each.items()}}
+    path = {mt: statistics.median(path_cpu_ms(r) for r in rs) for mt, rs in per.items()}
+    out["path_cpu_ms_per_call_by_max_tokens"] = {str(mt): v for mt, v in path.items()}
+    if len(lengths) >= 2:
+        xs = [statistics.median(r["gateway_tokens_per_call"] for r in per[mt]) for mt in lengths]
+        slope, fixed = statistics.linear_regression(xs, [path[mt] for mt in lengths])
+        out["path_cpu_ms_fixed_per_call"], out["path_cpu_ms_per_token"] = fixed, slope
+    return out
 
 
 def _medians(dicts: list[dict]) -> dict:
@@ -339,22 +411,39 @@ async def run(a) -> dict:
                   round(r["gateway_tokens_per_s"]), r["direct_tokens"], round(r["direct_s"], 2),
                   round(r["direct_tokens_per_s"]), round(r["gateway_over_direct"], 3), r["pool_commits"],
                   cpu(r["gateway_cpu_ms_per_call"]), cpu(r["direct_cpu_ms_per_call"])] for r in rows])
-    return {**summary(rows), "episodes": bench.episodes, "version_mixed_episodes": bench.mixed,
+    return {**by_max_tokens(rows, a.max_tokens), "episodes": bench.episodes, "version_mixed_episodes": bench.mixed,
             "prefix_cache_not_emptied": bench.cache_kept,
             "versions_published": version[0], "settings": vars(a), "rounds": rows}
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of tokens, or numbers separated by commas") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every length must be at least 1")
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--episodes", type=int, default=16, help="agents (and episodes) at once")
     ap.add_argument("--calls", type=int, default=6, help="chat calls per episode")
-    ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per call")
+    ap.add_argument("--max-tokens", type=_lengths, default=[64],
+                    help="completion tokens per call; a list (64,256) runs --rounds rounds at each")
     ap.add_argument("--rounds", type=int, default=12, help="rounds, each timing one gateway and one direct side")
     ap.add_argument("--publish-s", type=float, default=2.0, help="a new weight version this often")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
+    check_fits(a.calls, a.max_tokens)
     exit_on_signals()
     res = run_loop(run(a))  # the cluster's loop as a role's
+    if len(a.max_tokens) > 1:
+        print("gateway/direct by call length: " + ", ".join(
+            f"{k} tokens {v:.3f}" for k, v in res["gateway_over_direct_by_max_tokens"].items())
+              + f"; path CPU {res['path_cpu_ms_fixed_per_call']:.2f} ms a call + "
+                f"{1000 * res['path_cpu_ms_per_token']:.1f} us a token")
     print(f"gateway/direct {res['gateway_over_direct']:.3f} (median of {a.rounds} rounds; spread "
           f"{res['gateway_over_direct_spread']:.3f}, IQR {res['gateway_over_direct_iqr']:.3f})  "
           f"episodes {res['episodes']}  "

@@ -168,8 +168,9 @@ class AppendDeltaBatch:
     """AppendDeltas in columns: one request of a few arrays however many deltas it carries (the
     codec's cost is per array, not per delta). Delta k is (trajectory_ids[k], seqs[k],
     versions[k], tokens and logprobs [offsets[k]:offsets[k+1]]); the seq-0 deltas take `specs` in
-    order. Single-turn only (no observation spans): multi-turn deltas go by AppendDeltas. Answered
-    with a DeltaResult, with the same exactly-once semantics."""
+    order. Multi-turn deltas carry `loss_mask` (a delta that had none: all 1) and their observation
+    spans in `obs_spans`, cut by `obs_offsets` (a delta with no span row had none). Answered with a
+    DeltaResult, with the same exactly-once semantics."""
     rollout_id: str
     trajectory_ids: list[str]
     seqs: np.ndarray                     # int64, one per delta
@@ -183,6 +184,8 @@ class AppendDeltaBatch:
     lineages: np.ndarray | None = None   # int64 lineage epoch of each delta's version (None: all -1, not known)
     routing: np.ndarray | None = None    # MoE: every delta's routing rows, concatenated (None: no delta has any)
     routing_offsets: np.ndarray | None = None  # int64, one more than deltas: delta k's rows [off[k]:off[k+1]]
+    obs_spans: np.ndarray | None = None  # int32 [m, 2]: every delta's observation spans, concatenated (None: none)
+    obs_offsets: np.ndarray | None = None  # int64, one more than deltas: delta k's spans [off[k]:off[k+1]]
 
 
 @event("data.delta_result")

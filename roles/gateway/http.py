@@ -10,11 +10,12 @@ chunked transfer encoding, each event flushed as it comes). Why not a framework:
 role's own event loop beside the bus, it is ~200 lines, and it adds no dependency to a role that
 every agent run places (aiohttp, uvicorn and fastapi arrive only with vLLM's CPU build).
 
-Bounds: at most `max_connections` connections (one more is answered 503 and closed), a request
-line and headers of at most `max_header_bytes`, a body of at most `max_body_bytes` (413), an
-idle connection closed after `idle_s`, a request that does not arrive whole within `idle_s`
-answered 408. A handler that raises answers 500 and is logged; a client that goes away
-mid-stream stops the stream (its generator is closed).
+Bounds: at most `max_connections` connections (one more is answered 503 and closed), a request line
+and headers of at most `max_header_bytes`, a body of at most `max_body_bytes` (413), an idle
+connection (or one whose request head does not arrive within `idle_s`) closed after `idle_s`, a
+request whose body does not arrive whole within `idle_s` of its start answered 408 and closed. A
+handler that raises answers 500 and is logged; a client that goes away mid-stream stops the stream
+(its generator is closed).
 """
 from __future__ import annotations
 
@@ -101,9 +102,14 @@ class HttpServer:
         self.connections.add(task)
         try:
             while True:
+                head: list[bytes] = []  # the request's head, once it arrived whole
                 try:
-                    req = await asyncio.wait_for(self._read(reader), self.idle_s)
+                    async with asyncio.timeout(self.idle_s):  # no task per request, as wait_for makes one
+                        req = await self._read(reader, head)
                 except TimeoutError:
+                    if head:  # its body is late: answered, then closed
+                        await self._send(writer, Response.of(408, error_body(
+                            f"the request did not arrive whole within {self.idle_s}s", "request_timeout")), False)
                     break
                 if isinstance(req, Response):  # a malformed or oversized request: answered, then closed
                     await self._send(writer, req, False)
@@ -121,9 +127,12 @@ class HttpServer:
             self.connections.discard(task)
             writer.close()
 
-    async def _read(self, reader: asyncio.StreamReader) -> Request | Response | None:
+    async def _read(self, reader: asyncio.StreamReader, got: list[bytes]) -> Request | Response | None:
+        """The next request (its head put in `got` as soon as it is read), an error to answer, or None
+        when the client closed the connection between requests."""
         try:
             head = await reader.readuntil(b"\r\n\r\n")
+            got.append(head)
         except asyncio.IncompleteReadError as exc:
             return None if not exc.partial else Response.of(400, error_body("incomplete request", "bad_request"))
         except asyncio.LimitOverrunError:

@@ -6,13 +6,13 @@ object per delta.
 anything of it is applied; `unbatch` then cuts it into deltas (views into the request's arrays)
 for the general rules of state.py.
 
-`continues(book, req, peer)` is the common case: every delta is the next seq of a live
-trajectory the writer may write (its own, at its epoch or later), none waits behind held deltas,
-none repeats, no loss mask, no routing. The checks are set operations over the batch (C-level `map` over the
-entries, list and set comparisons): no rule of state.py or of the hand-outs can refuse, hold or
-drop any of them, so the batch is applied in one tight loop (`apply_continuing`) and stored as
-one chunk, with the same outcome as the general path. Anything else (a seq 0, a gap, a fence, a
-duplicate, another's trajectory) goes the general way, delta by delta.
+`continues(book, req, peer)` is the common case: every delta is the next seq of a live trajectory
+the writer may write (its own, at its epoch or later), none waits behind held deltas, none repeats,
+no loss mask, no observation spans, no routing. The checks are set operations over the batch
+(C-level `map` over the entries, list and set comparisons): no rule of state.py or of the hand-outs
+can refuse, hold or drop any of them, so the batch is applied in one tight loop (`apply_continuing`)
+and stored as one chunk, with the same outcome as the general path. Anything else (a seq 0, a gap, a
+fence, a duplicate, another's trajectory) goes the general way, delta by delta.
 """
 from __future__ import annotations
 
@@ -49,9 +49,39 @@ def check_batch(req: AppendDeltaBatch) -> None:
         raise RequestError("bad_request", "loss mask and tokens differ in length")
     if n and bool((req.seqs < 0).any()):
         raise RequestError("bad_request", "negative seq")
+    _check_spans(req, n)
     zeros = int(np.count_nonzero(req.seqs == 0)) if n else 0
     if zeros != len(req.specs):
         raise RequestError("bad_request", f"{len(req.specs)} specs for {zeros} seq-0 deltas")
+
+
+def _check_spans(req: AppendDeltaBatch, n: int) -> None:
+    """The observation spans columns: both or neither, (start, end) rows cut by n + 1 offsets."""
+    spans, off = req.obs_spans, req.obs_offsets
+    if spans is None and off is None:
+        return
+    if spans is None or off is None:
+        raise RequestError("bad_request", "obs_spans and obs_offsets come together")
+    if spans.ndim != 2 or spans.shape[1] != 2:
+        raise RequestError("bad_request", f"obs_spans of shape {spans.shape} are not (start, end) rows")
+    if off.ndim != 1 or len(off) != n + 1 or off[0] != 0 or off[-1] != len(spans) or bool((np.diff(off) < 0).any()):
+        raise RequestError("bad_request", "obs_offsets do not cut obs_spans into deltas")
+
+
+def _masks(req: AppendDeltaBatch, off: list[int], n: int) -> list:
+    """Each delta's loss mask (a view), None where it is all 1 (what a sender means by none)."""
+    if req.loss_mask is None:
+        return [None] * n
+    mask = req.loss_mask.astype(np.uint8, copy=False)
+    return [None if bool(mask[a:b].all()) else mask[a:b] for a, b in zip(off, off[1:], strict=False)]
+
+
+def _spans(req: AppendDeltaBatch, n: int) -> list:
+    """Each delta's observation spans (a view), None where it has none."""
+    if req.obs_spans is None:
+        return [None] * n
+    spans, off = req.obs_spans.astype(np.int32, copy=False), req.obs_offsets.tolist()
+    return [spans[a:b] if b > a else None for a, b in zip(off, off[1:], strict=False)]
 
 
 def unbatch(req: AppendDeltaBatch) -> list[Delta]:
@@ -67,19 +97,17 @@ def unbatch(req: AppendDeltaBatch) -> list[Delta]:
     lineages = req.lineages.tolist() if req.lineages is not None else [-1] * n
     specs = iter(req.specs)
     toks, lps = req.tokens.astype(np.int32, copy=False), req.logprobs.astype(np.float32, copy=False)
-    mask = req.loss_mask
-    mask = None if mask is None else mask.astype(np.uint8, copy=False)
-    return [Delta(tid, seq, toks[a:b], lps[a:b], v, next(specs) if seq == 0 else None,
-                  None if mask is None else mask[a:b], None, ep, lin, rows)
-            for tid, seq, v, ep, lin, a, b, rows in zip(req.trajectory_ids, seqs, versions, epochs, lineages, off,
-                                                        off[1:], routing, strict=False)]
+    return [Delta(tid, seq, toks[a:b], lps[a:b], v, next(specs) if seq == 0 else None, mask, spans, ep, lin, rows)
+            for tid, seq, v, ep, lin, a, b, rows, mask, spans in zip(
+                req.trajectory_ids, seqs, versions, epochs, lineages, off, off[1:], routing, _masks(req, off, n),
+                _spans(req, n), strict=False)]
 
 
 def continues(book: PartialBook, req: AppendDeltaBatch, peer: str | None) -> list[Entry] | None:
     """The entries the batch's deltas continue, in order, when it is the common case (module
     docstring); None otherwise. `req` is checked (check_batch)."""
     n = len(req.trajectory_ids)
-    if not n or req.specs or req.loss_mask is not None or req.routing is not None:
+    if not n or req.specs or req.loss_mask is not None or req.obs_spans is not None or req.routing is not None:
         return None  # routing rows follow their entry's on the general path (Entry.routing_misfit)
     found = list(map(book.entries.get, req.trajectory_ids))
     if None in found or None in map(_SPEC, found) or any(map(_HELD, found)):

@@ -193,7 +193,7 @@ class PartialPoolRole(PoolRole):
         everything = unbatch(req)
         deltas, out = self._own(everything, req.rollout_id, AppendDeltaBatch.kind)
         self.state.apply(req.rollout_id, deltas, out, checked=True)
-        whole = len(out.applied) == len(everything) and req.loss_mask is None and all(
+        whole = len(out.applied) == len(everything) and req.loss_mask is None and req.obs_spans is None and all(
             d is a for (_, d), a in zip(out.applied, deltas, strict=False))
         await self.durable(self._rows(out, req.rollout_id, req if whole else None))
         return DeltaResult(applied=len(out.applied), duplicates=out.duplicates, held=out.held, rejected=out.rejected)

@@ -2,8 +2,10 @@
 
 Every `delta_interval_s` (the `flush` task), and whenever a trajectory must be durable (before an
 environment step, before a MigrateOut hands it over, at stop), each active trajectory's new tokens
-are cut into a delta (trajectory.py) and sent: single-turn ones as one columnar AppendDeltaBatch,
-multi-turn ones (loss masks, observation spans) as AppendDeltas. A request is bounded (the bus
+are cut into a delta (trajectory.py) and sent in columns (AppendDeltaBatch: a few arrays per request,
+whatever the number of deltas): single-turn ones in requests of their own, without a loss mask (the
+partial pool's fast path), multi-turn ones (loss masks, observation spans: env steps, agent calls)
+in requests that carry both columns. A request is bounded (the bus
 limits a message's frames, containers and body: bus/codec.py), so a large flush is paged; a
 trajectory's deltas never straddle two pages. A delta leaves its outbox only when acknowledged,
 so a page that fails is sent again by the next flush (the pool applies each seq once).
@@ -38,7 +40,7 @@ from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.work import Work
 
 from laminar.models.routing import routing_columns
-from laminar.protocol import AppendDeltaBatch, AppendDeltas
+from laminar.protocol import AppendDeltaBatch
 
 
 class DeltaStream:
@@ -76,10 +78,10 @@ class DeltaStream:
             return True
         single = [a for a in items if not _multi_turn(a)]
         multi = [a for a in items if _multi_turn(a)]
-        for group, columnar in ((single, True), (multi, False)):
+        for group in (single, multi):
             for page in self._pages(group):
                 deltas = [d for a in page for d in a.outbox]
-                req = _columns(self.rollout_id, deltas) if columnar else AppendDeltas(self.rollout_id, deltas)
+                req = _columns(self.rollout_id, deltas, multi_turn=group is multi)
                 try:
                     res = await self.partials.call(req, timeout=self.timeout_s)
                 except (PeerUnavailable, RemoteError) as exc:
@@ -165,22 +167,32 @@ class DeltaStream:
 
 
 def _multi_turn(a: Active) -> bool:
-    """A trajectory whose deltas may carry a loss mask or observation spans (AppendDeltas)."""
+    """A trajectory whose deltas may carry a loss mask or observation spans."""
     return bool(a.obs_spans) or any(d.loss_mask is not None or d.obs_spans is not None for d in a.outbox)
 
 
-def _columns(rollout_id: str, deltas: list) -> AppendDeltaBatch:
-    """Single-turn TokenDeltas as one columnar AppendDeltaBatch (the partial pool's chunk format)."""
+def _columns(rollout_id: str, deltas: list, multi_turn: bool = False) -> AppendDeltaBatch:
+    """TokenDeltas as one columnar AppendDeltaBatch (the partial pool's chunk format); `multi_turn`:
+    with the loss mask (1 where a delta had none) and the observation spans columns."""
     n = len(deltas)
     lengths = np.fromiter((len(d.tokens) for d in deltas), np.int64, n)
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     cat = lambda xs, dt: np.concatenate([np.asarray(x, dt) for x in xs]) if xs else np.zeros(0, dt)  # noqa: E731
     routing, routing_offsets = routing_columns([d.routing for d in deltas])
+    mask = spans = span_offsets = None
+    if multi_turn:
+        mask = cat([np.ones(len(d.tokens), np.uint8) if d.loss_mask is None else d.loss_mask for d in deltas],
+                   np.uint8)
+        parts = [np.zeros((0, 2), np.int32) if d.obs_spans is None else np.asarray(d.obs_spans, np.int32)
+                 .reshape(-1, 2) for d in deltas]
+        span_offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(np.fromiter((len(p) for p in parts), np.int64, n), out=span_offsets[1:])
+        spans = np.concatenate(parts) if parts else np.zeros((0, 2), np.int32)
     return AppendDeltaBatch(
         rollout_id, [d.trajectory_id for d in deltas], np.fromiter((d.seq for d in deltas), np.int64, n),
         np.fromiter((d.version for d in deltas), np.int64, n), offsets,
         cat([d.tokens for d in deltas], np.int32), cat([d.logprobs for d in deltas], np.float32),
         [d.spec for d in deltas if d.seq == 0], epochs=np.fromiter((d.epoch for d in deltas), np.int64, n),
-        lineages=np.fromiter((d.lineage for d in deltas), np.int64, n), routing=routing,
-        routing_offsets=routing_offsets)
+        loss_mask=mask, lineages=np.fromiter((d.lineage for d in deltas), np.int64, n), routing=routing,
+        routing_offsets=routing_offsets, obs_spans=spans, obs_offsets=span_offsets)

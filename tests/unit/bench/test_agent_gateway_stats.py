@@ -65,3 +65,35 @@ def test_the_direct_side_replays_each_call_on_its_context_to_the_length_it_had()
     wall, tokens = asyncio.run(bench.direct_round(engine, {"e": traj}, [{"id": "e", "seeds": [5, 6]}]))
     assert engine.asked == [([1, 2, 3], 4, 5, True), ([1, 2, 3, 10, 11, 12, 13, 20, 21], 3, 6, True)]
     assert tokens == 7 and wall >= 0
+
+
+def test_each_call_length_has_its_ratio_and_the_fixed_cost_is_told_apart_from_the_per_token_one():
+    bench = load_bench()
+
+    def at(mt: int, ratio: float, here_gw: float, here_direct: float, tokens: float) -> dict:
+        r = row(1000 * ratio, 1000)
+        r.update(max_tokens=mt, gateway_tokens_per_call=tokens,
+                 gateway_cpu_ms_per_call={"agents": 5.0, "here": here_gw, "engine": 20.0},
+                 direct_cpu_ms_per_call={"here": here_direct, "engine": 20.0})
+        return r
+    # the gateway's own CPU per call over the direct side's: 2 ms fixed + 0.01 ms per token
+    rows = [at(64, 0.8, 3.64, 1.0, 64), at(64, 0.82, 3.64, 1.0, 64),
+            at(256, 0.9, 5.56, 1.0, 256), at(256, 0.94, 5.56, 1.0, 256)]
+    s = bench.by_max_tokens(rows, [64, 256])
+    assert s["gateway_over_direct"] == pytest.approx(0.81)      # the first length's: the default one
+    assert s["gateway_over_direct_by_max_tokens"] == pytest.approx({"64": 0.81, "256": 0.92})
+    assert s["by_max_tokens"]["256"]["gateway_over_direct_rounds"] == pytest.approx([0.9, 0.94])
+    assert s["path_cpu_ms_per_call_by_max_tokens"] == pytest.approx({"64": 2.64, "256": 4.56})
+    assert s["path_cpu_ms_fixed_per_call"] == pytest.approx(2.0)
+    assert s["path_cpu_ms_per_token"] == pytest.approx(0.01)
+    one = bench.by_max_tokens(rows[:2], [64])
+    assert one["gateway_over_direct"] == pytest.approx(0.81) and "path_cpu_ms_per_token" not in one
+
+
+def test_the_conversation_must_fit_the_model_and_the_prompt_pool_budget():
+    bench = load_bench()
+    need = bench.context_need(6, 256)
+    assert need["context"] > 6 * 256 and need["response"] < need["context"]
+    assert need["context"] <= bench.MAX_MODEL_LEN and need["response"] <= bench.RESPONSE_BUDGET  # fits: 6 x 256
+    with pytest.raises(SystemExit, match="--max-tokens 512"):
+        bench.check_fits(6, [64, 512])

@@ -63,9 +63,11 @@ def test_extraction_last_boxed_nested_braces_and_answer_line():
     assert extract_answer("Answer: 1\nmore\n**Answer:** 34") == "34"
     assert extract_answer("Answer: 34", require_boxed=True) is None
     assert extract_answer("\\boxed{}") is None and extract_answer("nothing here") is None
-    # \boxed wins over an Answer: line; text after EOS is not part of the response
+    # \boxed wins over an Answer: line; after an EOS comes the next turn of a multi-turn episode
+    # (an agent's tool call, then its answer): every turn is read, the last answer counts
     assert extract_answer("\\boxed{7}\nAnswer: 8") == "7"
-    assert math_reward(spec("7"), tokens("\\boxed{8}") + tokens("\\boxed{7}")) == 0.0
+    assert math_reward(spec("7"), tokens("\\boxed{8}") + tokens("\\boxed{7}")) == 1.0
+    assert math_reward(spec("8"), tokens("\\boxed{8}") + tokens("\\boxed{7}")) == 0.0
 
 
 def test_reward_options_format_penalty_and_overlong():

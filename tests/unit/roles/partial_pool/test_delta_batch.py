@@ -148,3 +148,46 @@ def test_a_store_from_before_lineages_is_migrated(tmp_path):
         conn.execute("PRAGMA user_version = 4")
     got = asyncio.run(write(True))
     assert got["o"].tokens.tolist() == [10, 20] and got["o"].lineage == -1 and got["n"].lineage == 5
+
+
+def test_multi_turn_columns_keep_masks_and_spans_as_per_delta_requests_do(tmp_path):
+    """The same multi-turn deltas (observations masked, their spans) sent in columns to one pool and
+    as AppendDeltas to another: the same partial state, before and after a restart; spans that do
+    not fit are refused whole."""
+    import dataclasses
+
+    from laminar.roles.rollout.streaming import _columns
+
+    def deltas(tid: str) -> list:
+        d0, d1, d2 = delta(tid, 0), delta(tid, 1), delta(tid, 2)
+        return [dataclasses.replace(d0, obs_spans=np.array([[0, 0]], np.int32)),
+                dataclasses.replace(d1, loss_mask=np.array([0, 1], np.uint8), obs_spans=np.array([[2, 3]], np.int32)),
+                d2]
+
+    async def states(columns: bool, root) -> list:
+        c = InprocCluster(cfg(root))
+        await c.start("partial_pool")
+        pool = c.client("partial_pool")
+        ds = deltas("a") + deltas("b")
+        ds.sort(key=lambda d: d.seq)
+        res = await pool.call(_columns("r0", ds, multi_turn=True) if columns else AppendDeltas("r0", ds))
+        assert (res.applied, res.rejected) == (6, {})
+        if columns:
+            req = _columns("r0", [delta("x", 0)], multi_turn=True)
+            with pytest.raises(RemoteError, match="obs_offsets"):
+                await pool.call(dataclasses.replace(req, obs_offsets=np.array([0, 5], np.int64)))
+        out = []
+        for _ in range(2):  # before and after a restart
+            for t in ("a", "b"):
+                p = await pool.call(GetPartial(t))
+                out.append((p.tokens.tolist(), p.logprobs.tolist(), p.loss_mask.tolist(), p.obs_spans.tolist(),
+                            p.next_seq))
+            await c.stop("partial_pool")
+            await c.start("partial_pool")
+        live = sorted(p.spec.trajectory_id for p in (await pool.call(InFlightOf("*"))).partials)
+        await c.close()
+        return out + [live]
+
+    columnar = asyncio.run(states(True, tmp_path / "columns"))
+    assert columnar == asyncio.run(states(False, tmp_path / "deltas"))
+    assert columnar[0] == ([10, 20, 11, 21, 12, 22], [0.0] * 6, [1, 1, 0, 1, 1, 1], [[0, 0], [2, 3]], 3)

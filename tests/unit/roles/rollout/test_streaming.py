@@ -156,3 +156,36 @@ def test_a_group_whose_pool_is_down_is_flushed_again_for_each_caller():
     asyncio.run(go())
     assert not a.outbox and not b.outbox
     assert sorted(i for r in s.partials.requests for i in r.trajectory_ids) == ["a", "b"]
+
+
+def multi_turn(s: DeltaStream, tid: str) -> Active:
+    """A trajectory of two turns: sampled tokens, an observation (masked, one span), sampled again."""
+    a = Active(spec=spec(tid), version=2)
+    a.add_observation([])
+    a.add_generated([1, 2], [-0.5, -0.25])
+    a.cut_delta()
+    a.add_observation([7, 8, 9])
+    a.add_generated([3], [-0.125])
+    a.cut_delta()
+    s.work.add(a)
+    return a
+
+
+def test_multi_turn_deltas_go_in_columns_with_their_masks_and_spans():
+    """Multi-turn trajectories (agent calls, env replies) flush as a columnar request, not a nested
+    event per delta, and unbatch into the deltas they were: masks and spans included. Single-turn
+    ones still go in a request of their own, without a mask (the pool's fast path)."""
+    pool = Pool()
+    s = stream(pool)
+    a, b = multi_turn(s, "a"), add(s, "b", [5])
+    deltas = a.outbox + b.outbox
+    assert asyncio.run(s.flush())
+    assert [type(r) for r in pool.requests] == [AppendDeltaBatch, AppendDeltaBatch]  # single-turn apart
+    assert pool.requests[0].loss_mask is None and pool.requests[0].obs_spans is None  # the pool's fast path
+    back = _unbatch(pool.requests[1]) + _unbatch(pool.requests[0])
+    norm = lambda x: None if x is None else np.asarray(x).tolist()  # noqa: E731
+    fields = lambda x: (x.trajectory_id, x.seq, x.version, x.epoch, x.lineage, list(x.tokens),  # noqa: E731
+                        list(x.logprobs), norm(x.loss_mask), norm(x.obs_spans))
+    assert [fields(x) for x in back] == [fields(d) for d in deltas]
+    assert back[1].loss_mask.tolist() == [0, 0, 0, 1] and back[1].obs_spans.tolist() == [[2, 5]]
+    assert back[0].obs_spans.tolist() == [[0, 0]] and back[2].obs_spans is None
