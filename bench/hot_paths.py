@@ -8,7 +8,7 @@ process tree, with the tree's interpreter (`T/.venv/bin/python`, default: this c
 the bench scripts of `DIR` (default `T/bench`: each tree measured by its own benches). Flags a
 bench does not know (an older tree's) are left out, and the run records which were used:
 
-    rollout    bench/rollout.py --quick --ratio-only            role_over_engine (spread: its median's 95% interval)
+    rollout    bench/rollout.py --quick --ratio-only            role_over_engine (spread over rounds)
     pools      bench/pools.py --quick --deltas-only             deltas_per_s (spread over windows)
     trainer    bench/trainer.py --quick --publish-only          publish_stall_over_memcpy (spread over publishes)
     broadcast  bench/broadcast.py --quick --skip-auth --methods=chain --net-repeats=5   (root)

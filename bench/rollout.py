@@ -2,28 +2,28 @@
 
     python bench/rollout.py [--quick] [--out FILE] [--rounds R] [--ratio-only] [--trajectories N] [--max-tokens M]
 
-1. the role against the bare engine, same work, at the same time: the role's process (the role
-   and, in-process, its pools) and its engine on one core, a twin engine (the same vLLM arguments,
-   in a process of its own: bench/_twin.py) on the other; one warm-up pass, then R rounds. In each
-   round the rollout role (prompt pool -> generation -> token deltas streamed to the partial pool
-   every 0.25 s -> scoring -> experience buffer, stats every second; an in-process cluster with
-   scoped identities, so hand-outs, ownership and lineage are checked as in a cluster) runs one
-   batch of N trajectories of up to M tokens while the twin runs the same trajectories (same
-   prompts, same per-trajectory seeds, so the same tokens), all at once. Why at the same time:
-   this machine's speed moves by 10-25% from one ~5 s pass to the next, on both cores together,
-   so passes taken one after the other (this bench's first design) gave rounds from 0.80 to 1.21
-   and could not tell 0.9 from 1.0; side by side, two bare twins agree within a few percent. The
-   sides swap cores every round (the role on core 0 in even rounds), so a faster core favours
-   neither. The role's time is one whole cycle of its batch loop: from the TakeBatch reply to its
-   next TakeBatch, plus that request's own round trip; the bench holds the loop at the prompt
-   pool's door between rounds (a gate on the role's client), so the round starts both sides at
-   once, and the role's last stores end, untimed, before the next round (SETTLE_S). Each round
-   gives one ratio (role tokens/s over twin tokens/s, the same tokens); `role_over_engine` is the
-   median of the R rounds' ratios, `role_over_engine_ci95` the distribution-free 95% interval of
-   that median (order statistics), `role_over_engine_spread` its width over the median: under 0.1
-   tells 0.9 from 1.0. Each pass also records the CPU per token of each side (the role's process,
-   its engine; the twin's client, its engine) and the seconds of full garbage collections in the
-   role's process (`gc_s`);
+1. the role against the bare engine, same work: one warm-up pass, then R rounds on one warm
+   engine. In each round the rollout role (prompt pool -> generation -> token deltas streamed to
+   the partial pool every 0.25 s -> scoring -> experience buffer, stats every second; an
+   in-process cluster with scoped identities, so hand-outs, ownership and lineage are checked as
+   in a cluster) runs one batch of N trajectories of up to M tokens, and the same trajectories
+   (same prompts, same per-trajectory seeds, so the same tokens) run again straight through the
+   same engine, all at once. N and M are sized so that each pass lasts ~10 s on a quiet 2-core
+   machine (--trajectories, --max-tokens): passes of under a second let one scheduling hiccup or
+   one full garbage collection move a round's ratio by 20-50%, which is what the first version of
+   this bench measured. The role's time is one whole cycle of its batch loop: from the TakeBatch
+   reply to its next TakeBatch, plus that request's own round trip; the bench holds the loop at
+   the prompt pool's door between rounds (a gate on the role's client), so nothing else runs while
+   either side is timed (a loop with early intake asks once nothing generates: its last stores,
+   which a run overlaps with the next batch, then end untimed before the engine's pass starts).
+   The order alternates (role first in even rounds, engine first in odd ones: the gate hands the
+   batch's specs to the bench before the role starts them), so a load that drifts during the run
+   reaches both sides alike; an untimed second (SETTLE_S) before each pass keeps one side's
+   leftovers out of the other's window. Each round gives one ratio (role tokens/s over engine tokens/s, the
+   same tokens); `role_over_engine` is the median of the R rounds' ratios, its spread
+   (max - min) / median and its IQR / median say how far apart two runs may land (to tell 0.9
+   from 1.0 the spread must be well under 0.1). Each pass also records this process's CPU per
+   token and the seconds it spent in full garbage collections (`gc_s`);
 2. migration: MigrateOut on one rollout + MigrateIn on another, timed until every moved
    trajectory has produced a new token on the destination; for 1 and for N trajectories;
 3. weight load: a new version written into the host's shared-memory store, loaded in place
@@ -46,14 +46,14 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_s, descendants, exit_on_signals, free_port, median_ci, print_table, spread_of, write_json  # noqa: E402
-from _twin import TwinEngine, pin_tree  # noqa: E402
+from _common import cpu_s, descendants, exit_on_signals, free_port, print_table, spread_of, write_json  # noqa: E402
 
 SEED = 11
-ROUNDS, ROUNDS_QUICK = 15, 12  # timed rounds, both sides at once (after one warm-up pass)
-# trajectories per batch and max tokens each; on one core each side, a batch of 96 takes ~6 s on
-# a quiet 2-core machine, one of 192 ~11 s, so --quick (the guard's) fits ~2 minutes
-BATCH, BATCH_QUICK, MAX_TOKENS = 192, 96, 640
+ROUNDS, ROUNDS_QUICK = 9, 7  # timed rounds of role/engine pairs (after one warm-up pass)
+# trajectories per batch and max tokens each. Measured on a quiet 2-core machine, a pass of 384 took
+# 17-57 s (the engine's own pace varied 3x from pass to pass), so --quick (the guard's) takes 192:
+# its 15 passes fit ~4 minutes
+BATCH, BATCH_QUICK, MAX_TOKENS = 384, 192, 640
 MIGRATE_N = 100
 # untimed pause before each pass, so what the last one left running (the pools' writes of the
 # role's last stores, which end after its loop asks again) does not land in the next one's window
@@ -64,10 +64,9 @@ def prompts(n: int) -> list[str]:
     return [f"{i:03d} say something long" for i in range(n)]
 
 
-def cluster_cfg(tmp: Path, model_dir: str, n: int, max_tokens: int, shm: Path, core: int = 0):
-    """Prompt pool 0 hands rollout 0 (its engine's threads on `core`) batches of N single-trajectory
-    groups, for ever; prompt pool 1 gives rollout 1 one trajectory of its own (then room for
-    migrants)."""
+def cluster_cfg(tmp: Path, model_dir: str, n: int, max_tokens: int, shm: Path):
+    """Prompt pool 0 hands rollout 0 batches of N single-trajectory groups, for ever; prompt
+    pool 1 gives rollout 1 one trajectory of its own (then room for migrants)."""
     from laminar.config import parse_config
     data = tmp / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in prompts(n)))
@@ -78,7 +77,7 @@ def cluster_cfg(tmp: Path, model_dir: str, n: int, max_tokens: int, shm: Path, c
         {"role": "prompt_pool", "id": "1", "port": free_port(), "options": {"dataset": str(one), "max_epochs": 1}},
         {"role": "partial_pool", "port": free_port()},
         {"role": "experience_buffer", "port": free_port()},
-        {"role": "rollout", "id": "0", "port": free_port(), "cores": [core]},
+        {"role": "rollout", "id": "0", "port": free_port()},
         {"role": "rollout", "id": "1", "port": free_port(), "options": {"max_concurrency": 2 * n, "prompt_pool": "1"}},
     ]
     return parse_config(
@@ -139,11 +138,18 @@ class Gate:
         self.go.set()
 
 
-def bare_batch(specs) -> list[tuple[str, list[int], int, int]]:
-    """The specs as the twin runs them: (trajectory id, prompt tokens, max tokens, the seed the role
-    gives that trajectory)."""
-    return [(x.trajectory_id, [int(t) for t in x.prompt_tokens], x.max_tokens,
-             zlib.crc32(f"{SEED}:{x.trajectory_id}".encode())) for x in specs]
+async def engine_pass(eng, specs, tag: str) -> tuple[int, float]:
+    """The specs' trajectories straight through the engine, all at once, with the seeds the role
+    gives them: (tokens, seconds)."""
+    async def one(spec) -> int:
+        count = 0
+        async for toks, _, _ in eng.generate(f"{spec.trajectory_id}#{tag}", [int(t) for t in spec.prompt_tokens],
+                                             spec.max_tokens, zlib.crc32(f"{SEED}:{spec.trajectory_id}".encode())):
+            count += len(toks)
+        return count
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(x) for x in specs))
+    return sum(counts), time.perf_counter() - t0
 
 
 async def role_pass(r0, gate: Gate) -> tuple[int, float]:
@@ -157,6 +163,12 @@ async def role_pass(r0, gate: Gate) -> tuple[int, float]:
     while r0.active:  # untimed: the batch's last stores end before the engine's pass starts
         await asyncio.sleep(0.005)  # watching the role's own state
     return tokens, secs
+
+
+def cpu_split() -> tuple[float, float]:
+    """CPU seconds used so far by this process (the role, the pools, vLLM's client side) and by its
+    children (the engine core and its worker)."""
+    return time.process_time(), sum(cpu_s(pid) for pid in descendants(os.getpid()))
 
 
 class GcClock:
@@ -179,117 +191,70 @@ class GcClock:
 GC = GcClock()
 
 
-def round_row(k: int, role: tuple, bare: tuple) -> dict:
-    """One round: role (tokens, seconds, CPU of its process, of its engine, full-GC seconds) and
-    twin (tokens, seconds, CPU of its client, of its engine); the role on core k % 2."""
-    return {"role_tokens": role[0], "role_s": role[1], "engine_tokens": bare[0], "engine_s": bare[1],
-            "role_core": k % 2, "ratio": (role[0] / role[1]) / (bare[0] / bare[1]),
+async def timed(coro) -> tuple[int, float, float, float, float]:
+    """(tokens, seconds, CPU seconds here, CPU seconds in the engine's processes, seconds of full
+    garbage collections here) of a pass."""
+    h0, k0 = cpu_split()
+    g0 = GC.total
+    tokens, secs = await coro
+    h1, k1 = cpu_split()
+    return tokens, secs, h1 - h0, k1 - k0, GC.total - g0
+
+
+def round_row(k: int, role: tuple, eng: tuple) -> dict:
+    return {"role_tokens": role[0], "role_s": role[1], "engine_tokens": eng[0], "engine_s": eng[1],
+            "role_first": k % 2 == 0, "ratio": (role[0] / role[1]) / (eng[0] / eng[1]),
             "role_cpu_us_per_token": {"here": 1e6 * role[2] / role[0], "engine": 1e6 * role[3] / role[0]},
-            "engine_cpu_us_per_token": {"here": 1e6 * bare[2] / bare[0], "engine": 1e6 * bare[3] / bare[0]},
-            "gc_s": role[4]}
+            "engine_cpu_us_per_token": {"here": 1e6 * eng[2] / eng[0], "engine": 1e6 * eng[3] / eng[0]},
+            "gc_s": {"role": role[4], "engine": eng[4]}}
 
 
-def round_summary(rows: list[dict]) -> dict:
-    """The median of the rounds' ratios, its 95% interval and spread, and the sides' medians."""
-    ratios = [r["ratio"] for r in rows]
-    s, (lo, hi) = spread_of(ratios), median_ci(ratios)
-    by_core = {f"role_on_core_{c}": statistics.median(r["ratio"] for r in rows if r["role_core"] == c)
-               for c in (0, 1) if any(r["role_core"] == c for r in rows)}
-    med = lambda key, side: statistics.median(r[key][side] for r in rows)  # noqa: E731
-    return {"role_over_engine": s["median"], "role_over_engine_runs": ratios,
-            "role_over_engine_ci95": [lo, hi], "role_over_engine_spread": (hi - lo) / s["median"],
-            "role_over_engine_range": s["spread"], "role_over_engine_iqr": s["iqr"],
-            "role_over_engine_min": s["min"], "role_over_engine_max": s["max"], "by_core": by_core,
-            "pass_s": statistics.median(x for r in rows for x in (r["role_s"], r["engine_s"])),
-            "role_tokens_per_s": statistics.median(r["role_tokens"] / r["role_s"] for r in rows),
-            "engine_tokens_per_s": statistics.median(r["engine_tokens"] / r["engine_s"] for r in rows),
-            "same_tokens": all(r["role_tokens"] == r["engine_tokens"] for r in rows),
-            # CPU per token of each side: the role's process (role, pools, vLLM's client side) and
-            # its engine; the twin's client side and its engine
-            "role_cpu_us_per_token": {"process": med("role_cpu_us_per_token", "here"),
-                                      "engine": med("role_cpu_us_per_token", "engine")},
-            "engine_cpu_us_per_token": {"client": med("engine_cpu_us_per_token", "here"),
-                                        "engine": med("engine_cpu_us_per_token", "engine")},
-            "gc_s": sum(r["gc_s"] for r in rows)}
-
-
-class Sides:
-    """The two sides' processes, pinned one core each, and their CPU clocks."""
-
-    def __init__(self, twin: TwinEngine, cores: tuple[int, int]):
-        self.twin, self.cores = twin, cores
-
-    def role_pids(self) -> list[int]:
-        theirs = set(self.twin.pids())
-        return [os.getpid(), *(p for p in descendants(os.getpid()) if p not in theirs)]
-
-    def pin(self, k: int) -> None:
-        """Round k: the role on cores[k % 2], the twin on the other."""
-        pin_tree(self.role_pids(), {self.cores[k % 2]})
-        pin_tree(self.twin.pids(), {self.cores[1 - k % 2]})
-
-    def unpin(self, cores: set[int]) -> None:
-        """The role's side back on `cores` (the phases after the rounds)."""
-        pin_tree(self.role_pids(), cores)
-
-    def cpu(self) -> tuple[float, float, float, float]:
-        """CPU seconds so far: the role's process, its engine, the twin's client, its engine."""
-        engine = sum(cpu_s(p) for p in self.role_pids()[1:])
-        return (time.process_time(), engine, *self.twin.cpu())
-
-
-async def one_round(r0, gate: Gate, sides: Sides, k: int) -> dict:
-    """Both sides at once on the held batch: the twin started, then the role let through."""
-    sides.pin(k)
-    await asyncio.sleep(SETTLE_S)
-    c0, g0 = sides.cpu(), GC.total
-    sides.twin.send(f"bare{k}", bare_batch(gate.reply.trajectories))
-    tokens, secs = await role_pass(r0, gate)
-    bare = await sides.twin.result()
-    c = [x - y for x, y in zip(sides.cpu(), c0, strict=True)]
-    return round_row(k, (tokens, secs, c[0], c[1], GC.total - g0), (*bare, c[2], c[3]))
-
-
-async def ratio_rounds(r0, gate: Gate, sides: Sides, rounds: int) -> dict:
-    """One warm-up round (untimed), then `rounds` timed rounds, the sides swapping cores."""
+async def ratio_rounds(r0, gate: Gate, rounds: int) -> dict:
+    """One warm-up pass of the role (untimed), then `rounds` timed rounds, role and engine in
+    alternating order."""
     await gate.arrived.wait()
-    await one_round(r0, gate, sides, 0)  # warm-up: both engines, the pools' tables, the role's loop
+    await role_pass(r0, gate)  # warm-up: the engine, the pools' tables, the role's loop
     rows = []
     for k in range(1, rounds + 1):
         await gate.arrived.wait()
-        rows.append(await one_round(r0, gate, sides, k))
-        r = rows[-1]
-        print(f"  round {k} (role on core {sides.cores[k % 2]}): role {r['role_tokens'] / r['role_s']:,.0f} "
-              f"tokens/s ({r['role_s']:.1f} s), engine {r['engine_tokens'] / r['engine_s']:,.0f} tokens/s "
-              f"({r['engine_s']:.1f} s), ratio {r['ratio']:.3f}", flush=True)
-    return {"rounds": rows, **round_summary(rows)}
-
-
-def two_cores() -> tuple[int, int]:
-    mine = sorted(os.sched_getaffinity(0))
-    if len(mine) < 2:
-        raise SystemExit(f"bench/rollout.py runs the role and a bare twin on a core each: this process may use {mine}")
-    return mine[0], mine[1]
+        specs = list(gate.reply.trajectories)
+        await asyncio.sleep(SETTLE_S)
+        if k % 2:  # engine first
+            eng = await timed(engine_pass(r0.engine, specs, f"bare{k}"))
+            await asyncio.sleep(SETTLE_S)
+            role = await timed(role_pass(r0, gate))
+        else:
+            role = await timed(role_pass(r0, gate))
+            await asyncio.sleep(SETTLE_S)
+            eng = await timed(engine_pass(r0.engine, specs, f"bare{k}"))
+        rows.append(round_row(k, role, eng))
+        print(f"  round {k}: role {role[0] / role[1]:,.0f} tokens/s ({role[1]:.1f} s), engine "
+              f"{eng[0] / eng[1]:,.0f} tokens/s ({eng[1]:.1f} s), ratio {rows[-1]['ratio']:.3f}", flush=True)
+    ratios = spread_of([r["ratio"] for r in rows])
+    return {"rounds": rows, "role_over_engine": ratios["median"], "role_over_engine_runs": [r["ratio"] for r in rows],
+            "role_over_engine_spread": ratios["spread"], "role_over_engine_iqr": ratios["iqr"],
+            "role_over_engine_min": ratios["min"], "role_over_engine_max": ratios["max"],
+            "pass_s": statistics.median(s for r in rows for s in (r["role_s"], r["engine_s"])),
+            "role_tokens_per_s": statistics.median(r["role_tokens"] / r["role_s"] for r in rows),
+            "engine_tokens_per_s": statistics.median(r["engine_tokens"] / r["engine_s"] for r in rows),
+            "same_tokens": all(r["role_tokens"] == r["engine_tokens"] for r in rows),
+            # CPU per token in this process (role, pools, vLLM's client side): what the role adds
+            "role_cpu_us_per_token": statistics.median(r["role_cpu_us_per_token"]["here"] for r in rows),
+            "engine_cpu_us_per_token": statistics.median(r["engine_cpu_us_per_token"]["here"] for r in rows),
+            "gc_s": {"role": sum(r["gc_s"]["role"] for r in rows), "engine": sum(r["gc_s"]["engine"] for r in rows)}}
 
 
 async def run_bench(cfg, n: int, migrate_n: int, model_dir: str, rounds: int, ratio_only: bool) -> dict:
-    """Phases on warm engines: role vs twin rounds -> migrations -> weight load."""
+    """Phases on one warm engine: role vs engine rounds -> migrations -> weight load."""
     from laminar.testing.inproc_cluster import InprocCluster
-    cores, everywhere = two_cores(), os.sched_getaffinity(0)
-    twin = TwinEngine(cfg.settings_of("rollout", "0"), cores[1])
     c = InprocCluster(cfg, scoped=True)  # every role acts as its key would: hand-outs and owners checked
-    gate = None
+    for r, i in (("prompt_pool", "0"), ("partial_pool", "0"), ("experience_buffer", "0")):
+        await c.start(r, i)
+    r0 = await c.start("rollout", "0")
+    gc.freeze()  # what each role's own process does once its setup is done (laminar/shell.py when_ready)
+    gate = r0.prompts = Gate(r0.prompts)  # its first batch may pass before this: it warms the engine
     try:
-        await twin.start()
-        for r, i in (("prompt_pool", "0"), ("partial_pool", "0"), ("experience_buffer", "0")):
-            await c.start(r, i)
-        r0 = await c.start("rollout", "0")
-        gc.freeze()  # what each role's own process does once its setup is done (laminar/shell.py when_ready)
-        gate = r0.prompts = Gate(r0.prompts)  # its first batch may pass before this: it warms the engine
-        sides = Sides(twin, cores)
-        res = await ratio_rounds(r0, gate, sides, rounds)
-        twin.close()
-        sides.unpin(everywhere)
+        res = await ratio_rounds(r0, gate, rounds)
         gate.open = True
         gate.release()
         if not ratio_only:
@@ -298,10 +263,8 @@ async def run_bench(cfg, n: int, migrate_n: int, model_dir: str, rounds: int, ra
             res.update(await migrations(c, r0, r1, sorted({1, migrate_n})))
             res.update(await weight_load(r0.engine, model_dir))
     finally:
-        if gate is not None:
-            gate.open = True
-            gate.release()
-        twin.close()
+        gate.open = True
+        gate.release()
         await c.close()
     return res
 
@@ -411,22 +374,19 @@ def main() -> int:
     model_dir = a.model_dir or str(build_tiny_model(tmp / "tiny", init_std=0.1))
     res = asyncio.run(run_bench(cluster_cfg(tmp, model_dir, n, max_tokens, tmp / "shm"), n, migrate_n, model_dir,
                                 rounds, a.ratio_only))
-    print_table(f"rollout role vs a bare twin of its engine, same work at the same time, a core each ({n} "
-                f"trajectories of up to {max_tokens} tokens a round, temperature 1; every check on)",
-                ["round", "role on core", "role tokens/s", "engine tokens/s", "role / engine"],
-                [[i + 1, r["role_core"], r["role_tokens"] / r["role_s"], r["engine_tokens"] / r["engine_s"],
-                  r["ratio"]] for i, r in enumerate(res["rounds"])])
-    lo, hi = res["role_over_engine_ci95"]
-    cpu_r, cpu_e = res["role_cpu_us_per_token"], res["engine_cpu_us_per_token"]
+    print_table(f"rollout role vs the bare vLLM CPU engine, same work ({n} trajectories of up to {max_tokens} "
+                f"tokens a round, temperature 1; every check on)",
+                ["round", "first", "role tokens/s", "engine tokens/s", "role / engine"],
+                [[i + 1, "role" if r["role_first"] else "engine", r["role_tokens"] / r["role_s"],
+                  r["engine_tokens"] / r["engine_s"], r["ratio"]] for i, r in enumerate(res["rounds"])])
     print(f"\nrole / engine: median {res['role_over_engine']:.3f} of {rounds} rounds (passes of "
-          f"{res['pass_s']:.1f} s), 95% interval of the median [{lo:.3f}, {hi:.3f}] (spread "
-          f"{res['role_over_engine_spread']:.3f}: under 0.1 tells 0.9 from 1.0; goal >= 0.95); rounds "
-          f"{res['role_over_engine_min']:.3f}-{res['role_over_engine_max']:.3f} (IQR "
-          f"{res['role_over_engine_iqr']:.3f}); by the role's core "
-          + ", ".join(f"{k[-1]}: {v:.3f}" for k, v in res["by_core"].items())
-          + f"; same tokens both sides: {res['same_tokens']}; full GCs in the role's process: {res['gc_s']:.2f} s; "
-          f"CPU per token: role process {cpu_r['process']:.1f} us + engine {cpu_r['engine']:.1f} us, twin client "
-          f"{cpu_e['client']:.1f} us + engine {cpu_e['engine']:.1f} us")
+          f"{res['pass_s']:.1f} s), spread {res['role_over_engine_spread']:.3f} "
+          f"(min {res['role_over_engine_min']:.3f}, max {res['role_over_engine_max']:.3f}, "
+          f"IQR {res['role_over_engine_iqr']:.3f}; goal >= 0.95); same "
+          f"tokens both ways: {res['same_tokens']}; full GCs here: {res['gc_s']['role']:.2f} s in the role's "
+          f"passes, {res['gc_s']['engine']:.2f} s in the engine's; "
+          f"CPU per token in this process: role {res['role_cpu_us_per_token']:.1f} us, engine alone "
+          f"{res['engine_cpu_us_per_token']:.1f} us")
     out = {"quick": a.quick, "trajectories": n, "max_tokens": max_tokens,
            **{k: v for k, v in res.items() if k != "rounds"}, "rounds": res["rounds"]}
     if not a.ratio_only:
