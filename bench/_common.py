@@ -11,6 +11,7 @@ it kills it.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import statistics
@@ -39,6 +40,24 @@ def spread_of(xs: list[float]) -> dict:
     q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
     return {"median": med, "spread": (max(xs) - min(xs)) / med, "iqr": (q3 - q1) / med, "min": min(xs),
             "max": max(xs)}
+
+
+def median_ci(xs: list[float], conf: float = 0.95) -> tuple[float, float]:
+    """The distribution-free interval of the median of `xs` (order statistics): the k-th smallest
+    and k-th largest values, k the largest rank with P(Binomial(n, 1/2) < k) <= (1 - conf) / 2, so
+    the interval covers the true median at least `conf` of the time, whatever the distribution.
+    Under six values no such k exists: (min, max), which covers less."""
+    v, n = sorted(xs), len(xs)
+    if not v:
+        raise ValueError("median_ci of no values")
+    cdf, k, tail = 0.0, 0, (1 - conf) / 2
+    for j in range(n):  # cdf = P(B <= j - 1) before adding j's term; k = the last j with P(B < j) <= tail
+        if cdf > tail:
+            break
+        k = j
+        cdf += math.comb(n, j) / 2 ** n
+    k = max(k, 1)
+    return v[k - 1], v[n - k]
 
 
 def cpu_s(pid: int) -> float:

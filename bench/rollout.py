@@ -22,7 +22,8 @@
    leftovers out of the other's window. Each round gives one ratio (role tokens/s over engine tokens/s, the
    same tokens); `role_over_engine` is the median of the R rounds' ratios, its spread
    (max - min) / median and its IQR / median say how far apart two runs may land (to tell 0.9
-   from 1.0 the spread must be well under 0.1). Each pass also records this process's CPU per
+   from 1.0 the spread must be well under 0.1); `role_over_engine_ci95` is the distribution-free 95%
+   interval of that median (order statistics: `median_ci`). Each pass also records this process's CPU per
    token and the seconds it spent in full garbage collections (`gc_s`);
 2. migration: MigrateOut on one rollout + MigrateIn on another, timed until every moved
    trajectory has produced a new token on the destination; for 1 and for N trajectories;
@@ -46,7 +47,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_s, descendants, exit_on_signals, free_port, print_table, spread_of, write_json  # noqa: E402
+from _common import cpu_s, descendants, exit_on_signals, free_port, median_ci, print_table, spread_of, write_json  # noqa: E402
 
 SEED = 11
 ROUNDS, ROUNDS_QUICK = 9, 7  # timed rounds of role/engine pairs (after one warm-up pass)
@@ -231,7 +232,9 @@ async def ratio_rounds(r0, gate: Gate, rounds: int) -> dict:
         print(f"  round {k}: role {role[0] / role[1]:,.0f} tokens/s ({role[1]:.1f} s), engine "
               f"{eng[0] / eng[1]:,.0f} tokens/s ({eng[1]:.1f} s), ratio {rows[-1]['ratio']:.3f}", flush=True)
     ratios = spread_of([r["ratio"] for r in rows])
+    lo, hi = median_ci([r["ratio"] for r in rows])
     return {"rounds": rows, "role_over_engine": ratios["median"], "role_over_engine_runs": [r["ratio"] for r in rows],
+            "role_over_engine_ci95": [lo, hi],
             "role_over_engine_spread": ratios["spread"], "role_over_engine_iqr": ratios["iqr"],
             "role_over_engine_min": ratios["min"], "role_over_engine_max": ratios["max"],
             "pass_s": statistics.median(s for r in rows for s in (r["role_s"], r["engine_s"])),
@@ -379,8 +382,10 @@ def main() -> int:
                 ["round", "first", "role tokens/s", "engine tokens/s", "role / engine"],
                 [[i + 1, "role" if r["role_first"] else "engine", r["role_tokens"] / r["role_s"],
                   r["engine_tokens"] / r["engine_s"], r["ratio"]] for i, r in enumerate(res["rounds"])])
+    lo, hi = res["role_over_engine_ci95"]
     print(f"\nrole / engine: median {res['role_over_engine']:.3f} of {rounds} rounds (passes of "
-          f"{res['pass_s']:.1f} s), spread {res['role_over_engine_spread']:.3f} "
+          f"{res['pass_s']:.1f} s; 95% interval of the median [{lo:.3f}, {hi:.3f}]: it tells 0.9 from 1.0 "
+          f"when narrower than 0.1), spread {res['role_over_engine_spread']:.3f} "
           f"(min {res['role_over_engine_min']:.3f}, max {res['role_over_engine_max']:.3f}, "
           f"IQR {res['role_over_engine_iqr']:.3f}; goal >= 0.95); same "
           f"tokens both ways: {res['same_tokens']}; full GCs here: {res['gc_s']['role']:.2f} s in the role's "

@@ -3,6 +3,8 @@ round's ratio from its two passes, and the clock of full garbage collections a p
 from __future__ import annotations
 
 import gc
+import math
+import random
 
 import pytest
 
@@ -32,6 +34,19 @@ def test_round_ratio_is_role_rate_over_engine_rate():
     assert row["role_cpu_us_per_token"]["here"] == pytest.approx(50.0)
     assert row["gc_s"] == {"role": 0.01, "engine": 0.0}
     assert bench.round_row(3, (10, 1.0, 0, 0, 0), (10, 1.0, 0, 0, 0))["role_first"] is False
+
+
+def test_median_interval_is_the_order_statistics_that_cover_95_percent():
+    bench = load_bench()
+    for n, (lo, hi) in {5: (1, 5), 8: (1, 8), 12: (3, 10), 16: (4, 13), 21: (6, 16)}.items():
+        xs = list(range(1, n + 1))
+        random.Random(n).shuffle(xs)  # the order of the rounds does not matter
+        assert bench.median_ci(xs) == (lo, hi)
+        # [x(k), x(n-k+1)] covers at least 95%, one rank tighter does not (from six values on)
+        cover = lambda k, n=n: sum(math.comb(n, j) for j in range(k, n - k + 1)) / 2 ** n  # noqa: E731
+        assert (cover(lo) >= 0.95 or n < 6) and (n < 6 or cover(lo + 1) < 0.95)
+    with pytest.raises(ValueError):
+        bench.median_ci([])
 
 
 def test_gc_clock_counts_full_collections_only():
