@@ -140,7 +140,9 @@ def test_a_flush_page_is_bounded_in_tokens_too(tmp_path):
     assert sum(len(r.trajectory_ids) for r in reqs) == 4
 
 
-def test_multi_turn_deltas_stay_on_append_deltas(tmp_path):
+def test_multi_turn_deltas_go_in_columns_with_their_mask(tmp_path):
+    """A multi-turn delta travels as columns with its loss mask, in a page of its own; single-turn
+    pages carry no mask (the pool's fast path)."""
     role = make_role(tmp_path, partials=Book())
     a = active(role, "m/0", [5, 6])
     a.add_observation([7, 8])
@@ -149,10 +151,11 @@ def test_multi_turn_deltas_stay_on_append_deltas(tmp_path):
     async def go():
         assert await role.stream.flush()
     asyncio.run(go())
-    kinds = {type(r) for r in role.partials.requests}
-    assert kinds == {AppendDeltas, AppendDeltaBatch}
-    (multi,) = [r for r in role.partials.requests if isinstance(r, AppendDeltas)]
-    assert [d.trajectory_id for d in multi.deltas] == ["m/0"]
+    reqs = role.partials.requests
+    assert reqs and all(isinstance(r, AppendDeltaBatch) for r in reqs)
+    (multi,) = [r for r in reqs if r.loss_mask is not None]
+    assert multi.trajectory_ids == ["m/0"] and multi.loss_mask.tolist() == [1, 1, 0, 0]
+    assert all(r.loss_mask is None for r in reqs if "s/0" in r.trajectory_ids)
     assert role.partials.book.entries["m/0"].state().loss_mask.tolist() == [1, 1, 0, 0]
 
 
