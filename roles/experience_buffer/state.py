@@ -106,7 +106,7 @@ class Group:
         self.low = t.version if self.low is None else min(self.low, t.version)
 
     def min_version(self) -> int:
-        return self.low if self.low is not None else min(t.version for t in self.members.values())
+        return self.low  # a group is made with its first member (BufferBook.put), so never None here
 
 
 @dataclass

@@ -181,14 +181,11 @@ def _columns(rollout_id: str, deltas: list, multi_turn: bool = False) -> AppendD
     cat = lambda xs, dt: np.concatenate([np.asarray(x, dt) for x in xs]) if xs else np.zeros(0, dt)  # noqa: E731
     routing, routing_offsets = routing_columns([d.routing for d in deltas])
     mask = spans = span_offsets = None
-    if multi_turn:
+    if multi_turn:  # the spans as rows with offsets, as routing rows travel (None, None: no delta has any)
         mask = cat([np.ones(len(d.tokens), np.uint8) if d.loss_mask is None else d.loss_mask for d in deltas],
                    np.uint8)
-        parts = [np.zeros((0, 2), np.int32) if d.obs_spans is None else np.asarray(d.obs_spans, np.int32)
-                 .reshape(-1, 2) for d in deltas]
-        span_offsets = np.zeros(n + 1, np.int64)
-        np.cumsum(np.fromiter((len(p) for p in parts), np.int64, n), out=span_offsets[1:])
-        spans = np.concatenate(parts) if parts else np.zeros((0, 2), np.int32)
+        spans, span_offsets = routing_columns([None if d.obs_spans is None else
+                                               np.asarray(d.obs_spans, np.int32).reshape(-1, 2) for d in deltas])
     return AppendDeltaBatch(
         rollout_id, [d.trajectory_id for d in deltas], np.fromiter((d.seq for d in deltas), np.int64, n),
         np.fromiter((d.version for d in deltas), np.int64, n), offsets,
