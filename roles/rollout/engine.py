@@ -4,7 +4,10 @@
 the same one): start, generate (an async stream of (new tokens, their logprobs, finish reason)),
 load weights, scheduler statistics, close. Cancelling the task that consumes `generate` aborts
 the request inside vLLM (AsyncLLM does that on CancelledError), which is how migration stops a
-trajectory mid-way.
+trajectory mid-way. Closing the stream early (`aclose`, a stop string) aborts it too; closing it
+at its last output (the one with a finish reason, where agent calls and env turns stop reading)
+lets vLLM's own stream end instead: vLLM aborts whatever stream is closed before its end, and an
+abort of a finished request is one more message to the engine core and back for nothing.
 
 vLLM is imported in `start()` only. The async engine spawns its engine-core process, so the
 process hosting it needs the `__main__` guard, which the role shell provides.
@@ -259,16 +262,23 @@ class VllmEngine(RolloutEngine):
                             logprobs=sm.top_logprobs, detokenize=False, seed=seed, ignore_eos=sm.ignore_eos,
                             output_kind=RequestOutputKind.DELTA)
         with self.adapters.use() if self.adapters is not None else _no_adapter() as lora:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp,
-                                               request_id=request_id, lora_request=lora):
-                c = out.outputs[0]
-                toks = list(c.token_ids)
-                lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
-                if sm.top is not None:
-                    sm.top += [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
-                if out.finished and getattr(c, "routed_experts", None) is not None:  # the CUDA path
-                    self._finished_routing[request_id] = np.asarray(c.routed_experts)
-                yield toks, lps, (c.finish_reason if out.finished else None)
+            outs = self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp, request_id=request_id,
+                                     lora_request=lora)
+            finished = False
+            try:
+                async for out in outs:
+                    c = out.outputs[0]
+                    toks = list(c.token_ids)
+                    lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
+                    if sm.top is not None:
+                        sm.top += [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
+                    if out.finished and getattr(c, "routed_experts", None) is not None:  # the CUDA path
+                        self._finished_routing[request_id] = np.asarray(c.routed_experts)
+                    finished = out.finished
+                    yield toks, lps, (c.finish_reason if out.finished else None)
+            finally:
+                if finished:  # closed at its last output (module docstring): vLLM's stream ends, no abort
+                    await _run_out(outs)
         await self.drop_unused_adapters()  # this request's adapter, if it was the last one on an older version
 
     async def routing(self, asks: list[tuple[str, int, int]], drop: list[str]) -> list[tuple[int, Any] | None]:
@@ -371,6 +381,12 @@ class VllmEngine(RolloutEngine):
             await asyncio.to_thread(wait_gone, [p for p in self.shm.owners if p != tracker], 10.0)
             _untrack(self.shm.release())
             self.shm = None
+
+
+async def _run_out(outs) -> None:
+    """vLLM's stream of a request whose finished output it already gave: resumed, it ends by itself."""
+    async for _ in outs:
+        pass
 
 
 @contextlib.contextmanager

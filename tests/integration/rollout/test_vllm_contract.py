@@ -14,8 +14,9 @@ by name, instead of inside a rollout minutes into a run.
 - the worker's surface: the model runner's reload_weights (a weights iterator, or none: from the
   model folder), get_model, vllm_config; the layer-wise reload's finalize (used to recover from a
   load that stopped part-way); the tensor-parallel rank;
-- slow: one engine through VllmEngine: generate, abort by cancelling, statistics recorded, a
-  load through collective_rpc into the worker extension and back.
+- slow: one engine through VllmEngine: generate, abort by cancelling (none for a stream closed at
+  its last output), statistics recorded, a load through collective_rpc into the worker extension
+  and back.
 
 The tensor-parallel engine itself (TP=2, weights pulled into both ranks, failures on one rank):
 tests/integration/rollout/test_tensor_parallel.py.
@@ -122,8 +123,9 @@ def test_vllm_contract_worker_surface():
 
 @pytest.mark.slow
 def test_vllm_contract_engine_round_trip(tmp_path):
-    """One engine: generate, an abort by cancelling the consumer, scheduler statistics, a load
-    through collective_rpc into the worker extension (load_file) and back to the same outputs."""
+    """One engine: generate, an abort by cancelling the consumer (none for a stream closed at its last
+    output), scheduler statistics, a load through collective_rpc into the worker extension
+    (load_file) and back to the same outputs."""
     model = build_tiny_model(tmp_path / "m", seed=1, init_std=0.5)
     import transformers
     sd = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
@@ -138,18 +140,39 @@ def test_vllm_contract_engine_round_trip(tmp_path):
                 started.set()
         return out
 
+    async def until_finish(eng, tag) -> list[int]:
+        """As an agent call reads: stop at the output with a finish reason, then close the stream."""
+        out, stream = [], eng.generate(tag, [5, 6, 7, 8], 16, None)
+        try:
+            async for toks, _, finish in stream:
+                out += toks
+                if finish is not None:
+                    break
+        finally:
+            await stream.aclose()
+        await asyncio.sleep(0.1)  # a stream dropped unfinished is aborted by the loop's finalizer meanwhile
+        return out
+
     async def go():
         eng = VllmEngine(str(model), max_model_len=128, max_num_seqs=2, kv_cache_gib=1, temperature=0, top_p=1,
                          omp_threads_bind="0")
         await eng.start()
+        aborted, abort = [], eng.llm.abort
+
+        async def counted(request_id, internal=False):
+            aborted.append(request_id)
+            return await abort(request_id, internal=internal)
+        eng.llm.abort = counted  # what vLLM's generate calls when its stream is closed before its end
         try:
             first = await run(eng, "a")
+            assert await until_finish(eng, "e") == first and aborted == []  # a finished request: no abort
             started = asyncio.Event()
             task = asyncio.create_task(run(eng, "b", started))
             await started.wait()  # the request runs: cancelling its consumer aborts it inside vLLM
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            assert [r[:1] for r in aborted] == ["b"]  # (vLLM may suffix the id it aborts)
             await eng.load_file(str(tmp_path / "half.pt"))
             changed = await run(eng, "c")
             await eng.load_file(str(tmp_path / "same.pt"))
