@@ -23,7 +23,11 @@ prefix cache is emptied, so neither side reuses prompts the other computed.
   `gateway_over_direct_spread` (max - min) / median of the rounds' ratios, `_iqr` their
   interquartile range / median, `_rounds` each one;
 - per side, the CPU per call of the agents' process, this one and the engine's (each round's and
-  the medians), and the partial pool's commits during each gateway side;
+  the medians), of it this process's full garbage collections (`gc_full`), and the partial pool's
+  commits during each gateway side. What the cluster holds once its roles are up (vLLM, torch, the
+  engine) is frozen out of the collector (`gc.freeze`), as each role's own process does after its
+  setup (laminar/shell.py): unfrozen, a full collection walked all of it, at random in one side or
+  the other, seconds at a time;
 - `episodes`: episodes the agents completed; `version_mixed_episodes`: episodes whose calls were
   not all served by one version, or whose stored trajectory names another (must be 0).
 
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -105,18 +110,37 @@ def agents(base: str, conn) -> None:
 
 class CpuClock:
     """CPU seconds since it was made, of this process (the roles, the pools, vLLM's client side) and
-    of the engine's processes (its children but `exclude`, the agents' process)."""
+    of the engine's processes (its children but `exclude`, the agents' process), and the seconds
+    this process spent in full garbage collections meanwhile (`gc_full`, part of `here`)."""
 
     def __init__(self, exclude: int | None = None):
         self.exclude = exclude
+        self.gc_full, self._gc_start = 0.0, None
+        gc.callbacks.append(self._gc)
         self.t0 = self._now()
 
     def _now(self) -> tuple[float, float]:
         return time.process_time(), sum(cpu_s(p) for p in descendants(os.getpid()) if p != self.exclude)
 
+    def _gc(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gc_full += time.perf_counter() - self._gc_start
+            self._gc_start = None
+
     def read(self) -> dict:
         now = self._now()
-        return {"here": now[0] - self.t0[0], "engine": now[1] - self.t0[1]}
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
+        return {"here": now[0] - self.t0[0], "engine": now[1] - self.t0[1], "gc_full": self.gc_full}
+
+
+def _wake(ready: asyncio.Future) -> None:
+    if not ready.done():
+        ready.set_result(None)
 
 
 class Agents:
@@ -129,11 +153,26 @@ class Agents:
         self.p.start()
 
     async def _recv(self):
+        """The agents' next message, the cluster running on this loop meanwhile. It waits on the pipe
+        and on the process's sentinel, not by polling: a poll every 10 ms was a hundred wake-ups a
+        second charged to the gateway side's CPU alone (the direct side waits on nothing)."""
+        loop, fds = asyncio.get_running_loop(), (self.mine.fileno(), self.p.sentinel)
         while not self.mine.poll():
             if not self.p.is_alive():
                 raise RuntimeError(f"the agents' process exited ({self.p.exitcode}); its error is above")
-            await asyncio.sleep(0.01)  # the cluster runs on this loop while the agents work
-        return self.mine.recv()
+            ready = loop.create_future()
+            for fd in fds:
+                loop.add_reader(fd, _wake, ready)
+            try:
+                await ready
+            finally:
+                for fd in fds:
+                    loop.remove_reader(fd)
+        try:
+            return self.mine.recv()
+        except EOFError:  # its end of the pipe closed: it exited
+            self.p.join(5)
+            raise RuntimeError(f"the agents' process exited ({self.p.exitcode}); its error is above") from None
 
     async def round(self, n: int, calls: int, max_tokens: int, seed: int, settle) -> dict:
         """One round: the agents claim their episodes, `settle()` runs, then the timed calls (with
@@ -393,6 +432,7 @@ async def run(a) -> dict:
     try:
         for r in ("prompt_pool", "partial_pool", "experience_buffer", "gateway", "rollout"):
             await cluster.start(r)
+        gc.freeze()  # what each role's own process does once its setup is done (laminar/shell.py when_ready)
         pub = asyncio.ensure_future(publish())
         bench = Bench(a, cluster, agents_)
         rows = await bench.rounds()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import os
 import shutil
 import statistics
@@ -77,6 +78,7 @@ async def run(a) -> dict:
     try:
         for r in ("prompt_pool", "partial_pool", "experience_buffer", "gateway", "rollout"):
             await cluster.start(r)
+        gc.freeze()  # as each role's own process does once its setup is done (laminar/shell.py when_ready)
         await agents.round(a.episodes, 1, 8, 1, settle)  # warm-up: a whole batch, as each round takes one
         for rnd in range(a.rounds):
             if prof:
