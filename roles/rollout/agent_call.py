@@ -121,6 +121,12 @@ class Choice:
 
     def add(self, toks: list[int], lps: list[float]) -> bool:
         """Take new tokens; True when a stop string completed in them (the rest is dropped)."""
+        if not self.stops:  # nothing to look for between tokens: the step's tokens at once
+            self.tokens += map(int, toks)
+            self.logprobs += map(float, lps[:len(toks)])
+            self.logprobs += [0.0] * (len(self.tokens) - len(self.logprobs))
+            self._text = None
+            return False
         for k, t in enumerate(toks):
             self.tokens.append(int(t))
             self.logprobs.append(float(lps[k]) if k < len(lps) else 0.0)

@@ -266,3 +266,15 @@ def test_a_choices_text_is_the_display_of_its_tokens_however_it_arrived():
     assert not s.add(toks[:5], [0.0] * 5) and s.text == "héll"
     assert s.add(toks[5:], [0.0] * (len(toks) - 5)) and s.text == "héllo " and s.finish == "stop"
     assert s.tokens == toks[:len(CODEC.encode("héllo wö"))]   # up to the token that completed it
+
+
+def test_a_choice_without_stop_strings_takes_a_steps_tokens_as_one_step_at_a_time_would():
+    """Without stop strings a step's tokens are taken at once: ids as ints, logprobs as floats, 0.0
+    for a token the engine gave none, the text made from them when read."""
+    from laminar.roles.rollout.agent_call import Choice
+    c = Choice(0, FMT, [], tools=False)
+    assert not c.add(np.asarray(CODEC.encode("ab"), np.int64), [np.float32(-0.5), -0.25])
+    assert not c.add(CODEC.encode("c"), [])
+    assert c.tokens == CODEC.encode("abc") and all(type(t) is int for t in c.tokens)
+    assert c.logprobs == [-0.5, -0.25, 0.0] and all(type(x) is float for x in c.logprobs)
+    assert c.text == "abc"
