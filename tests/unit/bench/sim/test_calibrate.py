@@ -116,3 +116,16 @@ def test_an_unreadable_cache_is_an_empty_one_and_none_keeps_nothing(tmp_path):
     none = PaceCache(None)
     none.put("k", {"cpu_per_sim_s_busy": 0.1}, 2.0, "run")
     assert none.get("k")["speedup"] == 2.0 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_runs_start_longest_expected_first(tmp_path):
+    """Two or more at a time, the runs start in order of their expected wall time, longest first
+    (its cached pace at a whole core, else its estimate's speed): the short ones fill in at the end."""
+    cache = PaceCache(tmp_path / "pace.json")
+    cache.put("k-sync", {"cpu_per_sim_s_busy": 0.15, "cpu_per_sim_s_mean": 0.1}, 4.0, "run")
+    cache.put("k-lam", {"cpu_per_sim_s_busy": 0.30, "cpu_per_sim_s_mean": 0.2}, 2.0, "run")
+    specs = [spec(mode="laminar", pace_key="k-lam", expected_sim_s=900.0),      # 900 / 2.3 ≈ 390 s
+             spec(mode="stream", pace_key="k-none", expected_sim_s=1500.0),     # no entry: 1500 / 4.7 ≈ 320 s
+             spec(mode="sync", pace_key="k-sync", expected_sim_s=2400.0),       # 2400 / 4.7 ≈ 510 s
+             spec(mode="fixed", pace_key="k-lam", expected_sim_s=2000.0, speedup=10.0, pace={"source": "--speedup"})]
+    assert [s["mode"] for s in processes.longest_first(specs, cache)] == ["sync", "laminar", "stream", "fixed"]
