@@ -129,3 +129,15 @@ def test_runs_start_longest_expected_first(tmp_path):
              spec(mode="sync", pace_key="k-sync", expected_sim_s=2400.0),       # 2400 / 4.7 ≈ 510 s
              spec(mode="fixed", pace_key="k-lam", expected_sim_s=2000.0, speedup=10.0, pace={"source": "--speedup"})]
     assert [s["mode"] for s in processes.longest_first(specs, cache)] == ["sync", "laminar", "stream", "fixed"]
+
+
+def test_a_much_shorter_run_does_not_replace_a_whole_runs_pace(tmp_path):
+    """A short run's busiest windows understate a whole run's (72B/1,024 sync: 0.156 CPU s per
+    simulated s from 3 versions, 0.216 from 6): its pace replaces a cached one only when it covered
+    at least half as many windows; a run as long, or longer, always replaces it."""
+    cache = PaceCache(tmp_path / "pace.json")
+    cache.put("k", {"cpu_per_sim_s_busy": 0.216, "cpu_per_sim_s_mean": 0.13, "windows": 51}, 4.5, "run")
+    cache.put("k", {"cpu_per_sim_s_busy": 0.156, "cpu_per_sim_s_mean": 0.10, "windows": 18}, 4.0, "run")
+    assert cache.get("k")["cpu_per_sim_s_busy"] == 0.216
+    cache.put("k", {"cpu_per_sim_s_busy": 0.19, "cpu_per_sim_s_mean": 0.12, "windows": 30}, 3.2, "run")
+    assert PaceCache(tmp_path / "pace.json").get("k")["cpu_per_sim_s_busy"] == 0.19
