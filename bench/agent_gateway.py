@@ -26,8 +26,8 @@ prefix cache is emptied, so neither side reuses prompts the other computed.
   the medians), of it this process's full garbage collections (`gc_full`), and the partial pool's
   commits during each gateway side. What the cluster holds once its roles are up (vLLM, torch, the
   engine) is frozen out of the collector (`gc.freeze`), as each role's own process does after its
-  setup (laminar/shell.py): unfrozen, a full collection walked all of it, at random in one side or
-  the other, seconds at a time;
+  setup (laminar/shell.py): unfrozen, a full collection would walk all of it, in whichever side
+  it fell;
 - `episodes`: episodes the agents completed; `version_mixed_episodes`: episodes whose calls were
   not all served by one version, or whose stored trajectory names another (must be 0).
 
