@@ -11,26 +11,16 @@ once the owner sets an idle timeout (`set_idle_timeout`): the peer's heartbeats 
 keep a live link busy, so a receive that gets nothing for that long means a stopped peer (a
 SIGSTOPped process still answers keep-alive probes from its kernel, but sends nothing).
 `send_file` sends a payload that lies in a file (a relay's shared-memory slot) with sendfile.
-
-A large receive (a chunk's payload, read WAKE_MAX at a time) sets the socket's SO_RCVLOWAT to the
-bytes it waits for and polls: the kernel wakes the receiving thread once they are all queued (or
-the receive window is nearly full, or the peer closed), instead of at every arriving segment
-(a context switch and a partial copy each, one or two 1500-byte packets apart), and one
-non-blocking recv takes them. Small reads (headers, control messages) set the mark back to 1 and
-block as before, so a lone small message is never held back.
 """
 from __future__ import annotations
 
 import os
-import select
 import socket
 import struct
 
 from laminar.weights.transport import ChunkTransport, Conn, LinkError, Listener, split_address
 
 BUF_BYTES = 4 << 20
-# a receive of at least WAKE_MIN bytes waits until all are queued (SO_RCVLOWAT), WAKE_MAX at a time
-WAKE_MIN, WAKE_MAX = 32 << 10, 1 << 20
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 4, 2, 3
 
 
@@ -58,9 +48,6 @@ class TcpConn(Conn):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_timeout_s))
         self._closed = False
         self.idle_timeout_s: float | None = None
-        self._lowat = 1  # the socket's SO_RCVLOWAT now (1: the default, wake at any byte)
-        self._poll = select.poll()
-        self._poll.register(sock, select.POLLIN)
 
     def set_handshake_timeout(self, seconds: float | None) -> None:
         self.sock.settimeout(seconds)
@@ -112,38 +99,17 @@ class TcpConn(Conn):
         got, n = 0, len(view)
         try:
             while got < n:
-                want = min(n - got, WAKE_MAX)
-                if want >= WAKE_MIN:
-                    self._ready(want)  # then take what is there (all of it, unless a timeout or a full window)
-                    k = self.sock.recv_into(view[got:], want, socket.MSG_DONTWAIT)
-                else:
-                    self._set_lowat(1)
-                    k = self.sock.recv_into(view[got:], want, socket.MSG_WAITALL)
+                k = self.sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
                 if k == 0:
                     raise LinkError(f"{self.peer} closed the connection")
                 got += k
         except LinkError:
             raise
-        except BlockingIOError:  # the idle timeout passed with nothing received
+        except BlockingIOError:  # SO_RCVTIMEO passed with nothing received
             raise LinkError(f"nothing from {self.peer} for {self.idle_timeout_s:g} s: the peer stopped or "
                             "vanished") from None
         except OSError as exc:
             raise LinkError(f"receive from {self.peer} failed: {exc}") from None
-
-    def _ready(self, want: int) -> None:
-        """Wait until `want` bytes are queued on the socket (SO_RCVLOWAT = want, then poll), the
-        receive window is nearly full, the peer closed, or the idle timeout passed. A blocking
-        recv never runs with the mark raised: it would first take the bytes already queued and
-        then sleep until `want` more came, which the rest of this message may never reach."""
-        self._set_lowat(want)
-        timeout = self.sock.gettimeout()  # the handshake's deadline, else the idle timeout
-        timeout = self.idle_timeout_s if timeout is None else timeout
-        self._poll.poll(None if timeout is None else max(1, int(timeout * 1000)))
-
-    def _set_lowat(self, lowat: int) -> None:
-        if lowat != self._lowat:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
-            self._lowat = lowat
 
     def close(self) -> None:
         if self._closed:
