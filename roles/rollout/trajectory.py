@@ -165,10 +165,11 @@ class Active:
 
     @classmethod
     def resume(cls, p: PartialState) -> Active:
-        a = cls(spec=p.spec, version=p.version, tokens=[int(t) for t in p.tokens],
-                logprobs=[float(x) for x in p.logprobs], next_seq=p.next_seq, epoch=p.epoch,
+        # tolist(): Python ints and floats at C speed (a repack moves thousands of long trajectories)
+        a = cls(spec=p.spec, version=p.version, tokens=np.asarray(p.tokens).tolist(),
+                logprobs=np.asarray(p.logprobs).tolist(), next_seq=p.next_seq, epoch=p.epoch,
                 lineage=p.lineage)
-        a.mask = [1] * len(a.tokens) if p.loss_mask is None else [int(m) for m in p.loss_mask]
+        a.mask = [1] * len(a.tokens) if p.loss_mask is None else np.asarray(p.loss_mask).tolist()
         spans = np.zeros((0, 2), np.int32) if p.obs_spans is None else np.asarray(p.obs_spans).reshape(-1, 2)
         a.obs_spans = [(int(s), int(e)) for s, e in spans]
         a.cut, a.spans_cut = len(a.tokens), len(a.obs_spans)

@@ -58,6 +58,8 @@ class WeightFollower:
         self._failed_pull: tuple | None = None   # the relay pointer file (inode, mtime) a load failed on
         self._retry_pull_at = 0.0
         self._looked_at: tuple | None = None  # the relay pointer (inode, mtime) look_at_relay last read
+        self._read_at: tuple | None = None  # the relay pointer (inode, mtime) update() last read the manifest of
+        self._read_manifest = None          # and that manifest
 
     # -- what is held, what is newer -----------------------------------------------------------
     def newer(self, m) -> bool:
@@ -115,11 +117,11 @@ class WeightFollower:
             return
         lw = LocalWeights(self.shm_dir)
         claimed = self.newest_here  # announced before this look at the pointer (a later one may be news)
-        pointer = await asyncio.to_thread(self._pointer_stamp)
+        pointer = self._pointer_stamp()
         if pointer is not None and pointer == self._failed_pull and time.monotonic() < self._retry_pull_at:
             return  # it failed a moment ago: wait for the next version (a new pointer) or pull_retry_s
         try:
-            m = await asyncio.to_thread(lw.manifest)
+            m = await self._manifest_at(lw, pointer)
         except (OSError, ValueError) as exc:  # a bad pointer: nothing was loaded
             self._pull_failed(None, exc, pointer)
             return
@@ -186,8 +188,20 @@ class WeightFollower:
                            why="the relay holds weights sealed for another run than the trainer's: never loaded")
         return False
 
+    async def _manifest_at(self, lw: LocalWeights, pointer: tuple | None):
+        """The relay's manifest, read and parsed once per pointer: every batch-loop turn asks, and a
+        relay replaces its pointer file (a new inode) with every version, so an unchanged (inode,
+        mtime) names the manifest read last time. A pointer that moved between its stamp and the
+        read is read again at the next turn (its stamp differs)."""
+        if pointer is not None and pointer == self._read_at:
+            return self._read_manifest
+        m = await asyncio.to_thread(lw.manifest)
+        self._read_at, self._read_manifest = pointer, m
+        return m
+
     def _pointer_stamp(self) -> tuple | None:
-        """(inode, mtime) of the relay's pointer file: a relay replaces it with every version."""
+        """(inode, mtime) of the relay's pointer file: a relay replaces it with every version. One
+        stat of a file in the host's shared memory, on the loop (a thread hop would cost more)."""
         try:
             st = os.stat(os.path.join(self.shm_dir, "current"))
         except OSError:
@@ -222,7 +236,7 @@ class WeightFollower:
     async def look_at_relay(self) -> None:
         """Refill's drain must not hang on one lost `weights.version` event (PUB/SUB may drop): read
         the relay's pointer when it has changed since the last look, as if its event had come."""
-        pointer = await asyncio.to_thread(self._pointer_stamp)
+        pointer = self._pointer_stamp()
         if pointer is None or pointer == self._looked_at:
             return
         self._looked_at = pointer

@@ -198,3 +198,25 @@ def test_an_exact_load_names_the_relays_lineage_or_says_why_not(store):
 def _spec(tid: str) -> TrajectorySpec:
     return TrajectorySpec(trajectory_id=tid, prompt_id="p", group_id="g", sample_index=0, group_size=1,
                           prompt_tokens=np.asarray([1], dtype=np.int32), answer="x", max_tokens=4)
+
+
+def test_update_reads_the_relays_manifest_once_per_pointer(store, monkeypatch):
+    """Every batch-loop turn asks update(); the manifest is read and parsed only when the relay's
+    pointer file was replaced (a new version), not on every turn."""
+    reads = []
+    real = LocalWeights.manifest
+    monkeypatch.setattr(LocalWeights, "manifest", lambda self: reads.append(1) or real(self))
+    commit(store, 3)
+    w = follower(store)
+
+    async def turns(n):
+        for _ in range(n):
+            await w.update()
+    asyncio.run(turns(1))
+    assert w.version == 3
+    loaded_reads = len(reads)  # the look, the stand-in engine's load, the check after the load
+    asyncio.run(turns(5))
+    assert len(reads) == loaded_reads  # the same pointer: not read again
+    commit(store, 4)
+    asyncio.run(turns(3))
+    assert w.version == 4 and len(reads) == 2 * loaded_reads  # the new pointer read once, then not again
