@@ -26,7 +26,8 @@ the whole chain first (relays and the publisher allocate their buffers once, the
 use is the machine's busy share during each run (/proc/stat), to show the cores were not what
 limited it; for the chain, each row also has `relay_cpu_s`, the CPU seconds (user + system, every
 thread, from rusage) a relay's process used for that one version, averaged over the K relays
-(`relay_cpu_max_s` the busiest, `relay_system_s` the kernel's part), and the summary their median
+(`relay_cpu_max_s` the busiest, `relay_system_s` the kernel's part, `relay_switches` its threads'
+wake-ups: voluntary context switches), and the summary their median
 over the rounds at K = 8 (`relay_cpu_s_k8`): a measure of the relays' own work that, unlike the
 ratios, load on the machine moves much less. `--net-repeats N` runs every method N times (raw
 first in each round, each round's ratios to its own raw transfer): the ratios are the medians over
@@ -150,6 +151,7 @@ class Bench:
         cpu1 = self._cpu(relays)
         self.relay_cpu = [b["cpu_s"] - a["cpu_s"] for a, b in zip(cpu0, cpu1, strict=True)]
         self.relay_sys = [b["system_s"] - a["system_s"] for a, b in zip(cpu0, cpu1, strict=True)]
+        self.relay_switches = [b.get("switches", 0) - a.get("switches", 0) for a, b in zip(cpu0, cpu1, strict=True)]
         return secs
 
     def _cpu(self, relays: list[int]) -> list[dict]:
@@ -192,6 +194,7 @@ def measure_row(b: Bench, net, method: str, s: int, k: int, fn, timeout: float) 
                 row["relay_cpu_s"] = statistics.mean(b.relay_cpu)
                 row["relay_cpu_max_s"] = max(b.relay_cpu)
                 row["relay_system_s"] = statistics.mean(b.relay_sys)
+                row["relay_switches"] = statistics.mean(b.relay_switches)  # wake-ups per relay per version
     except RuntimeError as exc:  # keep what was measured; say what was not
         row["error"] = str(exc)[:300]
         print(f"  {method} S={s // MiB} MiB K={k}: FAILED: {row['error']}", flush=True)

@@ -8,7 +8,7 @@ Ops: relay (start a RelayNode), link (set its downstream), target (publisher's m
 publish (one version through the publisher), wait_visible (block until a version is visible
 here), fanout (send one version to many relays directly), raw_listen / raw_send / raw_wait (one
 plain socket transfer), gloo (torch.distributed broadcast), cpu (the CPU seconds this process used
-so far, every thread: user + system), reset, quit.
+so far, every thread: user + system, and its voluntary context switches), reset, quit.
 """
 from __future__ import annotations
 
@@ -162,7 +162,8 @@ class Agent:
 
     def op_cpu(self) -> dict:
         r = resource.getrusage(resource.RUSAGE_SELF)
-        return {"cpu_s": r.ru_utime + r.ru_stime, "user_s": r.ru_utime, "system_s": r.ru_stime}
+        return {"cpu_s": r.ru_utime + r.ru_stime, "user_s": r.ru_utime, "system_s": r.ru_stime,
+                "switches": r.ru_nvcsw}  # voluntary context switches: every wake-up from a wait
 
     def op_import_torch(self) -> dict:
         import torch  # noqa: F401  (paid once, before any measurement)

@@ -27,7 +27,9 @@ rollouts keep what they mapped until they let go), unless `keep_shm` is set; a r
 killed leaves it, and the next one to start there serves none of it until its lineage is offered.
 
 Thread -> loop: node callbacks run on data-plane threads and only do `call_soon_threadsafe`; the
-loop side is a bounded queue (progress is superseded, so a full queue drops it).
+loop side is a bounded queue (progress is superseded, so a full queue drops it). A progress event
+comes with every chunk; while the last report is younger than `progress_interval_s` it stays on
+the data thread (the loop would drop it), so the loop is not woken once a chunk.
 """
 from __future__ import annotations
 
@@ -106,6 +108,7 @@ class RelayRole(Role):
         cluster, rid = self.cluster, self.ctx.id
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue(maxsize=4096)
+        self._last_progress = 0.0  # when the loop last published relay.progress (data-plane threads read it)
         host_id, spec = cluster.spec("relay", rid)
         host = cluster.cluster.hosts[host_id]
         shm_dir = cluster.relay_shm_dir(rid)
@@ -131,7 +134,6 @@ class RelayRole(Role):
         self.shm_dir = shm_dir
         self.chain_sub = self.ctx.transport.subscriber(["weights.chain", "hb.trainer."])
         await self._join("start")
-        self._last_progress = 0.0
         self._pending_down: tuple[str, str] | None = None
         self._report_task: asyncio.Future | None = None
 
@@ -195,6 +197,8 @@ class RelayRole(Role):
 
     # -- data-plane thread -> loop -------------------------------------------------------------
     def _from_thread(self, kind: str, **info) -> None:
+        if kind == "progress" and time.monotonic() - self._last_progress < self.settings.progress_interval_s:
+            return  # one a chunk: the loop would not publish it (_progress), so it is not woken for it
         self.loop.call_soon_threadsafe(self._enqueue, kind, info)
 
     def _enqueue(self, kind: str, info: dict) -> None:

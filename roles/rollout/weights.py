@@ -115,13 +115,12 @@ class WeightFollower:
         move forward, so nothing was committed in between); otherwise it is loaded again."""
         if not self.shm_dir or self.work.active:
             return
-        lw = LocalWeights(self.shm_dir)
         claimed = self.newest_here  # announced before this look at the pointer (a later one may be news)
         pointer = self._pointer_stamp()
         if pointer is not None and pointer == self._failed_pull and time.monotonic() < self._retry_pull_at:
             return  # it failed a moment ago: wait for the next version (a new pointer) or pull_retry_s
         try:
-            m = await self._manifest_at(lw, pointer)
+            m = await self._manifest_at(pointer)
         except (OSError, ValueError) as exc:  # a bad pointer: nothing was loaded
             self._pull_failed(None, exc, pointer)
             return
@@ -130,7 +129,7 @@ class WeightFollower:
                 self.newest_here = None
             return
         state, self.work.state = self.work.state, "loading"
-        t0 = time.monotonic()
+        t0, lw = time.monotonic(), LocalWeights(self.shm_dir)
         try:
             for _ in range(3):
                 same = (m.run_id, m.lineage) == (self.run_id, self.lineage) and self.version >= 0
@@ -188,14 +187,14 @@ class WeightFollower:
                            why="the relay holds weights sealed for another run than the trainer's: never loaded")
         return False
 
-    async def _manifest_at(self, lw: LocalWeights, pointer: tuple | None):
+    async def _manifest_at(self, pointer: tuple | None):
         """The relay's manifest, read and parsed once per pointer: every batch-loop turn asks, and a
         relay replaces its pointer file (a new inode) with every version, so an unchanged (inode,
         mtime) names the manifest read last time. A pointer that moved between its stamp and the
         read is read again at the next turn (its stamp differs)."""
         if pointer is not None and pointer == self._read_at:
             return self._read_manifest
-        m = await asyncio.to_thread(lw.manifest)
+        m = await asyncio.to_thread(LocalWeights(self.shm_dir).manifest)
         self._read_at, self._read_manifest = pointer, m
         return m
 
