@@ -8,7 +8,7 @@
    in-process cluster with scoped identities, so hand-outs, ownership and lineage are checked as
    in a cluster) runs one batch of N trajectories of up to M tokens, and the same trajectories
    (same prompts, same per-trajectory seeds, so the same tokens) run again straight through the
-   same engine, all at once. N and M are sized so that each pass lasts ~10 s on a quiet 2-core
+   same engine, all at once. N and M are sized so that each pass lasts ~6-10 s on a quiet 2-core
    machine (--trajectories, --max-tokens): passes of under a second let one scheduling hiccup or
    one full garbage collection move a round's ratio by 20-50%, which is what the first version of
    this bench measured. The role's time is one whole cycle of its batch loop: from the TakeBatch
@@ -50,11 +50,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import cpu_s, descendants, exit_on_signals, free_port, median_ci, print_table, spread_of, write_json  # noqa: E402
 
 SEED = 11
-ROUNDS, ROUNDS_QUICK = 9, 7  # timed rounds of role/engine pairs (after one warm-up pass)
+# timed rounds of role/engine pairs (after one warm-up pass). The rounds scatter with the machine's
+# own speed (IQR ÷ median 0.11-0.16 here), so the median's 95% interval is narrower than 0.1 (it
+# tells 0.9 from 1.0) only after ~30 rounds: the full run takes 31 (docs/benchmarks.md)
+ROUNDS, ROUNDS_QUICK = 31, 7
 # trajectories per batch and max tokens each. Measured on a quiet 2-core machine, a pass of 384 took
-# 17-57 s (the engine's own pace varied 3x from pass to pass), so --quick (the guard's) takes 192:
-# its 15 passes fit ~4 minutes
-BATCH, BATCH_QUICK, MAX_TOKENS = 384, 192, 640
+# 17-57 s (the engine's own pace varied 3x from pass to pass), so both take 192 (a pass of 6-20 s):
+# --quick's 15 passes fit ~4 minutes, the full run's 63 ~10-18
+BATCH, BATCH_QUICK, MAX_TOKENS = 192, 192, 640
 MIGRATE_N = 100
 # untimed pause before each pass, so what the last one left running (the pools' writes of the
 # role's last stores, which end after its loop asks again) does not land in the next one's window
