@@ -1,5 +1,6 @@
 """Shared bits of the benchmark programs: free ports, percentiles, the spread of rounds, table
-printing, JSON output, the event loop a role runs on, and ending cleanly.
+printing, JSON output, CPU and full-collection clocks, the event loop a role runs on, and ending
+cleanly.
 
 A bench that is stopped (Ctrl-C, `timeout`'s SIGTERM, a closed terminal's SIGHUP) must still remove
 what it made: its clusters, their processes, and their shared memory in /dev/shm. `exit_on_signals()`
@@ -11,11 +12,13 @@ it kills it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import os
 import signal
 import statistics
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -81,6 +84,34 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def cpu_split(exclude: int | None = None) -> tuple[float, float]:
+    """CPU seconds used so far by this process and by all its descendants but `exclude` (a bench's
+    engine core and its workers, say, without the process that drives it)."""
+    return time.process_time(), sum(cpu_s(p) for p in descendants(os.getpid()) if p != exclude)
+
+
+class GcClock:
+    """Seconds this process has spent in full (generation 2) garbage collections since it was made
+    (`total`); `close()` stops counting."""
+
+    def __init__(self):
+        self.total, self._t0 = 0.0, None
+        gc.callbacks.append(self._event)
+
+    def _event(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.total += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def close(self) -> None:
+        if self._event in gc.callbacks:
+            gc.callbacks.remove(self._event)
 
 
 def run_loop(coro):

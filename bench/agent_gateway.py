@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_s, descendants, exit_on_signals, free_port, print_table, run_loop, spread_of, write_json  # noqa: E402
+from _common import GcClock, cpu_split, exit_on_signals, free_port, print_table, run_loop, spread_of, write_json  # noqa: E402
 
 
 def agents(base: str, conn) -> None:
@@ -115,27 +115,16 @@ class CpuClock:
 
     def __init__(self, exclude: int | None = None):
         self.exclude = exclude
-        self.gc_full, self._gc_start = 0.0, None
-        gc.callbacks.append(self._gc)
+        self.gc = GcClock()
         self.t0 = self._now()
 
     def _now(self) -> tuple[float, float]:
-        return time.process_time(), sum(cpu_s(p) for p in descendants(os.getpid()) if p != self.exclude)
-
-    def _gc(self, phase: str, info: dict) -> None:
-        if info.get("generation") != 2:
-            return
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        elif self._gc_start is not None:
-            self.gc_full += time.perf_counter() - self._gc_start
-            self._gc_start = None
+        return cpu_split(self.exclude)
 
     def read(self) -> dict:
         now = self._now()
-        if self._gc in gc.callbacks:
-            gc.callbacks.remove(self._gc)
-        return {"here": now[0] - self.t0[0], "engine": now[1] - self.t0[1], "gc_full": self.gc_full}
+        self.gc.close()
+        return {"here": now[0] - self.t0[0], "engine": now[1] - self.t0[1], "gc_full": self.gc.total}
 
 
 def _wake(ready: asyncio.Future) -> None:

@@ -47,7 +47,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_s, descendants, exit_on_signals, free_port, median_ci, print_table, spread_of, write_json  # noqa: E402
+from _common import GcClock, cpu_split, exit_on_signals, free_port, median_ci, print_table, spread_of, write_json  # noqa: E402
 
 SEED = 11
 # timed rounds of role/engine pairs (after one warm-up pass). The rounds scatter with the machine's
@@ -169,36 +169,13 @@ async def role_pass(r0, gate: Gate) -> tuple[int, float]:
     return tokens, secs
 
 
-def cpu_split() -> tuple[float, float]:
-    """CPU seconds used so far by this process (the role, the pools, vLLM's client side) and by its
-    children (the engine core and its worker)."""
-    return time.process_time(), sum(cpu_s(pid) for pid in descendants(os.getpid()))
-
-
-class GcClock:
-    """Seconds this process has spent in full (generation 2) garbage collections so far."""
-
-    def __init__(self):
-        self.total, self._t0 = 0.0, None
-        gc.callbacks.append(self._event)
-
-    def _event(self, phase: str, info: dict) -> None:
-        if info.get("generation") != 2:
-            return
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        elif self._t0 is not None:
-            self.total += time.perf_counter() - self._t0
-            self._t0 = None
-
-
 GC = GcClock()
 
 
 async def timed(coro) -> tuple[int, float, float, float, float]:
     """(tokens, seconds, CPU seconds here, CPU seconds in the engine's processes, seconds of full
     garbage collections here) of a pass."""
-    h0, k0 = cpu_split()
+    h0, k0 = cpu_split()  # this process (the role, the pools, vLLM's client side); the engine's
     g0 = GC.total
     tokens, secs = await coro
     h1, k1 = cpu_split()
