@@ -240,7 +240,7 @@ class WeightFollower:
             return
         self._looked_at = pointer
         try:
-            m = await asyncio.to_thread(LocalWeights(self.shm_dir).manifest)
+            m = await self._manifest_at(pointer)  # the same read update() keeps for this pointer
         except (OSError, ValueError):
             return  # a bad pointer: the pull reports it
         if m is not None and self.newer(m):
