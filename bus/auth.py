@@ -308,7 +308,8 @@ def _everything(identity: str | None) -> bool:
 # topics other roles act on, and who may publish them (besides operator and the one cluster key)
 TOPIC_SCOPES = {b"weights.chain": {"manager"},           # relays and the trainer follow the chain it names
                 b"weights.version": {"relay", "trainer"},  # the manager places work by what rollouts hold
-                b"relay.progress.": {"relay"}}
+                b"relay.progress.": {"relay"},
+                b"data.gate_open": {"pool"}}  # wakes the rollouts idle at a prompt pool's gate
 
 
 def topic_refusal(identity: str | None, topic: bytes) -> str:

@@ -37,7 +37,7 @@ __all__ = [
     "DeltaResult", "InFlightOf", "GetPartial", "PartialState", "PartialList", "ReassignPartial",
     "CompletePartial", "Trajectory", "PutTrajectory", "PutResult", "SampleGroups", "Samples",
     "BufferStatsRequest", "BufferStats", "PoolCount", "HandedGroups", "HandedList", "GroupPresence",
-    "GroupPresenceReply", "AppendDeltaBatch", "RequeueResult", "GrantPartials", "GroupResults",
+    "GroupPresenceReply", "AppendDeltaBatch", "RequeueResult", "GrantPartials", "GroupResults", "GateOpen",
 ]
 
 _FIRST_POOL_GROUP = re.compile(r"e\d+-p")          # prompt pool "0": e<epoch>-p<prompt id>
@@ -105,6 +105,9 @@ class TakeBatch:
 class Batch:
     trajectories: list[TrajectorySpec]
     exhausted: bool = False  # the dataset has no more epochs to hand out
+    # empty because the pool's gate is shut for the asking version: a newer version opens it, or the
+    # pool's `data.gate_open` (requeued groups, groups dropped untrained); until then asking is idle
+    gated: bool = False
 
 
 @event("data.requeue_groups")
@@ -352,6 +355,14 @@ class BufferStatsRequest:
 class BufferStats:
     counts: dict[str, int]
     staleness_histogram: dict[str, int] = field(default_factory=dict)
+
+
+@event("data.gate_open")
+class GateOpen:
+    """Published on `data.gate_open` by a gated prompt pool when groups may be handed out again
+    without a newer version: groups were requeued, or the experience buffer dropped groups
+    untrained (their window gets replacements). Rollouts idle at the gate ask again at once."""
+    pool_id: str
 
 
 @event("data.pool_count")

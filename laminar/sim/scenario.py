@@ -269,6 +269,7 @@ def build_config(setup: SimSetup, size: str, gpus: int, mode: str, *, workdir: s
                         "delta_interval_s": period(setup, "delta", speedup),
                         "report_interval_s": period(setup, "report", speedup),
                         "idle_wait_s": period(setup, "idle_wait", speedup),
+                        "gated_wait_s": period(setup, "gated_wait", speedup),
                         "rpc_timeout_s": setup.real_s.rpc_timeout, "sim": rollout_sim},
             "trainer": {"engine": "sim", "model_dir": "sim", "groups_per_batch": shape.prompts_per_batch,
                         "publishing": {"enabled": relays}, "logging": {"tensorboard": False},

@@ -142,6 +142,8 @@ class Periods(_Strict):
     heartbeat: float = Field(gt=0, description="heartbeats and the manager's state period")
     delta: float = Field(gt=0, description="token deltas to the partial pool")
     idle_wait: float = Field(gt=0, description="an idle rollout asks the prompt pool again")
+    gated_wait: float = Field(5.0, gt=0, description="... when the pool's gate is shut for its version (woken by a "
+                              "new version or the pool's gate_open; this only bounds a lost event)")
     sample_wait: float = Field(gt=0, description="the trainer asks a short buffer again")
     commit_window: float = Field(0.0, ge=0, description="the pools' group-commit window (their stores gather "
                                  "writes this long before one commit; not a modeled cost: CPU saved per write)")
@@ -154,6 +156,7 @@ class Floors(_Strict):
     heartbeat: float = Field(0.0, ge=0, description="heartbeats")
     delta: float = Field(0.0, ge=0, description="token deltas")
     idle_wait: float = Field(0.0, ge=0, description="idle rollout's retry")
+    gated_wait: float = Field(0.0, ge=0, description="idle rollout's retry at a shut gate")
     sample_wait: float = Field(0.0, ge=0, description="trainer's retry")
 
 

@@ -58,6 +58,7 @@ from laminar.datasets import load_records, prompt_encoder
 from laminar.protocol import (
     Ack,
     Batch,
+    GateOpen,
     GroupResults,
     HandedGroups,
     HandedList,
@@ -164,7 +165,16 @@ class PromptPoolRole(PoolRole):
             _, ev = await self.buffer_counts.recv()
             c = getattr(ev, "counts", None)
             if isinstance(c, dict):
-                self.untrained[ev.id] = max(self.untrained.get(ev.id, 0), untrained_groups(c, self.ctx.id))
+                before = self.untrained.get(ev.id, 0)
+                self.untrained[ev.id] = max(before, untrained_groups(c, self.ctx.id))
+                if self.untrained[ev.id] > before:
+                    self._gate_opened()  # their window gets replacements: rollouts at the gate ask again
+
+    def _gate_opened(self) -> None:
+        """Groups may go out again without a newer version: wake the rollouts idle at the gate
+        (Batch.gated; they ask again at once, and on their own after gated_wait_s if this is lost)."""
+        if self.gate is not None:
+            self.pub.publish("data.gate_open", GateOpen(self.ctx.id))
 
     async def stop(self) -> None:
         await super().stop()
@@ -317,7 +327,8 @@ class PromptPoolRole(PoolRole):
                 self.epoch, self.pos = epoch, pos
                 await self.durable([("INSERT OR REPLACE INTO cursor (k, epoch, pos, handed) VALUES (0, ?, ?, ?)",
                                      (epoch, pos, self.handed))] + skip_rows)
-            return Batch([], exhausted=self.exhausted())
+            exhausted = self.exhausted()
+            return Batch([], exhausted=exhausted, gated=fresh_room <= 0 and not exhausted)
         # Commit the cursor move before answering; memory follows only after it is durable.
         stmts = [("INSERT OR REPLACE INTO cursor (k, epoch, pos, handed) VALUES (0, ?, ?, ?)",
                   (epoch, pos, self.handed + fresh))] + skip_rows
@@ -404,6 +415,8 @@ class PromptPoolRole(PoolRole):
         if new:
             self.log.warning("groups_requeued", rollout=req.rollout_id, entries=new[:64], count=len(new))
         await self.durable(stmts)
+        if new:
+            self._gate_opened()  # requeued groups pass the gate
         return RequeueResult(new, closed, refused)
 
     async def on_handed(self, req: HandedGroups) -> HandedList:

@@ -102,6 +102,9 @@ class RolloutConfig(EngineSettings, EngineChoice):
                                "again; doubles up to put_retry_max_s. It stays in the partial pool meanwhile")
     put_retry_max_s: float = Field(5.0, gt=0, description="longest wait between offers of a refused trajectory")
     idle_wait_s: float = Field(0.5, gt=0, description="wait before asking an empty prompt pool again")
+    gated_wait_s: float = Field(5.0, gt=0, description="... when its gate was shut for this version (a barrier "
+                                "mode's step, flow control): a newer version or the pool's data.gate_open wakes the "
+                                "rollout at once; this bounds the wait if that event is lost")
     sim: SimRolloutSettings | None = Field(None, description="engine: sim: the simulated engine's model, GPUs, "
                                            "lengths and `speedup` (roles/rollout/sim_settings.py); needed then")
     refill: bool | None = Field(

@@ -219,7 +219,7 @@ class Migration:
                 accepted.append(tid)
         self.log.info("adopted", trajectories=len(accepted), gone=len(gone), version=version, lineage=lineage,
                       holding=self.weights.version, holding_lineage=self.weights.lineage, active=len(self.work.active))
-        self.work.new_weights.set()  # an idle rollout wakes and takes it at once
+        self.work.wake.set()  # an idle rollout wakes and takes it at once
         return MigrateInResult(accepted=accepted, version=version, gone=gone)
 
     async def run_adopted(self) -> None:

@@ -43,7 +43,7 @@ what, and how the others ask:
                        MigrateIn reads them under the lock: no load slips between check and start.
   weights.newest_here  the `versions` task (events), `report` and the loop before an early intake
                        (the relay's pointer); the loop's intake policy reads it (_draining_for_newer).
-  migration.adopted    appended by MigrateIn(adopt) under the lock, which then sets new_weights to
+  migration.adopted    appended by MigrateIn(adopt) under the lock, which then sets work.wake to
                        wake an idle loop; emptied by the loop (run_adopted).
   migration.pinned     set by run_adopted; cleared by the loop once nothing is active.
   taken_on_version,    the loop alone.
@@ -106,6 +106,7 @@ class RolloutRole(Role):
         self._addresses: dict[tuple[str, str], str] = {}  # (role, id) -> address, looked up once
         self._gen_at_last_report = 0
         self._took = False  # the last turn of the loop started new trajectories (early intake waits on them)
+        self._gated = False  # the last TakeBatch came back empty at the prompt pool's gate (Batch.gated)
         # set in setup() (wire): the engine and the components around it, the pools' clients, the
         # control server, the `weights.version` subscription (None until then: stop() after a failed
         # setup works)
@@ -192,7 +193,8 @@ class RolloutRole(Role):
             self.server.route(AgentCall, self.agents.on_call)
             self.server.route(EndEpisode, self.agents.on_end)
         await self.server.start()
-        self.versions_sub = t.subscriber(["weights.version", "hb.trainer."])  # the trainer's heartbeat names its run
+        # the trainer's heartbeat names its run; the prompt pool's gate_open wakes an idle loop
+        self.versions_sub = t.subscriber(["weights.version", "hb.trainer.", "data.gate_open"])
         self.log.info("rollout_ready", version=self.version, model=settings.model_dir, address=self.server.address)
 
     def wire(self, engine, *, prompts=None, partials=None, buffer=None, reward=None, shm_dir=None,
@@ -231,7 +233,8 @@ class RolloutRole(Role):
     # room for, then do what the outcome says:
     #
     #   AGAIN       decide again at once (e.g. nothing active and nothing taken this turn)
-    #   IDLE        nothing to run: wait for a new version, a stop, or idle_wait_s (work.wait_idle)
+    #   IDLE        nothing to run: wait for a wake (new version, adopted work, gate opened), a stop, or
+    #               idle_wait_s (gated_wait_s when the pool's gate was shut for this version; work.wait_idle)
     #   GENERATING  trajectories run: wait for room (refill) or for the batch to end (_await_room)
     #   EXHAUSTED   the prompt pool has no more epochs and nothing runs here: finish (exit 0)
     AGAIN, IDLE, GENERATING, EXHAUSTED = "again", "idle", "generating", "exhausted"
@@ -247,8 +250,9 @@ class RolloutRole(Role):
             if step == self.EXHAUSTED:
                 self.log.info("prompts_exhausted", batches=self.batches)
                 return
-            if step == self.IDLE:
-                await self.work.wait_idle(self.stopping, self.settings.idle_wait_s)
+            if step == self.IDLE:  # the gate shut for this version: only a wake (or a lost one) opens it
+                s = self.settings
+                await self.work.wait_idle(self.stopping, s.gated_wait_s if self._gated else s.idle_wait_s)
             elif step == self.GENERATING:
                 await self._await_room()
         await self.wait_stopped()
@@ -271,6 +275,7 @@ class RolloutRole(Role):
                 self.runner.start(Active(spec=spec, version=self.version))
                 self.taken_on_version += 1
             self._took = bool(batch and batch.trajectories)
+            self._gated = bool(batch is not None and batch.gated and not batch.trajectories)
         if batch is None and not self.active and (self.weights.unnamed() or room > 0):
             return self.IDLE  # no weights named yet, or the TakeBatch failed: idle_wait_s, then again
         if batch is not None and not batch.trajectories and not self.active:

@@ -35,7 +35,7 @@ import types
 from laminar.roles.rollout.rank_load import WeightsLost
 from laminar.roles.rollout.work import Work
 
-from laminar.protocol import Heartbeat
+from laminar.protocol import GateOpen, Heartbeat
 from laminar.weights.manifest import ident, supersedes
 from laminar.weights.pull import LocalWeights
 from laminar.weights.run_pin import RunPin
@@ -75,7 +75,7 @@ class WeightFollower:
         """The trainer names its run: only its weights are loaded from now on."""
         if self.pin.announce(run_id):
             self.log.info("run_pinned", run_id=run_id, loaded_run=self.run_id)
-            self.work.new_weights.set()  # an idle loop looks at the relay again
+            self.work.wake.set()  # an idle loop looks at the relay again
 
     def newer_waiting(self) -> bool:
         """Whether this host's relay holds weights that replace the loaded ones."""
@@ -220,15 +220,18 @@ class WeightFollower:
     # -- what the relay holds ---------------------------------------------------------------------
     async def follow(self, sub) -> None:
         """The `versions` task: the trainer's heartbeat pins the run; every newer `weights.version`
-        wakes an idle loop; this relay's is kept."""
+        wakes an idle loop, as does a prompt pool's `data.gate_open`; this relay's is kept."""
         while True:
             _, ev = await sub.recv()
+            if isinstance(ev, GateOpen):  # not weights, but the same wake: the idle loop asks again
+                self.work.wake.set()
+                continue
             if isinstance(ev, Heartbeat):
                 if ev.role == "trainer" and ev.status.get("rank", 0) == 0:
                     self.announce_run(str(ev.status.get("run_id") or ""))
                 continue
             if hasattr(ev, "version") and self.newer(ev):
-                self.work.new_weights.set()
+                self.work.wake.set()
                 if self._names_our_folder(ev):
                     self._note_newest_here(ev)
 

@@ -28,7 +28,7 @@ class Work:
         self.batch_done = asyncio.Event()    # the last active trajectory left
         self.gen_done = asyncio.Event()      # the last generating trajectory ended its generation
         self.room_freed = asyncio.Event()    # an active trajectory left (refill takes more)
-        self.new_weights = asyncio.Event()   # a newer version or adopted work: an idle loop wakes
+        self.wake = asyncio.Event()          # a newer version, adopted work, a gate opened: an idle loop wakes
         self.state = "idle"                  # idle | generating | loading (reported in rollout.stats)
         self.generated = 0                   # tokens generated here (the report's tokens_per_s)
 
@@ -63,9 +63,10 @@ class Work:
             self.batch_done.set()
 
     async def wait_idle(self, stopping: asyncio.Event, timeout_s: float) -> None:
-        """Nothing to do: wait for a new weight version (barrier modes), a stop, or timeout_s."""
-        self.new_weights.clear()
-        waits = [asyncio.ensure_future(e.wait()) for e in (stopping, self.new_weights)]
+        """Nothing to do: wait for `wake` (a new weight version, adopted work, the prompt pool's gate
+        opened), a stop, or timeout_s."""
+        self.wake.clear()
+        waits = [asyncio.ensure_future(e.wait()) for e in (stopping, self.wake)]
         try:
             await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -49,11 +49,12 @@ def trajectory(rollout_id: str) -> Trajectory:
 def test_topic_policy():
     allowed = [("rollout.r0", b"hb.rollout.r0"), ("rollout.r0", b"rollout.stats.r0"), ("rollout.r0", b"log.rollout"),
                ("manager", b"weights.chain"), ("relay", b"weights.version"), ("relay", b"relay.progress.r1"),
-               ("pool", b"metrics.experience_buffer"), ("operator", b"ctrl.all"), (None, b"ctrl.all")]
+               ("pool", b"metrics.experience_buffer"), ("pool", b"data.gate_open"), ("operator", b"ctrl.all"),
+               (None, b"ctrl.all")]
     refused = [("rollout.r0", b"ctrl.all"), ("rollout.r0", b"ctrl.trainer.0"), ("rollout.r0", b"hb.rollout.r1"),
                ("rollout.r0", b"hb.relay.r1"), ("rollout.r0", b"weights.chain"), ("rollout.r0", b"weights.version"),
                ("rollout.r0", b"rollout.stats.r1"), ("rollout", b"metrics.experience_buffer"),
-               ("relay", b"ctrl.all"), ("env", b"hb.manager.0")]
+               ("relay", b"ctrl.all"), ("env", b"hb.manager.0"), ("rollout.r0", b"data.gate_open")]
     assert [(i, t) for i, t in allowed if auth.topic_refusal(i, t)] == []
     assert [(i, t) for i, t in refused if not auth.topic_refusal(i, t)] == []
 

@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 
 from laminar.config import parse_config
-from laminar.protocol import BufferStatsRequest, PutTrajectory, SampleGroups, TakeBatch, Trajectory
+from laminar.protocol import (
+    BufferStatsRequest,
+    GateOpen,
+    PutTrajectory,
+    RequeueGroups,
+    SampleGroups,
+    TakeBatch,
+    Trajectory,
+)
 from laminar.testing.inproc_cluster import InprocCluster
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,5 +98,65 @@ def test_without_drops_the_gate_is_as_before(tmp_path):
             assert (await pp.call(TakeBatch("r", 16, version=0))).trajectories == []
             assert len((await pp.call(TakeBatch("r", 16, version=1))).trajectories) == G
         finally:
+            await cl.close()
+    asyncio.run(go())
+
+
+async def gate_open(sub, within_s: float = 5.0) -> bool:
+    try:
+        _, ev = await asyncio.wait_for(sub.recv(), within_s)
+    except TimeoutError:
+        return False
+    return isinstance(ev, GateOpen)
+
+
+def test_a_shut_gate_says_so_and_requeued_groups_open_it(tmp_path):
+    """An empty answer at the gate is marked `gated` (the rollout then waits for a wake, not
+    idle_wait_s); requeued groups pass the gate, so the pool publishes data.gate_open."""
+    async def go():
+        cl = InprocCluster(cfg(tmp_path, mode="sync"))
+        await cl.start("prompt_pool")
+        await cl.start("experience_buffer")
+        pp = cl.client("prompt_pool")
+        sub = cl.hub.transport().subscriber(["data.gate_open"])
+        try:
+            got = (await pp.call(TakeBatch("r", 16, version=0))).trajectories
+            assert len(got) == G
+            shut = await pp.call(TakeBatch("r", 16, version=0))
+            assert shut.trajectories == [] and shut.gated and not shut.exhausted
+            await pp.call(RequeueGroups([got[0].group_id], rollout_id="r"))
+            assert await gate_open(sub)
+            again = await pp.call(TakeBatch("r2", 16, version=0))
+            assert [s.group_id for s in again.trajectories] == [got[0].group_id] and not again.gated
+        finally:
+            sub.close()
+            await cl.close()
+    asyncio.run(go())
+
+
+def test_a_group_dropped_untrained_publishes_the_gate_open(tmp_path):
+    async def go():
+        cl = InprocCluster(cfg(tmp_path))
+        await cl.start("prompt_pool")
+        buf = await cl.start("experience_buffer")
+        buf.counts_interval_s = 0.05
+        pp, bc = cl.client("prompt_pool"), cl.client("experience_buffer")
+        sub = cl.hub.transport().subscriber(["data.gate_open"])
+        try:
+            w0 = (await pp.call(TakeBatch("r", 16, version=0))).trajectories
+            for s in w0[1:]:
+                await bc.call(done(s, 0))
+            await bc.call(SampleGroups(G, 0))
+            for v in (1, 2):
+                for s in (await pp.call(TakeBatch("r", 16, version=v))).trajectories:
+                    await bc.call(done(s, v))
+                if v == 1:
+                    await bc.call(SampleGroups(G, 1))
+            assert (await pp.call(TakeBatch("r", 16, version=2))).gated
+            await bc.call(done(w0[0], 0))
+            assert (await bc.call(SampleGroups(G, 2))).dropped_stale == 1
+            assert await gate_open(sub)
+        finally:
+            sub.close()
             await cl.close()
     asyncio.run(go())

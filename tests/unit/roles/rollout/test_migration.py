@@ -165,7 +165,7 @@ def test_adoption_queues_one_older_retained_version_and_wakes_the_loop():
     m.partials.holds(a)
     m.partials.holds(b)
     res = run(m.on_migrate_in(MigrateIn([a], adopt=True)))
-    assert res.accepted == ["a"] and res.version == 2 and m.work.new_weights.is_set()
+    assert res.accepted == ["a"] and res.version == 2 and m.work.wake.is_set()
     assert [p.spec.trajectory_id for p in m.adopted] == ["a"] and not m.work.active   # queued, not started
     res = run(m.on_migrate_in(MigrateIn([a, b], adopt=True)))
     assert sorted(res.accepted) == ["a", "b"] and [p.spec.trajectory_id for p in m.adopted] == ["a", "b"]

@@ -151,12 +151,12 @@ def test_events_wake_the_loop_and_only_this_hosts_relay_folder_is_kept(store):
         sub = type("Sub", (), {"recv": staticmethod(queue.get)})
         task = asyncio.ensure_future(w.follow(sub))
         for ev in events:
-            w.work.new_weights.clear()
+            w.work.wake.clear()
             await queue.put(("weights.version", ev))
             while not queue.empty():
                 await asyncio.sleep(0)
             await asyncio.sleep(0)
-            woken.append(w.work.new_weights.is_set())
+            woken.append(w.work.wake.is_set())
             if len(woken) == 4:
                 assert (w.newest_here.host, w.newest_here.version) == ("h0", 4)
         task.cancel()

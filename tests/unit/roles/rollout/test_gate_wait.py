@@ -1,0 +1,61 @@
+"""An idle rollout at the prompt pool's shut gate (Batch.gated: a barrier mode's step, flow control)
+does not ask again every idle_wait_s: a newer version or the pool's `data.gate_open` wakes it at
+once, and gated_wait_s bounds the wait should that event be lost. (A barrier run's 128 rollouts
+asking every half second through each long-tailed step were most of its CPU in the simulator.)
+An empty pool that is not gated is asked again every idle_wait_s, as before."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from laminar.config import RunSpec
+from laminar.protocol import Batch, GateOpen
+from tests.unit.roles.rollout.test_wiring import Client, make_role
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def idle_rollout(tmp_path, gated: bool):
+    prompts = Client(lambda req: Batch([], gated=gated))
+    role = make_role(tmp_path, prompts=prompts, idle_wait_s=0.02, gated_wait_s=30.0, report_interval_s=60.0)
+    role.cluster.run = RunSpec(mode="sync")
+    role.weights.unnamed = lambda: False
+    queue: asyncio.Queue = asyncio.Queue()
+    role.versions_sub = type("Sub", (), {"recv": staticmethod(queue.get)})
+    return role, prompts, queue
+
+
+async def asked(prompts, n: int, within_s: float) -> bool:
+    for _ in range(int(within_s / 0.01)):
+        if len(prompts.requests) >= n:
+            return True
+        await asyncio.sleep(0.01)
+    return len(prompts.requests) >= n
+
+
+def test_a_shut_gate_is_asked_again_when_woken_not_every_idle_wait(tmp_path):
+    async def go():
+        role, prompts, queue = idle_rollout(tmp_path, gated=True)
+        task = asyncio.ensure_future(role.run())
+        await asyncio.sleep(0.5)
+        assert len(prompts.requests) == 1          # 25 idle waits went by: no second ask
+        await queue.put(("data.gate_open", GateOpen("0")))
+        assert await asked(prompts, 2, 5.0)         # the pool's gate_open: asked again at once
+        await asyncio.sleep(0.3)
+        assert len(prompts.requests) == 2
+        role.stopping.set()
+        await asyncio.wait_for(task, 5)
+        await role.cancel_tasks()
+    asyncio.run(go())
+
+
+def test_an_empty_pool_without_a_gate_is_asked_every_idle_wait(tmp_path):
+    async def go():
+        role, prompts, _ = idle_rollout(tmp_path, gated=False)
+        task = asyncio.ensure_future(role.run())
+        assert await asked(prompts, 5, 5.0)
+        role.stopping.set()
+        await asyncio.wait_for(task, 5)
+        await role.cancel_tasks()
+    asyncio.run(go())
