@@ -8,6 +8,13 @@ and nothing left behind however the sweep ends.
   speed and the default kept a core free for its bursts (`cores − 1`: 1 on two cores), which put
   the contract command at an hour once the guesses lagged. `--jobs 1` is the cautious choice on a
   machine shared with other work.
+- Packing (`packs`, on unless `pack` is off): a speed fixed by a run's busiest moments leaves most
+  of its core idle the rest of the time (72B/1,024: a sync run bursts for ~30 simulated seconds at
+  each version's start and idles through its long tail, ~0.3 of a core on average at the speed its
+  bursts allow; the laminar modes ~0.6). So one run more than `jobs` may start while the measured
+  mean use of every run then running (its cached mean CPU per simulated second × its speed) adds
+  up to at most `TARGET` of the cores, each known from a whole run (not a probe), and the machine
+  has twice the newcomer's measured memory free. Bursts that meet are what the lag rule is for.
 - Lag: a run whose engines fell behind their simulated timeline (`lagged`, bench/sim/runs.py)
   measured less than the modeled hardware would do; the child ends it as soon as that is
   certain. A run that did not reach its last version by its deadline (three times its expected
@@ -36,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.sim.calibrate import PROBE_MARGIN, PROBE_S, PaceCache, cpu_share, pick_speedup
+from bench.sim.calibrate import PROBE_MARGIN, PROBE_S, TARGET, PaceCache, cpu_share, pick_speedup
 from bench.sim.runs import PROBE_SETUP_S, new_weights_root, run_dir
 from bench.sim.terminate import deferred
 
@@ -60,16 +67,16 @@ def default_jobs(cores: int | None = None) -> int:
 
 
 def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True,
-            cache: PaceCache | None = None) -> dict[tuple, dict]:
-    """Run every spec in its own process, at most `jobs` at once, each at its calibrated speed
-    (`calibrated`); a child that fails or overruns yields an error record, not an abort; a
-    lagging one is rerun slower (module docstring)."""
+            cache: PaceCache | None = None, pack: bool = True) -> dict[tuple, dict]:
+    """Run every spec in its own process, at most `jobs` at once (one more while `packs` admits
+    it, unless `pack` is off), each at its calibrated speed (`calibrated`); a child that fails or
+    overruns yields an error record, not an abort; a lagging one is rerun slower (module docstring)."""
     cache = cache or PaceCache(None)
     pending, running, results = longest_first([dict(sp) for sp in specs], cache), [], {}
     for sp in pending:
         sp.setdefault("weights_root", new_weights_root())
     try:
-        _run_all(pending, running, results, jobs, root, keep, cache)
+        _run_all(pending, running, results, jobs, root, keep, cache, pack)
     except BaseException:  # Ctrl-C, or SIGTERM (terminate.py): no child outlives the sweep
         stop_children([proc for _, proc, *_ in running])
         for spec, *_ in running:
@@ -91,6 +98,40 @@ def longest_first(specs: list[dict], cache: PaceCache) -> list[dict]:
             speedup = pick_speedup(entry["cpu_per_sim_s_busy"], 1.0, lo=sp["min_speedup"], hi=sp["max_speedup"])
         return sp["expected_sim_s"] / speedup
     return sorted(specs, key=wall, reverse=True)
+
+
+def expected_use(spec: dict, cache: PaceCache) -> float | None:
+    """The mean share of a core a run is expected to use: its cached mean CPU seconds per simulated
+    second (from a whole run) × its speed (decided, else the one its cached pace picks at a whole
+    core); None when unknown (no entry, or a probe's)."""
+    entry = cache.get(spec["pace_key"])
+    if spec.get("probe") or entry is None or entry.get("source", "run") != "run" \
+            or not entry.get("cpu_per_sim_s_mean"):
+        return None
+    speedup = spec["speedup"] if spec.get("pace") is not None else \
+        pick_speedup(entry["cpu_per_sim_s_busy"], 1.0, lo=spec["min_speedup"], hi=spec["max_speedup"])
+    return entry["cpu_per_sim_s_mean"] * speedup
+
+
+def packs(running: list[dict], spec: dict, cache: PaceCache, cores: int, mem_free_mb: float) -> bool:
+    """Whether `spec` may start beside `running` beyond one run a core (module docstring): every
+    run's expected mean use known and their sum within TARGET of the cores, and twice the
+    newcomer's measured memory free."""
+    uses = [expected_use(s, cache) for s in [*running, spec]]
+    rss = (cache.get(spec["pace_key"]) or {}).get("max_rss_mb")
+    return (all(u is not None for u in uses) and sum(uses) <= TARGET * cores
+            and bool(rss) and mem_free_mb >= 2 * rss)
+
+
+def mem_free_mb() -> float:
+    """MemAvailable of /proc/meminfo in MB (0 where it cannot be read: nothing is packed)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def with_speedup(spec: dict, speedup: float, pace: dict) -> dict:
@@ -190,12 +231,21 @@ def _start(spec: dict, root: Path):
 
 
 def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path, keep: bool,
-             cache: PaceCache) -> None:
+             cache: PaceCache, pack: bool = True) -> None:
+    looked = None  # the running set packing last looked at (it looks again once that changes)
     while pending or running:
         while pending and len(running) < jobs:
-            spec = calibrated(pending.pop(0), cache)
-            with deferred():  # a SIGTERM while the child starts acts once it is in `running` (stopped with it)
-                running.append(_start(spec, root))
+            _launch(pending.pop(0), running, root, cache)
+        now = [item[0]["pace_key"] for item in running]
+        if pack and pending and len(running) == jobs and now != looked:
+            looked = now
+            fits = [i for i, sp in enumerate(pending)
+                    if packs([item[0] for item in running], sp, cache, jobs, mem_free_mb())]
+            if fits:
+                spec = pending.pop(fits[0])
+                print(f"[{time.strftime('%H:%M:%S')}] packing {spec['model']} @ {spec['gpus']}, {spec['mode']} "
+                      f"beside {len(running)}: their measured mean use fits {TARGET:.0%} of {jobs} cores", flush=True)
+                _launch(spec, running, root, cache)
         time.sleep(0.5)  # polling the children (they report by their exit and result file)
         for item in list(running):
             spec, proc, folder, out, log, t0 = item
@@ -215,6 +265,12 @@ def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path,
                 _probed(spec, r, pending)
                 continue
             _ended(spec, r, proc.returncode, over, log, t0, pending, results, cache)
+
+
+def _launch(spec: dict, running: list, root: Path, cache: PaceCache) -> None:
+    spec = calibrated(spec, cache)
+    with deferred():  # a SIGTERM while the child starts acts once it is in `running` (stopped with it)
+        running.append(_start(spec, root))
 
 
 def _probed(spec: dict, r: dict | None, pending: list) -> None:
@@ -238,7 +294,7 @@ def _ended(spec: dict, r: dict | None, code: int | None, over: bool, log, t0: fl
         _done(r)
         too_slow = "lagged" if r["lagged"] else None if r["finished"] else "did not finish in time"
         if r.get("harness"):
-            cache.put(spec["pace_key"], r["harness"], r["speedup"], "run")
+            cache.put(spec["pace_key"], {**r["harness"], "max_rss_mb": r.get("max_rss_mb")}, r["speedup"], "run")
     else:
         tail = Path(log.name).read_text()[-2000:]
         error = f"exit {code}" + (" (killed: overran)" if over else "") + (" (its probe)" if spec.get("probe") else "")

@@ -80,3 +80,30 @@ def test_combine_keeps_an_earlier_valid_run_over_a_later_invalid_one(tmp_path):
     assert objs[0]["throughput_tokens_per_s"] == {"laminar": 1000.0} and objs[0]["invalid"] == {}
     objs, _ = combine([lagged, valid], setup, load_workload())  # a later valid run replaces an invalid one
     assert objs[0]["throughput_tokens_per_s"] == {"laminar": 1000.0}
+
+
+def test_one_run_more_packs_in_only_while_the_measured_mean_use_fits():
+    """Beyond one run a core, a run starts only when every running run's mean use is known from a
+    whole run (cached mean CPU per simulated s × its speed), their sum with the newcomer's is within
+    TARGET of the cores, and twice the newcomer's measured memory is free."""
+    from bench.sim.calibrate import TARGET, PaceCache
+    from bench.sim.processes import expected_use, packs
+
+    cache = PaceCache(None)
+    for key, mean in (("sync", 0.1), ("one_step", 0.15), ("laminar", 0.25)):
+        cache.entries[key] = {"cpu_per_sim_s_mean": mean, "cpu_per_sim_s_busy": 0.2, "source": "run",
+                              "max_rss_mb": 700}
+
+    def spec(key, speedup):
+        return {"pace_key": key, "speedup": speedup, "pace": {"source": "cache"}, "min_speedup": 1, "max_speedup": 100}
+
+    sync, one_step, laminar = spec("sync", 3.0), spec("one_step", 3.0), spec("laminar", 2.9)
+    assert expected_use(sync, cache) == pytest.approx(0.3)
+    assert 0.3 + 0.45 + 0.25 * 2.9 < TARGET * 2 < 0.3 + 0.45 + 0.25 * 3.1
+    assert packs([sync, one_step], laminar, cache, 2, mem_free_mb=8000)
+    assert not packs([sync, one_step], spec("laminar", 3.1), cache, 2, mem_free_mb=8000)  # over TARGET
+    assert not packs([sync, one_step], laminar, cache, 2, mem_free_mb=1000)  # not twice its memory free
+    assert not packs([sync, {**one_step, "probe": True}], laminar, cache, 2, mem_free_mb=8000)  # a probe: unknown
+    assert not packs([sync, one_step], spec("stream", 1.0), cache, 2, mem_free_mb=8000)  # never measured
+    cache.entries["laminar"] = {**cache.entries["laminar"], "max_rss_mb": None}
+    assert not packs([sync, one_step], laminar, cache, 2, mem_free_mb=8000)  # its memory unknown
