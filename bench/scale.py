@@ -106,8 +106,9 @@ def parser() -> argparse.ArgumentParser:
                          "1 to 3; each run's speed is calibrated to the share of a core it gets; 1 is the cautious "
                          "choice on a machine shared with other work)")
     ap.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
-                    help="start one run beyond --jobs while the measured mean CPU use of all then running fits 75%% "
-                         "of --jobs cores, from whole runs' cached pace (bench/sim/processes.py; default on)")
+                    help="start runs beyond --jobs (up to twice as many) while the measured mean CPU use of all "
+                         "then running fits 75%% of --jobs cores, from whole runs' cached pace "
+                         "(bench/sim/processes.py; default on)")
     ap.add_argument("--lag-retries", type=int, default=3, help="a run that lags behind compressed time is rerun "
                     "at half its speedup, at most this many times; still lagging, it is reported INVALID (default 3)")
     ap.add_argument("--out", help="write the results as JSON here (plot beside it, .png)")
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                  for size, gpus in runs for mode in modes]
         specs.sort(key=lambda sp: -sp["timeout_s"])  # longest first: the last to start is a short one
         t0, load = time.monotonic(), {"start": machine()}
-        print(f"{len(specs)} runs, {a.jobs} at a time{' (one more when packing fits)' if a.pack else ''} on "
+        print(f"{len(specs)} runs, {a.jobs} at a time{' (more when packing fits)' if a.pack else ''} on "
               f"{load['start']['cores']} usable cores "
               f"(load average {load['start']['loadavg'][0]}); workdir {root}", flush=True)
         results = execute(specs, a.jobs, root, keep=bool(a.workdir), cache=PaceCache(pace_cache_path(a)),

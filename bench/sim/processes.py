@@ -11,10 +11,11 @@ and nothing left behind however the sweep ends.
 - Packing (`packs`, on unless `pack` is off): a speed fixed by a run's busiest moments leaves most
   of its core idle the rest of the time (72B/1,024: a sync run bursts for ~30 simulated seconds at
   each version's start and idles through its long tail, ~0.3 of a core on average at the speed its
-  bursts allow; the laminar modes ~0.6). So one run more than `jobs` may start while the measured
-  mean use of every run then running (its cached mean CPU per simulated second × its speed) adds
-  up to at most `TARGET` of the cores, each known from a whole run (not a probe), and the machine
-  has twice the newcomer's measured memory free. Bursts that meet are what the lag rule is for.
+  bursts allow; the laminar modes ~0.5). So runs beyond `jobs` (up to PACK_MAX × jobs) start while
+  the measured mean use of every run then running (its cached mean CPU per simulated second × its
+  speed at a whole core) adds up to at most `TARGET` of the cores, each known from a whole run (not
+  a probe), and the machine has twice the newcomer's measured memory free. Bursts that meet are
+  what the lag rule is for.
 - Lag: a run whose engines fell behind their simulated timeline (`lagged`, bench/sim/runs.py)
   measured less than the modeled hardware would do; the child ends it as soon as that is
   certain. A run that did not reach its last version by its deadline (three times its expected
@@ -49,6 +50,7 @@ from bench.sim.terminate import deferred
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOWDOWN = 0.5  # a lagging run's next speedup, as a fraction of its last
+PACK_MAX = 2  # packing starts runs up to this many times `jobs` at once
 PROBE_START = 0.7  # a probe's speed: the estimate's × the core's share × this (cautious: the estimate is a guess)
 
 
@@ -68,8 +70,8 @@ def default_jobs(cores: int | None = None) -> int:
 
 def execute(specs: list[dict], jobs: int, root: Path, keep: bool = True,
             cache: PaceCache | None = None, pack: bool = True) -> dict[tuple, dict]:
-    """Run every spec in its own process, at most `jobs` at once (one more while `packs` admits
-    it, unless `pack` is off), each at its calibrated speed (`calibrated`); a child that fails or
+    """Run every spec in its own process, `jobs` at once (more while `packs` admits them, unless
+    `pack` is off), each at its calibrated speed (`calibrated`); a child that fails or
     overruns yields an error record, not an abort; a lagging one is rerun slower (module docstring)."""
     cache = cache or PaceCache(None)
     pending, running, results = longest_first([dict(sp) for sp in specs], cache), [], {}
@@ -141,23 +143,26 @@ def with_speedup(spec: dict, speedup: float, pace: dict) -> dict:
     return {**spec, "speedup": speedup, "timeout_s": round(timeout), "pace": pace}
 
 
-def decided(spec: dict, busy: float, source: str, probe: dict | None = None) -> dict:
+def decided(spec: dict, busy: float, source: str, probe: dict | None = None, share: float | None = None) -> dict:
     """The spec at the speed picked for a busy rate of `busy` CPU seconds per simulated second
-    and the share of a core this process gets now (calibrate.py)."""
-    share = cpu_share()
+    and the share of a core this process gets now (calibrate.py), or `share` given."""
+    share = cpu_share() if share is None else share
     speedup = pick_speedup(busy, share, lo=spec["min_speedup"], hi=spec["max_speedup"])
     return with_speedup(spec, speedup, {"source": source, "cpu_share": round(share, 2),
                                         "cpu_per_sim_s_busy": round(busy, 5), "probe": probe})
 
 
-def calibrated(spec: dict, cache: PaceCache) -> dict:
+def calibrated(spec: dict, cache: PaceCache, packed: bool = False) -> dict:
     """The spec to start next: as it is once its speed is decided (--speedup, a rerun, after its
-    probe); else at the speed its cached pace picks; else its probe (`probe` set), at a cautious
-    speed: the estimate's (scenario.estimate) × the core's share now × PROBE_START."""
+    probe); else at the speed its cached pace picks (`packed`: at a whole core, what `packs`
+    admitted it on — the share measured the moment its neighbours start or burst would understate
+    the room their mean use leaves); else its probe (`probe` set), at a cautious speed: the
+    estimate's (scenario.estimate) × the core's share now × PROBE_START."""
     if spec.get("pace") is not None:
         return spec
     if (entry := cache.get(spec["pace_key"])) is not None:
-        return decided(spec, entry["cpu_per_sim_s_busy"], "cache")
+        return decided(spec, entry["cpu_per_sim_s_busy"], "cache (packed)" if packed else "cache",
+                       share=1.0 if packed else None)
     start = min(spec["max_speedup"], max(spec["min_speedup"], spec["estimate"]["speedup"] * cpu_share() * PROBE_START))
     return {**spec, "probe": True, "speedup": round(start, 2),
             "timeout_s": round(3 * spec.get("probe_s", PROBE_S) + PROBE_SETUP_S)}
@@ -236,8 +241,8 @@ def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path,
     while pending or running:
         while pending and len(running) < jobs:
             _launch(pending.pop(0), running, root, cache)
-        now = [item[0]["pace_key"] for item in running]
-        if pack and pending and len(running) == jobs and now != looked:
+        while pack and pending and jobs <= len(running) < PACK_MAX * jobs \
+                and (now := [item[0]["pace_key"] for item in running]) != looked:
             looked = now
             fits = [i for i, sp in enumerate(pending)
                     if packs([item[0] for item in running], sp, cache, jobs, mem_free_mb())]
@@ -245,7 +250,7 @@ def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path,
                 spec = pending.pop(fits[0])
                 print(f"[{time.strftime('%H:%M:%S')}] packing {spec['model']} @ {spec['gpus']}, {spec['mode']} "
                       f"beside {len(running)}: their measured mean use fits {TARGET:.0%} of {jobs} cores", flush=True)
-                _launch(spec, running, root, cache)
+                _launch(spec, running, root, cache, packed=True)
         time.sleep(0.5)  # polling the children (they report by their exit and result file)
         for item in list(running):
             spec, proc, folder, out, log, t0 = item
@@ -267,8 +272,8 @@ def _run_all(pending: list, running: list, results: dict, jobs: int, root: Path,
             _ended(spec, r, proc.returncode, over, log, t0, pending, results, cache)
 
 
-def _launch(spec: dict, running: list, root: Path, cache: PaceCache) -> None:
-    spec = calibrated(spec, cache)
+def _launch(spec: dict, running: list, root: Path, cache: PaceCache, packed: bool = False) -> None:
+    spec = calibrated(spec, cache, packed)
     with deferred():  # a SIGTERM while the child starts acts once it is in `running` (stopped with it)
         running.append(_start(spec, root))
 
