@@ -73,9 +73,10 @@ class TrajectoryRunner:
             reason = "length"
             if a.remaining > 0:
                 a.request_id = f"{a.id}#{self.rollout_id}.{a.attempt}"
+                add, work = a.add_generated, self.work  # once, not per engine step
                 async for toks, lps, finish in self.engine.generate(a.request_id, prompt, a.remaining, seed):
-                    a.add_generated(toks, lps)
-                    self.work.generated += len(toks)
+                    add(toks, lps)
+                    work.generated += len(toks)
                     if finish is not None:
                         reason = finish
             if self.routing is not None:

@@ -76,8 +76,9 @@ class DeltaStream:
         items = [a for a in items if a.outbox]
         if not items:
             return True
-        single = [a for a in items if not _multi_turn(a)]
-        multi = [a for a in items if _multi_turn(a)]
+        single, multi = [], []
+        for a in items:
+            (multi if _multi_turn(a) else single).append(a)
         for group in (single, multi):
             for page in self._pages(group):
                 deltas = [d for a in page for d in a.outbox]
