@@ -19,6 +19,7 @@ The role wires its components in setup() and keeps the batch loop and its intake
     batch_seq.py  BatchSeq: TakeBatch numbers reserved on disk, never reused across restarts
     runner.py     TrajectoryRunner: per trajectory: generate (or an episode: multiturn.py, agent.py), score, store
     streaming.py  DeltaStream: token deltas to the partial pool, paged; fenced-off work dropped
+    group_commit.py  GroupCommit: callers at once share one request (make_durable, CompletePartial)
     migration.py  Migration: MigrateOut, MigrateIn, adoption of an older version's work
     routing.py    RoutingPuller: a MoE policy's routing rows from the engine into each trajectory
                   (roles.rollout.moe.routing; used by streaming, runner and multiturn)

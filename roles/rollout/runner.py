@@ -3,6 +3,7 @@
     start(a) -> generate (engine stream, or an episode of model turns and env steps: multiturn.py)
              -> score (the reward's rule functions, or the environment's reward: rewards.py)
              -> PutTrajectory until the buffer holds it (durable) -> CompletePartial -> gone
+                (one CompletePartial for the trajectories stored while the last was in flight)
              or, when the reward has model scorers: AwaitReward (the partial pool keeps it until
                 scored, then hands it to the buffer; docs/rewards.md) -> gone
 
@@ -23,6 +24,7 @@ import zlib
 import numpy as np
 from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.retry import Backoff, call_acked
+from laminar.roles.rollout.group_commit import GroupCommit
 from laminar.roles.rollout.rewards import RewardPlan
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.weights import WeightFollower
@@ -47,6 +49,7 @@ class TrajectoryRunner:
         self.gave_up = 0       # trajectories whose store a peer answered `internal` past the bound
         self.give_up = None    # give_up(Active): durable, released in the partial pool, gone (Migration)
         self.routing = None    # RoutingPuller (routing.py) of a MoE policy whose routing is recorded, else None
+        self.releases = GroupCommit(self._complete)  # CompletePartial of the trajectories stored meanwhile
 
     def start(self, a: Active) -> None:
         """Make `a` active and run it (a resumed one keeps its lineage; a migrated one: the pool's)."""
@@ -70,9 +73,10 @@ class TrajectoryRunner:
             reason = "length"
             if a.remaining > 0:
                 a.request_id = f"{a.id}#{self.rollout_id}.{a.attempt}"
+                add, work = a.add_generated, self.work  # once, not per engine step
                 async for toks, lps, finish in self.engine.generate(a.request_id, prompt, a.remaining, seed):
-                    a.add_generated(toks, lps)
-                    self.work.generated += len(toks)
+                    add(toks, lps)
+                    work.generated += len(toks)
                     if finish is not None:
                         reason = finish
             if self.routing is not None:
@@ -124,14 +128,31 @@ class TrajectoryRunner:
                       **({"routing_rows": len(a.routing), "routing_bytes": int(a.routing.nbytes)}
                          if a.routing is not None else {}))
         self.work.left(a)
-        try:
-            await self.partials.call(CompletePartial([a.id]), timeout=self.settings.rpc_timeout_s)
-        except (PeerUnavailable, RemoteError) as exc:  # harmless: the buffer already has it
-            self.log.warning("complete_partial_failed", trajectory=a.id, error=str(exc))
+        failed = (await self.releases.join(a.id)).get(a.id)
+        if failed is not None:  # harmless: the buffer already has it
+            self.log.warning("complete_partial_failed", trajectory=a.id, error=failed)
         if self.episodes is not None:  # only now: until stored, a resumed trajectory may re-ask it
             await self.episodes.release(a.id)
         if self.agents is not None:
             await self.agents.release(a.id, reason)
+
+    async def _complete(self, ids: list[str]) -> dict[str, str]:
+        """CompletePartial of stored trajectories, those stored while the last one was in flight in
+        one request (`releases`); a group the pool refuses is sent again one by one, so one
+        trajectory's refusal is its own (an unanswered one fails for all). Why each one failed, by
+        id (none: released)."""
+        try:
+            await self.partials.call(CompletePartial(ids), timeout=self.settings.rpc_timeout_s)
+            return {}
+        except PeerUnavailable as exc:
+            return dict.fromkeys(ids, str(exc))
+        except RemoteError as exc:
+            if len(ids) == 1:
+                return {ids[0]: str(exc)}
+        failed = {}
+        for tid in ids:
+            failed.update(await self._complete([tid]))
+        return failed
 
     async def _await_reward(self, traj: Trajectory, a: Active, pending: dict[str, float]) -> None:
         """Hand the finished trajectory to the partial pool to await its model scores (durable when

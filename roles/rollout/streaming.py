@@ -10,7 +10,7 @@ limits a message's frames, containers and body: bus/codec.py), so a large flush 
 trajectory's deltas never straddle two pages. A delta leaves its outbox only when acknowledged,
 so a page that fails is sent again by the next flush (the pool applies each seq once).
 
-`make_durable(a)` is a group commit: callers that ask at once (agent calls that end at the same
+`make_durable(a)` is a group commit (group_commit.py): callers that ask at once (agent calls that end at the same
 engine step, env steps) join one flush, one request and so one pool transaction; one that asks
 while that flush is in flight goes in the next, with everyone who asked meanwhile. Each returns
 only once a flush that covered its trajectory was acknowledged.
@@ -36,6 +36,7 @@ import numpy as np
 from laminar.bus.errors import PeerUnavailable, RemoteError
 from laminar.bus.retry import ACKED_BACKOFF, Backoff
 from laminar.roles.handout import NOT_HANDED
+from laminar.roles.rollout.group_commit import GroupCommit
 from laminar.roles.rollout.trajectory import Active
 from laminar.roles.rollout.work import Work
 
@@ -54,8 +55,7 @@ class DeltaStream:
         self.routing = routing  # RoutingPuller (routing.py): MoE routing rows pulled in before each cut
         self.fenced_off = 0  # trajectories dropped because the partial pool fenced this rollout off them
         self.refused = 0     # flushes of a trajectory the pool refused as not handed to this rollout
-        self._group: tuple[dict[str, None], asyncio.Future] | None = None  # make_durable's next group
-        self._grouper: asyncio.Task | None = None                      # the task flushing groups
+        self._groups = GroupCommit(lambda ids: self.flush(ids))  # make_durable's groups: one flush each
 
     async def run(self, interval_s: float) -> None:
         """The `flush` task."""
@@ -76,8 +76,9 @@ class DeltaStream:
         items = [a for a in items if a.outbox]
         if not items:
             return True
-        single = [a for a in items if not _multi_turn(a)]
-        multi = [a for a in items if _multi_turn(a)]
+        single, multi = [], []
+        for a in items:
+            (multi if _multi_turn(a) else single).append(a)
         for group in (single, multi):
             for page in self._pages(group):
                 deltas = [d for a in page for d in a.outbox]
@@ -95,37 +96,8 @@ class DeltaStream:
         an agent call's reply). Group commit: the trajectories asked for while a flush of this
         kind is in flight go together in the next one, one request for all of them."""
         wait = Backoff(*ACKED_BACKOFF)
-        while not await self._in_group(a.id):
+        while not await self._groups.join(a.id):
             await wait.sleep()  # backoff: the partial pool is unreachable
-
-    async def _in_group(self, tid: str) -> bool:
-        """Join the group that flushes next (opening it, and starting its flusher, if none is open);
-        its flush's result."""
-        if self._group is None:
-            self._group = ({}, asyncio.get_running_loop().create_future())
-            if self._grouper is None or self._grouper.done():
-                self._grouper = asyncio.ensure_future(self._flush_groups())
-        ids, done = self._group
-        ids[tid] = None  # a dict: each trajectory once, in the order asked
-        return await asyncio.shield(done)
-
-    async def _flush_groups(self) -> None:
-        """Flush the open group, then the one that gathered meanwhile, until none is open."""
-        while self._group is not None:
-            (ids, done), self._group = self._group, None
-            try:
-                ok = await self.flush(list(ids))
-            except asyncio.CancelledError:  # the loop shuts down: nobody flushes the groups now
-                done.cancel()
-                if self._group is not None:
-                    self._group[1].cancel()
-                    self._group = None
-                raise
-            except Exception as exc:  # noqa: BLE001 - the group's callers get it, as from their own flush
-                done.set_exception(exc)
-                done.exception()  # retrieved here too: a group whose callers all left logs nothing
-                continue
-            done.set_result(ok)
 
     def _pages(self, items: list[Active]) -> list[list[Active]]:
         pages, page, n, toks = [], [], 0, 0

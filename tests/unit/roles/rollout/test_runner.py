@@ -1,9 +1,11 @@
 """TrajectoryRunner (roles/rollout/runner.py) on its own: a started trajectory takes the held
 lineage unless it has its own; generation continues from prompt + tokens with the remaining budget
 under a per-attempt request id and a seed derived from the rollout's seed; the stored trajectory
-names its version and lineage, is released from the partial pool only after the buffer holds it,
-and the batch ends with the last one; a broken reward function scores 0, an env_failed episode
-trains on nothing; a trajectory fenced off while the buffer refuses it is never stored.
+names its version and lineage, is released from the partial pool only after the buffer holds it
+(those stored while a release is in flight in one CompletePartial; a refused group one by one, so a
+refusal is only its trajectory's), and the batch ends with the last one; a broken reward function
+scores 0, an env_failed episode trains on nothing; a trajectory fenced off while the buffer refuses
+it is never stored.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import zlib
 import numpy as np
 import pytest
 import structlog
+from laminar.bus.errors import PeerUnavailable, Refused
 from laminar.roles.rollout.config import RolloutConfig
 from laminar.roles.rollout.runner import TrajectoryRunner
 from laminar.roles.rollout.trajectory import Active
@@ -92,7 +95,9 @@ def test_trajectories_are_generated_stored_then_released_and_the_last_ends_the_b
     a = stored["a"]
     assert (a.version, a.lineage, a.response_tokens.tolist()) == (4, 3, [10, 11, 12, 13, 14])
     assert (stored["b"].lineage, stored["b"].response_tokens.tolist()) == (2, [9, 9, 10, 11, 12])  # kept its own
-    assert [type(x) for x in r.partials.requests] == [CompletePartial, CompletePartial]
+    # both released, in one CompletePartial when stored together (the runner's group commit)
+    assert all(isinstance(x, CompletePartial) for x in r.partials.requests)
+    assert sorted(t for x in r.partials.requests for t in x.trajectory_ids) == ["a", "b"]
     assert not r.work.active and r.work.batch_done.is_set() and r.work.generated == 8
 
 
@@ -145,6 +150,9 @@ def test_an_agent_episode_is_held_from_its_start_not_from_when_its_task_first_ru
 
         async def run(self, a):
             return "stop", 0.0
+
+        async def release(self, tid, reason):
+            pass
     r.agents = Agents()
     a = Active(spec=spec("e"), version=1)
 
@@ -155,3 +163,74 @@ def test_an_agent_episode_is_held_from_its_start_not_from_when_its_task_first_ru
         await settle(r)
         return seen
     assert asyncio.run(go()) == (True, 0, 0)
+
+
+class Releases:
+    """A partial pool stub for CompletePartial: the first request waits for `go`; a request naming
+    an id in `refuse` is refused (`down`: none is answered)."""
+
+    def __init__(self, refuse=(), down=False):
+        self.requests, self.refuse, self.down, self.go = [], set(refuse), down, asyncio.Event()
+
+    async def call(self, req, timeout: float):
+        self.requests.append(list(req.trajectory_ids))
+        if len(self.requests) == 1:
+            await self.go.wait()
+        if self.down:
+            raise PeerUnavailable("partial pool: no reply")
+        if self.refuse & set(req.trajectory_ids):
+            raise Refused("refused", "forbidden")
+
+
+def finished(r: TrajectoryRunner, *ids: str) -> list[Active]:
+    out = []
+    for tid in ids:
+        a = Active(spec=spec(tid), version=1)
+        a.add_generated([5], [-0.1])
+        a.timings["generated"] = 0.0
+        r.work.add(a)
+        out.append(a)
+    return out
+
+
+def release_all(r: TrajectoryRunner, *ids: str) -> list[str]:
+    """Finish `ids` while the first release waits: the rest go together, once it is answered."""
+    warned = []
+    r.log = types.SimpleNamespace(info=lambda *a, **k: None, error=LOG.error,
+                                  warning=lambda event, **k: warned.append(k["trajectory"]))
+
+    async def go():
+        first, *rest = finished(r, *ids)
+        tasks = [asyncio.ensure_future(r._finish(first, "stop"))]
+        while not r.partials.requests:
+            await asyncio.sleep(0.001)
+        tasks += [asyncio.ensure_future(r._finish(a, "stop")) for a in rest]
+        while len(r.buffer.requests) < len(ids):
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        r.partials.go.set()
+        await asyncio.gather(*tasks)
+    asyncio.run(go())
+    return warned
+
+
+def test_trajectories_stored_while_a_release_is_in_flight_are_released_in_one_request():
+    r = runner()
+    r.partials = Releases()
+    assert release_all(r, "a", "b", "c") == []
+    assert r.partials.requests == [["a"], ["b", "c"]]
+    assert not r.work.active
+
+
+def test_a_refused_group_is_released_one_by_one_and_only_the_refused_trajectory_warns():
+    r = runner()
+    r.partials = Releases(refuse={"c"})
+    assert release_all(r, "a", "b", "c", "d") == ["c"]
+    assert r.partials.requests == [["a"], ["b", "c", "d"], ["b"], ["c"], ["d"]]
+
+
+def test_an_unanswered_group_fails_for_all_of_it_at_once():
+    r = runner()
+    r.partials = Releases(down=True)
+    assert sorted(release_all(r, "a", "b", "c")) == ["a", "b", "c"]
+    assert r.partials.requests == [["a"], ["b", "c"]]  # no one-by-one retries of a pool that does not answer
