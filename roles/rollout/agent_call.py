@@ -233,11 +233,13 @@ class CallRun:
                     if stopped or finish is not None:
                         break
         finally:
-            if steps:  # taken in whether the generation ended or failed, as step by step
-                c.add_steps(steps)
-                if steps[-1][2] is not None:
-                    c.finish = _finish(steps[-1][2])
-            await stream.aclose()  # at a stop string: aborts the request in the engine
+            try:
+                if steps:  # taken in whether the generation ended or failed, as step by step
+                    c.add_steps(steps)
+                    if steps[-1][2] is not None:
+                        c.finish = _finish(steps[-1][2])
+            finally:
+                await stream.aclose()  # at a stop string: aborts the request in the engine
         if not c.finish:
             c.finish = "length"
 
