@@ -127,7 +127,8 @@ class InprocServer(RpcServer):
 class InprocClient(RpcClient):
     def __init__(self, hub: InprocHub, address: str, identity: str | None = None):
         self.hub, self.address, self.identity = hub, address, identity
-        self._closed = asyncio.Event()
+        self._closed = False
+        self._closing: asyncio.Future | None = None  # set by close(); every call waits on this one future
 
     async def call(self, req: Any, timeout: float = 5.0) -> Any:
         deadline = time.time() + timeout
@@ -144,18 +145,21 @@ class InprocClient(RpcClient):
         return reply
 
     async def _reply(self, handling: asyncio.Task) -> Any:
-        closed = asyncio.ensure_future(self._closed.wait())
-        try:
-            await asyncio.wait([handling, closed], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closed.cancel()
+        loop = asyncio.get_running_loop()
+        if self._closing is None or self._closing.get_loop() is not loop:  # one future, not a task per call
+            self._closing = loop.create_future()
+            if self._closed:
+                self._closing.set_result(None)
+        await asyncio.wait([handling, self._closing], return_when=asyncio.FIRST_COMPLETED)
         if handling.done() and not handling.cancelled():
             return handling.result()
-        why = "client closed" if self._closed.is_set() else "server closed"
+        why = "client closed" if self._closed else "server closed"
         raise PeerUnavailable(f"{self.address}: {why}")
 
     def close(self) -> None:
-        self._closed.set()
+        self._closed = True
+        if self._closing is not None and not self._closing.done():
+            self._closing.set_result(None)
 
 
 class InprocTransport(Transport):

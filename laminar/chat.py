@@ -208,6 +208,36 @@ class ChatFormat:
         return out
 
 
+class GrowingText:
+    """The decoded text of a token sequence that only grows (an episode's recording), decoding only
+    what was appended since the last call, back to the last special token before it: the byte
+    codec's decoding starts afresh after each special token, so the text up to one never changes
+    as tokens are appended (a character split across the end is decoded again whole). Exactly
+    `fmt.decode(ids)`. Other tokenizers (whose decoding may join pieces across any boundary)
+    decode the whole sequence each time.
+
+        text = memo.decode(ids, key)   # key: what the sequence is (a new key starts over)
+    """
+
+    def __init__(self, fmt: ChatFormat):
+        self.fmt, self.key = fmt, None
+        self.n, self.text = 0, ""    # the first n ids (ending at a special token) and their text
+
+    def decode(self, ids: Sequence[int], key: Any = None) -> str:
+        if not self.fmt._byte:
+            return self.fmt.decode(ids)
+        if key != self.key or len(ids) < self.n or (self.n and ids[self.n - 1] >= ByteChatCodec.offset):
+            self.key, self.n, self.text = key, 0, ""
+        rest = ids[self.n:]
+        cut = len(rest)
+        while cut and rest[cut - 1] >= ByteChatCodec.offset:  # back to the last special token
+            cut -= 1
+        if cut:
+            self.text += self.fmt.decode(rest[:cut])
+            self.n += cut
+        return self.text + self.fmt.decode(rest[cut:])
+
+
 def content_text(content: Any, where: str = "content") -> str:
     """A message's content as text: a string, None (""), or a list of parts whose text ones are joined."""
     if content is None:

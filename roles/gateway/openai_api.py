@@ -11,6 +11,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from laminar.protocol import AgentCallReply, AgentChunk
 
 
@@ -35,8 +37,8 @@ def merge(chunks: list[AgentChunk]) -> list[Merged]:
     for c in chunks:
         m = out.setdefault(c.index, Merged())
         m.text += c.text
-        m.token_ids += [int(t) for t in c.token_ids]
-        m.logprobs += [float(x) for x in c.logprobs]
+        m.token_ids += np.asarray(c.token_ids).tolist()  # Python ints and floats, in one pass
+        m.logprobs += np.asarray(c.logprobs).tolist()
         if c.top_logprobs:
             m.asked_logprobs = True
             m.top += json.loads(c.top_logprobs)

@@ -47,7 +47,7 @@ from laminar.roles.rollout.agent_config import RolloutAgentConfig
 from laminar.roles.rollout.agent_record import calls, segment_start, turns
 from laminar.roles.rollout.trajectory import Active
 
-from laminar.chat import ChatError, ChatFormat, message_key
+from laminar.chat import ChatError, ChatFormat, GrowingText, message_key
 from laminar.datasets import load_tokenizer
 from laminar.protocol import Ack, AgentCall, AgentCallReply, AnnounceEpisodes, EndEpisode, EpisodeInfo
 from laminar.toolcalls import parse_tool_calls
@@ -63,6 +63,7 @@ class Episode:
     call: CallRun | None = None              # the running call, or the last one
     call_task: asyncio.Task | None = None
     echoes: dict[str, str] = field(default_factory=dict)  # message_key -> the text the model sampled
+    recording: GrowingText | None = None     # the decoded recording (the extension check's)
 
 
 class AgentEpisodes:
@@ -82,7 +83,8 @@ class AgentEpisodes:
 
     # -- an episode's life (the trajectory's task) -------------------------------------------------
     async def run(self, a: Active) -> tuple[str, float | None]:
-        ep = self.open[a.id] = Episode(a, ended=asyncio.get_running_loop().create_future())
+        ep = self.open[a.id] = Episode(a, ended=asyncio.get_running_loop().create_future(),
+                                       recording=GrowingText(self.fmt))
         self.held(a)
         if a.obs_spans:
             self._rebuild_echoes(ep)
@@ -162,7 +164,7 @@ class AgentEpisodes:
         text, ids = self._context(ep, p)
         # nothing recorded yet (held): this call's context becomes the prompt; otherwise it must extend
         # the recording (an episode restarted from its durable prompt starts from that prompt)
-        recorded = [] if a.hold else [int(t) for t in a.spec.prompt_tokens] + a.tokens
+        recorded = [] if a.hold else np.asarray(a.spec.prompt_tokens).tolist() + a.tokens
         obs, rewrite = self._extension(ep, text, ids, recorded, p, req)
         if isinstance(obs, CallRun):  # the last call, retried
             ep.call = obs
@@ -216,7 +218,7 @@ class AgentEpisodes:
             if ids[:len(base)] == base:
                 return ids[len(base):], False
         else:
-            done = self.fmt.decode(base)
+            done = ep.recording.decode(base, seg)  # it only grows: decoded anew from its last special token
             if text.startswith(done):
                 return self.fmt.encode(text[len(done):]), False
         if a.obs_spans:  # the context the last call saw: a retry of it

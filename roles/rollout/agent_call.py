@@ -22,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 from laminar.bus.rpc import RequestError
@@ -31,6 +34,11 @@ from laminar.roles.rollout.engine import Sampling
 from laminar.chat import ChatFormat
 from laminar.protocol import AgentCallReply, AgentChunk
 from laminar.toolcalls import HoldBack, parse_tool_calls
+
+
+def _finish(reason) -> str:
+    """The API's finish reason of an engine's (an aborted request stopped, as far as a client sees)."""
+    return "stop" if reason in ("stop", "abort") else str(reason)
 
 
 def _field(body: dict, name: str, kinds, default=None, check=lambda v: True, what: str = ""):
@@ -140,6 +148,18 @@ class Choice:
         self._text = None  # made from the tokens when read: a non-streamed call reads it once, at its end
         return False
 
+    def add_steps(self, steps: list[tuple]) -> None:
+        """Take a generation's (tokens, logprobs, finish) steps at once, where no stop string is looked
+        for: what `add` makes of them one by one (logprobs cut or padded to each step's tokens)."""
+        toks, lps = list(map(itemgetter(0), steps)), list(map(itemgetter(1), steps))
+        if self.stops or list(map(len, toks)) != list(map(len, lps)):
+            for t, lp in zip(toks, lps, strict=True):
+                self.add(t, lp)
+            return
+        self.tokens += map(int, chain.from_iterable(toks))
+        self.logprobs += map(float, chain.from_iterable(lps))
+        self._text = None
+
     @property
     def text(self) -> str:
         if self._text is None:
@@ -181,32 +201,45 @@ class CallRun:
         self.started = time.monotonic()
 
     # -- generation (the run's own task) ---------------------------------------------------------
-    async def generate(self, engine, request_id: str, seed: int | None) -> None:
-        """Every choice on the engine, concurrently; the chunks as they come (streamed calls)."""
-        if len(self.choices) == 1:  # the usual call: in this task, no task of its own
-            c = self.choices[0]
-            await self._one(engine, c, f"{request_id}.0", seed)
-            return
-        await asyncio.gather(*(self._one(engine, c, f"{request_id}.{c.index}",
-                                         None if seed is None else seed + c.index) for c in self.choices))
+    def generate(self, engine, request_id: str, seed: int | None) -> Awaitable[None]:
+        """Every choice on the engine, concurrently; the chunks as they come (streamed calls). What
+        to await: the one choice's own coroutine in the usual call (no task, and no coroutine
+        between it and the caller's, which every engine step resumes), else their gathering."""
+        if len(self.choices) == 1:
+            return self._one(engine, self.choices[0], f"{request_id}.0", seed)
+        return asyncio.gather(*(self._one(engine, c, f"{request_id}.{c.index}",
+                                          None if seed is None else seed + c.index) for c in self.choices))
 
     async def _one(self, engine, c: Choice, request_id: str, seed: int | None) -> None:
         p = self.params
         sampling = Sampling(temperature=p.temperature, top_p=p.top_p, top_logprobs=p.top_logprobs,
                             top=c.top if p.logprobs else None)
         stream = engine.generate(request_id, self.context, self.max_tokens, seed, sampling)
+        steps: list[tuple] = []  # the steps not yet taken into the choice (a whole-call choice's)
         try:
-            async for toks, lps, finish in stream:
-                before = len(c.tokens)
-                stopped = c.add(toks, lps)
-                if finish is not None and not stopped:
-                    c.finish = "stop" if finish in ("stop", "abort") else str(finish)
-                if self.stream:
-                    self._chunk(c, before, final=False)
-                if stopped or finish is not None:
-                    break
+            if not self.stream and not c.stops:  # nothing to do between steps: each is only kept
+                async for step in stream:
+                    steps.append(step)
+                    if step[2] is not None:
+                        break
+            else:
+                async for toks, lps, finish in stream:
+                    before = len(c.tokens)
+                    stopped = c.add(toks, lps)
+                    if finish is not None and not stopped:
+                        c.finish = _finish(finish)
+                    if self.stream:
+                        self._chunk(c, before, final=False)
+                    if stopped or finish is not None:
+                        break
         finally:
-            await stream.aclose()  # at a stop string: aborts the request in the engine
+            try:
+                if steps:  # taken in whether the generation ended or failed, as step by step
+                    c.add_steps(steps)
+                    if steps[-1][2] is not None:
+                        c.finish = _finish(steps[-1][2])
+            finally:
+                await stream.aclose()  # at a stop string: aborts the request in the engine
         if not c.finish:
             c.finish = "length"
 

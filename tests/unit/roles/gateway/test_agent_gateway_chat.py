@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from laminar.roles.gateway.openai_api import ChunkStream, chat_completion, completion, merge
 
-from laminar.chat import ByteChatCodec, ChatError, ChatFormat, message_key
+from laminar.chat import ByteChatCodec, ChatError, ChatFormat, GrowingText, message_key
 from laminar.protocol import AgentCallReply, AgentChunk
 from laminar.toolcalls import HoldBack, parse_tool_calls, render_tool_calls
 from tests.support import ROOT
@@ -72,6 +72,29 @@ def test_byte_chat_codec_is_lossless_with_its_special_markers():
     assert ids[0] == 1 and 2 in ids and all(i >= 3 for i in ids if i not in (1, 2))
     assert c.decode(ids) == text
     assert c.decode(ids, specials=False) == "héllo \n<|x|> <|"
+
+
+def test_a_growing_recordings_text_is_its_whole_decoding_at_every_length():
+    """GrowingText (the extension check's decoding of an episode's recording, which only grows)
+    gives exactly what decoding the whole sequence gives, however it grew: appends that cut a
+    character, that hold no special token, that end on one; a new key starts over, as does a
+    sequence that is not the one it knew."""
+    fmt, rng = ChatFormat.load(None), np.random.default_rng(11)
+    text = "<|bos|><|user|>\nhéllo wörld ✓ 𝄞<|end|>\n<|assistant|>\nsure: ü𝄞<|end|>\n" * 6
+    whole = fmt.encode(text)
+    for _ in range(20):
+        memo, n = GrowingText(fmt), 0
+        while n < len(whole):
+            n = min(len(whole), n + int(rng.integers(0, 40)))
+            assert memo.decode(whole[:n]) == fmt.decode(whole[:n])
+        noise = rng.integers(0, 259, size=300).tolist()
+        for n in (10, 50, 51, 120, 300):
+            assert memo.decode(noise[:n], key=1) == fmt.decode(noise[:n])
+    memo = GrowingText(fmt)
+    assert memo.decode(whole) == text and memo.decode(whole[:7]) == fmt.decode(whole[:7])  # shorter: anew
+    assert memo.decode(whole) == text
+    other = fmt.encode("x" * len(whole))   # no special token where the text it holds ended: anew
+    assert memo.decode(other) == "x" * len(whole)
 
 
 def test_byte_chat_codec_decodes_long_recordings_in_one_pass_as_token_by_token():

@@ -278,3 +278,22 @@ def test_a_choice_without_stop_strings_takes_a_steps_tokens_as_one_step_at_a_tim
     assert c.tokens == CODEC.encode("abc") and all(type(t) is int for t in c.tokens)
     assert c.logprobs == [-0.5, -0.25, 0.0] and all(type(x) is float for x in c.logprobs)
     assert c.text == "abc"
+
+
+def test_a_whole_calls_steps_taken_at_once_are_what_taking_them_one_by_one_makes():
+    """A non-streamed call without stop strings keeps its engine steps and takes them in at its end
+    (`add_steps`): the same tokens, logprobs (a step with fewer logprobs than tokens padded, one
+    with more cut) and text as `add` step by step."""
+    from laminar.roles.rollout.agent_call import Choice
+    even = [(CODEC.encode("a"), [-0.5], None),
+            (np.asarray(CODEC.encode("bc"), np.int64), [np.float32(-0.25), -1.0], None),
+            ([CODEC.eos_id], [-2.0], "stop")]
+    uneven = [(CODEC.encode("ab"), [-0.5], None), (CODEC.encode("c"), [-0.25, -9.0], None),
+              (CODEC.encode("d"), [], "length")]
+    for steps in (even, uneven):
+        one, whole = Choice(0, FMT, [], tools=False), Choice(0, FMT, [], tools=False)
+        for toks, lps, _ in steps:
+            one.add(toks, lps)
+        whole.add_steps(steps)
+        assert (whole.tokens, whole.logprobs, whole.text) == (one.tokens, one.logprobs, one.text)
+        assert all(type(t) is int for t in whole.tokens) and all(type(x) is float for x in whole.logprobs)
