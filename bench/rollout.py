@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import gc
 import json
 import os
@@ -190,6 +191,14 @@ def round_row(k: int, role: tuple, eng: tuple) -> dict:
             "gc_s": {"role": role[4], "engine": eng[4]}}
 
 
+def watchdog() -> None:
+    """(Re)arm the hang guard: every thread's stack dumped and an exit once BENCH_HANG_S (default
+    900) seconds pass without progress — counted from the start, then from each round's start. (It
+    was armed once for the whole run: the default 31 rounds take 10–25 minutes with the machine's
+    state, and a slow run was killed mid-way at 15, its engine's processes left running.)"""
+    faulthandler.dump_traceback_later(float(os.environ.get("BENCH_HANG_S", "900")), exit=True)
+
+
 async def ratio_rounds(r0, gate: Gate, rounds: int) -> dict:
     """One warm-up pass of the role (untimed), then `rounds` timed rounds, role and engine in
     alternating order."""
@@ -197,6 +206,7 @@ async def ratio_rounds(r0, gate: Gate, rounds: int) -> dict:
     await role_pass(r0, gate)  # warm-up: the engine, the pools' tables, the role's loop
     rows = []
     for k in range(1, rounds + 1):
+        watchdog()
         await gate.arrived.wait()
         specs = list(gate.reply.trajectories)
         await asyncio.sleep(SETTLE_S)
@@ -243,7 +253,9 @@ async def run_bench(cfg, n: int, migrate_n: int, model_dir: str, rounds: int, ra
         if not ratio_only:
             await c.start("prompt_pool", "1")
             r1 = await c.start("rollout", "1")
+            watchdog()
             res.update(await migrations(c, r0, r1, sorted({1, migrate_n})))
+            watchdog()
             res.update(await weight_load(r0.engine, model_dir))
     finally:
         gate.open = True
@@ -334,8 +346,7 @@ async def load_by_size(tmp: Path, sizes: list[tuple[int, int]]) -> list[dict]:
 
 
 def main() -> int:
-    import faulthandler
-    faulthandler.dump_traceback_later(float(os.environ.get("BENCH_HANG_S", "900")), exit=True)
+    watchdog()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds, smaller models in the weight-load phase")
     ap.add_argument("--out", default=None)
