@@ -97,7 +97,7 @@ def longest_first(specs: list[dict], cache: PaceCache) -> list[dict]:
         if sp.get("pace") is not None or entry is None:
             speedup = sp["speedup"]
         else:
-            speedup = pick_speedup(entry["cpu_per_sim_s_busy"], 1.0, lo=sp["min_speedup"], hi=sp["max_speedup"])
+            speedup = whole_core_speedup(sp, entry)
         return sp["expected_sim_s"] / speedup
     return sorted(specs, key=wall, reverse=True)
 
@@ -110,9 +110,13 @@ def expected_use(spec: dict, cache: PaceCache) -> float | None:
     if spec.get("probe") or entry is None or entry.get("source", "run") != "run" \
             or not entry.get("cpu_per_sim_s_mean"):
         return None
-    speedup = spec["speedup"] if spec.get("pace") is not None else \
-        pick_speedup(entry["cpu_per_sim_s_busy"], 1.0, lo=spec["min_speedup"], hi=spec["max_speedup"])
+    speedup = spec["speedup"] if spec.get("pace") is not None else whole_core_speedup(spec, entry)
     return entry["cpu_per_sim_s_mean"] * speedup
+
+
+def whole_core_speedup(spec: dict, entry: dict) -> float:
+    """The speed a run's cached pace picks on a whole core (within the spec's bounds)."""
+    return pick_speedup(entry["cpu_per_sim_s_busy"], 1.0, lo=spec["min_speedup"], hi=spec["max_speedup"])
 
 
 def packs(running: list[dict], spec: dict, cache: PaceCache, cores: int, mem_free_mb: float) -> bool:
