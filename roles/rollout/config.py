@@ -104,7 +104,8 @@ class RolloutConfig(EngineSettings, EngineChoice):
     idle_wait_s: float = Field(0.5, gt=0, description="wait before asking an empty prompt pool again")
     gated_wait_s: float = Field(5.0, gt=0, description="... when its gate was shut for this version (a barrier "
                                 "mode's step, flow control): a newer version or the pool's data.gate_open wakes the "
-                                "rollout at once; this bounds the wait if that event is lost")
+                                "rollout at once (a lost version event is seen by the relay's pointer moving, looked "
+                                "at every idle_wait_s); this bounds the wait if the gate_open event is lost")
     sim: SimRolloutSettings | None = Field(None, description="engine: sim: the simulated engine's model, GPUs, "
                                            "lengths and `speedup` (roles/rollout/sim_settings.py); needed then")
     refill: bool | None = Field(

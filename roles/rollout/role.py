@@ -235,7 +235,7 @@ class RolloutRole(Role):
     #
     #   AGAIN       decide again at once (e.g. nothing active and nothing taken this turn)
     #   IDLE        nothing to run: wait for a wake (new version, adopted work, gate opened), a stop, or
-    #               idle_wait_s (gated_wait_s when the pool's gate was shut for this version; work.wait_idle)
+    #               idle_wait_s (at the pool's gate shut for this version: _wait_at_gate)
     #   GENERATING  trajectories run: wait for room (refill) or for the batch to end (_await_room)
     #   EXHAUSTED   the prompt pool has no more epochs and nothing runs here: finish (exit 0)
     AGAIN, IDLE, GENERATING, EXHAUSTED = "again", "idle", "generating", "exhausted"
@@ -251,12 +251,30 @@ class RolloutRole(Role):
             if step == self.EXHAUSTED:
                 self.log.info("prompts_exhausted", batches=self.batches)
                 return
-            if step == self.IDLE:  # the gate shut for this version: only a wake (or a lost one) opens it
-                s = self.settings
-                await self.work.wait_idle(self.stopping, s.gated_wait_s if self._gated else s.idle_wait_s)
+            if step == self.IDLE and self._gated:  # shut for this version: only a wake opens it
+                await self._wait_at_gate()
+            elif step == self.IDLE:
+                await self.work.wait_idle(self.stopping, self.settings.idle_wait_s)
             elif step == self.GENERATING:
                 await self._await_room()
         await self.wait_stopped()
+
+    async def _wait_at_gate(self) -> None:
+        """The prompt pool's gate is shut for this version: wait for a wake (a newer version, the
+        pool's gate_open), a stop, or gated_wait_s (a lost gate_open). A lost `weights.version` is
+        seen by the relay's pointer moving, looked at every idle_wait_s (one stat, no ask), so it
+        costs idle_wait_s; with no pointer to look at, only the wake or gated_wait_s end the wait."""
+        s = self.settings
+        stamp = self.weights.pointer_stamp()
+        if stamp is None:
+            await self.work.wait_idle(self.stopping, s.gated_wait_s)
+            return
+        deadline = time.monotonic() + s.gated_wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            if await self.work.wait_idle(self.stopping, min(s.idle_wait_s, left)):
+                return
+            if self.weights.pointer_stamp() != stamp:
+                return
 
     async def _decide(self) -> str:
         """One turn of the batch loop (see above): returns the next step."""

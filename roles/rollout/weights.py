@@ -116,7 +116,7 @@ class WeightFollower:
         if not self.shm_dir or self.work.active:
             return
         claimed = self.newest_here  # announced before this look at the pointer (a later one may be news)
-        pointer = self._pointer_stamp()
+        pointer = self.pointer_stamp()
         if pointer is not None and pointer == self._failed_pull and time.monotonic() < self._retry_pull_at:
             return  # it failed a moment ago: wait for the next version (a new pointer) or pull_retry_s
         try:
@@ -198,9 +198,12 @@ class WeightFollower:
         self._read_at, self._read_manifest = pointer, m
         return m
 
-    def _pointer_stamp(self) -> tuple | None:
+    def pointer_stamp(self) -> tuple | None:
         """(inode, mtime) of the relay's pointer file: a relay replaces it with every version. One
-        stat of a file in the host's shared memory, on the loop (a thread hop would cost more)."""
+        stat of a file in the host's shared memory, on the loop (a thread hop would cost more).
+        None: no pointer (none written yet, or no shared-memory folder: the simulator's chain)."""
+        if not self.shm_dir:
+            return None
         try:
             st = os.stat(os.path.join(self.shm_dir, "current"))
         except OSError:
@@ -238,7 +241,7 @@ class WeightFollower:
     async def look_at_relay(self) -> None:
         """Refill's drain must not hang on one lost `weights.version` event (PUB/SUB may drop): read
         the relay's pointer when it has changed since the last look, as if its event had come."""
-        pointer = self._pointer_stamp()
+        pointer = self.pointer_stamp()
         if pointer is None or pointer == self._looked_at:
             return
         self._looked_at = pointer

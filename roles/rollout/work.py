@@ -62,13 +62,14 @@ class Work:
         if not self.active:
             self.batch_done.set()
 
-    async def wait_idle(self, stopping: asyncio.Event, timeout_s: float) -> None:
+    async def wait_idle(self, stopping: asyncio.Event, timeout_s: float) -> bool:
         """Nothing to do: wait for `wake` (a new weight version, adopted work, the prompt pool's gate
-        opened), a stop, or timeout_s."""
+        opened), a stop, or timeout_s. True when woken or stopping, False at the timeout."""
         self.wake.clear()
         waits = [asyncio.ensure_future(e.wait()) for e in (stopping, self.wake)]
         try:
-            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            return bool(done)
         finally:
             for w in waits:
                 w.cancel()
