@@ -114,6 +114,7 @@ class ChatFormat:
         self.supports_tools = "tools" in source
         self.supports_tool_calls = "tool_calls" in source
         self._byte = isinstance(tokenizer, ByteChatCodec)
+        self._direct = self._byte and template == BYTE_TEMPLATE  # written without jinja (_byte_render)
         self._jinja = None
 
     @classmethod
@@ -164,6 +165,8 @@ class ChatFormat:
         `variables` (e.g. `tool_choice`) are handed to the template as they are."""
         msgs = self.prepare(messages, tools)
         try:
+            if self._direct:
+                return _byte_render(msgs, generation_prompt)
             if self._byte:
                 return self._jinja_render(msgs, tools, generation_prompt, variables)
             kw: dict[str, Any] = {"tools": tools} if tools and self.supports_tools else {}
@@ -206,6 +209,14 @@ class ChatFormat:
             out["content"] += render_tool_calls(calls)
             del out["tool_calls"]
         return out
+
+
+def _byte_render(msgs: list[dict], generation_prompt: bool) -> str:
+    """BYTE_TEMPLATE's text, written directly: each message's turn depends on that message alone (no
+    position, no look-ahead), so a plain join writes exactly what the template writes (the tests
+    compare the two on many conversations), without jinja's ~30 us a call on an episode's sixth call."""
+    turns = "".join([f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in msgs])
+    return f"<|bos|>{turns}<|assistant|>\n" if generation_prompt else f"<|bos|>{turns}"
 
 
 class GrowingText:

@@ -149,6 +149,40 @@ def test_episode_rendering_extends_and_decodes_losslessly(chatml_dir):
         assert fmt.decode([fmt.eos_id]) in closed, fmt.name
 
 
+def test_the_byte_templates_direct_rendering_is_the_templates(tmp_path):
+    """The byte format's own template is written without jinja (`_byte_render`): on many conversations
+    (roles of every kind, special markers, braces and jinja syntax in the text, content parts, tools,
+    tool calls, with and without the assistant's turn opened) exactly what jinja writes from the same
+    template. The reference renders through jinja: the same template with a comment, from a file."""
+    from laminar.chat import BYTE_TEMPLATE
+    path = tmp_path / "byte.jinja"
+    path.write_text("{# the same template, so rendered by jinja #}" + BYTE_TEMPLATE, encoding="utf-8")
+    direct, ref = ChatFormat.load(None), ChatFormat.load(None, str(path))
+    assert direct._direct and not ref._direct
+    rng = np.random.default_rng(3)
+    words = ["hi", "<|end|>", "<|bos|>", "{{ x }}", "{% if %}", "\n", "\r\n", " ", "héllo ✓ 𝄞", "<|", "|>", "'",
+             '"', "\\", "", "{#", "</tool_call>", "\t"]
+    roles = ["user", "assistant", "system", "tool", "developer", "weird role {{ }}"]
+    for _ in range(300):
+        msgs = []
+        for _ in range(int(rng.integers(1, 14))):
+            text = "".join(rng.choice(words) for _ in range(int(rng.integers(0, 8))))
+            m = {"role": str(rng.choice(roles)), "content": text}
+            if rng.random() < 0.15:
+                m["content"] = [{"type": "text", "text": text}, {"type": "text", "text": "b"}]
+            if rng.random() < 0.1:
+                m["content"] = None
+            if m["role"] == "assistant" and rng.random() < 0.3:
+                m["tool_calls"] = [CALL]
+            if m["role"] == "tool":
+                m["tool_call_id"] = "call_1"
+            msgs.append(m)
+        tools = TOOLS if rng.random() < 0.3 else None
+        for gp in (True, False):
+            assert direct.render(msgs, tools, generation_prompt=gp) == ref.render(msgs, tools, generation_prompt=gp)
+    assert direct.render(CONVERSATION, TOOLS, tool_choice="auto") == ref.render(CONVERSATION, TOOLS, tool_choice="auto")
+
+
 def test_messages_are_checked_and_content_parts_joined():
     fmt = ChatFormat.load(None)
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
