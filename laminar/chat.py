@@ -280,6 +280,9 @@ def _canonical_args(args: Any) -> Any:
 def message_key(message: dict) -> str:
     """An assistant message's identity: its text content and its calls' names and arguments (ids,
     whitespace of the arguments' JSON and key order left out: clients rebuild those)."""
+    content = message.get("content")
+    if not message.get("tool_calls") and isinstance(content, str):  # text only (most echoes): the same key, sooner
+        return _TEXT_KEY % _json_str(content.strip())
     calls = [(fn.get("name"), _canonical_args(fn.get("arguments")))
              for c in message.get("tool_calls") or [] if isinstance(c, dict)
              for fn in [c.get("function", c)] if isinstance(fn, dict)]
@@ -287,3 +290,5 @@ def message_key(message: dict) -> str:
 
 
 _KEY = json.JSONEncoder(sort_keys=True)  # one encoder: json.dumps with an option builds one per call
+_TEXT_KEY = '{"calls": [], "content": %s}'  # _KEY's text of a message without calls, its string put in
+_json_str = json.encoder.encode_basestring_ascii  # how _KEY writes a string (ensure_ascii)

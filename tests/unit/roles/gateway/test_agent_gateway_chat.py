@@ -206,6 +206,22 @@ def test_tool_calls_parse_render_and_key():
     assert message_key(echoed) != message_key({"content": "", "tool_calls": []})
 
 
+def test_a_text_only_messages_key_is_the_same_however_its_content_is_written():
+    """A message without tool calls whose content is a string takes a shorter way to its key: the
+    same key as its content written as parts, or with an empty list of calls (the general way),
+    for any text (escapes, non-ASCII, surrounding whitespace); None and "" are one message."""
+    rng = np.random.default_rng(8)
+    alphabet = list("ab \n\t\"\\/<|>{}é✓𝄞\u2028\x00\x1f")
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(int(rng.integers(0, 30))))
+        key = message_key({"role": "assistant", "content": text})
+        assert key == message_key({"content": [{"type": "text", "text": text}]})
+        assert key == message_key({"content": text, "tool_calls": []})
+        assert json.loads(key) == {"content": text.strip(), "calls": []}
+    assert message_key({"content": None}) == message_key({"content": ""}) == message_key({"content": "  "})
+    assert message_key({"content": "a"}) != message_key({"content": "a", "tool_calls": [CALL]})
+
+
 def test_streamed_text_holds_back_tool_call_markup():
     h = HoldBack()
     out = [h.feed(x) for x in ("Sure", " <tool", "_ca", 'll>{"name"', "}</tool_call> more")]
