@@ -97,26 +97,26 @@ def test_a_growing_recordings_text_is_its_whole_decoding_at_every_length():
     assert memo.decode(other) == "x" * len(whole)
 
 
-def test_byte_chat_codec_decodes_long_recordings_in_one_pass_as_token_by_token():
-    """From ByteChatCodec.LONG ids on the decoding is one array pass (an episode's whole recording
-    is decoded at every call): the same text as the per-token loop, split characters, stray
-    continuation bytes and special tokens included, from a list or an array; an id outside the
-    vocabulary is refused either way."""
+def test_byte_chat_codec_decodes_as_token_by_token_at_every_length():
+    """Below ByteChatCodec.LONG ids the decoding takes each run between special tokens at once, from
+    LONG on it is one array pass: either way the same text as the per-token loop, split characters,
+    stray continuation bytes and special tokens included, from a list or an array; an id outside
+    the vocabulary is refused either way."""
     c, rng = ByteChatCodec(), np.random.default_rng(5)
-    text = "<|bos|><|user|>\nhéllo wörld ✓ 𝄞<|end|>\n<|assistant|>\n" * 8
+    text = "<|bos|><|user|>\nhéllo wörld ✓ 𝄞<|end|>\n<|assistant|>\n" * 20
     whole = c.encode(text)
     assert len(whole) > 2 * c.LONG
-    for n in (c.LONG - 1, c.LONG, c.LONG + 1, len(whole)):
+    for n in (0, 1, 2, 7, 64, c.LONG - 1, c.LONG, c.LONG + 1, len(whole)):
         for start in (0, 1, 5):  # cut inside multi-byte characters too
             ids = whole[start:start + n]
             short = _loop(c, ids, True)
             assert c.decode(ids) == short and c.decode(np.asarray(ids, np.int32)) == short
             assert c.decode(ids, specials=False) == _loop(c, ids, False)
-    for _ in range(50):
-        ids = rng.integers(0, 259, size=int(rng.integers(c.LONG, 400))).tolist()
+    for _ in range(100):
+        ids = rng.integers(0, 259, size=int(rng.integers(0, 2 * c.LONG + 50))).tolist()
         assert c.decode(ids) == _loop(c, ids, True) and c.decode(ids, specials=False) == _loop(c, ids, False)
     assert c.decode(whole) == text
-    for ids in ([3] * (c.LONG - 1) + [259], [3] * c.LONG + [259]):
+    for ids in ([259], [3] * (c.LONG - 1) + [259], [3] * c.LONG + [259]):
         with pytest.raises(ValueError):
             c.decode(ids)
 
