@@ -18,7 +18,9 @@ prefix cache is emptied, so neither side reuses prompts the other computed.
 - direct: the calls of the latest gateway round again (that round's own in even rounds, the one
   before in odd ones), straight to the same engine (`engine.generate`), each with the context the
   engine saw for it through the gateway (read back from the stored trajectories), the same seed
-  and as many tokens (`ignore_eos`), `--episodes` sequences of calls at once -> tokens / wall time;
+  and as many tokens (`ignore_eos`), asked for whole as the gateway's non-streamed calls ask
+  (`Sampling.whole`: vLLM gives the output at its end), `--episodes` sequences of calls at once
+  -> tokens / wall time;
 - `gateway_over_direct`: the median over the rounds of each round's gateway / direct tokens/s;
   `gateway_over_direct_spread` (max - min) / median of the rounds' ratios, `_iqr` their
   interquartile range / median, `_rounds` each one;
@@ -253,7 +255,9 @@ async def stored(cluster, ids: set[str]) -> dict:
 
 async def direct_round(engine, trajs: dict, eps: list[dict]) -> tuple[float, int]:
     """The same calls straight to the engine: each call's context read from its trajectory, and as
-    many tokens as it had (`ignore_eos`: the batch holds the same sequences, step by step)."""
+    many tokens as it had (`ignore_eos`: the batch holds the same sequences, step by step), asked
+    for whole as the agent call asked (roles/rollout/agent_call.py: a non-streamed call without stop
+    strings), so both sides make the same requests of the engine."""
     from laminar.roles.rollout.engine import Sampling
 
     async def one(ep) -> int:
@@ -264,7 +268,7 @@ async def direct_round(engine, trajs: dict, eps: list[dict]) -> tuple[float, int
             end = spans[k + 1][0] if k + 1 < len(spans) else len(toks)
             async for out, _, _ in engine.generate(f"direct-{ep['id']}-{k}-{time.time_ns()}", prompt + toks[:start],
                                                    end - start, ep["seeds"][k],
-                                                   Sampling(temperature=1.0, ignore_eos=True)):
+                                                   Sampling(temperature=1.0, ignore_eos=True, whole=True)):
                 n += len(out)
         return n
     t0 = time.perf_counter()

@@ -37,21 +37,29 @@ SIM = {"model": "7B", "tp": 1, "lengths": "7B_math", "speedup": 50, "token_id": 
 
 
 def stub_generate(step_s: float):
-    """A generation of `max_tokens` letters, one per step, each step `step_s` apart (its own seed)."""
+    """A generation of `max_tokens` letters, one per step, each step `step_s` apart (its own seed),
+    handed over a step at a time, or at the end when the request asks for its output whole
+    (`Sampling.whole`), as vLLM does."""
     async def generate(self, request_id, prompt, max_tokens, seed, sampling=None):
-        x = seed or 7
+        x, whole, toks = seed or 7, sampling is not None and sampling.whole, []
         for i in range(max_tokens):
             await asyncio.sleep(step_s)  # the engine's step
             x = (x * 1103515245 + 12345) & 0x7FFFFFFF
-            yield [3 + 97 + x % 26], [-0.5], ("length" if i == max_tokens - 1 else None)
+            toks.append(3 + 97 + x % 26)
+            if not whole or i == max_tokens - 1:
+                yield toks, [-0.5] * len(toks), ("length" if i == max_tokens - 1 else None)
+                toks = []
     return generate
 
 
 async def stub_cpu_ms(gen, episodes: int, calls: int, max_tokens: int) -> float:
     """The stub's own CPU per call, the same calls without anything around them."""
+    from laminar.roles.rollout.engine import Sampling
+    whole = Sampling(whole=True)  # as the agents' calls ask (non-streamed, no stop strings)
+
     async def one(i: int) -> None:
         for k in range(calls):
-            async for _ in gen(None, "r", [], max_tokens, 1000 * i + k):
+            async for _ in gen(None, "r", [], max_tokens, 1000 * i + k, whole):
                 pass
     c0 = time.process_time()
     await asyncio.gather(*(one(i) for i in range(episodes)))

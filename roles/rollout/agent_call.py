@@ -212,12 +212,13 @@ class CallRun:
 
     async def _one(self, engine, c: Choice, request_id: str, seed: int | None) -> None:
         p = self.params
+        whole = not self.stream and not c.stops  # nothing to do between steps: the output taken at its end
         sampling = Sampling(temperature=p.temperature, top_p=p.top_p, top_logprobs=p.top_logprobs,
-                            top=c.top if p.logprobs else None)
+                            top=c.top if p.logprobs else None, whole=whole)
         stream = engine.generate(request_id, self.context, self.max_tokens, seed, sampling)
         steps: list[tuple] = []  # the steps not yet taken into the choice (a whole-call choice's)
         try:
-            if not self.stream and not c.stops:  # nothing to do between steps: each is only kept
+            if whole:  # one step from vLLM (Sampling.whole), a step per token from others: each only kept
                 async for step in stream:
                     steps.append(step)
                     if step[2] is not None:

@@ -8,6 +8,9 @@ trajectory mid-way. Closing the stream early (`aclose`, a stop string) aborts it
 at its last output (the one with a finish reason, where agent calls and env turns stop reading)
 lets vLLM's own stream end instead: vLLM aborts whatever stream is closed before its end, and an
 abort of a finished request is one more message to the engine core and back for nothing.
+A caller that takes only the whole output (`Sampling.whole`: a non-streamed agent call without
+stop strings) gets it as one step at the end (vLLM's FINAL_ONLY): no output object, queue hand-off
+and generator step per token in this process; the tokens and logprobs are the same.
 
 vLLM is imported in `start()` only. The async engine spawns its engine-core process, so the
 process hosting it needs the `__main__` guard, which the role shell provides.
@@ -79,12 +82,15 @@ class Sampling:
     """Per-request sampling that overrides the engine's own settings (agent calls: roles/rollout/agent.py).
     `top_logprobs` > 0 asks for that many alternatives per token, appended to `top` as
     {token id: logprob} (one dict per generated token). `ignore_eos`: generate `max_tokens` tokens
-    whatever is sampled (bench/agent_gateway.py replays a call to the length it had)."""
+    whatever is sampled (bench/agent_gateway.py replays a call to the length it had). `whole`: the
+    caller only takes the whole output, so the engine may give it as one step at its end (vLLM
+    does; the simulator's engine still gives a step per token)."""
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int = 0
     top: list | None = None
     ignore_eos: bool = False
+    whole: bool = False
 
 
 @dataclass
@@ -260,7 +266,7 @@ class VllmEngine(RolloutEngine):
                             temperature=self.temperature if sm.temperature is None else sm.temperature,
                             top_p=self.top_p if sm.top_p is None else sm.top_p,
                             logprobs=sm.top_logprobs, detokenize=False, seed=seed, ignore_eos=sm.ignore_eos,
-                            output_kind=RequestOutputKind.DELTA)
+                            output_kind=RequestOutputKind.FINAL_ONLY if sm.whole else RequestOutputKind.DELTA)
         with self.adapters.use() if self.adapters is not None else _no_adapter() as lora:
             outs = self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt)), sp, request_id=request_id,
                                      lora_request=lora)

@@ -42,7 +42,8 @@ class RolloutEngineAPI(Protocol):
                  sampling: Sampling | None = None) -> AsyncIterator[tuple[list[int], list[float], str | None]]:
         """Stream (new token ids, their logprobs, finish reason or None) until the request ends;
         `sampling` overrides the engine's temperature and top_p for this request (an engine that
-        models no sampling, the simulator's, ignores it)."""
+        models no sampling, the simulator's, ignores it); with `sampling.whole` the stream may be
+        one step at the end (vLLM's is; the simulator's still steps token by token)."""
         ...
 
     async def load_relay(self, shm_dir: str, min_version: int, exact: tuple[str, int, int] | None = None) -> int:

@@ -47,7 +47,7 @@ class RecordingEngine:
         self.asked = []
 
     async def generate(self, request_id, prompt, max_tokens, seed, sampling):
-        self.asked.append((list(prompt), max_tokens, seed, sampling.ignore_eos))
+        self.asked.append((list(prompt), max_tokens, seed, sampling.ignore_eos, sampling.whole))
         yield [7] * max_tokens, [0.0] * max_tokens, "length"
 
 
@@ -63,7 +63,8 @@ def test_the_direct_side_replays_each_call_on_its_context_to_the_length_it_had()
                            obs_spans=np.array([[0, 0], [4, 6]]))
     engine = RecordingEngine()
     wall, tokens = asyncio.run(bench.direct_round(engine, {"e": traj}, [{"id": "e", "seeds": [5, 6]}]))
-    assert engine.asked == [([1, 2, 3], 4, 5, True), ([1, 2, 3, 10, 11, 12, 13, 20, 21], 3, 6, True)]
+    # asked for whole, as the gateway's non-streamed calls without stop strings ask the engine
+    assert engine.asked == [([1, 2, 3], 4, 5, True, True), ([1, 2, 3, 10, 11, 12, 13, 20, 21], 3, 6, True, True)]
     assert tokens == 7 and wall >= 0
 
 

@@ -97,26 +97,26 @@ def test_a_growing_recordings_text_is_its_whole_decoding_at_every_length():
     assert memo.decode(other) == "x" * len(whole)
 
 
-def test_byte_chat_codec_decodes_long_recordings_in_one_pass_as_token_by_token():
-    """From ByteChatCodec.LONG ids on the decoding is one array pass (an episode's whole recording
-    is decoded at every call): the same text as the per-token loop, split characters, stray
-    continuation bytes and special tokens included, from a list or an array; an id outside the
-    vocabulary is refused either way."""
+def test_byte_chat_codec_decodes_as_token_by_token_at_every_length():
+    """Below ByteChatCodec.LONG ids the decoding takes each run between special tokens at once, from
+    LONG on it is one array pass: either way the same text as the per-token loop, split characters,
+    stray continuation bytes and special tokens included, from a list or an array; an id outside
+    the vocabulary is refused either way."""
     c, rng = ByteChatCodec(), np.random.default_rng(5)
-    text = "<|bos|><|user|>\nhéllo wörld ✓ 𝄞<|end|>\n<|assistant|>\n" * 8
+    text = "<|bos|><|user|>\nhéllo wörld ✓ 𝄞<|end|>\n<|assistant|>\n" * 20
     whole = c.encode(text)
     assert len(whole) > 2 * c.LONG
-    for n in (c.LONG - 1, c.LONG, c.LONG + 1, len(whole)):
+    for n in (0, 1, 2, 7, 64, c.LONG - 1, c.LONG, c.LONG + 1, len(whole)):
         for start in (0, 1, 5):  # cut inside multi-byte characters too
             ids = whole[start:start + n]
             short = _loop(c, ids, True)
             assert c.decode(ids) == short and c.decode(np.asarray(ids, np.int32)) == short
             assert c.decode(ids, specials=False) == _loop(c, ids, False)
-    for _ in range(50):
-        ids = rng.integers(0, 259, size=int(rng.integers(c.LONG, 400))).tolist()
+    for _ in range(100):
+        ids = rng.integers(0, 259, size=int(rng.integers(0, 2 * c.LONG + 50))).tolist()
         assert c.decode(ids) == _loop(c, ids, True) and c.decode(ids, specials=False) == _loop(c, ids, False)
     assert c.decode(whole) == text
-    for ids in ([3] * (c.LONG - 1) + [259], [3] * c.LONG + [259]):
+    for ids in ([259], [3] * (c.LONG - 1) + [259], [3] * c.LONG + [259]):
         with pytest.raises(ValueError):
             c.decode(ids)
 
@@ -149,6 +149,40 @@ def test_episode_rendering_extends_and_decodes_losslessly(chatml_dir):
         assert fmt.decode([fmt.eos_id]) in closed, fmt.name
 
 
+def test_the_byte_templates_direct_rendering_is_the_templates(tmp_path):
+    """The byte format's own template is written without jinja (`_byte_render`): on many conversations
+    (roles of every kind, special markers, braces and jinja syntax in the text, content parts, tools,
+    tool calls, with and without the assistant's turn opened) exactly what jinja writes from the same
+    template. The reference renders through jinja: the same template with a comment, from a file."""
+    from laminar.chat import BYTE_TEMPLATE
+    path = tmp_path / "byte.jinja"
+    path.write_text("{# the same template, so rendered by jinja #}" + BYTE_TEMPLATE, encoding="utf-8")
+    direct, ref = ChatFormat.load(None), ChatFormat.load(None, str(path))
+    assert direct._direct and not ref._direct
+    rng = np.random.default_rng(3)
+    words = ["hi", "<|end|>", "<|bos|>", "{{ x }}", "{% if %}", "\n", "\r\n", " ", "héllo ✓ 𝄞", "<|", "|>", "'",
+             '"', "\\", "", "{#", "</tool_call>", "\t"]
+    roles = ["user", "assistant", "system", "tool", "developer", "weird role {{ }}"]
+    for _ in range(300):
+        msgs = []
+        for _ in range(int(rng.integers(1, 14))):
+            text = "".join(rng.choice(words) for _ in range(int(rng.integers(0, 8))))
+            m = {"role": str(rng.choice(roles)), "content": text}
+            if rng.random() < 0.15:
+                m["content"] = [{"type": "text", "text": text}, {"type": "text", "text": "b"}]
+            if rng.random() < 0.1:
+                m["content"] = None
+            if m["role"] == "assistant" and rng.random() < 0.3:
+                m["tool_calls"] = [CALL]
+            if m["role"] == "tool":
+                m["tool_call_id"] = "call_1"
+            msgs.append(m)
+        tools = TOOLS if rng.random() < 0.3 else None
+        for gp in (True, False):
+            assert direct.render(msgs, tools, generation_prompt=gp) == ref.render(msgs, tools, generation_prompt=gp)
+    assert direct.render(CONVERSATION, TOOLS, tool_choice="auto") == ref.render(CONVERSATION, TOOLS, tool_choice="auto")
+
+
 def test_messages_are_checked_and_content_parts_joined():
     fmt = ChatFormat.load(None)
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
@@ -170,6 +204,22 @@ def test_tool_calls_parse_render_and_key():
                                                                               "arguments": '{ "x":"6*7" }'}}]}
     assert message_key(echoed) == message_key({"content": None, "tool_calls": [{"function": calls[0]}]})
     assert message_key(echoed) != message_key({"content": "", "tool_calls": []})
+
+
+def test_a_text_only_messages_key_is_the_same_however_its_content_is_written():
+    """A message without tool calls whose content is a string takes a shorter way to its key: the
+    same key as its content written as parts, or with an empty list of calls (the general way),
+    for any text (escapes, non-ASCII, surrounding whitespace); None and "" are one message."""
+    rng = np.random.default_rng(8)
+    alphabet = list("ab \n\t\"\\/<|>{}é✓𝄞\u2028\x00\x1f")
+    for _ in range(500):
+        text = "".join(rng.choice(alphabet) for _ in range(int(rng.integers(0, 30))))
+        key = message_key({"role": "assistant", "content": text})
+        assert key == message_key({"content": [{"type": "text", "text": text}]})
+        assert key == message_key({"content": text, "tool_calls": []})
+        assert json.loads(key) == {"content": text.strip(), "calls": []}
+    assert message_key({"content": None}) == message_key({"content": ""}) == message_key({"content": "  "})
+    assert message_key({"content": "a"}) != message_key({"content": "a", "tool_calls": [CALL]})
 
 
 def test_streamed_text_holds_back_tool_call_markup():

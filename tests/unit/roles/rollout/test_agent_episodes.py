@@ -38,15 +38,18 @@ class Script:
     """Answers call k with replies[k] and EOS, three tokens a delta; records each prompt."""
 
     def __init__(self, replies: list[str]):
-        self.replies, self.prompts = replies, []
+        self.replies, self.prompts, self.sampling = replies, [], []
         self.gate: asyncio.Event | None = None  # when set: the reply waits for it after its first delta
+        self.honour_whole = False  # as vLLM: a `whole` request's output in one step at its end
 
     async def generate(self, rid, prompt, max_tokens, seed, sampling=None):
         self.prompts.append(list(prompt))
+        self.sampling.append(sampling)
         toks = (CODEC.encode(self.replies[len(self.prompts) - 1]) + [CODEC.eos_id])[:max_tokens]
-        for i in range(0, len(toks), 3):
-            part = toks[i:i + 3]
-            done = i + 3 >= len(toks)
+        step = len(toks) if self.honour_whole and sampling is not None and sampling.whole else 3
+        for i in range(0, len(toks), step):
+            part = toks[i:i + step]
+            done = i + step >= len(toks)
             yield part, [-0.25] * len(part), (("stop" if part[-1] == CODEC.eos_id else "length") if done else None)
             if i == 0 and self.gate is not None:
                 await self.gate.wait()
@@ -170,6 +173,35 @@ def test_episode_budgets_end_it():
 
         idle = Active(spec=spec("e1"), version=0)
         assert await ag.run(idle) == ("agent_failed", 0.0)  # never called: nothing to train on
+    run(main())
+
+
+def test_a_call_that_takes_only_its_whole_output_asks_the_engine_for_it_whole():
+    """A non-streamed call without stop strings asks the engine for its output whole (one step at
+    its end from vLLM: no step per token in between), and records exactly what the same call taken
+    step by step records; a streamed call, or one with stop strings, still asks for every step."""
+    async def episode(whole_engine: bool, **body):
+        engine = Script(["It is \\boxed{42}. Done.", "Sure."])
+        engine.honour_whole = whole_engine
+        ag, _ = episodes(engine)
+        a = Active(spec=spec(), version=0)
+        task = asyncio.ensure_future(ag.run(a))
+        await settle()
+        r1 = await ag.on_call(call("e0", "c1", [USER], **body))
+        conv = [USER, echo(r1), {"role": "user", "content": "more"}]
+        r2 = await ag.on_call(call("e0", "c2", conv, **body))
+        await ag.on_end(EndEpisode("e0", None))
+        await task
+        return engine, a, [c.text for r in (r1, r2) for c in r.chunks]
+
+    async def main():
+        stepped, a1, text1 = await episode(False)
+        whole, a2, text2 = await episode(True)
+        assert [s.whole for s in whole.sampling] == [True, True]
+        assert (a2.tokens, a2.logprobs, a2.obs_spans, text2) == (a1.tokens, a1.logprobs, a1.obs_spans, text1)
+        assert whole.prompts == stepped.prompts and text2 == ["It is \\boxed{42}. Done.", "Sure."]
+        stops, _, _ = await episode(True, stop=["Done"])
+        assert [s.whole for s in stops.sampling] == [False, False]
     run(main())
 
 

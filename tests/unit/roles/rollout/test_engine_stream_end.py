@@ -5,7 +5,8 @@ closed or cancelled before its end, it aborts the request):
 - a consumer that stops reading at the finished output and closes the stream (an agent call, an
   env turn) lets vLLM's stream end: no abort, which would be one more message to the engine core;
 - one that stops before the end (a stop string) still aborts the request, as does a cancelled one;
-- one that reads to the end is unchanged (no abort).
+- one that reads to the end is unchanged (no abort);
+- a request that asks for its output whole (`Sampling.whole`) is vLLM's FINAL_ONLY, others DELTA.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from laminar.roles.rollout.engine import VllmEngine  # noqa: E402
+from laminar.roles.rollout.engine import Sampling, VllmEngine  # noqa: E402
 
 
 class FakeLLM:
@@ -27,8 +28,10 @@ class FakeLLM:
         self.aborted: list[str] = []
         self.ended: list[str] = []
         self.gate: asyncio.Event | None = None  # when set: waits for it before each output
+        self.kinds: list = []                    # each request's output kind
 
     async def generate(self, prompt, sp, request_id, lora_request=None):
+        self.kinds.append(sp.output_kind)
         try:
             for i in range(self.steps):
                 if self.gate is not None:
@@ -89,3 +92,17 @@ def test_a_stream_read_to_its_end_or_cancelled_is_as_before():
         return whole
     assert asyncio.run(go()) == [10, 11, 12]
     assert llm.ended == ["r3"] and llm.aborted == ["r4"]
+
+
+def test_a_request_that_takes_its_output_whole_asks_vllm_for_the_final_output_only():
+    from vllm.sampling_params import RequestOutputKind
+    eng, llm = engine(1)
+
+    async def go():
+        for whole in (True, False):
+            async for _ in eng.generate(f"w{whole}", [1], 8, None, Sampling(whole=whole)):
+                pass
+        async for _ in eng.generate("none", [1], 8, None):
+            pass
+    asyncio.run(go())
+    assert llm.kinds == [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA, RequestOutputKind.DELTA]
