@@ -6,7 +6,11 @@
 A run starts each hot path's own bench, one after the other (never two at once), each in its own
 process tree, with the tree's interpreter (`T/.venv/bin/python`, default: this checkout's) and
 the bench scripts of `DIR` (default `T/bench`: each tree measured by its own benches). Flags a
-bench does not know (an older tree's) are left out, and the run records which were used:
+bench does not know (an older tree's) are left out, and the run records which were used. It also
+records where the interpreter imports `laminar`, `laminar.bus` and `laminar.roles` from
+(`imports_from`) and warns of those from outside the tree (`foreign_imports`): an editable install
+maps them to the checkout it was installed from, so a tree sharing another checkout's venv would
+measure that checkout's code:
 
     rollout    bench/rollout.py --quick --ratio-only            role_over_engine (spread over rounds)
     pools      bench/pools.py --quick --deltas-only             deltas_per_s (spread over windows)
@@ -130,6 +134,31 @@ def gather(res: dict, spec: tuple, rows: list[dict]) -> None:
             res["spread"][key] = max(own + across)
 
 
+PACKAGES = ("laminar", "laminar.bus", "laminar.roles")
+_WHERE = ("import json, sys, importlib.util as u; sys.path[0] = sys.argv[1]\n"
+          "def origin(m):\n"
+          "    try:\n        s = u.find_spec(m)\n    except ImportError:\n        return None\n"
+          "    return s.origin if s else None\n"
+          "print(json.dumps({m: origin(m) for m in sys.argv[2:]}))")
+
+
+def imports_from(python: str, bench_dir: Path, tree: Path) -> dict:
+    """Where the interpreter, run as the benches are (the bench folder first on the path, the tree as
+    the current folder), imports each of PACKAGES from: an editable install maps them to the
+    checkout it was installed from, whatever --tree says (None: not importable)."""
+    try:
+        out = subprocess.run([python, "-c", _WHERE, str(bench_dir), *PACKAGES], cwd=tree, capture_output=True,
+                             text=True, timeout=120, env=dict(os.environ)).stdout
+        return json.loads(out)
+    except (subprocess.TimeoutExpired, ValueError):
+        return {}
+
+
+def foreign(found: dict, tree: Path) -> dict:
+    """The packages imported from outside the tree."""
+    return {m: p for m, p in found.items() if p and not Path(p).resolve().is_relative_to(tree)}
+
+
 def run_all(a) -> dict:
     tree = Path(a.tree).resolve()
     python = a.python or str(tree / ".venv" / "bin" / "python")
@@ -138,6 +167,12 @@ def run_all(a) -> dict:
     res = {"tree": str(tree), "commit": tree_commit(tree), "benches_from": str(bench_dir), "python": python,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "goals": GOALS, "spread": {},
            "missing": {}, "benches": {}}
+    res["imports_from"] = imports_from(python, bench_dir, tree)
+    res["foreign_imports"] = foreign(res["imports_from"], tree)
+    if res["foreign_imports"]:
+        print(f"warning: {python} imports {', '.join(sorted(res['foreign_imports']))} not from the tree "
+              f"{tree} but from {sorted(set(map(str, res['foreign_imports'].values())))}: what runs is that "
+              "code (give the tree its own venv: pip install -e TREE)", flush=True)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="laminar-hot-paths-") as tmp:
         for spec in BENCHES:

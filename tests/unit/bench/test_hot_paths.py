@@ -70,3 +70,25 @@ def test_repeats_take_the_median_and_keep_every_run(tmp_path):
     runs = res["benches"]["pools"]["runs"]
     assert len(runs) == 2 and all(r["rc"] == 0 for r in runs)
     assert res["deltas_per_s"] == 120_000 and res["spread"]["deltas_per_s"] == 0.04  # the bench's own, larger
+
+
+def test_a_tree_whose_interpreter_imports_another_checkouts_code_is_named(tmp_path):
+    """An interpreter whose editable install maps laminar (and laminar.roles, laminar.bus) to another
+    checkout measures that checkout's code whatever --tree says: the run records where each
+    package came from and names the ones from outside the tree."""
+    tree = tmp_path / "tree"
+    for folder in ("laminar", "bus", "roles"):
+        (tree / folder).mkdir(parents=True)
+        (tree / folder / "__init__.py").write_text("")
+    benches = tmp_path / "bench"
+    benches.mkdir()
+    (benches / "pools.py").write_text(POOLS.replace("DELTAS", "1"))
+    out = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--tree", str(tree), "--python",
+                          sys.executable, "--benches", str(benches), "--only", "pools", "--out", str(out),
+                          "--against", str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    res = json.loads(out.read_text())
+    assert set(res["imports_from"]) == {"laminar", "laminar.bus", "laminar.roles"}
+    assert "laminar.roles" in res["foreign_imports"] and "laminar.bus" in res["foreign_imports"]
+    assert "not from the tree" in run.stdout
