@@ -8,6 +8,7 @@
 - `shape_only_model()`: a model folder with only a config.json (what the engine settings check);
 - `until()`: poll a condition of outside state until it holds, with a deadline;
 - `load_bench()`: a program of bench/ as a module, to test its arithmetic;
+- `NODE_CLI`: the command that runs `laminar-node` (its script beside this interpreter, else the module);
 - `wandb_records()`: the records of a W&B offline run file, parsed with wandb's own messages;
 - `ShmNames`: /dev/shm names that belong to one test session (`laminar-test-<session>-<tag>-<n>`),
   so that its finalizer removes exactly those, whatever other sessions on the machine are doing.
@@ -25,6 +26,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ from laminar.bus import auth
 from laminar.testing.procs import RoleProc, free_port, wait_ready  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
+_NODE_SCRIPT = Path(sys.executable).with_name("laminar-node")  # the console script users run, when installed
+NODE_CLI = [str(_NODE_SCRIPT)] if _NODE_SCRIPT.exists() else [sys.executable, "-m", "laminar.cli"]
 
 
 @dataclass

@@ -4,14 +4,12 @@ the run's model and problems before the tests, so a missing build is not what th
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-_SCRIPT = Path(sys.executable).with_name("laminar-node")
-CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "laminar.cli"]
+from tests.support import NODE_CLI as CLI
+from tests.support import ROOT
+
 BUILT = (ROOT / "models/tiny-agent/config.json").is_file()
 
 

@@ -8,18 +8,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.integration.cluster_files import echo_cluster
+from tests.support import NODE_CLI as CLI
 
 pytestmark = pytest.mark.timeout(120)
-# The installed console script when there is one (it is what users run), else the module.
-_SCRIPT = Path(sys.executable).with_name("laminar-node")
-CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "laminar.cli"]
 
 
 def status(path) -> dict:

@@ -9,22 +9,19 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
 import zmq
 from laminar.bus import auth
 
+from tests.support import NODE_CLI as CLI
 from tests.unit.laminar.test_health import get, parse
 
 pytestmark = pytest.mark.timeout(120)
-_SCRIPT = Path(sys.executable).with_name("laminar-node")
-CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "laminar.cli"]
 
 
 def with_metrics_port(c, port: int) -> None:

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,10 +17,9 @@ import yaml
 
 from laminar.testing.procs import free_port
 from tests.integration.cluster_files import echo_cluster
+from tests.support import NODE_CLI as CLI
 
 pytestmark = pytest.mark.timeout(150)
-_SCRIPT = Path(sys.executable).with_name("laminar-node")
-CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "laminar.cli"]
 
 
 def cli(*args, timeout=60) -> subprocess.CompletedProcess:

@@ -27,6 +27,12 @@ def idle_rollout(tmp_path, gated: bool):
     return role, prompts, queue
 
 
+async def stop(role, task) -> None:
+    role.stopping.set()
+    await asyncio.wait_for(task, 5)
+    await role.cancel_tasks()
+
+
 async def asked(prompts, n: int, within_s: float) -> bool:
     for _ in range(int(within_s / 0.01)):
         if len(prompts.requests) >= n:
@@ -45,9 +51,7 @@ def test_a_shut_gate_is_asked_again_when_woken_not_every_idle_wait(tmp_path):
         assert await asked(prompts, 2, 5.0)         # the pool's gate_open: asked again at once
         await asyncio.sleep(0.3)
         assert len(prompts.requests) == 2
-        role.stopping.set()
-        await asyncio.wait_for(task, 5)
-        await role.cancel_tasks()
+        await stop(role, task)
     asyncio.run(go())
 
 
@@ -56,9 +60,7 @@ def test_an_empty_pool_without_a_gate_is_asked_every_idle_wait(tmp_path):
         role, prompts, _ = idle_rollout(tmp_path, gated=False)
         task = asyncio.ensure_future(role.run())
         assert await asked(prompts, 5, 5.0)
-        role.stopping.set()
-        await asyncio.wait_for(task, 5)
-        await role.cancel_tasks()
+        await stop(role, task)
     asyncio.run(go())
 
 
@@ -74,9 +76,7 @@ def test_a_lost_version_event_at_a_shut_gate_costs_idle_wait_not_gated_wait(tmp_
         assert len(prompts.requests) == 1          # the pointer did not move: no second ask
         stamp[0] = (2, 2)                          # a new version on the relay, its event lost
         assert await asked(prompts, 2, 2.0)
-        role.stopping.set()
-        await asyncio.wait_for(task, 5)
-        await role.cancel_tasks()
+        await stop(role, task)
     asyncio.run(go())
 
 
@@ -90,7 +90,5 @@ def test_without_a_relay_pointer_the_gate_waits_for_a_wake_alone(tmp_path):
         task = asyncio.ensure_future(role.run())
         await asyncio.sleep(0.3)
         assert len(prompts.requests) == 1 and len(looks) <= 1
-        role.stopping.set()
-        await asyncio.wait_for(task, 5)
-        await role.cancel_tasks()
+        await stop(role, task)
     asyncio.run(go())
