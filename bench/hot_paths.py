@@ -148,7 +148,7 @@ def imports_from(python: str, bench_dir: Path, tree: Path) -> dict:
     checkout it was installed from, whatever --tree says (None: not importable)."""
     try:
         out = subprocess.run([python, "-c", _WHERE, str(bench_dir), *PACKAGES], cwd=tree, capture_output=True,
-                             text=True, timeout=120, env=dict(os.environ)).stdout
+                             text=True, timeout=120).stdout
         return json.loads(out)
     except (subprocess.TimeoutExpired, ValueError):
         return {}
