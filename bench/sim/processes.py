@@ -14,8 +14,12 @@ and nothing left behind however the sweep ends.
   bursts allow; the laminar modes ~0.5). So runs beyond `jobs` (up to PACK_MAX × jobs) start while
   the measured mean use of every run then running (its cached mean CPU per simulated second × its
   speed at a whole core) adds up to at most `TARGET` of the cores, each known from a whole run (not
-  a probe), and the machine has twice the newcomer's measured memory free. Bursts that meet are
-  what the lag rule is for.
+  a probe), the mean uses with the two largest bursts above them (a run's use at its busiest, its
+  cached busy rate × its speed, less its mean) fit the cores, and the machine has twice the
+  newcomer's measured memory free. Without the burst term `--quick` once packed four runs of
+  ~0.7 of a core at their busiest and half that on average: the two barrier runs' version bursts
+  met (2.1 cores) and both lagged, costing ~170 s each before their reruns. Three bursts meeting
+  at once is what the lag rule is for.
 - Lag: a run whose engines fell behind their simulated timeline (`lagged`, bench/sim/runs.py)
   measured less than the modeled hardware would do; the child ends it as soon as that is
   certain. A run that did not reach its last version by its deadline (three times its expected
@@ -51,6 +55,7 @@ from bench.sim.terminate import deferred
 ROOT = Path(__file__).resolve().parents[2]
 SLOWDOWN = 0.5  # a lagging run's next speedup, as a fraction of its last
 PACK_MAX = 2  # packing starts runs up to this many times `jobs` at once
+BURSTS_MEET = 2  # packing leaves room for this many runs' bursts at once (module docstring)
 PROBE_START = 0.7  # a probe's speed: the estimate's × the core's share × this (cautious: the estimate is a guess)
 
 
@@ -102,16 +107,17 @@ def longest_first(specs: list[dict], cache: PaceCache) -> list[dict]:
     return sorted(specs, key=wall, reverse=True)
 
 
-def expected_use(spec: dict, cache: PaceCache) -> float | None:
+def expected_use(spec: dict, cache: PaceCache, busiest: bool = False) -> float | None:
     """The mean share of a core a run is expected to use: its cached mean CPU seconds per simulated
     second (from a whole run) × its speed (decided, else the one its cached pace picks at a whole
-    core); None when unknown (no entry, or a probe's)."""
+    core); None when unknown (no entry, or a probe's). `busiest`: the share at its busiest (the
+    cached busy rate × the same speed)."""
     entry = cache.get(spec["pace_key"])
     if spec.get("probe") or entry is None or entry.get("source", "run") != "run" \
             or not entry.get("cpu_per_sim_s_mean"):
         return None
     speedup = spec["speedup"] if spec.get("pace") is not None else whole_core_speedup(spec, entry)
-    return entry["cpu_per_sim_s_mean"] * speedup
+    return entry["cpu_per_sim_s_busy" if busiest else "cpu_per_sim_s_mean"] * speedup
 
 
 def whole_core_speedup(spec: dict, entry: dict) -> float:
@@ -121,12 +127,16 @@ def whole_core_speedup(spec: dict, entry: dict) -> float:
 
 def packs(running: list[dict], spec: dict, cache: PaceCache, cores: int, mem_free_mb: float) -> bool:
     """Whether `spec` may start beside `running` beyond one run a core (module docstring): every
-    run's expected mean use known and their sum within TARGET of the cores, and twice the
+    run's expected mean use known, their sum within TARGET of the cores, that sum with the two
+    largest bursts (a run's use at its busiest less its mean) within the cores, and twice the
     newcomer's measured memory free."""
     uses = [expected_use(s, cache) for s in [*running, spec]]
+    peaks = [expected_use(s, cache, busiest=True) for s in [*running, spec]]
     rss = (cache.get(spec["pace_key"]) or {}).get("max_rss_mb")
-    return (all(u is not None for u in uses) and sum(uses) <= TARGET * cores
-            and bool(rss) and mem_free_mb >= 2 * rss)
+    if any(u is None for u in uses) or not rss or mem_free_mb < 2 * rss:
+        return False
+    bursts = sorted((max(0.0, p - u) for p, u in zip(peaks, uses, strict=True)), reverse=True)
+    return sum(uses) <= TARGET * cores and sum(uses) + sum(bursts[:BURSTS_MEET]) <= cores
 
 
 def mem_free_mb() -> float:

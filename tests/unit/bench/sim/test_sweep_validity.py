@@ -107,3 +107,23 @@ def test_one_run_more_packs_in_only_while_the_measured_mean_use_fits():
     assert not packs([sync, one_step], spec("stream", 1.0), cache, 2, mem_free_mb=8000)  # never measured
     cache.entries["laminar"] = {**cache.entries["laminar"], "max_rss_mb": None}
     assert not packs([sync, one_step], laminar, cache, 2, mem_free_mb=8000)  # its memory unknown
+
+
+def test_packing_leaves_room_for_two_runs_bursting_at_once():
+    """`--quick` once packed four runs on two cores, each ~0.7 of a core at its busiest and half
+    that on average: the mean uses fit TARGET of the cores (1.4 ≤ 1.5), but two barrier runs'
+    version bursts met the others' steady use (2.1 cores) and both lagged, rerun at half speed.
+    A run packs in only if the mean uses with the two largest bursts above them fit the cores."""
+    from bench.sim.calibrate import TARGET, PaceCache
+    from bench.sim.processes import packs
+
+    cache = PaceCache(None)
+    for key in ("sync", "one_step", "laminar", "stream"):
+        cache.entries[key] = {"cpu_per_sim_s_mean": 0.1, "cpu_per_sim_s_busy": 0.2, "source": "run",
+                              "max_rss_mb": 700}
+    sync, one_step, laminar, stream = ({"pace_key": k, "speedup": 3.5, "pace": {"source": "cache"},
+                                        "min_speedup": 1, "max_speedup": 100}
+                                       for k in ("sync", "one_step", "laminar", "stream"))
+    assert 4 * 0.35 <= TARGET * 2  # the mean uses alone would admit the fourth
+    assert packs([sync, one_step], laminar, cache, 2, mem_free_mb=8000)  # 1.05 + 2 × 0.35 ≤ 2
+    assert not packs([sync, one_step, laminar], stream, cache, 2, mem_free_mb=8000)  # 1.4 + 0.7 > 2
