@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import zmq
 import zmq.asyncio
+from laminar.bus.loopsock import LoopSocket
 
 
 class BoundedReceiver:
     """Reads one multipart message at a time, keeping at most `max_frames` parts and `max_bytes`."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, max_frames: int, max_bytes: int | None = None):
+    def __init__(self, sock: zmq.asyncio.Socket | LoopSocket, max_frames: int, max_bytes: int | None = None):
         self.sock, self.max_frames, self.max_bytes = sock, max_frames, max_bytes
-        self._sync = zmq.Socket.shadow(sock.underlying)  # the message's remaining parts: no awaiting
+        if isinstance(sock, LoopSocket):  # bus/loopsock.py: awaits only its first part
+            self._sync, self._first = sock, sock.arecv
+        else:
+            self._sync = zmq.Socket.shadow(sock.underlying)  # the message's remaining parts: no awaiting
+            self._first = sock.recv
         self.oversized = 0  # messages cut short (their caller drops them)
         self.why = ""       # why the last message was cut short ("" = it was not)
 
     async def recv(self) -> tuple[list[bytes], bool]:
         """(frames, complete): complete is False when parts beyond max_frames were discarded."""
-        return self._rest([await self.sock.recv()])
+        return self._rest([await self._first()])
 
     def _rest(self, frames: list[bytes]) -> tuple[list[bytes], bool]:
         """The message's remaining parts after its first (already in `frames`), bounded."""

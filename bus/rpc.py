@@ -37,6 +37,7 @@ from laminar.bus import auth as _auth
 from laminar.bus.codec import MAX_FRAMES, decode, encode
 from laminar.bus.errors import CodecError, DeadlineExceeded, PeerUnavailable, ProtocolMismatch, remote_error
 from laminar.bus.frames import BoundedReceiver
+from laminar.bus.loopsock import LoopSocket
 from laminar.bus.transport import Handler, RpcClient, RpcServer
 from zmq.utils.monitor import recv_monitor_message
 
@@ -191,7 +192,7 @@ class _IdentifiedReceiver(BoundedReceiver):
     """A BoundedReceiver that also notes the CURVE identity of each message (`user_id`)."""
 
     async def recv(self) -> tuple[list[bytes], bool]:
-        first = await self.sock.recv(copy=False)
+        first = await self._first(copy=False)
         try:
             self.user_id = first.get("User-Id")
         except zmq.ZMQError:  # no ZAP identity on this message
@@ -211,13 +212,13 @@ class ZmqRpcServer(RpcServer):
         self.max_request_bytes = max_request_bytes or REQUEST_MSGS * max_msg
         self.max_peer_bytes = max_peer_bytes or REQUEST_MSGS * max_msg
         self._peer_bytes: dict[bytes, int] = {}  # connection (ROUTER identity) -> bytes of its requests in flight
-        self.sock: zmq.asyncio.Socket | None = None
+        self.sock: LoopSocket | None = None
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
 
     async def start(self) -> None:
-        sock = self.ctx.socket(zmq.ROUTER)
+        sock = self.ctx.socket(zmq.ROUTER, socket_class=LoopSocket)
         _set_common(sock, *self._opts)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         _auth.make_server(sock, self.keys)
@@ -305,7 +306,7 @@ class ZmqRpcServer(RpcServer):
                       reply=type(reply).__name__, error=repr(exc))
             frames = encode(ErrorReply("internal", f"the reply could not be encoded: {exc!r}"), {"rid": rid})
         try:
-            await self.sock.send_multipart([ident, *frames])
+            await self.sock.asend([ident, *frames])
         except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or shutting down
             self.dispatcher.stats["reply_undeliverable"] += 1
             log.debug("reply_undeliverable", error=str(exc))
@@ -327,7 +328,7 @@ class ZmqRpcClient(RpcClient):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, keys, hwm: int = 10000,
                  linger_ms: int = 0, max_msg: int = 64 << 20):
         self.address = address
-        sock = ctx.socket(zmq.DEALER)
+        sock = ctx.socket(zmq.DEALER, socket_class=LoopSocket)
         _set_common(sock, hwm, linger_ms, max_msg)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests towards a peer not connected
         _auth.make_client(sock, keys)
@@ -369,7 +370,7 @@ class ZmqRpcClient(RpcClient):
         try:
             frames = encode(req, {"rid": rid, "dl": sent + timeout, "st": sent, "to": float(timeout)})
             async with asyncio.timeout(timeout):
-                await self.sock.send_multipart(frames, copy=len(frames) < 3)
+                await self.sock.asend(frames, copy=len(frames) < 3)
                 reply = await fut
         except TimeoutError:
             why = f" (last connection failure: {self.last_failure})" if self.last_failure else ""
