@@ -6,7 +6,7 @@ call's CPU on each side (docs/benchmarks.md, "The bus's request/reply path"). `L
 plain socket with one reader on its ZMQ_FD:
 
 - every operation is first tried without blocking; only when it would block does the caller park,
-  on one future per direction, until the fd's reader wakes it;
+  on a future, until the fd's reader wakes it;
 - libzmq's fd signals when ZMQ_EVENTS may have changed, and reading ZMQ_EVENTS re-arms it, so the
   reader always reads ZMQ_EVENTS, and a caller parks only after ZMQ_EVENTS itself said the socket
   is not ready: no wake-up is lost between the try and the park;
@@ -15,7 +15,8 @@ plain socket with one reader on its ZMQ_FD:
 - close() (by the owner, or by the context's destroy) removes the reader and fails any parked
   caller with ZMQError(ENOTSOCK), as zmq.asyncio does with its futures.
 
-One loop owns a socket (the one that first sends or receives on it). Any number of senders and
+One loop watches a socket at a time (the one that last had to park on it; a socket used from a
+later loop moves there, as with zmq.asyncio). Any number of senders and
 receivers may be parked (a client's concurrent calls before its peer connects); when the state
 they wait for shows, all of them are woken and try again.
 """
@@ -57,13 +58,31 @@ class LoopSocket(zmq.Socket):
     _wwait: list[asyncio.Future] | None = None  # senders parked until POLLOUT
 
     def _attach(self) -> asyncio.AbstractEventLoop:
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-            self._rwait, self._wwait = [], []
+        """The running loop, watching the fd (moved from an earlier loop the socket was used on,
+        as zmq.asyncio allows; that loop's parked callers cannot be woken from this one)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._detach(zmq.ZMQError(zmq.ENOTSOCK, "the socket moved to another event loop"))
+            self._loop, self._rwait, self._wwait = loop, [], []
             self._fd = self.get(zmq.FD)
             loop.add_reader(self._fd, self._on_fd)
         return loop
+
+    def _detach(self, why: Exception) -> None:
+        """Stop watching the fd on the loop that did, and fail whoever is parked there."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        if not loop.is_closed():
+            try:
+                loop.remove_reader(self._fd)
+            except (RuntimeError, ValueError, OSError):  # another thread's loop, or the fd gone
+                pass
+        for waiters in (self._rwait or [], self._wwait or []):
+            for fut in waiters:
+                if not fut.done() and not fut.get_loop().is_closed():
+                    fut.set_exception(why)
+            waiters.clear()
 
     def _on_fd(self) -> None:
         if self.closed:
@@ -121,16 +140,6 @@ class LoopSocket(zmq.Socket):
             _wake(self._rwait)
 
     def close(self, linger: int | None = None) -> None:
-        loop, self._loop = self._loop, None
-        if loop is not None and not self.closed:
-            if not loop.is_closed():
-                try:
-                    loop.remove_reader(self._fd)
-                except (RuntimeError, ValueError, OSError):  # another thread's loop, or the fd gone
-                    pass
-            for waiters in (self._rwait or [], self._wwait or []):
-                for fut in waiters:
-                    if not fut.done():
-                        fut.set_exception(zmq.ZMQError(zmq.ENOTSOCK))
-                waiters.clear()
+        if not self.closed:
+            self._detach(zmq.ZMQError(zmq.ENOTSOCK))
         super().close(linger=linger)

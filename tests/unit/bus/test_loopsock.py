@@ -186,3 +186,19 @@ def test_a_router_blocked_on_one_full_peer_does_not_stall_the_loop():
         assert got == [b"%d" % i for i in range(20)]
         ctx.destroy(linger=0)
     asyncio.run(go())
+
+
+def test_a_socket_moves_to_a_later_loop():
+    """Used from one `asyncio.run` and then another (as zmq.asyncio allows): the reader follows
+    the socket to the loop that uses it now."""
+    ctx = zmq.asyncio.Context()
+    a, b = _pair(ctx, "two-loops")
+
+    async def one_message(tag: bytes):
+        waiting = asyncio.create_task(a.arecv())
+        await asyncio.sleep(0.05)  # parked on this loop
+        await b.asend([tag])
+        return await asyncio.wait_for(waiting, 5)
+    assert asyncio.run(one_message(b"first")) == b"first"
+    assert asyncio.run(one_message(b"second")) == b"second"
+    ctx.destroy(linger=0)
