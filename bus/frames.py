@@ -21,10 +21,10 @@ class BoundedReceiver:
     def __init__(self, sock: zmq.asyncio.Socket | LoopSocket, max_frames: int, max_bytes: int | None = None):
         self.sock, self.max_frames, self.max_bytes = sock, max_frames, max_bytes
         if isinstance(sock, LoopSocket):  # bus/loopsock.py: awaits only its first part
-            self._sync, self._first = sock, sock.arecv
+            self._sync, self._first, self._settle = sock, sock.arecv, sock.settle
         else:
             self._sync = zmq.Socket.shadow(sock.underlying)  # the message's remaining parts: no awaiting
-            self._first = sock.recv
+            self._first, self._settle = sock.recv, None
         self.oversized = 0  # messages cut short (their caller drops them)
         self.why = ""       # why the last message was cut short ("" = it was not)
 
@@ -43,6 +43,8 @@ class BoundedReceiver:
                 frames.append(part.bytes)
             else:
                 extra += 1
+        if self._settle is not None:
+            self._settle()
         self.why = ""
         if extra:
             self.oversized += 1

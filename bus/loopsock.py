@@ -10,8 +10,10 @@ plain socket with one reader on its ZMQ_FD:
 - libzmq's fd signals when ZMQ_EVENTS may have changed, and reading ZMQ_EVENTS re-arms it, so the
   reader always reads ZMQ_EVENTS, and a caller parks only after ZMQ_EVENTS itself said the socket
   is not ready: no wake-up is lost between the try and the park;
-- a send processes the commands that would have signalled an arrival, so after a send a parked
-  receiver is woken if ZMQ_EVENTS now shows one;
+- reading ZMQ_EVENTS, and any send or receive (they process the socket's commands), re-arms the
+  fd for both directions, so whoever does either wakes the parked callers of both directions
+  that the state now lets through (`_events`): a send may take an arrival's signal, a receive a
+  connection's;
 - close() (by the owner, or by the context's destroy) removes the reader and fails any parked
   caller with ZMQError(ENOTSOCK), as zmq.asyncio does with its futures.
 
@@ -85,13 +87,26 @@ class LoopSocket(zmq.Socket):
             waiters.clear()
 
     def _on_fd(self) -> None:
-        if self.closed:
-            return
-        events = self.get(_EVENTS)  # re-arms the fd
+        if not self.closed:
+            self._events()
+
+    def _events(self) -> int:
+        """ZMQ_EVENTS, waking whoever waits for what it shows. Reading it (and any send or receive,
+        which process the socket's commands) re-arms the fd for both directions, so every reader
+        of the state must wake both: a receive that looks first takes the signal a parked sender
+        was waiting for, and the other way round."""
+        events = self.get(_EVENTS)
         if events & _POLLIN and self._rwait:
             _wake(self._rwait)
         if events & _POLLOUT and self._wwait:
             _wake(self._wwait)
+        return events
+
+    def settle(self) -> None:
+        """After reading a message's further parts: wake whoever those receives' command
+        processing may have left unsignalled."""
+        if self._rwait or self._wwait:
+            self._events()
 
     async def _park(self, flag: int) -> None:
         """Wait for the fd's reader to see `flag`; the caller has just read ZMQ_EVENTS without it.
@@ -112,11 +127,15 @@ class LoopSocket(zmq.Socket):
         """The next part (bytes, or a Frame with copy=False), waiting for one if none is queued.
         ZMQ_EVENTS is read first: cheaper than a receive that fails (an exception each time)."""
         while True:
-            if self.get(_EVENTS) & _POLLIN:
+            if self._events() & _POLLIN:
                 try:
-                    return _recv(self, _NOBLOCK, copy=copy)
+                    part = _recv(self, _NOBLOCK, copy=copy)
                 except zmq.Again:
                     pass
+                else:
+                    if self._wwait:
+                        self._events()
+                    return part
             await self._park(_POLLIN)
 
     async def asend(self, frames: Sequence[Any], copy: bool = True) -> None:
@@ -129,15 +148,15 @@ class LoopSocket(zmq.Socket):
                     _send(self, part, _NOBLOCK if i == last else _MORE_NOBLOCK, copy=copy)
                 break
             except zmq.Again:
-                if self.get(_EVENTS) & _POLLOUT:
+                if self._events() & _POLLOUT:
                     # the socket can send, yet refused this message: a ROUTER whose pipe to this
                     # one peer is full (ZMQ_EVENTS speaks for the socket, not for one peer), and
                     # no event will say when that pipe drains; or it became ready just now
                     await asyncio.sleep(PEER_FULL_RETRY_S)
                 else:
                     await self._park(_POLLOUT)
-        if self._rwait and self.get(_EVENTS) & _POLLIN:
-            _wake(self._rwait)
+        if self._rwait or self._wwait:
+            self._events()
 
     def close(self, linger: int | None = None) -> None:
         if not self.closed:

@@ -202,3 +202,34 @@ def test_a_socket_moves_to_a_later_loop():
     assert asyncio.run(one_message(b"first")) == b"first"
     assert asyncio.run(one_message(b"second")) == b"second"
     ctx.destroy(linger=0)
+
+
+def test_a_receive_that_takes_a_senders_signal_still_wakes_the_sender():
+    """Reading ZMQ_EVENTS re-arms the fd for both directions: a receiver that looks at the socket
+    after the connection came up (its signal pending, the loop not yet polling) takes the signal
+    the parked sender was waiting for, so whoever reads the state must wake both."""
+    import time
+
+    async def go():
+        ctx = zmq.asyncio.Context()
+        dealer = ctx.socket(zmq.DEALER, socket_class=LoopSocket)
+        dealer.setsockopt(zmq.IMMEDIATE, 1)
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        addr = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        probe.close()
+        dealer.connect(addr)
+        sender = asyncio.create_task(dealer.asend([b"out"]))
+        await asyncio.sleep(0.05)
+        assert not sender.done()  # parked: no peer yet
+        router = ctx.socket(zmq.ROUTER, socket_class=LoopSocket)
+        router.bind(addr)
+        time.sleep(0.3)  # the connection comes up while the loop is busy here
+        look = dealer.arecv()  # a receive looks first (the client's receive loop, say): no message,
+        look.send(None)        # so it parks, having read the state
+        look.close()
+        await asyncio.wait_for(sender, 2)
+        _ident, got = await asyncio.wait_for(router.arecv(), 2), await router.arecv()
+        assert got == b"out"
+        ctx.destroy(linger=0)
+    asyncio.run(go())
