@@ -103,8 +103,8 @@ class LoopSocket(zmq.Socket):
         return events
 
     def settle(self) -> None:
-        """After reading a message's further parts: wake whoever those receives' command
-        processing may have left unsignalled."""
+        """After a send or receive (a message's further parts included): wake whoever its command
+        processing may have left unsignalled; nothing to do while nobody is parked."""
         if self._rwait or self._wwait:
             self._events()
 
@@ -133,8 +133,7 @@ class LoopSocket(zmq.Socket):
                 except zmq.Again:
                     pass
                 else:
-                    if self._wwait:
-                        self._events()
+                    self.settle()
                     return part
             await self._park(_POLLIN)
 
@@ -155,8 +154,7 @@ class LoopSocket(zmq.Socket):
                     await asyncio.sleep(PEER_FULL_RETRY_S)
                 else:
                     await self._park(_POLLOUT)
-        if self._rwait or self._wwait:
-            self._events()
+        self.settle()
 
     def close(self, linger: int | None = None) -> None:
         if not self.closed:

@@ -4,7 +4,6 @@ reads, a close fails whoever is parked, and request/reply under many concurrent 
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 import zmq
@@ -13,6 +12,7 @@ from laminar.bus.loopsock import LoopSocket
 from laminar.bus.zmq_transport import ZmqTransport
 
 from laminar.protocol import Ping, Pong
+from laminar.testing.procs import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,10 +140,7 @@ def test_every_parked_sender_resumes():
         ctx = zmq.asyncio.Context()
         dealer = ctx.socket(zmq.DEALER, socket_class=LoopSocket)
         dealer.setsockopt(zmq.IMMEDIATE, 1)  # no peer yet: every send waits
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        addr = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-        probe.close()
+        addr = f"tcp://127.0.0.1:{free_port()}"
         dealer.connect(addr)
         sends = [asyncio.create_task(dealer.asend([b"%d" % i])) for i in range(20)]
         await asyncio.sleep(0.1)
@@ -214,10 +211,7 @@ def test_a_receive_that_takes_a_senders_signal_still_wakes_the_sender():
         ctx = zmq.asyncio.Context()
         dealer = ctx.socket(zmq.DEALER, socket_class=LoopSocket)
         dealer.setsockopt(zmq.IMMEDIATE, 1)
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        addr = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-        probe.close()
+        addr = f"tcp://127.0.0.1:{free_port()}"
         dealer.connect(addr)
         sender = asyncio.create_task(dealer.asend([b"out"]))
         await asyncio.sleep(0.05)
