@@ -15,7 +15,10 @@ Phases (each side of a pair runs in its own process; the broker runs in the pare
                    counts what arrived (PUB drops at its HWM, so received/s is the honest rate);
   pub/sub latency  events paced at a low rate, one-way latency from CLOCK_MONOTONIC stamps;
   rpc latency      sequential calls to an echo server (typed Ping/Pong vs raw DEALER/ROUTER);
-  rpc rate         calls/s with `--concurrency` calls in flight.
+  rpc rate         calls/s with `--concurrency` calls in flight;
+  ping-pong        one byte back and forth over two pipes between two processes (no ZeroMQ, no
+                   Python work to speak of): the machine's own wake-up latency at that moment, the
+                   floor under any round trip's p99 (a VM's idle core wakes through its host).
 """
 from __future__ import annotations
 
@@ -259,6 +262,34 @@ def rpc(raw: bool, keys_dir, n: int, concurrency: int) -> dict:
         p.join(5)
 
 
+# -- the machine's wake-up floor -------------------------------------------------------------------
+def _pong(r: int, w: int) -> None:
+    while os.read(r, 1):
+        os.write(w, b"x")
+
+
+def pingpong(n: int) -> dict:
+    """`n` one-byte round trips over two pipes to another process: p50 and p99 in ms."""
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    p = mp.Process(target=_pong, args=(r1, w2), daemon=True)
+    p.start()
+    lat = []
+    try:
+        for i in range(n + 200):  # the first 200: warm-up
+            t = time.perf_counter()
+            os.write(w1, b"x")
+            os.read(r2, 1)
+            if i >= 200:
+                lat.append((time.perf_counter() - t) * 1e3)
+    finally:
+        p.kill()
+        p.join(5)
+        for fd in (r1, w1, r2, w2):
+            os.close(fd)
+    return {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99)}
+
+
 def make_keys(scoped: bool) -> str:
     """A keys folder: the cluster key, and with `scoped` a client key per scope and rollout.r0."""
     import tempfile
@@ -278,7 +309,8 @@ def spread(xs: list[float]) -> float:
 
 def measure(broker, keys_dir, a, n_rate: int, n_lat: int, n_rpc: int) -> dict:
     """Every phase `a.repeats` times, typed and raw in alternating order (ABBA...)."""
-    runs: dict[str, list] = {k: [] for k in ("typed", "raw", "typed_lat", "raw_lat", "rpc_typed", "rpc_raw")}
+    runs: dict[str, list] = {k: [] for k in ("typed", "raw", "typed_lat", "raw_lat", "rpc_typed", "rpc_raw",
+                                             "pingpong")}
     for r in range(a.repeats):
         for raw in (False, True) if r % 2 == 0 else (True, False):
             runs["raw" if raw else "typed"].append(pubsub(broker, n_rate, raw, keys_dir))
@@ -286,6 +318,7 @@ def measure(broker, keys_dir, a, n_rate: int, n_lat: int, n_rpc: int) -> dict:
             runs["raw_lat" if raw else "typed_lat"].append(pubsub(broker, n_lat, raw, keys_dir, paced_hz=2000))
         for raw in (False, True) if r % 2 == 0 else (True, False):
             runs["rpc_raw" if raw else "rpc_typed"].append(rpc(raw, keys_dir, n_rpc, a.concurrency))
+        runs["pingpong"].append(pingpong(n_rpc))
     return runs
 
 
@@ -333,7 +366,9 @@ def main() -> int:
                 [["typed rpc", med(runs["rpc_typed"], "p50_ms"), med(runs["rpc_typed"], "p99_ms"),
                   med(runs["rpc_typed"], "calls_per_s")],
                  ["raw DEALER/ROUTER", med(runs["rpc_raw"], "p50_ms"), med(runs["rpc_raw"], "p99_ms"),
-                  med(runs["rpc_raw"], "calls_per_s")]])
+                  med(runs["rpc_raw"], "calls_per_s")],
+                 ["pipe ping-pong (the machine)", med(runs["pingpong"], "p50_ms"), med(runs["pingpong"], "p99_ms"),
+                  "-"]])
     ratio, p99s = statistics.median(ratios), [x["p99_ms"] for x in runs["rpc_typed"]]
     cpu = {k: med(runs[k], "total_cpu_us_per_event") for k in ("typed", "raw")}
     rpc_cpu = {k: med(runs[k], "cpu_us_per_call") for k in ("rpc_typed", "rpc_raw")}
@@ -352,6 +387,7 @@ def main() -> int:
         "rpc_p99_spread": spread(p99s), "rpc_calls_per_s": med(runs["rpc_typed"], "calls_per_s"),
         "raw_rpc_p50_ms": med(runs["rpc_raw"], "p50_ms"), "raw_rpc_p99_ms": med(runs["rpc_raw"], "p99_ms"),
         "raw_rpc_calls_per_s": med(runs["rpc_raw"], "calls_per_s"),
+        "pingpong_p50_ms": med(runs["pingpong"], "p50_ms"), "pingpong_p99_ms": med(runs["pingpong"], "p99_ms"),
         "pubsub_cpu_us_per_event": cpu["typed"], "raw_cpu_us_per_event": cpu["raw"],
         "pubsub_cpu_ratio": cpu["raw"] / cpu["typed"] if cpu["typed"] else 0.0,
         "rpc_cpu_us_per_call": rpc_cpu["rpc_typed"], "raw_rpc_cpu_us_per_call": rpc_cpu["rpc_raw"],

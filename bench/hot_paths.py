@@ -20,8 +20,9 @@ measure that checkout's code:
     bus        bench/bus.py --quick --scoped --repeats 3        pubsub_ratio_to_raw, rpc_p99_ms (spread over repeats)
 
 `--out F` gets every key above at the top level, `spread` (each key's (max - min) / median over
-the bench's own repeats, where it reports one), `goals`, and under `benches` each bench's command,
-exit status, wall time and whole JSON. A bench that writes none of its keys is run once more; if
+the bench's own repeats, where it reports one), `goals`, `context` (what the bus bench measured
+beside the RPC p99 on the same machine: raw pyzmq's p99, a pipe ping-pong's p99, the CPU a call),
+and under `benches` each bench's command, exit status, wall time and whole JSON. A bench that writes none of its keys is run once more; if
 that fails too its keys are left out, with the reason; the others still run. After the run the
 result is set beside `bench/results/hot_paths.json` when that file exists (the numbers of the
 last release), flagging a key that moved by more than its noise.
@@ -65,6 +66,9 @@ BENCHES = [
 GOALS = {"role_over_engine": (0.95, 1), "deltas_per_s": (131072, 1), "publish_stall_over_memcpy": (1.1, -1),
          "chain_over_raw_k8": (1.05, -1), "pubsub_ratio_to_raw": (0.7, 1), "rpc_p99_ms": (1.0, -1)}
 LIMIT_S = 600  # one bench's wall-clock limit
+# what a bench measured beside a key, on the same machine at the same moment, that says how much of
+# the key is the machine's: printed under the table and kept under `context` (median over runs)
+CONTEXT = {"bus": ["raw_rpc_p99_ms", "pingpong_p99_ms", "rpc_cpu_us_per_call", "raw_rpc_cpu_us_per_call"]}
 
 
 def known_flags(python: str, script: Path, env: dict) -> str:
@@ -132,6 +136,10 @@ def gather(res: dict, spec: tuple, rows: list[dict]) -> None:
         across = [(max(values) - min(values)) / abs(res[key])] if len(values) > 1 and res[key] else []
         if own or across:
             res["spread"][key] = max(own + across)
+    for key in CONTEXT.get(name, []):
+        values = [r["json"][key] for r in rows if key in r.get("json", {})]
+        if values:
+            res["context"][key] = statistics.median(values)
 
 
 PACKAGES = ("laminar", "laminar.bus", "laminar.roles")
@@ -166,7 +174,7 @@ def run_all(a) -> dict:
     only = set(a.only.split(",")) if a.only else None
     res = {"tree": str(tree), "commit": tree_commit(tree), "benches_from": str(bench_dir), "python": python,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "goals": GOALS, "spread": {},
-           "missing": {}, "benches": {}}
+           "missing": {}, "context": {}, "benches": {}}
     res["imports_from"] = imports_from(python, bench_dir, tree)
     res["foreign_imports"] = foreign(res["imports_from"], tree)
     if res["foreign_imports"]:
@@ -252,6 +260,9 @@ def main() -> int:
                  for k, (g, w) in GOALS.items()])
     for key, why in res["missing"].items():
         print(f"missing {key}: {why}")
+    if res["context"]:
+        print("measured beside them (the machine's share): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in res["context"].items()))
     write_json(a.out, res)
     if Path(a.against).exists():
         print_table(f"against {a.against}", HEAD, compare_rows(json.loads(Path(a.against).read_text()), res))

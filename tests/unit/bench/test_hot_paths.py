@@ -92,3 +92,27 @@ def test_a_tree_whose_interpreter_imports_another_checkouts_code_is_named(tmp_pa
     assert set(res["imports_from"]) == {"laminar", "laminar.bus", "laminar.roles"}
     assert "laminar.roles" in res["foreign_imports"] and "laminar.bus" in res["foreign_imports"]
     assert "not from the tree" in run.stdout
+
+
+BUS = '''import argparse, json
+ap = argparse.ArgumentParser()
+ap.add_argument("--quick", action="store_true")
+ap.add_argument("--out")
+a = ap.parse_args()
+json.dump({"pubsub_ratio_to_raw": 0.9, "rpc_p99_ms": 2.0, "raw_rpc_p99_ms": P99, "pingpong_p99_ms": 0.05},
+          open(a.out, "w"))
+'''
+
+
+def test_what_the_bus_bench_measured_beside_the_p99_is_kept_as_context(tmp_path):
+    benches = tmp_path / "bench"
+    benches.mkdir()
+    (benches / "bus.py").write_text(BUS.replace("P99", "1.5"))
+    out = tmp_path / "bus.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--tree", str(ROOT), "--python",
+                        sys.executable, "--benches", str(benches), "--only", "bus", "--out", str(out),
+                        "--against", str(tmp_path / "none.json")], check=True, capture_output=True, text=True,
+                       timeout=120)
+    res = json.loads(out.read_text())
+    assert res["rpc_p99_ms"] == 2.0 and res["context"] == {"raw_rpc_p99_ms": 1.5, "pingpong_p99_ms": 0.05}
+    assert "raw_rpc_p99_ms 1.500" in r.stdout
