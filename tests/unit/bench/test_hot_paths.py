@@ -27,16 +27,23 @@ sys.exit(3)
 '''
 
 
+def hot_paths(tmp_path, tree, benches, only: str, name: str, *more: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """Run bench/hot_paths.py for real on `only` of the stand-in `benches`: its JSON and the run."""
+    out = tmp_path / f"{name}.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--tree", str(tree), "--python",
+                          sys.executable, "--benches", str(benches), "--only", only, "--out", str(out),
+                          "--against", str(tmp_path / "none.json"), *more], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(out.read_text()), run
+
+
 def run_hot_paths(tmp_path, deltas: int, name: str, *more: str) -> dict:
     benches = tmp_path / f"bench-{name}"
     benches.mkdir()
     (benches / "pools.py").write_text(POOLS.replace("DELTAS", str(deltas)))
     (benches / "rollout.py").write_text(ROLLOUT)
-    out = tmp_path / f"{name}.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--tree", str(ROOT), "--python",
-                    sys.executable, "--benches", str(benches), "--only", "pools,rollout", "--out", str(out),
-                    "--against", str(tmp_path / "none.json"), *more], check=True, capture_output=True, timeout=120)
-    return json.loads(out.read_text())
+    return hot_paths(tmp_path, ROOT, benches, "pools,rollout", name, *more)[0]
 
 
 def test_keys_spreads_flags_and_failures_are_recorded(tmp_path):
@@ -83,12 +90,7 @@ def test_a_tree_whose_interpreter_imports_another_checkouts_code_is_named(tmp_pa
     benches = tmp_path / "bench"
     benches.mkdir()
     (benches / "pools.py").write_text(POOLS.replace("DELTAS", "1"))
-    out = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--tree", str(tree), "--python",
-                          sys.executable, "--benches", str(benches), "--only", "pools", "--out", str(out),
-                          "--against", str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    res = json.loads(out.read_text())
+    res, run = hot_paths(tmp_path, tree, benches, "pools", "r")
     assert set(res["imports_from"]) == {"laminar", "laminar.bus", "laminar.roles"}
     assert "laminar.roles" in res["foreign_imports"] and "laminar.bus" in res["foreign_imports"]
     assert "not from the tree" in run.stdout
@@ -108,11 +110,6 @@ def test_what_the_bus_bench_measured_beside_the_p99_is_kept_as_context(tmp_path)
     benches = tmp_path / "bench"
     benches.mkdir()
     (benches / "bus.py").write_text(BUS.replace("P99", "1.5"))
-    out = tmp_path / "bus.json"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--tree", str(ROOT), "--python",
-                        sys.executable, "--benches", str(benches), "--only", "bus", "--out", str(out),
-                        "--against", str(tmp_path / "none.json")], check=True, capture_output=True, text=True,
-                       timeout=120)
-    res = json.loads(out.read_text())
+    res, r = hot_paths(tmp_path, ROOT, benches, "bus", "bus")
     assert res["rpc_p99_ms"] == 2.0 and res["context"] == {"raw_rpc_p99_ms": 1.5, "pingpong_p99_ms": 0.05}
     assert "raw_rpc_p99_ms 1.500" in r.stdout
