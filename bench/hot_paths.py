@@ -22,10 +22,11 @@ measure that checkout's code:
 `--out F` gets every key above at the top level, `spread` (each key's (max - min) / median over
 the bench's own repeats, where it reports one), `goals`, `context` (what the bus bench measured
 beside the RPC p99 on the same machine: raw pyzmq's p99, a pipe ping-pong's p99, the CPU a call),
-and under `benches` each bench's command, exit status, wall time and whole JSON. A bench that writes none of its keys is run once more; if
-that fails too its keys are left out, with the reason; the others still run. After the run the
-result is set beside `bench/results/hot_paths.json` when that file exists (the numbers of the
-last release), flagging a key that moved by more than its noise.
+and under `benches` each bench's command, exit status, wall time and whole JSON. A bench that
+writes none of its keys is run once more; if that fails too its keys are left out, with the
+reason; the others still run. After the run the result is set beside
+`bench/results/hot_paths.json` when that file exists (the numbers of the last release), flagging
+a key that moved by more than its noise.
 
 `--compare` prints (and with `--md` writes) before, after, after/before and whether the move is
 beyond the spread of either run, for every key. `--wrap` puts a prefix before each bench's command,
