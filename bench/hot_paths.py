@@ -20,8 +20,9 @@ measure that checkout's code:
     bus        bench/bus.py --quick --scoped --repeats 3        pubsub_ratio_to_raw, rpc_p99_ms (spread over repeats)
 
 `--out F` gets every key above at the top level, `spread` (each key's (max - min) / median over
-the bench's own repeats, where it reports one), `goals`, `context` (what the bus bench measured
-beside the RPC p99 on the same machine: raw pyzmq's p99, a pipe ping-pong's p99, the CPU a call),
+the bench's own repeats, where it reports one), `goals`, `context` (what the benches measured
+beside their keys on the same machine: raw pyzmq's p99, a pipe ping-pong's p99 and the CPU a call
+beside the RPC p99; a relay's CPU seconds a version beside the chain's ratio),
 and under `benches` each bench's command, exit status, wall time and whole JSON. A bench that
 writes none of its keys is run once more; if that fails too its keys are left out, with the
 reason; the others still run. After the run the result is set beside
@@ -69,7 +70,8 @@ GOALS = {"role_over_engine": (0.95, 1), "deltas_per_s": (131072, 1), "publish_st
 LIMIT_S = 600  # one bench's wall-clock limit
 # what a bench measured beside a key, on the same machine at the same moment, that says how much of
 # the key is the machine's: printed under the table and kept under `context` (median over runs)
-CONTEXT = {"bus": ["raw_rpc_p99_ms", "pingpong_p99_ms", "rpc_cpu_us_per_call", "raw_rpc_cpu_us_per_call"]}
+CONTEXT = {"bus": ["raw_rpc_p99_ms", "pingpong_p99_ms", "rpc_cpu_us_per_call", "raw_rpc_cpu_us_per_call"],
+           "broadcast": ["relay_cpu_s_k8"]}  # a relay's CPU-s a version: 0.10-0.12 fast state, 0.25 slow
 
 
 def known_flags(python: str, script: Path, env: dict) -> str:
