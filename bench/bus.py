@@ -18,7 +18,7 @@ Phases (each side of a pair runs in its own process; the broker runs in the pare
   rpc rate         calls/s with `--concurrency` calls in flight;
   ping-pong        one byte back and forth over two pipes between two processes (no ZeroMQ, no
                    Python work to speak of): the machine's own wake-up latency at that moment, the
-                   floor under any round trip's p99 (a VM's idle core wakes through its host).
+                   floor under any round trip's p99.
 """
 from __future__ import annotations
 
@@ -154,7 +154,9 @@ def pubsub(broker, n: int, raw: bool, keys_dir, paced_hz: float = 0) -> dict:
 
 
 # -- request/reply ----------------------------------------------------------------------------
-def _rpc_server(addr: str, raw: bool, keys_dir, ready) -> None:
+def _rpc_server(addr: str, raw: bool, keys_dir, ready, cores: set[int] | None = None) -> None:
+    if cores is not None:
+        os.sched_setaffinity(0, cores)  # before the context is made: its I/O thread inherits it
     import zmq
     from laminar.bus import auth
     keys = _keys(keys_dir, "node")
@@ -244,20 +246,26 @@ async def _rpc_client(addr: str, raw: bool, keys_dir, n: int, concurrency: int) 
     return {**seq, "calls_per_s": rate}
 
 
-def rpc(raw: bool, keys_dir, n: int, concurrency: int) -> dict:
+def rpc(raw: bool, keys_dir, n: int, concurrency: int, cores: tuple = (None, None)) -> dict:
+    """The RPC phases against an echo server in another process; `cores` = (client's, server's)
+    CPU sets, None: where the scheduler likes (bench/bus_placement.py places them)."""
     addr = f"tcp://127.0.0.1:{free_port()}"
     ready = mp.Event()
-    p = mp.Process(target=_rpc_server, args=(addr, raw, keys_dir, ready), daemon=True)
+    p = mp.Process(target=_rpc_server, args=(addr, raw, keys_dir, ready, cores[1]), daemon=True)
     p.start()
-    ready.wait(10)
+    everything = os.sched_getaffinity(0)
     try:
+        if not ready.wait(30):
+            raise RuntimeError("the echo server did not start within 30 s")
         import uvloop
+        os.sched_setaffinity(0, cores[0] or everything)  # the client's context is made after this
         s0, c0 = cpu_s(p.pid), time.process_time()
         out = uvloop.run(_rpc_client(addr, raw, keys_dir, n, concurrency))
         # client + server CPU (their ZeroMQ threads too) per call, over every phase of the run
         out["cpu_us_per_call"] = 1e6 * (cpu_s(p.pid) - s0 + time.process_time() - c0) / (2 * n + 200)
         return out
     finally:
+        os.sched_setaffinity(0, everything)
         p.kill()
         p.join(5)
 

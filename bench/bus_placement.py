@@ -13,43 +13,22 @@ Needs two cores or more (it places on cores 0 and 1).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import free_port, print_table, write_json  # noqa: E402
+from _common import print_table, write_json  # noqa: E402
 
 import bus  # noqa: E402
 
 PLACEMENTS = {"free": (None, None), "split": ({0}, {1}), "one": ({0}, {0})}  # client cores, server cores
 
 
-def _server(addr: str, keys_dir: str, ready, raw: bool, cores) -> None:
-    if cores is not None:
-        os.sched_setaffinity(0, cores)  # before the server makes its context: its I/O thread inherits it
-    bus._rpc_server(addr, raw, keys_dir, ready)
-
-
 def one_run(keys_dir: str, raw: bool, placement: str, calls: int) -> dict:
-    """Sequential calls with the two sides placed as named: p50 and p99 in ms."""
-    import uvloop
-    client_cores, server_cores = PLACEMENTS[placement]
-    everything = os.sched_getaffinity(0)
-    addr, ready = f"tcp://127.0.0.1:{free_port()}", mp.Event()
-    p = mp.Process(target=_server, args=(addr, keys_dir, ready, raw, server_cores), daemon=True)
-    p.start()
-    try:
-        if not ready.wait(30):
-            raise RuntimeError("the echo server did not start within 30 s")
-        os.sched_setaffinity(0, client_cores or everything)  # the client's context is made after this
-        out = uvloop.run(bus._rpc_client(addr, raw, keys_dir, calls, 16))
-    finally:
-        os.sched_setaffinity(0, everything)
-        p.kill()
-        p.join(5)
+    """bench/bus.py's RPC phases with the two sides placed as named: p50 and p99 in ms."""
+    out = bus.rpc(raw, keys_dir, calls, 16, cores=PLACEMENTS[placement])
     return {"p50_ms": out["p50_ms"], "p99_ms": out["p99_ms"]}
 
 
@@ -59,7 +38,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="times every placement runs (default 2)")
     ap.add_argument("--out", help="write JSON here")
     a = ap.parse_args()
-    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+    if not {0, 1} <= os.sched_getaffinity(0):
         print("needs cores 0 and 1", file=sys.stderr)
         return 2
     keys_dir = bus.make_keys(True)
